@@ -1,0 +1,37 @@
+//! The error type shared by kiln's crates.
+
+/// Everything that can go wrong between opening a model and producing a token. Each variant
+/// carries a message a user can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The model file is malformed, truncated or hostile.
+    #[error("invalid model file: {0}")]
+    Format(String),
+    /// A tensor or row shape that does not fit its type or role.
+    #[error("invalid shape: {0}")]
+    InvalidShape(String),
+    /// The model is well-formed but uses something kiln (or this backend) cannot run.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// No backend can run the model, or the named one is unknown or refused it.
+    #[error("no backend: {0}")]
+    NoBackend(String),
+    /// The backend failed at run time (device error, lost context ...).
+    #[error("backend {backend}: {message}")]
+    Backend { backend: String, message: String },
+    /// Device or host memory ran out; nothing was lost, a smaller request may succeed.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    /// A plugin library could not be loaded or misbehaved.
+    #[error("plugin {path}: {message}")]
+    Plugin { path: String, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The caller passed something out of range (unknown sequence, context full ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

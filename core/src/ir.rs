@@ -1,0 +1,370 @@
+//! The model IR: what a model *is*, independent of the file it came from.
+//!
+//! A file reader (kiln-formats) fills a [`ModelIr`]: a [`ModelConfig`] with every
+//! hyper-parameter a decoder needs, and [`ModelWeights`] whose tensors are [`TensorView`]s
+//! into the memory-mapped file. Roles are typed fields, so a backend never looks a weight up
+//! by name after load.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::qtype::QType;
+
+/// Bytes that outlive every view of them: a memory-mapped file, or an owned buffer.
+pub trait Storage: Deref<Target = [u8]> + Send + Sync + 'static {}
+impl<T: Deref<Target = [u8]> + Send + Sync + 'static> Storage for T {}
+
+/// One tensor: type, shape and a zero-copy window into its storage.
+///
+/// `dims[0]` is the contiguous row length (ggml order); a 2-D weight of `dims = [k, n]`
+/// has `n` rows of `k` values, and multiplies an input of length `k`.
+#[derive(Clone)]
+pub struct TensorView {
+    name: Arc<str>,
+    qtype: QType,
+    dims: Vec<usize>,
+    storage: Arc<dyn Storage>,
+    offset: usize,
+    len: usize,
+}
+
+impl TensorView {
+    /// A view of `storage[offset..offset + len]`; checks that the byte length matches
+    /// the type and dims.
+    pub fn new(
+        name: impl Into<Arc<str>>,
+        qtype: QType,
+        dims: Vec<usize>,
+        storage: Arc<dyn Storage>,
+        offset: usize,
+    ) -> Result<Self> {
+        let name = name.into();
+        let len = qtype
+            .tensor_bytes(&dims)
+            .map_err(|e| Error::Format(format!("tensor {name}: {e}")))?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= storage.len())
+            .ok_or_else(|| {
+                Error::Format(format!(
+                    "tensor {name}: bytes {offset}..{offset}+{len} lie past the end of the data ({} bytes)",
+                    storage.len()
+                ))
+            })?;
+        debug_assert!(end <= storage.len());
+        Ok(TensorView { name, qtype, dims, storage, offset, len })
+    }
+
+    /// A tensor holding its own copy of `bytes` (tests, synthesised weights).
+    pub fn from_bytes(name: &str, qtype: QType, dims: Vec<usize>, bytes: Vec<u8>) -> Result<Self> {
+        TensorView::new(name, qtype, dims, Arc::new(bytes), 0)
+    }
+
+    /// An f32 tensor holding `values`.
+    pub fn from_f32(name: &str, dims: Vec<usize>, values: &[f32]) -> Result<Self> {
+        TensorView::from_bytes(name, QType::F32, dims, bytemuck::cast_slice(values).to_vec())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn qtype(&self) -> QType {
+        self.qtype
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+    pub fn bytes(&self) -> &[u8] {
+        &self.storage[self.offset..self.offset + self.len]
+    }
+    /// Values per row (`dims[0]`).
+    pub fn row_len(&self) -> usize {
+        self.dims.first().copied().unwrap_or(1)
+    }
+    /// Number of rows (product of `dims[1..]`).
+    pub fn rows(&self) -> usize {
+        self.dims.iter().skip(1).product()
+    }
+    pub fn elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.qtype.row_bytes(self.row_len()).expect("checked in TensorView::new")
+    }
+    /// The bytes of row `i`.
+    pub fn row(&self, i: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes()[i * rb..(i + 1) * rb]
+    }
+
+    /// Rows `start..start + count` as their own view (zero-copy). Used to split a fused
+    /// QKV tensor into its Q, K and V parts.
+    pub fn slice_rows(&self, name: &str, start: usize, count: usize) -> Result<TensorView> {
+        if self.dims.len() != 2 || start + count > self.rows() {
+            return Err(Error::InvalidShape(format!(
+                "cannot take rows {start}..{} of {} with dims {:?}",
+                start + count,
+                self.name,
+                self.dims
+            )));
+        }
+        let rb = self.row_bytes();
+        TensorView::new(
+            name,
+            self.qtype,
+            vec![self.row_len(), count],
+            self.storage.clone(),
+            self.offset + start * rb,
+        )
+    }
+
+    /// Dequantised copy of the whole tensor (small tensors: norms, biases).
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; self.elements()];
+        crate::quant::dequantize(self.qtype, self.bytes(), &mut out)?;
+        Ok(out)
+    }
+}
+
+impl std::fmt::Debug for TensorView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorView({} {} {:?})", self.name, self.qtype, self.dims)
+    }
+}
+
+/// Model family. Decides defaults that the file does not spell out (rope layout ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1/2/3, SmolLM, and other llama-shaped models.
+    Llama,
+    Mistral,
+    /// Qwen2 / Qwen2.5: llama shape with Q/K/V biases and NEOX rope.
+    Qwen2,
+    /// Qwen3: explicit head_dim and per-head RMSNorm on Q and K.
+    Qwen3,
+}
+
+impl Architecture {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    Rms,
+    Layer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    Gelu,
+}
+
+/// How rotary embeddings pair up dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeKind {
+    /// Adjacent pairs (x[2i], x[2i+1]) — ggml's "normal" mode, llama GGUFs.
+    Norm,
+    /// Split halves (x[i], x[i + d/2]) — GPT-NeoX / HF layout, Qwen.
+    Neox,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub kind: RopeKind,
+    pub theta: f32,
+    pub scaling: RopeScaling,
+    /// Leading dimensions of each head that rotate (== head_dim unless partial rotary).
+    pub rotary_dims: usize,
+}
+
+impl RopeConfig {
+    /// Inverse frequency of rotary pair `i` (0 ≤ i < rotary_dims/2), with per-pair
+    /// `freq_factors` (llama-3 rope scaling stores them as `rope_freqs`) applied.
+    pub fn inv_freq(&self, i: usize, freq_factors: Option<&[f32]>) -> f32 {
+        let base = self.theta.powf(-2.0 * i as f32 / self.rotary_dims as f32);
+        let factor = freq_factors.and_then(|f| f.get(i).copied()).unwrap_or(1.0);
+        let scale = match self.scaling {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } => 1.0 / factor,
+        };
+        base * scale / factor
+    }
+}
+
+/// Every hyper-parameter a decoder needs. Nothing here is derived at run time from names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    /// Per-head dimension; explicit because Qwen3 and Gemma have heads*head_dim != hidden.
+    pub head_dim: usize,
+    pub ffn_size: usize,
+    pub norm: NormKind,
+    pub norm_eps: f32,
+    pub activation: Activation,
+    /// gate/up/down (SwiGLU) when true, up/down when false.
+    pub gated_ffn: bool,
+    /// Attention and FFN read the same normed input and add into one residual (phi-2).
+    pub parallel_residual: bool,
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on Q and K before rope (Qwen3).
+    pub qk_norm: bool,
+    pub rope: RopeConfig,
+    /// The LM head reuses the token embedding.
+    pub tied_embeddings: bool,
+    /// Longest context the model was trained for.
+    pub context_length: usize,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+    /// Query heads sharing one KV head.
+    pub fn gqa_ratio(&self) -> usize {
+        self.num_heads / self.num_kv_heads.max(1)
+    }
+
+    /// Checks the internal consistency a decoder relies on.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Format(m));
+        if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return bad(format!("empty model: {} layers, hidden {}, vocab {}", self.num_layers, self.hidden_size, self.vocab_size));
+        }
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!("{} heads cannot share {} KV heads", self.num_heads, self.num_kv_heads));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be even and non-zero", self.head_dim));
+        }
+        if self.rope.rotary_dims > self.head_dim || self.rope.rotary_dims % 2 != 0 {
+            return bad(format!("rotary dims {} do not fit head_dim {}", self.rope.rotary_dims, self.head_dim));
+        }
+        Ok(())
+    }
+}
+
+/// One transformer block's weights. Q/K/V are always separate views (a fused QKV tensor is
+/// split into row ranges at load, without copying).
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub attn_norm: TensorView,
+    pub attn_norm_bias: Option<TensorView>,
+    pub attn_q: TensorView,
+    pub attn_k: TensorView,
+    pub attn_v: TensorView,
+    pub attn_q_bias: Option<TensorView>,
+    pub attn_k_bias: Option<TensorView>,
+    pub attn_v_bias: Option<TensorView>,
+    /// Per-head RMSNorm weights (length head_dim), Qwen3.
+    pub attn_q_norm: Option<TensorView>,
+    pub attn_k_norm: Option<TensorView>,
+    pub attn_out: TensorView,
+    pub attn_out_bias: Option<TensorView>,
+    /// Absent with a parallel residual, where the FFN reads the attention norm's output.
+    pub ffn_norm: Option<TensorView>,
+    pub ffn_norm_bias: Option<TensorView>,
+    /// Absent when the FFN is not gated.
+    pub ffn_gate: Option<TensorView>,
+    pub ffn_up: TensorView,
+    pub ffn_down: TensorView,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    pub token_embd: TensorView,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: TensorView,
+    pub output_norm_bias: Option<TensorView>,
+    /// LM head; `None` when tied to `token_embd`.
+    pub output: Option<TensorView>,
+    /// Per-pair rope frequency factors (llama-3 style scaling).
+    pub rope_freqs: Option<TensorView>,
+}
+
+impl ModelWeights {
+    /// The LM head: `output`, or the token embedding when tied.
+    pub fn lm_head(&self) -> &TensorView {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    /// Every weight tensor, each once.
+    pub fn tensors(&self) -> Vec<&TensorView> {
+        let mut all = vec![&self.token_embd, &self.output_norm];
+        all.extend(self.output_norm_bias.iter());
+        all.extend(self.output.iter());
+        all.extend(self.rope_freqs.iter());
+        for l in &self.layers {
+            all.extend([&l.attn_norm, &l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_up, &l.ffn_down]);
+            for t in [
+                &l.attn_norm_bias,
+                &l.attn_q_bias,
+                &l.attn_k_bias,
+                &l.attn_v_bias,
+                &l.attn_q_norm,
+                &l.attn_k_norm,
+                &l.attn_out_bias,
+                &l.ffn_norm,
+                &l.ffn_norm_bias,
+                &l.ffn_gate,
+            ] {
+                all.extend(t.iter());
+            }
+        }
+        all
+    }
+}
+
+/// A model ready to hand to a backend.
+#[derive(Debug, Clone)]
+pub struct ModelIr {
+    pub config: ModelConfig,
+    pub weights: ModelWeights,
+    /// Human-readable origin ("GGUF file /path/x.gguf") for messages.
+    pub source: String,
+}
+
+impl ModelIr {
+    /// Distinct weight qtypes of the matrices (what decides which backend fits).
+    pub fn matrix_qtypes(&self) -> Vec<QType> {
+        let mut q: Vec<QType> = self
+            .weights
+            .tensors()
+            .into_iter()
+            .filter(|t| t.dims().len() >= 2)
+            .map(|t| t.qtype())
+            .collect();
+        q.sort();
+        q.dedup();
+        q
+    }
+
+    /// Total parameter count.
+    pub fn parameters(&self) -> usize {
+        self.weights.tensors().iter().map(|t| t.elements()).sum()
+    }
+}

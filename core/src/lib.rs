@@ -1,0 +1,30 @@
+//! # kiln-core
+//!
+//! The vocabulary every other kiln crate speaks: tensor types and their block layouts with
+//! reference (de)quantisation ([`qtype`], [`quant`]), the model IR ([`ir`]), the
+//! [`Backend`] / [`LayerExecutor`] traits ([`backend`]), the backend [`Registry`]
+//! ([`registry`]), token sampling ([`sampling`]) and the shared [`Error`].
+//!
+//! It must not know any file format (that is `kiln-formats`) nor any device API (that is
+//! each backend's business): a model reaches a backend only as a [`ModelIr`].
+
+pub mod backend;
+pub mod error;
+pub mod ir;
+pub mod quant;
+pub mod qtype;
+pub mod registry;
+pub mod sampling;
+
+pub use backend::{check_decode_batch, Backend, DecodeItem, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support};
+pub use error::{Error, Result};
+pub use ir::{
+    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig, RopeKind,
+    RopeScaling, Storage, TensorView,
+};
+pub use qtype::QType;
+pub use registry::{BuiltinBackend, Candidate, Registry};
+pub use sampling::{argmax, Rng, Sampler, SamplingParams};
+
+// Re-exported so backends register with the same `inventory` the registry collects from.
+pub use inventory;

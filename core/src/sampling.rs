@@ -1,0 +1,238 @@
+//! Token sampling: the reference host implementation of every knob a backend may also
+//! implement on its device.
+//!
+//! Order of operations (as llama.cpp's default chain): repetition penalty → top-k →
+//! temperature → top-p → min-p → draw. Temperature 0 is greedy (argmax, lowest id on ties).
+
+use std::collections::VecDeque;
+
+/// Sampling settings for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches p; 1.0 keeps all.
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p × the most likely one; 0 keeps all.
+    pub min_p: f32,
+    /// Divide positive logits (multiply negative ones) of recent tokens by this; 1.0 is off.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+}
+
+/// A small, fast, seedable generator (SplitMix64); the same seed gives the same draws on
+/// every backend.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// One sequence's sampler: settings, random state and the recent tokens the repetition
+/// penalty looks at.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    pub params: SamplingParams,
+    pub rng: Rng,
+    recent: VecDeque<u32>,
+    /// Scratch for candidate (id, logit) pairs, kept to avoid per-token allocation.
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = Rng::new(params.seed);
+        Sampler { params, rng, recent: VecDeque::new(), candidates: Vec::new() }
+    }
+
+    /// Records a token of the context (prompt or generated) for the repetition penalty.
+    pub fn accept(&mut self, token: u32) {
+        if self.params.repeat_last_n == 0 {
+            return;
+        }
+        if self.recent.len() == self.params.repeat_last_n {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(token);
+    }
+
+    pub fn recent(&self) -> impl Iterator<Item = u32> + '_ {
+        self.recent.iter().copied()
+    }
+
+    /// Picks the next token from `logits` (modified in place by the penalty) and
+    /// records it.
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_repeat_penalty(logits);
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        self.accept(token);
+        token
+    }
+
+    fn apply_repeat_penalty(&self, logits: &mut [f32]) {
+        let penalty = self.params.repeat_penalty;
+        if penalty == 1.0 {
+            return;
+        }
+        let mut seen: Vec<u32> = self.recent.iter().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            }
+        }
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)));
+        if c.is_empty() {
+            return 0;
+        }
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit_desc);
+        // Softmax at temperature, in place: logits become probabilities.
+        let max = c[0].1;
+        let mut sum = 0.0f32;
+        for x in c.iter_mut() {
+            x.1 = ((x.1 - max) / p.temperature).exp();
+            sum += x.1;
+        }
+        for x in c.iter_mut() {
+            x.1 /= sum;
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = c.iter().position(|x| {
+                acc += x.1;
+                acc >= p.top_p
+            });
+            c.truncate(keep.map_or(c.len(), |i| i + 1));
+        }
+        if p.min_p > 0.0 {
+            let floor = c[0].1 * p.min_p;
+            let keep = c.iter().take_while(|x| x.1 >= floor).count().max(1);
+            c.truncate(keep);
+        }
+        let total: f32 = c.iter().map(|x| x.1).sum();
+        let mut r = self.rng.next_f32() * total;
+        for &(id, prob) in c.iter() {
+            if r < prob {
+                return id;
+            }
+            r -= prob;
+        }
+        c.last().map_or(0, |x| x.0)
+    }
+}
+
+/// Index of the largest logit; the lowest index wins ties, NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_val = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_val {
+            best = i;
+            best_val = v;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_argmax_and_ignores_nan() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&mut [0.1, f32::NAN, 3.0, 3.0, -1.0]), 2);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_at_any_temperature() {
+        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, ..Default::default() });
+        for _ in 0..50 {
+            assert_eq!(s.sample(&mut [0.0, 2.0, 1.9, -3.0]), 1);
+        }
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_distribution_follows_softmax() {
+        let params = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let logits = [0.0f32, (2.0f32).ln(), (5.0f32).ln()]; // probabilities 1/8, 2/8, 5/8
+        let run = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            (0..8000).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
+        };
+        let a = run(&params);
+        assert_eq!(a, run(&params));
+        let freq = |t| a.iter().filter(|&&x| x == t).count() as f32 / a.len() as f32;
+        assert!((freq(0) - 0.125).abs() < 0.02, "{}", freq(0));
+        assert!((freq(2) - 0.625).abs() < 0.02, "{}", freq(2));
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        let logits = [10.0f32, 9.0, 0.0, -5.0];
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, min_p: 0.0, seed: 1, ..Default::default() });
+        for _ in 0..200 {
+            assert_eq!(s.sample(&mut logits.clone()), 0, "top-p 0.5 keeps only the first token");
+        }
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.2, seed: 1, ..Default::default() });
+        for _ in 0..500 {
+            assert!(s.sample(&mut logits.clone()) < 2, "min-p 0.2 drops tokens 2 and 3");
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_discourages_recent_tokens() {
+        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, ..SamplingParams::greedy() });
+        s.accept(0);
+        assert_eq!(s.sample(&mut [3.0, 2.0]), 1, "3/2 < 2");
+        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, repeat_last_n: 1, ..SamplingParams::greedy() });
+        s.accept(0);
+        s.accept(1);
+        assert_eq!(s.sample(&mut [3.0, 2.0]), 0, "token 0 fell out of the window");
+    }
+}
