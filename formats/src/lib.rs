@@ -1,1 +1,14 @@
-//! placeholder
+//! # kiln-formats
+//!
+//! Turns weight files into kiln's IR. It reads and writes GGUF ([`gguf`]), maps each
+//! architecture's tensor names and metadata onto the typed roles of a
+//! [`kiln_core::ModelIr`] ([`model`]), builds the tokenizer and chat template the file
+//! carries ([`tokenizer`], [`chat`]), and asks the registry which backend fits the model's
+//! qtypes ([`model::dispatch`]).
+//!
+//! It knows no backend internals: a backend sees only the IR.
+
+pub mod chat;
+pub mod gguf;
+pub mod model;
+pub mod tokenizer;
