@@ -1,10 +1,28 @@
 //! Reference (de)quantisation of every block type, value by value as ggml defines them.
 //! Slow but obviously right: the yardstick for every optimised kernel.
+//!
+//! Each block type is decoded by a small function that reads the block's fields at the
+//! offsets ggml's C struct puts them and produces values in the order ggml's
+//! `dequantize_row_*` does, with the same float operations in the same order (scale
+//! products first, no fused multiply-add), so results are bit-identical to ggml's scalar
+//! reference. The quantisers follow ggml's `quantize_row_*_ref` the same way, including its
+//! rounding: truncation after adding 0.5 (or 8.5 / 16.5 for the symmetric types) and
+//! `roundf` (half away from zero) for the 8-bit types.
+//!
+//! Layouts live next to the code that reads them: [`legacy`] for the 32-value block types,
+//! [`kquants`] for the 256-value super-blocks.
 
 use crate::error::{Error, Result};
 use crate::qtype::QType;
 
+pub mod kquants;
+pub mod legacy;
+
 /// Dequantises `src` (whole blocks of `qtype`) into `dst` (one f32 per value).
+///
+/// `dst.len()` must be a whole number of blocks and `src` exactly that many blocks' bytes;
+/// anything else is [`Error::InvalidShape`]. Every bit pattern is accepted: a block whose
+/// scale is NaN or infinite decodes to NaN / infinities, as in ggml.
 pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     let expected = qtype.row_bytes(dst.len())?;
     if src.len() != expected {
@@ -16,11 +34,189 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     }
     match qtype {
         QType::F32 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        other => return Err(Error::Unsupported(format!("dequantising {other} is not implemented yet"))),
+        QType::F16 => {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f16_le(b, 0);
+            }
+        }
+        QType::BF16 => {
+            // bf16 is the top half of an f32, so widening is a shift and exact for every
+            // pattern, NaN payloads included.
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            }
+        }
+        QType::Q4_0 => for_each_block(src, dst, legacy::dequantize_q4_0),
+        QType::Q4_1 => for_each_block(src, dst, legacy::dequantize_q4_1),
+        QType::Q5_0 => for_each_block(src, dst, legacy::dequantize_q5_0),
+        QType::Q5_1 => for_each_block(src, dst, legacy::dequantize_q5_1),
+        QType::Q8_0 => for_each_block(src, dst, legacy::dequantize_q8_0),
+        QType::Q8_1 => for_each_block(src, dst, legacy::dequantize_q8_1),
+        QType::Q2_K => for_each_block(src, dst, kquants::dequantize_q2_k),
+        QType::Q3_K => for_each_block(src, dst, kquants::dequantize_q3_k),
+        QType::Q4_K => for_each_block(src, dst, kquants::dequantize_q4_k),
+        QType::Q5_K => for_each_block(src, dst, kquants::dequantize_q5_k),
+        QType::Q6_K => for_each_block(src, dst, kquants::dequantize_q6_k),
+        QType::Q8_K => for_each_block(src, dst, kquants::dequantize_q8_k),
     }
     Ok(())
+}
+
+/// Quantises `src` (a whole number of blocks of values) into `dst` (exactly that many
+/// blocks' bytes), with ggml's reference quantiser for `qtype`.
+///
+/// Supported: F32, F16, BF16 and the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+/// Q8_1. K-quants need ggml's iterative scale search and are [`Error::Unsupported`] here.
+/// Shape mismatches are [`Error::InvalidShape`].
+pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
+    if !can_quantize(qtype) {
+        return Err(Error::Unsupported(format!("quantising to {qtype} is not supported")));
+    }
+    let expected = qtype.row_bytes(src.len())?;
+    if dst.len() != expected {
+        return Err(Error::InvalidShape(format!(
+            "{} values of {qtype} need {expected} bytes, got a buffer of {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    match qtype {
+        QType::F32 => {
+            for (b, x) in dst.chunks_exact_mut(4).zip(src) {
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        QType::F16 => {
+            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
+                put_f16_le(b, 0, *x);
+            }
+        }
+        QType::BF16 => {
+            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
+                b.copy_from_slice(&f32_to_bf16_bits(*x).to_le_bytes());
+            }
+        }
+        QType::Q4_0 => for_each_block_mut(src, dst, legacy::quantize_q4_0),
+        QType::Q4_1 => for_each_block_mut(src, dst, legacy::quantize_q4_1),
+        QType::Q5_0 => for_each_block_mut(src, dst, legacy::quantize_q5_0),
+        QType::Q5_1 => for_each_block_mut(src, dst, legacy::quantize_q5_1),
+        QType::Q8_0 => for_each_block_mut(src, dst, legacy::quantize_q8_0),
+        QType::Q8_1 => for_each_block_mut(src, dst, legacy::quantize_q8_1),
+        QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => {
+            unreachable!("can_quantize refused {qtype} above")
+        }
+    }
+    Ok(())
+}
+
+/// Whether [`quantize`] accepts `qtype`.
+pub fn can_quantize(qtype: QType) -> bool {
+    matches!(
+        qtype,
+        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::Q8_0 | QType::Q8_1
+    )
+}
+
+/// ggml's `quantize_row_q4_0_ref`: symmetric 4-bit, `d = max / -8` where `max` is the
+/// value of largest magnitude (so it maps exactly to `-8`).
+pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q4_0, src, dst)
+}
+
+/// ggml's `quantize_row_q4_1_ref`: 4-bit with offset, `d = (max - min) / 15`, `m = min`.
+pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q4_1, src, dst)
+}
+
+/// ggml's `quantize_row_q5_0_ref`: symmetric 5-bit, `d = max / -16`.
+pub fn quantize_row_q5_0(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q5_0, src, dst)
+}
+
+/// ggml's `quantize_row_q5_1_ref`: 5-bit with offset, `d = (max - min) / 31`, `m = min`.
+pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q5_1, src, dst)
+}
+
+/// ggml's `quantize_row_q8_0_ref`: `d = amax / 127`, `q = roundf(x / d)`.
+pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q8_0, src, dst)
+}
+
+/// ggml's `quantize_row_q8_1_ref`: as Q8_0, plus `s = d * Σq` (rounded to f16) so that
+/// integer dot products against offset formats (Q4_1, Q5_1, K-quants' mins) need no second
+/// pass over the activations.
+pub fn quantize_row_q8_1(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::Q8_1, src, dst)
+}
+
+/// Runs `f` over matching (block bytes, block values) pairs. The caller has checked that
+/// `src` and `dst` hold the same whole number of blocks.
+fn for_each_block<const B: usize, const N: usize>(src: &[u8], dst: &mut [f32], f: fn(&[u8; B], &mut [f32; N])) {
+    for (b, y) in src.chunks_exact(B).zip(dst.chunks_exact_mut(N)) {
+        // `chunks_exact` yields exactly B and N elements, so both conversions succeed.
+        let (Ok(b), Ok(y)) = (<&[u8; B]>::try_from(b), <&mut [f32; N]>::try_from(y)) else {
+            unreachable!("chunks_exact yields whole blocks")
+        };
+        f(b, y);
+    }
+}
+
+/// The quantising twin of [`for_each_block`].
+fn for_each_block_mut<const N: usize, const B: usize>(src: &[f32], dst: &mut [u8], f: fn(&[f32; N], &mut [u8; B])) {
+    for (x, b) in src.chunks_exact(N).zip(dst.chunks_exact_mut(B)) {
+        let (Ok(x), Ok(b)) = (<&[f32; N]>::try_from(x), <&mut [u8; B]>::try_from(b)) else {
+            unreachable!("chunks_exact yields whole blocks")
+        };
+        f(x, b);
+    }
+}
+
+/// The IEEE half at `b[off..off + 2]` (little-endian), widened exactly to f32.
+#[inline]
+pub(crate) fn f16_le(b: &[u8], off: usize) -> f32 {
+    half::f16::from_le_bytes([b[off], b[off + 1]]).to_f32()
+}
+
+/// Stores `x` rounded to the nearest IEEE half (ties to even, as ggml's FP32_TO_FP16).
+#[inline]
+pub(crate) fn put_f16_le(b: &mut [u8], off: usize, x: f32) {
+    b[off..off + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
+}
+
+/// ggml's `ggml_compute_fp32_to_bf16`: round to nearest even, and NaNs kept NaN by forcing
+/// the quiet bit (plain rounding could carry a NaN's low payload bits into infinity).
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return ((u >> 16) | 64) as u16;
+    }
+    ((u + (0x7fff + ((u >> 16) & 1))) >> 16) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_keeps_nan() {
+        // 1 + 2^-8 is exactly halfway between two bf16 values; the even one is 1.0.
+        assert_eq!(f32_to_bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3·2^-8 is halfway too; the even neighbour is above.
+        assert_eq!(f32_to_bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        let nan = f32::from_bits(0x7f80_0001);
+        assert!(f32::from_bits(u32::from(f32_to_bf16_bits(nan)) << 16).is_nan());
+        assert_eq!(f32_to_bf16_bits(f32::INFINITY), 0x7f80);
+    }
+
+    #[test]
+    fn k_quants_are_not_quantised_here() {
+        let src = [0.0f32; 256];
+        let mut dst = [0u8; 144];
+        assert!(matches!(quantize(QType::Q4_K, &src, &mut dst), Err(Error::Unsupported(_))));
+    }
 }
