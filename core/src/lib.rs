@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod error;
 pub mod ir;
+pub mod plugin_abi;
 pub mod quant;
 pub mod qtype;
 pub mod registry;
