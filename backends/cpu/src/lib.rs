@@ -1,1 +1,103 @@
-//! placeholder
+//! # kiln-backend-cpu
+//!
+//! The CPU reference backend: a rayon executor for the whole decoder (embeddings, norms,
+//! Q/K/V with bias and QK-norm, RoPE, f32 KV cache, GQA attention, SwiGLU/GELU FFN, LM
+//! head). It is the correctness oracle every other backend is checked against, so
+//! activations stay f32 throughout and are never quantised; weights stay quantised in the
+//! caller's memory map and are dequantised block by block inside fused dot kernels
+//! ([`kernels`]). Prefill runs a prompt's tokens as one batch, reading each weight row once
+//! for all of them.
+//!
+//! It knows no file format: a model arrives as a [`kiln_core::ModelIr`]. It registers
+//! itself as `cpu` with the core registry through `inventory`.
+
+use std::sync::Arc;
+
+use kiln_core::{Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
+
+mod dequant;
+mod executor;
+pub mod kernels;
+mod matmul;
+pub mod ops;
+
+pub use executor::CpuExecutor;
+pub use matmul::MAX_BATCH;
+
+/// The `cpu` backend: always available, score 10 for every model whose weight types it
+/// can multiply with.
+#[derive(Debug, Default, Clone)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    /// Loads `model` as a concrete [`CpuExecutor`] (what [`Backend::load`] boxes).
+    pub fn load_executor(&self, model: &ModelIr, options: &LoadOptions) -> Result<CpuExecutor> {
+        CpuExecutor::load(model, options)
+    }
+}
+
+fn cpu_features() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let found: Vec<&str> = [
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("fma", is_x86_feature_detected!("fma")),
+            ("f16c", is_x86_feature_detected!("f16c")),
+            ("avx512f", is_x86_feature_detected!("avx512f")),
+        ]
+        .into_iter()
+        .filter_map(|(n, on)| on.then_some(n))
+        .collect();
+        let path = if kernels::simd_available() { "avx2 kernels" } else { "portable kernels" };
+        format!("x86_64 {} ({path})", found.join(" "))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        format!("{} (portable kernels)", std::env::consts::ARCH)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn description(&self) -> &str {
+        "reference CPU executor (rayon, f32 activations, weights dequantised on the fly)"
+    }
+
+    fn qtypes(&self) -> Vec<QType> {
+        kernels::SUPPORTED.to_vec()
+    }
+
+    fn probe(&self) -> Result<String, String> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(format!("{threads} threads, {}", cpu_features()))
+    }
+
+    fn supports(&self, model: &ModelIr) -> Support {
+        let unsupported: Vec<String> = model
+            .weights
+            .tensors()
+            .into_iter()
+            .map(|t| t.qtype())
+            .filter(|q| !kernels::SUPPORTED.contains(q))
+            .map(|q| q.name().to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if unsupported.is_empty() {
+            Support::Yes { score: 10, note: "reference executor; any supported qtype".into() }
+        } else {
+            Support::No { reason: format!("cpu backend has no kernels for {}", unsupported.join(", ")) }
+        }
+    }
+
+    fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
+        Ok(Box::new(self.load_executor(model, options)?))
+    }
+}
+
+kiln_core::inventory::submit! {
+    kiln_core::BuiltinBackend { create: || Arc::new(CpuBackend) }
+}

@@ -1,0 +1,505 @@
+//! The loaded model: weights as views of the file, per-sequence f32 KV caches, and the
+//! forward pass shared by prefill (one sequence, many positions) and batched decode (many
+//! sequences, one position each).
+
+use kiln_core::{
+    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind,
+    Result, SeqId, TensorView,
+};
+use rayon::prelude::*;
+use rayon::ThreadPool;
+
+use crate::dequant::{block_fn, dequantize_into};
+use crate::kernels::{block_sums, simd_available};
+use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
+use crate::ops;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    attn_norm_bias: Option<Vec<f32>>,
+    q: QMatrix,
+    k: QMatrix,
+    v: QMatrix,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    out: QMatrix,
+    out_bias: Option<Vec<f32>>,
+    ffn_norm: Option<Vec<f32>>,
+    ffn_norm_bias: Option<Vec<f32>>,
+    gate: Option<QMatrix>,
+    up: QMatrix,
+    down: QMatrix,
+}
+
+/// Immutable part of the executor: everything a forward pass reads.
+struct Model {
+    config: ModelConfig,
+    layers: Vec<Layer>,
+    embd: QMatrix,
+    out_norm: Vec<f32>,
+    out_norm_bias: Option<Vec<f32>>,
+    lm_head: QMatrix,
+    /// Inverse frequency of each rotary pair.
+    inv_freq: Vec<f32>,
+    max_ctx: usize,
+    threads: usize,
+    simd: bool,
+}
+
+/// One sequence slot: its KV cache, laid out `[layer][position][kv_dim]`.
+struct Slot {
+    id: Option<SeqId>,
+    len: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Buffers a forward pass writes, sized once for [`MAX_BATCH`] tokens.
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    sums: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    ffn_out: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// The CPU executor. See the crate docs.
+pub struct CpuExecutor {
+    model: Model,
+    pool: ThreadPool,
+    slots: Vec<Slot>,
+    next_id: SeqId,
+    scratch: Scratch,
+}
+
+fn vector(view: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
+    if view.elements() != len {
+        return Err(Error::InvalidShape(format!(
+            "{what} ({}) has {} values; the model config needs {len}",
+            view.name(),
+            view.elements()
+        )));
+    }
+    if block_fn(view.qtype()).is_none() {
+        return Err(Error::Unsupported(format!("{what} ({}) is stored as {}", view.name(), view.qtype())));
+    }
+    let mut out = vec![0.0f32; len];
+    dequantize_into(view.qtype(), view.bytes(), &mut out);
+    Ok(out)
+}
+
+fn opt_vector(view: &Option<TensorView>, len: usize, what: &str) -> Result<Option<Vec<f32>>> {
+    view.as_ref().map(|v| vector(v, len, what)).transpose()
+}
+
+impl CpuExecutor {
+    pub(crate) fn load(ir: &ModelIr, options: &LoadOptions) -> Result<CpuExecutor> {
+        let c = &ir.config;
+        c.validate()?;
+        let w = &ir.weights;
+        if w.layers.len() != c.num_layers {
+            return Err(Error::Format(format!("config says {} layers, weights have {}", c.num_layers, w.layers.len())));
+        }
+        let simd = simd_available();
+        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (i, l) in w.layers.iter().enumerate() {
+            let need = |present: bool, want: bool, what: &str| -> Result<()> {
+                if present == want {
+                    Ok(())
+                } else if want {
+                    Err(Error::Format(format!("layer {i}: the config needs {what}, the weights have none")))
+                } else {
+                    Err(Error::Format(format!("layer {i}: {what} is present but the config does not use it")))
+                }
+            };
+            need(l.ffn_gate.is_some(), c.gated_ffn, "a gate projection")?;
+            need(l.attn_q_norm.is_some() && l.attn_k_norm.is_some(), c.qk_norm, "Q/K norms")?;
+            if l.ffn_norm.is_none() && !c.parallel_residual {
+                return Err(Error::Format(format!("layer {i}: no FFN norm and no parallel residual")));
+            }
+            layers.push(Layer {
+                attn_norm: vector(&l.attn_norm, h, "attention norm")?,
+                attn_norm_bias: opt_vector(&l.attn_norm_bias, h, "attention norm bias")?,
+                q: QMatrix::new(&l.attn_q, h, qd, simd)?,
+                k: QMatrix::new(&l.attn_k, h, kvd, simd)?,
+                v: QMatrix::new(&l.attn_v, h, kvd, simd)?,
+                q_bias: opt_vector(&l.attn_q_bias, qd, "Q bias")?,
+                k_bias: opt_vector(&l.attn_k_bias, kvd, "K bias")?,
+                v_bias: opt_vector(&l.attn_v_bias, kvd, "V bias")?,
+                q_norm: opt_vector(&l.attn_q_norm, hd, "Q norm")?,
+                k_norm: opt_vector(&l.attn_k_norm, hd, "K norm")?,
+                out: QMatrix::new(&l.attn_out, qd, h, simd)?,
+                out_bias: opt_vector(&l.attn_out_bias, h, "attention output bias")?,
+                ffn_norm: opt_vector(&l.ffn_norm, h, "FFN norm")?,
+                ffn_norm_bias: opt_vector(&l.ffn_norm_bias, h, "FFN norm bias")?,
+                gate: l.ffn_gate.as_ref().map(|g| QMatrix::new(g, h, ffn, simd)).transpose()?,
+                up: QMatrix::new(&l.ffn_up, h, ffn, simd)?,
+                down: QMatrix::new(&l.ffn_down, ffn, h, simd)?,
+            });
+        }
+        let half = c.rope.rotary_dims / 2;
+        let freq_factors = opt_vector(&w.rope_freqs, half, "rope frequency factors")?;
+        let inv_freq = (0..half).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
+        let threads = options.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::Backend { backend: "cpu".into(), message: format!("thread pool: {e}") })?;
+        let max_ctx = options.context_for(c);
+        let per_slot = c
+            .num_layers
+            .checked_mul(max_ctx)
+            .and_then(|n| n.checked_mul(kvd))
+            .filter(|&n| n.checked_mul(8).is_some_and(|b| b <= isize::MAX as usize))
+            .ok_or_else(|| Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory")))?;
+        // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
+        // positions its sequence reaches.
+        let slots = (0..options.sequences())
+            .map(|_| Slot { id: None, len: 0, k: vec![0.0; per_slot], v: vec![0.0; per_slot] })
+            .collect();
+        let widest = h.max(qd).max(ffn);
+        let b = MAX_BATCH;
+        let scratch = Scratch {
+            x: vec![0.0; b * h],
+            xn: vec![0.0; b * widest],
+            sums: vec![0.0; b * widest.div_ceil(32)],
+            q: vec![0.0; b * qd],
+            k: vec![0.0; b * kvd],
+            v: vec![0.0; b * kvd],
+            att: vec![0.0; b * qd],
+            proj: vec![0.0; b * h],
+            ffn_out: vec![0.0; b * h],
+            gate: vec![0.0; b * ffn],
+            up: vec![0.0; b * ffn],
+            cos: vec![0.0; b * half.max(1)],
+            sin: vec![0.0; b * half.max(1)],
+        };
+        let model = Model {
+            config: c.clone(),
+            layers,
+            embd: QMatrix::new(&w.token_embd, h, c.vocab_size, simd)?,
+            out_norm: vector(&w.output_norm, h, "output norm")?,
+            out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
+            lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, simd)?,
+            inv_freq,
+            max_ctx,
+            threads,
+            simd,
+        };
+        Ok(CpuExecutor { model, pool, slots, next_id: 0, scratch })
+    }
+
+    /// Worker threads of this executor's pool.
+    pub fn threads(&self) -> usize {
+        self.model.threads
+    }
+
+    fn slot_of(&self, seq: SeqId) -> Result<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.id == Some(seq))
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown sequence {seq}")))
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(t) => Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary of {vocab}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs positions `rows[i] = (slot, position)` for `tokens[i]` through the model.
+    /// Logits of every row go to `logits` (`rows × vocab`), or of the last row only when
+    /// `last_only`.
+    fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32], logits: &mut [f32], last_only: bool) {
+        let CpuExecutor { model, pool, slots, scratch, .. } = self;
+        pool.install(|| forward(model, slots, scratch, rows, tokens, logits, last_only));
+    }
+}
+
+fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [f32]) {
+    match c.norm {
+        NormKind::Rms => {
+            ops::rms_norm(x, w, c.norm_eps, out);
+            if let Some(b) = b {
+                ops::add_in_place(out, b);
+            }
+        }
+        NormKind::Layer => ops::layer_norm(x, w, b.map(|b| b.as_slice()), c.norm_eps, out),
+    }
+}
+
+fn batch<'a>(x: &'a [f32], sums: &'a mut [f32], tokens: usize, cols: usize) -> Batch<'a> {
+    let x = &x[..tokens * cols];
+    let ns = cols / 32;
+    if cols % 32 == 0 {
+        block_sums(x, &mut sums[..tokens * ns]);
+    }
+    Batch { x, sums: if cols % 32 == 0 { &sums[..tokens * ns] } else { &[] }, tokens, cols }
+}
+
+fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
+    if let Some(b) = bias {
+        for row in buf.chunks_exact_mut(b.len()) {
+            ops::add_in_place(row, b);
+        }
+    }
+}
+
+fn forward(
+    m: &Model,
+    slots: &mut [Slot],
+    s: &mut Scratch,
+    rows: &[(usize, usize)],
+    tokens: &[u32],
+    logits: &mut [f32],
+    last_only: bool,
+) {
+    let c = &m.config;
+    let n = rows.len();
+    let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+    let half = c.rope.rotary_dims / 2;
+    let (threads, simd) = (m.threads, m.simd);
+    let scale = 1.0 / (hd as f32).sqrt();
+
+    for (t, &tok) in tokens.iter().enumerate() {
+        m.embd.dequant_row(tok as usize, &mut s.x[t * h..(t + 1) * h]);
+    }
+    for (t, &(_, pos)) in rows.iter().enumerate() {
+        for i in 0..half {
+            let (sin, cos) = (pos as f32 * m.inv_freq[i]).sin_cos();
+            s.cos[t * half + i] = cos;
+            s.sin[t * half + i] = sin;
+        }
+    }
+
+    for (li, l) in m.layers.iter().enumerate() {
+        for t in 0..n {
+            norm(c, &s.x[t * h..(t + 1) * h], &l.attn_norm, l.attn_norm_bias.as_ref(), &mut s.xn[t * h..(t + 1) * h]);
+        }
+        let input = batch(&s.xn, &mut s.sums, n, h);
+        matmul(
+            &mut [
+                MatJob { m: &l.q, out: &mut s.q[..n * qd] },
+                MatJob { m: &l.k, out: &mut s.k[..n * kvd] },
+                MatJob { m: &l.v, out: &mut s.v[..n * kvd] },
+            ],
+            input,
+            threads,
+            simd,
+        );
+        add_bias(&mut s.q[..n * qd], &l.q_bias);
+        add_bias(&mut s.k[..n * kvd], &l.k_bias);
+        add_bias(&mut s.v[..n * kvd], &l.v_bias);
+        for t in 0..n {
+            let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+            for head in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+                if let Some(w) = &l.q_norm {
+                    ops::rms_norm_in_place(head, w, c.norm_eps);
+                }
+                ops::rope(c.rope.kind, head, cos, sin);
+            }
+            for head in s.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+                if let Some(w) = &l.k_norm {
+                    ops::rms_norm_in_place(head, w, c.norm_eps);
+                }
+                ops::rope(c.rope.kind, head, cos, sin);
+            }
+            let (slot, pos) = rows[t];
+            let at = (li * m.max_ctx + pos) * kvd;
+            slots[slot].k[at..at + kvd].copy_from_slice(&s.k[t * kvd..(t + 1) * kvd]);
+            slots[slot].v[at..at + kvd].copy_from_slice(&s.v[t * kvd..(t + 1) * kvd]);
+        }
+
+        let heads = c.num_heads;
+        let group = c.gqa_ratio();
+        let q = &s.q;
+        let cache: &[Slot] = slots;
+        s.att[..n * qd].par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
+            let (t, head) = (i / heads, i % heads);
+            let (slot, pos) = rows[t];
+            let base = li * m.max_ctx * kvd;
+            let kv = &cache[slot];
+            let keys = &kv.k[base..base + (pos + 1) * kvd];
+            let values = &kv.v[base..base + (pos + 1) * kvd];
+            let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+            ops::attend(simd, qh, keys, values, kvd, (head / group) * hd, pos + 1, scale, out);
+        });
+
+        let input = batch(&s.att, &mut s.sums, n, qd);
+        matmul(&mut [MatJob { m: &l.out, out: &mut s.proj[..n * h] }], input, threads, simd);
+        add_bias(&mut s.proj[..n * h], &l.out_bias);
+
+        if !c.parallel_residual {
+            ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);
+        }
+        if let Some(w) = &l.ffn_norm {
+            for t in 0..n {
+                norm(c, &s.x[t * h..(t + 1) * h], w, l.ffn_norm_bias.as_ref(), &mut s.xn[t * h..(t + 1) * h]);
+            }
+        }
+        let input = batch(&s.xn, &mut s.sums, n, h);
+        match &l.gate {
+            Some(gate) => matmul(
+                &mut [MatJob { m: gate, out: &mut s.gate[..n * ffn] }, MatJob { m: &l.up, out: &mut s.up[..n * ffn] }],
+                input,
+                threads,
+                simd,
+            ),
+            None => matmul(&mut [MatJob { m: &l.up, out: &mut s.up[..n * ffn] }], input, threads, simd),
+        }
+        let act = match c.activation {
+            Activation::Silu => ops::silu,
+            Activation::Gelu => ops::gelu,
+        };
+        if l.gate.is_some() {
+            for (u, &g) in s.up[..n * ffn].iter_mut().zip(&s.gate[..n * ffn]) {
+                *u *= act(g);
+            }
+        } else {
+            for u in s.up[..n * ffn].iter_mut() {
+                *u = act(*u);
+            }
+        }
+        let input = batch(&s.up, &mut s.sums, n, ffn);
+        matmul(&mut [MatJob { m: &l.down, out: &mut s.ffn_out[..n * h] }], input, threads, simd);
+        ops::add_in_place(&mut s.x[..n * h], &s.ffn_out[..n * h]);
+        if c.parallel_residual {
+            ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);
+        }
+    }
+
+    let first = if last_only { n - 1 } else { 0 };
+    let count = n - first;
+    for t in first..n {
+        let o = t - first;
+        norm(c, &s.x[t * h..(t + 1) * h], &m.out_norm, m.out_norm_bias.as_ref(), &mut s.xn[o * h..(o + 1) * h]);
+    }
+    let input = batch(&s.xn, &mut s.sums, count, h);
+    matmul(&mut [MatJob { m: &m.lm_head, out: logits }], input, threads, simd);
+}
+
+impl LayerExecutor for CpuExecutor {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn max_context(&self) -> usize {
+        self.model.max_ctx
+    }
+
+    fn max_sequences(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn new_sequence(&mut self) -> Result<SeqId> {
+        let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
+            return Err(Error::InvalidArgument(format!("all {} sequence slots are in use", self.slots.len())));
+        };
+        // Ids are not reused while alive: skip any still held by another slot.
+        let mut id = self.next_id;
+        while self.slots.iter().any(|s| s.id == Some(id)) {
+            id = id.wrapping_add(1);
+        }
+        self.next_id = id.wrapping_add(1);
+        self.slots[slot].id = Some(id);
+        self.slots[slot].len = 0;
+        Ok(id)
+    }
+
+    fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        self.slots[slot].id = None;
+        self.slots[slot].len = 0;
+        Ok(())
+    }
+
+    fn sequence_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.slots[self.slot_of(seq)?].len)
+    }
+
+    fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let cur = self.slots[slot].len;
+        if len > cur {
+            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {cur} tokens to {len}")));
+        }
+        self.slots[slot].len = len;
+        Ok(())
+    }
+
+    fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let vocab = self.model.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("prefill needs at least one token".into()));
+        }
+        if logits.len() != vocab {
+            return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
+        }
+        self.check_tokens(tokens)?;
+        let start = self.slots[slot].len;
+        if start + tokens.len() > self.model.max_ctx {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
+                tokens.len(),
+                self.model.max_ctx
+            )));
+        }
+        let mut rows = [(0usize, 0usize); MAX_BATCH];
+        for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let pos0 = start + ci * MAX_BATCH;
+            for (j, r) in rows[..chunk.len()].iter_mut().enumerate() {
+                *r = (slot, pos0 + j);
+            }
+            self.forward(&rows[..chunk.len()], chunk, logits, true);
+            self.slots[slot].len = pos0 + chunk.len();
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        check_decode_batch(batch, logits, vocab)?;
+        let mut rows = [(0usize, 0usize); MAX_BATCH];
+        let mut toks = [0u32; MAX_BATCH];
+        // Validate everything before touching any cache, so an error leaves every
+        // sequence as it was.
+        for item in batch {
+            let slot = self.slot_of(item.seq)?;
+            self.check_tokens(&[item.token])?;
+            if self.slots[slot].len >= self.model.max_ctx {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {} is full ({} tokens)",
+                    item.seq, self.model.max_ctx
+                )));
+            }
+        }
+        for (items, out) in batch.chunks(MAX_BATCH).zip(logits.chunks_mut(MAX_BATCH * vocab)) {
+            for (i, item) in items.iter().enumerate() {
+                let slot = self.slot_of(item.seq)?;
+                rows[i] = (slot, self.slots[slot].len);
+                toks[i] = item.token;
+            }
+            self.forward(&rows[..items.len()], &toks[..items.len()], out, false);
+            for &(slot, _) in &rows[..items.len()] {
+                self.slots[slot].len += 1;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,239 @@
+//! AVX2 + FMA + F16C fused dequantise-and-dot kernels for the types real models spend
+//! their bytes on. Each keeps f32 activations: quantised values are widened to f32 and
+//! multiplied with FMA. Offsets (`+m`, `−dmin·m`) are folded in through the activation's
+//! 32-value block sums, so the inner loop is pure widen-and-FMA.
+//!
+//! Every function here requires AVX2, FMA and F16C (callers check at run time) and a row
+//! holding exactly `x.len()` values of its type.
+
+use std::arch::x86_64::*;
+
+use crate::dequant::scale_min_k4;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Two consecutive f16 values at `p`, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x2(p: *const u8) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x1(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+}
+
+/// Σ q·x over 16 unsigned bytes `q` and `x[0..16]`, added to `acc`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_u8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
+    let a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    let b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    let acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc);
+    _mm256_fmadd_ps(b, _mm256_loadu_ps(x.add(8)), acc)
+}
+
+/// Σ q·x over 16 signed bytes `q` and `x[0..16]`, added to `acc`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_i8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
+    let a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    let b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+    let acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc);
+    _mm256_fmadd_ps(b, _mm256_loadu_ps(x.add(8)), acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        i += 8;
+    }
+    let mut sum = hsum(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        sum += a[i] * b[i];
+        i += 1;
+    }
+    sum
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    let n = x.len().min(row.len() / 2);
+    let (pr, px) = (row.as_ptr(), x.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        let w0 = _mm256_cvtph_ps(_mm_loadu_si128(pr.add(2 * i) as *const __m128i));
+        let w1 = _mm256_cvtph_ps(_mm_loadu_si128(pr.add(2 * i + 16) as *const __m128i));
+        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(i + 8)), acc1);
+        i += 16;
+    }
+    let mut sum = hsum(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        sum += f16x1(pr.add(2 * i)) * x[i];
+        i += 1;
+    }
+    sum
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    debug_assert_eq!(row.len(), nb * 18);
+    let mask = _mm_set1_epi8(0x0F);
+    let eight = _mm_set1_epi8(8);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * 18);
+        let px = x.as_ptr().add(b * 32);
+        let d = f16x1(p);
+        let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
+        let lo = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
+        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
+        let s = fma_i8x16(lo, px, _mm256_setzero_ps());
+        let s = fma_i8x16(hi, px.add(16), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    debug_assert_eq!(row.len(), nb * 20);
+    debug_assert_eq!(sums.len(), nb);
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0.0f32;
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * 20);
+        let px = x.as_ptr().add(b * 32);
+        let (d, m) = f16x2(p);
+        let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
+        let lo = _mm_and_si128(qs, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+        let s = fma_u8x16(lo, px, _mm256_setzero_ps());
+        let s = fma_u8x16(hi, px.add(16), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+        offset += m * *sums.get_unchecked(b);
+    }
+    hsum(acc) + offset
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    debug_assert_eq!(row.len(), nb * 34);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * 34);
+        let px = x.as_ptr().add(b * 32);
+        let d = f16x1(p);
+        let q0 = _mm_loadu_si128(p.add(2) as *const __m128i);
+        let q1 = _mm_loadu_si128(p.add(18) as *const __m128i);
+        let s = fma_i8x16(q0, px, _mm256_setzero_ps());
+        let s = fma_i8x16(q1, px.add(16), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_k(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    let nb = x.len() / 256;
+    debug_assert_eq!(row.len(), nb * 144);
+    debug_assert_eq!(sums.len(), nb * 8);
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0.0f32;
+    for b in 0..nb {
+        let blk = std::slice::from_raw_parts(row.as_ptr().add(b * 144), 144);
+        let (d, dmin) = f16x2(blk.as_ptr());
+        let scales = &blk[4..16];
+        let qs = blk.as_ptr().add(16);
+        let px = x.as_ptr().add(b * 256);
+        let bs = sums.as_ptr().add(b * 8);
+        let mut mins = 0.0f32;
+        for i in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * i, scales);
+            let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+            let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
+            let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+            let x0 = px.add(64 * i);
+            let s1 = fma_u8x16(_mm_and_si128(qa, mask), x0, _mm256_setzero_ps());
+            let s1 = fma_u8x16(_mm_and_si128(qb, mask), x0.add(16), s1);
+            let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), x0.add(32), _mm256_setzero_ps());
+            let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), x0.add(48), s2);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
+            mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
+        }
+        offset += dmin * mins;
+    }
+    hsum(acc) - offset
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q6_k(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    let nb = x.len() / 256;
+    debug_assert_eq!(row.len(), nb * 210);
+    let mask = _mm_set1_epi8(0x0F);
+    let three = _mm_set1_epi8(3);
+    let bias = _mm_set1_epi8(32);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 210);
+        let d = f16x1(blk.add(208));
+        let sc = blk.add(192) as *const i8;
+        let px = x.as_ptr().add(b * 256);
+        for n in 0..2 {
+            let ql = blk.add(64 * n);
+            let qh = blk.add(128 + 32 * n);
+            for half in 0..2 {
+                let l0 = 16 * half;
+                let qla = _mm_loadu_si128(ql.add(l0) as *const __m128i);
+                let qlb = _mm_loadu_si128(ql.add(32 + l0) as *const __m128i);
+                let h = _mm_loadu_si128(qh.add(l0) as *const __m128i);
+                let h0 = _mm_slli_epi16(_mm_and_si128(h, three), 4);
+                let h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4);
+                let h2 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4);
+                let h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4);
+                let q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qla, mask), h0), bias);
+                let q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qlb, mask), h1), bias);
+                let q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2), bias);
+                let q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3), bias);
+                let y = px.add(128 * n + l0);
+                let s = sc.add(8 * n + half);
+                let z = _mm256_setzero_ps();
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s as f32), fma_i8x16(q1, y, z), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(2) as f32), fma_i8x16(q2, y.add(32), z), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(4) as f32), fma_i8x16(q3, y.add(64), z), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(6) as f32), fma_i8x16(q4, y.add(96), z), acc);
+            }
+        }
+    }
+    hsum(acc)
+}

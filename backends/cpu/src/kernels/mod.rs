@@ -1,0 +1,295 @@
+//! Row-dot kernels: the dot product of one quantised weight row with an f32 activation,
+//! dequantising block by block on the fly. Every matrix multiply in the executor ends up
+//! here, so each qtype gets its own type and `enum_dispatch` resolves the type once per
+//! chunk of rows rather than once per value.
+//!
+//! Two implementations per hot type: AVX2+FMA+F16C (`avx2`), picked at load when the CPU
+//! has it, and a portable one that dequantises a block into registers-sized scratch and
+//! runs a plain f32 dot. Activations are never quantised: this backend is the oracle.
+
+use enum_dispatch::enum_dispatch;
+use kiln_core::QType;
+
+use crate::dequant;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+/// Whether the AVX2 kernels can run on this CPU.
+pub fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Sums of the activation over each 32-value block. Types with a per-block offset
+/// (`d·q + m`) fold the offset into one multiply by this sum instead of adding it to every
+/// value. Exact f32 sums: nothing about the activation is approximated.
+pub fn block_sums(x: &[f32], out: &mut [f32]) {
+    for (s, c) in out.iter_mut().zip(x.chunks_exact(32)) {
+        *s = c.iter().sum();
+    }
+}
+
+/// An activation ready for [`RowDot`]: the values and their 32-value block sums.
+#[derive(Clone, Copy)]
+pub struct Act<'a> {
+    pub x: &'a [f32],
+    /// `x.len() / 32` sums (empty for float types, which do not use them).
+    pub sums: &'a [f32],
+}
+
+/// Dot products of weight rows with activations.
+#[enum_dispatch]
+pub trait RowDot {
+    /// `out[r] = row r · x` for the `out.len()` rows packed in `rows` (`row_bytes` each).
+    fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]);
+    /// One row, dequantised into `out` (its length is the row length).
+    fn dequant_row(&self, row: &[u8], out: &mut [f32]);
+}
+
+/// f32 dot product, vectorised where the CPU allows.
+#[inline]
+pub fn dot_f32(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at run time.
+        return unsafe { avx2::dot_f32(a, b) };
+    }
+    let _ = simd;
+    dot_f32_portable(a, b)
+}
+
+/// Eight independent partial sums so the compiler can keep them in one vector register.
+#[inline]
+pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += x * y;
+    }
+    (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
+}
+
+/// Portable fused dot for a block type: dequantise each block into a stack buffer, dot it.
+#[inline(always)]
+fn blockwise_dot<const B: usize>(row: &[u8], block_bytes: usize, x: &[f32], f: fn(&[u8], &mut [f32])) -> f32 {
+    let mut buf = [0.0f32; B];
+    let mut sum = 0.0f32;
+    for (blk, xs) in row.chunks_exact(block_bytes).zip(x.chunks_exact(B)) {
+        f(blk, &mut buf);
+        sum += dot_f32_portable(&buf, xs);
+    }
+    sum
+}
+
+macro_rules! block_kernel {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name {
+            pub simd: bool,
+        }
+        impl RowDot for $name {
+            fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if self.simd {
+                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                        // SAFETY: `simd` is only set when AVX2, FMA and F16C were detected;
+                        // `row` holds x.len() values of this type (checked at load).
+                        *o = unsafe { avx2::$simd_fn(row, x.x, x.sums) };
+                    }
+                    return;
+                }
+                let bb = $qtype.block_bytes();
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = blockwise_dot::<$block>(row, bb, x.x, $deq);
+                }
+            }
+            fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+                dequant::dequantize_into($qtype, row, out);
+            }
+        }
+    };
+}
+
+macro_rules! portable_kernel {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name;
+        impl RowDot for $name {
+            fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+                let bb = $qtype.block_bytes();
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = blockwise_dot::<$block>(row, bb, x.x, $deq);
+                }
+            }
+            fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+                dequant::dequantize_into($qtype, row, out);
+            }
+        }
+    };
+}
+
+block_kernel!(Q4_0Kernel, QType::Q4_0, 32, dequant::block_q4_0, dot_q4_0);
+block_kernel!(Q4_1Kernel, QType::Q4_1, 32, dequant::block_q4_1, dot_q4_1);
+block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0);
+block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k);
+block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k);
+portable_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0);
+portable_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1);
+portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
+portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
+portable_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k);
+
+/// f32 weights.
+#[derive(Debug, Clone, Copy)]
+pub struct F32Kernel {
+    pub simd: bool,
+}
+impl RowDot for F32Kernel {
+    fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+        let mut buf = [0.0f32; 64];
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+            // Weights in a file need not be 4-byte aligned, so go through a small buffer
+            // rather than casting the bytes.
+            let mut sum = 0.0;
+            for (bytes, xs) in row.chunks(256).zip(x.x.chunks(64)) {
+                let n = xs.len();
+                dequant::dequantize_into(QType::F32, bytes, &mut buf[..n]);
+                sum += dot_f32(self.simd, &buf[..n], xs);
+            }
+            *o = sum;
+        }
+    }
+    fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+        dequant::dequantize_into(QType::F32, row, out);
+    }
+}
+
+/// IEEE half weights.
+#[derive(Debug, Clone, Copy)]
+pub struct F16Kernel {
+    pub simd: bool,
+}
+impl RowDot for F16Kernel {
+    fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+            #[cfg(target_arch = "x86_64")]
+            if self.simd {
+                // SAFETY: features detected at load; `row` holds x.len() halves.
+                *o = unsafe { avx2::dot_f16(row, x.x) };
+                continue;
+            }
+            let mut buf = [0.0f32; 64];
+            let mut sum = 0.0;
+            for (bytes, xs) in row.chunks(128).zip(x.x.chunks(64)) {
+                let n = xs.len();
+                dequant::dequantize_into(QType::F16, bytes, &mut buf[..n]);
+                sum += dot_f32_portable(&buf[..n], xs);
+            }
+            *o = sum;
+        }
+    }
+    fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+        dequant::dequantize_into(QType::F16, row, out);
+    }
+}
+
+/// bfloat16 weights.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16Kernel {
+    pub simd: bool,
+}
+impl RowDot for Bf16Kernel {
+    fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+        let mut buf = [0.0f32; 64];
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+            let mut sum = 0.0;
+            for (bytes, xs) in row.chunks(128).zip(x.x.chunks(64)) {
+                let n = xs.len();
+                dequant::dequantize_into(QType::BF16, bytes, &mut buf[..n]);
+                sum += dot_f32(self.simd, &buf[..n], xs);
+            }
+            *o = sum;
+        }
+    }
+    fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+        dequant::dequantize_into(QType::BF16, row, out);
+    }
+}
+
+/// The kernel for one weight matrix, statically dispatched.
+#[enum_dispatch(RowDot)]
+#[derive(Debug, Clone, Copy)]
+pub enum Kernel {
+    F32(F32Kernel),
+    F16(F16Kernel),
+    Bf16(Bf16Kernel),
+    Q4_0(Q4_0Kernel),
+    Q4_1(Q4_1Kernel),
+    Q5_0(Q5_0Kernel),
+    Q5_1(Q5_1Kernel),
+    Q8_0(Q8_0Kernel),
+    Q2K(Q2KKernel),
+    Q3K(Q3KKernel),
+    Q4K(Q4KKernel),
+    Q5K(Q5KKernel),
+    Q6K(Q6KKernel),
+}
+
+/// Weight types this backend multiplies with.
+pub const SUPPORTED: [QType; 13] = [
+    QType::F32,
+    QType::F16,
+    QType::BF16,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q8_0,
+    QType::Q2_K,
+    QType::Q3_K,
+    QType::Q4_K,
+    QType::Q5_K,
+    QType::Q6_K,
+];
+
+impl Kernel {
+    /// The kernel for `qtype`; `simd` selects the AVX2 paths (only pass true when
+    /// [`simd_available`] says so). `None` for types this backend does not multiply with.
+    pub fn new(qtype: QType, simd: bool) -> Option<Kernel> {
+        let simd = simd && simd_available();
+        Some(match qtype {
+            QType::F32 => F32Kernel { simd }.into(),
+            QType::F16 => F16Kernel { simd }.into(),
+            QType::BF16 => Bf16Kernel { simd }.into(),
+            QType::Q4_0 => Q4_0Kernel { simd }.into(),
+            QType::Q4_1 => Q4_1Kernel { simd }.into(),
+            QType::Q5_0 => Q5_0Kernel.into(),
+            QType::Q5_1 => Q5_1Kernel.into(),
+            QType::Q8_0 => Q8_0Kernel { simd }.into(),
+            QType::Q2_K => Q2KKernel.into(),
+            QType::Q3_K => Q3KKernel.into(),
+            QType::Q4_K => Q4KKernel { simd }.into(),
+            QType::Q5_K => Q5KKernel.into(),
+            QType::Q6_K => Q6KKernel { simd }.into(),
+            _ => return None,
+        })
+    }
+}

@@ -1,0 +1,158 @@
+//! Quantised matrix × f32 activations, parallel over output rows.
+//!
+//! Work is cut into chunks of rows (never single rows) so a task streams a contiguous run
+//! of weight bytes. With several tokens (prefill, batched decode) every task still reads
+//! its weight rows from memory once: either it runs the fused kernel per token while the
+//! rows sit in cache (few tokens), or it dequantises each row once, a segment at a time,
+//! and dots the segment with every token (many tokens — prefill), which is what makes
+//! prefill cheaper per token than decode.
+
+use kiln_core::{Error, QType, Result, TensorView};
+use rayon::prelude::*;
+
+use crate::kernels::{dot_f32, Act, Kernel, RowDot};
+
+/// Most tokens one forward pass carries; longer prompts are cut into batches of this.
+pub const MAX_BATCH: usize = 64;
+
+/// From this many tokens on, rows are dequantised once and dotted in f32 per token.
+const DEQUANT_MIN_TOKENS: usize = 4;
+
+/// Values of a row dequantised at once on the many-token path (a multiple of every block).
+const SEGMENT: usize = 1024;
+
+/// A weight matrix as the executor holds it: a view of the file's bytes plus its kernel.
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    pub view: TensorView,
+    pub kernel: Kernel,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+}
+
+impl QMatrix {
+    /// Wraps `view`, checking it is `rows × cols` (`cols` contiguous) of a supported type.
+    pub fn new(view: &TensorView, cols: usize, rows: usize, simd: bool) -> Result<QMatrix> {
+        let kernel = Kernel::new(view.qtype(), simd).ok_or_else(|| {
+            Error::Unsupported(format!("tensor {}: the cpu backend cannot multiply {} weights", view.name(), view.qtype()))
+        })?;
+        if view.dims().len() != 2 || view.row_len() != cols || view.rows() != rows {
+            return Err(Error::InvalidShape(format!(
+                "tensor {} has dims {:?}; the model config needs [{cols}, {rows}]",
+                view.name(),
+                view.dims()
+            )));
+        }
+        if view.qtype().is_quantized() && cols % 32 != 0 {
+            return Err(Error::InvalidShape(format!("tensor {}: rows of {cols} values", view.name())));
+        }
+        Ok(QMatrix { view: view.clone(), kernel, rows, cols, row_bytes: view.row_bytes() })
+    }
+
+    pub fn qtype(&self) -> QType {
+        self.view.qtype()
+    }
+
+    /// Row `r` dequantised into `out` (length `cols`).
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        self.kernel.dequant_row(self.view.row(r), out);
+    }
+}
+
+/// A matrix and where its outputs go: `out` holds `tokens × m.rows` values.
+pub struct MatJob<'a> {
+    pub m: &'a QMatrix,
+    pub out: &'a mut [f32],
+}
+
+/// Activations of several tokens: `x` is `tokens × cols`, `sums` is `tokens × cols/32`.
+#[derive(Clone, Copy)]
+pub struct Batch<'a> {
+    pub x: &'a [f32],
+    pub sums: &'a [f32],
+    pub tokens: usize,
+    pub cols: usize,
+}
+
+impl<'a> Batch<'a> {
+    fn act(&self, t: usize) -> Act<'a> {
+        let ns = self.cols / 32;
+        Act {
+            x: &self.x[t * self.cols..(t + 1) * self.cols],
+            sums: if self.sums.is_empty() { &[] } else { &self.sums[t * ns..(t + 1) * ns] },
+        }
+    }
+}
+
+/// Raw output pointer shared by tasks that write disjoint ranges.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint element ranges of the buffer (see `matmul`), and the buffer
+// outlives the parallel region that uses the pointer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Runs every job on the same input batch, all rows of all jobs in one parallel region.
+/// Must run inside the executor's thread pool. Jobs must be at most 4.
+pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: bool) {
+    debug_assert!(jobs.len() <= 4 && input.tokens <= MAX_BATCH);
+    let total_rows: usize = jobs.iter().map(|j| j.m.rows).sum();
+    let chunk = (total_rows / (threads.max(1) * 8)).clamp(16, 1024);
+    let mut firsts = [0usize; 5];
+    let mut outs = [OutPtr(std::ptr::null_mut()); 4];
+    for (i, j) in jobs.iter_mut().enumerate() {
+        debug_assert_eq!(j.m.cols, input.cols);
+        debug_assert_eq!(j.out.len(), j.m.rows * input.tokens);
+        firsts[i + 1] = firsts[i] + j.m.rows.div_ceil(chunk);
+        outs[i] = OutPtr(j.out.as_mut_ptr());
+    }
+    let n_tasks = firsts[jobs.len()];
+    let mats: [Option<&QMatrix>; 4] = std::array::from_fn(|i| jobs.get(i).map(|j| j.m));
+    (0..n_tasks).into_par_iter().for_each(|task| {
+        let i = (0..4).find(|&i| task < firsts[i + 1]).expect("task index below the total");
+        let m = mats[i].expect("job present");
+        let r0 = (task - firsts[i]) * chunk;
+        let r1 = (r0 + chunk).min(m.rows);
+        let out = outs[i];
+        // SAFETY: this task alone writes elements t*rows + r0..r1 for every token t; the
+        // ranges of different tasks are disjoint and all lie inside the job's `out`.
+        let write = |t: usize| unsafe { std::slice::from_raw_parts_mut(out.0.add(t * m.rows + r0), r1 - r0) };
+        let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
+        if input.tokens < DEQUANT_MIN_TOKENS {
+            for t in 0..input.tokens {
+                m.kernel.dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+            }
+        } else {
+            many_tokens(m, bytes, r1 - r0, input, simd, write);
+        }
+    });
+}
+
+/// Dequantise each row once, a segment at a time, and dot it with every token.
+fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: bool, write: impl Fn(usize) -> &'o mut [f32]) {
+    let q = m.qtype();
+    let seg_bytes = SEGMENT / q.block_len() * q.block_bytes();
+    let mut buf = [0.0f32; SEGMENT];
+    let mut acc = [0.0f32; MAX_BATCH];
+    let mut outs: [&mut [f32]; MAX_BATCH] = std::array::from_fn(|_| <&mut [f32]>::default());
+    for (t, o) in outs.iter_mut().enumerate().take(input.tokens) {
+        *o = write(t);
+    }
+    for r in 0..rows {
+        let row = &bytes[r * m.row_bytes..(r + 1) * m.row_bytes];
+        acc[..input.tokens].fill(0.0);
+        for (s, seg) in row.chunks(seg_bytes).enumerate() {
+            let c0 = s * SEGMENT;
+            let n = (m.cols - c0).min(SEGMENT);
+            m.kernel.dequant_row(seg, &mut buf[..n]);
+            for (t, a) in acc[..input.tokens].iter_mut().enumerate() {
+                let x = &input.x[t * m.cols + c0..t * m.cols + c0 + n];
+                *a += dot_f32(simd, &buf[..n], x);
+            }
+        }
+        for (o, a) in outs[..input.tokens].iter_mut().zip(&acc) {
+            o[r] = *a;
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The executor on tiny random models built in memory: prefill vs token-by-token decode,
+//! batched vs single decode, truncation, Qwen2/Qwen3 shapes, K-quant weights, a naive
+//! f64 reference forward pass, and typed errors for bad input.
+
+mod common;
+
+use common::{rel_err, Spec};
+use kiln_backend_cpu::CpuBackend;
+use kiln_core::{
+    quant::dequantize, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, NormKind, RopeKind, Support,
+    TensorView,
+};
+
+fn load(ir: &ModelIr, threads: usize, sequences: usize) -> Box<dyn LayerExecutor> {
+    let opts = LoadOptions { max_context: 128, max_sequences: sequences, threads: Some(threads), progress: None };
+    CpuBackend.load(ir, &opts).expect("load")
+}
+
+fn prompt(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) % vocab as u32).collect()
+}
+
+/// Logits after each token, decoding one at a time.
+fn stepwise(ex: &mut dyn LayerExecutor, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let vocab = ex.config().vocab_size;
+    let seq = ex.new_sequence().unwrap();
+    let out = tokens
+        .iter()
+        .map(|&t| {
+            let mut l = vec![0.0; vocab];
+            ex.decode(&[DecodeItem { seq, token: t }], &mut l).unwrap();
+            l
+        })
+        .collect();
+    ex.free_sequence(seq).unwrap();
+    out
+}
+
+fn check_prefill_matches_decode(spec: &Spec, n: usize) {
+    let ir = spec.build(42);
+    let vocab = ir.config.vocab_size;
+    let tokens = prompt(n + 3, vocab, 1);
+    let mut ex = load(&ir, 2, 2);
+    let want = stepwise(ex.as_mut(), &tokens);
+    let seq = ex.new_sequence().unwrap();
+    let mut logits = vec![0.0; vocab];
+    ex.prefill(seq, &tokens[..n], &mut logits).unwrap();
+    assert_eq!(ex.sequence_len(seq).unwrap(), n);
+    let err = rel_err(&logits, &want[n - 1]);
+    assert!(err < 1e-4, "{:?}: prefill of {n} vs stepwise: rel err {err:e}", spec.arch);
+    for (i, &t) in tokens[n..].iter().enumerate() {
+        ex.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+        let err = rel_err(&logits, &want[n + i]);
+        assert!(err < 1e-4, "{:?}: decode {i} after prefill: rel err {err:e}", spec.arch);
+    }
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn prefill_then_decode_equals_token_by_token() {
+    // 2 uses the per-token fused path, 10 the dequantise-once path, 70 spans two batches.
+    for n in [1, 2, 10, 70] {
+        check_prefill_matches_decode(&Spec::llama(), n);
+    }
+}
+
+#[test]
+fn qwen2_and_qwen3_shapes_run() {
+    check_prefill_matches_decode(&Spec::qwen2(), 9);
+    check_prefill_matches_decode(&Spec::qwen3(), 9);
+}
+
+#[test]
+fn kquant_model_runs() {
+    check_prefill_matches_decode(&Spec::kquants(), 12);
+}
+
+#[test]
+fn batched_decode_equals_each_sequence_alone() {
+    let ir = Spec::llama().build(5);
+    let vocab = ir.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(4 + 3 * i, vocab, i as u32)).collect();
+    let follow: Vec<Vec<u32>> = (0..3).map(|i| prompt(3, vocab, 10 + i as u32)).collect();
+
+    let mut alone = Vec::new();
+    let mut ex = load(&ir, 2, 1);
+    for (p, f) in prompts.iter().zip(&follow) {
+        let all: Vec<u32> = p.iter().chain(f).copied().collect();
+        alone.push(stepwise(ex.as_mut(), &all));
+    }
+
+    let mut ex = load(&ir, 2, 3);
+    let seqs: Vec<_> = (0..3).map(|_| ex.new_sequence().unwrap()).collect();
+    let mut logits = vec![0.0; vocab];
+    for (s, p) in seqs.iter().zip(&prompts) {
+        ex.prefill(*s, p, &mut logits).unwrap();
+    }
+    let mut batch_logits = vec![0.0; 3 * vocab];
+    for step in 0..3 {
+        let batch: Vec<DecodeItem> = (0..3).map(|i| DecodeItem { seq: seqs[i], token: follow[i][step] }).collect();
+        ex.decode(&batch, &mut batch_logits).unwrap();
+        for i in 0..3 {
+            let want = &alone[i][prompts[i].len() + step];
+            let err = rel_err(&batch_logits[i * vocab..(i + 1) * vocab], want);
+            assert!(err < 1e-4, "sequence {i} step {step}: rel err {err:e}");
+        }
+    }
+}
+
+#[test]
+fn truncate_then_redecode_reproduces_logits() {
+    let ir = Spec::llama().build(9);
+    let vocab = ir.config.vocab_size;
+    let tokens = prompt(12, vocab, 3);
+    let mut ex = load(&ir, 1, 1);
+    let seq = ex.new_sequence().unwrap();
+    let mut first = vec![0.0; vocab];
+    ex.prefill(seq, &tokens[..8], &mut first).unwrap();
+    let mut after = Vec::new();
+    for &t in &tokens[8..] {
+        let mut l = vec![0.0; vocab];
+        ex.decode(&[DecodeItem { seq, token: t }], &mut l).unwrap();
+        after.push(l);
+    }
+    ex.truncate_sequence(seq, 8).unwrap();
+    assert_eq!(ex.sequence_len(seq).unwrap(), 8);
+    // Different tokens first, to overwrite the cache, then back to the original ones.
+    let mut l = vec![0.0; vocab];
+    ex.prefill(seq, &[1, 2, 3], &mut l).unwrap();
+    ex.truncate_sequence(seq, 8).unwrap();
+    for (i, &t) in tokens[8..].iter().enumerate() {
+        ex.decode(&[DecodeItem { seq, token: t }], &mut l).unwrap();
+        assert_eq!(l, after[i], "step {i} after truncation");
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let ir = Spec::llama().build(13);
+    let tokens = prompt(20, ir.config.vocab_size, 4);
+    let a = stepwise(load(&ir, 1, 1).as_mut(), &tokens);
+    let b = stepwise(load(&ir, 2, 1).as_mut(), &tokens);
+    assert_eq!(a, b);
+}
+
+// ---------------------------------------------------------------- naive reference model
+
+fn deq(t: &TensorView) -> Vec<f64> {
+    let mut v = vec![0.0f32; t.elements()];
+    dequantize(t.qtype(), t.bytes(), &mut v).unwrap();
+    v.into_iter().map(f64::from).collect()
+}
+
+/// `w` is rows × cols (row-major): y = W x.
+fn mv(w: &[f64], x: &[f64]) -> Vec<f64> {
+    w.chunks_exact(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+}
+
+fn rms(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let s = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
+    x.iter().zip(w).map(|(a, g)| a * s * g).collect()
+}
+
+/// Rotary embedding of one head written straight from the definition.
+fn rope_ref(kind: RopeKind, x: &mut [f64], pos: usize, theta: f64, dims: usize) {
+    for i in 0..dims / 2 {
+        let angle = pos as f64 * theta.powf(-2.0 * i as f64 / dims as f64);
+        let (a, b) = match kind {
+            RopeKind::Norm => (2 * i, 2 * i + 1),
+            RopeKind::Neox => (i, i + dims / 2),
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * angle.cos() - x1 * angle.sin();
+        x[b] = x0 * angle.sin() + x1 * angle.cos();
+    }
+}
+
+/// Logits of every position of `tokens`, computed in f64 with plain loops and a full
+/// softmax over the whole prefix.
+fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let c = &ir.config;
+    assert_eq!(c.norm, NormKind::Rms);
+    let (h, hd, eps) = (c.hidden_size, c.head_dim, c.norm_eps as f64);
+    let embd = deq(&ir.weights.token_embd);
+    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| embd[t as usize * h..(t as usize + 1) * h].to_vec()).collect();
+    for l in &ir.weights.layers {
+        let (wq, wk, wv, wo) = (deq(&l.attn_q), deq(&l.attn_k), deq(&l.attn_v), deq(&l.attn_out));
+        let an = deq(&l.attn_norm);
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut qs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let xn = rms(x, &an, eps);
+            let add = |mut v: Vec<f64>, b: &Option<TensorView>| {
+                if let Some(b) = b {
+                    v.iter_mut().zip(deq(b)).for_each(|(a, b)| *a += b);
+                }
+                v
+            };
+            let mut q = add(mv(&wq, &xn), &l.attn_q_bias);
+            let mut k = add(mv(&wk, &xn), &l.attn_k_bias);
+            let v = add(mv(&wv, &xn), &l.attn_v_bias);
+            for (heads, norm) in [(&mut q, &l.attn_q_norm), (&mut k, &l.attn_k_norm)] {
+                for head in heads.chunks_exact_mut(hd) {
+                    if let Some(w) = norm {
+                        let n = rms(head, &deq(w), eps);
+                        head.copy_from_slice(&n);
+                    }
+                    rope_ref(c.rope.kind, head, pos, c.rope.theta as f64, c.rope.rotary_dims);
+                }
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        let (fg, fu, fd, fnw) = (deq(l.ffn_gate.as_ref().unwrap()), deq(&l.ffn_up), deq(&l.ffn_down), deq(l.ffn_norm.as_ref().unwrap()));
+        for pos in 0..xs.len() {
+            let mut att = vec![0.0; c.q_dim()];
+            for head in 0..c.num_heads {
+                let g = head / c.gqa_ratio();
+                let q = &qs[pos][head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|j| q.iter().zip(&ks[j][g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (j, p) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        att[head * hd + d] += p / z * vs[j][g * hd + d];
+                    }
+                }
+            }
+            let o = mv(&wo, &att);
+            let x = &mut xs[pos];
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let xn = rms(x, &fnw, eps);
+            let (gate, up) = (mv(&fg, &xn), mv(&fu, &xn));
+            let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let d = mv(&fd, &act);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    let on = deq(&ir.weights.output_norm);
+    let head = deq(ir.weights.lm_head());
+    xs.iter().map(|x| mv(&head, &rms(x, &on, eps))).collect()
+}
+
+fn check_against_reference(spec: &Spec) {
+    let ir = spec.build(77);
+    let tokens = prompt(9, ir.config.vocab_size, 2);
+    let want = reference_logits(&ir, &tokens);
+    let got = stepwise(load(&ir, 2, 1).as_mut(), &tokens);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
+        let err = rel_err(g, &w);
+        assert!(err < 1e-4, "{:?} position {i}: rel err {err:e} against the f64 reference", spec.arch);
+    }
+}
+
+#[test]
+fn matches_naive_f64_reference_forward() {
+    check_against_reference(&Spec::llama());
+    check_against_reference(&Spec::qwen2());
+    check_against_reference(&Spec::qwen3());
+    check_against_reference(&Spec::kquants());
+}
+
+// ---------------------------------------------------------------- errors and registry
+
+fn invalid<T: std::fmt::Debug>(r: kiln_core::Result<T>, what: &str) {
+    match r {
+        Err(Error::InvalidArgument(_)) => {}
+        other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let ir = Spec::llama().build(1);
+    let vocab = ir.config.vocab_size;
+    let opts = LoadOptions { max_context: 16, max_sequences: 1, threads: Some(1), progress: None };
+    let mut ex = CpuBackend.load(&ir, &opts).unwrap();
+    let mut l = vec![0.0; vocab];
+    invalid(ex.decode(&[DecodeItem { seq: 5, token: 1 }], &mut l), "unknown sequence");
+    invalid(ex.sequence_len(5), "unknown sequence len");
+    invalid(ex.free_sequence(5), "free unknown");
+    let seq = ex.new_sequence().unwrap();
+    invalid(ex.new_sequence(), "no free slot");
+    invalid(ex.prefill(seq, &[vocab as u32], &mut l), "token out of vocab");
+    invalid(ex.decode(&[DecodeItem { seq, token: u32::MAX }], &mut l), "token out of vocab in decode");
+    invalid(ex.prefill(seq, &[1, 2], &mut l[..vocab - 1]), "short logits");
+    invalid(ex.decode(&[DecodeItem { seq, token: 1 }], &mut vec![0.0; vocab + 1]), "long logits");
+    invalid(ex.prefill(seq, &[], &mut l), "empty prompt");
+    invalid(ex.prefill(seq, &[1; 17], &mut l), "prompt longer than the context");
+    assert_eq!(ex.sequence_len(seq).unwrap(), 0, "failed calls leave the sequence untouched");
+    ex.prefill(seq, &[1; 16], &mut l).unwrap();
+    invalid(ex.decode(&[DecodeItem { seq, token: 1 }], &mut l), "context full");
+    invalid(ex.truncate_sequence(seq, 17), "truncate past the end");
+    ex.free_sequence(seq).unwrap();
+    invalid(ex.sequence_len(seq), "freed sequence");
+    let again = ex.new_sequence().unwrap();
+    assert_ne!(again, seq, "ids of freed sequences are not handed out again at once");
+}
+
+#[test]
+fn backend_registers_and_judges_models() {
+    let reg = kiln_core::Registry::with_builtins();
+    let cpu = reg.get("cpu").expect("cpu backend registered through inventory");
+    assert!(cpu.probe().unwrap().contains("threads"));
+    let ir = Spec::llama().build(2);
+    assert_eq!(cpu.supports(&ir).score(), Some(10));
+
+    let mut odd = ir.clone();
+    let q = &odd.weights.layers[0].attn_q;
+    odd.weights.layers[0].attn_q =
+        TensorView::from_bytes("blk.0.attn_q", kiln_core::QType::Q8_1, q.dims().to_vec(), vec![0; kiln_core::QType::Q8_1.tensor_bytes(q.dims()).unwrap()]).unwrap();
+    match cpu.supports(&odd) {
+        Support::No { reason } => assert!(reason.contains("q8_1"), "{reason}"),
+        s => panic!("expected a refusal, got {s:?}"),
+    }
+    assert!(cpu.load(&odd, &LoadOptions::default()).is_err());
+
+    let mut wrong = ir.clone();
+    wrong.config.hidden_size = 32;
+    assert!(cpu.load(&wrong, &LoadOptions::default()).is_err(), "shape mismatch must be refused");
+}
