@@ -239,6 +239,11 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
+    /// Position of the tensor named `name` in [`GgufFile::tensors`].
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.tensor_index.get(name).copied()
+    }
+
     /// A zero-copy view of a tensor's data, sharing this file's storage.
     pub fn view(&self, info: &GgufTensorInfo) -> kiln_core::Result<TensorView> {
         let start = self

@@ -1,1 +1,333 @@
-//! (in progress)
+//! From a GGUF file to kiln's IR, and from the IR to a backend.
+//!
+//! [`model_from_gguf`] reads the `{arch}.*` hyper-parameters into a [`ModelConfig`] and gives
+//! every tensor a typed role in [`ModelWeights`], checking each shape against the config so a
+//! backend never meets a surprise. Every tensor in the file must find a role: a tensor kiln
+//! would silently ignore (an FFN bias, say) means kiln would compute a different model, so it
+//! is refused instead. [`dispatch`] asks the registry which backend runs the result.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kiln_core::{
+    Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
+    Registry, Result, RopeConfig, RopeKind, RopeScaling, TensorView,
+};
+
+use crate::gguf::{GgufFile, GgufTensorInfo};
+
+/// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
+pub const SUPPORTED_ARCHITECTURES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
+
+/// Opens a GGUF file and maps it. The file is returned too: the tokenizer and chat
+/// template live in its metadata.
+pub fn load_gguf(path: impl AsRef<Path>) -> Result<(GgufFile, ModelIr)> {
+    let path = path.as_ref();
+    let file = GgufFile::open(path)?;
+    let ir = model_from_gguf(&file, &format!("GGUF file {}", path.display()))?;
+    Ok((file, ir))
+}
+
+/// Maps a parsed GGUF file into a [`ModelIr`] whose tensors borrow the file's storage.
+/// `source` names the file in messages.
+pub fn model_from_gguf(file: &GgufFile, source: &str) -> Result<ModelIr> {
+    let config = config_from_gguf(file)?;
+    let mut t = Tensors { file, used: vec![false; file.tensors().len()] };
+    let weights = weights(&mut t, &config)?;
+    if let Some(info) = t.unused().next() {
+        return Err(Error::Unsupported(format!(
+            "{source}: tensor '{}' has no role in a {} model as kiln runs it",
+            info.name,
+            config.arch.name()
+        )));
+    }
+    Ok(ModelIr { config, weights, source: source.to_string() })
+}
+
+/// The hyper-parameters of a GGUF model (what `kiln inspect` shows), without the weights.
+/// Properties only visible in the tensor table (tied embeddings, biases, QK-norm, vocab
+/// when the metadata omits it) are read from it.
+pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
+    let arch_name = file
+        .get_str("general.architecture")
+        .ok_or_else(|| Error::Format("metadata has no string 'general.architecture'".into()))?;
+    let arch = match arch_name {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        other => {
+            return Err(Error::Unsupported(format!(
+                "architecture '{other}' (kiln runs {})",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            )))
+        }
+    };
+    let meta = Meta { file, arch: arch_name };
+
+    let num_layers = meta.usize("block_count")?;
+    let hidden_size = meta.usize("embedding_length")?;
+    let ffn_size = meta.usize("feed_forward_length")?;
+    let num_heads = meta.usize("attention.head_count")?;
+    let num_kv_heads = meta.opt_usize("attention.head_count_kv")?.unwrap_or(num_heads);
+    let context_length = meta.usize("context_length")?;
+    let norm_eps = meta.f32("attention.layer_norm_rms_epsilon")?;
+    if num_heads == 0 {
+        return Err(Error::Format(format!("{arch_name}.attention.head_count is 0")));
+    }
+    let head_dim = match meta.opt_usize("attention.key_length")? {
+        Some(d) => d,
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => {
+            return Err(Error::Format(format!(
+                "hidden size {hidden_size} does not split into {num_heads} heads and {arch_name}.attention.key_length is absent"
+            )))
+        }
+    };
+    if let Some(v) = meta.opt_usize("attention.value_length")? {
+        if v != head_dim {
+            return Err(Error::Unsupported(format!("value head size {v} differs from key head size {head_dim}")));
+        }
+    }
+
+    let theta = meta.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
+    let rotary_dims = meta.opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
+    let scaling = match (file.get_str(&meta.key("rope.scaling.type")), meta.opt_f32("rope.scaling.factor")?) {
+        (None | Some("none"), _) => match meta.opt_f32("rope.scale_linear")? {
+            // The key older converters wrote for linear scaling.
+            Some(f) if f != 1.0 => RopeScaling::Linear { factor: f },
+            _ => RopeScaling::None,
+        },
+        (Some("linear"), Some(factor)) if factor > 0.0 => {
+            if factor == 1.0 {
+                RopeScaling::None
+            } else {
+                RopeScaling::Linear { factor }
+            }
+        }
+        (Some("linear"), f) => return Err(Error::Format(format!("linear rope scaling with factor {f:?}"))),
+        (Some(other), _) => return Err(Error::Unsupported(format!("rope scaling '{other}'"))),
+    };
+    // llama.cpp's converter permutes Q/K of llama-family models into adjacent-pair order;
+    // Qwen's are left in the HF split-halves order.
+    let rope_kind = match arch {
+        Architecture::Llama | Architecture::Mistral => RopeKind::Norm,
+        Architecture::Qwen2 | Architecture::Qwen3 => RopeKind::Neox,
+    };
+
+    let token_embd = file
+        .tensor("token_embd.weight")
+        .ok_or_else(|| Error::Format("tensor 'token_embd.weight' is missing".into()))?;
+    let vocab_size = match meta.opt_usize("vocab_size")? {
+        Some(v) => v,
+        None => match token_embd.dims.as_slice() {
+            [_, v] => *v,
+            _ => file
+                .get_string_array("tokenizer.ggml.tokens")
+                .map(|t| t.len())
+                .ok_or_else(|| Error::Format("vocabulary size is not stated anywhere".into()))?,
+        },
+    };
+
+    let has = |name: &str| file.tensor(name).is_some();
+    let config = ModelConfig {
+        arch,
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ffn_size,
+        norm: NormKind::Rms,
+        norm_eps,
+        activation: Activation::Silu,
+        gated_ffn: true,
+        parallel_residual: false,
+        qkv_bias: has("blk.0.attn_q.bias") || has("blk.0.attn_qkv.bias"),
+        qk_norm: has("blk.0.attn_q_norm.weight"),
+        rope: RopeConfig { kind: rope_kind, theta, scaling, rotary_dims },
+        tied_embeddings: !has("output.weight"),
+        context_length,
+    };
+    config.validate()?;
+    if config.arch == Architecture::Qwen3 && !config.qk_norm {
+        return Err(Error::Format("a qwen3 model needs blk.N.attn_q_norm / attn_k_norm".into()));
+    }
+    Ok(config)
+}
+
+/// Chooses the backend to run `model`: the one named `preferred`, or the best-scoring
+/// registered backend for the model's qtypes. Returns it with every backend's verdict,
+/// best first, so a caller can show why the others were not chosen.
+pub fn dispatch(
+    model: &ModelIr,
+    registry: &Registry,
+    preferred: Option<&str>,
+) -> Result<(Arc<dyn Backend>, Vec<Candidate>)> {
+    registry.select(model, preferred)
+}
+
+/// Typed metadata lookups under the `{arch}.` prefix, with errors naming the key.
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+    fn opt_usize(&self, k: &str) -> Result<Option<usize>> {
+        let key = self.key(k);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_usize()
+                .map(Some)
+                .ok_or_else(|| Error::Format(format!("metadata '{key}' should be a non-negative integer, found {v}"))),
+        }
+    }
+    fn usize(&self, k: &str) -> Result<usize> {
+        self.opt_usize(k)?.ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
+    }
+    fn opt_f32(&self, k: &str) -> Result<Option<f32>> {
+        let key = self.key(k);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => match v.as_f32() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(Error::Format(format!("metadata '{key}' should be a finite number, found {v}"))),
+            },
+        }
+    }
+    fn f32(&self, k: &str) -> Result<f32> {
+        self.opt_f32(k)?.ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
+    }
+}
+
+/// Tensor lookups that check shapes and remember which tensors found a role.
+struct Tensors<'a> {
+    file: &'a GgufFile,
+    used: Vec<bool>,
+}
+
+impl<'a> Tensors<'a> {
+    fn info(&mut self, name: &str) -> Option<&'a GgufTensorInfo> {
+        let file = self.file;
+        let i = file.tensor_index(name)?;
+        self.used[i] = true;
+        Some(&file.tensors()[i])
+    }
+
+    fn opt(&mut self, name: &str, dims: &[usize]) -> Result<Option<TensorView>> {
+        let Some(info) = self.info(name) else { return Ok(None) };
+        check_dims(name, &info.dims, dims)?;
+        Ok(Some(self.file.view(info)?))
+    }
+
+    fn req(&mut self, name: &str, dims: &[usize]) -> Result<TensorView> {
+        self.opt(name, dims)?.ok_or_else(|| Error::Format(format!("tensor '{name}' is missing")))
+    }
+
+    /// Elements `start..start + count` of a 1-D tensor as their own view (a fused bias).
+    fn split_vector(&self, info: &GgufTensorInfo, name: &str, start: usize, count: usize) -> Result<TensorView> {
+        let skip = info.qtype.row_bytes(start)?;
+        let at = usize::try_from(self.file.data_offset() + info.offset)
+            .map_err(|_| Error::Format(format!("tensor {}: offset overflows", info.name)))?;
+        TensorView::new(name, info.qtype, vec![count], self.file.storage().clone(), at + skip)
+    }
+
+    fn unused(&self) -> impl Iterator<Item = &'a GgufTensorInfo> + '_ {
+        let file = self.file;
+        file.tensors().iter().zip(&self.used).filter(|(_, &u)| !u).map(|(t, _)| t)
+    }
+}
+
+fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
+    if actual != expected {
+        return Err(Error::Format(format!("tensor '{name}': expected dims {expected:?}, found {actual:?}")));
+    }
+    Ok(())
+}
+
+fn weights(t: &mut Tensors<'_>, c: &ModelConfig) -> Result<ModelWeights> {
+    let (hidden, vocab, q_dim, kv_dim) = (c.hidden_size, c.vocab_size, c.q_dim(), c.kv_dim());
+    let token_embd = t.req("token_embd.weight", &[hidden, vocab])?;
+    let output_norm = t.req("output_norm.weight", &[hidden])?;
+    let output_norm_bias = t.opt("output_norm.bias", &[hidden])?;
+    let output = t.opt("output.weight", &[hidden, vocab])?;
+    let rope_freqs = t.opt("rope_freqs.weight", &[c.rope.rotary_dims / 2])?;
+
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for i in 0..c.num_layers {
+        let n = |role: &str| format!("blk.{i}.{role}");
+        let (attn_q, attn_k, attn_v) = match t.info(&n("attn_qkv.weight")) {
+            Some(info) => {
+                let name = n("attn_qkv.weight");
+                check_dims(&name, &info.dims, &[hidden, q_dim + 2 * kv_dim])?;
+                let fused = t.file.view(info)?;
+                (
+                    fused.slice_rows(&n("attn_q.weight"), 0, q_dim)?,
+                    fused.slice_rows(&n("attn_k.weight"), q_dim, kv_dim)?,
+                    fused.slice_rows(&n("attn_v.weight"), q_dim + kv_dim, kv_dim)?,
+                )
+            }
+            None => (
+                t.req(&n("attn_q.weight"), &[hidden, q_dim])?,
+                t.req(&n("attn_k.weight"), &[hidden, kv_dim])?,
+                t.req(&n("attn_v.weight"), &[hidden, kv_dim])?,
+            ),
+        };
+        let (attn_q_bias, attn_k_bias, attn_v_bias) = match t.info(&n("attn_qkv.bias")) {
+            Some(info) => {
+                check_dims(&n("attn_qkv.bias"), &info.dims, &[q_dim + 2 * kv_dim])?;
+                (
+                    Some(t.split_vector(info, &n("attn_q.bias"), 0, q_dim)?),
+                    Some(t.split_vector(info, &n("attn_k.bias"), q_dim, kv_dim)?),
+                    Some(t.split_vector(info, &n("attn_v.bias"), q_dim + kv_dim, kv_dim)?),
+                )
+            }
+            None => (
+                t.opt(&n("attn_q.bias"), &[q_dim])?,
+                t.opt(&n("attn_k.bias"), &[kv_dim])?,
+                t.opt(&n("attn_v.bias"), &[kv_dim])?,
+            ),
+        };
+        let biases = [&attn_q_bias, &attn_k_bias, &attn_v_bias].iter().filter(|b| b.is_some()).count();
+        if biases != if c.qkv_bias { 3 } else { 0 } {
+            return Err(Error::Format(format!(
+                "layer {i} has {biases} of the 3 Q/K/V biases; the model {} them",
+                if c.qkv_bias { "has" } else { "has none of" }
+            )));
+        }
+        let (attn_q_norm, attn_k_norm) = if c.qk_norm {
+            (
+                Some(t.req(&n("attn_q_norm.weight"), &[c.head_dim])?),
+                Some(t.req(&n("attn_k_norm.weight"), &[c.head_dim])?),
+            )
+        } else {
+            (None, None)
+        };
+        layers.push(LayerWeights {
+            attn_norm: t.req(&n("attn_norm.weight"), &[hidden])?,
+            attn_norm_bias: t.opt(&n("attn_norm.bias"), &[hidden])?,
+            attn_q,
+            attn_k,
+            attn_v,
+            attn_q_bias,
+            attn_k_bias,
+            attn_v_bias,
+            attn_q_norm,
+            attn_k_norm,
+            attn_out: t.req(&n("attn_output.weight"), &[q_dim, hidden])?,
+            attn_out_bias: t.opt(&n("attn_output.bias"), &[hidden])?,
+            ffn_norm: Some(t.req(&n("ffn_norm.weight"), &[hidden])?),
+            ffn_norm_bias: t.opt(&n("ffn_norm.bias"), &[hidden])?,
+            ffn_gate: Some(t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?),
+            ffn_up: t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
+            ffn_down: t.req(&n("ffn_down.weight"), &[c.ffn_size, hidden])?,
+        });
+    }
+    Ok(ModelWeights { token_embd, layers, output_norm, output_norm_bias, output, rope_freqs })
+}
