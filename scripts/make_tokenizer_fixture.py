@@ -163,7 +163,8 @@ def main():
     template = field_scalar(reader, "tokenizer.chat_template")
     bos = field_strings(reader, "tokenizer.ggml.tokens")[int(field_scalar(reader, "tokenizer.ggml.bos_token_id"))]
     eos = field_strings(reader, "tokenizer.ggml.tokens")[int(field_scalar(reader, "tokenizer.ggml.eos_token_id"))]
-    env = jinja2.Environment(trim_blocks=False, lstrip_blocks=False)
+    # The environment transformers renders chat templates in.
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     chats = []
     for conv in CONVERSATIONS:
         rendered = hf.apply_chat_template(conv["messages"], tokenize=False,

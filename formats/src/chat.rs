@@ -1,1 +1,316 @@
-//! (in progress)
+//! Chat formatting with the model's own Jinja template (`tokenizer.chat_template`).
+//!
+//! Templates are written for Python's jinja2 as transformers runs it, so the environment
+//! here copies that setup: `trim_blocks` and `lstrip_blocks` on, loop controls, Python
+//! string methods (`.strip()`, `.startswith()` ... through minijinja-contrib's pycompat),
+//! `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson` that writes JSON the way
+//! Python's `json.dumps` does (`", "` / `": "` separators, no HTML escaping, key order
+//! kept). A file without a template gets ChatML.
+
+use std::fmt::Write as _;
+
+use kiln_core::{Error, Result};
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{context, Environment, ErrorKind};
+use serde::Serialize;
+
+use crate::gguf::GgufFile;
+
+/// ChatML, used when the file carries no template.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (whatever roles the template knows).
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template plus the special-token strings it may reference.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos_token: String,
+    eos_token: String,
+    is_fallback: bool,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("is_fallback", &self.is_fallback)
+            .finish()
+    }
+}
+
+fn template_error(e: minijinja::Error) -> Error {
+    // `{:#}` adds the template line the error points at, which is what a user needs.
+    let mut msg = e.to_string();
+    if let Some(detail) = e.detail() {
+        if !msg.contains(detail) {
+            let _ = write!(msg, " ({detail})");
+        }
+    }
+    Error::Tokenizer(format!("chat template: {msg}"))
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; syntax errors come back as [`Error::Tokenizer`].
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<ChatTemplate> {
+        let source = source.into();
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.clone()).map_err(template_error)?;
+        Ok(ChatTemplate {
+            env,
+            source,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+            is_fallback: false,
+        })
+    }
+
+    /// ChatML with the given special-token strings.
+    pub fn chatml(bos_token: impl Into<String>, eos_token: impl Into<String>) -> ChatTemplate {
+        let mut t = ChatTemplate::new(CHATML_TEMPLATE, bos_token, eos_token).expect("the ChatML template compiles");
+        t.is_fallback = true;
+        t
+    }
+
+    /// The file's `tokenizer.chat_template`, or ChatML when it has none. BOS/EOS strings
+    /// come from the token ids in the tokenizer metadata (empty when absent).
+    pub fn from_gguf(file: &GgufFile) -> Result<ChatTemplate> {
+        let tokens = file.get_string_array("tokenizer.ggml.tokens");
+        let piece = |key: &str| -> String {
+            file.get_u64(key)
+                .and_then(|id| tokens.and_then(|t| t.get(usize::try_from(id).ok()?)))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let (bos, eos) = (piece("tokenizer.ggml.bos_token_id"), piece("tokenizer.ggml.eos_token_id"));
+        match file.get_str("tokenizer.chat_template") {
+            Some(src) => ChatTemplate::new(src, bos, eos),
+            None => Ok(ChatTemplate::chatml(bos, eos)),
+        }
+    }
+
+    /// The Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether this is the ChatML fallback rather than the file's own template.
+    pub fn is_fallback(&self) -> bool {
+        self.is_fallback
+    }
+
+    /// Renders the conversation. With `add_generation_prompt`, the text ends with the
+    /// opening of an assistant turn, ready for the model to continue.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(template_error)
+    }
+}
+
+/// `raise_exception(msg)`: templates use it to reject conversations they cannot format.
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `strftime_now(fmt)`: the current UTC date/time; supports the directives chat templates
+/// use (`%Y %y %m %d %e %b %B %a %A %H %M %S %j %%`).
+fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime_utc(&fmt, secs)
+}
+
+const MONTHS: [&str; 12] = [
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+
+/// Formats a Unix time (UTC). Days-to-civil conversion from Howard Hinnant's algorithm.
+fn strftime_utc(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
+    let days = unix_secs.div_euclid(86_400);
+    let sod = unix_secs.rem_euclid(86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_mar + 2) / 153;
+    let day = doy_mar - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cumulative[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    let month_name = MONTHS[(month - 1) as usize];
+
+    let mut out = String::with_capacity(fmt.len() + 16);
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let directive = chars.next();
+        let _ = match directive {
+            Some('Y') => write!(out, "{year}"),
+            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
+            Some('m') => write!(out, "{month:02}"),
+            Some('d') => write!(out, "{day:02}"),
+            Some('e') => write!(out, "{day:2}"),
+            Some('b') => write!(out, "{}", &month_name[..3]),
+            Some('B') => write!(out, "{month_name}"),
+            Some('a') => write!(out, "{}", &WEEKDAYS[weekday][..3]),
+            Some('A') => write!(out, "{}", WEEKDAYS[weekday]),
+            Some('H') => write!(out, "{:02}", sod / 3600),
+            Some('M') => write!(out, "{:02}", sod / 60 % 60),
+            Some('S') => write!(out, "{:02}", sod % 60),
+            Some('j') => write!(out, "{yday:03}"),
+            Some('%') => write!(out, "%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("strftime_now: unsupported directive %{}", other.map(String::from).unwrap_or_default()),
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// `tojson` as transformers defines it: `json.dumps(value, ensure_ascii=False,
+/// indent=indent)`. minijinja's built-in escapes `<`, `>`, `&`, `'` for HTML, which would
+/// change what the model sees.
+fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_json(&mut out, &value, indent, 0)?;
+    Ok(out)
+}
+
+fn write_json(
+    out: &mut String,
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    let bad = |what: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {what}"));
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if let Ok(i) = i64::try_from(v.clone()) {
+                let _ = write!(out, "{i}");
+            } else {
+                let f = f64::try_from(v.clone()).map_err(|_| bad("number out of range"))?;
+                if !f.is_finite() {
+                    // Python writes NaN/Infinity, which is not JSON but what the model saw.
+                    out.push_str(if f.is_nan() { "NaN" } else if f > 0.0 { "Infinity" } else { "-Infinity" });
+                } else if f.fract() == 0.0 && f.abs() < 1e16 {
+                    let _ = write!(out, "{f:.1}");
+                } else {
+                    let _ = write!(out, "{f}");
+                }
+            }
+        }
+        ValueKind::String | ValueKind::Bytes => {
+            let s = v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string());
+            out.push_str(&serde_json::to_string(&s).map_err(|e| bad(&e.to_string()))?);
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                write_json(out, item, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                let name = key.as_str().map(str::to_string).unwrap_or_else(|| key.to_string());
+                out.push_str(&serde_json::to_string(&name).map_err(|e| bad(&e.to_string()))?);
+                out.push_str(": ");
+                write_json(out, &v.get_item(key)?, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        _ => return Err(bad(&format!("cannot serialise {}", v.kind()))),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S %a %j", 0).unwrap(), "1970-01-01 00:00:00 Thu 001");
+        // 2024-02-29 12:34:56 UTC, a Thursday, day 60 of a leap year.
+        assert_eq!(strftime_utc("%d %b %Y %A %j", 1_709_210_096).unwrap(), "29 Feb 2024 Thursday 060");
+        assert!(strftime_utc("%Q", 0).is_err());
+    }
+}
