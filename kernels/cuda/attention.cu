@@ -1,0 +1,104 @@
+// Decode attention for one new query per head over the f16 KV cache, split over the
+// context (flash-decoding): `attn_partial` gives each (head, split) block `split` positions
+// and writes an unnormalised partial result with its running max and sum; `attn_combine`
+// merges the splits. The context length is read from device memory, so the grid is sized
+// for the longest context and blocks past the end return at once: one captured graph
+// serves every step.
+//
+// Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
+// Lane l of a warp owns E = hd / 32 consecutive elements of the head.
+
+template <int E>
+static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
+                                                         const u16* __restrict__ vc, const int* __restrict__ len_ptr,
+                                                         int n_heads, int n_kv, int max_ctx, int split, float scale,
+                                                         float* __restrict__ part_o, float2* __restrict__ part_ml) {
+    const int hd = E * 32;
+    const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
+    const int len = *len_ptr;
+    const int start = s * split;
+    if (start >= len) return;
+    const int end = min(len, start + split);
+    const int kvh = head / (n_heads / n_kv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    float qr[E], acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qr[e] = q[(size_t)head * hd + lane * E + e] * scale;
+        acc[e] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const u16* kbase = kc + (size_t)kvh * max_ctx * hd + lane * E;
+    const u16* vbase = vc + (size_t)kvh * max_ctx * hd + lane * E;
+    for (int p = start + warp; p < end; p += nwarps) {
+        const u16* kp = kbase + (size_t)p * hd;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot += qr[e] * h2f(kp[e]);
+        dot = warp_sum(dot);
+        const float m_new = fmaxf(m, dot);
+        const float corr = expf(m - m_new);
+        const float pw = expf(dot - m_new);
+        l = l * corr + pw;
+        const u16* vp = vbase + (size_t)p * hd;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + pw * h2f(vp[e]);
+        m = m_new;
+    }
+    // Merge the warps of this block.
+    __shared__ float sm_m[32], sm_l[32];
+    __shared__ float sm_o[4 * 256];  // launch bounds: at most 4 warps, hd at most 256
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+#pragma unroll
+    for (int e = 0; e < E; ++e) sm_o[warp * hd + lane * E + e] = acc[e];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sm_m[w]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < nwarps; ++w)
+            if (sm_m[w] != -INFINITY) o += sm_o[w * hd + d] * expf(sm_m[w] - M);
+        part_o[((size_t)head * nsplit + s) * hd + d] = o;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < nwarps; ++w)
+            if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
+        part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
+    }
+}
+
+#define ATTN_ENTRY(E)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attn_partial_##E(                                                \
+        const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
+        int split, float scale, float* part_o, float2* part_ml) {                                                      \
+        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml);               \
+    }
+ATTN_ENTRY(1)
+ATTN_ENTRY(2)
+ATTN_ENTRY(3)
+ATTN_ENTRY(4)
+ATTN_ENTRY(5)
+ATTN_ENTRY(6)
+ATTN_ENTRY(7)
+ATTN_ENTRY(8)
+
+// One block per head, one thread per element of the head.
+extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+                                        const int* __restrict__ len_ptr, int split, int nsplit, int hd,
+                                        float* __restrict__ out) {
+    const int head = blockIdx.x;
+    const int n = min(nsplit, (*len_ptr + split - 1) / split);
+    float M = -INFINITY;
+    for (int s = 0; s < n; ++s) M = fmaxf(M, part_ml[(size_t)head * nsplit + s].x);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f, L = 0.0f;
+        for (int s = 0; s < n; ++s) {
+            const float2 ml = part_ml[(size_t)head * nsplit + s];
+            const float w = expf(ml.x - M);
+            L += ml.y * w;
+            o += part_o[((size_t)head * nsplit + s) * hd + d] * w;
+        }
+        out[(size_t)head * hd + d] = o / L;
+    }
+}

@@ -1,0 +1,63 @@
+// Rotary position embedding on the fused QKV projection output, with the rotated K and the
+// V row written straight into the KV cache (f16), and optional per-head RMSNorm of Q and K
+// before the rotation (Qwen3's QK-norm).
+//
+// qkv: [n_heads * hd | n_kv * hd | n_kv * hd] f32. One block per head: blocks
+// [0, n_heads) handle Q (written to q_out), [n_heads, n_heads + n_kv) handle K and V.
+// Thread i owns rotary pair i (i < hd / 2). The position is read from device memory so a
+// captured graph serves every step.
+// Cache layout: [n_kv][max_ctx][hd].
+
+extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restrict__ q_out, u16* __restrict__ kc,
+                                   u16* __restrict__ vc, const int* __restrict__ pos_ptr, int n_heads, int n_kv,
+                                   int hd, int rot_dims, float theta, float pos_scale,
+                                   const float* __restrict__ freq_factors, int neox, const float* __restrict__ q_norm,
+                                   const float* __restrict__ k_norm, float eps, int max_ctx) {
+    __shared__ float scratch[32];
+    const int head = blockIdx.x;
+    const bool is_q = head < n_heads;
+    const int kvh = head - n_heads;
+    const float* src = is_q ? qkv + (size_t)head * hd : qkv + (size_t)(n_heads + kvh) * hd;
+    const int pos = *pos_ptr;
+    const int i = threadIdx.x;
+    const int half = hd / 2;
+    // Indices of this thread's pair.
+    int a, b;
+    if (neox) {
+        const int rhalf = rot_dims / 2;
+        if (i < rhalf) { a = i; b = i + rhalf; }
+        else { a = rot_dims + 2 * (i - rhalf); b = a + 1; }  // unrotated tail, any pairing
+    } else {
+        a = 2 * i; b = 2 * i + 1;
+    }
+    float xa = 0.0f, xb = 0.0f;
+    if (i < half) { xa = src[a]; xb = src[b]; }
+    const float* norm = is_q ? q_norm : k_norm;
+    if (norm) {
+        const float ss = block_sum(xa * xa + xb * xb, scratch);
+        const float s = rsqrtf(ss / (float)hd + eps);
+        if (i < half) { xa = xa * s * norm[a]; xb = xb * s * norm[b]; }
+    }
+    if (i >= half) return;
+    // Thread i's pair is rotary pair i in both layouts (ggml's theta index).
+    const int pair = i;
+    if (2 * pair < rot_dims) {
+        float inv = powf(theta, -2.0f * (float)pair / (float)rot_dims) * pos_scale;
+        if (freq_factors) inv /= freq_factors[pair];
+        float sn, cs;
+        sincosf((float)pos * inv, &sn, &cs);
+        const float ra = xa * cs - xb * sn, rb = xa * sn + xb * cs;
+        xa = ra; xb = rb;
+    }
+    if (is_q) {
+        q_out[(size_t)head * hd + a] = xa;
+        q_out[(size_t)head * hd + b] = xb;
+    } else {
+        const size_t off = ((size_t)kvh * max_ctx + pos) * hd;
+        kc[off + a] = f2h(xa);
+        kc[off + b] = f2h(xb);
+        const float* v = qkv + (size_t)(n_heads + n_kv + kvh) * hd;
+        vc[off + a] = f2h(v[a]);
+        vc[off + b] = f2h(v[b]);
+    }
+}

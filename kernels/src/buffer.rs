@@ -1,0 +1,202 @@
+//! Device memory: owned buffers and the plain views kernels are launched with.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use cudarc::driver::{result, sys, DriverError};
+
+use crate::device::Device;
+use crate::error::{DriverContext, KernelError, Result};
+
+/// A typed window of device memory: address and element count. Cheap to copy; it does not
+/// keep the memory alive — it must not outlive the [`DeviceBuffer`] (or workspace) it came
+/// from.
+#[derive(Debug)]
+pub struct DevSlice<T> {
+    ptr: u64,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> Clone for DevSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DevSlice<T> {}
+
+impl<T> DevSlice<T> {
+    pub(crate) fn from_raw(ptr: u64, len: usize) -> Self {
+        DevSlice { ptr, len, _t: PhantomData }
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+    /// Elements `start..start + len`.
+    pub fn sub(&self, start: usize, len: usize) -> Result<DevSlice<T>> {
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(KernelError::InvalidArgument(format!("range {start}+{len} of a {}-element slice", self.len)));
+        }
+        Ok(DevSlice::from_raw(self.ptr + (start * std::mem::size_of::<T>()) as u64, len))
+    }
+    /// Checks the slice holds at least `n` elements; `what` names it in the error.
+    pub fn check_len(&self, n: usize, what: &str) -> Result<()> {
+        if self.len < n {
+            return Err(KernelError::InvalidArgument(format!("{what} holds {} elements, {n} needed", self.len)));
+        }
+        Ok(())
+    }
+}
+
+/// Device memory owning `len` values of `T`, freed on drop.
+pub struct DeviceBuffer<T: Pod> {
+    device: Arc<Device>,
+    ptr: u64,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+fn alloc_bytes(device: &Device, bytes: usize) -> Result<u64> {
+    if bytes == 0 {
+        return Ok(0);
+    }
+    device.bind()?;
+    // SAFETY: plain device allocation; freed in Drop.
+    match unsafe { result::malloc_sync(bytes) } {
+        Ok(p) => Ok(p),
+        Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => Err(KernelError::OutOfMemory { bytes }),
+        Err(e) => Err(KernelError::Driver { what: format!("cuMemAlloc({bytes})"), source: e }),
+    }
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// `len` values with unspecified contents (any bit pattern is a valid `T`).
+    pub fn alloc(device: &Arc<Device>, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| KernelError::InvalidArgument(format!("{len} elements overflow")))?;
+        let ptr = alloc_bytes(device, bytes)?;
+        Ok(DeviceBuffer { device: device.clone(), ptr, len, _t: PhantomData })
+    }
+
+    pub fn zeros(device: &Arc<Device>, len: usize) -> Result<Self> {
+        let b = Self::alloc(device, len)?;
+        b.fill_bytes(0)?;
+        Ok(b)
+    }
+
+    pub fn from_host(device: &Arc<Device>, data: &[T]) -> Result<Self> {
+        let mut b = Self::alloc(device, data.len())?;
+        b.copy_from_host(data)?;
+        Ok(b)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn slice(&self) -> DevSlice<T> {
+        DevSlice::from_raw(self.ptr, self.len)
+    }
+
+    /// Copies `data` in (waits for the copy, so `data` may be dropped right after).
+    pub fn copy_from_host(&mut self, data: &[T]) -> Result<()> {
+        if data.len() != self.len {
+            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", data.len(), self.len)));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: sizes match; the copy completes before `data` can be dropped.
+        unsafe { result::memcpy_htod_async(self.ptr, data, self.device.stream()) }.ctx("cuMemcpyHtoDAsync")?;
+        self.device.synchronize()
+    }
+
+    /// Waits for the stream, then copies the contents out.
+    pub fn to_host(&self) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); self.len];
+        if self.len == 0 {
+            return Ok(out);
+        }
+        self.device.bind()?;
+        unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, self.device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
+        self.device.synchronize()?;
+        Ok(out)
+    }
+
+    /// Sets every byte to `byte` (0xff makes every f32 a NaN: the poison tests use).
+    pub fn fill_bytes(&self, byte: u8) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), self.device.stream()) }.ctx("cuMemsetD8Async")
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let _ = self.device.bind();
+            // Work still queued may read this memory: let it finish first.
+            let _ = self.device.synchronize();
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// One allocation carved into aligned scratch slices (a decode step's activations):
+/// allocated once at load, so steps allocate nothing.
+pub struct Workspace {
+    buffer: DeviceBuffer<u8>,
+    used: usize,
+}
+
+impl Workspace {
+    pub const ALIGN: usize = 256;
+
+    pub fn new(device: &Arc<Device>, bytes: usize) -> Result<Self> {
+        Ok(Workspace { buffer: DeviceBuffer::alloc(device, bytes)?, used: 0 })
+    }
+    /// Bytes a list of requests (element count, element size) needs.
+    pub fn bytes_for(requests: &[(usize, usize)]) -> usize {
+        requests.iter().map(|(n, s)| (n * s).div_ceil(Self::ALIGN) * Self::ALIGN).sum()
+    }
+    /// The next `len` values of `T`, 256-byte aligned.
+    pub fn take<T: Pod>(&mut self, len: usize) -> Result<DevSlice<T>> {
+        let bytes = len * std::mem::size_of::<T>();
+        let start = self.used;
+        let end = start + bytes.div_ceil(Self::ALIGN) * Self::ALIGN;
+        if end > self.buffer.len() {
+            return Err(KernelError::OutOfMemory { bytes: end - self.buffer.len() });
+        }
+        self.used = end;
+        Ok(DevSlice::from_raw(self.buffer.ptr() + start as u64, len))
+    }
+    /// Forgets every slice handed out.
+    pub fn reset(&mut self) {
+        self.used = 0;
+    }
+    pub fn fill_bytes(&self, byte: u8) -> Result<()> {
+        self.buffer.fill_bytes(byte)
+    }
+}

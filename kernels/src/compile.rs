@@ -1,0 +1,152 @@
+//! Run-time compilation of kiln's CUDA C sources with NVRTC, and the on-disk cache of the
+//! results.
+//!
+//! Each [`KernelModule`] is `cuda/common.cuh` followed by one `.cu` file, embedded in the
+//! binary. It is compiled to a cubin for one exact architecture (`sm_90` on an H200), so
+//! the driver never JIT-compiles PTX and Hopper-only instructions are available. Cubins are
+//! cached under `$KILN_KERNEL_CACHE` or `~/.cache/kiln/kernels`, named by a hash of the
+//! source, the architecture, the compile options and the NVRTC and driver versions; a stale
+//! or corrupt entry can only miss, never be loaded for the wrong inputs.
+
+use std::ffi::{c_char, CString};
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{KernelError, Result};
+use crate::libs;
+
+const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// One compilation unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelModule {
+    pub name: &'static str,
+    source: &'static str,
+}
+
+impl KernelModule {
+    /// A module from arbitrary text (tests of the compile path itself).
+    #[doc(hidden)]
+    pub fn for_test(name: &'static str, source: &'static str) -> Self {
+        KernelModule { name, source }
+    }
+
+    /// The full text NVRTC compiles.
+    pub fn source(&self) -> String {
+        format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
+    }
+}
+
+pub const NORM: KernelModule = KernelModule { name: "norm", source: include_str!("../cuda/norm.cu") };
+pub const GEMV: KernelModule = KernelModule { name: "gemv", source: include_str!("../cuda/gemv.cu") };
+pub const ROPE: KernelModule = KernelModule { name: "rope", source: include_str!("../cuda/rope.cu") };
+pub const ATTENTION: KernelModule = KernelModule { name: "attention", source: include_str!("../cuda/attention.cu") };
+pub const SAMPLE: KernelModule = KernelModule { name: "sample", source: include_str!("../cuda/sample.cu") };
+
+/// Every module, for compile checks.
+pub const ALL_MODULES: [KernelModule; 5] = [NORM, GEMV, ROPE, ATTENTION, SAMPLE];
+
+/// Options for every compile. No fast-math: the kernels must track the CPU reference.
+fn options(arch: (i32, i32)) -> Vec<String> {
+    vec![format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "--std=c++17".into(), "-lineinfo".into(), 
+        // Not every module uses every helper of common.cuh.
+        "--diag-suppress=177".into()]
+}
+
+/// NVRTC's version, e.g. (13, 0).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    libs::nvrtc_status().map_err(KernelError::NoNvrtc)?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); the out-pointers are valid.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    status.result().map_err(|e| KernelError::NoNvrtc(format!("nvrtcVersion failed: {e:?}")))?;
+    Ok((major, minor))
+}
+
+/// Compiles `module` for `arch` without touching the cache.
+pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result as nv, sys};
+    libs::nvrtc_status().map_err(KernelError::NoNvrtc)?;
+    let arch_name = format!("sm_{}{}", arch.0, arch.1);
+    let src = CString::new(module.source()).map_err(|_| KernelError::InvalidArgument("kernel source holds a NUL".into()))?;
+    let name = CString::new(format!("{}.cu", module.name)).expect("module names hold no NUL");
+    let fail = |status: String, log: String| KernelError::Compile {
+        module: module.name.to_string(),
+        arch: arch_name.clone(),
+        status,
+        log,
+    };
+    let prog = nv::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}"), String::new()))?;
+    // The program is destroyed on every path out of this block.
+    let out = (|| {
+        // SAFETY: `prog` is live until destroyed below.
+        let compiled = unsafe { nv::compile_program(prog, &options(arch)) };
+        let log = unsafe { nv::get_program_log(prog) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
+        if let Err(e) = compiled {
+            return Err(fail(format!("{e:?}"), log));
+        }
+        let mut size = 0usize;
+        // SAFETY: compiled successfully; size and buffer come from NVRTC.
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        let mut cubin = vec![0u8; size];
+        unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }
+            .result()
+            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        Ok(cubin)
+    })();
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nv::destroy_program(prog) };
+    out
+}
+
+fn c_chars_to_string(v: &[c_char]) -> String {
+    let bytes: Vec<u8> = v.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).trim().to_string()
+}
+
+/// The directory compiled kernels are cached in.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KILN_KERNEL_CACHE") {
+        return Some(PathBuf::from(p));
+    }
+    dirs::cache_dir().map(|d| d.join("kiln").join("kernels"))
+}
+
+/// Compiles `module` for `arch`, or loads the cubin a previous run cached. `driver_version`
+/// (from `cuDriverGetVersion`, 0 when none) is part of the key.
+pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> Result<Vec<u8>> {
+    let nvrtc = nvrtc_version()?;
+    let mut h = Sha256::new();
+    h.update(module.source().as_bytes());
+    h.update(options(arch).join(" ").as_bytes());
+    h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
+    let digest = h.finalize();
+    let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
+    let file = cache_dir().map(|d| d.join(format!("{}-sm_{}{}-{key}.cubin", module.name, arch.0, arch.1)));
+    if let Some(f) = &file {
+        if let Ok(bytes) = std::fs::read(f) {
+            if is_elf(&bytes) {
+                return Ok(bytes);
+            }
+        }
+    }
+    let cubin = compile_uncached(module, arch)?;
+    if let Some(f) = &file {
+        // A cache that cannot be written only costs a recompile next time.
+        let _ = write_atomically(f, &cubin);
+    }
+    Ok(cubin)
+}
+
+fn is_elf(b: &[u8]) -> bool {
+    b.len() > 4 && &b[..4] == b"\x7fELF"
+}
+
+fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = file.parent().expect("cache files live in a directory");
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{}.{}", file.file_name().unwrap().to_string_lossy(), std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, file)
+}

@@ -1,0 +1,330 @@
+//! A CUDA device: its context, the stream every kiln launch goes to, loaded kernel
+//! modules, events and CUDA graphs.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys};
+
+use crate::compile::{self, KernelModule};
+use crate::error::{DriverContext, KernelError, Result};
+use crate::libs;
+
+/// A kernel entry point, resolved once.
+#[derive(Debug, Clone, Copy)]
+pub struct Function(sys::CUfunction);
+
+// SAFETY: CUfunction handles are plain driver handles, valid in any thread once the context
+// is current (every Device method makes it so).
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+/// Kernel arguments, copied into fixed slots so their addresses stay valid for the launch.
+/// Every kiln kernel parameter is a device pointer, an `int` or a `float`.
+#[derive(Debug, Clone)]
+pub struct Args {
+    slots: [u64; 24],
+    n: usize,
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Args { slots: [0; 24], n: 0 }
+    }
+}
+
+impl Args {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    fn push_bits(mut self, bits: u64) -> Self {
+        assert!(self.n < self.slots.len(), "more than 24 kernel arguments");
+        self.slots[self.n] = bits;
+        self.n += 1;
+        self
+    }
+    /// A device pointer (0 is the null pointer kernels treat as "absent").
+    pub fn ptr(self, p: u64) -> Self {
+        self.push_bits(p)
+    }
+    pub fn i32(self, v: i32) -> Self {
+        self.push_bits(v as u32 as u64)
+    }
+    pub fn f32(self, v: f32) -> Self {
+        self.push_bits(v.to_bits() as u64)
+    }
+    pub fn u64(self, v: u64) -> Self {
+        self.push_bits(v)
+    }
+}
+
+/// Launch geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_bytes: 0 }
+    }
+}
+
+/// One GPU, with its primary context and one non-blocking stream (capturable into graphs).
+pub struct Device {
+    ordinal: usize,
+    cu_device: sys::CUdevice,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    name: String,
+    arch: (i32, i32),
+    driver_version: i32,
+    sm_count: i32,
+    total_mem: usize,
+    modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
+    functions: Mutex<HashMap<String, Function>>,
+}
+
+// SAFETY: the driver's handles are thread-safe; each method binds the context first.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({} {}: {} sm_{}{})", self.ordinal, self.name, self.sm_count, self.arch.0, self.arch.1)
+    }
+}
+
+/// `Ok(count)` of CUDA devices, or why CUDA cannot be used here. Never panics.
+pub fn device_count() -> Result<usize> {
+    libs::driver_status().map_err(KernelError::NoDriver)?;
+    result::init().map_err(|e| KernelError::NoDriver(format!("cuInit failed: {e}")))?;
+    let n = result::device::get_count().ctx("cuDeviceGetCount")?;
+    Ok(n.max(0) as usize)
+}
+
+impl Device {
+    /// Opens device `ordinal`. Fails (never panics) when there is no driver or device.
+    pub fn new(ordinal: usize) -> Result<Arc<Device>> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(KernelError::NoDriver(format!("CUDA device {ordinal} requested, {count} present")));
+        }
+        let cu_device = result::device::get(ordinal as i32).ctx("cuDeviceGet")?;
+        // SAFETY: valid device handle from above.
+        let ctx = unsafe { result::primary_ctx::retain(cu_device) }.ctx("cuDevicePrimaryCtxRetain")?;
+        unsafe { result::ctx::set_current(ctx) }.ctx("cuCtxSetCurrent")?;
+        let attr = |a| unsafe { result::device::get_attribute(cu_device, a) };
+        use sys::CUdevice_attribute::*;
+        let arch = (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).ctx("cuDeviceGetAttribute")?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).ctx("cuDeviceGetAttribute")?,
+        );
+        let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx("cuDeviceGetAttribute")?;
+        let name = result::device::get_name(cu_device).ctx("cuDeviceGetName")?;
+        let total_mem = unsafe { result::device::total_mem(cu_device) }.ctx("cuDeviceTotalMem")?;
+        let mut driver_version = 0;
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().ctx("cuDriverGetVersion")?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).ctx("cuStreamCreate")?;
+        Ok(Arc::new(Device {
+            ordinal,
+            cu_device,
+            ctx,
+            stream,
+            name,
+            arch,
+            driver_version,
+            sm_count,
+            total_mem,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Compute capability, e.g. (9, 0).
+    pub fn arch(&self) -> (i32, i32) {
+        self.arch
+    }
+    pub fn sm_count(&self) -> usize {
+        self.sm_count as usize
+    }
+    pub fn total_memory(&self) -> usize {
+        self.total_mem
+    }
+    /// As `cuDriverGetVersion`: 13000 for CUDA 13.0.
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained for the life of `self`.
+        unsafe { result::ctx::set_current(self.ctx) }.ctx("cuCtxSetCurrent")
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        result::mem_get_info().ctx("cuMemGetInfo")
+    }
+
+    /// Compiles (or takes from the cache) and loads `module`; idempotent.
+    pub fn load_module(&self, module: &KernelModule) -> Result<sys::CUmodule> {
+        let mut modules = self.modules.lock().expect("module table poisoned");
+        if let Some(&m) = modules.get(module.name) {
+            return Ok(m);
+        }
+        let cubin = compile::compile(module, self.arch, self.driver_version)?;
+        self.bind()?;
+        // SAFETY: `cubin` is an ELF image NVRTC produced for this architecture.
+        let m = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }.ctx("cuModuleLoadData")?;
+        modules.insert(module.name, m);
+        Ok(m)
+    }
+
+    /// The kernel `name` of `module`.
+    pub fn function(&self, module: &KernelModule, name: &str) -> Result<Function> {
+        let key = format!("{}::{name}", module.name);
+        if let Some(&f) = self.functions.lock().expect("function table poisoned").get(&key) {
+            return Ok(f);
+        }
+        let m = self.load_module(module)?;
+        let cname = CString::new(name).map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
+        // SAFETY: `m` is a loaded module.
+        let f = unsafe { result::module::get_function(m, cname) }.ctx(&format!("cuModuleGetFunction({key})"))?;
+        let f = Function(f);
+        self.functions.lock().expect("function table poisoned").insert(key, f);
+        Ok(f)
+    }
+
+    /// Launches `f` on the device's stream.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every pointer in it must address
+    /// live device memory large enough for what the kernel touches with this geometry.
+    pub unsafe fn launch(&self, f: Function, cfg: LaunchConfig, args: &mut Args) -> Result<()> {
+        let mut params: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
+        for (p, slot) in params.iter_mut().zip(args.slots.iter_mut()).take(args.n) {
+            *p = slot as *mut u64 as *mut c_void;
+        }
+        self.bind()?;
+        result::launch_kernel(f.0, cfg.grid, cfg.block, cfg.shared_bytes, self.stream, &mut params[..args.n])
+            .ctx("cuLaunchKernel")
+    }
+
+    /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the stream lives as long as `self`.
+        unsafe { result::stream::synchronize(self.stream) }.ctx("cuStreamSynchronize")
+    }
+
+    /// Records everything `body` queues on the stream into a CUDA graph, instantiated and
+    /// ready to replay. `body` must only queue work (launches, async copies), not wait.
+    pub fn capture(self: &Arc<Self>, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        self.bind()?;
+        // SAFETY: valid stream; capture mode "relaxed" lets other threads use the driver.
+        unsafe { result::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
+            .ctx("cuStreamBeginCapture")?;
+        let queued = body();
+        // End the capture on every path, or the stream stays unusable.
+        let graph = unsafe { result::stream::end_capture(self.stream) };
+        queued?;
+        let graph = graph.ctx("cuStreamEndCapture")?;
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+        let exec = match exec {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = unsafe { result::graph::destroy(graph) };
+                return Err(KernelError::Driver { what: "cuGraphInstantiate".into(), source: e });
+            }
+        };
+        Ok(Graph { device: self.clone(), graph, exec })
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // Teardown errors cannot be acted on; the context goes away with the process.
+        let _ = self.bind();
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            for (_, m) in self.modules.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
+                let _ = result::module::unload(m);
+            }
+            let _ = result::stream::destroy(self.stream);
+            let _ = result::primary_ctx::release(self.cu_device);
+        }
+    }
+}
+
+/// An instantiated CUDA graph: a captured sequence of launches replayed with one call.
+pub struct Graph {
+    device: Arc<Device>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles are driver objects usable from any thread with the context bound.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Queues one replay on the device's stream.
+    pub fn launch(&self) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: exec and stream are live.
+        unsafe { result::graph::launch(self.exec, self.device.stream) }.ctx("cuGraphLaunch")
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        unsafe {
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// A timing event on the device's stream.
+pub struct Event {
+    device: Arc<Device>,
+    event: sys::CUevent,
+}
+
+impl Event {
+    pub fn new(device: &Arc<Device>) -> Result<Event> {
+        device.bind()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        Ok(Event { device: device.clone(), event })
+    }
+    pub fn record(&self) -> Result<()> {
+        self.device.bind()?;
+        unsafe { result::event::record(self.event, self.device.stream) }.ctx("cuEventRecord")
+    }
+    /// Milliseconds from `self` to `end`; waits for `end`.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        self.device.bind()?;
+        unsafe {
+            result::event::synchronize(end.event).ctx("cuEventSynchronize")?;
+            result::event::elapsed(self.event, end.event).ctx("cuEventElapsedTime")
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        let _ = unsafe { result::event::destroy(self.event) };
+    }
+}

@@ -1,0 +1,38 @@
+//! # kiln-kernels
+//!
+//! The CUDA layer shared by kiln's GPU backends. CUDA C kernels (in `cuda/`, embedded in
+//! the binary) are compiled at first use by NVRTC for the exact GPU present and cached on
+//! disk ([`compile`]); [`Device`] owns a context, a stream, loaded modules, events and CUDA
+//! graphs; [`DeviceBuffer`], [`Workspace`] and [`KvCache`] hold device memory; [`repack`]
+//! puts ggml weights into the GEMV kernels' aligned layout; [`Kernels`] launches each kernel
+//! through a typed, size-checked wrapper.
+//!
+//! The driver and NVRTC are loaded dynamically ([`libs`]): this crate builds with no CUDA
+//! toolkit, and on a machine without a driver every entry point returns
+//! [`KernelError::NoDriver`] instead of panicking.
+
+pub mod buffer;
+pub mod compile;
+pub mod device;
+pub mod error;
+pub mod kv;
+pub mod libs;
+pub mod ops;
+pub mod repack;
+
+pub use buffer::{DevSlice, DeviceBuffer, Workspace};
+pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
+pub use error::{KernelError, Result};
+pub use kv::KvCache;
+pub use ops::{AttnArgs, GemvInput, GemvPath, Kernels, Q8Act, RopeArgs};
+pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
+
+/// Why CUDA cannot run here, or `None` when a driver and at least one device are present.
+/// For a backend's `probe()`.
+pub fn unavailable_reason() -> Option<String> {
+    match device_count() {
+        Ok(0) => Some("the CUDA driver reports no devices".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}

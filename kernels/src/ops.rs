@@ -1,0 +1,478 @@
+//! Typed launch wrappers: one function per kernel, checking sizes before anything reaches
+//! the device. All work is queued on the device's stream (and so can be captured into a
+//! graph); nothing here synchronises.
+
+use std::sync::Arc;
+
+use kiln_core::QType;
+
+use crate::buffer::DevSlice;
+use crate::compile::{ATTENTION, GEMV, NORM, ROPE, SAMPLE};
+use crate::device::{Args, Device, LaunchConfig};
+use crate::error::{KernelError, Result};
+use crate::repack::DeviceWeight;
+
+fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
+    s.map_or(0, |s| s.ptr())
+}
+
+fn invalid(msg: String) -> KernelError {
+    KernelError::InvalidArgument(msg)
+}
+
+/// An activation vector quantised to Q8_1: int8 values (rows padded to 32) and one
+/// (d, d·Σq) pair per 32.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Act {
+    pub q: DevSlice<i8>,
+    pub ds: DevSlice<[f32; 2]>,
+}
+
+/// How a GEMV reads its activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvPath {
+    /// f32 activations, weights dequantised in registers.
+    Float,
+    /// Q8_1 activations and dp4a integer dots (float weights still take the float path).
+    Dp4a,
+}
+
+/// The activation a GEMV multiplies: the f32 vector, and its Q8_1 copy when the caller
+/// made one (the fused RMSNorm writes both).
+#[derive(Debug, Clone, Copy)]
+pub struct GemvInput {
+    pub x: DevSlice<f32>,
+    pub q8: Option<Q8Act>,
+}
+
+fn type_tag(q: QType) -> Result<&'static str> {
+    Ok(match q {
+        QType::F32 => "f32",
+        QType::F16 => "f16",
+        QType::Q4_0 => "q4_0",
+        QType::Q4_1 => "q4_1",
+        QType::Q5_0 => "q5_0",
+        QType::Q5_1 => "q5_1",
+        QType::Q8_0 => "q8_0",
+        QType::Q4_K => "q4_k",
+        QType::Q5_K => "q5_k",
+        QType::Q6_K => "q6_k",
+        other => return Err(KernelError::Unsupported(format!("GEMV with {other} weights"))),
+    })
+}
+
+/// Warps per GEMV block (`__launch_bounds__(128)` in gemv.cu).
+const GEMV_WARPS: u32 = 4;
+
+pub struct Kernels {
+    device: Arc<Device>,
+}
+
+impl Kernels {
+    pub fn new(device: &Arc<Device>) -> Self {
+        Kernels { device: device.clone() }
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Compiles and loads every module now (otherwise each loads at its first launch).
+    pub fn preload(&self) -> Result<()> {
+        for m in crate::compile::ALL_MODULES {
+            self.device.load_module(&m)?;
+        }
+        Ok(())
+    }
+
+    /// For each of `rows` rows of `n` values: v = x · rsqrt(mean(x²) + eps) · w, written
+    /// as f32 to `y` and/or as Q8_1 to `q8`. `eps = None` skips the normalisation and
+    /// `w = None` the scaling (plain quantisation).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_q8_1(
+        &self,
+        x: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        w: Option<DevSlice<f32>>,
+        eps: Option<f32>,
+        y: Option<DevSlice<f32>>,
+        q8: Option<Q8Act>,
+    ) -> Result<()> {
+        if n == 0 || rows == 0 {
+            return Err(invalid("empty RMSNorm".into()));
+        }
+        x.check_len(rows * n, "RMSNorm input")?;
+        if let Some(w) = w {
+            w.check_len(n, "RMSNorm weight")?;
+        }
+        if let Some(y) = y {
+            y.check_len(rows * n, "RMSNorm output")?;
+        }
+        let nblk = n.div_ceil(32);
+        if let Some(q) = q8 {
+            q.q.check_len(rows * nblk * 32, "Q8_1 values")?;
+            q.ds.check_len(rows * nblk, "Q8_1 scales")?;
+        }
+        let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
+        let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(opt(w))
+            .f32(eps.unwrap_or(-1.0))
+            .ptr(opt(y))
+            .ptr(q8.map_or(0, |q| q.q.ptr()))
+            .ptr(q8.map_or(0, |q| q.ds.ptr()))
+            .i32(n as i32);
+        // SAFETY: sizes checked above; the kernel touches rows * n inputs and outputs.
+        unsafe { self.device.launch(f, LaunchConfig::linear(rows as u32, threads), &mut args) }
+    }
+
+    fn gemv_name(kind: &str, w: &DeviceWeight, input: &GemvInput, path: GemvPath, rows_per_warp: usize) -> Result<(String, bool)> {
+        if ![1, 2, 4].contains(&rows_per_warp) {
+            return Err(invalid(format!("rows per warp must be 1, 2 or 4, not {rows_per_warp}")));
+        }
+        let dp4a = path == GemvPath::Dp4a && w.qtype.is_quantized();
+        if dp4a && input.q8.is_none() {
+            return Err(invalid("the dp4a GEMV needs the Q8_1 activation".into()));
+        }
+        let tag = type_tag(w.qtype)?;
+        Ok((format!("{kind}_{tag}_{}_{rows_per_warp}", if dp4a { "q" } else { "f" }), dp4a))
+    }
+
+    fn check_input(w: &DeviceWeight, input: &GemvInput, dp4a: bool) -> Result<()> {
+        if dp4a {
+            let q = input.q8.expect("checked by gemv_name");
+            let nblk = w.row_len.div_ceil(32);
+            q.q.check_len(nblk * 32, "Q8_1 activation")?;
+            q.ds.check_len(nblk, "Q8_1 activation scales")
+        } else {
+            input.x.check_len(w.row_len, "GEMV input")
+        }
+    }
+
+    fn gemv_grid(rows: usize, rows_per_warp: usize) -> LaunchConfig {
+        let per_block = GEMV_WARPS as usize * rows_per_warp;
+        LaunchConfig::linear(rows.div_ceil(per_block) as u32, GEMV_WARPS * 32)
+    }
+
+    /// y = W·x (+ bias) (+ residual), one output per row of `w`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        w: &DeviceWeight,
+        input: &GemvInput,
+        path: GemvPath,
+        rows_per_warp: usize,
+        bias: Option<DevSlice<f32>>,
+        residual: Option<DevSlice<f32>>,
+        y: DevSlice<f32>,
+    ) -> Result<()> {
+        let (name, dp4a) = Self::gemv_name("gemv", w, input, path, rows_per_warp)?;
+        Self::check_input(w, input, dp4a)?;
+        y.check_len(w.rows, "GEMV output")?;
+        if let Some(b) = bias {
+            b.check_len(w.rows, "GEMV bias")?;
+        }
+        if let Some(r) = residual {
+            r.check_len(w.rows, "GEMV residual")?;
+        }
+        let f = self.device.function(&GEMV, &name)?;
+        let (body, qh, sc) = w.ptrs();
+        let mut args = Args::new()
+            .ptr(body)
+            .ptr(qh)
+            .ptr(sc)
+            .ptr(input.x.ptr())
+            .ptr(input.q8.map_or(0, |q| q.q.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
+            .ptr(opt(bias))
+            .ptr(opt(residual))
+            .ptr(y.ptr())
+            .i32(w.rows as i32)
+            .i32(w.row_len as i32);
+        // SAFETY: every array's length was checked against the weight's shape.
+        unsafe { self.device.launch(f, Self::gemv_grid(w.rows, rows_per_warp), &mut args) }
+    }
+
+    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward.
+    pub fn swiglu(
+        &self,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        input: &GemvInput,
+        path: GemvPath,
+        rows_per_warp: usize,
+        y: DevSlice<f32>,
+    ) -> Result<()> {
+        if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
+            return Err(invalid(format!(
+                "gate ({} {}x{}) and up ({} {}x{}) differ",
+                gate.qtype, gate.rows, gate.row_len, up.qtype, up.rows, up.row_len
+            )));
+        }
+        let (name, dp4a) = Self::gemv_name("swiglu", gate, input, path, rows_per_warp)?;
+        Self::check_input(gate, input, dp4a)?;
+        y.check_len(gate.rows, "SwiGLU output")?;
+        let f = self.device.function(&GEMV, &name)?;
+        let (gb, gq, gs) = gate.ptrs();
+        let (ub, uq, us) = up.ptrs();
+        let mut args = Args::new()
+            .ptr(gb)
+            .ptr(gq)
+            .ptr(gs)
+            .ptr(ub)
+            .ptr(uq)
+            .ptr(us)
+            .ptr(input.x.ptr())
+            .ptr(input.q8.map_or(0, |q| q.q.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
+            .ptr(y.ptr())
+            .i32(gate.rows as i32)
+            .i32(gate.row_len as i32);
+        // SAFETY: as for gemv.
+        unsafe { self.device.launch(f, Self::gemv_grid(gate.rows, rows_per_warp), &mut args) }
+    }
+
+    /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`.
+    pub fn rope_kv(&self, a: &RopeArgs, qkv: DevSlice<f32>, q_out: DevSlice<f32>, kc: DevSlice<u16>, vc: DevSlice<u16>, pos: DevSlice<i32>, max_ctx: usize) -> Result<()> {
+        let hd = a.head_dim;
+        if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
+            return Err(invalid(format!("head_dim {hd} / rotary dims {}", a.rot_dims)));
+        }
+        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+        }
+        qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
+        q_out.check_len(a.n_heads * hd, "rotated Q")?;
+        kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
+        vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
+        pos.check_len(1, "position")?;
+        if let Some(ff) = a.freq_factors {
+            ff.check_len(a.rot_dims / 2, "rope frequency factors")?;
+        }
+        if let Some(n) = a.q_norm {
+            n.check_len(hd, "Q norm")?;
+        }
+        if let Some(n) = a.k_norm {
+            n.check_len(hd, "K norm")?;
+        }
+        let f = self.device.function(&ROPE, "rope_kv")?;
+        let threads = ((hd / 2).div_ceil(32) * 32) as u32;
+        let mut args = Args::new()
+            .ptr(qkv.ptr())
+            .ptr(q_out.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(pos.ptr())
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(hd as i32)
+            .i32(a.rot_dims as i32)
+            .f32(a.theta)
+            .f32(a.pos_scale)
+            .ptr(opt(a.freq_factors))
+            .i32(a.neox as i32)
+            .ptr(opt(a.q_norm))
+            .ptr(opt(a.k_norm))
+            .f32(a.eps)
+            .i32(max_ctx as i32);
+        // SAFETY: sizes checked; the position must be < max_ctx, which the executor owns.
+        unsafe { self.device.launch(f, LaunchConfig::linear((a.n_heads + a.n_kv) as u32, threads), &mut args) }
+    }
+
+    /// Splits of `split` positions a context of `max_ctx` needs.
+    pub fn attention_splits(max_ctx: usize, split: usize) -> usize {
+        max_ctx.div_ceil(split)
+    }
+
+    /// Decode attention of one query per head over positions `0..*len` of the cache.
+    /// `part_o` needs heads·splits·hd floats and `part_ml` heads·splits pairs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        a: &AttnArgs,
+        q: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        len: DevSlice<i32>,
+        part_o: DevSlice<f32>,
+        part_ml: DevSlice<[f32; 2]>,
+        out: DevSlice<f32>,
+    ) -> Result<()> {
+        let hd = a.head_dim;
+        if hd % 32 != 0 || hd == 0 || hd > 256 {
+            return Err(KernelError::Unsupported(format!("attention with head_dim {hd} (needs a multiple of 32 up to 256)")));
+        }
+        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 || a.split == 0 {
+            return Err(invalid(format!("{} heads over {} KV heads, split {}", a.n_heads, a.n_kv, a.split)));
+        }
+        let nsplit = Self::attention_splits(a.max_ctx, a.split);
+        q.check_len(a.n_heads * hd, "attention Q")?;
+        kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
+        vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
+        len.check_len(1, "context length")?;
+        part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
+        part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
+        out.check_len(a.n_heads * hd, "attention output")?;
+        let e = hd / 32;
+        let f = self.device.function(&ATTENTION, &format!("attn_partial_{e}"))?;
+        let mut args = Args::new()
+            .ptr(q.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(len.ptr())
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(a.max_ctx as i32)
+            .i32(a.split as i32)
+            .f32(a.scale)
+            .ptr(part_o.ptr())
+            .ptr(part_ml.ptr());
+        let cfg = LaunchConfig { grid: (a.n_heads as u32, nsplit as u32, 1), block: (128, 1, 1), shared_bytes: 0 };
+        // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
+        unsafe { self.device.launch(f, cfg, &mut args)? };
+        let f = self.device.function(&ATTENTION, "attn_combine")?;
+        let mut args = Args::new()
+            .ptr(part_o.ptr())
+            .ptr(part_ml.ptr())
+            .ptr(len.ptr())
+            .i32(a.split as i32)
+            .i32(nsplit as i32)
+            .i32(hd as i32)
+            .ptr(out.ptr());
+        unsafe { self.device.launch(f, LaunchConfig::linear(a.n_heads as u32, hd as u32), &mut args) }
+    }
+
+    /// Logits per argmax block.
+    pub const ARGMAX_SLICE: usize = 4096;
+
+    /// Scratch keys `argmax` needs for `n` logits.
+    pub fn argmax_scratch(n: usize) -> usize {
+        n.div_ceil(Self::ARGMAX_SLICE)
+    }
+
+    /// `*out` = index of the largest of `logits` (lowest on ties, NaN never).
+    pub fn argmax(&self, logits: DevSlice<f32>, scratch: DevSlice<u64>, out: DevSlice<i32>) -> Result<()> {
+        let n = logits.len();
+        if n == 0 || n > i32::MAX as usize {
+            return Err(invalid(format!("argmax over {n} values")));
+        }
+        let blocks = Self::argmax_scratch(n);
+        scratch.check_len(blocks, "argmax scratch")?;
+        out.check_len(1, "argmax output")?;
+        let f = self.device.function(&SAMPLE, "argmax_partial")?;
+        let mut args = Args::new().ptr(logits.ptr()).i32(n as i32).i32(Self::ARGMAX_SLICE as i32).ptr(scratch.ptr());
+        unsafe { self.device.launch(f, LaunchConfig::linear(blocks as u32, 512), &mut args)? };
+        let f = self.device.function(&SAMPLE, "argmax_final")?;
+        let mut args = Args::new().ptr(scratch.ptr()).i32(blocks as i32).ptr(out.ptr());
+        unsafe { self.device.launch(f, LaunchConfig::linear(1, 256), &mut args) }
+    }
+
+    /// Largest top-k the device sampler handles.
+    pub const MAX_TOP_K: usize = 64;
+    const TOPK_SLICE: usize = 4096;
+
+    /// Candidate keys `sample` needs for `n` logits at `top_k`.
+    pub fn sample_scratch(n: usize, top_k: usize) -> usize {
+        n.div_ceil(Self::TOPK_SLICE) * top_k
+    }
+
+    /// Whether the device sampler can run these settings on `n` logits (else sample on
+    /// the host).
+    pub fn can_sample(n: usize, p: &kiln_core::SamplingParams) -> bool {
+        !p.is_greedy()
+            && (1..=Self::MAX_TOP_K).contains(&p.top_k)
+            && p.repeat_penalty == 1.0
+            && Self::sample_scratch(n, p.top_k) <= Self::TOPK_SLICE
+    }
+
+    /// Draws `*out` from `logits` with top-k → temperature → top-p → min-p, advancing the
+    /// SplitMix64 state `rng` (seeded like the host `Rng`).
+    pub fn sample(
+        &self,
+        logits: DevSlice<f32>,
+        p: &kiln_core::SamplingParams,
+        scratch: DevSlice<u64>,
+        rng: DevSlice<u64>,
+        out: DevSlice<i32>,
+    ) -> Result<()> {
+        let n = logits.len();
+        if !Self::can_sample(n, p) {
+            return Err(KernelError::Unsupported(format!(
+                "device sampling of {n} logits with top_k {} / repeat penalty {}",
+                p.top_k, p.repeat_penalty
+            )));
+        }
+        let blocks = n.div_ceil(Self::TOPK_SLICE);
+        let ncand = Self::sample_scratch(n, p.top_k);
+        scratch.check_len(ncand, "sampling scratch")?;
+        rng.check_len(1, "sampler state")?;
+        out.check_len(1, "sampled token")?;
+        let f = self.device.function(&SAMPLE, "topk_partial")?;
+        let mut args = Args::new().ptr(logits.ptr()).i32(n as i32).i32(p.top_k as i32).ptr(scratch.ptr());
+        unsafe { self.device.launch(f, LaunchConfig::linear(blocks as u32, 1024), &mut args)? };
+        let f = self.device.function(&SAMPLE, "sample_final")?;
+        let mut args = Args::new()
+            .ptr(scratch.ptr())
+            .i32(ncand as i32)
+            .i32(p.top_k as i32)
+            .f32(p.temperature)
+            .f32(p.top_p)
+            .f32(p.min_p)
+            .ptr(rng.ptr())
+            .ptr(out.ptr());
+        unsafe { self.device.launch(f, LaunchConfig::linear(1, 1024), &mut args) }
+    }
+
+    /// y = a + b.
+    pub fn add(&self, a: DevSlice<f32>, b: DevSlice<f32>, y: DevSlice<f32>) -> Result<()> {
+        let n = y.len();
+        a.check_len(n, "add input")?;
+        b.check_len(n, "add input")?;
+        let f = self.device.function(&NORM, "add_f32")?;
+        let mut args = Args::new().ptr(a.ptr()).ptr(b.ptr()).ptr(y.ptr()).i32(n as i32);
+        unsafe { self.device.launch(f, LaunchConfig::linear(n.div_ceil(256) as u32, 256), &mut args) }
+    }
+
+    /// Copies `src` to `dst` with a 16-byte-per-thread kernel (the bandwidth yardstick).
+    pub fn copy(&self, src: DevSlice<u8>, dst: DevSlice<u8>) -> Result<()> {
+        if src.len() != dst.len() || src.len() % 16 != 0 {
+            return Err(invalid(format!("copy of {} into {} bytes (multiples of 16 only)", src.len(), dst.len())));
+        }
+        let f = self.device.function(&NORM, "copy_u128")?;
+        let blocks = (self.device.sm_count() * 8) as u32;
+        let mut args = Args::new().ptr(src.ptr()).ptr(dst.ptr()).u64((src.len() / 16) as u64);
+        unsafe { self.device.launch(f, LaunchConfig::linear(blocks, 512), &mut args) }
+    }
+}
+
+/// Shape and rope settings of one attention layer for [`Kernels::rope_kv`].
+#[derive(Debug, Clone, Copy)]
+pub struct RopeArgs {
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub rot_dims: usize,
+    pub theta: f32,
+    /// 1 / linear scaling factor.
+    pub pos_scale: f32,
+    pub freq_factors: Option<DevSlice<f32>>,
+    pub neox: bool,
+    pub q_norm: Option<DevSlice<f32>>,
+    pub k_norm: Option<DevSlice<f32>>,
+    pub eps: f32,
+}
+
+/// Shape of one decode attention for [`Kernels::attention`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttnArgs {
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub max_ctx: usize,
+    /// Positions per split block.
+    pub split: usize,
+    /// Usually 1/sqrt(head_dim).
+    pub scale: f32,
+}
