@@ -77,7 +77,7 @@ pub enum GgufError {
     WrongType { key: String, expected: &'static str, found: GgufType },
     #[error("tensor '{name}': given {actual} bytes of data, its type and dims need {expected}")]
     DataSizeMismatch { name: String, expected: u64, actual: u64 },
-    #[error("tensor '{name}' was declared but its data was never supplied")]
+    #[error("tensor '{name}' was declared but not all of its data was supplied")]
     MissingTensorData { name: String },
     #[error("more tensor data supplied than the declared tensors hold")]
     UnexpectedTensorData,
