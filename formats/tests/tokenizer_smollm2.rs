@@ -2,6 +2,7 @@
 //! `fixtures/tokenizer_smollm2.json` (made by scripts/make_tokenizer_fixture.py from the
 //! original Hugging Face tokenizer), and its chat template against transformers' rendering.
 
+use std::io::Write as _;
 use std::path::PathBuf;
 
 use kiln_formats::chat::{ChatMessage, ChatTemplate};
@@ -24,7 +25,12 @@ fn open_model() -> Option<GgufFile> {
     match model_path() {
         Some(p) => Some(GgufFile::open(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))),
         None => {
-            println!("skipped: {MODEL_FILE} not found (set KILN_TEST_MODEL or put it in ~/.cache/kiln/models)");
+            // Written to the stderr handle, not through eprintln!, so the test harness
+            // does not capture it and the skip shows in a normal `cargo test` run.
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: {MODEL_FILE} not found (set KILN_TEST_MODEL or put it in ~/.cache/kiln/models)"
+            );
             None
         }
     }

@@ -82,12 +82,15 @@ fn spm_merges_by_score_with_prefix_space_and_byte_fallback() {
 #[test]
 fn spm_highest_score_wins_and_ties_go_left() {
     // "abc": "bc" outscores "ab", so the result is a + bc.
-    let tok = Tokenizer::from_spec(spm_spec(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -2.0), ("bc", -1.0)]))
-        .unwrap();
     let mut spec = spm_spec(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -2.0), ("bc", -1.0)]);
     spec.add_space_prefix = false;
-    let tok2 = Tokenizer::from_spec(spec).unwrap();
-    assert_eq!(tok2.encode("abc", false, false).unwrap(), vec![id(&tok, "a"), id(&tok, "bc")]);
+    let tok = Tokenizer::from_spec(spec).unwrap();
+    assert_eq!(tok.encode("abc", false, false).unwrap(), vec![id(&tok, "a"), id(&tok, "bc")]);
+    // Raising "ab" above "bc" flips the split.
+    let mut spec = spm_spec(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -0.5), ("bc", -1.0)]);
+    spec.add_space_prefix = false;
+    let tok = Tokenizer::from_spec(spec).unwrap();
+    assert_eq!(tok.encode("abc", false, false).unwrap(), vec![id(&tok, "ab"), id(&tok, "c")]);
 
     // Equal scores: the leftmost pair merges first ("aa" + "a", not "a" + "aa").
     let mut spec = spm_spec(&[("a", -1.0), ("aa", -1.0)]);
@@ -244,4 +247,11 @@ fn inconsistent_metadata_is_a_typed_error() {
     let tok = Tokenizer::from_spec(spec).unwrap();
     assert!(!tok.add_bos_default());
     assert!(matches!(tok.encode("x", true, false), Err(Error::Tokenizer(_))));
+}
+
+#[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<kiln_formats::chat::ChatTemplate>();
 }

@@ -72,8 +72,8 @@ pub(super) fn tokenize(vocab: &SpmVocab<'_>, text: &str, out: &mut Vec<u32>) -> 
         });
     }
     let n = symbols.len();
-    for i in 0..n.saturating_sub(1) {
-        symbols[i].next = Some(i + 1);
+    for (i, sym) in symbols.iter_mut().enumerate() {
+        sym.next = (i + 1 < n).then_some(i + 1);
     }
 
     let mut heap = BinaryHeap::new();
