@@ -56,7 +56,7 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 fn template_error(e: minijinja::Error) -> Error {
-    // `{:#}` adds the template line the error points at, which is what a user needs.
+    // The detail carries the template's own wording (e.g. a raise_exception message).
     let mut msg = e.to_string();
     if let Some(detail) = e.detail() {
         if !msg.contains(detail) {
