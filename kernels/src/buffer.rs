@@ -58,6 +58,20 @@ impl<T> DevSlice<T> {
     }
 }
 
+impl<T: Pod> DevSlice<T> {
+    /// Waits for the device's stream, then copies the slice out.
+    pub fn to_host(&self, device: &Device) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); self.len];
+        if self.len == 0 {
+            return Ok(out);
+        }
+        device.bind()?;
+        unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
+        device.synchronize()?;
+        Ok(out)
+    }
+}
+
 /// Device memory owning `len` values of `T`, freed on drop.
 pub struct DeviceBuffer<T: Pod> {
     device: Arc<Device>,
@@ -133,14 +147,7 @@ impl<T: Pod> DeviceBuffer<T> {
 
     /// Waits for the stream, then copies the contents out.
     pub fn to_host(&self) -> Result<Vec<T>> {
-        let mut out = vec![T::zeroed(); self.len];
-        if self.len == 0 {
-            return Ok(out);
-        }
-        self.device.bind()?;
-        unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, self.device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
-        self.device.synchronize()?;
-        Ok(out)
+        self.slice().to_host(&self.device)
     }
 
     /// Sets every byte to `byte` (0xff makes every f32 a NaN: the poison tests use).

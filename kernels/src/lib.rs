@@ -19,6 +19,7 @@ pub mod kv;
 pub mod libs;
 pub mod ops;
 pub mod repack;
+pub mod testdata;
 
 pub use buffer::{DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};

@@ -1,0 +1,96 @@
+//! Random but valid inputs for kernel tests and benchmarks: weights in every GEMV type with
+//! sane f16 scales (random bits there could be Inf or NaN), activations, and the f64
+//! reference product through `kiln_core::quant::dequantize`.
+
+use half::f16;
+use kiln_core::{QType, Rng};
+
+use crate::error::{KernelError, Result};
+
+/// A seed that differs per run (printed by the tests so a failure can be replayed).
+pub fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    (t as u64) ^ ((std::process::id() as u64) << 32)
+}
+
+/// Uniform in [lo, hi).
+pub fn uniform(rng: &mut Rng, lo: f32, hi: f32) -> f32 {
+    lo + (hi - lo) * rng.next_f32()
+}
+
+pub fn random_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| uniform(rng, -scale, scale)).collect()
+}
+
+fn put_f16(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+/// `rows` rows of `row_len` values of `qtype`, ggml-encoded: random quants, and scales
+/// chosen so dequantised values stay within about ±1.
+pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) -> Result<Vec<u8>> {
+    let bytes = qtype
+        .row_bytes(row_len)
+        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?
+        * rows;
+    let mut out: Vec<u8> = (0..bytes).map(|_| (rng.next_u64() >> 56) as u8).collect();
+    match qtype {
+        QType::F32 => {
+            for c in out.chunks_exact_mut(4) {
+                c.copy_from_slice(&uniform(rng, -1.0, 1.0).to_le_bytes());
+            }
+        }
+        QType::F16 => {
+            for c in out.chunks_exact_mut(2) {
+                put_f16(c, 0, uniform(rng, -1.0, 1.0));
+            }
+        }
+        _ => {
+            for b in out.chunks_exact_mut(qtype.block_bytes()) {
+                match qtype {
+                    QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => put_f16(b, 0, uniform(rng, -0.1, 0.1)),
+                    QType::Q4_1 | QType::Q5_1 => {
+                        put_f16(b, 0, uniform(rng, 0.0, 0.1));
+                        put_f16(b, 2, uniform(rng, -1.0, 0.0));
+                    }
+                    // 6-bit sub-scales up to 63: keep d·63·15 near 1.
+                    QType::Q4_K | QType::Q5_K => {
+                        put_f16(b, 0, uniform(rng, 0.0, 0.002));
+                        put_f16(b, 2, uniform(rng, 0.0, 0.002));
+                    }
+                    QType::Q6_K => put_f16(b, 208, uniform(rng, -0.0005, 0.0005)),
+                    other => return Err(KernelError::Unsupported(format!("random {other} weights"))),
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// y = W·x in f64 with W dequantised by the CPU reference.
+pub fn reference_gemv(qtype: QType, row_len: usize, rows: usize, ggml: &[u8], x: &[f32]) -> Result<Vec<f64>> {
+    let rb = qtype.row_bytes(row_len).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+    let mut row = vec![0f32; row_len];
+    let mut y = Vec::with_capacity(rows);
+    for r in 0..rows {
+        kiln_core::quant::dequantize(qtype, &ggml[r * rb..(r + 1) * rb], &mut row)
+            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+        y.push(row.iter().zip(x).map(|(&w, &v)| w as f64 * v as f64).sum());
+    }
+    Ok(y)
+}
+
+/// ‖a − b‖ / ‖b‖; infinite when `a` holds a NaN (an unwritten, poisoned output).
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut num = 0.0;
+    let mut den = 0.0;
+    for (&x, &y) in a.iter().zip(b) {
+        if !x.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (x as f64 - y) * (x as f64 - y);
+        den += y * y;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
