@@ -1,0 +1,560 @@
+//! Backend plugins end to end: the example plugin built as a real `.so`, found by explicit
+//! path, `KILN_PLUGIN_PATH` and the CLI; numerically checked against the built-in CPU
+//! backend on a synthetic model and (when present) on SmolLM2; and one deliberately broken
+//! plugin per refusal the loader promises, each of which must leave this process running.
+//!
+//! The plugins are built by the tests themselves with the `cargo` that runs them (a no-op
+//! when fresh); the broken C plugins are compiled with `cc` from tests/plugins-fixtures/.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use kiln::plugins::{discover_plugins, load_plugin, register_plugins, PluginBackend, PLUGIN_PATH_ENV};
+use kiln_core::plugin_abi::{self, KilnPluginApi};
+use kiln_core::{
+    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
+    ModelIr, ModelWeights, NormKind, QType, Registry, RopeConfig, RopeKind, RopeScaling, Support, TensorView,
+};
+
+// ---- building fixtures -------------------------------------------------------------
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the workspace").to_path_buf()
+}
+
+/// The target directory this test binary was built into (`<target>/debug/deps/plugins-…`).
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        let dir = PathBuf::from(dir);
+        return if dir.is_absolute() { dir } else { workspace_root().join(dir) };
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.ancestors().nth(3).expect("<target>/<profile>/deps/<exe>").to_path_buf()
+}
+
+/// A fresh scratch directory under the target dir.
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = target_dir().join("plugin-tests").join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn dylib_name(lib: &str) -> String {
+    format!("{}{lib}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
+}
+
+/// Builds a workspace cdylib with the same profile as these tests (so the plugin is as
+/// optimised as the built-in backend it is compared with) and returns the library's path.
+fn cargo_build(package: &str, lib: &str) -> PathBuf {
+    static BUILD: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = BUILD.lock().unwrap_or_else(|p| p.into_inner());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--profile", "test", "-p", package])
+        .current_dir(workspace_root())
+        .output()
+        .expect("run cargo");
+    assert!(out.status.success(), "building {package} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    // The `test` profile's output directory is `debug`.
+    let path = target_dir().join("debug").join(dylib_name(lib));
+    assert!(path.is_file(), "{} was not produced", path.display());
+    path
+}
+
+fn naive_plugin() -> PathBuf {
+    static PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut p = PATH.lock().unwrap_or_else(|p| p.into_inner());
+    p.get_or_insert_with(|| cargo_build("naive-cpu-plugin", "naive_cpu_plugin")).clone()
+}
+
+fn fixtures() -> PathBuf {
+    workspace_root().join("tests/plugins-fixtures")
+}
+
+/// Compiles tests/plugins-fixtures/c_plugin.c with `-DFIXTURE_<variant>` into its own
+/// library and returns its path.
+fn c_plugin(variant: &str) -> PathBuf {
+    let dir = scratch_dir(&format!("c-{variant}"));
+    let out = dir.join(dylib_name(&format!("fixture_{}", variant.to_lowercase())));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(cc)
+        .args(["-shared", "-fPIC", "-O1"])
+        .arg(format!("-DFIXTURE_{variant}"))
+        .arg("-I")
+        .arg(fixtures())
+        .arg("-o")
+        .arg(&out)
+        .arg(fixtures().join("c_plugin.c"))
+        .status()
+        .expect("run cc (a C compiler is needed to build the broken plugins)");
+    assert!(status.success(), "compiling the {variant} fixture failed");
+    out
+}
+
+// ---- a small model of real shape ------------------------------------------------------
+
+/// Deterministic pseudo-random values in [-scale, scale).
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut rng = kiln_core::Rng::new(seed);
+    (0..n).map(|_| (rng.next_f32() * 2.0 - 1.0) * scale).collect()
+}
+
+fn tensor(name: &str, qtype: QType, dims: Vec<usize>, seed: u64, scale: f32) -> TensorView {
+    let n: usize = dims.iter().product();
+    let v = values(seed, n, scale);
+    let mut bytes = vec![0u8; qtype.tensor_bytes(&dims).unwrap()];
+    kiln_core::quant::quantize(qtype, &v, &mut bytes).unwrap();
+    TensorView::from_bytes(name, qtype, dims, bytes).unwrap()
+}
+
+fn ones_ish(name: &str, n: usize, seed: u64) -> TensorView {
+    let v: Vec<f32> = values(seed, n, 0.1).into_iter().map(|x| 1.0 + x).collect();
+    TensorView::from_f32(name, vec![n], &v).unwrap()
+}
+
+/// A two-layer llama-shaped model (GQA, SwiGLU, NORM rope, untied head) with quantised
+/// matrices: enough to exercise every step of a decoder in milliseconds.
+fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
+    let (hidden, heads, kv_heads, head_dim, ffn, vocab, layers) = (64, 4, 2, 16, 128, 96, 2);
+    let config = ModelConfig {
+        arch: Architecture::Llama,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        ffn_size: ffn,
+        norm: NormKind::Rms,
+        norm_eps: 1e-5,
+        activation: Activation::Silu,
+        gated_ffn: true,
+        parallel_residual: false,
+        qkv_bias: false,
+        qk_norm: false,
+        rope: RopeConfig { kind: RopeKind::Norm, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: head_dim },
+        tied_embeddings: false,
+        context_length: 64,
+    };
+    let layer = |i: usize| {
+        let s = 100 * (i as u64 + 1);
+        LayerWeights {
+            attn_norm: ones_ish(&format!("blk.{i}.attn_norm"), hidden, s),
+            attn_norm_bias: None,
+            attn_q: tensor(&format!("blk.{i}.attn_q"), matrix, vec![hidden, heads * head_dim], s + 1, 0.2),
+            attn_k: tensor(&format!("blk.{i}.attn_k"), matrix, vec![hidden, kv_heads * head_dim], s + 2, 0.2),
+            attn_v: tensor(&format!("blk.{i}.attn_v"), matrix, vec![hidden, kv_heads * head_dim], s + 3, 0.2),
+            attn_q_bias: None,
+            attn_k_bias: None,
+            attn_v_bias: None,
+            attn_q_norm: None,
+            attn_k_norm: None,
+            attn_out: tensor(&format!("blk.{i}.attn_output"), matrix, vec![heads * head_dim, hidden], s + 4, 0.2),
+            attn_out_bias: None,
+            ffn_norm: Some(ones_ish(&format!("blk.{i}.ffn_norm"), hidden, s + 5)),
+            ffn_norm_bias: None,
+            ffn_gate: Some(tensor(&format!("blk.{i}.ffn_gate"), matrix, vec![hidden, ffn], s + 6, 0.2)),
+            ffn_up: tensor(&format!("blk.{i}.ffn_up"), matrix, vec![hidden, ffn], s + 7, 0.2),
+            ffn_down: tensor(&format!("blk.{i}.ffn_down"), matrix, vec![ffn, hidden], s + 8, 0.2),
+        }
+    };
+    ModelIr {
+        config,
+        weights: ModelWeights {
+            token_embd: tensor("token_embd", QType::Q8_0, vec![hidden, vocab], 1, 1.0),
+            layers: (0..layers).map(layer).collect(),
+            output_norm: ones_ish("output_norm", hidden, 2),
+            output_norm_bias: None,
+            output: Some(tensor("output", matrix, vec![hidden, vocab], 3, 0.5)),
+            rope_freqs: None,
+        },
+        source: source.into(),
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    kiln_core::argmax(v)
+}
+
+/// Prefills `prompt` and decodes `steps` greedy tokens; returns the tokens and every
+/// step's logits.
+fn greedy(exec: &mut dyn LayerExecutor, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let vocab = exec.config().vocab_size;
+    let seq = exec.new_sequence().unwrap();
+    let mut logits = vec![0.0f32; vocab];
+    exec.prefill(seq, prompt, &mut logits).unwrap();
+    let mut tokens = Vec::new();
+    let mut all = vec![logits.clone()];
+    for _ in 0..steps {
+        let next = argmax(&logits);
+        tokens.push(next);
+        exec.decode(&[DecodeItem { seq, token: next }], &mut logits).unwrap();
+        all.push(logits.clone());
+    }
+    exec.free_sequence(seq).unwrap();
+    (tokens, all)
+}
+
+fn assert_plugin_error(e: &Error, file: &Path, needles: &[&str]) {
+    let Error::Plugin { path, message } = e else { panic!("expected a plugin error, got {e:?}") };
+    let name = file.file_name().unwrap().to_string_lossy();
+    assert!(path.contains(&*name), "error path {path:?} does not name {name}");
+    for n in needles {
+        assert!(message.contains(n), "message {message:?} lacks {n:?}");
+    }
+}
+
+// ---- the example plugin ------------------------------------------------------------
+
+#[test]
+fn c_header_matches_the_rust_layout() {
+    // Compile the fixture as a program that prints its sizes (C's view of the ABI).
+    let dir = scratch_dir("c-sizes");
+    let main = dir.join("sizes.c");
+    std::fs::write(
+        &main,
+        "#include <stdio.h>\n#include \"kiln_plugin.h\"\nint main(void){printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu\",\
+         sizeof(kiln_plugin_api),sizeof(kiln_backend_info),sizeof(kiln_support),sizeof(kiln_model_config),\
+         sizeof(kiln_tensor_desc),sizeof(kiln_model_desc),sizeof(kiln_load_options),sizeof(kiln_executor_info),\
+         sizeof(kiln_decode_item));return 0;}\n",
+    )
+    .unwrap();
+    let exe = dir.join("sizes");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(cc).arg("-I").arg(fixtures()).arg("-o").arg(&exe).arg(&main).status().expect("run cc");
+    assert!(status.success());
+    let out = String::from_utf8(Command::new(&exe).output().unwrap().stdout).unwrap();
+    use std::mem::size_of;
+    let rust = [
+        size_of::<KilnPluginApi>(),
+        size_of::<plugin_abi::KilnBackendInfo>(),
+        size_of::<plugin_abi::KilnSupport>(),
+        size_of::<plugin_abi::KilnModelConfig>(),
+        size_of::<plugin_abi::KilnTensorDesc>(),
+        size_of::<plugin_abi::KilnModelDesc>(),
+        size_of::<plugin_abi::KilnLoadOptions>(),
+        size_of::<plugin_abi::KilnExecutorInfo>(),
+        size_of::<plugin_abi::KilnDecodeItem>(),
+    ]
+    .map(|s| s.to_string())
+    .join(" ");
+    assert_eq!(out, rust, "C header sizes (left) differ from Rust's (right)");
+}
+
+#[test]
+fn example_plugin_loads_by_path_and_joins_selection() {
+    let path = naive_plugin();
+    let plugin = PluginBackend::open(&path).unwrap();
+    assert_eq!(plugin.name(), "naive-cpu");
+    assert_eq!(plugin.version(), env!("CARGO_PKG_VERSION"), "the SDK reports the plugin crate's version");
+    assert_eq!(plugin_abi::version_major(plugin.abi_version()), plugin_abi::ABI_MAJOR);
+    assert!(plugin.description().contains("naive-cpu-plugin") || plugin.description().contains("naive_cpu_plugin"));
+    assert!(plugin.qtypes().contains(&QType::Q4_1));
+    assert!(plugin.probe().is_ok());
+
+    kiln::link_builtin_backends();
+    let mut registry = Registry::with_builtins();
+    registry.register(load_plugin(&path).unwrap()).unwrap();
+    assert!(registry.get("naive-cpu").is_some());
+
+    let model = tiny_llama("synthetic llama", QType::Q4_1);
+    let ranked = registry.rank(&model);
+    let score = |name: &str| ranked.iter().find(|c| c.name == name).and_then(|c| c.score());
+    assert_eq!(score("naive-cpu"), Some(5));
+    assert_eq!(score("cpu"), Some(10));
+    let (auto, _) = registry.select(&model, None).unwrap();
+    assert_eq!(auto.name(), "cpu", "the built-in backend outscores the example");
+    let (named, _) = registry.select(&model, Some("naive-cpu")).unwrap();
+    assert_eq!(named.name(), "naive-cpu");
+}
+
+#[test]
+fn example_plugin_matches_the_builtin_cpu_backend() {
+    let plugin = load_plugin(&naive_plugin()).unwrap();
+    for qtype in [QType::Q4_1, QType::Q8_0, QType::F16] {
+        let model = tiny_llama("synthetic llama", qtype);
+        let options = LoadOptions { max_sequences: 2, ..Default::default() };
+        let mut builtin = kiln_backend_cpu::CpuBackend.load(&model, &options).unwrap();
+        let mut through_abi = plugin.load(&model, &options).unwrap();
+        assert_eq!(through_abi.max_sequences(), 2);
+        assert_eq!(through_abi.max_context(), 64);
+        let prompt = [3, 17, 42, 5, 77, 1];
+        let (a, la) = greedy(builtin.as_mut(), &prompt, 12);
+        let (b, lb) = greedy(through_abi.as_mut(), &prompt, 12);
+        assert_eq!(a, b, "{qtype}: greedy tokens differ");
+        for (x, y) in la.iter().flatten().zip(lb.iter().flatten()) {
+            assert!((x - y).abs() <= 1e-3 * (1.0 + x.abs()), "{qtype}: logits {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn plugin_executor_sequences_batches_and_errors_cross_the_boundary() {
+    let plugin = load_plugin(&naive_plugin()).unwrap();
+    let model = tiny_llama("synthetic llama", QType::Q8_0);
+    let mut exec = plugin.load(&model, &LoadOptions { max_sequences: 2, max_context: 16, ..Default::default() }).unwrap();
+    let vocab = model.config.vocab_size;
+    let (s0, s1) = (exec.new_sequence().unwrap(), exec.new_sequence().unwrap());
+    assert_ne!(s0, s1);
+    // A third sequence does not fit: the plugin's InvalidArgument arrives as one.
+    assert!(matches!(exec.new_sequence(), Err(Error::InvalidArgument(_))));
+
+    let mut l0 = vec![0.0; vocab];
+    let mut l1 = vec![0.0; vocab];
+    exec.prefill(s0, &[1, 2, 3], &mut l0).unwrap();
+    exec.prefill(s1, &[4, 5], &mut l1).unwrap();
+    assert_eq!((exec.sequence_len(s0).unwrap(), exec.sequence_len(s1).unwrap()), (3, 2));
+
+    // A batch of two equals the two single steps.
+    let mut batch_logits = vec![0.0; 2 * vocab];
+    exec.decode(&[DecodeItem { seq: s0, token: 9 }, DecodeItem { seq: s1, token: 8 }], &mut batch_logits).unwrap();
+    exec.truncate_sequence(s0, 3).unwrap();
+    exec.truncate_sequence(s1, 2).unwrap();
+    let mut single = vec![0.0; vocab];
+    exec.decode(&[DecodeItem { seq: s0, token: 9 }], &mut single).unwrap();
+    assert_eq!(&batch_logits[..vocab], &single[..]);
+    exec.decode(&[DecodeItem { seq: s1, token: 8 }], &mut single).unwrap();
+    assert_eq!(&batch_logits[vocab..], &single[..]);
+
+    // Errors keep their kind across the ABI, and the executor stays usable after them.
+    let dup = [DecodeItem { seq: s0, token: 1 }, DecodeItem { seq: s0, token: 2 }];
+    assert!(matches!(exec.decode(&dup, &mut batch_logits), Err(Error::InvalidArgument(m)) if m.contains("twice")));
+    assert!(matches!(exec.prefill(s0, &[vocab as u32], &mut l0), Err(Error::InvalidArgument(m)) if m.contains("vocabulary")));
+    assert!(matches!(exec.sequence_len(7), Err(Error::InvalidArgument(_))));
+    assert!(matches!(exec.prefill(s0, &[1; 20], &mut l0), Err(Error::InvalidArgument(m)) if m.contains("context")));
+    exec.free_sequence(s1).unwrap();
+    assert!(exec.sequence_len(s1).is_err());
+    assert_eq!(exec.sequence_len(s0).unwrap(), 4);
+    exec.decode(&[DecodeItem { seq: s0, token: 2 }], &mut single).unwrap();
+}
+
+#[test]
+fn plugins_are_discovered_from_the_plugin_path_and_explicit_paths() {
+    // This is the only test that touches KILN_PLUGIN_PATH, so no other reads it meanwhile.
+    let dir = scratch_dir("plugin-path");
+    let lib = dir.join(dylib_name("naive_cpu_copy"));
+    std::fs::copy(naive_plugin(), &lib).unwrap();
+    std::fs::write(dir.join("README.txt"), "not a plugin, and not named like one").unwrap();
+    let empty = scratch_dir("plugin-path-empty");
+    std::env::set_var(PLUGIN_PATH_ENV, std::env::join_paths([&empty, &dir, &dir.join("absent")]).unwrap());
+    let (found, errors) = discover_plugins(&[]);
+    std::env::remove_var(PLUGIN_PATH_ENV);
+    assert!(errors.is_empty(), "{errors:?}");
+    let names: Vec<&str> = found.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ["naive-cpu"]);
+
+    // Explicit: a file, the same file again (loaded once), a missing file, a broken one.
+    let broken = c_plugin("ABI_MAJOR");
+    let missing = dir.join("missing.so");
+    let (found, errors) = discover_plugins(&[naive_plugin(), lib.clone(), missing.clone(), broken.clone()]);
+    let names: Vec<&str> = found.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ["naive-cpu"], "a copy of the same plugin is refused by name, not loaded twice");
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    let about = |file: &Path| {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        errors.iter().find(|e| matches!(e, Error::Plugin { path, .. } if path.ends_with(&name))).unwrap()
+    };
+    assert_plugin_error(about(&lib), &lib, &["already provides a backend named 'naive-cpu'"]);
+    assert_plugin_error(about(&missing), &missing, &["no such file"]);
+    assert_plugin_error(about(&broken), &broken, &["2.3", "1.0"]);
+
+    // Registration refuses a plugin shadowing a backend already in the registry.
+    let mut registry = Registry::new();
+    registry.register(load_plugin(&naive_plugin()).unwrap()).unwrap();
+    let errors = register_plugins(&mut registry, &[naive_plugin()]);
+    assert_eq!(errors.len(), 1);
+    assert_plugin_error(&errors[0], &naive_plugin(), &["already registered"]);
+}
+
+// ---- refusals ----------------------------------------------------------------------
+
+#[test]
+fn a_well_formed_c_plugin_loads() {
+    let path = c_plugin("VALID");
+    let b = load_plugin(&path).unwrap();
+    assert_eq!(b.name(), "c-null");
+    assert_eq!(b.qtypes(), [QType::F32, QType::F16, QType::Q8_0]);
+    assert_eq!(b.probe().unwrap(), "nothing at all");
+    let model = tiny_llama("synthetic llama", QType::Q8_0);
+    assert_eq!(b.supports(&model), Support::No { reason: "c-null runs no model".into() });
+    assert!(matches!(b.load(&model, &LoadOptions::default()), Err(Error::Unsupported(m)) if m == "c-null runs no model"));
+}
+
+#[test]
+fn not_a_shared_library_is_refused() {
+    let dir = scratch_dir("garbage");
+    let path = dir.join(dylib_name("garbage"));
+    std::fs::write(&path, "this is text, not an ELF object").unwrap();
+    assert_plugin_error(&load_plugin(&path).err().unwrap(), &path, &["not a loadable shared library"]);
+}
+
+#[test]
+fn each_broken_c_plugin_is_refused_with_its_cause() {
+    let cases: [(&str, &[&str]); 10] = [
+        ("NO_ENTRY", &["no entry symbol `kiln_plugin_entry`"]),
+        ("NULL_TABLE", &["null function table"]),
+        ("ABI_MAJOR", &["plugin ABI version 2.3", "ABI version 1.0"]),
+        ("TOO_SMALL", &["function table is 32 bytes", "needs at least"]),
+        ("NULL_FN", &["`decode` is null"]),
+        ("INIT_FAIL", &["initialisation failed", "no accelerator found"]),
+        ("DESCRIBE_FAIL", &["describe failed", "describe exploded"]),
+        ("NULL_NAME", &["malformed data", "name is null or empty"]),
+        ("NON_UTF8", &["malformed data", "name is not UTF-8"]),
+        ("LONG_NAME", &["malformed data", "name is 100000 bytes long"]),
+    ];
+    for (variant, needles) in cases {
+        let path = c_plugin(variant);
+        match load_plugin(&path) {
+            Ok(b) => panic!("{variant}: loaded as {}", b.name()),
+            Err(e) => assert_plugin_error(&e, &path, needles),
+        }
+    }
+    let path = c_plugin("BAD_QTYPE");
+    assert_plugin_error(&load_plugin(&path).err().unwrap(), &path, &["malformed data", "unknown qtype id 999"]);
+}
+
+#[test]
+fn panics_inside_a_plugin_become_errors_and_the_host_survives() {
+    let path = cargo_build("kiln-fixture-panicky-plugin", "kiln_fixture_panicky_plugin");
+    // Initialisation: an error, then a panic, both refused (env read by the constructor;
+    // only this test loads this library).
+    std::env::set_var("KILN_FIXTURE_INIT", "fail");
+    let failed = load_plugin(&path);
+    std::env::set_var("KILN_FIXTURE_INIT", "panic");
+    let panicked = load_plugin(&path);
+    std::env::remove_var("KILN_FIXTURE_INIT");
+    assert_plugin_error(&failed.err().unwrap(), &path, &["initialisation failed", "the fixture was told to fail"]);
+    assert_plugin_error(&panicked.err().unwrap(), &path, &["initialisation failed", "the fixture was told to panic"]);
+
+    let b = load_plugin(&path).unwrap();
+    assert_eq!(b.name(), "panicky");
+    let model = tiny_llama("synthetic llama", QType::Q8_0);
+    // A panic in `supports` is a refusal with the panic's message, not an abort.
+    match b.supports(&model) {
+        Support::No { reason } => {
+            assert!(reason.contains("panicked in supports") && reason.contains("supports exploded"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The declared architecture list is enforced by the host without asking the plugin.
+    let mut qwen = model.clone();
+    qwen.config.arch = Architecture::Qwen2;
+    assert!(matches!(b.supports(&qwen), Support::No { reason } if reason.contains("runs llama, not qwen2")));
+
+    let mut refused = model.clone();
+    refused.source = "please refuse".into();
+    assert!(matches!(b.load(&refused, &LoadOptions::default()), Err(Error::Unsupported(_))));
+
+    let mut exec = b.load(&model, &LoadOptions::default()).unwrap();
+    let seq = exec.new_sequence().unwrap();
+    let mut logits = vec![0.0; model.config.vocab_size];
+    exec.prefill(seq, &[1, 2], &mut logits).unwrap();
+    assert!(logits.iter().all(|&v| v == 0.5));
+    let e = exec.decode(&[DecodeItem { seq, token: 1 }], &mut logits).unwrap_err();
+    assert_plugin_error(&e, &path, &["panicked in decode", "decode exploded at length 2"]);
+    // The executor is poisoned: later calls fail instead of running on half-written state.
+    let e = exec.prefill(seq, &[1], &mut logits).unwrap_err();
+    assert!(e.to_string().contains("unusable after an earlier panic"), "{e}");
+    drop(exec);
+    // The backend itself is fine.
+    assert!(b.probe().is_ok());
+}
+
+// ---- the real model ----------------------------------------------------------------
+
+fn real_model_path() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("KILN_TEST_MODEL").map(PathBuf::from),
+        dirs_home().map(|h| h.join(".cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_file())
+}
+
+fn dirs_home() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(PathBuf::from)
+}
+
+fn open_real_model() -> Option<ModelIr> {
+    let Some(path) = real_model_path() else {
+        println!("skipped: SmolLM2 model not found (set KILN_TEST_MODEL or run `kiln pull`)");
+        return None;
+    };
+    let gguf = kiln_formats::gguf::GgufFile::open(&path).unwrap();
+    Some(kiln_formats::model::model_from_gguf(&gguf, &format!("GGUF file {}", path.display())).unwrap())
+}
+
+/// Prompt ids of the committed reference prompts (tests/fixtures/smollm2_reference).
+fn reference_prompts() -> Vec<(String, Vec<u32>)> {
+    let text = std::fs::read_to_string(workspace_root().join("tests/fixtures/smollm2_reference/reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let ids = p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            (p["name"].as_str().unwrap().to_string(), ids)
+        })
+        .collect()
+}
+
+#[test]
+fn smollm2_greedy_tokens_match_the_builtin_cpu_backend() {
+    let Some(model) = open_real_model() else { return };
+    let plugin = load_plugin(&naive_plugin()).unwrap();
+    assert!(plugin.supports(&model).score().is_some());
+    let options = LoadOptions { max_context: 256, ..Default::default() };
+    let mut builtin = kiln_backend_cpu::CpuBackend.load(&model, &options).unwrap();
+    let mut through_abi = plugin.load(&model, &options).unwrap();
+    const STEPS: usize = 16;
+    for (name, prompt) in reference_prompts().into_iter().take(3) {
+        let (a, _) = greedy(builtin.as_mut(), &prompt, STEPS);
+        let (b, _) = greedy(through_abi.as_mut(), &prompt, STEPS);
+        assert_eq!(a, b, "{name}: greedy tokens of cpu (left) and naive-cpu plugin (right) differ");
+    }
+}
+
+/// Decode speed of the same executor linked in and behind the plugin boundary. Run with
+/// `cargo test -p kiln-tests --test plugins -- --ignored --nocapture plugin_overhead`.
+#[test]
+#[ignore = "benchmark; prints tokens/s"]
+fn plugin_overhead() {
+    let real = open_real_model();
+    let model = real.clone().unwrap_or_else(|| tiny_llama("synthetic llama", QType::Q4_1));
+    let steps = if real.is_some() { 48 } else { 2000 };
+    let options = LoadOptions { max_context: 2 * steps + 16, ..Default::default() };
+    let mut linked: Box<dyn LayerExecutor> =
+        Box::new(naive_cpu_plugin::NaiveExecutor::load(&model, &options).unwrap());
+    let mut plugin = load_plugin(&naive_plugin()).unwrap().load(&model, &options).unwrap();
+
+    let vocab = model.config.vocab_size;
+    let run = |exec: &mut dyn LayerExecutor| -> f64 {
+        let seq = exec.new_sequence().unwrap();
+        let mut logits = vec![0.0; vocab];
+        exec.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
+        let t = Instant::now();
+        for _ in 0..steps {
+            let next = argmax(&logits);
+            exec.decode(&[DecodeItem { seq, token: next }], &mut logits).unwrap();
+        }
+        let tps = steps as f64 / t.elapsed().as_secs_f64();
+        exec.free_sequence(seq).unwrap();
+        tps
+    };
+    // Interleave rounds and keep each side's best, so drift in machine load hits both.
+    let (mut best_linked, mut best_plugin) = (0.0f64, 0.0f64);
+    for _ in 0..5 {
+        best_linked = best_linked.max(run(linked.as_mut()));
+        best_plugin = best_plugin.max(run(plugin.as_mut()));
+    }
+    let overhead = (best_linked / best_plugin - 1.0) * 100.0;
+    println!(
+        "plugin overhead on {} ({steps} decode steps, best of 5): linked {best_linked:.2} tok/s, \
+         plugin {best_plugin:.2} tok/s, overhead {overhead:+.2}%",
+        model.source
+    );
+    assert!(overhead < 2.0, "decode through the plugin costs {overhead:.2}% more");
+}
