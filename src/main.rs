@@ -1,1 +1,488 @@
-fn main() {}
+//! The `kiln` command line: run, chat, inspect, backends, tokenize, bench.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kiln::bench::{bench_decode, bench_prefill, bytes_per_decode_step};
+use kiln::{registry_with_plugins, Engine, GenerateParams, Generation, Model};
+use kiln_core::{Error, LoadOptions, QType, Registry, Result, SamplingParams};
+use kiln_formats::chat::ChatMessage;
+
+#[derive(Parser)]
+#[command(name = "kiln", version, about = "Run GGUF language models on pluggable compute backends")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt (streamed to stdout).
+    Run(RunArgs),
+    /// Talk with the model interactively; the conversation is kept.
+    Chat(ChatArgs),
+    /// Show a model file's metadata, tensor types and which backend would run it.
+    Inspect {
+        /// Model file (default: SmolLM2-135M-Instruct).
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        backend: BackendArgs,
+    },
+    /// List backends: available or why not, qtypes, and their verdict on a model.
+    Backends {
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        backend: BackendArgs,
+    },
+    /// Show the token ids and pieces of a text: `kiln tokenize [MODEL] TEXT`.
+    Tokenize {
+        #[arg(num_args = 1..=2, required = true, value_names = ["MODEL", "TEXT"])]
+        args: Vec<String>,
+        /// Do not add the BOS token even if the model asks for it.
+        #[arg(long)]
+        no_bos: bool,
+    },
+    /// Measure prompt processing and generation speed (llama-bench style).
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Clone)]
+struct BackendArgs {
+    /// Backend to use (`kiln backends` lists them); default: the best-scoring one.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Load a backend plugin (.so); repeatable.
+    #[arg(long = "plugin")]
+    plugins: Vec<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// GGUF model file (default: SmolLM2-135M-Instruct, fetched on first use).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    #[command(flatten)]
+    backend: BackendArgs,
+    /// Context length per sequence (default: the model's, at most 4096).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
+    ctx_size: usize,
+    /// CPU threads (default: all cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args, Clone)]
+struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long = "temp", default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Random seed (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when the output contains this string; repeatable.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    fn params(&self, max_tokens: usize) -> GenerateParams {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        GenerateParams {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repeat_penalty: self.repeat_penalty,
+                repeat_last_n: self.repeat_last_n,
+                seed,
+            },
+            stop_strings: self.stop.clone(),
+            stop_on_eos: true,
+        }
+    }
+}
+
+#[derive(Copy, Clone, PartialEq, Eq, ValueEnum)]
+enum OutputFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The prompt.
+    prompt: String,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    n_predict: usize,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long)]
+    system: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// `json` prints one object with prompt ids, generated ids, text and timings.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    format: OutputFormat,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens per reply at most.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    n_predict: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Copy, Clone, PartialEq, Eq, ValueEnum)]
+enum BenchFormat {
+    Md,
+    Json,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens for the pp test (0 skips it).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    n_prompt: usize,
+    /// Generated tokens for the tg test (0 skips it).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    n_gen: usize,
+    /// Repetitions (after one warm-up).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    repetitions: usize,
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = BenchFormat::Md)]
+    output: BenchFormat,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("KILN_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => cmd_run(args),
+        Command::Chat(args) => cmd_chat(args),
+        Command::Inspect { model, backend } => cmd_inspect(model, backend),
+        Command::Backends { model, backend } => cmd_backends(model, backend),
+        Command::Tokenize { args, no_bos } => cmd_tokenize(args, no_bos),
+        Command::Bench(args) => cmd_bench(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiln: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn model_path(path: Option<PathBuf>) -> Result<PathBuf> {
+    match path {
+        Some(p) => Ok(p),
+        None => kiln::fetch::ensure_default_model(false),
+    }
+}
+
+fn registry(args: &BackendArgs) -> Registry {
+    let (registry, errors) = registry_with_plugins(&args.plugins);
+    for e in errors {
+        eprintln!("kiln: warning: {e}");
+    }
+    registry
+}
+
+fn load_engine(args: &ModelArgs) -> Result<Engine> {
+    let path = model_path(args.model.clone())?;
+    let model = Model::open(&path)?;
+    let registry = registry(&args.backend);
+    let options = LoadOptions { max_context: args.ctx_size, threads: args.threads, ..LoadOptions::default() };
+    let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
+    tracing::info!(backend = engine.backend_name(), "model loaded");
+    Ok(engine)
+}
+
+fn cmd_run(args: RunArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let model = &engine.model;
+    let prompt_ids = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", &args.prompt));
+        let text = model.chat_template.render(&messages, true)?;
+        model.tokenizer.encode(&text, model.tokenizer.add_bos_default(), true)?
+    } else {
+        model.tokenizer.encode(&args.prompt, model.tokenizer.add_bos_default(), false)?
+    };
+    let params = args.sampling.params(args.n_predict);
+    let json = args.format == OutputFormat::Json;
+    let backend = engine.backend_name().to_string();
+    let mut session = engine.session()?;
+    let mut stdout = std::io::stdout();
+    if !json && !args.chat {
+        let _ = write!(stdout, "{}", args.prompt);
+    }
+    let generation = session.generate(&prompt_ids, &params, |piece| {
+        if !json {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
+    })?;
+    if json {
+        let value = serde_json::json!({
+            "backend": backend,
+            "prompt_ids": generation.prompt_ids,
+            "generated_ids": generation.ids,
+            "text": generation.text,
+            "finish_reason": generation.finish.as_str(),
+            "timings": {
+                "prompt_tokens": generation.prefilled,
+                "prompt_ms": generation.prefill_time.as_secs_f64() * 1e3,
+                "prompt_tokens_per_sec": generation.prompt_tokens_per_sec(),
+                "decode_steps": generation.decode_steps,
+                "decode_ms": generation.decode_time.as_secs_f64() * 1e3,
+                "decode_tokens_per_sec": generation.decode_tokens_per_sec(),
+            }
+        });
+        println!("{value}");
+    } else {
+        println!();
+        print_summary(&backend, &generation);
+    }
+    Ok(())
+}
+
+fn print_summary(backend: &str, g: &Generation) {
+    eprintln!(
+        "kiln: {backend}: prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.1} tok/s ({})",
+        g.prefilled,
+        g.prompt_tokens_per_sec(),
+        g.ids.len(),
+        g.decode_tokens_per_sec(),
+        g.finish.as_str()
+    );
+}
+
+fn cmd_chat(args: ChatArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let backend = engine.backend_name().to_string();
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system));
+    }
+    let mut session = engine.session()?;
+    eprintln!("kiln chat on {backend} — type a message, an empty line or Ctrl-D to quit, /reset to start over");
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        if line.trim() == "/reset" {
+            messages.truncate(usize::from(args.system.is_some()));
+            continue;
+        }
+        messages.push(ChatMessage::new("user", line.trim_end()));
+        let model = &session.engine().model;
+        let text = model.chat_template.render(&messages, true)?;
+        let ids = model.tokenizer.encode(&text, model.tokenizer.add_bos_default(), true)?;
+        let mut stdout = std::io::stdout();
+        let generation = session.generate(&ids, &args.sampling.params(args.n_predict), |piece| {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        })?;
+        println!();
+        print_summary(&backend, &generation);
+        messages.push(ChatMessage::new("assistant", generation.text.trim()));
+    }
+    Ok(())
+}
+
+fn describe_candidates(candidates: &[kiln_core::Candidate], chosen: Option<&str>) {
+    for c in candidates {
+        let mark = if Some(c.name.as_str()) == chosen { "*" } else { " " };
+        match (c.score(), c.refusal()) {
+            (Some(score), _) => {
+                let note = match &c.support {
+                    kiln_core::Support::Yes { note, .. } => note.as_str(),
+                    _ => "",
+                };
+                println!(" {mark} {:<14} score {score:<4} {note}", c.name)
+            }
+            (None, Some(why)) => println!(" {mark} {:<14} refused: {why}", c.name),
+            (None, None) => println!(" {mark} {:<14} refused", c.name),
+        }
+    }
+}
+
+fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
+    let path = model_path(model)?;
+    let model = Model::open(&path)?;
+    let ir = &model.ir;
+    let c = &ir.config;
+    println!("file:         {}", path.display());
+    println!("format:       GGUF v{}", model.gguf.version());
+    for (key, value) in model.gguf.metadata() {
+        if key.starts_with("tokenizer.ggml.") && !matches!(key.as_str(), "tokenizer.ggml.model" | "tokenizer.ggml.pre") {
+            continue;
+        }
+        let shown = value.to_string();
+        let shown = if shown.chars().count() > 100 { format!("{}…", shown.chars().take(100).collect::<String>()) } else { shown };
+        println!("  {key} = {}", shown.replace('\n', "\\n"));
+    }
+    println!(
+        "architecture: {} — {} layers, hidden {}, ffn {}, heads {} / kv {} × {}, vocab {}, context {}",
+        c.arch.name(),
+        c.num_layers,
+        c.hidden_size,
+        c.ffn_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        c.context_length
+    );
+    println!(
+        "rope:         {:?}, theta {}, {} rotary dims; tied embeddings: {}",
+        c.rope.kind, c.rope.theta, c.rope.rotary_dims, c.tied_embeddings
+    );
+    println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
+    println!("tensors by type:");
+    let mut by_type: std::collections::BTreeMap<QType, (usize, u64)> = Default::default();
+    for t in model.gguf.tensors() {
+        let e = by_type.entry(t.qtype).or_default();
+        e.0 += 1;
+        e.1 += t.qtype.tensor_bytes(&t.dims).unwrap_or(0) as u64;
+    }
+    for (q, (count, bytes)) in by_type {
+        println!("  {:<6} {count:>4} tensors  {:>9.2} MB", q.name(), bytes as f64 / 1e6);
+    }
+    let registry = registry(&backend);
+    println!("backends:");
+    match kiln_formats::model::dispatch(ir, &registry, backend.backend.as_deref()) {
+        Ok((chosen, candidates)) => describe_candidates(&candidates, Some(chosen.name())),
+        Err(e) => {
+            describe_candidates(&registry.rank(ir), None);
+            println!("  → {e}");
+        }
+    }
+    Ok(())
+}
+
+fn cmd_backends(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
+    let registry = registry(&backend);
+    for b in registry.backends() {
+        let qtypes: Vec<&str> = b.qtypes().iter().map(|q| q.name()).collect();
+        match b.probe() {
+            Ok(device) => println!("{:<14} available: {device}", b.name()),
+            Err(why) => println!("{:<14} unavailable: {why}", b.name()),
+        }
+        println!("{:<14} {} — qtypes: {}", "", b.description(), qtypes.join(" "));
+    }
+    if let Some(path) = model {
+        let model = Model::open(&path)?;
+        println!("\nfor {}:", path.display());
+        match kiln_formats::model::dispatch(&model.ir, &registry, backend.backend.as_deref()) {
+            Ok((chosen, candidates)) => {
+                describe_candidates(&candidates, Some(chosen.name()));
+                println!("→ {} would run it", chosen.name());
+            }
+            Err(e) => {
+                describe_candidates(&registry.rank(&model.ir), None);
+                println!("→ {e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
+    let (path, text) = match args.as_slice() {
+        [text] => (model_path(None)?, text.clone()),
+        [model, text] => (PathBuf::from(model), text.clone()),
+        _ => return Err(Error::InvalidArgument("usage: kiln tokenize [MODEL] TEXT".into())),
+    };
+    let model = Model::open(Path::new(&path))?;
+    let tok = &model.tokenizer;
+    let ids = tok.encode(&text, tok.add_bos_default() && !no_bos, true)?;
+    for id in &ids {
+        let piece = tok.piece(*id).unwrap_or("?");
+        println!("{id:>7} {piece:?}");
+    }
+    println!("{} tokens", ids.len());
+    Ok(())
+}
+
+fn cmd_bench(args: BenchArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let backend = engine.backend_name().to_string();
+    let bytes = bytes_per_decode_step(&engine.model.ir);
+    let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let params = engine.model.ir.parameters();
+    let exec = engine.executor();
+    let mut results = Vec::new();
+    if args.n_prompt > 0 {
+        results.push(bench_prefill(exec, args.n_prompt, args.repetitions.max(1))?);
+    }
+    if args.n_gen > 0 {
+        results.push(bench_decode(exec, args.n_gen, args.repetitions.max(1))?);
+    }
+    match args.output {
+        BenchFormat::Json => {
+            let value = serde_json::json!({
+                "model": name, "backend": backend, "parameters": params,
+                "bytes_per_decode_step": bytes, "results": results,
+            });
+            println!("{value}");
+        }
+        BenchFormat::Md => {
+            println!("| model | params | backend | test | t/s | weight GB/s |");
+            println!("| --- | ---: | --- | --- | ---: | ---: |");
+            for r in &results {
+                let gbs = if r.test.starts_with("tg") { format!("{:.1}", bytes as f64 * r.mean_tps / 1e9) } else { "".into() };
+                println!(
+                    "| {name} | {:.1} M | {backend} | {} | {:.2} ± {:.2} | {gbs} |",
+                    params as f64 / 1e6,
+                    r.test,
+                    r.mean_tps,
+                    r.sd_tps
+                );
+            }
+            println!("\nbytes read per decode step: {:.1} MB", bytes as f64 / 1e6);
+        }
+    }
+    Ok(())
+}

