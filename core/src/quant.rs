@@ -10,11 +10,13 @@
 //! `roundf` (half away from zero) for the 8-bit types.
 //!
 //! Layouts live next to the code that reads them: [`legacy`] for the 32-value block types,
-//! [`kquants`] for the 256-value super-blocks.
+//! [`kquants`] for the 256-value super-blocks. The K-quant quantisers, which search scales
+//! and mins as ggml's reference does, are in [`kquant_search`].
 
 use crate::error::{Error, Result};
 use crate::qtype::QType;
 
+pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
 
@@ -69,9 +71,10 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// Quantises `src` (a whole number of blocks of values) into `dst` (exactly that many
 /// blocks' bytes), with ggml's reference quantiser for `qtype`.
 ///
-/// Supported: F32, F16, BF16 and the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-/// Q8_1. K-quants need ggml's iterative scale search and are [`Error::Unsupported`] here.
-/// Shape mismatches are [`Error::InvalidShape`].
+/// Supported: F32, F16, BF16, the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
+/// and the K-quants Q4_K, Q5_K, Q6_K (with ggml's scale search, see [`kquant_search`]).
+/// Q2_K, Q3_K and Q8_K are [`Error::Unsupported`]. Shape mismatches are
+/// [`Error::InvalidShape`].
 pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     if !can_quantize(qtype) {
         return Err(Error::Unsupported(format!("quantising to {qtype} is not supported")));
@@ -106,7 +109,10 @@ pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         QType::Q5_1 => for_each_block_mut(src, dst, legacy::quantize_q5_1),
         QType::Q8_0 => for_each_block_mut(src, dst, legacy::quantize_q8_0),
         QType::Q8_1 => for_each_block_mut(src, dst, legacy::quantize_q8_1),
-        QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => {
+        QType::Q4_K => for_each_block_mut(src, dst, kquant_search::quantize_q4_k),
+        QType::Q5_K => for_each_block_mut(src, dst, kquant_search::quantize_q5_k),
+        QType::Q6_K => for_each_block_mut(src, dst, kquant_search::quantize_q6_k),
+        QType::Q2_K | QType::Q3_K | QType::Q8_K => {
             unreachable!("can_quantize refused {qtype} above")
         }
     }
@@ -117,7 +123,18 @@ pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
 pub fn can_quantize(qtype: QType) -> bool {
     matches!(
         qtype,
-        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::Q8_0 | QType::Q8_1
+        QType::F32
+            | QType::F16
+            | QType::BF16
+            | QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::Q8_0
+            | QType::Q8_1
+            | QType::Q4_K
+            | QType::Q5_K
+            | QType::Q6_K
     )
 }
 
@@ -214,9 +231,11 @@ mod tests {
     }
 
     #[test]
-    fn k_quants_are_not_quantised_here() {
+    fn low_bit_k_quants_are_not_quantised_here() {
         let src = [0.0f32; 256];
+        let mut dst = [0u8; 84];
+        assert!(matches!(quantize(QType::Q2_K, &src, &mut dst), Err(Error::Unsupported(_))));
         let mut dst = [0u8; 144];
-        assert!(matches!(quantize(QType::Q4_K, &src, &mut dst), Err(Error::Unsupported(_))));
+        assert!(quantize(QType::Q4_K, &src, &mut dst).is_ok());
     }
 }
