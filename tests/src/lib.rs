@@ -1,1 +1,72 @@
-//! Shared helpers for the end-to-end tests.
+//! # kiln-tests
+//!
+//! End-to-end tests across kiln's crates (real model vs. independent references, CLI,
+//! plugins). This library holds what those tests share: finding the real model and the
+//! committed fixtures, and reporting a skip so it is seen.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+/// File name of the default model in kiln's cache.
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The real SmolLM2 file: `$KILN_TEST_MODEL`, else kiln's model cache (where `kiln run`
+/// and `scripts/test.sh` put it).
+pub fn smollm2_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KILN_TEST_MODEL") {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    let p = kiln::fetch::default_model_path();
+    p.is_file().then_some(p)
+}
+
+/// Reports a skipped test on the real stderr (libtest captures `println!`, so a plain print
+/// would vanish from a passing test's output).
+pub fn skip(test: &str, reason: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{test}: skipped: {reason}");
+}
+
+/// The real model, or a visible skip.
+pub fn smollm2_or_skip(test: &str) -> Option<PathBuf> {
+    let p = smollm2_path();
+    if p.is_none() {
+        skip(test, &format!("{SMOLLM2_FILE} not found (set KILN_TEST_MODEL or run `kiln run` once to fetch it)"));
+    }
+    p
+}
+
+/// A committed fixture file under tests/fixtures.
+pub fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
+}
+
+/// Cosine similarity of two vectors, accumulated in f64.
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        ab += x as f64 * y as f64;
+        aa += x as f64 * x as f64;
+        bb += y as f64 * y as f64;
+    }
+    ab / (aa.sqrt() * bb.sqrt())
+}
+
+/// The `kiln` binary of the profile these tests were built with, building it if needed.
+pub fn kiln_binary() -> PathBuf {
+    // Integration tests run from target/<profile>/deps/.
+    let exe = std::env::current_exe().expect("test executable path");
+    let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/deps").to_path_buf();
+    let bin = profile_dir.join("kiln");
+    if !bin.is_file() {
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = std::process::Command::new(env!("CARGO"));
+        cmd.args(["build", "--bin", "kiln"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo");
+        assert!(status.success(), "building the kiln binary failed");
+    }
+    bin
+}

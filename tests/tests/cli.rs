@@ -1,0 +1,109 @@
+//! The `kiln` command line as a user runs it.
+
+use std::process::Command;
+
+use kiln_tests::{kiln_binary, smollm2_or_skip};
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    Command::new(kiln_binary()).args(args).output().expect("run kiln")
+}
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn run_json_prints_ids_text_and_timings() {
+    let Some(model) = smollm2_or_skip("run_json_prints_ids_text_and_timings") else { return };
+    let model = model.to_str().unwrap();
+    let out = kiln(&["run", "The capital of France is", "-n", "24", "--format", "json", "-m", model]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    assert_eq!(v["prompt_ids"], serde_json::json!([504, 3575, 282, 4649, 314]));
+    assert_eq!(v["generated_ids"].as_array().unwrap().len(), 24);
+    let text = v["text"].as_str().unwrap();
+    assert!(text.starts_with(" Paris."), "greedy continuation was {text:?}");
+    assert!(v["timings"]["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["backend"], "cpu");
+}
+
+#[test]
+fn run_streams_text_and_summarises_speed() {
+    let Some(model) = smollm2_or_skip("run_streams_text_and_summarises_speed") else { return };
+    let out = kiln(&["run", "Water boils at", "-n", "8", "-m", model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("Water boils at 100"), "{}", stdout(&out));
+    assert!(stderr(&out).contains("tok/s"), "{}", stderr(&out));
+}
+
+#[test]
+fn chat_template_and_stop_on_end_of_turn() {
+    let Some(model) = smollm2_or_skip("chat_template_and_stop_on_end_of_turn") else { return };
+    let out = kiln(&["run", "What is 2+2?", "--chat", "-n", "64", "--format", "json", "-m", model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["finish_reason"], "stop", "the reply ends with <|im_end|>: {v}");
+    assert!(v["text"].as_str().unwrap().contains('4'), "{v}");
+    assert!(!v["text"].as_str().unwrap().contains("<|im_end|>"));
+}
+
+#[test]
+fn stop_strings_cut_the_output() {
+    let Some(model) = smollm2_or_skip("stop_strings_cut_the_output") else { return };
+    let out = kiln(&["run", "The capital of France is", "-n", "24", "--stop", ".", "--format", "json", "-m", model.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["text"], " Paris");
+    assert_eq!(v["finish_reason"], "stop");
+}
+
+#[test]
+fn inspect_backends_and_tokenize() {
+    let Some(model) = smollm2_or_skip("inspect_backends_and_tokenize") else { return };
+    let model = model.to_str().unwrap();
+    let out = kiln(&["inspect", model]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s = stdout(&out);
+    assert!(s.contains("q4_1") && s.contains("210 tensors"), "{s}");
+    assert!(s.contains("30 layers, hidden 576"), "{s}");
+    assert!(s.contains("* cpu"), "{s}");
+
+    let out = kiln(&["backends", "-m", model]);
+    assert!(out.status.success());
+    assert!(stdout(&out).contains("cpu would run it"), "{}", stdout(&out));
+
+    let out = kiln(&["tokenize", model, "x =  5<|im_end|>"]);
+    let s = stdout(&out);
+    assert!(s.contains("    256 ") && s.contains("\"<|im_end|>\""), "{s}");
+}
+
+#[test]
+fn bad_files_give_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("nope.gguf");
+    let out = kiln(&["run", "hi", "-m", missing.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("nope.gguf"), "{}", stderr(&out));
+
+    let garbage = dir.join("garbage.gguf");
+    std::fs::write(&garbage, b"this is not a model at all").unwrap();
+    let out = kiln(&["inspect", garbage.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("kiln: error: invalid model file"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"));
+
+    if let Some(model) = kiln_tests::smollm2_path() {
+        let bytes = std::fs::read(&model).unwrap();
+        let truncated = dir.join("truncated.gguf");
+        std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+        let out = kiln(&["run", "hi", "-n", "2", "-m", truncated.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+        let out = kiln(&["run", "hi", "--backend", "no-such-backend", "-m", model.to_str().unwrap()]);
+        assert!(stderr(&out).contains("no backend named 'no-such-backend'"), "{}", stderr(&out));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
