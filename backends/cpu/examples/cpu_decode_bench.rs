@@ -1,0 +1,80 @@
+//! Prompt and decode speed of the CPU backend on a real GGUF model, with 1 and 2 threads
+//! (and every core, when there are more).
+//!
+//! ```text
+//! cargo run --release -p kiln-backend-cpu --example cpu_decode_bench [-- MODEL.gguf]
+//! ```
+//! Without an argument the model comes from `KILN_TEST_MODEL` or the kiln cache
+//! (`~/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf`).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kiln_backend_cpu::CpuBackend;
+use kiln_core::{argmax, DecodeItem, LoadOptions};
+
+const PROMPT_TOKENS: usize = 64;
+const DECODE_TOKENS: usize = 64;
+
+fn model_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::args_os().nth(1) {
+        return Some(p.into());
+    }
+    if let Some(p) = std::env::var_os("KILN_TEST_MODEL") {
+        return Some(p.into());
+    }
+    let home = std::env::var_os("HOME")?;
+    let p = PathBuf::from(home).join(".cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    p.exists().then_some(p)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Some(path) = model_path() else {
+        println!("skipped: no model (pass a path, set KILN_TEST_MODEL, or run `kiln` once to fill the cache)");
+        return Ok(());
+    };
+    let (_file, ir) = kiln_formats::model::load_gguf(&path)?;
+    let c = &ir.config;
+    println!(
+        "{}: {} layers, hidden {}, vocab {}, qtypes {:?}",
+        path.display(),
+        c.num_layers,
+        c.hidden_size,
+        c.vocab_size,
+        ir.matrix_qtypes().iter().map(|q| q.name()).collect::<Vec<_>>()
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut counts = vec![1, 2];
+    if cores > 2 {
+        counts.push(cores);
+    }
+    let vocab = c.vocab_size;
+    let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+    for threads in counts {
+        let opts = LoadOptions { max_context: 512, max_sequences: 1, threads: Some(threads), progress: None };
+        let mut ex = CpuBackend.load_executor(&ir, &opts)?;
+        let mut logits = vec![0.0f32; vocab];
+        // Warm-up: page the weights in and spin the pool up.
+        let seq = kiln_core::LayerExecutor::new_sequence(&mut ex)?;
+        kiln_core::LayerExecutor::prefill(&mut ex, seq, &prompt[..8], &mut logits)?;
+        kiln_core::LayerExecutor::truncate_sequence(&mut ex, seq, 0)?;
+
+        let t = Instant::now();
+        kiln_core::LayerExecutor::prefill(&mut ex, seq, &prompt, &mut logits)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut token = argmax(&logits);
+        let t = Instant::now();
+        for _ in 0..DECODE_TOKENS {
+            kiln_core::LayerExecutor::decode(&mut ex, &[DecodeItem { seq, token }], &mut logits)?;
+            token = argmax(&logits);
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        println!(
+            "threads {threads}: prompt {PROMPT_TOKENS} tokens {:.1} tok/s, decode {DECODE_TOKENS} tokens {:.1} tok/s ({:.2} ms/token)",
+            PROMPT_TOKENS as f64 / prefill_s,
+            DECODE_TOKENS as f64 / decode_s,
+            decode_s * 1e3 / DECODE_TOKENS as f64
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! RoPE and attention pieces against their textbook definitions.
+
+mod common;
+
+use common::random_vec;
+use kiln_backend_cpu::ops::{attend, rope};
+use kiln_core::{RopeConfig, RopeKind, RopeScaling, Rng};
+
+#[test]
+fn rope_norm_and_neox_follow_their_definitions() {
+    let mut rng = Rng::new(1);
+    let (hd, rot) = (16, 12); // partial rotary: the last 4 dims must pass through
+    let cfg = |kind| RopeConfig { kind, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: rot };
+    for kind in [RopeKind::Norm, RopeKind::Neox] {
+        for pos in [0usize, 1, 7, 300] {
+            let x = random_vec(&mut rng, hd, 1.0);
+            let c = cfg(kind);
+            let (cos, sin): (Vec<f32>, Vec<f32>) =
+                (0..rot / 2).map(|i| (pos as f32 * c.inv_freq(i, None)).sin_cos()).map(|(s, c)| (c, s)).unzip();
+            let mut got = x.clone();
+            rope(kind, &mut got, &cos, &sin);
+            let mut want = x.clone();
+            for i in 0..rot / 2 {
+                let theta = pos as f64 * 10000f64.powf(-2.0 * i as f64 / rot as f64);
+                let (a, b) = match kind {
+                    RopeKind::Norm => (2 * i, 2 * i + 1),
+                    RopeKind::Neox => (i, i + rot / 2),
+                };
+                let (x0, x1) = (x[a] as f64, x[b] as f64);
+                want[a] = (x0 * theta.cos() - x1 * theta.sin()) as f32;
+                want[b] = (x0 * theta.sin() + x1 * theta.cos()) as f32;
+            }
+            for d in 0..hd {
+                assert!((got[d] - want[d]).abs() < 1e-4, "{kind:?} pos {pos} dim {d}: {} vs {}", got[d], want[d]);
+            }
+            assert_eq!(&got[rot..], &x[rot..], "dims past rotary_dims are untouched");
+        }
+    }
+    // The two layouts really differ (a swapped implementation would pass neither test above,
+    // but make the distinction explicit).
+    let x: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let (cos, sin) = (vec![0.0f32; 4], vec![1.0f32; 4]);
+    let (mut a, mut b) = (x.clone(), x.clone());
+    rope(RopeKind::Norm, &mut a, &cos, &sin);
+    rope(RopeKind::Neox, &mut b, &cos, &sin);
+    assert_eq!(a, [-1.0, 0.0, -3.0, 2.0, -5.0, 4.0, -7.0, 6.0]);
+    assert_eq!(b, [-4.0, -5.0, -6.0, -7.0, 0.0, 1.0, 2.0, 3.0]);
+}
+
+#[test]
+fn rope_frequency_factors_and_linear_scaling_divide_the_frequency() {
+    let c = RopeConfig { kind: RopeKind::Norm, theta: 500000.0, scaling: RopeScaling::Linear { factor: 4.0 }, rotary_dims: 64 };
+    let factors: Vec<f32> = (0..32).map(|i| 1.0 + i as f32).collect();
+    for i in [0, 5, 31] {
+        let plain = 500000f32.powf(-2.0 * i as f32 / 64.0);
+        let got = c.inv_freq(i, Some(&factors));
+        assert!((got - plain / 4.0 / factors[i]).abs() <= 1e-6 * plain);
+    }
+}
+
+#[test]
+fn streaming_attention_equals_full_softmax() {
+    let mut rng = Rng::new(2);
+    let (hd, kv_heads) = (24, 3);
+    let stride = hd * kv_heads;
+    // Lengths around the tile size exercise the running-max rescale.
+    for len in [1usize, 5, 127, 128, 129, 300] {
+        let keys = random_vec(&mut rng, len * stride, 3.0);
+        let values = random_vec(&mut rng, len * stride, 1.0);
+        let q = random_vec(&mut rng, hd, 3.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for g in 0..kv_heads {
+            let off = g * hd;
+            let scores: Vec<f64> = (0..len)
+                .map(|j| (0..hd).map(|d| q[d] as f64 * keys[j * stride + off + d] as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let want: Vec<f64> = (0..hd)
+                .map(|d| (0..len).map(|j| (scores[j] - max).exp() / z * values[j * stride + off + d] as f64).sum())
+                .collect();
+            for simd in [false, kiln_backend_cpu::kernels::simd_available()] {
+                let mut got = vec![f32::NAN; hd];
+                attend(simd, &q, &keys, &values, stride, off, len, scale, &mut got);
+                for d in 0..hd {
+                    assert!((got[d] as f64 - want[d]).abs() < 1e-5, "len {len} head {g} dim {d}: {} vs {}", got[d], want[d]);
+                }
+            }
+        }
+    }
+}
