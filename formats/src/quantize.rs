@@ -1,0 +1,486 @@
+//! `kiln quantize`: rewrite a GGUF model with llama.cpp's per-tensor type recipes.
+//!
+//! A recipe ([`Recipe`], llama.cpp's `--type` names such as `q4_k_m`) names a default type;
+//! [`plan_types`] then adjusts it per tensor the way llama.cpp's `llama_tensor_get_type`
+//! does for the same tensor names, so a kiln `q4_k_m` file has the same type mix as a
+//! llama.cpp one: norms and other 1-D tensors keep their type, the LM head (or the tied
+//! token embedding that doubles as it) gets Q6_K, Q4_K_M gives `attn_v` and `ffn_down` Q6_K
+//! in the layers `use_more_bits` picks, and a K-quant whose row length is not a multiple
+//! of 256 (SmolLM2's 576) falls back to the 32-value type llama.cpp uses
+//! (Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0).
+//!
+//! [`quantize_gguf`] streams: tensors are converted one after another, a bounded chunk of
+//! rows at a time, with rayon over the rows of a chunk, while a second thread writes the
+//! previous chunk. A quantised input is dequantised to f32 row by row on the way; a tensor
+//! whose planned type equals its current type is copied byte for byte. The same engine
+//! ([`TensorEncoder`]) writes the random models of [`crate::synth`].
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::mpsc;
+
+use kiln_core::{quant, Error, QType, Result};
+use rayon::prelude::*;
+
+use crate::gguf::{GgufFile, GgufStreamWriter, GgufValue, GgufWriter};
+
+/// `general.file_type` key.
+pub const FILE_TYPE_KEY: &str = "general.file_type";
+/// `general.quantization_version` key; ggml's current block layouts are version 2.
+pub const QUANTIZATION_VERSION_KEY: &str = "general.quantization_version";
+const QUANTIZATION_VERSION: u32 = 2;
+
+/// A whole-model quantisation recipe, by llama.cpp's name for it.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Recipe {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    Q4_K_S,
+    Q4_K_M,
+    Q5_K_M,
+    Q6_K,
+    F16,
+}
+
+impl Recipe {
+    pub const ALL: [Recipe; 8] =
+        [Recipe::Q4_0, Recipe::Q4_1, Recipe::Q8_0, Recipe::Q4_K_S, Recipe::Q4_K_M, Recipe::Q5_K_M, Recipe::Q6_K, Recipe::F16];
+
+    /// The lower-case name (`q4_k_m`), as `--type` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Q4_0 => "q4_0",
+            Recipe::Q4_1 => "q4_1",
+            Recipe::Q8_0 => "q8_0",
+            Recipe::Q4_K_S => "q4_k_s",
+            Recipe::Q4_K_M => "q4_k_m",
+            Recipe::Q5_K_M => "q5_k_m",
+            Recipe::Q6_K => "q6_k",
+            Recipe::F16 => "f16",
+        }
+    }
+
+    /// Parses a recipe name (case-insensitive); an unknown name lists the known ones.
+    pub fn from_name(name: &str) -> Result<Recipe> {
+        let lower = name.to_ascii_lowercase();
+        Recipe::ALL.iter().copied().find(|r| r.name() == lower).ok_or_else(|| {
+            let known: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();
+            Error::InvalidArgument(format!("unknown quantisation type '{name}' (known: {})", known.join(", ")))
+        })
+    }
+
+    /// The type of every 2-D tensor no rule singles out (llama.cpp's `default_type`).
+    pub fn default_type(self) -> QType {
+        match self {
+            Recipe::Q4_0 => QType::Q4_0,
+            Recipe::Q4_1 => QType::Q4_1,
+            Recipe::Q8_0 => QType::Q8_0,
+            Recipe::Q4_K_S | Recipe::Q4_K_M => QType::Q4_K,
+            Recipe::Q5_K_M => QType::Q5_K,
+            Recipe::Q6_K => QType::Q6_K,
+            Recipe::F16 => QType::F16,
+        }
+    }
+
+    /// llama.cpp's `llama_ftype` value, written as `general.file_type`.
+    pub fn file_type(self) -> u32 {
+        match self {
+            Recipe::F16 => 1,
+            Recipe::Q4_0 => 2,
+            Recipe::Q4_1 => 3,
+            Recipe::Q8_0 => 7,
+            Recipe::Q4_K_S => 14,
+            Recipe::Q4_K_M => 15,
+            Recipe::Q5_K_M => 17,
+            Recipe::Q6_K => 18,
+        }
+    }
+}
+
+impl std::fmt::Display for Recipe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the planner needs to know about one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDesc {
+    pub name: String,
+    /// ggml order: `dims[0]` is the row length.
+    pub dims: Vec<usize>,
+    /// The tensor's current type (kept when the tensor is not quantised).
+    pub qtype: QType,
+}
+
+/// llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third
+/// layer in between, get more bits in the `_M` mixes.
+pub fn use_more_bits(i_layer: usize, n_layers: usize) -> bool {
+    let (i, n) = (i_layer as i64, n_layers as i64);
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// ggml's `ggml_n_dims`: the number of dimensions up to the last one larger than 1.
+fn n_dims(dims: &[usize]) -> usize {
+    dims.iter().rposition(|&d| d > 1).map_or(1, |i| i + 1)
+}
+
+/// The type each tensor gets under `recipe`, in the order given (which must be file order:
+/// like llama.cpp, the `attn_v` / `ffn_down` rules count those tensors as they come).
+/// `n_layers` is the model's block count.
+pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Vec<QType> {
+    let default = recipe.default_type();
+    let has_output = tensors.iter().any(|t| t.name == "output.weight");
+    let n_attention_wv =
+        tensors.iter().filter(|t| t.name.contains("attn_v.weight") || t.name.contains("attn_qkv.weight")).count();
+    let mut i_attention_wv = 0;
+    let mut i_ffn_down = 0;
+    tensors
+        .iter()
+        .map(|t| {
+            // llama_model_quantize_impl: only 2-D+ tensors that are not norms are quantised.
+            let quantize = n_dims(&t.dims) >= 2 && !t.name.contains("_norm.weight");
+            if !quantize {
+                return t.qtype;
+            }
+            if !default.is_quantized() {
+                return default;
+            }
+            let mut new_type = default;
+            let name = t.name.as_str();
+            let row_len = t.dims[0];
+            if name == "output.weight" || (!has_output && name == "token_embd.weight") {
+                // The LM head (or the tied embedding that is it).
+                if row_len % default.block_len() != 0 {
+                    new_type = QType::Q8_0;
+                } else if new_type != QType::Q8_0 {
+                    new_type = QType::Q6_K;
+                }
+            } else if name == "token_embd.weight" {
+                // No rule for the recipes kiln offers: the default type.
+            } else if name.contains("attn_v.weight") {
+                let more = use_more_bits(i_attention_wv, n_attention_wv);
+                match recipe {
+                    Recipe::Q4_K_M | Recipe::Q5_K_M if more => new_type = QType::Q6_K,
+                    Recipe::Q4_K_S if i_attention_wv < 4 => new_type = QType::Q5_K,
+                    _ => {}
+                }
+                i_attention_wv += 1;
+            } else if name.contains("ffn_down") {
+                let (i, n) = (i_ffn_down, n_layers);
+                match recipe {
+                    Recipe::Q4_K_M | Recipe::Q5_K_M if use_more_bits(i, n) => new_type = QType::Q6_K,
+                    Recipe::Q4_K_S if i < n / 8 => new_type = QType::Q5_K,
+                    _ => {}
+                }
+                i_ffn_down += 1;
+            } else if name.contains("attn_qkv.weight") {
+                match recipe {
+                    Recipe::Q4_K_M => new_type = QType::Q5_K,
+                    Recipe::Q5_K_M => new_type = QType::Q6_K,
+                    _ => {}
+                }
+            }
+            fallback_for_row(new_type, row_len)
+        })
+        .collect()
+}
+
+/// llama.cpp's `convert_incompatible_tensor`: a K-quant that cannot tile the row becomes
+/// the 32-value type of similar quality; failing that, F16.
+pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
+    if row_len % qtype.block_len() == 0 {
+        return qtype;
+    }
+    let fallback = match qtype {
+        QType::Q2_K | QType::Q3_K | QType::Q4_K => QType::Q5_0,
+        QType::Q5_K => QType::Q5_1,
+        QType::Q6_K => QType::Q8_0,
+        _ => QType::F16,
+    };
+    if row_len % fallback.block_len() == 0 {
+        fallback
+    } else {
+        QType::F16
+    }
+}
+
+/// Progress of a long conversion, in values (elements) converted.
+pub enum ProgressEvent<'a> {
+    /// The run starts; `total` values will be converted.
+    Start { total: u64 },
+    /// Tensor `index` (of `count`) starts.
+    Tensor { name: &'a str, index: usize, count: usize, qtype: QType },
+    /// `done` more values were converted.
+    Advance { done: u64 },
+    Finish,
+}
+
+/// A progress observer (a terminal bar, a log line, nothing).
+pub type Progress<'a> = &'a (dyn Fn(ProgressEvent<'_>) + Sync);
+
+/// A progress observer that ignores everything.
+pub fn no_progress(_: ProgressEvent<'_>) {}
+
+/// What happened to one tensor.
+#[derive(Debug, Clone)]
+pub struct TensorReport {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub from: QType,
+    pub to: QType,
+    /// `‖quantised − source‖ / ‖source‖` over the whole tensor, when measured (the source
+    /// being the input dequantised to f32). `None` when not measured or copied unchanged.
+    pub rel_rmse: Option<f64>,
+}
+
+/// Options of [`quantize_gguf`].
+#[derive(Debug, Clone, Copy)]
+pub struct QuantizeOptions {
+    pub recipe: Recipe,
+    /// Also dequantise every converted row and report each tensor's relative RMSE.
+    pub measure_error: bool,
+}
+
+/// Quantises the GGUF file at `input` into a new file at `output` (written beside it under
+/// a temporary name and renamed when complete, so a failed run leaves no half file).
+pub fn quantize_file(input: &Path, output: &Path, options: QuantizeOptions, progress: Progress) -> Result<Vec<TensorReport>> {
+    if let (Ok(a), Ok(b)) = (input.canonicalize(), output.canonicalize()) {
+        if a == b {
+            return Err(Error::InvalidArgument(format!(
+                "input and output are the same file ({}); the input is memory-mapped while the output is written",
+                input.display()
+            )));
+        }
+    }
+    let file = GgufFile::open(input)?;
+    write_atomically(output, |w| quantize_gguf(&file, w, options, progress))
+}
+
+/// Writes `output` through `write` into a temporary sibling, then renames it into place.
+pub(crate) fn write_atomically<T>(output: &Path, write: impl FnOnce(&mut BufWriter<File>) -> Result<T>) -> Result<T> {
+    let mut tmp_name = output.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "out.gguf".into());
+    tmp_name.push(".partial");
+    let tmp = output.with_file_name(tmp_name);
+    let result = (|| {
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        let value = write(&mut w)?;
+        w.flush()?;
+        w.into_inner().map_err(|e| Error::Io(e.into_error()))?.sync_all()?;
+        Ok(value)
+    })();
+    match result {
+        Ok(value) => {
+            std::fs::rename(&tmp, output)?;
+            Ok(value)
+        }
+        Err(e) => {
+            // Best effort: the error that matters is the one being returned.
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Quantises an opened GGUF file into `out` with `options.recipe`. Metadata is copied,
+/// except `general.file_type` and `general.quantization_version`, which are rewritten.
+pub fn quantize_gguf<W: Write + Send>(
+    file: &GgufFile,
+    out: W,
+    options: QuantizeOptions,
+    progress: Progress,
+) -> Result<Vec<TensorReport>> {
+    let descs: Vec<TensorDesc> = file
+        .tensors()
+        .iter()
+        .map(|t| TensorDesc { name: t.name.clone(), dims: t.dims.clone(), qtype: t.qtype })
+        .collect();
+    let n_layers = match file.architecture() {
+        Some(arch) => file.get_usize(&format!("{arch}.block_count")),
+        None => None,
+    }
+    .unwrap_or_else(|| descs.iter().filter(|t| t.name.contains("ffn_down")).count());
+    let types = plan_types(options.recipe, &descs, n_layers);
+
+    let mut writer = GgufWriter::new();
+    for (key, value) in file.metadata() {
+        if key != FILE_TYPE_KEY && key != QUANTIZATION_VERSION_KEY {
+            writer.add_kv(key.clone(), value.clone())?;
+        }
+    }
+    writer.add_kv(FILE_TYPE_KEY, GgufValue::U32(options.recipe.file_type()))?;
+    writer.add_kv(QUANTIZATION_VERSION_KEY, GgufValue::U32(QUANTIZATION_VERSION))?;
+    for (t, &to) in descs.iter().zip(&types) {
+        if to != t.qtype && !quant::can_quantize(to) {
+            return Err(Error::Unsupported(format!("tensor {}: quantising to {to}", t.name)));
+        }
+        writer.declare_tensor(t.name.clone(), to, t.dims.clone())?;
+    }
+
+    let total: u64 = descs.iter().map(|t| t.dims.iter().product::<usize>() as u64).sum();
+    progress(ProgressEvent::Start { total });
+    let mut encoder = TensorEncoder::new(writer.begin(out)?);
+    let mut reports = Vec::with_capacity(descs.len());
+    for (index, (info, &to)) in file.tensors().iter().zip(&types).enumerate() {
+        progress(ProgressEvent::Tensor { name: &info.name, index, count: descs.len(), qtype: to });
+        let view = file.view(info)?;
+        let rel_rmse = if to == info.qtype {
+            encoder.write_bytes(view.bytes(), info.dims.iter().product::<usize>() as u64, progress)?;
+            None
+        } else {
+            let from = info.qtype;
+            let source = |row: usize, values: &mut [f32]| quant::dequantize(from, view.row(row), values);
+            let err = encoder.encode(view.row_len(), view.rows(), to, &source, options.measure_error, progress)?;
+            err.map(|e| e.relative())
+        };
+        reports.push(TensorReport { name: info.name.clone(), dims: info.dims.clone(), from: info.qtype, to, rel_rmse });
+    }
+    encoder.finish()?;
+    progress(ProgressEvent::Finish);
+    Ok(reports)
+}
+
+/// Sums for a relative RMSE: `Σ(q − x)²` and `Σx²`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ErrorSums {
+    pub sq_err: f64,
+    pub sq_ref: f64,
+}
+
+impl ErrorSums {
+    /// `sqrt(Σ(q − x)² / Σx²)`; 0 for an all-zero tensor reproduced exactly.
+    pub fn relative(&self) -> f64 {
+        if self.sq_ref > 0.0 {
+            (self.sq_err / self.sq_ref).sqrt()
+        } else if self.sq_err == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    }
+    fn add(self, o: ErrorSums) -> ErrorSums {
+        ErrorSums { sq_err: self.sq_err + o.sq_err, sq_ref: self.sq_ref + o.sq_ref }
+    }
+}
+
+/// Values per chunk: bounds memory (one chunk being encoded, one being written) while
+/// giving every core many rows.
+const CHUNK_VALUES: usize = 1 << 22;
+
+/// Encodes tensors into a [`GgufStreamWriter`] a chunk of rows at a time: rows are
+/// produced and quantised in parallel, and a writer thread takes each finished chunk so
+/// encoding the next overlaps the disk write.
+pub(crate) struct TensorEncoder<W: Write + Send> {
+    writer: GgufStreamWriter<W>,
+}
+
+impl<W: Write + Send> TensorEncoder<W> {
+    pub(crate) fn new(writer: GgufStreamWriter<W>) -> Self {
+        TensorEncoder { writer }
+    }
+
+    /// Writes bytes already in the target type.
+    pub(crate) fn write_bytes(&mut self, bytes: &[u8], values: u64, progress: Progress) -> Result<()> {
+        self.writer.write_tensor_data(bytes)?;
+        progress(ProgressEvent::Advance { done: values });
+        Ok(())
+    }
+
+    /// Encodes a tensor of `rows` rows of `row_len` values as `qtype`, asking `source` for
+    /// each row's f32 values. Returns the error sums when `measure` is set.
+    pub(crate) fn encode(
+        &mut self,
+        row_len: usize,
+        rows: usize,
+        qtype: QType,
+        source: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
+        measure: bool,
+        progress: Progress,
+    ) -> Result<Option<ErrorSums>> {
+        let row_bytes = qtype.row_bytes(row_len)?;
+        let chunk_rows = (CHUNK_VALUES / row_len.max(1)).clamp(1, rows.max(1));
+        let writer = &mut self.writer;
+        let (tx, rx) = mpsc::sync_channel::<Vec<u8>>(1);
+        let (ret_tx, ret_rx) = mpsc::channel::<Vec<u8>>();
+        std::thread::scope(|scope| {
+            // The writer thread: takes finished chunks in order and hands the buffers back.
+            let write_thread = scope.spawn(move || -> Result<()> {
+                for chunk in rx {
+                    writer.write_tensor_data(&chunk)?;
+                    // The encoder may have finished already; a dropped receiver is fine.
+                    let _ = ret_tx.send(chunk);
+                }
+                Ok(())
+            });
+            let encoded = (|| -> Result<ErrorSums> {
+                let mut sums = ErrorSums::default();
+                let mut start = 0;
+                while start < rows {
+                    let n = chunk_rows.min(rows - start);
+                    let mut buf = ret_rx.try_recv().unwrap_or_default();
+                    buf.resize(n * row_bytes, 0);
+                    let chunk_sums = buf
+                        .par_chunks_mut(row_bytes.max(1))
+                        .enumerate()
+                        .map_init(
+                            || (vec![0.0f32; row_len], if measure { vec![0.0f32; row_len] } else { Vec::new() }),
+                            |(values, check), (i, out)| -> Result<ErrorSums> {
+                                source(start + i, values)?;
+                                quant::quantize(qtype, values, out)?;
+                                if !measure {
+                                    return Ok(ErrorSums::default());
+                                }
+                                quant::dequantize(qtype, out, check)?;
+                                let mut s = ErrorSums::default();
+                                for (&x, &q) in values.iter().zip(check.iter()) {
+                                    let d = f64::from(q) - f64::from(x);
+                                    s.sq_err += d * d;
+                                    s.sq_ref += f64::from(x) * f64::from(x);
+                                }
+                                Ok(s)
+                            },
+                        )
+                        .try_reduce(ErrorSums::default, |a, b| Ok(a.add(b)))?;
+                    sums = sums.add(chunk_sums);
+                    if tx.send(buf).is_err() {
+                        // The writer thread stopped: its error is reported below.
+                        break;
+                    }
+                    progress(ProgressEvent::Advance { done: (n * row_len) as u64 });
+                    start += n;
+                }
+                Ok(sums)
+            })();
+            drop(tx);
+            let written = write_thread.join().map_err(|_| Error::Format("GGUF writer thread panicked".into()))?;
+            written?;
+            let sums = encoded?;
+            Ok(measure.then_some(sums))
+        })
+    }
+
+    /// Checks every declared tensor was written and flushes.
+    pub(crate) fn finish(self) -> Result<W> {
+        Ok(self.writer.finish()?)
+    }
+}
+
+/// The types in a file with the number of tensors and bytes of each, for `kiln inspect`
+/// (the "mix" of a quantised model).
+pub fn type_mix(file: &GgufFile) -> Vec<(QType, usize, u64)> {
+    let mut mix: Vec<(QType, usize, u64)> = Vec::new();
+    for t in file.tensors() {
+        match mix.iter_mut().find(|(q, _, _)| *q == t.qtype) {
+            Some(entry) => {
+                entry.1 += 1;
+                entry.2 += t.n_bytes as u64;
+            }
+            None => mix.push((t.qtype, 1, t.n_bytes as u64)),
+        }
+    }
+    mix.sort_by(|a, b| b.2.cmp(&a.2));
+    mix
+}
