@@ -189,8 +189,11 @@ pub(crate) fn block_q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// Dequantises one block into the first `block_len` values of its output.
+pub(crate) type BlockFn = fn(&[u8], &mut [f32]);
+
 /// The block dequantiser of `qtype`, when it is one this backend multiplies with.
-pub(crate) fn block_fn(qtype: QType) -> Option<fn(&[u8], &mut [f32])> {
+pub(crate) fn block_fn(qtype: QType) -> Option<BlockFn> {
     Some(match qtype {
         QType::F32 => |b, y| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         QType::F16 => |b, y| y[0] = f16_at(b, 0),

@@ -10,7 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
-use crate::kernels::{dot_f32, Act, Kernel, RowDot};
+use crate::kernels::{dot4_f32, dot_f32, Act, Kernel, RowDot};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
@@ -146,9 +146,17 @@ fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, sim
             let c0 = s * SEGMENT;
             let n = (m.cols - c0).min(SEGMENT);
             m.kernel.dequant_row(seg, &mut buf[..n]);
-            for (t, a) in acc[..input.tokens].iter_mut().enumerate() {
-                let x = &input.x[t * m.cols + c0..t * m.cols + c0 + n];
-                *a += dot_f32(simd, &buf[..n], x);
+            let x = |t: usize| &input.x[t * m.cols + c0..t * m.cols + c0 + n];
+            let mut t = 0;
+            while t + 4 <= input.tokens {
+                let d = dot4_f32(simd, &buf[..n], [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                for (a, d) in acc[t..t + 4].iter_mut().zip(d) {
+                    *a += d;
+                }
+                t += 4;
+            }
+            for t in t..input.tokens {
+                acc[t] += dot_f32(simd, &buf[..n], x(t));
             }
         }
         for (o, a) in outs[..input.tokens].iter_mut().zip(&acc) {

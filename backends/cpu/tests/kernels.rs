@@ -4,7 +4,7 @@
 mod common;
 
 use common::{random_bytes, random_vec};
-use kiln_backend_cpu::kernels::{block_sums, dot_f32, simd_available, Act, Kernel, RowDot, SUPPORTED};
+use kiln_backend_cpu::kernels::{block_sums, dot4_f32, dot_f32, simd_available, Act, Kernel, RowDot, SUPPORTED};
 use kiln_core::{quant::dequantize, QType, Rng};
 
 fn row_lengths(q: QType) -> Vec<usize> {
@@ -97,6 +97,12 @@ fn f32_dot_handles_every_tail_length() {
         for simd in paths() {
             let got = dot_f32(simd, &a, &b);
             assert!((got as f64 - want).abs() < 1e-5, "n {n} simd {simd}: {got} vs {want}");
+            let neg: Vec<f32> = b.iter().map(|v| -v).collect();
+            let four = dot4_f32(simd, &a, [&b, &neg, &a, &b]);
+            let self_dot: f64 = a.iter().map(|x| *x as f64 * *x as f64).sum();
+            for (got, want) in four.iter().zip([want, -want, self_dot, want]) {
+                assert!((*got as f64 - want).abs() < 1e-5, "dot4 n {n} simd {simd}: {got} vs {want}");
+            }
         }
     }
 }

@@ -237,3 +237,29 @@ pub unsafe fn dot_q6_k(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     }
     hsum(acc)
 }
+
+/// `w · x[t]` for four activations at once: each weight vector is loaded once for all
+/// four, halving the loads of the many-token (prefill) path.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot4_f32(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+    let pw = w.as_ptr();
+    let px = x.map(|x| x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 8 <= n {
+        let wv = _mm256_loadu_ps(pw.add(i));
+        for t in 0..4 {
+            acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(px[t].add(i)), acc[t]);
+        }
+        i += 8;
+    }
+    let mut out = [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])];
+    while i < n {
+        for t in 0..4 {
+            out[t] += w[i] * x[t][i];
+        }
+        i += 1;
+    }
+    out
+}

@@ -65,6 +65,17 @@ pub fn dot_f32(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     dot_f32_portable(a, b)
 }
 
+/// `w · x[t]` for four activations, reading `w` once.
+#[inline]
+pub fn dot4_f32(simd: bool, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at run time.
+        return unsafe { avx2::dot4_f32(w, x) };
+    }
+    x.map(|x| dot_f32_portable(w, x))
+}
+
 /// Eight independent partial sums so the compiler can keep them in one vector register.
 #[inline]
 pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
