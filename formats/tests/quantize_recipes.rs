@@ -269,3 +269,62 @@ fn requantising_goes_through_f32_and_refuses_nothing_readable() {
     let reports = quantize_gguf(&input, &mut out, options, &no_progress).unwrap();
     assert!(reports.iter().filter(|r| r.to == F16).all(|r| r.rel_rmse.unwrap() < 5e-4));
 }
+
+const FIXTURE: &str = "tests/fixtures/quantize_python.json";
+/// Recipes whose output the Python fixture checks (every quantised type appears in one).
+const FIXTURE_RECIPES: [Recipe; 4] = [Recipe::Q4_K_M, Recipe::Q5_K_M, Recipe::Q4_1, Recipe::Q4_K_S];
+
+fn fixture_output(recipe: Recipe) -> Vec<u8> {
+    let input = open(tiny_model(Q8_0));
+    let mut out = Vec::new();
+    quantize_gguf(&input, &mut out, QuantizeOptions { recipe, measure_error: false }, &no_progress).unwrap();
+    out
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes the files `scripts/make_quantize_fixture.py` reads with the `gguf` package.
+#[test]
+#[ignore = "run by scripts/make_quantize_fixture.py"]
+fn write_python_fixture_inputs() {
+    let dir = std::env::var("KILN_QUANTIZE_FIXTURE_DIR").expect("KILN_QUANTIZE_FIXTURE_DIR");
+    for recipe in FIXTURE_RECIPES {
+        std::fs::write(format!("{dir}/{}.gguf", recipe.name()), fixture_output(recipe)).unwrap();
+    }
+}
+
+/// kiln's quantised files, read by the `gguf` Python package (an independent reader and
+/// dequantiser): the same tensors, types and shapes, and the same dequantised values.
+#[test]
+fn python_gguf_reads_kiln_output_and_agrees_on_values() {
+    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(FIXTURE).unwrap()).unwrap();
+    for recipe in FIXTURE_RECIPES {
+        let bytes = fixture_output(recipe);
+        let case = &fx[recipe.name()];
+        // The bytes Python read are the bytes kiln writes today.
+        assert_eq!(case["sha256"].as_str().unwrap(), sha256_hex(&bytes), "{recipe}: output changed; regenerate the fixture");
+        let file = open(bytes);
+        let tensors = case["tensors"].as_array().unwrap();
+        assert_eq!(tensors.len(), file.tensors().len(), "{recipe}");
+        for t in tensors {
+            let name = t["name"].as_str().unwrap();
+            let info = file.tensor(name).unwrap_or_else(|| panic!("{recipe}: {name} missing"));
+            assert_eq!(t["type"].as_u64().unwrap() as u32, info.qtype.ggml_id(), "{recipe}: {name} type");
+            let dims: Vec<usize> = t["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            assert_eq!(dims, info.dims, "{recipe}: {name} dims (ggml order)");
+            let y = file.view(info).unwrap().to_f32().unwrap();
+            let sum: f64 = y.iter().map(|&v| f64::from(v)).sum();
+            let sumsq: f64 = y.iter().map(|&v| f64::from(v).powi(2)).sum();
+            let (psum, psumsq) = (t["sum"].as_f64().unwrap(), t["sumsq"].as_f64().unwrap());
+            assert!((sum - psum).abs() <= 1e-6 * psumsq.sqrt().max(1.0), "{recipe}: {name} sum {sum} vs gguf {psum}");
+            assert!((sumsq - psumsq).abs() <= 1e-6 * psumsq.max(1.0), "{recipe}: {name} sumsq {sumsq} vs {psumsq}");
+            for s in t["samples"].as_array().unwrap() {
+                let (i, v) = (s[0].as_u64().unwrap() as usize, s[1].as_f64().unwrap() as f32);
+                assert!((y[i] - v).abs() <= 1e-6 * v.abs().max(1e-3), "{recipe}: {name}[{i}] = {} vs gguf {v}", y[i]);
+            }
+        }
+    }
+}
