@@ -12,7 +12,8 @@
 //! [`quantize_gguf`] streams: tensors are converted one after another, a bounded chunk of
 //! rows at a time, with rayon over the rows of a chunk, while a second thread writes the
 //! previous chunk. A quantised input is dequantised to f32 row by row on the way; a tensor
-//! whose planned type equals its current type is copied byte for byte. The same engine
+//! whose planned type equals its current type is copied byte for byte. Tensors are written
+//! in llama.cpp's order (outside-block tensors, then block by block, by name). The same engine
 //! ([`TensorEncoder`]) writes the random models of [`crate::synth`].
 
 use std::fs::File;
@@ -128,8 +129,26 @@ fn n_dims(dims: &[usize]) -> usize {
     dims.iter().rposition(|&d| d > 1).map_or(1, |i| i + 1)
 }
 
-/// The type each tensor gets under `recipe`, in the order given (which must be file order:
-/// like llama.cpp, the `attn_v` / `ffn_down` rules count those tensors as they come).
+/// llama.cpp's processing order (`weight_name_comparer`): tensors outside the blocks first,
+/// then block by block, by name within each. The `attn_v` / `ffn_down` counters of the
+/// recipes run in this order, and llama.cpp writes its output in it.
+pub fn llama_cpp_order(tensors: &[TensorDesc]) -> Vec<usize> {
+    let layer = |name: &str| -> i64 {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(-1)
+    };
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (na, nb) = (&tensors[a].name, &tensors[b].name);
+        layer(na).cmp(&layer(nb)).then_with(|| na.cmp(nb))
+    });
+    order
+}
+
+/// The type each tensor gets under `recipe`, returned in the order given. The layer
+/// counters follow [`llama_cpp_order`], whatever order the file lists the tensors in.
 /// `n_layers` is the model's block count.
 pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Vec<QType> {
     let default = recipe.default_type();
@@ -138,9 +157,10 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
         tensors.iter().filter(|t| t.name.contains("attn_v.weight") || t.name.contains("attn_qkv.weight")).count();
     let mut i_attention_wv = 0;
     let mut i_ffn_down = 0;
-    tensors
-        .iter()
-        .map(|t| {
+    let mut types: Vec<QType> = tensors.iter().map(|t| t.qtype).collect();
+    for i in llama_cpp_order(tensors) {
+        let t = &tensors[i];
+        types[i] = (|| {
             // llama_model_quantize_impl: only 2-D+ tensors that are not norms are quantised.
             let quantize = n_dims(&t.dims) >= 2 && !t.name.contains("_norm.weight");
             if !quantize {
@@ -185,8 +205,9 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                 }
             }
             fallback_for_row(new_type, row_len)
-        })
-        .collect()
+        })();
+    }
+    types
 }
 
 /// llama.cpp's `convert_incompatible_tensor`: a K-quant that cannot tile the row becomes
@@ -313,7 +334,10 @@ pub fn quantize_gguf<W: Write + Send>(
     }
     writer.add_kv(FILE_TYPE_KEY, GgufValue::U32(options.recipe.file_type()))?;
     writer.add_kv(QUANTIZATION_VERSION_KEY, GgufValue::U32(QUANTIZATION_VERSION))?;
-    for (t, &to) in descs.iter().zip(&types) {
+    // Written in llama.cpp's order, as its quantiser writes them.
+    let order = llama_cpp_order(&descs);
+    for &i in &order {
+        let (t, to) = (&descs[i], types[i]);
         if to != t.qtype && !quant::can_quantize(to) {
             return Err(Error::Unsupported(format!("tensor {}: quantising to {to}", t.name)));
         }
@@ -324,7 +348,8 @@ pub fn quantize_gguf<W: Write + Send>(
     progress(ProgressEvent::Start { total });
     let mut encoder = TensorEncoder::new(writer.begin(out)?);
     let mut reports = Vec::with_capacity(descs.len());
-    for (index, (info, &to)) in file.tensors().iter().zip(&types).enumerate() {
+    for (index, &i) in order.iter().enumerate() {
+        let (info, to) = (&file.tensors()[i], types[i]);
         progress(ProgressEvent::Tensor { name: &info.name, index, count: descs.len(), qtype: to });
         let view = file.view(info)?;
         let rel_rmse = if to == info.qtype {
