@@ -97,7 +97,9 @@ struct Plugin {
     handle: *mut KilnBackend,
     name: String,
     version: String,
-    description: String,
+    /// What the plugin says about itself.
+    own_description: String,
+    /// `own_description` plus version and path, what listings show.
     listing: String,
     qtypes: Vec<QType>,
     architectures: Vec<Architecture>,
@@ -218,7 +220,7 @@ impl Plugin {
             .collect::<Result<Vec<_>>>()?;
         self.name = name.to_string();
         self.version = version.to_string();
-        self.description = description.to_string();
+        self.own_description = description.to_string();
         self.listing = format!("{description} [plugin {version}, {}]", self.path.display());
         self.qtypes = qtypes;
         self.architectures = architectures;
@@ -300,7 +302,7 @@ impl PluginBackend {
             handle,
             name: String::new(),
             version: String::new(),
-            description: String::new(),
+            own_description: String::new(),
             listing: String::new(),
             qtypes: Vec::new(),
             architectures: Vec::new(),
@@ -334,7 +336,7 @@ impl PluginBackend {
     }
     /// The description the plugin gave, without the host's `[plugin version, path]` suffix.
     pub fn plugin_description(&self) -> &str {
-        &self.plugin.description
+        &self.plugin.own_description
     }
 
     /// Loads `model` as a concrete [`PluginExecutor`] (what [`Backend::load`] boxes).

@@ -1,0 +1,304 @@
+//! The function table `export_backend!` generates, called directly as a C host would:
+//! version header, argument checking (null pointers, short structs, a host of another
+//! major), string ownership, progress-callback lifetime, and executor poisoning after a
+//! panic. The kiln host never sends most of these bad arguments; a plugin still has to
+//! survive them, since any C program can load it.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kiln_plugin_sdk::abi::*;
+use kiln_plugin_sdk::kiln_core::{
+    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
+    ModelIr, ModelWeights, NormKind, ProgressFn, QType, Result, RopeConfig, RopeKind, RopeScaling, SeqId, Support,
+    TensorView,
+};
+
+kiln_plugin_sdk::export_backend!(Tiny::default, architectures = [Architecture::Llama, Architecture::Qwen3]);
+
+#[derive(Default)]
+struct Tiny;
+
+impl Backend for Tiny {
+    fn name(&self) -> &str {
+        "tiny"
+    }
+    fn description(&self) -> &str {
+        "table test backend"
+    }
+    fn qtypes(&self) -> Vec<QType> {
+        vec![QType::F32, QType::Q8_0]
+    }
+    fn probe(&self) -> Result<String, String> {
+        Err("no tiny device here".into())
+    }
+    fn supports(&self, model: &ModelIr) -> Support {
+        Support::Yes { score: 42, note: format!("{} layers", model.config.num_layers) }
+    }
+    fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
+        if let Some(p) = &options.progress {
+            p(1, 2);
+        }
+        Ok(Box::new(TinyExec { config: model.config.clone(), progress: options.progress.clone() }))
+    }
+}
+
+struct TinyExec {
+    config: ModelConfig,
+    /// Kept past `load` on purpose: the SDK must stop it from reaching the host.
+    progress: Option<ProgressFn>,
+}
+
+impl LayerExecutor for TinyExec {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn max_context(&self) -> usize {
+        8
+    }
+    fn max_sequences(&self) -> usize {
+        1
+    }
+    fn new_sequence(&mut self) -> Result<SeqId> {
+        if let Some(p) = &self.progress {
+            p(2, 2);
+        }
+        Ok(0)
+    }
+    fn free_sequence(&mut self, _: SeqId) -> Result<()> {
+        Ok(())
+    }
+    fn sequence_len(&self, _: SeqId) -> Result<usize> {
+        Ok(0)
+    }
+    fn truncate_sequence(&mut self, _: SeqId, _: usize) -> Result<()> {
+        Err(Error::InvalidArgument("nothing to truncate".into()))
+    }
+    fn prefill(&mut self, _: SeqId, _: &[u32], logits: &mut [f32]) -> Result<()> {
+        logits.fill(1.0);
+        Ok(())
+    }
+    fn decode(&mut self, _: &[DecodeItem], _: &mut [f32]) -> Result<()> {
+        panic!("tiny decode panics")
+    }
+}
+
+fn tiny_model() -> ModelIr {
+    let f = |name: &str, dims: Vec<usize>| {
+        let n: usize = dims.iter().product();
+        TensorView::from_f32(name, dims, &vec![0.5; n]).unwrap()
+    };
+    ModelIr {
+        config: ModelConfig {
+            arch: Architecture::Llama,
+            vocab_size: 4,
+            hidden_size: 8,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            ffn_size: 16,
+            norm: NormKind::Rms,
+            norm_eps: 1e-5,
+            activation: Activation::Silu,
+            gated_ffn: false,
+            parallel_residual: false,
+            qkv_bias: false,
+            qk_norm: false,
+            rope: RopeConfig { kind: RopeKind::Norm, theta: 1e4, scaling: RopeScaling::None, rotary_dims: 4 },
+            tied_embeddings: true,
+            context_length: 8,
+        },
+        weights: ModelWeights {
+            token_embd: f("tok", vec![8, 4]),
+            layers: vec![LayerWeights {
+                attn_norm: f("an", vec![8]),
+                attn_norm_bias: None,
+                attn_q: f("q", vec![8, 8]),
+                attn_k: f("k", vec![8, 4]),
+                attn_v: f("v", vec![8, 4]),
+                attn_q_bias: None,
+                attn_k_bias: None,
+                attn_v_bias: None,
+                attn_q_norm: None,
+                attn_k_norm: None,
+                attn_out: f("o", vec![8, 8]),
+                attn_out_bias: None,
+                ffn_norm: Some(f("fn", vec![8])),
+                ffn_norm_bias: None,
+                ffn_gate: None,
+                ffn_up: f("up", vec![8, 16]),
+                ffn_down: f("down", vec![16, 8]),
+            }],
+            output_norm: f("on", vec![8]),
+            output_norm_bias: None,
+            output: None,
+            rope_freqs: None,
+        },
+        source: "tiny".into(),
+    }
+}
+
+// The macro's entry point lives in an anonymous const; reach it by its symbol, as a host does.
+extern "C" {
+    fn kiln_plugin_entry() -> *const KilnPluginApi;
+}
+
+fn api() -> &'static KilnPluginApi {
+    unsafe { &*kiln_plugin_entry() }
+}
+
+/// Copies a plugin string and frees it through the table.
+fn take(s: KilnOwnedStr) -> String {
+    if s.is_none() {
+        return String::new();
+    }
+    let text = unsafe { String::from_utf8(std::slice::from_raw_parts(s.ptr, s.len).to_vec()).unwrap() };
+    unsafe { (api().free_string.unwrap())(s) };
+    text
+}
+
+fn backend() -> *mut KilnBackend {
+    let mut b = std::ptr::null_mut();
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api().create_backend.unwrap())(ABI_VERSION, &mut b, &mut err) };
+    assert_eq!(status, KilnStatus::OK, "{}", take(err));
+    b
+}
+
+#[test]
+fn header_and_creation() {
+    let api = api();
+    assert_eq!(api.abi_version, ABI_VERSION);
+    assert_eq!(api.struct_size as usize, std::mem::size_of::<KilnPluginApi>());
+
+    let mut b = std::ptr::null_mut();
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.create_backend.unwrap())(pack_version(ABI_MAJOR + 1, 0), &mut b, &mut err) };
+    assert_eq!(status, KilnStatus::UNSUPPORTED);
+    let msg = take(err);
+    assert!(msg.contains(&version_string(ABI_VERSION)) && msg.contains(&format!("{}.0", ABI_MAJOR + 1)), "{msg}");
+    assert!(b.is_null());
+
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.create_backend.unwrap())(ABI_VERSION, std::ptr::null_mut(), &mut err) };
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
+    assert!(take(err).contains("null"));
+}
+
+#[test]
+fn describe_probe_supports() {
+    let (api, b) = (api(), backend());
+    let mut info = KilnBackendInfo::empty();
+    info.struct_size = 8;
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    assert!(take(err).contains("struct_size 8"));
+
+    let mut info = KilnBackendInfo::empty();
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::OK);
+    unsafe {
+        assert_eq!(info.name.to_str("name", 64).unwrap(), "tiny");
+        assert_eq!(info.version.to_str("version", 64).unwrap(), env!("CARGO_PKG_VERSION"));
+        assert_eq!(std::slice::from_raw_parts(info.qtypes, info.n_qtypes), [0, 8]);
+        assert_eq!(std::slice::from_raw_parts(info.architectures, info.n_architectures), [0, 3]);
+    }
+
+    let (mut device, mut err) = (KilnOwnedStr::NONE, KilnOwnedStr::NONE);
+    assert_eq!(unsafe { (api.probe.unwrap())(b, &mut device, &mut err) }, KilnStatus::UNAVAILABLE);
+    assert!(device.is_none());
+    assert_eq!(take(err), "no tiny device here");
+
+    let model = tiny_model();
+    let buf = ModelDescBuf::new(&model);
+    let desc = buf.desc();
+    let mut out = KilnSupport { supported: 7, score: 7, message: KilnOwnedStr::NONE };
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) }, KilnStatus::OK);
+    let note = take(std::mem::replace(&mut out.message, KilnOwnedStr::NONE));
+    assert_eq!((out.supported, out.score, note.as_str()), (1, 42, "1 layers"));
+
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.supports.unwrap())(b, std::ptr::null(), &mut out, &mut err) };
+    assert_eq!(status, KilnStatus::FORMAT);
+    assert!(take(err).contains("null model descriptor"));
+    unsafe { (api.destroy_backend.unwrap())(b) };
+}
+
+static PROGRESS_CALLS: AtomicU64 = AtomicU64::new(0);
+
+unsafe extern "C" fn count_progress(user: *mut c_void, done: u64, total: u64) {
+    assert_eq!(user as usize, 0x5eed);
+    assert!(done <= total);
+    PROGRESS_CALLS.fetch_add(1, Ordering::SeqCst);
+}
+
+#[test]
+fn executor_calls_check_arguments_and_poison_after_a_panic() {
+    let (api, b) = (api(), backend());
+    let model = tiny_model();
+    let buf = Arc::new(ModelDescBuf::new(&model));
+    let desc = buf.desc();
+    let options = KilnLoadOptions {
+        struct_size: std::mem::size_of::<KilnLoadOptions>() as u32,
+        _reserved: 0,
+        max_context: 0,
+        max_sequences: 0,
+        threads: 0,
+        progress: Some(count_progress),
+        progress_user: 0x5eed as *mut c_void,
+    };
+    let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
+    let mut e = std::ptr::null_mut();
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.load.unwrap())(b, &desc, &options, &mut e, &mut info, &mut err) };
+    assert_eq!(status, KilnStatus::OK, "{}", take(err));
+    assert_eq!((info.max_context, info.max_sequences), (8, 1));
+    assert_eq!(PROGRESS_CALLS.load(Ordering::SeqCst), 1, "progress reported during load");
+
+    // After load, the executor's copy of the callback no longer reaches the host.
+    let mut seq = 99;
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) }, KilnStatus::OK);
+    assert_eq!(seq, 0);
+    assert_eq!(PROGRESS_CALLS.load(Ordering::SeqCst), 1, "progress after load must be dropped");
+
+    // Null handles and buffers are refused, not dereferenced.
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    take(err);
+    let mut logits = [0.0f32; 4];
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.prefill.unwrap())(e, 0, std::ptr::null(), 3, logits.as_mut_ptr(), 4, &mut err) };
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
+    assert!(take(err).contains("tokens is a null pointer"));
+    let tokens = [1u32, 2];
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.prefill.unwrap())(e, 0, tokens.as_ptr(), 2, logits.as_mut_ptr(), 4, &mut err) };
+    assert_eq!(status, KilnStatus::OK);
+    assert_eq!(logits, [1.0; 4]);
+
+    // Error kinds travel as their status.
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    assert_eq!(take(err), "nothing to truncate");
+
+    // A panic is caught, reported, and poisons the executor.
+    let item = KilnDecodeItem { seq: 0, token: 1 };
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.decode.unwrap())(e, &item, 1, logits.as_mut_ptr(), 4, &mut err) };
+    assert_eq!(status, KilnStatus::PANIC);
+    assert_eq!(take(err), "panic in decode: tiny decode panics");
+    let mut len = 0u64;
+    let mut err = KilnOwnedStr::NONE;
+    assert_eq!(unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) }, KilnStatus::ERROR);
+    assert!(take(err).contains("unusable after an earlier panic: panic in decode"));
+
+    unsafe {
+        (api.free_executor.unwrap())(e);
+        (api.destroy_backend.unwrap())(b);
+    }
+    drop(buf);
+}
