@@ -46,21 +46,30 @@ fn dylib_name(lib: &str) -> String {
     format!("{}{lib}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
 }
 
-/// Runs `cargo build --profile test <args>` (the profile of these tests, so a plugin is as
-/// optimised as the built-in backend it is compared with) and returns `<target>/debug/<file>`.
+/// The profile directory this test binary was built into (`debug`, `release`, ...).
+fn profile_dir() -> String {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.ancestors().nth(2).and_then(|d| d.file_name()).expect("<target>/<profile>/deps").to_string_lossy().into_owned()
+}
+
+/// Runs `cargo build` with the profile of these tests (so a plugin is as optimised as the
+/// built-in backend it is compared with, and a `--release` run reuses what it already
+/// built) and returns `<target>/<profile dir>/<file>`.
 fn cargo_build_file(args: &[&str], file: &str) -> PathBuf {
     static BUILD: Mutex<()> = Mutex::new(());
     let _one_at_a_time = BUILD.lock().unwrap_or_else(|p| p.into_inner());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let dir = profile_dir();
+    // `cargo test` builds with the `test` profile, whose output directory is `debug`.
+    let profile = if dir == "debug" { "test".to_string() } else { dir.clone() };
     let out = Command::new(cargo)
-        .args(["build", "--profile", "test"])
+        .args(["build", "--profile", &profile])
         .args(args)
         .current_dir(workspace_root())
         .output()
         .expect("run cargo");
     assert!(out.status.success(), "cargo build {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    // The `test` profile's output directory is `debug`.
-    let path = target_dir().join("debug").join(file);
+    let path = target_dir().join(dir).join(file);
     assert!(path.is_file(), "{} was not produced", path.display());
     path
 }
