@@ -49,12 +49,7 @@ fn annotate(path: &Path, e: Error) -> Error {
 pub fn registry_with_plugins(explicit_plugins: &[PathBuf]) -> (Registry, Vec<Error>) {
     crate::link_builtin_backends();
     let mut registry = Registry::with_builtins();
-    let (plugins, mut errors) = crate::plugins::discover_plugins(explicit_plugins);
-    for plugin in plugins {
-        if let Err(e) = registry.register(plugin) {
-            errors.push(e);
-        }
-    }
+    let errors = crate::plugins::register_plugins(&mut registry, explicit_plugins);
     (registry, errors)
 }
 
