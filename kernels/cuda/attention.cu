@@ -6,7 +6,11 @@
 // serves every step.
 //
 // Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
-// Lane l of a warp owns E = hd / 32 consecutive elements of the head.
+// A warp takes 32 positions at a time: lane l scores position p0 + l with a whole-row dot
+// product (16-byte K loads, q broadcast from shared memory), the warp updates its running
+// softmax once per 32 positions, then accumulates the 32 V rows with lane l owning
+// elements [l·E, l·E + E) — independent loads throughout, instead of one dependent
+// reduction per position.
 
 template <int E>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
@@ -21,32 +25,48 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     const int end = min(len, start + split);
     const int kvh = head / (n_heads / n_kv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    float qr[E], acc[E];
+    __shared__ float4 qs[E * 8];
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ((float*)qs)[i] = q[(size_t)head * hd + i] * scale;
+    __syncthreads();
+    float acc[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        qr[e] = q[(size_t)head * hd + lane * E + e] * scale;
-        acc[e] = 0.0f;
-    }
+    for (int e = 0; e < E; ++e) acc[e] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    const u16* kbase = kc + (size_t)kvh * max_ctx * hd + lane * E;
+    const u16* kbase = kc + (size_t)kvh * max_ctx * hd;
     const u16* vbase = vc + (size_t)kvh * max_ctx * hd + lane * E;
-    for (int p = start + warp; p < end; p += nwarps) {
-        const u16* kp = kbase + (size_t)p * hd;
-        float dot = 0.0f;
+    for (int p0 = start + warp * 32; p0 < end; p0 += nwarps * 32) {
+        const int p = p0 + lane;
+        float score = -INFINITY;
+        if (p < end) {
+            const uint4* kp = (const uint4*)(kbase + (size_t)p * hd);
+            float dot = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) dot += qr[e] * h2f(kp[e]);
-        dot = warp_sum(dot);
-        const float m_new = fmaxf(m, dot);
+            for (int i = 0; i < E * 4; ++i) {
+                const uint4 kv = kp[i];
+                const float4 a = qs[2 * i], b = qs[2 * i + 1];
+                dot += a.x * h2f(kv.x & 0xffff) + a.y * h2f(kv.x >> 16) + a.z * h2f(kv.y & 0xffff) + a.w * h2f(kv.y >> 16) +
+                       b.x * h2f(kv.z & 0xffff) + b.y * h2f(kv.z >> 16) + b.z * h2f(kv.w & 0xffff) + b.w * h2f(kv.w >> 16);
+            }
+            score = dot;
+        }
+        const float m_new = fmaxf(m, warp_max(score));
         const float corr = expf(m - m_new);
-        const float pw = expf(dot - m_new);
-        l = l * corr + pw;
-        const u16* vp = vbase + (size_t)p * hd;
+        const float pw = p < end ? expf(score - m_new) : 0.0f;
+        l = l * corr + warp_sum(pw);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + pw * h2f(vp[e]);
+        for (int e = 0; e < E; ++e) acc[e] *= corr;
+        const int count = min(32, end - p0);
+#pragma unroll 4
+        for (int j = 0; j < count; ++j) {
+            const float wj = __shfl_sync(FULL_MASK, pw, j);
+            const u16* vp = vbase + (size_t)(p0 + j) * hd;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[e] += wj * h2f(vp[e]);
+        }
         m = m_new;
     }
     // Merge the warps of this block.
-    __shared__ float sm_m[32], sm_l[32];
+    __shared__ float sm_m[4], sm_l[4];
     __shared__ float sm_o[4 * 256];  // launch bounds: at most 4 warps, hd at most 256
     if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
 #pragma unroll

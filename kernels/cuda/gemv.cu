@@ -53,16 +53,6 @@ struct XChunk {
     int qsum_lo, qsum_hi; // q8_1 path: sum of q over each half (Q6_K's -32 offset)
 };
 
-static __device__ __forceinline__ void k4_scale_min(const u8* s, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = s[j] & 63;
-        m = s[j + 4] & 63;
-    } else {
-        sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 static __device__ __forceinline__ void load32(const u8* p, int (&o)[8]) {
     const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + 16);
     o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
@@ -89,7 +79,75 @@ static __device__ __forceinline__ u32 spread4(u32 bits) {
     return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25);
 }
 
-// Dot product of chunk `c` of row `row` (row length K) with the activation chunk.
+// Byte k (0..11) of the 12 scale bytes held in three words, without a run-time-indexed
+// register array (which would go to local memory).
+static __device__ __forceinline__ int sbyte(u32 w0, u32 w1, u32 w2, int k) {
+    const u32 w = k < 4 ? w0 : (k < 8 ? w1 : w2);
+    return (w >> (8 * (k & 3))) & 255;
+}
+
+static __device__ __forceinline__ void k4_scale_min_w(u32 w0, u32 w1, u32 w2, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = sbyte(w0, w1, w2, j) & 63;
+        m = sbyte(w0, w1, w2, j + 4) & 63;
+    } else {
+        sc = (sbyte(w0, w1, w2, j + 4) & 15) | ((sbyte(w0, w1, w2, j - 4) >> 6) << 4);
+        m = (sbyte(w0, w1, w2, j + 4) >> 4) | ((sbyte(w0, w1, w2, j) >> 6) << 4);
+    }
+}
+
+// Q4_K / Q5_K: sub-blocks 2p and 2p+1 share 32 bytes of qs (low and high nibbles), so a lane
+// takes both — one 32-byte load, every nibble used. `u` counts 64-value units of the row.
+template <int T, bool Q>
+static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K, int u, const XChunk& x0, const XChunk& x1) {
+    typedef Traits<T> Tr;
+    const size_t nblk = (size_t)K / 256;
+    const int p = u & 3;
+    const u8* blk = w.body + (row * nblk + (u >> 2)) * Tr::BODY;
+    const uint4 head = *(const uint4*)blk;  // d, dmin, scales[12]
+    const float d = h2f(head.x & 0xffff), dmin = h2f(head.x >> 16);
+    int sc0, m0, sc1, m1;
+    k4_scale_min_w(head.y, head.z, head.w, 2 * p, sc0, m0);
+    k4_scale_min_w(head.y, head.z, head.w, 2 * p + 1, sc1, m1);
+    int qs[8];
+    load32(blk + (T == T_Q4_K ? 16 : 48) + 32 * p, qs);
+    int lo[8], hi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        lo[i] = qs[i] & 0x0f0f0f0f;
+        hi[i] = (qs[i] >> 4) & 0x0f0f0f0f;
+    }
+    if constexpr (T == T_Q5_K) {
+        int qh[8];
+        load32(blk + 16, qh);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            lo[i] |= ((qh[i] >> (2 * p)) & 0x01010101) << 4;
+            hi[i] |= ((qh[i] >> (2 * p + 1)) & 0x01010101) << 4;
+        }
+    }
+    if constexpr (Q) {
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s0 = dp4a(lo[i], x0.q[i], s0);
+            s1 = dp4a(hi[i], x1.q[i], s1);
+        }
+        return d * ((float)sc0 * x0.d * (float)s0 + (float)sc1 * x1.d * (float)s1) -
+               dmin * ((float)m0 * x0.s + (float)m1 * x1.s);
+    } else {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s0 += fdot4u(lo[i], &x0.v[4 * i]);
+            s1 += fdot4u(hi[i], &x1.v[4 * i]);
+        }
+        return d * ((float)sc0 * s0 + (float)sc1 * s1) - dmin * ((float)m0 * x0.sum + (float)m1 * x1.sum);
+    }
+}
+
+// Dot product of chunk `c` of row `row` (row length K) with the activation chunk (every
+// type but Q4_K/Q5_K, which go through dot_pair_k).
 template <int T, bool Q>
 static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K, int c, const XChunk& x) {
     typedef Traits<T> Tr;
@@ -184,36 +242,6 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             for (int i = 0; i < 8; ++i) sum += fdot4s(qs[i], &x.v[4 * i]);
             return d * sum;
         }
-    } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
-        const int j = c & 7;
-        const u8* blk = w.body + (row * nblk + (c >> 3)) * Tr::BODY;
-        const u32 dm = *(const u32*)blk;
-        const float d = h2f(dm & 0xffff), dmin = h2f(dm >> 16);
-        int sc, m;
-        k4_scale_min(blk + 4, j, sc, m);
-        const int qs_off = T == T_Q4_K ? 16 : 48;
-        int qs[8];
-        load32(blk + qs_off + 32 * (j >> 1), qs);
-        const int shift = 4 * (j & 1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qs[i] = (qs[i] >> shift) & 0x0f0f0f0f;
-        if constexpr (T == T_Q5_K) {
-            int qh[8];
-            load32(blk + 16, qh);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) qs[i] |= ((qh[i] >> j) & 0x01010101) << 4;
-        }
-        if constexpr (Q) {
-            int sumi = 0;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) sumi = dp4a(qs[i], x.q[i], sumi);
-            return d * (float)sc * x.d * (float)sumi - dmin * (float)m * x.s;
-        } else {
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) sum += fdot4u(qs[i], &x.v[4 * i]);
-            return d * (float)sc * sum - dmin * (float)m * x.sum;
-        }
     } else {  // Q6_K
         const size_t b = row * nblk + (c >> 3);
         const int cc = c & 7, h = cc >> 2, k = cc & 3;
@@ -294,33 +322,67 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restric
 
 static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-template <int T, bool Q, int R, bool SWIGLU>
+// A block is 4 warps. S warps share R rows, each taking every S-th chunk (split-K inside
+// the block, so short rows still put many loads in flight); 4 / S such groups per block.
+template <int T, bool Q, int R, int S, bool SWIGLU>
 static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__ x, const i8* __restrict__ xq,
                                             const float2* __restrict__ xds, const float* __restrict__ bias,
                                             const float* __restrict__ residual, float* __restrict__ y, int nrows, int K) {
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    if (row0 >= nrows) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int group = warp / S, part = warp % S;
+    const int row0 = (blockIdx.x * (4 / S) + group) * R;
     const int nchunks = (K + 31) >> 5;
     float acc[R], acc2[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = acc2[r] = 0.0f;
-    XChunk xc;
-    for (int c = lane; c < nchunks; c += 32) {
-        load_x<T, Q>(xc, x, xq, xds, c, K);
+    // A lane's unit of work: one 32-value chunk, or two for Q4_K/Q5_K (see dot_pair_k).
+    constexpr int U = (T == T_Q4_K || T == T_Q5_K) ? 2 : 1;
+    XChunk xc[U];
+    if (row0 < nrows) {
+        for (int u = part * 32 + lane; u * U < nchunks; u += 32 * S) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            // Rows past the end clamp to the last one: the loads stay in bounds and the
-            // result is never written.
-            const size_t row = (size_t)min(row0 + r, nrows - 1);
-            acc[r] += dot_chunk<T, Q>(w, row, K, c, xc);
-            if (SWIGLU) acc2[r] += dot_chunk<T, Q>(w2, row, K, c, xc);
+            for (int i = 0; i < U; ++i) load_x<T, Q>(xc[i], x, xq, xds, u * U + i, K);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                // Rows past the end clamp to the last one: the loads stay in bounds and the
+                // result is never written.
+                const size_t row = (size_t)min(row0 + r, nrows - 1);
+                if constexpr (U == 2) {
+                    acc[r] += dot_pair_k<T, Q>(w, row, K, u, xc[0], xc[1]);
+                    if (SWIGLU) acc2[r] += dot_pair_k<T, Q>(w2, row, K, u, xc[0], xc[1]);
+                } else {
+                    acc[r] += dot_chunk<T, Q>(w, row, K, u, xc[0]);
+                    if (SWIGLU) acc2[r] += dot_chunk<T, Q>(w2, row, K, u, xc[0]);
+                }
+            }
         }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         acc[r] = warp_sum(acc[r]);
         if (SWIGLU) acc2[r] = warp_sum(acc2[r]);
+    }
+    if (S > 1) {
+        __shared__ float red[4][2][R];
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                red[warp][0][r] = acc[r];
+                red[warp][1][r] = acc2[r];
+            }
+        }
+        __syncthreads();
+        if (part != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float a = 0.0f, b = 0.0f;
+            for (int p = 0; p < S; ++p) {
+                a += red[warp + p][0][r];
+                b += red[warp + p][1][r];
+            }
+            acc[r] = a;
+            acc2[r] = b;
+        }
     }
     if (lane < R && row0 + lane < nrows) {
         float v = 0.0f, v2 = 0.0f;
@@ -341,39 +403,35 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
     }
 }
 
-#define GEMV_ENTRY(NAME, T, Q, R)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R(                                               \
+// Entry points are named {gemv|swiglu}_{type}_{f|q}_{R}_{S}. Each type is its own NVRTC
+// module (this file followed by one GEMV_TYPE / GEMV_FLOAT_TYPE line), so a model compiles
+// only the types it uses.
+#define GEMV_ENTRY(NAME, T, Q, R, S)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(                                         \
         const u8* body, const u32* qh, const u8* sc, const float* x, const i8* xq, const float2* xds,                  \
         const float* bias, const float* residual, float* y, int nrows, int K) {                                        \
         W w = {body, qh, sc};                                                                                          \
-        gemv<T, Q, R, false>(w, w, x, xq, xds, bias, residual, y, nrows, K);                                           \
+        gemv<T, Q, R, S, false>(w, w, x, xq, xds, bias, residual, y, nrows, K);                                        \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R(                                             \
+    extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R##_##S(                                       \
         const u8* gbody, const u32* gqh, const u8* gsc, const u8* ubody, const u32* uqh, const u8* usc,                \
         const float* x, const i8* xq, const float2* xds, float* y, int nrows, int K) {                                 \
         W g = {gbody, gqh, gsc}, u = {ubody, uqh, usc};                                                                \
-        gemv<T, Q, R, true>(g, u, x, xq, xds, nullptr, nullptr, y, nrows, K);                                          \
+        gemv<T, Q, R, S, true>(g, u, x, xq, xds, nullptr, nullptr, y, nrows, K);                                       \
     }
 
-#define GEMV_TYPE(NAME, T)   \
-    GEMV_ENTRY(NAME##_f, T, false, 1) \
-    GEMV_ENTRY(NAME##_f, T, false, 2) \
-    GEMV_ENTRY(NAME##_f, T, false, 4) \
-    GEMV_ENTRY(NAME##_q, T, true, 1)  \
-    GEMV_ENTRY(NAME##_q, T, true, 2)  \
-    GEMV_ENTRY(NAME##_q, T, true, 4)
+#define GEMV_SPLITS(NAME, T, Q, R) \
+    GEMV_ENTRY(NAME, T, Q, R, 1)   \
+    GEMV_ENTRY(NAME, T, Q, R, 2)   \
+    GEMV_ENTRY(NAME, T, Q, R, 4)
 
-GEMV_TYPE(q4_0, T_Q4_0)
-GEMV_TYPE(q4_1, T_Q4_1)
-GEMV_TYPE(q5_0, T_Q5_0)
-GEMV_TYPE(q5_1, T_Q5_1)
-GEMV_TYPE(q8_0, T_Q8_0)
-GEMV_TYPE(q4_k, T_Q4_K)
-GEMV_TYPE(q5_k, T_Q5_K)
-GEMV_TYPE(q6_k, T_Q6_K)
-GEMV_ENTRY(f32_f, T_F32, false, 1)
-GEMV_ENTRY(f32_f, T_F32, false, 2)
-GEMV_ENTRY(f32_f, T_F32, false, 4)
-GEMV_ENTRY(f16_f, T_F16, false, 1)
-GEMV_ENTRY(f16_f, T_F16, false, 2)
-GEMV_ENTRY(f16_f, T_F16, false, 4)
+#define GEMV_FLOAT_TYPE(NAME, T)       \
+    GEMV_SPLITS(NAME##_f, T, false, 1) \
+    GEMV_SPLITS(NAME##_f, T, false, 2) \
+    GEMV_SPLITS(NAME##_f, T, false, 4)
+
+#define GEMV_TYPE(NAME, T)            \
+    GEMV_FLOAT_TYPE(NAME, T)          \
+    GEMV_SPLITS(NAME##_q, T, true, 1) \
+    GEMV_SPLITS(NAME##_q, T, true, 2) \
+    GEMV_SPLITS(NAME##_q, T, true, 4)

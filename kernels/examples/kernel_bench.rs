@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, Device, DeviceBuffer, DeviceWeight, Event, GemvInput, GemvPath, Graph, Kernels, PackedWeight, Q8Act, Result,
-    GEMV_QTYPES,
+    AttnArgs, Device, DeviceBuffer, DeviceWeight, Event, GemvInput, GemvPath, GemvTiling, Graph,
+    Kernels, PackedWeight, Q8Act, Result, GEMV_QTYPES,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -81,11 +81,21 @@ fn main() -> Result<()> {
     })?;
     let ms = time_graph(&dev, &g, 4)?;
     let roofline = 2.0 * size as f64 / (ms * 1e-3) / 1e9;
-    println!("copy roofline: {:.0} GB/s ({} MiB read + written in {:.3} ms)", roofline, 2 * size >> 20, ms);
+    println!(
+        "copy roofline: {:.0} GB/s ({} MiB read + written in {:.3} ms)",
+        roofline,
+        2 * size >> 20,
+        ms
+    );
     drop((src, dst, g));
 
     // (row length K, rows N, label)
-    let mut shapes = vec![(4096, 4096, "8B attn 4096x4096"), (4096, 14336, "8B gate/up 14336x4096"), (14336, 4096, "8B down 4096x14336"), (2048, 8192, "1B gate/up 8192x2048")];
+    let mut shapes = vec![
+        (4096, 4096, "8B attn 4096x4096"),
+        (4096, 14336, "8B gate/up 14336x4096"),
+        (14336, 4096, "8B down 4096x14336"),
+        (2048, 8192, "1B gate/up 8192x2048"),
+    ];
     if quick {
         shapes.truncate(1);
     }
@@ -97,56 +107,94 @@ fn main() -> Result<()> {
         let nblk = kk.div_ceil(32);
         let xq = DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?;
         let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
-        let q8 = Q8Act { q: xq.slice(), ds: xds.slice() };
+        let q8 = Q8Act {
+            q: xq.slice(),
+            ds: xds.slice(),
+        };
         k.rmsnorm_q8_1(xd.slice(), 1, kk, None, None, None, Some(q8))?;
-        let input = GemvInput { x: xd.slice(), q8: Some(q8) };
+        let input = GemvInput {
+            x: xd.slice(),
+            q8: Some(q8),
+        };
         let y = DeviceBuffer::<f32>::alloc(&dev, n)?;
         for q in GEMV_QTYPES {
             let ggml = random_weights(&mut rng, q, kk, n)?;
             let packed = PackedWeight::pack(q, kk, n, &ggml)?;
             // Enough copies that the rotation streams at least 512 MB (L2 is 60 MB).
             let copies = (512usize << 20).div_ceil(packed.bytes()).clamp(2, 16);
-            let ws: Vec<DeviceWeight> = (0..copies).map(|_| DeviceWeight::upload(&dev, &packed)).collect::<Result<_>>()?;
-            let reference = if kk * n <= 4096 * 4096 { Some(reference_gemv(q, kk, n, &ggml, &x)?) } else { None };
+            let ws: Vec<DeviceWeight> = (0..copies)
+                .map(|_| DeviceWeight::upload(&dev, &packed))
+                .collect::<Result<_>>()?;
+            let reference = if kk * n <= 4096 * 4096 {
+                Some(reference_gemv(q, kk, n, &ggml, &x)?)
+            } else {
+                None
+            };
             let mut best_f: Option<Row> = None;
             let mut best_q: Option<Row> = None;
             for path in [GemvPath::Float, GemvPath::Dp4a] {
                 if path == GemvPath::Dp4a && !q.is_quantized() {
                     continue;
                 }
-                for r in [1, 2, 4] {
+                for t in GemvTiling::all() {
                     let g = dev.capture(|| {
                         for i in 0..LAUNCHES_PER_GRAPH {
-                            k.gemv(&ws[i % copies], &input, path, r, None, None, y.slice())?;
+                            k.gemv(&ws[i % copies], &input, path, t, None, None, y.slice())?;
                         }
                         Ok(())
                     })?;
                     let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
-                    let x_bytes = if path == GemvPath::Dp4a { nblk * 40 } else { kk * 4 };
+                    let x_bytes = if path == GemvPath::Dp4a {
+                        nblk * 40
+                    } else {
+                        kk * 4
+                    };
                     let bytes = packed.bytes() + x_bytes + n * 4;
                     let err = match &reference {
                         Some(reference) => {
                             y.fill_bytes(0xff)?;
-                            k.gemv(&ws[0], &input, path, r, None, None, y.slice())?;
+                            k.gemv(&ws[0], &input, path, t, None, None, y.slice())?;
                             Some(rel_err(&y.to_host()?, reference))
                         }
                         None => None,
                     };
                     let row = Row {
-                        what: format!("{label:<24} {:<5} {:<5} R{r}", q.name(), if path == GemvPath::Dp4a { "dp4a" } else { "float" }),
+                        what: format!(
+                            "{label:<24} {:<5} {:<5} R{}S{}",
+                            q.name(),
+                            if path == GemvPath::Dp4a {
+                                "dp4a"
+                            } else {
+                                "float"
+                            },
+                            t.rows_per_warp,
+                            t.warps_per_row
+                        ),
                         us: ms * 1e3,
                         gbps: bytes as f64 / (ms * 1e-3) / 1e9,
                         err,
                     };
-                    let slot = if path == GemvPath::Dp4a { &mut best_q } else { &mut best_f };
+                    let slot = if path == GemvPath::Dp4a {
+                        &mut best_q
+                    } else {
+                        &mut best_f
+                    };
                     if slot.as_ref().is_none_or(|b| row.us < b.us) {
-                        *slot = Some(Row { what: row.what.clone(), ..row });
+                        *slot = Some(Row {
+                            what: row.what.clone(),
+                            ..row
+                        });
                     }
                     rows.push(row);
                 }
             }
             let bf = best_f.expect("float path always runs");
-            let bq = best_q.unwrap_or(Row { what: "-".into(), us: f64::NAN, gbps: f64::NAN, err: None });
+            let bq = best_q.unwrap_or(Row {
+                what: "-".into(),
+                us: f64::NAN,
+                gbps: f64::NAN,
+                err: None,
+            });
             best.push((label.to_string(), q, bf, bq));
         }
     }
@@ -171,36 +219,82 @@ fn main() -> Result<()> {
         let nblk = kk.div_ceil(32);
         let xq = DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?;
         let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
-        let q8 = Q8Act { q: xq.slice(), ds: xds.slice() };
+        let q8 = Q8Act {
+            q: xq.slice(),
+            ds: xds.slice(),
+        };
         let g = dev.capture(|| {
             for _ in 0..LAUNCHES_PER_GRAPH {
-                k.rmsnorm_q8_1(x.slice(), 1, kk, Some(w.slice()), Some(1e-5), Some(yv.slice()), Some(q8))?;
+                k.rmsnorm_q8_1(
+                    x.slice(),
+                    1,
+                    kk,
+                    Some(w.slice()),
+                    Some(1e-5),
+                    Some(yv.slice()),
+                    Some(q8),
+                )?;
             }
             Ok(())
         })?;
-        extra.push(format!("rmsnorm+q8_1 n={kk}: {:.2} us", time_graph(&dev, &g, LAUNCHES_PER_GRAPH)? * 1e3));
+        extra.push(format!(
+            "rmsnorm+q8_1 n={kk}: {:.2} us",
+            time_graph(&dev, &g, LAUNCHES_PER_GRAPH)? * 1e3
+        ));
     }
-    let (n_heads, n_kv, hd, max_ctx, split) = (32usize, 8usize, 128usize, 8192usize, 256usize);
-    let cache_len = n_kv * max_ctx * hd;
-    let kc = DeviceBuffer::<u16>::from_host(&dev, &(0..cache_len).map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits()).collect::<Vec<_>>())?;
-    let vc = DeviceBuffer::<u16>::from_host(&dev, &(0..cache_len).map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits()).collect::<Vec<_>>())?;
-    let qd = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, n_heads * hd, 1.0))?;
-    let nsplit = Kernels::attention_splits(max_ctx, split);
-    let part_o = DeviceBuffer::<f32>::alloc(&dev, n_heads * nsplit * hd)?;
-    let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&dev, n_heads * nsplit)?;
-    let out = DeviceBuffer::<f32>::alloc(&dev, n_heads * hd)?;
-    for len in [128usize, 1024, 4096, 8192] {
-        let lend = DeviceBuffer::from_host(&dev, &[len as i32])?;
-        let a = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split, scale: 1.0 / (hd as f32).sqrt() };
-        let g = dev.capture(|| {
-            for _ in 0..LAUNCHES_PER_GRAPH {
-                k.attention(&a, qd.slice(), kc.slice(), vc.slice(), lend.slice(), part_o.slice(), part_ml.slice(), out.slice())?;
-            }
-            Ok(())
-        })?;
-        let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
-        let bytes = 2 * len * n_kv * hd * 2;
-        extra.push(format!("attention 8B (32/8 heads, hd 128) ctx {len}: {:.2} us, {:.0} GB/s of KV", ms * 1e3, bytes as f64 / (ms * 1e-3) / 1e9));
+    let (n_heads, n_kv, hd, max_ctx) = (32usize, 8usize, 128usize, 8192usize);
+    for split in [64usize, 256] {
+        let cache_len = n_kv * max_ctx * hd;
+        let kc = DeviceBuffer::<u16>::from_host(
+            &dev,
+            &(0..cache_len)
+                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
+                .collect::<Vec<_>>(),
+        )?;
+        let vc = DeviceBuffer::<u16>::from_host(
+            &dev,
+            &(0..cache_len)
+                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
+                .collect::<Vec<_>>(),
+        )?;
+        let qd = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, n_heads * hd, 1.0))?;
+        let nsplit = Kernels::attention_splits(max_ctx, split);
+        let part_o = DeviceBuffer::<f32>::alloc(&dev, n_heads * nsplit * hd)?;
+        let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&dev, n_heads * nsplit)?;
+        let out = DeviceBuffer::<f32>::alloc(&dev, n_heads * hd)?;
+        for len in [128usize, 1024, 4096, 8192] {
+            let lend = DeviceBuffer::from_host(&dev, &[len as i32])?;
+            let a = AttnArgs {
+                n_heads,
+                n_kv,
+                head_dim: hd,
+                max_ctx,
+                split,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let g = dev.capture(|| {
+                for _ in 0..LAUNCHES_PER_GRAPH {
+                    k.attention(
+                        &a,
+                        qd.slice(),
+                        kc.slice(),
+                        vc.slice(),
+                        lend.slice(),
+                        part_o.slice(),
+                        part_ml.slice(),
+                        out.slice(),
+                    )?;
+                }
+                Ok(())
+            })?;
+            let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
+            let bytes = 2 * len * n_kv * hd * 2;
+            extra.push(format!(
+            "attention 8B (32/8 heads, hd 128) ctx {len} split {split}: {:.2} us, {:.0} GB/s of KV",
+            ms * 1e3,
+            bytes as f64 / (ms * 1e-3) / 1e9
+        ));
+        }
     }
     for e in &extra {
         println!("{e}");

@@ -28,7 +28,11 @@ impl<T> Copy for DevSlice<T> {}
 
 impl<T> DevSlice<T> {
     pub(crate) fn from_raw(ptr: u64, len: usize) -> Self {
-        DevSlice { ptr, len, _t: PhantomData }
+        DevSlice {
+            ptr,
+            len,
+            _t: PhantomData,
+        }
     }
     pub fn ptr(&self) -> u64 {
         self.ptr
@@ -45,14 +49,23 @@ impl<T> DevSlice<T> {
     /// Elements `start..start + len`.
     pub fn sub(&self, start: usize, len: usize) -> Result<DevSlice<T>> {
         if start.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(KernelError::InvalidArgument(format!("range {start}+{len} of a {}-element slice", self.len)));
+            return Err(KernelError::InvalidArgument(format!(
+                "range {start}+{len} of a {}-element slice",
+                self.len
+            )));
         }
-        Ok(DevSlice::from_raw(self.ptr + (start * std::mem::size_of::<T>()) as u64, len))
+        Ok(DevSlice::from_raw(
+            self.ptr + (start * std::mem::size_of::<T>()) as u64,
+            len,
+        ))
     }
     /// Checks the slice holds at least `n` elements; `what` names it in the error.
     pub fn check_len(&self, n: usize, what: &str) -> Result<()> {
         if self.len < n {
-            return Err(KernelError::InvalidArgument(format!("{what} holds {} elements, {n} needed", self.len)));
+            return Err(KernelError::InvalidArgument(format!(
+                "{what} holds {} elements, {n} needed",
+                self.len
+            )));
         }
         Ok(())
     }
@@ -66,7 +79,8 @@ impl<T: Pod> DevSlice<T> {
             return Ok(out);
         }
         device.bind()?;
-        unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
+        unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, device.stream()) }
+            .ctx("cuMemcpyDtoHAsync")?;
         device.synchronize()?;
         Ok(out)
     }
@@ -88,8 +102,13 @@ fn alloc_bytes(device: &Device, bytes: usize) -> Result<u64> {
     // SAFETY: plain device allocation; freed in Drop.
     match unsafe { result::malloc_sync(bytes) } {
         Ok(p) => Ok(p),
-        Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => Err(KernelError::OutOfMemory { bytes }),
-        Err(e) => Err(KernelError::Driver { what: format!("cuMemAlloc({bytes})"), source: e }),
+        Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+            Err(KernelError::OutOfMemory { bytes })
+        }
+        Err(e) => Err(KernelError::Driver {
+            what: format!("cuMemAlloc({bytes})"),
+            source: e,
+        }),
     }
 }
 
@@ -100,7 +119,12 @@ impl<T: Pod> DeviceBuffer<T> {
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| KernelError::InvalidArgument(format!("{len} elements overflow")))?;
         let ptr = alloc_bytes(device, bytes)?;
-        Ok(DeviceBuffer { device: device.clone(), ptr, len, _t: PhantomData })
+        Ok(DeviceBuffer {
+            device: device.clone(),
+            ptr,
+            len,
+            _t: PhantomData,
+        })
     }
 
     pub fn zeros(device: &Arc<Device>, len: usize) -> Result<Self> {
@@ -134,14 +158,19 @@ impl<T: Pod> DeviceBuffer<T> {
     /// Copies `data` in (waits for the copy, so `data` may be dropped right after).
     pub fn copy_from_host(&mut self, data: &[T]) -> Result<()> {
         if data.len() != self.len {
-            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", data.len(), self.len)));
+            return Err(KernelError::InvalidArgument(format!(
+                "copying {} values into {}",
+                data.len(),
+                self.len
+            )));
         }
         if self.len == 0 {
             return Ok(());
         }
         self.device.bind()?;
         // SAFETY: sizes match; the copy completes before `data` can be dropped.
-        unsafe { result::memcpy_htod_async(self.ptr, data, self.device.stream()) }.ctx("cuMemcpyHtoDAsync")?;
+        unsafe { result::memcpy_htod_async(self.ptr, data, self.device.stream()) }
+            .ctx("cuMemcpyHtoDAsync")?;
         self.device.synchronize()
     }
 
@@ -156,7 +185,8 @@ impl<T: Pod> DeviceBuffer<T> {
             return Ok(());
         }
         self.device.bind()?;
-        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), self.device.stream()) }.ctx("cuMemsetD8Async")
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), self.device.stream()) }
+            .ctx("cuMemsetD8Async")
     }
 }
 
@@ -182,11 +212,17 @@ impl Workspace {
     pub const ALIGN: usize = 256;
 
     pub fn new(device: &Arc<Device>, bytes: usize) -> Result<Self> {
-        Ok(Workspace { buffer: DeviceBuffer::alloc(device, bytes)?, used: 0 })
+        Ok(Workspace {
+            buffer: DeviceBuffer::alloc(device, bytes)?,
+            used: 0,
+        })
     }
     /// Bytes a list of requests (element count, element size) needs.
     pub fn bytes_for(requests: &[(usize, usize)]) -> usize {
-        requests.iter().map(|(n, s)| (n * s).div_ceil(Self::ALIGN) * Self::ALIGN).sum()
+        requests
+            .iter()
+            .map(|(n, s)| (n * s).div_ceil(Self::ALIGN) * Self::ALIGN)
+            .sum()
     }
     /// The next `len` values of `T`, 256-byte aligned.
     pub fn take<T: Pod>(&mut self, len: usize) -> Result<DevSlice<T>> {
@@ -194,7 +230,9 @@ impl Workspace {
         let start = self.used;
         let end = start + bytes.div_ceil(Self::ALIGN) * Self::ALIGN;
         if end > self.buffer.len() {
-            return Err(KernelError::OutOfMemory { bytes: end - self.buffer.len() });
+            return Err(KernelError::OutOfMemory {
+                bytes: end - self.buffer.len(),
+            });
         }
         self.used = end;
         Ok(DevSlice::from_raw(self.buffer.ptr() + start as u64, len))

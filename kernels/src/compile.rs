@@ -11,6 +11,7 @@
 use std::ffi::{c_char, CString};
 use std::path::PathBuf;
 
+use kiln_core::QType;
 use sha2::{Digest, Sha256};
 
 use crate::error::{KernelError, Result};
@@ -23,35 +24,90 @@ const COMMON: &str = include_str!("../cuda/common.cuh");
 pub struct KernelModule {
     pub name: &'static str,
     source: &'static str,
+    /// Appended to `source`: the instantiation lines of a per-type module.
+    suffix: &'static str,
 }
 
 impl KernelModule {
     /// A module from arbitrary text (tests of the compile path itself).
     #[doc(hidden)]
     pub fn for_test(name: &'static str, source: &'static str) -> Self {
-        KernelModule { name, source }
+        KernelModule {
+            name,
+            source,
+            suffix: "",
+        }
     }
 
     /// The full text NVRTC compiles.
     pub fn source(&self) -> String {
-        format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
+        format!(
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}.cu\"\n{}\n{}\n",
+            self.name, self.source, self.suffix
+        )
     }
 }
 
-pub const NORM: KernelModule = KernelModule { name: "norm", source: include_str!("../cuda/norm.cu") };
-pub const GEMV: KernelModule = KernelModule { name: "gemv", source: include_str!("../cuda/gemv.cu") };
-pub const ROPE: KernelModule = KernelModule { name: "rope", source: include_str!("../cuda/rope.cu") };
-pub const ATTENTION: KernelModule = KernelModule { name: "attention", source: include_str!("../cuda/attention.cu") };
-pub const SAMPLE: KernelModule = KernelModule { name: "sample", source: include_str!("../cuda/sample.cu") };
+const fn module(name: &'static str, source: &'static str) -> KernelModule {
+    KernelModule {
+        name,
+        source,
+        suffix: "",
+    }
+}
+
+pub const NORM: KernelModule = module("norm", include_str!("../cuda/norm.cu"));
+pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
+pub const ATTENTION: KernelModule = module("attention", include_str!("../cuda/attention.cu"));
+pub const SAMPLE: KernelModule = module("sample", include_str!("../cuda/sample.cu"));
+
+const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
+const fn gemv(name: &'static str, suffix: &'static str) -> KernelModule {
+    KernelModule {
+        name,
+        source: GEMV_SRC,
+        suffix,
+    }
+}
+
+/// GEMV kernels, one module per weight type (a model compiles only what it uses).
+pub const GEMV_MODULES: [(QType, KernelModule); 10] = [
+    (QType::F32, gemv("gemv_f32", "GEMV_FLOAT_TYPE(f32, T_F32)")),
+    (QType::F16, gemv("gemv_f16", "GEMV_FLOAT_TYPE(f16, T_F16)")),
+    (QType::Q4_0, gemv("gemv_q4_0", "GEMV_TYPE(q4_0, T_Q4_0)")),
+    (QType::Q4_1, gemv("gemv_q4_1", "GEMV_TYPE(q4_1, T_Q4_1)")),
+    (QType::Q5_0, gemv("gemv_q5_0", "GEMV_TYPE(q5_0, T_Q5_0)")),
+    (QType::Q5_1, gemv("gemv_q5_1", "GEMV_TYPE(q5_1, T_Q5_1)")),
+    (QType::Q8_0, gemv("gemv_q8_0", "GEMV_TYPE(q8_0, T_Q8_0)")),
+    (QType::Q4_K, gemv("gemv_q4_k", "GEMV_TYPE(q4_k, T_Q4_K)")),
+    (QType::Q5_K, gemv("gemv_q5_k", "GEMV_TYPE(q5_k, T_Q5_K)")),
+    (QType::Q6_K, gemv("gemv_q6_k", "GEMV_TYPE(q6_k, T_Q6_K)")),
+];
+
+/// The GEMV module for weights of `qtype`.
+pub fn gemv_module(qtype: QType) -> Option<KernelModule> {
+    GEMV_MODULES
+        .iter()
+        .find(|(q, _)| *q == qtype)
+        .map(|(_, m)| *m)
+}
 
 /// Every module, for compile checks.
-pub const ALL_MODULES: [KernelModule; 5] = [NORM, GEMV, ROPE, ATTENTION, SAMPLE];
+pub fn all_modules() -> Vec<KernelModule> {
+    let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE];
+    v.extend(GEMV_MODULES.iter().map(|(_, m)| *m));
+    v
+}
 
 /// Options for every compile. No fast-math: the kernels must track the CPU reference.
 fn options(arch: (i32, i32)) -> Vec<String> {
-    vec![format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "--std=c++17".into(), "-lineinfo".into(), 
+    vec![
+        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
         // Not every module uses every helper of common.cuh.
-        "--diag-suppress=177".into()]
+        "--diag-suppress=177".into(),
+    ]
 }
 
 /// NVRTC's version, e.g. (13, 0).
@@ -60,7 +116,9 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: NVRTC is loaded (checked above); the out-pointers are valid.
     let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    status.result().map_err(|e| KernelError::NoNvrtc(format!("nvrtcVersion failed: {e:?}")))?;
+    status
+        .result()
+        .map_err(|e| KernelError::NoNvrtc(format!("nvrtcVersion failed: {e:?}")))?;
     Ok((major, minor))
 }
 
@@ -69,7 +127,8 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
     use cudarc::nvrtc::{result as nv, sys};
     libs::nvrtc_status().map_err(KernelError::NoNvrtc)?;
     let arch_name = format!("sm_{}{}", arch.0, arch.1);
-    let src = CString::new(module.source()).map_err(|_| KernelError::InvalidArgument("kernel source holds a NUL".into()))?;
+    let src = CString::new(module.source())
+        .map_err(|_| KernelError::InvalidArgument("kernel source holds a NUL".into()))?;
     let name = CString::new(format!("{}.cu", module.name)).expect("module names hold no NUL");
     let fail = |status: String, log: String| KernelError::Compile {
         module: module.name.to_string(),
@@ -77,18 +136,23 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
         status,
         log,
     };
-    let prog = nv::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}"), String::new()))?;
+    let prog =
+        nv::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}"), String::new()))?;
     // The program is destroyed on every path out of this block.
     let out = (|| {
         // SAFETY: `prog` is live until destroyed below.
         let compiled = unsafe { nv::compile_program(prog, &options(arch)) };
-        let log = unsafe { nv::get_program_log(prog) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
+        let log = unsafe { nv::get_program_log(prog) }
+            .map(|l| c_chars_to_string(&l))
+            .unwrap_or_default();
         if let Err(e) = compiled {
             return Err(fail(format!("{e:?}"), log));
         }
         let mut size = 0usize;
         // SAFETY: compiled successfully; size and buffer come from NVRTC.
-        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+            .result()
+            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
         let mut cubin = vec![0u8; size];
         unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }
             .result()
@@ -101,7 +165,11 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
 }
 
 fn c_chars_to_string(v: &[c_char]) -> String {
-    let bytes: Vec<u8> = v.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = v
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).trim().to_string()
 }
 
@@ -123,7 +191,12 @@ pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> 
     h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
     let digest = h.finalize();
     let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
-    let file = cache_dir().map(|d| d.join(format!("{}-sm_{}{}-{key}.cubin", module.name, arch.0, arch.1)));
+    let file = cache_dir().map(|d| {
+        d.join(format!(
+            "{}-sm_{}{}-{key}.cubin",
+            module.name, arch.0, arch.1
+        ))
+    });
     if let Some(f) = &file {
         if let Ok(bytes) = std::fs::read(f) {
             if is_elf(&bytes) {
@@ -146,7 +219,11 @@ fn is_elf(b: &[u8]) -> bool {
 fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = file.parent().expect("cache files live in a directory");
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.{}", file.file_name().unwrap().to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.{}",
+        file.file_name().unwrap().to_string_lossy(),
+        std::process::id()
+    ));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, file)
 }

@@ -30,7 +30,10 @@ pub struct Args {
 
 impl Default for Args {
     fn default() -> Self {
-        Args { slots: [0; 24], n: 0 }
+        Args {
+            slots: [0; 24],
+            n: 0,
+        }
     }
 }
 
@@ -69,7 +72,11 @@ pub struct LaunchConfig {
 
 impl LaunchConfig {
     pub fn linear(blocks: u32, threads: u32) -> Self {
-        LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_bytes: 0 }
+        LaunchConfig {
+            grid: (blocks, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        }
     }
 }
 
@@ -94,7 +101,11 @@ unsafe impl Sync for Device {}
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Device({} {}: {} sm_{}{})", self.ordinal, self.name, self.sm_count, self.arch.0, self.arch.1)
+        write!(
+            f,
+            "Device({} {}: {} sm_{}{})",
+            self.ordinal, self.name, self.sm_count, self.arch.0, self.arch.1
+        )
     }
 }
 
@@ -111,11 +122,14 @@ impl Device {
     pub fn new(ordinal: usize) -> Result<Arc<Device>> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(KernelError::NoDriver(format!("CUDA device {ordinal} requested, {count} present")));
+            return Err(KernelError::NoDriver(format!(
+                "CUDA device {ordinal} requested, {count} present"
+            )));
         }
         let cu_device = result::device::get(ordinal as i32).ctx("cuDeviceGet")?;
         // SAFETY: valid device handle from above.
-        let ctx = unsafe { result::primary_ctx::retain(cu_device) }.ctx("cuDevicePrimaryCtxRetain")?;
+        let ctx =
+            unsafe { result::primary_ctx::retain(cu_device) }.ctx("cuDevicePrimaryCtxRetain")?;
         unsafe { result::ctx::set_current(ctx) }.ctx("cuCtxSetCurrent")?;
         let attr = |a| unsafe { result::device::get_attribute(cu_device, a) };
         use sys::CUdevice_attribute::*;
@@ -123,12 +137,16 @@ impl Device {
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).ctx("cuDeviceGetAttribute")?,
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).ctx("cuDeviceGetAttribute")?,
         );
-        let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx("cuDeviceGetAttribute")?;
+        let sm_count =
+            attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx("cuDeviceGetAttribute")?;
         let name = result::device::get_name(cu_device).ctx("cuDeviceGetName")?;
         let total_mem = unsafe { result::device::total_mem(cu_device) }.ctx("cuDeviceTotalMem")?;
         let mut driver_version = 0;
-        unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().ctx("cuDriverGetVersion")?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).ctx("cuStreamCreate")?;
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .ctx("cuDriverGetVersion")?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .ctx("cuStreamCreate")?;
         Ok(Arc::new(Device {
             ordinal,
             cu_device,
@@ -186,7 +204,8 @@ impl Device {
         let cubin = compile::compile(module, self.arch, self.driver_version)?;
         self.bind()?;
         // SAFETY: `cubin` is an ELF image NVRTC produced for this architecture.
-        let m = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }.ctx("cuModuleLoadData")?;
+        let m = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
+            .ctx("cuModuleLoadData")?;
         modules.insert(module.name, m);
         Ok(m)
     }
@@ -194,15 +213,25 @@ impl Device {
     /// The kernel `name` of `module`.
     pub fn function(&self, module: &KernelModule, name: &str) -> Result<Function> {
         let key = format!("{}::{name}", module.name);
-        if let Some(&f) = self.functions.lock().expect("function table poisoned").get(&key) {
+        if let Some(&f) = self
+            .functions
+            .lock()
+            .expect("function table poisoned")
+            .get(&key)
+        {
             return Ok(f);
         }
         let m = self.load_module(module)?;
-        let cname = CString::new(name).map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
+        let cname = CString::new(name)
+            .map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
         // SAFETY: `m` is a loaded module.
-        let f = unsafe { result::module::get_function(m, cname) }.ctx(&format!("cuModuleGetFunction({key})"))?;
+        let f = unsafe { result::module::get_function(m, cname) }
+            .ctx(&format!("cuModuleGetFunction({key})"))?;
         let f = Function(f);
-        self.functions.lock().expect("function table poisoned").insert(key, f);
+        self.functions
+            .lock()
+            .expect("function table poisoned")
+            .insert(key, f);
         Ok(f)
     }
 
@@ -217,8 +246,15 @@ impl Device {
             *p = slot as *mut u64 as *mut c_void;
         }
         self.bind()?;
-        result::launch_kernel(f.0, cfg.grid, cfg.block, cfg.shared_bytes, self.stream, &mut params[..args.n])
-            .ctx("cuLaunchKernel")
+        result::launch_kernel(
+            f.0,
+            cfg.grid,
+            cfg.block,
+            cfg.shared_bytes,
+            self.stream,
+            &mut params[..args.n],
+        )
+        .ctx("cuLaunchKernel")
     }
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.
@@ -233,8 +269,13 @@ impl Device {
     pub fn capture(self: &Arc<Self>, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
         self.bind()?;
         // SAFETY: valid stream; capture mode "relaxed" lets other threads use the driver.
-        unsafe { result::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
-            .ctx("cuStreamBeginCapture")?;
+        unsafe {
+            result::stream::begin_capture(
+                self.stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .ctx("cuStreamBeginCapture")?;
         let queued = body();
         // End the capture on every path, or the stream stays unusable.
         let graph = unsafe { result::stream::end_capture(self.stream) };
@@ -245,10 +286,17 @@ impl Device {
             Ok(e) => e,
             Err(e) => {
                 let _ = unsafe { result::graph::destroy(graph) };
-                return Err(KernelError::Driver { what: "cuGraphInstantiate".into(), source: e });
+                return Err(KernelError::Driver {
+                    what: "cuGraphInstantiate".into(),
+                    source: e,
+                });
             }
         };
-        Ok(Graph { device: self.clone(), graph, exec })
+        Ok(Graph {
+            device: self.clone(),
+            graph,
+            exec,
+        })
     }
 }
 
@@ -258,7 +306,12 @@ impl Drop for Device {
         let _ = self.bind();
         unsafe {
             let _ = result::stream::synchronize(self.stream);
-            for (_, m) in self.modules.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
+            for (_, m) in self
+                .modules
+                .lock()
+                .map(|mut m| std::mem::take(&mut *m))
+                .unwrap_or_default()
+            {
                 let _ = result::module::unload(m);
             }
             let _ = result::stream::destroy(self.stream);
@@ -305,8 +358,12 @@ pub struct Event {
 impl Event {
     pub fn new(device: &Arc<Device>) -> Result<Event> {
         device.bind()?;
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
-        Ok(Event { device: device.clone(), event })
+        let event =
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        Ok(Event {
+            device: device.clone(),
+            event,
+        })
     }
     pub fn record(&self) -> Result<()> {
         self.device.bind()?;

@@ -13,7 +13,12 @@ pub enum KernelError {
     NoNvrtc(String),
     /// NVRTC rejected a kernel source; `log` is the compiler's own output.
     #[error("NVRTC could not compile {module} for {arch}: {status}\n{log}")]
-    Compile { module: String, arch: String, status: String, log: String },
+    Compile {
+        module: String,
+        arch: String,
+        status: String,
+        log: String,
+    },
     /// A driver call failed; `what` says which operation.
     #[error("CUDA {what}: {source}")]
     Driver { what: String, source: DriverError },
@@ -34,7 +39,10 @@ pub(crate) trait DriverContext<T> {
 
 impl<T> DriverContext<T> for std::result::Result<T, DriverError> {
     fn ctx(self, what: &str) -> Result<T> {
-        self.map_err(|source| KernelError::Driver { what: what.to_string(), source })
+        self.map_err(|source| KernelError::Driver {
+            what: what.to_string(),
+            source,
+        })
     }
 }
 
@@ -44,7 +52,10 @@ impl From<KernelError> for kiln_core::Error {
             KernelError::OutOfMemory { .. } => kiln_core::Error::OutOfMemory(e.to_string()),
             KernelError::InvalidArgument(m) => kiln_core::Error::InvalidArgument(m),
             KernelError::Unsupported(m) => kiln_core::Error::Unsupported(m),
-            other => kiln_core::Error::Backend { backend: "cuda".into(), message: other.to_string() },
+            other => kiln_core::Error::Backend {
+                backend: "cuda".into(),
+                message: other.to_string(),
+            },
         }
     }
 }

@@ -18,9 +18,17 @@ pub struct KvCache {
 
 impl KvCache {
     /// Allocates the cache for one sequence (contents undefined until written).
-    pub fn new(device: &Arc<Device>, layers: usize, kv_heads: usize, head_dim: usize, max_ctx: usize) -> Result<Self> {
+    pub fn new(
+        device: &Arc<Device>,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        max_ctx: usize,
+    ) -> Result<Self> {
         if layers == 0 || kv_heads == 0 || head_dim == 0 || max_ctx == 0 {
-            return Err(KernelError::InvalidArgument("KV cache with a zero dimension".into()));
+            return Err(KernelError::InvalidArgument(
+                "KV cache with a zero dimension".into(),
+            ));
         }
         let per = kv_heads * max_ctx * head_dim;
         let mut k = Vec::with_capacity(layers);
@@ -29,7 +37,14 @@ impl KvCache {
             k.push(DeviceBuffer::alloc(device, per)?);
             v.push(DeviceBuffer::alloc(device, per)?);
         }
-        Ok(KvCache { layers, kv_heads, head_dim, max_ctx, k, v })
+        Ok(KvCache {
+            layers,
+            kv_heads,
+            head_dim,
+            max_ctx,
+            k,
+            v,
+        })
     }
 
     /// Bytes the cache occupies on the device.
@@ -41,7 +56,10 @@ impl KvCache {
     pub fn layer(&self, layer: usize) -> Result<(DevSlice<u16>, DevSlice<u16>)> {
         match (self.k.get(layer), self.v.get(layer)) {
             (Some(k), Some(v)) => Ok((k.slice(), v.slice())),
-            _ => Err(KernelError::InvalidArgument(format!("layer {layer} of a {}-layer cache", self.layers))),
+            _ => Err(KernelError::InvalidArgument(format!(
+                "layer {layer} of a {}-layer cache",
+                self.layers
+            ))),
         }
     }
 }

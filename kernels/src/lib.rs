@@ -25,7 +25,7 @@ pub use buffer::{DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};
 pub use kv::KvCache;
-pub use ops::{AttnArgs, GemvInput, GemvPath, Kernels, Q8Act, RopeArgs};
+pub use ops::{AttnArgs, GemvInput, GemvPath, GemvTiling, Kernels, Q8Act, RopeArgs};
 pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.

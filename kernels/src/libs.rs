@@ -41,7 +41,14 @@ pub fn nvrtc_status() -> Result<String, String> {
 fn find_nvrtc() -> Result<String, String> {
     if let Some(path) = std::env::var_os("KILN_NVRTC") {
         let path = PathBuf::from(path);
-        let file = if path.is_dir() { NVRTC_NAMES.iter().map(|n| path.join(n)).find(|p| p.exists()) } else { Some(path.clone()) };
+        let file = if path.is_dir() {
+            NVRTC_NAMES
+                .iter()
+                .map(|n| path.join(n))
+                .find(|p| p.exists())
+        } else {
+            Some(path.clone())
+        };
         return match file {
             Some(f) => preload(&f).map(|_| format!("{} (KILN_NVRTC)", f.display())),
             None => Err(format!("KILN_NVRTC={} holds no libnvrtc", path.display())),
@@ -74,14 +81,18 @@ fn find_nvrtc() -> Result<String, String> {
 
 fn preload(file: &Path) -> Result<(), String> {
     // SAFETY: libnvrtc's initialisers have no preconditions.
-    let lib = unsafe { libloading::Library::new(file) }.map_err(|e| format!("{}: {e}", file.display()))?;
+    let lib = unsafe { libloading::Library::new(file) }
+        .map_err(|e| format!("{}: {e}", file.display()))?;
     // Kept loaded for the life of the process so the later load by soname finds it.
     std::mem::forget(lib);
     // SAFETY: as above.
     if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         Ok(())
     } else {
-        Err(format!("{} loaded but its soname does not resolve", file.display()))
+        Err(format!(
+            "{} loaded but its soname does not resolve",
+            file.display()
+        ))
     }
 }
 
@@ -94,7 +105,10 @@ fn candidate_dirs() -> Vec<PathBuf> {
     }
     dirs.push("/usr/local/cuda/lib64".into());
     // Python environments: site-packages / dist-packages under these prefixes.
-    let mut prefixes: Vec<PathBuf> = ["/usr/local/lib", "/usr/lib"].iter().map(PathBuf::from).collect();
+    let mut prefixes: Vec<PathBuf> = ["/usr/local/lib", "/usr/lib"]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
     if let Some(v) = std::env::var_os("VIRTUAL_ENV") {
         prefixes.push(PathBuf::from(v).join("lib"));
     }
@@ -112,7 +126,10 @@ fn candidate_dirs() -> Vec<PathBuf> {
     }
     for prefix in prefixes {
         for py in read_dir_sorted(&prefix) {
-            let is_python = py.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python3"));
+            let is_python = py
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("python3"));
             if !is_python {
                 continue;
             }
@@ -127,7 +144,9 @@ fn candidate_dirs() -> Vec<PathBuf> {
 }
 
 fn read_dir_sorted(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
     // Newest interpreter / version last-sorted first.
     v.sort();
     v.reverse();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kiln_core::QType;
 
 use crate::buffer::DevSlice;
-use crate::compile::{ATTENTION, GEMV, NORM, ROPE, SAMPLE};
+use crate::compile::{gemv_module, ATTENTION, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::repack::DeviceWeight;
@@ -45,6 +45,38 @@ pub struct GemvInput {
     pub q8: Option<Q8Act>,
 }
 
+/// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
+/// `warps_per_row` warps split one row group's length between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvTiling {
+    pub rows_per_warp: usize,
+    pub warps_per_row: usize,
+}
+
+impl GemvTiling {
+    pub const fn new(rows_per_warp: usize, warps_per_row: usize) -> Self {
+        GemvTiling {
+            rows_per_warp,
+            warps_per_row,
+        }
+    }
+    /// Every tiling the kernels are instantiated for.
+    pub fn all() -> impl Iterator<Item = GemvTiling> {
+        [1, 2, 4]
+            .into_iter()
+            .flat_map(|r| [1, 2, 4].into_iter().map(move |s| GemvTiling::new(r, s)))
+    }
+    fn check(&self) -> Result<()> {
+        if [1, 2, 4].contains(&self.rows_per_warp) && [1, 2, 4].contains(&self.warps_per_row) {
+            Ok(())
+        } else {
+            Err(invalid(format!(
+                "GEMV tiling {self:?}: rows per warp and warps per row must be 1, 2 or 4"
+            )))
+        }
+    }
+}
+
 fn type_tag(q: QType) -> Result<&'static str> {
     Ok(match q {
         QType::F32 => "f32",
@@ -57,7 +89,11 @@ fn type_tag(q: QType) -> Result<&'static str> {
         QType::Q4_K => "q4_k",
         QType::Q5_K => "q5_k",
         QType::Q6_K => "q6_k",
-        other => return Err(KernelError::Unsupported(format!("GEMV with {other} weights"))),
+        other => {
+            return Err(KernelError::Unsupported(format!(
+                "GEMV with {other} weights"
+            )))
+        }
     })
 }
 
@@ -70,7 +106,9 @@ pub struct Kernels {
 
 impl Kernels {
     pub fn new(device: &Arc<Device>) -> Self {
-        Kernels { device: device.clone() }
+        Kernels {
+            device: device.clone(),
+        }
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -79,7 +117,7 @@ impl Kernels {
 
     /// Compiles and loads every module now (otherwise each loads at its first launch).
     pub fn preload(&self) -> Result<()> {
-        for m in crate::compile::ALL_MODULES {
+        for m in crate::compile::all_modules() {
             self.device.load_module(&m)?;
         }
         Ok(())
@@ -125,19 +163,38 @@ impl Kernels {
             .ptr(q8.map_or(0, |q| q.ds.ptr()))
             .i32(n as i32);
         // SAFETY: sizes checked above; the kernel touches rows * n inputs and outputs.
-        unsafe { self.device.launch(f, LaunchConfig::linear(rows as u32, threads), &mut args) }
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(rows as u32, threads), &mut args)
+        }
     }
 
-    fn gemv_name(kind: &str, w: &DeviceWeight, input: &GemvInput, path: GemvPath, rows_per_warp: usize) -> Result<(String, bool)> {
-        if ![1, 2, 4].contains(&rows_per_warp) {
-            return Err(invalid(format!("rows per warp must be 1, 2 or 4, not {rows_per_warp}")));
-        }
+    fn gemv_name(
+        kind: &str,
+        w: &DeviceWeight,
+        input: &GemvInput,
+        path: GemvPath,
+        t: GemvTiling,
+    ) -> Result<(String, bool)> {
+        t.check()?;
         let dp4a = path == GemvPath::Dp4a && w.qtype.is_quantized();
         if dp4a && input.q8.is_none() {
             return Err(invalid("the dp4a GEMV needs the Q8_1 activation".into()));
         }
         let tag = type_tag(w.qtype)?;
-        Ok((format!("{kind}_{tag}_{}_{rows_per_warp}", if dp4a { "q" } else { "f" }), dp4a))
+        Ok((
+            format!(
+                "{kind}_{tag}_{}_{}_{}",
+                if dp4a { "q" } else { "f" },
+                t.rows_per_warp,
+                t.warps_per_row
+            ),
+            dp4a,
+        ))
+    }
+
+    fn gemv_module(q: QType) -> Result<crate::compile::KernelModule> {
+        gemv_module(q).ok_or_else(|| KernelError::Unsupported(format!("GEMV with {q} weights")))
     }
 
     fn check_input(w: &DeviceWeight, input: &GemvInput, dp4a: bool) -> Result<()> {
@@ -151,8 +208,8 @@ impl Kernels {
         }
     }
 
-    fn gemv_grid(rows: usize, rows_per_warp: usize) -> LaunchConfig {
-        let per_block = GEMV_WARPS as usize * rows_per_warp;
+    fn gemv_grid(rows: usize, t: GemvTiling) -> LaunchConfig {
+        let per_block = GEMV_WARPS as usize / t.warps_per_row * t.rows_per_warp;
         LaunchConfig::linear(rows.div_ceil(per_block) as u32, GEMV_WARPS * 32)
     }
 
@@ -163,12 +220,12 @@ impl Kernels {
         w: &DeviceWeight,
         input: &GemvInput,
         path: GemvPath,
-        rows_per_warp: usize,
+        tiling: GemvTiling,
         bias: Option<DevSlice<f32>>,
         residual: Option<DevSlice<f32>>,
         y: DevSlice<f32>,
     ) -> Result<()> {
-        let (name, dp4a) = Self::gemv_name("gemv", w, input, path, rows_per_warp)?;
+        let (name, dp4a) = Self::gemv_name("gemv", w, input, path, tiling)?;
         Self::check_input(w, input, dp4a)?;
         y.check_len(w.rows, "GEMV output")?;
         if let Some(b) = bias {
@@ -177,7 +234,7 @@ impl Kernels {
         if let Some(r) = residual {
             r.check_len(w.rows, "GEMV residual")?;
         }
-        let f = self.device.function(&GEMV, &name)?;
+        let f = self.device.function(&Self::gemv_module(w.qtype)?, &name)?;
         let (body, qh, sc) = w.ptrs();
         let mut args = Args::new()
             .ptr(body)
@@ -192,7 +249,10 @@ impl Kernels {
             .i32(w.rows as i32)
             .i32(w.row_len as i32);
         // SAFETY: every array's length was checked against the weight's shape.
-        unsafe { self.device.launch(f, Self::gemv_grid(w.rows, rows_per_warp), &mut args) }
+        unsafe {
+            self.device
+                .launch(f, Self::gemv_grid(w.rows, tiling), &mut args)
+        }
     }
 
     /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward.
@@ -202,7 +262,7 @@ impl Kernels {
         up: &DeviceWeight,
         input: &GemvInput,
         path: GemvPath,
-        rows_per_warp: usize,
+        tiling: GemvTiling,
         y: DevSlice<f32>,
     ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
@@ -211,10 +271,12 @@ impl Kernels {
                 gate.qtype, gate.rows, gate.row_len, up.qtype, up.rows, up.row_len
             )));
         }
-        let (name, dp4a) = Self::gemv_name("swiglu", gate, input, path, rows_per_warp)?;
+        let (name, dp4a) = Self::gemv_name("swiglu", gate, input, path, tiling)?;
         Self::check_input(gate, input, dp4a)?;
         y.check_len(gate.rows, "SwiGLU output")?;
-        let f = self.device.function(&GEMV, &name)?;
+        let f = self
+            .device
+            .function(&Self::gemv_module(gate.qtype)?, &name)?;
         let (gb, gq, gs) = gate.ptrs();
         let (ub, uq, us) = up.ptrs();
         let mut args = Args::new()
@@ -231,17 +293,35 @@ impl Kernels {
             .i32(gate.rows as i32)
             .i32(gate.row_len as i32);
         // SAFETY: as for gemv.
-        unsafe { self.device.launch(f, Self::gemv_grid(gate.rows, rows_per_warp), &mut args) }
+        unsafe {
+            self.device
+                .launch(f, Self::gemv_grid(gate.rows, tiling), &mut args)
+        }
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`.
-    pub fn rope_kv(&self, a: &RopeArgs, qkv: DevSlice<f32>, q_out: DevSlice<f32>, kc: DevSlice<u16>, vc: DevSlice<u16>, pos: DevSlice<i32>, max_ctx: usize) -> Result<()> {
+    pub fn rope_kv(
+        &self,
+        a: &RopeArgs,
+        qkv: DevSlice<f32>,
+        q_out: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        pos: DevSlice<i32>,
+        max_ctx: usize,
+    ) -> Result<()> {
         let hd = a.head_dim;
         if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
-            return Err(invalid(format!("head_dim {hd} / rotary dims {}", a.rot_dims)));
+            return Err(invalid(format!(
+                "head_dim {hd} / rotary dims {}",
+                a.rot_dims
+            )));
         }
         if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
-            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+            return Err(invalid(format!(
+                "{} heads over {} KV heads",
+                a.n_heads, a.n_kv
+            )));
         }
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
         q_out.check_len(a.n_heads * hd, "rotated Q")?;
@@ -278,7 +358,13 @@ impl Kernels {
             .f32(a.eps)
             .i32(max_ctx as i32);
         // SAFETY: sizes checked; the position must be < max_ctx, which the executor owns.
-        unsafe { self.device.launch(f, LaunchConfig::linear((a.n_heads + a.n_kv) as u32, threads), &mut args) }
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear((a.n_heads + a.n_kv) as u32, threads),
+                &mut args,
+            )
+        }
     }
 
     /// Splits of `split` positions a context of `max_ctx` needs.
@@ -302,10 +388,15 @@ impl Kernels {
     ) -> Result<()> {
         let hd = a.head_dim;
         if hd % 32 != 0 || hd == 0 || hd > 256 {
-            return Err(KernelError::Unsupported(format!("attention with head_dim {hd} (needs a multiple of 32 up to 256)")));
+            return Err(KernelError::Unsupported(format!(
+                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
+            )));
         }
         if a.n_kv == 0 || a.n_heads % a.n_kv != 0 || a.split == 0 {
-            return Err(invalid(format!("{} heads over {} KV heads, split {}", a.n_heads, a.n_kv, a.split)));
+            return Err(invalid(format!(
+                "{} heads over {} KV heads, split {}",
+                a.n_heads, a.n_kv, a.split
+            )));
         }
         let nsplit = Self::attention_splits(a.max_ctx, a.split);
         q.check_len(a.n_heads * hd, "attention Q")?;
@@ -316,7 +407,9 @@ impl Kernels {
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
         out.check_len(a.n_heads * hd, "attention output")?;
         let e = hd / 32;
-        let f = self.device.function(&ATTENTION, &format!("attn_partial_{e}"))?;
+        let f = self
+            .device
+            .function(&ATTENTION, &format!("attn_partial_{e}"))?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -329,7 +422,11 @@ impl Kernels {
             .f32(a.scale)
             .ptr(part_o.ptr())
             .ptr(part_ml.ptr());
-        let cfg = LaunchConfig { grid: (a.n_heads as u32, nsplit as u32, 1), block: (128, 1, 1), shared_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid: (a.n_heads as u32, nsplit as u32, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        };
         // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
         unsafe { self.device.launch(f, cfg, &mut args)? };
         let f = self.device.function(&ATTENTION, "attn_combine")?;
@@ -341,7 +438,13 @@ impl Kernels {
             .i32(nsplit as i32)
             .i32(hd as i32)
             .ptr(out.ptr());
-        unsafe { self.device.launch(f, LaunchConfig::linear(a.n_heads as u32, hd as u32), &mut args) }
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear(a.n_heads as u32, hd as u32),
+                &mut args,
+            )
+        }
     }
 
     /// Logits per argmax block.
@@ -353,7 +456,12 @@ impl Kernels {
     }
 
     /// `*out` = index of the largest of `logits` (lowest on ties, NaN never).
-    pub fn argmax(&self, logits: DevSlice<f32>, scratch: DevSlice<u64>, out: DevSlice<i32>) -> Result<()> {
+    pub fn argmax(
+        &self,
+        logits: DevSlice<f32>,
+        scratch: DevSlice<u64>,
+        out: DevSlice<i32>,
+    ) -> Result<()> {
         let n = logits.len();
         if n == 0 || n > i32::MAX as usize {
             return Err(invalid(format!("argmax over {n} values")));
@@ -362,11 +470,24 @@ impl Kernels {
         scratch.check_len(blocks, "argmax scratch")?;
         out.check_len(1, "argmax output")?;
         let f = self.device.function(&SAMPLE, "argmax_partial")?;
-        let mut args = Args::new().ptr(logits.ptr()).i32(n as i32).i32(Self::ARGMAX_SLICE as i32).ptr(scratch.ptr());
-        unsafe { self.device.launch(f, LaunchConfig::linear(blocks as u32, 512), &mut args)? };
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(n as i32)
+            .i32(Self::ARGMAX_SLICE as i32)
+            .ptr(scratch.ptr());
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(blocks as u32, 512), &mut args)?
+        };
         let f = self.device.function(&SAMPLE, "argmax_final")?;
-        let mut args = Args::new().ptr(scratch.ptr()).i32(blocks as i32).ptr(out.ptr());
-        unsafe { self.device.launch(f, LaunchConfig::linear(1, 256), &mut args) }
+        let mut args = Args::new()
+            .ptr(scratch.ptr())
+            .i32(blocks as i32)
+            .ptr(out.ptr());
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(1, 256), &mut args)
+        }
     }
 
     /// Largest top-k the device sampler handles.
@@ -410,8 +531,15 @@ impl Kernels {
         rng.check_len(1, "sampler state")?;
         out.check_len(1, "sampled token")?;
         let f = self.device.function(&SAMPLE, "topk_partial")?;
-        let mut args = Args::new().ptr(logits.ptr()).i32(n as i32).i32(p.top_k as i32).ptr(scratch.ptr());
-        unsafe { self.device.launch(f, LaunchConfig::linear(blocks as u32, 1024), &mut args)? };
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(n as i32)
+            .i32(p.top_k as i32)
+            .ptr(scratch.ptr());
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(blocks as u32, 1024), &mut args)?
+        };
         let f = self.device.function(&SAMPLE, "sample_final")?;
         let mut args = Args::new()
             .ptr(scratch.ptr())
@@ -422,7 +550,10 @@ impl Kernels {
             .f32(p.min_p)
             .ptr(rng.ptr())
             .ptr(out.ptr());
-        unsafe { self.device.launch(f, LaunchConfig::linear(1, 1024), &mut args) }
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(1, 1024), &mut args)
+        }
     }
 
     /// y = a + b.
@@ -431,19 +562,39 @@ impl Kernels {
         a.check_len(n, "add input")?;
         b.check_len(n, "add input")?;
         let f = self.device.function(&NORM, "add_f32")?;
-        let mut args = Args::new().ptr(a.ptr()).ptr(b.ptr()).ptr(y.ptr()).i32(n as i32);
-        unsafe { self.device.launch(f, LaunchConfig::linear(n.div_ceil(256) as u32, 256), &mut args) }
+        let mut args = Args::new()
+            .ptr(a.ptr())
+            .ptr(b.ptr())
+            .ptr(y.ptr())
+            .i32(n as i32);
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear(n.div_ceil(256) as u32, 256),
+                &mut args,
+            )
+        }
     }
 
     /// Copies `src` to `dst` with a 16-byte-per-thread kernel (the bandwidth yardstick).
     pub fn copy(&self, src: DevSlice<u8>, dst: DevSlice<u8>) -> Result<()> {
         if src.len() != dst.len() || src.len() % 16 != 0 {
-            return Err(invalid(format!("copy of {} into {} bytes (multiples of 16 only)", src.len(), dst.len())));
+            return Err(invalid(format!(
+                "copy of {} into {} bytes (multiples of 16 only)",
+                src.len(),
+                dst.len()
+            )));
         }
         let f = self.device.function(&NORM, "copy_u128")?;
         let blocks = (self.device.sm_count() * 8) as u32;
-        let mut args = Args::new().ptr(src.ptr()).ptr(dst.ptr()).u64((src.len() / 16) as u64);
-        unsafe { self.device.launch(f, LaunchConfig::linear(blocks, 512), &mut args) }
+        let mut args = Args::new()
+            .ptr(src.ptr())
+            .ptr(dst.ptr())
+            .u64((src.len() / 16) as u64);
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(blocks, 512), &mut args)
+        }
     }
 }
 

@@ -61,13 +61,15 @@ pub struct PackedWeight {
 impl PackedWeight {
     /// Splits `rows` rows of `row_len` ggml-encoded values.
     pub fn pack(qtype: QType, row_len: usize, rows: usize, ggml: &[u8]) -> Result<PackedWeight> {
-        let (body_bytes, has_qh, sc_bytes, body_off, qh_off, sc_off) =
-            layout(qtype).ok_or_else(|| KernelError::Unsupported(format!("GEMV with {qtype} weights")))?;
+        let (body_bytes, has_qh, sc_bytes, body_off, qh_off, sc_off) = layout(qtype)
+            .ok_or_else(|| KernelError::Unsupported(format!("GEMV with {qtype} weights")))?;
         let expected = qtype
             .row_bytes(row_len)
             .ok()
             .and_then(|rb| rb.checked_mul(rows))
-            .ok_or_else(|| KernelError::InvalidArgument(format!("{rows} rows of {row_len} {qtype} values")))?;
+            .ok_or_else(|| {
+                KernelError::InvalidArgument(format!("{rows} rows of {row_len} {qtype} values"))
+            })?;
         if ggml.len() != expected {
             return Err(KernelError::InvalidArgument(format!(
                 "{rows}x{row_len} {qtype} needs {expected} bytes, got {}",
@@ -75,7 +77,14 @@ impl PackedWeight {
             )));
         }
         if !qtype.is_quantized() {
-            return Ok(PackedWeight { qtype, row_len, rows, body: ggml.to_vec(), qh: Vec::new(), sc: Vec::new() });
+            return Ok(PackedWeight {
+                qtype,
+                row_len,
+                rows,
+                body: ggml.to_vec(),
+                qh: Vec::new(),
+                sc: Vec::new(),
+            });
         }
         let bb = qtype.block_bytes();
         let nblocks = ggml.len() / bb;
@@ -85,11 +94,20 @@ impl PackedWeight {
         for blk in ggml.chunks_exact(bb) {
             body.extend_from_slice(&blk[body_off..body_off + body_bytes]);
             if has_qh {
-                qh.push(u32::from_le_bytes(blk[qh_off..qh_off + 4].try_into().expect("4 bytes")));
+                qh.push(u32::from_le_bytes(
+                    blk[qh_off..qh_off + 4].try_into().expect("4 bytes"),
+                ));
             }
             sc.extend_from_slice(&blk[sc_off..sc_off + sc_bytes]);
         }
-        Ok(PackedWeight { qtype, row_len, rows, body, qh, sc })
+        Ok(PackedWeight {
+            qtype,
+            row_len,
+            rows,
+            body,
+            qh,
+            sc,
+        })
     }
 
     /// Bytes a GEMV reads from this weight.
@@ -121,7 +139,13 @@ impl DeviceWeight {
     }
 
     /// Packs and uploads ggml bytes in one go.
-    pub fn from_ggml(device: &Arc<Device>, qtype: QType, row_len: usize, rows: usize, ggml: &[u8]) -> Result<DeviceWeight> {
+    pub fn from_ggml(
+        device: &Arc<Device>,
+        qtype: QType,
+        row_len: usize,
+        rows: usize,
+        ggml: &[u8],
+    ) -> Result<DeviceWeight> {
         Self::upload(device, &PackedWeight::pack(qtype, row_len, rows, ggml)?)
     }
 

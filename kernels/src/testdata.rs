@@ -9,7 +9,10 @@ use crate::error::{KernelError, Result};
 
 /// A seed that differs per run (printed by the tests so a failure can be replayed).
 pub fn fresh_seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     (t as u64) ^ ((std::process::id() as u64) << 32)
 }
 
@@ -48,7 +51,9 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
         _ => {
             for b in out.chunks_exact_mut(qtype.block_bytes()) {
                 match qtype {
-                    QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => put_f16(b, 0, uniform(rng, -0.1, 0.1)),
+                    QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => {
+                        put_f16(b, 0, uniform(rng, -0.1, 0.1))
+                    }
                     QType::Q4_1 | QType::Q5_1 => {
                         put_f16(b, 0, uniform(rng, 0.0, 0.1));
                         put_f16(b, 2, uniform(rng, -1.0, 0.0));
@@ -59,7 +64,9 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
                         put_f16(b, 2, uniform(rng, 0.0, 0.002));
                     }
                     QType::Q6_K => put_f16(b, 208, uniform(rng, -0.0005, 0.0005)),
-                    other => return Err(KernelError::Unsupported(format!("random {other} weights"))),
+                    other => {
+                        return Err(KernelError::Unsupported(format!("random {other} weights")))
+                    }
                 }
             }
         }
@@ -68,8 +75,16 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
 }
 
 /// y = W·x in f64 with W dequantised by the CPU reference.
-pub fn reference_gemv(qtype: QType, row_len: usize, rows: usize, ggml: &[u8], x: &[f32]) -> Result<Vec<f64>> {
-    let rb = qtype.row_bytes(row_len).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+pub fn reference_gemv(
+    qtype: QType,
+    row_len: usize,
+    rows: usize,
+    ggml: &[u8],
+    x: &[f32],
+) -> Result<Vec<f64>> {
+    let rb = qtype
+        .row_bytes(row_len)
+        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
     let mut row = vec![0f32; row_len];
     let mut y = Vec::with_capacity(rows);
     for r in 0..rows {

@@ -8,8 +8,8 @@ use half::f16;
 use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, Kernels, KvCache, Q8Act, RopeArgs,
-    GEMV_QTYPES,
+    AttnArgs, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Kernels,
+    KvCache, Q8Act, RopeArgs, GEMV_QTYPES,
 };
 
 struct Gpu {
@@ -83,19 +83,42 @@ fn gemv_every_type_path_and_shape_matches_reference() {
             let mut reference = reference_gemv(q, k, n, &ggml, &x).unwrap();
             let xd = buf(&g.dev, &x);
             let (xq, xds) = q8_buffers(&g.dev, k);
-            g.k.rmsnorm_q8_1(xd.slice(), 1, k, None, None, None, Some(Q8Act { q: xq.slice(), ds: xds.slice() })).unwrap();
-            let input = GemvInput { x: xd.slice(), q8: Some(Q8Act { q: xq.slice(), ds: xds.slice() }) };
+            g.k.rmsnorm_q8_1(
+                xd.slice(),
+                1,
+                k,
+                None,
+                None,
+                None,
+                Some(Q8Act {
+                    q: xq.slice(),
+                    ds: xds.slice(),
+                }),
+            )
+            .unwrap();
+            let input = GemvInput {
+                x: xd.slice(),
+                q8: Some(Q8Act {
+                    q: xq.slice(),
+                    ds: xds.slice(),
+                }),
+            };
             for path in [GemvPath::Float, GemvPath::Dp4a] {
-                for r in [1, 2, 4] {
+                for t in GemvTiling::all() {
                     let y = poisoned(&g.dev, n);
-                    g.k.gemv(&w, &input, path, r, None, None, y.slice()).unwrap();
+                    g.k.gemv(&w, &input, path, t, None, None, y.slice())
+                        .unwrap();
                     let got = y.to_host().unwrap();
                     let err = rel_err(&got, &reference);
                     // Float path: f32 rounding only. dp4a: the activation's int8 rounding
                     // (about 0.4% of each 32-block's largest value).
-                    let tol = if path == GemvPath::Float || !q.is_quantized() { 2e-5 } else { 2e-2 };
-                    assert!(err < tol, "{q} {k}x{n} {path:?} R{r}: rel err {err:e}");
-                    if r == 2 && k == 4096 {
+                    let tol = if path == GemvPath::Float || !q.is_quantized() {
+                        2e-5
+                    } else {
+                        2e-2
+                    };
+                    assert!(err < tol, "{q} {k}x{n} {path:?} {t:?}: rel err {err:e}");
+                    if t == GemvTiling::new(2, 2) && k == 4096 {
                         println!("gemv {q} {k}x{n} {path:?}: rel err {err:.2e}");
                     }
                 }
@@ -103,12 +126,24 @@ fn gemv_every_type_path_and_shape_matches_reference() {
             // Epilogue: bias and residual.
             let y = poisoned(&g.dev, n);
             let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
-            g.k.gemv(&w, &input, GemvPath::Float, 2, Some(bd.slice()), Some(rd.slice()), y.slice()).unwrap();
+            g.k.gemv(
+                &w,
+                &input,
+                GemvPath::Float,
+                GemvTiling::new(2, 4),
+                Some(bd.slice()),
+                Some(rd.slice()),
+                y.slice(),
+            )
+            .unwrap();
             for (i, r) in reference.iter_mut().enumerate() {
                 *r += bias[i] as f64 + resid[i] as f64;
             }
             let err = rel_err(&y.to_host().unwrap(), &reference);
-            assert!(err < 2e-5, "{q} {k}x{n} with bias and residual: rel err {err:e}");
+            assert!(
+                err < 2e-5,
+                "{q} {k}x{n} with bias and residual: rel err {err:e}"
+            );
         }
     }
 }
@@ -117,27 +152,58 @@ fn gemv_every_type_path_and_shape_matches_reference() {
 fn swiglu_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("swiglu");
-    for q in [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16] {
-        let (k, n) = if q.block_len() == 256 { (768, 130) } else { (576, 129) };
+    for q in [
+        QType::Q4_K,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::Q5_0,
+        QType::F16,
+    ] {
+        let (k, n) = if q.block_len() == 256 {
+            (768, 130)
+        } else {
+            (576, 129)
+        };
         let gate = random_weights(&mut rng, q, k, n).unwrap();
         let up = random_weights(&mut rng, q, k, n).unwrap();
         let x = random_vec(&mut rng, k, 1.0);
         let g_ref = reference_gemv(q, k, n, &gate, &x).unwrap();
         let u_ref = reference_gemv(q, k, n, &up, &x).unwrap();
-        let reference: Vec<f64> = g_ref.iter().zip(&u_ref).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        let reference: Vec<f64> = g_ref
+            .iter()
+            .zip(&u_ref)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
         let gw = DeviceWeight::from_ggml(&g.dev, q, k, n, &gate).unwrap();
         let uw = DeviceWeight::from_ggml(&g.dev, q, k, n, &up).unwrap();
         let xd = buf(&g.dev, &x);
         let (xq, xds) = q8_buffers(&g.dev, k);
-        let q8 = Q8Act { q: xq.slice(), ds: xds.slice() };
-        g.k.rmsnorm_q8_1(xd.slice(), 1, k, None, None, None, Some(q8)).unwrap();
-        let input = GemvInput { x: xd.slice(), q8: Some(q8) };
+        let q8 = Q8Act {
+            q: xq.slice(),
+            ds: xds.slice(),
+        };
+        g.k.rmsnorm_q8_1(xd.slice(), 1, k, None, None, None, Some(q8))
+            .unwrap();
+        let input = GemvInput {
+            x: xd.slice(),
+            q8: Some(q8),
+        };
         for path in [GemvPath::Float, GemvPath::Dp4a] {
-            let y = poisoned(&g.dev, n);
-            g.k.swiglu(&gw, &uw, &input, path, 2, y.slice()).unwrap();
-            let err = rel_err(&y.to_host().unwrap(), &reference);
-            let tol = if path == GemvPath::Float || !q.is_quantized() { 5e-5 } else { 4e-2 };
-            assert!(err < tol, "swiglu {q} {path:?}: rel err {err:e}");
+            for t in [
+                GemvTiling::new(1, 1),
+                GemvTiling::new(2, 4),
+                GemvTiling::new(4, 2),
+            ] {
+                let y = poisoned(&g.dev, n);
+                g.k.swiglu(&gw, &uw, &input, path, t, y.slice()).unwrap();
+                let err = rel_err(&y.to_host().unwrap(), &reference);
+                let tol = if path == GemvPath::Float || !q.is_quantized() {
+                    5e-5
+                } else {
+                    4e-2
+                };
+                assert!(err < tol, "swiglu {q} {path:?} {t:?}: rel err {err:e}");
+            }
         }
     }
 }
@@ -157,8 +223,19 @@ fn rmsnorm_and_q8_1_match_reference() {
         let q = DeviceBuffer::<i8>::alloc(&g.dev, rows * nblk * 32).unwrap();
         let ds = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * nblk).unwrap();
         ds.fill_bytes(0xff).unwrap();
-        g.k.rmsnorm_q8_1(xd.slice(), rows, n, Some(wd.slice()), Some(eps), Some(y.slice()), Some(Q8Act { q: q.slice(), ds: ds.slice() }))
-            .unwrap();
+        g.k.rmsnorm_q8_1(
+            xd.slice(),
+            rows,
+            n,
+            Some(wd.slice()),
+            Some(eps),
+            Some(y.slice()),
+            Some(Q8Act {
+                q: q.slice(),
+                ds: ds.slice(),
+            }),
+        )
+        .unwrap();
         let got = y.to_host().unwrap();
         let qv = q.to_host().unwrap();
         let dsv = ds.to_host().unwrap();
@@ -166,20 +243,38 @@ fn rmsnorm_and_q8_1_match_reference() {
             let row = &x[r * n..(r + 1) * n];
             let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n as f64;
             let s = 1.0 / (ms + eps as f64).sqrt();
-            let reference: Vec<f64> = row.iter().zip(&w).map(|(&v, &wv)| v as f64 * s * wv as f64).collect();
+            let reference: Vec<f64> = row
+                .iter()
+                .zip(&w)
+                .map(|(&v, &wv)| v as f64 * s * wv as f64)
+                .collect();
             let err = rel_err(&got[r * n..(r + 1) * n], &reference);
             assert!(err < 1e-6, "rmsnorm {rows}x{n}: rel err {err:e}");
             for b in 0..nblk {
                 let [d, sum] = dsv[r * nblk + b];
-                assert!(d.is_finite() && sum.is_finite(), "Q8_1 scales of block {b} unwritten");
+                assert!(
+                    d.is_finite() && sum.is_finite(),
+                    "Q8_1 scales of block {b} unwritten"
+                );
                 let mut qsum = 0i32;
                 for i in 0..32 {
                     let qi = qv[(r * nblk + b) * 32 + i] as i32;
                     qsum += qi;
-                    let v = if b * 32 + i < n { reference[b * 32 + i] } else { 0.0 };
-                    assert!((qi as f64 * d as f64 - v).abs() <= d as f64 * 0.5 + 1e-6, "Q8_1 value {} of row {r}", b * 32 + i);
+                    let v = if b * 32 + i < n {
+                        reference[b * 32 + i]
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (qi as f64 * d as f64 - v).abs() <= d as f64 * 0.5 + 1e-6,
+                        "Q8_1 value {} of row {r}",
+                        b * 32 + i
+                    );
                 }
-                assert!((sum - d * qsum as f32).abs() <= 1e-4 * sum.abs().max(1.0), "Q8_1 sum of block {b}");
+                assert!(
+                    (sum - d * qsum as f32).abs() <= 1e-4 * sum.abs().max(1.0),
+                    "Q8_1 sum of block {b}"
+                );
             }
         }
     }
@@ -190,7 +285,14 @@ fn f16s_to_f32(v: &[u16]) -> Vec<f32> {
 }
 
 /// CPU RoPE of one head, as kiln_core's RopeConfig defines the frequencies.
-fn rope_ref(x: &[f32], pos: usize, rot: usize, theta: f32, neox: bool, norm: Option<(&[f32], f32)>) -> Vec<f64> {
+fn rope_ref(
+    x: &[f32],
+    pos: usize,
+    rot: usize,
+    theta: f32,
+    neox: bool,
+    norm: Option<(&[f32], f32)>,
+) -> Vec<f64> {
     let hd = x.len();
     let mut v: Vec<f64> = x.iter().map(|&a| a as f64).collect();
     if let Some((w, eps)) = norm {
@@ -203,7 +305,11 @@ fn rope_ref(x: &[f32], pos: usize, rot: usize, theta: f32, neox: bool, norm: Opt
     for i in 0..rot / 2 {
         let inv = (theta as f64).powf(-2.0 * i as f64 / rot as f64);
         let (sn, cs) = (pos as f64 * inv).sin_cos();
-        let (a, b) = if neox { (i, i + rot / 2) } else { (2 * i, 2 * i + 1) };
+        let (a, b) = if neox {
+            (i, i + rot / 2)
+        } else {
+            (2 * i, 2 * i + 1)
+        };
         let (xa, xb) = (v[a], v[b]);
         v[a] = xa * cs - xb * sn;
         v[b] = xa * sn + xb * cs;
@@ -215,7 +321,13 @@ fn rope_ref(x: &[f32], pos: usize, rot: usize, theta: f32, neox: bool, norm: Opt
 fn rope_and_kv_write_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rope");
-    for (neox, hd, rot, qk_norm) in [(false, 64, 64, false), (true, 128, 128, false), (true, 128, 64, false), (true, 128, 128, true), (false, 64, 32, true)] {
+    for (neox, hd, rot, qk_norm) in [
+        (false, 64, 64, false),
+        (true, 128, 128, false),
+        (true, 128, 64, false),
+        (true, 128, 128, true),
+        (false, 64, 32, true),
+    ] {
         let (n_heads, n_kv, max_ctx) = (6, 2, 300);
         let pos = (rng.next_u64() % max_ctx as u64) as usize;
         let theta = 10000.0f32;
@@ -240,22 +352,51 @@ fn rope_and_kv_write_match_reference() {
             k_norm: qk_norm.then(|| knd.slice()),
             eps: 1e-6,
         };
-        g.k.rope_kv(&a, qkvd.slice(), q_out.slice(), kc, vc, posd.slice(), max_ctx).unwrap();
+        g.k.rope_kv(
+            &a,
+            qkvd.slice(),
+            q_out.slice(),
+            kc,
+            vc,
+            posd.slice(),
+            max_ctx,
+        )
+        .unwrap();
         let got_q = q_out.to_host().unwrap();
         let kh = kc.to_host(&g.dev).unwrap();
         let vh = vc.to_host(&g.dev).unwrap();
         for h in 0..n_heads {
-            let reference = rope_ref(&qkv[h * hd..(h + 1) * hd], pos, rot, theta, neox, qk_norm.then_some((&qn[..], 1e-6)));
+            let reference = rope_ref(
+                &qkv[h * hd..(h + 1) * hd],
+                pos,
+                rot,
+                theta,
+                neox,
+                qk_norm.then_some((&qn[..], 1e-6)),
+            );
             let err = rel_err(&got_q[h * hd..(h + 1) * hd], &reference);
-            assert!(err < 1e-5, "rope q head {h} neox={neox} hd={hd} rot={rot} norm={qk_norm} pos={pos}: {err:e}");
+            assert!(
+                err < 1e-5,
+                "rope q head {h} neox={neox} hd={hd} rot={rot} norm={qk_norm} pos={pos}: {err:e}"
+            );
         }
         for h in 0..n_kv {
             let src = &qkv[(n_heads + h) * hd..(n_heads + h + 1) * hd];
-            let reference = rope_ref(src, pos, rot, theta, neox, qk_norm.then_some((&kn[..], 1e-6)));
+            let reference = rope_ref(
+                src,
+                pos,
+                rot,
+                theta,
+                neox,
+                qk_norm.then_some((&kn[..], 1e-6)),
+            );
             let off = (h * max_ctx + pos) * hd;
             let err = rel_err(&f16s_to_f32(&kh[off..off + hd]), &reference);
             assert!(err < 1e-3, "rope k head {h}: {err:e}");
-            let vref: Vec<f64> = qkv[(n_heads + n_kv + h) * hd..(n_heads + n_kv + h + 1) * hd].iter().map(|&v| v as f64).collect();
+            let vref: Vec<f64> = qkv[(n_heads + n_kv + h) * hd..(n_heads + n_kv + h + 1) * hd]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
             let err = rel_err(&f16s_to_f32(&vh[off..off + hd]), &vref);
             assert!(err < 1e-3, "v head {h}: {err:e}");
         }
@@ -270,22 +411,48 @@ fn attention_matches_reference_across_contexts_and_gqa() {
     for (ratio, hd) in [(1, 64), (3, 64), (4, 128), (7, 64), (8, 128), (4, 256)] {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
-        let kh: Vec<u16> = (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
-        let vh: Vec<u16> = (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+        let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
+            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+            .collect();
+        let vh: Vec<u16> = (0..n_kv * max_ctx * hd)
+            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+            .collect();
         let (kd, vd) = (buf(&g.dev, &kh), buf(&g.dev, &vh));
-        let split = 256;
-        let nsplit = Kernels::attention_splits(max_ctx, split);
-        let part_o = DeviceBuffer::<f32>::alloc(&g.dev, n_heads * nsplit * hd).unwrap();
-        let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
-        for len in [1usize, 17, 256, 300, 1100] {
+        for (split, len) in [
+            (256, 1usize),
+            (64, 17),
+            (256, 256),
+            (64, 300),
+            (128, 1100),
+            (256, 1200),
+        ] {
+            let nsplit = Kernels::attention_splits(max_ctx, split);
+            let part_o = DeviceBuffer::<f32>::alloc(&g.dev, n_heads * nsplit * hd).unwrap();
+            let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
             let q = random_vec(&mut rng, n_heads * hd, 2.0);
             let qd = buf(&g.dev, &q);
             let lend = buf(&g.dev, &[len as i32]);
             let out = poisoned(&g.dev, n_heads * hd);
             let scale = 1.0 / (hd as f32).sqrt();
-            let a = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split, scale };
-            g.k.attention(&a, qd.slice(), kd.slice(), vd.slice(), lend.slice(), part_o.slice(), part_ml.slice(), out.slice())
-                .unwrap();
+            let a = AttnArgs {
+                n_heads,
+                n_kv,
+                head_dim: hd,
+                max_ctx,
+                split,
+                scale,
+            };
+            g.k.attention(
+                &a,
+                qd.slice(),
+                kd.slice(),
+                vd.slice(),
+                lend.slice(),
+                part_o.slice(),
+                part_ml.slice(),
+                out.slice(),
+            )
+            .unwrap();
             let got = out.to_host().unwrap();
             for h in 0..n_heads {
                 let kvh = h / ratio;
@@ -293,17 +460,28 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 let scores: Vec<f64> = (0..len)
                     .map(|p| {
                         let k = &kh[(kvh * max_ctx + p) * hd..][..hd];
-                        qh.iter().zip(k).map(|(&a, &b)| a as f64 * f16::from_bits(b).to_f64()).sum::<f64>() * scale as f64
+                        qh.iter()
+                            .zip(k)
+                            .map(|(&a, &b)| a as f64 * f16::from_bits(b).to_f64())
+                            .sum::<f64>()
+                            * scale as f64
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let total: f64 = w.iter().sum();
                 let reference: Vec<f64> = (0..hd)
-                    .map(|d| (0..len).map(|p| w[p] * f16::from_bits(vh[(kvh * max_ctx + p) * hd + d]).to_f64()).sum::<f64>() / total)
+                    .map(|d| {
+                        (0..len)
+                            .map(|p| {
+                                w[p] * f16::from_bits(vh[(kvh * max_ctx + p) * hd + d]).to_f64()
+                            })
+                            .sum::<f64>()
+                            / total
+                    })
                     .collect();
                 let err = rel_err(&got[h * hd..(h + 1) * hd], &reference);
-                assert!(err < 1e-5, "attention gqa {ratio} hd {hd} len {len} head {h}: rel err {err:e}");
+                assert!(err < 1e-5, "attention gqa {ratio} hd {hd} len {len} split {split} head {h}: rel err {err:e}");
             }
         }
     }
@@ -325,8 +503,13 @@ fn argmax_matches_host_with_ties_and_nan() {
         let xd = buf(&g.dev, &x);
         let scratch = DeviceBuffer::<u64>::alloc(&g.dev, Kernels::argmax_scratch(n)).unwrap();
         let out = buf(&g.dev, &[-1i32]);
-        g.k.argmax(xd.slice(), scratch.slice(), out.slice()).unwrap();
-        assert_eq!(out.to_host().unwrap()[0] as u32, kiln_core::argmax(&x), "argmax of {n}");
+        g.k.argmax(xd.slice(), scratch.slice(), out.slice())
+            .unwrap();
+        assert_eq!(
+            out.to_host().unwrap()[0] as u32,
+            kiln_core::argmax(&x),
+            "argmax of {n}"
+        );
     }
 }
 
@@ -335,9 +518,17 @@ fn device_sampling_follows_the_host_sampler() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("sample");
     let n = 49152;
-    let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: rng.next_u64(), ..Default::default() };
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.05,
+        seed: rng.next_u64(),
+        ..Default::default()
+    };
     assert!(Kernels::can_sample(n, &params));
-    let scratch = DeviceBuffer::<u64>::alloc(&g.dev, Kernels::sample_scratch(n, params.top_k)).unwrap();
+    let scratch =
+        DeviceBuffer::<u64>::alloc(&g.dev, Kernels::sample_scratch(n, params.top_k)).unwrap();
     let state = buf(&g.dev, &[params.seed]);
     let out = buf(&g.dev, &[-1i32]);
     let mut host = Sampler::new(params.clone());
@@ -350,15 +541,28 @@ fn device_sampling_follows_the_host_sampler() {
             x[i] = 8.0 + rng.next_f32();
         }
         let xd = buf(&g.dev, &x);
-        g.k.sample(xd.slice(), &params, scratch.slice(), state.slice(), out.slice()).unwrap();
+        g.k.sample(
+            xd.slice(),
+            &params,
+            scratch.slice(),
+            state.slice(),
+            out.slice(),
+        )
+        .unwrap();
         let d = out.to_host().unwrap()[0];
         let h = host.sample(&mut x.clone());
-        assert!(d >= 0 && (d as usize) < n && !x[d as usize].is_nan(), "device drew {d}");
+        assert!(
+            d >= 0 && (d as usize) < n && !x[d as usize].is_nan(),
+            "device drew {d}"
+        );
         same += (d as u32 == h) as usize;
     }
     println!("device and host sampler agree on {same}/{draws} draws");
     // Same generator, same order of operations: only expf rounding can split them.
-    assert!(same >= draws - 2, "device and host agree on only {same}/{draws} draws");
+    assert!(
+        same >= draws - 2,
+        "device and host agree on only {same}/{draws} draws"
+    );
 }
 
 #[test]
@@ -371,16 +575,30 @@ fn captured_graph_replays_with_new_inputs() {
     let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
     let mut xd = DeviceBuffer::<f32>::alloc(&g.dev, k).unwrap();
     let (xq, xds) = q8_buffers(&g.dev, k);
-    let q8 = Q8Act { q: xq.slice(), ds: xds.slice() };
+    let q8 = Q8Act {
+        q: xq.slice(),
+        ds: xds.slice(),
+    };
     let y = DeviceBuffer::<f32>::alloc(&g.dev, n).unwrap();
     let scratch = DeviceBuffer::<u64>::alloc(&g.dev, Kernels::argmax_scratch(n)).unwrap();
     let out = DeviceBuffer::<i32>::alloc(&g.dev, 1).unwrap();
-    let input = GemvInput { x: xd.slice(), q8: Some(q8) };
+    let input = GemvInput {
+        x: xd.slice(),
+        q8: Some(q8),
+    };
     let graph = g
         .dev
         .capture(|| {
             g.k.rmsnorm_q8_1(xd.slice(), 1, k, None, None, None, Some(q8))?;
-            g.k.gemv(&w, &input, GemvPath::Dp4a, 2, None, None, y.slice())?;
+            g.k.gemv(
+                &w,
+                &input,
+                GemvPath::Dp4a,
+                GemvTiling::new(1, 4),
+                None,
+                None,
+                y.slice(),
+            )?;
             g.k.argmax(y.slice(), scratch.slice(), out.slice())
         })
         .unwrap();
@@ -392,6 +610,10 @@ fn captured_graph_replays_with_new_inputs() {
         let reference = reference_gemv(q, k, n, &ggml, &x).unwrap();
         let got = y.to_host().unwrap();
         assert!(rel_err(&got, &reference) < 2e-2, "step {step}");
-        assert_eq!(out.to_host().unwrap()[0] as u32, kiln_core::argmax(&got), "step {step}");
+        assert_eq!(
+            out.to_host().unwrap()[0] as u32,
+            kiln_core::argmax(&got),
+            "step {step}"
+        );
     }
 }

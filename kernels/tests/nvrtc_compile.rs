@@ -2,7 +2,7 @@
 //! libnvrtc (found as `kiln_kernels::libs` describes; in CI the `nvidia-cuda-nvrtc` Python
 //! wheel, or `KILN_NVRTC=/path/to/libnvrtc.so.13`). Without it the test says so and passes.
 
-use kiln_kernels::compile::{compile_uncached, nvrtc_version, ALL_MODULES};
+use kiln_kernels::compile::{all_modules, compile_uncached, nvrtc_version};
 use kiln_kernels::libs;
 
 #[test]
@@ -17,10 +17,23 @@ fn every_kernel_compiles_for_ampere_and_hopper() {
     let (major, minor) = nvrtc_version().expect("NVRTC loads");
     println!("NVRTC {major}.{minor} from {found}");
     for arch in [(8, 0), (9, 0)] {
-        for m in ALL_MODULES {
+        for m in all_modules() {
             let cubin = compile_uncached(&m, arch).unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(&cubin[..4], b"\x7fELF", "{} for sm_{}{} is not a cubin", m.name, arch.0, arch.1);
-            println!("compiled {} for sm_{}{}: {} bytes", m.name, arch.0, arch.1, cubin.len());
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "{} for sm_{}{} is not a cubin",
+                m.name,
+                arch.0,
+                arch.1
+            );
+            println!(
+                "compiled {} for sm_{}{}: {} bytes",
+                m.name,
+                arch.0,
+                arch.1,
+                cubin.len()
+            );
         }
     }
 }
@@ -31,7 +44,10 @@ fn compile_errors_carry_the_nvrtc_log() {
         println!("skipped: no libnvrtc ({why})");
         return;
     }
-    let bad = kiln_kernels::compile::KernelModule::for_test("broken", "extern \"C\" __global__ void k() { undeclared_name = 1; }");
+    let bad = kiln_kernels::compile::KernelModule::for_test(
+        "broken",
+        "extern \"C\" __global__ void k() { undeclared_name = 1; }",
+    );
     match compile_uncached(&bad, (9, 0)) {
         Err(kiln_kernels::KernelError::Compile { log, module, .. }) => {
             assert_eq!(module, "broken");
