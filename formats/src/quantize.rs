@@ -493,6 +493,18 @@ impl<W: Write + Send> TensorEncoder<W> {
     }
 }
 
+/// Runs `f` on a rayon pool of `threads` workers, or on the global pool when `None`.
+pub fn with_threads<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    match threads {
+        None => f(),
+        Some(n) => rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("a pool of {n} threads: {e}")))?
+            .install(f),
+    }
+}
+
 /// The types in a file with the number of tensors and bytes of each, for `kiln inspect`
 /// (the "mix" of a quantised model).
 pub fn type_mix(file: &GgufFile) -> Vec<(QType, usize, u64)> {

@@ -22,10 +22,18 @@ const QK_K: usize = 256;
 /// ggml's `GROUP_MAX_EPS`: a sub-block whose largest magnitude is below this is all zero.
 const GROUP_MAX_EPS: f32 = 1e-15;
 
-/// ggml's `nearest_int`: round half to even, as the `x + 1.5·2^23` trick rounds.
-#[inline]
+/// ggml's `nearest_int`: round half to even. Adding 1.5·2^23 leaves the rounded integer in
+/// the low mantissa bits (exactly ggml's trick, and plain SSE2 arithmetic, where
+/// `round_ties_even` is a libm call on baseline x86-64 — this function is the quantisers'
+/// inner loop). Outside ±2^22, where the trick stops being exact, the slow path is taken.
+#[inline(always)]
 fn nearest_int(x: f32) -> i32 {
-    x.round_ties_even() as i32
+    if x.abs() < 4_194_303.0 {
+        let bits = (x + 12_582_912.0).to_bits();
+        (bits & 0x007f_ffff) as i32 - 0x0040_0000
+    } else {
+        x.round_ties_even() as i32
+    }
 }
 
 /// ggml's `make_qkx2_quants`: codes `l[i] ∈ 0..=nmax` with `x ≈ scale·l − min_out`, chosen to
