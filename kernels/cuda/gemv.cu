@@ -327,7 +327,8 @@ static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(
 template <int T, bool Q, int R, int S, bool SWIGLU>
 static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__ x, const i8* __restrict__ xq,
                                             const float2* __restrict__ xds, const float* __restrict__ bias,
-                                            const float* __restrict__ residual, float* __restrict__ y, int nrows, int K) {
+                                            const float* residual, float* y, int nrows, int K) {
+    // `residual` may be `y` itself (x += W·a): each output is read, then written, by one thread.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = warp / S, part = warp % S;
     const int row0 = (blockIdx.x * (4 / S) + group) * R;
@@ -403,6 +404,43 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
     }
 }
 
+// Row `*token` of a weight matrix, dequantised to f32 (the token embedding lookup). Thread
+// i computes value i as the dot product of its chunk with a one-hot vector, so the lookup
+// shares every line of dequantisation code with the GEMVs it feeds.
+template <int T>
+static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, float* __restrict__ y, int nrows, int K) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= K) return;
+    const int tok = *token;
+    if (tok < 0 || tok >= nrows) {
+        y[i] = __int_as_float(0x7fffffff);  // NaN: an out-of-range id poisons the step
+        return;
+    }
+    const int l = i & 31;
+    XChunk one, zero;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        one.v[k] = k == l ? 1.0f : 0.0f;
+        zero.v[k] = 0.0f;
+    }
+    one.sum = 1.0f;
+    one.sum_lo = l < 16 ? 1.0f : 0.0f;
+    zero.sum = zero.sum_lo = 0.0f;
+    if constexpr (T == T_Q4_K || T == T_Q5_K) {
+        const bool high = (i >> 5) & 1;
+        y[i] = dot_pair_k<T, false>(w, (size_t)tok, K, i >> 6, high ? zero : one, high ? one : zero);
+    } else {
+        y[i] = dot_chunk<T, false>(w, (size_t)tok, K, i >> 5, one);
+    }
+}
+
+#define EMBED_ENTRY(NAME, T)                                                                                           \
+    extern "C" __global__ void embed_##NAME(const u8* body, const u32* qh, const u8* sc, const int* token, float* y,   \
+                                            int nrows, int K) {                                                        \
+        W w = {body, qh, sc};                                                                                          \
+        embed<T>(w, token, y, nrows, K);                                                                               \
+    }
+
 // Entry points are named {gemv|swiglu}_{type}_{f|q}_{R}_{S}. Each type is its own NVRTC
 // module (this file followed by one GEMV_TYPE / GEMV_FLOAT_TYPE line), so a model compiles
 // only the types it uses.
@@ -426,6 +464,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
     GEMV_ENTRY(NAME, T, Q, R, 4)
 
 #define GEMV_FLOAT_TYPE(NAME, T)       \
+    EMBED_ENTRY(NAME, T)               \
     GEMV_SPLITS(NAME##_f, T, false, 1) \
     GEMV_SPLITS(NAME##_f, T, false, 2) \
     GEMV_SPLITS(NAME##_f, T, false, 4)

@@ -4,14 +4,16 @@
 //
 // qkv: [n_heads * hd | n_kv * hd | n_kv * hd] f32. One block per head: blocks
 // [0, n_heads) handle Q (written to q_out), [n_heads, n_heads + n_kv) handle K and V.
-// Thread i owns rotary pair i (i < hd / 2). The position is read from device memory so a
-// captured graph serves every step.
+// Thread i owns rotary pair i (i < hd / 2); `inv_freq` holds the rot_dims / 2 inverse
+// frequencies, computed on the host exactly as the CPU reference does (scaling and
+// per-pair factors included). The position is read from device memory so a captured graph
+// serves every step.
 // Cache layout: [n_kv][max_ctx][hd].
 
 extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restrict__ q_out, u16* __restrict__ kc,
                                    u16* __restrict__ vc, const int* __restrict__ pos_ptr, int n_heads, int n_kv,
-                                   int hd, int rot_dims, float theta, float pos_scale,
-                                   const float* __restrict__ freq_factors, int neox, const float* __restrict__ q_norm,
+                                   int hd, int rot_dims, const float* __restrict__ inv_freq, int neox,
+                                   const float* __restrict__ q_norm,
                                    const float* __restrict__ k_norm, float eps, int max_ctx) {
     __shared__ float scratch[32];
     const int head = blockIdx.x;
@@ -42,10 +44,8 @@ extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restr
     // Thread i's pair is rotary pair i in both layouts (ggml's theta index).
     const int pair = i;
     if (2 * pair < rot_dims) {
-        float inv = powf(theta, -2.0f * (float)pair / (float)rot_dims) * pos_scale;
-        if (freq_factors) inv /= freq_factors[pair];
         float sn, cs;
-        sincosf((float)pos * inv, &sn, &cs);
+        sincosf((float)pos * inv_freq[pair], &sn, &cs);
         const float ra = xa * cs - xb * sn, rb = xa * sn + xb * cs;
         xa = ra; xb = rb;
     }

@@ -107,8 +107,11 @@ static __device__ __forceinline__ u64 splitmix_next(u64* state) {
 }
 
 // One block. ncand = slices * k ≤ SLICE. Thread 0 does the O(k) tail the host's order.
+// The uniform draw comes from `u_in` when given (a host sampler's own generator), else
+// from the SplitMix64 state `rng_state`.
 extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand, int k, float temperature, float top_p,
-                                        float min_p, u64* __restrict__ rng_state, int* __restrict__ out) {
+                                        float min_p, u64* __restrict__ rng_state, const float* __restrict__ u_in,
+                                        int* __restrict__ out) {
     __shared__ u64 keys[SLICE];
     __shared__ float prob[64];
     for (int i = threadIdx.x; i < SLICE; i += blockDim.x) keys[i] = i < ncand ? cand[i] : 0ull;
@@ -141,7 +144,7 @@ extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand,
     }
     float total = 0.0f;
     for (int i = 0; i < n; ++i) total += prob[i];
-    const float u = (float)(splitmix_next(rng_state) >> 40) / (float)(1u << 24);
+    const float u = u_in ? *u_in : (float)(splitmix_next(rng_state) >> 40) / (float)(1u << 24);
     float r = u * total;
     for (int i = 0; i < n; ++i) {
         if (r < prob[i]) { *out = (int)key_index(keys[i]); return; }

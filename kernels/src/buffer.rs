@@ -72,6 +72,45 @@ impl<T> DevSlice<T> {
 }
 
 impl<T: Pod> DevSlice<T> {
+    /// The same bytes seen as `U` (sizes must divide evenly).
+    pub fn cast<U: Pod>(&self) -> Result<DevSlice<U>> {
+        let bytes = self.bytes();
+        let size = std::mem::size_of::<U>();
+        if size == 0 || bytes % size != 0 || self.ptr % std::mem::align_of::<U>() as u64 != 0 {
+            return Err(KernelError::InvalidArgument(format!("{bytes} bytes cannot be viewed as {}", std::any::type_name::<U>())));
+        }
+        Ok(DevSlice::from_raw(self.ptr, bytes / size))
+    }
+
+    /// Waits for the device's stream, then copies the slice into `out` (same length).
+    pub fn copy_to_host(&self, device: &Device, out: &mut [T]) -> Result<()> {
+        if out.len() != self.len {
+            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", self.len, out.len())));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        device.bind()?;
+        unsafe { result::memcpy_dtoh_async(out, self.ptr, device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
+        device.synchronize()
+    }
+
+    /// Queues a copy of `data` into the slice (same length). The copy is from pageable
+    /// memory, which the driver stages before this returns, so `data` may be dropped after.
+    pub fn copy_from_host(&self, device: &Device, data: &[T]) -> Result<()> {
+        if data.len() != self.len {
+            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", data.len(), self.len)));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        device.bind()?;
+        unsafe { result::memcpy_htod_async(self.ptr, data, device.stream()) }.ctx("cuMemcpyHtoDAsync")?;
+        // Pageable copies are staged, but only a synchronised stream guarantees the staging
+        // happened before `data` can go away.
+        device.synchronize()
+    }
+
     /// Waits for the device's stream, then copies the slice out.
     pub fn to_host(&self, device: &Device) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];

@@ -123,6 +123,18 @@ impl Kernels {
         Ok(())
     }
 
+    /// Compiles and loads what a model with these weight types needs: the shared modules
+    /// and one GEMV module per type. Call before capturing a graph.
+    pub fn preload_for(&self, qtypes: &[QType]) -> Result<()> {
+        for m in [NORM, ROPE, ATTENTION, SAMPLE] {
+            self.device.load_module(&m)?;
+        }
+        for &q in qtypes {
+            self.device.load_module(&Self::gemv_module(q)?)?;
+        }
+        Ok(())
+    }
+
     /// For each of `rows` rows of `n` values: v = x · rsqrt(mean(x²) + eps) · w, written
     /// as f32 to `y` and/or as Q8_1 to `q8`. `eps = None` skips the normalisation and
     /// `w = None` the scaling (plain quantisation).
@@ -255,6 +267,18 @@ impl Kernels {
         }
     }
 
+    /// y = row `*token` of `w`, dequantised (the embedding lookup; an id out of range
+    /// writes NaN).
+    pub fn embed(&self, w: &DeviceWeight, token: DevSlice<i32>, y: DevSlice<f32>) -> Result<()> {
+        token.check_len(1, "token id")?;
+        y.check_len(w.row_len, "embedding output")?;
+        let f = self.device.function(&Self::gemv_module(w.qtype)?, &format!("embed_{}", type_tag(w.qtype)?))?;
+        let (body, qh, sc) = w.ptrs();
+        let mut args = Args::new().ptr(body).ptr(qh).ptr(sc).ptr(token.ptr()).ptr(y.ptr()).i32(w.rows as i32).i32(w.row_len as i32);
+        // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
+        unsafe { self.device.launch(f, LaunchConfig::linear(w.row_len.div_ceil(128) as u32, 128), &mut args) }
+    }
+
     /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward.
     pub fn swiglu(
         &self,
@@ -328,9 +352,7 @@ impl Kernels {
         kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
         pos.check_len(1, "position")?;
-        if let Some(ff) = a.freq_factors {
-            ff.check_len(a.rot_dims / 2, "rope frequency factors")?;
-        }
+        a.inv_freq.check_len(a.rot_dims / 2, "rope inverse frequencies")?;
         if let Some(n) = a.q_norm {
             n.check_len(hd, "Q norm")?;
         }
@@ -349,9 +371,7 @@ impl Kernels {
             .i32(a.n_kv as i32)
             .i32(hd as i32)
             .i32(a.rot_dims as i32)
-            .f32(a.theta)
-            .f32(a.pos_scale)
-            .ptr(opt(a.freq_factors))
+            .ptr(a.inv_freq.ptr())
             .i32(a.neox as i32)
             .ptr(opt(a.q_norm))
             .ptr(opt(a.k_norm))
@@ -508,14 +528,17 @@ impl Kernels {
             && Self::sample_scratch(n, p.top_k) <= Self::TOPK_SLICE
     }
 
-    /// Draws `*out` from `logits` with top-k → temperature → top-p → min-p, advancing the
-    /// SplitMix64 state `rng` (seeded like the host `Rng`).
+    /// Draws `*out` from `logits` with top-k → temperature → top-p → min-p. The uniform
+    /// number is `*uniform` when given (drawn by the host sampler's generator, keeping it in
+    /// step), else the next of the SplitMix64 state `rng` (seeded like the host `Rng`).
+    #[allow(clippy::too_many_arguments)]
     pub fn sample(
         &self,
         logits: DevSlice<f32>,
         p: &kiln_core::SamplingParams,
         scratch: DevSlice<u64>,
         rng: DevSlice<u64>,
+        uniform: Option<DevSlice<f32>>,
         out: DevSlice<i32>,
     ) -> Result<()> {
         let n = logits.len();
@@ -549,6 +572,7 @@ impl Kernels {
             .f32(p.top_p)
             .f32(p.min_p)
             .ptr(rng.ptr())
+            .ptr(opt(uniform))
             .ptr(out.ptr());
         unsafe {
             self.device
@@ -605,10 +629,8 @@ pub struct RopeArgs {
     pub n_kv: usize,
     pub head_dim: usize,
     pub rot_dims: usize,
-    pub theta: f32,
-    /// 1 / linear scaling factor.
-    pub pos_scale: f32,
-    pub freq_factors: Option<DevSlice<f32>>,
+    /// rot_dims / 2 inverse frequencies (`kiln_core::RopeConfig::inv_freq`).
+    pub inv_freq: DevSlice<f32>,
     pub neox: bool,
     pub q_norm: Option<DevSlice<f32>>,
     pub k_norm: Option<DevSlice<f32>>,

@@ -32,6 +32,11 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
 /// `rows` rows of `row_len` values of `qtype`, ggml-encoded: random quants, and scales
 /// chosen so dequantised values stay within about ±1.
 pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) -> Result<Vec<u8>> {
+    random_weights_scaled(rng, qtype, row_len, rows, 1.0)
+}
+
+/// As [`random_weights`], values scaled by about `scale` (model-like weights: 1/√fan_in).
+pub fn random_weights_scaled(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize, scale: f32) -> Result<Vec<u8>> {
     let bytes = qtype
         .row_bytes(row_len)
         .map_err(|e| KernelError::InvalidArgument(e.to_string()))?
@@ -40,12 +45,12 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
     match qtype {
         QType::F32 => {
             for c in out.chunks_exact_mut(4) {
-                c.copy_from_slice(&uniform(rng, -1.0, 1.0).to_le_bytes());
+                c.copy_from_slice(&(scale * uniform(rng, -1.0, 1.0)).to_le_bytes());
             }
         }
         QType::F16 => {
             for c in out.chunks_exact_mut(2) {
-                put_f16(c, 0, uniform(rng, -1.0, 1.0));
+                put_f16(c, 0, scale * uniform(rng, -1.0, 1.0));
             }
         }
         _ => {
@@ -55,15 +60,15 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
                         put_f16(b, 0, uniform(rng, -0.1, 0.1))
                     }
                     QType::Q4_1 | QType::Q5_1 => {
-                        put_f16(b, 0, uniform(rng, 0.0, 0.1));
-                        put_f16(b, 2, uniform(rng, -1.0, 0.0));
+                        put_f16(b, 0, scale * uniform(rng, 0.0, 0.1));
+                        put_f16(b, 2, scale * uniform(rng, -1.0, 0.0));
                     }
                     // 6-bit sub-scales up to 63: keep d·63·15 near 1.
                     QType::Q4_K | QType::Q5_K => {
-                        put_f16(b, 0, uniform(rng, 0.0, 0.002));
-                        put_f16(b, 2, uniform(rng, 0.0, 0.002));
+                        put_f16(b, 0, scale * uniform(rng, 0.0, 0.002));
+                        put_f16(b, 2, scale * uniform(rng, 0.0, 0.002));
                     }
-                    QType::Q6_K => put_f16(b, 208, uniform(rng, -0.0005, 0.0005)),
+                    QType::Q6_K => put_f16(b, 208, scale * uniform(rng, -0.0005, 0.0005)),
                     other => {
                         return Err(KernelError::Unsupported(format!("random {other} weights")))
                     }
