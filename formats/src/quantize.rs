@@ -518,6 +518,6 @@ pub fn type_mix(file: &GgufFile) -> Vec<(QType, usize, u64)> {
             None => mix.push((t.qtype, 1, t.n_bytes as u64)),
         }
     }
-    mix.sort_by(|a, b| b.2.cmp(&a.2));
+    mix.sort_by_key(|m| std::cmp::Reverse(m.2));
     mix
 }

@@ -323,9 +323,12 @@ fn byte_level_char(b: u8) -> char {
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 const LLAMA3_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
+/// A tokenizer family's special tokens `(id, piece)` at the ids the real tokenizer uses,
+/// its pre-tokenizer name, BOS, EOS, EOT and chat template.
+type TokenizerFamily = (Vec<(usize, String)>, &'static str, usize, usize, Option<usize>, &'static str);
+
 fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&str, GgufValue)) {
-    // (id, piece) of the special tokens at the ids the real tokenizers use.
-    let (specials, pre, bos, eos, eot, template): (Vec<(usize, String)>, &str, usize, usize, Option<usize>, &str) = match kind {
+    let (specials, pre, bos, eos, eot, template): TokenizerFamily = match kind {
         TokenizerKind::SmolLm => {
             let names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
             (names.iter().enumerate().map(|(i, n)| (i, n.to_string())).collect(), "smollm", 1, 2, None, CHATML_TEMPLATE)

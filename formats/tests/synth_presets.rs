@@ -58,7 +58,7 @@ fn every_preset_maps_to_the_real_models_config() {
         let file = File::create(&path).unwrap();
         let mut stream = writer.begin(SparseData { file, header_left: file_len - data_len }).unwrap();
         // Tensors are padded to the alignment; the writer pads, the sink seeks.
-        const ZEROS: [u8; 1 << 16] = [0; 1 << 16];
+        static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
         while let Some((_, qtype, dims)) = stream.next_tensor() {
             let mut left = qtype.tensor_bytes(dims).unwrap();
             while left > 0 {
@@ -171,7 +171,6 @@ fn small_presets_run_end_to_end_on_the_cpu_backend() {
             let types: Vec<QType> = written.iter().map(|t| t.qtype).collect();
             assert!(types.contains(&QType::Q5_0) && types.contains(&QType::Q6_K) && types.contains(&QType::Q8_0));
         }
-        assert_eq!(written.iter().filter(|t| t.name.starts_with("blk.0.")).count() > 0, true);
         assert_eq!(preset.shape().arch == Architecture::Qwen3, written.iter().any(|t| t.name.ends_with("attn_q_norm.weight")));
         run_on_cpu(&path, preset.name());
         std::fs::remove_file(&path).unwrap();
