@@ -12,6 +12,7 @@ pub mod engine;
 pub mod fetch;
 pub mod plugins;
 pub mod session;
+pub mod toolkit;
 
 pub use engine::{registry_with_plugins, Engine, Model};
 pub use session::{FinishReason, GenerateParams, Generation, Session};

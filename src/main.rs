@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kiln::bench::{bench_decode, bench_prefill, bytes_per_decode_step};
 use kiln::{registry_with_plugins, Engine, GenerateParams, Generation, Model};
-use kiln_core::{Error, LoadOptions, QType, Registry, Result, SamplingParams};
+use kiln_core::{Error, LoadOptions, Registry, Result, SamplingParams};
 use kiln_formats::chat::ChatMessage;
 
 #[derive(Parser)]
@@ -47,6 +47,10 @@ enum Command {
     },
     /// Measure prompt processing and generation speed (llama-bench style).
     Bench(BenchArgs),
+    /// Requantise a GGUF model with a llama.cpp-compatible recipe (q4_k_m, q4_0, ...).
+    Quantize(kiln::toolkit::QuantizeArgs),
+    /// Write a random-weight model of a real model's shape (for benchmarks and tests).
+    Synth(kiln::toolkit::SynthArgs),
 }
 
 #[derive(Args, Clone)]
@@ -196,6 +200,8 @@ fn main() -> ExitCode {
         Command::Backends { model, backend } => cmd_backends(model, backend),
         Command::Tokenize { args, no_bos } => cmd_tokenize(args, no_bos),
         Command::Bench(args) => cmd_bench(args),
+        Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
+        Command::Synth(args) => kiln::toolkit::cmd_synth(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -381,13 +387,9 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
     println!("tensors by type:");
-    let mut by_type: std::collections::BTreeMap<QType, (usize, u64)> = Default::default();
-    for t in model.gguf.tensors() {
-        let e = by_type.entry(t.qtype).or_default();
-        e.0 += 1;
-        e.1 += t.qtype.tensor_bytes(&t.dims).unwrap_or(0) as u64;
-    }
-    for (q, (count, bytes)) in by_type {
+    let mut mix = kiln_formats::quantize::type_mix(&model.gguf);
+    mix.sort_by_key(|&(q, _, _)| q);
+    for (q, count, bytes) in mix {
         println!("  {:<6} {count:>4} tensors  {:>9.2} MB", q.name(), bytes as f64 / 1e6);
     }
     let registry = registry(&backend);
