@@ -1,0 +1,169 @@
+//! Decode throughput of `cuda-q4k` on random models with real shapes (SmolLM2-135M,
+//! Llama-3.2-1B, Llama-3-8B, vocabulary 49152 as in design.md §8) and a Q4_K_M-like type
+//! mix: tokens per second over `-n` greedy steps sampled on the device, the weight bytes a
+//! step reads and the bandwidth that implies. Layers share one random tensor per role (the
+//! host builds each distinct tensor once); each is uploaded separately, so the GPU reads
+//! as many bytes as a real model's.
+//!
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]...`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln_backend_cuda_q4k::CudaExecutor;
+use kiln_core::{
+    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig, ModelIr, ModelWeights,
+    NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler, SamplingParams, TensorView,
+};
+use kiln_kernels::testdata::random_weights_scaled;
+use kiln_kernels::Device;
+
+struct Spec {
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    ffn: usize,
+    vocab: usize,
+    /// llama.cpp keeps 32-value types where rows are not whole 256-blocks.
+    small_rows: bool,
+}
+
+const SPECS: [Spec; 3] = [
+    Spec { name: "smollm2", hidden: 576, layers: 30, heads: 9, kv: 3, ffn: 1536, vocab: 49152, small_rows: true },
+    Spec { name: "1b", hidden: 2048, layers: 16, heads: 32, kv: 8, ffn: 8192, vocab: 49152, small_rows: false },
+    Spec { name: "8b", hidden: 4096, layers: 32, heads: 32, kv: 8, ffn: 14336, vocab: 49152, small_rows: false },
+];
+
+fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
+    let hd = s.hidden / s.heads;
+    let (qd, kvd) = (s.heads * hd, s.kv * hd);
+    let (q4, q6) = if s.small_rows { (QType::Q5_0, QType::Q8_0) } else { (QType::Q4_K, QType::Q6_K) };
+    let mut cache: Vec<(String, TensorView)> = Vec::new();
+    let mut mat = |rng: &mut Rng, role: &str, q: QType, k: usize, n: usize| -> TensorView {
+        let key = format!("{role}/{q}");
+        if let Some((_, t)) = cache.iter().find(|(k2, _)| *k2 == key) {
+            return t.clone();
+        }
+        let bytes = random_weights_scaled(rng, q, k, n, 2.0 / (k as f32).sqrt()).unwrap();
+        let t = TensorView::from_bytes(&key, q, vec![k, n], bytes).unwrap();
+        cache.push((key, t.clone()));
+        t
+    };
+    let ones = |n: usize| TensorView::from_f32("norm", vec![n], &vec![1.0; n]).unwrap();
+    let mut layers = Vec::new();
+    for i in 0..s.layers {
+        // Q4_K_M: V and down in Q6_K for half the layers.
+        let (tv, td) = if i % 2 == 0 { (q6, q6) } else { (q4, q4) };
+        layers.push(LayerWeights {
+            attn_norm: ones(s.hidden),
+            attn_norm_bias: None,
+            attn_q: mat(rng, "q", q4, s.hidden, qd),
+            attn_k: mat(rng, "k", q4, s.hidden, kvd),
+            attn_v: mat(rng, "v", tv, s.hidden, kvd),
+            attn_q_bias: None,
+            attn_k_bias: None,
+            attn_v_bias: None,
+            attn_q_norm: None,
+            attn_k_norm: None,
+            attn_out: mat(rng, "o", q4, qd, s.hidden),
+            attn_out_bias: None,
+            ffn_norm: Some(ones(s.hidden)),
+            ffn_norm_bias: None,
+            ffn_gate: Some(mat(rng, "gate", q4, s.hidden, s.ffn)),
+            ffn_up: mat(rng, "up", q4, s.hidden, s.ffn),
+            ffn_down: mat(rng, "down", td, s.ffn, s.hidden),
+        });
+    }
+    let weights = ModelWeights {
+        token_embd: mat(rng, "embd", q6, s.hidden, s.vocab),
+        layers,
+        output_norm: ones(s.hidden),
+        output_norm_bias: None,
+        output: None,
+        rope_freqs: None,
+    };
+    let config = ModelConfig {
+        arch: Architecture::Llama,
+        vocab_size: s.vocab,
+        hidden_size: s.hidden,
+        num_layers: s.layers,
+        num_heads: s.heads,
+        num_kv_heads: s.kv,
+        head_dim: hd,
+        ffn_size: s.ffn,
+        norm: NormKind::Rms,
+        norm_eps: 1e-5,
+        activation: Activation::Silu,
+        gated_ffn: true,
+        parallel_residual: false,
+        qkv_bias: false,
+        qk_norm: false,
+        rope: RopeConfig { kind: RopeKind::Norm, theta: 500000.0, scaling: RopeScaling::None, rotary_dims: hd },
+        tied_embeddings: true,
+        context_length: 4096,
+    };
+    ModelIr { config, weights, source: format!("random {} shape", s.name) }
+}
+
+fn step_bytes(ir: &ModelIr) -> u64 {
+    let w = &ir.weights;
+    let mut total = w.lm_head().bytes().len() as u64;
+    for l in &w.layers {
+        for t in [&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_up, &l.ffn_down] {
+            total += t.bytes().len() as u64;
+        }
+        total += l.ffn_gate.as_ref().map_or(0, |t| t.bytes().len() as u64);
+    }
+    total
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n: usize = args.iter().position(|a| a == "-n").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(128);
+    let chosen: Vec<&str> = args.windows(2).filter(|w| w[0] == "--model").map(|w| w[1].as_str()).collect();
+    let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
+        Some(why) => {
+            println!("skipped: no CUDA driver ({why})");
+            return;
+        }
+        None => Device::new(0).expect("device"),
+    };
+    let mut rng = Rng::new(7);
+    println!("| model | step bytes | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s |");
+    println!("|---|---|---|---|---|---|---|");
+    for s in SPECS.iter().filter(|s| chosen.is_empty() || chosen.contains(&s.name)) {
+        let ir = build(s, &mut rng);
+        let t0 = Instant::now();
+        let options = LoadOptions { max_context: 4096, max_sequences: 1, ..Default::default() };
+        let mut ex = CudaExecutor::load(&dev, &ir, &options).expect("load");
+        let load_s = t0.elapsed().as_secs_f64();
+        let seq = ex.new_sequence().unwrap();
+        let mut logits = vec![0f32; s.vocab];
+        ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
+        let mut sampler = [Sampler::new(SamplingParams::greedy())];
+        let mut tok = [5u32];
+        // Warm-up steps (graph capture happened in prefill).
+        for _ in 0..8 {
+            let t = tok[0];
+            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+        }
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let t = tok[0];
+            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let bytes = step_bytes(&ir);
+        let gbps = bytes as f64 * n as f64 / dt / 1e9;
+        println!(
+            "| {} | {:.1} MB | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% |",
+            s.name,
+            bytes as f64 / 1e6,
+            n as f64 / dt,
+            dt * 1e3 / n as f64,
+            100.0 * gbps / 3950.0
+        );
+    }
+}

@@ -1,0 +1,566 @@
+//! The GPU-resident executor: weights, KV caches and one workspace allocated at load; a
+//! decode step is one CUDA graph replay per sequence.
+
+use std::sync::Arc;
+
+use kiln_core::{
+    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, TensorView,
+};
+use kiln_kernels::{
+    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache,
+    PackedWeight, Q8Act, RopeArgs, Workspace, GEMV_QTYPES,
+};
+
+/// Why `cuda-q4k` cannot run `model`, if it cannot.
+pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
+    let c = &model.config;
+    c.validate().map_err(|e| e.to_string())?;
+    if c.norm != NormKind::Rms {
+        return Err("cuda-q4k runs RMSNorm models only".into());
+    }
+    if !c.gated_ffn || c.activation != Activation::Silu {
+        return Err("cuda-q4k runs SwiGLU feed-forwards only".into());
+    }
+    if c.parallel_residual {
+        return Err("cuda-q4k does not run parallel-residual blocks".into());
+    }
+    if c.head_dim % 32 != 0 || c.head_dim > 256 {
+        return Err(format!("head_dim {} (cuda-q4k needs a multiple of 32 up to 256)", c.head_dim));
+    }
+    let w = &model.weights;
+    if w.output_norm_bias.is_some() {
+        return Err("norm biases are not supported by cuda-q4k".into());
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        if l.attn_norm_bias.is_some() || l.ffn_norm_bias.is_some() || l.attn_out_bias.is_some() {
+            return Err(format!("layer {i}: norm or output biases are not supported by cuda-q4k"));
+        }
+        if l.ffn_gate.is_none() || l.ffn_norm.is_none() {
+            return Err(format!("layer {i}: cuda-q4k needs a gated FFN with its own norm"));
+        }
+    }
+    let unsupported: Vec<String> = model
+        .matrix_qtypes()
+        .into_iter()
+        .filter(|q| !GEMV_QTYPES.contains(q))
+        .map(|q| q.name().to_string())
+        .collect();
+    if !unsupported.is_empty() {
+        return Err(format!("cuda-q4k has no GEMV for {}", unsupported.join(", ")));
+    }
+    Ok(())
+}
+
+fn vector(t: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
+    let v = t.to_f32()?;
+    if v.len() != len {
+        return Err(Error::Format(format!("{what} ({}) holds {} values, {len} expected", t.name(), v.len())));
+    }
+    Ok(v)
+}
+
+fn err(e: kiln_kernels::KernelError) -> Error {
+    e.into()
+}
+
+/// A projection: one weight, written at `offset` of its output vector.
+struct Proj {
+    w: DeviceWeight,
+    offset: usize,
+}
+
+struct Layer {
+    attn_norm: DeviceBuffer<f32>,
+    /// Q, K and V: one fused weight when their types agree, else three.
+    qkv: Vec<Proj>,
+    qkv_bias: Option<DeviceBuffer<f32>>,
+    q_norm: Option<DeviceBuffer<f32>>,
+    k_norm: Option<DeviceBuffer<f32>>,
+    o: DeviceWeight,
+    ffn_norm: DeviceBuffer<f32>,
+    gate: DeviceWeight,
+    up: DeviceWeight,
+    down: DeviceWeight,
+}
+
+/// One sequence's KV cache and step state.
+struct Slot {
+    id: Option<SeqId>,
+    len: usize,
+    kv: KvCache,
+    /// [token, position, context length, uniform (f32 bits)] read by the graph.
+    state: DeviceBuffer<i32>,
+    graph: Option<Graph>,
+}
+
+/// Activations of one step, carved from one workspace.
+struct Scratch {
+    x: DevSlice<f32>,
+    xn: DevSlice<f32>,
+    q8: Q8Act,
+    qkv: DevSlice<f32>,
+    q: DevSlice<f32>,
+    attn: DevSlice<f32>,
+    ffn: DevSlice<f32>,
+    logits: DevSlice<f32>,
+    part_o: DevSlice<f32>,
+    part_ml: DevSlice<[f32; 2]>,
+    keys: DevSlice<u64>,
+    cand: DevSlice<u64>,
+    rng: DevSlice<u64>,
+    token_out: DevSlice<i32>,
+}
+
+pub struct CudaExecutor {
+    device: Arc<Device>,
+    k: Kernels,
+    config: ModelConfig,
+    max_ctx: usize,
+    split: usize,
+    path: GemvPath,
+    embd: DeviceWeight,
+    lm_head: Option<DeviceWeight>,
+    out_norm: DeviceBuffer<f32>,
+    inv_freq: DeviceBuffer<f32>,
+    layers: Vec<Layer>,
+    slots: Vec<Slot>,
+    next_id: SeqId,
+    s: Scratch,
+    // Owns the memory `s` points into; declared after it so it is dropped after.
+    _workspace: Workspace,
+}
+
+// SAFETY: the executor's device handles are only used through `&mut self` or `&self`
+// methods, which bind the context on the calling thread first.
+unsafe impl Send for CudaExecutor {}
+
+impl CudaExecutor {
+    pub fn load(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<CudaExecutor> {
+        check_model(model).map_err(Error::Unsupported)?;
+        let c = model.config.clone();
+        let w = &model.weights;
+        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let max_ctx = options.context_for(&c);
+        let k = Kernels::new(device);
+        k.preload_for(&model.matrix_qtypes()).map_err(err)?;
+
+        let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
+        let mut done = 0u64;
+        let mut progress = |bytes: usize| {
+            done += bytes as u64;
+            if let Some(p) = &options.progress {
+                p(done, total);
+            }
+        };
+        let upload = |t: &TensorView, progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
+            if t.dims().len() != 2 {
+                return Err(Error::InvalidShape(format!("{} is not a matrix: dims {:?}", t.name(), t.dims())));
+            }
+            let dw = DeviceWeight::from_ggml(device, t.qtype(), t.row_len(), t.rows(), t.bytes()).map_err(err)?;
+            progress(t.bytes().len());
+            Ok(dw)
+        };
+        let upload_vec = |v: &[f32]| DeviceBuffer::from_host(device, v).map_err(err);
+
+        let embd = upload(&w.token_embd, &mut progress)?;
+        if embd.row_len != h || embd.rows != c.vocab_size {
+            return Err(Error::InvalidShape(format!("token embedding is {}x{}, expected {}x{h}", embd.rows, embd.row_len, c.vocab_size)));
+        }
+        let lm_head = match &w.output {
+            Some(t) => Some(upload(t, &mut progress)?),
+            None => None,
+        };
+        let out_norm = upload_vec(&vector(&w.output_norm, h, "output norm")?)?;
+        let freq_factors = match &w.rope_freqs {
+            Some(t) => Some(t.to_f32()?),
+            None => None,
+        };
+        let inv: Vec<f32> = (0..c.rope.rotary_dims / 2).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
+        let inv_freq = upload_vec(&inv)?;
+
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for (i, l) in w.layers.iter().enumerate() {
+            let same = l.attn_q.qtype() == l.attn_k.qtype() && l.attn_k.qtype() == l.attn_v.qtype();
+            let qkv = if same {
+                // One GEMV for Q, K and V: their packed rows concatenate.
+                let parts = [&l.attn_q, &l.attn_k, &l.attn_v];
+                let mut packed: Option<PackedWeight> = None;
+                for t in parts {
+                    let p = PackedWeight::pack(t.qtype(), t.row_len(), t.rows(), t.bytes()).map_err(err)?;
+                    progress(t.bytes().len());
+                    packed = Some(match packed {
+                        None => p,
+                        Some(mut acc) => {
+                            if acc.row_len != p.row_len {
+                                return Err(Error::InvalidShape(format!("layer {i}: Q/K/V rows of different lengths")));
+                            }
+                            acc.rows += p.rows;
+                            acc.body.extend_from_slice(&p.body);
+                            acc.qh.extend_from_slice(&p.qh);
+                            acc.sc.extend_from_slice(&p.sc);
+                            acc
+                        }
+                    });
+                }
+                let p = packed.expect("three parts");
+                vec![Proj { w: DeviceWeight::upload(device, &p).map_err(err)?, offset: 0 }]
+            } else {
+                vec![
+                    Proj { w: upload(&l.attn_q, &mut progress)?, offset: 0 },
+                    Proj { w: upload(&l.attn_k, &mut progress)?, offset: qd },
+                    Proj { w: upload(&l.attn_v, &mut progress)?, offset: qd + kvd },
+                ]
+            };
+            let rows: usize = qkv.iter().map(|p| p.w.rows).sum();
+            if rows != qd + 2 * kvd || qkv.iter().any(|p| p.w.row_len != h) {
+                return Err(Error::InvalidShape(format!("layer {i}: Q/K/V shapes do not match the config")));
+            }
+            let qkv_bias = if l.attn_q_bias.is_some() || l.attn_k_bias.is_some() || l.attn_v_bias.is_some() {
+                let mut b = vec![0f32; qd + 2 * kvd];
+                for (t, off, len, what) in [(&l.attn_q_bias, 0, qd, "Q bias"), (&l.attn_k_bias, qd, kvd, "K bias"), (&l.attn_v_bias, qd + kvd, kvd, "V bias")] {
+                    if let Some(t) = t {
+                        b[off..off + len].copy_from_slice(&vector(t, len, what)?);
+                    }
+                }
+                Some(upload_vec(&b)?)
+            } else {
+                None
+            };
+            let head_norm = |t: &Option<TensorView>, what| -> Result<Option<DeviceBuffer<f32>>> {
+                match t {
+                    Some(t) => Ok(Some(upload_vec(&vector(t, hd, what)?)?)),
+                    None => Ok(None),
+                }
+            };
+            let gate = l.ffn_gate.as_ref().expect("checked by check_model");
+            let ffn_norm = l.ffn_norm.as_ref().expect("checked by check_model");
+            let layer = Layer {
+                attn_norm: upload_vec(&vector(&l.attn_norm, h, "attention norm")?)?,
+                qkv,
+                qkv_bias,
+                q_norm: head_norm(&l.attn_q_norm, "Q norm")?,
+                k_norm: head_norm(&l.attn_k_norm, "K norm")?,
+                o: upload(&l.attn_out, &mut progress)?,
+                ffn_norm: upload_vec(&vector(ffn_norm, h, "FFN norm")?)?,
+                gate: upload(gate, &mut progress)?,
+                up: upload(&l.ffn_up, &mut progress)?,
+                down: upload(&l.ffn_down, &mut progress)?,
+            };
+            let shapes_ok = layer.o.row_len == qd
+                && layer.o.rows == h
+                && layer.gate.row_len == h
+                && layer.gate.rows == ffn
+                && layer.up.rows == ffn
+                && layer.down.row_len == ffn
+                && layer.down.rows == h;
+            if !shapes_ok {
+                return Err(Error::InvalidShape(format!("layer {i}: output or FFN shapes do not match the config")));
+            }
+            layers.push(layer);
+        }
+        let head_rows = lm_head.as_ref().unwrap_or(&embd).rows;
+        if head_rows != c.vocab_size {
+            return Err(Error::InvalidShape(format!("LM head has {head_rows} rows, vocabulary {}", c.vocab_size)));
+        }
+
+        // Short contexts: small attention splits keep many blocks busy; long ones: fewer,
+        // longer splits (measured on an H200, docs/architecture-cuda.md).
+        let split = if max_ctx <= 4096 { 64 } else { 256 };
+        let nsplit = Kernels::attention_splits(max_ctx, split);
+        let widest = h.max(qd).max(ffn).div_ceil(32) * 32;
+        let vocab = c.vocab_size;
+        let sample_keys = Kernels::sample_scratch(vocab, Kernels::MAX_TOP_K);
+        let requests = [
+            (h, 4),
+            (widest, 4),
+            (widest, 1),
+            (widest / 32, 8),
+            (qd + 2 * kvd, 4),
+            (qd, 4),
+            (qd, 4),
+            (ffn, 4),
+            (vocab, 4),
+            (c.num_heads * nsplit * hd, 4),
+            (c.num_heads * nsplit, 8),
+            (Kernels::argmax_scratch(vocab), 8),
+            (sample_keys, 8),
+            (1, 8),
+            (1, 4),
+        ];
+        let mut ws = Workspace::new(device, Workspace::bytes_for(&requests)).map_err(err)?;
+        let s = Scratch {
+            x: ws.take(h).map_err(err)?,
+            xn: ws.take(widest).map_err(err)?,
+            q8: Q8Act { q: ws.take(widest).map_err(err)?, ds: ws.take(widest / 32).map_err(err)? },
+            qkv: ws.take(qd + 2 * kvd).map_err(err)?,
+            q: ws.take(qd).map_err(err)?,
+            attn: ws.take(qd).map_err(err)?,
+            ffn: ws.take(ffn).map_err(err)?,
+            logits: ws.take(vocab).map_err(err)?,
+            part_o: ws.take(c.num_heads * nsplit * hd).map_err(err)?,
+            part_ml: ws.take(c.num_heads * nsplit).map_err(err)?,
+            keys: ws.take(Kernels::argmax_scratch(vocab)).map_err(err)?,
+            cand: ws.take(sample_keys).map_err(err)?,
+            rng: ws.take(1).map_err(err)?,
+            token_out: ws.take(1).map_err(err)?,
+        };
+        let mut slots = Vec::with_capacity(options.sequences());
+        for _ in 0..options.sequences() {
+            slots.push(Slot {
+                id: None,
+                len: 0,
+                kv: KvCache::new(device, c.num_layers, c.num_kv_heads, hd, max_ctx).map_err(err)?,
+                state: DeviceBuffer::zeros(device, 4).map_err(err)?,
+                graph: None,
+            });
+        }
+        Ok(CudaExecutor {
+            device: device.clone(),
+            k,
+            config: c,
+            max_ctx,
+            split,
+            path: GemvPath::Dp4a,
+            embd,
+            lm_head,
+            out_norm,
+            inv_freq,
+            layers,
+            slots,
+            next_id: 0,
+            s,
+            _workspace: ws,
+        })
+    }
+
+    /// Chooses how quantised GEMVs read activations (Q8_1 + dp4a by default; the float
+    /// path trades speed for fidelity). Graphs are re-captured at the next step.
+    pub fn set_gemv_path(&mut self, path: GemvPath) {
+        self.path = path;
+        for s in &mut self.slots {
+            s.graph = None;
+        }
+    }
+
+    fn tiling(w: &DeviceWeight) -> GemvTiling {
+        if w.qtype.is_quantized() {
+            GemvTiling::new(2, 2)
+        } else {
+            GemvTiling::new(4, 2)
+        }
+    }
+
+    /// Queues one decode step for `slot` (what the graph holds).
+    fn queue_step(&self, slot: &Slot) -> kiln_kernels::Result<()> {
+        let c = &self.config;
+        let (k, s) = (&self.k, &self.s);
+        let (h, qd, ffn, hd) = (c.hidden_size, c.q_dim(), c.ffn_size, c.head_dim);
+        let state = slot.state.slice();
+        let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
+        let xn_h = s.xn.sub(0, h)?;
+        let input_h = GemvInput { x: xn_h, q8: Some(s.q8) };
+        k.embed(&self.embd, token, s.x)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            k.rmsnorm_q8_1(s.x, 1, h, Some(l.attn_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
+            for p in &l.qkv {
+                let bias = match &l.qkv_bias {
+                    Some(b) => Some(b.slice().sub(p.offset, p.w.rows)?),
+                    None => None,
+                };
+                k.gemv(&p.w, &input_h, self.path, Self::tiling(&p.w), bias, None, s.qkv.sub(p.offset, p.w.rows)?)?;
+            }
+            let (kc, vc) = slot.kv.layer(li)?;
+            let rope = RopeArgs {
+                n_heads: c.num_heads,
+                n_kv: c.num_kv_heads,
+                head_dim: hd,
+                rot_dims: c.rope.rotary_dims,
+                inv_freq: self.inv_freq.slice(),
+                neox: c.rope.kind == RopeKind::Neox,
+                q_norm: l.q_norm.as_ref().map(|b| b.slice()),
+                k_norm: l.k_norm.as_ref().map(|b| b.slice()),
+                eps: c.norm_eps,
+            };
+            k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.max_ctx)?;
+            let attn = AttnArgs {
+                n_heads: c.num_heads,
+                n_kv: c.num_kv_heads,
+                head_dim: hd,
+                max_ctx: self.max_ctx,
+                split: self.split,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            k.attention(&attn, s.q, kc, vc, len, s.part_o, s.part_ml, s.attn)?;
+            k.rmsnorm_q8_1(s.attn, 1, qd, None, None, None, Some(s.q8))?;
+            let input = GemvInput { x: s.attn, q8: Some(s.q8) };
+            k.gemv(&l.o, &input, self.path, Self::tiling(&l.o), None, Some(s.x), s.x)?;
+            k.rmsnorm_q8_1(s.x, 1, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
+            k.swiglu(&l.gate, &l.up, &input_h, self.path, Self::tiling(&l.gate), s.ffn)?;
+            k.rmsnorm_q8_1(s.ffn, 1, ffn, None, None, None, Some(s.q8))?;
+            let input = GemvInput { x: s.ffn, q8: Some(s.q8) };
+            k.gemv(&l.down, &input, self.path, Self::tiling(&l.down), None, Some(s.x), s.x)?;
+        }
+        k.rmsnorm_q8_1(s.x, 1, h, Some(self.out_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embd);
+        k.gemv(head, &input_h, self.path, Self::tiling(head), None, None, s.logits)
+    }
+
+    fn slot_of(&self, seq: SeqId) -> Result<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.id == Some(seq))
+            .ok_or_else(|| Error::InvalidArgument(format!("no live sequence {seq}")))
+    }
+
+    /// Runs one step of `slot` for `token` at its next position, leaving the logits in
+    /// the workspace. `uniform` rides along for a device-side draw.
+    fn step(&mut self, slot: usize, token: u32, uniform: f32) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        if token as usize >= vocab {
+            return Err(Error::InvalidArgument(format!("token {token} is outside the vocabulary of {vocab}")));
+        }
+        let pos = self.slots[slot].len;
+        if pos >= self.max_ctx {
+            return Err(Error::InvalidArgument(format!("sequence is full: context of {} reached", self.max_ctx)));
+        }
+        let state = [token as i32, pos as i32, pos as i32 + 1, uniform.to_bits() as i32];
+        self.slots[slot].state.slice().copy_from_host(&self.device, &state).map_err(err)?;
+        if self.slots[slot].graph.is_none() {
+            let graph = self.device.capture(|| self.queue_step(&self.slots[slot])).map_err(err)?;
+            self.slots[slot].graph = Some(graph);
+        }
+        self.slots[slot].graph.as_ref().expect("captured above").launch().map_err(err)?;
+        self.slots[slot].len = pos + 1;
+        Ok(())
+    }
+}
+
+impl LayerExecutor for CudaExecutor {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn max_context(&self) -> usize {
+        self.max_ctx
+    }
+
+    fn max_sequences(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn new_sequence(&mut self) -> Result<SeqId> {
+        let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
+            return Err(Error::InvalidArgument(format!("all {} sequence slots are in use", self.slots.len())));
+        };
+        let mut id = self.next_id;
+        while self.slots.iter().any(|s| s.id == Some(id)) {
+            id = id.wrapping_add(1);
+        }
+        self.next_id = id.wrapping_add(1);
+        self.slots[slot].id = Some(id);
+        self.slots[slot].len = 0;
+        Ok(id)
+    }
+
+    fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        self.slots[slot].id = None;
+        self.slots[slot].len = 0;
+        Ok(())
+    }
+
+    fn sequence_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.slots[self.slot_of(seq)?].len)
+    }
+
+    fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let cur = self.slots[slot].len;
+        if len > cur {
+            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {cur} tokens to {len}")));
+        }
+        // Attention reads only positions below the length; later ones are overwritten.
+        self.slots[slot].len = len;
+        Ok(())
+    }
+
+    fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let vocab = self.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("prefill needs at least one token".into()));
+        }
+        if logits.len() != vocab {
+            return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
+        }
+        let start = self.slots[slot].len;
+        if start + tokens.len() > self.max_ctx {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
+                tokens.len(),
+                self.max_ctx
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!("token {bad} is outside the vocabulary of {vocab}")));
+        }
+        // Token by token through the decode graph: correct, not yet a batched GEMM.
+        for &t in tokens {
+            self.step(slot, t, 0.0)?;
+        }
+        self.s.logits.copy_to_host(&self.device, logits).map_err(err)
+    }
+
+    fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        check_decode_batch(batch, logits, vocab)?;
+        let slots: Vec<usize> = batch.iter().map(|it| self.slot_of(it.seq)).collect::<Result<_>>()?;
+        for (i, (it, &slot)) in batch.iter().zip(&slots).enumerate() {
+            self.step(slot, it.token, 0.0)?;
+            self.s.logits.copy_to_host(&self.device, &mut logits[i * vocab..(i + 1) * vocab]).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
+        if samplers.len() != batch.len() || tokens.len() != batch.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} items need as many samplers ({}) and token slots ({})",
+                batch.len(),
+                samplers.len(),
+                tokens.len()
+            )));
+        }
+        let vocab = self.config.vocab_size;
+        let slots: Vec<usize> = batch.iter().map(|it| self.slot_of(it.seq)).collect::<Result<_>>()?;
+        let mut out = [0i32];
+        let mut host_logits: Vec<f32> = Vec::new();
+        for ((it, &slot), (sampler, token)) in batch.iter().zip(&slots).zip(samplers.iter_mut().zip(tokens.iter_mut())) {
+            let p = &sampler.params;
+            let greedy = p.is_greedy() && p.repeat_penalty == 1.0;
+            let on_device = greedy || Kernels::can_sample(vocab, p);
+            if !on_device {
+                // Settings the device sampler lacks: logits come down, the host samples.
+                self.step(slot, it.token, 0.0)?;
+                host_logits.resize(vocab, 0.0);
+                self.s.logits.copy_to_host(&self.device, &mut host_logits).map_err(err)?;
+                *token = sampler.sample(&mut host_logits);
+                continue;
+            }
+            let uniform = if greedy { 0.0 } else { sampler.rng.next_f32() };
+            self.step(slot, it.token, uniform)?;
+            if greedy {
+                self.k.argmax(self.s.logits, self.s.keys, self.s.token_out).map_err(err)?;
+            } else {
+                let u = self.slots[slot].state.slice().sub(3, 1).and_then(|s| s.cast::<f32>()).map_err(err)?;
+                self.k
+                    .sample(self.s.logits, &sampler.params, self.s.cand, self.s.rng, Some(u), self.s.token_out)
+                    .map_err(err)?;
+            }
+            self.s.token_out.copy_to_host(&self.device, &mut out).map_err(err)?;
+            *token = out[0] as u32;
+            sampler.accept(*token);
+        }
+        Ok(())
+    }
+}
