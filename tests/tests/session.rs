@@ -1,0 +1,63 @@
+//! Sessions reuse the cached prefix of a conversation and give the same tokens as a fresh
+//! session would.
+
+use kiln::{registry_with_plugins, Engine, GenerateParams, Model};
+use kiln_core::{LoadOptions, SamplingParams};
+use kiln_formats::chat::ChatMessage;
+use kiln_tests::smollm2_or_skip;
+
+#[test]
+fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
+    let Some(path) = smollm2_or_skip("second_turn_prefills_only_new_tokens_and_matches_a_fresh_session") else { return };
+    let (registry, errors) = registry_with_plugins(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    let model = Model::open(&path).unwrap();
+    let mut engine = Engine::load(model, &registry, Some("cpu"), &LoadOptions { max_context: 512, ..Default::default() }).unwrap();
+    let params = GenerateParams { max_tokens: 24, sampling: SamplingParams::greedy(), ..Default::default() };
+    let encode = |engine: &Engine, messages: &[ChatMessage]| {
+        let m = &engine.model;
+        m.tokenizer.encode(&m.chat_template.render(messages, true).unwrap(), false, true).unwrap()
+    };
+
+    let mut messages = vec![ChatMessage::new("user", "What is the capital of France?")];
+    let first_prompt = encode(&engine, &messages);
+    let (first, second_prompt, second) = {
+        let mut session = engine.session().unwrap();
+        let first = session.generate(&first_prompt, &params, |_| {}).unwrap();
+        assert_eq!(first.prefilled, first_prompt.len());
+        messages.push(ChatMessage::new("assistant", first.text.trim()));
+        messages.push(ChatMessage::new("user", "And of Germany?"));
+        let second_prompt = encode(session.engine(), &messages);
+        let second = session.generate(&second_prompt, &params, |_| {}).unwrap();
+        (first, second_prompt, second)
+    };
+    assert!(first.text.contains("Paris"), "{}", first.text);
+    assert!(
+        second.prefilled < second_prompt.len() - first_prompt.len() + 8,
+        "the second turn prefilled {} of {} tokens; the first turn's {} should have been reused",
+        second.prefilled,
+        second_prompt.len(),
+        first_prompt.len()
+    );
+    let fresh = engine.session().unwrap().generate(&second_prompt, &params, |_| {}).unwrap();
+    assert_eq!(fresh.ids, second.ids, "reusing the cache must not change greedy tokens");
+    assert!(second.text.contains("Berlin"), "{}", second.text);
+}
+
+#[test]
+fn diverging_prompt_rolls_the_cache_back() {
+    let Some(path) = smollm2_or_skip("diverging_prompt_rolls_the_cache_back") else { return };
+    let (registry, _) = registry_with_plugins(&[]);
+    let mut engine = Engine::load(Model::open(&path).unwrap(), &registry, Some("cpu"), &LoadOptions::default()).unwrap();
+    let params = GenerateParams { max_tokens: 8, sampling: SamplingParams::greedy(), ..Default::default() };
+    let tok = |e: &Engine, s: &str| e.model.tokenizer.encode(s, false, false).unwrap();
+    let a = tok(&engine, "The capital of France is");
+    let b = tok(&engine, "The capital of Spain is");
+    let mut session = engine.session().unwrap();
+    session.generate(&a, &params, |_| {}).unwrap();
+    let reused = session.generate(&b, &params, |_| {}).unwrap();
+    assert_eq!(reused.prefilled, b.len() - 3, "\"The capital of\" is shared");
+    drop(session);
+    let fresh = engine.session().unwrap().generate(&b, &params, |_| {}).unwrap();
+    assert_eq!(fresh.ids, reused.ids);
+}
