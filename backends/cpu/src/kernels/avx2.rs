@@ -170,7 +170,7 @@ pub unsafe fn dot_q4_k(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut offset = 0.0f32;
     for b in 0..nb {
-        let blk = std::slice::from_raw_parts(row.as_ptr().add(b * 144), 144);
+        let blk = &row[b * 144..(b + 1) * 144];
         let (d, dmin) = f16x2(blk.as_ptr());
         let scales = &blk[4..16];
         let qs = blk.as_ptr().add(16);
