@@ -77,7 +77,10 @@ impl<T: Pod> DevSlice<T> {
         let bytes = self.bytes();
         let size = std::mem::size_of::<U>();
         if size == 0 || bytes % size != 0 || self.ptr % std::mem::align_of::<U>() as u64 != 0 {
-            return Err(KernelError::InvalidArgument(format!("{bytes} bytes cannot be viewed as {}", std::any::type_name::<U>())));
+            return Err(KernelError::InvalidArgument(format!(
+                "{bytes} bytes cannot be viewed as {}",
+                std::any::type_name::<U>()
+            )));
         }
         Ok(DevSlice::from_raw(self.ptr, bytes / size))
     }
@@ -85,13 +88,18 @@ impl<T: Pod> DevSlice<T> {
     /// Waits for the device's stream, then copies the slice into `out` (same length).
     pub fn copy_to_host(&self, device: &Device, out: &mut [T]) -> Result<()> {
         if out.len() != self.len {
-            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", self.len, out.len())));
+            return Err(KernelError::InvalidArgument(format!(
+                "copying {} values into {}",
+                self.len,
+                out.len()
+            )));
         }
         if self.len == 0 {
             return Ok(());
         }
         device.bind()?;
-        unsafe { result::memcpy_dtoh_async(out, self.ptr, device.stream()) }.ctx("cuMemcpyDtoHAsync")?;
+        unsafe { result::memcpy_dtoh_async(out, self.ptr, device.stream()) }
+            .ctx("cuMemcpyDtoHAsync")?;
         device.synchronize()
     }
 
@@ -99,13 +107,18 @@ impl<T: Pod> DevSlice<T> {
     /// memory, which the driver stages before this returns, so `data` may be dropped after.
     pub fn copy_from_host(&self, device: &Device, data: &[T]) -> Result<()> {
         if data.len() != self.len {
-            return Err(KernelError::InvalidArgument(format!("copying {} values into {}", data.len(), self.len)));
+            return Err(KernelError::InvalidArgument(format!(
+                "copying {} values into {}",
+                data.len(),
+                self.len
+            )));
         }
         if self.len == 0 {
             return Ok(());
         }
         device.bind()?;
-        unsafe { result::memcpy_htod_async(self.ptr, data, device.stream()) }.ctx("cuMemcpyHtoDAsync")?;
+        unsafe { result::memcpy_htod_async(self.ptr, data, device.stream()) }
+            .ctx("cuMemcpyHtoDAsync")?;
         // Pageable copies are staged, but only a synchronised stream guarantees the staging
         // happened before `data` can go away.
         device.synchronize()

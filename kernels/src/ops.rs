@@ -272,11 +272,27 @@ impl Kernels {
     pub fn embed(&self, w: &DeviceWeight, token: DevSlice<i32>, y: DevSlice<f32>) -> Result<()> {
         token.check_len(1, "token id")?;
         y.check_len(w.row_len, "embedding output")?;
-        let f = self.device.function(&Self::gemv_module(w.qtype)?, &format!("embed_{}", type_tag(w.qtype)?))?;
+        let f = self.device.function(
+            &Self::gemv_module(w.qtype)?,
+            &format!("embed_{}", type_tag(w.qtype)?),
+        )?;
         let (body, qh, sc) = w.ptrs();
-        let mut args = Args::new().ptr(body).ptr(qh).ptr(sc).ptr(token.ptr()).ptr(y.ptr()).i32(w.rows as i32).i32(w.row_len as i32);
+        let mut args = Args::new()
+            .ptr(body)
+            .ptr(qh)
+            .ptr(sc)
+            .ptr(token.ptr())
+            .ptr(y.ptr())
+            .i32(w.rows as i32)
+            .i32(w.row_len as i32);
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
-        unsafe { self.device.launch(f, LaunchConfig::linear(w.row_len.div_ceil(128) as u32, 128), &mut args) }
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear(w.row_len.div_ceil(128) as u32, 128),
+                &mut args,
+            )
+        }
     }
 
     /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward.
@@ -352,7 +368,8 @@ impl Kernels {
         kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
         pos.check_len(1, "position")?;
-        a.inv_freq.check_len(a.rot_dims / 2, "rope inverse frequencies")?;
+        a.inv_freq
+            .check_len(a.rot_dims / 2, "rope inverse frequencies")?;
         if let Some(n) = a.q_norm {
             n.check_len(hd, "Q norm")?;
         }

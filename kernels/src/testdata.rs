@@ -36,7 +36,13 @@ pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) 
 }
 
 /// As [`random_weights`], values scaled by about `scale` (model-like weights: 1/√fan_in).
-pub fn random_weights_scaled(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize, scale: f32) -> Result<Vec<u8>> {
+pub fn random_weights_scaled(
+    rng: &mut Rng,
+    qtype: QType,
+    row_len: usize,
+    rows: usize,
+    scale: f32,
+) -> Result<Vec<u8>> {
     let bytes = qtype
         .row_bytes(row_len)
         .map_err(|e| KernelError::InvalidArgument(e.to_string()))?
@@ -56,9 +62,8 @@ pub fn random_weights_scaled(rng: &mut Rng, qtype: QType, row_len: usize, rows: 
         _ => {
             for b in out.chunks_exact_mut(qtype.block_bytes()) {
                 match qtype {
-                    QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => {
-                        put_f16(b, 0, uniform(rng, -0.1, 0.1))
-                    }
+                    QType::Q4_0 | QType::Q5_0 => put_f16(b, 0, scale * uniform(rng, -0.1, 0.1)),
+                    QType::Q8_0 => put_f16(b, 0, scale * uniform(rng, -0.008, 0.008)),
                     QType::Q4_1 | QType::Q5_1 => {
                         put_f16(b, 0, scale * uniform(rng, 0.0, 0.1));
                         put_f16(b, 2, scale * uniform(rng, -1.0, 0.0));
@@ -113,4 +118,32 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
         den += y * y;
     }
     (num / den.max(1e-300)).sqrt()
+}
+
+/// `rows` rows of `row_len` values drawn from N(0, std²) and quantised to `qtype` by the
+/// CPU reference quantiser: weights shaped like a trained model's after `kiln quantize`
+/// (zero-mean sub-blocks, realistic scales), unlike the uniform bits of [`random_weights`].
+pub fn gaussian_weights(
+    rng: &mut Rng,
+    qtype: QType,
+    row_len: usize,
+    rows: usize,
+    std: f32,
+) -> Result<Vec<u8>> {
+    let rb = qtype
+        .row_bytes(row_len)
+        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+    let mut out = vec![0u8; rb * rows];
+    let mut row = vec![0f32; row_len];
+    for dst in out.chunks_exact_mut(rb) {
+        for v in row.iter_mut() {
+            // Box-Muller.
+            let u1 = rng.next_f32().max(1e-7);
+            let u2 = rng.next_f32();
+            *v = std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos();
+        }
+        kiln_core::quant::quantize(qtype, &row, dst)
+            .map_err(|e| KernelError::Unsupported(e.to_string()))?;
+    }
+    Ok(out)
 }

@@ -339,7 +339,9 @@ fn rope_and_kv_write_match_reference() {
         let cache = KvCache::new(&g.dev, 1, n_kv, hd, max_ctx).unwrap();
         let (kc, vc) = cache.layer(0).unwrap();
         let posd = buf(&g.dev, &[pos as i32]);
-        let inv: Vec<f32> = (0..rot / 2).map(|i| theta.powf(-2.0 * i as f32 / rot as f32)).collect();
+        let inv: Vec<f32> = (0..rot / 2)
+            .map(|i| theta.powf(-2.0 * i as f32 / rot as f32))
+            .collect();
         let invd = buf(&g.dev, &inv);
         let a = RopeArgs {
             n_heads,
@@ -624,7 +626,11 @@ fn embedding_lookup_matches_reference_dequantisation() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("embed");
     for q in GEMV_QTYPES {
-        let (k, n) = if q.block_len() == 256 { (768, 37) } else { (576, 37) };
+        let (k, n) = if q.block_len() == 256 {
+            (768, 37)
+        } else {
+            (576, 37)
+        };
         let ggml = random_weights(&mut rng, q, k, n).unwrap();
         let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
         let token = (rng.next_u64() % n as u64) as usize;
@@ -633,13 +639,17 @@ fn embedding_lookup_matches_reference_dequantisation() {
         g.k.embed(&w, td.slice(), y.slice()).unwrap();
         let rb = q.row_bytes(k).unwrap();
         let mut reference = vec![0f32; k];
-        kiln_core::quant::dequantize(q, &ggml[token * rb..(token + 1) * rb], &mut reference).unwrap();
+        kiln_core::quant::dequantize(q, &ggml[token * rb..(token + 1) * rb], &mut reference)
+            .unwrap();
         let reference: Vec<f64> = reference.iter().map(|&v| v as f64).collect();
         let err = rel_err(&y.to_host().unwrap(), &reference);
         assert!(err < 1e-6, "embed {q} row {token}: rel err {err:e}");
         // An id past the vocabulary poisons the output instead of reading out of bounds.
         let bad = buf(&g.dev, &[n as i32]);
         g.k.embed(&w, bad.slice(), y.slice()).unwrap();
-        assert!(y.to_host().unwrap().iter().all(|v| v.is_nan()), "embed {q}: out-of-range id");
+        assert!(
+            y.to_host().unwrap().iter().all(|v| v.is_nan()),
+            "embed {q}: out-of-range id"
+        );
     }
 }

@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use kiln_backend_cuda_q4k::CudaExecutor;
 use kiln_core::{
-    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig, ModelIr, ModelWeights,
-    NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler, SamplingParams, TensorView,
+    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
+    ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
+    SamplingParams, TensorView,
 };
 use kiln_kernels::testdata::random_weights_scaled;
 use kiln_kernels::Device;
@@ -31,15 +32,46 @@ struct Spec {
 }
 
 const SPECS: [Spec; 3] = [
-    Spec { name: "smollm2", hidden: 576, layers: 30, heads: 9, kv: 3, ffn: 1536, vocab: 49152, small_rows: true },
-    Spec { name: "1b", hidden: 2048, layers: 16, heads: 32, kv: 8, ffn: 8192, vocab: 49152, small_rows: false },
-    Spec { name: "8b", hidden: 4096, layers: 32, heads: 32, kv: 8, ffn: 14336, vocab: 49152, small_rows: false },
+    Spec {
+        name: "smollm2",
+        hidden: 576,
+        layers: 30,
+        heads: 9,
+        kv: 3,
+        ffn: 1536,
+        vocab: 49152,
+        small_rows: true,
+    },
+    Spec {
+        name: "1b",
+        hidden: 2048,
+        layers: 16,
+        heads: 32,
+        kv: 8,
+        ffn: 8192,
+        vocab: 49152,
+        small_rows: false,
+    },
+    Spec {
+        name: "8b",
+        hidden: 4096,
+        layers: 32,
+        heads: 32,
+        kv: 8,
+        ffn: 14336,
+        vocab: 49152,
+        small_rows: false,
+    },
 ];
 
 fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
     let hd = s.hidden / s.heads;
     let (qd, kvd) = (s.heads * hd, s.kv * hd);
-    let (q4, q6) = if s.small_rows { (QType::Q5_0, QType::Q8_0) } else { (QType::Q4_K, QType::Q6_K) };
+    let (q4, q6) = if s.small_rows {
+        (QType::Q5_0, QType::Q8_0)
+    } else {
+        (QType::Q4_K, QType::Q6_K)
+    };
     let mut cache: Vec<(String, TensorView)> = Vec::new();
     let mut mat = |rng: &mut Rng, role: &str, q: QType, k: usize, n: usize| -> TensorView {
         let key = format!("{role}/{q}");
@@ -100,18 +132,34 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
         parallel_residual: false,
         qkv_bias: false,
         qk_norm: false,
-        rope: RopeConfig { kind: RopeKind::Norm, theta: 500000.0, scaling: RopeScaling::None, rotary_dims: hd },
+        rope: RopeConfig {
+            kind: RopeKind::Norm,
+            theta: 500000.0,
+            scaling: RopeScaling::None,
+            rotary_dims: hd,
+        },
         tied_embeddings: true,
         context_length: 4096,
     };
-    ModelIr { config, weights, source: format!("random {} shape", s.name) }
+    ModelIr {
+        config,
+        weights,
+        source: format!("random {} shape", s.name),
+    }
 }
 
 fn step_bytes(ir: &ModelIr) -> u64 {
     let w = &ir.weights;
     let mut total = w.lm_head().bytes().len() as u64;
     for l in &w.layers {
-        for t in [&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_up, &l.ffn_down] {
+        for t in [
+            &l.attn_q,
+            &l.attn_k,
+            &l.attn_v,
+            &l.attn_out,
+            &l.ffn_up,
+            &l.ffn_down,
+        ] {
             total += t.bytes().len() as u64;
         }
         total += l.ffn_gate.as_ref().map_or(0, |t| t.bytes().len() as u64);
@@ -121,8 +169,17 @@ fn step_bytes(ir: &ModelIr) -> u64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let n: usize = args.iter().position(|a| a == "-n").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(128);
-    let chosen: Vec<&str> = args.windows(2).filter(|w| w[0] == "--model").map(|w| w[1].as_str()).collect();
+    let n: usize = args
+        .iter()
+        .position(|a| a == "-n")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    let chosen: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "--model")
+        .map(|w| w[1].as_str())
+        .collect();
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: no CUDA driver ({why})");
@@ -131,12 +188,19 @@ fn main() {
         None => Device::new(0).expect("device"),
     };
     let mut rng = Rng::new(7);
-    println!("| model | step bytes | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s |");
-    println!("|---|---|---|---|---|---|---|");
-    for s in SPECS.iter().filter(|s| chosen.is_empty() || chosen.contains(&s.name)) {
+    println!("| model | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for s in SPECS
+        .iter()
+        .filter(|s| chosen.is_empty() || chosen.contains(&s.name))
+    {
         let ir = build(s, &mut rng);
         let t0 = Instant::now();
-        let options = LoadOptions { max_context: 4096, max_sequences: 1, ..Default::default() };
+        let options = LoadOptions {
+            max_context: 4096,
+            max_sequences: 1,
+            ..Default::default()
+        };
         let mut ex = CudaExecutor::load(&dev, &ir, &options).expect("load");
         let load_s = t0.elapsed().as_secs_f64();
         let seq = ex.new_sequence().unwrap();
@@ -147,23 +211,30 @@ fn main() {
         // Warm-up steps (graph capture happened in prefill).
         for _ in 0..8 {
             let t = tok[0];
-            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                .unwrap();
         }
         let t0 = Instant::now();
         for _ in 0..n {
             let t = tok[0];
-            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                .unwrap();
         }
         let dt = t0.elapsed().as_secs_f64();
+        let graph_ms = ex.step_device_ms(seq, 21).unwrap();
         let bytes = step_bytes(&ir);
         let gbps = bytes as f64 * n as f64 / dt / 1e9;
+        // embed + 11 per layer (norm, QKV, rope, attention x2, quantise, O, norm, SwiGLU,
+        // quantise, down) + final norm + LM head.
+        let kernels = 1 + 11 * s.layers + 2;
         println!(
-            "| {} | {:.1} MB | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% |",
+            "| {} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,
             bytes as f64 / 1e6,
             n as f64 / dt,
             dt * 1e3 / n as f64,
-            100.0 * gbps / 3950.0
+            100.0 * gbps / 3950.0,
+            bytes as f64 / (graph_ms * 1e-3) / 1e9
         );
     }
 }

@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, TensorView,
+    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
+    ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, TensorView,
 };
 use kiln_kernels::{
-    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache,
-    PackedWeight, Q8Act, RopeArgs, Workspace, GEMV_QTYPES,
+    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Graph,
+    Kernels, KvCache, PackedWeight, Q8Act, RopeArgs, Workspace, GEMV_QTYPES,
 };
 
 /// Why `cuda-q4k` cannot run `model`, if it cannot.
@@ -25,7 +26,10 @@ pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
         return Err("cuda-q4k does not run parallel-residual blocks".into());
     }
     if c.head_dim % 32 != 0 || c.head_dim > 256 {
-        return Err(format!("head_dim {} (cuda-q4k needs a multiple of 32 up to 256)", c.head_dim));
+        return Err(format!(
+            "head_dim {} (cuda-q4k needs a multiple of 32 up to 256)",
+            c.head_dim
+        ));
     }
     let w = &model.weights;
     if w.output_norm_bias.is_some() {
@@ -33,10 +37,14 @@ pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
     }
     for (i, l) in w.layers.iter().enumerate() {
         if l.attn_norm_bias.is_some() || l.ffn_norm_bias.is_some() || l.attn_out_bias.is_some() {
-            return Err(format!("layer {i}: norm or output biases are not supported by cuda-q4k"));
+            return Err(format!(
+                "layer {i}: norm or output biases are not supported by cuda-q4k"
+            ));
         }
         if l.ffn_gate.is_none() || l.ffn_norm.is_none() {
-            return Err(format!("layer {i}: cuda-q4k needs a gated FFN with its own norm"));
+            return Err(format!(
+                "layer {i}: cuda-q4k needs a gated FFN with its own norm"
+            ));
         }
     }
     let unsupported: Vec<String> = model
@@ -46,7 +54,10 @@ pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
         .map(|q| q.name().to_string())
         .collect();
     if !unsupported.is_empty() {
-        return Err(format!("cuda-q4k has no GEMV for {}", unsupported.join(", ")));
+        return Err(format!(
+            "cuda-q4k has no GEMV for {}",
+            unsupported.join(", ")
+        ));
     }
     Ok(())
 }
@@ -54,7 +65,11 @@ pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
 fn vector(t: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
     let v = t.to_f32()?;
     if v.len() != len {
-        return Err(Error::Format(format!("{what} ({}) holds {} values, {len} expected", t.name(), v.len())));
+        return Err(Error::Format(format!(
+            "{what} ({}) holds {} values, {len} expected",
+            t.name(),
+            v.len()
+        )));
     }
     Ok(v)
 }
@@ -118,6 +133,7 @@ pub struct CudaExecutor {
     max_ctx: usize,
     split: usize,
     path: GemvPath,
+    head_path: GemvPath,
     embd: DeviceWeight,
     lm_head: Option<DeviceWeight>,
     out_norm: DeviceBuffer<f32>,
@@ -135,7 +151,11 @@ pub struct CudaExecutor {
 unsafe impl Send for CudaExecutor {}
 
 impl CudaExecutor {
-    pub fn load(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<CudaExecutor> {
+    pub fn load(
+        device: &Arc<Device>,
+        model: &ModelIr,
+        options: &LoadOptions,
+    ) -> Result<CudaExecutor> {
         check_model(model).map_err(Error::Unsupported)?;
         let c = model.config.clone();
         let w = &model.weights;
@@ -154,9 +174,14 @@ impl CudaExecutor {
         };
         let upload = |t: &TensorView, progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
             if t.dims().len() != 2 {
-                return Err(Error::InvalidShape(format!("{} is not a matrix: dims {:?}", t.name(), t.dims())));
+                return Err(Error::InvalidShape(format!(
+                    "{} is not a matrix: dims {:?}",
+                    t.name(),
+                    t.dims()
+                )));
             }
-            let dw = DeviceWeight::from_ggml(device, t.qtype(), t.row_len(), t.rows(), t.bytes()).map_err(err)?;
+            let dw = DeviceWeight::from_ggml(device, t.qtype(), t.row_len(), t.rows(), t.bytes())
+                .map_err(err)?;
             progress(t.bytes().len());
             Ok(dw)
         };
@@ -164,7 +189,10 @@ impl CudaExecutor {
 
         let embd = upload(&w.token_embd, &mut progress)?;
         if embd.row_len != h || embd.rows != c.vocab_size {
-            return Err(Error::InvalidShape(format!("token embedding is {}x{}, expected {}x{h}", embd.rows, embd.row_len, c.vocab_size)));
+            return Err(Error::InvalidShape(format!(
+                "token embedding is {}x{}, expected {}x{h}",
+                embd.rows, embd.row_len, c.vocab_size
+            )));
         }
         let lm_head = match &w.output {
             Some(t) => Some(upload(t, &mut progress)?),
@@ -175,7 +203,9 @@ impl CudaExecutor {
             Some(t) => Some(t.to_f32()?),
             None => None,
         };
-        let inv: Vec<f32> = (0..c.rope.rotary_dims / 2).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
+        let inv: Vec<f32> = (0..c.rope.rotary_dims / 2)
+            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
+            .collect();
         let inv_freq = upload_vec(&inv)?;
 
         let mut layers = Vec::with_capacity(w.layers.len());
@@ -186,13 +216,16 @@ impl CudaExecutor {
                 let parts = [&l.attn_q, &l.attn_k, &l.attn_v];
                 let mut packed: Option<PackedWeight> = None;
                 for t in parts {
-                    let p = PackedWeight::pack(t.qtype(), t.row_len(), t.rows(), t.bytes()).map_err(err)?;
+                    let p = PackedWeight::pack(t.qtype(), t.row_len(), t.rows(), t.bytes())
+                        .map_err(err)?;
                     progress(t.bytes().len());
                     packed = Some(match packed {
                         None => p,
                         Some(mut acc) => {
                             if acc.row_len != p.row_len {
-                                return Err(Error::InvalidShape(format!("layer {i}: Q/K/V rows of different lengths")));
+                                return Err(Error::InvalidShape(format!(
+                                    "layer {i}: Q/K/V rows of different lengths"
+                                )));
                             }
                             acc.rows += p.rows;
                             acc.body.extend_from_slice(&p.body);
@@ -203,29 +236,48 @@ impl CudaExecutor {
                     });
                 }
                 let p = packed.expect("three parts");
-                vec![Proj { w: DeviceWeight::upload(device, &p).map_err(err)?, offset: 0 }]
+                vec![Proj {
+                    w: DeviceWeight::upload(device, &p).map_err(err)?,
+                    offset: 0,
+                }]
             } else {
                 vec![
-                    Proj { w: upload(&l.attn_q, &mut progress)?, offset: 0 },
-                    Proj { w: upload(&l.attn_k, &mut progress)?, offset: qd },
-                    Proj { w: upload(&l.attn_v, &mut progress)?, offset: qd + kvd },
+                    Proj {
+                        w: upload(&l.attn_q, &mut progress)?,
+                        offset: 0,
+                    },
+                    Proj {
+                        w: upload(&l.attn_k, &mut progress)?,
+                        offset: qd,
+                    },
+                    Proj {
+                        w: upload(&l.attn_v, &mut progress)?,
+                        offset: qd + kvd,
+                    },
                 ]
             };
             let rows: usize = qkv.iter().map(|p| p.w.rows).sum();
             if rows != qd + 2 * kvd || qkv.iter().any(|p| p.w.row_len != h) {
-                return Err(Error::InvalidShape(format!("layer {i}: Q/K/V shapes do not match the config")));
+                return Err(Error::InvalidShape(format!(
+                    "layer {i}: Q/K/V shapes do not match the config"
+                )));
             }
-            let qkv_bias = if l.attn_q_bias.is_some() || l.attn_k_bias.is_some() || l.attn_v_bias.is_some() {
-                let mut b = vec![0f32; qd + 2 * kvd];
-                for (t, off, len, what) in [(&l.attn_q_bias, 0, qd, "Q bias"), (&l.attn_k_bias, qd, kvd, "K bias"), (&l.attn_v_bias, qd + kvd, kvd, "V bias")] {
-                    if let Some(t) = t {
-                        b[off..off + len].copy_from_slice(&vector(t, len, what)?);
+            let qkv_bias =
+                if l.attn_q_bias.is_some() || l.attn_k_bias.is_some() || l.attn_v_bias.is_some() {
+                    let mut b = vec![0f32; qd + 2 * kvd];
+                    for (t, off, len, what) in [
+                        (&l.attn_q_bias, 0, qd, "Q bias"),
+                        (&l.attn_k_bias, qd, kvd, "K bias"),
+                        (&l.attn_v_bias, qd + kvd, kvd, "V bias"),
+                    ] {
+                        if let Some(t) = t {
+                            b[off..off + len].copy_from_slice(&vector(t, len, what)?);
+                        }
                     }
-                }
-                Some(upload_vec(&b)?)
-            } else {
-                None
-            };
+                    Some(upload_vec(&b)?)
+                } else {
+                    None
+                };
             let head_norm = |t: &Option<TensorView>, what| -> Result<Option<DeviceBuffer<f32>>> {
                 match t {
                     Some(t) => Ok(Some(upload_vec(&vector(t, hd, what)?)?)),
@@ -254,13 +306,18 @@ impl CudaExecutor {
                 && layer.down.row_len == ffn
                 && layer.down.rows == h;
             if !shapes_ok {
-                return Err(Error::InvalidShape(format!("layer {i}: output or FFN shapes do not match the config")));
+                return Err(Error::InvalidShape(format!(
+                    "layer {i}: output or FFN shapes do not match the config"
+                )));
             }
             layers.push(layer);
         }
         let head_rows = lm_head.as_ref().unwrap_or(&embd).rows;
         if head_rows != c.vocab_size {
-            return Err(Error::InvalidShape(format!("LM head has {head_rows} rows, vocabulary {}", c.vocab_size)));
+            return Err(Error::InvalidShape(format!(
+                "LM head has {head_rows} rows, vocabulary {}",
+                c.vocab_size
+            )));
         }
 
         // Short contexts: small attention splits keep many blocks busy; long ones: fewer,
@@ -291,7 +348,10 @@ impl CudaExecutor {
         let s = Scratch {
             x: ws.take(h).map_err(err)?,
             xn: ws.take(widest).map_err(err)?,
-            q8: Q8Act { q: ws.take(widest).map_err(err)?, ds: ws.take(widest / 32).map_err(err)? },
+            q8: Q8Act {
+                q: ws.take(widest).map_err(err)?,
+                ds: ws.take(widest / 32).map_err(err)?,
+            },
             qkv: ws.take(qd + 2 * kvd).map_err(err)?,
             q: ws.take(qd).map_err(err)?,
             attn: ws.take(qd).map_err(err)?,
@@ -321,6 +381,7 @@ impl CudaExecutor {
             max_ctx,
             split,
             path: GemvPath::Dp4a,
+            head_path: GemvPath::Dp4a,
             embd,
             lm_head,
             out_norm,
@@ -333,10 +394,12 @@ impl CudaExecutor {
         })
     }
 
-    /// Chooses how quantised GEMVs read activations (Q8_1 + dp4a by default; the float
-    /// path trades speed for fidelity). Graphs are re-captured at the next step.
-    pub fn set_gemv_path(&mut self, path: GemvPath) {
-        self.path = path;
+    /// Chooses how quantised GEMVs read activations, in the layers and in the LM head
+    /// (Q8_1 + dp4a by default; the float path trades speed for fidelity). Graphs are
+    /// re-captured at the next step.
+    pub fn set_gemv_paths(&mut self, layers: GemvPath, head: GemvPath) {
+        self.path = layers;
+        self.head_path = head;
         for s in &mut self.slots {
             s.graph = None;
         }
@@ -358,16 +421,35 @@ impl CudaExecutor {
         let state = slot.state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
         let xn_h = s.xn.sub(0, h)?;
-        let input_h = GemvInput { x: xn_h, q8: Some(s.q8) };
+        let input_h = GemvInput {
+            x: xn_h,
+            q8: Some(s.q8),
+        };
         k.embed(&self.embd, token, s.x)?;
         for (li, l) in self.layers.iter().enumerate() {
-            k.rmsnorm_q8_1(s.x, 1, h, Some(l.attn_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
+            k.rmsnorm_q8_1(
+                s.x,
+                1,
+                h,
+                Some(l.attn_norm.slice()),
+                Some(c.norm_eps),
+                Some(xn_h),
+                Some(s.q8),
+            )?;
             for p in &l.qkv {
                 let bias = match &l.qkv_bias {
                     Some(b) => Some(b.slice().sub(p.offset, p.w.rows)?),
                     None => None,
                 };
-                k.gemv(&p.w, &input_h, self.path, Self::tiling(&p.w), bias, None, s.qkv.sub(p.offset, p.w.rows)?)?;
+                k.gemv(
+                    &p.w,
+                    &input_h,
+                    self.path,
+                    Self::tiling(&p.w),
+                    bias,
+                    None,
+                    s.qkv.sub(p.offset, p.w.rows)?,
+                )?;
             }
             let (kc, vc) = slot.kv.layer(li)?;
             let rope = RopeArgs {
@@ -392,17 +474,94 @@ impl CudaExecutor {
             };
             k.attention(&attn, s.q, kc, vc, len, s.part_o, s.part_ml, s.attn)?;
             k.rmsnorm_q8_1(s.attn, 1, qd, None, None, None, Some(s.q8))?;
-            let input = GemvInput { x: s.attn, q8: Some(s.q8) };
-            k.gemv(&l.o, &input, self.path, Self::tiling(&l.o), None, Some(s.x), s.x)?;
-            k.rmsnorm_q8_1(s.x, 1, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
-            k.swiglu(&l.gate, &l.up, &input_h, self.path, Self::tiling(&l.gate), s.ffn)?;
+            let input = GemvInput {
+                x: s.attn,
+                q8: Some(s.q8),
+            };
+            k.gemv(
+                &l.o,
+                &input,
+                self.path,
+                Self::tiling(&l.o),
+                None,
+                Some(s.x),
+                s.x,
+            )?;
+            k.rmsnorm_q8_1(
+                s.x,
+                1,
+                h,
+                Some(l.ffn_norm.slice()),
+                Some(c.norm_eps),
+                Some(xn_h),
+                Some(s.q8),
+            )?;
+            k.swiglu(
+                &l.gate,
+                &l.up,
+                &input_h,
+                self.path,
+                Self::tiling(&l.gate),
+                s.ffn,
+            )?;
             k.rmsnorm_q8_1(s.ffn, 1, ffn, None, None, None, Some(s.q8))?;
-            let input = GemvInput { x: s.ffn, q8: Some(s.q8) };
-            k.gemv(&l.down, &input, self.path, Self::tiling(&l.down), None, Some(s.x), s.x)?;
+            let input = GemvInput {
+                x: s.ffn,
+                q8: Some(s.q8),
+            };
+            k.gemv(
+                &l.down,
+                &input,
+                self.path,
+                Self::tiling(&l.down),
+                None,
+                Some(s.x),
+                s.x,
+            )?;
         }
-        k.rmsnorm_q8_1(s.x, 1, h, Some(self.out_norm.slice()), Some(c.norm_eps), Some(xn_h), Some(s.q8))?;
+        k.rmsnorm_q8_1(
+            s.x,
+            1,
+            h,
+            Some(self.out_norm.slice()),
+            Some(c.norm_eps),
+            Some(xn_h),
+            Some(s.q8),
+        )?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
-        k.gemv(head, &input_h, self.path, Self::tiling(head), None, None, s.logits)
+        k.gemv(
+            head,
+            &input_h,
+            self.head_path,
+            Self::tiling(head),
+            None,
+            None,
+            s.logits,
+        )
+    }
+
+    /// Device time of one decode step: replays `seq`'s captured graph `replays` times
+    /// back to back (re-running its last step) and returns the median milliseconds per
+    /// replay, timed with events — the step without the host's per-token round trip.
+    pub fn step_device_ms(&mut self, seq: SeqId, replays: usize) -> Result<f64> {
+        let slot = self.slot_of(seq)?;
+        let graph = self.slots[slot]
+            .graph
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
+        let (a, b) = (
+            kiln_kernels::Event::new(&self.device).map_err(err)?,
+            kiln_kernels::Event::new(&self.device).map_err(err)?,
+        );
+        let mut times = Vec::with_capacity(replays.max(1));
+        for _ in 0..replays.max(1) {
+            a.record().map_err(err)?;
+            graph.launch().map_err(err)?;
+            b.record().map_err(err)?;
+            times.push(a.elapsed_ms(&b).map_err(err)? as f64);
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        Ok(times[times.len() / 2])
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
@@ -417,19 +576,41 @@ impl CudaExecutor {
     fn step(&mut self, slot: usize, token: u32, uniform: f32) -> Result<()> {
         let vocab = self.config.vocab_size;
         if token as usize >= vocab {
-            return Err(Error::InvalidArgument(format!("token {token} is outside the vocabulary of {vocab}")));
+            return Err(Error::InvalidArgument(format!(
+                "token {token} is outside the vocabulary of {vocab}"
+            )));
         }
         let pos = self.slots[slot].len;
         if pos >= self.max_ctx {
-            return Err(Error::InvalidArgument(format!("sequence is full: context of {} reached", self.max_ctx)));
+            return Err(Error::InvalidArgument(format!(
+                "sequence is full: context of {} reached",
+                self.max_ctx
+            )));
         }
-        let state = [token as i32, pos as i32, pos as i32 + 1, uniform.to_bits() as i32];
-        self.slots[slot].state.slice().copy_from_host(&self.device, &state).map_err(err)?;
+        let state = [
+            token as i32,
+            pos as i32,
+            pos as i32 + 1,
+            uniform.to_bits() as i32,
+        ];
+        self.slots[slot]
+            .state
+            .slice()
+            .copy_from_host(&self.device, &state)
+            .map_err(err)?;
         if self.slots[slot].graph.is_none() {
-            let graph = self.device.capture(|| self.queue_step(&self.slots[slot])).map_err(err)?;
+            let graph = self
+                .device
+                .capture(|| self.queue_step(&self.slots[slot]))
+                .map_err(err)?;
             self.slots[slot].graph = Some(graph);
         }
-        self.slots[slot].graph.as_ref().expect("captured above").launch().map_err(err)?;
+        self.slots[slot]
+            .graph
+            .as_ref()
+            .expect("captured above")
+            .launch()
+            .map_err(err)?;
         self.slots[slot].len = pos + 1;
         Ok(())
     }
@@ -450,7 +631,10 @@ impl LayerExecutor for CudaExecutor {
 
     fn new_sequence(&mut self) -> Result<SeqId> {
         let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
-            return Err(Error::InvalidArgument(format!("all {} sequence slots are in use", self.slots.len())));
+            return Err(Error::InvalidArgument(format!(
+                "all {} sequence slots are in use",
+                self.slots.len()
+            )));
         };
         let mut id = self.next_id;
         while self.slots.iter().any(|s| s.id == Some(id)) {
@@ -477,7 +661,9 @@ impl LayerExecutor for CudaExecutor {
         let slot = self.slot_of(seq)?;
         let cur = self.slots[slot].len;
         if len > cur {
-            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {cur} tokens to {len}")));
+            return Err(Error::InvalidArgument(format!(
+                "cannot truncate sequence {seq} of {cur} tokens to {len}"
+            )));
         }
         // Attention reads only positions below the length; later ones are overwritten.
         self.slots[slot].len = len;
@@ -488,10 +674,15 @@ impl LayerExecutor for CudaExecutor {
         let slot = self.slot_of(seq)?;
         let vocab = self.config.vocab_size;
         if tokens.is_empty() {
-            return Err(Error::InvalidArgument("prefill needs at least one token".into()));
+            return Err(Error::InvalidArgument(
+                "prefill needs at least one token".into(),
+            ));
         }
         if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer holds {} values, the vocabulary {vocab}",
+                logits.len()
+            )));
         }
         let start = self.slots[slot].len;
         if start + tokens.len() > self.max_ctx {
@@ -502,27 +693,43 @@ impl LayerExecutor for CudaExecutor {
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!("token {bad} is outside the vocabulary of {vocab}")));
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {vocab}"
+            )));
         }
         // Token by token through the decode graph: correct, not yet a batched GEMM.
         for &t in tokens {
             self.step(slot, t, 0.0)?;
         }
-        self.s.logits.copy_to_host(&self.device, logits).map_err(err)
+        self.s
+            .logits
+            .copy_to_host(&self.device, logits)
+            .map_err(err)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.config.vocab_size;
         check_decode_batch(batch, logits, vocab)?;
-        let slots: Vec<usize> = batch.iter().map(|it| self.slot_of(it.seq)).collect::<Result<_>>()?;
+        let slots: Vec<usize> = batch
+            .iter()
+            .map(|it| self.slot_of(it.seq))
+            .collect::<Result<_>>()?;
         for (i, (it, &slot)) in batch.iter().zip(&slots).enumerate() {
             self.step(slot, it.token, 0.0)?;
-            self.s.logits.copy_to_host(&self.device, &mut logits[i * vocab..(i + 1) * vocab]).map_err(err)?;
+            self.s
+                .logits
+                .copy_to_host(&self.device, &mut logits[i * vocab..(i + 1) * vocab])
+                .map_err(err)?;
         }
         Ok(())
     }
 
-    fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
+    fn decode_sample(
+        &mut self,
+        batch: &[DecodeItem],
+        samplers: &mut [Sampler],
+        tokens: &mut [u32],
+    ) -> Result<()> {
         if samplers.len() != batch.len() || tokens.len() != batch.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} items need as many samplers ({}) and token slots ({})",
@@ -532,10 +739,17 @@ impl LayerExecutor for CudaExecutor {
             )));
         }
         let vocab = self.config.vocab_size;
-        let slots: Vec<usize> = batch.iter().map(|it| self.slot_of(it.seq)).collect::<Result<_>>()?;
+        let slots: Vec<usize> = batch
+            .iter()
+            .map(|it| self.slot_of(it.seq))
+            .collect::<Result<_>>()?;
         let mut out = [0i32];
         let mut host_logits: Vec<f32> = Vec::new();
-        for ((it, &slot), (sampler, token)) in batch.iter().zip(&slots).zip(samplers.iter_mut().zip(tokens.iter_mut())) {
+        for ((it, &slot), (sampler, token)) in batch
+            .iter()
+            .zip(&slots)
+            .zip(samplers.iter_mut().zip(tokens.iter_mut()))
+        {
             let p = &sampler.params;
             let greedy = p.is_greedy() && p.repeat_penalty == 1.0;
             let on_device = greedy || Kernels::can_sample(vocab, p);
@@ -543,21 +757,41 @@ impl LayerExecutor for CudaExecutor {
                 // Settings the device sampler lacks: logits come down, the host samples.
                 self.step(slot, it.token, 0.0)?;
                 host_logits.resize(vocab, 0.0);
-                self.s.logits.copy_to_host(&self.device, &mut host_logits).map_err(err)?;
+                self.s
+                    .logits
+                    .copy_to_host(&self.device, &mut host_logits)
+                    .map_err(err)?;
                 *token = sampler.sample(&mut host_logits);
                 continue;
             }
             let uniform = if greedy { 0.0 } else { sampler.rng.next_f32() };
             self.step(slot, it.token, uniform)?;
             if greedy {
-                self.k.argmax(self.s.logits, self.s.keys, self.s.token_out).map_err(err)?;
-            } else {
-                let u = self.slots[slot].state.slice().sub(3, 1).and_then(|s| s.cast::<f32>()).map_err(err)?;
                 self.k
-                    .sample(self.s.logits, &sampler.params, self.s.cand, self.s.rng, Some(u), self.s.token_out)
+                    .argmax(self.s.logits, self.s.keys, self.s.token_out)
+                    .map_err(err)?;
+            } else {
+                let u = self.slots[slot]
+                    .state
+                    .slice()
+                    .sub(3, 1)
+                    .and_then(|s| s.cast::<f32>())
+                    .map_err(err)?;
+                self.k
+                    .sample(
+                        self.s.logits,
+                        &sampler.params,
+                        self.s.cand,
+                        self.s.rng,
+                        Some(u),
+                        self.s.token_out,
+                    )
                     .map_err(err)?;
             }
-            self.s.token_out.copy_to_host(&self.device, &mut out).map_err(err)?;
+            self.s
+                .token_out
+                .copy_to_host(&self.device, &mut out)
+                .map_err(err)?;
             *token = out[0] as u32;
             sampler.accept(*token);
         }

@@ -69,11 +69,20 @@ impl Backend for CudaQ4kBackend {
         if let Err(reason) = executor::check_model(model) {
             return Support::No { reason };
         }
-        let kquant = model.matrix_qtypes().iter().any(|q| matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K));
+        let kquant = model
+            .matrix_qtypes()
+            .iter()
+            .any(|q| matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K));
         if kquant {
-            Support::Yes { score: 100, note: "K-quant model on the GPU".into() }
+            Support::Yes {
+                score: 100,
+                note: "K-quant model on the GPU".into(),
+            }
         } else {
-            Support::Yes { score: 60, note: "runs on the GPU, but is tuned for K-quant mixes".into() }
+            Support::Yes {
+                score: 60,
+                note: "runs on the GPU, but is tuned for K-quant mixes".into(),
+            }
         }
     }
 
