@@ -5,38 +5,48 @@
 // can be read with aligned vector loads: `q` holds the int8 values (32 per block, rows
 // padded to whole blocks with zeros) and `ds` one float2 per block: (d, d * sum(q)).
 
-// One block of threads per row. `w` may be null (no scaling: plain quantisation), `eps < 0`
-// disables the normalisation itself; `y` (the f32 result) and `q`/`ds` may each be null.
+// Grid (ceil(blocks / warps per block), rows): each warp quantises one 32-value block, so a
+// long row is spread over many SMs. With normalisation every block of threads computes
+// the row's sum of squares itself (the row is read from L2 a few times over) rather than
+// waiting on another launch. `w` may be null (no scaling: plain quantisation), `eps < 0`
+// disables the normalisation; `y` (the f32 result) and `q`/`ds` may each be null.
 extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                         float* __restrict__ y, i8* __restrict__ q, float2* __restrict__ ds, int n) {
     __shared__ float scratch[32];
-    const int row = blockIdx.x;
+    const int row = blockIdx.y;
     const int nblk = (n + 31) >> 5;
     x += (size_t)row * n;
     float scale = 1.0f;
     if (eps >= 0.0f) {
         float ss = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+        if ((n & 3) == 0) {
+            for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+                const float4 v = ((const float4*)x)[i];
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        } else {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+        }
         ss = block_sum(ss, scratch);
         scale = rsqrtf(ss / (float)n + eps);
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (int b = warp; b < nblk; b += nwarps) {
-        const int i = b * 32 + lane;
-        float v = 0.0f;
-        if (i < n) {
-            v = x[i] * scale;
-            if (w) v *= w[i];
-            if (y) y[(size_t)row * n + i] = v;
-        }
-        if (q) {
-            const float amax = warp_max(fabsf(v));
-            const float d = amax / 127.0f;
-            const int qi = amax == 0.0f ? 0 : __float2int_rn(v / d);
-            q[(size_t)row * nblk * 32 + i] = (i8)qi;
-            const int sum = warp_sum_i(qi);
-            if (lane == 0) ds[(size_t)row * nblk + b] = make_float2(d, d * (float)sum);
-        }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int b = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (b >= nblk) return;
+    const int i = b * 32 + lane;
+    float v = 0.0f;
+    if (i < n) {
+        v = x[i] * scale;
+        if (w) v *= w[i];
+        if (y) y[(size_t)row * n + i] = v;
+    }
+    if (q) {
+        const float amax = warp_max(fabsf(v));
+        const float d = amax / 127.0f;
+        const int qi = amax == 0.0f ? 0 : __float2int_rn(v / d);
+        q[(size_t)row * nblk * 32 + i] = (i8)qi;
+        const int sum = warp_sum_i(qi);
+        if (lane == 0) ds[(size_t)row * nblk + b] = make_float2(d, d * (float)sum);
     }
 }
 

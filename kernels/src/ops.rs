@@ -165,7 +165,7 @@ impl Kernels {
             q.ds.check_len(rows * nblk, "Q8_1 scales")?;
         }
         let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
-        let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        const WARPS: usize = 8;
         let mut args = Args::new()
             .ptr(x.ptr())
             .ptr(opt(w))
@@ -174,11 +174,14 @@ impl Kernels {
             .ptr(q8.map_or(0, |q| q.q.ptr()))
             .ptr(q8.map_or(0, |q| q.ds.ptr()))
             .i32(n as i32);
+        // One warp per 32-value block, WARPS warps per block of threads, a grid row per row.
+        let cfg = LaunchConfig {
+            grid: (nblk.div_ceil(WARPS) as u32, rows as u32, 1),
+            block: (32 * WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        };
         // SAFETY: sizes checked above; the kernel touches rows * n inputs and outputs.
-        unsafe {
-            self.device
-                .launch(f, LaunchConfig::linear(rows as u32, threads), &mut args)
-        }
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     fn gemv_name(
