@@ -80,6 +80,19 @@ fn find_nvrtc() -> Result<String, String> {
 }
 
 fn preload(file: &Path) -> Result<(), String> {
+    // libnvrtc opens its builtins library by name at compile time; some builds (the 13.0
+    // wheel) carry no run path to find it beside them, so load it from there first.
+    if let Some(dir) = file.parent() {
+        for builtins in read_dir_sorted(dir) {
+            let name = builtins.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.starts_with("libnvrtc-builtins.so") {
+                // SAFETY: as below; a failure here surfaces later as a compile error.
+                if let Ok(lib) = unsafe { libloading::Library::new(&builtins) } {
+                    std::mem::forget(lib);
+                }
+            }
+        }
+    }
     // SAFETY: libnvrtc's initialisers have no preconditions.
     let lib = unsafe { libloading::Library::new(file) }
         .map_err(|e| format!("{}: {e}", file.display()))?;
