@@ -47,7 +47,7 @@ fn main() -> Result<()> {
     let dev = match Device::new(0) {
         Ok(d) => d,
         Err(e) => {
-            println!("skipped: no CUDA driver ({e})");
+            println!("skipped: {e}");
             return Ok(());
         }
     };
@@ -84,7 +84,7 @@ fn main() -> Result<()> {
     println!(
         "copy roofline: {:.0} GB/s ({} MiB read + written in {:.3} ms)",
         roofline,
-        2 * size >> 20,
+        (2 * size) >> 20,
         ms
     );
     drop((src, dst, g));

@@ -22,19 +22,10 @@ unsafe impl Sync for Function {}
 
 /// Kernel arguments, copied into fixed slots so their addresses stay valid for the launch.
 /// Every kiln kernel parameter is a device pointer, an `int` or a `float`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Args {
     slots: [u64; 24],
     n: usize,
-}
-
-impl Default for Args {
-    fn default() -> Self {
-        Args {
-            slots: [0; 24],
-            n: 0,
-        }
-    }
 }
 
 impl Args {

@@ -343,6 +343,7 @@ impl Kernels {
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
         a: &RopeArgs,

@@ -28,7 +28,7 @@ fn gpu() -> Option<MutexGuard<'static, Gpu>> {
     match g {
         Ok(m) => Some(m.lock().unwrap_or_else(|p| p.into_inner())),
         Err(why) => {
-            println!("skipped: no CUDA driver ({why})");
+            println!("skipped: {why}");
             None
         }
     }

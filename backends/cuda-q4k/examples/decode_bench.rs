@@ -182,7 +182,7 @@ fn main() {
         .collect();
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
-            println!("skipped: no CUDA driver ({why})");
+            println!("skipped: {why}");
             return;
         }
         None => Device::new(0).expect("device"),
