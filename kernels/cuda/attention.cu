@@ -103,22 +103,32 @@ ATTN_ENTRY(6)
 ATTN_ENTRY(7)
 ATTN_ENTRY(8)
 
-// One block per head, one thread per element of the head.
+// One block per head, one thread per element of the head (blockDim == hd). With `q` and
+// `ds` it also writes the output as Q8_1 (32-value blocks never straddle heads), sparing
+// the output projection's input a separate quantisation launch.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
                                         const int* __restrict__ len_ptr, int split, int nsplit, int hd,
-                                        float* __restrict__ out) {
-    const int head = blockIdx.x;
+                                        float* __restrict__ out, i8* __restrict__ q, float2* __restrict__ ds) {
+    const int head = blockIdx.x, d = threadIdx.x;
     const int n = min(nsplit, (*len_ptr + split - 1) / split);
     float M = -INFINITY;
     for (int s = 0; s < n; ++s) M = fmaxf(M, part_ml[(size_t)head * nsplit + s].x);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f, L = 0.0f;
-        for (int s = 0; s < n; ++s) {
-            const float2 ml = part_ml[(size_t)head * nsplit + s];
-            const float w = expf(ml.x - M);
-            L += ml.y * w;
-            o += part_o[((size_t)head * nsplit + s) * hd + d] * w;
-        }
-        out[(size_t)head * hd + d] = o / L;
+    float o = 0.0f, L = 0.0f;
+    for (int s = 0; s < n; ++s) {
+        const float2 ml = part_ml[(size_t)head * nsplit + s];
+        const float w = expf(ml.x - M);
+        L += ml.y * w;
+        o += part_o[((size_t)head * nsplit + s) * hd + d] * w;
+    }
+    const float v = o / L;
+    const size_t i = (size_t)head * hd + d;
+    out[i] = v;
+    if (q) {
+        const float amax = warp_max(fabsf(v));
+        const float dq = amax / 127.0f;
+        const int qi = amax == 0.0f ? 0 : __float2int_rn(v / dq);
+        q[i] = (i8)qi;
+        const int sum = warp_sum_i(qi);
+        if ((d & 31) == 0) ds[i / 32] = make_float2(dq, dq * (float)sum);
     }
 }

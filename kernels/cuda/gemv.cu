@@ -327,7 +327,8 @@ static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(
 template <int T, bool Q, int R, int S, bool SWIGLU>
 static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__ x, const i8* __restrict__ xq,
                                             const float2* __restrict__ xds, const float* __restrict__ bias,
-                                            const float* residual, float* y, int nrows, int K) {
+                                            const float* residual, float* y, int nrows, int K, i8* __restrict__ yq,
+                                            float2* __restrict__ yds, u32* __restrict__ counters) {
     // `residual` may be `y` itself (x += W·a): each output is read, then written, by one thread.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = warp / S, part = warp % S;
@@ -373,19 +374,20 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
             }
         }
         __syncthreads();
-        if (part != 0) return;
+        if (part == 0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float a = 0.0f, b = 0.0f;
-            for (int p = 0; p < S; ++p) {
-                a += red[warp + p][0][r];
-                b += red[warp + p][1][r];
+            for (int r = 0; r < R; ++r) {
+                float a = 0.0f, b = 0.0f;
+                for (int p = 0; p < S; ++p) {
+                    a += red[warp + p][0][r];
+                    b += red[warp + p][1][r];
+                }
+                acc[r] = a;
+                acc2[r] = b;
             }
-            acc[r] = a;
-            acc2[r] = b;
         }
     }
-    if (lane < R && row0 + lane < nrows) {
+    if (part == 0 && lane < R && row0 + lane < nrows) {
         float v = 0.0f, v2 = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -401,6 +403,35 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
             if (residual) v += residual[row];
         }
         y[row] = v;
+    }
+    if (SWIGLU && yq) {
+        // Q8_1 of the output, for the next GEMV, without another launch: a block's rows lie
+        // in one 32-row group (rows per block divides 32); the last block to finish a group
+        // (counted in `counters`, which it leaves at zero for the next launch) quantises it.
+        constexpr int RB = (4 / S) * R;
+        __shared__ int is_last;
+        __threadfence();
+        __syncthreads();
+        const int g = blockIdx.x * RB / 32;
+        if (threadIdx.x == 0) {
+            const int end = min(g * 32 + 32, nrows);
+            const u32 expected = (u32)((end - g * 32 + RB - 1) / RB);
+            const u32 prev = atomicAdd(&counters[g], 1u);
+            is_last = prev + 1 == expected;
+            if (is_last) counters[g] = 0;
+        }
+        __syncthreads();
+        if (is_last && warp == 0) {
+            __threadfence();
+            const int i = g * 32 + lane;
+            const float v = i < nrows ? ((volatile const float*)y)[i] : 0.0f;
+            const float amax = warp_max(fabsf(v));
+            const float d = amax / 127.0f;
+            const int qi = amax == 0.0f ? 0 : __float2int_rn(v / d);
+            yq[i] = (i8)qi;
+            const int sum = warp_sum_i(qi);
+            if (lane == 0) yds[g] = make_float2(d, d * (float)sum);
+        }
     }
 }
 
@@ -449,13 +480,14 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
         const u8* body, const u32* qh, const u8* sc, const float* x, const i8* xq, const float2* xds,                  \
         const float* bias, const float* residual, float* y, int nrows, int K) {                                        \
         W w = {body, qh, sc};                                                                                          \
-        gemv<T, Q, R, S, false>(w, w, x, xq, xds, bias, residual, y, nrows, K);                                        \
+        gemv<T, Q, R, S, false>(w, w, x, xq, xds, bias, residual, y, nrows, K, nullptr, nullptr, nullptr);             \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R##_##S(                                       \
         const u8* gbody, const u32* gqh, const u8* gsc, const u8* ubody, const u32* uqh, const u8* usc,                \
-        const float* x, const i8* xq, const float2* xds, float* y, int nrows, int K) {                                 \
+        const float* x, const i8* xq, const float2* xds, float* y, int nrows, int K, i8* yq, float2* yds,               \
+        u32* counters) {                                                                                               \
         W g = {gbody, gqh, gsc}, u = {ubody, uqh, usc};                                                                \
-        gemv<T, Q, R, S, true>(g, u, x, xq, xds, nullptr, nullptr, y, nrows, K);                                       \
+        gemv<T, Q, R, S, true>(g, u, x, xq, xds, nullptr, nullptr, y, nrows, K, yq, yds, counters);                    \
     }
 
 #define GEMV_SPLITS(NAME, T, Q, R) \

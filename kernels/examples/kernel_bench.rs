@@ -283,6 +283,7 @@ fn main() -> Result<()> {
                         part_o.slice(),
                         part_ml.slice(),
                         out.slice(),
+                        None,
                     )?;
                 }
                 Ok(())

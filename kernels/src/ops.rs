@@ -298,7 +298,9 @@ impl Kernels {
         }
     }
 
-    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward.
+    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward. With
+    /// `q8_out` the kernel also writes y as Q8_1 (for the down projection); its counters
+    /// (one u32 per 32 rows) must be zero before the first launch and are left zero.
     pub fn swiglu(
         &self,
         gate: &DeviceWeight,
@@ -307,6 +309,7 @@ impl Kernels {
         path: GemvPath,
         tiling: GemvTiling,
         y: DevSlice<f32>,
+        q8_out: Option<(Q8Act, DevSlice<u32>)>,
     ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
             return Err(invalid(format!(
@@ -317,6 +320,12 @@ impl Kernels {
         let (name, dp4a) = Self::gemv_name("swiglu", gate, input, path, tiling)?;
         Self::check_input(gate, input, dp4a)?;
         y.check_len(gate.rows, "SwiGLU output")?;
+        let groups = gate.rows.div_ceil(32);
+        if let Some((q, counters)) = q8_out {
+            q.q.check_len(groups * 32, "SwiGLU Q8_1 output")?;
+            q.ds.check_len(groups, "SwiGLU Q8_1 output scales")?;
+            counters.check_len(groups, "SwiGLU group counters")?;
+        }
         let f = self
             .device
             .function(&Self::gemv_module(gate.qtype)?, &name)?;
@@ -334,7 +343,10 @@ impl Kernels {
             .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
             .ptr(y.ptr())
             .i32(gate.rows as i32)
-            .i32(gate.row_len as i32);
+            .i32(gate.row_len as i32)
+            .ptr(q8_out.map_or(0, |(q, _)| q.q.ptr()))
+            .ptr(q8_out.map_or(0, |(q, _)| q.ds.ptr()))
+            .ptr(q8_out.map_or(0, |(_, c)| c.ptr()));
         // SAFETY: as for gemv.
         unsafe {
             self.device
@@ -414,7 +426,8 @@ impl Kernels {
     }
 
     /// Decode attention of one query per head over positions `0..*len` of the cache.
-    /// `part_o` needs heads·splits·hd floats and `part_ml` heads·splits pairs.
+    /// `part_o` needs heads·splits·hd floats and `part_ml` heads·splits pairs. With
+    /// `out_q8` the output is also written as Q8_1.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -426,6 +439,7 @@ impl Kernels {
         part_o: DevSlice<f32>,
         part_ml: DevSlice<[f32; 2]>,
         out: DevSlice<f32>,
+        out_q8: Option<Q8Act>,
     ) -> Result<()> {
         let hd = a.head_dim;
         if hd % 32 != 0 || hd == 0 || hd > 256 {
@@ -447,6 +461,10 @@ impl Kernels {
         part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
         out.check_len(a.n_heads * hd, "attention output")?;
+        if let Some(q) = out_q8 {
+            q.q.check_len(a.n_heads * hd, "attention Q8_1 output")?;
+            q.ds.check_len(a.n_heads * hd / 32, "attention Q8_1 output scales")?;
+        }
         let e = hd / 32;
         let f = self
             .device
@@ -478,7 +496,9 @@ impl Kernels {
             .i32(a.split as i32)
             .i32(nsplit as i32)
             .i32(hd as i32)
-            .ptr(out.ptr());
+            .ptr(out.ptr())
+            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
         unsafe {
             self.device.launch(
                 f,

@@ -59,6 +59,35 @@ fn q8_buffers(dev: &Arc<Device>, n: usize) -> (DeviceBuffer<i8>, DeviceBuffer<[f
     (q, ds)
 }
 
+/// Checks a Q8_1 copy of `v` (padded to whole 32-blocks): scales as the kernels define them
+/// and every value within half a step.
+fn check_q8(v: &[f32], q: &[i8], ds: &[[f32; 2]], what: &str) {
+    for (b, &[d, sum]) in ds.iter().enumerate() {
+        let block: Vec<f32> = (0..32)
+            .map(|i| v.get(b * 32 + i).copied().unwrap_or(0.0))
+            .collect();
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(
+            (d - amax / 127.0).abs() <= 1e-6 * amax.max(1e-30),
+            "{what}: block {b} scale {d}, amax {amax}"
+        );
+        let mut qsum = 0i32;
+        for (i, &x) in block.iter().enumerate() {
+            let qi = q[b * 32 + i] as i32;
+            qsum += qi;
+            assert!(
+                (qi as f32 * d - x).abs() <= 0.5 * d + 1e-6 * amax,
+                "{what}: value {} is {qi}·{d}, not {x}",
+                b * 32 + i
+            );
+        }
+        assert!(
+            (sum - d * qsum as f32).abs() <= 1e-4 * sum.abs().max(1.0),
+            "{what}: block {b} sum"
+        );
+    }
+}
+
 /// Shapes per type: (row length, rows). Whole-block lengths that are not multiples of
 /// 1024 (a warp's 32 chunks) and row counts that do not fill the last block of rows.
 fn shapes(q: QType) -> Vec<(usize, usize)> {
@@ -188,6 +217,8 @@ fn swiglu_matches_reference() {
             x: xd.slice(),
             q8: Some(q8),
         };
+        // Shared by every launch below: each must leave it zeroed for the next.
+        let counters = DeviceBuffer::<u32>::zeros(&g.dev, n.div_ceil(32)).unwrap();
         for path in [GemvPath::Float, GemvPath::Dp4a] {
             for t in [
                 GemvTiling::new(1, 1),
@@ -195,8 +226,33 @@ fn swiglu_matches_reference() {
                 GemvTiling::new(4, 2),
             ] {
                 let y = poisoned(&g.dev, n);
-                g.k.swiglu(&gw, &uw, &input, path, t, y.slice()).unwrap();
-                let err = rel_err(&y.to_host().unwrap(), &reference);
+                let (yq, yds) = q8_buffers(&g.dev, n);
+                let q8_out = Q8Act {
+                    q: yq.slice(),
+                    ds: yds.slice(),
+                };
+                g.k.swiglu(
+                    &gw,
+                    &uw,
+                    &input,
+                    path,
+                    t,
+                    y.slice(),
+                    Some((q8_out, counters.slice())),
+                )
+                .unwrap();
+                let got = y.to_host().unwrap();
+                check_q8(
+                    &got,
+                    &yq.to_host().unwrap(),
+                    &yds.to_host().unwrap(),
+                    "SwiGLU output",
+                );
+                assert!(
+                    counters.to_host().unwrap().iter().all(|&c| c == 0),
+                    "SwiGLU left its counters non-zero"
+                );
+                let err = rel_err(&got, &reference);
                 let tol = if path == GemvPath::Float || !q.is_quantized() {
                     5e-5
                 } else {
@@ -435,6 +491,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             let qd = buf(&g.dev, &q);
             let lend = buf(&g.dev, &[len as i32]);
             let out = poisoned(&g.dev, n_heads * hd);
+            let (oq, ods) = q8_buffers(&g.dev, n_heads * hd);
             let scale = 1.0 / (hd as f32).sqrt();
             let a = AttnArgs {
                 n_heads,
@@ -453,9 +510,19 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 part_o.slice(),
                 part_ml.slice(),
                 out.slice(),
+                Some(Q8Act {
+                    q: oq.slice(),
+                    ds: ods.slice(),
+                }),
             )
             .unwrap();
             let got = out.to_host().unwrap();
+            check_q8(
+                &got,
+                &oq.to_host().unwrap(),
+                &ods.to_host().unwrap(),
+                "attention output",
+            );
             for h in 0..n_heads {
                 let kvh = h / ratio;
                 let qh = &q[h * hd..(h + 1) * hd];

@@ -224,9 +224,9 @@ fn main() {
         let graph_ms = ex.step_device_ms(seq, 21).unwrap();
         let bytes = step_bytes(&ir);
         let gbps = bytes as f64 * n as f64 / dt / 1e9;
-        // embed + 11 per layer (norm, QKV, rope, attention x2, quantise, O, norm, SwiGLU,
-        // quantise, down) + final norm + LM head.
-        let kernels = 1 + 11 * s.layers + 2;
+        // embed + 9 per layer (norm, QKV, rope, attention x2, O, norm, SwiGLU, down) + final
+        // norm + LM head.
+        let kernels = 1 + 9 * s.layers + 2;
         println!(
             "| {} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,

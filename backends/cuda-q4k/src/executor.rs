@@ -113,6 +113,10 @@ struct Scratch {
     x: DevSlice<f32>,
     xn: DevSlice<f32>,
     q8: Q8Act,
+    /// The SwiGLU output's Q8_1 copy (the kernel writing it still reads `q8`).
+    q8_ffn: Q8Act,
+    /// Per 32 FFN rows, the SwiGLU kernel's completion counter (zero between launches).
+    counters: DevSlice<u32>,
     qkv: DevSlice<f32>,
     q: DevSlice<f32>,
     attn: DevSlice<f32>,
@@ -332,6 +336,9 @@ impl CudaExecutor {
             (widest, 4),
             (widest, 1),
             (widest / 32, 8),
+            (ffn.div_ceil(32) * 32, 1),
+            (ffn.div_ceil(32), 8),
+            (ffn.div_ceil(32), 4),
             (qd + 2 * kvd, 4),
             (qd, 4),
             (qd, 4),
@@ -352,6 +359,11 @@ impl CudaExecutor {
                 q: ws.take(widest).map_err(err)?,
                 ds: ws.take(widest / 32).map_err(err)?,
             },
+            q8_ffn: Q8Act {
+                q: ws.take(ffn.div_ceil(32) * 32).map_err(err)?,
+                ds: ws.take(ffn.div_ceil(32)).map_err(err)?,
+            },
+            counters: ws.take(ffn.div_ceil(32)).map_err(err)?,
             qkv: ws.take(qd + 2 * kvd).map_err(err)?,
             q: ws.take(qd).map_err(err)?,
             attn: ws.take(qd).map_err(err)?,
@@ -364,6 +376,8 @@ impl CudaExecutor {
             rng: ws.take(1).map_err(err)?,
             token_out: ws.take(1).map_err(err)?,
         };
+        // Zero everything once: the SwiGLU counters must start at zero.
+        ws.fill_bytes(0).map_err(err)?;
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
@@ -417,7 +431,7 @@ impl CudaExecutor {
     fn queue_step(&self, slot: &Slot) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
-        let (h, qd, ffn, hd) = (c.hidden_size, c.q_dim(), c.ffn_size, c.head_dim);
+        let (h, hd) = (c.hidden_size, c.head_dim);
         let state = slot.state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
         let xn_h = s.xn.sub(0, h)?;
@@ -472,8 +486,17 @@ impl CudaExecutor {
                 split: self.split,
                 scale: 1.0 / (hd as f32).sqrt(),
             };
-            k.attention(&attn, s.q, kc, vc, len, s.part_o, s.part_ml, s.attn)?;
-            k.rmsnorm_q8_1(s.attn, 1, qd, None, None, None, Some(s.q8))?;
+            k.attention(
+                &attn,
+                s.q,
+                kc,
+                vc,
+                len,
+                s.part_o,
+                s.part_ml,
+                s.attn,
+                Some(s.q8),
+            )?;
             let input = GemvInput {
                 x: s.attn,
                 q8: Some(s.q8),
@@ -503,11 +526,11 @@ impl CudaExecutor {
                 self.path,
                 Self::tiling(&l.gate),
                 s.ffn,
+                Some((s.q8_ffn, s.counters)),
             )?;
-            k.rmsnorm_q8_1(s.ffn, 1, ffn, None, None, None, Some(s.q8))?;
             let input = GemvInput {
                 x: s.ffn,
-                q8: Some(s.q8),
+                q8: Some(s.q8_ffn),
             };
             k.gemv(
                 &l.down,
