@@ -188,8 +188,8 @@ fn main() {
         None => Device::new(0).expect("device"),
     };
     let mut rng = Rng::new(7);
-    println!("| model | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| model | FFN Q8_1 | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for s in SPECS
         .iter()
         .filter(|s| chosen.is_empty() || chosen.contains(&s.name))
@@ -203,38 +203,43 @@ fn main() {
         };
         let mut ex = CudaExecutor::load(&dev, &ir, &options).expect("load");
         let load_s = t0.elapsed().as_secs_f64();
-        let seq = ex.new_sequence().unwrap();
-        let mut logits = vec![0f32; s.vocab];
-        ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
-        let mut sampler = [Sampler::new(SamplingParams::greedy())];
-        let mut tok = [5u32];
-        // Warm-up steps (graph capture happened in prefill).
-        for _ in 0..8 {
-            let t = tok[0];
-            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
-                .unwrap();
-        }
-        let t0 = Instant::now();
-        for _ in 0..n {
-            let t = tok[0];
-            ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
-                .unwrap();
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        let graph_ms = ex.step_device_ms(seq, 21).unwrap();
-        let bytes = step_bytes(&ir);
-        let gbps = bytes as f64 * n as f64 / dt / 1e9;
-        // embed + 9 per layer (norm, QKV, rope, attention x2, O, norm, SwiGLU, down) + final
-        // norm + LM head.
-        let kernels = 1 + 9 * s.layers + 2;
-        println!(
-            "| {} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
+        for fused in [true, false] {
+            ex.set_fused_ffn_q8(fused);
+            let seq = ex.new_sequence().unwrap();
+            let mut logits = vec![0f32; s.vocab];
+            ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
+            let mut sampler = [Sampler::new(SamplingParams::greedy())];
+            let mut tok = [5u32];
+            // Warm-up steps (graph capture happened in prefill).
+            for _ in 0..8 {
+                let t = tok[0];
+                ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                    .unwrap();
+            }
+            let t0 = Instant::now();
+            for _ in 0..n {
+                let t = tok[0];
+                ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                    .unwrap();
+            }
+            let dt = t0.elapsed().as_secs_f64();
+            let graph_ms = ex.step_device_ms(seq, 21).unwrap();
+            let bytes = step_bytes(&ir);
+            let gbps = bytes as f64 * n as f64 / dt / 1e9;
+            // embed + 9 per layer (norm, QKV, rope, attention x2, O, norm, SwiGLU, down) + final
+            // norm + LM head.
+            let kernels = 1 + (9 + !fused as usize) * s.layers + 2;
+            println!(
+            "| {} | {} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,
+            if fused { "in SwiGLU" } else { "own launch" },
             bytes as f64 / 1e6,
             n as f64 / dt,
             dt * 1e3 / n as f64,
             100.0 * gbps / 3950.0,
             bytes as f64 / (graph_ms * 1e-3) / 1e9
         );
+            ex.free_sequence(seq).unwrap();
+        }
     }
 }

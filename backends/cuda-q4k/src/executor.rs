@@ -138,6 +138,8 @@ pub struct CudaExecutor {
     split: usize,
     path: GemvPath,
     head_path: GemvPath,
+    /// SwiGLU writes its Q8_1 output itself instead of a separate quantise launch.
+    fused_ffn_q8: bool,
     embd: DeviceWeight,
     lm_head: Option<DeviceWeight>,
     out_norm: DeviceBuffer<f32>,
@@ -396,6 +398,9 @@ impl CudaExecutor {
             split,
             path: GemvPath::Dp4a,
             head_path: GemvPath::Dp4a,
+            // Measured slower than a separate launch on every shape tried (H200, 2026-11-30:
+            // 8B 361 vs 372 tok/s, 1B 1107 vs 1130, SmolLM2 978 vs 986).
+            fused_ffn_q8: false,
             embd,
             lm_head,
             out_norm,
@@ -414,6 +419,16 @@ impl CudaExecutor {
     pub fn set_gemv_paths(&mut self, layers: GemvPath, head: GemvPath) {
         self.path = layers;
         self.head_path = head;
+        for s in &mut self.slots {
+            s.graph = None;
+        }
+    }
+
+    /// Whether the SwiGLU kernel quantises its own output (saves a launch per layer, but
+    /// costs every block a fence, a barrier and an atomic; off by default, as measured
+    /// slower). Graphs are re-captured at the next step.
+    pub fn set_fused_ffn_q8(&mut self, on: bool) {
+        self.fused_ffn_q8 = on;
         for s in &mut self.slots {
             s.graph = None;
         }
@@ -519,18 +534,33 @@ impl CudaExecutor {
                 Some(xn_h),
                 Some(s.q8),
             )?;
-            k.swiglu(
-                &l.gate,
-                &l.up,
-                &input_h,
-                self.path,
-                Self::tiling(&l.gate),
-                s.ffn,
-                Some((s.q8_ffn, s.counters)),
-            )?;
+            let ffn_q8 = if self.fused_ffn_q8 {
+                k.swiglu(
+                    &l.gate,
+                    &l.up,
+                    &input_h,
+                    self.path,
+                    Self::tiling(&l.gate),
+                    s.ffn,
+                    Some((s.q8_ffn, s.counters)),
+                )?;
+                s.q8_ffn
+            } else {
+                k.swiglu(
+                    &l.gate,
+                    &l.up,
+                    &input_h,
+                    self.path,
+                    Self::tiling(&l.gate),
+                    s.ffn,
+                    None,
+                )?;
+                k.rmsnorm_q8_1(s.ffn, 1, c.ffn_size, None, None, None, Some(s.q8_ffn))?;
+                s.q8_ffn
+            };
             let input = GemvInput {
                 x: s.ffn,
-                q8: Some(s.q8_ffn),
+                q8: Some(ffn_q8),
             };
             k.gemv(
                 &l.down,

@@ -222,6 +222,8 @@ fn decode_logits_match_the_cpu_backend() {
         for (name, layers, head, floor) in variants {
             let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
             gpu.set_gemv_paths(layers, head);
+            // The fused SwiGLU quantisation is off by default; check it on the dp4a run.
+            gpu.set_fused_ffn_q8(name == "dp4a");
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();
             let vocab = shape.vocab;
