@@ -34,7 +34,7 @@ run)
     for t in .gpu/*; do
         name=$(basename "$t")
         case "$name" in kernel_bench | decode_bench) continue ;; esac
-        if "$t" --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
+        if KILN_REQUIRE_GPU=1 "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
             summary+=("$name: $(grep -E '^test result' "$out/test-$name.log" | tail -1)")
         else
             status=1

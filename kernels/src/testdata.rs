@@ -147,3 +147,19 @@ pub fn gaussian_weights(
     }
     Ok(out)
 }
+
+/// Name of the variable that makes a missing GPU a test failure instead of a skip. The GPU
+/// suite (scripts/gpu_suite.sh) sets it, so a broken driver on the GPU machine cannot pass
+/// as "skipped".
+pub const REQUIRE_GPU_ENV: &str = "KILN_REQUIRE_GPU";
+
+/// Reports that a test cannot run here: on the real stderr (libtest captures `println!`,
+/// which would hide the skip in a passing test's output), or as a panic when
+/// `KILN_REQUIRE_GPU` is set.
+pub fn skip(why: &str) {
+    use std::io::Write;
+    if std::env::var_os(REQUIRE_GPU_ENV).is_some() {
+        panic!("{REQUIRE_GPU_ENV} is set but the test cannot run: {why}");
+    }
+    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
+}

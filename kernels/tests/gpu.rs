@@ -1,6 +1,7 @@
 //! Kernel tests on a real GPU, each against a CPU reference on fresh random data, with
-//! every output poisoned (NaN) before the launch. Without a CUDA driver each test prints
-//! "skipped: no CUDA driver" and passes.
+//! every output poisoned (NaN) before the launch. They are `#[ignore]`d so a machine without
+//! a GPU (CI) lists them as ignored, never as passed; scripts/gpu_suite.sh runs them with
+//! `--include-ignored` and `KILN_REQUIRE_GPU=1`, which turns a missing device into a failure.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -28,7 +29,7 @@ fn gpu() -> Option<MutexGuard<'static, Gpu>> {
     match g {
         Ok(m) => Some(m.lock().unwrap_or_else(|p| p.into_inner())),
         Err(why) => {
-            println!("skipped: {why}");
+            kiln_kernels::testdata::skip(&why);
             None
         }
     }
@@ -99,6 +100,7 @@ fn shapes(q: QType) -> Vec<(usize, usize)> {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gemv_every_type_path_and_shape_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemv");
@@ -178,6 +180,7 @@ fn gemv_every_type_path_and_shape_matches_reference() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn swiglu_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("swiglu");
@@ -265,6 +268,7 @@ fn swiglu_matches_reference() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn rmsnorm_and_q8_1_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rmsnorm");
@@ -374,6 +378,7 @@ fn rope_ref(
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn rope_and_kv_write_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rope");
@@ -462,6 +467,7 @@ fn rope_and_kv_write_match_reference() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn attention_matches_reference_across_contexts_and_gqa() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("attention");
@@ -557,6 +563,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn argmax_matches_host_with_ties_and_nan() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("argmax");
@@ -583,6 +590,7 @@ fn argmax_matches_host_with_ties_and_nan() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn device_sampling_follows_the_host_sampler() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("sample");
@@ -636,6 +644,7 @@ fn device_sampling_follows_the_host_sampler() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn captured_graph_replays_with_new_inputs() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("graph");
@@ -689,6 +698,7 @@ fn captured_graph_replays_with_new_inputs() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn embedding_lookup_matches_reference_dequantisation() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("embed");

@@ -5,7 +5,7 @@
 fn missing_driver_is_an_error_not_a_panic() {
     match kiln_kernels::unavailable_reason() {
         Some(why) => {
-            println!("skipped: {why}");
+            println!("no driver: {why}");
             let err = kiln_kernels::Device::new(0).expect_err("no driver, yet a device opened");
             assert!(!err.to_string().is_empty());
         }
