@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 cargo build --release --bin kiln
 if command -v python3 >/dev/null 2>&1; then
   ./target/release/kiln inspect >/dev/null || echo "warning: the default model could not be fetched; real-model tests will be skipped"
+  # libnvrtc (no GPU needed) so every CUDA kernel is compile-checked for sm_80 and sm_90.
+  python3 -m pip install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc>=13.0,<14" \
+    || echo "warning: nvidia-cuda-nvrtc could not be installed; the kernel compile check will be skipped"
 fi
 
 cargo test --workspace --release "$@"
