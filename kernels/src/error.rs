@@ -22,6 +22,12 @@ pub enum KernelError {
     /// A driver call failed; `what` says which operation.
     #[error("CUDA {what}: {source}")]
     Driver { what: String, source: DriverError },
+    /// No cuBLAS library (needed by the batched prefill only).
+    #[error("no cuBLAS: {0}")]
+    NoCublas(String),
+    /// A cuBLAS call failed.
+    #[error("cuBLAS {what}: {status}")]
+    Blas { what: String, status: String },
     #[error("out of device memory allocating {bytes} bytes")]
     OutOfMemory { bytes: usize },
     #[error("invalid argument: {0}")]

@@ -15,17 +15,22 @@ pub mod buffer;
 pub mod compile;
 pub mod device;
 pub mod error;
+pub mod gemm;
 pub mod kv;
 pub mod libs;
 pub mod ops;
 pub mod repack;
+pub mod roofline;
 pub mod testdata;
 
 pub use buffer::{DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};
+pub use gemm::Blas;
 pub use kv::KvCache;
-pub use ops::{AttnArgs, GemvInput, GemvPath, GemvTiling, Kernels, Q8Act, RopeArgs};
+pub use ops::{
+    AttnArgs, GemvInput, GemvPath, GemvTiling, Kernels, PrefillAttnArgs, Q8Act, RopeArgs,
+};
 pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.

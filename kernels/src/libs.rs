@@ -79,6 +79,81 @@ fn find_nvrtc() -> Result<String, String> {
     Err(why)
 }
 
+/// Where cuBLAS was found (`Ok(description)`), or why it was not. Cached. Looked for at
+/// `KILN_CUBLAS` (file or directory), on the loader path, then in the places NVRTC is
+/// looked for; a copy found by path is loaded (after its `libcublasLt` neighbour, which it
+/// needs and may have no run path to find) and kept loaded, so cudarc's load by soname
+/// resolves to it.
+pub fn cublas_status() -> Result<String, String> {
+    static STATUS: OnceLock<Result<String, String>> = OnceLock::new();
+    STATUS.get_or_init(find_cublas).clone()
+}
+
+fn find_cublas() -> Result<String, String> {
+    const NAMES: [&str; 2] = ["libcublas.so.13", "libcublas.so"];
+    let mut dirs = Vec::new();
+    if let Some(path) = std::env::var_os("KILN_CUBLAS") {
+        let path = PathBuf::from(path);
+        if path.is_file() {
+            return preload_cublas(&path).map(|_| format!("{} (KILN_CUBLAS)", path.display()));
+        }
+        dirs.push(path);
+    } else {
+        // SAFETY: loading libcublas runs only its initialisers; nothing else is called.
+        if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Ok("libcublas from the loader path".into());
+        }
+    }
+    dirs.extend(candidate_dirs());
+    let mut tried = Vec::new();
+    for dir in dirs {
+        for name in NAMES {
+            let f = dir.join(name);
+            if f.exists() {
+                match preload_cublas(&f) {
+                    Ok(()) => return Ok(f.display().to_string()),
+                    Err(e) => tried.push(e),
+                }
+            }
+        }
+    }
+    let mut why = "libcublas.so.13 not found on the loader path, in /usr/local/cuda or in a Python \
+                   environment's nvidia-cublas package; set KILN_CUBLAS to its path"
+        .to_string();
+    if !tried.is_empty() {
+        why.push_str(&format!(" (found but unusable: {})", tried.join("; ")));
+    }
+    Err(why)
+}
+
+fn preload_cublas(file: &Path) -> Result<(), String> {
+    if let Some(dir) = file.parent() {
+        for lt in ["libcublasLt.so.13", "libcublasLt.so"] {
+            let p = dir.join(lt);
+            if p.exists() {
+                // SAFETY: as below; a failure surfaces when libcublas itself is loaded.
+                if let Ok(lib) = unsafe { libloading::Library::new(&p) } {
+                    std::mem::forget(lib);
+                    break;
+                }
+            }
+        }
+    }
+    // SAFETY: libcublas's initialisers have no preconditions.
+    let lib = unsafe { libloading::Library::new(file) }
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    std::mem::forget(lib);
+    // SAFETY: as above.
+    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} loaded but its soname does not resolve",
+            file.display()
+        ))
+    }
+}
+
 fn preload(file: &Path) -> Result<(), String> {
     // libnvrtc opens its builtins library by name at compile time; some builds (the 13.0
     // wheel) carry no run path to find it beside them, so load it from there first.

@@ -690,3 +690,268 @@ pub struct AttnArgs {
     /// Usually 1/sqrt(head_dim).
     pub scale: f32,
 }
+
+/// Shape of the batched prefill attention for [`Kernels::attention_prefill`].
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillAttnArgs {
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub max_ctx: usize,
+    /// Position of the chunk's first token (the sequence's length before it).
+    pub start: usize,
+    /// Usually 1/sqrt(head_dim).
+    pub scale: f32,
+}
+
+// Batched prefill: dequantisation to f16, and the per-token steps over the rows of a chunk.
+impl Kernels {
+    /// Compiles and loads what the batched prefill needs for these weight types.
+    pub fn preload_prefill(&self, qtypes: &[QType]) -> Result<()> {
+        self.device.load_module(&crate::compile::PREFILL)?;
+        for &q in qtypes {
+            self.device.load_module(&Self::dequant_module(q)?)?;
+        }
+        Ok(())
+    }
+
+    fn dequant_module(q: QType) -> Result<crate::compile::KernelModule> {
+        crate::compile::dequant_module(q)
+            .ok_or_else(|| KernelError::Unsupported(format!("dequantising {q} weights")))
+    }
+
+    fn dequant_launch(
+        &self,
+        w: &DeviceWeight,
+        ids: Option<DevSlice<i32>>,
+        out_rows: usize,
+        out_h: Option<DevSlice<u16>>,
+        out_f: Option<DevSlice<f32>>,
+    ) -> Result<()> {
+        let f = self.device.function(
+            &Self::dequant_module(w.qtype)?,
+            &format!("dequant_{}", type_tag(w.qtype)?),
+        )?;
+        let chunks = out_rows * w.row_len.div_ceil(32);
+        if out_rows > i32::MAX as usize || w.rows > i32::MAX as usize || chunks > u32::MAX as usize * 128 {
+            return Err(invalid(format!("dequantising {out_rows} rows of {}", w.row_len)));
+        }
+        let (body, qh, sc) = w.ptrs();
+        let mut args = Args::new()
+            .ptr(body)
+            .ptr(qh)
+            .ptr(sc)
+            .ptr(opt(ids))
+            .i32(out_rows as i32)
+            .i32(w.rows as i32)
+            .i32(w.row_len as i32)
+            .ptr(opt(out_h))
+            .ptr(opt(out_f));
+        // SAFETY: the callers checked the outputs hold out_rows * row_len values; ids are
+        // range-checked on the device.
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear(chunks.div_ceil(128) as u32, 128),
+                &mut args,
+            )
+        }
+    }
+
+    /// The whole of `w` dequantised to f16, row-major `[rows][row_len]` (a GEMM operand).
+    pub fn dequant_f16(&self, w: &DeviceWeight, out: DevSlice<u16>) -> Result<()> {
+        out.check_len(w.rows * w.row_len, "dequantised weight")?;
+        self.dequant_launch(w, None, w.rows, Some(out), None)
+    }
+
+    /// Row `ids[r]` of `w` dequantised to f32 as row r of `out` (the embedding of a batch
+    /// of tokens; an id out of range gives a NaN row).
+    pub fn embed_rows(&self, w: &DeviceWeight, ids: DevSlice<i32>, out: DevSlice<f32>) -> Result<()> {
+        out.check_len(ids.len() * w.row_len, "embedding rows")?;
+        self.dequant_launch(w, Some(ids), ids.len(), None, Some(out))
+    }
+
+    /// For each of `rows` rows of `n` values: y (f16) = x · rsqrt(mean(x²) + eps) · w.
+    pub fn rmsnorm_rows_f16(
+        &self,
+        x: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        w: DevSlice<f32>,
+        eps: f32,
+        y: DevSlice<u16>,
+    ) -> Result<()> {
+        if n == 0 || rows == 0 {
+            return Err(invalid("empty RMSNorm".into()));
+        }
+        x.check_len(rows * n, "RMSNorm input")?;
+        w.check_len(n, "RMSNorm weight")?;
+        y.check_len(rows * n, "RMSNorm output")?;
+        let f = self.device.function(&crate::compile::PREFILL, "rmsnorm_rows_f16")?;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(w.ptr())
+            .f32(eps)
+            .ptr(y.ptr())
+            .i32(n as i32);
+        // SAFETY: sizes checked above.
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(rows as u32, 256), &mut args)
+        }
+    }
+
+    /// RoPE (after the optional QKV `bias`, and QK-norm when set) on `rows` fused QKV rows
+    /// of tokens at positions `start..start + rows`; rotated Q to `q_out` (`[rows][q_dim]`),
+    /// K and V into the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv_rows(
+        &self,
+        a: &RopeArgs,
+        qkv: DevSlice<f32>,
+        bias: Option<DevSlice<f32>>,
+        rows: usize,
+        start: usize,
+        q_out: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        max_ctx: usize,
+    ) -> Result<()> {
+        let hd = a.head_dim;
+        if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
+            return Err(invalid(format!("head_dim {hd} / rotary dims {}", a.rot_dims)));
+        }
+        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+        }
+        if rows == 0 || start + rows > max_ctx {
+            return Err(invalid(format!(
+                "{rows} positions from {start} in a context of {max_ctx}"
+            )));
+        }
+        let width = (a.n_heads + 2 * a.n_kv) * hd;
+        qkv.check_len(rows * width, "QKV rows")?;
+        if let Some(b) = bias {
+            b.check_len(width, "QKV bias")?;
+        }
+        q_out.check_len(rows * a.n_heads * hd, "rotated Q rows")?;
+        kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
+        vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
+        a.inv_freq.check_len(a.rot_dims / 2, "rope inverse frequencies")?;
+        if let Some(n) = a.q_norm {
+            n.check_len(hd, "Q norm")?;
+        }
+        if let Some(n) = a.k_norm {
+            n.check_len(hd, "K norm")?;
+        }
+        let f = self.device.function(&crate::compile::PREFILL, "rope_kv_rows")?;
+        let threads = ((hd / 2).div_ceil(32) * 32) as u32;
+        let mut args = Args::new()
+            .ptr(qkv.ptr())
+            .ptr(opt(bias))
+            .ptr(q_out.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .i32(start as i32)
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(hd as i32)
+            .i32(a.rot_dims as i32)
+            .ptr(a.inv_freq.ptr())
+            .i32(a.neox as i32)
+            .ptr(opt(a.q_norm))
+            .ptr(opt(a.k_norm))
+            .f32(a.eps)
+            .i32(max_ctx as i32);
+        let cfg = LaunchConfig {
+            grid: ((a.n_heads + a.n_kv) as u32, rows as u32, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes and positions checked above.
+        unsafe { self.device.launch(f, cfg, &mut args) }
+    }
+
+    /// Causal attention of `rows` queries (`q`: `[rows][n_heads * hd]`, token t at position
+    /// `start + t`) over the cache, which must already hold positions `0..start + rows`.
+    /// Output in f16, `[rows][n_heads * hd]`.
+    pub fn attention_prefill(
+        &self,
+        a: &PrefillAttnArgs,
+        rows: usize,
+        q: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        out: DevSlice<u16>,
+    ) -> Result<()> {
+        let hd = a.head_dim;
+        if hd % 32 != 0 || hd == 0 || hd > 256 {
+            return Err(KernelError::Unsupported(format!(
+                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
+            )));
+        }
+        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+        }
+        if rows == 0 || a.start + rows > a.max_ctx {
+            return Err(invalid(format!(
+                "{rows} queries from {} in a context of {}",
+                a.start, a.max_ctx
+            )));
+        }
+        q.check_len(rows * a.n_heads * hd, "attention Q rows")?;
+        kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
+        vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
+        out.check_len(rows * a.n_heads * hd, "attention output rows")?;
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, &format!("attn_prefill_{}", hd / 32))?;
+        let mut args = Args::new()
+            .ptr(q.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(out.ptr())
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(a.max_ctx as i32)
+            .i32(a.start as i32)
+            .f32(a.scale);
+        let cfg = LaunchConfig {
+            grid: (a.n_heads as u32, rows as u32, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked; every position read is < start + rows ≤ max_ctx.
+        unsafe { self.device.launch(f, cfg, &mut args) }
+    }
+
+    /// y[t][i] (f16) = silu(gu[t][i]) · gu[t][ffn + i] for `rows` rows.
+    pub fn swiglu_rows_f16(
+        &self,
+        gu: DevSlice<f32>,
+        rows: usize,
+        ffn: usize,
+        y: DevSlice<u16>,
+    ) -> Result<()> {
+        gu.check_len(rows * 2 * ffn, "gate/up rows")?;
+        y.check_len(rows * ffn, "SwiGLU rows")?;
+        let n = rows * ffn;
+        if n == 0 || n > i32::MAX as usize {
+            return Err(invalid(format!("SwiGLU over {rows}x{ffn}")));
+        }
+        let f = self.device.function(&crate::compile::PREFILL, "swiglu_rows_f16")?;
+        let mut args = Args::new()
+            .ptr(gu.ptr())
+            .ptr(y.ptr())
+            .i32(rows as i32)
+            .i32(ffn as i32);
+        // SAFETY: sizes checked above.
+        unsafe {
+            self.device.launch(
+                f,
+                LaunchConfig::linear(n.div_ceil(256) as u32, 256),
+                &mut args,
+            )
+        }
+    }
+}

@@ -180,6 +180,14 @@ fn main() {
         .filter(|w| w[0] == "--model")
         .map(|w| w[1].as_str())
         .collect();
+    // `-p N`: also measure a prefill of N tokens (ppN); `--prefill-only` skips decode.
+    let pp: usize = args
+        .iter()
+        .position(|a| a == "-p")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let prefill_only = args.iter().any(|a| a == "--prefill-only");
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: {why}");
@@ -203,6 +211,12 @@ fn main() {
         };
         let mut ex = CudaExecutor::load(&dev, &ir, &options).expect("load");
         let load_s = t0.elapsed().as_secs_f64();
+        if pp > 0 {
+            prefill_bench(&mut ex, s, pp);
+        }
+        if prefill_only {
+            continue;
+        }
         for fused in [true, false] {
             ex.set_fused_ffn_q8(fused);
             let seq = ex.new_sequence().unwrap();
@@ -242,4 +256,44 @@ fn main() {
             ex.free_sequence(seq).unwrap();
         }
     }
+}
+
+/// ppN: median wall time of 5 prefills of `pp` random tokens into a fresh sequence (logits
+/// of the last token copied back included), after one warm-up; then one profiled run's
+/// device-time split between dequantisation, GEMMs and the rest.
+fn prefill_bench(ex: &mut CudaExecutor, s: &Spec, pp: usize) {
+    let mut rng = Rng::new(11);
+    let tokens: Vec<u32> = (0..pp)
+        .map(|_| ((rng.next_f32() * s.vocab as f32) as usize).min(s.vocab - 1) as u32)
+        .collect();
+    let mut logits = vec![0f32; s.vocab];
+    let mut times = Vec::new();
+    for i in 0..6 {
+        let seq = ex.new_sequence().unwrap();
+        let t0 = Instant::now();
+        ex.prefill(seq, &tokens, &mut logits).unwrap();
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        ex.free_sequence(seq).unwrap();
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    let dt = times[times.len() / 2];
+    let seq = ex.new_sequence().unwrap();
+    let split = ex.prefill_profiled(seq, &tokens, &mut logits);
+    ex.free_sequence(seq).unwrap();
+    let split = match split {
+        Ok(t) => format!(
+            "dequant {:.2} ms, GEMM {:.2} ms, rest {:.2} ms (profiled)",
+            t.dequant_ms, t.gemm_ms, t.other_ms
+        ),
+        Err(e) => format!("no breakdown: {e}"),
+    };
+    let finite = logits.iter().all(|v| v.is_finite());
+    println!(
+        "prefill {}: pp{pp} {:.0} tok/s ({:.2} ms; {split}; logits finite: {finite})",
+        s.name,
+        pp as f64 / dt,
+        dt * 1e3
+    );
 }

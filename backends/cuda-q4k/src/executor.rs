@@ -7,6 +7,11 @@ use kiln_core::{
     check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
     ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, TensorView,
 };
+// A child module, so the batched prefill shares the executor's private state.
+#[path = "prefill.rs"]
+mod prefill;
+pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
+
 use kiln_kernels::{
     AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Graph,
     Kernels, KvCache, PackedWeight, Q8Act, RopeArgs, Workspace, GEMV_QTYPES,
@@ -148,6 +153,9 @@ pub struct CudaExecutor {
     slots: Vec<Slot>,
     next_id: SeqId,
     s: Scratch,
+    /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
+    /// prompts go through the decode graph token by token).
+    prefill: std::result::Result<prefill::PrefillState, String>,
     // Owns the memory `s` points into; declared after it so it is dropped after.
     _workspace: Workspace,
 }
@@ -380,6 +388,14 @@ impl CudaExecutor {
         };
         // Zero everything once: the SwiGLU counters must start at zero.
         ws.fill_bytes(0).map_err(err)?;
+        let prefill = match kiln_kernels::Blas::new(device) {
+            Ok(blas) => {
+                k.preload_prefill(&model.matrix_qtypes()).map_err(err)?;
+                Ok(prefill::PrefillState::new(device, blas, &c, max_ctx).map_err(err)?)
+            }
+            Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
+            Err(e) => return Err(err(e)),
+        };
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
@@ -409,6 +425,7 @@ impl CudaExecutor {
             slots,
             next_id: 0,
             s,
+            prefill,
             _workspace: ws,
         })
     }
@@ -667,11 +684,47 @@ impl CudaExecutor {
         self.slots[slot].len = pos + 1;
         Ok(())
     }
+
+    /// The slot of `seq`, after checking a prefill of `tokens` into `logits` fits.
+    fn check_prefill(&self, seq: SeqId, tokens: &[u32], logits: &[f32]) -> Result<usize> {
+        let slot = self.slot_of(seq)?;
+        let vocab = self.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument(
+                "prefill needs at least one token".into(),
+            ));
+        }
+        if logits.len() != vocab {
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer holds {} values, the vocabulary {vocab}",
+                logits.len()
+            )));
+        }
+        let start = self.slots[slot].len;
+        if start + tokens.len() > self.max_ctx {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
+                tokens.len(),
+                self.max_ctx
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(slot)
+    }
 }
 
 impl LayerExecutor for CudaExecutor {
     fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    fn memory_roofline_gbs(&mut self) -> Option<f64> {
+        self.device.bind().ok()?;
+        kiln_kernels::roofline::copy_bandwidth_gbs(&self.device, &self.k).ok()
     }
 
     fn max_context(&self) -> usize {
@@ -724,35 +777,14 @@ impl LayerExecutor for CudaExecutor {
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
-        let slot = self.slot_of(seq)?;
-        let vocab = self.config.vocab_size;
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument(
-                "prefill needs at least one token".into(),
-            ));
-        }
-        if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!(
-                "logits buffer holds {} values, the vocabulary {vocab}",
-                logits.len()
-            )));
-        }
-        let start = self.slots[slot].len;
-        if start + tokens.len() > self.max_ctx {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
-                tokens.len(),
-                self.max_ctx
-            )));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "token {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        // Token by token through the decode graph: correct, not yet a batched GEMM.
-        for &t in tokens {
-            self.step(slot, t, 0.0)?;
+        let slot = self.check_prefill(seq, tokens, logits)?;
+        if self.prefill.is_ok() {
+            self.prefill_batched(slot, tokens, false)?;
+        } else {
+            // No cuBLAS: token by token through the decode graph (correct, GEMV speed).
+            for &t in tokens {
+                self.step(slot, t, 0.0)?;
+            }
         }
         self.s
             .logits

@@ -1,0 +1,313 @@
+//! Batched prefill: a prompt goes through the model a chunk of up to [`CHUNK`] tokens at a
+//! time, every matrix product a tensor-core GEMM instead of one GEMV per token.
+//!
+//! Per layer and chunk: each weight is dequantised to f16 into one reusable buffer (a
+//! kernel per type, sharing the GEMVs' unpacking code) and multiplied by the chunk's f16
+//! activations with cuBLAS (f32 accumulation, f32 output; the O and down projections
+//! accumulate straight into the f32 residual stream with β = 1). Between the GEMMs:
+//! RMSNorm over the rows (to f16), bias + QK-norm + RoPE with the K/V cache write for the
+//! chunk's positions, causal GQA attention of the chunk's queries over the cache, SwiGLU.
+//! Only the last token goes through the final norm and the LM head (the decode step's own
+//! GEMV), since that is all prefill returns. Everything is allocated at load, sized for
+//! one chunk; a call allocates nothing.
+
+use std::sync::Arc;
+
+use kiln_core::{Error, ModelConfig, Result, RopeKind};
+use kiln_kernels::{
+    Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, RopeArgs, Workspace,
+};
+
+use super::{CudaExecutor, Layer};
+
+/// Tokens per chunk: bounds the workspace (the activations of a chunk) while keeping the
+/// GEMMs wide enough to run at tensor-core speed.
+pub const CHUNK: usize = 512;
+
+/// The prefill's cuBLAS handle and workspace.
+pub(super) struct PrefillState {
+    blas: Blas,
+    chunk: usize,
+    ids: DevSlice<i32>,
+    /// Residual stream, `[chunk][hidden]` f32.
+    x: DevSlice<f32>,
+    /// The current GEMM input in f16: normed x, attention output or SwiGLU output.
+    act: DevSlice<u16>,
+    qkv: DevSlice<f32>,
+    q: DevSlice<f32>,
+    /// Gate and up outputs side by side, `[chunk][2 * ffn]`.
+    gu: DevSlice<f32>,
+    /// One weight matrix (or Q/K/V, or gate and up, stacked) in f16.
+    wbuf: DevSlice<u16>,
+    // Owns the memory the slices point into.
+    _ws: Workspace,
+}
+
+impl PrefillState {
+    pub(super) fn new(
+        device: &Arc<Device>,
+        blas: Blas,
+        c: &ModelConfig,
+        max_ctx: usize,
+    ) -> kiln_kernels::Result<PrefillState> {
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
+        let width = qd + 2 * kvd;
+        let chunk = CHUNK.min(max_ctx);
+        let widest = h.max(qd).max(ffn);
+        let wmax = (width * h).max(h * qd).max(2 * ffn * h).max(h * ffn);
+        let requests = [
+            (chunk, 4),
+            (chunk * h, 4),
+            (chunk * widest, 2),
+            (chunk * width, 4),
+            (chunk * qd, 4),
+            (chunk * 2 * ffn, 4),
+            (wmax, 2),
+        ];
+        let mut ws = Workspace::new(device, Workspace::bytes_for(&requests))?;
+        let s = PrefillState {
+            blas,
+            chunk,
+            ids: ws.take(chunk)?,
+            x: ws.take(chunk * h)?,
+            act: ws.take(chunk * widest)?,
+            qkv: ws.take(chunk * width)?,
+            q: ws.take(chunk * qd)?,
+            gu: ws.take(chunk * 2 * ffn)?,
+            wbuf: ws.take(wmax)?,
+            _ws: ws,
+        };
+        // All ones: NaN in f32 and f16, so anything read before it is written shows.
+        s._ws.fill_bytes(0xff)?;
+        Ok(s)
+    }
+}
+
+/// Where a profiled prefill's device time went, in milliseconds.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PrefillTimes {
+    /// Dequantising weights to f16.
+    pub dequant_ms: f64,
+    /// cuBLAS GEMMs.
+    pub gemm_ms: f64,
+    /// Everything else: embedding, norms, RoPE, attention, SwiGLU, the LM head.
+    pub other_ms: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Dequant,
+    Gemm,
+    Other,
+}
+
+/// Events at every change of [`Part`] on the stream (profiling only: it adds no sync, but
+/// an event per switch).
+struct Timer {
+    device: Arc<Device>,
+    marks: Vec<(Part, Event)>,
+}
+
+impl Timer {
+    fn mark(t: &mut Option<Timer>, part: Part) -> Result<()> {
+        let Some(t) = t else { return Ok(()) };
+        if t.marks.last().is_some_and(|(p, _)| *p == part) {
+            return Ok(());
+        }
+        let e = Event::new(&t.device)?;
+        e.record()?;
+        t.marks.push((part, e));
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<PrefillTimes> {
+        let end = Event::new(&self.device)?;
+        end.record()?;
+        self.marks.push((Part::Other, end));
+        let mut times = PrefillTimes::default();
+        for w in self.marks.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1)? as f64;
+            match w[0].0 {
+                Part::Dequant => times.dequant_ms += ms,
+                Part::Gemm => times.gemm_ms += ms,
+                Part::Other => times.other_ms += ms,
+            }
+        }
+        Ok(times)
+    }
+}
+
+impl CudaExecutor {
+    /// Why prompts are processed token by token instead of in batches, if they are (no
+    /// cuBLAS on this machine).
+    pub fn batched_prefill_unavailable(&self) -> Option<&str> {
+        self.prefill.as_ref().err().map(|s| s.as_str())
+    }
+
+    /// Prefills `seq` with `tokens` like [`kiln_core::LayerExecutor::prefill`], timing
+    /// dequantisation, GEMMs and the rest with events (a benchmark's breakdown).
+    pub fn prefill_profiled(
+        &mut self,
+        seq: kiln_core::SeqId,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<PrefillTimes> {
+        let slot = self.check_prefill(seq, tokens, logits)?;
+        let times = self.prefill_batched(slot, tokens, true)?;
+        self.s.logits.copy_to_host(&self.device, logits)?;
+        times.ok_or_else(|| Error::Unsupported("batched prefill is unavailable".into()))
+    }
+
+    /// Runs `tokens` through the model at the slot's next positions, chunk by chunk,
+    /// leaving the last token's logits in the decode workspace. `None` times unless
+    /// `profile`; an error when batched prefill is unavailable.
+    pub(super) fn prefill_batched(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        profile: bool,
+    ) -> Result<Option<PrefillTimes>> {
+        let p = self
+            .prefill
+            .as_ref()
+            .map_err(|why| Error::Unsupported(format!("batched prefill: {why}")))?;
+        let c = &self.config;
+        let k = &self.k;
+        let h = c.hidden_size;
+        let start = self.slots[slot].len;
+        let mut timer = profile.then(|| Timer {
+            device: self.device.clone(),
+            marks: Vec::new(),
+        });
+        let mut last_x = None;
+        for (ci, chunk) in tokens.chunks(p.chunk).enumerate() {
+            let n = chunk.len();
+            let pos0 = start + ci * p.chunk;
+            let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
+            let ids_dev = p.ids.sub(0, n)?;
+            ids_dev.copy_from_host(&self.device, &ids)?;
+            Timer::mark(&mut timer, Part::Other)?;
+            let x = p.x.sub(0, n * h)?;
+            k.embed_rows(&self.embd, ids_dev, x)?;
+            for (li, l) in self.layers.iter().enumerate() {
+                self.prefill_layer(p, l, li, slot, n, pos0, &mut timer)?;
+            }
+            last_x = Some(p.x.sub((n - 1) * h, h)?);
+        }
+        let last_x = last_x.expect("prefill has at least one token");
+        Timer::mark(&mut timer, Part::Other)?;
+        let s = &self.s;
+        let xn_h = s.xn.sub(0, h)?;
+        k.rmsnorm_q8_1(
+            last_x,
+            1,
+            h,
+            Some(self.out_norm.slice()),
+            Some(c.norm_eps),
+            Some(xn_h),
+            Some(s.q8),
+        )?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embd);
+        k.gemv(
+            head,
+            &GemvInput {
+                x: xn_h,
+                q8: Some(s.q8),
+            },
+            self.head_path,
+            Self::tiling(head),
+            None,
+            None,
+            s.logits,
+        )?;
+        let times = match timer {
+            Some(t) => Some(t.finish()?),
+            None => None,
+        };
+        self.slots[slot].len = start + tokens.len();
+        Ok(times)
+    }
+
+    /// One layer over the `n` tokens of a chunk at positions `pos0..pos0 + n`.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_layer(
+        &self,
+        p: &PrefillState,
+        l: &Layer,
+        li: usize,
+        slot: usize,
+        n: usize,
+        pos0: usize,
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let k = &self.k;
+        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let width = qd + 2 * kvd;
+        let x = p.x.sub(0, n * h)?;
+
+        // Attention block.
+        Timer::mark(timer, Part::Other)?;
+        let xn = p.act.sub(0, n * h)?;
+        k.rmsnorm_rows_f16(x, n, h, l.attn_norm.slice(), c.norm_eps, xn)?;
+        Timer::mark(timer, Part::Dequant)?;
+        for proj in &l.qkv {
+            k.dequant_f16(&proj.w, p.wbuf.sub(proj.offset * h, proj.w.rows * h)?)?;
+        }
+        Timer::mark(timer, Part::Gemm)?;
+        let qkv = p.qkv.sub(0, n * width)?;
+        p.blas
+            .gemm_f16_f32(p.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
+        Timer::mark(timer, Part::Other)?;
+        let (kc, vc) = self.slots[slot].kv.layer(li)?;
+        let rope = RopeArgs {
+            n_heads: c.num_heads,
+            n_kv: c.num_kv_heads,
+            head_dim: hd,
+            rot_dims: c.rope.rotary_dims,
+            inv_freq: self.inv_freq.slice(),
+            neox: c.rope.kind == RopeKind::Neox,
+            q_norm: l.q_norm.as_ref().map(|b| b.slice()),
+            k_norm: l.k_norm.as_ref().map(|b| b.slice()),
+            eps: c.norm_eps,
+        };
+        let q = p.q.sub(0, n * qd)?;
+        let bias = l.qkv_bias.as_ref().map(|b| b.slice());
+        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, self.max_ctx)?;
+        let attn = p.act.sub(0, n * qd)?;
+        let args = PrefillAttnArgs {
+            n_heads: c.num_heads,
+            n_kv: c.num_kv_heads,
+            head_dim: hd,
+            max_ctx: self.max_ctx,
+            start: pos0,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        k.attention_prefill(&args, n, q, kc, vc, attn)?;
+        Timer::mark(timer, Part::Dequant)?;
+        k.dequant_f16(&l.o, p.wbuf.sub(0, h * qd)?)?;
+        Timer::mark(timer, Part::Gemm)?;
+        p.blas
+            .gemm_f16_f32(p.wbuf.sub(0, h * qd)?, h, attn, n, qd, x, h, 1.0)?;
+
+        // Feed-forward block.
+        Timer::mark(timer, Part::Other)?;
+        k.rmsnorm_rows_f16(x, n, h, l.ffn_norm.slice(), c.norm_eps, xn)?;
+        Timer::mark(timer, Part::Dequant)?;
+        k.dequant_f16(&l.gate, p.wbuf.sub(0, ffn * h)?)?;
+        k.dequant_f16(&l.up, p.wbuf.sub(ffn * h, ffn * h)?)?;
+        Timer::mark(timer, Part::Gemm)?;
+        let gu = p.gu.sub(0, n * 2 * ffn)?;
+        p.blas
+            .gemm_f16_f32(p.wbuf.sub(0, 2 * ffn * h)?, 2 * ffn, xn, n, h, gu, 2 * ffn, 0.0)?;
+        Timer::mark(timer, Part::Other)?;
+        let act = p.act.sub(0, n * ffn)?;
+        k.swiglu_rows_f16(gu, n, ffn, act)?;
+        Timer::mark(timer, Part::Dequant)?;
+        k.dequant_f16(&l.down, p.wbuf.sub(0, h * ffn)?)?;
+        Timer::mark(timer, Part::Gemm)?;
+        p.blas
+            .gemm_f16_f32(p.wbuf.sub(0, h * ffn)?, h, act, n, ffn, x, h, 1.0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+// Dequantisation of whole weight matrices (or of gathered rows) for the batched prefill:
+// weights become f16 rows for a tensor-core GEMM, embedding rows become f32 activations.
+//
+// Compiled after gemv.cu in the same module, so the device layout (`W`, `Traits`) and its
+// helpers (aligned loads, the K-quant scale unpacking, the 5th-bit spreading) are the very
+// ones the GEMVs use; each decoder below mirrors its `dot_chunk` / `dot_pair_k` branch with
+// the activation taken as each unit vector in turn.
+//
+// One thread per 32-value chunk of a row: it decodes the chunk into registers and writes
+// 32 outputs. Output row r holds weight row ids[r] (ids == null: row r); an id out of range
+// writes NaN, like the embedding lookup.
+
+template <int T>
+static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int K, int c, float (&v)[32]) {
+    typedef Traits<T> Tr;
+    if constexpr (T == T_F32 || T == T_F16) {
+        const int base = c * 32;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const size_t j = row * K + base + i;
+            v[i] = base + i < K ? (T == T_F32 ? ((const float*)w.body)[j] : h2f(((const u16*)w.body)[j])) : 0.0f;
+        }
+    } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
+        const size_t b = row * (K / 32) + c;
+        int qs[4];
+        load16(w.body + b * 16, qs);
+        u32 qh = 0;
+        if constexpr (T == T_Q5_0 || T == T_Q5_1) qh = w.qh[b];
+        float d, m = 0.0f;
+        if constexpr (T == T_Q4_1 || T == T_Q5_1) {
+            const u32 dm = *(const u32*)(w.sc + b * 4);
+            d = h2f(dm & 0xffff);
+            m = h2f(dm >> 16);
+        } else {
+            d = ld_h(w.sc + b * 2);
+        }
+        const float offset = T == T_Q4_0 ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 byte = ((u32)qs[i >> 2] >> (8 * (i & 3))) & 255;
+            // Value i is the low nibble of byte i, value 16 + i its high nibble; bit v of
+            // qh is value v's 5th bit (what spread4 puts in place in the GEMV).
+            float lo = (float)((byte & 15) | (((qh >> i) & 1) << 4));
+            float hi = (float)((byte >> 4) | (((qh >> (16 + i)) & 1) << 4));
+            if constexpr (T == T_Q4_1 || T == T_Q5_1) {
+                v[i] = d * lo + m;
+                v[16 + i] = d * hi + m;
+            } else {
+                v[i] = d * (lo - offset);
+                v[16 + i] = d * (hi - offset);
+            }
+        }
+    } else if constexpr (T == T_Q8_0) {
+        const size_t b = row * (K / 32) + c;
+        int qs[8];
+        load32(w.body + b * 32, qs);
+        const float d = ld_h(w.sc + b * 2);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = d * (float)(i8)(((u32)qs[i >> 2] >> (8 * (i & 3))) & 255);
+    } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
+        // Sub-block j of a 256-value block: scale/min pair j, the low (even j) or high
+        // (odd j) nibbles of the 32 qs bytes shared by sub-blocks 2p and 2p + 1.
+        const size_t nblk = (size_t)K / 256;
+        const int j = c & 7, p = j >> 1;
+        const u8* blk = w.body + (row * nblk + (c >> 3)) * Tr::BODY;
+        const uint4 head = *(const uint4*)blk;
+        const float d = h2f(head.x & 0xffff), dmin = h2f(head.x >> 16);
+        int sc, m;
+        k4_scale_min_w(head.y, head.z, head.w, j, sc, m);
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        int qs[8];
+        load32(blk + (T == T_Q4_K ? 16 : 48) + 32 * p, qs);
+        int qh[8];
+        if constexpr (T == T_Q5_K) load32(blk + 16, qh);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const u32 byte = ((u32)qs[i >> 2] >> (8 * (i & 3))) & 255;
+            u32 q = (j & 1) ? byte >> 4 : byte & 15;
+            if constexpr (T == T_Q5_K) q |= ((((u32)qh[i >> 2] >> (8 * (i & 3))) >> j) & 1) << 4;
+            v[i] = ds * (float)q - dm;
+        }
+    } else {  // Q6_K
+        const size_t b = row * ((size_t)K / 256) + (c >> 3);
+        const int cc = c & 7, h = cc >> 2, k = cc & 3;
+        const u8* blk = w.body + b * Tr::BODY;
+        int ql[8], qh[8];
+        load32(blk + 64 * h + 32 * (k & 1), ql);
+        load32(blk + 128 + 32 * h, qh);
+        const int lshift = 4 * (k >> 1), hshift = 2 * k;
+        const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
+        const float d = ld_h(w.sc + b * 2);
+        const float s0 = d * (float)scales[0], s1 = d * (float)scales[1];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const u32 l = ((u32)ql[i >> 2] >> (8 * (i & 3) + lshift)) & 15;
+            const u32 hb = ((u32)qh[i >> 2] >> (8 * (i & 3) + hshift)) & 3;
+            v[i] = (i < 16 ? s0 : s1) * ((float)(l | (hb << 4)) - 32.0f);
+        }
+    }
+}
+
+template <int T>
+static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids, int out_rows, int wrows, int K,
+                                               u16* __restrict__ out_h, float* __restrict__ out_f) {
+    const int nchunks = (K + 31) >> 5;
+    const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (size_t)out_rows * nchunks) return;
+    const int r = (int)(g / nchunks), c = (int)(g % nchunks);
+    const int src = ids ? ids[r] : r;
+    float v[32];
+    if (src < 0 || src >= wrows) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = __int_as_float(0x7fffffff);
+    } else {
+        dequant_chunk<T>(w, (size_t)src, K, c, v);
+    }
+    const size_t base = (size_t)r * K + (size_t)c * 32;
+    const bool whole = c * 32 + 32 <= K;
+    if (out_h) {
+        if (whole && (K & 7) == 0) {
+            // Four 16-byte stores.
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                uint4 o;
+                o.x = (u32)f2h(v[8 * i]) | ((u32)f2h(v[8 * i + 1]) << 16);
+                o.y = (u32)f2h(v[8 * i + 2]) | ((u32)f2h(v[8 * i + 3]) << 16);
+                o.z = (u32)f2h(v[8 * i + 4]) | ((u32)f2h(v[8 * i + 5]) << 16);
+                o.w = (u32)f2h(v[8 * i + 6]) | ((u32)f2h(v[8 * i + 7]) << 16);
+                ((uint4*)(out_h + base))[i] = o;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i)
+                if (c * 32 + i < K) out_h[base + i] = f2h(v[i]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            if (c * 32 + i < K) out_f[base + i] = v[i];
+    }
+}
+
+// Entry point dequant_{type}: (layout arrays, ids or null, output rows, weight rows, row
+// length, f16 output or null, f32 output or null).
+#define DEQUANT_TYPE(NAME, T)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) dequant_##NAME(const u8* body, const u32* qh, const u8* sc,     \
+                                                                      const int* ids, int out_rows, int wrows, int K,  \
+                                                                      u16* out_h, float* out_f) {                      \
+        W w = {body, qh, sc};                                                                                          \
+        dequant<T>(w, ids, out_rows, wrows, K, out_h, out_f);                                                          \
+    }
