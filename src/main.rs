@@ -462,28 +462,37 @@ fn cmd_bench(args: BenchArgs) -> Result<()> {
     if args.n_gen > 0 {
         results.push(bench_decode(exec, args.n_gen, args.repetitions.max(1))?);
     }
+    let roofline = exec.memory_roofline_gbs();
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
-                "bytes_per_decode_step": bytes, "results": results,
+                "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
             });
             println!("{value}");
         }
         BenchFormat::Md => {
-            println!("| model | params | backend | test | t/s | weight GB/s |");
-            println!("| --- | ---: | --- | --- | ---: | ---: |");
+            println!("| model | params | backend | test | t/s | weight GB/s | % of roofline |");
+            println!("| --- | ---: | --- | --- | ---: | ---: | ---: |");
             for r in &results {
-                let gbs = if r.test.starts_with("tg") { format!("{:.1}", bytes as f64 * r.mean_tps / 1e9) } else { "".into() };
+                let (gbs, frac) = if r.test.starts_with("tg") {
+                    let gbs = bytes as f64 * r.mean_tps / 1e9;
+                    (format!("{gbs:.1}"), roofline.map_or(String::new(), |rf| format!("{:.0}%", 100.0 * gbs / rf)))
+                } else {
+                    (String::new(), String::new())
+                };
                 println!(
-                    "| {name} | {:.1} M | {backend} | {} | {:.2} ± {:.2} | {gbs} |",
+                    "| {name} | {:.1} M | {backend} | {} | {:.2} ± {:.2} | {gbs} | {frac} |",
                     params as f64 / 1e6,
                     r.test,
                     r.mean_tps,
                     r.sd_tps
                 );
             }
-            println!("\nbytes read per decode step: {:.1} MB", bytes as f64 / 1e6);
+            println!("\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)", bytes as f64 / 1e6);
+            if let Some(rf) = roofline {
+                println!("measured memory roofline (copy): {rf:.0} GB/s");
+            }
         }
     }
     Ok(())

@@ -126,6 +126,13 @@ pub trait LayerExecutor: Send {
     /// row `i` for item `i`. Items must name distinct sequences.
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()>;
 
+    /// The device's measured memory bandwidth in GB/s (a plain copy's bytes read + written
+    /// per second), for `kiln bench`'s roofline fraction; `None` where the backend has not
+    /// measured it. May take a moment the first time.
+    fn memory_roofline_gbs(&mut self) -> Option<f64> {
+        None
+    }
+
     /// One decode step that samples on the backend: `tokens[i]` receives item `i`'s next
     /// token drawn with `samplers[i]`. The default computes logits and samples on the host;
     /// GPU backends override it so only ids cross the bus.

@@ -68,26 +68,8 @@ fn main() -> Result<()> {
     println!("seed {seed}");
     let mut rng = Rng::new(seed);
 
-    // Copy roofline: bytes read + bytes written.
-    let size = 1usize << 30;
-    let src = DeviceBuffer::<u8>::alloc(&dev, size)?;
-    let dst = DeviceBuffer::<u8>::alloc(&dev, size)?;
-    src.fill_bytes(0x5a)?;
-    let g = dev.capture(|| {
-        for _ in 0..4 {
-            k.copy(src.slice(), dst.slice())?;
-        }
-        Ok(())
-    })?;
-    let ms = time_graph(&dev, &g, 4)?;
-    let roofline = 2.0 * size as f64 / (ms * 1e-3) / 1e9;
-    println!(
-        "copy roofline: {:.0} GB/s ({} MiB read + written in {:.3} ms)",
-        roofline,
-        (2 * size) >> 20,
-        ms
-    );
-    drop((src, dst, g));
+    let roofline = kiln_kernels::roofline::copy_bandwidth_gbs(&dev, &k)?;
+    println!("copy roofline: {roofline:.0} GB/s (1 GiB copies, bytes read + written)");
 
     // (row length K, rows N, label)
     let mut shapes = vec![

@@ -20,6 +20,7 @@ pub mod kv;
 pub mod libs;
 pub mod ops;
 pub mod repack;
+pub mod roofline;
 pub mod testdata;
 
 pub use buffer::{DevSlice, DeviceBuffer, Workspace};
