@@ -1,61 +1,105 @@
 #!/usr/bin/env bash
-# GPU test and benchmark suite for kiln's CUDA kernels.
+# kiln's GPU test suite and benchmarks, in two halves because the GPU machine has no Rust:
 #
-#   scripts/gpu_suite.sh build   on a build machine (needs cargo, no GPU): builds the release
-#                                test binaries and the kernel benchmark, strips them and
-#                                copies them to .gpu/ (ignored by git; carry it to the GPU).
-#   scripts/gpu_suite.sh run     on the GPU machine (needs no Rust): runs every test binary,
-#                                the kernel benchmark (args in $BENCH_ARGS, e.g. --quick) and
-#                                the decode benchmark (args in $DECODE_ARGS, e.g. "-n 64");
-#                                full logs go to $OUT (or ./gpu-logs), short tables last.
+#   scripts/gpu_suite.sh build   here (cargo, no GPU): builds the GPU test binaries, the
+#                                benchmarks and the kiln binary, strips them into .gpu/
+#                                (git-ignored; carry it to the GPU machine).
+#   scripts/gpu_suite.sh split   here: splits the real SmolLM2 file into .gpu-model/part-a and
+#                                part-b (one call to the GPU machine carries at most 64 MiB).
+#   scripts/gpu_suite.sh run     on the GPU machine: joins .gpu-model/part-* into the real model
+#                                if present (checking its sha256), runs every GPU test with
+#                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
+#                                then `kiln bench` on SmolLM2 q4_k_m and synthetic llama3.2-1b /
+#                                llama3-8b q4_k_m. Logs under $OUT (or ./gpu-logs); a short
+#                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mode=${1:-}
 case "$mode" in
 build)
     mkdir -p .gpu
     rm -f .gpu/*
-    log=$(cargo test --release -p kiln-kernels -p kiln-backend-cuda-q4k --no-run 2>&1) || { echo "$log"; exit 1; }
+    log=$(cargo test --release -p kiln-kernels -p kiln-backend-cuda-q4k -p kiln-tests --no-run 2>&1) || { echo "$log"; exit 1; }
+    # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        cp "$bin" ".gpu/$name"
+        case "$name" in gpu | parity | prefill | gpu_parity) cp "$bin" ".gpu/$name" ;; esac
     done
-    cargo build --release -p kiln-kernels --example kernel_bench -p kiln-backend-cuda-q4k --example decode_bench 2>&1 | tail -1
-    cp target/release/examples/kernel_bench target/release/examples/decode_bench .gpu/
+    cargo build --release --bin kiln -p kiln-kernels --example kernel_bench -p kiln-backend-cuda-q4k --example decode_bench 2>&1 | tail -1
+    cp target/release/kiln target/release/examples/kernel_bench target/release/examples/decode_bench .gpu/
     strip .gpu/* 2>/dev/null || true
     ls -la .gpu
+    ;;
+split)
+    src=${KILN_TEST_MODEL:-$HOME/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+    mkdir -p .gpu-model
+    rm -f .gpu-model/part-*
+    split -n 2 -d -a 1 "$src" .gpu-model/part-
+    mv .gpu-model/part-0 .gpu-model/part-a
+    mv .gpu-model/part-1 .gpu-model/part-b
+    ls -la .gpu-model
     ;;
 run)
     out=${OUT:-gpu-logs}
     mkdir -p "$out"
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/nvidia-smi.txt" || true
+    work=$(mktemp -d)
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/nvidia-smi.txt" || true
+    if [ -f .gpu-model/part-a ] && [ -f .gpu-model/part-b ]; then
+        cat .gpu-model/part-a .gpu-model/part-b >"$work/SmolLM2-135M-Instruct.Q4_1.gguf"
+        if echo "$SMOLLM2_SHA256  $work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet; then
+            export KILN_TEST_MODEL="$work/SmolLM2-135M-Instruct.Q4_1.gguf"
+        else
+            echo "the joined SmolLM2 file has the wrong sha256"; exit 1
+        fi
+    fi
+    export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR="$work/cache"
     status=0
     summary=()
-    for t in .gpu/*; do
+    for t in .gpu/gpu .gpu/parity .gpu/prefill .gpu/gpu_parity; do
+        [ -x "$t" ] || continue
         name=$(basename "$t")
-        case "$name" in kernel_bench | decode_bench) continue ;; esac
-        if KILN_REQUIRE_GPU=1 "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
+        if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
             summary+=("$name: $(grep -E '^test result' "$out/test-$name.log" | tail -1)")
         else
             status=1
             summary+=("$name: FAILED (see test-$name.log)")
             grep -E "panicked|FAILED|error" "$out/test-$name.log" | head -20 || true
         fi
-        grep -E "^skipped|rel err|agree|NVRTC|CUDA device|cosine" "$out/test-$name.log" | sort | uniq -c | head -40 || true
     done
-    .gpu/kernel_bench ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" >/dev/null || status=1
-    .gpu/decode_bench ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" >/dev/null || status=1
-    grep -vE '^\s' "$out/bench.log" | grep -vE '^(all GEMV|\|)' || true
+    grep -hE "min cosine|cosine|rel err|agree" "$out"/test-*.log | head -60 || true
+    if [ "${KERNEL_BENCH:-0}" = 1 ]; then
+        .gpu/kernel_bench --quick >"$out/kernel-bench.log" 2>&1 || status=1
+        sed -n '/^summary/,$p' "$out/kernel-bench.log"
+    fi
+    # Benchmark models, made here by kiln itself.
+    kiln=.gpu/kiln
+    models=()
+    if [ -n "${KILN_TEST_MODEL:-}" ]; then
+        $kiln quantize "$KILN_TEST_MODEL" "$work/smollm2-135m.q4_k_m.gguf" --type q4_k_m >"$out/quantize.log" 2>&1 && models+=("$work/smollm2-135m.q4_k_m.gguf")
+    fi
+    for shape in llama3.2-1b llama3-8b; do
+        start=$SECONDS
+        if $kiln synth "$work/$shape.q4_k_m.gguf" --shape $shape --type q4_k_m >>"$out/synth.log" 2>&1; then
+            models+=("$work/$shape.q4_k_m.gguf")
+        fi
+        echo "synth $shape q4_k_m: $((SECONDS - start)) s" >>"$out/synth.log"
+    done
+    tail -n 4 "$out/synth.log" || true
+    : >"$out/bench.md"
+    for m in "${models[@]}"; do
+        $kiln bench -m "$m" -p 512 -n 128 -r 5 2>>"$out/bench.err" | tee -a "$out/bench.md" || status=1
+    done
     echo
-    sed -n '/^summary/,$p' "$out/bench.log"
-    echo
-    cat "$out/decode.log"
-    echo
+    echo "== summary =="
+    grep -E '^\| [^-m]' "$out/bench.md" | grep -v '^| model' || true
+    grep -E 'roofline' "$out/bench.md" | head -1 || true
     printf '%s\n' "${summary[@]}"
+    rm -rf "$work"
     exit $status
     ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|split|run" >&2
     exit 2
     ;;
 esac
