@@ -104,16 +104,70 @@ macro_rules! dequant_suffix {
 }
 
 pub const DEQUANT_MODULES: [(QType, KernelModule); 10] = [
-    (QType::F32, dequant("dequant_f32", dequant_suffix!("DEQUANT_TYPE(f32, T_F32)"))),
-    (QType::F16, dequant("dequant_f16", dequant_suffix!("DEQUANT_TYPE(f16, T_F16)"))),
-    (QType::Q4_0, dequant("dequant_q4_0", dequant_suffix!("DEQUANT_TYPE(q4_0, T_Q4_0)"))),
-    (QType::Q4_1, dequant("dequant_q4_1", dequant_suffix!("DEQUANT_TYPE(q4_1, T_Q4_1)"))),
-    (QType::Q5_0, dequant("dequant_q5_0", dequant_suffix!("DEQUANT_TYPE(q5_0, T_Q5_0)"))),
-    (QType::Q5_1, dequant("dequant_q5_1", dequant_suffix!("DEQUANT_TYPE(q5_1, T_Q5_1)"))),
-    (QType::Q8_0, dequant("dequant_q8_0", dequant_suffix!("DEQUANT_TYPE(q8_0, T_Q8_0)"))),
-    (QType::Q4_K, dequant("dequant_q4_k", dequant_suffix!("DEQUANT_TYPE(q4_k, T_Q4_K)"))),
-    (QType::Q5_K, dequant("dequant_q5_k", dequant_suffix!("DEQUANT_TYPE(q5_k, T_Q5_K)"))),
-    (QType::Q6_K, dequant("dequant_q6_k", dequant_suffix!("DEQUANT_TYPE(q6_k, T_Q6_K)"))),
+    (
+        QType::F32,
+        dequant("dequant_f32", dequant_suffix!("DEQUANT_TYPE(f32, T_F32)")),
+    ),
+    (
+        QType::F16,
+        dequant("dequant_f16", dequant_suffix!("DEQUANT_TYPE(f16, T_F16)")),
+    ),
+    (
+        QType::Q4_0,
+        dequant(
+            "dequant_q4_0",
+            dequant_suffix!("DEQUANT_TYPE(q4_0, T_Q4_0)"),
+        ),
+    ),
+    (
+        QType::Q4_1,
+        dequant(
+            "dequant_q4_1",
+            dequant_suffix!("DEQUANT_TYPE(q4_1, T_Q4_1)"),
+        ),
+    ),
+    (
+        QType::Q5_0,
+        dequant(
+            "dequant_q5_0",
+            dequant_suffix!("DEQUANT_TYPE(q5_0, T_Q5_0)"),
+        ),
+    ),
+    (
+        QType::Q5_1,
+        dequant(
+            "dequant_q5_1",
+            dequant_suffix!("DEQUANT_TYPE(q5_1, T_Q5_1)"),
+        ),
+    ),
+    (
+        QType::Q8_0,
+        dequant(
+            "dequant_q8_0",
+            dequant_suffix!("DEQUANT_TYPE(q8_0, T_Q8_0)"),
+        ),
+    ),
+    (
+        QType::Q4_K,
+        dequant(
+            "dequant_q4_k",
+            dequant_suffix!("DEQUANT_TYPE(q4_k, T_Q4_K)"),
+        ),
+    ),
+    (
+        QType::Q5_K,
+        dequant(
+            "dequant_q5_k",
+            dequant_suffix!("DEQUANT_TYPE(q5_k, T_Q5_K)"),
+        ),
+    ),
+    (
+        QType::Q6_K,
+        dequant(
+            "dequant_q6_k",
+            dequant_suffix!("DEQUANT_TYPE(q6_k, T_Q6_K)"),
+        ),
+    ),
 ];
 
 /// The dequantisation module for weights of `qtype`.

@@ -117,9 +117,10 @@ fn find_cublas() -> Result<String, String> {
             }
         }
     }
-    let mut why = "libcublas.so.13 not found on the loader path, in /usr/local/cuda or in a Python \
+    let mut why =
+        "libcublas.so.13 not found on the loader path, in /usr/local/cuda or in a Python \
                    environment's nvidia-cublas package; set KILN_CUBLAS to its path"
-        .to_string();
+            .to_string();
     if !tried.is_empty() {
         why.push_str(&format!(" (found but unusable: {})", tried.join("; ")));
     }

@@ -733,8 +733,14 @@ impl Kernels {
             &format!("dequant_{}", type_tag(w.qtype)?),
         )?;
         let chunks = out_rows * w.row_len.div_ceil(32);
-        if out_rows > i32::MAX as usize || w.rows > i32::MAX as usize || chunks > u32::MAX as usize * 128 {
-            return Err(invalid(format!("dequantising {out_rows} rows of {}", w.row_len)));
+        if out_rows > i32::MAX as usize
+            || w.rows > i32::MAX as usize
+            || chunks > u32::MAX as usize * 128
+        {
+            return Err(invalid(format!(
+                "dequantising {out_rows} rows of {}",
+                w.row_len
+            )));
         }
         let (body, qh, sc) = w.ptrs();
         let mut args = Args::new()
@@ -766,7 +772,12 @@ impl Kernels {
 
     /// Row `ids[r]` of `w` dequantised to f32 as row r of `out` (the embedding of a batch
     /// of tokens; an id out of range gives a NaN row).
-    pub fn embed_rows(&self, w: &DeviceWeight, ids: DevSlice<i32>, out: DevSlice<f32>) -> Result<()> {
+    pub fn embed_rows(
+        &self,
+        w: &DeviceWeight,
+        ids: DevSlice<i32>,
+        out: DevSlice<f32>,
+    ) -> Result<()> {
         out.check_len(ids.len() * w.row_len, "embedding rows")?;
         self.dequant_launch(w, Some(ids), ids.len(), None, Some(out))
     }
@@ -787,7 +798,9 @@ impl Kernels {
         x.check_len(rows * n, "RMSNorm input")?;
         w.check_len(n, "RMSNorm weight")?;
         y.check_len(rows * n, "RMSNorm output")?;
-        let f = self.device.function(&crate::compile::PREFILL, "rmsnorm_rows_f16")?;
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, "rmsnorm_rows_f16")?;
         let mut args = Args::new()
             .ptr(x.ptr())
             .ptr(w.ptr())
@@ -819,10 +832,16 @@ impl Kernels {
     ) -> Result<()> {
         let hd = a.head_dim;
         if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
-            return Err(invalid(format!("head_dim {hd} / rotary dims {}", a.rot_dims)));
+            return Err(invalid(format!(
+                "head_dim {hd} / rotary dims {}",
+                a.rot_dims
+            )));
         }
         if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
-            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+            return Err(invalid(format!(
+                "{} heads over {} KV heads",
+                a.n_heads, a.n_kv
+            )));
         }
         if rows == 0 || start + rows > max_ctx {
             return Err(invalid(format!(
@@ -837,14 +856,17 @@ impl Kernels {
         q_out.check_len(rows * a.n_heads * hd, "rotated Q rows")?;
         kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
-        a.inv_freq.check_len(a.rot_dims / 2, "rope inverse frequencies")?;
+        a.inv_freq
+            .check_len(a.rot_dims / 2, "rope inverse frequencies")?;
         if let Some(n) = a.q_norm {
             n.check_len(hd, "Q norm")?;
         }
         if let Some(n) = a.k_norm {
             n.check_len(hd, "K norm")?;
         }
-        let f = self.device.function(&crate::compile::PREFILL, "rope_kv_rows")?;
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, "rope_kv_rows")?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
         let mut args = Args::new()
             .ptr(qkv.ptr())
@@ -891,7 +913,10 @@ impl Kernels {
             )));
         }
         if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
-            return Err(invalid(format!("{} heads over {} KV heads", a.n_heads, a.n_kv)));
+            return Err(invalid(format!(
+                "{} heads over {} KV heads",
+                a.n_heads, a.n_kv
+            )));
         }
         if rows == 0 || a.start + rows > a.max_ctx {
             return Err(invalid(format!(
@@ -903,9 +928,10 @@ impl Kernels {
         kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
         out.check_len(rows * a.n_heads * hd, "attention output rows")?;
-        let f = self
-            .device
-            .function(&crate::compile::PREFILL, &format!("attn_prefill_{}", hd / 32))?;
+        let f = self.device.function(
+            &crate::compile::PREFILL,
+            &format!("attn_prefill_{}", hd / 32),
+        )?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -939,7 +965,9 @@ impl Kernels {
         if n == 0 || n > i32::MAX as usize {
             return Err(invalid(format!("SwiGLU over {rows}x{ffn}")));
         }
-        let f = self.device.function(&crate::compile::PREFILL, "swiglu_rows_f16")?;
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, "swiglu_rows_f16")?;
         let mut args = Args::new()
             .ptr(gu.ptr())
             .ptr(y.ptr())

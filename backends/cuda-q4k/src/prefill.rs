@@ -298,8 +298,16 @@ impl CudaExecutor {
         k.dequant_f16(&l.up, p.wbuf.sub(ffn * h, ffn * h)?)?;
         Timer::mark(timer, Part::Gemm)?;
         let gu = p.gu.sub(0, n * 2 * ffn)?;
-        p.blas
-            .gemm_f16_f32(p.wbuf.sub(0, 2 * ffn * h)?, 2 * ffn, xn, n, h, gu, 2 * ffn, 0.0)?;
+        p.blas.gemm_f16_f32(
+            p.wbuf.sub(0, 2 * ffn * h)?,
+            2 * ffn,
+            xn,
+            n,
+            h,
+            gu,
+            2 * ffn,
+            0.0,
+        )?;
         Timer::mark(timer, Part::Other)?;
         let act = p.act.sub(0, n * ffn)?;
         k.swiglu_rows_f16(gu, n, ffn, act)?;

@@ -11,9 +11,8 @@ use std::sync::Arc;
 use kiln_backend_cpu::CpuBackend;
 use kiln_backend_cuda_q4k::{CudaExecutor, PREFILL_CHUNK};
 use kiln_core::{
-    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions,
-    ModelConfig, ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling,
-    TensorView,
+    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
+    ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, TensorView,
 };
 use kiln_kernels::testdata::{fresh_seed, gaussian_weights, random_vec};
 use kiln_kernels::Device;
@@ -218,9 +217,23 @@ fn decode_both(
     let mut worst = f64::INFINITY;
     for _ in 0..steps {
         let next = kiln_core::argmax(lc);
-        cpu.decode(&[DecodeItem { seq: cs, token: next }], lc).unwrap();
+        cpu.decode(
+            &[DecodeItem {
+                seq: cs,
+                token: next,
+            }],
+            lc,
+        )
+        .unwrap();
         lg.fill(f32::NAN);
-        gpu.decode(&[DecodeItem { seq: gs, token: next }], lg).unwrap();
+        gpu.decode(
+            &[DecodeItem {
+                seq: gs,
+                token: next,
+            }],
+            lg,
+        )
+        .unwrap();
         worst = worst.min(cosine(lc, lg));
     }
     worst
@@ -268,7 +281,11 @@ fn batched_prefill_matches_the_cpu_backend() {
             println!(
                 "{label}, {n} tokens: prefill cosine {pre:.6} (same argmax {same}), appended {appended:.6}, decode after {dec:.6}"
             );
-            for (what, v) in [("prefill", pre), ("appended prefill", appended), ("decode", dec)] {
+            for (what, v) in [
+                ("prefill", pre),
+                ("appended prefill", appended),
+                ("decode", dec),
+            ] {
                 // Written so that a NaN cosine fails too.
                 if v.is_nan() || v < FLOOR {
                     failures.push(format!("{label}, {n} tokens, {what}: cosine {v} < {FLOOR}"));
@@ -298,9 +315,19 @@ fn batched_prefill_rejects_bad_input() {
     let s = gpu.new_sequence().unwrap();
     let mut logits = vec![0f32; vocab];
     assert!(gpu.prefill(s, &[], &mut logits).is_err(), "empty prompt");
-    assert!(gpu.prefill(s, &[vocab as u32], &mut logits).is_err(), "id out of range");
-    assert!(gpu.prefill(s, &vec![1; 65], &mut logits).is_err(), "past the context");
-    assert_eq!(gpu.sequence_len(s).unwrap(), 0, "a rejected prompt leaves no trace");
+    assert!(
+        gpu.prefill(s, &[vocab as u32], &mut logits).is_err(),
+        "id out of range"
+    );
+    assert!(
+        gpu.prefill(s, &vec![1; 65], &mut logits).is_err(),
+        "past the context"
+    );
+    assert_eq!(
+        gpu.sequence_len(s).unwrap(),
+        0,
+        "a rejected prompt leaves no trace"
+    );
     gpu.prefill(s, &vec![1; 64], &mut logits).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
     assert!(gpu.prefill(s, &[1], &mut logits).is_err(), "full sequence");
