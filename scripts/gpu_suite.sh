@@ -26,7 +26,9 @@ build)
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
         case "$name" in gpu | parity | prefill | gpu_parity) cp "$bin" ".gpu/$name" ;; esac
     done
-    cargo build --release --bin kiln -p kiln-kernels --example kernel_bench -p kiln-backend-cuda-q4k --example decode_bench 2>&1 | tail -1
+    cargo build --release -p kiln --bin kiln
+    cargo build --release -p kiln-kernels --example kernel_bench
+    cargo build --release -p kiln-backend-cuda-q4k --example decode_bench
     cp target/release/kiln target/release/examples/kernel_bench target/release/examples/decode_bench .gpu/
     strip .gpu/* 2>/dev/null || true
     ls -la .gpu
