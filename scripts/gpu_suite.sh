@@ -74,6 +74,11 @@ run)
         .gpu/kernel_bench --quick >"$out/kernel-bench.log" 2>&1 || status=1
         sed -n '/^summary/,$p' "$out/kernel-bench.log"
     fi
+    if [ -n "${KILN_TEST_MODEL:-}" ]; then
+        .gpu/kiln backends -m "$KILN_TEST_MODEL" >"$out/backends.txt" 2>&1 || status=1
+        .gpu/kiln run "The capital of France is" -n 24 -m "$KILN_TEST_MODEL" >"$out/run.txt" 2>&1 || status=1
+        tail -n 3 "$out/backends.txt" "$out/run.txt"
+    fi
     # Benchmark models, made here by kiln itself.
     kiln=.gpu/kiln
     models=()
@@ -91,6 +96,7 @@ run)
     : >"$out/bench.md"
     for m in "${models[@]}"; do
         $kiln bench -m "$m" -p 512 -n 128 -r 5 2>>"$out/bench.err" | tee -a "$out/bench.md" || status=1
+        $kiln bench -m "$m" -p 0 -n 128 -r 5 --quantized-activations 2>>"$out/bench.err" | tee -a "$out/bench.md" || status=1
     done
     echo
     echo "== summary =="

@@ -30,6 +30,11 @@ pub struct LoadOptions {
     /// Worker threads for CPU work; `None` means all cores.
     pub threads: Option<usize>,
     pub progress: Option<ProgressFn>,
+    /// Let a GPU backend quantise activations to 8 bits (Q8_1) for integer dot products:
+    /// faster matrix-vector products, but logits drift from the f32 reference, on real
+    /// models past what greedy decoding tolerates (see docs/architecture.md). Off by
+    /// default; the CPU reference never quantises activations and ignores it.
+    pub quantized_activations: bool,
 }
 
 impl LoadOptions {
@@ -54,6 +59,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("max_context", &self.max_context)
             .field("max_sequences", &self.max_sequences)
             .field("threads", &self.threads)
+            .field("quantized_activations", &self.quantized_activations)
             .finish_non_exhaustive()
     }
 }

@@ -7,6 +7,10 @@
 //! gap is below 0.05. The prompt goes through each backend's own prefill, so this checks
 //! prefill (and the KV cache it writes) as well as decode.
 //!
+//! The default (f32 activations) must pass. The same comparison with
+//! `quantized_activations` (Q8_1 + dp4a, llama.cpp's way) is measured and printed beside it:
+//! it is an opt-in trade of fidelity for speed, so its numbers are reported, not asserted.
+//!
 //! `#[ignore]`d: CI has no GPU and lists them as ignored. scripts/gpu_suite.sh runs them with
 //! `--include-ignored` and `KILN_REQUIRE_GPU=1` (a missing device is then a failure).
 
@@ -60,12 +64,15 @@ fn top2_gap(logits: &[f32]) -> f32 {
     a - b
 }
 
-fn compare(path: &Path, prompt_text: &str, check_tokens: bool) -> Outcome {
+/// Runs the prompt and `STEPS` teacher-forced decode steps on both backends and measures
+/// the agreement; asserts the bars when `strict`.
+fn compare(path: &Path, prompt_text: &str, check_tokens: bool, quantized: bool, strict: bool) -> Outcome {
     let (cpu_backend, cuda_backend) = backends().expect("checked by the caller");
     let model = Model::open(path).unwrap();
     let options = LoadOptions { max_context: 512, ..Default::default() };
     let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
-    let mut gpu = cuda_backend.load(&model.ir, &options).unwrap();
+    let gpu_options = LoadOptions { quantized_activations: quantized, ..options };
+    let mut gpu = cuda_backend.load(&model.ir, &gpu_options).unwrap();
     let prompt = model.tokenizer.encode(prompt_text, model.tokenizer.add_bos_default(), false).unwrap();
     let vocab = model.ir.config.vocab_size;
     let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
@@ -73,20 +80,24 @@ fn compare(path: &Path, prompt_text: &str, check_tokens: bool) -> Outcome {
     cpu.prefill(sc, &prompt, &mut lc).unwrap();
     gpu.prefill(sg, &prompt, &mut lg).unwrap();
 
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
     let mut outcome = Outcome { min_cosine: 1.0, token_mismatches: 0, allowed_mismatches: 0 };
     for step in 0..=STEPS {
-        assert!(lg.iter().all(|l| l.is_finite()), "{}: step {step}: non-finite GPU logits", path.display());
+        assert!(lg.iter().all(|l| l.is_finite()), "{name}: step {step}: non-finite GPU logits");
         let cos = cosine(&lc, &lg);
         outcome.min_cosine = outcome.min_cosine.min(cos);
-        assert!(cos >= 0.999, "{}: step {step}: cosine {cos} < 0.999", path.display());
+        assert!(!strict || cos >= 0.999, "{name}: step {step}: cosine {cos} < 0.999");
         let (tc, tg) = (argmax(&lc), argmax(&lg));
-        if check_tokens && tc != tg {
-            let gap = top2_gap(&lc);
-            assert!(gap < 0.05, "{}: step {step}: GPU picks {tg}, CPU {tc} with top-1/top-2 gap {gap} ≥ 0.05", path.display());
-            outcome.allowed_mismatches += 1;
-        }
         if tc != tg {
             outcome.token_mismatches += 1;
+            let gap = top2_gap(&lc);
+            if gap < 0.05 {
+                outcome.allowed_mismatches += 1;
+            }
+            assert!(
+                !(strict && check_tokens) || gap < 0.05,
+                "{name}: step {step}: GPU picks {tg}, CPU {tc} with top-1/top-2 gap {gap} ≥ 0.05"
+            );
         }
         if step == STEPS {
             break;
@@ -96,8 +107,8 @@ fn compare(path: &Path, prompt_text: &str, check_tokens: bool) -> Outcome {
         gpu.decode(&[DecodeItem { seq: sg, token: tc }], &mut lg).unwrap();
     }
     println!(
-        "{:<36} prompt {:>2} tokens, {STEPS} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
-        path.file_name().unwrap().to_string_lossy(),
+        "{name:<36} {:<22} prompt {:>2} tokens, {STEPS} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
+        if quantized { "quantized activations" } else { "f32 activations" },
         prompt.len(),
         outcome.min_cosine,
         outcome.token_mismatches,
@@ -113,7 +124,9 @@ fn synth_parity(preset: Preset, name: &str) {
     let dir = scratch_dir();
     let path = dir.join(format!("{name}.q4_k_m.gguf"));
     synth_file(&path, SynthOptions { preset, recipe: Recipe::Q4_K_M, seed: 1 }, &no_progress).unwrap();
-    compare(&path, "The quick brown fox jumps over the lazy dog", false);
+    let prompt = "The quick brown fox jumps over the lazy dog";
+    compare(&path, prompt, false, false, true);
+    compare(&path, prompt, false, true, false);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -149,7 +162,8 @@ fn real_smollm2_q4_k_m_matches_cpu() {
     let path = dir.join("SmolLM2-135M-Instruct.q4_k_m.gguf");
     quantize_file(&source, &path, QuantizeOptions { recipe: Recipe::Q4_K_M, measure_error: false }, &no_progress).unwrap();
     for prompt in ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"] {
-        compare(&path, prompt, true);
+        compare(&path, prompt, true, false, true);
+        compare(&path, prompt, true, true, false);
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vocab = c.vocab_size;
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
     for threads in counts {
-        let opts = LoadOptions { max_context: 512, max_sequences: 1, threads: Some(threads), progress: None };
+        let opts = LoadOptions { max_context: 512, max_sequences: 1, threads: Some(threads), ..Default::default() };
         let mut ex = CpuBackend.load_executor(&ir, &opts)?;
         let mut logits = vec![0.0f32; vocab];
         // Warm-up: page the weights in and spin the pool up.

@@ -12,7 +12,7 @@ use kiln_core::{
 };
 
 fn load(ir: &ModelIr, threads: usize, sequences: usize) -> Box<dyn LayerExecutor> {
-    let opts = LoadOptions { max_context: 128, max_sequences: sequences, threads: Some(threads), progress: None };
+    let opts = LoadOptions { max_context: 128, max_sequences: sequences, threads: Some(threads), ..Default::default() };
     CpuBackend.load(ir, &opts).expect("load")
 }
 
@@ -279,7 +279,7 @@ fn invalid<T: std::fmt::Debug>(r: kiln_core::Result<T>, what: &str) {
 fn bad_input_is_a_typed_error() {
     let ir = Spec::llama().build(1);
     let vocab = ir.config.vocab_size;
-    let opts = LoadOptions { max_context: 16, max_sequences: 1, threads: Some(1), progress: None };
+    let opts = LoadOptions { max_context: 16, max_sequences: 1, threads: Some(1), ..Default::default() };
     let mut ex = CpuBackend.load(&ir, &opts).unwrap();
     let mut l = vec![0.0; vocab];
     invalid(ex.decode(&[DecodeItem { seq: 5, token: 1 }], &mut l), "unknown sequence");

@@ -396,6 +396,11 @@ impl CudaExecutor {
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
             Err(e) => return Err(err(e)),
         };
+        // Quantised weights multiply f32 activations unless the caller accepts 8-bit ones:
+        // Q8_1 + dp4a is 2.5-3.5x faster per GEMV but fails parity on real models (SmolLM2
+        // q4_k_m: cosine 0.994 to the CPU reference by the second decode step), whose
+        // activations have outlier channels that a 32-value block scale cannot absorb.
+        let activation_path = if options.quantized_activations { GemvPath::Dp4a } else { GemvPath::Float };
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
@@ -412,8 +417,8 @@ impl CudaExecutor {
             config: c,
             max_ctx,
             split,
-            path: GemvPath::Dp4a,
-            head_path: GemvPath::Dp4a,
+            path: activation_path,
+            head_path: activation_path,
             // Measured slower than a separate launch on every shape tried (H200, 2026-11-30:
             // 8B 361 vs 372 tok/s, 1B 1107 vs 1130, SmolLM2 978 vs 986).
             fused_ffn_q8: false,

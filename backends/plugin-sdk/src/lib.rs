@@ -373,6 +373,8 @@ pub mod __private {
                     n => Some(size(n, "threads")?),
                 },
                 progress,
+                // ABI 1.0 does not carry it: plugin executors get the exact default.
+                quantized_activations: false,
             };
             let model = model_from_desc(model)?;
             let exec = b.backend.load(&model, &options)?;
