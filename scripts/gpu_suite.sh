@@ -11,7 +11,8 @@
 #                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
 #                                then `kiln bench` on SmolLM2 q4_k_m and synthetic llama3.2-1b /
 #                                llama3-8b q4_k_m. Logs under $OUT (or ./gpu-logs); a short
-#                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark.
+#                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark;
+#                                TESTS="gpu parity ..." runs a subset of the test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -58,9 +59,10 @@ run)
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR="$work/cache"
     status=0
     summary=()
-    for t in .gpu/gpu .gpu/parity .gpu/prefill .gpu/gpu_parity; do
+    # TESTS picks a subset (e.g. TESTS="parity gpu_parity") when device time is short.
+    for name in ${TESTS:-gpu parity prefill gpu_parity}; do
+        t=.gpu/$name
         [ -x "$t" ] || continue
-        name=$(basename "$t")
         if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
             summary+=("$name: $(grep -E '^test result' "$out/test-$name.log" | tail -1)")
         else
