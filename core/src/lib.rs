@@ -16,6 +16,7 @@ pub mod quant;
 pub mod qtype;
 pub mod registry;
 pub mod sampling;
+pub mod sequences;
 
 pub use backend::{check_decode_batch, Backend, DecodeItem, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support};
 pub use error::{Error, Result};
@@ -26,6 +27,7 @@ pub use ir::{
 pub use qtype::QType;
 pub use registry::{BuiltinBackend, Candidate, Registry};
 pub use sampling::{argmax, Rng, Sampler, SamplingParams};
+pub use sequences::{SeqSlot, SequenceSlots};
 
 // Re-exported so backends register with the same `inventory` the registry collects from.
 pub use inventory;

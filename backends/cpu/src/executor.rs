@@ -4,7 +4,7 @@
 
 use kiln_core::{
     check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind,
-    Result, SeqId, TensorView,
+    Result, SeqId, SeqSlot, SequenceSlots, TensorView,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -51,8 +51,6 @@ struct Model {
 
 /// One sequence slot: its KV cache, laid out `[layer][position][kv_dim]`.
 struct Slot {
-    id: Option<SeqId>,
-    len: usize,
     k: Vec<f32>,
     v: Vec<f32>,
 }
@@ -78,8 +76,7 @@ struct Scratch {
 pub struct CpuExecutor {
     model: Model,
     pool: ThreadPool,
-    slots: Vec<Slot>,
-    next_id: SeqId,
+    slots: SequenceSlots<Slot>,
     scratch: Scratch,
 }
 
@@ -167,9 +164,8 @@ impl CpuExecutor {
             .ok_or_else(|| Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory")))?;
         // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
         // positions its sequence reaches.
-        let slots = (0..options.sequences())
-            .map(|_| Slot { id: None, len: 0, k: vec![0.0; per_slot], v: vec![0.0; per_slot] })
-            .collect();
+        let slots =
+            SequenceSlots::new((0..options.sequences()).map(|_| Slot { k: vec![0.0; per_slot], v: vec![0.0; per_slot] }));
         let widest = h.max(qd).max(ffn);
         let b = MAX_BATCH;
         let scratch = Scratch {
@@ -199,7 +195,7 @@ impl CpuExecutor {
             threads,
             simd,
         };
-        Ok(CpuExecutor { model, pool, slots, next_id: 0, scratch })
+        Ok(CpuExecutor { model, pool, slots, scratch })
     }
 
     /// Worker threads of this executor's pool.
@@ -208,10 +204,7 @@ impl CpuExecutor {
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
-        self.slots
-            .iter()
-            .position(|s| s.id == Some(seq))
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown sequence {seq}")))
+        self.slots.index_of(seq)
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -227,7 +220,7 @@ impl CpuExecutor {
     /// `last_only`.
     fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32], logits: &mut [f32], last_only: bool) {
         let CpuExecutor { model, pool, slots, scratch, .. } = self;
-        pool.install(|| forward(model, slots, scratch, rows, tokens, logits, last_only));
+        pool.install(|| forward(model, slots.as_mut_slice(), scratch, rows, tokens, logits, last_only));
     }
 }
 
@@ -262,7 +255,7 @@ fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
 
 fn forward(
     m: &Model,
-    slots: &mut [Slot],
+    slots: &mut [SeqSlot<Slot>],
     s: &mut Scratch,
     rows: &[(usize, usize)],
     tokens: &[u32],
@@ -328,7 +321,7 @@ fn forward(
         let heads = c.num_heads;
         let group = c.gqa_ratio();
         let q = &s.q;
-        let cache: &[Slot] = slots;
+        let cache: &[SeqSlot<Slot>] = slots;
         s.att[..n * qd].par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
             let (t, head) = (i / heads, i % heads);
             let (slot, pos) = rows[t];
@@ -403,43 +396,23 @@ impl LayerExecutor for CpuExecutor {
     }
 
     fn max_sequences(&self) -> usize {
-        self.slots.len()
+        self.slots.capacity()
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
-        let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
-            return Err(Error::InvalidArgument(format!("all {} sequence slots are in use", self.slots.len())));
-        };
-        // Ids are not reused while alive: skip any still held by another slot.
-        let mut id = self.next_id;
-        while self.slots.iter().any(|s| s.id == Some(id)) {
-            id = id.wrapping_add(1);
-        }
-        self.next_id = id.wrapping_add(1);
-        self.slots[slot].id = Some(id);
-        self.slots[slot].len = 0;
-        Ok(id)
+        self.slots.allocate()
     }
 
     fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
-        let slot = self.slot_of(seq)?;
-        self.slots[slot].id = None;
-        self.slots[slot].len = 0;
-        Ok(())
+        self.slots.free(seq)
     }
 
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.slots[self.slot_of(seq)?].len)
+        self.slots.len_of(seq)
     }
 
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        let slot = self.slot_of(seq)?;
-        let cur = self.slots[slot].len;
-        if len > cur {
-            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {cur} tokens to {len}")));
-        }
-        self.slots[slot].len = len;
-        Ok(())
+        self.slots.truncate(seq, len)
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kiln_core::{
     check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
-    ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, TensorView,
+    ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots, TensorView,
 };
 // A child module, so the batched prefill shares the executor's private state.
 #[path = "prefill.rs"]
@@ -105,8 +105,6 @@ struct Layer {
 
 /// One sequence's KV cache and step state.
 struct Slot {
-    id: Option<SeqId>,
-    len: usize,
     kv: KvCache,
     /// [token, position, context length, uniform (f32 bits)] read by the graph.
     state: DeviceBuffer<i32>,
@@ -150,8 +148,7 @@ pub struct CudaExecutor {
     out_norm: DeviceBuffer<f32>,
     inv_freq: DeviceBuffer<f32>,
     layers: Vec<Layer>,
-    slots: Vec<Slot>,
-    next_id: SeqId,
+    slots: SequenceSlots<Slot>,
     s: Scratch,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
@@ -404,8 +401,6 @@ impl CudaExecutor {
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
-                id: None,
-                len: 0,
                 kv: KvCache::new(device, c.num_layers, c.num_kv_heads, hd, max_ctx).map_err(err)?,
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
                 graph: None,
@@ -427,8 +422,7 @@ impl CudaExecutor {
             out_norm,
             inv_freq,
             layers,
-            slots,
-            next_id: 0,
+            slots: SequenceSlots::new(slots),
             s,
             prefill,
             _workspace: ws,
@@ -441,7 +435,7 @@ impl CudaExecutor {
     pub fn set_gemv_paths(&mut self, layers: GemvPath, head: GemvPath) {
         self.path = layers;
         self.head_path = head;
-        for s in &mut self.slots {
+        for s in self.slots.as_mut_slice() {
             s.graph = None;
         }
     }
@@ -451,7 +445,7 @@ impl CudaExecutor {
     /// slower). Graphs are re-captured at the next step.
     pub fn set_fused_ffn_q8(&mut self, on: bool) {
         self.fused_ffn_q8 = on;
-        for s in &mut self.slots {
+        for s in self.slots.as_mut_slice() {
             s.graph = None;
         }
     }
@@ -640,10 +634,7 @@ impl CudaExecutor {
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
-        self.slots
-            .iter()
-            .position(|s| s.id == Some(seq))
-            .ok_or_else(|| Error::InvalidArgument(format!("no live sequence {seq}")))
+        self.slots.index_of(seq)
     }
 
     /// Runs one step of `slot` for `token` at its next position, leaving the logits in
@@ -737,48 +728,24 @@ impl LayerExecutor for CudaExecutor {
     }
 
     fn max_sequences(&self) -> usize {
-        self.slots.len()
+        self.slots.capacity()
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
-        let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
-            return Err(Error::InvalidArgument(format!(
-                "all {} sequence slots are in use",
-                self.slots.len()
-            )));
-        };
-        let mut id = self.next_id;
-        while self.slots.iter().any(|s| s.id == Some(id)) {
-            id = id.wrapping_add(1);
-        }
-        self.next_id = id.wrapping_add(1);
-        self.slots[slot].id = Some(id);
-        self.slots[slot].len = 0;
-        Ok(id)
+        self.slots.allocate()
     }
 
     fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
-        let slot = self.slot_of(seq)?;
-        self.slots[slot].id = None;
-        self.slots[slot].len = 0;
-        Ok(())
+        self.slots.free(seq)
     }
 
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.slots[self.slot_of(seq)?].len)
+        self.slots.len_of(seq)
     }
 
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        let slot = self.slot_of(seq)?;
-        let cur = self.slots[slot].len;
-        if len > cur {
-            return Err(Error::InvalidArgument(format!(
-                "cannot truncate sequence {seq} of {cur} tokens to {len}"
-            )));
-        }
         // Attention reads only positions below the length; later ones are overwritten.
-        self.slots[slot].len = len;
-        Ok(())
+        self.slots.truncate(seq, len)
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
