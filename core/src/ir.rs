@@ -255,13 +255,13 @@ impl ModelConfig {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return bad(format!("empty model: {} layers, hidden {}, vocab {}", self.num_layers, self.hidden_size, self.vocab_size));
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!("{} heads cannot share {} KV heads", self.num_heads, self.num_kv_heads));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and non-zero", self.head_dim));
         }
-        if self.rope.rotary_dims > self.head_dim || self.rope.rotary_dims % 2 != 0 {
+        if self.rope.rotary_dims > self.head_dim || !self.rope.rotary_dims.is_multiple_of(2) {
             return bad(format!("rotary dims {} do not fit head_dim {}", self.rope.rotary_dims, self.head_dim));
         }
         Ok(())

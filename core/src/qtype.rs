@@ -114,7 +114,7 @@ impl QType {
     /// Bytes of a row of `n` values. Fails when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Result<usize> {
         let block = self.block_len();
-        if n % block != 0 {
+        if !n.is_multiple_of(block) {
             return Err(Error::InvalidShape(format!(
                 "a {} row holds whole blocks of {block} values; {n} is not a multiple",
                 self.name()

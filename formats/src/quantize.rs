@@ -174,7 +174,7 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
             let row_len = t.dims[0];
             if name == "output.weight" || (!has_output && name == "token_embd.weight") {
                 // The LM head (or the tied embedding that is it).
-                if row_len % default.block_len() != 0 {
+                if !row_len.is_multiple_of(default.block_len()) {
                     new_type = QType::Q8_0;
                 } else if new_type != QType::Q8_0 {
                     new_type = QType::Q6_K;
@@ -213,7 +213,7 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
 /// llama.cpp's `convert_incompatible_tensor`: a K-quant that cannot tile the row becomes
 /// the 32-value type of similar quality; failing that, F16.
 pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
-    if row_len % qtype.block_len() == 0 {
+    if row_len.is_multiple_of(qtype.block_len()) {
         return qtype;
     }
     let fallback = match qtype {
@@ -222,7 +222,7 @@ pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
         QType::Q6_K => QType::Q8_0,
         _ => QType::F16,
     };
-    if row_len % fallback.block_len() == 0 {
+    if row_len.is_multiple_of(fallback.block_len()) {
         fallback
     } else {
         QType::F16

@@ -76,7 +76,7 @@ impl<T: Pod> DevSlice<T> {
     pub fn cast<U: Pod>(&self) -> Result<DevSlice<U>> {
         let bytes = self.bytes();
         let size = std::mem::size_of::<U>();
-        if size == 0 || bytes % size != 0 || self.ptr % std::mem::align_of::<U>() as u64 != 0 {
+        if size == 0 || !bytes.is_multiple_of(size) || !self.ptr.is_multiple_of(std::mem::align_of::<U>() as u64) {
             return Err(KernelError::InvalidArgument(format!(
                 "{bytes} bytes cannot be viewed as {}",
                 std::any::type_name::<U>()

@@ -367,13 +367,13 @@ impl Kernels {
         max_ctx: usize,
     ) -> Result<()> {
         let hd = a.head_dim;
-        if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || a.rot_dims > hd || !a.rot_dims.is_multiple_of(2) {
             return Err(invalid(format!(
                 "head_dim {hd} / rotary dims {}",
                 a.rot_dims
             )));
         }
-        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) {
             return Err(invalid(format!(
                 "{} heads over {} KV heads",
                 a.n_heads, a.n_kv
@@ -442,12 +442,12 @@ impl Kernels {
         out_q8: Option<Q8Act>,
     ) -> Result<()> {
         let hd = a.head_dim;
-        if hd % 32 != 0 || hd == 0 || hd > 256 {
+        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
             return Err(KernelError::Unsupported(format!(
                 "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
             )));
         }
-        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 || a.split == 0 {
+        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) || a.split == 0 {
             return Err(invalid(format!(
                 "{} heads over {} KV heads, split {}",
                 a.n_heads, a.n_kv, a.split
@@ -643,7 +643,7 @@ impl Kernels {
 
     /// Copies `src` to `dst` with a 16-byte-per-thread kernel (the bandwidth yardstick).
     pub fn copy(&self, src: DevSlice<u8>, dst: DevSlice<u8>) -> Result<()> {
-        if src.len() != dst.len() || src.len() % 16 != 0 {
+        if src.len() != dst.len() || !src.len().is_multiple_of(16) {
             return Err(invalid(format!(
                 "copy of {} into {} bytes (multiples of 16 only)",
                 src.len(),
@@ -831,13 +831,13 @@ impl Kernels {
         max_ctx: usize,
     ) -> Result<()> {
         let hd = a.head_dim;
-        if hd == 0 || hd % 2 != 0 || hd > 512 || a.rot_dims > hd || a.rot_dims % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || a.rot_dims > hd || !a.rot_dims.is_multiple_of(2) {
             return Err(invalid(format!(
                 "head_dim {hd} / rotary dims {}",
                 a.rot_dims
             )));
         }
-        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) {
             return Err(invalid(format!(
                 "{} heads over {} KV heads",
                 a.n_heads, a.n_kv
@@ -907,12 +907,12 @@ impl Kernels {
         out: DevSlice<u16>,
     ) -> Result<()> {
         let hd = a.head_dim;
-        if hd % 32 != 0 || hd == 0 || hd > 256 {
+        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
             return Err(KernelError::Unsupported(format!(
                 "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
             )));
         }
-        if a.n_kv == 0 || a.n_heads % a.n_kv != 0 {
+        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) {
             return Err(invalid(format!(
                 "{} heads over {} KV heads",
                 a.n_heads, a.n_kv

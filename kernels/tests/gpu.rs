@@ -29,7 +29,7 @@ fn gpu() -> Option<MutexGuard<'static, Gpu>> {
     match g {
         Ok(m) => Some(m.lock().unwrap_or_else(|p| p.into_inner())),
         Err(why) => {
-            kiln_kernels::testdata::skip(&why);
+            kiln_kernels::testdata::skip(why);
             None
         }
     }

@@ -239,10 +239,10 @@ fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [
 fn batch<'a>(x: &'a [f32], sums: &'a mut [f32], tokens: usize, cols: usize) -> Batch<'a> {
     let x = &x[..tokens * cols];
     let ns = cols / 32;
-    if cols % 32 == 0 {
+    if cols.is_multiple_of(32) {
         block_sums(x, &mut sums[..tokens * ns]);
     }
-    Batch { x, sums: if cols % 32 == 0 { &sums[..tokens * ns] } else { &[] }, tokens, cols }
+    Batch { x, sums: if cols.is_multiple_of(32) { &sums[..tokens * ns] } else { &[] }, tokens, cols }
 }
 
 fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {

@@ -44,7 +44,7 @@ impl QMatrix {
                 view.dims()
             )));
         }
-        if view.qtype().is_quantized() && cols % 32 != 0 {
+        if view.qtype().is_quantized() && !cols.is_multiple_of(32) {
             return Err(Error::InvalidShape(format!("tensor {}: rows of {cols} values", view.name())));
         }
         Ok(QMatrix { view: view.clone(), kernel, rows, cols, row_bytes: view.row_bytes() })

@@ -30,7 +30,7 @@ pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
     if c.parallel_residual {
         return Err("cuda-q4k does not run parallel-residual blocks".into());
     }
-    if c.head_dim % 32 != 0 || c.head_dim > 256 {
+    if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(format!(
             "head_dim {} (cuda-q4k needs a multiple of 32 up to 256)",
             c.head_dim
