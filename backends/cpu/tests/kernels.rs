@@ -24,6 +24,37 @@ fn paths() -> Vec<bool> {
     }
 }
 
+/// Runs both kernel paths over `rows` rows of `cols` values in `bytes` and checks each
+/// dot against the reference dequantiser and an f64 dot.
+fn assert_dots_match_reference(q: QType, bytes: &[u8], rows: usize, cols: usize, x: &[f32], what: &str) {
+    let mut sums = vec![0.0; cols / 32];
+    block_sums(x, &mut sums);
+    let row_bytes = q.row_bytes(cols).unwrap();
+    let mut w = vec![0.0f32; cols];
+    let mut expect = Vec::new();
+    let mut magnitude = Vec::new();
+    for r in 0..rows {
+        dequantize(q, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+        expect.push(w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>());
+        magnitude.push(w.iter().zip(x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+    }
+    for simd in paths() {
+        let kernel = Kernel::new(q, simd).unwrap();
+        let mut out = vec![f32::NAN; rows];
+        kernel.dot_rows(bytes, row_bytes, Act { x, sums: &sums }, &mut out);
+        for r in 0..rows {
+            let err = (out[r] as f64 - expect[r]).abs();
+            assert!(
+                err <= 1e-5 * magnitude[r] + 1e-6,
+                "{q} cols {cols} row {r} simd {simd} {what}: got {} want {} (err {err:e}, Σ|wx| {})",
+                out[r],
+                expect[r],
+                magnitude[r]
+            );
+        }
+    }
+}
+
 #[test]
 fn fused_dots_match_reference_dequantisation() {
     let mut rng = Rng::new(7);
@@ -32,33 +63,59 @@ fn fused_dots_match_reference_dequantisation() {
             let rows = 5;
             let bytes = random_bytes(&mut rng, q, rows, cols, 1.0);
             let x = random_vec(&mut rng, cols, 2.0);
-            let mut sums = vec![0.0; cols / 32];
-            block_sums(&x, &mut sums);
-            let row_bytes = q.row_bytes(cols).unwrap();
-            let mut w = vec![0.0f32; cols];
-            let mut expect = Vec::new();
-            let mut magnitude = Vec::new();
-            for r in 0..rows {
-                dequantize(q, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
-                expect.push(w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>());
-                magnitude.push(w.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
-            }
-            for simd in paths() {
-                let kernel = Kernel::new(q, simd).unwrap();
-                let mut out = vec![f32::NAN; rows];
-                kernel.dot_rows(&bytes, row_bytes, Act { x: &x, sums: &sums }, &mut out);
-                for r in 0..rows {
-                    let err = (out[r] as f64 - expect[r]).abs();
-                    assert!(
-                        err <= 1e-5 * magnitude[r] + 1e-6,
-                        "{q} cols {cols} row {r} simd {simd}: got {} want {} (err {err:e}, Σ|wx| {})",
-                        out[r],
-                        expect[r],
-                        magnitude[r]
-                    );
+            assert_dots_match_reference(q, &bytes, rows, cols, &x, "random");
+        }
+    }
+}
+
+/// The Q5 types keep each value's fifth bit in a separate bit field, which the AVX2
+/// kernels spread back onto bytes. Random fields set about half the bits; all-clear,
+/// all-set and walking patterns make a bit-order slip (a value off by 16·scale) certain
+/// to show rather than likely.
+#[test]
+fn q5_fifth_bit_fields_match_reference() {
+    let mut rng = Rng::new(13);
+    let cases = [(QType::Q5_0, 576, 2..6), (QType::Q5_1, 576, 4..8), (QType::Q5_K, 512, 16..48)];
+    for (q, cols, field) in cases {
+        for pattern in [0x00u8, 0xFF, 0x01, 0x80, 0x55, 0x0F] {
+            let rows = 3;
+            let mut bytes = random_bytes(&mut rng, q, rows, cols, 1.0);
+            for blk in bytes.chunks_exact_mut(q.block_bytes()) {
+                for (k, b) in blk[field.clone()].iter_mut().enumerate() {
+                    *b = pattern.rotate_left(k as u32);
                 }
             }
+            let x = random_vec(&mut rng, cols, 2.0);
+            assert_dots_match_reference(q, &bytes, rows, cols, &x, &format!("fifth bits {pattern:#04x}"));
         }
+    }
+}
+
+/// The types with AVX2 kernels must actually select them when the CPU has the features,
+/// or the comparison above would only ever exercise the portable path for them.
+#[test]
+fn simd_kernels_are_selected_when_available() {
+    if !simd_available() {
+        println!("skipped: no AVX2/FMA/F16C on this CPU");
+        return;
+    }
+    let simd_types = [
+        QType::F32,
+        QType::F16,
+        QType::BF16,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+    ];
+    for q in simd_types {
+        let on = format!("{:?}", Kernel::new(q, true).unwrap());
+        let off = format!("{:?}", Kernel::new(q, false).unwrap());
+        assert!(on.contains("simd: true") && off.contains("simd: false"), "{q}: {on} / {off}");
     }
 }
 

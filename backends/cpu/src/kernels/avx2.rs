@@ -53,6 +53,28 @@ unsafe fn fma_i8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
     _mm256_fmadd_ps(b, _mm256_loadu_ps(x.add(8)), acc)
 }
 
+/// 0x10 in each byte of `h` that has bit `u` (a one-bit mask in every lane) set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fifth_bits_masked(h: __m128i, u: __m128i) -> __m128i {
+    _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, u), u), _mm_set1_epi8(0x10))
+}
+
+/// Bit `i` of the 16 bits in `bits` as byte `i`: 0x10 where the bit is set, 0 where not.
+/// That is the fifth bit of a Q5 quant, ready to OR onto its low nibble.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fifth_bits16(bits: u32) -> __m128i {
+    // Byte 0 of `bits` to lanes 0..8, byte 1 to lanes 8..16; lane i then tests bit i % 8.
+    let spread = _mm_shuffle_epi8(
+        _mm_cvtsi32_si128(bits as i32),
+        _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+    );
+    let lane_bit = _mm_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm_cmpeq_epi8(_mm_and_si128(spread, lane_bit), lane_bit);
+    _mm_and_si128(set, _mm_set1_epi8(0x10))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -144,6 +166,53 @@ pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    debug_assert_eq!(row.len(), nb * 22);
+    let mask = _mm_set1_epi8(0x0F);
+    let sixteen = _mm_set1_epi8(16);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * 22);
+        let px = x.as_ptr().add(b * 32);
+        let d = f16x1(p);
+        let qh = (p.add(2) as *const u32).read_unaligned().to_le();
+        let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
+        // 5-bit quants are 0..=31, so after the −16 they fit an i8.
+        let lo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh)), sixteen);
+        let hi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16)), sixteen);
+        let s = fma_i8x16(lo, px, _mm256_setzero_ps());
+        let s = fma_i8x16(hi, px.add(16), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+    }
+    hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_1(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    debug_assert_eq!(row.len(), nb * 24);
+    debug_assert_eq!(sums.len(), nb);
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0.0f32;
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * 24);
+        let px = x.as_ptr().add(b * 32);
+        let (d, m) = f16x2(p);
+        let qh = (p.add(4) as *const u32).read_unaligned().to_le();
+        let qs = _mm_loadu_si128(p.add(8) as *const __m128i);
+        let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
+        let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
+        let s = fma_u8x16(lo, px, _mm256_setzero_ps());
+        let s = fma_u8x16(hi, px.add(16), s);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+        offset += m * *sums.get_unchecked(b);
+    }
+    hsum(acc) + offset
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     let nb = x.len() / 32;
     debug_assert_eq!(row.len(), nb * 34);
@@ -187,6 +256,51 @@ pub unsafe fn dot_q4_k(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let s1 = fma_u8x16(_mm_and_si128(qb, mask), x0.add(16), s1);
             let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), x0.add(32), _mm256_setzero_ps());
             let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), x0.add(48), s2);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
+            mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
+        }
+        offset += dmin * mins;
+    }
+    hsum(acc) - offset
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_k(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    let nb = x.len() / 256;
+    debug_assert_eq!(row.len(), nb * 176);
+    debug_assert_eq!(sums.len(), nb * 8);
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0.0f32;
+    for b in 0..nb {
+        let blk = &row[b * 176..(b + 1) * 176];
+        let (d, dmin) = f16x2(blk.as_ptr());
+        let scales = &blk[4..16];
+        // Byte l of `qh` carries the fifth bit of value l of every 32-value sub-block:
+        // bit 2i for sub-block 2i (low nibbles), bit 2i+1 for 2i+1 (high nibbles).
+        let qha = _mm_loadu_si128(blk.as_ptr().add(16) as *const __m128i);
+        let qhb = _mm_loadu_si128(blk.as_ptr().add(32) as *const __m128i);
+        let qs = blk.as_ptr().add(48);
+        let px = x.as_ptr().add(b * 256);
+        let bs = sums.as_ptr().add(b * 8);
+        let mut mins = 0.0f32;
+        for i in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * i, scales);
+            let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+            let u1 = _mm_set1_epi8((1u8 << (2 * i)) as i8);
+            let u2 = _mm_set1_epi8((2u8 << (2 * i)) as i8);
+            let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
+            let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+            let x0 = px.add(64 * i);
+            let la = _mm_or_si128(_mm_and_si128(qa, mask), fifth_bits_masked(qha, u1));
+            let lb = _mm_or_si128(_mm_and_si128(qb, mask), fifth_bits_masked(qhb, u1));
+            let ha = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), fifth_bits_masked(qha, u2));
+            let hb = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), fifth_bits_masked(qhb, u2));
+            let s1 = fma_u8x16(la, x0, _mm256_setzero_ps());
+            let s1 = fma_u8x16(lb, x0.add(16), s1);
+            let s2 = fma_u8x16(ha, x0.add(32), _mm256_setzero_ps());
+            let s2 = fma_u8x16(hb, x0.add(48), s2);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
             mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);

@@ -159,14 +159,14 @@ macro_rules! portable_kernel {
 
 block_kernel!(Q4_0Kernel, QType::Q4_0, 32, dequant::block_q4_0, dot_q4_0);
 block_kernel!(Q4_1Kernel, QType::Q4_1, 32, dequant::block_q4_1, dot_q4_1);
+block_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0, dot_q5_0);
+block_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1, dot_q5_1);
 block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0);
 block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k);
+block_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k, dot_q5_k);
 block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k);
-portable_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0);
-portable_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1);
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
-portable_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k);
 
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
@@ -292,13 +292,13 @@ impl Kernel {
             QType::BF16 => Bf16Kernel { simd }.into(),
             QType::Q4_0 => Q4_0Kernel { simd }.into(),
             QType::Q4_1 => Q4_1Kernel { simd }.into(),
-            QType::Q5_0 => Q5_0Kernel.into(),
-            QType::Q5_1 => Q5_1Kernel.into(),
+            QType::Q5_0 => Q5_0Kernel { simd }.into(),
+            QType::Q5_1 => Q5_1Kernel { simd }.into(),
             QType::Q8_0 => Q8_0Kernel { simd }.into(),
             QType::Q2_K => Q2KKernel.into(),
             QType::Q3_K => Q3KKernel.into(),
             QType::Q4_K => Q4KKernel { simd }.into(),
-            QType::Q5_K => Q5KKernel.into(),
+            QType::Q5_K => Q5KKernel { simd }.into(),
             QType::Q6_K => Q6KKernel { simd }.into(),
             _ => return None,
         })
