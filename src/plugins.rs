@@ -352,6 +352,10 @@ impl PluginBackend {
             threads: options.threads.unwrap_or(0) as u64,
             progress: progress.as_ref().map(|_| progress_trampoline as KilnProgressFn),
             progress_user: progress.as_mut().map_or(std::ptr::null_mut(), |f| f as *mut ProgressFn as *mut c_void),
+            // A 1.0 plugin reads only the prefix it knows and so never sees this: it loads
+            // with exact activations, which the flag permits, never requires.
+            flags: if options.quantized_activations { load_flags::QUANTIZED_ACTIVATIONS } else { 0 },
+            _reserved1: 0,
         };
         let mut handle: *mut KilnExecutor = std::ptr::null_mut();
         let mut info = KilnExecutorInfo {

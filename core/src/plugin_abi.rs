@@ -39,7 +39,7 @@ use crate::qtype::QType;
 /// Major version: bumped by any change an older host or plugin could misread.
 pub const ABI_MAJOR: u16 = 1;
 /// Minor version: bumped by purely additive changes (see the module docs).
-pub const ABI_MINOR: u16 = 0;
+pub const ABI_MINOR: u16 = 1;
 /// `ABI_MAJOR << 16 | ABI_MINOR`, the value in [`KilnPluginApi::abi_version`].
 pub const ABI_VERSION: u32 = pack_version(ABI_MAJOR, ABI_MINOR);
 /// Name of the symbol every plugin exports.
@@ -482,6 +482,55 @@ pub struct KilnLoadOptions {
     /// Valid only during the `load` call.
     pub progress: Option<KilnProgressFn>,
     pub progress_user: *mut c_void,
+    // ---- ABI 1.1 ----
+    /// [`load_flags`] bits. Lies past a 1.0 host's `struct_size`; [`KilnLoadOptions::read`]
+    /// then gives 0, every option off.
+    pub flags: u32,
+    /// 0. Spelled out so the size is a multiple of 8 on every target, in C as in Rust.
+    pub _reserved1: u32,
+}
+
+/// `struct_size` of ABI 1.0's [`KilnLoadOptions`] (everything before `flags`): the least a
+/// 1.x plugin accepts.
+pub const LOAD_OPTIONS_SIZE_V1_0: u32 = std::mem::offset_of!(KilnLoadOptions, flags) as u32;
+
+/// Bits of [`KilnLoadOptions::flags`] (ABI 1.1).
+///
+/// Unlike model [`flags`], every load flag is a *permission* a backend may decline: a
+/// plugin built before a bit existed never reads it (it copies only the prefix of the
+/// options it knows), so no bit may carry something a backend is obliged to honour. A
+/// plugin ignores bits it does not know.
+pub mod load_flags {
+    /// [`crate::LoadOptions::quantized_activations`]: the backend may quantise activations
+    /// to 8 bits for integer dot products, trading exactness for speed.
+    pub const QUANTIZED_ACTIVATIONS: u32 = 1 << 0;
+}
+
+impl KilnLoadOptions {
+    /// Reads the options a host of any 1.x minor passed to `load`: refuses a `struct_size`
+    /// short of ABI 1.0's fields, and copies only the `struct_size` bytes the host declared,
+    /// so fields appended by a minor newer than the host read as zero (their defaults).
+    ///
+    /// # Safety
+    /// `options` must be null or point to `struct_size` readable bytes (the ABI's promise).
+    pub unsafe fn read(options: *const KilnLoadOptions) -> std::result::Result<KilnLoadOptions, String> {
+        if options.is_null() {
+            return Err("options is a null pointer".into());
+        }
+        // `struct_size` is the first field in every minor; it is all that may be read
+        // before the size is known.
+        let struct_size = std::ptr::read(options as *const u32);
+        if struct_size < LOAD_OPTIONS_SIZE_V1_0 {
+            return Err(format!(
+                "load options struct_size {struct_size} is smaller than ABI 1.0's {LOAD_OPTIONS_SIZE_V1_0} bytes"
+            ));
+        }
+        // SAFETY: all-zero is a valid KilnLoadOptions (null pointers, `None` callback).
+        let mut out: KilnLoadOptions = std::mem::zeroed();
+        let n = (struct_size as usize).min(std::mem::size_of::<KilnLoadOptions>());
+        std::ptr::copy_nonoverlapping(options as *const u8, &mut out as *mut KilnLoadOptions as *mut u8, n);
+        Ok(out)
+    }
 }
 
 /// What the host needs to know about a loaded executor.
@@ -983,6 +1032,36 @@ mod tests {
         assert_eq!(version_major(0x0002_0007), 2);
         assert_eq!(version_minor(0x0002_0007), 7);
         assert_eq!(version_string(ABI_VERSION), format!("{ABI_MAJOR}.{ABI_MINOR}"));
+    }
+
+    #[test]
+    fn load_options_of_an_older_host_read_their_defaults() {
+        let full = KilnLoadOptions {
+            struct_size: std::mem::size_of::<KilnLoadOptions>() as u32,
+            _reserved: 0,
+            max_context: 77,
+            max_sequences: 3,
+            threads: 2,
+            progress: None,
+            progress_user: std::ptr::null_mut(),
+            flags: load_flags::QUANTIZED_ACTIVATIONS,
+            _reserved1: 0,
+        };
+        let read = unsafe { KilnLoadOptions::read(&full) }.unwrap();
+        assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 1));
+
+        // A 1.0 host's options end before `flags`; whatever follows in memory is not theirs.
+        let mut old = full;
+        old.struct_size = LOAD_OPTIONS_SIZE_V1_0;
+        old.flags = !0;
+        let read = unsafe { KilnLoadOptions::read(&old) }.unwrap();
+        assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 0));
+
+        let mut short = full;
+        short.struct_size = LOAD_OPTIONS_SIZE_V1_0 - 8;
+        let err = unsafe { KilnLoadOptions::read(&short) }.unwrap_err();
+        assert!(err.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)), "{err}");
+        assert!(unsafe { KilnLoadOptions::read(std::ptr::null()) }.is_err());
     }
 
     #[test]

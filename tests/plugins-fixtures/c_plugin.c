@@ -99,8 +99,11 @@ static kiln_status supports(kiln_backend *b, const kiln_model_desc *m, kiln_supp
 
 static kiln_status load(kiln_backend *b, const kiln_model_desc *m, const kiln_load_options *o, kiln_executor **out,
                         kiln_executor_info *info, kiln_owned_str *err) {
-    (void)b, (void)m, (void)o, (void)out, (void)info;
-    *err = owned("c-null runs no model");
+    (void)b, (void)m, (void)out, (void)info;
+    /* A 1.1 field: a 1.0 host's options end before it. */
+    uint32_t flags = o->struct_size >= offsetof(kiln_load_options, flags) + sizeof o->flags ? o->flags : 0;
+    *err = owned(flags & KILN_LOAD_QUANTIZED_ACTIVATIONS ? "c-null runs no model, quantized or not"
+                                                         : "c-null runs no model");
     return KILN_UNSUPPORTED;
 }
 

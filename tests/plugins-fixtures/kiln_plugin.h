@@ -1,4 +1,4 @@
-/* kiln plugin ABI 1.0 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
+/* kiln plugin ABI 1.1 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
  * For plugins written without the Rust SDK. The tests compile their deliberately broken
  * plugins against it and check that every struct here has the size Rust gives it. */
 #ifndef KILN_PLUGIN_H
@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define KILN_ABI_MAJOR 1
-#define KILN_ABI_MINOR 0
+#define KILN_ABI_MINOR 1
 #define KILN_ABI_VERSION ((uint32_t)KILN_ABI_MAJOR << 16 | KILN_ABI_MINOR)
 
 typedef int32_t kiln_status;
@@ -65,10 +65,17 @@ typedef struct {
 
 typedef void (*kiln_progress_fn)(void *user, uint64_t done, uint64_t total);
 
+/* Bits of kiln_load_options.flags (ABI 1.1): permissions a backend may decline; ignore
+ * unknown bits. */
+#define KILN_LOAD_QUANTIZED_ACTIVATIONS (1u << 0)
+
 typedef struct {
     uint32_t struct_size, _reserved;
     uint64_t max_context, max_sequences, threads;
     kiln_progress_fn progress; void *progress_user;
+    /* ABI 1.1: absent (read as 0) when struct_size < offsetof(kiln_load_options, flags) + 4,
+     * i.e. from a 1.0 host. */
+    uint32_t flags, _reserved1;
 } kiln_load_options;
 
 typedef struct { uint32_t struct_size, _reserved; uint64_t max_context, max_sequences; } kiln_executor_info;

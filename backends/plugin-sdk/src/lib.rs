@@ -340,13 +340,12 @@ pub mod __private {
         let mut host_progress: Option<Arc<HostProgress>> = None;
         let status = guard(err, "load", || {
             let b = backend_ref(backend)?;
-            let o = options.as_ref().ok_or_else(|| null_arg("options"))?;
+            // A copy of the host's prefix: options appended after the host's minor read as
+            // zero, their defaults.
+            let o = KilnLoadOptions::read(options).map_err(Error::InvalidArgument)?;
             let info = info.as_mut().ok_or_else(|| null_arg("info"))?;
             if out.is_null() {
                 return Err(null_arg("out"));
-            }
-            if (o.struct_size as usize) < std::mem::size_of::<KilnLoadOptions>() {
-                return Err(Error::InvalidArgument(format!("load options struct_size {} is too small", o.struct_size)));
             }
             if (info.struct_size as usize) < std::mem::size_of::<KilnExecutorInfo>() {
                 return Err(Error::InvalidArgument(format!("executor info struct_size {} is too small", info.struct_size)));
@@ -373,8 +372,9 @@ pub mod __private {
                     n => Some(size(n, "threads")?),
                 },
                 progress,
-                // ABI 1.0 does not carry it: plugin executors get the exact default.
-                quantized_activations: false,
+                // Bits this SDK does not know are permissions from a newer host; declining
+                // them is always allowed (see `load_flags`).
+                quantized_activations: o.flags & load_flags::QUANTIZED_ACTIVATIONS != 0,
             };
             let model = model_from_desc(model)?;
             let exec = b.backend.load(&model, &options)?;

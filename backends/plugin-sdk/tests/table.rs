@@ -6,7 +6,7 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kiln_plugin_sdk::abi::*;
 use kiln_plugin_sdk::kiln_core::{
@@ -19,6 +19,11 @@ kiln_plugin_sdk::export_backend!(Tiny::default, architectures = [Architecture::L
 
 #[derive(Default)]
 struct Tiny;
+
+/// `(max_context, quantized_activations)` of every `LoadOptions` `Tiny::load` received, so a
+/// test can see what the SDK rebuilt from the C struct. Tests run in parallel; each tells
+/// its own loads apart by a distinct `max_context`.
+static LOADS: Mutex<Vec<(usize, bool)>> = Mutex::new(Vec::new());
 
 impl Backend for Tiny {
     fn name(&self) -> &str {
@@ -37,6 +42,7 @@ impl Backend for Tiny {
         Support::Yes { score: 42, note: format!("{} layers", model.config.num_layers) }
     }
     fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
+        LOADS.lock().unwrap().push((options.max_context, options.quantized_activations));
         if let Some(p) = &options.progress {
             p(1, 2);
         }
@@ -249,6 +255,8 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
         threads: 0,
         progress: Some(count_progress),
         progress_user: 0x5eed as *mut c_void,
+        flags: 0,
+        _reserved1: 0,
     };
     let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
     let mut e = std::ptr::null_mut();
@@ -301,4 +309,57 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
         (api.destroy_backend.unwrap())(b);
     }
     drop(buf);
+}
+
+/// Loads `tiny_model` with `options` and returns what `Tiny::load` was given, or the error.
+fn load_with(options: &KilnLoadOptions) -> std::result::Result<(usize, bool), (KilnStatus, String)> {
+    let (api, b) = (api(), backend());
+    let model = tiny_model();
+    let buf = ModelDescBuf::new(&model);
+    let desc = buf.desc();
+    let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
+    let mut e = std::ptr::null_mut();
+    let mut err = KilnOwnedStr::NONE;
+    let status = unsafe { (api.load.unwrap())(b, &desc, options, &mut e, &mut info, &mut err) };
+    let result = if status == KilnStatus::OK {
+        unsafe { (api.free_executor.unwrap())(e) };
+        let loads = LOADS.lock().unwrap();
+        Ok(*loads.iter().rev().find(|(ctx, _)| *ctx == options.max_context as usize).expect("Tiny::load was called"))
+    } else {
+        Err((status, take(err)))
+    };
+    unsafe { (api.destroy_backend.unwrap())(b) };
+    result
+}
+
+#[test]
+fn load_flags_reach_the_backend_and_a_1_0_host_gets_the_defaults() {
+    let options = |max_context: u64, struct_size: u32, flags: u32| KilnLoadOptions {
+        struct_size,
+        _reserved: 0,
+        max_context,
+        max_sequences: 0,
+        threads: 0,
+        progress: None,
+        progress_user: std::ptr::null_mut(),
+        flags,
+        _reserved1: 0,
+    };
+    let full = std::mem::size_of::<KilnLoadOptions>() as u32;
+    assert_eq!(load_with(&options(1001, full, load_flags::QUANTIZED_ACTIVATIONS)), Ok((1001, true)));
+    assert_eq!(load_with(&options(1002, full, 0)), Ok((1002, false)));
+    // Bits a newer host may define are permissions this SDK declines, not errors.
+    assert_eq!(load_with(&options(1003, full, !load_flags::QUANTIZED_ACTIVATIONS)), Ok((1003, false)));
+
+    // A 1.0 host's struct ends before `flags`: set bits in memory past its `struct_size`
+    // must not be read, so the backend gets the default.
+    let v1_0 = options(1004, LOAD_OPTIONS_SIZE_V1_0, !0);
+    assert_eq!(LOAD_OPTIONS_SIZE_V1_0 as usize, 4 + 4 + 3 * 8 + 2 * std::mem::size_of::<usize>());
+    assert_eq!(load_with(&v1_0), Ok((1004, false)));
+
+    // Shorter than 1.0's fields is refused, not read.
+    let (status, msg) = load_with(&options(1005, LOAD_OPTIONS_SIZE_V1_0 - 8, 0)).unwrap_err();
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
+    assert!(msg.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)), "{msg}");
+    assert!(!LOADS.lock().unwrap().iter().any(|(ctx, _)| *ctx == 1005));
 }
