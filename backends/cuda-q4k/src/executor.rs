@@ -450,6 +450,22 @@ impl CudaExecutor {
         }
     }
 
+    /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
+    fn rope_args(&self, l: &Layer) -> RopeArgs {
+        let c = &self.config;
+        RopeArgs {
+            n_heads: c.num_heads,
+            n_kv: c.num_kv_heads,
+            head_dim: c.head_dim,
+            rot_dims: c.rope.rotary_dims,
+            inv_freq: self.inv_freq.slice(),
+            neox: c.rope.kind == RopeKind::Neox,
+            q_norm: l.q_norm.as_ref().map(|b| b.slice()),
+            k_norm: l.k_norm.as_ref().map(|b| b.slice()),
+            eps: c.norm_eps,
+        }
+    }
+
     fn tiling(w: &DeviceWeight) -> GemvTiling {
         if w.qtype.is_quantized() {
             GemvTiling::new(2, 2)
@@ -497,17 +513,7 @@ impl CudaExecutor {
                 )?;
             }
             let (kc, vc) = slot.kv.layer(li)?;
-            let rope = RopeArgs {
-                n_heads: c.num_heads,
-                n_kv: c.num_kv_heads,
-                head_dim: hd,
-                rot_dims: c.rope.rotary_dims,
-                inv_freq: self.inv_freq.slice(),
-                neox: c.rope.kind == RopeKind::Neox,
-                q_norm: l.q_norm.as_ref().map(|b| b.slice()),
-                k_norm: l.k_norm.as_ref().map(|b| b.slice()),
-                eps: c.norm_eps,
-            };
+            let rope = self.rope_args(l);
             k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.max_ctx)?;
             let attn = AttnArgs {
                 n_heads: c.num_heads,

@@ -13,9 +13,9 @@
 
 use std::sync::Arc;
 
-use kiln_core::{Error, ModelConfig, Result, RopeKind};
+use kiln_core::{Error, ModelConfig, Result};
 use kiln_kernels::{
-    Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, RopeArgs, Workspace,
+    Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace,
 };
 
 use super::{CudaExecutor, Layer};
@@ -260,17 +260,7 @@ impl CudaExecutor {
             .gemm_f16_f32(p.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
         Timer::mark(timer, Part::Other)?;
         let (kc, vc) = self.slots[slot].kv.layer(li)?;
-        let rope = RopeArgs {
-            n_heads: c.num_heads,
-            n_kv: c.num_kv_heads,
-            head_dim: hd,
-            rot_dims: c.rope.rotary_dims,
-            inv_freq: self.inv_freq.slice(),
-            neox: c.rope.kind == RopeKind::Neox,
-            q_norm: l.q_norm.as_ref().map(|b| b.slice()),
-            k_norm: l.k_norm.as_ref().map(|b| b.slice()),
-            eps: c.norm_eps,
-        };
+        let rope = self.rope_args(l);
         let q = p.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
         k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, self.max_ctx)?;
