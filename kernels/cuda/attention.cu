@@ -92,6 +92,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     extern "C" __global__ void __launch_bounds__(128) attn_partial_##E(                                                \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
         int split, float scale, float* part_o, float2* part_ml) {                                                      \
+        grid_dependency_wait();                                                                                        \
         attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml);               \
     }
 ATTN_ENTRY(1)
@@ -104,11 +105,13 @@ ATTN_ENTRY(7)
 ATTN_ENTRY(8)
 
 // One block per head, one thread per element of the head (blockDim == hd). With `q` and
-// `ds` it also writes the output as Q8_1 (32-value blocks never straddle heads), sparing
+// `ds` it also writes the output as Q8_1 (and `lo`, the residual plane, when not null) (32-value blocks never straddle heads), sparing
 // the output projection's input a separate quantisation launch.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
                                         const int* __restrict__ len_ptr, int split, int nsplit, int hd,
-                                        float* __restrict__ out, i8* __restrict__ q, float2* __restrict__ ds) {
+                                        float* __restrict__ out, i8* __restrict__ q, i8* __restrict__ lo,
+                                        float2* __restrict__ ds) {
+    grid_dependency_wait();
     const int head = blockIdx.x, d = threadIdx.x;
     const int n = min(nsplit, (*len_ptr + split - 1) / split);
     float M = -INFINITY;
@@ -123,12 +126,5 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     const float v = o / L;
     const size_t i = (size_t)head * hd + d;
     out[i] = v;
-    if (q) {
-        const float amax = warp_max(fabsf(v));
-        const float dq = amax / 127.0f;
-        const int qi = amax == 0.0f ? 0 : __float2int_rn(v / dq);
-        q[i] = (i8)qi;
-        const int sum = warp_sum_i(qi);
-        if ((d & 31) == 0) ds[i / 32] = make_float2(dq, dq * (float)sum);
-    }
+    if (q) quantize_block_warp(v, q, lo, ds, i, i / 32);
 }

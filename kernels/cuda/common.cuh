@@ -62,3 +62,35 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < nwarps ? scratch[lane] : 0.0f;
     return warp_sum(v);
 }
+
+// Programmatic dependent launch (sm_90+). kiln launches every kernel with the
+// programmatic-serialization attribute, so a kernel may be scheduled while the one before it
+// on the stream is still finishing; this wait, the first statement of every kernel, blocks
+// until that predecessor has completed and its writes are visible. Because every kernel
+// waits, completion stays transitive: a kernel never overtakes any earlier one. The trigger
+// lets the next kernel's blocks be scheduled as soon as all of this grid's blocks have
+// started, which hides the launch latency between the small kernels of a decode step.
+// On older architectures both are no-ops and launches are plainly serialised.
+static __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Activation quantisation for the integer GEMVs, one 32-value block per warp (lane i holds
+// value i). `q` gets round(v / d) with d = amax / 127 (Q8_1); `lo`, when not null, the
+// rounding residual at 1/254 of that step, so that d / 254 * (254 * q + lo) holds v to
+// 15 bits of the block's range. `ds` gets (d, d * sum(q)); readers of `lo` add its own sum.
+static __device__ __forceinline__ void quantize_block_warp(float v, i8* __restrict__ q, i8* __restrict__ lo,
+                                                           float2* __restrict__ ds, size_t i, size_t blk) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(v));
+    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    const float scaled = v * inv;
+    const float hi = rintf(scaled);
+    q[i] = (i8)(int)hi;
+    if (lo) lo[i] = (i8)(int)rintf((scaled - hi) * 254.0f);
+    const int sum = warp_sum_i((int)hi);
+    if (lane == 0) ds[blk] = make_float2(amax / 127.0f, amax / 127.0f * (float)sum);
+}

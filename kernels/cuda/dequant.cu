@@ -146,6 +146,7 @@ static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids,
     extern "C" __global__ void __launch_bounds__(128) dequant_##NAME(const u8* body, const u32* qh, const u8* sc,     \
                                                                       const int* ids, int out_rows, int wrows, int K,  \
                                                                       u16* out_h, float* out_f) {                      \
+        grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
         dequant<T>(w, ids, out_rows, wrows, K, out_h, out_f);                                                          \
     }

@@ -8,11 +8,18 @@
 //
 // Work unit: a chunk of 32 consecutive values of a row. Lane l of a warp takes chunks
 // l, l+32, ...; a warp owns R rows and reads each activation chunk once for all of them.
-// Two activation formats, chosen per launch:
-//   - float: x in f32, weights dequantised in registers, f32 FMAs;
-//   - q8_1: x quantised to int8 per 32-block, integer dot products with dp4a.
+// Three activation formats, chosen per launch (template parameter A):
+//   - A_F32: x in f32, weights dequantised in registers, f32 FMAs;
+//   - A_Q8: x quantised to int8 per 32-block (Q8_1), integer dot products with dp4a;
+//   - A_Q16: the same int8 values plus their rounding residual as a second int8 plane
+//     (see quantize_block_warp): two dp4a per four weights, activations exact to 15 bits
+//     of each block's range instead of 8, combined exactly in an int32 before scaling.
 // Epilogue: + bias[row] (optional), + residual[row] (optional). In SwiGLU mode the warp
 // computes row r of both `gate` and `up` and writes silu(gate·x) * (up·x).
+
+#define A_F32 0
+#define A_Q8 1
+#define A_Q16 2
 
 #define T_F32 0
 #define T_F16 1
@@ -47,10 +54,22 @@ struct W {
 // What a lane knows about the activation chunk it works on.
 struct XChunk {
     float v[32];      // float path: the values (zero past the row's end)
-    int q[8];         // q8_1 path: the int8 values, four per int
-    float d, s;       // q8_1 path: scale and d * sum(q)
+    int q[8];         // integer paths: the int8 values, four per int
+    int r[8];         // A_Q16: the residual plane
+    float d, s;       // integer paths: the unit of IAcc::value() and the block's sum
     float sum, sum_lo; // float path: sum of all 32 / of the first 16 values
-    int qsum_lo, qsum_hi; // q8_1 path: sum of q over each half (Q6_K's -32 offset)
+    int qsum_lo, qsum_hi; // integer paths: sum over each half in units of d (Q6_K's -32 offset)
+};
+
+// An integer dot product of weight bytes with the activation's int8 values and, for A_Q16,
+// with its residual plane; value() is in units of XChunk::d.
+template <int A> struct IAcc {
+    int hi = 0, lo = 0;
+    __device__ __forceinline__ void add(int w, const XChunk& x, int i) {
+        hi = dp4a(w, x.q[i], hi);
+        if (A == A_Q16) lo = dp4a(w, x.r[i], lo);
+    }
+    __device__ __forceinline__ int value() const { return A == A_Q16 ? hi * 254 + lo : hi; }
 };
 
 static __device__ __forceinline__ void load32(const u8* p, int (&o)[8]) {
@@ -98,7 +117,7 @@ static __device__ __forceinline__ void k4_scale_min_w(u32 w0, u32 w1, u32 w2, in
 
 // Q4_K / Q5_K: sub-blocks 2p and 2p+1 share 32 bytes of qs (low and high nibbles), so a lane
 // takes both — one 32-byte load, every nibble used. `u` counts 64-value units of the row.
-template <int T, bool Q>
+template <int T, int A>
 static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K, int u, const XChunk& x0, const XChunk& x1) {
     typedef Traits<T> Tr;
     const size_t nblk = (size_t)K / 256;
@@ -126,14 +145,14 @@ static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K
             hi[i] |= ((qh[i] >> (2 * p + 1)) & 0x01010101) << 4;
         }
     }
-    if constexpr (Q) {
-        int s0 = 0, s1 = 0;
+    if constexpr (A != A_F32) {
+        IAcc<A> a0, a1;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            s0 = dp4a(lo[i], x0.q[i], s0);
-            s1 = dp4a(hi[i], x1.q[i], s1);
+            a0.add(lo[i], x0, i);
+            a1.add(hi[i], x1, i);
         }
-        return d * ((float)sc0 * x0.d * (float)s0 + (float)sc1 * x1.d * (float)s1) -
+        return d * ((float)sc0 * x0.d * (float)a0.value() + (float)sc1 * x1.d * (float)a1.value()) -
                dmin * ((float)m0 * x0.s + (float)m1 * x1.s);
     } else {
         float s0 = 0.0f, s1 = 0.0f;
@@ -148,7 +167,7 @@ static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K
 
 // Dot product of chunk `c` of row `row` (row length K) with the activation chunk (every
 // type but Q4_K/Q5_K, which go through dot_pair_k).
-template <int T, bool Q>
+template <int T, int A>
 static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K, int c, const XChunk& x) {
     typedef Traits<T> Tr;
     const size_t nblk = (size_t)K / Tr::BLOCK;
@@ -210,13 +229,14 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             d = ld_h(w.sc + b * 2);
         }
         const float offset = T == T_Q4_0 ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
-        if constexpr (Q) {
-            int sumi = 0;
+        if constexpr (A != A_F32) {
+            IAcc<A> acc;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                sumi = dp4a(lo[i], x.q[i], sumi);
-                sumi = dp4a(hi[i], x.q[4 + i], sumi);
+                acc.add(lo[i], x, i);
+                acc.add(hi[i], x, 4 + i);
             }
+            const int sumi = acc.value();
             if constexpr (T == T_Q4_1 || T == T_Q5_1) return d * x.d * (float)sumi + m * x.s;
             return d * (x.d * (float)sumi - offset * x.s);
         } else {
@@ -231,11 +251,11 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
         int qs[8];
         load32(w.body + b * 32, qs);
         const float d = ld_h(w.sc + b * 2);
-        if constexpr (Q) {
-            int sumi = 0;
+        if constexpr (A != A_F32) {
+            IAcc<A> acc;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) sumi = dp4a(qs[i], x.q[i], sumi);
-            return d * x.d * (float)sumi;
+            for (int i = 0; i < 8; ++i) acc.add(qs[i], x, i);
+            return d * x.d * (float)acc.value();
         } else {
             float sum = 0.0f;
 #pragma unroll
@@ -256,14 +276,14 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
         const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
         const float s0 = (float)scales[0], s1 = (float)scales[1];
         const float d = ld_h(w.sc + b * 2);
-        if constexpr (Q) {
-            int lo = 0, hi = 0;
+        if constexpr (A != A_F32) {
+            IAcc<A> lo, hi;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                lo = dp4a(q[i], x.q[i], lo);
-                hi = dp4a(q[4 + i], x.q[4 + i], hi);
+                lo.add(q[i], x, i);
+                hi.add(q[4 + i], x, 4 + i);
             }
-            return d * x.d * (s0 * (float)(lo - 32 * x.qsum_lo) + s1 * (float)(hi - 32 * x.qsum_hi));
+            return d * x.d * (s0 * (float)(lo.value() - 32 * x.qsum_lo) + s1 * (float)(hi.value() - 32 * x.qsum_hi));
         } else {
             float lo = 0.0f, hi = 0.0f;
 #pragma unroll
@@ -276,10 +296,10 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
     }
 }
 
-template <int T, bool Q>
+template <int T, int A>
 static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restrict__ x, const i8* __restrict__ xq,
-                                              const float2* __restrict__ xds, int c, int K) {
-    const bool float_path = !Q || T == T_F32 || T == T_F16;
+                                              const i8* __restrict__ xr, const float2* __restrict__ xds, int c, int K) {
+    const bool float_path = A == A_F32 || T == T_F32 || T == T_F16;
     if (float_path) {
         const int base = c * 32;
         if (base + 32 <= K && (K & 3) == 0) {
@@ -304,19 +324,19 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restric
         }
     } else {
         load32((const u8*)(xq + (size_t)c * 32), xc.q);
+        if (A == A_Q16) load32((const u8*)(xr + (size_t)c * 32), xc.r);
         const float2 ds = xds[c];
-        xc.d = ds.x;
-        xc.s = ds.y;
-        if (T == T_Q6_K) {
-            int lo = 0, hi = 0;
+        xc.d = A == A_Q16 ? ds.x * (1.0f / 254.0f) : ds.x;
+        IAcc<A> lo, hi;  // sums of the values over each half, in units of xc.d
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo = dp4a(0x01010101, xc.q[i], lo);
-                hi = dp4a(0x01010101, xc.q[4 + i], hi);
-            }
-            xc.qsum_lo = lo;
-            xc.qsum_hi = hi;
+        for (int i = 0; i < 4; ++i) {
+            lo.add(0x01010101, xc, i);
+            hi.add(0x01010101, xc, 4 + i);
         }
+        // ds.y is d * sum(q); the residual plane adds its own (exact) share.
+        xc.s = A == A_Q16 ? ds.y + xc.d * (float)(lo.lo + hi.lo) : ds.y;
+        xc.qsum_lo = lo.value();
+        xc.qsum_hi = hi.value();
     }
 }
 
@@ -324,11 +344,11 @@ static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(
 
 // A block is 4 warps. S warps share R rows, each taking every S-th chunk (split-K inside
 // the block, so short rows still put many loads in flight); 4 / S such groups per block.
-template <int T, bool Q, int R, int S, bool SWIGLU>
+template <int T, int A, int R, int S, bool SWIGLU>
 static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__ x, const i8* __restrict__ xq,
-                                            const float2* __restrict__ xds, const float* __restrict__ bias,
+                                            const i8* __restrict__ xr, const float2* __restrict__ xds, const float* __restrict__ bias,
                                             const float* residual, float* y, int nrows, int K, i8* __restrict__ yq,
-                                            float2* __restrict__ yds, u32* __restrict__ counters) {
+                                            i8* __restrict__ yr, float2* __restrict__ yds, u32* __restrict__ counters) {
     // `residual` may be `y` itself (x += W·a): each output is read, then written, by one thread.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = warp / S, part = warp % S;
@@ -343,18 +363,18 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
     if (row0 < nrows) {
         for (int u = part * 32 + lane; u * U < nchunks; u += 32 * S) {
 #pragma unroll
-            for (int i = 0; i < U; ++i) load_x<T, Q>(xc[i], x, xq, xds, u * U + i, K);
+            for (int i = 0; i < U; ++i) load_x<T, A>(xc[i], x, xq, xr, xds, u * U + i, K);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 // Rows past the end clamp to the last one: the loads stay in bounds and the
                 // result is never written.
                 const size_t row = (size_t)min(row0 + r, nrows - 1);
                 if constexpr (U == 2) {
-                    acc[r] += dot_pair_k<T, Q>(w, row, K, u, xc[0], xc[1]);
-                    if (SWIGLU) acc2[r] += dot_pair_k<T, Q>(w2, row, K, u, xc[0], xc[1]);
+                    acc[r] += dot_pair_k<T, A>(w, row, K, u, xc[0], xc[1]);
+                    if (SWIGLU) acc2[r] += dot_pair_k<T, A>(w2, row, K, u, xc[0], xc[1]);
                 } else {
-                    acc[r] += dot_chunk<T, Q>(w, row, K, u, xc[0]);
-                    if (SWIGLU) acc2[r] += dot_chunk<T, Q>(w2, row, K, u, xc[0]);
+                    acc[r] += dot_chunk<T, A>(w, row, K, u, xc[0]);
+                    if (SWIGLU) acc2[r] += dot_chunk<T, A>(w2, row, K, u, xc[0]);
                 }
             }
         }
@@ -425,12 +445,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
             __threadfence();
             const int i = g * 32 + lane;
             const float v = i < nrows ? ((volatile const float*)y)[i] : 0.0f;
-            const float amax = warp_max(fabsf(v));
-            const float d = amax / 127.0f;
-            const int qi = amax == 0.0f ? 0 : __float2int_rn(v / d);
-            yq[i] = (i8)qi;
-            const int sum = warp_sum_i(qi);
-            if (lane == 0) yds[g] = make_float2(d, d * (float)sum);
+            quantize_block_warp(v, yq, yr, yds, i, g);
         }
     }
 }
@@ -459,50 +474,57 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     zero.sum = zero.sum_lo = 0.0f;
     if constexpr (T == T_Q4_K || T == T_Q5_K) {
         const bool high = (i >> 5) & 1;
-        y[i] = dot_pair_k<T, false>(w, (size_t)tok, K, i >> 6, high ? zero : one, high ? one : zero);
+        y[i] = dot_pair_k<T, A_F32>(w, (size_t)tok, K, i >> 6, high ? zero : one, high ? one : zero);
     } else {
-        y[i] = dot_chunk<T, false>(w, (size_t)tok, K, i >> 5, one);
+        y[i] = dot_chunk<T, A_F32>(w, (size_t)tok, K, i >> 5, one);
     }
 }
 
 #define EMBED_ENTRY(NAME, T)                                                                                           \
     extern "C" __global__ void embed_##NAME(const u8* body, const u32* qh, const u8* sc, const int* token, float* y,   \
                                             int nrows, int K) {                                                        \
+        grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
         embed<T>(w, token, y, nrows, K);                                                                               \
     }
 
-// Entry points are named {gemv|swiglu}_{type}_{f|q}_{R}_{S}. Each type is its own NVRTC
-// module (this file followed by one GEMV_TYPE / GEMV_FLOAT_TYPE line), so a model compiles
-// only the types it uses.
-#define GEMV_ENTRY(NAME, T, Q, R, S)                                                                                   \
+// Entry points are named {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16).
+// Each type is its own NVRTC module (this file followed by one GEMV_TYPE / GEMV_FLOAT_TYPE
+// line), so a model compiles only the types it uses.
+#define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(                                         \
-        const u8* body, const u32* qh, const u8* sc, const float* x, const i8* xq, const float2* xds,                  \
+        const u8* body, const u32* qh, const u8* sc, const float* x, const i8* xq, const i8* xr, const float2* xds,    \
         const float* bias, const float* residual, float* y, int nrows, int K) {                                        \
+        grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        gemv<T, Q, R, S, false>(w, w, x, xq, xds, bias, residual, y, nrows, K, nullptr, nullptr, nullptr);             \
+        gemv<T, A, R, S, false>(w, w, x, xq, xr, xds, bias, residual, y, nrows, K, nullptr, nullptr, nullptr,          \
+                                nullptr);                                                                              \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R##_##S(                                       \
         const u8* gbody, const u32* gqh, const u8* gsc, const u8* ubody, const u32* uqh, const u8* usc,                \
-        const float* x, const i8* xq, const float2* xds, float* y, int nrows, int K, i8* yq, float2* yds,               \
-        u32* counters) {                                                                                               \
+        const float* x, const i8* xq, const i8* xr, const float2* xds, float* y, int nrows, int K, i8* yq, i8* yr,      \
+        float2* yds, u32* counters) {                                                                                  \
+        grid_dependency_wait();                                                                                        \
         W g = {gbody, gqh, gsc}, u = {ubody, uqh, usc};                                                                \
-        gemv<T, Q, R, S, true>(g, u, x, xq, xds, nullptr, nullptr, y, nrows, K, yq, yds, counters);                    \
+        gemv<T, A, R, S, true>(g, u, x, xq, xr, xds, nullptr, nullptr, y, nrows, K, yq, yr, yds, counters);            \
     }
 
-#define GEMV_SPLITS(NAME, T, Q, R) \
-    GEMV_ENTRY(NAME, T, Q, R, 1)   \
-    GEMV_ENTRY(NAME, T, Q, R, 2)   \
-    GEMV_ENTRY(NAME, T, Q, R, 4)
+#define GEMV_SPLITS(NAME, T, A, R) \
+    GEMV_ENTRY(NAME, T, A, R, 1)   \
+    GEMV_ENTRY(NAME, T, A, R, 2)   \
+    GEMV_ENTRY(NAME, T, A, R, 4)
 
 #define GEMV_FLOAT_TYPE(NAME, T)       \
     EMBED_ENTRY(NAME, T)               \
-    GEMV_SPLITS(NAME##_f, T, false, 1) \
-    GEMV_SPLITS(NAME##_f, T, false, 2) \
-    GEMV_SPLITS(NAME##_f, T, false, 4)
+    GEMV_SPLITS(NAME##_f, T, A_F32, 1) \
+    GEMV_SPLITS(NAME##_f, T, A_F32, 2) \
+    GEMV_SPLITS(NAME##_f, T, A_F32, 4)
 
-#define GEMV_TYPE(NAME, T)            \
-    GEMV_FLOAT_TYPE(NAME, T)          \
-    GEMV_SPLITS(NAME##_q, T, true, 1) \
-    GEMV_SPLITS(NAME##_q, T, true, 2) \
-    GEMV_SPLITS(NAME##_q, T, true, 4)
+#define GEMV_TYPE(NAME, T)             \
+    GEMV_FLOAT_TYPE(NAME, T)           \
+    GEMV_SPLITS(NAME##_q, T, A_Q8, 1)  \
+    GEMV_SPLITS(NAME##_q, T, A_Q8, 2)  \
+    GEMV_SPLITS(NAME##_q, T, A_Q8, 4)  \
+    GEMV_SPLITS(NAME##_w, T, A_Q16, 1) \
+    GEMV_SPLITS(NAME##_w, T, A_Q16, 2) \
+    GEMV_SPLITS(NAME##_w, T, A_Q16, 4)

@@ -1,5 +1,5 @@
 // RMSNorm, fused with quantisation of its output to Q8_1 (the activation format the dp4a
-// GEMVs read), plain Q8_1 quantisation, and a residual add.
+// GEMVs read) and its residual plane, plain quantisation, and a residual add.
 //
 // Q8_1 on the device is two arrays rather than ggml's interleaved 36-byte blocks, so both
 // can be read with aligned vector loads: `q` holds the int8 values (32 per block, rows
@@ -9,9 +9,11 @@
 // long row is spread over many SMs. With normalisation every block of threads computes
 // the row's sum of squares itself (the row is read from L2 a few times over) rather than
 // waiting on another launch. `w` may be null (no scaling: plain quantisation), `eps < 0`
-// disables the normalisation; `y` (the f32 result) and `q`/`ds` may each be null.
+// disables the normalisation; `y` (the f32 result), `q`/`ds` and `lo` may each be null.
 extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                                        float* __restrict__ y, i8* __restrict__ q, float2* __restrict__ ds, int n) {
+                                        float* __restrict__ y, i8* __restrict__ q, i8* __restrict__ lo,
+                                        float2* __restrict__ ds, int n) {
+    grid_dependency_wait();
     __shared__ float scratch[32];
     const int row = blockIdx.y;
     const int nblk = (n + 31) >> 5;
@@ -40,23 +42,18 @@ extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float
         if (w) v *= w[i];
         if (y) y[(size_t)row * n + i] = v;
     }
-    if (q) {
-        const float amax = warp_max(fabsf(v));
-        const float d = amax / 127.0f;
-        const int qi = amax == 0.0f ? 0 : __float2int_rn(v / d);
-        q[(size_t)row * nblk * 32 + i] = (i8)qi;
-        const int sum = warp_sum_i(qi);
-        if (lane == 0) ds[(size_t)row * nblk + b] = make_float2(d, d * (float)sum);
-    }
+    if (q) quantize_block_warp(v, q, lo, ds, (size_t)row * nblk * 32 + i, (size_t)row * nblk + b);
 }
 
 // y[i] = a[i] + b[i]
 extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, int n) {
+    grid_dependency_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a[i] + b[i];
 }
 
 // Bandwidth yardstick: y = x with 16-byte accesses, grid-stride.
 extern "C" __global__ void copy_u128(const uint4* __restrict__ x, uint4* __restrict__ y, size_t n) {
+    grid_dependency_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) y[i] = x[i];
 }

@@ -6,6 +6,7 @@
 // y (f16) = x · rsqrt(mean(x²) + eps) · w, one block per row.
 extern "C" __global__ void rmsnorm_rows_f16(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                             u16* __restrict__ y, int n) {
+    grid_dependency_wait();
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     x += row * n;
@@ -25,6 +26,7 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
                                         int start, int n_heads, int n_kv, int hd, int rot_dims,
                                         const float* __restrict__ inv_freq, int neox, const float* __restrict__ q_norm,
                                         const float* __restrict__ k_norm, float eps, int max_ctx) {
+    grid_dependency_wait();
     __shared__ float scratch[32];
     const int head = blockIdx.x, t = blockIdx.y;
     const bool is_q = head < n_heads;
@@ -148,6 +150,7 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                               \
         const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,        \
         float scale) {                                                                                                 \
+        grid_dependency_wait();                                                                                        \
         attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale);                                        \
     }
 ATTN_PREFILL(1)
@@ -161,6 +164,7 @@ ATTN_PREFILL(8)
 
 // y[t][i] (f16) = silu(gu[t][i]) · gu[t][ffn + i]: gate and up came out of one GEMM.
 extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __restrict__ y, int rows, int ffn) {
+    grid_dependency_wait();
     const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (size_t)rows * ffn) return;
     const size_t t = g / ffn, i = g % ffn;

@@ -15,6 +15,7 @@ extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restr
                                    int hd, int rot_dims, const float* __restrict__ inv_freq, int neox,
                                    const float* __restrict__ q_norm,
                                    const float* __restrict__ k_norm, float eps, int max_ctx) {
+    grid_dependency_wait();
     __shared__ float scratch[32];
     const int head = blockIdx.x;
     const bool is_q = head < n_heads;

@@ -39,6 +39,7 @@ static __device__ __forceinline__ u64 block_max_u64(u64 v) {
 }
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, int per_block, u64* __restrict__ keys) {
+    grid_dependency_wait();
     const int start = blockIdx.x * per_block, end = min(n, start + per_block);
     u64 best = 0;
     for (int i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -50,6 +51,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, in
 }
 
 extern "C" __global__ void argmax_final(const u64* __restrict__ keys, int nkeys, int* __restrict__ out) {
+    grid_dependency_wait();
     u64 best = 0;
     for (int i = threadIdx.x; i < nkeys; i += blockDim.x) best = keys[i] > best ? keys[i] : best;
     best = block_max_u64(best);
@@ -88,6 +90,7 @@ static __device__ __forceinline__ u32 key_index(u64 key) { return 0xffffffffu - 
 
 // One block per SLICE logits; writes its k best keys to cand[blockIdx.x * k ...].
 extern "C" __global__ void topk_partial(const float* __restrict__ x, int n, int k, u64* __restrict__ cand) {
+    grid_dependency_wait();
     __shared__ u64 keys[SLICE];
     const int start = blockIdx.x * SLICE;
     for (int i = threadIdx.x; i < SLICE; i += blockDim.x) {
@@ -112,6 +115,7 @@ static __device__ __forceinline__ u64 splitmix_next(u64* state) {
 extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand, int k, float temperature, float top_p,
                                         float min_p, u64* __restrict__ rng_state, const float* __restrict__ u_in,
                                         int* __restrict__ out) {
+    grid_dependency_wait();
     __shared__ u64 keys[SLICE];
     __shared__ float prob[64];
     for (int i = threadIdx.x; i < SLICE; i += blockDim.x) keys[i] = i < ncand ? cand[i] : 0ull;

@@ -1,5 +1,5 @@
 //! Micro-benchmarks of the decode kernels on the GPU present: the device-to-device copy
-//! roofline, every GEMV type at real model shapes on both activation paths and every
+//! roofline, every GEMV type at real model shapes on every activation path and every
 //! rows-per-warp choice (with its error against the f64 reference), RMSNorm+Q8_1 and
 //! attention. Timings are CUDA-event medians over graph replays of several launches that
 //! rotate through enough weight copies to defeat the L2 cache.
@@ -16,6 +16,7 @@ use kiln_kernels::{
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
+const PATHS: [GemvPath; 3] = [GemvPath::Float, GemvPath::Q8, GemvPath::Q16];
 const ROUNDS: usize = 9;
 
 /// Median milliseconds of one launch of what `body` queues.
@@ -82,15 +83,19 @@ fn main() -> Result<()> {
         shapes.truncate(1);
     }
     let mut rows: Vec<Row> = Vec::new();
-    let mut best: Vec<(String, QType, Row, Row)> = Vec::new();
+    let mut best: Vec<(String, QType, [Option<Row>; 3])> = Vec::new();
     for &(kk, n, label) in &shapes {
         let x = random_vec(&mut rng, kk, 1.0);
         let xd = DeviceBuffer::from_host(&dev, &x)?;
         let nblk = kk.div_ceil(32);
-        let xq = DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?;
+        let (xq, xlo) = (
+            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
+            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
+        );
         let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
         let q8 = Q8Act {
             q: xq.slice(),
+            lo: xlo.slice(),
             ds: xds.slice(),
         };
         k.rmsnorm_q8_1(xd.slice(), 1, kk, None, None, None, Some(q8))?;
@@ -112,10 +117,10 @@ fn main() -> Result<()> {
             } else {
                 None
             };
-            let mut best_f: Option<Row> = None;
-            let mut best_q: Option<Row> = None;
-            for path in [GemvPath::Float, GemvPath::Dp4a] {
-                if path == GemvPath::Dp4a && !q.is_quantized() {
+            // Fastest tiling per path: Float, Q8, Q16.
+            let mut fastest: [Option<Row>; 3] = [None, None, None];
+            for (pi, path) in PATHS.into_iter().enumerate() {
+                if path != GemvPath::Float && !q.is_quantized() {
                     continue;
                 }
                 for t in GemvTiling::all() {
@@ -126,10 +131,10 @@ fn main() -> Result<()> {
                         Ok(())
                     })?;
                     let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
-                    let x_bytes = if path == GemvPath::Dp4a {
-                        nblk * 40
-                    } else {
-                        kk * 4
+                    let x_bytes = match path {
+                        GemvPath::Float => kk * 4,
+                        GemvPath::Q8 => nblk * 40,
+                        GemvPath::Q16 => nblk * 72,
                     };
                     let bytes = packed.bytes() + x_bytes + n * 4;
                     let err = match &reference {
@@ -144,11 +149,7 @@ fn main() -> Result<()> {
                         what: format!(
                             "{label:<24} {:<5} {:<5} R{}S{}",
                             q.name(),
-                            if path == GemvPath::Dp4a {
-                                "dp4a"
-                            } else {
-                                "float"
-                            },
+                            format!("{path:?}"),
                             t.rows_per_warp,
                             t.warps_per_row
                         ),
@@ -156,11 +157,7 @@ fn main() -> Result<()> {
                         gbps: bytes as f64 / (ms * 1e-3) / 1e9,
                         err,
                     };
-                    let slot = if path == GemvPath::Dp4a {
-                        &mut best_q
-                    } else {
-                        &mut best_f
-                    };
+                    let slot = &mut fastest[pi];
                     if slot.as_ref().is_none_or(|b| row.us < b.us) {
                         *slot = Some(Row {
                             what: row.what.clone(),
@@ -170,14 +167,7 @@ fn main() -> Result<()> {
                     rows.push(row);
                 }
             }
-            let bf = best_f.expect("float path always runs");
-            let bq = best_q.unwrap_or(Row {
-                what: "-".into(),
-                us: f64::NAN,
-                gbps: f64::NAN,
-                err: None,
-            });
-            best.push((label.to_string(), q, bf, bq));
+            best.push((label.to_string(), q, fastest));
         }
     }
     println!("\nall GEMV configurations (time per launch, bytes = weights + activation + output):");
@@ -199,10 +189,14 @@ fn main() -> Result<()> {
         let w = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, kk, 1.0))?;
         let yv = DeviceBuffer::<f32>::alloc(&dev, kk)?;
         let nblk = kk.div_ceil(32);
-        let xq = DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?;
+        let (xq, xlo) = (
+            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
+            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
+        );
         let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
         let q8 = Q8Act {
             q: xq.slice(),
+            lo: xlo.slice(),
             ds: xds.slice(),
         };
         let g = dev.capture(|| {
@@ -283,25 +277,26 @@ fn main() -> Result<()> {
         println!("{e}");
     }
 
-    println!("\nsummary: best rows-per-warp per path; copy roofline {roofline:.0} GB/s");
-    println!("| shape | type | float us | float GB/s | float %roof | float err | dp4a us | dp4a GB/s | dp4a %roof | dp4a err |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (label, q, f, d) in &best {
-        let e = |r: &Row| r.err.map_or("-".to_string(), |e| format!("{e:.1e}"));
-        let rpw = |r: &Row| r.what.split_whitespace().last().unwrap_or("").to_string();
+    println!("\nsummary: fastest tiling per path (time, % of the copy roofline {roofline:.0} GB/s, rel. error)");
+    println!("| shape | type | Float | Q8 | Q16 |");
+    println!("|---|---|---|---|---|");
+    for (label, q, fastest) in &best {
+        let cell = |r: &Option<Row>| match r {
+            None => "-".to_string(),
+            Some(r) => format!(
+                "{:.2} us {} {:.0}% {}",
+                r.us,
+                r.what.split_whitespace().last().unwrap_or(""),
+                100.0 * r.gbps / roofline,
+                r.err.map_or("".to_string(), |e| format!("{e:.1e}"))
+            ),
+        };
         println!(
-            "| {label} | {} | {:.2} {} | {:.0} | {:.0}% | {} | {:.2} {} | {:.0} | {:.0}% | {} |",
+            "| {label} | {} | {} | {} | {} |",
             q.name(),
-            f.us,
-            rpw(f),
-            f.gbps,
-            100.0 * f.gbps / roofline,
-            e(f),
-            d.us,
-            rpw(d),
-            d.gbps,
-            100.0 * d.gbps / roofline,
-            e(d)
+            cell(&fastest[0]),
+            cell(&fastest[1]),
+            cell(&fastest[2])
         );
     }
     Ok(())

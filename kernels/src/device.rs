@@ -228,6 +228,12 @@ impl Device {
 
     /// Launches `f` on the device's stream.
     ///
+    /// On sm_90 and newer every launch allows programmatic dependent launch: the kernel may
+    /// be scheduled before its predecessor on the stream finishes, and waits for it inside
+    /// (`grid_dependency_wait()`, the first statement of every kiln kernel). Inside a CUDA
+    /// graph this hides most of the launch gap between the many small kernels of a decode
+    /// step.
+    ///
     /// # Safety
     /// `args` must match the kernel's parameter list, and every pointer in it must address
     /// live device memory large enough for what the kernel touches with this geometry.
@@ -237,15 +243,26 @@ impl Device {
             *p = slot as *mut u64 as *mut c_void;
         }
         self.bind()?;
-        result::launch_kernel(
-            f.0,
-            cfg.grid,
-            cfg.block,
-            cfg.shared_bytes,
-            self.stream,
-            &mut params[..args.n],
-        )
-        .ctx("cuLaunchKernel")
+        // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let dependent_launch = self.arch.0 >= 9;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid.0,
+            gridDimY: cfg.grid.1,
+            gridDimZ: cfg.grid.2,
+            blockDimX: cfg.block.0,
+            blockDimY: cfg.block.1,
+            blockDimZ: cfg.block.2,
+            sharedMemBytes: cfg.shared_bytes,
+            hStream: self.stream,
+            attrs: if dependent_launch { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: dependent_launch as u32,
+        };
+        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut())
+            .result()
+            .ctx("cuLaunchKernelEx")
     }
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.

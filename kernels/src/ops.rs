@@ -20,21 +20,50 @@ fn invalid(msg: String) -> KernelError {
     KernelError::InvalidArgument(msg)
 }
 
-/// An activation vector quantised to Q8_1: int8 values (rows padded to 32) and one
-/// (d, d·Σq) pair per 32.
+/// An activation vector quantised for the integer GEMVs: Q8_1 int8 values `q` (rows
+/// padded to 32) with one (d, d·Σq) pair per 32 in `ds`, and `lo`, the rounding residual of
+/// each value at 1/254 of its block's step, so that d/254·(254·q + lo) holds the value to
+/// 15 bits of its block's range. Writers always fill all three; `GemvPath::Q8` reads only
+/// `q` and `ds`.
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Act {
     pub q: DevSlice<i8>,
+    pub lo: DevSlice<i8>,
     pub ds: DevSlice<[f32; 2]>,
 }
 
-/// How a GEMV reads its activation.
+impl Q8Act {
+    /// Checks that the planes hold `n` values (padded to whole 32-value blocks).
+    pub fn check_len(&self, n: usize, what: &str) -> Result<()> {
+        let nblk = n.div_ceil(32);
+        self.q.check_len(nblk * 32, what)?;
+        self.lo.check_len(nblk * 32, what)?;
+        self.ds.check_len(nblk, what)
+    }
+}
+
+/// How a GEMV reads its activation. Float weights (F32, F16) always take the float path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvPath {
-    /// f32 activations, weights dequantised in registers.
+    /// f32 activations, weights dequantised in registers, f32 FMAs. Exact but
+    /// instruction-bound: each weight costs a byte extract, a conversion and an FMA.
     Float,
-    /// Q8_1 activations and dp4a integer dots (float weights still take the float path).
-    Dp4a,
+    /// Q8_1 activations (8 bits per 32-value block) and one dp4a per 4 weights: llama.cpp's
+    /// trade, which loses fidelity on activations with outlier channels.
+    Q8,
+    /// Q8_1 plus the residual plane: two dp4a per 4 weights, activations exact to 15 bits
+    /// of their block's range (256x finer than Q8_1), combined exactly in an int32.
+    Q16,
+}
+
+impl GemvPath {
+    fn tag(self) -> &'static str {
+        match self {
+            GemvPath::Float => "f",
+            GemvPath::Q8 => "q",
+            GemvPath::Q16 => "w",
+        }
+    }
 }
 
 /// The activation a GEMV multiplies: the f32 vector, and its Q8_1 copy when the caller
@@ -161,8 +190,7 @@ impl Kernels {
         }
         let nblk = n.div_ceil(32);
         if let Some(q) = q8 {
-            q.q.check_len(rows * nblk * 32, "Q8_1 values")?;
-            q.ds.check_len(rows * nblk, "Q8_1 scales")?;
+            q.check_len(rows * nblk * 32, "quantised RMSNorm output")?;
         }
         let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
         const WARPS: usize = 8;
@@ -172,6 +200,7 @@ impl Kernels {
             .f32(eps.unwrap_or(-1.0))
             .ptr(opt(y))
             .ptr(q8.map_or(0, |q| q.q.ptr()))
+            .ptr(q8.map_or(0, |q| q.lo.ptr()))
             .ptr(q8.map_or(0, |q| q.ds.ptr()))
             .i32(n as i32);
         // One warp per 32-value block, WARPS warps per block of threads, a grid row per row.
@@ -192,15 +221,16 @@ impl Kernels {
         t: GemvTiling,
     ) -> Result<(String, bool)> {
         t.check()?;
-        let dp4a = path == GemvPath::Dp4a && w.qtype.is_quantized();
+        let dp4a = path != GemvPath::Float && w.qtype.is_quantized();
         if dp4a && input.q8.is_none() {
-            return Err(invalid("the dp4a GEMV needs the Q8_1 activation".into()));
+            return Err(invalid("the dp4a GEMV needs the quantised activation".into()));
         }
         let tag = type_tag(w.qtype)?;
+        let path = if dp4a { path } else { GemvPath::Float };
         Ok((
             format!(
                 "{kind}_{tag}_{}_{}_{}",
-                if dp4a { "q" } else { "f" },
+                path.tag(),
                 t.rows_per_warp,
                 t.warps_per_row
             ),
@@ -215,9 +245,7 @@ impl Kernels {
     fn check_input(w: &DeviceWeight, input: &GemvInput, dp4a: bool) -> Result<()> {
         if dp4a {
             let q = input.q8.expect("checked by gemv_name");
-            let nblk = w.row_len.div_ceil(32);
-            q.q.check_len(nblk * 32, "Q8_1 activation")?;
-            q.ds.check_len(nblk, "Q8_1 activation scales")
+            q.check_len(w.row_len, "quantised GEMV input")
         } else {
             input.x.check_len(w.row_len, "GEMV input")
         }
@@ -257,6 +285,7 @@ impl Kernels {
             .ptr(sc)
             .ptr(input.x.ptr())
             .ptr(input.q8.map_or(0, |q| q.q.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
             .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
             .ptr(opt(bias))
             .ptr(opt(residual))
@@ -322,8 +351,7 @@ impl Kernels {
         y.check_len(gate.rows, "SwiGLU output")?;
         let groups = gate.rows.div_ceil(32);
         if let Some((q, counters)) = q8_out {
-            q.q.check_len(groups * 32, "SwiGLU Q8_1 output")?;
-            q.ds.check_len(groups, "SwiGLU Q8_1 output scales")?;
+            q.check_len(gate.rows, "quantised SwiGLU output")?;
             counters.check_len(groups, "SwiGLU group counters")?;
         }
         let f = self
@@ -340,11 +368,13 @@ impl Kernels {
             .ptr(us)
             .ptr(input.x.ptr())
             .ptr(input.q8.map_or(0, |q| q.q.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
             .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
             .ptr(y.ptr())
             .i32(gate.rows as i32)
             .i32(gate.row_len as i32)
             .ptr(q8_out.map_or(0, |(q, _)| q.q.ptr()))
+            .ptr(q8_out.map_or(0, |(q, _)| q.lo.ptr()))
             .ptr(q8_out.map_or(0, |(q, _)| q.ds.ptr()))
             .ptr(q8_out.map_or(0, |(_, c)| c.ptr()));
         // SAFETY: as for gemv.
@@ -462,8 +492,7 @@ impl Kernels {
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
         out.check_len(a.n_heads * hd, "attention output")?;
         if let Some(q) = out_q8 {
-            q.q.check_len(a.n_heads * hd, "attention Q8_1 output")?;
-            q.ds.check_len(a.n_heads * hd / 32, "attention Q8_1 output scales")?;
+            q.check_len(a.n_heads * hd, "quantised attention output")?;
         }
         let e = hd / 32;
         let f = self
@@ -498,6 +527,7 @@ impl Kernels {
             .i32(hd as i32)
             .ptr(out.ptr())
             .ptr(out_q8.map_or(0, |q| q.q.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
             .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
         unsafe {
             self.device.launch(

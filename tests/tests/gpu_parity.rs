@@ -7,8 +7,9 @@
 //! gap is below 0.05. The prompt goes through each backend's own prefill, so this checks
 //! prefill (and the KV cache it writes) as well as decode.
 //!
-//! The default (f32 activations) must pass. The same comparison with
-//! `quantized_activations` (Q8_1 + dp4a, llama.cpp's way) is measured and printed beside it:
+//! The default (15-bit activations: Q8_1 plus its residual plane, two dp4a per four weights)
+//! must pass. The same comparison with `quantized_activations` (plain Q8_1 + dp4a,
+//! llama.cpp's way) is measured and printed beside it:
 //! it is an opt-in trade of fidelity for speed, so its numbers are reported, not asserted.
 //!
 //! `#[ignore]`d: CI has no GPU and lists them as ignored. scripts/gpu_suite.sh runs them with
@@ -108,7 +109,7 @@ fn compare(path: &Path, prompt_text: &str, check_tokens: bool, quantized: bool, 
     }
     println!(
         "{name:<36} {:<22} prompt {:>2} tokens, {STEPS} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
-        if quantized { "quantized activations" } else { "f32 activations" },
+        if quantized { "Q8_1 activations" } else { "15-bit activations" },
         prompt.len(),
         outcome.min_cosine,
         outcome.token_mismatches,

@@ -342,7 +342,9 @@ impl CudaExecutor {
             (h, 4),
             (widest, 4),
             (widest, 1),
+            (widest, 1),
             (widest / 32, 8),
+            (ffn.div_ceil(32) * 32, 1),
             (ffn.div_ceil(32) * 32, 1),
             (ffn.div_ceil(32), 8),
             (ffn.div_ceil(32), 4),
@@ -364,10 +366,12 @@ impl CudaExecutor {
             xn: ws.take(widest).map_err(err)?,
             q8: Q8Act {
                 q: ws.take(widest).map_err(err)?,
+                lo: ws.take(widest).map_err(err)?,
                 ds: ws.take(widest / 32).map_err(err)?,
             },
             q8_ffn: Q8Act {
                 q: ws.take(ffn.div_ceil(32) * 32).map_err(err)?,
+                lo: ws.take(ffn.div_ceil(32) * 32).map_err(err)?,
                 ds: ws.take(ffn.div_ceil(32)).map_err(err)?,
             },
             counters: ws.take(ffn.div_ceil(32)).map_err(err)?,
@@ -393,11 +397,12 @@ impl CudaExecutor {
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
             Err(e) => return Err(err(e)),
         };
-        // Quantised weights multiply f32 activations unless the caller accepts 8-bit ones:
-        // Q8_1 + dp4a is 2.5-3.5x faster per GEMV but fails parity on real models (SmolLM2
-        // q4_k_m: cosine 0.994 to the CPU reference by the second decode step), whose
-        // activations have outlier channels that a 32-value block scale cannot absorb.
-        let activation_path = if options.quantized_activations { GemvPath::Dp4a } else { GemvPath::Float };
+        // Quantised weights multiply 15-bit activations (two int8 planes, two dp4a per four
+        // weights) unless the caller accepts 8-bit ones. Plain Q8_1 fails parity on real
+        // models (SmolLM2 q4_k_m: cosine 0.994 to the CPU reference by the second decode
+        // step): their activations have outlier channels that a 32-value block scale
+        // cannot absorb in 8 bits; the residual plane gives 256x finer steps.
+        let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
@@ -430,8 +435,7 @@ impl CudaExecutor {
     }
 
     /// Chooses how quantised GEMVs read activations, in the layers and in the LM head
-    /// (Q8_1 + dp4a by default; the float path trades speed for fidelity). Graphs are
-    /// re-captured at the next step.
+    /// (`GemvPath::Q16` by default). Graphs are re-captured at the next step.
     pub fn set_gemv_paths(&mut self, layers: GemvPath, head: GemvPath) {
         self.path = layers;
         self.head_path = head;

@@ -30,20 +30,16 @@ fn decode_logits_match_the_cpu_backend() {
         };
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
         let variants = [
-            ("dp4a", GemvPath::Dp4a, GemvPath::Dp4a, 0.999),
-            (
-                "dp4a, float LM head",
-                GemvPath::Dp4a,
-                GemvPath::Float,
-                0.999,
-            ),
+            ("q16 (default)", GemvPath::Q16, GemvPath::Q16, 0.99999),
+            ("q8", GemvPath::Q8, GemvPath::Q8, 0.999),
+            ("q8, float LM head", GemvPath::Q8, GemvPath::Float, 0.999),
             ("float", GemvPath::Float, GemvPath::Float, 0.99999),
         ];
         for (name, layers, head, floor) in variants {
             let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
             gpu.set_gemv_paths(layers, head);
-            // The fused SwiGLU quantisation is off by default; check it on the dp4a run.
-            gpu.set_fused_ffn_q8(name == "dp4a");
+            // The fused SwiGLU quantisation is off by default; check it on one run.
+            gpu.set_fused_ffn_q8(name == "q8");
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();
             let vocab = shape.vocab;
