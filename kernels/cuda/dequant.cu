@@ -13,12 +13,12 @@
 template <int T>
 static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int K, int c, float (&v)[32]) {
     typedef Traits<T> Tr;
-    if constexpr (T == T_F32 || T == T_F16) {
+    if constexpr (float_weights(T)) {
         const int base = c * 32;
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             const size_t j = row * K + base + i;
-            v[i] = base + i < K ? (T == T_F32 ? ((const float*)w.body)[j] : h2f(((const u16*)w.body)[j])) : 0.0f;
+            v[i] = base + i < K ? (T == T_F32 ? ((const float*)w.body)[j] : h16<T>(((const u16*)w.body)[j])) : 0.0f;
         }
     } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
         const size_t b = row * (K / 32) + c;

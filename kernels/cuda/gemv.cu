@@ -31,10 +31,20 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_BF16 30
+
+// Weights stored as plain floats, one value per element.
+static constexpr __host__ __device__ bool float_weights(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+
+// A 16-bit float weight of type T to f32.
+template <int T> static __device__ __forceinline__ float h16(u32 bits) {
+    return T == T_BF16 ? __uint_as_float(bits << 16) : h2f((u16)bits);
+}
 
 template <int T> struct Traits;
 template <> struct Traits<T_F32> { static const int BLOCK = 1, BODY = 4, SC = 0; };
 template <> struct Traits<T_F16> { static const int BLOCK = 1, BODY = 2, SC = 0; };
+template <> struct Traits<T_BF16> { static const int BLOCK = 1, BODY = 2, SC = 0; };
 template <> struct Traits<T_Q4_0> { static const int BLOCK = 32, BODY = 16, SC = 2; };
 template <> struct Traits<T_Q4_1> { static const int BLOCK = 32, BODY = 16, SC = 4; };
 template <> struct Traits<T_Q5_0> { static const int BLOCK = 32, BODY = 16, SC = 2; };
@@ -171,7 +181,7 @@ template <int T, int A>
 static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K, int c, const XChunk& x) {
     typedef Traits<T> Tr;
     const size_t nblk = (size_t)K / Tr::BLOCK;
-    if constexpr (T == T_F32 || T == T_F16) {
+    if constexpr (float_weights(T)) {
         // Float weights always take the float path.
         const int base = c * 32;
         float acc = 0.0f;
@@ -195,10 +205,10 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
                     const u32 hv[4] = {h.x, h.y, h.z, h.w};
 #pragma unroll
                     for (int k = 0; k < 4; ++k)
-                        acc += h2f(hv[k] & 0xffff) * x.v[8 * i + 2 * k] + h2f(hv[k] >> 16) * x.v[8 * i + 2 * k + 1];
+                        acc += h16<T>(hv[k] & 0xffff) * x.v[8 * i + 2 * k] + h16<T>(hv[k] >> 16) * x.v[8 * i + 2 * k + 1];
                 }
             } else {
-                for (int i = 0; i < 32 && base + i < K; ++i) acc += h2f(p[i]) * x.v[i];
+                for (int i = 0; i < 32 && base + i < K; ++i) acc += h16<T>(p[i]) * x.v[i];
             }
         }
         return acc;
@@ -296,11 +306,24 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
     }
 }
 
+// The activation a GEMV reads: f32 values (A_F32), or the quantised planes. `norm_ss`, when
+// not null, says the planes still lack RMSNorm's 1/rms factor: they hold x·w (the norm
+// weight applied, see GemvOut) and *norm_ss accumulated sum(x²) over the K values, so the
+// scale is folded into each block's unit here instead of in a separate normalising launch
+// (block quantisation is scale-invariant: the int8 values are the same either way).
+struct XIn {
+    const float* __restrict__ x;
+    const i8* __restrict__ q;
+    const i8* __restrict__ r;
+    const float2* __restrict__ ds;
+    const float* __restrict__ norm_ss;
+    float eps;
+};
+
 template <int T, int A>
-static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restrict__ x, const i8* __restrict__ xq,
-                                              const i8* __restrict__ xr, const float2* __restrict__ xds, int c, int K) {
-    const bool float_path = A == A_F32 || T == T_F32 || T == T_F16;
-    if (float_path) {
+static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, float scale, int c, int K) {
+    if constexpr (A == A_F32) {
+        const float* x = in.x;
         const int base = c * 32;
         if (base + 32 <= K && (K & 3) == 0) {
 #pragma unroll
@@ -312,7 +335,7 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restric
 #pragma unroll
             for (int i = 0; i < 32; ++i) xc.v[i] = base + i < K ? x[base + i] : 0.0f;
         }
-        if (T != T_F32 && T != T_F16) {
+        if (!float_weights(T)) {
             float lo = 0.0f, hi = 0.0f;
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
@@ -323,37 +346,61 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const float* __restric
             xc.sum = lo + hi;
         }
     } else {
-        load32((const u8*)(xq + (size_t)c * 32), xc.q);
-        if (A == A_Q16) load32((const u8*)(xr + (size_t)c * 32), xc.r);
-        const float2 ds = xds[c];
-        xc.d = A == A_Q16 ? ds.x * (1.0f / 254.0f) : ds.x;
-        IAcc<A> lo, hi;  // sums of the values over each half, in units of xc.d
+        load32((const u8*)(in.q + (size_t)c * 32), xc.q);
+        if (A == A_Q16) load32((const u8*)(in.r + (size_t)c * 32), xc.r);
+        const float2 ds = in.ds[c];
+        xc.d = (A == A_Q16 ? ds.x * (1.0f / 254.0f) : ds.x) * scale;
+        if constexpr (float_weights(T)) {
+            // Float weights take the float path on the dequantised activation.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            lo.add(0x01010101, xc, i);
-            hi.add(0x01010101, xc, 4 + i);
+            for (int i = 0; i < 32; ++i) {
+                const int q = (i8)(xc.q[i >> 2] >> (8 * (i & 3)));
+                const int r = A == A_Q16 ? (int)(i8)(xc.r[i >> 2] >> (8 * (i & 3))) : 0;
+                xc.v[i] = xc.d * (float)(A == A_Q16 ? 254 * q + r : q);
+            }
+        } else {
+            IAcc<A> lo, hi;  // sums of the values over each half, in units of xc.d
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo.add(0x01010101, xc, i);
+                hi.add(0x01010101, xc, 4 + i);
+            }
+            // ds.y is d * sum(q); the residual plane adds its own (exact) share.
+            xc.s = (A == A_Q16 ? ds.y + ds.x * (1.0f / 254.0f) * (float)(lo.lo + hi.lo) : ds.y) * scale;
+            xc.qsum_lo = lo.value();
+            xc.qsum_hi = hi.value();
         }
-        // ds.y is d * sum(q); the residual plane adds its own (exact) share.
-        xc.s = A == A_Q16 ? ds.y + xc.d * (float)(lo.lo + hi.lo) : ds.y;
-        xc.qsum_lo = lo.value();
-        xc.qsum_hi = hi.value();
     }
 }
 
 static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// A block is 4 warps. S warps share R rows, each taking every S-th chunk (split-K inside
-// the block, so short rows still put many loads in flight); 4 / S such groups per block.
-template <int T, int A, int R, int S, bool SWIGLU>
-static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__ x, const i8* __restrict__ xq,
-                                            const i8* __restrict__ xr, const float2* __restrict__ xds, const float* __restrict__ bias,
-                                            const float* residual, float* y, int nrows, int K, i8* __restrict__ yq,
-                                            i8* __restrict__ yr, float2* __restrict__ yds, u32* __restrict__ counters) {
-    // `residual` may be `y` itself (x += W·a): each output is read, then written, by one thread.
+// What a GEMV does with its outputs: y = (W·x) (+ bias) (+ residual), or in SwiGLU mode
+// y = silu(gate·x) * (up·x). With `q` (QOUT kernels, whose blocks own whole 32-row groups)
+// it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and adds sum(y²)
+// to *norm_ss: the next RMSNorm, left for the consumer to finish (see XIn).
+struct GemvOut {
+    const float* __restrict__ bias;
+    const float* residual;  // may be `y` itself (x += W·a): each output is read, then written, by one thread
+    float* y;
+    const float* __restrict__ norm_w;
+    i8* __restrict__ q;
+    i8* __restrict__ r;
+    float2* __restrict__ ds;
+    float* __restrict__ norm_ss;
+};
+
+// A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
+// the block, so short rows still put many loads in flight); NW / S such groups per block.
+template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
+static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvOut out, int nrows, int K) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = warp / S, part = warp % S;
-    const int row0 = (blockIdx.x * (4 / S) + group) * R;
+    constexpr int RB = NW / S * R;  // rows per block
+    static_assert(!QOUT || RB == 32, "a quantising GEMV block owns one 32-row group");
+    const int row0 = blockIdx.x * RB + group * R;
     const int nchunks = (K + 31) >> 5;
+    const float scale = in.norm_ss ? rsqrtf(*in.norm_ss / (float)K + in.eps) : 1.0f;
     float acc[R], acc2[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = acc2[r] = 0.0f;
@@ -363,7 +410,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
     if (row0 < nrows) {
         for (int u = part * 32 + lane; u * U < nchunks; u += 32 * S) {
 #pragma unroll
-            for (int i = 0; i < U; ++i) load_x<T, A>(xc[i], x, xq, xr, xds, u * U + i, K);
+            for (int i = 0; i < U; ++i) load_x<T, A>(xc[i], in, scale, u * U + i, K);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 // Rows past the end clamp to the last one: the loads stay in bounds and the
@@ -385,7 +432,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
         if (SWIGLU) acc2[r] = warp_sum(acc2[r]);
     }
     if (S > 1) {
-        __shared__ float red[4][2][R];
+        __shared__ float red[NW][2][R];
         if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -407,6 +454,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
             }
         }
     }
+    __shared__ float group_vals[QOUT ? 32 : 1];
     if (part == 0 && lane < R && row0 + lane < nrows) {
         float v = 0.0f, v2 = 0.0f;
 #pragma unroll
@@ -419,94 +467,112 @@ static __device__ __forceinline__ void gemv(W w, W w2, const float* __restrict__
         if (SWIGLU) {
             v = silu(v) * v2;
         } else {
-            if (bias) v += bias[row];
-            if (residual) v += residual[row];
+            if (out.bias) v += out.bias[row];
+            if (out.residual) v += out.residual[row];
         }
-        y[row] = v;
+        out.y[row] = v;
+        if (QOUT) group_vals[row - blockIdx.x * RB] = v;
     }
-    if (SWIGLU && yq) {
-        // Q8_1 of the output, for the next GEMV, without another launch: a block's rows lie
-        // in one 32-row group (rows per block divides 32); the last block to finish a group
-        // (counted in `counters`, which it leaves at zero for the next launch) quantises it.
-        constexpr int RB = (4 / S) * R;
-        __shared__ int is_last;
-        __threadfence();
+    if constexpr (QOUT) {
         __syncthreads();
-        const int g = blockIdx.x * RB / 32;
-        if (threadIdx.x == 0) {
-            const int end = min(g * 32 + 32, nrows);
-            const u32 expected = (u32)((end - g * 32 + RB - 1) / RB);
-            const u32 prev = atomicAdd(&counters[g], 1u);
-            is_last = prev + 1 == expected;
-            if (is_last) counters[g] = 0;
-        }
-        __syncthreads();
-        if (is_last && warp == 0) {
-            __threadfence();
-            const int i = g * 32 + lane;
-            const float v = i < nrows ? ((volatile const float*)y)[i] : 0.0f;
-            quantize_block_warp(v, yq, yr, yds, i, g);
+        if (warp == 0) {
+            const int row = blockIdx.x * 32 + lane;
+            float v = row < nrows ? group_vals[lane] : 0.0f;
+            if (out.norm_ss) {
+                const float ss = warp_sum(v * v);
+                if (lane == 0) atomicAdd(out.norm_ss, ss);
+            }
+            if (out.norm_w && row < nrows) v *= out.norm_w[row];
+            quantize_block_warp(v, out.q, out.r, out.ds, row, blockIdx.x);
         }
     }
 }
 
 // Row `*token` of a weight matrix, dequantised to f32 (the token embedding lookup). Thread
 // i computes value i as the dot product of its chunk with a one-hot vector, so the lookup
-// shares every line of dequantisation code with the GEMVs it feeds.
+// shares every line of dequantisation code with the GEMVs it feeds. With `out.q` a warp
+// (one 32-value group) also writes the first layer's quantised input, as GemvOut says.
 template <int T>
-static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, float* __restrict__ y, int nrows, int K) {
+static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, const GemvOut out, int nrows, int K) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= K) return;
+    if ((i & ~31) >= K) return;  // whole warps only: the quantisation below shuffles
     const int tok = *token;
-    if (tok < 0 || tok >= nrows) {
-        y[i] = __int_as_float(0x7fffffff);  // NaN: an out-of-range id poisons the step
-        return;
-    }
     const int l = i & 31;
-    XChunk one, zero;
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-        one.v[k] = k == l ? 1.0f : 0.0f;
-        zero.v[k] = 0.0f;
-    }
-    one.sum = 1.0f;
-    one.sum_lo = l < 16 ? 1.0f : 0.0f;
-    zero.sum = zero.sum_lo = 0.0f;
-    if constexpr (T == T_Q4_K || T == T_Q5_K) {
-        const bool high = (i >> 5) & 1;
-        y[i] = dot_pair_k<T, A_F32>(w, (size_t)tok, K, i >> 6, high ? zero : one, high ? one : zero);
+    float v;
+    if (tok < 0 || tok >= nrows) {
+        v = __int_as_float(0x7fffffff);  // NaN: an out-of-range id poisons the step
+    } else if (i >= K) {
+        v = 0.0f;
     } else {
-        y[i] = dot_chunk<T, A_F32>(w, (size_t)tok, K, i >> 5, one);
+        XChunk one, zero;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            one.v[k] = k == l ? 1.0f : 0.0f;
+            zero.v[k] = 0.0f;
+        }
+        one.sum = 1.0f;
+        one.sum_lo = l < 16 ? 1.0f : 0.0f;
+        zero.sum = zero.sum_lo = 0.0f;
+        if constexpr (T == T_Q4_K || T == T_Q5_K) {
+            const bool high = (i >> 5) & 1;
+            v = dot_pair_k<T, A_F32>(w, (size_t)tok, K, i >> 6, high ? zero : one, high ? one : zero);
+        } else {
+            v = dot_chunk<T, A_F32>(w, (size_t)tok, K, i >> 5, one);
+        }
+    }
+    if (i < K) out.y[i] = v;
+    if (out.q) {
+        if (i >= K) v = 0.0f;
+        if (out.norm_ss) {
+            const float ss = warp_sum(v * v);
+            if (l == 0) atomicAdd(out.norm_ss, ss);
+        }
+        if (out.norm_w && i < K) v *= out.norm_w[i];
+        quantize_block_warp(v, out.q, out.r, out.ds, i, i >> 5);
     }
 }
 
 #define EMBED_ENTRY(NAME, T)                                                                                           \
     extern "C" __global__ void embed_##NAME(const u8* body, const u32* qh, const u8* sc, const int* token, float* y,   \
-                                            int nrows, int K) {                                                        \
+                                            int nrows, int K, const float* norm_w, i8* yq, i8* yr, float2* yds,        \
+                                            float* norm_ss) {                                                          \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        embed<T>(w, token, y, nrows, K);                                                                               \
+        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_ss};                                             \
+        embed<T>(w, token, out, nrows, K);                                                                             \
     }
 
-// Entry points are named {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16).
-// Each type is its own NVRTC module (this file followed by one GEMV_TYPE / GEMV_FLOAT_TYPE
-// line), so a model compiles only the types it uses.
+// Entry points: {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16), blocks
+// of 4 warps; {gemvq|swigluq}_{type}_{q|w}_{R}_{S}, blocks of 32·S/R warps that own one
+// 32-row group each and quantise their output. Each type is its own NVRTC module (this file
+// followed by one GEMV_TYPE line), so a model compiles only the types it
+// uses. Every entry takes the same parameters (unused ones null).
+#define GEMV_PARAMS                                                                                                    \
+    const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
+        const i8 *xq, const i8 *xr, const float2 *xds, const float *in_ss, float eps, const float *bias,                \
+        const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
+        float *out_ss
+#define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
+    grid_dependency_wait();                                                                                            \
+    W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
+    XIn in = {x, xq, xr, xds, in_ss, eps};                                                                             \
+    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_ss};                                                    \
+    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K);
+
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(                                         \
-        const u8* body, const u32* qh, const u8* sc, const float* x, const i8* xq, const i8* xr, const float2* xds,    \
-        const float* bias, const float* residual, float* y, int nrows, int K) {                                        \
-        grid_dependency_wait();                                                                                        \
-        W w = {body, qh, sc};                                                                                          \
-        gemv<T, A, R, S, false>(w, w, x, xq, xr, xds, bias, residual, y, nrows, K, nullptr, nullptr, nullptr,          \
-                                nullptr);                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(GEMV_PARAMS) {                           \
+        GEMV_BODY(T, A, R, S, 4, false, false)                                                                         \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R##_##S(                                       \
-        const u8* gbody, const u32* gqh, const u8* gsc, const u8* ubody, const u32* uqh, const u8* usc,                \
-        const float* x, const i8* xq, const i8* xr, const float2* xds, float* y, int nrows, int K, i8* yq, i8* yr,      \
-        float2* yds, u32* counters) {                                                                                  \
-        grid_dependency_wait();                                                                                        \
-        W g = {gbody, gqh, gsc}, u = {ubody, uqh, usc};                                                                \
-        gemv<T, A, R, S, true>(g, u, x, xq, xr, xds, nullptr, nullptr, y, nrows, K, yq, yr, yds, counters);            \
+    extern "C" __global__ void __launch_bounds__(128) swiglu_##NAME##_##R##_##S(GEMV_PARAMS) {                         \
+        GEMV_BODY(T, A, R, S, 4, true, false)                                                                          \
+    }
+
+#define GEMVQ_ENTRY(NAME, T, A, R, S)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * 32 * S / R) gemvq_##NAME##_##R##_##S(GEMV_PARAMS) {              \
+        GEMV_BODY(T, A, R, S, 32 * S / R, false, true)                                                                 \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * 32 * S / R) swigluq_##NAME##_##R##_##S(GEMV_PARAMS) {            \
+        GEMV_BODY(T, A, R, S, 32 * S / R, true, true)                                                                  \
     }
 
 #define GEMV_SPLITS(NAME, T, A, R) \
@@ -514,17 +580,25 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     GEMV_ENTRY(NAME, T, A, R, 2)   \
     GEMV_ENTRY(NAME, T, A, R, 4)
 
-#define GEMV_FLOAT_TYPE(NAME, T)       \
+// The quantising tilings (rows per warp, warps per row): 16, 8 and 16 warps per block.
+#define GEMVQ_TILINGS(NAME, T, A) \
+    GEMVQ_ENTRY(NAME, T, A, 4, 2) \
+    GEMVQ_ENTRY(NAME, T, A, 8, 2) \
+    GEMVQ_ENTRY(NAME, T, A, 8, 4)
+
+#define GEMV_TYPE(NAME, T)             \
     EMBED_ENTRY(NAME, T)               \
     GEMV_SPLITS(NAME##_f, T, A_F32, 1) \
     GEMV_SPLITS(NAME##_f, T, A_F32, 2) \
-    GEMV_SPLITS(NAME##_f, T, A_F32, 4)
+    GEMV_SPLITS(NAME##_f, T, A_F32, 4) \
+    GEMV_INT_PATHS(NAME, T)
 
-#define GEMV_TYPE(NAME, T)             \
-    GEMV_FLOAT_TYPE(NAME, T)           \
+#define GEMV_INT_PATHS(NAME, T)        \
     GEMV_SPLITS(NAME##_q, T, A_Q8, 1)  \
     GEMV_SPLITS(NAME##_q, T, A_Q8, 2)  \
     GEMV_SPLITS(NAME##_q, T, A_Q8, 4)  \
     GEMV_SPLITS(NAME##_w, T, A_Q16, 1) \
     GEMV_SPLITS(NAME##_w, T, A_Q16, 2) \
-    GEMV_SPLITS(NAME##_w, T, A_Q16, 4)
+    GEMV_SPLITS(NAME##_w, T, A_Q16, 4) \
+    GEMVQ_TILINGS(NAME##_q, T, A_Q8)   \
+    GEMVQ_TILINGS(NAME##_w, T, A_Q16)

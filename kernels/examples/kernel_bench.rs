@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, Device, DeviceBuffer, DeviceWeight, Event, GemvInput, GemvPath, GemvTiling, Graph,
-    Kernels, PackedWeight, Q8Act, Result, GEMV_QTYPES,
+    AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
+    Graph, Kernels, PackedWeight, Q8Act, QuantOut, Result, GEMV_QTYPES,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -100,10 +100,30 @@ fn main() -> Result<()> {
         };
         k.rmsnorm_q8_1(xd.slice(), 1, kk, None, None, None, Some(q8))?;
         let input = GemvInput {
-            x: xd.slice(),
+            x: Some(xd.slice()),
             q8: Some(q8),
+            norm: None,
         };
         let y = DeviceBuffer::<f32>::alloc(&dev, n)?;
+        // The quantising GEMVs' output planes.
+        let out_blocks = n.div_ceil(32);
+        let (yq, ylo) = (
+            DeviceBuffer::<i8>::alloc(&dev, out_blocks * 32)?,
+            DeviceBuffer::<i8>::alloc(&dev, out_blocks * 32)?,
+        );
+        let yds = DeviceBuffer::<[f32; 2]>::alloc(&dev, out_blocks)?;
+        let quantising = Epilogue {
+            quant: Some(QuantOut {
+                q: Q8Act {
+                    q: yq.slice(),
+                    lo: ylo.slice(),
+                    ds: yds.slice(),
+                },
+                norm_w: None,
+                sum_sq: None,
+            }),
+            ..Default::default()
+        };
         for q in GEMV_QTYPES {
             let ggml = random_weights(&mut rng, q, kk, n)?;
             let packed = PackedWeight::pack(q, kk, n, &ggml)?;
@@ -123,10 +143,16 @@ fn main() -> Result<()> {
                 if path != GemvPath::Float && !q.is_quantized() {
                     continue;
                 }
-                for t in GemvTiling::all() {
+                // Plain tilings, then (integer paths) the quantising ones, marked "q".
+                let plain = GemvTiling::all().map(|t| (t, false));
+                let quant = GemvTiling::quantising()
+                    .filter(|_| path != GemvPath::Float)
+                    .map(|t| (t, true));
+                for (t, quantise) in plain.chain(quant) {
+                    let epi = if quantise { quantising } else { Epilogue::default() };
                     let g = dev.capture(|| {
                         for i in 0..LAUNCHES_PER_GRAPH {
-                            k.gemv(&ws[i % copies], &input, path, t, None, None, y.slice())?;
+                            k.gemv(&ws[i % copies], &input, path, t, y.slice(), &epi)?;
                         }
                         Ok(())
                     })?;
@@ -140,18 +166,19 @@ fn main() -> Result<()> {
                     let err = match &reference {
                         Some(reference) => {
                             y.fill_bytes(0xff)?;
-                            k.gemv(&ws[0], &input, path, t, None, None, y.slice())?;
+                            k.gemv(&ws[0], &input, path, t, y.slice(), &epi)?;
                             Some(rel_err(&y.to_host()?, reference))
                         }
                         None => None,
                     };
                     let row = Row {
                         what: format!(
-                            "{label:<24} {:<5} {:<5} R{}S{}",
+                            "{label:<24} {:<5} {:<5} R{}S{}{}",
                             q.name(),
                             format!("{path:?}"),
                             t.rows_per_warp,
-                            t.warps_per_row
+                            t.warps_per_row,
+                            if quantise { "q" } else { "" }
                         ),
                         us: ms * 1e3,
                         gbps: bytes as f64 / (ms * 1e-3) / 1e9,

@@ -124,6 +124,18 @@ impl<T: Pod> DevSlice<T> {
         device.synchronize()
     }
 
+    /// Queues setting every byte of the slice to `byte` on the device's stream (no wait;
+    /// capturable into a graph).
+    pub fn fill_bytes_async(&self, device: &Device, byte: u8) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        device.bind()?;
+        // SAFETY: the slice addresses live device memory of `bytes()` bytes.
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), device.stream()) }
+            .ctx("cuMemsetD8Async")
+    }
+
     /// Waits for the device's stream, then copies the slice out.
     pub fn to_host(&self, device: &Device) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];

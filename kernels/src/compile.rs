@@ -71,9 +71,10 @@ const fn gemv(name: &'static str, suffix: &'static str) -> KernelModule {
 }
 
 /// GEMV kernels, one module per weight type (a model compiles only what it uses).
-pub const GEMV_MODULES: [(QType, KernelModule); 10] = [
-    (QType::F32, gemv("gemv_f32", "GEMV_FLOAT_TYPE(f32, T_F32)")),
-    (QType::F16, gemv("gemv_f16", "GEMV_FLOAT_TYPE(f16, T_F16)")),
+pub const GEMV_MODULES: [(QType, KernelModule); 11] = [
+    (QType::F32, gemv("gemv_f32", "GEMV_TYPE(f32, T_F32)")),
+    (QType::F16, gemv("gemv_f16", "GEMV_TYPE(f16, T_F16)")),
+    (QType::BF16, gemv("gemv_bf16", "GEMV_TYPE(bf16, T_BF16)")),
     (QType::Q4_0, gemv("gemv_q4_0", "GEMV_TYPE(q4_0, T_Q4_0)")),
     (QType::Q4_1, gemv("gemv_q4_1", "GEMV_TYPE(q4_1, T_Q4_1)")),
     (QType::Q5_0, gemv("gemv_q5_0", "GEMV_TYPE(q5_0, T_Q5_0)")),
@@ -103,7 +104,7 @@ macro_rules! dequant_suffix {
     };
 }
 
-pub const DEQUANT_MODULES: [(QType, KernelModule); 10] = [
+pub const DEQUANT_MODULES: [(QType, KernelModule); 11] = [
     (
         QType::F32,
         dequant("dequant_f32", dequant_suffix!("DEQUANT_TYPE(f32, T_F32)")),
@@ -111,6 +112,10 @@ pub const DEQUANT_MODULES: [(QType, KernelModule); 10] = [
     (
         QType::F16,
         dequant("dequant_f16", dequant_suffix!("DEQUANT_TYPE(f16, T_F16)")),
+    ),
+    (
+        QType::BF16,
+        dequant("dequant_bf16", dequant_suffix!("DEQUANT_TYPE(bf16, T_BF16)")),
     ),
     (
         QType::Q4_0,
@@ -196,9 +201,11 @@ pub fn all_modules() -> Vec<KernelModule> {
 }
 
 /// Options for every compile. No fast-math: the kernels must track the CPU reference.
-fn options(arch: (i32, i32)) -> Vec<String> {
+/// NVRTC options: `sm_XY` (a cubin) or, with `ptx`, the virtual `compute_XY` (PTX text).
+fn options(arch: (i32, i32), ptx: bool) -> Vec<String> {
+    let kind = if ptx { "compute" } else { "sm" };
     vec![
-        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
+        format!("--gpu-architecture={kind}_{}{}", arch.0, arch.1),
         "--std=c++17".into(),
         "-lineinfo".into(),
         // Not every module uses every helper of common.cuh.
@@ -220,6 +227,17 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 
 /// Compiles `module` for `arch` without touching the cache.
 pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u8>> {
+    nvrtc(module, arch, false)
+}
+
+/// `module`'s PTX for `arch` (what tests inspect; kiln loads cubins).
+pub fn compile_ptx(module: &KernelModule, arch: (i32, i32)) -> Result<String> {
+    let ptx = nvrtc(module, arch, true)?;
+    Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
+}
+
+/// One NVRTC compilation: the cubin, or with `ptx` the PTX text.
+fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result as nv, sys};
     libs::nvrtc_status().map_err(KernelError::NoNvrtc)?;
     let arch_name = format!("sm_{}{}", arch.0, arch.1);
@@ -237,7 +255,7 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
     // The program is destroyed on every path out of this block.
     let out = (|| {
         // SAFETY: `prog` is live until destroyed below.
-        let compiled = unsafe { nv::compile_program(prog, &options(arch)) };
+        let compiled = unsafe { nv::compile_program(prog, &options(arch, ptx)) };
         let log = unsafe { nv::get_program_log(prog) }
             .map(|l| c_chars_to_string(&l))
             .unwrap_or_default();
@@ -246,14 +264,20 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
         }
         let mut size = 0usize;
         // SAFETY: compiled successfully; size and buffer come from NVRTC.
-        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
-            .result()
-            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
-        let mut cubin = vec![0u8; size];
-        unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }
-            .result()
-            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
-        Ok(cubin)
+        let sized = if ptx {
+            unsafe { sys::nvrtcGetPTXSize(prog, &mut size) }
+        } else {
+            unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+        };
+        sized.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        let mut out = vec![0u8; size];
+        let got = if ptx {
+            unsafe { sys::nvrtcGetPTX(prog, out.as_mut_ptr() as *mut c_char) }
+        } else {
+            unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char) }
+        };
+        got.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        Ok(out)
     })();
     // SAFETY: created above, destroyed once.
     let _ = unsafe { nv::destroy_program(prog) };
@@ -283,7 +307,7 @@ pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> 
     let nvrtc = nvrtc_version()?;
     let mut h = Sha256::new();
     h.update(module.source().as_bytes());
-    h.update(options(arch).join(" ").as_bytes());
+    h.update(options(arch, false).join(" ").as_bytes());
     h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
     let digest = h.finalize();
     let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();

@@ -29,7 +29,8 @@ pub use error::{KernelError, Result};
 pub use gemm::Blas;
 pub use kv::KvCache;
 pub use ops::{
-    AttnArgs, GemvInput, GemvPath, GemvTiling, Kernels, PrefillAttnArgs, Q8Act, RopeArgs,
+    AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
+    Q8Act, QuantOut, RopeArgs,
 };
 pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
 

@@ -42,7 +42,8 @@ impl Q8Act {
     }
 }
 
-/// How a GEMV reads its activation. Float weights (F32, F16) always take the float path.
+/// How a GEMV reads its activation. Float weights (F32, F16, BF16) multiply f32 values
+/// either way: on the integer paths each lane dequantises its activation chunk first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvPath {
     /// f32 activations, weights dequantised in registers, f32 FMAs. Exact but
@@ -66,12 +67,42 @@ impl GemvPath {
     }
 }
 
-/// The activation a GEMV multiplies: the f32 vector, and its Q8_1 copy when the caller
-/// made one (the fused RMSNorm writes both).
+/// The activation a GEMV multiplies: the f32 vector (`GemvPath::Float`) or its quantised
+/// planes (the integer paths), and possibly an RMSNorm still to be finished.
 #[derive(Debug, Clone, Copy)]
 pub struct GemvInput {
-    pub x: DevSlice<f32>,
+    pub x: Option<DevSlice<f32>>,
     pub q8: Option<Q8Act>,
+    pub norm: Option<PendingNorm>,
+}
+
+/// An RMSNorm its producer left for the consumer to finish: the planes hold x·w (the norm
+/// weight applied) and `sum_sq` Σx² over the row, so the GEMV scales each block by
+/// rsqrt(Σx²/K + eps) as it reads it. Block quantisation is scale-invariant, so this is the
+/// normalised vector's quantisation, without a normalising launch between the two GEMVs.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingNorm {
+    pub sum_sq: DevSlice<f32>,
+    pub eps: f32,
+}
+
+/// A quantised copy of a kernel's output for the next GEMV: the planes of y·`norm_w`
+/// (`norm_w` optional), with Σy² added to `sum_sq` (which must start at zero) when given.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantOut {
+    pub q: Q8Act,
+    pub norm_w: Option<DevSlice<f32>>,
+    pub sum_sq: Option<DevSlice<f32>>,
+}
+
+/// What a GEMV adds to W·x, and whether it quantises its output (then its blocks own whole
+/// 32-row groups: the tiling must be one of `GemvTiling::quantising()`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Epilogue {
+    pub bias: Option<DevSlice<f32>>,
+    /// May be the output itself (x += W·a).
+    pub residual: Option<DevSlice<f32>>,
+    pub quant: Option<QuantOut>,
 }
 
 /// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
@@ -95,13 +126,40 @@ impl GemvTiling {
             .into_iter()
             .flat_map(|r| [1, 2, 4].into_iter().map(move |s| GemvTiling::new(r, s)))
     }
-    fn check(&self) -> Result<()> {
-        if [1, 2, 4].contains(&self.rows_per_warp) && [1, 2, 4].contains(&self.warps_per_row) {
+    /// The tilings of the quantising kernels, whose blocks (32·S/R warps) own one 32-row
+    /// group each.
+    pub fn quantising() -> impl Iterator<Item = GemvTiling> {
+        [(4, 2), (8, 2), (8, 4)]
+            .into_iter()
+            .map(|(r, s)| GemvTiling::new(r, s))
+    }
+    fn check(&self, quantising: bool) -> Result<()> {
+        let ok = if quantising {
+            Self::quantising().any(|t| t == *self)
+        } else {
+            [1, 2, 4].contains(&self.rows_per_warp) && [1, 2, 4].contains(&self.warps_per_row)
+        };
+        if ok {
             Ok(())
+        } else if quantising {
+            Err(invalid(format!(
+                "GEMV tiling {self:?}: a quantising GEMV takes one of {:?}",
+                Self::quantising().collect::<Vec<_>>()
+            )))
         } else {
             Err(invalid(format!(
                 "GEMV tiling {self:?}: rows per warp and warps per row must be 1, 2 or 4"
             )))
+        }
+    }
+    /// Launch geometry over `rows` output rows.
+    fn grid(&self, rows: usize, quantising: bool) -> LaunchConfig {
+        if quantising {
+            let warps = 32 * self.warps_per_row / self.rows_per_warp;
+            LaunchConfig::linear(rows.div_ceil(32) as u32, (warps * 32) as u32)
+        } else {
+            let per_block = GEMV_WARPS as usize / self.warps_per_row * self.rows_per_warp;
+            LaunchConfig::linear(rows.div_ceil(per_block) as u32, GEMV_WARPS * 32)
         }
     }
 }
@@ -110,6 +168,7 @@ fn type_tag(q: QType) -> Result<&'static str> {
     Ok(match q {
         QType::F32 => "f32",
         QType::F16 => "f16",
+        QType::BF16 => "bf16",
         QType::Q4_0 => "q4_0",
         QType::Q4_1 => "q4_1",
         QType::Q5_0 => "q5_0",
@@ -213,97 +272,139 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    fn gemv_name(
-        kind: &str,
-        w: &DeviceWeight,
-        input: &GemvInput,
-        path: GemvPath,
-        t: GemvTiling,
-    ) -> Result<(String, bool)> {
-        t.check()?;
-        let dp4a = path != GemvPath::Float && w.qtype.is_quantized();
-        if dp4a && input.q8.is_none() {
-            return Err(invalid("the dp4a GEMV needs the quantised activation".into()));
-        }
-        let tag = type_tag(w.qtype)?;
-        let path = if dp4a { path } else { GemvPath::Float };
-        Ok((
-            format!(
-                "{kind}_{tag}_{}_{}_{}",
-                path.tag(),
-                t.rows_per_warp,
-                t.warps_per_row
-            ),
-            dp4a,
-        ))
-    }
-
     fn gemv_module(q: QType) -> Result<crate::compile::KernelModule> {
         gemv_module(q).ok_or_else(|| KernelError::Unsupported(format!("GEMV with {q} weights")))
     }
 
-    fn check_input(w: &DeviceWeight, input: &GemvInput, dp4a: bool) -> Result<()> {
-        if dp4a {
-            let q = input.q8.expect("checked by gemv_name");
-            q.check_len(w.row_len, "quantised GEMV input")
-        } else {
-            input.x.check_len(w.row_len, "GEMV input")
-        }
-    }
-
-    fn gemv_grid(rows: usize, t: GemvTiling) -> LaunchConfig {
-        let per_block = GEMV_WARPS as usize / t.warps_per_row * t.rows_per_warp;
-        LaunchConfig::linear(rows.div_ceil(per_block) as u32, GEMV_WARPS * 32)
-    }
-
-    /// y = W·x (+ bias) (+ residual), one output per row of `w`.
+    /// Checks a GEMV (or SwiGLU, with `w2`) launch and returns its kernel and arguments.
     #[allow(clippy::too_many_arguments)]
+    fn gemv_launch(
+        &self,
+        kind: &str,
+        w: &DeviceWeight,
+        w2: Option<&DeviceWeight>,
+        input: &GemvInput,
+        path: GemvPath,
+        t: GemvTiling,
+        y: DevSlice<f32>,
+        epi: &Epilogue,
+    ) -> Result<(crate::device::Function, LaunchConfig, Args)> {
+        let quantising = epi.quant.is_some();
+        t.check(quantising)?;
+        if quantising && path == GemvPath::Float {
+            return Err(invalid(
+                "a quantising GEMV reads quantised input (GemvPath::Q8 or Q16)".into(),
+            ));
+        }
+        match path {
+            GemvPath::Float => {
+                let x = input
+                    .x
+                    .ok_or_else(|| invalid("the float GEMV needs the f32 activation".into()))?;
+                x.check_len(w.row_len, "GEMV input")?;
+                if input.norm.is_some() {
+                    return Err(invalid(
+                        "the float GEMV reads a finished activation (no pending norm)".into(),
+                    ));
+                }
+            }
+            GemvPath::Q8 | GemvPath::Q16 => input
+                .q8
+                .ok_or_else(|| invalid("the integer GEMV needs the quantised activation".into()))?
+                .check_len(w.row_len, "quantised GEMV input")?,
+        }
+        if let Some(n) = input.norm {
+            n.sum_sq.check_len(1, "pending norm's sum of squares")?;
+        }
+        y.check_len(w.rows, "GEMV output")?;
+        if let Some(b) = epi.bias {
+            b.check_len(w.rows, "GEMV bias")?;
+        }
+        if let Some(r) = epi.residual {
+            r.check_len(w.rows, "GEMV residual")?;
+        }
+        if let Some(q) = epi.quant {
+            q.q.check_len(w.rows, "quantised GEMV output")?;
+            if let Some(nw) = q.norm_w {
+                nw.check_len(w.rows, "next norm's weight")?;
+            }
+            if let Some(ss) = q.sum_sq {
+                ss.check_len(1, "next norm's sum of squares")?;
+            }
+        }
+        let name = format!(
+            "{kind}{}_{}_{}_{}_{}",
+            if quantising { "q" } else { "" },
+            type_tag(w.qtype)?,
+            path.tag(),
+            t.rows_per_warp,
+            t.warps_per_row
+        );
+        let f = self.device.function(&Self::gemv_module(w.qtype)?, &name)?;
+        let (body, qh, sc) = w.ptrs();
+        let (body2, qh2, sc2) = w2.map_or((0, 0, 0), |w2| w2.ptrs());
+        let q = epi.quant;
+        let args = Args::new()
+            .ptr(body)
+            .ptr(qh)
+            .ptr(sc)
+            .ptr(body2)
+            .ptr(qh2)
+            .ptr(sc2)
+            .ptr(opt(input.x))
+            .ptr(input.q8.map_or(0, |q| q.q.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
+            .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
+            .ptr(input.norm.map_or(0, |n| n.sum_sq.ptr()))
+            .f32(input.norm.map_or(0.0, |n| n.eps))
+            .ptr(opt(epi.bias))
+            .ptr(opt(epi.residual))
+            .ptr(y.ptr())
+            .i32(w.rows as i32)
+            .i32(w.row_len as i32)
+            .ptr(q.map_or(0, |q| opt(q.norm_w)))
+            .ptr(q.map_or(0, |q| q.q.q.ptr()))
+            .ptr(q.map_or(0, |q| q.q.lo.ptr()))
+            .ptr(q.map_or(0, |q| q.q.ds.ptr()))
+            .ptr(q.map_or(0, |q| opt(q.sum_sq)));
+        Ok((f, t.grid(w.rows, quantising), args))
+    }
+
+    /// y = W·x, with the epilogue's bias, residual and quantised copy.
     pub fn gemv(
         &self,
         w: &DeviceWeight,
         input: &GemvInput,
         path: GemvPath,
         tiling: GemvTiling,
-        bias: Option<DevSlice<f32>>,
-        residual: Option<DevSlice<f32>>,
         y: DevSlice<f32>,
+        epi: &Epilogue,
     ) -> Result<()> {
-        let (name, dp4a) = Self::gemv_name("gemv", w, input, path, tiling)?;
-        Self::check_input(w, input, dp4a)?;
-        y.check_len(w.rows, "GEMV output")?;
-        if let Some(b) = bias {
-            b.check_len(w.rows, "GEMV bias")?;
-        }
-        if let Some(r) = residual {
-            r.check_len(w.rows, "GEMV residual")?;
-        }
-        let f = self.device.function(&Self::gemv_module(w.qtype)?, &name)?;
-        let (body, qh, sc) = w.ptrs();
-        let mut args = Args::new()
-            .ptr(body)
-            .ptr(qh)
-            .ptr(sc)
-            .ptr(input.x.ptr())
-            .ptr(input.q8.map_or(0, |q| q.q.ptr()))
-            .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
-            .ptr(opt(bias))
-            .ptr(opt(residual))
-            .ptr(y.ptr())
-            .i32(w.rows as i32)
-            .i32(w.row_len as i32);
+        let (f, cfg, mut args) = self.gemv_launch("gemv", w, None, input, path, tiling, y, epi)?;
         // SAFETY: every array's length was checked against the weight's shape.
-        unsafe {
-            self.device
-                .launch(f, Self::gemv_grid(w.rows, tiling), &mut args)
-        }
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     /// y = row `*token` of `w`, dequantised (the embedding lookup; an id out of range
-    /// writes NaN).
-    pub fn embed(&self, w: &DeviceWeight, token: DevSlice<i32>, y: DevSlice<f32>) -> Result<()> {
+    /// writes NaN), and optionally its quantised copy.
+    pub fn embed(
+        &self,
+        w: &DeviceWeight,
+        token: DevSlice<i32>,
+        y: DevSlice<f32>,
+        quant: Option<QuantOut>,
+    ) -> Result<()> {
         token.check_len(1, "token id")?;
         y.check_len(w.row_len, "embedding output")?;
+        if let Some(q) = quant {
+            q.q.check_len(w.row_len, "quantised embedding")?;
+            if let Some(nw) = q.norm_w {
+                nw.check_len(w.row_len, "first norm's weight")?;
+            }
+            if let Some(ss) = q.sum_sq {
+                ss.check_len(1, "first norm's sum of squares")?;
+            }
+        }
         let f = self.device.function(
             &Self::gemv_module(w.qtype)?,
             &format!("embed_{}", type_tag(w.qtype)?),
@@ -316,7 +417,12 @@ impl Kernels {
             .ptr(token.ptr())
             .ptr(y.ptr())
             .i32(w.rows as i32)
-            .i32(w.row_len as i32);
+            .i32(w.row_len as i32)
+            .ptr(quant.map_or(0, |q| opt(q.norm_w)))
+            .ptr(quant.map_or(0, |q| q.q.q.ptr()))
+            .ptr(quant.map_or(0, |q| q.q.lo.ptr()))
+            .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
+            .ptr(quant.map_or(0, |q| opt(q.sum_sq)));
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
         unsafe {
             self.device.launch(
@@ -327,9 +433,9 @@ impl Kernels {
         }
     }
 
-    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward. With
-    /// `q8_out` the kernel also writes y as Q8_1 (for the down projection); its counters
-    /// (one u32 per 32 rows) must be zero before the first launch and are left zero.
+    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward, with an
+    /// optional quantised copy of y for the down projection.
+    #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
         gate: &DeviceWeight,
@@ -338,7 +444,7 @@ impl Kernels {
         path: GemvPath,
         tiling: GemvTiling,
         y: DevSlice<f32>,
-        q8_out: Option<(Q8Act, DevSlice<u32>)>,
+        quant: Option<QuantOut>,
     ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
             return Err(invalid(format!(
@@ -346,42 +452,14 @@ impl Kernels {
                 gate.qtype, gate.rows, gate.row_len, up.qtype, up.rows, up.row_len
             )));
         }
-        let (name, dp4a) = Self::gemv_name("swiglu", gate, input, path, tiling)?;
-        Self::check_input(gate, input, dp4a)?;
-        y.check_len(gate.rows, "SwiGLU output")?;
-        let groups = gate.rows.div_ceil(32);
-        if let Some((q, counters)) = q8_out {
-            q.check_len(gate.rows, "quantised SwiGLU output")?;
-            counters.check_len(groups, "SwiGLU group counters")?;
-        }
-        let f = self
-            .device
-            .function(&Self::gemv_module(gate.qtype)?, &name)?;
-        let (gb, gq, gs) = gate.ptrs();
-        let (ub, uq, us) = up.ptrs();
-        let mut args = Args::new()
-            .ptr(gb)
-            .ptr(gq)
-            .ptr(gs)
-            .ptr(ub)
-            .ptr(uq)
-            .ptr(us)
-            .ptr(input.x.ptr())
-            .ptr(input.q8.map_or(0, |q| q.q.ptr()))
-            .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
-            .ptr(y.ptr())
-            .i32(gate.rows as i32)
-            .i32(gate.row_len as i32)
-            .ptr(q8_out.map_or(0, |(q, _)| q.q.ptr()))
-            .ptr(q8_out.map_or(0, |(q, _)| q.lo.ptr()))
-            .ptr(q8_out.map_or(0, |(q, _)| q.ds.ptr()))
-            .ptr(q8_out.map_or(0, |(_, c)| c.ptr()));
-        // SAFETY: as for gemv.
-        unsafe {
-            self.device
-                .launch(f, Self::gemv_grid(gate.rows, tiling), &mut args)
-        }
+        let epi = Epilogue {
+            quant,
+            ..Default::default()
+        };
+        let (f, cfg, mut args) =
+            self.gemv_launch("swiglu", gate, Some(up), input, path, tiling, y, &epi)?;
+        // SAFETY: as for gemv; `up` has gate's shape.
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`.

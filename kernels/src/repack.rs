@@ -15,9 +15,10 @@ use crate::device::Device;
 use crate::error::{KernelError, Result};
 
 /// Weight types the GEMV kernels multiply with.
-pub const GEMV_QTYPES: [QType; 10] = [
+pub const GEMV_QTYPES: [QType; 11] = [
     QType::F32,
     QType::F16,
+    QType::BF16,
     QType::Q4_0,
     QType::Q4_1,
     QType::Q5_0,
@@ -33,7 +34,7 @@ pub const GEMV_QTYPES: [QType; 10] = [
 fn layout(q: QType) -> Option<(usize, bool, usize, usize, usize, usize)> {
     Some(match q {
         QType::F32 => (4, false, 0, 0, 0, 0),
-        QType::F16 => (2, false, 0, 0, 0, 0),
+        QType::F16 | QType::BF16 => (2, false, 0, 0, 0, 0),
         QType::Q4_0 => (16, false, 2, 2, 0, 0),
         QType::Q4_1 => (16, false, 4, 4, 0, 0),
         QType::Q5_0 => (16, true, 2, 6, 2, 0),

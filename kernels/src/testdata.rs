@@ -59,6 +59,12 @@ pub fn random_weights_scaled(
                 put_f16(c, 0, scale * uniform(rng, -1.0, 1.0));
             }
         }
+        QType::BF16 => {
+            for c in out.chunks_exact_mut(2) {
+                let v = half::bf16::from_f32(scale * uniform(rng, -1.0, 1.0));
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
         _ => {
             for b in out.chunks_exact_mut(qtype.block_bytes()) {
                 match qtype {

@@ -2,7 +2,7 @@
 //! libnvrtc (found as `kiln_kernels::libs` describes; in CI the `nvidia-cuda-nvrtc` Python
 //! wheel, or `KILN_NVRTC=/path/to/libnvrtc.so.13`). Without it the test reports a skip on stderr.
 
-use kiln_kernels::compile::{all_modules, compile_uncached, nvrtc_version};
+use kiln_kernels::compile::{all_modules, compile_ptx, compile_uncached, nvrtc_version};
 use kiln_kernels::libs;
 
 #[test]
@@ -55,4 +55,31 @@ fn compile_errors_carry_the_nvrtc_log() {
         }
         other => panic!("expected a compile error, got {:?}", other.map(|c| c.len())),
     }
+}
+
+/// Every kernel is launched with programmatic dependent launch on sm_90, which is only
+/// safe if each one waits for its predecessor before touching memory (see
+/// `grid_dependency_wait` in common.cuh): a kernel without the wait could read a buffer its
+/// predecessor is still writing. Checked in the PTX of every entry point.
+#[test]
+fn every_kernel_waits_for_its_predecessor_on_hopper() {
+    if let Err(why) = libs::nvrtc_status() {
+        kiln_kernels::testdata::skip(&format!("no libnvrtc ({why})"));
+        return;
+    }
+    let mut entries = 0;
+    for m in all_modules() {
+        let ptx = compile_ptx(&m, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
+        for entry in ptx.split(".entry ").skip(1) {
+            let name = entry.split('(').next().unwrap_or("?").trim();
+            assert!(
+                entry.contains("griddepcontrol.wait"),
+                "{}: kernel {name} never waits for the kernel before it",
+                m.name
+            );
+            entries += 1;
+        }
+    }
+    assert!(entries > 100, "only {entries} kernel entry points found in the PTX");
+    println!("{entries} kernels, each waits for its predecessor");
 }

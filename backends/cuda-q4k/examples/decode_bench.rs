@@ -17,7 +17,7 @@ use kiln_core::{
     SamplingParams, TensorView,
 };
 use kiln_kernels::testdata::random_weights_scaled;
-use kiln_kernels::Device;
+use kiln_kernels::{Device, GemvPath, GemvTiling};
 
 struct Spec {
     name: &'static str,
@@ -196,7 +196,7 @@ fn main() {
         None => Device::new(0).expect("device"),
     };
     let mut rng = Rng::new(7);
-    println!("| model | FFN Q8_1 | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
+    println!("| model | activations, quantising tiling | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for s in SPECS
         .iter()
@@ -217,8 +217,15 @@ fn main() {
         if prefill_only {
             continue;
         }
-        for fused in [true, false] {
-            ex.set_fused_ffn_q8(fused);
+        let variants = [
+            (GemvPath::Q16, GemvTiling::new(4, 2)),
+            (GemvPath::Q16, GemvTiling::new(8, 2)),
+            (GemvPath::Q16, GemvTiling::new(8, 4)),
+            (GemvPath::Q8, GemvTiling::new(4, 2)),
+        ];
+        for (path, tiling) in variants {
+            ex.set_gemv_path(path).unwrap();
+            ex.set_quant_tiling(tiling).unwrap();
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
             ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
@@ -240,13 +247,13 @@ fn main() {
             let graph_ms = ex.step_device_ms(seq, 21).unwrap();
             let bytes = step_bytes(&ir);
             let gbps = bytes as f64 * n as f64 / dt / 1e9;
-            // embed + 9 per layer (norm, QKV, rope, attention x2, O, norm, SwiGLU, down) + final
-            // norm + LM head.
-            let kernels = 1 + (9 + !fused as usize) * s.layers + 2;
+            // zeroing the norm sums, embed, 7 per layer (QKV, rope, attention x2, O, SwiGLU,
+            // down), LM head, argmax x2.
+            let kernels = 2 + 7 * s.layers + 3;
+            let variant = format!("{path:?} R{}S{}", tiling.rows_per_warp, tiling.warps_per_row);
             println!(
-            "| {} | {} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
+            "| {} | {variant} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,
-            if fused { "in SwiGLU" } else { "own launch" },
             bytes as f64 / 1e6,
             n as f64 / dt,
             dt * 1e3 / n as f64,

@@ -13,8 +13,9 @@ mod prefill;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, GemvInput, GemvPath, GemvTiling, Graph,
-    Kernels, KvCache, PackedWeight, Q8Act, RopeArgs, Workspace, GEMV_QTYPES,
+    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
+    GemvTiling, Graph, Kernels, KvCache, PackedWeight, PendingNorm, Q8Act, QuantOut, RopeArgs,
+    Workspace, GEMV_QTYPES,
 };
 
 /// Why `cuda-q4k` cannot run `model`, if it cannot.
@@ -113,13 +114,18 @@ struct Slot {
 
 /// Activations of one step, carved from one workspace.
 struct Scratch {
+    /// The residual stream (f32).
     x: DevSlice<f32>,
-    xn: DevSlice<f32>,
-    q8: Q8Act,
-    /// The SwiGLU output's Q8_1 copy (the kernel writing it still reads `q8`).
-    q8_ffn: Q8Act,
-    /// Per 32 FFN rows, the SwiGLU kernel's completion counter (zero between launches).
-    counters: DevSlice<u32>,
+    /// The residual stream times the next RMSNorm's weight, quantised: what the QKV,
+    /// gate/up and LM-head GEMVs read, their norm finished from `sum_sq` (see PendingNorm).
+    xq: Q8Act,
+    /// The attention output, quantised for the output projection.
+    aq: Q8Act,
+    /// The SwiGLU output, quantised for the down projection.
+    hq: Q8Act,
+    /// Σx² for each RMSNorm of a step (two per layer, then the output norm), accumulated
+    /// by the kernels that write `xq`; zeroed at the start of every step.
+    sum_sq: DevSlice<f32>,
     qkv: DevSlice<f32>,
     q: DevSlice<f32>,
     attn: DevSlice<f32>,
@@ -139,10 +145,11 @@ pub struct CudaExecutor {
     config: ModelConfig,
     max_ctx: usize,
     split: usize,
+    /// How every GEMV reads its activation: `GemvPath::Q16` unless the caller accepted
+    /// plain Q8_1.
     path: GemvPath,
-    head_path: GemvPath,
-    /// SwiGLU writes its Q8_1 output itself instead of a separate quantise launch.
-    fused_ffn_q8: bool,
+    /// Tiling of the GEMVs that quantise their output (O, SwiGLU, down).
+    quant_tiling: GemvTiling,
     embd: DeviceWeight,
     lm_head: Option<DeviceWeight>,
     out_norm: DeviceBuffer<f32>,
@@ -335,19 +342,14 @@ impl CudaExecutor {
         // longer splits (measured on an H200, docs/architecture-cuda.md).
         let split = if max_ctx <= 4096 { 64 } else { 256 };
         let nsplit = Kernels::attention_splits(max_ctx, split);
-        let widest = h.max(qd).max(ffn).div_ceil(32) * 32;
         let vocab = c.vocab_size;
         let sample_keys = Kernels::sample_scratch(vocab, Kernels::MAX_TOP_K);
-        let requests = [
+        let norms = 2 * c.num_layers + 1;
+        // Quantised planes: int8 values and residuals padded to whole 32-blocks, a scale pair per block.
+        let planes = |n: usize| [(n.div_ceil(32) * 32, 1), (n.div_ceil(32) * 32, 1), (n.div_ceil(32), 8)];
+        let mut requests = vec![
             (h, 4),
-            (widest, 4),
-            (widest, 1),
-            (widest, 1),
-            (widest / 32, 8),
-            (ffn.div_ceil(32) * 32, 1),
-            (ffn.div_ceil(32) * 32, 1),
-            (ffn.div_ceil(32), 8),
-            (ffn.div_ceil(32), 4),
+            (norms, 4),
             (qd + 2 * kvd, 4),
             (qd, 4),
             (qd, 4),
@@ -360,21 +362,21 @@ impl CudaExecutor {
             (1, 8),
             (1, 4),
         ];
+        for n in [h, qd, ffn] {
+            requests.extend(planes(n));
+        }
         let mut ws = Workspace::new(device, Workspace::bytes_for(&requests)).map_err(err)?;
+        let take_planes = |ws: &mut Workspace, n: usize| -> Result<Q8Act> {
+            let padded = n.div_ceil(32) * 32;
+            Ok(Q8Act {
+                q: ws.take(padded).map_err(err)?,
+                lo: ws.take(padded).map_err(err)?,
+                ds: ws.take(padded / 32).map_err(err)?,
+            })
+        };
         let s = Scratch {
             x: ws.take(h).map_err(err)?,
-            xn: ws.take(widest).map_err(err)?,
-            q8: Q8Act {
-                q: ws.take(widest).map_err(err)?,
-                lo: ws.take(widest).map_err(err)?,
-                ds: ws.take(widest / 32).map_err(err)?,
-            },
-            q8_ffn: Q8Act {
-                q: ws.take(ffn.div_ceil(32) * 32).map_err(err)?,
-                lo: ws.take(ffn.div_ceil(32) * 32).map_err(err)?,
-                ds: ws.take(ffn.div_ceil(32)).map_err(err)?,
-            },
-            counters: ws.take(ffn.div_ceil(32)).map_err(err)?,
+            sum_sq: ws.take(norms).map_err(err)?,
             qkv: ws.take(qd + 2 * kvd).map_err(err)?,
             q: ws.take(qd).map_err(err)?,
             attn: ws.take(qd).map_err(err)?,
@@ -386,9 +388,12 @@ impl CudaExecutor {
             cand: ws.take(sample_keys).map_err(err)?,
             rng: ws.take(1).map_err(err)?,
             token_out: ws.take(1).map_err(err)?,
+            xq: take_planes(&mut ws, h)?,
+            aq: take_planes(&mut ws, qd)?,
+            hq: take_planes(&mut ws, ffn)?,
         };
-        // Zero everything once: the SwiGLU counters must start at zero.
-        ws.fill_bytes(0).map_err(err)?;
+        // Poison the activations: a kernel reading what nothing wrote shows up as NaN.
+        ws.fill_bytes(0xff).map_err(err)?;
         let prefill = match kiln_kernels::Blas::new(device) {
             Ok(blas) => {
                 k.preload_prefill(&model.matrix_qtypes()).map_err(err)?;
@@ -397,11 +402,12 @@ impl CudaExecutor {
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
             Err(e) => return Err(err(e)),
         };
-        // Quantised weights multiply 15-bit activations (two int8 planes, two dp4a per four
-        // weights) unless the caller accepts 8-bit ones. Plain Q8_1 fails parity on real
-        // models (SmolLM2 q4_k_m: cosine 0.994 to the CPU reference by the second decode
-        // step): their activations have outlier channels that a 32-value block scale
-        // cannot absorb in 8 bits; the residual plane gives 256x finer steps.
+        // GEMVs read 15-bit activations (two int8 planes, two dp4a per four weights) unless
+        // the caller accepts 8-bit ones. Plain Q8_1 fails parity on real models (SmolLM2
+        // q4_k_m: cosine 0.994 to the CPU reference by the second decode step): their
+        // activations have outlier channels that a 32-value block scale cannot absorb in 8
+        // bits; the residual plane gives 256x finer steps. (f32 activations are exact but
+        // 2.5-3.5x slower per GEMV: instruction-bound; see docs/architecture.md.)
         let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
@@ -418,10 +424,7 @@ impl CudaExecutor {
             max_ctx,
             split,
             path: activation_path,
-            head_path: activation_path,
-            // Measured slower than a separate launch on every shape tried (H200, 2026-11-30:
-            // 8B 361 vs 372 tok/s, 1B 1107 vs 1130, SmolLM2 978 vs 986).
-            fused_ffn_q8: false,
+            quant_tiling: GemvTiling::new(4, 2),
             embd,
             lm_head,
             out_norm,
@@ -434,21 +437,34 @@ impl CudaExecutor {
         })
     }
 
-    /// Chooses how quantised GEMVs read activations, in the layers and in the LM head
-    /// (`GemvPath::Q16` by default). Graphs are re-captured at the next step.
-    pub fn set_gemv_paths(&mut self, layers: GemvPath, head: GemvPath) {
-        self.path = layers;
-        self.head_path = head;
-        for s in self.slots.as_mut_slice() {
-            s.graph = None;
+    /// Chooses how the GEMVs read activations (`GemvPath::Q16` by default; `Q8` is
+    /// llama.cpp's trade). The float path needs a finished f32 activation, which this
+    /// decode step does not make, so it is refused. Graphs are re-captured at the next step.
+    pub fn set_gemv_path(&mut self, path: GemvPath) -> Result<()> {
+        if path == GemvPath::Float {
+            return Err(Error::Unsupported(
+                "cuda-q4k decodes from quantised activations (GemvPath::Q8 or Q16)".into(),
+            ));
         }
+        self.path = path;
+        self.drop_graphs();
+        Ok(())
     }
 
-    /// Whether the SwiGLU kernel quantises its own output (saves a launch per layer, but
-    /// costs every block a fence, a barrier and an atomic; off by default, as measured
-    /// slower). Graphs are re-captured at the next step.
-    pub fn set_fused_ffn_q8(&mut self, on: bool) {
-        self.fused_ffn_q8 = on;
+    /// Chooses the tiling of the GEMVs that quantise their output (one of
+    /// `GemvTiling::quantising()`; a benchmark knob). Graphs are re-captured at the next step.
+    pub fn set_quant_tiling(&mut self, tiling: GemvTiling) -> Result<()> {
+        if !GemvTiling::quantising().any(|t| t == tiling) {
+            return Err(Error::InvalidArgument(format!(
+                "{tiling:?} is not a quantising GEMV tiling"
+            )));
+        }
+        self.quant_tiling = tiling;
+        self.drop_graphs();
+        Ok(())
+    }
+
+    fn drop_graphs(&mut self) {
         for s in self.slots.as_mut_slice() {
             s.graph = None;
         }
@@ -478,42 +494,55 @@ impl CudaExecutor {
         }
     }
 
-    /// Queues one decode step for `slot` (what the graph holds).
+    /// Queues one decode step for `slot` (what the graph holds): per layer, QKV, RoPE+KV,
+    /// attention, O (+ residual), gate/up+SwiGLU, down (+ residual). No launch normalises:
+    /// the kernels that update the residual stream quantise it times the next norm's weight
+    /// and sum its squares, and the GEMVs reading it finish the norm (see PendingNorm).
     fn queue_step(&self, slot: &Slot) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
-        let (h, hd) = (c.hidden_size, c.head_dim);
+        let hd = c.head_dim;
         let state = slot.state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
-        let xn_h = s.xn.sub(0, h)?;
-        let input_h = GemvInput {
-            x: xn_h,
-            q8: Some(s.q8),
+        let norm = |i: usize| -> kiln_kernels::Result<PendingNorm> {
+            Ok(PendingNorm {
+                sum_sq: s.sum_sq.sub(i, 1)?,
+                eps: c.norm_eps,
+            })
         };
-        k.embed(&self.embd, token, s.x)?;
+        // The residual stream after layer i-1, quantised for norm `n` with weight `w`.
+        let stream_out = |w: &DeviceBuffer<f32>, n: usize| -> kiln_kernels::Result<QuantOut> {
+            Ok(QuantOut {
+                q: s.xq,
+                norm_w: Some(w.slice()),
+                sum_sq: Some(s.sum_sq.sub(n, 1)?),
+            })
+        };
+        let from = |q: Q8Act, norm: Option<PendingNorm>| GemvInput {
+            x: None,
+            q8: Some(q),
+            norm,
+        };
+        s.sum_sq.fill_bytes_async(&self.device, 0)?;
+        k.embed(&self.embd, token, s.x, Some(stream_out(&self.layers[0].attn_norm, 0)?))?;
         for (li, l) in self.layers.iter().enumerate() {
-            k.rmsnorm_q8_1(
-                s.x,
-                1,
-                h,
-                Some(l.attn_norm.slice()),
-                Some(c.norm_eps),
-                Some(xn_h),
-                Some(s.q8),
-            )?;
+            let attn_input = from(s.xq, Some(norm(2 * li)?));
             for p in &l.qkv {
                 let bias = match &l.qkv_bias {
                     Some(b) => Some(b.slice().sub(p.offset, p.w.rows)?),
                     None => None,
                 };
+                let epi = Epilogue {
+                    bias,
+                    ..Default::default()
+                };
                 k.gemv(
                     &p.w,
-                    &input_h,
+                    &attn_input,
                     self.path,
                     Self::tiling(&p.w),
-                    bias,
-                    None,
                     s.qkv.sub(p.offset, p.w.rows)?,
+                    &epi,
                 )?;
             }
             let (kc, vc) = slot.kv.layer(li)?;
@@ -536,86 +565,48 @@ impl CudaExecutor {
                 s.part_o,
                 s.part_ml,
                 s.attn,
-                Some(s.q8),
+                Some(s.aq),
             )?;
-            let input = GemvInput {
-                x: s.attn,
-                q8: Some(s.q8),
+            let epi = Epilogue {
+                residual: Some(s.x),
+                quant: Some(stream_out(&l.ffn_norm, 2 * li + 1)?),
+                ..Default::default()
             };
-            k.gemv(
-                &l.o,
-                &input,
+            k.gemv(&l.o, &from(s.aq, None), self.path, self.quant_tiling, s.x, &epi)?;
+            let hq = QuantOut {
+                q: s.hq,
+                norm_w: None,
+                sum_sq: None,
+            };
+            k.swiglu(
+                &l.gate,
+                &l.up,
+                &from(s.xq, Some(norm(2 * li + 1)?)),
                 self.path,
-                Self::tiling(&l.o),
-                None,
-                Some(s.x),
-                s.x,
+                self.quant_tiling,
+                s.ffn,
+                Some(hq),
             )?;
-            k.rmsnorm_q8_1(
-                s.x,
-                1,
-                h,
-                Some(l.ffn_norm.slice()),
-                Some(c.norm_eps),
-                Some(xn_h),
-                Some(s.q8),
-            )?;
-            let ffn_q8 = if self.fused_ffn_q8 {
-                k.swiglu(
-                    &l.gate,
-                    &l.up,
-                    &input_h,
-                    self.path,
-                    Self::tiling(&l.gate),
-                    s.ffn,
-                    Some((s.q8_ffn, s.counters)),
-                )?;
-                s.q8_ffn
-            } else {
-                k.swiglu(
-                    &l.gate,
-                    &l.up,
-                    &input_h,
-                    self.path,
-                    Self::tiling(&l.gate),
-                    s.ffn,
-                    None,
-                )?;
-                k.rmsnorm_q8_1(s.ffn, 1, c.ffn_size, None, None, None, Some(s.q8_ffn))?;
-                s.q8_ffn
+            let next_norm = match self.layers.get(li + 1) {
+                Some(next) => &next.attn_norm,
+                None => &self.out_norm,
             };
-            let input = GemvInput {
-                x: s.ffn,
-                q8: Some(ffn_q8),
+            let epi = Epilogue {
+                residual: Some(s.x),
+                quant: Some(stream_out(next_norm, 2 * li + 2)?),
+                ..Default::default()
             };
-            k.gemv(
-                &l.down,
-                &input,
-                self.path,
-                Self::tiling(&l.down),
-                None,
-                Some(s.x),
-                s.x,
-            )?;
+            k.gemv(&l.down, &from(s.hq, None), self.path, self.quant_tiling, s.x, &epi)?;
         }
-        k.rmsnorm_q8_1(
-            s.x,
-            1,
-            h,
-            Some(self.out_norm.slice()),
-            Some(c.norm_eps),
-            Some(xn_h),
-            Some(s.q8),
-        )?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
+        let head_input = from(s.xq, Some(norm(2 * c.num_layers)?));
         k.gemv(
             head,
-            &input_h,
-            self.head_path,
+            &head_input,
+            self.path,
             Self::tiling(head),
-            None,
-            None,
             s.logits,
+            &Epilogue::default(),
         )
     }
 

@@ -197,28 +197,27 @@ impl CudaExecutor {
         let last_x = last_x.expect("prefill has at least one token");
         Timer::mark(&mut timer, Part::Other)?;
         let s = &self.s;
-        let xn_h = s.xn.sub(0, h)?;
         k.rmsnorm_q8_1(
             last_x,
             1,
             h,
             Some(self.out_norm.slice()),
             Some(c.norm_eps),
-            Some(xn_h),
-            Some(s.q8),
+            None,
+            Some(s.xq),
         )?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         k.gemv(
             head,
             &GemvInput {
-                x: xn_h,
-                q8: Some(s.q8),
+                x: None,
+                q8: Some(s.xq),
+                norm: None,
             },
-            self.head_path,
+            self.path,
             Self::tiling(head),
-            None,
-            None,
             s.logits,
+            &kiln_kernels::Epilogue::default(),
         )?;
         let times = match timer {
             Some(t) => Some(t.finish()?),

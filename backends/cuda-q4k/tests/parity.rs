@@ -1,13 +1,13 @@
 //! Decode parity with the CPU reference backend on small random models of each supported
 //! architecture shape: per-step logits must agree (cosine) over teacher-forced steps, on
-//! both GEMV activation paths. `#[ignore]`d: CI lists them as ignored; scripts/gpu_suite.sh runs
+//! both integer activation paths (15-bit, the default, and Q8_1). `#[ignore]`d: CI lists them as ignored; scripts/gpu_suite.sh runs
 //! them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
 
 use kiln_backend_cpu::CpuBackend;
 use kiln_backend_cuda_q4k::CudaExecutor;
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::fresh_seed;
-use kiln_kernels::GemvPath;
+use kiln_kernels::{GemvPath, GemvTiling};
 
 mod common;
 use common::{cosine, device, model, shapes};
@@ -29,17 +29,18 @@ fn decode_logits_match_the_cpu_backend() {
             ..Default::default()
         };
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
+        // Every activation path the executor takes, and every tiling of the GEMVs that
+        // quantise their output (each owns whole 32-row groups differently).
         let variants = [
-            ("q16 (default)", GemvPath::Q16, GemvPath::Q16, 0.99999),
-            ("q8", GemvPath::Q8, GemvPath::Q8, 0.999),
-            ("q8, float LM head", GemvPath::Q8, GemvPath::Float, 0.999),
-            ("float", GemvPath::Float, GemvPath::Float, 0.99999),
+            ("q16 R4S2", GemvPath::Q16, GemvTiling::new(4, 2), 0.99999),
+            ("q16 R8S2", GemvPath::Q16, GemvTiling::new(8, 2), 0.99999),
+            ("q16 R8S4", GemvPath::Q16, GemvTiling::new(8, 4), 0.99999),
+            ("q8 R4S2", GemvPath::Q8, GemvTiling::new(4, 2), 0.999),
         ];
-        for (name, layers, head, floor) in variants {
+        for (name, path, tiling, floor) in variants {
             let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
-            gpu.set_gemv_paths(layers, head);
-            // The fused SwiGLU quantisation is off by default; check it on one run.
-            gpu.set_fused_ffn_q8(name == "q8");
+            gpu.set_gemv_path(path).unwrap();
+            gpu.set_quant_tiling(tiling).unwrap();
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();
             let vocab = shape.vocab;
