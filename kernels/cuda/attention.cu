@@ -1,7 +1,8 @@
 // Decode attention for one new query per head over the f16 KV cache, split over the
-// context (flash-decoding): `attn_partial` gives each (head, split) block `split` positions
-// and writes an unnormalised partial result with its running max and sum; `attn_combine`
-// merges the splits. The context length is read from device memory, so the grid is sized
+// context (flash-decoding): each (head, split) block takes `split` positions and writes an
+// unnormalised partial result with its running max and sum; the last block of a head to
+// finish (counted in `counters`, which it leaves at zero) merges the head's splits, so the
+// whole attention is one launch. The context length is read from device memory, so the grid is sized
 // for the longest context and blocks past the end return at once: one captured graph
 // serves every step.
 //
@@ -12,11 +13,35 @@
 // elements [l·E, l·E + E) — independent loads throughout, instead of one dependent
 // reduction per position.
 
+// E consecutive f16 values to f32, with the widest aligned loads E allows (a lane's slice
+// of a V row starts at lane·E halves).
+template <int E>
+static __device__ __forceinline__ void load_halves(const u16* p, float (&v)[E]) {
+    if constexpr (E == 8) {
+        const uint4 a = *(const uint4*)p;
+        const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { v[2 * i] = h2f(w[i] & 0xffff); v[2 * i + 1] = h2f(w[i] >> 16); }
+    } else if constexpr (E == 4) {
+        const uint2 a = *(const uint2*)p;
+        v[0] = h2f(a.x & 0xffff); v[1] = h2f(a.x >> 16); v[2] = h2f(a.y & 0xffff); v[3] = h2f(a.y >> 16);
+    } else if constexpr (E == 2) {
+        const u32 a = *(const u32*)p;
+        v[0] = h2f(a & 0xffff); v[1] = h2f(a >> 16);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = h2f(p[e]);
+    }
+}
+
 template <int E>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
                                                          const u16* __restrict__ vc, const int* __restrict__ len_ptr,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
-                                                         float* __restrict__ part_o, float2* __restrict__ part_ml) {
+                                                         float* __restrict__ part_o, float2* __restrict__ part_ml,
+                                                         u32* __restrict__ counters, float* __restrict__ out,
+                                                         i8* __restrict__ oq, i8* __restrict__ olo,
+                                                         float2* __restrict__ ods) {
     const int hd = E * 32;
     const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
@@ -55,13 +80,23 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         l = l * corr + warp_sum(pw);
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] *= corr;
-        const int count = min(32, end - p0);
-#pragma unroll 4
-        for (int j = 0; j < count; ++j) {
-            const float wj = __shfl_sync(FULL_MASK, pw, j);
-            const u16* vp = vbase + (size_t)(p0 + j) * hd;
+        // V rows in batches of VB positions, every load of a batch issued before the
+        // first is used: the loop is bound by memory latency, not bandwidth, so what
+        // matters is how many loads are in flight. Positions past the end weigh 0 and
+        // read the last valid row (in bounds).
+        constexpr int VB = E <= 4 ? 16 : 8;
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[e] += wj * h2f(vp[e]);
+        for (int jb = 0; jb < 32; jb += VB) {
+            if (p0 + jb >= end) break;
+            float v[VB][E];
+#pragma unroll
+            for (int j = 0; j < VB; ++j) load_halves<E>(vbase + (size_t)min(p0 + jb + j, end - 1) * hd, v[j]);
+#pragma unroll
+            for (int j = 0; j < VB; ++j) {
+                const float wj = __shfl_sync(FULL_MASK, pw, jb + j);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[e] += wj * v[j][e];
+            }
         }
         m = m_new;
     }
@@ -86,14 +121,49 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
         part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
     }
+    // Publish this split, then count it; the head's last split merges them all.
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    const int n = min(nsplit, (len + split - 1) / split);
+    if (threadIdx.x == 0) {
+        const u32 done = atomicAdd(&counters[head], 1u) + 1;
+        is_last = done == (u32)n;
+        if (is_last) counters[head] = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Other blocks' partials: read through L2 (volatile), never a stale L1 line.
+    const volatile float* vo = part_o + (size_t)head * nsplit * hd;
+    const volatile float2* vml = part_ml + (size_t)head * nsplit;
+    float Mh = -INFINITY;
+    for (int j = 0; j < n; ++j) Mh = fmaxf(Mh, vml[j].x);
+    for (int d0 = warp * 32; d0 < hd; d0 += nwarps * 32) {
+        const int d = d0 + lane;
+        float o = 0.0f, L = 0.0f;
+        for (int j = 0; j < n; ++j) {
+            const float mj = vml[j].x, lj = vml[j].y;
+            const float wj = mj == -INFINITY ? 0.0f : expf(mj - Mh);
+            L += lj * wj;
+            o += vo[(size_t)j * hd + d] * wj;
+        }
+        const float v = o / L;
+        const size_t i = (size_t)head * hd + d;
+        out[i] = v;
+        // 32-value blocks never straddle heads (hd is a multiple of 32).
+        if (oq) quantize_block_warp(v, oq, olo, ods, i, i / 32);
+    }
 }
 
 #define ATTN_ENTRY(E)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) attn_partial_##E(                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E(                                                 \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
-        int split, float scale, float* part_o, float2* part_ml) {                                                      \
+        int split, float scale, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq, i8* olo,            \
+        float2* ods) {                                                                                                 \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml);               \
+        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml, counters, out, \
+                             oq, olo, ods);                                                                            \
     }
 ATTN_ENTRY(1)
 ATTN_ENTRY(2)
@@ -103,28 +173,3 @@ ATTN_ENTRY(5)
 ATTN_ENTRY(6)
 ATTN_ENTRY(7)
 ATTN_ENTRY(8)
-
-// One block per head, one thread per element of the head (blockDim == hd). With `q` and
-// `ds` it also writes the output as Q8_1 (and `lo`, the residual plane, when not null) (32-value blocks never straddle heads), sparing
-// the output projection's input a separate quantisation launch.
-extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
-                                        const int* __restrict__ len_ptr, int split, int nsplit, int hd,
-                                        float* __restrict__ out, i8* __restrict__ q, i8* __restrict__ lo,
-                                        float2* __restrict__ ds) {
-    grid_dependency_wait();
-    const int head = blockIdx.x, d = threadIdx.x;
-    const int n = min(nsplit, (*len_ptr + split - 1) / split);
-    float M = -INFINITY;
-    for (int s = 0; s < n; ++s) M = fmaxf(M, part_ml[(size_t)head * nsplit + s].x);
-    float o = 0.0f, L = 0.0f;
-    for (int s = 0; s < n; ++s) {
-        const float2 ml = part_ml[(size_t)head * nsplit + s];
-        const float w = expf(ml.x - M);
-        L += ml.y * w;
-        o += part_o[((size_t)head * nsplit + s) * hd + d] * w;
-    }
-    const float v = o / L;
-    const size_t i = (size_t)head * hd + d;
-    out[i] = v;
-    if (q) quantize_block_warp(v, q, lo, ds, i, i / 32);
-}

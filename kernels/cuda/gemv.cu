@@ -306,22 +306,23 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
     }
 }
 
-// The activation a GEMV reads: f32 values (A_F32), or the quantised planes. `norm_ss`, when
-// not null, says the planes still lack RMSNorm's 1/rms factor: they hold x·w (the norm
-// weight applied, see GemvOut) and *norm_ss accumulated sum(x²) over the K values, so the
-// scale is folded into each block's unit here instead of in a separate normalising launch
-// (block quantisation is scale-invariant: the int8 values are the same either way).
+// The activation a GEMV reads: f32 values (A_F32), or the quantised planes. `norm_parts`,
+// when not null, says the planes still lack RMSNorm's 1/rms factor: they hold x·w (the norm
+// weight applied, see GemvOut) and norm_parts[g] is sum(x²) over 32-value group g. Block
+// quantisation is scale-invariant (the int8 values are the same either way) and a dot
+// product is linear, so the GEMV applies rsqrt(sum/K + eps) to each finished row instead
+// of a separate launch normalising the vector first.
 struct XIn {
     const float* __restrict__ x;
     const i8* __restrict__ q;
     const i8* __restrict__ r;
     const float2* __restrict__ ds;
-    const float* __restrict__ norm_ss;
+    const float* __restrict__ norm_parts;
     float eps;
 };
 
 template <int T, int A>
-static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, float scale, int c, int K) {
+static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, int c, int K) {
     if constexpr (A == A_F32) {
         const float* x = in.x;
         const int base = c * 32;
@@ -349,7 +350,7 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, float s
         load32((const u8*)(in.q + (size_t)c * 32), xc.q);
         if (A == A_Q16) load32((const u8*)(in.r + (size_t)c * 32), xc.r);
         const float2 ds = in.ds[c];
-        xc.d = (A == A_Q16 ? ds.x * (1.0f / 254.0f) : ds.x) * scale;
+        xc.d = A == A_Q16 ? ds.x * (1.0f / 254.0f) : ds.x;
         if constexpr (float_weights(T)) {
             // Float weights take the float path on the dequantised activation.
 #pragma unroll
@@ -366,7 +367,7 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, float s
                 hi.add(0x01010101, xc, 4 + i);
             }
             // ds.y is d * sum(q); the residual plane adds its own (exact) share.
-            xc.s = (A == A_Q16 ? ds.y + ds.x * (1.0f / 254.0f) * (float)(lo.lo + hi.lo) : ds.y) * scale;
+            xc.s = A == A_Q16 ? ds.y + xc.d * (float)(lo.lo + hi.lo) : ds.y;
             xc.qsum_lo = lo.value();
             xc.qsum_hi = hi.value();
         }
@@ -377,8 +378,10 @@ static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(
 
 // What a GEMV does with its outputs: y = (W·x) (+ bias) (+ residual), or in SwiGLU mode
 // y = silu(gate·x) * (up·x). With `q` (QOUT kernels, whose blocks own whole 32-row groups)
-// it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and adds sum(y²)
-// to *norm_ss: the next RMSNorm, left for the consumer to finish (see XIn).
+// it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and writes the
+// group's sum(y²) to norm_parts[group]: the next RMSNorm, left for the consumer to finish
+// (see XIn). Partial sums in fixed slots, summed in a fixed order, keep every step
+// bit-reproducible (float atomics would not be).
 struct GemvOut {
     const float* __restrict__ bias;
     const float* residual;  // may be `y` itself (x += W·a): each output is read, then written, by one thread
@@ -387,7 +390,7 @@ struct GemvOut {
     i8* __restrict__ q;
     i8* __restrict__ r;
     float2* __restrict__ ds;
-    float* __restrict__ norm_ss;
+    float* __restrict__ norm_parts;
 };
 
 // A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
@@ -400,7 +403,11 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
     static_assert(!QOUT || RB == 32, "a quantising GEMV block owns one 32-row group");
     const int row0 = blockIdx.x * RB + group * R;
     const int nchunks = (K + 31) >> 5;
-    const float scale = in.norm_ss ? rsqrtf(*in.norm_ss / (float)K + in.eps) : 1.0f;
+    // The pending norm's partial sums: loaded now, used after the loop, so their latency
+    // hides behind the weight loads.
+    float norm_part = 0.0f;
+    if (in.norm_parts)
+        for (int g = lane; g < nchunks; g += 32) norm_part += in.norm_parts[g];
     float acc[R], acc2[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = acc2[r] = 0.0f;
@@ -410,7 +417,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
     if (row0 < nrows) {
         for (int u = part * 32 + lane; u * U < nchunks; u += 32 * S) {
 #pragma unroll
-            for (int i = 0; i < U; ++i) load_x<T, A>(xc[i], in, scale, u * U + i, K);
+            for (int i = 0; i < U; ++i) load_x<T, A>(xc[i], in, u * U + i, K);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 // Rows past the end clamp to the last one: the loads stay in bounds and the
@@ -454,6 +461,8 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
             }
         }
     }
+    // Every warp sums the partials the same way: the same scale in every block.
+    const float norm_ss = in.norm_parts ? warp_sum(norm_part) : 0.0f;
     __shared__ float group_vals[QOUT ? 32 : 1];
     if (part == 0 && lane < R && row0 + lane < nrows) {
         float v = 0.0f, v2 = 0.0f;
@@ -464,6 +473,11 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
                 v2 = acc2[r];
             }
         const int row = row0 + lane;
+        if (in.norm_parts) {
+            const float scale = rsqrtf(norm_ss / (float)K + in.eps);
+            v *= scale;
+            v2 *= scale;
+        }
         if (SWIGLU) {
             v = silu(v) * v2;
         } else {
@@ -478,9 +492,9 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
         if (warp == 0) {
             const int row = blockIdx.x * 32 + lane;
             float v = row < nrows ? group_vals[lane] : 0.0f;
-            if (out.norm_ss) {
+            if (out.norm_parts) {
                 const float ss = warp_sum(v * v);
-                if (lane == 0) atomicAdd(out.norm_ss, ss);
+                if (lane == 0) out.norm_parts[blockIdx.x] = ss;
             }
             if (out.norm_w && row < nrows) v *= out.norm_w[row];
             quantize_block_warp(v, out.q, out.r, out.ds, row, blockIdx.x);
@@ -523,9 +537,9 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     if (i < K) out.y[i] = v;
     if (out.q) {
         if (i >= K) v = 0.0f;
-        if (out.norm_ss) {
+        if (out.norm_parts) {
             const float ss = warp_sum(v * v);
-            if (l == 0) atomicAdd(out.norm_ss, ss);
+            if (l == 0) out.norm_parts[i >> 5] = ss;
         }
         if (out.norm_w && i < K) v *= out.norm_w[i];
         quantize_block_warp(v, out.q, out.r, out.ds, i, i >> 5);
@@ -535,10 +549,10 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
 #define EMBED_ENTRY(NAME, T)                                                                                           \
     extern "C" __global__ void embed_##NAME(const u8* body, const u32* qh, const u8* sc, const int* token, float* y,   \
                                             int nrows, int K, const float* norm_w, i8* yq, i8* yr, float2* yds,        \
-                                            float* norm_ss) {                                                          \
+                                            float* norm_parts) {                                                       \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_ss};                                             \
+        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts};                                          \
         embed<T>(w, token, out, nrows, K);                                                                             \
     }
 
@@ -549,14 +563,14 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
 // uses. Every entry takes the same parameters (unused ones null).
 #define GEMV_PARAMS                                                                                                    \
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
-        const i8 *xq, const i8 *xr, const float2 *xds, const float *in_ss, float eps, const float *bias,                \
+        const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_ss
+        float *out_parts
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     grid_dependency_wait();                                                                                            \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
-    XIn in = {x, xq, xr, xds, in_ss, eps};                                                                             \
-    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_ss};                                                    \
+    XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
+    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts};                                                 \
     gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K);
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
@@ -580,11 +594,11 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     GEMV_ENTRY(NAME, T, A, R, 2)   \
     GEMV_ENTRY(NAME, T, A, R, 4)
 
-// The quantising tilings (rows per warp, warps per row): 16, 8 and 16 warps per block.
+// The quantising tilings (rows per warp, warps per row): 16, 16 and 8 warps per block.
 #define GEMVQ_TILINGS(NAME, T, A) \
     GEMVQ_ENTRY(NAME, T, A, 4, 2) \
-    GEMVQ_ENTRY(NAME, T, A, 8, 2) \
-    GEMVQ_ENTRY(NAME, T, A, 8, 4)
+    GEMVQ_ENTRY(NAME, T, A, 2, 1) \
+    GEMVQ_ENTRY(NAME, T, A, 4, 1)
 
 #define GEMV_TYPE(NAME, T)             \
     EMBED_ENTRY(NAME, T)               \

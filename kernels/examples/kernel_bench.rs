@@ -75,12 +75,14 @@ fn main() -> Result<()> {
     // (row length K, rows N, label)
     let mut shapes = vec![
         (4096, 4096, "8B attn 4096x4096"),
+        (576, 1536, "135M gate/up 1536x576"),
+        (1536, 576, "135M down 576x1536"),
         (4096, 14336, "8B gate/up 14336x4096"),
         (14336, 4096, "8B down 4096x14336"),
         (2048, 8192, "1B gate/up 8192x2048"),
     ];
     if quick {
-        shapes.truncate(1);
+        shapes.truncate(3);
     }
     let mut rows: Vec<Row> = Vec::new();
     let mut best: Vec<(String, QType, [Option<Row>; 3])> = Vec::new();
@@ -120,11 +122,14 @@ fn main() -> Result<()> {
                     ds: yds.slice(),
                 },
                 norm_w: None,
-                sum_sq: None,
+                norm_parts: None,
             }),
             ..Default::default()
         };
         for q in GEMV_QTYPES {
+            if !kk.is_multiple_of(q.block_len()) {
+                continue;
+            }
             let ggml = random_weights(&mut rng, q, kk, n)?;
             let packed = PackedWeight::pack(q, kk, n, &ggml)?;
             // Enough copies that the rotation streams at least 512 MB (L2 is 60 MB).
@@ -265,6 +270,7 @@ fn main() -> Result<()> {
         let part_o = DeviceBuffer::<f32>::alloc(&dev, n_heads * nsplit * hd)?;
         let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&dev, n_heads * nsplit)?;
         let out = DeviceBuffer::<f32>::alloc(&dev, n_heads * hd)?;
+        let counters = DeviceBuffer::<u32>::zeros(&dev, n_heads)?;
         for len in [128usize, 1024, 4096, 8192] {
             let lend = DeviceBuffer::from_host(&dev, &[len as i32])?;
             let a = AttnArgs {
@@ -285,6 +291,7 @@ fn main() -> Result<()> {
                         lend.slice(),
                         part_o.slice(),
                         part_ml.slice(),
+                        counters.slice(),
                         out.slice(),
                         None,
                     )?;

@@ -77,22 +77,24 @@ pub struct GemvInput {
 }
 
 /// An RMSNorm its producer left for the consumer to finish: the planes hold x·w (the norm
-/// weight applied) and `sum_sq` Σx² over the row, so the GEMV scales each block by
-/// rsqrt(Σx²/K + eps) as it reads it. Block quantisation is scale-invariant, so this is the
-/// normalised vector's quantisation, without a normalising launch between the two GEMVs.
+/// weight applied) and `parts[g]` is Σx² over 32-value group g, so the GEMV scales each
+/// output by rsqrt(Σx²/K + eps). Block quantisation is scale-invariant and a dot product
+/// linear, so this equals multiplying the normalised vector, without a normalising launch
+/// between the two GEMVs. The partials are summed in a fixed order: bit-reproducible.
 #[derive(Debug, Clone, Copy)]
 pub struct PendingNorm {
-    pub sum_sq: DevSlice<f32>,
+    pub parts: DevSlice<f32>,
     pub eps: f32,
 }
 
 /// A quantised copy of a kernel's output for the next GEMV: the planes of y·`norm_w`
-/// (`norm_w` optional), with Σy² added to `sum_sq` (which must start at zero) when given.
+/// (`norm_w` optional), and with `norm_parts` the Σy² of each 32-value group (see
+/// PendingNorm).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantOut {
     pub q: Q8Act,
     pub norm_w: Option<DevSlice<f32>>,
-    pub sum_sq: Option<DevSlice<f32>>,
+    pub norm_parts: Option<DevSlice<f32>>,
 }
 
 /// What a GEMV adds to W·x, and whether it quantises its output (then its blocks own whole
@@ -129,7 +131,7 @@ impl GemvTiling {
     /// The tilings of the quantising kernels, whose blocks (32·S/R warps) own one 32-row
     /// group each.
     pub fn quantising() -> impl Iterator<Item = GemvTiling> {
-        [(4, 2), (8, 2), (8, 4)]
+        [(4, 2), (2, 1), (4, 1)]
             .into_iter()
             .map(|(r, s)| GemvTiling::new(r, s))
     }
@@ -314,7 +316,8 @@ impl Kernels {
                 .check_len(w.row_len, "quantised GEMV input")?,
         }
         if let Some(n) = input.norm {
-            n.sum_sq.check_len(1, "pending norm's sum of squares")?;
+            n.parts
+                .check_len(w.row_len.div_ceil(32), "pending norm's partial sums")?;
         }
         y.check_len(w.rows, "GEMV output")?;
         if let Some(b) = epi.bias {
@@ -328,8 +331,8 @@ impl Kernels {
             if let Some(nw) = q.norm_w {
                 nw.check_len(w.rows, "next norm's weight")?;
             }
-            if let Some(ss) = q.sum_sq {
-                ss.check_len(1, "next norm's sum of squares")?;
+            if let Some(p) = q.norm_parts {
+                p.check_len(w.rows.div_ceil(32), "next norm's partial sums")?;
             }
         }
         let name = format!(
@@ -355,7 +358,7 @@ impl Kernels {
             .ptr(input.q8.map_or(0, |q| q.q.ptr()))
             .ptr(input.q8.map_or(0, |q| q.lo.ptr()))
             .ptr(input.q8.map_or(0, |q| q.ds.ptr()))
-            .ptr(input.norm.map_or(0, |n| n.sum_sq.ptr()))
+            .ptr(input.norm.map_or(0, |n| n.parts.ptr()))
             .f32(input.norm.map_or(0.0, |n| n.eps))
             .ptr(opt(epi.bias))
             .ptr(opt(epi.residual))
@@ -366,7 +369,7 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.q.ptr()))
             .ptr(q.map_or(0, |q| q.q.lo.ptr()))
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
-            .ptr(q.map_or(0, |q| opt(q.sum_sq)));
+            .ptr(q.map_or(0, |q| opt(q.norm_parts)));
         Ok((f, t.grid(w.rows, quantising), args))
     }
 
@@ -401,8 +404,8 @@ impl Kernels {
             if let Some(nw) = q.norm_w {
                 nw.check_len(w.row_len, "first norm's weight")?;
             }
-            if let Some(ss) = q.sum_sq {
-                ss.check_len(1, "first norm's sum of squares")?;
+            if let Some(p) = q.norm_parts {
+                p.check_len(w.row_len.div_ceil(32), "first norm's partial sums")?;
             }
         }
         let f = self.device.function(
@@ -422,7 +425,7 @@ impl Kernels {
             .ptr(quant.map_or(0, |q| q.q.q.ptr()))
             .ptr(quant.map_or(0, |q| q.q.lo.ptr()))
             .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
-            .ptr(quant.map_or(0, |q| opt(q.sum_sq)));
+            .ptr(quant.map_or(0, |q| opt(q.norm_parts)));
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
         unsafe {
             self.device.launch(
@@ -533,9 +536,11 @@ impl Kernels {
         max_ctx.div_ceil(split)
     }
 
-    /// Decode attention of one query per head over positions `0..*len` of the cache.
-    /// `part_o` needs heads·splits·hd floats and `part_ml` heads·splits pairs. With
-    /// `out_q8` the output is also written as Q8_1.
+    /// Decode attention of one query per head over positions `0..*len` of the cache, one
+    /// launch: split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
+    /// heads·splits pairs) and the last block of each head merges them into `out`, counted
+    /// in `counters` (one per head, zero before the first launch, left zero). With `out_q8`
+    /// the output is also written quantised.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -546,6 +551,7 @@ impl Kernels {
         len: DevSlice<i32>,
         part_o: DevSlice<f32>,
         part_ml: DevSlice<[f32; 2]>,
+        counters: DevSlice<u32>,
         out: DevSlice<f32>,
         out_q8: Option<Q8Act>,
     ) -> Result<()> {
@@ -568,6 +574,7 @@ impl Kernels {
         len.check_len(1, "context length")?;
         part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
+        counters.check_len(a.n_heads, "attention split counters")?;
         out.check_len(a.n_heads * hd, "attention output")?;
         if let Some(q) = out_q8 {
             q.check_len(a.n_heads * hd, "quantised attention output")?;
@@ -575,7 +582,7 @@ impl Kernels {
         let e = hd / 32;
         let f = self
             .device
-            .function(&ATTENTION, &format!("attn_partial_{e}"))?;
+            .function(&ATTENTION, &format!("attn_decode_{e}"))?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -587,33 +594,19 @@ impl Kernels {
             .i32(a.split as i32)
             .f32(a.scale)
             .ptr(part_o.ptr())
-            .ptr(part_ml.ptr());
+            .ptr(part_ml.ptr())
+            .ptr(counters.ptr())
+            .ptr(out.ptr())
+            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, nsplit as u32, 1),
             block: (128, 1, 1),
             shared_bytes: 0,
         };
         // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
-        unsafe { self.device.launch(f, cfg, &mut args)? };
-        let f = self.device.function(&ATTENTION, "attn_combine")?;
-        let mut args = Args::new()
-            .ptr(part_o.ptr())
-            .ptr(part_ml.ptr())
-            .ptr(len.ptr())
-            .i32(a.split as i32)
-            .i32(nsplit as i32)
-            .i32(hd as i32)
-            .ptr(out.ptr())
-            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
-        unsafe {
-            self.device.launch(
-                f,
-                LaunchConfig::linear(a.n_heads as u32, hd as u32),
-                &mut args,
-            )
-        }
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     /// Logits per argmax block.

@@ -204,6 +204,21 @@ fn sum_sq(v: &[f32]) -> f64 {
     v.iter().map(|&a| a as f64 * a as f64).sum()
 }
 
+/// Σv² of each 32-value group (the last one padded with zeros).
+fn group_sum_sq(v: &[f32]) -> Vec<f32> {
+    v.chunks(32).map(|c| sum_sq(c) as f32).collect()
+}
+
+/// Checks per-group sums of squares as the kernels write them.
+fn check_parts(got: &[f32], v: &[f32], what: &str) {
+    for (g, (&p, want)) in got.iter().zip(group_sum_sq(v)).enumerate() {
+        assert!(
+            (p as f64 - want as f64).abs() <= 1e-5 * (want as f64).max(1e-20),
+            "{what}: group {g} sum of squares {p}, expected {want}"
+        );
+    }
+}
+
 /// The decode step's fused epilogues: a GEMV reading planes of x·w_in whose RMSNorm is
 /// still pending (Σx² on the device), adding bias and residual, and quantising its output
 /// times the next norm's weight while summing its squares — every quantising tiling, both
@@ -240,12 +255,12 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
         let xq = quant_buffers(&g.dev, k);
         g.k.rmsnorm_q8_1(xd.slice(), 1, k, Some(nwd.slice()), None, None, Some(xq.act()))
             .unwrap();
-        let ss_in = buf(&g.dev, &[sum_sq(&x) as f32]);
+        let parts_in = buf(&g.dev, &group_sum_sq(&x));
         let input = GemvInput {
             x: None,
             q8: Some(xq.act()),
             norm: Some(PendingNorm {
-                sum_sq: ss_in.slice(),
+                parts: parts_in.slice(),
                 eps,
             }),
         };
@@ -254,14 +269,14 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
             for t in GemvTiling::quantising() {
                 let y = poisoned(&g.dev, n);
                 let yq = quant_buffers(&g.dev, n);
-                let ss_out = DeviceBuffer::<f32>::zeros(&g.dev, 1).unwrap();
+                let parts_out = poisoned(&g.dev, n.div_ceil(32));
                 let epi = Epilogue {
                     bias: Some(bd.slice()),
                     residual: Some(rd.slice()),
                     quant: Some(QuantOut {
                         q: yq.act(),
                         norm_w: Some(nod.slice()),
-                        sum_sq: Some(ss_out.slice()),
+                        norm_parts: Some(parts_out.slice()),
                     }),
                 };
                 g.k.gemv(&w, &input, path, t, y.slice(), &epi).unwrap();
@@ -271,11 +286,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 assert!(err < bound, "{what}: rel err {err:e}");
                 let scaled: Vec<f32> = got.iter().zip(&norm_out).map(|(a, b)| a * b).collect();
                 yq.check(&scaled, &format!("{what}: quantised output"));
-                let (ss, want) = (ss_out.to_host().unwrap()[0] as f64, sum_sq(&got));
-                assert!(
-                    (ss - want).abs() <= 1e-5 * want,
-                    "{what}: output sum of squares {ss}, expected {want}"
-                );
+                check_parts(&parts_out.to_host().unwrap(), &got, &what);
             }
         }
     }
@@ -337,7 +348,7 @@ fn swiglu_matches_reference() {
                 let quant = quantise.then(|| QuantOut {
                     q: yq.act(),
                     norm_w: None,
-                    sum_sq: None,
+                    norm_parts: None,
                 });
                 g.k.swiglu(&gw, &uw, &input, path, t, y.slice(), quant)
                     .unwrap();
@@ -555,6 +566,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             let lend = buf(&g.dev, &[len as i32]);
             let out = poisoned(&g.dev, n_heads * hd);
             let oq = quant_buffers(&g.dev, n_heads * hd);
+            let counters = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
             let scale = 1.0 / (hd as f32).sqrt();
             let a = AttnArgs {
                 n_heads,
@@ -572,12 +584,17 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 lend.slice(),
                 part_o.slice(),
                 part_ml.slice(),
+                counters.slice(),
                 out.slice(),
                 Some(oq.act()),
             )
             .unwrap();
             let got = out.to_host().unwrap();
             oq.check(&got, "attention output");
+            assert!(
+                counters.to_host().unwrap().iter().all(|&c| c == 0),
+                "attention left its split counters non-zero"
+            );
             for h in 0..n_heads {
                 let kvh = h / ratio;
                 let qh = &q[h * hd..(h + 1) * hd];
@@ -762,11 +779,11 @@ fn embedding_lookup_matches_reference_dequantisation() {
         let yq = quant_buffers(&g.dev, k);
         let norm_w = random_vec(&mut rng, k, 2.0);
         let nwd = buf(&g.dev, &norm_w);
-        let ss = DeviceBuffer::<f32>::zeros(&g.dev, 1).unwrap();
+        let parts = poisoned(&g.dev, k.div_ceil(32));
         let quant = QuantOut {
             q: yq.act(),
             norm_w: Some(nwd.slice()),
-            sum_sq: Some(ss.slice()),
+            norm_parts: Some(parts.slice()),
         };
         g.k.embed(&w, td.slice(), y.slice(), Some(quant)).unwrap();
         let rb = q.row_bytes(k).unwrap();
@@ -779,8 +796,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
         // The first layer's input: planes of the row times the norm weight, and Σrow².
         let scaled: Vec<f32> = got.iter().zip(&norm_w).map(|(a, b)| a * b).collect();
         yq.check(&scaled, &format!("embed {q}: quantised row"));
-        let (s, want) = (ss.to_host().unwrap()[0] as f64, sum_sq(&got));
-        assert!((s - want).abs() <= 1e-5 * want, "embed {q}: sum of squares {s}, expected {want}");
+        check_parts(&parts.to_host().unwrap(), &got, &format!("embed {q}"));
         // An id past the vocabulary poisons the output instead of reading out of bounds.
         let bad = buf(&g.dev, &[n as i32]);
         g.k.embed(&w, bad.slice(), y.slice(), None).unwrap();

@@ -219,8 +219,8 @@ fn main() {
         }
         let variants = [
             (GemvPath::Q16, GemvTiling::new(4, 2)),
-            (GemvPath::Q16, GemvTiling::new(8, 2)),
-            (GemvPath::Q16, GemvTiling::new(8, 4)),
+            (GemvPath::Q16, GemvTiling::new(2, 1)),
+            (GemvPath::Q16, GemvTiling::new(4, 1)),
             (GemvPath::Q8, GemvTiling::new(4, 2)),
         ];
         for (path, tiling) in variants {

@@ -123,9 +123,11 @@ struct Scratch {
     aq: Q8Act,
     /// The SwiGLU output, quantised for the down projection.
     hq: Q8Act,
-    /// Σx² for each RMSNorm of a step (two per layer, then the output norm), accumulated
-    /// by the kernels that write `xq`; zeroed at the start of every step.
-    sum_sq: DevSlice<f32>,
+    /// For each RMSNorm of a step (two per layer, then the output norm), Σx² per 32-value
+    /// group of the hidden vector, written by the kernels that write `xq`.
+    norm_parts: DevSlice<f32>,
+    /// The attention's per-head split counters: zeroed at load, left zero by each launch.
+    attn_counters: DevSlice<u32>,
     qkv: DevSlice<f32>,
     q: DevSlice<f32>,
     attn: DevSlice<f32>,
@@ -347,9 +349,11 @@ impl CudaExecutor {
         let norms = 2 * c.num_layers + 1;
         // Quantised planes: int8 values and residuals padded to whole 32-blocks, a scale pair per block.
         let planes = |n: usize| [(n.div_ceil(32) * 32, 1), (n.div_ceil(32) * 32, 1), (n.div_ceil(32), 8)];
+        let groups = h.div_ceil(32);
         let mut requests = vec![
             (h, 4),
-            (norms, 4),
+            (norms * groups, 4),
+            (c.num_heads, 4),
             (qd + 2 * kvd, 4),
             (qd, 4),
             (qd, 4),
@@ -376,7 +380,8 @@ impl CudaExecutor {
         };
         let s = Scratch {
             x: ws.take(h).map_err(err)?,
-            sum_sq: ws.take(norms).map_err(err)?,
+            norm_parts: ws.take(norms * groups).map_err(err)?,
+            attn_counters: ws.take(c.num_heads).map_err(err)?,
             qkv: ws.take(qd + 2 * kvd).map_err(err)?,
             q: ws.take(qd).map_err(err)?,
             attn: ws.take(qd).map_err(err)?,
@@ -392,8 +397,10 @@ impl CudaExecutor {
             aq: take_planes(&mut ws, qd)?,
             hq: take_planes(&mut ws, ffn)?,
         };
-        // Poison the activations: a kernel reading what nothing wrote shows up as NaN.
+        // Poison the activations: a kernel reading what nothing wrote shows up as NaN. The
+        // attention's counters start at zero.
         ws.fill_bytes(0xff).map_err(err)?;
+        s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
         let prefill = match kiln_kernels::Blas::new(device) {
             Ok(blas) => {
                 k.preload_prefill(&model.matrix_qtypes()).map_err(err)?;
@@ -495,27 +502,30 @@ impl CudaExecutor {
     }
 
     /// Queues one decode step for `slot` (what the graph holds): per layer, QKV, RoPE+KV,
-    /// attention, O (+ residual), gate/up+SwiGLU, down (+ residual). No launch normalises:
+    /// attention (one launch), O (+ residual), gate/up+SwiGLU, down (+ residual). No launch normalises:
     /// the kernels that update the residual stream quantise it times the next norm's weight
-    /// and sum its squares, and the GEMVs reading it finish the norm (see PendingNorm).
+    /// and sum its squares per group, and the GEMVs reading it finish the norm (see
+    /// PendingNorm). Nothing is accumulated with atomics: every step is bit-reproducible.
     fn queue_step(&self, slot: &Slot) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
         let hd = c.head_dim;
         let state = slot.state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
-        let norm = |i: usize| -> kiln_kernels::Result<PendingNorm> {
+        let groups = c.hidden_size.div_ceil(32);
+        let parts = |n: usize| s.norm_parts.sub(n * groups, groups);
+        let norm = |n: usize| -> kiln_kernels::Result<PendingNorm> {
             Ok(PendingNorm {
-                sum_sq: s.sum_sq.sub(i, 1)?,
+                parts: parts(n)?,
                 eps: c.norm_eps,
             })
         };
-        // The residual stream after layer i-1, quantised for norm `n` with weight `w`.
+        // The residual stream, quantised times the weight `w` of norm `n`.
         let stream_out = |w: &DeviceBuffer<f32>, n: usize| -> kiln_kernels::Result<QuantOut> {
             Ok(QuantOut {
                 q: s.xq,
                 norm_w: Some(w.slice()),
-                sum_sq: Some(s.sum_sq.sub(n, 1)?),
+                norm_parts: Some(parts(n)?),
             })
         };
         let from = |q: Q8Act, norm: Option<PendingNorm>| GemvInput {
@@ -523,7 +533,6 @@ impl CudaExecutor {
             q8: Some(q),
             norm,
         };
-        s.sum_sq.fill_bytes_async(&self.device, 0)?;
         k.embed(&self.embd, token, s.x, Some(stream_out(&self.layers[0].attn_norm, 0)?))?;
         for (li, l) in self.layers.iter().enumerate() {
             let attn_input = from(s.xq, Some(norm(2 * li)?));
@@ -564,6 +573,7 @@ impl CudaExecutor {
                 len,
                 s.part_o,
                 s.part_ml,
+                s.attn_counters,
                 s.attn,
                 Some(s.aq),
             )?;
@@ -576,7 +586,7 @@ impl CudaExecutor {
             let hq = QuantOut {
                 q: s.hq,
                 norm_w: None,
-                sum_sq: None,
+                norm_parts: None,
             };
             k.swiglu(
                 &l.gate,
