@@ -11,7 +11,8 @@
 #                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
 #                                then `kiln bench` on SmolLM2 q4_k_m and synthetic llama3.2-1b /
 #                                llama3-8b q4_k_m. Logs under $OUT (or ./gpu-logs); a short
-#                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark;
+#                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark,
+#                                DECODE_BENCH=1 the decode variants (decode_bench);
 #                                TESTS="gpu parity ..." runs a subset of the test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +77,9 @@ run)
         .gpu/kernel_bench --quick >"$out/kernel-bench.log" 2>&1 || status=1
         sed -n '/^summary/,$p' "$out/kernel-bench.log"
     fi
+    if [ "${DECODE_BENCH:-0}" = 1 ]; then
+        .gpu/decode_bench -n 128 >"$out/decode-bench.md" 2>&1 || status=1
+    fi
     if [ -n "${KILN_TEST_MODEL:-}" ]; then
         .gpu/kiln backends -m "$KILN_TEST_MODEL" >"$out/backends.txt" 2>&1 || status=1
         .gpu/kiln run "The capital of France is" -n 24 -m "$KILN_TEST_MODEL" >"$out/run.txt" 2>&1 || status=1
@@ -102,6 +106,8 @@ run)
     done
     echo
     echo "== summary =="
+    grep -hE "min cosine" "$out"/test-gpu_parity.log 2>/dev/null | sed -E 's/ +/ /g' || true
+    if [ -f "$out/decode-bench.md" ]; then grep -E '^\|' "$out/decode-bench.md" | grep -v -- '---' || true; fi
     grep -E '^\| [^-m]' "$out/bench.md" | grep -v '^| model' || true
     grep -E 'roofline' "$out/bench.md" | head -1 || true
     printf '%s\n' "${summary[@]}"

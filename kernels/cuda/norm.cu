@@ -9,10 +9,11 @@
 // long row is spread over many SMs. With normalisation every block of threads computes
 // the row's sum of squares itself (the row is read from L2 a few times over) rather than
 // waiting on another launch. `w` may be null (no scaling: plain quantisation), `eps < 0`
-// disables the normalisation; `y` (the f32 result), `q`/`ds` and `lo` may each be null.
+// disables the normalisation; `y` (the f32 result), `q`/`ds`, `lo` and `parts` (each
+// 32-value block's sum of squares before the weight) may each be null.
 extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                         float* __restrict__ y, i8* __restrict__ q, i8* __restrict__ lo,
-                                        float2* __restrict__ ds, int n) {
+                                        float2* __restrict__ ds, float* __restrict__ parts, int n) {
     grid_dependency_wait();
     __shared__ float scratch[32];
     const int row = blockIdx.y;
@@ -37,8 +38,13 @@ extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float
     if (b >= nblk) return;
     const int i = b * 32 + lane;
     float v = 0.0f;
+    if (i < n) v = x[i] * scale;
+    // The block's Σv² before the weight: a pending norm's partial sum (see gemv.cu's XIn).
+    if (parts) {
+        const float ss = warp_sum(v * v);
+        if (lane == 0) parts[(size_t)row * nblk + b] = ss;
+    }
     if (i < n) {
-        v = x[i] * scale;
         if (w) v *= w[i];
         if (y) y[(size_t)row * n + i] = v;
     }

@@ -345,6 +345,16 @@ impl Graph {
         // SAFETY: exec and stream are live.
         unsafe { result::graph::launch(self.exec, self.device.stream) }.ctx("cuGraphLaunch")
     }
+
+    /// How many operations (kernels, copies, memsets) the graph holds.
+    pub fn node_count(&self) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: a null node array asks only for the count.
+        unsafe { sys::cuGraphGetNodes(self.graph, std::ptr::null_mut(), &mut n) }
+            .result()
+            .ctx("cuGraphGetNodes")?;
+        Ok(n)
+    }
 }
 
 impl Drop for Graph {

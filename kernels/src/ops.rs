@@ -263,6 +263,7 @@ impl Kernels {
             .ptr(q8.map_or(0, |q| q.q.ptr()))
             .ptr(q8.map_or(0, |q| q.lo.ptr()))
             .ptr(q8.map_or(0, |q| q.ds.ptr()))
+            .ptr(0)
             .i32(n as i32);
         // One warp per 32-value block, WARPS warps per block of threads, a grid row per row.
         let cfg = LaunchConfig {
@@ -271,6 +272,39 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes checked above; the kernel touches rows * n inputs and outputs.
+        unsafe { self.device.launch(f, cfg, &mut args) }
+    }
+
+    /// The quantising epilogue as a launch of its own: `out` gets the planes of x·norm_w
+    /// and the per-group Σx² of the `n` values of `x` (for a producer whose blocks do not
+    /// own whole 32-row groups).
+    pub fn quantize(&self, x: DevSlice<f32>, n: usize, out: &QuantOut) -> Result<()> {
+        if n == 0 {
+            return Err(invalid("quantising an empty vector".into()));
+        }
+        x.check_len(n, "vector to quantise")?;
+        out.q.check_len(n, "quantised vector")?;
+        let nblk = n.div_ceil(32);
+        if let Some(w) = out.norm_w {
+            w.check_len(n, "next norm's weight")?;
+        }
+        if let Some(p) = out.norm_parts {
+            p.check_len(nblk, "next norm's partial sums")?;
+        }
+        let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
+        const WARPS: usize = 8;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(opt(out.norm_w))
+            .f32(-1.0)
+            .ptr(0)
+            .ptr(out.q.q.ptr())
+            .ptr(out.q.lo.ptr())
+            .ptr(out.q.ds.ptr())
+            .ptr(opt(out.norm_parts))
+            .i32(n as i32);
+        let cfg = LaunchConfig::linear(nblk.div_ceil(WARPS) as u32, 32 * WARPS as u32);
+        // SAFETY: sizes checked above; the kernel touches n inputs and nblk blocks.
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 

@@ -288,6 +288,30 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 yq.check(&scaled, &format!("{what}: quantised output"));
                 check_parts(&parts_out.to_host().unwrap(), &got, &what);
             }
+            // The same epilogue as a launch of its own after the plain GEMV.
+            let y = poisoned(&g.dev, n);
+            let yq = quant_buffers(&g.dev, n);
+            let parts_out = poisoned(&g.dev, n.div_ceil(32));
+            let plain = Epilogue {
+                bias: Some(bd.slice()),
+                residual: Some(rd.slice()),
+                quant: None,
+            };
+            g.k.gemv(&w, &input, path, GemvTiling::new(2, 2), y.slice(), &plain)
+                .unwrap();
+            let out = QuantOut {
+                q: yq.act(),
+                norm_w: Some(nod.slice()),
+                norm_parts: Some(parts_out.slice()),
+            };
+            g.k.quantize(y.slice(), n, &out).unwrap();
+            let got = y.to_host().unwrap();
+            let what = format!("{q} {k}x{n} {path:?} plain GEMV + quantize");
+            let err = rel_err(&got, &reference);
+            assert!(err < bound, "{what}: rel err {err:e}");
+            let scaled: Vec<f32> = got.iter().zip(&norm_out).map(|(a, b)| a * b).collect();
+            yq.check(&scaled, &format!("{what}: quantised output"));
+            check_parts(&parts_out.to_host().unwrap(), &got, &what);
         }
     }
 }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_backend_cuda_q4k::CudaExecutor;
+use kiln_backend_cuda_q4k::{CudaExecutor, FUSE_LIMIT};
 use kiln_core::{
     Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
     ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
@@ -217,15 +217,19 @@ fn main() {
         if prefill_only {
             continue;
         }
+        // The default first; then every O/SwiGLU/down GEMV fused (three tilings) or none.
         let variants = [
-            (GemvPath::Q16, GemvTiling::new(4, 2)),
-            (GemvPath::Q16, GemvTiling::new(2, 1)),
-            (GemvPath::Q16, GemvTiling::new(4, 1)),
-            (GemvPath::Q8, GemvTiling::new(4, 2)),
+            (GemvPath::Q16, GemvTiling::new(2, 1), FUSE_LIMIT),
+            (GemvPath::Q16, GemvTiling::new(2, 1), usize::MAX),
+            (GemvPath::Q16, GemvTiling::new(4, 2), usize::MAX),
+            (GemvPath::Q16, GemvTiling::new(4, 1), usize::MAX),
+            (GemvPath::Q16, GemvTiling::new(2, 1), 0),
+            (GemvPath::Q8, GemvTiling::new(2, 1), FUSE_LIMIT),
         ];
-        for (path, tiling) in variants {
+        for (path, tiling, limit) in variants {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
+            ex.set_fuse_limit(limit);
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
             ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
@@ -247,10 +251,17 @@ fn main() {
             let graph_ms = ex.step_device_ms(seq, 21).unwrap();
             let bytes = step_bytes(&ir);
             let gbps = bytes as f64 * n as f64 / dt / 1e9;
-            // zeroing the norm sums, embed, 7 per layer (QKV, rope, attention x2, O, SwiGLU,
-            // down), LM head, argmax x2.
-            let kernels = 2 + 7 * s.layers + 3;
-            let variant = format!("{path:?} R{}S{}", tiling.rows_per_warp, tiling.warps_per_row);
+            // The step's graph, plus the two argmax launches after it.
+            let kernels = ex.step_graph_nodes(seq).unwrap() + 2;
+            let fused = match limit {
+                0 => "none fused".to_string(),
+                usize::MAX => "all fused".to_string(),
+                l => format!("fused up to {} MB", l >> 20),
+            };
+            let variant = format!(
+                "{path:?}, {fused}, R{}S{}",
+                tiling.rows_per_warp, tiling.warps_per_row
+            );
             println!(
             "| {} | {variant} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,

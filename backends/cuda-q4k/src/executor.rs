@@ -18,6 +18,14 @@ use kiln_kernels::{
     Workspace, GEMV_QTYPES,
 };
 
+/// The largest weight (bytes) whose GEMV quantises its own output by default. A quantising
+/// GEMV's blocks own whole 32-row groups (8 to 16 warps each), which saves a launch but
+/// schedules worse on large matrices: measured on an H200 (ncu, Llama-3-8B shapes), the
+/// SwiGLU over 2 x 14336 x 4096 Q4_K took 38 us fused against about 29 us for the plain
+/// GEMV plus a quantising launch, while at SmolLM2's sizes (under 1 MB) the launch saved
+/// is the larger term.
+pub const FUSE_LIMIT: usize = 4 << 20;
+
 /// Why `cuda-q4k` cannot run `model`, if it cannot.
 pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
     let c = &model.config;
@@ -152,6 +160,9 @@ pub struct CudaExecutor {
     path: GemvPath,
     /// Tiling of the GEMVs that quantise their output (O, SwiGLU, down).
     quant_tiling: GemvTiling,
+    /// O, SwiGLU and down weights up to this many bytes quantise their output in their own
+    /// epilogue; larger ones run the plain GEMV and a separate quantising launch.
+    fuse_limit: usize,
     embd: DeviceWeight,
     lm_head: Option<DeviceWeight>,
     out_norm: DeviceBuffer<f32>,
@@ -431,7 +442,8 @@ impl CudaExecutor {
             max_ctx,
             split,
             path: activation_path,
-            quant_tiling: GemvTiling::new(4, 2),
+            quant_tiling: GemvTiling::new(2, 1),
+            fuse_limit: FUSE_LIMIT,
             embd,
             lm_head,
             out_norm,
@@ -469,6 +481,13 @@ impl CudaExecutor {
         self.quant_tiling = tiling;
         self.drop_graphs();
         Ok(())
+    }
+
+    /// Sets the largest O / SwiGLU / down weight (bytes) that quantises its own output (a
+    /// benchmark knob; `FUSE_LIMIT` by default). Graphs are re-captured at the next step.
+    pub fn set_fuse_limit(&mut self, bytes: usize) {
+        self.fuse_limit = bytes;
+        self.drop_graphs();
     }
 
     fn drop_graphs(&mut self) {
@@ -577,36 +596,26 @@ impl CudaExecutor {
                 s.attn,
                 Some(s.aq),
             )?;
-            let epi = Epilogue {
-                residual: Some(s.x),
-                quant: Some(stream_out(&l.ffn_norm, 2 * li + 1)?),
-                ..Default::default()
-            };
-            k.gemv(&l.o, &from(s.aq, None), self.path, self.quant_tiling, s.x, &epi)?;
+            self.residual_gemv(&l.o, s.aq, stream_out(&l.ffn_norm, 2 * li + 1)?)?;
             let hq = QuantOut {
                 q: s.hq,
                 norm_w: None,
                 norm_parts: None,
             };
-            k.swiglu(
-                &l.gate,
-                &l.up,
-                &from(s.xq, Some(norm(2 * li + 1)?)),
-                self.path,
-                self.quant_tiling,
-                s.ffn,
-                Some(hq),
-            )?;
+            let ffn_input = from(s.xq, Some(norm(2 * li + 1)?));
+            if l.gate.bytes() + l.up.bytes() <= self.fuse_limit {
+                let t = self.quant_tiling;
+                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, Some(hq))?;
+            } else {
+                let t = Self::tiling(&l.gate);
+                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None)?;
+                k.quantize(s.ffn, c.ffn_size, &hq)?;
+            }
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => &next.attn_norm,
                 None => &self.out_norm,
             };
-            let epi = Epilogue {
-                residual: Some(s.x),
-                quant: Some(stream_out(next_norm, 2 * li + 2)?),
-                ..Default::default()
-            };
-            k.gemv(&l.down, &from(s.hq, None), self.path, self.quant_tiling, s.x, &epi)?;
+            self.residual_gemv(&l.down, s.hq, stream_out(next_norm, 2 * li + 2)?)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let head_input = from(s.xq, Some(norm(2 * c.num_layers)?));
@@ -618,6 +627,29 @@ impl CudaExecutor {
             s.logits,
             &Epilogue::default(),
         )
+    }
+
+    /// x += W·a for the residual stream `x`, then `out` gets x quantised for the next GEMV:
+    /// in the GEMV's epilogue, or by a launch of its own for large weights (`fuse_limit`).
+    fn residual_gemv(&self, w: &DeviceWeight, a: Q8Act, out: QuantOut) -> kiln_kernels::Result<()> {
+        let (k, s) = (&self.k, &self.s);
+        let input = GemvInput {
+            x: None,
+            q8: Some(a),
+            norm: None,
+        };
+        let fused = w.bytes() <= self.fuse_limit;
+        let epi = Epilogue {
+            residual: Some(s.x),
+            quant: fused.then_some(out),
+            ..Default::default()
+        };
+        let tiling = if fused { self.quant_tiling } else { Self::tiling(w) };
+        k.gemv(w, &input, self.path, tiling, s.x, &epi)?;
+        if !fused {
+            k.quantize(s.x, w.rows, &out)?;
+        }
+        Ok(())
     }
 
     /// Device time of one decode step: replays `seq`'s captured graph `replays` times
@@ -642,6 +674,16 @@ impl CudaExecutor {
         }
         times.sort_by(|x, y| x.total_cmp(y));
         Ok(times[times.len() / 2])
+    }
+
+    /// Operations in `seq`'s captured decode step (kernels and copies).
+    pub fn step_graph_nodes(&self, seq: SeqId) -> Result<usize> {
+        let slot = self.slot_of(seq)?;
+        let graph = self.slots[slot]
+            .graph
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
+        graph.node_count().map_err(err)
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {

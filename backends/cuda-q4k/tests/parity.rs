@@ -31,16 +31,20 @@ fn decode_logits_match_the_cpu_backend() {
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
         // Every activation path the executor takes, and every tiling of the GEMVs that
         // quantise their output (each owns whole 32-row groups differently).
+        // (usize::MAX: every O/SwiGLU/down GEMV quantises in its epilogue; 0: none does,
+        // a separate launch quantises after each.)
         let variants = [
-            ("q16 R4S2", GemvPath::Q16, GemvTiling::new(4, 2), 0.99999),
-            ("q16 R2S1", GemvPath::Q16, GemvTiling::new(2, 1), 0.99999),
-            ("q16 R4S1", GemvPath::Q16, GemvTiling::new(4, 1), 0.99999),
-            ("q8 R4S2", GemvPath::Q8, GemvTiling::new(4, 2), 0.999),
+            ("q16 fused R4S2", GemvPath::Q16, GemvTiling::new(4, 2), usize::MAX, 0.99999),
+            ("q16 fused R2S1", GemvPath::Q16, GemvTiling::new(2, 1), usize::MAX, 0.99999),
+            ("q16 fused R4S1", GemvPath::Q16, GemvTiling::new(4, 1), usize::MAX, 0.99999),
+            ("q16 unfused", GemvPath::Q16, GemvTiling::new(2, 1), 0, 0.99999),
+            ("q8 fused R2S1", GemvPath::Q8, GemvTiling::new(2, 1), usize::MAX, 0.999),
         ];
-        for (name, path, tiling, floor) in variants {
+        for (name, path, tiling, fuse_limit, floor) in variants {
             let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
             gpu.set_gemv_path(path).unwrap();
             gpu.set_quant_tiling(tiling).unwrap();
+            gpu.set_fuse_limit(fuse_limit);
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();
             let vocab = shape.vocab;
