@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_backend_cuda_q4k::{CudaExecutor, FUSE_LIMIT};
+use kiln_backend_cuda_q4k::{quant_tiling_for, CudaExecutor};
 use kiln_core::{
     Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
     ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
@@ -217,14 +217,16 @@ fn main() {
         if prefill_only {
             continue;
         }
-        // The default first; then every O/SwiGLU/down GEMV fused (three tilings) or none.
+        // Every O/SwiGLU/down GEMV quantising its output (the default; three tilings, the
+        // default's first), none doing so (a separate launch after each), and Q8_1.
+        let default_tiling = quant_tiling_for(s.hidden);
         let variants = [
-            (GemvPath::Q16, GemvTiling::new(2, 1), FUSE_LIMIT),
+            (GemvPath::Q16, default_tiling, usize::MAX),
             (GemvPath::Q16, GemvTiling::new(2, 1), usize::MAX),
             (GemvPath::Q16, GemvTiling::new(4, 2), usize::MAX),
             (GemvPath::Q16, GemvTiling::new(4, 1), usize::MAX),
-            (GemvPath::Q16, GemvTiling::new(2, 1), 0),
-            (GemvPath::Q8, GemvTiling::new(2, 1), FUSE_LIMIT),
+            (GemvPath::Q16, default_tiling, 0),
+            (GemvPath::Q8, default_tiling, usize::MAX),
         ];
         for (path, tiling, limit) in variants {
             ex.set_gemv_path(path).unwrap();

@@ -19,7 +19,7 @@ use kiln_kernels::{Device, GEMV_QTYPES};
 
 mod executor;
 
-pub use executor::{CudaExecutor, PrefillTimes, FUSE_LIMIT, PREFILL_CHUNK};
+pub use executor::{quant_tiling_for, CudaExecutor, PrefillTimes, PREFILL_CHUNK};
 
 /// The `cuda-q4k` backend.
 #[derive(Debug, Default, Clone)]
