@@ -32,8 +32,9 @@ pub struct LoadOptions {
     pub progress: Option<ProgressFn>,
     /// Let a GPU backend quantise activations to 8 bits (Q8_1) for integer dot products:
     /// faster matrix-vector products, but logits drift from the f32 reference, on real
-    /// models past what greedy decoding tolerates (see docs/architecture.md). Off by
-    /// default; the CPU reference never quantises activations and ignores it.
+    /// models past what greedy decoding tolerates (see docs/architecture.md; cuda-q4k's
+    /// default keeps 15 bits and stays within the parity bar). Off by default; the CPU
+    /// reference never quantises activations and ignores it.
     pub quantized_activations: bool,
 }
 
