@@ -1,5 +1,6 @@
 // RMSNorm, fused with quantisation of its output to Q8_1 (the activation format the dp4a
-// GEMVs read) and its residual plane, plain quantisation, and a residual add.
+// GEMVs read) and its residual plane, or plain quantisation; and the copy kernel the
+// bandwidth roofline is measured with.
 //
 // Q8_1 on the device is two arrays rather than ggml's interleaved 36-byte blocks, so both
 // can be read with aligned vector loads: `q` holds the int8 values (32 per block, rows
@@ -49,13 +50,6 @@ extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float
         if (y) y[(size_t)row * n + i] = v;
     }
     if (q) quantize_block_warp(v, q, lo, ds, (size_t)row * nblk * 32 + i, (size_t)row * nblk + b);
-}
-
-// y[i] = a[i] + b[i]
-extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, int n) {
-    grid_dependency_wait();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a[i] + b[i];
 }
 
 // Bandwidth yardstick: y = x with 16-byte accesses, grid-stride.

@@ -756,26 +756,6 @@ impl Kernels {
         }
     }
 
-    /// y = a + b.
-    pub fn add(&self, a: DevSlice<f32>, b: DevSlice<f32>, y: DevSlice<f32>) -> Result<()> {
-        let n = y.len();
-        a.check_len(n, "add input")?;
-        b.check_len(n, "add input")?;
-        let f = self.device.function(&NORM, "add_f32")?;
-        let mut args = Args::new()
-            .ptr(a.ptr())
-            .ptr(b.ptr())
-            .ptr(y.ptr())
-            .i32(n as i32);
-        unsafe {
-            self.device.launch(
-                f,
-                LaunchConfig::linear(n.div_ceil(256) as u32, 256),
-                &mut args,
-            )
-        }
-    }
-
     /// Copies `src` to `dst` with a 16-byte-per-thread kernel (the bandwidth yardstick).
     pub fn copy(&self, src: DevSlice<u8>, dst: DevSlice<u8>) -> Result<()> {
         if src.len() != dst.len() || !src.len().is_multiple_of(16) {

@@ -830,3 +830,52 @@ fn embedding_lookup_matches_reference_dequantisation() {
         );
     }
 }
+
+/// The batched prefill's dequantisers, for every weight type on unaligned shapes: whole
+/// matrices to f16 (the GEMM operand) and gathered rows to f32 (the embedding of a chunk,
+/// an id out of range giving a NaN row), against the reference dequantiser.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn prefill_dequantisers_match_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("dequant");
+    for q in GEMV_QTYPES {
+        for (k, n) in shapes(q).into_iter().take(2) {
+            let ggml = random_weights(&mut rng, q, k, n).unwrap();
+            let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
+            let mut reference = vec![0f32; k * n];
+            kiln_core::quant::dequantize(q, &ggml, &mut reference).unwrap();
+            // Whole matrix to f16: each value within f16 rounding of the reference.
+            let out = DeviceBuffer::<u16>::alloc(&g.dev, k * n).unwrap();
+            out.fill_bytes(0xff).unwrap();
+            g.k.dequant_f16(&w, out.slice()).unwrap();
+            let got = f16s_to_f32(&out.to_host().unwrap());
+            for (i, (&a, &b)) in got.iter().zip(&reference).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-3 * b.abs() + 1e-7,
+                    "{q} {k}x{n}: value {i} is {a}, reference {b}"
+                );
+            }
+            // Gathered rows to f32, exact; the last id is out of range.
+            let ids: Vec<i32> = vec![(n - 1) as i32, 0, (n / 2) as i32, n as i32];
+            let idd = buf(&g.dev, &ids);
+            let rows = poisoned(&g.dev, ids.len() * k);
+            g.k.embed_rows(&w, idd.slice(), rows.slice()).unwrap();
+            let got = rows.to_host().unwrap();
+            for (r, &id) in ids.iter().enumerate() {
+                let row = &got[r * k..(r + 1) * k];
+                if id as usize >= n {
+                    assert!(row.iter().all(|v| v.is_nan()), "{q}: out-of-range id {id}");
+                    continue;
+                }
+                let want = &reference[id as usize * k..][..k];
+                // f32 rounding of the dequantisation formula (FMA or not), relative to the row.
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(
+                    row.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6 * scale),
+                    "{q} {k}x{n}: embedding row {id}"
+                );
+            }
+        }
+    }
+}
