@@ -12,7 +12,7 @@ use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
-    Graph, Kernels, PackedWeight, Q8Act, QuantOut, Result, GEMV_QTYPES,
+    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, GEMV_QTYPES,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -90,16 +90,8 @@ fn main() -> Result<()> {
         let x = random_vec(&mut rng, kk, 1.0);
         let xd = DeviceBuffer::from_host(&dev, &x)?;
         let nblk = kk.div_ceil(32);
-        let (xq, xlo) = (
-            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
-            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
-        );
-        let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
-        let q8 = Q8Act {
-            q: xq.slice(),
-            lo: xlo.slice(),
-            ds: xds.slice(),
-        };
+        let xq = QuantBuffers::alloc(&dev, kk)?;
+        let q8 = xq.act();
         k.rmsnorm_q8_1(xd.slice(), 1, kk, None, None, None, Some(q8))?;
         let input = GemvInput {
             x: Some(xd.slice()),
@@ -108,19 +100,10 @@ fn main() -> Result<()> {
         };
         let y = DeviceBuffer::<f32>::alloc(&dev, n)?;
         // The quantising GEMVs' output planes.
-        let out_blocks = n.div_ceil(32);
-        let (yq, ylo) = (
-            DeviceBuffer::<i8>::alloc(&dev, out_blocks * 32)?,
-            DeviceBuffer::<i8>::alloc(&dev, out_blocks * 32)?,
-        );
-        let yds = DeviceBuffer::<[f32; 2]>::alloc(&dev, out_blocks)?;
+        let yq = QuantBuffers::alloc(&dev, n)?;
         let quantising = Epilogue {
             quant: Some(QuantOut {
-                q: Q8Act {
-                    q: yq.slice(),
-                    lo: ylo.slice(),
-                    ds: yds.slice(),
-                },
+                q: yq.act(),
                 norm_w: None,
                 norm_parts: None,
             }),
@@ -220,17 +203,8 @@ fn main() -> Result<()> {
         let x = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, kk, 1.0))?;
         let w = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, kk, 1.0))?;
         let yv = DeviceBuffer::<f32>::alloc(&dev, kk)?;
-        let nblk = kk.div_ceil(32);
-        let (xq, xlo) = (
-            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
-            DeviceBuffer::<i8>::alloc(&dev, nblk * 32)?,
-        );
-        let xds = DeviceBuffer::<[f32; 2]>::alloc(&dev, nblk)?;
-        let q8 = Q8Act {
-            q: xq.slice(),
-            lo: xlo.slice(),
-            ds: xds.slice(),
-        };
+        let xq = QuantBuffers::alloc(&dev, kk)?;
+        let q8 = xq.act();
         let g = dev.capture(|| {
             for _ in 0..LAUNCHES_PER_GRAPH {
                 k.rmsnorm_q8_1(

@@ -30,7 +30,7 @@ pub use gemm::Blas;
 pub use kv::KvCache;
 pub use ops::{
     AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
-    Q8Act, QuantOut, RopeArgs,
+    Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
 pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
 

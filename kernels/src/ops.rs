@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_core::QType;
 
-use crate::buffer::DevSlice;
+use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{gemv_module, ATTENTION, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
@@ -95,6 +95,45 @@ pub struct QuantOut {
     pub q: Q8Act,
     pub norm_w: Option<DevSlice<f32>>,
     pub norm_parts: Option<DevSlice<f32>>,
+}
+
+impl QuantOut {
+    /// Checks the planes, the weight and the partial sums hold a vector of `n` values.
+    fn check(&self, n: usize, what: &str) -> Result<()> {
+        self.q.check_len(n, what)?;
+        if let Some(w) = self.norm_w {
+            w.check_len(n, "next norm's weight")?;
+        }
+        if let Some(p) = self.norm_parts {
+            p.check_len(n.div_ceil(32), "next norm's partial sums")?;
+        }
+        Ok(())
+    }
+}
+
+/// Device arrays for one quantised activation of `n` values (the owning side of `Q8Act`).
+pub struct QuantBuffers {
+    pub q: DeviceBuffer<i8>,
+    pub lo: DeviceBuffer<i8>,
+    pub ds: DeviceBuffer<[f32; 2]>,
+}
+
+impl QuantBuffers {
+    pub fn alloc(device: &Arc<Device>, n: usize) -> Result<QuantBuffers> {
+        let nblk = n.div_ceil(32);
+        Ok(QuantBuffers {
+            q: DeviceBuffer::alloc(device, nblk * 32)?,
+            lo: DeviceBuffer::alloc(device, nblk * 32)?,
+            ds: DeviceBuffer::alloc(device, nblk)?,
+        })
+    }
+    pub fn act(&self) -> Q8Act {
+        Q8Act {
+            q: self.q.slice(),
+            lo: self.lo.slice(),
+            ds: self.ds.slice(),
+        }
+    }
 }
 
 /// What a GEMV adds to W·x, and whether it quantises its output (then its blocks own whole
@@ -253,26 +292,7 @@ impl Kernels {
         if let Some(q) = q8 {
             q.check_len(rows * nblk * 32, "quantised RMSNorm output")?;
         }
-        let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
-        const WARPS: usize = 8;
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(opt(w))
-            .f32(eps.unwrap_or(-1.0))
-            .ptr(opt(y))
-            .ptr(q8.map_or(0, |q| q.q.ptr()))
-            .ptr(q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(q8.map_or(0, |q| q.ds.ptr()))
-            .ptr(0)
-            .i32(n as i32);
-        // One warp per 32-value block, WARPS warps per block of threads, a grid row per row.
-        let cfg = LaunchConfig {
-            grid: (nblk.div_ceil(WARPS) as u32, rows as u32, 1),
-            block: (32 * WARPS as u32, 1, 1),
-            shared_bytes: 0,
-        };
-        // SAFETY: sizes checked above; the kernel touches rows * n inputs and outputs.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        self.norm_quant_launch(x, rows, n, w, eps.unwrap_or(-1.0), y, q8, None)
     }
 
     /// The quantising epilogue as a launch of its own: `out` gets the planes of x·norm_w
@@ -283,28 +303,43 @@ impl Kernels {
             return Err(invalid("quantising an empty vector".into()));
         }
         x.check_len(n, "vector to quantise")?;
-        out.q.check_len(n, "quantised vector")?;
-        let nblk = n.div_ceil(32);
-        if let Some(w) = out.norm_w {
-            w.check_len(n, "next norm's weight")?;
-        }
-        if let Some(p) = out.norm_parts {
-            p.check_len(nblk, "next norm's partial sums")?;
-        }
-        let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
+        out.check(n, "quantised vector")?;
+        self.norm_quant_launch(x, 1, n, out.norm_w, -1.0, None, Some(out.q), out.norm_parts)
+    }
+
+    /// The `rmsnorm_q8_1` kernel behind `rmsnorm_q8_1` and `quantize`, sizes checked by
+    /// them: one warp per 32-value block, 8 warps per block of threads, a grid row per row
+    /// (`eps < 0`: no normalisation).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_quant_launch(
+        &self,
+        x: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        w: Option<DevSlice<f32>>,
+        eps: f32,
+        y: Option<DevSlice<f32>>,
+        q8: Option<Q8Act>,
+        parts: Option<DevSlice<f32>>,
+    ) -> Result<()> {
         const WARPS: usize = 8;
+        let f = self.device.function(&NORM, "rmsnorm_q8_1")?;
         let mut args = Args::new()
             .ptr(x.ptr())
-            .ptr(opt(out.norm_w))
-            .f32(-1.0)
-            .ptr(0)
-            .ptr(out.q.q.ptr())
-            .ptr(out.q.lo.ptr())
-            .ptr(out.q.ds.ptr())
-            .ptr(opt(out.norm_parts))
+            .ptr(opt(w))
+            .f32(eps)
+            .ptr(opt(y))
+            .ptr(q8.map_or(0, |q| q.q.ptr()))
+            .ptr(q8.map_or(0, |q| q.lo.ptr()))
+            .ptr(q8.map_or(0, |q| q.ds.ptr()))
+            .ptr(opt(parts))
             .i32(n as i32);
-        let cfg = LaunchConfig::linear(nblk.div_ceil(WARPS) as u32, 32 * WARPS as u32);
-        // SAFETY: sizes checked above; the kernel touches n inputs and nblk blocks.
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(32).div_ceil(WARPS) as u32, rows as u32, 1),
+            block: (32 * WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: the callers checked x, y and the planes against rows * n values.
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
@@ -361,13 +396,7 @@ impl Kernels {
             r.check_len(w.rows, "GEMV residual")?;
         }
         if let Some(q) = epi.quant {
-            q.q.check_len(w.rows, "quantised GEMV output")?;
-            if let Some(nw) = q.norm_w {
-                nw.check_len(w.rows, "next norm's weight")?;
-            }
-            if let Some(p) = q.norm_parts {
-                p.check_len(w.rows.div_ceil(32), "next norm's partial sums")?;
-            }
+            q.check(w.rows, "quantised GEMV output")?;
         }
         let name = format!(
             "{kind}{}_{}_{}_{}_{}",
@@ -434,13 +463,7 @@ impl Kernels {
         token.check_len(1, "token id")?;
         y.check_len(w.row_len, "embedding output")?;
         if let Some(q) = quant {
-            q.q.check_len(w.row_len, "quantised embedding")?;
-            if let Some(nw) = q.norm_w {
-                nw.check_len(w.row_len, "first norm's weight")?;
-            }
-            if let Some(p) = q.norm_parts {
-                p.check_len(w.row_len.div_ceil(32), "first norm's partial sums")?;
-            }
+            q.check(w.row_len, "quantised embedding")?;
         }
         let f = self.device.function(
             &Self::gemv_module(w.qtype)?,
@@ -511,32 +534,11 @@ impl Kernels {
         pos: DevSlice<i32>,
         max_ctx: usize,
     ) -> Result<()> {
+        a.check(kc, vc, max_ctx)?;
         let hd = a.head_dim;
-        if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || a.rot_dims > hd || !a.rot_dims.is_multiple_of(2) {
-            return Err(invalid(format!(
-                "head_dim {hd} / rotary dims {}",
-                a.rot_dims
-            )));
-        }
-        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) {
-            return Err(invalid(format!(
-                "{} heads over {} KV heads",
-                a.n_heads, a.n_kv
-            )));
-        }
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
         q_out.check_len(a.n_heads * hd, "rotated Q")?;
-        kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
-        vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
         pos.check_len(1, "position")?;
-        a.inv_freq
-            .check_len(a.rot_dims / 2, "rope inverse frequencies")?;
-        if let Some(n) = a.q_norm {
-            n.check_len(hd, "Q norm")?;
-        }
-        if let Some(n) = a.k_norm {
-            n.check_len(hd, "K norm")?;
-        }
         let f = self.device.function(&ROPE, "rope_kv")?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
         let mut args = Args::new()
@@ -793,6 +795,35 @@ pub struct RopeArgs {
     pub eps: f32,
 }
 
+impl RopeArgs {
+    /// Checks the head geometry, the per-head vectors and a K/V cache of `max_ctx`
+    /// positions (shared by the decode and the batched RoPE).
+    fn check(&self, kc: DevSlice<u16>, vc: DevSlice<u16>, max_ctx: usize) -> Result<()> {
+        let hd = self.head_dim;
+        let rot = self.rot_dims;
+        if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || rot > hd || !rot.is_multiple_of(2) {
+            return Err(invalid(format!("head_dim {hd} / rotary dims {rot}")));
+        }
+        if self.n_kv == 0 || !self.n_heads.is_multiple_of(self.n_kv) {
+            return Err(invalid(format!(
+                "{} heads over {} KV heads",
+                self.n_heads, self.n_kv
+            )));
+        }
+        kc.check_len(self.n_kv * max_ctx * hd, "K cache")?;
+        vc.check_len(self.n_kv * max_ctx * hd, "V cache")?;
+        self.inv_freq
+            .check_len(rot / 2, "rope inverse frequencies")?;
+        if let Some(n) = self.q_norm {
+            n.check_len(hd, "Q norm")?;
+        }
+        if let Some(n) = self.k_norm {
+            n.check_len(hd, "K norm")?;
+        }
+        Ok(())
+    }
+}
+
 /// Shape of one decode attention for [`Kernels::attention`].
 #[derive(Debug, Clone, Copy)]
 pub struct AttnArgs {
@@ -945,19 +976,8 @@ impl Kernels {
         vc: DevSlice<u16>,
         max_ctx: usize,
     ) -> Result<()> {
+        a.check(kc, vc, max_ctx)?;
         let hd = a.head_dim;
-        if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || a.rot_dims > hd || !a.rot_dims.is_multiple_of(2) {
-            return Err(invalid(format!(
-                "head_dim {hd} / rotary dims {}",
-                a.rot_dims
-            )));
-        }
-        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) {
-            return Err(invalid(format!(
-                "{} heads over {} KV heads",
-                a.n_heads, a.n_kv
-            )));
-        }
         if rows == 0 || start + rows > max_ctx {
             return Err(invalid(format!(
                 "{rows} positions from {start} in a context of {max_ctx}"
@@ -969,16 +989,6 @@ impl Kernels {
             b.check_len(width, "QKV bias")?;
         }
         q_out.check_len(rows * a.n_heads * hd, "rotated Q rows")?;
-        kc.check_len(a.n_kv * max_ctx * hd, "K cache")?;
-        vc.check_len(a.n_kv * max_ctx * hd, "V cache")?;
-        a.inv_freq
-            .check_len(a.rot_dims / 2, "rope inverse frequencies")?;
-        if let Some(n) = a.q_norm {
-            n.check_len(hd, "Q norm")?;
-        }
-        if let Some(n) = a.k_norm {
-            n.check_len(hd, "K norm")?;
-        }
         let f = self
             .device
             .function(&crate::compile::PREFILL, "rope_kv_rows")?;

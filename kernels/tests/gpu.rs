@@ -10,7 +10,7 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, Q8Act, QuantOut, RopeArgs, GEMV_QTYPES,
+    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, GEMV_QTYPES,
 };
 
 struct Gpu {
@@ -51,22 +51,12 @@ fn poisoned(dev: &Arc<Device>, n: usize) -> DeviceBuffer<f32> {
     b
 }
 
-/// A quantised activation's three device arrays, poisoned.
-struct QuantBufs {
-    q: DeviceBuffer<i8>,
-    lo: DeviceBuffer<i8>,
-    ds: DeviceBuffer<[f32; 2]>,
+/// Checks of a quantised activation's planes.
+trait CheckPlanes {
+    fn check(&self, v: &[f32], what: &str);
 }
 
-impl QuantBufs {
-    fn act(&self) -> Q8Act {
-        Q8Act {
-            q: self.q.slice(),
-            lo: self.lo.slice(),
-            ds: self.ds.slice(),
-        }
-    }
-
+impl CheckPlanes for QuantBuffers {
     /// Checks the planes against `v` (padded to whole 32-blocks): scales as the kernels
     /// define them, every Q8_1 value within half a step, and the 15-bit value
     /// d/254·(254·q + lo) within half of its step.
@@ -109,13 +99,9 @@ impl QuantBufs {
     }
 }
 
-fn quant_buffers(dev: &Arc<Device>, n: usize) -> QuantBufs {
-    let nblk = n.div_ceil(32);
-    let b = QuantBufs {
-        q: DeviceBuffer::<i8>::alloc(dev, nblk * 32).unwrap(),
-        lo: DeviceBuffer::<i8>::alloc(dev, nblk * 32).unwrap(),
-        ds: DeviceBuffer::<[f32; 2]>::alloc(dev, nblk).unwrap(),
-    };
+/// A quantised activation of `n` values, its arrays poisoned.
+fn quant_buffers(dev: &Arc<Device>, n: usize) -> QuantBuffers {
+    let b = QuantBuffers::alloc(dev, n).unwrap();
     b.q.fill_bytes(0xff).unwrap();
     b.lo.fill_bytes(0xff).unwrap();
     b.ds.fill_bytes(0xff).unwrap();
