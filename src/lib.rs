@@ -26,4 +26,5 @@ pub use kiln_formats as formats;
 pub fn link_builtin_backends() {
     std::hint::black_box(std::any::type_name::<kiln_backend_cpu::CpuBackend>());
     std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4k::CudaQ4kBackend>());
+    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4_0::CudaQ40Backend>());
 }

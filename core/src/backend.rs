@@ -65,11 +65,38 @@ impl std::fmt::Debug for LoadOptions {
     }
 }
 
+/// The scores of automatic backend selection (`Support::Yes { score }`; the highest wins)
+/// and the rule that assigns them. Built-in backends use exactly these; a plugin that wants
+/// to be chosen by the same rule uses them too.
+///
+/// The rule: a model is *mostly* of a weight family when that family holds more than
+/// [`MAJORITY`] of its layers' matmul bytes ([`crate::ModelIr::matmul_share`]). A GPU
+/// executor built for the model's majority family scores [`GPU_SPECIALIST`]; the GPU
+/// executor with the broadest kernel set (`cuda-q4k`: every K-quant and legacy type) scores
+/// [`GPU_GENERAL`] otherwise; any other GPU executor that can run the model scores
+/// [`GPU_OTHER_FAMILY`]; the CPU reference scores [`REFERENCE`]. At most one family can hold
+/// a majority, so two built-in backends never tie: Q4_0 files go to `cuda-q4_0`, K-quant
+/// files to `cuda-q4k`, everything else on a GPU to `cuda-q4k`, and to `cpu` without one.
+/// Should a plugin tie with a built-in, the registry keeps the one registered first
+/// (built-ins before plugins), never the alphabetically first.
+pub mod score {
+    /// Share of matmul bytes above which a model is "mostly" one weight family.
+    pub const MAJORITY: f64 = 0.5;
+    /// A GPU executor made for the model's majority weight family.
+    pub const GPU_SPECIALIST: u32 = 100;
+    /// The GPU executor with the broadest kernel set, on a model it was not made for.
+    pub const GPU_GENERAL: u32 = 60;
+    /// Another GPU executor that can run the model, made for another family.
+    pub const GPU_OTHER_FAMILY: u32 = 40;
+    /// The CPU reference executor: runs anything, slowest.
+    pub const REFERENCE: u32 = 10;
+}
+
 /// A backend's answer to "can you run this model?".
 #[derive(Debug, Clone, PartialEq)]
 pub enum Support {
-    /// Yes; higher scores win automatic selection. Built-in convention: 10 for the CPU
-    /// reference, 100 for a GPU backend made for the model's qtypes.
+    /// Yes; higher scores win automatic selection (see [`score`] for the rule built-in
+    /// backends follow).
     Yes { score: u32, note: String },
     /// No, and why (shown by `kiln backends -m MODEL`).
     No { reason: String },

@@ -363,6 +363,35 @@ impl ModelIr {
         q
     }
 
+    /// Share of the layers' matmul bytes (Q/K/V/O, gate/up/down) held in types for which
+    /// `family` is true: what backend selection keys on ("mostly Q4_0", "mostly K-quants";
+    /// see [`crate::score`]).
+    pub fn matmul_share(&self, family: impl Fn(QType) -> bool) -> f64 {
+        let (mut hit, mut all) = (0usize, 0usize);
+        for l in &self.weights.layers {
+            let mats = [
+                Some(&l.attn_q),
+                Some(&l.attn_k),
+                Some(&l.attn_v),
+                Some(&l.attn_out),
+                l.ffn_gate.as_ref(),
+                Some(&l.ffn_up),
+                Some(&l.ffn_down),
+            ];
+            for t in mats.into_iter().flatten() {
+                all += t.bytes().len();
+                if family(t.qtype()) {
+                    hit += t.bytes().len();
+                }
+            }
+        }
+        if all == 0 {
+            0.0
+        } else {
+            hit as f64 / all as f64
+        }
+    }
+
     /// Total parameter count.
     pub fn parameters(&self) -> usize {
         self.weights.tensors().iter().map(|t| t.elements()).sum()

@@ -18,7 +18,7 @@ pub mod registry;
 pub mod sampling;
 pub mod sequences;
 
-pub use backend::{check_decode_batch, Backend, DecodeItem, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support};
+pub use backend::{check_decode_batch, score, Backend, DecodeItem, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support};
 pub use error::{Error, Result};
 pub use ir::{
     Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig, RopeKind,

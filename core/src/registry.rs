@@ -92,7 +92,8 @@ impl Registry {
                 Candidate { name: b.name().to_string(), probe, support }
             })
             .collect();
-        out.sort_by(|a, b| b.score().cmp(&a.score()).then_with(|| a.name.cmp(&b.name)));
+        // A stable sort: equal scores keep registration order (built-ins before plugins).
+        out.sort_by(|a, b| b.score().cmp(&a.score()));
         out
     }
 

@@ -20,10 +20,12 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
             const size_t j = row * K + base + i;
             v[i] = base + i < K ? (T == T_F32 ? ((const float*)w.body)[j] : h16<T>(((const u16*)w.body)[j])) : 0.0f;
         }
-    } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
+    } else if constexpr (q4_0_values(T) || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
         const size_t b = row * (K / 32) + c;
+        size_t body_at, sc_at;
+        block_offsets<T>(row, (size_t)K / 32, c, body_at, sc_at);
         int qs[4];
-        load16(w.body + b * 16, qs);
+        load16(w.body + body_at, qs);
         u32 qh = 0;
         if constexpr (T == T_Q5_0 || T == T_Q5_1) qh = w.qh[b];
         float d, m = 0.0f;
@@ -32,9 +34,9 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
             d = h2f(dm & 0xffff);
             m = h2f(dm >> 16);
         } else {
-            d = ld_h(w.sc + b * 2);
+            d = ld_h(w.sc + sc_at);
         }
-        const float offset = T == T_Q4_0 ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
+        const float offset = q4_0_values(T) ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const u32 byte = ((u32)qs[i >> 2] >> (8 * (i & 3))) & 255;

@@ -32,6 +32,8 @@
 #define T_Q5_K 13
 #define T_Q6_K 14
 #define T_BF16 30
+// kiln's own device formats (not ggml ids): Q4_0 blocks in groups of four rows.
+#define T_Q4_0X4 102
 
 // Weights stored as plain floats, one value per element.
 static constexpr __host__ __device__ bool float_weights(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -53,6 +55,31 @@ template <> struct Traits<T_Q8_0> { static const int BLOCK = 32, BODY = 32, SC =
 template <> struct Traits<T_Q4_K> { static const int BLOCK = 256, BODY = 144, SC = 0; };
 template <> struct Traits<T_Q5_K> { static const int BLOCK = 256, BODY = 176, SC = 0; };
 template <> struct Traits<T_Q6_K> { static const int BLOCK = 256, BODY = 208, SC = 2; };
+template <> struct Traits<T_Q4_0X4> { static const int BLOCK = 32, BODY = 16, SC = 2; };
+
+// Q4_0's values, whatever the row layout.
+static constexpr __host__ __device__ bool q4_0_values(int t) { return t == T_Q4_0 || t == T_Q4_0X4; }
+
+// Byte offsets of chunk c of `row` in the body and scale arrays of a 32-value-block type.
+// Plain layout: block row * nblk + c. T_Q4_0X4 (rows in groups of four, see the Rust
+// `format` module): in a group, tiles of up to 32 chunks, each row's blocks of a tile
+// contiguous (lanes of a warp read 512 contiguous bytes per row); the four rows' scales of
+// one chunk side by side.
+template <int T>
+static __device__ __forceinline__ void block_offsets(size_t row, size_t nblk, int c, size_t& body, size_t& sc) {
+    typedef Traits<T> Tr;
+    if constexpr (T == T_Q4_0X4) {
+        const size_t g = row >> 2, r = row & 3;
+        const int tile = c & ~31;
+        const size_t width = min((size_t)32, nblk - (size_t)tile);
+        body = ((g * nblk + tile) * 4 + r * width + (c & 31)) * Tr::BODY;
+        sc = ((g * nblk + c) * 4 + r) * Tr::SC;
+    } else {
+        const size_t b = row * nblk + c;
+        body = b * Tr::BODY;
+        sc = b * Tr::SC;
+    }
+}
 
 // One weight matrix: pointers to the start of its arrays and their per-row strides.
 struct W {
@@ -212,10 +239,12 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             }
         }
         return acc;
-    } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
+    } else if constexpr (q4_0_values(T) || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
         const size_t b = row * nblk + c;
+        size_t body_at, sc_at;
+        block_offsets<T>(row, nblk, c, body_at, sc_at);
         int qs[4];
-        load16(w.body + b * 16, qs);
+        load16(w.body + body_at, qs);
         int lo[4], hi[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -236,9 +265,9 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             d = h2f(dm & 0xffff);
             m = h2f(dm >> 16);
         } else {
-            d = ld_h(w.sc + b * 2);
+            d = ld_h(w.sc + sc_at);
         }
-        const float offset = T == T_Q4_0 ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
+        const float offset = q4_0_values(T) ? 8.0f : (T == T_Q5_0 ? 16.0f : 0.0f);
         if constexpr (A != A_F32) {
             IAcc<A> acc;
 #pragma unroll
@@ -303,6 +332,39 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             }
             return d * (s0 * (lo - 32.0f * x.sum_lo) + s1 * (hi - 32.0f * (x.sum - x.sum_lo)));
         }
+    }
+}
+
+static __device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Asks L2 for the weight bytes of unit `u` of `row` (what dot_chunk / dot_pair_k will load):
+// issued before the kernel waits for its predecessor (programmatic dependent launch), so the
+// weights stream in while the previous kernel finishes. Weights are never written during a
+// step, so reading them early is safe; activations are only read after the wait.
+template <int T>
+static __device__ __forceinline__ void prefetch_unit(const W& w, size_t row, int K, int u) {
+    typedef Traits<T> Tr;
+    if constexpr (float_weights(T)) {
+        prefetch_l2(w.body + (row * K + (size_t)u * 32) * Tr::BODY);
+    } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
+        const u8* blk = w.body + (row * ((size_t)K / 256) + (u >> 2)) * Tr::BODY;
+        prefetch_l2(blk);
+        prefetch_l2(blk + Tr::BODY - 1);
+    } else if constexpr (T == T_Q6_K) {
+        const size_t b = row * ((size_t)K / 256) + (u >> 3);
+        const int cc = u & 7, h = cc >> 2, k = cc & 3;
+        const u8* blk = w.body + b * Tr::BODY;
+        prefetch_l2(blk + 64 * h + 32 * (k & 1));
+        prefetch_l2(blk + 128 + 32 * h);
+        prefetch_l2(w.sc + b * Tr::SC);
+    } else {
+        size_t body_at, sc_at;
+        block_offsets<T>(row, (size_t)K / 32, u, body_at, sc_at);
+        prefetch_l2(w.body + body_at);
+        prefetch_l2(w.sc + sc_at);
+        if constexpr (T == T_Q5_0 || T == T_Q5_1) prefetch_l2(w.qh + row * ((size_t)K / 32) + u);
     }
 }
 
@@ -403,6 +465,25 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
     static_assert(!QOUT || RB == 32, "a quantising GEMV block owns one 32-row group");
     const int row0 = blockIdx.x * RB + group * R;
     const int nchunks = (K + 31) >> 5;
+    // A lane's unit of work: one 32-value chunk, or two for Q4_K/Q5_K (see dot_pair_k).
+    constexpr int U = (T == T_Q4_K || T == T_Q5_K) ? 2 : 1;
+    // The weights of this lane's first PREFETCH units, before waiting for the previous
+    // kernel (see prefetch_unit). Bounded so a huge matrix does not flush L2 ahead of use.
+    constexpr int PREFETCH = 2;
+    if (row0 < nrows) {
+#pragma unroll
+        for (int i = 0; i < PREFETCH; ++i) {
+            const int u = part * 32 + lane + i * 32 * S;
+            if (u * U >= nchunks) break;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const size_t row = (size_t)min(row0 + r, nrows - 1);
+                prefetch_unit<T>(w, row, K, u);
+                if (SWIGLU) prefetch_unit<T>(w2, row, K, u);
+            }
+        }
+    }
+    grid_dependency_wait();
     // The pending norm's partial sums: loaded now, used after the loop, so their latency
     // hides behind the weight loads.
     float norm_part = 0.0f;
@@ -411,8 +492,6 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
     float acc[R], acc2[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = acc2[r] = 0.0f;
-    // A lane's unit of work: one 32-value chunk, or two for Q4_K/Q5_K (see dot_pair_k).
-    constexpr int U = (T == T_Q4_K || T == T_Q5_K) ? 2 : 1;
     XChunk xc[U];
     if (row0 < nrows) {
         for (int u = part * 32 + lane; u * U < nchunks; u += 32 * S) {
@@ -566,8 +645,8 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
         float *out_parts
+// gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
-    grid_dependency_wait();                                                                                            \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
     GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts};                                                 \
@@ -616,3 +695,14 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     GEMV_SPLITS(NAME##_w, T, A_Q16, 4) \
     GEMVQ_TILINGS(NAME##_q, T, A_Q8)   \
     GEMVQ_TILINGS(NAME##_w, T, A_Q16)
+
+// Row-grouped formats (T_Q4_0X4): a warp owns whole 4-row groups, so only R = 4.
+#define GEMV_TYPE_R4(NAME, T)              \
+    EMBED_ENTRY(NAME, T)                   \
+    GEMV_SPLITS(NAME##_f, T, A_F32, 4)     \
+    GEMV_SPLITS(NAME##_q, T, A_Q8, 4)      \
+    GEMV_SPLITS(NAME##_w, T, A_Q16, 4)     \
+    GEMVQ_ENTRY(NAME##_q, T, A_Q8, 4, 2)   \
+    GEMVQ_ENTRY(NAME##_q, T, A_Q8, 4, 1)   \
+    GEMVQ_ENTRY(NAME##_w, T, A_Q16, 4, 2)  \
+    GEMVQ_ENTRY(NAME##_w, T, A_Q16, 4, 1)

@@ -12,7 +12,7 @@ use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
-    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, GEMV_QTYPES,
+    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, gemv_qtypes,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -109,7 +109,7 @@ fn main() -> Result<()> {
             }),
             ..Default::default()
         };
-        for q in GEMV_QTYPES {
+        for q in gemv_qtypes() {
             if !kk.is_multiple_of(q.block_len()) {
                 continue;
             }

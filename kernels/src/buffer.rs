@@ -266,45 +266,52 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
 }
 
 /// One allocation carved into aligned scratch slices (a decode step's activations):
-/// allocated once at load, so steps allocate nothing.
+/// allocated once at load, so steps allocate nothing. The layout is one function that
+/// builds a named struct of slices from a [`Carver`] ([`Workspace::carve`]): run once to
+/// measure, once to hand out, so sizes and fields cannot drift apart.
 pub struct Workspace {
     buffer: DeviceBuffer<u8>,
+}
+
+/// Hands out consecutive 256-byte-aligned slices of a workspace (or, while measuring,
+/// only counts their bytes).
+pub struct Carver {
+    base: u64,
     used: usize,
+}
+
+impl Carver {
+    /// The next `len` values of `T`.
+    pub fn take<T: Pod>(&mut self, len: usize) -> DevSlice<T> {
+        let bytes = len * std::mem::size_of::<T>();
+        let start = self.used;
+        self.used += bytes.div_ceil(Workspace::ALIGN) * Workspace::ALIGN;
+        DevSlice::from_raw(self.base + start as u64, len)
+    }
 }
 
 impl Workspace {
     pub const ALIGN: usize = 256;
 
-    pub fn new(device: &Arc<Device>, bytes: usize) -> Result<Self> {
-        Ok(Workspace {
-            buffer: DeviceBuffer::alloc(device, bytes)?,
+    /// Allocates exactly what `layout` takes and returns the slices it built. `layout` must
+    /// take the same sizes each time it is called (it is called twice).
+    pub fn carve<S>(device: &Arc<Device>, layout: impl Fn(&mut Carver) -> S) -> Result<(Workspace, S)> {
+        let mut measure = Carver { base: 0, used: 0 };
+        layout(&mut measure);
+        let buffer = DeviceBuffer::alloc(device, measure.used.max(Self::ALIGN))?;
+        let mut carver = Carver {
+            base: buffer.ptr(),
             used: 0,
-        })
+        };
+        let slices = layout(&mut carver);
+        debug_assert_eq!(carver.used, measure.used, "a workspace layout took different sizes");
+        Ok((Workspace { buffer }, slices))
     }
-    /// Bytes a list of requests (element count, element size) needs.
-    pub fn bytes_for(requests: &[(usize, usize)]) -> usize {
-        requests
-            .iter()
-            .map(|(n, s)| (n * s).div_ceil(Self::ALIGN) * Self::ALIGN)
-            .sum()
+
+    pub fn bytes(&self) -> usize {
+        self.buffer.len()
     }
-    /// The next `len` values of `T`, 256-byte aligned.
-    pub fn take<T: Pod>(&mut self, len: usize) -> Result<DevSlice<T>> {
-        let bytes = len * std::mem::size_of::<T>();
-        let start = self.used;
-        let end = start + bytes.div_ceil(Self::ALIGN) * Self::ALIGN;
-        if end > self.buffer.len() {
-            return Err(KernelError::OutOfMemory {
-                bytes: end - self.buffer.len(),
-            });
-        }
-        self.used = end;
-        Ok(DevSlice::from_raw(self.buffer.ptr() + start as u64, len))
-    }
-    /// Forgets every slice handed out.
-    pub fn reset(&mut self) {
-        self.used = 0;
-    }
+
     pub fn fill_bytes(&self, byte: u8) -> Result<()> {
         self.buffer.fill_bytes(byte)
     }

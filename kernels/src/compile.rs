@@ -61,142 +61,43 @@ pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
 pub const ATTENTION: KernelModule = module("attention", include_str!("../cuda/attention.cu"));
 pub const SAMPLE: KernelModule = module("sample", include_str!("../cuda/sample.cu"));
 
-const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
-const fn gemv(name: &'static str, suffix: &'static str) -> KernelModule {
-    KernelModule {
-        name,
-        source: GEMV_SRC,
-        suffix,
-    }
-}
-
-/// GEMV kernels, one module per weight type (a model compiles only what it uses).
-pub const GEMV_MODULES: [(QType, KernelModule); 11] = [
-    (QType::F32, gemv("gemv_f32", "GEMV_TYPE(f32, T_F32)")),
-    (QType::F16, gemv("gemv_f16", "GEMV_TYPE(f16, T_F16)")),
-    (QType::BF16, gemv("gemv_bf16", "GEMV_TYPE(bf16, T_BF16)")),
-    (QType::Q4_0, gemv("gemv_q4_0", "GEMV_TYPE(q4_0, T_Q4_0)")),
-    (QType::Q4_1, gemv("gemv_q4_1", "GEMV_TYPE(q4_1, T_Q4_1)")),
-    (QType::Q5_0, gemv("gemv_q5_0", "GEMV_TYPE(q5_0, T_Q5_0)")),
-    (QType::Q5_1, gemv("gemv_q5_1", "GEMV_TYPE(q5_1, T_Q5_1)")),
-    (QType::Q8_0, gemv("gemv_q8_0", "GEMV_TYPE(q8_0, T_Q8_0)")),
-    (QType::Q4_K, gemv("gemv_q4_k", "GEMV_TYPE(q4_k, T_Q4_K)")),
-    (QType::Q5_K, gemv("gemv_q5_k", "GEMV_TYPE(q5_k, T_Q5_K)")),
-    (QType::Q6_K, gemv("gemv_q6_k", "GEMV_TYPE(q6_k, T_Q6_K)")),
-];
+pub(crate) const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
 
 pub const PREFILL: KernelModule = module("prefill", include_str!("../cuda/prefill.cu"));
 
-/// Whole-matrix dequantisation (f16 weights for the prefill GEMMs, gathered f32 embedding
-/// rows): dequant.cu after gemv.cu, whose layout and unpacking helpers it shares, one
-/// module per weight type.
-const fn dequant(name: &'static str, suffix: &'static str) -> KernelModule {
-    KernelModule {
-        name,
-        source: GEMV_SRC,
-        suffix,
+impl KernelModule {
+    /// A per-weight-format module: `source` followed by its instantiation line (see
+    /// `format::FORMATS`, which builds one GEMV and one dequantisation module per format).
+    pub(crate) const fn with_suffix(
+        name: &'static str,
+        source: &'static str,
+        suffix: &'static str,
+    ) -> Self {
+        KernelModule {
+            name,
+            source,
+            suffix,
+        }
     }
 }
 
-macro_rules! dequant_suffix {
-    ($line:literal) => {
-        concat!(include_str!("../cuda/dequant.cu"), "\n", $line)
-    };
-}
-
-pub const DEQUANT_MODULES: [(QType, KernelModule); 11] = [
-    (
-        QType::F32,
-        dequant("dequant_f32", dequant_suffix!("DEQUANT_TYPE(f32, T_F32)")),
-    ),
-    (
-        QType::F16,
-        dequant("dequant_f16", dequant_suffix!("DEQUANT_TYPE(f16, T_F16)")),
-    ),
-    (
-        QType::BF16,
-        dequant("dequant_bf16", dequant_suffix!("DEQUANT_TYPE(bf16, T_BF16)")),
-    ),
-    (
-        QType::Q4_0,
-        dequant(
-            "dequant_q4_0",
-            dequant_suffix!("DEQUANT_TYPE(q4_0, T_Q4_0)"),
-        ),
-    ),
-    (
-        QType::Q4_1,
-        dequant(
-            "dequant_q4_1",
-            dequant_suffix!("DEQUANT_TYPE(q4_1, T_Q4_1)"),
-        ),
-    ),
-    (
-        QType::Q5_0,
-        dequant(
-            "dequant_q5_0",
-            dequant_suffix!("DEQUANT_TYPE(q5_0, T_Q5_0)"),
-        ),
-    ),
-    (
-        QType::Q5_1,
-        dequant(
-            "dequant_q5_1",
-            dequant_suffix!("DEQUANT_TYPE(q5_1, T_Q5_1)"),
-        ),
-    ),
-    (
-        QType::Q8_0,
-        dequant(
-            "dequant_q8_0",
-            dequant_suffix!("DEQUANT_TYPE(q8_0, T_Q8_0)"),
-        ),
-    ),
-    (
-        QType::Q4_K,
-        dequant(
-            "dequant_q4_k",
-            dequant_suffix!("DEQUANT_TYPE(q4_k, T_Q4_K)"),
-        ),
-    ),
-    (
-        QType::Q5_K,
-        dequant(
-            "dequant_q5_k",
-            dequant_suffix!("DEQUANT_TYPE(q5_k, T_Q5_K)"),
-        ),
-    ),
-    (
-        QType::Q6_K,
-        dequant(
-            "dequant_q6_k",
-            dequant_suffix!("DEQUANT_TYPE(q6_k, T_Q6_K)"),
-        ),
-    ),
-];
-
-/// The dequantisation module for weights of `qtype`.
-pub fn dequant_module(qtype: QType) -> Option<KernelModule> {
-    DEQUANT_MODULES
-        .iter()
-        .find(|(q, _)| *q == qtype)
-        .map(|(_, m)| *m)
-}
-
-/// The GEMV module for weights of `qtype`.
+/// The GEMV module for weights of `qtype` in their plain device layout.
 pub fn gemv_module(qtype: QType) -> Option<KernelModule> {
-    GEMV_MODULES
-        .iter()
-        .find(|(q, _)| *q == qtype)
-        .map(|(_, m)| *m)
+    crate::format::WeightFormat::plain(qtype).map(|f| f.gemv)
+}
+
+/// The dequantisation module for weights of `qtype` in their plain device layout.
+pub fn dequant_module(qtype: QType) -> Option<KernelModule> {
+    crate::format::WeightFormat::plain(qtype).map(|f| f.dequant)
 }
 
 /// Every module, for compile checks.
 pub fn all_modules() -> Vec<KernelModule> {
-    let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE];
-    v.extend(GEMV_MODULES.iter().map(|(_, m)| *m));
-    v.push(PREFILL);
-    v.extend(DEQUANT_MODULES.iter().map(|(_, m)| *m));
+    let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE, PREFILL];
+    for f in &crate::format::FORMATS {
+        v.push(f.gemv);
+        v.push(f.dequant);
+    }
     v
 }
 

@@ -1,5 +1,5 @@
-//! A CUDA device: its context, the stream every kiln launch goes to, loaded kernel
-//! modules, events and CUDA graphs.
+//! A CUDA device: its context and loaded kernel modules (shared), a stream per executor,
+//! events and CUDA graphs.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -71,12 +71,12 @@ impl LaunchConfig {
     }
 }
 
-/// One GPU, with its primary context and one non-blocking stream (capturable into graphs).
-pub struct Device {
+/// What every stream of one GPU shares: the primary context, the device's properties, and
+/// the loaded kernel modules (compiled and loaded once per process, whoever asks first).
+struct Context {
     ordinal: usize,
     cu_device: sys::CUdevice,
     ctx: sys::CUcontext,
-    stream: sys::CUstream,
     name: String,
     arch: (i32, i32),
     driver_version: i32,
@@ -84,6 +84,33 @@ pub struct Device {
     total_mem: usize,
     modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
     functions: Mutex<HashMap<String, Function>>,
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Teardown errors cannot be acted on; the context goes away with the process.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            for (_, m) in self
+                .modules
+                .lock()
+                .map(|mut m| std::mem::take(&mut *m))
+                .unwrap_or_default()
+            {
+                let _ = result::module::unload(m);
+            }
+            let _ = result::primary_ctx::release(self.cu_device);
+        }
+    }
+}
+
+/// One GPU as one executor sees it: the shared [`Context`] and a non-blocking stream of its
+/// own. Everything queued through a `Device` (launches, copies, graph captures) goes to its
+/// stream, so two executors on two `Device`s of one GPU run side by side and a graph
+/// captured on one records none of the other's work. [`Device::new_stream`] makes another.
+pub struct Device {
+    context: Arc<Context>,
+    stream: sys::CUstream,
 }
 
 // SAFETY: the driver's handles are thread-safe; each method binds the context first.
@@ -95,7 +122,11 @@ impl std::fmt::Debug for Device {
         write!(
             f,
             "Device({} {}: {} sm_{}{})",
-            self.ordinal, self.name, self.sm_count, self.arch.0, self.arch.1
+            self.context.ordinal,
+            self.context.name,
+            self.context.sm_count,
+            self.context.arch.0,
+            self.context.arch.1
         )
     }
 }
@@ -138,11 +169,10 @@ impl Device {
             .ctx("cuDriverGetVersion")?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .ctx("cuStreamCreate")?;
-        Ok(Arc::new(Device {
+        let context = Arc::new(Context {
             ordinal,
             cu_device,
             ctx,
-            stream,
             name,
             arch,
             driver_version,
@@ -150,25 +180,39 @@ impl Device {
             total_mem,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+        });
+        Ok(Arc::new(Device { context, stream }))
+    }
+
+    /// Another handle on the same GPU with a stream of its own (same context, same loaded
+    /// kernels): what each executor takes, so its work and its graph captures stay apart
+    /// from every other executor's.
+    pub fn new_stream(&self) -> Result<Arc<Device>> {
+        self.bind()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .ctx("cuStreamCreate")?;
+        Ok(Arc::new(Device {
+            context: self.context.clone(),
+            stream,
         }))
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        &self.context.name
     }
     /// Compute capability, e.g. (9, 0).
     pub fn arch(&self) -> (i32, i32) {
-        self.arch
+        self.context.arch
     }
     pub fn sm_count(&self) -> usize {
-        self.sm_count as usize
+        self.context.sm_count as usize
     }
     pub fn total_memory(&self) -> usize {
-        self.total_mem
+        self.context.total_mem
     }
     /// As `cuDriverGetVersion`: 13000 for CUDA 13.0.
     pub fn driver_version(&self) -> i32 {
-        self.driver_version
+        self.context.driver_version
     }
     pub fn stream(&self) -> sys::CUstream {
         self.stream
@@ -177,7 +221,7 @@ impl Device {
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for the life of `self`.
-        unsafe { result::ctx::set_current(self.ctx) }.ctx("cuCtxSetCurrent")
+        unsafe { result::ctx::set_current(self.context.ctx) }.ctx("cuCtxSetCurrent")
     }
 
     /// (free, total) device memory in bytes.
@@ -188,11 +232,11 @@ impl Device {
 
     /// Compiles (or takes from the cache) and loads `module`; idempotent.
     pub fn load_module(&self, module: &KernelModule) -> Result<sys::CUmodule> {
-        let mut modules = self.modules.lock().expect("module table poisoned");
+        let mut modules = self.context.modules.lock().expect("module table poisoned");
         if let Some(&m) = modules.get(module.name) {
             return Ok(m);
         }
-        let cubin = compile::compile(module, self.arch, self.driver_version)?;
+        let cubin = compile::compile(module, self.arch(), self.driver_version())?;
         self.bind()?;
         // SAFETY: `cubin` is an ELF image NVRTC produced for this architecture.
         let m = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
@@ -205,6 +249,7 @@ impl Device {
     pub fn function(&self, module: &KernelModule, name: &str) -> Result<Function> {
         let key = format!("{}::{name}", module.name);
         if let Some(&f) = self
+            .context
             .functions
             .lock()
             .expect("function table poisoned")
@@ -219,7 +264,8 @@ impl Device {
         let f = unsafe { result::module::get_function(m, cname) }
             .ctx(&format!("cuModuleGetFunction({key})"))?;
         let f = Function(f);
-        self.functions
+        self.context
+            .functions
             .lock()
             .expect("function table poisoned")
             .insert(key, f);
@@ -247,7 +293,7 @@ impl Device {
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
-        let dependent_launch = self.arch.0 >= 9;
+        let dependent_launch = self.arch().0 >= 9;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid.0,
             gridDimY: cfg.grid.1,
@@ -310,20 +356,12 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        // Teardown errors cannot be acted on; the context goes away with the process.
+        // Teardown errors cannot be acted on. The context (and its modules) goes when the
+        // last stream's handle does.
         let _ = self.bind();
         unsafe {
             let _ = result::stream::synchronize(self.stream);
-            for (_, m) in self
-                .modules
-                .lock()
-                .map(|mut m| std::mem::take(&mut *m))
-                .unwrap_or_default()
-            {
-                let _ = result::module::unload(m);
-            }
             let _ = result::stream::destroy(self.stream);
-            let _ = result::primary_ctx::release(self.cu_device);
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod buffer;
 pub mod compile;
 pub mod device;
 pub mod error;
+pub mod format;
 pub mod gemm;
 pub mod kv;
 pub mod libs;
@@ -23,7 +24,7 @@ pub mod repack;
 pub mod roofline;
 pub mod testdata;
 
-pub use buffer::{DevSlice, DeviceBuffer, Workspace};
+pub use buffer::{Carver, DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};
 pub use gemm::Blas;
@@ -32,7 +33,8 @@ pub use ops::{
     AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
     Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
-pub use repack::{DeviceWeight, PackedWeight, GEMV_QTYPES};
+pub use format::{gemv_qtypes, WeightFormat, FORMATS, Q4_0_X4};
+pub use repack::{DeviceWeight, PackedWeight};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.
 /// For a backend's `probe()`.

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use kiln_core::QType;
 
 use crate::buffer::{DevSlice, DeviceBuffer};
-use crate::compile::{gemv_module, ATTENTION, NORM, ROPE, SAMPLE};
+use crate::compile::{ATTENTION, NORM, ROPE, SAMPLE};
+use crate::format::WeightFormat;
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::repack::DeviceWeight;
@@ -205,27 +205,6 @@ impl GemvTiling {
     }
 }
 
-fn type_tag(q: QType) -> Result<&'static str> {
-    Ok(match q {
-        QType::F32 => "f32",
-        QType::F16 => "f16",
-        QType::BF16 => "bf16",
-        QType::Q4_0 => "q4_0",
-        QType::Q4_1 => "q4_1",
-        QType::Q5_0 => "q5_0",
-        QType::Q5_1 => "q5_1",
-        QType::Q8_0 => "q8_0",
-        QType::Q4_K => "q4_k",
-        QType::Q5_K => "q5_k",
-        QType::Q6_K => "q6_k",
-        other => {
-            return Err(KernelError::Unsupported(format!(
-                "GEMV with {other} weights"
-            )))
-        }
-    })
-}
-
 /// Warps per GEMV block (`__launch_bounds__(128)` in gemv.cu).
 const GEMV_WARPS: u32 = 4;
 
@@ -252,14 +231,14 @@ impl Kernels {
         Ok(())
     }
 
-    /// Compiles and loads what a model with these weight types needs: the shared modules
-    /// and one GEMV module per type. Call before capturing a graph.
-    pub fn preload_for(&self, qtypes: &[QType]) -> Result<()> {
+    /// Compiles and loads what a model with weights in these formats needs: the shared
+    /// modules and one GEMV module per format. Call before capturing a graph.
+    pub fn preload_for(&self, formats: &[&'static WeightFormat]) -> Result<()> {
         for m in [NORM, ROPE, ATTENTION, SAMPLE] {
             self.device.load_module(&m)?;
         }
-        for &q in qtypes {
-            self.device.load_module(&Self::gemv_module(q)?)?;
+        for f in formats {
+            self.device.load_module(&f.gemv)?;
         }
         Ok(())
     }
@@ -343,10 +322,6 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    fn gemv_module(q: QType) -> Result<crate::compile::KernelModule> {
-        gemv_module(q).ok_or_else(|| KernelError::Unsupported(format!("GEMV with {q} weights")))
-    }
-
     /// Checks a GEMV (or SwiGLU, with `w2`) launch and returns its kernel and arguments.
     #[allow(clippy::too_many_arguments)]
     fn gemv_launch(
@@ -362,6 +337,12 @@ impl Kernels {
     ) -> Result<(crate::device::Function, LaunchConfig, Args)> {
         let quantising = epi.quant.is_some();
         t.check(quantising)?;
+        if !t.rows_per_warp.is_multiple_of(w.format.row_group) {
+            return Err(invalid(format!(
+                "GEMV tiling {t:?}: {} weights are stored in groups of {} rows, a warp must own whole groups",
+                w.format.tag, w.format.row_group
+            )));
+        }
         if quantising && path == GemvPath::Float {
             return Err(invalid(
                 "a quantising GEMV reads quantised input (GemvPath::Q8 or Q16)".into(),
@@ -401,12 +382,12 @@ impl Kernels {
         let name = format!(
             "{kind}{}_{}_{}_{}_{}",
             if quantising { "q" } else { "" },
-            type_tag(w.qtype)?,
+            w.format.tag,
             path.tag(),
             t.rows_per_warp,
             t.warps_per_row
         );
-        let f = self.device.function(&Self::gemv_module(w.qtype)?, &name)?;
+        let f = self.device.function(&w.format.gemv, &name)?;
         let (body, qh, sc) = w.ptrs();
         let (body2, qh2, sc2) = w2.map_or((0, 0, 0), |w2| w2.ptrs());
         let q = epi.quant;
@@ -465,10 +446,9 @@ impl Kernels {
         if let Some(q) = quant {
             q.check(w.row_len, "quantised embedding")?;
         }
-        let f = self.device.function(
-            &Self::gemv_module(w.qtype)?,
-            &format!("embed_{}", type_tag(w.qtype)?),
-        )?;
+        let f = self
+            .device
+            .function(&w.format.gemv, &format!("embed_{}", w.format.tag))?;
         let (body, qh, sc) = w.ptrs();
         let mut args = Args::new()
             .ptr(body)
@@ -852,18 +832,13 @@ pub struct PrefillAttnArgs {
 
 // Batched prefill: dequantisation to f16, and the per-token steps over the rows of a chunk.
 impl Kernels {
-    /// Compiles and loads what the batched prefill needs for these weight types.
-    pub fn preload_prefill(&self, qtypes: &[QType]) -> Result<()> {
+    /// Compiles and loads what the batched prefill needs for weights in these formats.
+    pub fn preload_prefill(&self, formats: &[&'static WeightFormat]) -> Result<()> {
         self.device.load_module(&crate::compile::PREFILL)?;
-        for &q in qtypes {
-            self.device.load_module(&Self::dequant_module(q)?)?;
+        for f in formats {
+            self.device.load_module(&f.dequant)?;
         }
         Ok(())
-    }
-
-    fn dequant_module(q: QType) -> Result<crate::compile::KernelModule> {
-        crate::compile::dequant_module(q)
-            .ok_or_else(|| KernelError::Unsupported(format!("dequantising {q} weights")))
     }
 
     fn dequant_launch(
@@ -874,10 +849,9 @@ impl Kernels {
         out_h: Option<DevSlice<u16>>,
         out_f: Option<DevSlice<f32>>,
     ) -> Result<()> {
-        let f = self.device.function(
-            &Self::dequant_module(w.qtype)?,
-            &format!("dequant_{}", type_tag(w.qtype)?),
-        )?;
+        let f = self
+            .device
+            .function(&w.format.dequant, &format!("dequant_{}", w.format.tag))?;
         let chunks = out_rows * w.row_len.div_ceil(32);
         if out_rows > i32::MAX as usize
             || w.rows > i32::MAX as usize

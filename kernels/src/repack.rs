@@ -2,9 +2,9 @@
 //!
 //! ggml blocks of 18, 22, 34 or 210 bytes leave the quants unaligned, which forbids the
 //! 16-byte loads that keep HBM busy. Each block is split, at upload, into a `body` (the
-//! quant bytes, 16-byte aligned: Q4_K/Q5_K keep their whole 144/176-byte block, Q6_K its
-//! first 208 bytes), an optional `qh` word (Q5_0/Q5_1's fifth bits) and a `sc` entry (the
-//! f16 scale, or scale and min) — the same bytes, so the same bandwidth, only reordered.
+//! quant bytes, 16-byte aligned), an optional `qh` word and a `sc` entry — the same bytes,
+//! so the same bandwidth, only reordered — as its [`WeightFormat`] describes; row-grouped
+//! formats also interleave rows.
 
 use std::sync::Arc;
 
@@ -13,43 +13,12 @@ use kiln_core::QType;
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::device::Device;
 use crate::error::{KernelError, Result};
-
-/// Weight types the GEMV kernels multiply with.
-pub const GEMV_QTYPES: [QType; 11] = [
-    QType::F32,
-    QType::F16,
-    QType::BF16,
-    QType::Q4_0,
-    QType::Q4_1,
-    QType::Q5_0,
-    QType::Q5_1,
-    QType::Q8_0,
-    QType::Q4_K,
-    QType::Q5_K,
-    QType::Q6_K,
-];
-
-/// (body bytes, has qh, scale bytes) per block, and where in a ggml block each part lies:
-/// (body offset, qh offset, scale offset).
-fn layout(q: QType) -> Option<(usize, bool, usize, usize, usize, usize)> {
-    Some(match q {
-        QType::F32 => (4, false, 0, 0, 0, 0),
-        QType::F16 | QType::BF16 => (2, false, 0, 0, 0, 0),
-        QType::Q4_0 => (16, false, 2, 2, 0, 0),
-        QType::Q4_1 => (16, false, 4, 4, 0, 0),
-        QType::Q5_0 => (16, true, 2, 6, 2, 0),
-        QType::Q5_1 => (16, true, 4, 8, 4, 0),
-        QType::Q8_0 => (32, false, 2, 2, 0, 0),
-        QType::Q4_K => (144, false, 0, 0, 0, 0),
-        QType::Q5_K => (176, false, 0, 0, 0, 0),
-        QType::Q6_K => (208, false, 2, 0, 0, 208),
-        _ => return None,
-    })
-}
+use crate::format::WeightFormat;
 
 /// A weight matrix in device layout, still on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PackedWeight {
+    pub format: &'static WeightFormat,
     pub qtype: QType,
     /// Values per row (the input length).
     pub row_len: usize,
@@ -60,10 +29,21 @@ pub struct PackedWeight {
 }
 
 impl PackedWeight {
-    /// Splits `rows` rows of `row_len` ggml-encoded values.
+    /// Splits `rows` rows of `row_len` ggml-encoded values into `qtype`'s plain layout.
     pub fn pack(qtype: QType, row_len: usize, rows: usize, ggml: &[u8]) -> Result<PackedWeight> {
-        let (body_bytes, has_qh, sc_bytes, body_off, qh_off, sc_off) = layout(qtype)
+        let format = WeightFormat::plain(qtype)
             .ok_or_else(|| KernelError::Unsupported(format!("GEMV with {qtype} weights")))?;
+        Self::pack_as(format, row_len, rows, ggml)
+    }
+
+    /// Puts `rows` rows of `row_len` ggml-encoded values into `format`'s layout.
+    pub fn pack_as(
+        format: &'static WeightFormat,
+        row_len: usize,
+        rows: usize,
+        ggml: &[u8],
+    ) -> Result<PackedWeight> {
+        let qtype = format.qtype;
         let expected = qtype
             .row_bytes(row_len)
             .ok()
@@ -77,38 +57,69 @@ impl PackedWeight {
                 ggml.len()
             )));
         }
-        if !qtype.is_quantized() {
-            return Ok(PackedWeight {
-                qtype,
-                row_len,
-                rows,
-                body: ggml.to_vec(),
-                qh: Vec::new(),
-                sc: Vec::new(),
-            });
-        }
-        let bb = qtype.block_bytes();
-        let nblocks = ggml.len() / bb;
-        let mut body = Vec::with_capacity(nblocks * body_bytes);
-        let mut qh = Vec::with_capacity(if has_qh { nblocks } else { 0 });
-        let mut sc = Vec::with_capacity(nblocks * sc_bytes);
-        for blk in ggml.chunks_exact(bb) {
-            body.extend_from_slice(&blk[body_off..body_off + body_bytes]);
-            if has_qh {
-                qh.push(u32::from_le_bytes(
-                    blk[qh_off..qh_off + 4].try_into().expect("4 bytes"),
-                ));
-            }
-            sc.extend_from_slice(&blk[sc_off..sc_off + sc_bytes]);
-        }
-        Ok(PackedWeight {
+        let mut packed = PackedWeight {
+            format,
             qtype,
             row_len,
             rows,
-            body,
-            qh,
-            sc,
-        })
+            body: Vec::new(),
+            qh: Vec::new(),
+            sc: Vec::new(),
+        };
+        if !qtype.is_quantized() {
+            packed.body = ggml.to_vec();
+            return Ok(packed);
+        }
+        if format.is_grouped() {
+            packed.pack_grouped(ggml);
+            return Ok(packed);
+        }
+        let bb = qtype.block_bytes();
+        let nblocks = ggml.len() / bb;
+        let (body, sc) = (format.body, format.sc);
+        packed.body.reserve(nblocks * body.bytes);
+        packed.sc.reserve(nblocks * sc.map_or(0, |s| s.bytes));
+        for blk in ggml.chunks_exact(bb) {
+            packed
+                .body
+                .extend_from_slice(&blk[body.offset..body.offset + body.bytes]);
+            if let Some(q) = format.qh {
+                packed
+                    .qh
+                    .push(u32::from_le_bytes(blk[q..q + 4].try_into().expect("4 bytes")));
+            }
+            if let Some(s) = sc {
+                packed.sc.extend_from_slice(&blk[s.offset..s.offset + s.bytes]);
+            }
+        }
+        Ok(packed)
+    }
+
+    /// The row-grouped layout (see `format`'s module doc): groups of `G` rows; in a group,
+    /// tiles of up to 32 chunks, each row's quant blocks of a tile contiguous; the G scales
+    /// of one chunk side by side. Missing rows of the last group are zero blocks.
+    fn pack_grouped(&mut self, ggml: &[u8]) {
+        let f = self.format;
+        let g = f.row_group;
+        let bb = self.qtype.block_bytes();
+        let (body, sc) = (f.body, f.sc.expect("grouped formats have a scale"));
+        let nchunks = self.row_len / self.qtype.block_len();
+        let groups = self.rows.div_ceil(g);
+        self.body = vec![0u8; groups * g * nchunks * body.bytes];
+        self.sc = vec![0u8; groups * g * nchunks * sc.bytes];
+        for row in 0..self.rows {
+            let (grp, r) = (row / g, row % g);
+            for c in 0..nchunks {
+                let blk = &ggml[(row * nchunks + c) * bb..][..bb];
+                let (tile, j) = (c / 32, c % 32);
+                let width = (nchunks - tile * 32).min(32);
+                let at = ((grp * nchunks + tile * 32) * g + r * width + j) * body.bytes;
+                self.body[at..at + body.bytes]
+                    .copy_from_slice(&blk[body.offset..body.offset + body.bytes]);
+                let at = ((grp * nchunks + c) * g + r) * sc.bytes;
+                self.sc[at..at + sc.bytes].copy_from_slice(&blk[sc.offset..sc.offset + sc.bytes]);
+            }
+        }
     }
 
     /// Bytes a GEMV reads from this weight.
@@ -119,6 +130,7 @@ impl PackedWeight {
 
 /// A weight matrix resident on the device.
 pub struct DeviceWeight {
+    pub format: &'static WeightFormat,
     pub qtype: QType,
     pub row_len: usize,
     pub rows: usize,
@@ -130,6 +142,7 @@ pub struct DeviceWeight {
 impl DeviceWeight {
     pub fn upload(device: &Arc<Device>, w: &PackedWeight) -> Result<DeviceWeight> {
         Ok(DeviceWeight {
+            format: w.format,
             qtype: w.qtype,
             row_len: w.row_len,
             rows: w.rows,
@@ -148,6 +161,17 @@ impl DeviceWeight {
         ggml: &[u8],
     ) -> Result<DeviceWeight> {
         Self::upload(device, &PackedWeight::pack(qtype, row_len, rows, ggml)?)
+    }
+
+    /// Packs ggml bytes into `format` and uploads them.
+    pub fn from_ggml_as(
+        device: &Arc<Device>,
+        format: &'static WeightFormat,
+        row_len: usize,
+        rows: usize,
+        ggml: &[u8],
+    ) -> Result<DeviceWeight> {
+        Self::upload(device, &PackedWeight::pack_as(format, row_len, rows, ggml)?)
     }
 
     /// (body, qh, sc) device addresses; absent parts are 0.

@@ -10,7 +10,7 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, GEMV_QTYPES,
+    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, gemv_qtypes,
 };
 
 struct Gpu {
@@ -132,7 +132,7 @@ fn shapes(q: QType) -> Vec<(usize, usize)> {
 fn gemv_every_type_path_and_shape_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemv");
-    for q in GEMV_QTYPES {
+    for q in gemv_qtypes() {
         for (k, n) in shapes(q) {
             let ggml = random_weights(&mut rng, q, k, n).unwrap();
             let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
@@ -775,7 +775,7 @@ fn captured_graph_replays_with_new_inputs() {
 fn embedding_lookup_matches_reference_dequantisation() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("embed");
-    for q in GEMV_QTYPES {
+    for q in gemv_qtypes() {
         let (k, n) = if q.block_len() == 256 {
             (768, 37)
         } else {
@@ -825,7 +825,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
 fn prefill_dequantisers_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("dequant");
-    for q in GEMV_QTYPES {
+    for q in gemv_qtypes() {
         for (k, n) in shapes(q).into_iter().take(2) {
             let ggml = random_weights(&mut rng, q, k, n).unwrap();
             let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();

@@ -6,7 +6,7 @@ use kiln_kernels::testdata::{gaussian_weights, random_weights, reference_gemv};
 #[test]
 fn generated_weights_dequantise_to_finite_values_of_the_intended_scale() {
     let mut rng = Rng::new(3);
-    for q in kiln_kernels::GEMV_QTYPES {
+    for q in kiln_kernels::gemv_qtypes() {
         let k = if q.block_len() == 256 { 512 } else { 96 };
         for (bytes, what) in [
             (random_weights(&mut rng, q, k, 4).unwrap(), "uniform"),

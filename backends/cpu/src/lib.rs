@@ -87,7 +87,7 @@ impl Backend for CpuBackend {
             .into_iter()
             .collect();
         if unsupported.is_empty() {
-            Support::Yes { score: 10, note: "reference executor; any supported qtype".into() }
+            Support::Yes { score: kiln_core::score::REFERENCE, note: "reference executor; any supported qtype".into() }
         } else {
             Support::No { reason: format!("cpu backend has no kernels for {}", unsupported.join(", ")) }
         }

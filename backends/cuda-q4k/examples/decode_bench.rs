@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_backend_cuda_q4k::{quant_tiling_for, CudaExecutor};
+use kiln_backend_cuda_q4k::{load_executor, quant_tiling_for, GpuExecutor};
 use kiln_core::{
     Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
     ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
@@ -209,7 +209,7 @@ fn main() {
             max_sequences: 1,
             ..Default::default()
         };
-        let mut ex = CudaExecutor::load(&dev, &ir, &options).expect("load");
+        let mut ex = load_executor(&dev, &ir, &options).expect("load");
         let load_s = t0.elapsed().as_secs_f64();
         if pp > 0 {
             prefill_bench(&mut ex, s, pp);
@@ -281,7 +281,7 @@ fn main() {
 /// ppN: median wall time of 5 prefills of `pp` random tokens into a fresh sequence (logits
 /// of the last token copied back included), after one warm-up; then one profiled run's
 /// device-time split between dequantisation, GEMMs and the rest.
-fn prefill_bench(ex: &mut CudaExecutor, s: &Spec, pp: usize) {
+fn prefill_bench(ex: &mut GpuExecutor, s: &Spec, pp: usize) {
     let mut rng = Rng::new(11);
     let tokens: Vec<u32> = (0..pp)
         .map(|_| ((rng.next_f32() * s.vocab as f32) as usize).min(s.vocab - 1) as u32)

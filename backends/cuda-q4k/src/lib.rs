@@ -1,46 +1,76 @@
 //! # kiln-backend-cuda-q4k
 //!
 //! The CUDA backend for K-quant models (Q4_K_M, Q5_K_M, Q6_K mixes, and the 32-value and
-//! float types such recipes leave in place). Weights are uploaded once, in the GEMV
-//! kernels' aligned layout; a decode step runs entirely on the GPU as one CUDA graph
-//! (embedding lookup, per layer RMSNorm+Q8_1, QKV GEMV with bias, RoPE + KV-cache write,
-//! split-K attention, output projection with the residual add fused, RMSNorm+Q8_1,
-//! gate+up+SwiGLU, down projection with the residual, then the LM head), captured on a
-//! sequence's first step and replayed with the token and position read from device memory.
-//! Per token only the id (and position) go up and the logits or a sampled id come down.
+//! float types such recipes leave in place). The executor is the shared GPU runtime
+//! (`kiln-cuda-runtime`: GPU-resident weights, one CUDA graph per decode step, batched
+//! prefill); this crate is its policy: every weight type in its plain device layout, and the
+//! GEMV tilings measured fastest for K-quant mixes. Its kernel set is the broadest of the
+//! GPU backends, so it is also the GPU fallback for models no other backend is made for.
 //!
-//! Kernels, device memory and graphs come from `kiln-kernels`; without a CUDA driver
-//! `probe()` says why and nothing panics.
+//! Without a CUDA driver `probe()` says why and nothing panics.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use kiln_core::{Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
-use kiln_kernels::{Device, GEMV_QTYPES};
+use kiln_core::{score, Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
+use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
+use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling};
 
-mod executor;
+pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK};
 
-pub use executor::{quant_tiling_for, CudaExecutor, PrefillTimes, PREFILL_CHUNK};
+/// The backend's name.
+pub const NAME: &str = "cuda-q4k";
 
 /// The `cuda-q4k` backend.
 #[derive(Debug, Default, Clone)]
 pub struct CudaQ4kBackend;
 
-/// The process's device 0, opened once.
-fn shared_device() -> Result<Arc<Device>, String> {
-    static DEVICE: OnceLock<Result<Arc<Device>, String>> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| {
-            if let Some(why) = kiln_kernels::unavailable_reason() {
-                return Err(why);
-            }
-            Device::new(0).map_err(|e| e.to_string())
-        })
-        .clone()
+/// `cuda-q4k`'s choices for the shared runtime.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Q4kPolicy;
+
+/// Tiling of the GEMVs that quantise their output (their blocks own whole 32-row groups),
+/// by hidden size. Measured on an H200 (decode_bench, 2026-11-30, tg64 tok/s for R2S1 /
+/// R4S1 / R4S2): SmolLM2-135M (576) 1164 / 1025 / 1059, Llama-3.2-1B (2048) 1167 / 1200 /
+/// 1183, Llama-3-8B (4096) 294 / 327 / 358.
+pub fn quant_tiling_for(hidden: usize) -> GemvTiling {
+    match hidden {
+        h if h >= 4096 => GemvTiling::new(4, 2),
+        h if h >= 2048 => GemvTiling::new(4, 1),
+        _ => GemvTiling::new(2, 1),
+    }
+}
+
+impl GpuPolicy for Q4kPolicy {
+    fn backend_name(&self) -> &'static str {
+        NAME
+    }
+
+    fn gemv_tiling(&self, w: &DeviceWeight) -> GemvTiling {
+        if w.qtype.is_quantized() {
+            GemvTiling::new(2, 2)
+        } else {
+            GemvTiling::new(4, 2)
+        }
+    }
+
+    fn quant_tiling(&self, _w: &DeviceWeight, hidden: usize) -> GemvTiling {
+        quant_tiling_for(hidden)
+    }
+}
+
+/// Loads `model` on `device` with `cuda-q4k`'s policy (what `Backend::load` does on device
+/// 0; tests and benchmarks call it to keep the concrete type).
+pub fn load_executor(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<GpuExecutor> {
+    GpuExecutor::load(device, model, options, Arc::new(Q4kPolicy))
+}
+
+fn is_kquant(q: QType) -> bool {
+    matches!(q, QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K)
 }
 
 impl Backend for CudaQ4kBackend {
     fn name(&self) -> &str {
-        "cuda-q4k"
+        NAME
     }
 
     fn description(&self) -> &str {
@@ -48,47 +78,37 @@ impl Backend for CudaQ4kBackend {
     }
 
     fn qtypes(&self) -> Vec<QType> {
-        GEMV_QTYPES.to_vec()
+        gemv_qtypes()
     }
 
     fn probe(&self) -> Result<String, String> {
-        let d = shared_device()?;
-        Ok(format!(
-            "{} (sm_{}{}, {} SMs, {:.0} GiB, driver {}.{})",
-            d.name(),
-            d.arch().0,
-            d.arch().1,
-            d.sm_count(),
-            d.total_memory() as f64 / (1u64 << 30) as f64,
-            d.driver_version() / 1000,
-            d.driver_version() % 1000 / 10
-        ))
+        kiln_cuda_runtime::probe()
     }
 
     fn supports(&self, model: &ModelIr) -> Support {
-        if let Err(reason) = executor::check_model(model) {
+        if let Err(reason) = check_model(model, &Q4kPolicy) {
             return Support::No { reason };
         }
-        let kquant = model
-            .matrix_qtypes()
-            .iter()
-            .any(|q| matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K));
-        if kquant {
+        let share = model.matmul_share(is_kquant);
+        if share > score::MAJORITY {
             Support::Yes {
-                score: 100,
-                note: "K-quant model on the GPU".into(),
+                score: score::GPU_SPECIALIST,
+                note: format!("K-quants hold {:.0}% of the matmul bytes", 100.0 * share),
             }
         } else {
             Support::Yes {
-                score: 60,
-                note: "runs on the GPU, but is tuned for K-quant mixes".into(),
+                score: score::GPU_GENERAL,
+                note: format!(
+                    "runs every GEMV type on the GPU; K-quants hold {:.0}% of the matmul bytes",
+                    100.0 * share
+                ),
             }
         }
     }
 
     fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
         let device = shared_device().map_err(kiln_core::Error::NoBackend)?;
-        Ok(Box::new(CudaExecutor::load(&device, model, options)?))
+        Ok(Box::new(load_executor(&device, model, options)?))
     }
 }
 

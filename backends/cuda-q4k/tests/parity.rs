@@ -4,7 +4,7 @@
 //! them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4k::CudaExecutor;
+use kiln_backend_cuda_q4k::load_executor;
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::fresh_seed;
 use kiln_kernels::{GemvPath, GemvTiling};
@@ -41,7 +41,7 @@ fn decode_logits_match_the_cpu_backend() {
             ("q8 fused R2S1", GemvPath::Q8, GemvTiling::new(2, 1), usize::MAX, 0.999),
         ];
         for (name, path, tiling, fuse_limit, floor) in variants {
-            let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
+            let mut gpu = load_executor(&dev, &ir, &options).unwrap();
             gpu.set_gemv_path(path).unwrap();
             gpu.set_quant_tiling(tiling).unwrap();
             gpu.set_fuse_limit(fuse_limit);
@@ -105,7 +105,7 @@ fn device_sampling_truncation_and_sequences() {
         max_sequences: 2,
         ..Default::default()
     };
-    let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
+    let mut gpu = load_executor(&dev, &ir, &options).unwrap();
     let vocab = shape.vocab;
     let a = gpu.new_sequence().unwrap();
     let b = gpu.new_sequence().unwrap();

@@ -7,7 +7,7 @@
 //! runs them with `--include-ignored`.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4k::{CudaExecutor, PREFILL_CHUNK};
+use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, PREFILL_CHUNK};
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng};
 use kiln_kernels::testdata::fresh_seed;
 
@@ -26,7 +26,7 @@ fn prompt(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
 /// per-step cosine.
 fn decode_both(
     cpu: &mut dyn LayerExecutor,
-    gpu: &mut CudaExecutor,
+    gpu: &mut GpuExecutor,
     (cs, gs): (kiln_core::SeqId, kiln_core::SeqId),
     lc: &mut [f32],
     lg: &mut [f32],
@@ -75,7 +75,7 @@ fn batched_prefill_matches_the_cpu_backend() {
         let ir = model(&mut rng, &shape, 1024);
         let vocab = shape.vocab;
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
-        let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
+        let mut gpu = load_executor(&dev, &ir, &options).unwrap();
         if let Some(why) = gpu.batched_prefill_unavailable() {
             panic!("batched prefill unavailable on a GPU machine: {why}");
         }
@@ -128,7 +128,7 @@ fn batched_prefill_rejects_bad_input() {
         max_sequences: 1,
         ..Default::default()
     };
-    let mut gpu = CudaExecutor::load(&dev, &ir, &options).unwrap();
+    let mut gpu = load_executor(&dev, &ir, &options).unwrap();
     let vocab = shape.vocab;
     let s = gpu.new_sequence().unwrap();
     let mut logits = vec![0f32; vocab];

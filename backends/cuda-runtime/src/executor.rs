@@ -1,5 +1,6 @@
 //! The GPU-resident executor: weights, KV caches and one workspace allocated at load; a
-//! decode step is one CUDA graph replay per sequence.
+//! decode step is one CUDA graph replay per sequence. The decode step itself is
+//! [`GpuExecutor::queue_step`]; the batched prefill is in `prefill.rs`.
 
 use std::sync::Arc;
 
@@ -13,71 +14,70 @@ mod prefill;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
-    GemvTiling, Graph, Kernels, KvCache, PackedWeight, PendingNorm, Q8Act, QuantOut, RopeArgs,
-    Workspace, GEMV_QTYPES,
+    AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
+    GemvPath, GemvTiling, Graph, Kernels, KvCache, PendingNorm, Q8Act, QuantOut, RopeArgs,
+    WeightFormat, Workspace,
 };
 
-/// Tiling of the GEMVs that quantise their output (their blocks own whole 32-row groups),
-/// by hidden size. Measured on an H200 (decode_bench, 2026-11-30, tg64 tok/s for R2S1 /
-/// R4S1 / R4S2): SmolLM2-135M (576) 1164 / 1025 / 1059, Llama-3.2-1B (2048) 1167 / 1200 /
-/// 1183, Llama-3-8B (4096) 294 / 327 / 358.
-pub fn quant_tiling_for(hidden: usize) -> GemvTiling {
-    match hidden {
-        h if h >= 4096 => GemvTiling::new(4, 2),
-        h if h >= 2048 => GemvTiling::new(4, 1),
-        _ => GemvTiling::new(2, 1),
-    }
-}
+use crate::GpuPolicy;
 
-/// Why `cuda-q4k` cannot run `model`, if it cannot.
-pub(crate) fn check_model(model: &ModelIr) -> Result<(), String> {
+/// Why the GPU runtime, with `policy`'s weight formats, cannot run `model`, if it cannot.
+pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String> {
+    let name = policy.backend_name();
     let c = &model.config;
     c.validate().map_err(|e| e.to_string())?;
     if c.norm != NormKind::Rms {
-        return Err("cuda-q4k runs RMSNorm models only".into());
+        return Err(format!("{name} runs RMSNorm models only"));
     }
     if !c.gated_ffn || c.activation != Activation::Silu {
-        return Err("cuda-q4k runs SwiGLU feed-forwards only".into());
+        return Err(format!("{name} runs SwiGLU feed-forwards only"));
     }
     if c.parallel_residual {
-        return Err("cuda-q4k does not run parallel-residual blocks".into());
+        return Err(format!("{name} does not run parallel-residual blocks"));
     }
     if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(format!(
-            "head_dim {} (cuda-q4k needs a multiple of 32 up to 256)",
+            "head_dim {} ({name} needs a multiple of 32 up to 256)",
             c.head_dim
         ));
     }
     let w = &model.weights;
     if w.output_norm_bias.is_some() {
-        return Err("norm biases are not supported by cuda-q4k".into());
+        return Err(format!("norm biases are not supported by {name}"));
     }
     for (i, l) in w.layers.iter().enumerate() {
         if l.attn_norm_bias.is_some() || l.ffn_norm_bias.is_some() || l.attn_out_bias.is_some() {
             return Err(format!(
-                "layer {i}: norm or output biases are not supported by cuda-q4k"
+                "layer {i}: norm or output biases are not supported by {name}"
             ));
         }
         if l.ffn_gate.is_none() || l.ffn_norm.is_none() {
             return Err(format!(
-                "layer {i}: cuda-q4k needs a gated FFN with its own norm"
+                "layer {i}: {name} needs a gated FFN with its own norm"
             ));
         }
     }
     let unsupported: Vec<String> = model
         .matrix_qtypes()
         .into_iter()
-        .filter(|q| !GEMV_QTYPES.contains(q))
+        .filter(|&q| policy.format_for(q).is_none())
         .map(|q| q.name().to_string())
         .collect();
     if !unsupported.is_empty() {
-        return Err(format!(
-            "cuda-q4k has no GEMV for {}",
-            unsupported.join(", ")
-        ));
+        return Err(format!("{name} has no GEMV for {}", unsupported.join(", ")));
     }
     Ok(())
+}
+
+/// The device formats `model`'s matrices take under `policy` (checked by `check_model`).
+fn formats_of(model: &ModelIr, policy: &dyn GpuPolicy) -> Vec<&'static WeightFormat> {
+    let mut v: Vec<&'static WeightFormat> = model
+        .matrix_qtypes()
+        .into_iter()
+        .filter_map(|q| policy.format_for(q))
+        .collect();
+    v.dedup_by_key(|f| f.tag);
+    v
 }
 
 fn vector(t: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
@@ -153,8 +153,10 @@ struct Scratch {
     token_out: DevSlice<i32>,
 }
 
-pub struct CudaExecutor {
+pub struct GpuExecutor {
+    /// The GPU with this executor's own stream.
     device: Arc<Device>,
+    policy: Arc<dyn GpuPolicy>,
     k: Kernels,
     config: ModelConfig,
     max_ctx: usize,
@@ -162,8 +164,9 @@ pub struct CudaExecutor {
     /// How every GEMV reads its activation: `GemvPath::Q16` unless the caller accepted
     /// plain Q8_1.
     path: GemvPath,
-    /// Tiling of the GEMVs that quantise their output (O, SwiGLU, down).
-    quant_tiling: GemvTiling,
+    /// A tiling forced on the GEMVs that quantise their output (a benchmark knob; `None`:
+    /// the policy's, per weight).
+    quant_tiling: Option<GemvTiling>,
     /// O, SwiGLU and down weights up to this many bytes quantise their output in their own
     /// epilogue; larger ones run the plain GEMV and a separate quantising launch. Unlimited
     /// by default: fusing measured as fast or faster on every shape (decode_bench, H200:
@@ -185,21 +188,26 @@ pub struct CudaExecutor {
 
 // SAFETY: the executor's device handles are only used through `&mut self` or `&self`
 // methods, which bind the context on the calling thread first.
-unsafe impl Send for CudaExecutor {}
+unsafe impl Send for GpuExecutor {}
 
-impl CudaExecutor {
+impl GpuExecutor {
+    /// Uploads `model` to `device` (on a stream of the executor's own) with `policy`'s
+    /// weight formats and tilings.
     pub fn load(
         device: &Arc<Device>,
         model: &ModelIr,
         options: &LoadOptions,
-    ) -> Result<CudaExecutor> {
-        check_model(model).map_err(Error::Unsupported)?;
+        policy: Arc<dyn GpuPolicy>,
+    ) -> Result<GpuExecutor> {
+        check_model(model, policy.as_ref()).map_err(Error::Unsupported)?;
+        let device = &device.new_stream().map_err(err)?;
         let c = model.config.clone();
         let w = &model.weights;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let max_ctx = options.context_for(&c);
         let k = Kernels::new(device);
-        k.preload_for(&model.matrix_qtypes()).map_err(err)?;
+        let formats = formats_of(model, policy.as_ref());
+        k.preload_for(&formats).map_err(err)?;
 
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let mut done = 0u64;
@@ -209,19 +217,42 @@ impl CudaExecutor {
                 p(done, total);
             }
         };
-        let upload = |t: &TensorView, progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
-            if t.dims().len() != 2 {
-                return Err(Error::InvalidShape(format!(
-                    "{} is not a matrix: dims {:?}",
-                    t.name(),
-                    t.dims()
-                )));
+        // Matrices go up in the format the policy picks for their type; `parts` are
+        // matrices of one type and row length stacked into one (Q, K and V).
+        let upload_stacked = |parts: &[&TensorView], progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
+            let first = parts[0];
+            let mut rows = 0;
+            for t in parts {
+                if t.dims().len() != 2 {
+                    return Err(Error::InvalidShape(format!(
+                        "{} is not a matrix: dims {:?}",
+                        t.name(),
+                        t.dims()
+                    )));
+                }
+                if t.qtype() != first.qtype() || t.row_len() != first.row_len() {
+                    return Err(Error::InvalidShape(format!(
+                        "{} and {} cannot be stacked",
+                        first.name(),
+                        t.name()
+                    )));
+                }
+                rows += t.rows();
             }
-            let dw = DeviceWeight::from_ggml(device, t.qtype(), t.row_len(), t.rows(), t.bytes())
-                .map_err(err)?;
-            progress(t.bytes().len());
+            let format = policy
+                .format_for(first.qtype())
+                .ok_or_else(|| Error::Unsupported(format!("no GEMV for {}", first.qtype())))?;
+            let dw = if parts.len() == 1 {
+                DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, first.bytes())
+            } else {
+                let bytes: Vec<u8> = parts.iter().flat_map(|t| t.bytes().iter().copied()).collect();
+                DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, &bytes)
+            }
+            .map_err(err)?;
+            progress(parts.iter().map(|t| t.bytes().len()).sum());
             Ok(dw)
         };
+        let upload = |t: &TensorView, progress: &mut dyn FnMut(usize)| upload_stacked(&[t], progress);
         let upload_vec = |v: &[f32]| DeviceBuffer::from_host(device, v).map_err(err);
 
         let embd = upload(&w.token_embd, &mut progress)?;
@@ -249,32 +280,9 @@ impl CudaExecutor {
         for (i, l) in w.layers.iter().enumerate() {
             let same = l.attn_q.qtype() == l.attn_k.qtype() && l.attn_k.qtype() == l.attn_v.qtype();
             let qkv = if same {
-                // One GEMV for Q, K and V: their packed rows concatenate.
-                let parts = [&l.attn_q, &l.attn_k, &l.attn_v];
-                let mut packed: Option<PackedWeight> = None;
-                for t in parts {
-                    let p = PackedWeight::pack(t.qtype(), t.row_len(), t.rows(), t.bytes())
-                        .map_err(err)?;
-                    progress(t.bytes().len());
-                    packed = Some(match packed {
-                        None => p,
-                        Some(mut acc) => {
-                            if acc.row_len != p.row_len {
-                                return Err(Error::InvalidShape(format!(
-                                    "layer {i}: Q/K/V rows of different lengths"
-                                )));
-                            }
-                            acc.rows += p.rows;
-                            acc.body.extend_from_slice(&p.body);
-                            acc.qh.extend_from_slice(&p.qh);
-                            acc.sc.extend_from_slice(&p.sc);
-                            acc
-                        }
-                    });
-                }
-                let p = packed.expect("three parts");
+                // One GEMV for Q, K and V: their rows stacked into one matrix.
                 vec![Proj {
-                    w: DeviceWeight::upload(device, &p).map_err(err)?,
+                    w: upload_stacked(&[&l.attn_q, &l.attn_k, &l.attn_v], &mut progress)?,
                     offset: 0,
                 }]
             } else {
@@ -364,63 +372,44 @@ impl CudaExecutor {
         let vocab = c.vocab_size;
         let sample_keys = Kernels::sample_scratch(vocab, Kernels::MAX_TOP_K);
         let norms = 2 * c.num_layers + 1;
-        // Quantised planes: int8 values and residuals padded to whole 32-blocks, a scale pair per block.
-        let planes = |n: usize| [(n.div_ceil(32) * 32, 1), (n.div_ceil(32) * 32, 1), (n.div_ceil(32), 8)];
         let groups = h.div_ceil(32);
-        let mut requests = vec![
-            (h, 4),
-            (norms * groups, 4),
-            (c.num_heads, 4),
-            (qd + 2 * kvd, 4),
-            (qd, 4),
-            (qd, 4),
-            (ffn, 4),
-            (vocab, 4),
-            (c.num_heads * nsplit * hd, 4),
-            (c.num_heads * nsplit, 8),
-            (Kernels::argmax_scratch(vocab), 8),
-            (sample_keys, 8),
-            (1, 8),
-            (1, 4),
-        ];
-        for n in [h, qd, ffn] {
-            requests.extend(planes(n));
-        }
-        let mut ws = Workspace::new(device, Workspace::bytes_for(&requests)).map_err(err)?;
-        let take_planes = |ws: &mut Workspace, n: usize| -> Result<Q8Act> {
+        // Quantised planes: int8 values and residuals padded to whole 32-blocks, a scale
+        // pair per block.
+        let planes = |a: &mut Carver, n: usize| {
             let padded = n.div_ceil(32) * 32;
-            Ok(Q8Act {
-                q: ws.take(padded).map_err(err)?,
-                lo: ws.take(padded).map_err(err)?,
-                ds: ws.take(padded / 32).map_err(err)?,
-            })
+            Q8Act {
+                q: a.take(padded),
+                lo: a.take(padded),
+                ds: a.take(padded / 32),
+            }
         };
-        let s = Scratch {
-            x: ws.take(h).map_err(err)?,
-            norm_parts: ws.take(norms * groups).map_err(err)?,
-            attn_counters: ws.take(c.num_heads).map_err(err)?,
-            qkv: ws.take(qd + 2 * kvd).map_err(err)?,
-            q: ws.take(qd).map_err(err)?,
-            attn: ws.take(qd).map_err(err)?,
-            ffn: ws.take(ffn).map_err(err)?,
-            logits: ws.take(vocab).map_err(err)?,
-            part_o: ws.take(c.num_heads * nsplit * hd).map_err(err)?,
-            part_ml: ws.take(c.num_heads * nsplit).map_err(err)?,
-            keys: ws.take(Kernels::argmax_scratch(vocab)).map_err(err)?,
-            cand: ws.take(sample_keys).map_err(err)?,
-            rng: ws.take(1).map_err(err)?,
-            token_out: ws.take(1).map_err(err)?,
-            xq: take_planes(&mut ws, h)?,
-            aq: take_planes(&mut ws, qd)?,
-            hq: take_planes(&mut ws, ffn)?,
-        };
+        let (ws, s) = Workspace::carve(device, |a| Scratch {
+            x: a.take(h),
+            norm_parts: a.take(norms * groups),
+            attn_counters: a.take(c.num_heads),
+            qkv: a.take(qd + 2 * kvd),
+            q: a.take(qd),
+            attn: a.take(qd),
+            ffn: a.take(ffn),
+            logits: a.take(vocab),
+            part_o: a.take(c.num_heads * nsplit * hd),
+            part_ml: a.take(c.num_heads * nsplit),
+            keys: a.take(Kernels::argmax_scratch(vocab)),
+            cand: a.take(sample_keys),
+            rng: a.take(1),
+            token_out: a.take(1),
+            xq: planes(a, h),
+            aq: planes(a, qd),
+            hq: planes(a, ffn),
+        })
+        .map_err(err)?;
         // Poison the activations: a kernel reading what nothing wrote shows up as NaN. The
         // attention's counters start at zero.
         ws.fill_bytes(0xff).map_err(err)?;
         s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
         let prefill = match kiln_kernels::Blas::new(device) {
             Ok(blas) => {
-                k.preload_prefill(&model.matrix_qtypes()).map_err(err)?;
+                k.preload_prefill(&formats).map_err(err)?;
                 Ok(prefill::PrefillState::new(device, blas, &c, max_ctx).map_err(err)?)
             }
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
@@ -441,14 +430,15 @@ impl CudaExecutor {
                 graph: None,
             });
         }
-        Ok(CudaExecutor {
+        Ok(GpuExecutor {
             device: device.clone(),
+            policy,
             k,
             config: c,
             max_ctx,
             split,
             path: activation_path,
-            quant_tiling: quant_tiling_for(h),
+            quant_tiling: None,
             fuse_limit: usize::MAX,
             embd,
             lm_head,
@@ -476,17 +466,32 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Chooses the tiling of the GEMVs that quantise their output (one of
-    /// `GemvTiling::quantising()`; a benchmark knob). Graphs are re-captured at the next step.
+    /// Forces the tiling of the GEMVs that quantise their output (one of
+    /// `GemvTiling::quantising()`; a benchmark knob) on every weight whose format allows it
+    /// (rows per warp a multiple of its row group); the others keep the policy's. Graphs
+    /// are re-captured at the next step.
     pub fn set_quant_tiling(&mut self, tiling: GemvTiling) -> Result<()> {
         if !GemvTiling::quantising().any(|t| t == tiling) {
             return Err(Error::InvalidArgument(format!(
                 "{tiling:?} is not a quantising GEMV tiling"
             )));
         }
-        self.quant_tiling = tiling;
+        self.quant_tiling = Some(tiling);
         self.drop_graphs();
         Ok(())
+    }
+
+    /// The tiling of a GEMV over `w` that quantises its output.
+    fn quant_tiling_of(&self, w: &DeviceWeight) -> GemvTiling {
+        match self.quant_tiling {
+            Some(t) if t.rows_per_warp.is_multiple_of(w.format.row_group) => t,
+            _ => self.policy.quant_tiling(w, self.config.hidden_size),
+        }
+    }
+
+    /// The policy behind this executor.
+    pub fn policy(&self) -> &dyn GpuPolicy {
+        self.policy.as_ref()
     }
 
     /// Sets the largest O / SwiGLU / down weight (bytes) that quantises its own output (a
@@ -518,12 +523,8 @@ impl CudaExecutor {
         }
     }
 
-    fn tiling(w: &DeviceWeight) -> GemvTiling {
-        if w.qtype.is_quantized() {
-            GemvTiling::new(2, 2)
-        } else {
-            GemvTiling::new(4, 2)
-        }
+    fn tiling(&self, w: &DeviceWeight) -> GemvTiling {
+        self.policy.gemv_tiling(w)
     }
 
     /// Queues one decode step for `slot` (what the graph holds): per layer, QKV, RoPE+KV,
@@ -574,7 +575,7 @@ impl CudaExecutor {
                     &p.w,
                     &attn_input,
                     self.path,
-                    Self::tiling(&p.w),
+                    self.tiling(&p.w),
                     s.qkv.sub(p.offset, p.w.rows)?,
                     &epi,
                 )?;
@@ -610,10 +611,10 @@ impl CudaExecutor {
             };
             let ffn_input = from(s.xq, Some(norm(2 * li + 1)?));
             if l.gate.bytes() + l.up.bytes() <= self.fuse_limit {
-                let t = self.quant_tiling;
+                let t = self.quant_tiling_of(&l.gate);
                 k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, Some(hq))?;
             } else {
-                let t = Self::tiling(&l.gate);
+                let t = self.tiling(&l.gate);
                 k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None)?;
                 k.quantize(s.ffn, c.ffn_size, &hq)?;
             }
@@ -629,7 +630,7 @@ impl CudaExecutor {
             head,
             &head_input,
             self.path,
-            Self::tiling(head),
+            self.tiling(head),
             s.logits,
             &Epilogue::default(),
         )
@@ -650,7 +651,7 @@ impl CudaExecutor {
             quant: fused.then_some(out),
             ..Default::default()
         };
-        let tiling = if fused { self.quant_tiling } else { Self::tiling(w) };
+        let tiling = if fused { self.quant_tiling_of(w) } else { self.tiling(w) };
         k.gemv(w, &input, self.path, tiling, s.x, &epi)?;
         if !fused {
             k.quantize(s.x, w.rows, &out)?;
@@ -772,7 +773,7 @@ impl CudaExecutor {
     }
 }
 
-impl LayerExecutor for CudaExecutor {
+impl LayerExecutor for GpuExecutor {
     fn config(&self) -> &ModelConfig {
         &self.config
     }

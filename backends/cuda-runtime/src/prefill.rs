@@ -18,16 +18,15 @@ use kiln_kernels::{
     Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace,
 };
 
-use super::{CudaExecutor, Layer};
+use super::{GpuExecutor, Layer};
 
 /// Tokens per chunk: bounds the workspace (the activations of a chunk) while keeping the
 /// GEMMs wide enough to run at tensor-core speed.
 pub const CHUNK: usize = 512;
 
-/// The prefill's cuBLAS handle and workspace.
-pub(super) struct PrefillState {
-    blas: Blas,
-    chunk: usize,
+/// The prefill's activations for one chunk, carved from its workspace.
+#[derive(Clone, Copy)]
+struct PrefillBuffers {
     ids: DevSlice<i32>,
     /// Residual stream, `[chunk][hidden]` f32.
     x: DevSlice<f32>,
@@ -39,6 +38,13 @@ pub(super) struct PrefillState {
     gu: DevSlice<f32>,
     /// One weight matrix (or Q/K/V, or gate and up, stacked) in f16.
     wbuf: DevSlice<u16>,
+}
+
+/// The prefill's cuBLAS handle and workspace.
+pub(super) struct PrefillState {
+    blas: Blas,
+    chunk: usize,
+    b: PrefillBuffers,
     // Owns the memory the slices point into.
     _ws: Workspace,
 }
@@ -55,26 +61,19 @@ impl PrefillState {
         let chunk = CHUNK.min(max_ctx);
         let widest = h.max(qd).max(ffn);
         let wmax = (width * h).max(h * qd).max(2 * ffn * h).max(h * ffn);
-        let requests = [
-            (chunk, 4),
-            (chunk * h, 4),
-            (chunk * widest, 2),
-            (chunk * width, 4),
-            (chunk * qd, 4),
-            (chunk * 2 * ffn, 4),
-            (wmax, 2),
-        ];
-        let mut ws = Workspace::new(device, Workspace::bytes_for(&requests))?;
+        let (ws, b) = Workspace::carve(device, |a| PrefillBuffers {
+            ids: a.take(chunk),
+            x: a.take(chunk * h),
+            act: a.take(chunk * widest),
+            qkv: a.take(chunk * width),
+            q: a.take(chunk * qd),
+            gu: a.take(chunk * 2 * ffn),
+            wbuf: a.take(wmax),
+        })?;
         let s = PrefillState {
             blas,
             chunk,
-            ids: ws.take(chunk)?,
-            x: ws.take(chunk * h)?,
-            act: ws.take(chunk * widest)?,
-            qkv: ws.take(chunk * width)?,
-            q: ws.take(chunk * qd)?,
-            gu: ws.take(chunk * 2 * ffn)?,
-            wbuf: ws.take(wmax)?,
+            b,
             _ws: ws,
         };
         // All ones: NaN in f32 and f16, so anything read before it is written shows.
@@ -137,7 +136,7 @@ impl Timer {
     }
 }
 
-impl CudaExecutor {
+impl GpuExecutor {
     /// Why prompts are processed token by token instead of in batches, if they are (no
     /// cuBLAS on this machine).
     pub fn batched_prefill_unavailable(&self) -> Option<&str> {
@@ -184,15 +183,15 @@ impl CudaExecutor {
             let n = chunk.len();
             let pos0 = start + ci * p.chunk;
             let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
-            let ids_dev = p.ids.sub(0, n)?;
+            let ids_dev = p.b.ids.sub(0, n)?;
             ids_dev.copy_from_host(&self.device, &ids)?;
             Timer::mark(&mut timer, Part::Other)?;
-            let x = p.x.sub(0, n * h)?;
+            let x = p.b.x.sub(0, n * h)?;
             k.embed_rows(&self.embd, ids_dev, x)?;
             for (li, l) in self.layers.iter().enumerate() {
                 self.prefill_layer(p, l, li, slot, n, pos0, &mut timer)?;
             }
-            last_x = Some(p.x.sub((n - 1) * h, h)?);
+            last_x = Some(p.b.x.sub((n - 1) * h, h)?);
         }
         let last_x = last_x.expect("prefill has at least one token");
         Timer::mark(&mut timer, Part::Other)?;
@@ -215,7 +214,7 @@ impl CudaExecutor {
                 norm: None,
             },
             self.path,
-            Self::tiling(head),
+            self.tiling(head),
             s.logits,
             &kiln_kernels::Epilogue::default(),
         )?;
@@ -243,27 +242,27 @@ impl CudaExecutor {
         let k = &self.k;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let width = qd + 2 * kvd;
-        let x = p.x.sub(0, n * h)?;
+        let x = p.b.x.sub(0, n * h)?;
 
         // Attention block.
         Timer::mark(timer, Part::Other)?;
-        let xn = p.act.sub(0, n * h)?;
+        let xn = p.b.act.sub(0, n * h)?;
         k.rmsnorm_rows_f16(x, n, h, l.attn_norm.slice(), c.norm_eps, xn)?;
         Timer::mark(timer, Part::Dequant)?;
         for proj in &l.qkv {
-            k.dequant_f16(&proj.w, p.wbuf.sub(proj.offset * h, proj.w.rows * h)?)?;
+            k.dequant_f16(&proj.w, p.b.wbuf.sub(proj.offset * h, proj.w.rows * h)?)?;
         }
         Timer::mark(timer, Part::Gemm)?;
-        let qkv = p.qkv.sub(0, n * width)?;
+        let qkv = p.b.qkv.sub(0, n * width)?;
         p.blas
-            .gemm_f16_f32(p.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
+            .gemm_f16_f32(p.b.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
         Timer::mark(timer, Part::Other)?;
         let (kc, vc) = self.slots[slot].kv.layer(li)?;
         let rope = self.rope_args(l);
-        let q = p.q.sub(0, n * qd)?;
+        let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
         k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, self.max_ctx)?;
-        let attn = p.act.sub(0, n * qd)?;
+        let attn = p.b.act.sub(0, n * qd)?;
         let args = PrefillAttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
@@ -274,21 +273,21 @@ impl CudaExecutor {
         };
         k.attention_prefill(&args, n, q, kc, vc, attn)?;
         Timer::mark(timer, Part::Dequant)?;
-        k.dequant_f16(&l.o, p.wbuf.sub(0, h * qd)?)?;
+        k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
         p.blas
-            .gemm_f16_f32(p.wbuf.sub(0, h * qd)?, h, attn, n, qd, x, h, 1.0)?;
+            .gemm_f16_f32(p.b.wbuf.sub(0, h * qd)?, h, attn, n, qd, x, h, 1.0)?;
 
         // Feed-forward block.
         Timer::mark(timer, Part::Other)?;
         k.rmsnorm_rows_f16(x, n, h, l.ffn_norm.slice(), c.norm_eps, xn)?;
         Timer::mark(timer, Part::Dequant)?;
-        k.dequant_f16(&l.gate, p.wbuf.sub(0, ffn * h)?)?;
-        k.dequant_f16(&l.up, p.wbuf.sub(ffn * h, ffn * h)?)?;
+        k.dequant_f16(&l.gate, p.b.wbuf.sub(0, ffn * h)?)?;
+        k.dequant_f16(&l.up, p.b.wbuf.sub(ffn * h, ffn * h)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        let gu = p.gu.sub(0, n * 2 * ffn)?;
+        let gu = p.b.gu.sub(0, n * 2 * ffn)?;
         p.blas.gemm_f16_f32(
-            p.wbuf.sub(0, 2 * ffn * h)?,
+            p.b.wbuf.sub(0, 2 * ffn * h)?,
             2 * ffn,
             xn,
             n,
@@ -298,13 +297,13 @@ impl CudaExecutor {
             0.0,
         )?;
         Timer::mark(timer, Part::Other)?;
-        let act = p.act.sub(0, n * ffn)?;
+        let act = p.b.act.sub(0, n * ffn)?;
         k.swiglu_rows_f16(gu, n, ffn, act)?;
         Timer::mark(timer, Part::Dequant)?;
-        k.dequant_f16(&l.down, p.wbuf.sub(0, h * ffn)?)?;
+        k.dequant_f16(&l.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
         p.blas
-            .gemm_f16_f32(p.wbuf.sub(0, h * ffn)?, h, act, n, ffn, x, h, 1.0)?;
+            .gemm_f16_f32(p.b.wbuf.sub(0, h * ffn)?, h, act, n, ffn, x, h, 1.0)?;
         Ok(())
     }
 }

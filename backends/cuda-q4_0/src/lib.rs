@@ -1,0 +1,116 @@
+//! # kiln-backend-cuda-q4_0
+//!
+//! The CUDA backend for Q4_0 models (GGUF `Q4_0` files; APR's 4-bit type is the next
+//! format on the same layout). The executor is the shared GPU runtime
+//! (`kiln-cuda-runtime`); this crate is its policy: Q4_0 matrices are repacked at upload
+//! into rows of four (`kiln_kernels::Q4_0_X4`: per 32-chunk tile, each row's 16-byte quant
+//! blocks contiguous, the four rows' scales of a chunk in one 8-byte word), read by GEMVs
+//! whose warps own whole 4-row groups. The other tensors such files carry (a Q6_K or Q8_0
+//! LM head, F16 or Q8_0 embeddings) keep their plain layout and the runtime's kernels.
+//!
+//! Without a CUDA driver `probe()` says why and nothing panics.
+
+use std::sync::Arc;
+
+use kiln_core::{score, Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
+use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
+use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, Q4_0_X4};
+
+pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK};
+
+/// The backend's name.
+pub const NAME: &str = "cuda-q4_0";
+
+/// The `cuda-q4_0` backend.
+#[derive(Debug, Default, Clone)]
+pub struct CudaQ40Backend;
+
+/// `cuda-q4_0`'s choices for the shared runtime.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Q40Policy;
+
+impl GpuPolicy for Q40Policy {
+    fn backend_name(&self) -> &'static str {
+        NAME
+    }
+
+    fn format_for(&self, qtype: QType) -> Option<&'static WeightFormat> {
+        match qtype {
+            QType::Q4_0 => Some(Q4_0_X4),
+            q => WeightFormat::plain(q),
+        }
+    }
+
+    fn gemv_tiling(&self, w: &DeviceWeight) -> GemvTiling {
+        // A warp owns one 4-row group of Q4_0_X4; two warps split each row's length, so a
+        // short row (576 to 2048 values) still keeps a lane's loads in flight.
+        if w.format.is_grouped() || !w.qtype.is_quantized() {
+            GemvTiling::new(4, 2)
+        } else {
+            GemvTiling::new(2, 2)
+        }
+    }
+
+    fn quant_tiling(&self, w: &DeviceWeight, hidden: usize) -> GemvTiling {
+        match (w.format.is_grouped(), hidden) {
+            (_, h) if h >= 4096 => GemvTiling::new(4, 2),
+            (true, _) => GemvTiling::new(4, 1),
+            (false, h) if h >= 2048 => GemvTiling::new(4, 1),
+            (false, _) => GemvTiling::new(2, 1),
+        }
+    }
+}
+
+/// Loads `model` on `device` with `cuda-q4_0`'s policy (what `Backend::load` does on
+/// device 0; tests and benchmarks call it to keep the concrete type).
+pub fn load_executor(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<GpuExecutor> {
+    GpuExecutor::load(device, model, options, Arc::new(Q40Policy))
+}
+
+impl Backend for CudaQ40Backend {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn description(&self) -> &str {
+        "NVIDIA GPU: GPU-resident decode of Q4_0 models (rows repacked in fours for the GEMV)"
+    }
+
+    fn qtypes(&self) -> Vec<QType> {
+        gemv_qtypes()
+    }
+
+    fn probe(&self) -> Result<String, String> {
+        kiln_cuda_runtime::probe()
+    }
+
+    fn supports(&self, model: &ModelIr) -> Support {
+        if let Err(reason) = check_model(model, &Q40Policy) {
+            return Support::No { reason };
+        }
+        let share = model.matmul_share(|q| q == QType::Q4_0);
+        if share > score::MAJORITY {
+            Support::Yes {
+                score: score::GPU_SPECIALIST,
+                note: format!("Q4_0 holds {:.0}% of the matmul bytes", 100.0 * share),
+            }
+        } else {
+            Support::Yes {
+                score: score::GPU_OTHER_FAMILY,
+                note: format!(
+                    "can run it, but is made for Q4_0, which holds {:.0}% of the matmul bytes",
+                    100.0 * share
+                ),
+            }
+        }
+    }
+
+    fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
+        let device = shared_device().map_err(kiln_core::Error::NoBackend)?;
+        Ok(Box::new(load_executor(&device, model, options)?))
+    }
+}
+
+kiln_core::inventory::submit! {
+    kiln_core::BuiltinBackend { create: || Arc::new(CudaQ40Backend) }
+}

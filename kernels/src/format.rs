@@ -1,0 +1,181 @@
+//! One description per weight format on the GPU: where each part of a ggml block goes in
+//! device memory, how rows are grouped, the CUDA type id the kernels specialise on, and the
+//! GEMV and dequantisation modules that read it. Kernel names, type tags, the list of
+//! GEMV-capable types and the modules to compile are all derived from [`FORMATS`]; adding a
+//! format is one entry here plus its `T_*` case in `cuda/gemv.cu` (and `dequant.cu`).
+//!
+//! Two kinds of layout:
+//! - *plain* (one per ggml type): each block split into a 16-byte-aligned `body` (the
+//!   quants), an optional `qh` word (Q5_0/Q5_1's fifth bits) and a `sc` entry (the f16
+//!   scale, or scale and min), rows one after another. Same bytes as the file, reordered so
+//!   every load is aligned and vectorised.
+//! - *row-grouped* (`Q4_0_X4`): rows stored in groups of four. Within a group, for each tile
+//!   of up to 32 consecutive 32-value chunks, row 0's 16-byte quant blocks of the tile come
+//!   first, then row 1's, …; the four rows' f16 scales of one chunk sit side by side (8
+//!   bytes). A warp whose lanes take the 32 chunks of a tile reads 512 contiguous bytes per
+//!   row and the four scales of its chunk in one 8-byte load. The row count is padded to a
+//!   multiple of four with zero blocks (scale 0: they contribute nothing).
+//!
+//! A second 4-bit block format (APR's 4-bit type: f16 scale + 16 nibble bytes per 32
+//! values, symmetric) maps onto the same device layout: one more `FORMATS` entry whose
+//! `body`/`sc` parts name its offsets, and the same kernels.
+
+use kiln_core::QType;
+
+use crate::compile::{KernelModule, GEMV_SRC};
+
+/// Where one part of a ggml block lies (`offset` into the block, `bytes` long).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// A weight matrix format on the device.
+#[derive(Debug, PartialEq, Eq)]
+pub struct WeightFormat {
+    /// The ggml type whose blocks it holds.
+    pub qtype: QType,
+    /// Kernel-name tag: `gemv_{tag}_…`, `embed_{tag}`, `dequant_{tag}`.
+    pub tag: &'static str,
+    /// The `T_*` constant the CUDA templates specialise on.
+    pub cuda_type: &'static str,
+    /// Rows stored together: 1 (plain), or 4 (`Q4_0_X4`). A GEMV's rows per warp must be a
+    /// multiple of it.
+    pub row_group: usize,
+    /// The quant bytes of a block (for float types: one element).
+    pub body: Part,
+    /// The offset of a u32 of fifth bits in the block, if the type has one.
+    pub qh: Option<usize>,
+    /// The scale (or scale and min) of a block, if it has one outside `body`.
+    pub sc: Option<Part>,
+    /// The GEMV (and embedding lookup) kernels for this format.
+    pub gemv: KernelModule,
+    /// The whole-matrix dequantisation kernel (batched prefill) for this format.
+    pub dequant: KernelModule,
+}
+
+macro_rules! weight_format {
+    ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
+     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr) => {
+        weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
+            gemv "GEMV_TYPE")
+    };
+    ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
+     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, gemv $gemv:literal) => {
+        WeightFormat {
+            qtype: QType::$q,
+            tag: $tag,
+            cuda_type: $cuda,
+            row_group: $group,
+            body: Part { offset: $bo, bytes: $bb },
+            qh: $qh,
+            sc: $sc,
+            gemv: KernelModule::with_suffix(
+                concat!("gemv_", $tag),
+                GEMV_SRC,
+                concat!($gemv, "(", $tag, ", ", $cuda, ")"),
+            ),
+            dequant: KernelModule::with_suffix(
+                concat!("dequant_", $tag),
+                GEMV_SRC,
+                concat!(
+                    include_str!("../cuda/dequant.cu"),
+                    "\nDEQUANT_TYPE(",
+                    $tag,
+                    ", ",
+                    $cuda,
+                    ")"
+                ),
+            ),
+        }
+    };
+}
+
+const fn sc(offset: usize, bytes: usize) -> Option<Part> {
+    Some(Part { offset, bytes })
+}
+
+/// Every format the GPU kernels read. The first entry for a ggml type is its plain layout.
+pub static FORMATS: [WeightFormat; 12] = [
+    weight_format!(F32, "f32", "T_F32", group 1, body 0 + 4, qh None, sc None),
+    weight_format!(F16, "f16", "T_F16", group 1, body 0 + 2, qh None, sc None),
+    weight_format!(BF16, "bf16", "T_BF16", group 1, body 0 + 2, qh None, sc None),
+    weight_format!(Q4_0, "q4_0", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2)),
+    weight_format!(Q4_1, "q4_1", "T_Q4_1", group 1, body 4 + 16, qh None, sc sc(0, 4)),
+    weight_format!(Q5_0, "q5_0", "T_Q5_0", group 1, body 6 + 16, qh Some(2), sc sc(0, 2)),
+    weight_format!(Q5_1, "q5_1", "T_Q5_1", group 1, body 8 + 16, qh Some(4), sc sc(0, 4)),
+    weight_format!(Q8_0, "q8_0", "T_Q8_0", group 1, body 2 + 32, qh None, sc sc(0, 2)),
+    weight_format!(Q4_K, "q4_k", "T_Q4_K", group 1, body 0 + 144, qh None, sc None),
+    weight_format!(Q5_K, "q5_k", "T_Q5_K", group 1, body 0 + 176, qh None, sc None),
+    weight_format!(Q6_K, "q6_k", "T_Q6_K", group 1, body 0 + 208, qh None, sc sc(208, 2)),
+    // Q4_0 in rows of four (the `cuda-q4_0` backend's GEMV layout).
+    weight_format!(Q4_0, "q4_0x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
+        gemv "GEMV_TYPE_R4"),
+];
+
+/// Q4_0 weights stored in groups of four rows (see the module doc).
+pub static Q4_0_X4: &WeightFormat = &FORMATS[11];
+
+impl WeightFormat {
+    /// The plain device layout of `qtype`, if the GEMV kernels multiply with it.
+    pub fn plain(qtype: QType) -> Option<&'static WeightFormat> {
+        FORMATS.iter().find(|f| f.qtype == qtype && f.row_group == 1)
+    }
+
+    /// The format named `tag`.
+    pub fn by_tag(tag: &str) -> Option<&'static WeightFormat> {
+        FORMATS.iter().find(|f| f.tag == tag)
+    }
+
+    /// Whether rows are grouped (interleaved) rather than stored one after another.
+    pub fn is_grouped(&self) -> bool {
+        self.row_group > 1
+    }
+}
+
+/// Weight types the GEMV kernels multiply with (each has a plain format).
+pub fn gemv_qtypes() -> Vec<QType> {
+    let mut v: Vec<QType> = FORMATS
+        .iter()
+        .filter(|f| !f.is_grouped())
+        .map(|f| f.qtype)
+        .collect();
+    v.dedup();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_lies_inside_its_block() {
+        for f in &FORMATS {
+            let block = f.qtype.block_bytes();
+            let elem = if f.qtype.is_quantized() { block } else { f.body.bytes };
+            assert!(f.body.offset + f.body.bytes <= elem, "{}", f.tag);
+            if let Some(q) = f.qh {
+                assert!(q + 4 <= block, "{}", f.tag);
+            }
+            if let Some(s) = f.sc {
+                assert!(s.offset + s.bytes <= block, "{}", f.tag);
+            }
+            // The body is what the 16-byte loads read.
+            assert!(!f.qtype.is_quantized() || f.body.bytes % 16 == 0, "{}", f.tag);
+        }
+    }
+
+    #[test]
+    fn tags_are_unique_and_each_gemv_type_has_one_plain_format() {
+        let mut tags: Vec<&str> = FORMATS.iter().map(|f| f.tag).collect();
+        tags.sort();
+        tags.dedup();
+        assert_eq!(tags.len(), FORMATS.len());
+        for q in gemv_qtypes() {
+            assert_eq!(WeightFormat::plain(q).unwrap().qtype, q);
+        }
+        assert_eq!(gemv_qtypes().len(), 11);
+        assert_eq!(Q4_0_X4.tag, "q4_0x4");
+    }
+}
