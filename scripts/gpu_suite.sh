@@ -13,7 +13,12 @@
 #                                llama3-8b q4_k_m. Logs under $OUT (or ./gpu-logs); a short
 #                                table last. KERNEL_BENCH=1 adds the per-kernel benchmark,
 #                                DECODE_BENCH=1 the decode variants (decode_bench);
-#                                TESTS="gpu parity ..." runs a subset of the test binaries.
+#                                TESTS="gpu parity ..." runs a subset of the test binaries;
+#                                BENCH=0 skips the benchmarks (then `bench` may follow in a
+#                                second call: one call runs at most 10 minutes).
+#   scripts/gpu_suite.sh bench   on the GPU machine: the side-by-side benchmark against
+#                                llama.cpp (scripts/bench_vs_llamacpp.sh) on SmolLM2 q4_0 and
+#                                q4_k_m and synthetic llama3.2-1b / llama3-8b in q4_0 and q4_k_m.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -22,11 +27,11 @@ case "$mode" in
 build)
     mkdir -p .gpu
     rm -f .gpu/*
-    log=$(cargo test --release -p kiln-kernels -p kiln-backend-cuda-q4k -p kiln-tests --no-run 2>&1) || { echo "$log"; exit 1; }
+    log=$(cargo test --release -p kiln-kernels -p kiln-backend-cuda-q4k -p kiln-backend-cuda-q4_0 -p kiln-tests --no-run 2>&1) || { echo "$log"; exit 1; }
     # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        case "$name" in gpu | parity | prefill | gpu_parity) cp "$bin" ".gpu/$name" ;; esac
+        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity) cp "$bin" ".gpu/$name" ;; esac
     done
     cargo build --release -p kiln --bin kiln
     cargo build --release -p kiln-kernels --example kernel_bench
@@ -61,7 +66,7 @@ run)
     status=0
     summary=()
     # TESTS picks a subset (e.g. TESTS="parity gpu_parity") when device time is short.
-    for name in ${TESTS:-gpu parity prefill gpu_parity}; do
+    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity}; do
         t=.gpu/$name
         [ -x "$t" ] || continue
         if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
@@ -84,6 +89,14 @@ run)
         .gpu/kiln backends -m "$KILN_TEST_MODEL" >"$out/backends.txt" 2>&1 || status=1
         .gpu/kiln run "The capital of France is" -n 24 -m "$KILN_TEST_MODEL" >"$out/run.txt" 2>&1 || status=1
         tail -n 3 "$out/backends.txt" "$out/run.txt"
+    fi
+    if [ "${BENCH:-1}" = 0 ]; then
+        echo
+        echo "== summary =="
+        grep -hE "min cosine|worst cosine|two executors" "$out"/test-*.log 2>/dev/null | sed -E 's/ +/ /g' || true
+        printf '%s\n' "${summary[@]}"
+        rm -rf "$work"
+        exit $status
     fi
     # Benchmark models, made here by kiln itself.
     kiln=.gpu/kiln
@@ -114,8 +127,33 @@ run)
     rm -rf "$work"
     exit $status
     ;;
+bench)
+    out=${OUT:-gpu-logs}
+    mkdir -p "$out"
+    work=${BENCH_MODELS:-/tmp/kiln-bench-models}
+    mkdir -p "$work"
+    kiln=.gpu/kiln
+    models=()
+    if [ -f .gpu-model/part-a ] && [ -f .gpu-model/part-b ]; then
+        cat .gpu-model/part-a .gpu-model/part-b >"$work/SmolLM2-135M-Instruct.Q4_1.gguf"
+        echo "$SMOLLM2_SHA256  $work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet
+        for t in q4_0 q4_k_m; do
+            $kiln quantize "$work/SmolLM2-135M-Instruct.Q4_1.gguf" "$work/smollm2-135m.$t.gguf" --type $t >>"$out/quantize.log" 2>&1
+            models+=("$work/smollm2-135m.$t.gguf")
+        done
+    fi
+    for shape in ${SHAPES:-llama3.2-1b llama3-8b}; do
+        for t in q4_0 q4_k_m; do
+            f="$work/$shape.$t.gguf"
+            [ -f "$f" ] || $kiln synth "$f" --shape "$shape" --type $t --seed 0 >>"$out/synth.log" 2>&1
+            models+=("$f")
+        done
+    done
+    bash scripts/bench_vs_llamacpp.sh build-llamacpp
+    bash scripts/bench_vs_llamacpp.sh run "${models[@]}"
+    ;;
 *)
-    echo "usage: $0 build|split|run" >&2
+    echo "usage: $0 build|split|run|bench" >&2
     exit 2
     ;;
 esac

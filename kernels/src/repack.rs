@@ -187,3 +187,48 @@ impl DeviceWeight {
         self.body.slice()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Q4_0_X4;
+
+    /// The row-grouped layout is a permutation of the blocks (plus zero padding rows):
+    /// every block's quants and scale land exactly once, where the kernels' offset formula
+    /// (`block_offsets` in gemv.cu, restated here) looks for them.
+    #[test]
+    fn q4_0_x4_places_every_block_where_the_kernels_read_it() {
+        for (k, rows) in [(576usize, 7usize), (2048, 12), (1088, 5)] {
+            let nchunks = k / 32;
+            // Block (row, c): scale bytes = (row, c) tag, quants = a pattern of both.
+            let mut ggml = Vec::new();
+            for row in 0..rows {
+                for c in 0..nchunks {
+                    ggml.extend_from_slice(&[(row as u8).wrapping_mul(3), c as u8]);
+                    ggml.extend((0..16u8).map(|i| i ^ row as u8 ^ (c as u8).rotate_left(3)));
+                }
+            }
+            let p = PackedWeight::pack_as(Q4_0_X4, k, rows, &ggml).unwrap();
+            let groups = rows.div_ceil(4);
+            assert_eq!(p.body.len(), groups * 4 * nchunks * 16);
+            assert_eq!(p.sc.len(), groups * 4 * nchunks * 2);
+            for row in 0..groups * 4 {
+                for c in 0..nchunks {
+                    let (g, r) = (row / 4, row % 4);
+                    let tile = c & !31;
+                    let width = (nchunks - tile).min(32);
+                    let body = ((g * nchunks + tile) * 4 + r * width + (c & 31)) * 16;
+                    let sc = ((g * nchunks + c) * 4 + r) * 2;
+                    if row < rows {
+                        let blk = &ggml[(row * nchunks + c) * 18..][..18];
+                        assert_eq!(&p.body[body..body + 16], &blk[2..], "row {row} chunk {c}");
+                        assert_eq!(&p.sc[sc..sc + 2], &blk[..2], "row {row} chunk {c}");
+                    } else {
+                        assert!(p.body[body..body + 16].iter().all(|&b| b == 0));
+                        assert!(p.sc[sc..sc + 2].iter().all(|&b| b == 0));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -10,8 +10,14 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, gemv_qtypes,
+    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, WeightFormat, FORMATS,
+    Q4_0_X4,
 };
+
+/// Whether `t` suits `f` (a warp owns whole row groups).
+fn fits(f: &WeightFormat, t: &GemvTiling) -> bool {
+    t.rows_per_warp % f.row_group == 0
+}
 
 struct Gpu {
     dev: Arc<Device>,
@@ -132,10 +138,11 @@ fn shapes(q: QType) -> Vec<(usize, usize)> {
 fn gemv_every_type_path_and_shape_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemv");
-    for q in gemv_qtypes() {
+    for f in &FORMATS {
+        let q = f.qtype;
         for (k, n) in shapes(q) {
             let ggml = random_weights(&mut rng, q, k, n).unwrap();
-            let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
+            let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
             let x = random_vec(&mut rng, k, 1.0);
             let bias = random_vec(&mut rng, n, 0.5);
             let resid = random_vec(&mut rng, n, 0.5);
@@ -153,13 +160,18 @@ fn gemv_every_type_path_and_shape_matches_reference() {
             for (path, bound) in PATHS {
                 for t in GemvTiling::all() {
                     let y = poisoned(&g.dev, n);
-                    g.k.gemv(&w, &input, path, t, y.slice(), &Epilogue::default())
-                        .unwrap();
+                    let run = g.k.gemv(&w, &input, path, t, y.slice(), &Epilogue::default());
+                    if !fits(f, &t) {
+                        assert!(run.is_err(), "{}: tiling {t:?} must be refused", f.tag);
+                        continue;
+                    }
+                    run.unwrap();
                     let got = y.to_host().unwrap();
                     let err = rel_err(&got, &reference);
-                    assert!(err < bound, "{q} {k}x{n} {path:?} {t:?}: rel err {err:e}");
-                    if t == GemvTiling::new(2, 2) && k == 4096 {
-                        println!("gemv {q} {k}x{n} {path:?}: rel err {err:.2e}");
+                    let tag = f.tag;
+                    assert!(err < bound, "{tag} {k}x{n} {path:?} {t:?}: rel err {err:e}");
+                    if t == GemvTiling::new(4, 2) && k == 4096 {
+                        println!("gemv {tag} {k}x{n} {path:?}: rel err {err:.2e}");
                     }
                 }
             }
@@ -171,7 +183,7 @@ fn gemv_every_type_path_and_shape_matches_reference() {
                 residual: Some(rd.slice()),
                 quant: None,
             };
-            g.k.gemv(&w, &input, GemvPath::Float, GemvTiling::new(2, 4), y.slice(), &epi)
+            g.k.gemv(&w, &input, GemvPath::Float, GemvTiling::new(4, 4), y.slice(), &epi)
                 .unwrap();
             for (i, r) in reference.iter_mut().enumerate() {
                 *r += bias[i] as f64 + resid[i] as f64;
@@ -215,10 +227,15 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemvq");
     let eps = 1e-5f32;
-    for q in [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16, QType::BF16] {
+    let formats = [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16, QType::BF16]
+        .map(|q| WeightFormat::plain(q).unwrap())
+        .into_iter()
+        .chain([Q4_0_X4]);
+    for f in formats {
+        let q = f.qtype;
         let (k, n) = if q.block_len() == 256 { (768, 67) } else { (576, 130) };
         let ggml = random_weights(&mut rng, q, k, n).unwrap();
-        let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
+        let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
         let x = random_vec(&mut rng, k, 3.0);
         let norm_in = random_vec(&mut rng, k, 2.0);
         let norm_out = random_vec(&mut rng, n, 2.0);
@@ -252,7 +269,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
         };
         let (bd, rd, nod) = (buf(&g.dev, &bias), buf(&g.dev, &resid), buf(&g.dev, &norm_out));
         for (path, bound) in PATHS.into_iter().filter(|(p, _)| *p != GemvPath::Float) {
-            for t in GemvTiling::quantising() {
+            for t in GemvTiling::quantising().filter(|t| fits(f, t)) {
                 let y = poisoned(&g.dev, n);
                 let yq = quant_buffers(&g.dev, n);
                 let parts_out = poisoned(&g.dev, n.div_ceil(32));
@@ -267,7 +284,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 };
                 g.k.gemv(&w, &input, path, t, y.slice(), &epi).unwrap();
                 let got = y.to_host().unwrap();
-                let what = format!("{q} {k}x{n} {path:?} {t:?}");
+                let what = format!("{} {k}x{n} {path:?} {t:?}", f.tag);
                 let err = rel_err(&got, &reference);
                 assert!(err < bound, "{what}: rel err {err:e}");
                 let scaled: Vec<f32> = got.iter().zip(&norm_out).map(|(a, b)| a * b).collect();
@@ -283,7 +300,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 residual: Some(rd.slice()),
                 quant: None,
             };
-            g.k.gemv(&w, &input, path, GemvTiling::new(2, 2), y.slice(), &plain)
+            g.k.gemv(&w, &input, path, GemvTiling::new(4, 2), y.slice(), &plain)
                 .unwrap();
             let out = QuantOut {
                 q: yq.act(),
@@ -292,7 +309,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
             };
             g.k.quantize(y.slice(), n, &out).unwrap();
             let got = y.to_host().unwrap();
-            let what = format!("{q} {k}x{n} {path:?} plain GEMV + quantize");
+            let what = format!("{} {k}x{n} {path:?} plain GEMV + quantize", f.tag);
             let err = rel_err(&got, &reference);
             assert!(err < bound, "{what}: rel err {err:e}");
             let scaled: Vec<f32> = got.iter().zip(&norm_out).map(|(a, b)| a * b).collect();
@@ -307,13 +324,12 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
 fn swiglu_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("swiglu");
-    for q in [
-        QType::Q4_K,
-        QType::Q6_K,
-        QType::Q8_0,
-        QType::Q5_0,
-        QType::F16,
-    ] {
+    let formats = [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16]
+        .map(|q| WeightFormat::plain(q).unwrap())
+        .into_iter()
+        .chain([Q4_0_X4]);
+    for f in formats {
+        let q = f.qtype;
         let (k, n) = if q.block_len() == 256 {
             (768, 130)
         } else {
@@ -329,8 +345,8 @@ fn swiglu_matches_reference() {
             .zip(&u_ref)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let gw = DeviceWeight::from_ggml(&g.dev, q, k, n, &gate).unwrap();
-        let uw = DeviceWeight::from_ggml(&g.dev, q, k, n, &up).unwrap();
+        let gw = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &gate).unwrap();
+        let uw = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &up).unwrap();
         let xd = buf(&g.dev, &x);
         let xq = quant_buffers(&g.dev, k);
         g.k.rmsnorm_q8_1(xd.slice(), 1, k, None, None, None, Some(xq.act()))
@@ -352,7 +368,8 @@ fn swiglu_matches_reference() {
             let quantising = GemvTiling::quantising()
                 .filter(|_| path != GemvPath::Float)
                 .map(|t| (t, true));
-            for (t, quantise) in plain.into_iter().chain(quantising) {
+            let chosen = plain.into_iter().chain(quantising).filter(|(t, _)| fits(f, t));
+            for (t, quantise) in chosen {
                 let y = poisoned(&g.dev, n);
                 let yq = quant_buffers(&g.dev, n);
                 let quant = quantise.then(|| QuantOut {
@@ -364,11 +381,11 @@ fn swiglu_matches_reference() {
                     .unwrap();
                 let got = y.to_host().unwrap();
                 if quantise {
-                    yq.check(&got, &format!("SwiGLU {q} {path:?} {t:?} output"));
+                    yq.check(&got, &format!("SwiGLU {} {path:?} {t:?} output", f.tag));
                 }
                 let err = rel_err(&got, &reference);
                 // SwiGLU doubles the relative error of a product of two GEMVs.
-                assert!(err < 2.0 * bound.max(2.5e-5), "swiglu {q} {path:?} {t:?}: rel err {err:e}");
+                assert!(err < 2.0 * bound.max(2.5e-5), "swiglu {} {path:?} {t:?}: rel err {err:e}", f.tag);
             }
         }
     }
@@ -775,14 +792,15 @@ fn captured_graph_replays_with_new_inputs() {
 fn embedding_lookup_matches_reference_dequantisation() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("embed");
-    for q in gemv_qtypes() {
+    for f in &FORMATS {
+        let q = f.qtype;
         let (k, n) = if q.block_len() == 256 {
             (768, 37)
         } else {
             (576, 37)
         };
         let ggml = random_weights(&mut rng, q, k, n).unwrap();
-        let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
+        let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
         let token = (rng.next_u64() % n as u64) as usize;
         let td = buf(&g.dev, &[token as i32]);
         let y = poisoned(&g.dev, k);
@@ -802,7 +820,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
         let reference: Vec<f64> = row.iter().map(|&v| v as f64).collect();
         let got = y.to_host().unwrap();
         let err = rel_err(&got, &reference);
-        assert!(err < 1e-6, "embed {q} row {token}: rel err {err:e}");
+        assert!(err < 1e-6, "embed {} row {token}: rel err {err:e}", f.tag);
         // The first layer's input: planes of the row times the norm weight, and Σrow².
         let scaled: Vec<f32> = got.iter().zip(&norm_w).map(|(a, b)| a * b).collect();
         yq.check(&scaled, &format!("embed {q}: quantised row"));
@@ -825,10 +843,11 @@ fn embedding_lookup_matches_reference_dequantisation() {
 fn prefill_dequantisers_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("dequant");
-    for q in gemv_qtypes() {
+    for f in &FORMATS {
+        let q = f.qtype;
         for (k, n) in shapes(q).into_iter().take(2) {
             let ggml = random_weights(&mut rng, q, k, n).unwrap();
-            let w = DeviceWeight::from_ggml(&g.dev, q, k, n, &ggml).unwrap();
+            let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
             let mut reference = vec![0f32; k * n];
             kiln_core::quant::dequantize(q, &ggml, &mut reference).unwrap();
             // Whole matrix to f16: each value within f16 rounding of the reference.
