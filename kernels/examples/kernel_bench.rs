@@ -4,15 +4,16 @@
 //! attention. Timings are CUDA-event medians over graph replays of several launches that
 //! rotate through enough weight copies to defeat the L2 cache.
 //!
-//! `cargo run --release -p kiln-kernels --example kernel_bench [-- --quick]`
+//! `cargo run --release -p kiln-kernels --example kernel_bench [-- --quick] [--formats q4_0,q4_0x4] [--all-shapes]`
+//! (`--formats` picks weight formats by tag; `--all-shapes` keeps every shape with --quick).
 
 use std::sync::Arc;
 
-use kiln_core::{QType, Rng};
+use kiln_core::Rng;
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
-    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, gemv_qtypes,
+    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -44,7 +45,14 @@ struct Row {
 }
 
 fn main() -> Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let all_shapes = args.iter().any(|a| a == "--all-shapes");
+    let only: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--formats")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').map(str::to_string).collect());
     let dev = match Device::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -81,11 +89,11 @@ fn main() -> Result<()> {
         (14336, 4096, "8B down 4096x14336"),
         (2048, 8192, "1B gate/up 8192x2048"),
     ];
-    if quick {
+    if quick && !all_shapes {
         shapes.truncate(3);
     }
     let mut rows: Vec<Row> = Vec::new();
-    let mut best: Vec<(String, QType, [Option<Row>; 3])> = Vec::new();
+    let mut best: Vec<(String, &str, [Option<Row>; 3])> = Vec::new();
     for &(kk, n, label) in &shapes {
         let x = random_vec(&mut rng, kk, 1.0);
         let xd = DeviceBuffer::from_host(&dev, &x)?;
@@ -109,12 +117,13 @@ fn main() -> Result<()> {
             }),
             ..Default::default()
         };
-        for q in gemv_qtypes() {
-            if !kk.is_multiple_of(q.block_len()) {
+        for f in &FORMATS {
+            let q = f.qtype;
+            if !kk.is_multiple_of(q.block_len()) || only.as_ref().is_some_and(|o| !o.iter().any(|t| t == f.tag)) {
                 continue;
             }
             let ggml = random_weights(&mut rng, q, kk, n)?;
-            let packed = PackedWeight::pack(q, kk, n, &ggml)?;
+            let packed = PackedWeight::pack_as(f, kk, n, &ggml)?;
             // Enough copies that the rotation streams at least 512 MB (L2 is 60 MB).
             let copies = (512usize << 20).div_ceil(packed.bytes()).clamp(2, 16);
             let ws: Vec<DeviceWeight> = (0..copies)
@@ -136,7 +145,7 @@ fn main() -> Result<()> {
                 let quant = GemvTiling::quantising()
                     .filter(|_| path != GemvPath::Float)
                     .map(|t| (t, true));
-                for (t, quantise) in plain.chain(quant) {
+                for (t, quantise) in plain.chain(quant).filter(|(t, _)| t.rows_per_warp % f.row_group == 0) {
                     let epi = if quantise { quantising } else { Epilogue::default() };
                     let g = dev.capture(|| {
                         for i in 0..LAUNCHES_PER_GRAPH {
@@ -161,8 +170,8 @@ fn main() -> Result<()> {
                     };
                     let row = Row {
                         what: format!(
-                            "{label:<24} {:<5} {:<5} R{}S{}{}",
-                            q.name(),
+                            "{label:<24} {:<6} {:<5} R{}S{}{}",
+                            f.tag,
                             format!("{path:?}"),
                             t.rows_per_warp,
                             t.warps_per_row,
@@ -182,7 +191,7 @@ fn main() -> Result<()> {
                     rows.push(row);
                 }
             }
-            best.push((label.to_string(), q, fastest));
+            best.push((label.to_string(), f.tag, fastest));
         }
     }
     println!("\nall GEMV configurations (time per launch, bytes = weights + activation + output):");
@@ -301,7 +310,7 @@ fn main() -> Result<()> {
         };
         println!(
             "| {label} | {} | {} | {} | {} |",
-            q.name(),
+            q,
             cell(&fastest[0]),
             cell(&fastest[1]),
             cell(&fastest[2])

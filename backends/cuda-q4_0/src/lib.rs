@@ -3,7 +3,7 @@
 //! The CUDA backend for Q4_0 models (GGUF `Q4_0` files; APR's 4-bit type is the next
 //! format on the same layout). The executor is the shared GPU runtime
 //! (`kiln-cuda-runtime`); this crate is its policy: Q4_0 matrices are repacked at upload
-//! into rows of four (`kiln_kernels::Q4_0_X4`: per 32-chunk tile, each row's 16-byte quant
+//! (rows of at least 2048 values) into rows of four (`kiln_kernels::Q4_0_X4`: per 32-chunk tile, each row's 16-byte quant
 //! blocks contiguous, the four rows' scales of a chunk in one 8-byte word), read by GEMVs
 //! whose warps own whole 4-row groups. The other tensors such files carry (a Q6_K or Q8_0
 //! LM head, F16 or Q8_0 embeddings) keep their plain layout and the runtime's kernels.
@@ -25,29 +25,49 @@ pub const NAME: &str = "cuda-q4_0";
 #[derive(Debug, Default, Clone)]
 pub struct CudaQ40Backend;
 
-/// `cuda-q4_0`'s choices for the shared runtime.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Q40Policy;
+/// `cuda-q4_0`'s choices for the shared runtime. `Default` is what the backend uses; the
+/// fields are there so a benchmark can compare the alternatives in one process.
+#[derive(Debug, Clone, Copy)]
+pub struct Q40Policy {
+    /// Q4_0 matrices whose rows hold at least this many values are repacked into
+    /// `Q4_0_X4`; shorter rows keep the plain layout (`usize::MAX`: never repack).
+    pub grouped_from: usize,
+    /// Tiling of the plain-output GEMVs (QKV, LM head) over `Q4_0_X4` weights.
+    pub grouped_tiling: GemvTiling,
+}
+
+/// Measured on an H200 (`q4_0_variants -n 128`, 2026-11-30, tg128 tok/s; synthetic q4_0
+/// files of real shapes): rows of four from 2048 values on, R4S4 — SmolLM2-135M 1,712
+/// (x4 everywhere: 1,584–1,623; its 576- and 1536-long rows run best plain), Llama-3.2-1B
+/// 1,432 (plain everywhere: 1,045), Llama-3-8B 437 (plain: 418; R4S1: 414).
+impl Default for Q40Policy {
+    fn default() -> Self {
+        Q40Policy {
+            grouped_from: 2048,
+            grouped_tiling: GemvTiling::new(4, 4),
+        }
+    }
+}
 
 impl GpuPolicy for Q40Policy {
     fn backend_name(&self) -> &'static str {
         NAME
     }
 
-    fn format_for(&self, qtype: QType) -> Option<&'static WeightFormat> {
+    fn format_for(&self, qtype: QType, row_len: usize) -> Option<&'static WeightFormat> {
         match qtype {
-            QType::Q4_0 => Some(Q4_0_X4),
+            QType::Q4_0 if row_len >= self.grouped_from => Some(Q4_0_X4),
             q => WeightFormat::plain(q),
         }
     }
 
     fn gemv_tiling(&self, w: &DeviceWeight) -> GemvTiling {
-        // A warp owns one 4-row group of Q4_0_X4; two warps split each row's length, so a
-        // short row (576 to 2048 values) still keeps a lane's loads in flight.
-        if w.format.is_grouped() || !w.qtype.is_quantized() {
-            GemvTiling::new(4, 2)
-        } else {
+        if w.format.is_grouped() {
+            self.grouped_tiling
+        } else if w.qtype.is_quantized() {
             GemvTiling::new(2, 2)
+        } else {
+            GemvTiling::new(4, 2)
         }
     }
 
@@ -64,7 +84,7 @@ impl GpuPolicy for Q40Policy {
 /// Loads `model` on `device` with `cuda-q4_0`'s policy (what `Backend::load` does on
 /// device 0; tests and benchmarks call it to keep the concrete type).
 pub fn load_executor(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<GpuExecutor> {
-    GpuExecutor::load(device, model, options, Arc::new(Q40Policy))
+    GpuExecutor::load(device, model, options, Arc::new(Q40Policy::default()))
 }
 
 impl Backend for CudaQ40Backend {
@@ -85,7 +105,7 @@ impl Backend for CudaQ40Backend {
     }
 
     fn supports(&self, model: &ModelIr) -> Support {
-        if let Err(reason) = check_model(model, &Q40Policy) {
+        if let Err(reason) = check_model(model, &Q40Policy::default()) {
             return Support::No { reason };
         }
         let share = model.matmul_share(|q| q == QType::Q4_0);

@@ -6,7 +6,9 @@
 //! at the bottom needs no GPU.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4_0::{load_executor, CudaQ40Backend};
+use std::sync::Arc;
+
+use kiln_backend_cuda_q4_0::{CudaQ40Backend, GpuExecutor, Q40Policy};
 use kiln_core::{
     score, Architecture, Backend, DecodeItem, LayerExecutor, LoadOptions, QType, Rng, RopeKind,
 };
@@ -94,14 +96,20 @@ fn q4_0_decode_logits_match_the_cpu_backend() {
             ..Default::default()
         };
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
+        // Every Q4_0 matrix in rows of four (the default keeps short rows plain).
+        let grouped = Q40Policy {
+            grouped_from: 0,
+            ..Default::default()
+        };
         let variants = [
-            ("q16 default", GemvPath::Q16, None, 0.99999),
-            ("q16 R4S2", GemvPath::Q16, Some(GemvTiling::new(4, 2)), 0.99999),
-            ("q16 R4S1", GemvPath::Q16, Some(GemvTiling::new(4, 1)), 0.99999),
-            ("q8 default", GemvPath::Q8, None, 0.999),
+            ("q16 default", Q40Policy::default(), GemvPath::Q16, None, 0.99999),
+            ("q16 all x4 R4S2", grouped, GemvPath::Q16, Some(GemvTiling::new(4, 2)), 0.99999),
+            ("q16 all x4 R4S1", grouped, GemvPath::Q16, Some(GemvTiling::new(4, 1)), 0.99999),
+            ("q16 all x4 R4S4 plain GEMVs", Q40Policy { grouped_tiling: GemvTiling::new(4, 4), ..grouped }, GemvPath::Q16, None, 0.99999),
+            ("q8 default", Q40Policy::default(), GemvPath::Q8, None, 0.999),
         ];
-        for (name, path, tiling, floor) in variants {
-            let mut gpu = load_executor(&dev, &ir, &options).unwrap();
+        for (name, policy, path, tiling, floor) in variants {
+            let mut gpu = GpuExecutor::load(&dev, &ir, &options, Arc::new(policy)).unwrap();
             gpu.set_gemv_path(path).unwrap();
             if let Some(t) = tiling {
                 gpu.set_quant_tiling(t).unwrap();

@@ -57,12 +57,15 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
             ));
         }
     }
-    let unsupported: Vec<String> = model
-        .matrix_qtypes()
+    let mut unsupported: Vec<String> = model
+        .weights
+        .tensors()
         .into_iter()
-        .filter(|&q| policy.format_for(q).is_none())
-        .map(|q| q.name().to_string())
+        .filter(|t| t.dims().len() >= 2 && policy.format_for(t.qtype(), t.row_len()).is_none())
+        .map(|t| t.qtype().name().to_string())
         .collect();
+    unsupported.sort();
+    unsupported.dedup();
     if !unsupported.is_empty() {
         return Err(format!("{name} has no GEMV for {}", unsupported.join(", ")));
     }
@@ -72,10 +75,13 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
 /// The device formats `model`'s matrices take under `policy` (checked by `check_model`).
 fn formats_of(model: &ModelIr, policy: &dyn GpuPolicy) -> Vec<&'static WeightFormat> {
     let mut v: Vec<&'static WeightFormat> = model
-        .matrix_qtypes()
+        .weights
+        .tensors()
         .into_iter()
-        .filter_map(|q| policy.format_for(q))
+        .filter(|t| t.dims().len() >= 2)
+        .filter_map(|t| policy.format_for(t.qtype(), t.row_len()))
         .collect();
+    v.sort_by_key(|f| f.tag);
     v.dedup_by_key(|f| f.tag);
     v
 }
@@ -240,7 +246,7 @@ impl GpuExecutor {
                 rows += t.rows();
             }
             let format = policy
-                .format_for(first.qtype())
+                .format_for(first.qtype(), first.row_len())
                 .ok_or_else(|| Error::Unsupported(format!("no GEMV for {}", first.qtype())))?;
             let dw = if parts.len() == 1 {
                 DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, first.bytes())

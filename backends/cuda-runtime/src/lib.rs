@@ -27,9 +27,11 @@ pub trait GpuPolicy: Send + Sync + std::fmt::Debug {
     /// The backend's name, for messages (`cuda-q4k`).
     fn backend_name(&self) -> &'static str;
 
-    /// The device format a matrix of `qtype` is repacked into at upload, or `None` when the
-    /// backend has no GEMV for it. Default: the type's plain layout.
-    fn format_for(&self, qtype: QType) -> Option<&'static WeightFormat> {
+    /// The device format a matrix of `qtype` with rows of `row_len` values is repacked into
+    /// at upload, or `None` when the backend has no GEMV for the type. Default: the type's
+    /// plain layout.
+    fn format_for(&self, qtype: QType, row_len: usize) -> Option<&'static WeightFormat> {
+        let _ = row_len;
         WeightFormat::plain(qtype)
     }
 
