@@ -23,7 +23,7 @@
 #                            is recorded in the table and the script exits 1 at the end.
 #                            KILN=.gpu/kiln picks the kiln binary, KILN_BENCH_ARGS adds flags to
 #                            it (e.g. "--backend cuda-q4_0"); PP=512 TG=128 REPS=5 NGL=99 change
-#                            the test; LLAMA_BENCH_ARGS adds flags to llama-bench (e.g. "-fa 1").
+#                            the test; LLAMA_BENCH_ARGS adds flags to llama-bench (e.g. "-fa on").
 #                            BATCHED=1 adds `llama-batched-bench -fa on -npp 128 -ntg 128
 #                            -npl 1,4,8,16,32,64 -c 16384` (S_TG per batch size; llama.cpp only,
 #                            kiln has no batched bench yet), NPL= changes the batch sizes.
@@ -107,8 +107,8 @@ for idx, model, llama_rc, kiln_rc, batched_rc in manifest:
             llama, data = llama_rows(tag + ".llamacpp.json")
             if data:
                 d = data[0]
-                notes.append(f"{name}: llama.cpp {d.get('build_commit', '?')} ({d.get('build_number', '?')}), "
-                             f"{d.get('backends', '?')} on {d.get('gpu_info', '?')}, "
+                notes.append(f"{name}: llama.cpp {d.get('build_commit', '?')}, "
+                             f"{d.get('backends', '?')} on {d.get('gpu_info') or d.get('cpu_info', '?')}, "
                              f"{d.get('model_type', '?')}, n_gpu_layers {d.get('n_gpu_layers', '?')}, "
                              f"flash_attn {d.get('flash_attn', '?')}")
             if not llama:
@@ -143,7 +143,10 @@ for idx, model, llama_rc, kiln_rc, batched_rc in manifest:
         table.append(f"| {name} | {t} | {lc} | {kc} | {backend} | {ratio} |")
     if batched_rc != "-":
         rows = []
+        # the rows go to stdout; stderr only as a fallback (a build that logs them there)
         for path in (tag + ".batched.jsonl", tag + ".batched.err"):
+            if rows:
+                break
             try:
                 with open(path, errors="replace") as bf:
                     for line in bf:
