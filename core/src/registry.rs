@@ -93,7 +93,7 @@ impl Registry {
             })
             .collect();
         // A stable sort: equal scores keep registration order (built-ins before plugins).
-        out.sort_by(|a, b| b.score().cmp(&a.score()));
+        out.sort_by_key(|c| std::cmp::Reverse(c.score()));
         out
     }
 

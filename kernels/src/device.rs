@@ -86,6 +86,11 @@ struct Context {
     functions: Mutex<HashMap<String, Function>>,
 }
 
+// SAFETY: the driver's handles are thread-safe; the tables are behind mutexes; every user
+// binds the context before a driver call.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
 impl Drop for Context {
     fn drop(&mut self) {
         // Teardown errors cannot be acted on; the context goes away with the process.
