@@ -9,29 +9,75 @@ use std::sync::Arc;
 
 use kiln_core::{Backend, Candidate, Error, LayerExecutor, LoadOptions, ModelIr, Registry, Result};
 use kiln_formats::chat::ChatTemplate;
+use kiln_formats::apr::AprFile;
 use kiln_formats::gguf::GgufFile;
-use kiln_formats::tokenizer::Tokenizer;
+use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 
 use crate::session::Session;
+
+/// The container a model came in.
+pub enum ModelFile {
+    Gguf(GgufFile),
+    Apr(AprFile),
+}
 
 /// A model file opened and understood, not yet on any device.
 pub struct Model {
     pub path: PathBuf,
-    pub gguf: GgufFile,
+    pub file: ModelFile,
     pub ir: ModelIr,
     pub tokenizer: Tokenizer,
     pub chat_template: ChatTemplate,
+    /// The tokenizer as the file describes it (what `kiln convert` writes out again).
+    pub tokenizer_spec: TokenizerSpec,
 }
 
 impl Model {
-    /// Opens a GGUF file: header, tensors (memory-mapped, not read), tokenizer, template.
+    /// Opens a GGUF or APR file, told apart by its magic bytes (not its name): header,
+    /// tensors (memory-mapped, not read), tokenizer, template.
     pub fn open(path: &Path) -> Result<Model> {
+        let mut magic = [0u8; 4];
+        {
+            use std::io::Read;
+            let meta = std::fs::metadata(path).map_err(|e| annotate(path, e.into()))?;
+            if !meta.is_file() {
+                return Err(Error::InvalidArgument(format!("{}: not a regular file", path.display())));
+            }
+            let mut f = std::fs::File::open(path).map_err(|e| annotate(path, e.into()))?;
+            let n = f.read(&mut magic).map_err(|e| annotate(path, e.into()))?;
+            if n < 4 {
+                return Err(Error::Format(format!("{}: {n} bytes is too short for a model file", path.display())));
+            }
+        }
+        if kiln_formats::apr::is_apr(&magic) {
+            return Self::open_apr(path);
+        }
         let gguf = GgufFile::open(path).map_err(|e| annotate(path, e.into()))?;
         let source = format!("GGUF file {}", path.display());
         let ir = kiln_formats::model::model_from_gguf(&gguf, &source).map_err(|e| annotate(path, e))?;
-        let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        let tokenizer_spec = TokenizerSpec::from_gguf(&gguf)?;
+        let tokenizer = Tokenizer::from_spec(tokenizer_spec.clone())?;
         let chat_template = ChatTemplate::from_gguf(&gguf)?;
-        Ok(Model { path: path.to_path_buf(), gguf, ir, tokenizer, chat_template })
+        Ok(Model { path: path.to_path_buf(), file: ModelFile::Gguf(gguf), ir, tokenizer, chat_template, tokenizer_spec })
+    }
+
+    fn open_apr(path: &Path) -> Result<Model> {
+        let apr = AprFile::open(path).map_err(|e| annotate(path, e.into()))?;
+        let source = format!("APR file {}", path.display());
+        let m = kiln_formats::apr_model::model_from_apr(&apr, &source).map_err(|e| annotate(path, e))?;
+        let tokenizer = Tokenizer::from_spec(m.tokenizer.clone())?;
+        let piece = |id: Option<u32>| id.and_then(|i| m.tokenizer.tokens.get(i as usize)).cloned().unwrap_or_default();
+        let (bos, eos) = (piece(m.tokenizer.bos), piece(m.tokenizer.eos));
+        let chat_template = match &m.chat_template {
+            Some(src) => ChatTemplate::new(src, bos, eos)?,
+            None => ChatTemplate::chatml(bos, eos),
+        };
+        Ok(Model { path: path.to_path_buf(), file: ModelFile::Apr(apr), ir: m.ir, tokenizer, chat_template, tokenizer_spec: m.tokenizer })
+    }
+
+    /// The chat template's source, if the file carries one (not the ChatML fallback).
+    pub fn chat_template_source(&self) -> Option<&str> {
+        (!self.chat_template.is_fallback()).then(|| self.chat_template.source())
     }
 }
 

@@ -14,7 +14,7 @@ pub mod plugins;
 pub mod session;
 pub mod toolkit;
 
-pub use engine::{registry_with_plugins, Engine, Model};
+pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
 pub use session::{FinishReason, GenerateParams, Generation, Session};
 
 pub use kiln_core as core;

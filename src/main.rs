@@ -51,6 +51,8 @@ enum Command {
     Quantize(kiln::toolkit::QuantizeArgs),
     /// Write a random-weight model of a real model's shape (for benchmarks and tests).
     Synth(kiln::toolkit::SynthArgs),
+    /// Convert between GGUF and APR v2 (`kiln convert in.gguf out.apr [--quantize int4]`).
+    Convert(kiln::toolkit::ConvertArgs),
 }
 
 #[derive(Args, Clone)]
@@ -206,6 +208,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd_bench(args),
         Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
         Command::Synth(args) => kiln::toolkit::cmd_synth(args),
+        Command::Convert(args) => kiln::toolkit::cmd_convert(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -369,14 +372,36 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     let ir = &model.ir;
     let c = &ir.config;
     println!("file:         {}", path.display());
-    println!("format:       GGUF v{}", model.gguf.version());
-    for (key, value) in model.gguf.metadata() {
-        if key.starts_with("tokenizer.ggml.") && !matches!(key.as_str(), "tokenizer.ggml.model" | "tokenizer.ggml.pre") {
-            continue;
-        }
-        let shown = value.to_string();
+    let clip = |shown: String| {
         let shown = if shown.chars().count() > 100 { format!("{}…", shown.chars().take(100).collect::<String>()) } else { shown };
-        println!("  {key} = {}", shown.replace('\n', "\\n"));
+        shown.replace('\n', "\\n")
+    };
+    match &model.file {
+        kiln::ModelFile::Gguf(gguf) => {
+            println!("format:       GGUF v{}", gguf.version());
+            for (key, value) in gguf.metadata() {
+                if key.starts_with("tokenizer.ggml.") && !matches!(key.as_str(), "tokenizer.ggml.model" | "tokenizer.ggml.pre") {
+                    continue;
+                }
+                println!("  {key} = {}", clip(value.to_string()));
+            }
+        }
+        kiln::ModelFile::Apr(apr) => {
+            let (major, minor) = apr.version();
+            println!("format:       APR v{major}.{minor}, flags {:#06x} ({})", apr.flags(), apr_flag_names(apr.flags()).join(", "));
+            for (key, value) in apr.metadata() {
+                if matches!(key.as_str(), "tokenizer.vocabulary" | "tokenizer.merges" | "tokenizer.scores" | "tokenizer.token_type") {
+                    let n = value.as_array().map_or(0, Vec::len);
+                    println!("  {key} = [{n} entries]");
+                    continue;
+                }
+                println!("  {key} = {}", clip(value.to_string()));
+            }
+            println!("tensors:      {}", apr.tensors().len());
+            for t in apr.tensors() {
+                println!("  {:<48} {:<8} {:?} at +{} ({} bytes)", t.name, t.dtype.name(), t.dims, t.offset, t.size);
+            }
+        }
     }
     println!(
         "architecture: {} — {} layers, hidden {}, ffn {}, heads {} / kv {} × {}, vocab {}, context {}",
@@ -396,7 +421,16 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
     println!("tensors by type:");
-    let mut mix = kiln_formats::quantize::type_mix(&model.gguf);
+    let mut mix: Vec<(kiln_core::QType, usize, usize)> = Vec::new();
+    for t in ir.weights.tensors() {
+        match mix.iter_mut().find(|(q, _, _)| *q == t.qtype()) {
+            Some(m) => {
+                m.1 += 1;
+                m.2 += t.bytes().len();
+            }
+            None => mix.push((t.qtype(), 1, t.bytes().len())),
+        }
+    }
     mix.sort_by_key(|&(q, _, _)| q);
     for (q, count, bytes) in mix {
         println!("  {:<6} {count:>4} tensors  {:>9.2} MB", q.name(), bytes as f64 / 1e6);
@@ -411,6 +445,29 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The names of the APR header flags set in `flags`.
+fn apr_flag_names(flags: u16) -> Vec<&'static str> {
+    use kiln_formats::apr::flags as f;
+    [
+        (f::LZ4, "lz4"),
+        (f::ZSTD, "zstd"),
+        (f::ENCRYPTED, "encrypted"),
+        (f::SIGNED, "signed"),
+        (f::SHARDED, "sharded"),
+        (f::QUANTIZED, "quantized"),
+        (f::HAS_FILTERBANK, "filterbank"),
+        (f::HAS_MODEL_CARD, "model card"),
+        (f::STREAMING, "streaming"),
+        (f::HAS_VOCAB, "vocabulary"),
+        (f::ROW_MAJOR, "row-major"),
+        (f::COLUMN_MAJOR, "column-major"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
 }
 
 fn cmd_backends(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {

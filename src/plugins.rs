@@ -212,7 +212,7 @@ impl Plugin {
         };
         let qtypes = ids(info.qtypes, info.n_qtypes, "qtypes")?
             .into_iter()
-            .map(|id| QType::from_ggml_id(id).ok_or_else(|| malformed(format!("unknown qtype id {id}"))))
+            .map(|id| QType::from_id(id).ok_or_else(|| malformed(format!("unknown qtype id {id}"))))
             .collect::<Result<Vec<_>>>()?;
         let architectures = ids(info.architectures, info.n_architectures, "architectures")?
             .into_iter()

@@ -131,3 +131,69 @@ pub fn cmd_synth(args: SynthArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// `kiln convert IN OUT [--compress lz4|zstd] [--quantize int4|int8]`
+#[derive(Args, Debug, Clone)]
+pub struct ConvertArgs {
+    /// Input model (GGUF or APR; told apart by its magic bytes).
+    pub input: PathBuf,
+    /// Output model: `.apr` writes APR v2, `.gguf` writes GGUF.
+    pub output: PathBuf,
+    /// APR output only: compress everything after the header (lz4 or zstd).
+    #[arg(long)]
+    pub compress: Option<String>,
+    /// APR output only: write every matrix in APR's 4-bit (int4) or 8-bit (int8) type.
+    #[arg(long)]
+    pub quantize: Option<String>,
+}
+
+/// `kiln convert`: GGUF ↔ APR, streaming one tensor at a time; prints every tensor whose
+/// type had to change and why.
+pub fn cmd_convert(args: ConvertArgs) -> Result<()> {
+    use kiln_core::Error;
+    use kiln_formats::apr::Compression;
+    use kiln_formats::apr_model::{write_model_apr, write_model_gguf, AprQuantize};
+    let to_apr = match args.output.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+        Some("apr") => true,
+        Some("gguf") => false,
+        _ => return Err(Error::InvalidArgument(format!("{}: the output must end in .apr or .gguf", args.output.display()))),
+    };
+    let compression = match args.compress.as_deref() {
+        None | Some("none") => Compression::None,
+        Some("lz4") => Compression::Lz4,
+        Some("zstd") => Compression::Zstd,
+        Some(other) => return Err(Error::InvalidArgument(format!("--compress {other}: lz4, zstd or none"))),
+    };
+    let quantize = match args.quantize.as_deref() {
+        None | Some("keep") => AprQuantize::Keep,
+        Some("int4") => AprQuantize::Int4,
+        Some("int8") => AprQuantize::Int8,
+        Some(other) => return Err(Error::InvalidArgument(format!("--quantize {other}: int4 or int8"))),
+    };
+    if !to_apr && (compression != Compression::None || quantize != AprQuantize::Keep) {
+        return Err(Error::InvalidArgument("--compress and --quantize apply to APR output only".into()));
+    }
+    let model = crate::Model::open(&args.input)?;
+    let template = model.chat_template_source().map(str::to_string);
+    let bar = Bar::new();
+    let start = Instant::now();
+    let reports = if to_apr {
+        write_model_apr(&model.ir, &model.tokenizer_spec, template.as_deref(), &args.output, compression, quantize, &|e| bar.observe(e))?
+    } else {
+        write_model_gguf(&model.ir, &model.tokenizer_spec, template.as_deref(), &args.output, &|e| bar.observe(e))?
+    };
+    for r in &reports {
+        println!("{:<40} {} → {}", r.name, r.from, r.to);
+    }
+    let size = std::fs::metadata(&args.output)?.len();
+    println!(
+        "{} → {}: {} tensors ({} converted), {:.1} MB, {:.1} s",
+        args.input.display(),
+        args.output.display(),
+        model.ir.weights.tensors().len(),
+        reports.len(),
+        size as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -120,6 +120,20 @@ impl TensorView {
         )
     }
 
+    /// Elements `start..start + count` of a 1-D tensor as their own view (zero-copy): a
+    /// fused Q/K/V bias split into its parts. `start` must fall on a block boundary.
+    pub fn slice_vector(&self, name: &str, start: usize, count: usize) -> Result<TensorView> {
+        let aligned = start.is_multiple_of(self.qtype.block_len());
+        if self.dims.len() != 1 || !aligned || start.checked_add(count).is_none_or(|end| end > self.dims[0]) {
+            return Err(Error::InvalidShape(format!(
+                "cannot take elements {start}+{count} of {} with dims {:?}",
+                self.name, self.dims
+            )));
+        }
+        let skip = self.qtype.row_bytes(start)?;
+        TensorView::new(name, self.qtype, vec![count], self.storage.clone(), self.offset + skip)
+    }
+
     /// Dequantised copy of the whole tensor (small tensors: norms, biases).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; self.elements()];

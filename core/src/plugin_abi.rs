@@ -38,8 +38,9 @@ use crate::qtype::QType;
 
 /// Major version: bumped by any change an older host or plugin could misread.
 pub const ABI_MAJOR: u16 = 1;
-/// Minor version: bumped by purely additive changes (see the module docs).
-pub const ABI_MINOR: u16 = 1;
+/// Minor version: bumped by purely additive changes (see the module docs). 1.2 added qtype
+/// id 128 (APR Q4): ids from 128 up are kiln's own types, outside ggml's id space.
+pub const ABI_MINOR: u16 = 2;
 /// `ABI_MAJOR << 16 | ABI_MINOR`, the value in [`KilnPluginApi::abi_version`].
 pub const ABI_VERSION: u32 = pack_version(ABI_MAJOR, ABI_MINOR);
 /// Name of the symbol every plugin exports.
@@ -283,7 +284,9 @@ pub struct KilnBackendInfo {
     pub version: KilnStr,
     /// One line for listings (up to 1024 bytes).
     pub description: KilnStr,
-    /// ggml type ids of the weight types it multiplies with (at most [`MAX_LIST`]).
+    /// Type ids ([`QType::id`]: ggml's ids, and from 128 up kiln's own types) of the weight
+    /// types it multiplies with (at most [`MAX_LIST`]). List an id from 128 up only to a
+    /// host of ABI 1.2 or later: older hosts refuse unknown ids here.
     pub qtypes: *const u32,
     pub n_qtypes: usize,
     /// [`arch_id`]s it runs; none means "decided per model by `supports`".
@@ -444,7 +447,8 @@ pub struct KilnTensorDesc {
     /// A [`TensorRole`] id.
     pub role: u32,
     pub layer: u32,
-    /// ggml type id.
+    /// Type id ([`QType::id`]): ggml's id for ggml types, from 128 up for kiln's own (128:
+    /// APR Q4, since ABI 1.2). A plugin refuses an id it does not know.
     pub qtype: u32,
     pub n_dims: u32,
     /// `dims[0]` is the contiguous row length; entries past `n_dims` are 0.
@@ -786,7 +790,7 @@ impl ModelDescBuf {
                     name: KilnStr::new(t.name()),
                     role: role as u32,
                     layer,
-                    qtype: t.qtype().ggml_id(),
+                    qtype: t.qtype().id(),
                     n_dims: t.dims().len() as u32,
                     dims,
                     data: bytes.as_ptr(),
@@ -872,7 +876,7 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         let name = t.name.to_str("tensor name", MAX_MESSAGE).map_err(|m| bad(format!("tensor {i}: {m}")))?;
         let role = TensorRole::from_id(t.role).ok_or_else(|| bad(format!("tensor {name}: unknown role id {}", t.role)))?;
         let qtype =
-            QType::from_ggml_id(t.qtype).ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;
+            QType::from_id(t.qtype).ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;
         let n_dims = t.n_dims as usize;
         if n_dims == 0 || n_dims > MAX_DIMS {
             return Err(bad(format!("tensor {name}: {n_dims} dims (1..={MAX_DIMS} allowed)")));
@@ -1104,6 +1108,22 @@ mod tests {
         assert_eq!(back.weights.token_embd.bytes().as_ptr(), buf.model().weights.token_embd.bytes().as_ptr());
     }
 
+    /// Kiln's own qtypes (ids from 128 up) cross the ABI like ggml's: the plugin side
+    /// rebuilds an APR Q4 tensor from id 128.
+    #[test]
+    fn kiln_qtype_ids_cross_the_abi() {
+        let mut model = tiny_model();
+        let dims = model.weights.layers[1].ffn_up.dims().to_vec();
+        let bytes: Vec<u8> = (0..QType::AprQ4.tensor_bytes(&dims).unwrap()).map(|i| i as u8).collect();
+        model.weights.layers[1].ffn_up = TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
+        let buf = ModelDescBuf::new(&model);
+        let desc = buf.tensors.iter().find(|t| unsafe { t.name.to_str("", 64) } == Ok("l1.up")).unwrap();
+        assert_eq!(desc.qtype, 128);
+        let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
+        let t = &back.weights.layers[1].ffn_up;
+        assert_eq!((t.qtype(), t.dims(), t.bytes()), (QType::AprQ4, &dims[..], model.weights.layers[1].ffn_up.bytes()));
+    }
+
     #[test]
     fn malformed_descriptors_are_refused() {
         let model = tiny_model();
@@ -1118,6 +1138,7 @@ mod tests {
             assert!(err.contains(needle), "{err:?} lacks {needle:?}");
         };
         check(&|t| t[0].qtype = 99, "unknown qtype id 99");
+        check(&|t| t[0].qtype = 129, "unknown qtype id 129");
         check(&|t| t[0].role = 1000, "unknown role id 1000");
         check(&|t| t[0].len += 1, "bytes, but");
         check(&|t| t[0].data = std::ptr::null(), "null data pointer");

@@ -1,8 +1,13 @@
-//! Tensor element types (ggml type ids) and their block geometry.
+//! Tensor element types and their block geometry.
+//!
+//! Ids are ggml's type ids for the ggml types (what GGUF stores on disk) and 128 and up for
+//! kiln's own types that come from other formats (APR's dtype ids), so the two ranges never
+//! collide: [`QType::from_ggml_id`] accepts only the former, [`QType::from_id`] both.
 
 use crate::error::{Error, Result};
 
-/// A tensor's storage type. Discriminants are ggml's type ids, which GGUF stores on disk.
+/// A tensor's storage type. Discriminants are kiln's type ids: ggml's type id for every
+/// ggml type (which GGUF stores on disk), 128 and up for types ggml does not have.
 #[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u32)]
@@ -22,11 +27,36 @@ pub enum QType {
     Q6_K = 14,
     Q8_K = 15,
     BF16 = 30,
+    /// APR's 4-bit block type (APR v2 dtype id 128; not ggml's Q4_0). Per 32 values: an f16
+    /// scale `d`, then 16 bytes of nibbles; value `i` is the low nibble of byte `i / 2` when
+    /// `i` is even and the high nibble when odd; `x = d·(q − 8)`. Not a ggml type: GGUF
+    /// cannot hold it. See [`crate::quant::apr`].
+    AprQ4 = 128,
 }
 
 impl QType {
     /// Every type kiln knows, in id order.
-    pub const ALL: [QType; 15] = [
+    pub const ALL: [QType; 16] = [
+        QType::F32,
+        QType::F16,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q8_1,
+        QType::Q2_K,
+        QType::Q3_K,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+        QType::Q8_K,
+        QType::BF16,
+        QType::AprQ4,
+    ];
+
+    /// The ggml types among [`QType::ALL`] (those a GGUF file can hold), in id order.
+    pub const GGML: [QType; 15] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -44,15 +74,36 @@ impl QType {
         QType::BF16,
     ];
 
+    /// The ggml type with this id (as GGUF stores it). Kiln's own types are refused: their
+    /// ids are not ggml's, and a GGUF file naming one is malformed.
     pub fn from_ggml_id(id: u32) -> Option<QType> {
+        QType::GGML.iter().copied().find(|q| *q as u32 == id)
+    }
+
+    /// The type with this kiln id ([`QType::id`]): every ggml type and kiln's own (the
+    /// plugin ABI carries these ids).
+    pub fn from_id(id: u32) -> Option<QType> {
         QType::ALL.iter().copied().find(|q| *q as u32 == id)
     }
 
+    /// Kiln's id for this type: ggml's id for a ggml type, 128 and up otherwise.
+    pub fn id(self) -> u32 {
+        self as u32
+    }
+
+    /// Whether ggml (and so GGUF) has this type.
+    pub fn is_ggml(self) -> bool {
+        QType::GGML.contains(&self)
+    }
+
+    /// The ggml type id. Only meaningful when [`QType::is_ggml`]: for kiln's own types this
+    /// is their kiln id, which no ggml build knows, so a GGUF writer must check `is_ggml`
+    /// first.
     pub fn ggml_id(self) -> u32 {
         self as u32
     }
 
-    /// Lower-case name as llama.cpp prints it (`q4_k`, `f16`, ...).
+    /// Lower-case name as llama.cpp prints it (`q4_k`, `f16`, ...); `apr_q4` for APR's Q4.
     pub fn name(self) -> &'static str {
         match self {
             QType::F32 => "f32",
@@ -70,6 +121,7 @@ impl QType {
             QType::Q6_K => "q6_k",
             QType::Q8_K => "q8_k",
             QType::BF16 => "bf16",
+            QType::AprQ4 => "apr_q4",
         }
     }
 
@@ -82,7 +134,13 @@ impl QType {
     pub fn block_len(self) -> usize {
         match self {
             QType::F32 | QType::F16 | QType::BF16 => 1,
-            QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::Q8_0 | QType::Q8_1 => 32,
+            QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::Q8_0
+            | QType::Q8_1
+            | QType::AprQ4 => 32,
             QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => 256,
         }
     }
@@ -92,7 +150,7 @@ impl QType {
         match self {
             QType::F32 => 4,
             QType::F16 | QType::BF16 => 2,
-            QType::Q4_0 => 18,
+            QType::Q4_0 | QType::AprQ4 => 18,
             QType::Q4_1 => 20,
             QType::Q5_0 => 22,
             QType::Q5_1 => 24,
@@ -149,10 +207,42 @@ mod tests {
     #[test]
     fn ids_round_trip_and_names_are_unique() {
         for q in QType::ALL {
-            assert_eq!(QType::from_ggml_id(q.ggml_id()), Some(q));
+            assert_eq!(QType::from_id(q.id()), Some(q));
             assert_eq!(QType::from_name(q.name()), Some(q));
+            assert_eq!(QType::from_name(&q.name().to_ascii_uppercase()), Some(q));
+        }
+        for q in QType::GGML {
+            assert!(q.is_ggml());
+            assert_eq!(QType::from_ggml_id(q.ggml_id()), Some(q));
         }
         assert_eq!(QType::from_ggml_id(4), None, "ids 4 and 5 were removed from ggml");
+        let mut names: Vec<&str> = QType::ALL.iter().map(|q| q.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), QType::ALL.len());
+    }
+
+    #[test]
+    fn ids_are_in_order_and_kiln_types_are_not_ggml() {
+        assert!(QType::ALL.windows(2).all(|w| w[0].id() < w[1].id()));
+        assert!(QType::GGML.windows(2).all(|w| w[0].id() < w[1].id()));
+        let kiln_only: Vec<QType> = QType::ALL.into_iter().filter(|q| !QType::GGML.contains(q)).collect();
+        assert_eq!(kiln_only, [QType::AprQ4]);
+        assert!(QType::GGML.iter().all(|q| QType::ALL.contains(q)));
+        for q in kiln_only {
+            assert!(q.id() >= 128 && !q.is_ggml(), "{q}");
+            assert_eq!(QType::from_ggml_id(q.id()), None, "{q} must not be read from GGUF");
+        }
+    }
+
+    #[test]
+    fn apr_q4_geometry() {
+        let q = QType::AprQ4;
+        assert_eq!((q.id(), q.name(), q.block_len(), q.block_bytes(), q.is_quantized()), (128, "apr_q4", 32, 18, true));
+        assert_eq!(QType::from_id(128), Some(q));
+        assert_eq!(QType::from_name("APR_Q4"), Some(q));
+        assert_eq!(q.row_bytes(64).unwrap(), 36);
+        assert!(q.row_bytes(48).is_err());
     }
 
     #[test]

@@ -11,11 +11,15 @@
 //!
 //! Layouts live next to the code that reads them: [`legacy`] for the 32-value block types,
 //! [`kquants`] for the 256-value super-blocks. The K-quant quantisers, which search scales
-//! and mins as ggml's reference does, are in [`kquant_search`].
+//! and mins as ggml's reference does, are in [`kquant_search`]. APR's Q4 (not a ggml type)
+//! is in [`apr`], defined and quantised as aprender does.
 
 use crate::error::{Error, Result};
 use crate::qtype::QType;
 
+pub use apr::{apr_q4_block_to_q4_0, q4_0_block_to_apr_q4};
+
+pub mod apr;
 pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
@@ -64,6 +68,7 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         QType::Q5_K => for_each_block(src, dst, kquants::dequantize_q5_k),
         QType::Q6_K => for_each_block(src, dst, kquants::dequantize_q6_k),
         QType::Q8_K => for_each_block(src, dst, kquants::dequantize_q8_k),
+        QType::AprQ4 => for_each_block(src, dst, apr::dequantize_apr_q4),
     }
     Ok(())
 }
@@ -72,7 +77,8 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// blocks' bytes), with ggml's reference quantiser for `qtype`.
 ///
 /// Supported: F32, F16, BF16, the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
-/// and the K-quants Q4_K, Q5_K, Q6_K (with ggml's scale search, see [`kquant_search`]).
+/// the K-quants Q4_K, Q5_K, Q6_K (with ggml's scale search, see [`kquant_search`]), and
+/// APR's Q4 (with aprender's rule, see [`apr`]).
 /// Q2_K, Q3_K and Q8_K are [`Error::Unsupported`]. Shape mismatches are
 /// [`Error::InvalidShape`].
 pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
@@ -112,6 +118,7 @@ pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         QType::Q4_K => for_each_block_mut(src, dst, kquant_search::quantize_q4_k),
         QType::Q5_K => for_each_block_mut(src, dst, kquant_search::quantize_q5_k),
         QType::Q6_K => for_each_block_mut(src, dst, kquant_search::quantize_q6_k),
+        QType::AprQ4 => for_each_block_mut(src, dst, apr::quantize_apr_q4),
         QType::Q2_K | QType::Q3_K | QType::Q8_K => {
             unreachable!("can_quantize refused {qtype} above")
         }
@@ -135,6 +142,7 @@ pub fn can_quantize(qtype: QType) -> bool {
             | QType::Q4_K
             | QType::Q5_K
             | QType::Q6_K
+            | QType::AprQ4
     )
 }
 
@@ -169,6 +177,12 @@ pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) -> Result<()> {
 /// pass over the activations.
 pub fn quantize_row_q8_1(src: &[f32], dst: &mut [u8]) -> Result<()> {
     quantize(QType::Q8_1, src, dst)
+}
+
+/// aprender's APR Q4 writer: `d = max|x| / 7` (1 for an all-zero block), `q = clamp(round(x
+/// / d), −8, 7) + 8`, value `i` in the low (even `i`) or high (odd `i`) nibble of byte `i / 2`.
+pub fn quantize_row_apr_q4(src: &[f32], dst: &mut [u8]) -> Result<()> {
+    quantize(QType::AprQ4, src, dst)
 }
 
 /// Runs `f` over matching (block bytes, block values) pairs. The caller has checked that

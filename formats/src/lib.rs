@@ -10,6 +10,8 @@
 //!
 //! It knows no backend internals: a backend sees only the IR.
 
+pub mod apr;
+pub mod apr_model;
 pub mod chat;
 pub mod gguf;
 pub mod model;

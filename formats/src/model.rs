@@ -6,6 +6,7 @@
 //! would silently ignore (an FFN bias, say) means kiln would compute a different model, so it
 //! is refused instead. [`dispatch`] asks the registry which backend runs the result.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use kiln_core::{
     Registry, Result, RopeConfig, RopeKind, RopeScaling, TensorView,
 };
 
-use crate::gguf::{GgufFile, GgufTensorInfo};
+use crate::gguf::GgufFile;
 
 /// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
 pub const SUPPORTED_ARCHITECTURES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
@@ -32,12 +33,21 @@ pub fn load_gguf(path: impl AsRef<Path>) -> Result<(GgufFile, ModelIr)> {
 /// `source` names the file in messages.
 pub fn model_from_gguf(file: &GgufFile, source: &str) -> Result<ModelIr> {
     let config = config_from_gguf(file)?;
-    let mut t = Tensors { file, used: vec![false; file.tensors().len()] };
+    let mut table = TensorTable::default();
+    for info in file.tensors() {
+        table.push(info.name.clone(), file.view(info)?)?;
+    }
+    model_from_table(table, config, source)
+}
+
+/// Gives every tensor of `table` its role in a model of `config`, refusing a tensor that
+/// finds none (shared by every file format).
+pub(crate) fn model_from_table(table: TensorTable, config: ModelConfig, source: &str) -> Result<ModelIr> {
+    let mut t = Tensors { used: vec![false; table.entries.len()], table };
     let weights = weights(&mut t, &config)?;
-    if let Some(info) = t.unused().next() {
+    if let Some(name) = t.unused().next() {
         return Err(Error::Unsupported(format!(
-            "{source}: tensor '{}' has no role in a {} model as kiln runs it",
-            info.name,
+            "{source}: tensor '{name}' has no role in a {} model as kiln runs it",
             config.arch.name()
         )));
     }
@@ -206,41 +216,57 @@ impl Meta<'_> {
     }
 }
 
+/// A model file's tensors under GGUF-style names (`blk.N.attn_q.weight`), each a view of
+/// its bytes (ggml dims order), whatever the file format: what the role mapping reads.
+#[derive(Default)]
+pub(crate) struct TensorTable {
+    entries: Vec<TensorView>,
+    by_name: HashMap<String, usize>,
+}
+
+impl TensorTable {
+    /// Adds `view` under `name`; a second tensor of the same name is an error.
+    pub(crate) fn push(&mut self, name: String, view: TensorView) -> Result<()> {
+        if self.by_name.insert(name.clone(), self.entries.len()).is_some() {
+            return Err(Error::Format(format!("two tensors are named '{name}'")));
+        }
+        self.entries.push(view);
+        Ok(())
+    }
+
+    pub(crate) fn get(&self, name: &str) -> Option<&TensorView> {
+        self.by_name.get(name).map(|&i| &self.entries[i])
+    }
+}
+
 /// Tensor lookups that check shapes and remember which tensors found a role.
-struct Tensors<'a> {
-    file: &'a GgufFile,
+struct Tensors {
+    table: TensorTable,
     used: Vec<bool>,
 }
 
-impl<'a> Tensors<'a> {
-    fn info(&mut self, name: &str) -> Option<&'a GgufTensorInfo> {
-        let file = self.file;
-        let i = file.tensor_index(name)?;
+impl Tensors {
+    fn info(&mut self, name: &str) -> Option<TensorView> {
+        let i = *self.table.by_name.get(name)?;
         self.used[i] = true;
-        Some(&file.tensors()[i])
+        Some(self.table.entries[i].clone())
     }
 
     fn opt(&mut self, name: &str, dims: &[usize]) -> Result<Option<TensorView>> {
-        let Some(info) = self.info(name) else { return Ok(None) };
-        check_dims(name, &info.dims, dims)?;
-        Ok(Some(self.file.view(info)?))
+        let Some(view) = self.info(name) else { return Ok(None) };
+        check_dims(name, view.dims(), dims)?;
+        Ok(Some(view))
     }
 
     fn req(&mut self, name: &str, dims: &[usize]) -> Result<TensorView> {
         self.opt(name, dims)?.ok_or_else(|| Error::Format(format!("tensor '{name}' is missing")))
     }
 
-    /// Elements `start..start + count` of a 1-D tensor as their own view (a fused bias).
-    fn split_vector(&self, info: &GgufTensorInfo, name: &str, start: usize, count: usize) -> Result<TensorView> {
-        let skip = info.qtype.row_bytes(start)?;
-        let at = usize::try_from(self.file.data_offset() + info.offset)
-            .map_err(|_| Error::Format(format!("tensor {}: offset overflows", info.name)))?;
-        TensorView::new(name, info.qtype, vec![count], self.file.storage().clone(), at + skip)
-    }
-
-    fn unused(&self) -> impl Iterator<Item = &'a GgufTensorInfo> + '_ {
-        let file = self.file;
-        file.tensors().iter().zip(&self.used).filter(|(_, &u)| !u).map(|(t, _)| t)
+    /// The names of the tensors that found no role.
+    fn unused(&self) -> impl Iterator<Item = &str> + '_ {
+        let mut names: Vec<(&usize, &str)> = self.table.by_name.iter().map(|(n, i)| (i, n.as_str())).collect();
+        names.sort();
+        names.into_iter().filter(|(i, _)| !self.used[**i]).map(|(_, n)| n)
     }
 }
 
@@ -251,7 +277,7 @@ fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn weights(t: &mut Tensors<'_>, c: &ModelConfig) -> Result<ModelWeights> {
+fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
     let (hidden, vocab, q_dim, kv_dim) = (c.hidden_size, c.vocab_size, c.q_dim(), c.kv_dim());
     let token_embd = t.req("token_embd.weight", &[hidden, vocab])?;
     let output_norm = t.req("output_norm.weight", &[hidden])?;
@@ -263,10 +289,9 @@ fn weights(t: &mut Tensors<'_>, c: &ModelConfig) -> Result<ModelWeights> {
     for i in 0..c.num_layers {
         let n = |role: &str| format!("blk.{i}.{role}");
         let (attn_q, attn_k, attn_v) = match t.info(&n("attn_qkv.weight")) {
-            Some(info) => {
+            Some(fused) => {
                 let name = n("attn_qkv.weight");
-                check_dims(&name, &info.dims, &[hidden, q_dim + 2 * kv_dim])?;
-                let fused = t.file.view(info)?;
+                check_dims(&name, fused.dims(), &[hidden, q_dim + 2 * kv_dim])?;
                 (
                     fused.slice_rows(&n("attn_q.weight"), 0, q_dim)?,
                     fused.slice_rows(&n("attn_k.weight"), q_dim, kv_dim)?,
@@ -280,12 +305,12 @@ fn weights(t: &mut Tensors<'_>, c: &ModelConfig) -> Result<ModelWeights> {
             ),
         };
         let (attn_q_bias, attn_k_bias, attn_v_bias) = match t.info(&n("attn_qkv.bias")) {
-            Some(info) => {
-                check_dims(&n("attn_qkv.bias"), &info.dims, &[q_dim + 2 * kv_dim])?;
+            Some(fused) => {
+                check_dims(&n("attn_qkv.bias"), fused.dims(), &[q_dim + 2 * kv_dim])?;
                 (
-                    Some(t.split_vector(info, &n("attn_q.bias"), 0, q_dim)?),
-                    Some(t.split_vector(info, &n("attn_k.bias"), q_dim, kv_dim)?),
-                    Some(t.split_vector(info, &n("attn_v.bias"), q_dim + kv_dim, kv_dim)?),
+                    Some(fused.slice_vector(&n("attn_q.bias"), 0, q_dim)?),
+                    Some(fused.slice_vector(&n("attn_k.bias"), q_dim, kv_dim)?),
+                    Some(fused.slice_vector(&n("attn_v.bias"), q_dim + kv_dim, kv_dim)?),
                 )
             }
             None => (

@@ -145,7 +145,7 @@ fn main() -> Result<()> {
                 let quant = GemvTiling::quantising()
                     .filter(|_| path != GemvPath::Float)
                     .map(|t| (t, true));
-                for (t, quantise) in plain.chain(quant).filter(|(t, _)| t.rows_per_warp % f.row_group == 0) {
+                for (t, quantise) in plain.chain(quant).filter(|(t, _)| t.rows_per_warp.is_multiple_of(f.row_group)) {
                     let epi = if quantise { quantising } else { Epilogue::default() };
                     let g = dev.capture(|| {
                         for i in 0..LAUNCHES_PER_GRAPH {

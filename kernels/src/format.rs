@@ -16,9 +16,10 @@
 //!   row and the four scales of its chunk in one 8-byte load. The row count is padded to a
 //!   multiple of four with zero blocks (scale 0: they contribute nothing).
 //!
-//! A second 4-bit block format (APR's 4-bit type: f16 scale + 16 nibble bytes per 32
-//! values, symmetric) maps onto the same device layout: one more `FORMATS` entry whose
-//! `body`/`sc` parts name its offsets, and the same kernels.
+//! A second 4-bit block format maps onto the same device layout with one more entry: APR's
+//! 4-bit type (f16 scale + 16 nibble bytes per 32 values, symmetric, nibbles in element
+//! order) has `apr_q4` / `apr_q4x4`, whose `transcode` permutes each block's nibbles into
+//! Q4_0's order at upload (lossless), and Q4_0's kernels.
 
 use kiln_core::QType;
 
@@ -32,7 +33,7 @@ pub struct Part {
 }
 
 /// A weight matrix format on the device.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct WeightFormat {
     /// The ggml type whose blocks it holds.
     pub qtype: QType,
@@ -53,16 +54,20 @@ pub struct WeightFormat {
     pub gemv: KernelModule,
     /// The whole-matrix dequantisation kernel (batched prefill) for this format.
     pub dequant: KernelModule,
+    /// Rewrites the file's blocks into the blocks the kernels read, before the parts are
+    /// split out (APR's 4-bit blocks become Q4_0 blocks: a lossless nibble permutation).
+    pub transcode: Option<fn(&mut [u8])>,
 }
 
 macro_rules! weight_format {
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
      body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr) => {
         weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
-            gemv "GEMV_TYPE")
+            gemv "GEMV_TYPE", transcode None)
     };
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
-     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, gemv $gemv:literal) => {
+     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, gemv $gemv:literal,
+     transcode $tc:expr) => {
         WeightFormat {
             qtype: QType::$q,
             tag: $tag,
@@ -88,16 +93,25 @@ macro_rules! weight_format {
                     ")"
                 ),
             ),
+            transcode: $tc,
         }
     };
+}
+
+/// APR 4-bit blocks to Q4_0 blocks, in place (same scale, nibbles in Q4_0's order).
+fn apr_q4_to_q4_0(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(18) {
+        let src: [u8; 18] = (&*block).try_into().expect("18-byte blocks");
+        block.copy_from_slice(&kiln_core::quant::apr_q4_block_to_q4_0(&src));
+    }
 }
 
 const fn sc(offset: usize, bytes: usize) -> Option<Part> {
     Some(Part { offset, bytes })
 }
 
-/// Every format the GPU kernels read. The first entry for a ggml type is its plain layout.
-pub static FORMATS: [WeightFormat; 12] = [
+/// Every format the GPU kernels read. The first entry for a type is its plain layout.
+pub static FORMATS: [WeightFormat; 14] = [
     weight_format!(F32, "f32", "T_F32", group 1, body 0 + 4, qh None, sc None),
     weight_format!(F16, "f16", "T_F16", group 1, body 0 + 2, qh None, sc None),
     weight_format!(BF16, "bf16", "T_BF16", group 1, body 0 + 2, qh None, sc None),
@@ -111,11 +125,26 @@ pub static FORMATS: [WeightFormat; 12] = [
     weight_format!(Q6_K, "q6_k", "T_Q6_K", group 1, body 0 + 208, qh None, sc sc(208, 2)),
     // Q4_0 in rows of four (the `cuda-q4_0` backend's GEMV layout).
     weight_format!(Q4_0, "q4_0x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
-        gemv "GEMV_TYPE_R4"),
+        gemv "GEMV_TYPE_R4", transcode None),
+    // APR's 4-bit type: transcoded to Q4_0 blocks at upload, then Q4_0's kernels.
+    weight_format!(AprQ4, "apr_q4", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2),
+        gemv "GEMV_TYPE", transcode Some(apr_q4_to_q4_0)),
+    weight_format!(AprQ4, "apr_q4x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
+        gemv "GEMV_TYPE_R4", transcode Some(apr_q4_to_q4_0)),
 ];
 
 /// Q4_0 weights stored in groups of four rows (see the module doc).
 pub static Q4_0_X4: &WeightFormat = &FORMATS[11];
+/// APR 4-bit weights, transcoded to Q4_0 and stored in groups of four rows.
+pub static APR_Q4_X4: &WeightFormat = &FORMATS[13];
+
+/// Formats are told apart by their tag (unique in `FORMATS`).
+impl PartialEq for WeightFormat {
+    fn eq(&self, other: &Self) -> bool {
+        self.tag == other.tag
+    }
+}
+impl Eq for WeightFormat {}
 
 impl WeightFormat {
     /// The plain device layout of `qtype`, if the GEMV kernels multiply with it.
@@ -175,7 +204,8 @@ mod tests {
         for q in gemv_qtypes() {
             assert_eq!(WeightFormat::plain(q).unwrap().qtype, q);
         }
-        assert_eq!(gemv_qtypes().len(), 11);
+        assert_eq!(gemv_qtypes().len(), 12);
         assert_eq!(Q4_0_X4.tag, "q4_0x4");
+        assert_eq!(APR_Q4_X4.tag, "apr_q4x4");
     }
 }

@@ -33,7 +33,7 @@ pub use ops::{
     AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
     Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
-pub use format::{gemv_qtypes, WeightFormat, FORMATS, Q4_0_X4};
+pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use repack::{DeviceWeight, PackedWeight};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.

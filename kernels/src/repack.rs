@@ -57,6 +57,18 @@ impl PackedWeight {
                 ggml.len()
             )));
         }
+        let transcoded;
+        let ggml = match format.transcode {
+            Some(transcode) => {
+                transcoded = {
+                    let mut b = ggml.to_vec();
+                    transcode(&mut b);
+                    b
+                };
+                &transcoded[..]
+            }
+            None => ggml,
+        };
         let mut packed = PackedWeight {
             format,
             qtype,

@@ -16,7 +16,7 @@ use kiln_kernels::{
 
 /// Whether `t` suits `f` (a warp owns whole row groups).
 fn fits(f: &WeightFormat, t: &GemvTiling) -> bool {
-    t.rows_per_warp % f.row_group == 0
+    t.rows_per_warp.is_multiple_of(f.row_group)
 }
 
 struct Gpu {

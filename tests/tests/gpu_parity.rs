@@ -304,3 +304,62 @@ fn two_executors_decode_at_once_without_seeing_each_other() {
     println!("two executors, two threads: {steps} greedy steps each, 3 rounds, identical to each alone");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// APR files on the GPU executors. The real SmolLM2 written as APR (types kept) runs on
+/// `cuda-q4k` and `cuda-q4_0` with exactly the logits of the GGUF converted back from it;
+/// written with `--quantize int4` (APR's 4-bit type, repacked to Q4_0 rows of four at
+/// upload) it is chosen by and runs on `cuda-q4_0` within the parity bar of the CPU oracle.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn apr_models_on_both_gpu_executors() {
+    use kiln_formats::apr::Compression;
+    use kiln_formats::apr_model::{write_model_apr, write_model_gguf, AprQuantize};
+    if backends_for("cuda-q4_0").is_none() {
+        return;
+    }
+    let Some(source) = kiln_tests::smollm2_or_skip("apr_models_on_both_gpu_executors") else {
+        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        return;
+    };
+    let dir = scratch_dir();
+    let original = Model::open(&source).unwrap();
+    let tmpl = original.chat_template_source().map(str::to_string);
+    let (apr, back, int4) = (dir.join("s.apr"), dir.join("s.back.gguf"), dir.join("s.int4.apr"));
+    write_model_apr(&original.ir, &original.tokenizer_spec, tmpl.as_deref(), &apr, Compression::Zstd, AprQuantize::Keep, &no_progress).unwrap();
+    let apr_model = Model::open(&apr).unwrap();
+    write_model_gguf(&apr_model.ir, &apr_model.tokenizer_spec, tmpl.as_deref(), &back, &no_progress).unwrap();
+    let back_model = Model::open(&back).unwrap();
+    let prompt = original.tokenizer.encode("The capital of France is", false, false).unwrap();
+    for name in ["cuda-q4k", "cuda-q4_0"] {
+        let (_, gpu) = backends_for(name).expect("checked");
+        let options = LoadOptions { max_context: 256, ..Default::default() };
+        let run = |m: &Model| {
+            let mut ex = gpu.load(&m.ir, &options).unwrap();
+            let vocab = m.ir.config.vocab_size;
+            let seq = ex.new_sequence().unwrap();
+            let mut logits = vec![f32::NAN; vocab];
+            ex.prefill(seq, &prompt, &mut logits).unwrap();
+            let mut all = vec![logits.clone()];
+            for _ in 0..16 {
+                let t = argmax(&logits);
+                ex.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+                all.push(logits.clone());
+            }
+            all
+        };
+        let (a, b) = (run(&apr_model), run(&back_model));
+        let worst = a.iter().zip(&b).map(|(x, y)| cosine(x, y)).fold(1.0, f64::min);
+        let same = a.iter().zip(&b).all(|(x, y)| argmax(x) == argmax(y));
+        println!("APR (zstd) vs its GGUF on {name}: 17 steps, worst cosine {worst:.9}, same greedy tokens {same}");
+        assert!(worst >= 1.0 - 1e-6 && same, "{name}: APR and GGUF differ (cosine {worst})");
+    }
+    write_model_apr(&original.ir, &original.tokenizer_spec, tmpl.as_deref(), &int4, Compression::None, AprQuantize::Int4, &no_progress).unwrap();
+    let int4_model = Model::open(&int4).unwrap();
+    kiln::link_builtin_backends();
+    let (chosen, _) = kiln_core::Registry::with_builtins().select(&int4_model.ir, None).unwrap();
+    assert_eq!(chosen.name(), "cuda-q4_0", "an APR int4 model goes to cuda-q4_0");
+    for prompt in ["The capital of France is", "def fibonacci(n):"] {
+        compare_on("cuda-q4_0", Q4_0_BAR, &int4, prompt, true, false, true);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

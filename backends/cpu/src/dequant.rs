@@ -1,5 +1,5 @@
 //! Scalar dequantisation of one block of each supported type, written value by value as
-//! ggml defines it. The portable kernels are built on these, and they dequantise embedding
+//! ggml defines it (APR's Q4 as aprender does). The portable kernels are built on these, and they dequantise embedding
 //! rows and the small norm/bias tensors at load.
 
 use half::{bf16, f16};
@@ -38,6 +38,17 @@ pub(crate) fn block_q4_0(b: &[u8], y: &mut [f32]) {
     for j in 0..16 {
         y[j] = d * ((qs[j] & 0xF) as i32 - 8) as f32;
         y[j + 16] = d * ((qs[j] >> 4) as i32 - 8) as f32;
+    }
+}
+
+/// APR Q4: as Q4_0 but value `i` is the low (even `i`) or high (odd `i`) nibble of byte
+/// `i / 2`.
+pub(crate) fn block_apr_q4(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let qs = &b[2..18];
+    for k in 0..16 {
+        y[2 * k] = d * ((qs[k] & 0xF) as i32 - 8) as f32;
+        y[2 * k + 1] = d * ((qs[k] >> 4) as i32 - 8) as f32;
     }
 }
 
@@ -208,6 +219,7 @@ pub(crate) fn block_fn(qtype: QType) -> Option<BlockFn> {
         QType::Q4_K => block_q4_k,
         QType::Q5_K => block_q5_k,
         QType::Q6_K => block_q6_k,
+        QType::AprQ4 => block_apr_q4,
         _ => return None,
     })
 }

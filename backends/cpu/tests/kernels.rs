@@ -111,11 +111,43 @@ fn simd_kernels_are_selected_when_available() {
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::AprQ4,
     ];
     for q in simd_types {
         let on = format!("{:?}", Kernel::new(q, true).unwrap());
         let off = format!("{:?}", Kernel::new(q, false).unwrap());
         assert!(on.contains("simd: true") && off.contains("simd: false"), "{q}: {on} / {off}");
+    }
+}
+
+/// APR Q4 is Q4_0 with the nibbles in value order: on the same blocks, permuted to each
+/// layout, both kernels must give the same dot bit for bit (same values, same lanes, same
+/// order of operations), on both paths. A nibble-order slip shows as a wrong sum here even
+/// where the random-block comparison's tolerance might absorb it.
+#[test]
+fn apr_q4_dots_equal_q4_0_dots_of_the_permuted_blocks() {
+    let mut rng = Rng::new(17);
+    for cols in [32, 96, 576, 1536] {
+        let rows = 4;
+        let apr = random_bytes(&mut rng, QType::AprQ4, rows, cols, 1.0);
+        let q40: Vec<u8> = apr
+            .chunks_exact(18)
+            .flat_map(|b| kiln_core::quant::apr_q4_block_to_q4_0(b.try_into().unwrap()))
+            .collect();
+        let x = random_vec(&mut rng, cols, 2.0);
+        let mut sums = vec![0.0; cols / 32];
+        block_sums(&x, &mut sums);
+        let row_bytes = QType::AprQ4.row_bytes(cols).unwrap();
+        for simd in paths() {
+            let mut got = vec![f32::NAN; rows];
+            let mut want = vec![f32::NAN; rows];
+            Kernel::new(QType::AprQ4, simd).unwrap().dot_rows(&apr, row_bytes, Act { x: &x, sums: &sums }, &mut got);
+            Kernel::new(QType::Q4_0, simd).unwrap().dot_rows(&q40, row_bytes, Act { x: &x, sums: &sums }, &mut want);
+            for r in 0..rows {
+                let (g, w) = (got[r], want[r]);
+                assert_eq!(g.to_bits(), w.to_bits(), "cols {cols} row {r} simd {simd}: {g} vs {w}");
+            }
+        }
     }
 }
 

@@ -76,6 +76,13 @@ fn kquant_model_runs() {
 }
 
 #[test]
+fn apr_q4_model_runs() {
+    // 2 tokens take the fused per-token kernels, 10 the dequantise-once path.
+    check_prefill_matches_decode(&Spec::apr_q4(), 2);
+    check_prefill_matches_decode(&Spec::apr_q4(), 10);
+}
+
+#[test]
 fn batched_decode_equals_each_sequence_alone() {
     let ir = Spec::llama().build(5);
     let vocab = ir.config.vocab_size;
@@ -264,6 +271,7 @@ fn matches_naive_f64_reference_forward() {
     check_against_reference(&Spec::qwen2());
     check_against_reference(&Spec::qwen3());
     check_against_reference(&Spec::kquants());
+    check_against_reference(&Spec::apr_q4());
 }
 
 // ---------------------------------------------------------------- errors and registry

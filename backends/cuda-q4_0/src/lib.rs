@@ -1,7 +1,7 @@
 //! # kiln-backend-cuda-q4_0
 //!
-//! The CUDA backend for Q4_0 models (GGUF `Q4_0` files; APR's 4-bit type is the next
-//! format on the same layout). The executor is the shared GPU runtime
+//! The CUDA backend for Q4_0 models: GGUF `Q4_0` files and APR's 4-bit type (transcoded
+//! to Q4_0 blocks at upload, then the same layout and kernels). The executor is the shared GPU runtime
 //! (`kiln-cuda-runtime`); this crate is its policy: Q4_0 matrices are repacked at upload
 //! (rows of at least 2048 values) into rows of four (`kiln_kernels::Q4_0_X4`: per 32-chunk tile, each row's 16-byte quant
 //! blocks contiguous, the four rows' scales of a chunk in one 8-byte word), read by GEMVs
@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use kiln_core::{score, Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
 use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
-use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, Q4_0_X4};
+use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, APR_Q4_X4, Q4_0_X4};
 
 pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK};
 
@@ -57,6 +57,7 @@ impl GpuPolicy for Q40Policy {
     fn format_for(&self, qtype: QType, row_len: usize) -> Option<&'static WeightFormat> {
         match qtype {
             QType::Q4_0 if row_len >= self.grouped_from => Some(Q4_0_X4),
+            QType::AprQ4 if row_len >= self.grouped_from => Some(APR_Q4_X4),
             q => WeightFormat::plain(q),
         }
     }
@@ -108,11 +109,12 @@ impl Backend for CudaQ40Backend {
         if let Err(reason) = check_model(model, &Q40Policy::default()) {
             return Support::No { reason };
         }
-        let share = model.matmul_share(|q| q == QType::Q4_0);
+        // APR's 4-bit type is Q4_0 with its nibbles in another order: the same family.
+        let share = model.matmul_share(|q| matches!(q, QType::Q4_0 | QType::AprQ4));
         if share > score::MAJORITY {
             Support::Yes {
                 score: score::GPU_SPECIALIST,
-                note: format!("Q4_0 holds {:.0}% of the matmul bytes", 100.0 * share),
+                note: format!("Q4_0 (or APR 4-bit) holds {:.0}% of the matmul bytes", 100.0 * share),
             }
         } else {
             Support::Yes {

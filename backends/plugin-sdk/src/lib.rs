@@ -226,7 +226,14 @@ pub mod __private {
                 name: backend.name().to_string(),
                 version: version.to_string(),
                 description: backend.description().to_string(),
-                qtypes: backend.qtypes().iter().map(|q| q.ggml_id()).collect(),
+                // Kiln-only ids (≥ 128, APR's types) arrived in ABI 1.2: an older host
+                // would refuse the whole plugin for one id it cannot name.
+                qtypes: backend
+                    .qtypes()
+                    .iter()
+                    .filter(|q| q.is_ggml() || version_minor(host_abi) >= 2)
+                    .map(|q| q.id())
+                    .collect(),
                 architectures: architectures().iter().map(arch_id).collect(),
                 backend: Box::new(backend),
             };

@@ -165,6 +165,14 @@ block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0);
 block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k);
 block_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k, dot_q5_k);
 block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k);
+block_kernel!(
+    /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
+    AprQ4Kernel,
+    QType::AprQ4,
+    32,
+    dequant::block_apr_q4,
+    dot_apr_q4
+);
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
 
@@ -262,10 +270,11 @@ pub enum Kernel {
     Q4K(Q4KKernel),
     Q5K(Q5KKernel),
     Q6K(Q6KKernel),
+    AprQ4(AprQ4Kernel),
 }
 
 /// Weight types this backend multiplies with.
-pub const SUPPORTED: [QType; 13] = [
+pub const SUPPORTED: [QType; 14] = [
     QType::F32,
     QType::F16,
     QType::BF16,
@@ -279,6 +288,7 @@ pub const SUPPORTED: [QType; 13] = [
     QType::Q4_K,
     QType::Q5_K,
     QType::Q6_K,
+    QType::AprQ4,
 ];
 
 impl Kernel {
@@ -300,6 +310,7 @@ impl Kernel {
             QType::Q4_K => Q4KKernel { simd }.into(),
             QType::Q5_K => Q5KKernel { simd }.into(),
             QType::Q6_K => Q6KKernel { simd }.into(),
+            QType::AprQ4 => AprQ4Kernel { simd }.into(),
             _ => return None,
         })
     }

@@ -24,7 +24,7 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
 /// the field is a min (kept positive, as quantisers produce).
 fn scale_fields(q: QType) -> &'static [(usize, bool)] {
     match q {
-        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => &[(0, false)],
+        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 | QType::AprQ4 => &[(0, false)],
         QType::Q4_1 | QType::Q5_1 => &[(0, false), (2, false)],
         QType::Q2_K => &[(80, false), (82, true)],
         QType::Q3_K => &[(108, false)],
@@ -48,7 +48,7 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
             // A block's largest |value| is roughly scale-field × (largest quant × largest
             // sub-scale); divide so the row stays near ±scale.
             let span = match q {
-                QType::Q4_0 | QType::Q4_1 => 8.0,
+                QType::Q4_0 | QType::Q4_1 | QType::AprQ4 => 8.0,
                 QType::Q5_0 | QType::Q5_1 => 16.0,
                 QType::Q8_0 => 128.0,
                 QType::Q2_K => 3.0 * 15.0,
@@ -147,6 +147,15 @@ impl Spec {
             head_dim: 64,
             qtypes: vec![QType::Q4_K, QType::Q6_K, QType::Q5_K, QType::Q3_K, QType::Q2_K, QType::BF16, QType::Q8_0],
             embd_qtype: QType::Q6_K,
+            ..Spec::llama()
+        }
+    }
+
+    /// Llama-shaped with APR Q4 in most projections and in the (tied) embedding / LM head.
+    pub fn apr_q4() -> Spec {
+        Spec {
+            qtypes: vec![QType::AprQ4, QType::Q4_0, QType::AprQ4, QType::F16, QType::AprQ4, QType::Q8_0],
+            embd_qtype: QType::AprQ4,
             ..Spec::llama()
         }
     }
