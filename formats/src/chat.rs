@@ -66,6 +66,40 @@ fn template_error(e: minijinja::Error) -> Error {
     Error::Tokenizer(format!("chat template: {msg}"))
 }
 
+/// Limits on rendering a chat template. A template comes from the model file and is code
+/// from an untrusted source: it may loop for ever, recurse, or build gigabytes of text.
+pub mod limits {
+    /// Template instructions one render may execute (a 1,000-message ChatML conversation
+    /// takes about 30,000).
+    pub const FUEL: u64 = 20_000_000;
+    /// Nesting depth of loops, conditions, macros and includes.
+    pub const RECURSION: usize = 100;
+    /// Bytes of text one render may produce.
+    pub const OUTPUT_BYTES: usize = 32 << 20;
+}
+
+/// A writer that refuses to grow past `limit` bytes.
+struct Bounded {
+    out: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.limit {
+            return Err(std::io::Error::other(format!(
+                "the rendered text exceeds {} bytes",
+                self.limit
+            )));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`; syntax errors come back as [`Error::Tokenizer`].
     pub fn new(
@@ -78,6 +112,8 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(limits::FUEL));
+        env.set_recursion_limit(limits::RECURSION);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
@@ -127,15 +163,35 @@ impl ChatTemplate {
 
     /// Renders the conversation. With `add_generation_prompt`, the text ends with the
     /// opening of an assistant turn, ready for the model to continue.
+    ///
+    /// Rendering is bounded ([`limits`]): a template that runs out of instructions, nests
+    /// too deep or writes too much text is an error naming the limit, never a hang.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-        tmpl.render(context! {
+        let mut out = Bounded { out: Vec::new(), limit: limits::OUTPUT_BYTES };
+        let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-        })
-        .map_err(template_error)
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => {
+                return Err(Error::Tokenizer(format!(
+                    "chat template: stopped after {} instructions (the limit for one render); the template loops too long",
+                    limits::FUEL
+                )))
+            }
+            Err(e) if e.kind() == ErrorKind::WriteFailure => {
+                return Err(Error::Tokenizer(format!(
+                    "chat template: the rendered text exceeds {} bytes (the limit for one render)",
+                    limits::OUTPUT_BYTES
+                )))
+            }
+            Err(e) => return Err(template_error(e)),
+        }
+        String::from_utf8(out.out).map_err(|_| Error::Tokenizer("chat template: rendered text is not UTF-8".into()))
     }
 }
 

@@ -60,3 +60,32 @@ fn template_errors_are_typed_and_carry_the_message() {
     let t = ChatTemplate::new("{{ messages | nosuchfilter }}", "", "");
     assert!(matches!(t.and_then(|t| t.render(&conv(), false)), Err(Error::Tokenizer(_))));
 }
+
+/// Templates are untrusted code from the model file: an endless loop, deep recursion or a
+/// template that writes gigabytes each end in a typed error naming the limit, quickly.
+#[test]
+fn hostile_templates_hit_a_limit_and_fail_cleanly() {
+    let cases = [
+        // minijinja itself refuses ranges over 100,000 elements.
+        ("huge range", "{% for i in range(1000000000) %}{% endfor %}", "too many"),
+        ("nested loops", "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}", "instructions"),
+        ("nested loops writing", "{% for a in range(100000) %}{% for b in range(1000) %}{{ 'xxxxxxxxxxxxxxxx' }}{% endfor %}{% endfor %}", ""),
+        ("recursive macro", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", ""),
+    ];
+    for (what, src, needle) in cases {
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let start = std::time::Instant::now();
+        let err = t.render(&conv(), true).expect_err(what).to_string();
+        let secs = start.elapsed().as_secs_f64();
+        println!("{what}: {err} ({secs:.2} s)");
+        assert!(err.contains(needle), "{what}: {err}");
+        assert!(secs < 20.0, "{what}: took {secs} s");
+    }
+    // The output limit itself, with few instructions: long strings repeated.
+    let big = format!("{{% for i in range(100) %}}{{{{ '{}' }}}}{{% endfor %}}", "y".repeat(1 << 20));
+    let err = ChatTemplate::new(big, "", "").unwrap().render(&conv(), false).unwrap_err().to_string();
+    assert!(err.contains("exceeds"), "{err}");
+    // A real conversation stays far inside the limits.
+    let long: Vec<ChatMessage> = (0..1000).map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello there")).collect();
+    assert!(ChatTemplate::chatml("<s>", "</s>").render(&long, true).unwrap().len() > 10_000);
+}
