@@ -107,6 +107,7 @@ impl<'e> Session<'e> {
         if prompt.is_empty() {
             return Err(Error::InvalidArgument("the prompt has no tokens".into()));
         }
+        params.sampling.validate()?;
         let vocab = self.engine.executor.config().vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({vocab})")));
@@ -144,9 +145,22 @@ impl<'e> Session<'e> {
         let mut emitted = 0usize;
         let mut ids = Vec::new();
         let mut finish = FinishReason::Length;
-        let mut token = sampler.sample(&mut self.logits);
         let decode_start = Instant::now();
         let mut decode_steps = 0usize;
+        if params.max_tokens == 0 {
+            // The prompt is processed (and cached); nothing is generated.
+            return Ok(Generation {
+                prompt_ids: prompt.to_vec(),
+                prefilled: new.len(),
+                ids: Vec::new(),
+                text: String::new(),
+                finish: FinishReason::Length,
+                prefill_time,
+                decode_time: decode_start.elapsed(),
+                decode_steps: 0,
+            });
+        }
+        let mut token = sampler.sample(&mut self.logits);
         loop {
             if params.stop_on_eos && stop_tokens.contains(&token) {
                 finish = FinishReason::Stop;

@@ -37,6 +37,27 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
+
+    /// Checks every setting lies in its range: temperature finite and ≥ 0, top-p and min-p
+    /// in [0, 1], repeat penalty finite and > 0. A typed error names the setting.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |what: &str, v: f32, range: &str| {
+            Err(crate::Error::InvalidArgument(format!("{what} {v} is outside {range}")))
+        };
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", self.temperature, "[0, ∞)");
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad("top-p", self.top_p, "[0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min-p", self.min_p, "[0, 1]");
+        }
+        if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
+            return bad("repeat penalty", self.repeat_penalty, "(0, ∞)");
+        }
+        Ok(())
+    }
 }
 
 /// A small, fast, seedable generator (SplitMix64); the same seed gives the same draws on
@@ -234,5 +255,30 @@ mod tests {
         s.accept(0);
         s.accept(1);
         assert_eq!(s.sample(&mut [3.0, 2.0]), 0, "token 0 fell out of the window");
+    }
+}
+
+#[cfg(test)]
+mod validate_tests {
+    use super::SamplingParams;
+
+    #[test]
+    fn out_of_range_settings_are_refused_by_name() {
+        let ok = SamplingParams::default();
+        assert!(ok.validate().is_ok());
+        let cases: [(&str, SamplingParams); 8] = [
+            ("temperature", SamplingParams { temperature: -0.5, ..ok.clone() }),
+            ("temperature", SamplingParams { temperature: f32::NAN, ..ok.clone() }),
+            ("temperature", SamplingParams { temperature: f32::INFINITY, ..ok.clone() }),
+            ("top-p", SamplingParams { top_p: 1.5, ..ok.clone() }),
+            ("top-p", SamplingParams { top_p: f32::NAN, ..ok.clone() }),
+            ("min-p", SamplingParams { min_p: -0.1, ..ok.clone() }),
+            ("repeat penalty", SamplingParams { repeat_penalty: -1.0, ..ok.clone() }),
+            ("repeat penalty", SamplingParams { repeat_penalty: 0.0, ..ok.clone() }),
+        ];
+        for (name, p) in cases {
+            let err = p.validate().expect_err(name).to_string();
+            assert!(err.contains(name), "{err}");
+        }
     }
 }

@@ -107,3 +107,28 @@ fn bad_files_give_clear_errors() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `-n 0` processes the prompt and generates nothing; sampling settings out of range are
+/// refused with the setting named, before any work.
+#[test]
+fn zero_tokens_and_out_of_range_sampling() {
+    let Some(model) = smollm2_or_skip("zero_tokens_and_out_of_range_sampling") else { return };
+    let model = model.to_str().unwrap();
+    let out = kiln(&["run", "Hello", "-n", "0", "--format", "json", "-m", model]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    assert_eq!(v["generated_ids"].as_array().unwrap().len(), 0, "{v}");
+    for (flag, value, name) in [
+        ("--temp", "-1", "temperature"),
+        ("--temp", "NaN", "temperature"),
+        ("--temp", "inf", "temperature"),
+        ("--top-p", "1.5", "top-p"),
+        ("--min-p", "-0.5", "min-p"),
+        ("--repeat-penalty", "-2", "repeat penalty"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let out = kiln(&["run", "Hello", "-n", "4", &arg, "-m", model]);
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        assert!(stderr(&out).contains(name), "{flag} {value}: {}", stderr(&out));
+    }
+}
