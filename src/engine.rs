@@ -110,7 +110,17 @@ pub struct Engine {
 
 impl Engine {
     /// Loads `model` on the backend named `preferred`, or on the best-scoring one.
+    ///
+    /// A context longer than the model was trained for is refused (its positions past the
+    /// trained length give garbage, and the KV cache would be sized by an arbitrary number).
     pub fn load(model: Model, registry: &Registry, preferred: Option<&str>, options: &LoadOptions) -> Result<Engine> {
+        let trained = model.ir.config.context_length;
+        if options.max_context > trained {
+            return Err(Error::InvalidArgument(format!(
+                "a context of {} tokens exceeds the {trained} this model was trained for (pass -c {trained} or less)",
+                options.max_context
+            )));
+        }
         let (backend, candidates) = kiln_formats::model::dispatch(&model.ir, registry, preferred)?;
         let executor = backend.load(&model.ir, options)?;
         Ok(Engine { model, backend, candidates, executor })

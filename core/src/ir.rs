@@ -252,6 +252,14 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Limits [`ModelConfig::validate`] holds metadata to (far above any released model).
+    pub const MAX_LAYERS: usize = 1024;
+    pub const MAX_WIDTH: usize = 1 << 20;
+    pub const MAX_HEADS: usize = 1024;
+    pub const MAX_HEAD_DIM: usize = 1024;
+    pub const MAX_VOCAB: usize = 1 << 22;
+    pub const MAX_CONTEXT: usize = 1 << 24;
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -266,6 +274,35 @@ impl ModelConfig {
     /// Checks the internal consistency a decoder relies on.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Format(m));
+        // Sizes come from untrusted metadata and drive allocations: bound each before
+        // anything is sized by it.
+        for (what, value, limit) in [
+            ("layer count", self.num_layers, Self::MAX_LAYERS),
+            ("hidden size", self.hidden_size, Self::MAX_WIDTH),
+            ("feed-forward size", self.ffn_size, Self::MAX_WIDTH),
+            ("head count", self.num_heads, Self::MAX_HEADS),
+            ("head_dim", self.head_dim, Self::MAX_HEAD_DIM),
+            ("vocabulary", self.vocab_size, Self::MAX_VOCAB),
+            ("context length", self.context_length, Self::MAX_CONTEXT),
+        ] {
+            if value > limit {
+                return bad(format!("{what} {value} is beyond kiln's limit of {limit}"));
+            }
+        }
+        if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 {
+            return bad(format!("norm epsilon {} must be a positive number", self.norm_eps));
+        }
+        if !self.rope.theta.is_finite() || self.rope.theta <= 0.0 {
+            return bad(format!("rope base {} must be a positive number", self.rope.theta));
+        }
+        if let RopeScaling::Linear { factor } = self.rope.scaling {
+            if !factor.is_finite() || factor <= 0.0 {
+                return bad(format!("rope scaling factor {factor} must be a positive number"));
+            }
+        }
+        if self.context_length == 0 {
+            return bad("context length 0".into());
+        }
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return bad(format!("empty model: {} layers, hidden {}, vocab {}", self.num_layers, self.hidden_size, self.vocab_size));
         }
@@ -409,5 +446,54 @@ impl ModelIr {
     /// Total parameter count.
     pub fn parameters(&self) -> usize {
         self.weights.tensors().iter().map(|t| t.elements()).sum()
+    }
+}
+
+#[cfg(test)]
+mod validate_tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        ModelConfig {
+            arch: Architecture::Llama,
+            vocab_size: 1000,
+            hidden_size: 64,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            ffn_size: 128,
+            norm: NormKind::Rms,
+            norm_eps: 1e-5,
+            activation: Activation::Silu,
+            gated_ffn: true,
+            parallel_residual: false,
+            qkv_bias: false,
+            qk_norm: false,
+            rope: RopeConfig { kind: RopeKind::Norm, theta: 10_000.0, scaling: RopeScaling::None, rotary_dims: 16 },
+            tied_embeddings: true,
+            context_length: 2048,
+        }
+    }
+
+    /// Hostile metadata is refused before anything is sized by it.
+    #[test]
+    fn out_of_range_hyperparameters_are_refused() {
+        assert!(config().validate().is_ok());
+        let cases: Vec<(&str, ModelConfig)> = vec![
+            ("layer count", ModelConfig { num_layers: 1_000_000_000, ..config() }),
+            ("layer count", ModelConfig { num_layers: usize::MAX, ..config() }),
+            ("context length", ModelConfig { context_length: u32::MAX as usize, ..config() }),
+            ("vocabulary", ModelConfig { vocab_size: 1 << 40, ..config() }),
+            ("hidden size", ModelConfig { hidden_size: 1 << 30, ..config() }),
+            ("norm epsilon", ModelConfig { norm_eps: -1e-5, ..config() }),
+            ("norm epsilon", ModelConfig { norm_eps: f32::NAN, ..config() }),
+            ("rope base", ModelConfig { rope: RopeConfig { theta: 0.0, ..config().rope }, ..config() }),
+            ("scaling factor", ModelConfig { rope: RopeConfig { scaling: RopeScaling::Linear { factor: -2.0 }, ..config().rope }, ..config() }),
+        ];
+        for (what, c) in cases {
+            let err = c.validate().expect_err(what).to_string();
+            assert!(err.contains(what), "{err}");
+        }
     }
 }

@@ -132,3 +132,12 @@ fn zero_tokens_and_out_of_range_sampling() {
         assert!(stderr(&out).contains(name), "{flag} {value}: {}", stderr(&out));
     }
 }
+
+/// A context beyond the model's trained length is refused with both numbers.
+#[test]
+fn context_beyond_the_model_is_refused() {
+    let Some(model) = smollm2_or_skip("context_beyond_the_model_is_refused") else { return };
+    let out = kiln(&["run", "Hello", "-n", "2", "-c", "4294967295", "-m", model.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("8192"), "{}", stderr(&out));
+}
