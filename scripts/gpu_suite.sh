@@ -7,7 +7,8 @@
 #   scripts/gpu_suite.sh split   here: splits the real SmolLM2 file into .gpu-model/part-a and
 #                                part-b (one call to the GPU machine carries at most 64 MiB).
 #   scripts/gpu_suite.sh run     on the GPU machine: joins .gpu-model/part-* into the real model
-#                                if present (checking its sha256), runs every GPU test with
+#                                if present (checking its sha256), runs every GPU test (and the
+#                                conformance suite on cuda-q4k / cuda-q4_0) with
 #                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
 #                                then `kiln bench` on SmolLM2 q4_k_m and synthetic llama3.2-1b /
 #                                llama3-8b q4_k_m. Logs under $OUT (or ./gpu-logs); a short
@@ -31,7 +32,7 @@ build)
     # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity) cp "$bin" ".gpu/$name" ;; esac
+        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance) cp "$bin" ".gpu/$name" ;; esac
     done
     cargo build --release -p kiln --bin kiln
     cargo build --release -p kiln-kernels --example kernel_bench
@@ -66,7 +67,7 @@ run)
     status=0
     summary=()
     # TESTS picks a subset (e.g. TESTS="parity gpu_parity") when device time is short.
-    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity}; do
+    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity conformance}; do
         t=.gpu/$name
         [ -x "$t" ] || continue
         if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then

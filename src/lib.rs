@@ -8,9 +8,11 @@
 //! third-party backends are loaded from `.so` plugins ([`plugins`]).
 
 pub mod bench;
+pub mod conformance;
 pub mod engine;
 pub mod fetch;
 pub mod plugins;
+pub mod server;
 pub mod session;
 pub mod toolkit;
 

@@ -1,4 +1,4 @@
-//! The `kiln` command line: run, chat, inspect, backends, tokenize, bench.
+//! The `kiln` command line: run, chat, inspect, backends, tokenize, bench, serve.
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -53,6 +53,11 @@ enum Command {
     Synth(kiln::toolkit::SynthArgs),
     /// Convert between GGUF and APR v2 (`kiln convert in.gguf out.apr [--quantize int4]`).
     Convert(kiln::toolkit::ConvertArgs),
+    /// Check a backend or plugin against the executor contract and the CPU oracle
+    /// (`kiln conformance --plugin libmy_backend.so`); fails when a rule is broken.
+    Conformance(kiln::conformance::ConformanceArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (`/v1/chat/completions`, ...).
+    Serve(kiln::server::ServeArgs),
 }
 
 #[derive(Args, Clone)]
@@ -194,11 +199,14 @@ struct BenchArgs {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("KILN_LOG"))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // `kiln serve` logs one line per request unless KILN_LOG says otherwise.
+    let filter = match (&cli.command, std::env::var("KILN_LOG")) {
+        (Command::Serve(_), Err(_)) => tracing_subscriber::EnvFilter::new("info"),
+        _ => tracing_subscriber::EnvFilter::from_env("KILN_LOG"),
+    };
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
     let result = match cli.command {
         Command::Run(args) => cmd_run(args),
         Command::Chat(args) => cmd_chat(args),
@@ -209,6 +217,8 @@ fn main() -> ExitCode {
         Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
         Command::Synth(args) => kiln::toolkit::cmd_synth(args),
         Command::Convert(args) => kiln::toolkit::cmd_convert(args),
+        Command::Conformance(args) => kiln::conformance::cmd_conformance(args),
+        Command::Serve(args) => kiln::server::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,6 +8,11 @@
 //! Loading it returns a [`PluginExecutor`], a [`LayerExecutor`] that calls through the
 //! table and keeps the model's memory mapping alive for as long as the plugin may read it.
 //!
+//! The host also guards what comes back: it fills every logits buffer with NaN before
+//! a plugin's `prefill`/`decode` and turns a value left non-finite into an
+//! [`Error::Plugin`] naming the plugin and the call (output never changes silently because a
+//! plugin wrote half a row).
+//!
 //! Failures never take the host down: a file that is not a library, a missing symbol, an
 //! ABI of another major, a short table, a failing initialisation, malformed descriptions,
 //! and panics inside the plugin (caught on its side by the SDK) all come back as
@@ -26,7 +31,8 @@ use kiln_core::{
     Registry, Result, SeqId, Support,
 };
 
-/// Environment variable listing extra plugin directories (separated like `PATH`).
+/// Environment variable listing extra plugin directories or library files (separated like
+/// `PATH`).
 pub const PLUGIN_PATH_ENV: &str = "KILN_PLUGIN_PATH";
 
 /// The validated function table: every entry present.
@@ -173,6 +179,25 @@ impl Plugin {
         }
     }
 
+    /// The boundary guard on a successful `prefill`/`decode`: the host filled `logits` with
+    /// NaN before the call, so a value that is still not finite was left unwritten or
+    /// written as NaN/inf. Either way the output is unusable, and saying so here names the
+    /// plugin and the call instead of letting sampling silently change.
+    fn check_logits(&self, what: &str, logits: &[f32], vocab: usize) -> Result<()> {
+        let Some(first) = logits.iter().position(|v| !v.is_finite()) else { return Ok(()) };
+        let bad = logits.iter().filter(|v| !v.is_finite()).count();
+        let row = match logits.len() > vocab {
+            true => format!(", row {} column {}", first / vocab, first % vocab),
+            false => String::new(),
+        };
+        Err(self.error(format!(
+            "backend '{}' returned OK from {what} with {bad} of {} {UNWRITTEN_LOGITS} (first at index {first}{row}); \
+             a backend must write every value, finite",
+            self.name,
+            logits.len()
+        )))
+    }
+
     /// Reads and checks what the backend says about itself.
     fn describe(&mut self) -> Result<()> {
         let mut info = KilnBackendInfo::empty();
@@ -221,7 +246,11 @@ impl Plugin {
         self.name = name.to_string();
         self.version = version.to_string();
         self.own_description = description.to_string();
-        self.listing = format!("{description} [plugin {version}, {}]", self.path.display());
+        let runs = match architectures.is_empty() {
+            true => "architectures: decided per model".to_string(),
+            false => format!("architectures: {}", architectures.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")),
+        };
+        self.listing = format!("{description} [plugin {version}, {}; {runs}]", self.path.display());
         self.qtypes = qtypes;
         self.architectures = architectures;
         Ok(())
@@ -548,10 +577,12 @@ impl LayerExecutor for PluginExecutor {
             return Err(Error::InvalidArgument(format!("logits buffer holds {}; vocab is {vocab}", logits.len())));
         }
         let p = &self.plugin;
+        logits.fill(f32::NAN);
         // SAFETY: the slices are valid for their lengths during the call.
         p.call("prefill", |err| unsafe {
             (p.api.prefill)(self.handle, seq, tokens.as_ptr(), tokens.len(), logits.as_mut_ptr(), logits.len(), err)
-        })
+        })?;
+        p.check_logits("prefill", logits, vocab)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
@@ -568,10 +599,12 @@ impl LayerExecutor for PluginExecutor {
         self.items.extend(batch.iter().map(|i| KilnDecodeItem { seq: i.seq, token: i.token }));
         let p = &self.plugin;
         let (handle, items) = (self.handle, &self.items);
+        logits.fill(f32::NAN);
         // SAFETY: the slices are valid for their lengths during the call.
         p.call("decode", |err| unsafe {
             (p.api.decode)(handle, items.as_ptr(), items.len(), logits.as_mut_ptr(), logits.len(), err)
-        })
+        })?;
+        p.check_logits("decode", logits, vocab)
     }
 }
 
@@ -580,8 +613,9 @@ pub fn load_plugin(path: &Path) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(PluginBackend::open(path)?))
 }
 
-/// Directories searched for plugins besides explicit paths: each entry of
-/// `KILN_PLUGIN_PATH`, then `plugins/` beside the running executable.
+/// Where plugins are searched besides explicit paths: each entry of `KILN_PLUGIN_PATH` (a
+/// directory, whose libraries are all loaded, or a library file), then `plugins/` beside
+/// the running executable.
 pub fn plugin_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)
         .map(|v| std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).collect())
@@ -626,11 +660,16 @@ fn discover(explicit: &[PathBuf]) -> (Vec<PluginBackend>, Vec<Error>) {
             errors.push(plugin_error(path, "no such file"));
         }
     }
-    // Search directories that do not exist are normal (an unset-up `plugins/`), not errors.
-    for dir in plugin_dirs().into_iter().filter(|d| d.is_dir()) {
-        match libraries_in(&dir) {
-            Ok(found) => candidates.extend(found),
-            Err(e) => errors.push(plugin_error(&dir, format!("cannot read plugin directory: {e}"))),
+    // Search entries that do not exist are normal (an unset-up `plugins/`), not errors. A
+    // file is loaded whatever its extension: naming it is asking for it.
+    for entry in plugin_dirs() {
+        if entry.is_file() {
+            candidates.push(entry);
+        } else if entry.is_dir() {
+            match libraries_in(&entry) {
+                Ok(found) => candidates.extend(found),
+                Err(e) => errors.push(plugin_error(&entry, format!("cannot read plugin directory: {e}"))),
+            }
         }
     }
 

@@ -228,13 +228,13 @@ impl Drop for Session<'_> {
 }
 
 /// Byte offset where the first stop string starts, if any is in `text`.
-fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+pub(crate) fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
     stops.iter().filter(|s| !s.is_empty()).filter_map(|s| text.find(s.as_str())).min()
 }
 
 /// Length of the longest suffix of `text` that could begin a stop string: it is withheld
 /// from streaming until the next token decides.
-fn held_back(text: &str, stops: &[String]) -> usize {
+pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
     let mut hold = 0;
     for stop in stops {
         for (i, _) in stop.char_indices().skip(1) {

@@ -136,28 +136,55 @@ pub struct DecodeItem {
 }
 
 /// A model loaded on a device, holding the KV caches of its sequences.
+///
+/// The contract every backend — built-in or plugin — follows, and `kiln conformance`
+/// checks (docs/plugins.md, "The executor contract", has the full table):
+///
+/// - **Caller misuse is `Error::InvalidArgument`**, always: an unknown or freed sequence,
+///   a sequence beyond `max_sequences`, an empty prompt, a token id outside the vocabulary,
+///   a logits buffer of the wrong length, a sequence twice in one batch, a truncation past
+///   the end, and a context limit that a prompt or step would cross. The host does not check
+///   these for you (it checks buffer lengths before calling a plugin, but built-ins are
+///   called directly): use [`check_prefill`], [`check_decode`] and
+///   [`crate::SequenceSlots`].
+/// - **A rejected call changes nothing**: every sequence keeps its length and cache, and
+///   the executor stays usable. Validate a whole batch before running any of it.
+/// - **The executor enforces the context limit**: a sequence holds at most
+///   [`LayerExecutor::max_context`] tokens; the call that would cross it fails.
+/// - **Every logit is written and finite** on success (the host fills plugin buffers with
+///   NaN before each call and turns any left over into an error naming the plugin).
 pub trait LayerExecutor: Send {
+    /// The configuration of the loaded model, equal to the `ModelIr`'s.
     fn config(&self) -> &ModelConfig;
-    /// Longest context one sequence may reach.
+    /// Longest context one sequence may reach (≥ 1): what `LoadOptions::context_for` gave,
+    /// or less if the device cannot hold that much.
     fn max_context(&self) -> usize;
-    /// Sequences that may be alive at once.
+    /// Sequences that may be alive at once (≥ 1): `LoadOptions::sequences()`, or less.
     fn max_sequences(&self) -> usize;
 
-    /// A new, empty sequence. Fails when `max_sequences` are alive.
+    /// A new, empty sequence (length 0). Ids of live sequences are distinct; a freed id may
+    /// come back later. `InvalidArgument` when `max_sequences` are alive.
     fn new_sequence(&mut self) -> Result<SeqId>;
-    /// Frees a sequence's KV cache slot.
+    /// Frees a sequence's KV cache slot; the id is unknown afterwards. `InvalidArgument` for
+    /// an unknown or already freed id.
     fn free_sequence(&mut self, seq: SeqId) -> Result<()>;
-    /// Tokens in the sequence's cache.
+    /// Tokens in the sequence's cache. `InvalidArgument` for an unknown id.
     fn sequence_len(&self, seq: SeqId) -> Result<usize>;
-    /// Forgets every position from `len` on (keeps a shared prefix for the next prompt).
+    /// Forgets every position from `len` on (keeps a shared prefix for the next prompt):
+    /// afterwards the sequence computes exactly as if only its first `len` tokens had ever
+    /// been appended. `len` equal to the length is a no-op, 0 empties it; `len` past the end
+    /// is `InvalidArgument` (truncation never grows a sequence).
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()>;
 
-    /// Appends `tokens` to `seq` as one batch and writes the logits of the last one into
-    /// `logits` (length vocab).
+    /// Appends `tokens` (at least one) to `seq` as one batch and writes the logits of the
+    /// last one into `logits` (length vocab). Positions run from the sequence's length on;
+    /// a prompt that would pass `max_context` is refused whole. See [`check_prefill`].
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()>;
 
     /// One decode step for every item; `logits` receives `batch.len() * vocab` values,
-    /// row `i` for item `i`. Items must name distinct sequences.
+    /// row `i` for item `i`. Items must name distinct live sequences, each below
+    /// `max_context`, at whatever position each one is; an empty batch is a no-op. The
+    /// whole batch is checked before any of it runs (see [`check_decode`]).
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()>;
 
     /// The device's measured memory bandwidth in GB/s (a plain copy's bytes read + written
@@ -187,6 +214,74 @@ pub trait LayerExecutor: Send {
         }
         Ok(())
     }
+}
+
+/// Token ids inside a vocabulary of `vocab`; `InvalidArgument` naming the first that is not.
+pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary of {vocab}"))),
+        None => Ok(()),
+    }
+}
+
+/// The checks of [`LayerExecutor::prefill`] for a sequence that holds `len` tokens of
+/// `max_context`: at least one token, every id inside the vocabulary, room for all of them,
+/// and a logits buffer of `vocab` values. Every failure is `InvalidArgument`; call it before
+/// touching any state, so a refused prompt leaves the sequence as it was.
+pub fn check_prefill(tokens: &[u32], logits: &[f32], vocab: usize, len: usize, max_context: usize) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::InvalidArgument("prefill needs at least one token".into()));
+    }
+    if logits.len() != vocab {
+        return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
+    }
+    check_tokens(tokens, vocab)?;
+    if len.saturating_add(tokens.len()) > max_context {
+        return Err(Error::InvalidArgument(format!(
+            "the sequence holds {len} tokens; {} more exceed the context of {max_context}",
+            tokens.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The checks of [`LayerExecutor::decode`]: [`check_decode_batch`] (the logits buffer fits,
+/// the sequences are distinct), then [`check_decode_items`]. Call it before running any
+/// item, so a refused batch leaves every sequence as it was.
+pub fn check_decode(
+    batch: &[DecodeItem],
+    logits: &[f32],
+    vocab: usize,
+    max_context: usize,
+    len_of: impl Fn(SeqId) -> Result<usize>,
+) -> Result<()> {
+    check_decode_batch(batch, logits, vocab)?;
+    check_decode_items(batch, vocab, max_context, len_of)
+}
+
+/// For every item of a decode batch: its sequence is alive (`len_of` fails for an unknown
+/// one) and named once, its token is inside the vocabulary, and its sequence has room for one
+/// more position below `max_context`. For steps without a logits buffer (`decode_sample`).
+pub fn check_decode_items(
+    batch: &[DecodeItem],
+    vocab: usize,
+    max_context: usize,
+    len_of: impl Fn(SeqId) -> Result<usize>,
+) -> Result<()> {
+    for (i, item) in batch.iter().enumerate() {
+        if batch[..i].iter().any(|b| b.seq == item.seq) {
+            return Err(Error::InvalidArgument(format!("sequence {} appears twice in one decode batch", item.seq)));
+        }
+        let len = len_of(item.seq)?;
+        check_tokens(&[item.token], vocab)?;
+        if len >= max_context {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {} is full: it holds the context of {max_context} tokens",
+                item.seq
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks shared by executors: the logits buffer fits the batch and sequences are distinct.

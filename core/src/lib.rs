@@ -17,8 +17,12 @@ pub mod qtype;
 pub mod registry;
 pub mod sampling;
 pub mod sequences;
+pub mod testdata;
 
-pub use backend::{check_decode_batch, score, Backend, DecodeItem, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support};
+pub use backend::{
+    check_decode, check_decode_batch, check_decode_items, check_prefill, check_tokens, score, Backend, DecodeItem,
+    LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
+};
 pub use error::{Error, Result};
 pub use ir::{
     Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig, RopeKind,

@@ -319,6 +319,11 @@ pub const MAX_LIST: usize = 256;
 /// Longest message the host accepts from a plugin (longer ones are malformed data).
 pub const MAX_MESSAGE: usize = 1 << 20;
 
+/// Words in the `Error::Plugin` the host returns when a plugin's `prefill` or `decode`
+/// reports success but leaves a logit unwritten or non-finite (the host fills the buffer
+/// with NaN before every call). The conformance suite keys on them.
+pub const UNWRITTEN_LOGITS: &str = "unwritten or non-finite logits";
+
 /// Answer to `supports`: `supported` 1 with `score` and an optional note, or 0 with the
 /// reason. `message` is plugin-owned (release with `free_string`).
 #[repr(C)]

@@ -31,7 +31,7 @@
 mod reader;
 mod writer;
 
-pub use reader::{AprFile, AprReadOptions};
+pub use reader::{json_kind, AprFile, AprReadOptions};
 pub use writer::{write_apr, AprTensorSpec};
 
 use kiln_core::QType;

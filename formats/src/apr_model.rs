@@ -22,7 +22,7 @@ use half::f16;
 use kiln_core::{Architecture, Error, ModelConfig, ModelIr, QType, Result, RopeKind, RopeScaling, TensorView};
 use serde_json::{json, Map, Value};
 
-use crate::apr::{write_apr, AprDtype, AprFile, AprTensorSpec, Compression};
+use crate::apr::{json_kind, write_apr, AprDtype, AprFile, AprTensorSpec, Compression};
 use crate::gguf::{GgufValue, GgufWriter};
 use crate::model::{model_from_table, TensorTable};
 use crate::quantize::{Progress, ProgressEvent};
@@ -194,7 +194,7 @@ impl Meta<'_> {
         match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Array(a)) => Ok(Some(a)),
-            Some(v) => Err(Error::Format(format!("APR metadata '{key}' should be an array, found a {}", json_kind(v)))),
+            Some(v) => Err(Error::Format(format!("APR metadata '{key}' should be an array, found {}", json_kind(v)))),
         }
     }
     fn opt_strings(&self, key: &str) -> Result<Option<Vec<String>>> {
@@ -206,7 +206,7 @@ impl Meta<'_> {
                 Value::Array(pair) if pair.len() == 2 && pair.iter().all(Value::is_string) => {
                     Ok(format!("{} {}", pair[0].as_str().expect("checked"), pair[1].as_str().expect("checked")))
                 }
-                other => Err(Error::Format(format!("APR metadata '{key}' holds a {}, strings expected", json_kind(other)))),
+                other => Err(Error::Format(format!("APR metadata '{key}' holds {}, strings expected", json_kind(other)))),
             })
             .collect::<Result<_>>()
             .map(Some)
@@ -220,16 +220,6 @@ impl Meta<'_> {
     }
 }
 
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
 
 fn architecture(name: &str) -> Result<Architecture> {
     Ok(match name {

@@ -16,14 +16,7 @@ pub fn fresh_seed() -> u64 {
     (t as u64) ^ ((std::process::id() as u64) << 32)
 }
 
-/// Uniform in [lo, hi).
-pub fn uniform(rng: &mut Rng, lo: f32, hi: f32) -> f32 {
-    lo + (hi - lo) * rng.next_f32()
-}
-
-pub fn random_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| uniform(rng, -scale, scale)).collect()
-}
+pub use kiln_core::testdata::{random_vec, uniform};
 
 fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
@@ -127,8 +120,8 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
 }
 
 /// `rows` rows of `row_len` values drawn from N(0, std²) and quantised to `qtype` by the
-/// CPU reference quantiser: weights shaped like a trained model's after `kiln quantize`
-/// (zero-mean sub-blocks, realistic scales), unlike the uniform bits of [`random_weights`].
+/// CPU reference quantiser ([`kiln_core::testdata::gaussian_weights`]): weights shaped like
+/// a trained model's after `kiln quantize`, unlike the uniform bits of [`random_weights`].
 pub fn gaussian_weights(
     rng: &mut Rng,
     qtype: QType,
@@ -136,22 +129,10 @@ pub fn gaussian_weights(
     rows: usize,
     std: f32,
 ) -> Result<Vec<u8>> {
-    let rb = qtype
-        .row_bytes(row_len)
-        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-    let mut out = vec![0u8; rb * rows];
-    let mut row = vec![0f32; row_len];
-    for dst in out.chunks_exact_mut(rb) {
-        for v in row.iter_mut() {
-            // Box-Muller.
-            let u1 = rng.next_f32().max(1e-7);
-            let u2 = rng.next_f32();
-            *v = std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos();
-        }
-        kiln_core::quant::quantize(qtype, &row, dst)
-            .map_err(|e| KernelError::Unsupported(e.to_string()))?;
-    }
-    Ok(out)
+    kiln_core::testdata::gaussian_weights(rng, qtype, row_len, rows, std).map_err(|e| match e {
+        kiln_core::Error::InvalidShape(m) => KernelError::InvalidArgument(m),
+        other => KernelError::Unsupported(other.to_string()),
+    })
 }
 
 /// Name of the variable that makes a missing GPU a test failure instead of a skip. The GPU

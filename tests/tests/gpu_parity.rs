@@ -21,6 +21,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kiln::conformance::top_gap as top2_gap;
 use kiln::Model;
 use kiln_core::{argmax, Backend, DecodeItem, LoadOptions};
 use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
@@ -69,19 +70,6 @@ struct Outcome {
     min_cosine: f64,
     token_mismatches: usize,
     allowed_mismatches: usize,
-}
-
-fn top2_gap(logits: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &l in logits {
-        if l > a {
-            b = a;
-            a = l;
-        } else if l > b {
-            b = l;
-        }
-    }
-    a - b
 }
 
 /// Runs the prompt and `STEPS` teacher-forced decode steps on both backends and measures

@@ -11,8 +11,9 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use kiln::conformance::{Options, RealModel};
 use kiln::plugins::{discover_plugins, load_plugin, register_plugins, PluginBackend, PLUGIN_PATH_ENV};
-use kiln_core::plugin_abi::{self, KilnPluginApi};
+use kiln_core::plugin_abi::{self, KilnPluginApi, UNWRITTEN_LOGITS};
 use kiln_core::{
     Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
     ModelIr, ModelWeights, NormKind, QType, Registry, RopeConfig, RopeKind, RopeScaling, Support, TensorView,
@@ -364,6 +365,16 @@ fn plugins_are_discovered_from_the_plugin_path_and_explicit_paths() {
     assert!(errors.is_empty(), "{errors:?}");
     let names: Vec<&str> = found.iter().map(|b| b.name()).collect();
     assert_eq!(names, ["naive-cpu"]);
+    // An entry may name the library file itself (whatever its extension), not only a
+    // directory.
+    let renamed = empty.join("naive-cpu.plugin");
+    std::fs::copy(naive_plugin(), &renamed).unwrap();
+    std::env::set_var(PLUGIN_PATH_ENV, std::env::join_paths([&renamed, &dir.join("absent.so")]).unwrap());
+    let (found, errors) = discover_plugins(&[]);
+    std::env::remove_var(PLUGIN_PATH_ENV);
+    assert!(errors.is_empty(), "{errors:?}");
+    let names: Vec<&str> = found.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ["naive-cpu"], "a file in {PLUGIN_PATH_ENV} is loaded");
 
     // Explicit: a file, the same file again (loaded once), a missing file, a broken one.
     let broken = c_plugin("ABI_MAJOR");
@@ -402,6 +413,12 @@ fn the_cli_lists_plugins_and_survives_broken_ones() {
         listing(Command::new(&kiln).arg("backends").arg("--plugin").arg(&plugin).env_remove(PLUGIN_PATH_ENV));
     assert!(stdout.contains("naive-cpu") && stdout.contains("available"), "{stdout}");
     assert!(stdout.contains("cpu "), "built-ins are still listed:\n{stdout}");
+    assert!(stdout.contains("architectures: decided per model"), "{stdout}");
+    // A plugin that declares its architectures has them listed.
+    let panicky = cargo_build("kiln-fixture-panicky-plugin", "kiln_fixture_panicky_plugin");
+    let (stdout, _) =
+        listing(Command::new(&kiln).arg("backends").arg("--plugin").arg(&panicky).env_remove(PLUGIN_PATH_ENV));
+    assert!(stdout.lines().any(|l| l.contains("panicky") && l.contains("architectures: llama")), "{stdout}");
 
     let dir = scratch_dir("cli-plugin-path");
     std::fs::copy(&plugin, dir.join(dylib_name("naive_cpu_plugin"))).unwrap();
@@ -505,6 +522,7 @@ fn panics_inside_a_plugin_become_errors_and_the_host_survives() {
 
     let b = load_plugin(&path).unwrap();
     assert_eq!(b.name(), "panicky");
+    assert!(b.description().contains("architectures: llama"), "{}", b.description());
     let model = tiny_llama("synthetic llama", QType::Q8_0);
     // A panic in `supports` is a refusal with the panic's message, not an abort.
     match b.supports(&model) {
@@ -528,13 +546,199 @@ fn panics_inside_a_plugin_become_errors_and_the_host_survives() {
     exec.prefill(seq, &[1, 2], &mut logits).unwrap();
     assert!(logits.iter().all(|&v| v == 0.5));
     let e = exec.decode(&[DecodeItem { seq, token: 1 }], &mut logits).unwrap_err();
-    assert_plugin_error(&e, &path, &["panicked in decode", "decode exploded at length 2"]);
+    assert_plugin_error(&e, &path, &["panicked in decode: decode exploded at length 2"]);
+    let Error::Plugin { message, .. } = &e else { unreachable!() };
+    assert_eq!(message, "panicked in decode: decode exploded at length 2", "one clean message");
     // The executor is poisoned: later calls fail instead of running on half-written state.
     let e = exec.prefill(seq, &[1], &mut logits).unwrap_err();
-    assert!(e.to_string().contains("unusable after an earlier panic"), "{e}");
+    assert!(e.to_string().contains("unusable after an earlier panic in decode: decode exploded"), "{e}");
     drop(exec);
     // The backend itself is fine.
     assert!(b.probe().is_ok());
+}
+
+// ---- the boundary guard and conformance -------------------------------------------------
+
+fn broken_plugin() -> PathBuf {
+    static PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut p = PATH.lock().unwrap_or_else(|p| p.into_inner());
+    p.get_or_insert_with(|| cargo_build("kiln-fixture-broken-plugin", "kiln_fixture_broken_plugin")).clone()
+}
+
+#[test]
+fn the_host_turns_unwritten_logits_into_an_error_naming_the_plugin_and_the_call() {
+    let path = broken_plugin();
+    let b = load_plugin(&path).unwrap();
+    let vocab = 96;
+    // The fixture writes only the first half of each row for a model so named.
+    let half = tiny_llama("synthetic llama kiln-fixture-fault=half_logits", QType::Q8_0);
+    let mut exec = b.load(&half, &LoadOptions { max_sequences: 2, ..Default::default() }).unwrap();
+    let seq = exec.new_sequence().unwrap();
+    let mut logits = vec![0.0f32; vocab];
+    let e = exec.prefill(seq, &[1, 2, 3], &mut logits).unwrap_err();
+    let unwritten = format!("48 of 96 {UNWRITTEN_LOGITS} (first at index 48)");
+    assert_plugin_error(&e, &path, &[&format!("backend '{}'", b.name()), "from prefill", &unwritten]);
+    assert!(logits[..48].iter().all(|v| v.is_finite()) && logits[48..].iter().all(|v| v.is_nan()));
+    let other = exec.new_sequence().unwrap();
+    let mut rows = vec![0.0f32; 2 * vocab];
+    let items = [DecodeItem { seq, token: 1 }, DecodeItem { seq: other, token: 2 }];
+    let e = exec.decode(&items, &mut rows).unwrap_err();
+    assert_plugin_error(&e, &path, &["from decode", &format!("96 of 192 {UNWRITTEN_LOGITS}"), "row 0 column 48"]);
+
+    // The guard costs a correct plugin nothing: the same fixture without the fault.
+    let whole = tiny_llama("synthetic llama", QType::Q8_0);
+    let mut exec = b.load(&whole, &LoadOptions::default()).unwrap();
+    let seq = exec.new_sequence().unwrap();
+    exec.prefill(seq, &[1, 2, 3], &mut logits).unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// `kiln conformance` on `plugin` (synthetic models only) with `KILN_FIXTURE_FAULT=fault`:
+/// (exit status success, stdout, stderr).
+fn conformance_cli(plugin: &Path, fault: Option<&str>) -> (bool, String, String) {
+    let mut cmd = Command::new(kiln_cli());
+    cmd.args(["conformance", "--no-real-model", "--plugin"]).arg(plugin).env_remove(PLUGIN_PATH_ENV);
+    match fault {
+        Some(f) => cmd.env("KILN_FIXTURE_FAULT", f),
+        None => cmd.env_remove("KILN_FIXTURE_FAULT"),
+    };
+    let out = cmd.output().expect("run kiln conformance");
+    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+#[test]
+fn the_example_plugin_passes_conformance() {
+    // Through the library, as an author's own test would call it (real model when present).
+    let plugin = PluginBackend::open(&naive_plugin()).unwrap();
+    let real_model: Option<RealModel> =
+        real_model_path().map(|p| kiln::conformance::real_model_from(&p).expect("the real model opens"));
+    let with_real = real_model.is_some();
+    let report = kiln::conformance::run(&plugin, &Options { real_model, ..Options::default() });
+    assert!(report.passed(), "{report}");
+    assert!(report.findings.iter().filter(|f| f.outcome == kiln::conformance::Outcome::Pass).count() >= 70, "{report}");
+    if with_real {
+        assert!(report.findings.iter().any(|f| f.rule == "parity.greedy" && f.model.as_deref().is_some_and(|m| m.contains("real"))));
+    }
+    // Through the command line: a report and exit status 0.
+    let (ok, stdout, stderr) = conformance_cli(&naive_plugin(), None);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("backend `naive-cpu`") && stdout.contains("result: PASS"), "{stdout}");
+}
+
+#[test]
+fn each_broken_plugin_fails_conformance_naming_the_rules_it_breaks() {
+    let plugin = broken_plugin();
+    // The control: the fixture without a fault passes.
+    let (ok, stdout, stderr) = conformance_cli(&plugin, Some("none"));
+    assert!(ok && stdout.contains("result: PASS"), "{stdout}\n{stderr}");
+    let cases: [(&str, &[&str]); 6] = [
+        ("half_logits", &["logits.all_written_and_finite"]),
+        // truncate_sequence of an unknown id "succeeds" too.
+        ("ignore_truncate", &["truncate.keeps_prefix", "truncate.past_end_is_error", "errors.unknown_sequence"]),
+        ("wrong_logits", &["parity.cosine", "parity.greedy"]),
+        ("swapped_batch", &["batch.mixed_positions"]),
+        (
+            "untyped_errors",
+            &[
+                "lifecycle.new_free_reuse",
+                "lifecycle.capacity_is_typed_error",
+                "truncate.past_end_is_error",
+                "context.limit_is_typed_error",
+                "errors.unknown_sequence",
+                "errors.empty_prompt",
+                "errors.token_out_of_vocab",
+                "errors.duplicate_in_batch",
+            ],
+        ),
+        ("context_overflow", &["context.limit_is_typed_error"]),
+    ];
+    for (fault, rules) in cases {
+        let (ok, stdout, stderr) = conformance_cli(&plugin, Some(fault));
+        assert!(!ok, "{fault}: conformance passed\n{stdout}");
+        // The report names each broken rule on a FAIL line, and exactly those in its verdict.
+        for rule in rules {
+            assert!(stdout.contains(&format!("FAIL  {rule}")), "{fault}: {rule} not reported failing\n{stdout}");
+        }
+        let verdict = stderr.lines().find(|l| l.contains("fails conformance: ")).unwrap_or_else(|| panic!("{fault}: {stderr}"));
+        let named: Vec<&str> = verdict.split("fails conformance: ").nth(1).unwrap().split(", ").collect();
+        assert_eq!(named, rules, "{fault}: the rules named in the verdict\n{stdout}");
+        assert!(verdict.contains(&format!("broken-{fault}")), "{verdict}");
+    }
+}
+
+/// A plugin crate written outside the repository against the SDK as `cargo package` ships
+/// it: the packaged `kiln-plugin-sdk` and `kiln-core` unpacked into a temporary directory,
+/// nothing of the kiln workspace reachable. Its source is the example plugin's under another
+/// name; it must build (offline, from the local crate cache) and pass `kiln conformance`.
+#[test]
+fn a_plugin_crate_outside_the_repository_builds_and_passes_conformance() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let work = std::env::temp_dir().join(format!("kiln-out-of-tree-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let (packaged, vendor, krate) = (work.join("package"), work.join("vendor"), work.join("my-backend"));
+    std::fs::create_dir_all(&vendor).unwrap();
+    std::fs::create_dir_all(krate.join("src")).unwrap();
+
+    // 1. The two crates, packaged (not verified here: building them below is the check).
+    let out = Command::new(&cargo)
+        .args(["package", "-p", "kiln-core", "-p", "kiln-plugin-sdk", "--no-verify", "--allow-dirty", "--offline"])
+        .arg("--target-dir")
+        .arg(&packaged)
+        .current_dir(workspace_root())
+        .output()
+        .expect("run cargo package");
+    assert!(out.status.success(), "cargo package failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let version = env!("CARGO_PKG_VERSION");
+    for name in ["kiln-core", "kiln-plugin-sdk"] {
+        let file = packaged.join("package").join(format!("{name}-{version}.crate"));
+        let status = Command::new("tar").arg("xzf").arg(&file).arg("-C").arg(&vendor).status().expect("run tar");
+        assert!(status.success(), "unpacking {}", file.display());
+    }
+
+    // 2. A new crate, as `cargo new --lib` and the guide make it.
+    let sdk = vendor.join(format!("kiln-plugin-sdk-{version}"));
+    let core = vendor.join(format!("kiln-core-{version}"));
+    std::fs::write(
+        krate.join("Cargo.toml"),
+        format!(
+            "[package]\nname = \"my-backend\"\nversion = \"0.3.0\"\nedition = \"2021\"\n\n\
+             [lib]\ncrate-type = [\"cdylib\"]\n\n\
+             [dependencies]\nkiln-plugin-sdk = {{ path = {sdk:?} }}\n\n\
+             # The SDK's kiln-core dependency names a registry version; point it at the packaged crate.\n\
+             [patch.crates-io]\nkiln-core = {{ path = {core:?} }}\n\n\
+             [workspace]\n"
+        ),
+    )
+    .unwrap();
+    let example = std::fs::read_to_string(workspace_root().join("examples/naive-cpu-plugin/src/lib.rs")).unwrap();
+    assert!(example.contains("\"naive-cpu\""));
+    std::fs::write(krate.join("src/lib.rs"), example.replace("\"naive-cpu\"", "\"out-of-tree\"")).unwrap();
+    // The workspace's lock file pins the same dependency versions (all in the local cache).
+    std::fs::copy(workspace_root().join("Cargo.lock"), krate.join("Cargo.lock")).unwrap();
+
+    // 3. Build it where nothing of the workspace is (its own target dir, kept between runs).
+    let build = |offline: bool| {
+        let mut cmd = Command::new(&cargo);
+        cmd.args(["build", "--release"]).current_dir(&krate).env("CARGO_TARGET_DIR", target_dir().join("out-of-tree"));
+        if offline {
+            cmd.arg("--offline");
+        }
+        cmd.output().expect("run cargo build")
+    };
+    let mut out = build(true);
+    if !out.status.success() {
+        println!("offline build failed, trying online:\n{}", String::from_utf8_lossy(&out.stderr));
+        out = build(false);
+    }
+    assert!(out.status.success(), "building the out-of-tree plugin failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let lib = target_dir().join("out-of-tree/release").join(dylib_name("my_backend"));
+    assert!(lib.is_file(), "{} was not produced", lib.display());
+
+    // 4. It loads, and passes the suite.
+    let (ok, stdout, stderr) = conformance_cli(&lib, None);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("backend `out-of-tree`") && stdout.contains("[plugin 0.3.0,") && stdout.contains("result: PASS"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&work);
 }
 
 // ---- the real model ----------------------------------------------------------------

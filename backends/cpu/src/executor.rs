@@ -3,8 +3,8 @@
 //! sequences, one position each).
 
 use kiln_core::{
-    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind,
-    Result, SeqId, SeqSlot, SequenceSlots, TensorView,
+    check_decode, check_prefill, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
+    NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -205,14 +205,6 @@ impl CpuExecutor {
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
         self.slots.index_of(seq)
-    }
-
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let vocab = self.model.config.vocab_size;
-        match tokens.iter().find(|&&t| t as usize >= vocab) {
-            Some(t) => Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary of {vocab}"))),
-            None => Ok(()),
-        }
     }
 
     /// Runs positions `rows[i] = (slot, position)` for `tokens[i]` through the model.
@@ -417,22 +409,8 @@ impl LayerExecutor for CpuExecutor {
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         let slot = self.slot_of(seq)?;
-        let vocab = self.model.config.vocab_size;
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument("prefill needs at least one token".into()));
-        }
-        if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
-        }
-        self.check_tokens(tokens)?;
         let start = self.slots[slot].len;
-        if start + tokens.len() > self.model.max_ctx {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
-                tokens.len(),
-                self.model.max_ctx
-            )));
-        }
+        check_prefill(tokens, logits, self.model.config.vocab_size, start, self.model.max_ctx)?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
             let pos0 = start + ci * MAX_BATCH;
@@ -447,21 +425,11 @@ impl LayerExecutor for CpuExecutor {
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
-        check_decode_batch(batch, logits, vocab)?;
-        let mut rows = [(0usize, 0usize); MAX_BATCH];
-        let mut toks = [0u32; MAX_BATCH];
         // Validate everything before touching any cache, so an error leaves every
         // sequence as it was.
-        for item in batch {
-            let slot = self.slot_of(item.seq)?;
-            self.check_tokens(&[item.token])?;
-            if self.slots[slot].len >= self.model.max_ctx {
-                return Err(Error::InvalidArgument(format!(
-                    "sequence {} is full ({} tokens)",
-                    item.seq, self.model.max_ctx
-                )));
-            }
-        }
+        check_decode(batch, logits, vocab, self.model.max_ctx, |seq| self.slots.len_of(seq))?;
+        let mut rows = [(0usize, 0usize); MAX_BATCH];
+        let mut toks = [0u32; MAX_BATCH];
         for (items, out) in batch.chunks(MAX_BATCH).zip(logits.chunks_mut(MAX_BATCH * vocab)) {
             for (i, item) in items.iter().enumerate() {
                 let slot = self.slot_of(item.seq)?;

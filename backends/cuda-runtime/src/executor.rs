@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    check_decode_batch, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
-    ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots, TensorView,
+    check_decode, check_decode_items, Activation, DecodeItem, Error, LayerExecutor, LoadOptions,
+    ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots, TensorView,
 };
 // A child module, so the batched prefill shares the executor's private state.
 #[path = "prefill.rs"]
@@ -750,31 +750,8 @@ impl GpuExecutor {
     /// The slot of `seq`, after checking a prefill of `tokens` into `logits` fits.
     fn check_prefill(&self, seq: SeqId, tokens: &[u32], logits: &[f32]) -> Result<usize> {
         let slot = self.slot_of(seq)?;
-        let vocab = self.config.vocab_size;
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument(
-                "prefill needs at least one token".into(),
-            ));
-        }
-        if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!(
-                "logits buffer holds {} values, the vocabulary {vocab}",
-                logits.len()
-            )));
-        }
-        let start = self.slots[slot].len;
-        if start + tokens.len() > self.max_ctx {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} holds {start} tokens; {} more exceed the context of {}",
-                tokens.len(),
-                self.max_ctx
-            )));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "token {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
+        let len = self.slots[slot].len;
+        kiln_core::check_prefill(tokens, logits, self.config.vocab_size, len, self.max_ctx)?;
         Ok(slot)
     }
 }
@@ -832,7 +809,8 @@ impl LayerExecutor for GpuExecutor {
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.config.vocab_size;
-        check_decode_batch(batch, logits, vocab)?;
+        // The whole batch is checked before any step runs: a refused batch changes nothing.
+        check_decode(batch, logits, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
         let slots: Vec<usize> = batch
             .iter()
             .map(|it| self.slot_of(it.seq))
@@ -862,6 +840,7 @@ impl LayerExecutor for GpuExecutor {
             )));
         }
         let vocab = self.config.vocab_size;
+        check_decode_items(batch, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
         let slots: Vec<usize> = batch
             .iter()
             .map(|it| self.slot_of(it.seq))

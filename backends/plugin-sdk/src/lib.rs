@@ -177,7 +177,7 @@ pub mod __private {
     }
 
     /// Runs `f`, turning its error or panic into a status and a message in `err`.
-    unsafe fn guard(err: *mut KilnOwnedStr, what: &str, f: impl FnOnce() -> Result<(), Error>) -> KilnStatus {
+    unsafe fn guard(err: *mut KilnOwnedStr, f: impl FnOnce() -> Result<(), Error>) -> KilnStatus {
         match catch_unwind(AssertUnwindSafe(f)) {
             Ok(Ok(())) => KilnStatus::OK,
             Ok(Err(e)) => {
@@ -186,7 +186,8 @@ pub mod __private {
                 status
             }
             Err(payload) => {
-                set_str(err, format!("panic in {what}: {}", panic_message(&*payload)));
+                // The payload alone: the host names the function (`panicked in decode: ...`).
+                set_str(err, panic_message(&*payload));
                 KilnStatus::PANIC
             }
         }
@@ -210,7 +211,7 @@ pub mod __private {
         M: FnOnce() -> Result<B, E>,
         A: FnOnce() -> Vec<Architecture>,
     {
-        guard(err, "create_backend", || {
+        guard(err, || {
             if out.is_null() {
                 return Err(null_arg("out"));
             }
@@ -258,7 +259,7 @@ pub mod __private {
         out: *mut KilnBackendInfo,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        guard(err, "describe", || {
+        guard(err, || {
             let b = backend_ref(backend)?;
             let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
             if (out.struct_size as usize) < std::mem::size_of::<KilnBackendInfo>() {
@@ -282,7 +283,7 @@ pub mod __private {
 
     unsafe extern "C" fn probe(backend: *mut KilnBackend, device: *mut KilnOwnedStr, err: *mut KilnOwnedStr) -> KilnStatus {
         let mut unavailable = false;
-        let status = guard(err, "probe", || {
+        let status = guard(err, || {
             let b = backend_ref(backend)?;
             if device.is_null() {
                 return Err(null_arg("device"));
@@ -309,7 +310,7 @@ pub mod __private {
         out: *mut KilnSupport,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        guard(err, "supports", || {
+        guard(err, || {
             let b = backend_ref(backend)?;
             let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
             // The views borrow the host's bytes for this call only; `model` is dropped
@@ -345,7 +346,7 @@ pub mod __private {
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
         let mut host_progress: Option<Arc<HostProgress>> = None;
-        let status = guard(err, "load", || {
+        let status = guard(err, || {
             let b = backend_ref(backend)?;
             // A copy of the host's prefix: options appended after the host's minor read as
             // zero, their defaults.
@@ -416,14 +417,16 @@ pub mod __private {
             return KilnStatus::INVALID_ARGUMENT;
         };
         if let Some(why) = &e.poisoned {
-            set_str(err, format!("executor is unusable after an earlier panic: {why}"));
+            set_str(err, format!("executor is unusable after an earlier panic {why}"));
             return KilnStatus::ERROR;
         }
-        let status = guard(err, what, || f(&mut *e));
+        let status = guard(err, || f(&mut *e));
         if status == KilnStatus::PANIC {
             e.poisoned = Some(match err.as_ref() {
-                Some(s) if !s.is_none() => String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len)).into_owned(),
-                _ => format!("panic in {what}"),
+                Some(s) if !s.is_none() => {
+                    format!("in {what}: {}", String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len)))
+                }
+                _ => format!("in {what}"),
             });
         }
         status

@@ -479,26 +479,12 @@ impl LayerExecutor for NaiveExecutor {
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
-        let vocab = self.model.config.vocab_size;
-        if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!("logits buffer holds {}; vocab is {vocab}", logits.len())));
-        }
-        let Some((&last, rest)) = tokens.split_last() else {
-            return Err(Error::InvalidArgument("prefill of zero tokens".into()));
-        };
-        let max = self.max_context;
+        // The contract's checks (docs/plugins.md): all of them before any state changes.
+        let len = self.sequence_len(seq)?;
+        kiln_core::check_prefill(tokens, logits, self.model.config.vocab_size, len, self.max_context)?;
         let NaiveExecutor { model, seqs, scratch, .. } = self;
-        let s = seqs
-            .get_mut(seq as usize)
-            .and_then(|s| s.as_mut())
-            .ok_or_else(|| Error::InvalidArgument(format!("no live sequence {seq}")))?;
-        if s.len + tokens.len() > max {
-            return Err(Error::InvalidArgument(format!(
-                "{} tokens after {} exceed the context of {max}",
-                tokens.len(),
-                s.len
-            )));
-        }
+        let s = seqs[seq as usize].as_mut().expect("checked above");
+        let (&last, rest) = tokens.split_last().expect("checked above");
         for &t in rest {
             model.step(scratch, s, t, None)?;
         }
@@ -507,17 +493,11 @@ impl LayerExecutor for NaiveExecutor {
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
-        kiln_core::check_decode_batch(batch, logits, vocab)?;
-        let max = self.max_context;
+        // Every item is checked before any runs, so a refused batch changes no sequence.
+        kiln_core::check_decode(batch, logits, vocab, self.max_context, |seq| self.sequence_len(seq))?;
         let NaiveExecutor { model, seqs, scratch, .. } = self;
         for (item, row) in batch.iter().zip(logits.chunks_exact_mut(vocab)) {
-            let s = seqs
-                .get_mut(item.seq as usize)
-                .and_then(|s| s.as_mut())
-                .ok_or_else(|| Error::InvalidArgument(format!("no live sequence {}", item.seq)))?;
-            if s.len >= max {
-                return Err(Error::InvalidArgument(format!("sequence {} is full ({max} tokens)", item.seq)));
-            }
+            let s = seqs[item.seq as usize].as_mut().expect("checked above");
             model.step(scratch, s, item.token, Some(row))?;
         }
         Ok(())

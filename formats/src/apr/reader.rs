@@ -508,7 +508,8 @@ fn parse_body(
     Ok((metadata, tensors))
 }
 
-fn json_kind(v: &Value) -> &'static str {
+/// "a string", "an object", …: a JSON value's kind for messages.
+pub fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

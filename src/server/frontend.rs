@@ -1,0 +1,99 @@
+//! What the HTTP handlers know of the loaded model: its id, its context, and its own copy
+//! of the tokenizer and chat template, so prompts are rendered and tokenized on the
+//! handlers' threads (a blocking-pool task) and never stall the engine thread.
+//!
+//! The copies are rebuilt from the model's `TokenizerSpec` and template source: the
+//! `Engine` (and the `Model` in it) belongs to the engine thread.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_core::Result;
+use kiln_formats::chat::ChatTemplate;
+use kiln_formats::tokenizer::Tokenizer;
+
+use super::api::{truncate_for_message, ApiError, PromptInput};
+use crate::engine::Engine;
+
+pub struct Frontend {
+    /// The model's id in the API: the file name without its extension.
+    pub id: String,
+    /// When the model was loaded (Unix seconds), shown by `/v1/models`.
+    pub created: u64,
+    pub backend: String,
+    /// Longest context of one sequence.
+    pub context: usize,
+    pub vocab: usize,
+    tokenizer: Tokenizer,
+    chat: ChatTemplate,
+    /// Bytes of text the longest token stands for: a text longer than
+    /// `(context + 2) * max_token_bytes` bytes cannot fit the context, whatever its tokens.
+    max_token_bytes: usize,
+}
+
+impl Frontend {
+    pub fn new(engine: &Engine) -> Result<Frontend> {
+        let model = &engine.model;
+        let spec = &model.tokenizer_spec;
+        let tokenizer = Tokenizer::from_spec(spec.clone())?;
+        let piece = |id: Option<u32>| id.and_then(|i| spec.tokens.get(i as usize)).cloned().unwrap_or_default();
+        let (bos, eos) = (piece(spec.bos), piece(spec.eos));
+        let chat = match model.chat_template_source() {
+            Some(src) => ChatTemplate::new(src, bos, eos)?,
+            None => ChatTemplate::chatml(bos, eos),
+        };
+        let vocab = tokenizer.vocab_size();
+        let max_token_bytes = (0..vocab as u32).map(|t| tokenizer.decode(&[t], false).len()).max().unwrap_or(1).max(1);
+        let id = model.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        Ok(Frontend {
+            id,
+            created,
+            backend: engine.backend_name().to_string(),
+            context: engine.executor.max_context(),
+            vocab: engine.executor.config().vocab_size,
+            tokenizer,
+            chat,
+            max_token_bytes,
+        })
+    }
+
+    /// Whether a request's `model` names this model: its id, its file name, or `default`.
+    pub fn accepts_model(&self, name: &str) -> bool {
+        name == self.id || name == "default" || name.strip_suffix(".gguf").or(name.strip_suffix(".apr")) == Some(self.id.as_str())
+    }
+
+    /// The prompt's token ids. `param` names the request field for errors.
+    pub fn tokenize(&self, prompt: &PromptInput, param: &str) -> std::result::Result<Vec<u32>, ApiError> {
+        let text: std::borrow::Cow<'_, str> = match prompt {
+            PromptInput::Tokens(ids) => {
+                if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
+                    return Err(ApiError::invalid(param, "invalid_value", format!("token id {bad} is outside the vocabulary ({})", self.vocab)));
+                }
+                return Ok(ids.clone());
+            }
+            PromptInput::Text(text) => text.into(),
+            PromptInput::Chat(messages) => {
+                let text = self.chat.render(messages, true).map_err(|e| {
+                    ApiError::invalid(param, "invalid_value", format!("the chat template refused the messages: {e}"))
+                })?;
+                text.into()
+            }
+        };
+        let floor = text.len() / self.max_token_bytes;
+        if floor > self.context + 2 {
+            return Err(self.context_exceeded(param, format!("at least {floor}")));
+        }
+        // Special-token text in a prompt is read as the special token, as llama-server does.
+        self.tokenizer
+            .encode(&text, self.tokenizer.add_bos_default(), true)
+            .map_err(|e| ApiError::invalid(param, "invalid_value", format!("the prompt could not be tokenized: {}", truncate_for_message(&e.to_string()))))
+    }
+
+    pub fn context_exceeded(&self, param: &str, tokens: String) -> ApiError {
+        ApiError::invalid(
+            param,
+            "context_length_exceeded",
+            format!("This model's maximum context length is {} tokens; the prompt has {tokens} tokens.", self.context),
+        )
+    }
+}

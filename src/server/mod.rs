@@ -1,0 +1,611 @@
+//! `kiln serve`: an OpenAI-compatible HTTP server.
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//! `GET /health` (503 `{"status":"loading"}` until the model is loaded, then 200) and
+//! `GET /metrics` (Prometheus text). Built on axum and tokio; binds 127.0.0.1 by default.
+//!
+//! How it is put together:
+//!
+//! - The socket is bound first and the model loads in the background on the engine thread
+//!   ([`scheduler`]), which then owns the `Engine` for the life of the server: executors
+//!   are not `Sync`, and each of their calls is a blocking compute step. Handlers never
+//!   touch it; they validate the body ([`api`]), render and tokenize the prompt with their
+//!   own copy of the tokenizer ([`frontend`], on tokio's blocking pool), and send a job
+//!   over a bounded channel (`--queue`). A full queue answers 429 with `Retry-After`.
+//! - The engine thread runs up to `--max-seqs` sequences (the executor is loaded with that
+//!   many KV slots) with continuous batching: one batched decode step for all of them per
+//!   turn, sequences joining and leaving between steps.
+//! - Answers come back per job as events on a tokio channel; [`stream`] turns them into a
+//!   JSON body or server-sent events. A client that disconnects drops the receiver, and the
+//!   engine thread frees its sequence before the next step.
+//! - Errors are OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), also
+//!   for 404/405 and anything else the router answers itself.
+//! - Request bodies are read by hand up to `--body-limit` (default 4 MiB); a larger one is
+//!   read on and discarded (up to 64 MiB, 30 s) before the 413 goes out, so the client,
+//!   still sending, sees the answer instead of a reset connection.
+//! - Prompt + `max_tokens` beyond the context is refused with 400
+//!   `context_length_exceeded`, as OpenAI does (llama-server truncates instead); without
+//!   `max_tokens` a completion may run to the end of the context.
+//! - SIGINT/SIGTERM: stop accepting, refuse queued jobs (503), let running sequences go on
+//!   for `--shutdown-grace` seconds, then end the rest with a final chunk whose
+//!   `finish_reason` is `"cancelled"`, join the engine thread and exit 0.
+//!
+//! Defaults for sampling follow llama-server (temperature 0.8, top_k 40, top_p 0.95,
+//! min_p 0.05); presence/frequency penalties count generated tokens, as OpenAI defines them.
+
+pub mod api;
+mod frontend;
+pub mod metrics;
+mod scheduler;
+mod stream;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use kiln_core::{Error, LoadOptions, Result, SamplingParams};
+use serde_json::json;
+use tokio::sync::Notify;
+
+use api::{ApiError, Endpoint};
+use frontend::Frontend;
+use metrics::Metrics;
+use scheduler::{Job, JobParams, SchedulerConfig};
+
+/// Bodies up to this size are read (and discarded) past `--body-limit` so the 413 reaches
+/// the client; a declared `Content-Length` above it is refused at once.
+const DRAIN_LIMIT: usize = 64 << 20;
+/// Longest time a request body may take to arrive.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `kiln serve` options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// GGUF or APR model file (default: SmolLM2-135M-Instruct, fetched on first use).
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// Backend to use (`kiln backends` lists them); default: the best-scoring one.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Load a backend plugin (.so); repeatable.
+    #[arg(long = "plugin")]
+    pub plugins: Vec<PathBuf>,
+    /// Address to listen on (loopback by default; use 0.0.0.0 to serve the network).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the address is printed on stderr).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences generated at once (KV-cache slots of the executor).
+    #[arg(long, default_value_t = 32)]
+    pub max_seqs: usize,
+    /// Requests that may wait for a slot; more are answered 429.
+    #[arg(long, default_value_t = 256)]
+    pub queue: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* (not on /health and /metrics).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Context length per sequence (default: the model's, at most 4096).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
+    pub ctx_size: usize,
+    /// CPU threads (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    /// Let a GPU backend quantise activations to 8 bits (faster; output drifts).
+    #[arg(long)]
+    pub quantized_activations: bool,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub body_limit: usize,
+    /// Seconds running sequences may go on after SIGINT/SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_grace: f64,
+    /// Test hook: milliseconds to wait before loading the model.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub load_delay_ms: u64,
+}
+
+/// Set once when the server starts to stop.
+#[derive(Default)]
+pub(crate) struct Shutdown {
+    flag: AtomicBool,
+    notify: Notify,
+}
+
+impl Shutdown {
+    pub(crate) fn begin(&self) {
+        if !self.flag.swap(true, Ordering::SeqCst) {
+            self.notify.notify_waiters();
+        }
+    }
+
+    pub(crate) fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    async fn wait(&self) {
+        loop {
+            // A `Notified` receives `notify_waiters` from its creation on.
+            let notified = self.notify.notified();
+            if self.is_set() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+struct AppState {
+    model: OnceLock<Arc<Frontend>>,
+    jobs: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+    shutdown: Arc<Shutdown>,
+    api_key: Option<String>,
+    body_limit: usize,
+    ids: AtomicU64,
+}
+
+impl AppState {
+    fn frontend(&self) -> std::result::Result<Arc<Frontend>, ApiError> {
+        if self.shutdown.is_set() {
+            return Err(ApiError::unavailable("shutting_down", "the server is shutting down"));
+        }
+        self.model.get().cloned().ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading"))
+    }
+
+    /// A fresh pseudo-random 64-bit value (request ids, default seeds).
+    fn random(&self) -> u64 {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let mut z = nanos ^ self.ids.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Runs the server until SIGINT/SIGTERM (or until the model fails to load: an error).
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.max_seqs == 0 {
+        return Err(Error::InvalidArgument("--max-seqs must be at least 1".into()));
+    }
+    if args.queue == 0 {
+        return Err(Error::InvalidArgument("--queue must be at least 1".into()));
+    }
+    if !(args.shutdown_grace >= 0.0 && args.shutdown_grace < 86_400.0) {
+        return Err(Error::InvalidArgument("--shutdown-grace must be between 0 and 86400 seconds".into()));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kiln-http").build()?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| Error::Io(std::io::Error::new(e.kind(), format!("cannot listen on {}:{}: {e}", args.host, args.port))))?;
+    let addr: SocketAddr = listener.local_addr()?;
+    // Always printed (not a log line): scripts and tests read the port from it.
+    eprintln!("kiln serve: listening on http://{addr}");
+
+    let metrics = Arc::new(Metrics::default());
+    let shutdown = Arc::new(Shutdown::default());
+    let (job_tx, job_rx) = std::sync::mpsc::sync_channel(args.queue);
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let grace = Duration::from_secs_f64(args.shutdown_grace);
+    let config = SchedulerConfig {
+        model: args.model.clone(),
+        backend: args.backend.clone(),
+        plugins: args.plugins.clone(),
+        options: LoadOptions {
+            max_context: args.ctx_size,
+            max_sequences: args.max_seqs,
+            threads: args.threads,
+            quantized_activations: args.quantized_activations,
+            ..LoadOptions::default()
+        },
+        load_delay: Duration::from_millis(args.load_delay_ms),
+        shutdown_grace: grace,
+    };
+    let engine = scheduler::spawn(config, job_rx, metrics.clone(), shutdown.clone(), ready_tx)?;
+    let state = Arc::new(AppState {
+        model: OnceLock::new(),
+        jobs: job_tx,
+        metrics: metrics.clone(),
+        shutdown: shutdown.clone(),
+        api_key: args.api_key.clone(),
+        body_limit: args.body_limit,
+        ids: AtomicU64::new(0),
+    });
+
+    let load_error: Arc<Mutex<Option<Error>>> = Arc::default();
+    tokio::spawn({
+        let (state, load_error) = (state.clone(), load_error.clone());
+        async move {
+            let outcome = ready_rx.await.unwrap_or_else(|_| Err(Error::InvalidArgument("the engine thread stopped".into())));
+            match outcome {
+                Ok(front) => {
+                    eprintln!(
+                        "kiln serve: model {} loaded on {} (context {}, {} sequence slots)",
+                        front.id,
+                        front.backend,
+                        front.context,
+                        state.metrics.slots_total.load(Ordering::Relaxed)
+                    );
+                    let _ = state.model.set(front);
+                }
+                Err(e) => {
+                    tracing::error!("loading the model failed: {e}");
+                    *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    state.shutdown.begin();
+                }
+            }
+        }
+    });
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            tokio::select! {
+                _ = wait_for_signal() => {
+                    eprintln!("kiln serve: shutting down");
+                    shutdown.begin();
+                }
+                _ = shutdown.wait() => {}
+            }
+        }
+    });
+
+    let app = router(state.clone());
+    let server = axum::serve(listener, app).with_graceful_shutdown({
+        let shutdown = shutdown.clone();
+        async move { shutdown.wait().await }
+    });
+    let hard_stop = {
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown.wait().await;
+            tokio::time::sleep(grace + Duration::from_secs(10)).await;
+        }
+    };
+    tokio::select! {
+        r = server => r?,
+        _ = hard_stop => tracing::warn!("connections still open after the grace period; exiting"),
+    }
+    shutdown.begin();
+    let _ = tokio::task::spawn_blocking(move || engine.join()).await;
+    eprintln!("kiln serve: stopped");
+    let err = load_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(openai_errors))
+        .layer(middleware::from_fn_with_state(state.clone(), track))
+        .with_state(state)
+}
+
+/// One log line and one count per request.
+async fn track(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    let endpoint = metrics::endpoint_label(&path);
+    st.metrics.count_request(endpoint, status);
+    let shown = if endpoint == "other" { api::truncate_for_message(&path) } else { path };
+    tracing::info!(target: "kiln::server", "{method} {shown:?} {status} {:.1} ms", start.elapsed().as_secs_f64() * 1e3);
+    resp
+}
+
+/// Gives every error response the router or axum produce without a JSON body (404, 405,
+/// ...) OpenAI's error shape.
+async fn openai_errors(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let is_json = resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/json"));
+    if is_json {
+        return resp;
+    }
+    let (code, message) = match status {
+        StatusCode::NOT_FOUND => ("not_found", "no such endpoint".to_string()),
+        StatusCode::METHOD_NOT_ALLOWED => ("method_not_allowed", "this endpoint does not take that method".to_string()),
+        StatusCode::PAYLOAD_TOO_LARGE => ("request_too_large", "the request body is too large".to_string()),
+        s => ("error", s.canonical_reason().unwrap_or("error").to_string()),
+    };
+    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+    let mut new = ApiError::new(status, kind, Some(code), message).into_response();
+    for name in [header::ALLOW, header::RETRY_AFTER] {
+        if let Some(v) = resp.headers().get(&name) {
+            new.headers_mut().insert(name, v.clone());
+        }
+    }
+    new
+}
+
+/// `--api-key`: `Authorization: Bearer KEY` on /v1/*.
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        if req.uri().path().starts_with("/v1/") {
+            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            let ok = given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes()));
+            if !ok {
+                let msg = if given.is_some() { "Incorrect API key provided." } else { "Missing API key: send 'Authorization: Bearer KEY'." };
+                let mut resp = ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), msg).into_response();
+                resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return resp;
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint")
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.shutdown.is_set() {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting down"}))).into_response();
+    }
+    match st.model.get() {
+        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
+    }
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> std::result::Result<Json<serde_json::Value>, ApiError> {
+    let f = st.frontend()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": f.id,
+            "object": "model",
+            "created": f.created,
+            "owned_by": "kiln",
+            "meta": {"context_length": f.context, "vocab_size": f.vocab, "backend": f.backend},
+        }],
+    })))
+}
+
+async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
+}
+
+async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, Endpoint::Completions, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Reads the body up to `limit` bytes; past it, reads on and discards (see [`DRAIN_LIMIT`]).
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> std::result::Result<Bytes, ApiError> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > DRAIN_LIMIT as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut total = 0usize;
+    let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
+    loop {
+        let next = tokio::time::timeout_at(deadline, stream.next()).await.map_err(|_| {
+            ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("timeout"), "the request body took too long to arrive")
+        })?;
+        let Some(chunk) = next else { break };
+        let chunk = chunk.map_err(|e| ApiError::bad_request("invalid_body", format!("the body could not be read: {e}")))?;
+        total = total.saturating_add(chunk.len());
+        if total > limit {
+            buf = Vec::new();
+            if total > DRAIN_LIMIT {
+                break;
+            }
+            continue;
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    if total > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(buf.into())
+}
+
+async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> std::result::Result<Response, ApiError> {
+    let received = Instant::now();
+    let bytes = read_body(&headers, body, st.body_limit).await?;
+    let mut req = {
+        let obj = api::parse_json(&bytes)?;
+        api::parse_request(endpoint, &obj)?
+    };
+    drop(bytes);
+    let front = st.frontend()?;
+    if let Some(name) = &req.model {
+        if !front.accepts_model(name) {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!("The model '{}' does not exist; this server runs '{}'.", api::truncate_for_message(name), front.id),
+            )
+            .with_param("model"));
+        }
+    }
+
+    if let Some(&(bad, _)) = req.logit_bias.iter().find(|(t, _)| *t as usize >= front.vocab) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "invalid_value",
+            format!("token id {bad} in 'logit_bias' is outside the vocabulary ({})", front.vocab),
+        ));
+    }
+
+    let param = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    let prompts = std::mem::take(&mut req.prompts);
+    let several = prompts.len() > 1;
+    let tokenized = {
+        let front = front.clone();
+        tokio::task::spawn_blocking(move || {
+            prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| if several { front.tokenize(p, &format!("{param}[{i}]")) } else { front.tokenize(p, param) })
+                .collect::<std::result::Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??
+    };
+
+    let mut jobs = Vec::with_capacity(tokenized.len());
+    for (i, ids) in tokenized.into_iter().enumerate() {
+        let p = if several { format!("{param}[{i}]") } else { param.to_string() };
+        if ids.is_empty() {
+            return Err(ApiError::invalid(p, "invalid_value", "the prompt has no tokens"));
+        }
+        if ids.len() >= front.context {
+            return Err(front.context_exceeded(&p, ids.len().to_string()));
+        }
+        let max_tokens = match req.max_tokens {
+            Some(m) => {
+                if ids.len().saturating_add(m) > front.context {
+                    return Err(ApiError::invalid(
+                        req.max_tokens_param,
+                        "context_length_exceeded",
+                        format!(
+                            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {m} for the completion). Reduce the prompt or '{}'.",
+                            front.context,
+                            ids.len().saturating_add(m),
+                            ids.len(),
+                            req.max_tokens_param
+                        ),
+                    ));
+                }
+                m
+            }
+            None => front.context - ids.len(),
+        };
+        jobs.push((ids, max_tokens));
+    }
+
+    let s = &req.sampling;
+    let sampling = SamplingParams {
+        temperature: s.temperature.unwrap_or(0.8),
+        top_k: s.top_k.unwrap_or(40),
+        top_p: s.top_p.unwrap_or(0.95),
+        min_p: s.min_p.unwrap_or(0.05),
+        repeat_penalty: 1.0,
+        repeat_last_n: 0,
+        seed: s.seed.unwrap_or_else(|| st.random()),
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let choices = jobs.len();
+    for (index, (prompt, max_tokens)) in jobs.into_iter().enumerate() {
+        let job = Job {
+            index,
+            prompt,
+            params: JobParams {
+                max_tokens,
+                sampling: sampling.clone(),
+                presence_penalty: req.presence_penalty,
+                frequency_penalty: req.frequency_penalty,
+                logit_bias: req.logit_bias.clone(),
+                stop: req.stop.clone(),
+                logprobs: req.logprobs,
+            },
+            events: tx.clone(),
+            received,
+        };
+        st.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        // Jobs already queued for this request see their receiver dropped and are skipped.
+        match st.jobs.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                st.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                return Err(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    Some("queue_full"),
+                    "the server's request queue is full; retry later",
+                )
+                .with_retry_after(1));
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                st.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                return Err(ApiError::unavailable("shutting_down", "the server is shutting down"));
+            }
+        }
+    }
+    drop(tx);
+
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    let meta = stream::Meta {
+        id: format!("{prefix}-{:016x}{:08x}", st.random(), st.random() as u32),
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        model: front.id.clone(),
+        fingerprint: format!("kiln-{}", front.backend),
+        endpoint,
+        choices,
+        include_usage: req.include_usage,
+    };
+    let logprobs = req.logprobs.is_some();
+    if req.stream {
+        Ok(stream::sse(meta, rx, logprobs))
+    } else {
+        Ok(Json(stream::collect(meta, rx, logprobs).await?).into_response())
+    }
+}

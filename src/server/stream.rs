@@ -1,0 +1,284 @@
+//! Turning a request's [`Event`]s into OpenAI responses: one JSON body (non-streaming) or
+//! a server-sent-event stream of chunks, then a usage chunk with empty `choices` when
+//! `stream_options.include_usage` asks for it, then `data: [DONE]`.
+//!
+//! Dropping either future or stream (the client went away) drops the event receiver; the
+//! engine thread sees the channel closed and frees the sequence before its next step.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::api::{ApiError, Endpoint};
+use super::scheduler::{Event, Finish, TokenLogprob};
+
+/// What every response of one request shares.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub fingerprint: String,
+    pub endpoint: Endpoint,
+    pub choices: usize,
+    pub include_usage: bool,
+}
+
+#[derive(Default)]
+struct Choice {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: Option<Finish>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+fn event_error(message: String, shutting_down: bool) -> ApiError {
+    if shutting_down {
+        ApiError::unavailable("shutting_down", message)
+    } else {
+        ApiError::internal(message)
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// A token's `bytes` in logprobs: the UTF-8 of its decoded text (a token that holds only
+/// part of a character shows as U+FFFD, so its bytes are those of U+FFFD).
+fn token_bytes(s: &str) -> Vec<u8> {
+    s.as_bytes().to_vec()
+}
+
+/// Chat's `logprobs` object.
+fn chat_logprobs(entries: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let top: Vec<Value> =
+                e.top.iter().map(|(t, lp)| json!({"token": t, "logprob": lp, "bytes": token_bytes(t)})).collect();
+            json!({"token": e.token, "logprob": e.logprob, "bytes": token_bytes(&e.token), "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// Completions' (legacy) `logprobs` object; `offset` is where the first token's text
+/// starts in the completion.
+fn completion_logprobs(entries: &[TokenLogprob], mut offset: usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut lps = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    for e in entries {
+        tokens.push(json!(e.token));
+        lps.push(json!(e.logprob));
+        let top: serde_json::Map<String, Value> = e.top.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect();
+        tops.push(Value::Object(top));
+        offsets.push(json!(offset));
+        offset += e.token.len();
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// Waits for every choice to finish and builds the response body.
+pub async fn collect(meta: Meta, mut rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) -> Result<Value, ApiError> {
+    let mut choices: Vec<Choice> = (0..meta.choices).map(|_| Choice::default()).collect();
+    let mut open = meta.choices;
+    while open > 0 {
+        let Some((i, event)) = rx.recv().await else {
+            return Err(ApiError::internal("the engine stopped before the answer was complete"));
+        };
+        let c = &mut choices[i];
+        match event {
+            Event::Delta { text, logprob } => {
+                c.text.push_str(&text);
+                c.logprobs.extend(logprob);
+            }
+            Event::Done { finish, prompt_tokens, completion_tokens } => {
+                c.finish = Some(finish);
+                c.prompt_tokens = prompt_tokens;
+                c.completion_tokens = completion_tokens;
+                open -= 1;
+            }
+            Event::Error { message, shutting_down } => return Err(event_error(message, shutting_down)),
+        }
+    }
+    let prompt: usize = choices.iter().map(|c| c.prompt_tokens).sum();
+    let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
+    let list: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.map(Finish::as_str);
+            match meta.endpoint {
+                Endpoint::Chat => json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": if logprobs { chat_logprobs(&c.logprobs) } else { Value::Null },
+                    "finish_reason": finish,
+                }),
+                Endpoint::Completions => json!({
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": if logprobs { completion_logprobs(&c.logprobs, 0) } else { Value::Null },
+                    "finish_reason": finish,
+                }),
+            }
+        })
+        .collect();
+    let object = match meta.endpoint {
+        Endpoint::Chat => "chat.completion",
+        Endpoint::Completions => "text_completion",
+    };
+    Ok(json!({
+        "id": meta.id,
+        "object": object,
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": meta.fingerprint,
+        "choices": list,
+        "usage": usage(prompt, completion),
+    }))
+}
+
+struct StreamState {
+    meta: Meta,
+    logprobs: bool,
+    rx: UnboundedReceiver<(usize, Event)>,
+    out: VecDeque<String>,
+    open: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Bytes of text sent per choice (completions' `text_offset`).
+    sent: Vec<usize>,
+    finished: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, choice: Value) -> String {
+        let object = match self.meta.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut v = json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "system_fingerprint": self.meta.fingerprint,
+            "choices": [choice],
+        });
+        if self.meta.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v.to_string()
+    }
+
+    fn delta(&mut self, i: usize, text: String, logprob: Option<TokenLogprob>, finish: Option<Finish>) {
+        let finish = finish.map(Finish::as_str);
+        let entries: Vec<TokenLogprob> = logprob.into_iter().collect();
+        let choice = match self.meta.endpoint {
+            Endpoint::Chat => {
+                let delta = if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
+                let lp = if self.logprobs && !entries.is_empty() { chat_logprobs(&entries) } else { Value::Null };
+                json!({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+            Endpoint::Completions => {
+                let lp = if self.logprobs && !entries.is_empty() { completion_logprobs(&entries, self.sent[i]) } else { Value::Null };
+                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+            }
+        };
+        self.sent[i] += text.len();
+        let chunk = self.chunk(choice);
+        self.out.push_back(chunk);
+    }
+
+    fn handle(&mut self, i: usize, event: Event) {
+        match event {
+            Event::Delta { text, logprob } => {
+                if !text.is_empty() || (self.logprobs && logprob.is_some()) {
+                    self.delta(i, text, logprob, None);
+                }
+            }
+            Event::Done { finish, prompt_tokens, completion_tokens } => {
+                self.delta(i, String::new(), None, Some(finish));
+                self.prompt_tokens += prompt_tokens;
+                self.completion_tokens += completion_tokens;
+                self.open -= 1;
+                if self.open == 0 {
+                    self.end(true);
+                }
+            }
+            Event::Error { message, shutting_down } => {
+                self.out.push_back(event_error(message, shutting_down).body().to_string());
+                self.end(false);
+            }
+        }
+    }
+
+    fn end(&mut self, with_usage: bool) {
+        if with_usage && self.meta.include_usage {
+            let mut v = json!({
+                "id": self.meta.id,
+                "object": match self.meta.endpoint { Endpoint::Chat => "chat.completion.chunk", Endpoint::Completions => "text_completion" },
+                "created": self.meta.created,
+                "model": self.meta.model,
+                "system_fingerprint": self.meta.fingerprint,
+                "choices": [],
+            });
+            v["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+            self.out.push_back(v.to_string());
+        }
+        self.out.push_back("[DONE]".into());
+        self.finished = true;
+    }
+}
+
+/// The SSE response of a streaming request.
+pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) -> Response {
+    let choices = meta.choices;
+    let mut state = StreamState {
+        meta,
+        logprobs,
+        rx,
+        out: VecDeque::new(),
+        open: choices,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        sent: vec![0; choices],
+        finished: false,
+    };
+    if state.meta.endpoint == Endpoint::Chat {
+        // OpenAI's first chunk names the role.
+        for i in 0..choices {
+            let c = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+            let chunk = state.chunk(c);
+            state.out.push_back(chunk);
+        }
+    }
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(data) = st.out.pop_front() {
+                return Some((Ok::<_, Infallible>(SseEvent::default().data(data)), st));
+            }
+            if st.finished {
+                return None;
+            }
+            match st.rx.recv().await {
+                Some((i, event)) => st.handle(i, event),
+                None => {
+                    st.out.push_back(ApiError::internal("the engine stopped before the answer was complete").body().to_string());
+                    st.end(false);
+                }
+            }
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
+}

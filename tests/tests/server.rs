@@ -1,0 +1,960 @@
+//! `kiln serve` as a client sees it: the `kiln` binary started on 127.0.0.1 at a free port
+//! and driven over plain HTTP/1.1 (a small hand-written client, so every byte sent —
+//! malformed bodies included — is under the test's control).
+//!
+//! The model is the real SmolLM2 when present, else a synthetic SmolLM2-135M (Q8_0, random
+//! weights: greedy text is gibberish but deterministic), so nothing here depends on what
+//! the model says. Where a test needs a long generation it bans the end-of-turn tokens with
+//! `logit_bias` (ids 0-2 are `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` in both).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kiln_formats::quantize::{no_progress, Recipe};
+use kiln_formats::synth::{synth_file, Preset, SynthOptions};
+use kiln_tests::{kiln_binary, skip};
+use serde_json::{json, Value};
+
+/// Bans the end-of-turn tokens so a generation runs to `max_tokens`.
+const NO_EOS: &str = r#"{"0": -100, "1": -100, "2": -100}"#;
+
+fn test_model() -> PathBuf {
+    if let Some(p) = kiln_tests::smollm2_path() {
+        return p;
+    }
+    static SYNTH: Mutex<()> = Mutex::new(());
+    let _guard = SYNTH.lock().unwrap_or_else(|e| e.into_inner());
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-smollm2-135m-q8_0.gguf");
+    if !path.is_file() {
+        synth_file(&path, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q8_0, seed: 11 }, &no_progress)
+            .expect("write the synthetic model");
+    }
+    path
+}
+
+// ---------------------------------------------------------------------------------------
+// The server process.
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<Vec<String>>>,
+    key: Option<String>,
+}
+
+impl Server {
+    fn start(model: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(kiln_binary())
+            .arg("serve")
+            .arg("-m")
+            .arg(model)
+            // The CPU backend everywhere: the timings these tests lean on (a 1 s shutdown
+            // grace against a 2000-token stream) are CPU timings.
+            .args(["--host", "127.0.0.1", "--port", "0", "-t", "2", "--backend", "cpu"])
+            .args(extra)
+            .env("KILN_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start kiln serve");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    if let Some(addr) = line.strip_prefix("kiln serve: listening on http://") {
+                        let _ = tx.send(addr.parse::<SocketAddr>().expect("a socket address"));
+                    }
+                    log.lock().unwrap().push(line);
+                }
+            });
+        }
+        let key = extra.windows(2).find(|w| w[0] == "--api-key").map(|w| w[1].to_string());
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(addr) => Server { child, addr, log, key },
+            Err(_) => {
+                let _ = child.kill();
+                panic!("kiln serve did not print its address:\n{}", log.lock().unwrap().join("\n"));
+            }
+        }
+    }
+
+    fn auth(&self) -> Vec<(&'static str, String)> {
+        self.key.iter().map(|k| ("Authorization", format!("Bearer {k}"))).collect()
+    }
+
+    fn get(&self, path: &str) -> Resp {
+        let h = self.auth();
+        let headers: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        request(self.addr, "GET", path, &headers, b"")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Resp {
+        self.post_raw(path, body.to_string().as_bytes())
+    }
+
+    fn post_raw(&self, path: &str, body: &[u8]) -> Resp {
+        let h = self.auth();
+        let mut headers: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        headers.push(("Content-Type", "application/json"));
+        request(self.addr, "POST", path, &headers, body)
+    }
+
+    fn stream(&self, path: &str, body: &Value) -> SseStream {
+        let h = self.auth();
+        let headers: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        SseStream::open(self.addr, path, &headers, body.to_string().as_bytes())
+    }
+
+    fn wait_ready(&self) {
+        let start = Instant::now();
+        loop {
+            if self.get("/health").status == 200 {
+                return;
+            }
+            assert!(start.elapsed() < Duration::from_secs(120), "the model did not load:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn metrics(&self) -> HashMap<String, f64> {
+        let r = self.get("/metrics");
+        assert_eq!(r.status, 200);
+        r.text()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' ').map(|(k, v)| (k.to_string(), v.parse().unwrap_or(f64::NAN))))
+            .collect()
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    fn sigterm(&self) {
+        let ok = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().is_ok_and(|s| s.success());
+        assert!(ok, "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit; its exit status.
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(start.elapsed() < limit, "kiln serve did not exit within {limit:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A minimal HTTP/1.1 client.
+
+struct Resp {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    /// Asserts an OpenAI error body and returns its `error` object.
+    fn error(&self) -> Value {
+        let v = self.json();
+        let e = v.get("error").unwrap_or_else(|| panic!("no 'error' in {v}")).clone();
+        assert!(e["message"].is_string() && e["type"].is_string(), "{v}");
+        assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+        e
+    }
+}
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s
+}
+
+fn send_request(stream: &TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut w = stream.try_clone().unwrap();
+    let _ = w.write_all(head.as_bytes());
+    if body.len() < 1 << 16 {
+        let _ = w.write_all(body);
+    } else {
+        // A server may answer before it has read a large body: write it on the side.
+        let body = body.to_vec();
+        std::thread::spawn(move || {
+            let _ = w.write_all(&body);
+        });
+    }
+}
+
+fn read_head(r: &mut impl BufRead) -> (u16, HashMap<String, String>) {
+    let mut line = String::new();
+    r.read_line(&mut line).expect("status line");
+    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = HashMap::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).expect("header line");
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    if status == 100 {
+        return read_head(r);
+    }
+    (status, headers)
+}
+
+fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+    let stream = connect(addr);
+    send_request(&stream, method, path, headers, body);
+    let mut r = BufReader::new(stream);
+    let (status, headers) = read_head(&mut r);
+    let mut body = Vec::new();
+    if headers.get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        Chunked::new(r).read_to_end(&mut body).expect("chunked body");
+    } else if let Some(n) = headers.get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        body.resize(n, 0);
+        r.read_exact(&mut body).expect("body");
+    } else {
+        r.read_to_end(&mut body).expect("body");
+    }
+    Resp { status, headers, body }
+}
+
+/// A `Transfer-Encoding: chunked` body as a plain reader.
+struct Chunked<R> {
+    inner: R,
+    left: usize,
+    done: bool,
+}
+
+impl<R: BufRead> Chunked<R> {
+    fn new(inner: R) -> Self {
+        Chunked { inner, left: 0, done: false }
+    }
+}
+
+impl<R: BufRead> Read for Chunked<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.done {
+            return Ok(0);
+        }
+        if self.left == 0 {
+            let mut line = String::new();
+            self.inner.read_line(&mut line)?;
+            if line.trim().is_empty() {
+                // The CRLF after the previous chunk.
+                line.clear();
+                self.inner.read_line(&mut line)?;
+            }
+            let size = line.trim().split(';').next().unwrap_or("");
+            if size.is_empty() {
+                self.done = true;
+                return Ok(0);
+            }
+            self.left = usize::from_str_radix(size, 16)
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("chunk size {line:?}")))?;
+            if self.left == 0 {
+                self.done = true;
+                return Ok(0);
+            }
+        }
+        let n = buf.len().min(self.left);
+        let n = self.inner.read(&mut buf[..n])?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        self.left -= n;
+        Ok(n)
+    }
+}
+
+/// A streaming response read event by event.
+struct SseStream {
+    status: u16,
+    headers: HashMap<String, String>,
+    reader: BufReader<Chunked<BufReader<TcpStream>>>,
+}
+
+impl SseStream {
+    fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &[u8]) -> SseStream {
+        let stream = connect(addr);
+        let mut h = headers.to_vec();
+        h.push(("Content-Type", "application/json"));
+        send_request(&stream, "POST", path, &h, body);
+        let mut r = BufReader::new(stream);
+        let (status, headers) = read_head(&mut r);
+        SseStream { status, headers, reader: BufReader::new(Chunked::new(r)) }
+    }
+
+    /// The next `data:` payload; `None` at the end of the stream.
+    fn next_data(&mut self) -> Option<String> {
+        let mut data: Option<String> = None;
+        loop {
+            let mut line = String::new();
+            match self.reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return data,
+                Ok(_) => {}
+            }
+            let l = line.trim_end_matches(['\r', '\n']);
+            if l.is_empty() {
+                if data.is_some() {
+                    return data;
+                }
+                continue;
+            }
+            if let Some(d) = l.strip_prefix("data:") {
+                let d = d.strip_prefix(' ').unwrap_or(d);
+                data = Some(match data {
+                    Some(prev) => format!("{prev}\n{d}"),
+                    None => d.to_string(),
+                });
+            }
+        }
+    }
+
+    /// Every payload to the end.
+    fn all(mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(d) = self.next_data() {
+            out.push(d);
+        }
+        out
+    }
+
+    /// Reads until a chunk carries generated text; returns it.
+    fn first_text(&mut self) -> String {
+        loop {
+            let d = self.next_data().expect("the stream ended before any text");
+            let v: Value = serde_json::from_str(&d).unwrap_or_else(|_| panic!("{d}"));
+            assert!(v.get("error").is_none(), "{v}");
+            let c = &v["choices"][0];
+            let t = c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("");
+            if !t.is_empty() {
+                return t.to_string();
+            }
+        }
+    }
+}
+
+/// The text of a streamed response, its finish reasons, and its usage chunk if any.
+fn stream_text(chunks: &[String]) -> (String, Vec<String>, Option<Value>) {
+    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"), "{chunks:?}");
+    let mut text = String::new();
+    let mut finish = Vec::new();
+    let mut usage = None;
+    for d in &chunks[..chunks.len() - 1] {
+        let v: Value = serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}"));
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            assert_eq!(v["choices"], json!([]), "the usage chunk has no choices: {v}");
+            usage = Some(u.clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["text"].as_str().or(c["delta"]["content"].as_str()) {
+                text.push_str(t);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish.push(f.to_string());
+            }
+        }
+    }
+    (text, finish, usage)
+}
+
+fn user(content: &str) -> Value {
+    json!([{"role": "user", "content": content}])
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn serve_openai_api() {
+    let model = test_model();
+    let mut s = Server::start(&model, &["--max-seqs", "4", "--queue", "16", "-c", "512", "--api-key", "sekret", "--load-delay-ms", "2000"]);
+    let id = model.file_stem().unwrap().to_string_lossy().into_owned();
+
+    // Before the model is loaded: health 503, generation 503 with Retry-After, but
+    // validation already answers.
+    let h = s.get("/health");
+    assert_eq!((h.status, h.json()), (503, json!({"status": "loading"})), "{}", s.log());
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.error()["code"], "model_loading");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(s.post_raw("/v1/completions", b"{oops").status, 400);
+    s.wait_ready();
+    assert_eq!(s.get("/health").json(), json!({"status": "ok"}));
+
+    // Authentication: /v1 needs the key, /health and /metrics do not.
+    let r = request(s.addr, "GET", "/v1/models", &[], b"");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.error()["code"], "invalid_api_key");
+    let r = request(s.addr, "POST", "/v1/chat/completions", &[("Authorization", "Bearer wrong")], b"{}");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.error()["code"], "invalid_api_key");
+    assert_eq!(request(s.addr, "GET", "/metrics", &[], b"").status, 200);
+
+    let models = s.get("/v1/models").json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], id.as_str());
+    assert_eq!(models["data"][0]["object"], "model");
+
+    // Completions: usage and finish_reason length.
+    let body = json!({"model": id, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(v["model"], id.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let u = &v["usage"];
+    assert_eq!(u["completion_tokens"], 3);
+    assert!(u["prompt_tokens"].as_u64().unwrap() >= 5, "{v}");
+    assert_eq!(u["total_tokens"].as_u64(), Some(u["prompt_tokens"].as_u64().unwrap() + 3));
+    let greedy = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(s.post("/v1/completions", &body).json()["choices"][0]["text"], greedy.as_str(), "greedy is deterministic");
+    // "default" names the model too.
+    let body_default = json!({"model": "default", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    assert_eq!(s.post("/v1/completions", &body_default).json()["choices"][0]["text"], greedy.as_str());
+
+    // Chat, content as a string and as text parts.
+    let r = s.post("/v1/chat/completions", &json!({"messages": user("What is 2+2?"), "max_completion_tokens": 3, "temperature": 0}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let chat_text = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let parts = json!([{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]);
+    let r = s.post("/v1/chat/completions", &json!({"messages": parts, "max_tokens": 2, "temperature": 0}));
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // Streaming chat: role first, text equal to the non-streaming text, finish, [DONE];
+    // with include_usage a usage chunk with empty choices just before [DONE].
+    let st = s.stream("/v1/chat/completions", &json!({"messages": user("What is 2+2?"), "max_tokens": 3, "temperature": 0, "stream": true}));
+    assert_eq!(st.status, 200);
+    assert!(st.headers["content-type"].starts_with("text/event-stream"), "{:?}", st.headers);
+    let chunks = st.all();
+    let first: Value = serde_json::from_str(&chunks[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (text, finish, usage) = stream_text(&chunks);
+    assert_eq!(text, chat_text);
+    assert_eq!(finish, vec!["length"]);
+    assert!(usage.is_none());
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| !c.contains("\"usage\"")), "no usage key without include_usage");
+    let chunks = s
+        .stream("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}))
+        .all();
+    let (text, finish, usage) = stream_text(&chunks);
+    assert_eq!(text, greedy);
+    assert_eq!(finish, vec!["length"]);
+    let usage = usage.expect("a usage chunk");
+    assert_eq!(usage["completion_tokens"], 3);
+    assert!(chunks[chunks.len() - 2].contains("\"choices\":[]"), "usage is the last chunk before [DONE]");
+
+    // Seeds: temperature 0.8 and the same seed give the same text.
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 1234, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()});
+    let a = s.post("/v1/completions", &sampled).json()["choices"][0]["text"].clone();
+    let b = s.post("/v1/completions", &sampled).json()["choices"][0]["text"].clone();
+    assert_eq!(a, b, "same seed, same text");
+    assert!(!a.as_str().unwrap().is_empty());
+
+    // Stop strings: cut before the stop, finish_reason stop, streaming or not.
+    let long = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()});
+    let full = s.post("/v1/completions", &long).json()["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<(usize, char)> = full.char_indices().collect();
+    assert!(chars.len() >= 4, "{full:?}");
+    let (at, _) = chars[chars.len() / 2];
+    let stop: String = full[at..].chars().take(2).collect();
+    let cut = &full[..full.find(&stop).unwrap()];
+    let mut with_stop = long.clone();
+    with_stop["stop"] = json!(["never-in-the-text", stop]);
+    let v = s.post("/v1/completions", &with_stop).json();
+    assert_eq!(v["choices"][0]["text"], cut, "stop {stop:?} in {full:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    with_stop["stream"] = json!(true);
+    let (text, finish, _) = stream_text(&s.stream("/v1/completions", &with_stop).all());
+    assert_eq!(text, cut);
+    assert_eq!(finish, vec!["stop"]);
+
+    // Logprobs: chat (logprobs + top_logprobs) and completions (logprobs: k).
+    let v = s.post("/v1/chat/completions", &json!({"messages": user("Hi"), "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3})).json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs.content").clone();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap(), "{v}");
+    for e in &content {
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{e}");
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "sorted: {tops:?}");
+        assert!((tops[0] - lp).abs() < 1e-5, "greedy picks the top token: {e}");
+        assert!(e["bytes"].is_array());
+    }
+    let v = s.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2})).json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3, "{v}");
+    assert!(lp["token_logprobs"].as_array().unwrap().iter().all(|x| x.as_f64().unwrap() <= 0.0));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(v["choices"][0]["logprobs"]["text_offset"][0], 0);
+
+    // Several prompts: one choice each.
+    let v = s.post("/v1/completions", &json!({"prompt": ["Hello", "The capital of France is"], "max_tokens": 3, "temperature": 0})).json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[1]["index"], 1);
+    assert_eq!(choices[1]["text"], greedy.as_str(), "batched with another sequence, greedy text is unchanged");
+
+    // Penalties run (host path) and change nothing about the response's shape.
+    let r = s.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3, "presence_penalty": 1.5, "frequency_penalty": 1.0, "top_k": 5, "min_p": 0.1, "top_p": 0.9}));
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // Errors.
+    let r = s.post_raw("/v1/chat/completions", b"{\"messages\": [");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["code"], "invalid_json");
+    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "temperature": "warm"}));
+    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("temperature")));
+    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "max_tokens": -1}));
+    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("max_tokens")));
+    let r = s.post("/v1/completions", &json!({"prompt": "x", "logit_bias": {"99999999": 5}}));
+    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("logit_bias")));
+    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "n": 2}));
+    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("n")));
+    let r = s.post("/v1/chat/completions", &json!({"model": "gpt-4o", "messages": user("x")}));
+    assert_eq!(r.status, 404);
+    assert_eq!(r.error()["code"], "model_not_found");
+    let r = s.post("/v1/completions", &json!({"prompt": "word ".repeat(2000), "max_tokens": 1}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["code"], "context_length_exceeded");
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 600}));
+    assert_eq!((r.status, r.error()["code"].clone()), (400, json!("context_length_exceeded")));
+    let big = json!({"prompt": "x".repeat(5 << 20), "max_tokens": 1});
+    let r = s.post("/v1/completions", &big);
+    assert_eq!(r.status, 413);
+    assert_eq!(r.error()["code"], "request_too_large");
+    let r = s.get("/v1/nothing-here");
+    assert_eq!(r.status, 404);
+    r.error();
+    let r = s.get("/v1/chat/completions");
+    assert_eq!(r.status, 405);
+    r.error();
+
+    // Metrics: everything finished, every slot free, latencies observed.
+    let m = s.metrics();
+    assert_eq!(m["kiln_running_sequences"], 0.0);
+    assert_eq!(m["kiln_queue_depth"], 0.0);
+    assert_eq!(m["kiln_kv_slots_used"], 0.0);
+    assert_eq!(m["kiln_kv_slots_free"], 4.0);
+    assert_eq!(m["kiln_model_loaded"], 1.0);
+    assert!(m["kiln_time_to_first_token_seconds_count"] >= 10.0, "{m:?}");
+    assert!(m["kiln_inter_token_latency_seconds_count"] >= 10.0);
+    assert!(m["kiln_generation_tokens_total"] >= 30.0);
+    assert!(m["kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}"] >= 5.0);
+    assert!(m["kiln_requests_total{endpoint=\"/v1/chat/completions\",status=\"401\"}"] >= 1.0);
+    assert!(m["kiln_requests_total{endpoint=\"/v1/completions\",status=\"413\"}"] >= 1.0);
+    assert!(s.log().contains("POST \"/v1/completions\" 200"), "one log line per request:\n{}", s.log());
+
+    s.sigterm();
+    assert!(s.wait_exit(Duration::from_secs(30)).success(), "{}", s.log());
+}
+
+#[test]
+fn serve_queue_limit_disconnect_and_shutdown() {
+    let model = test_model();
+    let mut s = Server::start(&model, &["--max-seqs", "1", "--queue", "1", "-c", "2048", "--shutdown-grace", "1"]);
+    s.wait_ready();
+    let bias: Value = serde_json::from_str(NO_EOS).unwrap();
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0.8, "stream": true, "logit_bias": bias});
+
+    // A runs, B waits in the queue, C finds it full.
+    let mut a = s.stream("/v1/completions", &long);
+    assert_eq!(a.status, 200);
+    a.first_text();
+    let mut b = s.stream("/v1/completions", &long);
+    assert_eq!(b.status, 200);
+    let start = Instant::now();
+    while s.metrics()["kiln_queue_depth"] != 1.0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "B never showed in the queue");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.error()["code"], "queue_full");
+    assert!(r.headers.contains_key("retry-after"));
+
+    // A leaves: its slot goes to B.
+    drop(a);
+    let t = Instant::now();
+    b.first_text();
+    let _ = writeln!(std::io::stderr(), "serve: the queued stream got its first token {:?} after the running one disconnected", t.elapsed());
+
+    // B leaves: nothing runs, every slot is free.
+    let m = s.metrics();
+    assert_eq!(m["kiln_running_sequences"], 1.0);
+    drop(b);
+    let t = Instant::now();
+    loop {
+        let m = s.metrics();
+        if m["kiln_running_sequences"] == 0.0 && m["kiln_kv_slots_used"] == 0.0 {
+            assert_eq!(m["kiln_kv_slots_free"], 1.0);
+            assert!(m["kiln_sequences_cancelled_total"] >= 2.0, "{m:?}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "a disconnected stream kept its slot: {m:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = writeln!(std::io::stderr(), "serve: a disconnected stream's slot was free {:?} after the client left", t.elapsed());
+
+    // The server still serves.
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // A non-streaming request whose client leaves is cancelled too.
+    let mut quiet = long.clone();
+    quiet["stream"] = json!(false);
+    let conn = connect(s.addr);
+    send_request(&conn, "POST", "/v1/completions", &[("Content-Type", "application/json")], quiet.to_string().as_bytes());
+    let t = Instant::now();
+    while s.metrics()["kiln_running_sequences"] != 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the non-streaming request never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(conn);
+    let t = Instant::now();
+    while s.metrics()["kiln_running_sequences"] != 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(5), "a disconnected non-streaming request kept its slot");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // SIGTERM mid-stream: the stream ends with a final chunk and [DONE], the process exits 0.
+    let mut d = s.stream("/v1/completions", &long);
+    d.first_text();
+    s.sigterm();
+    let mut rest = Vec::new();
+    while let Some(x) = d.next_data() {
+        rest.push(x);
+    }
+    let (_, finish, _) = stream_text(&rest);
+    assert_eq!(finish, vec!["cancelled"], "{:?}", rest.last());
+    assert!(s.wait_exit(Duration::from_secs(30)).success(), "{}", s.log());
+    assert!(s.log().contains("kiln serve: stopped"));
+}
+
+/// A deterministic generator (SplitMix64) for the hostile bodies.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// Body `i` of the hostile set: every one is invalid by construction (bad JSON, a bad
+/// value, or a prompt that cannot fit), so each must get a 4xx.
+fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
+    let chat = i.is_multiple_of(2);
+    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let valid = if chat {
+        json!({"model": "default", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
+    } else {
+        json!({"model": "default", "prompt": "hello there", "max_tokens": 4})
+    };
+    let bad_values = [
+        json!("str"),
+        json!(-1),
+        json!(-1e308),
+        json!(1e308),
+        json!(123456789012345678901234567890u128 as f64),
+        json!(i64::MIN),
+        json!(u64::MAX),
+        json!(3.5),
+        json!([]),
+        json!({}),
+        json!([1, [2, [3]]]),
+        json!(true),
+    ];
+    let fields: &[(&str, &[Value])] = &[
+        ("temperature", &[json!(-0.1), json!(2.01), json!(1e300), json!("0.5"), json!([0.5])]),
+        ("top_p", &[json!(0), json!(-1), json!(1.5), json!({"p": 1})]),
+        ("top_k", &[json!(-1), json!(0.5), json!(1e20), json!("40")]),
+        ("min_p", &[json!(-0.5), json!(2), json!(false)]),
+        ("max_tokens", &[json!(0), json!(-5), json!(-9223372036854775808i64), json!(1e19), json!(1e300), json!(100000), json!("4")]),
+        ("max_completion_tokens", &[json!(0), json!(-1), json!(u64::MAX)]),
+        ("n", &[json!(0), json!(2), json!(-1), json!(1e10)]),
+        ("presence_penalty", &[json!(2.5), json!(-2.5), json!("x")]),
+        ("frequency_penalty", &[json!(9), json!(-1e30)]),
+        ("seed", &[json!("seed"), json!(1.5), json!(1e30)]),
+        ("stop", &[json!(5), json!([1, 2]), json!(vec!["s"; 100]), json!({"a": 1}), json!(["x".repeat(1000)])]),
+        ("stream", &[json!("yes"), json!(1)]),
+        ("stream_options", &[json!("usage"), json!({"include_usage": "yes"})]),
+        ("model", &[json!(42), json!("no-such-model"), json!("gpt-4o-mini"), json!(["default"])]),
+        ("logit_bias", &[json!({"x": 1}), json!({"5": 1000}), json!([1]), json!({"-3": 1})]),
+        ("tools", &[json!([{"type": "function"}])]),
+        ("response_format", &[json!({"type": "json_object"})]),
+        ("user", &[json!(5)]),
+    ];
+    // Strings of 10 MB (over the 4 MiB limit): one body in 50.
+    let kind = if i % 50 == 7 { 100 } else { rng.below(14) };
+    let body: Vec<u8> = match kind {
+        // Random bytes.
+        0 => (0..1 + rng.below(512)).map(|_| rng.next() as u8).collect(),
+        // Valid JSON cut short.
+        1 => {
+            let s = valid.to_string().into_bytes();
+            s[..1 + rng.below(s.len() - 1)].to_vec()
+        }
+        // An invalid byte spliced in.
+        2 => {
+            let mut s = valid.to_string().into_bytes();
+            let at = rng.below(s.len());
+            s.insert(at, *rng.pick(&[0xff, 0xc3, 0x00, 0x80]));
+            s
+        }
+        // A field with a value of the wrong type or out of range.
+        3..=5 => {
+            let mut v = valid.clone();
+            let (name, values) = rng.pick(fields);
+            let value = if rng.below(3) == 0 { rng.pick(&bad_values).clone() } else { rng.pick(values).clone() };
+            // Some generic bad values are fine for some fields; keep only sure refusals.
+            let value = match (*name, &value) {
+                ("seed", Value::Number(n)) if n.as_i64().is_some() || n.as_u64().is_some() => json!("seed"),
+                ("temperature" | "top_p" | "min_p" | "presence_penalty" | "frequency_penalty", Value::Number(_)) => json!(5.5),
+                ("top_k", Value::Number(n)) if n.as_u64().is_some_and(|k| k <= u32::MAX as u64) => json!(-1),
+                ("max_tokens" | "max_completion_tokens", Value::Number(n)) if n.as_u64().is_some_and(|k| (1..=100).contains(&k)) => json!(0),
+                ("stream", Value::Bool(_)) | ("n", Value::Number(_)) if value == json!(1) || value == json!(true) => json!("x"),
+                ("model", Value::String(s)) if s == "default" => json!("nope"),
+                ("stop" | "user", Value::String(_)) => json!(5),
+                ("stop" | "tools", Value::Array(a)) if a.is_empty() => json!(5),
+                ("logit_bias", Value::Object(o)) if o.is_empty() => json!(5),
+                _ => value,
+            };
+            v[*name] = value;
+            v.to_string().into_bytes()
+        }
+        // Deep nesting (serde_json refuses more than 128 levels).
+        6 => {
+            let depth = 200 + rng.below(100_000);
+            let (open, close) = if rng.below(2) == 0 { ("[", "]") } else { ("{\"a\":", "}") };
+            let mut s = open.repeat(depth);
+            s.push('1');
+            s.push_str(&close.repeat(depth));
+            if chat {
+                format!("{{\"messages\": {s}}}").into_bytes()
+            } else {
+                format!("{{\"prompt\": {s}}}").into_bytes()
+            }
+        }
+        100 => {
+            let mut v = valid.clone();
+            let big = "A".repeat(10 << 20);
+            if chat {
+                v["messages"][0]["content"] = json!(big);
+            } else {
+                v["prompt"] = json!(big);
+            }
+            v.to_string().into_bytes()
+        }
+        // Prompts far longer than the context (but under the body limit).
+        7 | 8 => {
+            let mut v = valid.clone();
+            let text = "lorem ipsum ".repeat(300 + rng.below(20_000));
+            if chat {
+                v["messages"][0]["content"] = json!(text);
+            } else {
+                v["prompt"] = json!(text);
+            }
+            v.to_string().into_bytes()
+        }
+        // Not an object, or missing what is required.
+        9 => rng.pick(&["null", "[]", "\"prompt\"", "42", "{}", "true", "", " ", "{\"model\":\"default\"}"]).as_bytes().to_vec(),
+        // Malformed messages / prompts.
+        10 => {
+            let bad = if chat {
+                rng.pick(&[
+                    json!([]),
+                    json!("hello"),
+                    json!([{"content": "no role"}]),
+                    json!([{"role": "robot", "content": "x"}]),
+                    json!([{"role": "user"}]),
+                    json!([{"role": "user", "content": 42}]),
+                    json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+                    json!([{"role": "user", "content": [{"type": "text"}]}]),
+                    json!([{"role": "user", "content": [{"text": "no type"}]}]),
+                    json!([null]),
+                    json!([{"role": ["user"], "content": "x"}]),
+                ])
+                .clone()
+            } else {
+                rng.pick(&[json!(""), json!([]), json!([[]]), json!([1, -2]), json!([99999999]), json!({"p": 1}), json!([null]), json!(vec!["a"; 17]), json!(false)]).clone()
+            };
+            let mut v = valid.clone();
+            v[if chat { "messages" } else { "prompt" }] = bad;
+            v.to_string().into_bytes()
+        }
+        // Huge numbers in literal form (beyond f64).
+        11 => {
+            let lit = rng.pick(&["1e999", "-1e999", "123456789012345678901234567890123456789e300", "-0.0e-99999"]);
+            let name = rng.pick(&["max_tokens", "temperature", "top_k", "seed", "n"]);
+            let mut v = valid.clone();
+            v.as_object_mut().unwrap().remove(*name);
+            let s = v.to_string();
+            let s = format!("{{\"{name}\": {lit},{}", &s[1..]);
+            if *lit == "-0.0e-99999" && matches!(*name, "temperature") {
+                // -0.0 is a valid temperature: make it certain to fail.
+                s.replace("-0.0e-99999", "-1e999").into_bytes()
+            } else if *lit == "-0.0e-99999" {
+                // 0 is a bad max_tokens/n; top_k 0 and seed 0 are valid: give them a string.
+                s.replace("-0.0e-99999", if matches!(*name, "top_k" | "seed") { "\"0\"" } else { "0" }).into_bytes()
+            } else {
+                s.into_bytes()
+            }
+        }
+        // Deeply nested but valid JSON in an ignored field would be fine; in `stop` it is not.
+        12 => {
+            let mut v = valid.clone();
+            let mut nested = json!("x");
+            for _ in 0..(1 + rng.below(100)) {
+                nested = json!([nested]);
+            }
+            v["stop"] = nested;
+            v.to_string().into_bytes()
+        }
+        // Logprobs out of range.
+        _ => {
+            let mut v = valid.clone();
+            if chat {
+                match rng.below(3) {
+                    0 => v["top_logprobs"] = json!(5),
+                    1 => {
+                        v["logprobs"] = json!(true);
+                        v["top_logprobs"] = json!(21 + rng.below(1000));
+                    }
+                    _ => v["logprobs"] = json!(3),
+                }
+            } else {
+                v["logprobs"] = if rng.below(2) == 0 { json!(-1) } else { json!(21 + rng.below(100)) };
+            }
+            v.to_string().into_bytes()
+        }
+    };
+    (path, body)
+}
+
+#[test]
+fn serve_hostile_bodies_get_4xx() {
+    let model = test_model();
+    let s = Server::start(&model, &["--max-seqs", "2", "--queue", "8", "-c", "256"]);
+    s.wait_ready();
+    let mut rng = Rng(0x6b69_6c6e);
+    let start = Instant::now();
+    let mut by_status: HashMap<u16, usize> = HashMap::new();
+    for i in 0..1000 {
+        let (path, body) = hostile_body(&mut rng, i);
+        let r = s.post_raw(path, &body);
+        let shown = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
+        assert!((400..500).contains(&r.status), "body {i} to {path} got {}: {shown}\n{}", r.status, r.text());
+        let e = r.error();
+        assert!(!e["message"].as_str().unwrap().is_empty());
+        *by_status.entry(r.status).or_insert(0) += 1;
+    }
+    let _ = writeln!(std::io::stderr(), "serve: 1000 hostile bodies in {:?}, by status {by_status:?}", start.elapsed());
+    assert!(by_status.get(&413).copied().unwrap_or(0) >= 5, "{by_status:?}");
+    assert_eq!(s.get("/health").status, 200);
+    let r = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 2}));
+    assert_eq!(r.status, 200, "still serving: {}", r.text());
+    let m = s.metrics();
+    assert_eq!(m["kiln_running_sequences"], 0.0);
+    assert_eq!(m["kiln_queue_depth"], 0.0);
+}
+
+/// The official `openai` Python client against the server (scripts/server_openai_test.py
+/// makes its own venv and installs the client; without python3, venv, or the package index
+/// this reports a skip).
+#[test]
+fn serve_openai_python_client() {
+    let name = "serve_openai_python_client";
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let venv_ok = Command::new("python3").args(["-c", "import venv, ensurepip"]).output().is_ok_and(|o| o.status.success());
+    if !venv_ok {
+        return skip(name, "python3 with venv and ensurepip is not available");
+    }
+    let model = test_model();
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-openai-venv");
+    let out = Command::new("python3")
+        .arg(root.join("scripts/server_openai_test.py"))
+        .arg("--kiln")
+        .arg(kiln_binary())
+        .arg("--model")
+        .arg(&model)
+        .arg("--venv")
+        .arg(&venv)
+        .args(["--backend", "cpu"])
+        .output()
+        .expect("run scripts/server_openai_test.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(0) => {
+            assert!(stdout.contains("all openai client checks passed"), "{stdout}\n{stderr}");
+            let _ = writeln!(std::io::stderr(), "{name}: {}", stdout.lines().last().unwrap_or(""));
+        }
+        // Exit 3: the environment lacks something (no package index to install from).
+        Some(3) => {
+            let why = stdout.lines().find_map(|l| l.strip_prefix("skip: ")).unwrap_or("the environment lacks something");
+            skip(name, why)
+        }
+        _ => panic!("the openai client checks failed:\n{stdout}\n{stderr}"),
+    }
+}
