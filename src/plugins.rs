@@ -282,12 +282,27 @@ impl std::fmt::Debug for PluginBackend {
 impl PluginBackend {
     /// Opens the library at `path`, checks its function table and creates its backend.
     pub fn open(path: &Path) -> Result<PluginBackend> {
+        // A FIFO or device would block the loader (or feed it anything): only regular files.
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => return Err(plugin_error(path, "not a regular file".to_string())),
+            Err(e) => return Err(plugin_error(path, format!("cannot read: {e}"))),
+        }
         // SAFETY: loading a library runs its initialisers; that is what loading a plugin
         // means, and the user asked for this file.
         let lib = unsafe { libloading::Library::new(path) }
             .map_err(|e| plugin_error(path, format!("not a loadable shared library: {e}")))?;
         let lib = keep_forever(lib);
-        // SAFETY: the symbol's type is fixed by the ABI.
+        // The symbol must be code before it is called: a data symbol of that name would be
+        // jumped into (SIGSEGV, or worse).
+        // SAFETY: reading a symbol's address calls nothing.
+        let address = unsafe { lib.get::<*const std::ffi::c_void>(ENTRY_SYMBOL.as_bytes()) }
+            .map(|sym| *sym as usize)
+            .map_err(|e| plugin_error(path, format!("no entry symbol `{ENTRY_SYMBOL}`: {e}")))?;
+        if let Some(false) = is_executable_address(address) {
+            return Err(plugin_error(path, format!("`{ENTRY_SYMBOL}` is not a function (it lies outside the library's code)")));
+        }
+        // SAFETY: the symbol's type is fixed by the ABI, and it lies in executable memory.
         let entry = unsafe { lib.get::<KilnPluginEntry>(ENTRY_SYMBOL.as_bytes()) }
             .map_err(|e| plugin_error(path, format!("no entry symbol `{ENTRY_SYMBOL}`: {e}")))?;
         // SAFETY: the entry takes no arguments and returns a pointer to a static table.
@@ -609,6 +624,22 @@ impl LayerExecutor for PluginExecutor {
 }
 
 /// Loads one plugin library as a backend.
+/// Whether `address` lies in an executable mapping of this process (`/proc/self/maps`);
+/// `None` where that cannot be read (other systems): the check is then skipped.
+fn is_executable_address(address: usize) -> Option<bool> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else { continue };
+        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else { continue };
+        if (lo..hi).contains(&address) {
+            return Some(perms.as_bytes().get(2) == Some(&b'x'));
+        }
+    }
+    Some(false)
+}
+
 pub fn load_plugin(path: &Path) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(PluginBackend::open(path)?))
 }

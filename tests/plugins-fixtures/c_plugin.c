@@ -156,7 +156,12 @@ static const kiln_plugin_api api = {
 #endif
 };
 
-#ifdef FIXTURE_NO_ENTRY
+#if defined(FIXTURE_NO_ENTRY)
+int kiln_fixture_placeholder(void) { return api.abi_version != 0; }
+#elif defined(FIXTURE_DATA_ENTRY)
+/* The entry's name on a data object (the header declares it a function, so the data gets
+   the name at the assembler level): calling it would jump into data. */
+const unsigned char kiln_fixture_data_entry[64] __asm__("kiln_plugin_entry") = {0xff, 0xff, 0xff, 0xff};
 int kiln_fixture_placeholder(void) { return api.abi_version != 0; }
 #else
 const kiln_plugin_api *kiln_plugin_entry(void) {

@@ -473,6 +473,20 @@ fn a_well_formed_c_plugin_loads() {
     );
 }
 
+/// A FIFO (or any non-regular file) is refused before the loader could block on it.
+#[cfg(unix)]
+#[test]
+fn a_fifo_is_not_opened_as_a_plugin() {
+    let dir = scratch_dir("fifo");
+    let path = dir.join(dylib_name("fifo"));
+    let made = Command::new("mkfifo").arg(&path).status();
+    if !made.is_ok_and(|s| s.success()) {
+        kiln_tests::skip("a_fifo_is_not_opened_as_a_plugin", "mkfifo is not available");
+        return;
+    }
+    assert_plugin_error(&load_plugin(&path).err().unwrap(), &path, &["not a regular file"]);
+}
+
 #[test]
 fn not_a_shared_library_is_refused() {
     let dir = scratch_dir("garbage");
@@ -484,8 +498,9 @@ fn not_a_shared_library_is_refused() {
 #[test]
 fn each_broken_c_plugin_is_refused_with_its_cause() {
     let host_version = format!("ABI version {}", plugin_abi::version_string(plugin_abi::ABI_VERSION));
-    let cases: [(&str, &[&str]); 10] = [
+    let cases: [(&str, &[&str]); 11] = [
         ("NO_ENTRY", &["no entry symbol `kiln_plugin_entry`"]),
+        ("DATA_ENTRY", &["`kiln_plugin_entry` is not a function"]),
         ("NULL_TABLE", &["null function table"]),
         ("ABI_MAJOR", &["plugin ABI version 2.3", &host_version]),
         ("TOO_SMALL", &["function table is 32 bytes", "needs at least"]),
