@@ -123,7 +123,8 @@ impl KilnStr {
         if self.ptr.is_null() {
             return Err(format!("{what} is a null pointer with length {}", self.len));
         }
-        let bytes = std::slice::from_raw_parts(self.ptr, self.len);
+        // SAFETY: non-null (checked), and the caller promises `len` readable bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
         std::str::from_utf8(bytes).map_err(|e| format!("{what} is not UTF-8: {e}"))
     }
 }
@@ -528,16 +529,19 @@ impl KilnLoadOptions {
         }
         // `struct_size` is the first field in every minor; it is all that may be read
         // before the size is known.
-        let struct_size = std::ptr::read(options as *const u32);
+        // SAFETY: non-null (checked); every minor's struct starts with this u32.
+        let struct_size = unsafe { std::ptr::read(options as *const u32) };
         if struct_size < LOAD_OPTIONS_SIZE_V1_0 {
             return Err(format!(
                 "load options struct_size {struct_size} is smaller than ABI 1.0's {LOAD_OPTIONS_SIZE_V1_0} bytes"
             ));
         }
         // SAFETY: all-zero is a valid KilnLoadOptions (null pointers, `None` callback).
-        let mut out: KilnLoadOptions = std::mem::zeroed();
+        let mut out: KilnLoadOptions = unsafe { std::mem::zeroed() };
         let n = (struct_size as usize).min(std::mem::size_of::<KilnLoadOptions>());
-        std::ptr::copy_nonoverlapping(options as *const u8, &mut out as *mut KilnLoadOptions as *mut u8, n);
+        // SAFETY: the caller promises `struct_size` readable bytes; at most that many, and
+        // no more than `out` holds, are copied.
+        unsafe { std::ptr::copy_nonoverlapping(options as *const u8, &mut out as *mut KilnLoadOptions as *mut u8, n) };
         Ok(out)
     }
 }
@@ -861,24 +865,29 @@ impl Deref for HostBytes {
 /// freed; a `supports` call must drop the model before it returns).
 pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
     let bad = |m: String| Error::Format(format!("model descriptor from host: {m}"));
-    let desc = desc.as_ref().ok_or_else(|| bad("null model descriptor".into()))?;
+    // SAFETY: the caller promises a valid descriptor (or null, refused here).
+    let desc = unsafe { desc.as_ref() }.ok_or_else(|| bad("null model descriptor".into()))?;
     if (desc.struct_size as usize) < std::mem::size_of::<KilnModelDesc>() {
         return Err(bad(format!("struct_size {} is too small", desc.struct_size)));
     }
-    let config = desc.config.as_ref().ok_or_else(|| bad("null config".into()))?;
+    // SAFETY: the descriptor's pointers are readable (the caller's promise) or null.
+    let config = unsafe { desc.config.as_ref() }.ok_or_else(|| bad("null config".into()))?;
     let config = config_from_abi(config)?;
-    let source = desc.source.to_str("source", MAX_MESSAGE).map_err(bad)?.to_string();
+    // SAFETY: as above, for the source string.
+    let source = unsafe { desc.source.to_str("source", MAX_MESSAGE) }.map_err(bad)?.to_string();
     if desc.n_tensors > 0 && desc.tensors.is_null() {
         return Err(bad(format!("null tensor array of length {}", desc.n_tensors)));
     }
     let descs: &[KilnTensorDesc] =
-        if desc.n_tensors == 0 { &[] } else { std::slice::from_raw_parts(desc.tensors, desc.n_tensors) };
+        // SAFETY: non-null (checked) and `n_tensors` entries long (the caller's promise).
+        if desc.n_tensors == 0 { &[] } else { unsafe { std::slice::from_raw_parts(desc.tensors, desc.n_tensors) } };
 
     let layers = config.num_layers;
     let mut global: Vec<(TensorRole, TensorView)> = Vec::new();
     let mut per_layer: Vec<Vec<(TensorRole, TensorView)>> = vec![Vec::new(); layers];
     for (i, t) in descs.iter().enumerate() {
-        let name = t.name.to_str("tensor name", MAX_MESSAGE).map_err(|m| bad(format!("tensor {i}: {m}")))?;
+        // SAFETY: each descriptor's name is readable (the caller's promise).
+        let name = unsafe { t.name.to_str("tensor name", MAX_MESSAGE) }.map_err(|m| bad(format!("tensor {i}: {m}")))?;
         let role = TensorRole::from_id(t.role).ok_or_else(|| bad(format!("tensor {name}: unknown role id {}", t.role)))?;
         let qtype =
             QType::from_id(t.qtype).ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;

@@ -295,7 +295,7 @@ impl Device {
         }
         self.bind()?;
         // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
         let dependent_launch = self.arch().0 >= 9;
@@ -311,7 +311,9 @@ impl Device {
             attrs: if dependent_launch { &mut attr } else { std::ptr::null_mut() },
             numAttrs: dependent_launch as u32,
         };
-        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut())
+        // SAFETY: the context is bound; `params` points at `args`' slots, which live until
+        // the call returns; the caller promises they match the kernel (this fn's contract).
+        unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx("cuLaunchKernelEx")
     }
