@@ -198,14 +198,7 @@ pub trait LayerExecutor: Send {
     /// token drawn with `samplers[i]`. The default computes logits and samples on the host;
     /// GPU backends override it so only ids cross the bus.
     fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
-        if samplers.len() != batch.len() || tokens.len() != batch.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} items need as many samplers ({}) and token slots ({})",
-                batch.len(),
-                samplers.len(),
-                tokens.len()
-            )));
-        }
+        check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.config().vocab_size;
         let mut logits = vec![0.0f32; batch.len() * vocab];
         self.decode(batch, &mut logits)?;
@@ -257,6 +250,16 @@ pub fn check_decode(
 ) -> Result<()> {
     check_decode_batch(batch, logits, vocab)?;
     check_decode_items(batch, vocab, max_context, len_of)
+}
+
+/// A `decode_sample` call's samplers and token slots: one of each per batch item.
+pub fn check_sample_slots(items: usize, samplers: usize, tokens: usize) -> Result<()> {
+    if samplers != items || tokens != items {
+        return Err(Error::InvalidArgument(format!(
+            "{items} items need as many samplers ({samplers}) and token slots ({tokens})"
+        )));
+    }
+    Ok(())
 }
 
 /// For every item of a decode batch: its sequence is alive (`len_of` fails for an unknown

@@ -55,29 +55,18 @@ impl QType {
         QType::AprQ4,
     ];
 
+    /// Ids from here up are kiln's own types (APR's); below are ggml's.
+    pub const KILN_ID_BASE: u32 = 128;
+
     /// The ggml types among [`QType::ALL`] (those a GGUF file can hold), in id order.
-    pub const GGML: [QType; 15] = [
-        QType::F32,
-        QType::F16,
-        QType::Q4_0,
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-        QType::Q8_0,
-        QType::Q8_1,
-        QType::Q2_K,
-        QType::Q3_K,
-        QType::Q4_K,
-        QType::Q5_K,
-        QType::Q6_K,
-        QType::Q8_K,
-        QType::BF16,
-    ];
+    pub fn ggml() -> impl Iterator<Item = QType> {
+        QType::ALL.into_iter().filter(|q| q.is_ggml())
+    }
 
     /// The ggml type with this id (as GGUF stores it). Kiln's own types are refused: their
     /// ids are not ggml's, and a GGUF file naming one is malformed.
     pub fn from_ggml_id(id: u32) -> Option<QType> {
-        QType::GGML.iter().copied().find(|q| *q as u32 == id)
+        QType::from_id(id).filter(|q| q.is_ggml())
     }
 
     /// The type with this kiln id ([`QType::id`]): every ggml type and kiln's own (the
@@ -93,7 +82,7 @@ impl QType {
 
     /// Whether ggml (and so GGUF) has this type.
     pub fn is_ggml(self) -> bool {
-        QType::GGML.contains(&self)
+        self.id() < QType::KILN_ID_BASE
     }
 
     /// The ggml type id. Only meaningful when [`QType::is_ggml`]: for kiln's own types this
@@ -211,7 +200,7 @@ mod tests {
             assert_eq!(QType::from_name(q.name()), Some(q));
             assert_eq!(QType::from_name(&q.name().to_ascii_uppercase()), Some(q));
         }
-        for q in QType::GGML {
+        for q in QType::ggml() {
             assert!(q.is_ggml());
             assert_eq!(QType::from_ggml_id(q.ggml_id()), Some(q));
         }
@@ -225,10 +214,11 @@ mod tests {
     #[test]
     fn ids_are_in_order_and_kiln_types_are_not_ggml() {
         assert!(QType::ALL.windows(2).all(|w| w[0].id() < w[1].id()));
-        assert!(QType::GGML.windows(2).all(|w| w[0].id() < w[1].id()));
-        let kiln_only: Vec<QType> = QType::ALL.into_iter().filter(|q| !QType::GGML.contains(q)).collect();
+        let ggml: Vec<QType> = QType::ggml().collect();
+        assert!(ggml.windows(2).all(|w| w[0].id() < w[1].id()));
+        let kiln_only: Vec<QType> = QType::ALL.into_iter().filter(|q| !ggml.contains(q)).collect();
         assert_eq!(kiln_only, [QType::AprQ4]);
-        assert!(QType::GGML.iter().all(|q| QType::ALL.contains(q)));
+        assert!(ggml.iter().all(|q| QType::ALL.contains(q)));
         for q in kiln_only {
             assert!(q.id() >= 128 && !q.is_ggml(), "{q}");
             assert_eq!(QType::from_ggml_id(q.id()), None, "{q} must not be read from GGUF");

@@ -553,7 +553,9 @@ pub fn write_model_apr(
     let mut index = 0usize;
     let mut failure: Option<Error> = None;
     let mut write = |name: &str, out: &mut dyn Write| -> std::io::Result<()> {
-        let (_, t, dtype) = plan.iter().find(|(n, _, _)| n == name).expect("the writer asks for planned tensors");
+        // The writer asks in index order, which is `plan`'s (both sorted by name).
+        let at = plan.binary_search_by(|(n, _, _)| n.as_str().cmp(name)).expect("the writer asks for planned tensors");
+        let (_, t, dtype) = &plan[at];
         progress(ProgressEvent::Tensor { name, index, count: plan.len(), qtype: t.qtype() });
         index += 1;
         let bytes = match encode_as(t, *dtype) {
@@ -578,9 +580,9 @@ pub fn write_model_apr(
 }
 
 /// `t`'s bytes as APR `dtype`: its own bytes when the type is kept, else converted through f32.
-fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<Vec<u8>> {
+fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<std::borrow::Cow<'_, [u8]>> {
     if apr_dtype_of(t.qtype()) == Some(dtype) {
-        return Ok(t.bytes().to_vec());
+        return Ok(t.bytes().into());
     }
     let values = t.to_f32()?;
     match dtype {
@@ -589,7 +591,7 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<Vec<u8>> {
             for (src, dst) in values.chunks_exact(t.row_len()).zip(out.chunks_exact_mut(q.row_bytes(t.row_len())?)) {
                 kiln_core::quant::quantize(q, src, dst)?;
             }
-            Ok(out)
+            Ok(out.into())
         }
         AprDtype::Q4 => {
             let q = QType::AprQ4;
@@ -598,7 +600,7 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<Vec<u8>> {
             for (src, dst) in values.chunks_exact(t.row_len()).zip(out.chunks_exact_mut(rb)) {
                 kiln_core::quant::quantize(q, src, dst)?;
             }
-            Ok(out)
+            Ok(out.into())
         }
         AprDtype::Q8 => {
             let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -606,7 +608,7 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<Vec<u8>> {
             let mut out = Vec::with_capacity(4 + values.len());
             out.extend_from_slice(&scale.to_le_bytes());
             out.extend(values.iter().map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8 as u8));
-            Ok(out)
+            Ok(out.into())
         }
         other => Err(Error::Unsupported(format!("writing {} tensors", other.name()))),
     }
@@ -644,19 +646,20 @@ pub fn write_model_gguf(ir: &ModelIr, tokenizer: &TokenizerSpec, chat_template: 
         let mut stream = writer.begin(w)?;
         for (index, (name, t)) in tensors.iter().enumerate() {
             progress(ProgressEvent::Tensor { name, index, count: tensors.len(), qtype: t.qtype() });
-            let mut bytes = if t.qtype() == QType::AprQ4 {
+            // Unchanged tensors are written straight from the mapping; only converted or
+            // permuted ones are copied.
+            let mut bytes = std::borrow::Cow::Borrowed(t.bytes());
+            if t.qtype() == QType::AprQ4 {
                 let mut out = t.bytes().to_vec();
                 for block in out.chunks_exact_mut(18) {
-                    let b: [u8; 18] = block.try_into().expect("18 bytes");
+                    let b: [u8; 18] = (&*block).try_into().expect("18 bytes");
                     block.copy_from_slice(&kiln_core::quant::apr_q4_block_to_q4_0(&b));
                 }
-                out
-            } else {
-                t.bytes().to_vec()
-            };
+                bytes = out.into();
+            }
             let qk = name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight");
             if permute && qk {
-                bytes = permute_rope_rows(&bytes, t.row_bytes(), c.head_dim, false)?;
+                bytes = permute_rope_rows(&bytes, t.row_bytes(), c.head_dim, false)?.into();
             }
             stream.write_tensor_data(&bytes)?;
             progress(ProgressEvent::Advance { done: t.elements() as u64 });

@@ -11,7 +11,6 @@
 use std::ffi::{c_char, CString};
 use std::path::PathBuf;
 
-use kiln_core::QType;
 use sha2::{Digest, Sha256};
 
 use crate::error::{KernelError, Result};
@@ -79,16 +78,6 @@ impl KernelModule {
             suffix,
         }
     }
-}
-
-/// The GEMV module for weights of `qtype` in their plain device layout.
-pub fn gemv_module(qtype: QType) -> Option<KernelModule> {
-    crate::format::WeightFormat::plain(qtype).map(|f| f.gemv)
-}
-
-/// The dequantisation module for weights of `qtype` in their plain device layout.
-pub fn dequant_module(qtype: QType) -> Option<KernelModule> {
-    crate::format::WeightFormat::plain(qtype).map(|f| f.dequant)
 }
 
 /// Every module, for compile checks.

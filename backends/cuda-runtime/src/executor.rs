@@ -831,14 +831,7 @@ impl LayerExecutor for GpuExecutor {
         samplers: &mut [Sampler],
         tokens: &mut [u32],
     ) -> Result<()> {
-        if samplers.len() != batch.len() || tokens.len() != batch.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} items need as many samplers ({}) and token slots ({})",
-                batch.len(),
-                samplers.len(),
-                tokens.len()
-            )));
-        }
+        kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.config.vocab_size;
         check_decode_items(batch, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
         let slots: Vec<usize> = batch

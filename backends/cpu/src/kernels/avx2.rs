@@ -121,8 +121,13 @@ pub unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
+/// Σ over 18-byte blocks of d·(q − 8)·x: Q4_0 and APR Q4 share fields and arithmetic and
+/// differ only in where value `i`'s nibble lies. Q4_0: low nibbles are values 0..16, high
+/// nibbles 16..32. APR Q4 (`interleaved`): value `i` in byte `i / 2`, low nibble for even
+/// `i`; interleaving the low- and high-nibble vectors byte by byte restores value order.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
     let nb = x.len() / 32;
     debug_assert_eq!(row.len(), nb * 18);
     let mask = _mm_set1_epi8(0x0F);
@@ -135,38 +140,29 @@ pub unsafe fn dot_q4_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
         let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
         let lo = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
         let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
-        let s = fma_i8x16(lo, px, _mm256_setzero_ps());
-        let s = fma_i8x16(hi, px.add(16), s);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-    }
-    hsum(acc)
-}
-
-/// APR Q4: Q4_0's fields and arithmetic with value `i` in byte `i / 2` (low nibble for even
-/// `i`, high for odd). Interleaving the low-nibble and high-nibble vectors byte by byte puts
-/// the 32 codes back in value order, then it is Q4_0's loop.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_apr_q4(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
-    let nb = x.len() / 32;
-    debug_assert_eq!(row.len(), nb * 18);
-    let mask = _mm_set1_epi8(0x0F);
-    let eight = _mm_set1_epi8(8);
-    let mut acc = _mm256_setzero_ps();
-    for b in 0..nb {
-        let p = row.as_ptr().add(b * 18);
-        let px = x.as_ptr().add(b * 32);
-        let d = f16x1(p);
-        let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
-        let even = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
-        let odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
-        // Bytes e0 o0 e1 o1 ...: values 0..16, then 16..32.
-        let first = _mm_unpacklo_epi8(even, odd);
-        let second = _mm_unpackhi_epi8(even, odd);
+        // Values 0..16, then 16..32.
+        let (first, second) = if interleaved {
+            (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+        } else {
+            (lo, hi)
+        };
         let s = fma_i8x16(first, px, _mm256_setzero_ps());
         let s = fma_i8x16(second, px.add(16), s);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
     }
     hsum(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    dot_q4_symmetric(row, x, false)
+}
+
+/// APR Q4: Q4_0's fields and arithmetic with the nibbles in value order (see
+/// [`dot_q4_symmetric`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_apr_q4(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    dot_q4_symmetric(row, x, true)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
