@@ -308,7 +308,7 @@ impl<'e> Scheduler<'e> {
     }
 
     fn update_gauges(&self) {
-        let n = self.running.len() as i64;
+        let n = self.running.iter().filter(|r| !r.done).count() as i64;
         self.metrics.running.store(n, Ordering::Relaxed);
         self.metrics.slots_used.store(n, Ordering::Relaxed);
     }
@@ -352,6 +352,8 @@ impl<'e> Scheduler<'e> {
             done: false,
         });
         self.samplers.push(Sampler::new(sampling));
+        // The gauges count this sequence before its client can see a token.
+        self.update_gauges();
         let i = self.running.len() - 1;
         let mut row = std::mem::take(&mut self.logits);
         let (token, logprob) = self.sample_host(i, &mut row[..self.vocab]);
@@ -508,9 +510,11 @@ impl<'e> Scheduler<'e> {
     }
 
     fn finish_now(&mut self, i: usize, finish: Finish) {
+        // Slot and gauges first: a client that has seen `Done` finds the metrics settled.
+        self.mark_finished(i);
+        self.update_gauges();
         let r = &self.running[i];
         r.send(Event::Done { finish, prompt_tokens: r.prompt_tokens, completion_tokens: r.generated });
-        self.mark_finished(i);
     }
 
     /// Frees the sequence's slot now; the entry is removed by `remove_finished`.
