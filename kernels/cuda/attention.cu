@@ -173,3 +173,33 @@ ATTN_ENTRY(5)
 ATTN_ENTRY(6)
 ATTN_ENTRY(7)
 ATTN_ENTRY(8)
+
+// The batched decode step's attention: grid.z is the row of the batch. Row z attends over
+// positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its
+// partials, counters and output are row z's own. A padding row (len 0) writes zeros.
+#define ATTN_BATCH_ENTRY(E)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E(                                           \
+        const float* q, const u16* kc, const u16* vc, const int* lens, const int* slot, long long slot_stride,         \
+        int n_heads, int n_kv, int max_ctx, int split, float scale, float* part_o, float2* part_ml, u32* counters,    \
+        float* out) {                                                                                                  \
+        grid_dependency_wait();                                                                                        \
+        const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
+        const size_t qd = (size_t)n_heads * hd;                                                                        \
+        if (lens[z] <= 0) {                                                                                            \
+            if (blockIdx.y == 0)                                                                                       \
+                for (int d = threadIdx.x; d < hd; d += blockDim.x) out[z * qd + (size_t)blockIdx.x * hd + d] = 0.0f;   \
+            return;                                                                                                    \
+        }                                                                                                              \
+        const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
+        attn_partial_impl<E>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,       \
+                             part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, \
+                             out + z * qd, nullptr, nullptr, nullptr);                                                 \
+    }
+ATTN_BATCH_ENTRY(1)
+ATTN_BATCH_ENTRY(2)
+ATTN_BATCH_ENTRY(3)
+ATTN_BATCH_ENTRY(4)
+ATTN_BATCH_ENTRY(5)
+ATTN_BATCH_ENTRY(6)
+ATTN_BATCH_ENTRY(7)
+ATTN_BATCH_ENTRY(8)

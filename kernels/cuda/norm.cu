@@ -57,3 +57,71 @@ extern "C" __global__ void copy_u128(const uint4* __restrict__ x, uint4* __restr
     grid_dependency_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) y[i] = x[i];
 }
+
+// Packs `gridDim.y` rows of `n` values — RMS-normalised times `w` when eps >= 0, times `w`
+// when only `w` is given — into the batched matmuls' activation layout (see bmm.cu): per
+// row and 32-value chunk, the Q8_1 values and their residual plane interleaved for the mma
+// B fragments, and (dx, sx) per chunk and row, chunk-major. One warp per chunk, 8 per block.
+extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __restrict__ w, float eps, int n,
+                                    uint4* __restrict__ out, float2* __restrict__ s) {
+    grid_dependency_wait();
+    __shared__ float scratch[32];
+    const int row = blockIdx.y, rows = gridDim.y;
+    const int nblk = (n + 31) >> 5;
+    x += (size_t)row * n;
+    float scale = 1.0f;
+    if (eps >= 0.0f) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+        ss = block_sum(ss, scratch);
+        scale = rsqrtf(ss / (float)n + eps);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int b = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (b >= nblk) return;
+    const int i = b * 32 + lane;
+    float v = 0.0f;
+    if (i < n) v = x[i] * scale * (w ? w[i] : 1.0f);
+    const float amax = warp_max(fabsf(v));
+    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    const float scaled = v * inv;
+    const float hi = rintf(scaled);
+    const int q = (int)hi, lo = (int)rintf((scaled - hi) * 254.0f);
+    const int sum = warp_sum_i(q) * 254 + warp_sum_i(lo);
+    const int t = (lane & 15) >> 2;
+    const int off = t * 16 + (lane >= 16 ? 4 : 0) + (lane & 3);
+    u8* o = (u8*)(out + ((size_t)row * nblk + b) * 4);
+    o[off] = (u8)(i8)q;
+    o[off + 8] = (u8)(i8)lo;
+    if (lane == 0) {
+        const float dx = amax / 127.0f / 254.0f;
+        s[(size_t)b * rows + row] = make_float2(dx, dx * (float)sum);
+    }
+}
+
+// The batched matmuls' epilogue: y[m][r] = Σ over splits of part[split][m][r] (in split
+// order), + bias[r], + residual[m][r] (which may be y itself); in SwiGLU mode the parts
+// hold gate rows [0, nrows) and up rows [nrows, 2·nrows) and y = silu(gate) · up.
+extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits, int rows, int ldp, int nrows,
+                                      int swiglu, const float* __restrict__ bias, const float* residual, float* y,
+                                      int ldy) {
+    grid_dependency_wait();
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)rows * nrows) return;
+    const int m = (int)(idx / nrows), r = (int)(idx % nrows);
+    float a = 0.0f, b = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+        const float* p = part + ((size_t)sp * rows + m) * ldp;
+        a += p[r];
+        if (swiglu) b += p[nrows + r];
+    }
+    float v;
+    if (swiglu) {
+        v = a / (1.0f + expf(-a)) * b;
+    } else {
+        v = a;
+        if (bias) v += bias[r];
+        if (residual) v += residual[(size_t)m * ldy + r];
+    }
+    y[(size_t)m * ldy + r] = v;
+}

@@ -10,18 +10,18 @@
 // serves every step.
 // Cache layout: [n_kv][max_ctx][hd].
 
-extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restrict__ q_out, u16* __restrict__ kc,
-                                   u16* __restrict__ vc, const int* __restrict__ pos_ptr, int n_heads, int n_kv,
-                                   int hd, int rot_dims, const float* __restrict__ inv_freq, int neox,
-                                   const float* __restrict__ q_norm,
-                                   const float* __restrict__ k_norm, float eps, int max_ctx) {
-    grid_dependency_wait();
+// One head of one token: `pos` its position; K and V go to the cache only when `write_kv`.
+static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qkv, float* __restrict__ q_out,
+                                                    u16* __restrict__ kc, u16* __restrict__ vc, int pos, bool write_kv,
+                                                    int n_heads, int n_kv, int hd, int rot_dims,
+                                                    const float* __restrict__ inv_freq, int neox,
+                                                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                                    float eps, int max_ctx) {
     __shared__ float scratch[32];
     const int head = blockIdx.x;
     const bool is_q = head < n_heads;
     const int kvh = head - n_heads;
     const float* src = is_q ? qkv + (size_t)head * hd : qkv + (size_t)(n_heads + kvh) * hd;
-    const int pos = *pos_ptr;
     const int i = threadIdx.x;
     const int half = hd / 2;
     // Indices of this thread's pair.
@@ -53,7 +53,7 @@ extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restr
     if (is_q) {
         q_out[(size_t)head * hd + a] = xa;
         q_out[(size_t)head * hd + b] = xb;
-    } else {
+    } else if (write_kv) {
         const size_t off = ((size_t)kvh * max_ctx + pos) * hd;
         kc[off + a] = f2h(xa);
         kc[off + b] = f2h(xb);
@@ -61,4 +61,31 @@ extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restr
         vc[off + a] = f2h(v[a]);
         vc[off + b] = f2h(v[b]);
     }
+}
+
+extern "C" __global__ void rope_kv(const float* __restrict__ qkv, float* __restrict__ q_out, u16* __restrict__ kc,
+                                   u16* __restrict__ vc, const int* __restrict__ pos_ptr, int n_heads, int n_kv,
+                                   int hd, int rot_dims, const float* __restrict__ inv_freq, int neox,
+                                   const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+                                   int max_ctx) {
+    grid_dependency_wait();
+    rope_kv_head(qkv, q_out, kc, vc, *pos_ptr, true, n_heads, n_kv, hd, rot_dims, inv_freq, neox, q_norm, k_norm, eps,
+                 max_ctx);
+}
+
+// The batched decode step's RoPE: grid.y is the row of the batch. Row z's token is at
+// position pos[z] of cache slot slot[z] (slots `slot_stride` halves apart in `kc`/`vc`); a
+// padding row (pos < 0) rotates its Q at position 0 and writes nothing to any cache.
+extern "C" __global__ void rope_kv_batch(const float* __restrict__ qkv, float* __restrict__ q_out,
+                                         u16* __restrict__ kc, u16* __restrict__ vc, const int* __restrict__ pos,
+                                         const int* __restrict__ slot, long long slot_stride, int n_heads, int n_kv,
+                                         int hd, int rot_dims, const float* __restrict__ inv_freq, int neox,
+                                         const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+                                         int max_ctx) {
+    grid_dependency_wait();
+    const int z = blockIdx.y;
+    const int p = pos[z];
+    const size_t cache = p < 0 ? 0 : (size_t)slot[z] * (size_t)slot_stride;
+    rope_kv_head(qkv + (size_t)z * (n_heads + 2 * n_kv) * hd, q_out + (size_t)z * n_heads * hd, kc + cache, vc + cache,
+                 p < 0 ? 0 : p, p >= 0, n_heads, n_kv, hd, rot_dims, inv_freq, neox, q_norm, k_norm, eps, max_ctx);
 }

@@ -40,6 +40,9 @@ static __device__ __forceinline__ u64 block_max_u64(u64 v) {
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, int per_block, u64* __restrict__ keys) {
     grid_dependency_wait();
+    // grid.y: one row of logits each (a batch), keys per row side by side.
+    x += (size_t)blockIdx.y * n;
+    keys += (size_t)blockIdx.y * gridDim.x;
     const int start = blockIdx.x * per_block, end = min(n, start + per_block);
     u64 best = 0;
     for (int i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -52,6 +55,8 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, in
 
 extern "C" __global__ void argmax_final(const u64* __restrict__ keys, int nkeys, int* __restrict__ out) {
     grid_dependency_wait();
+    keys += (size_t)blockIdx.y * nkeys;
+    out += blockIdx.y;
     u64 best = 0;
     for (int i = threadIdx.x; i < nkeys; i += blockDim.x) best = keys[i] > best ? keys[i] : best;
     best = block_max_u64(best);
@@ -92,6 +97,8 @@ static __device__ __forceinline__ u32 key_index(u64 key) { return 0xffffffffu - 
 extern "C" __global__ void topk_partial(const float* __restrict__ x, int n, int k, u64* __restrict__ cand) {
     grid_dependency_wait();
     __shared__ u64 keys[SLICE];
+    x += (size_t)blockIdx.y * n;
+    cand += (size_t)blockIdx.y * gridDim.x * k;
     const int start = blockIdx.x * SLICE;
     for (int i = threadIdx.x; i < SLICE; i += blockDim.x) {
         const int g = start + i;
@@ -109,13 +116,12 @@ static __device__ __forceinline__ u64 splitmix_next(u64* state) {
     return z ^ (z >> 31);
 }
 
-// One block. ncand = slices * k ≤ SLICE. Thread 0 does the O(k) tail the host's order.
-// The uniform draw comes from `u_in` when given (a host sampler's own generator), else
-// from the SplitMix64 state `rng_state`.
-extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand, int k, float temperature, float top_p,
-                                        float min_p, u64* __restrict__ rng_state, const float* __restrict__ u_in,
-                                        int* __restrict__ out) {
-    grid_dependency_wait();
+// One block per row of candidates (ncand = slices * k ≤ SLICE); thread 0 does the O(k)
+// tail in the host's order. The uniform draw is `u` (a host sampler's generator, or the
+// device SplitMix64 state, see the entries).
+static __device__ void sample_from(const u64* __restrict__ cand, int ncand, int k, float temperature, float top_p,
+                                   float min_p, u64* __restrict__ rng_state, const float* __restrict__ u_in,
+                                   int* __restrict__ out) {
     __shared__ u64 keys[SLICE];
     __shared__ float prob[64];
     for (int i = threadIdx.x; i < SLICE; i += blockDim.x) keys[i] = i < ncand ? cand[i] : 0ull;
@@ -155,4 +161,25 @@ extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand,
         r -= prob[i];
     }
     *out = (int)key_index(keys[n - 1]);
+}
+
+// The uniform draw comes from `u_in` when given (a host sampler's own generator), else
+// from the SplitMix64 state `rng_state`.
+extern "C" __global__ void sample_final(const u64* __restrict__ cand, int ncand, int k, float temperature, float top_p,
+                                        float min_p, u64* __restrict__ rng_state, const float* __restrict__ u_in,
+                                        int* __restrict__ out) {
+    grid_dependency_wait();
+    sample_from(cand, ncand, k, temperature, top_p, min_p, rng_state, u_in, out);
+}
+
+// A batch: row y of candidates (`ncand` each, from topk_partial with `kslice` per slice)
+// sampled with its own settings params[y] = (temperature, top_p, min_p, top_k) and uniform
+// draw u[y]; top_k 1 is greedy (the lowest index among equal maxima, as argmax).
+extern "C" __global__ void sample_rows(const u64* __restrict__ cand, int ncand, const float4* __restrict__ params,
+                                       const float* __restrict__ u, int* __restrict__ out) {
+    grid_dependency_wait();
+    const int y = blockIdx.y;
+    const float4 p = params[y];
+    const int k = min(max((int)p.w, 1), 64);  // prob[] holds 64
+    sample_from(cand + (size_t)y * ncand, ncand, k, p.x, p.y, p.z, nullptr, u + y, out + y);
 }

@@ -86,6 +86,7 @@ pub fn all_modules() -> Vec<KernelModule> {
     for f in &crate::format::FORMATS {
         v.push(f.gemv);
         v.push(f.dequant);
+        v.extend(f.batched);
     }
     v
 }

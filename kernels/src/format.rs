@@ -54,6 +54,9 @@ pub struct WeightFormat {
     pub gemv: KernelModule,
     /// The whole-matrix dequantisation kernel (batched prefill) for this format.
     pub dequant: KernelModule,
+    /// The batched decode matmuls on int8 tensor cores (`cuda/bmm.cu`), for every
+    /// integer format; float weights have none (a batch multiplies them row by row).
+    pub batched: Option<KernelModule>,
     /// Rewrites the file's blocks into the blocks the kernels read, before the parts are
     /// split out (APR's 4-bit blocks become Q4_0 blocks: a lossless nibble permutation).
     pub transcode: Option<fn(&mut [u8])>,
@@ -64,6 +67,13 @@ macro_rules! weight_format {
      body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr) => {
         weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
             gemv "GEMV_TYPE", transcode None)
+    };
+    // Float weights: no batched (integer) matmul.
+    (float $q:ident, $tag:literal, $cuda:literal, body $bb:literal) => {
+        WeightFormat {
+            batched: None,
+            ..weight_format!($q, $tag, $cuda, group 1, body 0 + $bb, qh None, sc None)
+        }
     };
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
      body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, gemv $gemv:literal,
@@ -93,6 +103,11 @@ macro_rules! weight_format {
                     ")"
                 ),
             ),
+            batched: Some(KernelModule::with_suffix(
+                concat!("bmm_", $tag),
+                GEMV_SRC,
+                concat!(include_str!("../cuda/bmm.cu"), "\nBMM_TYPE(", $tag, ", ", $cuda, ")"),
+            )),
             transcode: $tc,
         }
     };
@@ -112,9 +127,9 @@ const fn sc(offset: usize, bytes: usize) -> Option<Part> {
 
 /// Every format the GPU kernels read. The first entry for a type is its plain layout.
 pub static FORMATS: [WeightFormat; 14] = [
-    weight_format!(F32, "f32", "T_F32", group 1, body 0 + 4, qh None, sc None),
-    weight_format!(F16, "f16", "T_F16", group 1, body 0 + 2, qh None, sc None),
-    weight_format!(BF16, "bf16", "T_BF16", group 1, body 0 + 2, qh None, sc None),
+    weight_format!(float F32, "f32", "T_F32", body 4),
+    weight_format!(float F16, "f16", "T_F16", body 2),
+    weight_format!(float BF16, "bf16", "T_BF16", body 2),
     weight_format!(Q4_0, "q4_0", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2)),
     weight_format!(Q4_1, "q4_1", "T_Q4_1", group 1, body 4 + 16, qh None, sc sc(0, 4)),
     weight_format!(Q5_0, "q5_0", "T_Q5_0", group 1, body 6 + 16, qh Some(2), sc sc(0, 2)),

@@ -11,6 +11,7 @@
 //! toolkit, and on a machine without a driver every entry point returns
 //! [`KernelError::NoDriver`] instead of panicking.
 
+pub mod batch;
 pub mod buffer;
 pub mod compile;
 pub mod device;
@@ -24,6 +25,7 @@ pub mod repack;
 pub mod roofline;
 pub mod testdata;
 
+pub use batch::{BatchEpilogue, BatchRows, PackedAct};
 pub use buffer::{Carver, DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};

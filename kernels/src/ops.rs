@@ -778,7 +778,7 @@ pub struct RopeArgs {
 impl RopeArgs {
     /// Checks the head geometry, the per-head vectors and a K/V cache of `max_ctx`
     /// positions (shared by the decode and the batched RoPE).
-    fn check(&self, kc: DevSlice<u16>, vc: DevSlice<u16>, max_ctx: usize) -> Result<()> {
+    pub(crate) fn check(&self, kc: DevSlice<u16>, vc: DevSlice<u16>, max_ctx: usize) -> Result<()> {
         let hd = self.head_dim;
         let rot = self.rot_dims;
         if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || rot > hd || !rot.is_multiple_of(2) {

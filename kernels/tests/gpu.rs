@@ -492,8 +492,8 @@ fn rope_and_kv_write_match_reference() {
         let kn = random_vec(&mut rng, hd, 1.5);
         let (qkvd, qnd, knd) = (buf(&g.dev, &qkv), buf(&g.dev, &qn), buf(&g.dev, &kn));
         let q_out = poisoned(&g.dev, n_heads * hd);
-        let cache = KvCache::new(&g.dev, 1, n_kv, hd, max_ctx).unwrap();
-        let (kc, vc) = cache.layer(0).unwrap();
+        let cache = KvCache::new(&g.dev, 1, 1, n_kv, hd, max_ctx).unwrap();
+        let (kc, vc) = cache.layer(0, 0).unwrap();
         let posd = buf(&g.dev, &[pos as i32]);
         let inv: Vec<f32> = (0..rot / 2)
             .map(|i| theta.powf(-2.0 * i as f32 / rot as f32))

@@ -1,6 +1,7 @@
-//! The GPU-resident executor: weights, KV caches and one workspace allocated at load; a
-//! decode step is one CUDA graph replay per sequence. The decode step itself is
-//! [`GpuExecutor::queue_step`]; the batched prefill is in `prefill.rs`.
+//! The GPU-resident executor: weights, KV caches and one workspace allocated at load. A
+//! one-sequence decode step is one CUDA graph replay ([`GpuExecutor::queue_step`]); a
+//! batch of sequences decodes in one step of its own graph (`batch.rs`); the batched
+//! prefill is in `prefill.rs`.
 
 use std::sync::Arc;
 
@@ -11,6 +12,8 @@ use kiln_core::{
 // A child module, so the batched prefill shares the executor's private state.
 #[path = "prefill.rs"]
 mod prefill;
+#[path = "batch.rs"]
+mod batch;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
@@ -122,9 +125,9 @@ struct Layer {
     down: DeviceWeight,
 }
 
-/// One sequence's KV cache and step state.
+/// One sequence's step state (its KV cache is slot `i` of the executor's pool, `i` its
+/// index among the slots).
 struct Slot {
-    kv: KvCache,
     /// [token, position, context length, uniform (f32 bits)] read by the graph.
     state: DeviceBuffer<i32>,
     graph: Option<Graph>,
@@ -184,7 +187,12 @@ pub struct GpuExecutor {
     inv_freq: DeviceBuffer<f32>,
     layers: Vec<Layer>,
     slots: SequenceSlots<Slot>,
+    /// Keys and values of every slot, `[slot][kv_head][position][head_dim]` per layer.
+    kv: KvCache,
     s: Scratch,
+    /// The batched decode step's buffers and graphs, or why batches decode one sequence
+    /// at a time.
+    batch: std::result::Result<batch::BatchState, String>,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
@@ -431,11 +439,12 @@ impl GpuExecutor {
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
-                kv: KvCache::new(device, c.num_layers, c.num_kv_heads, hd, max_ctx).map_err(err)?,
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
                 graph: None,
             });
         }
+        let kv = KvCache::new(device, options.sequences(), c.num_layers, c.num_kv_heads, hd, max_ctx)
+            .map_err(err)?;
         Ok(GpuExecutor {
             device: device.clone(),
             policy,
@@ -452,9 +461,15 @@ impl GpuExecutor {
             inv_freq,
             layers,
             slots: SequenceSlots::new(slots),
+            kv,
             s,
             prefill,
+            batch: Err(String::new()),
             _workspace: ws,
+        })
+        .and_then(|mut exec| {
+            exec.batch = batch::BatchState::new(&exec, &formats, nsplit)?;
+            Ok(exec)
         })
     }
 
@@ -511,6 +526,9 @@ impl GpuExecutor {
         for s in self.slots.as_mut_slice() {
             s.graph = None;
         }
+        if let Ok(b) = &mut self.batch {
+            b.drop_graphs();
+        }
     }
 
     /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
@@ -538,11 +556,11 @@ impl GpuExecutor {
     /// the kernels that update the residual stream quantise it times the next norm's weight
     /// and sum its squares per group, and the GEMVs reading it finish the norm (see
     /// PendingNorm). Nothing is accumulated with atomics: every step is bit-reproducible.
-    fn queue_step(&self, slot: &Slot) -> kiln_kernels::Result<()> {
+    fn queue_step(&self, slot_index: usize) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
         let hd = c.head_dim;
-        let state = slot.state.slice();
+        let state = self.slots[slot_index].state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
         let groups = c.hidden_size.div_ceil(32);
         let parts = |n: usize| s.norm_parts.sub(n * groups, groups);
@@ -586,7 +604,7 @@ impl GpuExecutor {
                     &epi,
                 )?;
             }
-            let (kc, vc) = slot.kv.layer(li)?;
+            let (kc, vc) = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
             k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.max_ctx)?;
             let attn = AttnArgs {
@@ -733,7 +751,7 @@ impl GpuExecutor {
         if self.slots[slot].graph.is_none() {
             let graph = self
                 .device
-                .capture(|| self.queue_step(&self.slots[slot]))
+                .capture(|| self.queue_step(slot))
                 .map_err(err)?;
             self.slots[slot].graph = Some(graph);
         }
@@ -811,6 +829,9 @@ impl LayerExecutor for GpuExecutor {
         let vocab = self.config.vocab_size;
         // The whole batch is checked before any step runs: a refused batch changes nothing.
         check_decode(batch, logits, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
+        if batch.len() > 1 && self.batch.is_ok() {
+            return self.decode_batched(batch, logits);
+        }
         let slots: Vec<usize> = batch
             .iter()
             .map(|it| self.slot_of(it.seq))
@@ -834,6 +855,9 @@ impl LayerExecutor for GpuExecutor {
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.config.vocab_size;
         check_decode_items(batch, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
+        if batch.len() > 1 && self.batch.is_ok() {
+            return self.decode_sample_batched(batch, samplers, tokens);
+        }
         let slots: Vec<usize> = batch
             .iter()
             .map(|it| self.slot_of(it.seq))

@@ -257,7 +257,7 @@ impl GpuExecutor {
         p.blas
             .gemm_f16_f32(p.b.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
         Timer::mark(timer, Part::Other)?;
-        let (kc, vc) = self.slots[slot].kv.layer(li)?;
+        let (kc, vc) = self.kv.layer(li, slot)?;
         let rope = self.rope_args(l);
         let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());

@@ -1,0 +1,399 @@
+//! The batched decode step: up to 64 sequences, each at its own position in its own cache
+//! slot, through the model in one step whose matmuls read every weight once for all of
+//! them (int8 tensor cores, `kernels/cuda/bmm.cu`).
+//!
+//! Per layer: RMSNorm + pack → QKV matmul (+ bias) → RoPE with each row's K/V written to
+//! its slot → attention of each row over its own slot → pack → O matmul (+ residual) →
+//! RMSNorm + pack → gate/up matmul with SwiGLU → pack → down matmul (+ residual). Then the
+//! output norm, the LM head for every row, and the tokens drawn on the device (per-row
+//! greedy or sampling settings); only token ids come back.
+//!
+//! One graph is captured per batch-size bucket (2, 4, 8, 16, 32, 64): a batch runs in the
+//! smallest bucket that holds it, its extra rows padding (position −1: they write no cache;
+//! context 0: their attention is zero). The matmuls take rows in eights. Per step the host
+//! uploads one small array (token, position, context length and slot of each row); a batch
+//! of one takes the one-sequence graph, which it was already.
+
+use kiln_core::{DecodeItem, Error, Result, Sampler};
+use kiln_kernels::{
+    AttnArgs, BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat,
+    Workspace,
+};
+
+use super::{err, GpuExecutor};
+
+/// Batch-size buckets, one graph each.
+const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
+
+/// The batched step's activations for up to `rows` rows, carved from one workspace.
+#[derive(Clone, Copy)]
+struct BatchBuffers {
+    /// [token; rows] [position; rows] [context length; rows] [slot; rows], uploaded per step.
+    meta: DevSlice<i32>,
+    /// Per row (temperature, top_p, min_p, top_k) and the uniform draw.
+    params: DevSlice<[f32; 4]>,
+    uniform: DevSlice<f32>,
+    /// The residual stream, [rows][hidden].
+    x: DevSlice<f32>,
+    act: PackedAct,
+    qkv: DevSlice<f32>,
+    q: DevSlice<f32>,
+    attn: DevSlice<f32>,
+    ffn: DevSlice<f32>,
+    logits: DevSlice<f32>,
+    part: DevSlice<f32>,
+    part_o: DevSlice<f32>,
+    part_ml: DevSlice<[f32; 2]>,
+    counters: DevSlice<u32>,
+    keys: DevSlice<u64>,
+    cand: DevSlice<u64>,
+    tokens: DevSlice<i32>,
+}
+
+pub(super) struct BatchState {
+    /// Rows the buffers hold (≥ 8, ≥ the largest bucket used).
+    rows: usize,
+    b: BatchBuffers,
+    graphs: [Option<Graph>; BUCKETS.len()],
+    // Owns the memory `b` points into.
+    _ws: Workspace,
+}
+
+impl BatchState {
+    /// The batched step's buffers for `exec`, or why its batches go one sequence at a
+    /// time (one sequence slot; a weight format without a batched matmul; no batched
+    /// prefill kernels, whose embedding lookup the step uses).
+    pub(super) fn new(
+        exec: &GpuExecutor,
+        formats: &[&'static WeightFormat],
+        nsplit: usize,
+    ) -> Result<std::result::Result<BatchState, String>> {
+        let slots = exec.slots.capacity();
+        if slots < 2 {
+            return Ok(Err("one sequence slot".into()));
+        }
+        if let Some(f) = formats.iter().find(|f| f.batched.is_none()) {
+            return Ok(Err(format!("no batched matmul for {} weights", f.tag)));
+        }
+        if let Err(why) = &exec.prefill {
+            return Ok(Err(format!("no batched embedding lookup: {why}")));
+        }
+        exec.k.preload_batched(formats).map_err(err)?;
+        let c = &exec.config;
+        // Buffers for the largest bucket the slots can fill, and at least the eight rows
+        // a matmul takes.
+        let rows = BUCKETS[bucket_of(slots.min(Kernels::MAX_BATCH))].max(8);
+        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let vocab = c.vocab_size;
+        let widest = h.max(qd).max(ffn);
+        let head = exec.lm_head.as_ref().unwrap_or(&exec.embd);
+        let k = &exec.k;
+        let mut part = k.bmm_part_len(head, rows, false);
+        for l in &exec.layers {
+            for p in &l.qkv {
+                part = part.max(k.bmm_part_len(&p.w, rows, false));
+            }
+            part = part
+                .max(k.bmm_part_len(&l.o, rows, false))
+                .max(k.bmm_part_len(&l.gate, rows, true))
+                .max(k.bmm_part_len(&l.down, rows, false));
+        }
+        let (act_x, act_s) = PackedAct::lens(rows, widest);
+        let (ws, b) = Workspace::carve(&exec.device, |a| BatchBuffers {
+            meta: a.take(4 * rows),
+            params: a.take(rows),
+            uniform: a.take(rows),
+            x: a.take(rows * h),
+            act: PackedAct {
+                x: a.take(act_x),
+                s: a.take(act_s),
+            },
+            qkv: a.take(rows * (qd + 2 * kvd)),
+            q: a.take(rows * qd),
+            attn: a.take(rows * qd),
+            ffn: a.take(rows * ffn),
+            logits: a.take(rows * vocab),
+            part: a.take(part),
+            part_o: a.take(rows * c.num_heads * nsplit * hd),
+            part_ml: a.take(rows * c.num_heads * nsplit),
+            counters: a.take(rows * c.num_heads),
+            keys: a.take(rows * Kernels::argmax_scratch(vocab)),
+            cand: a.take(rows * Kernels::sample_rows_scratch(vocab)),
+            tokens: a.take(rows),
+        })
+        .map_err(err)?;
+        // Poisoned like the decode workspace; the attention counters start at zero.
+        ws.fill_bytes(0xff).map_err(err)?;
+        b.counters.fill_bytes_async(&exec.device, 0).map_err(err)?;
+        Ok(Ok(BatchState {
+            rows,
+            b,
+            graphs: Default::default(),
+            _ws: ws,
+        }))
+    }
+
+    pub(super) fn drop_graphs(&mut self) {
+        self.graphs = Default::default();
+    }
+}
+
+/// The bucket a batch of `n` rows runs in.
+fn bucket_of(n: usize) -> usize {
+    BUCKETS.iter().position(|&b| b >= n).expect("batches are split at 64 rows")
+}
+
+/// How a decode_sample row draws its token.
+enum Draw {
+    /// On the device: (temperature, top_p, min_p, top_k; 1 is greedy) and the uniform.
+    Device([f32; 4], f32),
+    /// On the host from the row's logits (settings the device sampler lacks).
+    Host,
+}
+
+impl GpuExecutor {
+    /// Why batches decode one sequence at a time, if they do.
+    pub fn batched_decode_unavailable(&self) -> Option<&str> {
+        self.batch.as_ref().err().map(|s| s.as_str())
+    }
+
+    /// Rows one batched step takes at most (the rest of a larger batch goes in further
+    /// steps).
+    fn batch_rows(&self) -> usize {
+        self.batch
+            .as_ref()
+            .map_or(1, |b| b.rows.min(self.slots.capacity()).min(Kernels::MAX_BATCH))
+    }
+
+    /// Queues the batched step for the `rows` rows of bucket `rows` (see the module doc).
+    fn queue_batch_step(&self, rows: usize) -> kiln_kernels::Result<()> {
+        let st = self.batch.as_ref().expect("batched decode is available");
+        let b = &st.b;
+        let c = &self.config;
+        let k = &self.k;
+        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let width = qd + 2 * kvd;
+        let bm = Kernels::bmm_rows(rows);
+        let n = st.rows;
+        let meta = |i: usize, len: usize| b.meta.sub(i * n, len);
+        let br = BatchRows {
+            rows,
+            pos: meta(1, rows)?,
+            len: meta(2, rows)?,
+            slot: meta(3, rows)?,
+        };
+        let x = b.x.sub(0, bm * h)?;
+        let stride = self.kv.slot_stride();
+        let none = BatchEpilogue::default();
+        let residual = BatchEpilogue {
+            bias: None,
+            residual: Some(x),
+        };
+        k.embed_rows(&self.embd, meta(0, bm)?, x)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            k.act_pack(x, bm, h, Some(l.attn_norm.slice()), Some(c.norm_eps), b.act)?;
+            for p in &l.qkv {
+                let epi = BatchEpilogue {
+                    bias: match &l.qkv_bias {
+                        Some(bias) => Some(bias.slice().sub(p.offset, p.w.rows)?),
+                        None => None,
+                    },
+                    residual: None,
+                };
+                let y = b.qkv.sub(p.offset, (bm - 1) * width + p.w.rows)?;
+                k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
+            }
+            let (kc, vc) = self.kv.layer_all(li)?;
+            let rope = self.rope_args(l);
+            k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.max_ctx)?;
+            let attn = AttnArgs {
+                n_heads: c.num_heads,
+                n_kv: c.num_kv_heads,
+                head_dim: hd,
+                max_ctx: self.max_ctx,
+                split: self.split,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let q = b.q.sub(0, rows * qd)?;
+            let out = b.attn.sub(0, rows * qd)?;
+            k.attention_batch(&attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out)?;
+            k.act_pack(b.attn, bm, qd, None, None, b.act)?;
+            k.batched_matmul(&l.o, None, &b.act, bm, b.part, x, h, &residual)?;
+            k.act_pack(x, bm, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), b.act)?;
+            let f = b.ffn.sub(0, bm * ffn)?;
+            k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &none)?;
+            k.act_pack(f, bm, ffn, None, None, b.act)?;
+            k.batched_matmul(&l.down, None, &b.act, bm, b.part, x, h, &residual)?;
+        }
+        k.act_pack(x, bm, h, Some(self.out_norm.slice()), Some(c.norm_eps), b.act)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embd);
+        let vocab = c.vocab_size;
+        let logits = b.logits.sub(0, bm * vocab)?;
+        k.batched_matmul(head, None, &b.act, bm, b.part, logits, vocab, &none)
+    }
+
+    /// Runs one batched step for `items` (already checked: ≤ `batch_rows`, distinct live
+    /// sequences with room for one more token), leaving row i's logits in row i of the
+    /// batch logits. Returns the bucket's row count.
+    fn batch_step(&mut self, items: &[DecodeItem]) -> Result<usize> {
+        let bucket = bucket_of(items.len());
+        let rows = BUCKETS[bucket];
+        let n = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?.rows;
+        let mut meta = vec![0i32; 4 * n];
+        let mut slots = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            let slot = self.slot_of(it.seq)?;
+            let pos = self.slots[slot].len;
+            meta[i] = it.token as i32;
+            meta[n + i] = pos as i32;
+            meta[2 * n + i] = pos as i32 + 1;
+            meta[3 * n + i] = slot as i32;
+            slots.push(slot);
+        }
+        for i in items.len()..rows {
+            meta[n + i] = -1;
+            meta[2 * n + i] = 0;
+        }
+        let st = self.batch.as_ref().expect("checked above");
+        st.b.meta.copy_from_host(&self.device, &meta).map_err(err)?;
+        if st.graphs[bucket].is_none() {
+            let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
+            self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
+        }
+        let st = self.batch.as_ref().expect("checked above");
+        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)?;
+        for slot in slots {
+            self.slots[slot].len += 1;
+        }
+        Ok(rows)
+    }
+
+    /// `decode` for a batch of two or more: steps of up to `batch_rows` sequences.
+    pub(super) fn decode_batched(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let per = self.batch_rows();
+        for (items, out) in batch.chunks(per).zip(logits.chunks_mut(per * vocab)) {
+            self.batch_step(items)?;
+            let st = self.batch.as_ref().expect("batch_step succeeded");
+            st.b.logits
+                .sub(0, items.len() * vocab)
+                .and_then(|l| l.copy_to_host(&self.device, out))
+                .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// `decode_sample` for a batch of two or more: each step's tokens drawn on the device
+    /// (rows whose settings the device sampler lacks are drawn on the host from their
+    /// logits), the same draws from each sampler's generator as one at a time.
+    pub(super) fn decode_sample_batched(
+        &mut self,
+        batch: &[DecodeItem],
+        samplers: &mut [Sampler],
+        tokens: &mut [u32],
+    ) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let per = self.batch_rows();
+        let mut out = vec![0i32; per];
+        let mut row = Vec::new();
+        for ((items, samplers), tokens) in batch
+            .chunks(per)
+            .zip(samplers.chunks_mut(per))
+            .zip(tokens.chunks_mut(per))
+        {
+            let rows = self.batch_step(items)?;
+            let draws: Vec<Draw> = samplers
+                .iter_mut()
+                .map(|s| {
+                    let p = &s.params;
+                    if p.is_greedy() && p.repeat_penalty == 1.0 {
+                        Draw::Device([1.0, 1.0, 0.0, 1.0], 0.0)
+                    } else if Kernels::can_sample(vocab, p) {
+                        Draw::Device([p.temperature, p.top_p, p.min_p, p.top_k as f32], s.rng.next_f32())
+                    } else {
+                        Draw::Host
+                    }
+                })
+                .collect();
+            let st = self.batch.as_ref().expect("batch_step succeeded");
+            let b = st.b;
+            let n = items.len();
+            let all_greedy = draws.iter().all(|d| matches!(d, Draw::Device(p, _) if p[3] == 1.0));
+            if all_greedy {
+                self.k
+                    .argmax_rows(b.logits.sub(0, n * vocab)?, n, vocab, b.keys, b.tokens)
+                    .map_err(err)?;
+            } else if draws.iter().any(|d| matches!(d, Draw::Device(..))) {
+                let mut params = vec![[1.0, 1.0, 0.0, 1.0]; rows];
+                let mut uniform = vec![0.0f32; rows];
+                for (i, d) in draws.iter().enumerate() {
+                    if let Draw::Device(p, u) = d {
+                        params[i] = *p;
+                        uniform[i] = *u;
+                    }
+                }
+                b.params.sub(0, n)?.copy_from_host(&self.device, &params[..n]).map_err(err)?;
+                b.uniform.sub(0, n)?.copy_from_host(&self.device, &uniform[..n]).map_err(err)?;
+                self.k
+                    .sample_rows(
+                        b.logits.sub(0, n * vocab)?,
+                        n,
+                        vocab,
+                        b.params.sub(0, n)?,
+                        b.uniform.sub(0, n)?,
+                        b.cand,
+                        b.tokens,
+                    )
+                    .map_err(err)?;
+            }
+            if draws.iter().any(|d| matches!(d, Draw::Device(..))) {
+                b.tokens.sub(0, n)?.copy_to_host(&self.device, &mut out[..n]).map_err(err)?;
+            }
+            for (i, ((d, s), t)) in draws.iter().zip(samplers.iter_mut()).zip(tokens.iter_mut()).enumerate() {
+                match d {
+                    Draw::Device(..) => {
+                        *t = out[i] as u32;
+                        s.accept(*t);
+                    }
+                    Draw::Host => {
+                        row.resize(vocab, 0.0);
+                        b.logits
+                            .sub(i * vocab, vocab)
+                            .and_then(|l| l.copy_to_host(&self.device, &mut row))
+                            .map_err(err)?;
+                        *t = s.sample(&mut row);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Device time of one batched step of `rows` sequences (its bucket's graph replayed
+    /// `replays` times after the batch's last step; median milliseconds): the step without
+    /// the host's round trip. The bucket must have run once.
+    pub fn batch_step_device_ms(&mut self, rows: usize, replays: usize) -> Result<f64> {
+        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let graph = st.graphs[bucket_of(rows.clamp(2, Kernels::MAX_BATCH))]
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument(format!("no batch of {rows} has decoded yet")))?;
+        let (a, b) = (
+            kiln_kernels::Event::new(&self.device).map_err(err)?,
+            kiln_kernels::Event::new(&self.device).map_err(err)?,
+        );
+        let mut times = Vec::with_capacity(replays.max(1));
+        for _ in 0..replays.max(1) {
+            a.record().map_err(err)?;
+            graph.launch().map_err(err)?;
+            b.record().map_err(err)?;
+            times.push(a.elapsed_ms(&b).map_err(err)? as f64);
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        Ok(times[times.len() / 2])
+    }
+
+    /// Bytes of KV cache one token takes, and the cache's total bytes.
+    pub fn kv_bytes(&self) -> (usize, usize) {
+        (self.kv.bytes_per_token(), self.kv.bytes())
+    }
+}

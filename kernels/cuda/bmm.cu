@@ -1,0 +1,248 @@
+// Batched decode matmuls: Y[m] = W · x[m] for the B sequences of a decode step (B a
+// multiple of 8, up to 64), each weight read from memory once for all of them, the
+// products on int8 tensor cores (mma.sync m16n8k32; m16n8k16 for Q6_K's 16-value scales).
+//
+// Compiled after gemv.cu in the same module, so the device layout (`W`, `Traits`,
+// `block_offsets`) and the K-quant scale unpacking are the GEMVs' own.
+//
+// Activations arrive packed by `act_pack` (norm.cu): per sequence and 32-value chunk, 64
+// bytes laid out so that lane t of a quad loads its mma B fragment in one 16-byte load:
+// [q(4t..4t+3) | q(16+4t..16+4t+3) | lo(4t..) | lo(16+4t..)] for t = 0..3, where q is the
+// Q8_1 value and lo the rounding residual at 1/254 of its step (the GEMVs' 15-bit `A_Q16`
+// activations), and per chunk and sequence (dx, sx): dx = d / 254 and sx the chunk's exact
+// sum of the quantised values, stored chunk-major so a lane loads the pair of sequences its
+// accumulators hold in one 16-byte load.
+//
+// Weights: lane (g, t) of a warp (g = lane / 4) loads, for rows g and g + 8 of the warp's
+// 16, the 4 weight values at k = 4t..4t+3 and 4t+16..4t+19 of the chunk: exactly the mma A
+// fragment, and for every 32-value block format in ggml's nibble order a single u32 load
+// (value j and j + 16 share byte j). Each weight value is w = a·q + b for an integer q
+// (a, b per row and chunk), so W·x over a chunk is a·dx·Σ q·(254·qx + lo) + b·sx: the
+// integer sum on the tensor cores (two mma: the Q8_1 plane and the residual plane, combined
+// exactly in int32), the rest in f32 per chunk.
+//
+// Grid (ceil(rows / 128), splits): a block of 8 warps owns 128 rows, warp w rows
+// 16w..16w+15; grid.y splits the row length, each split writing its partial sums to
+// part[split][m][row] (row stride `ldp`); `bmm_finish` adds the splits in a fixed order
+// (bit-reproducible) and applies the epilogue.
+
+#define BMM_WARPS 8
+
+// The mma A fragment of one row (values at k = 4t.. and 16 + 4t.. of a chunk) and its
+// scale: w = a0·q (k < 16), a1·q (k ≥ 16), + b.
+struct BFrag {
+    u32 lo, hi;
+    float a0, a1, b;
+};
+
+// Integer values are unsigned (0..63) for every format but Q8_0 and Q6_K, which are signed.
+template <int T> static constexpr __host__ __device__ bool bmm_signed() { return T == T_Q8_0 || T == T_Q6_K; }
+
+template <int T>
+static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, int c, int t) {
+    typedef Traits<T> Tr;
+    BFrag f;
+    if constexpr (q4_0_values(T) || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
+        const size_t nblk = (size_t)K / 32;
+        size_t body_at, sc_at;
+        block_offsets<T>(row, nblk, c, body_at, sc_at);
+        const u32 q = *(const u32*)(w.body + body_at + 4 * t);
+        f.lo = q & 0x0f0f0f0f;
+        f.hi = (q >> 4) & 0x0f0f0f0f;
+        if constexpr (T == T_Q5_0 || T == T_Q5_1) {
+            const u32 qh = w.qh[row * nblk + c];
+            f.lo |= spread4(qh >> (4 * t));
+            f.hi |= spread4(qh >> (16 + 4 * t));
+        }
+        if constexpr (T == T_Q4_1 || T == T_Q5_1) {
+            const u32 dm = *(const u32*)(w.sc + (row * nblk + c) * 4);
+            f.a0 = h2f(dm & 0xffff);
+            f.b = h2f(dm >> 16);
+        } else {
+            f.a0 = ld_h(w.sc + sc_at);
+            f.b = -(q4_0_values(T) ? 8.0f : 16.0f) * f.a0;
+        }
+        f.a1 = f.a0;
+    } else if constexpr (T == T_Q8_0) {
+        const size_t b = row * ((size_t)K / 32) + c;
+        const u8* p = w.body + b * 32;
+        f.lo = *(const u32*)(p + 4 * t);
+        f.hi = *(const u32*)(p + 16 + 4 * t);
+        f.a0 = f.a1 = ld_h(w.sc + b * 2);
+        f.b = 0.0f;
+    } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
+        const int j = c & 7, p = j >> 1;
+        const u8* blk = w.body + (row * ((size_t)K / 256) + (c >> 3)) * Tr::BODY;
+        const uint4 head = *(const uint4*)blk;  // d, dmin, scales[12]
+        int sc, m;
+        k4_scale_min_w(head.y, head.z, head.w, j, sc, m);
+        const u8* qs = blk + (T == T_Q4_K ? 16 : 48) + 32 * p;
+        const int shift = 4 * (j & 1);
+        f.lo = (*(const u32*)(qs + 4 * t) >> shift) & 0x0f0f0f0f;
+        f.hi = (*(const u32*)(qs + 16 + 4 * t) >> shift) & 0x0f0f0f0f;
+        if constexpr (T == T_Q5_K) {
+            // Bit j of qh byte l is the fifth bit of value l of sub-block j.
+            f.lo |= ((*(const u32*)(blk + 16 + 4 * t) >> j) & 0x01010101) << 4;
+            f.hi |= ((*(const u32*)(blk + 32 + 4 * t) >> j) & 0x01010101) << 4;
+        }
+        f.a0 = f.a1 = h2f(head.x & 0xffff) * (float)sc;
+        f.b = -h2f(head.x >> 16) * (float)m;
+    } else {  // Q6_K: 6-bit values minus 32 as signed bytes; a scale per 16 values
+        const size_t b = row * ((size_t)K / 256) + (c >> 3);
+        const int cc = c & 7, h = cc >> 2, k = cc & 3;
+        const u8* blk = w.body + b * Tr::BODY;
+        const u8* ql = blk + 64 * h + 32 * (k & 1);
+        const u8* qh = blk + 128 + 32 * h;
+        const int ls = 4 * (k >> 1), hs = 2 * k;
+        u32 v0 = ((*(const u32*)(ql + 4 * t) >> ls) & 0x0f0f0f0f) | (((*(const u32*)(qh + 4 * t) >> hs) & 0x03030303) << 4);
+        u32 v1 = ((*(const u32*)(ql + 16 + 4 * t) >> ls) & 0x0f0f0f0f) |
+                 (((*(const u32*)(qh + 16 + 4 * t) >> hs) & 0x03030303) << 4);
+        // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value) into
+        // bits 6 and 7 of each byte.
+        v0 ^= 0x20202020;
+        v1 ^= 0x20202020;
+        v0 |= ((v0 & 0x20202020) << 1) | ((v0 & 0x20202020) << 2);
+        v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
+        f.lo = v0;
+        f.hi = v1;
+        const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
+        const float d = ld_h(w.sc + b * 2);
+        f.a0 = d * (float)scales[0];
+        f.a1 = d * (float)scales[1];
+        f.b = 0.0f;
+    }
+    return f;
+}
+
+// D = A·B + 0 for a 16x32 int8 A (rows g, g + 8 of the fragment) and a 32x8 int8 B.
+template <bool SIGNED>
+static __device__ __forceinline__ void mma_k32(const BFrag& r0, const BFrag& r8, u32 b0, u32 b1, int (&d)[4]) {
+    if constexpr (SIGNED) {
+        asm(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(r0.lo), "r"(r8.lo), "r"(r0.hi), "r"(r8.hi), "r"(b0), "r"(b1), "r"(0));
+    } else {
+        asm(
+            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(r0.lo), "r"(r8.lo), "r"(r0.hi), "r"(r8.hi), "r"(b0), "r"(b1), "r"(0));
+    }
+}
+
+// D = A·B for a 16x16 signed int8 A (one k-half of the fragment) and a 16x8 B.
+static __device__ __forceinline__ void mma_k16(u32 a0, u32 a1, u32 b, int (&d)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
+// Accumulates one chunk of rows (g, g + 8) of `w` against n-tile `nt` of the activations.
+template <int T>
+static __device__ __forceinline__ void bmm_tile(const BFrag& f0, const BFrag& f8, const uint4 x, const float4 s,
+                                                float (&acc)[4]) {
+    // s = (dx, sx) of the two sequences (columns 2t, 2t + 1) this lane accumulates.
+    if constexpr (T == T_Q6_K) {
+        int h0[4], l0[4], h1[4], l1[4];
+        mma_k16(f0.lo, f8.lo, x.x, h0);
+        mma_k16(f0.lo, f8.lo, x.z, l0);
+        mma_k16(f0.hi, f8.hi, x.y, h1);
+        mma_k16(f0.hi, f8.hi, x.w, l1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const BFrag& f = i < 2 ? f0 : f8;
+            const float dx = (i & 1) ? s.z : s.x;
+            acc[i] += dx * (f.a0 * (float)(h0[i] * 254 + l0[i]) + f.a1 * (float)(h1[i] * 254 + l1[i]));
+        }
+    } else {
+        int hi[4], lo[4];
+        mma_k32<bmm_signed<T>()>(f0, f8, x.x, x.y, hi);
+        mma_k32<bmm_signed<T>()>(f0, f8, x.z, x.w, lo);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const BFrag& f = i < 2 ? f0 : f8;
+            const float dx = (i & 1) ? s.z : s.x, sx = (i & 1) ? s.w : s.y;
+            acc[i] += f.a0 * dx * (float)(hi[i] * 254 + lo[i]) + f.b * sx;
+        }
+    }
+}
+
+// The packed activations of B sequences (see the top of this file).
+struct BAct {
+    const uint4* __restrict__ x;   // [B][chunks][4] (lane t's 16 bytes)
+    const float2* __restrict__ s;  // [chunks][B] (dx, sx)
+};
+
+template <int T, int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
+                                           int K, int per_split) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int B = NT * 8;
+    const int row0 = blockIdx.x * (BMM_WARPS * 16) + warp * 16;
+    if (row0 >= nrows) return;
+    // Rows past the end read the last row (in bounds) and are not written.
+    const size_t ra = min(row0 + g, nrows - 1), rb = min(row0 + g + 8, nrows - 1);
+    const int nchunks = K / 32;
+    const int c0 = blockIdx.y * per_split, c1 = min(nchunks, c0 + per_split);
+    float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[n][i] = 0.0f;
+            acc2[SWIGLU ? n : 0][i] = 0.0f;
+        }
+    for (int c = c0; c < c1; ++c) {
+        const BFrag f0 = bmm_frag<T>(w, ra, K, c, t), f8 = bmm_frag<T>(w, rb, K, c, t);
+        BFrag u0, u8;
+        if constexpr (SWIGLU) {
+            u0 = bmm_frag<T>(w2, ra, K, c, t);
+            u8 = bmm_frag<T>(w2, rb, K, c, t);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const uint4 x = a.x[((size_t)(n * 8 + g) * nchunks + c) * 4 + t];
+            const float4 s = *(const float4*)&a.s[(size_t)c * B + n * 8 + 2 * t];
+            bmm_tile<T>(f0, f8, x, s, acc[n]);
+            if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, s, acc2[n]);
+        }
+    }
+    float* out = part + (size_t)blockIdx.y * B * ldp;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + g + (i < 2 ? 0 : 8);
+            const int m = n * 8 + 2 * t + (i & 1);
+            if (row < nrows) {
+                out[(size_t)m * ldp + row] = acc[n][i];
+                if constexpr (SWIGLU) out[(size_t)m * ldp + nrows + row] = acc2[n][i];
+            }
+        }
+}
+
+#define BMM_ENTRY(NAME, T, NT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_##NAME##_##NT(                                   \
+        const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
+        int nrows, int K, int per_split) {                                                                             \
+        grid_dependency_wait();                                                                                        \
+        W w = {body, qh, sc};                                                                                          \
+        BAct a = {x, s};                                                                                               \
+        bmm<T, NT, false>(w, w, a, part, ldp, nrows, K, per_split);                                                    \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_swiglu_##NAME##_##NT(                            \
+        const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
+        const float2* s, float* part, int ldp, int nrows, int K, int per_split) {                                      \
+        grid_dependency_wait();                                                                                        \
+        W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
+        BAct a = {x, s};                                                                                               \
+        bmm<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split);                                                    \
+    }
+
+// Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences.
+#define BMM_TYPE(NAME, T) \
+    BMM_ENTRY(NAME, T, 1) \
+    BMM_ENTRY(NAME, T, 2) \
+    BMM_ENTRY(NAME, T, 4) \
+    BMM_ENTRY(NAME, T, 8)

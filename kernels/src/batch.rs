@@ -1,0 +1,491 @@
+//! Launch wrappers for the batched decode step: B sequences, each at its own position of
+//! its own cache slot, through one step. Matmuls read each weight once for all B rows
+//! (`cuda/bmm.cu`, int8 tensor cores); RoPE, attention and sampling take one row of the
+//! batch per grid row, with positions, context lengths, slots and sampling settings read
+//! from device arrays so that one captured graph serves every step of a batch size.
+
+use crate::buffer::DevSlice;
+use crate::compile::{ATTENTION, NORM, ROPE, SAMPLE};
+use crate::device::{Args, LaunchConfig};
+use crate::error::{KernelError, Result};
+use crate::format::WeightFormat;
+use crate::ops::{AttnArgs, Kernels, RopeArgs};
+use crate::repack::DeviceWeight;
+
+fn invalid(msg: String) -> KernelError {
+    KernelError::InvalidArgument(msg)
+}
+
+fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
+    s.map_or(0, |s| s.ptr())
+}
+
+/// Rows of weights one batched-matmul block owns (8 warps of 16).
+const BMM_ROWS_PER_BLOCK: usize = 128;
+
+/// Activations of a batch packed for the batched matmuls (see `cuda/bmm.cu`): `rows` rows
+/// of `n` values, as 16-byte mma fragments (`x`: rows × chunks × 4) and a (dx, sx) pair
+/// per chunk and row (`s`: chunks × rows).
+#[derive(Debug, Clone, Copy)]
+pub struct PackedAct {
+    pub x: DevSlice<[u32; 4]>,
+    pub s: DevSlice<[f32; 2]>,
+}
+
+impl PackedAct {
+    /// Elements of `x` and `s` for `rows` rows of `n` values.
+    pub fn lens(rows: usize, n: usize) -> (usize, usize) {
+        let chunks = n.div_ceil(32);
+        (rows * chunks * 4, rows * chunks)
+    }
+
+    fn check(&self, rows: usize, n: usize, what: &str) -> Result<()> {
+        let (x, s) = Self::lens(rows, n);
+        self.x.check_len(x, what)?;
+        self.s.check_len(s, what)
+    }
+}
+
+/// Where each row of a batched step reads and writes: `pos[z]` (the position its token
+/// takes; < 0 for a padding row, which writes no cache), `len[z]` (the context attention
+/// reads; 0 for padding) and `slot[z]` (its cache slot).
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRows {
+    pub rows: usize,
+    pub pos: DevSlice<i32>,
+    pub len: DevSlice<i32>,
+    pub slot: DevSlice<i32>,
+}
+
+impl BatchRows {
+    fn check(&self) -> Result<()> {
+        if self.rows == 0 || self.rows > Kernels::MAX_BATCH {
+            return Err(invalid(format!(
+                "a batch of {} rows (1 to {})",
+                self.rows,
+                Kernels::MAX_BATCH
+            )));
+        }
+        self.pos.check_len(self.rows, "batch positions")?;
+        self.len.check_len(self.rows, "batch context lengths")?;
+        self.slot.check_len(self.rows, "batch cache slots")
+    }
+}
+
+/// The epilogue of a batched matmul: y = W·x (+ bias) (+ residual, which may be y).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchEpilogue {
+    pub bias: Option<DevSlice<f32>>,
+    pub residual: Option<DevSlice<f32>>,
+}
+
+impl Kernels {
+    /// Most rows a batched step takes.
+    pub const MAX_BATCH: usize = 64;
+
+    /// Rows the batched matmuls compute for a batch of `rows`: a multiple of 8.
+    pub fn bmm_rows(rows: usize) -> usize {
+        rows.div_ceil(8) * 8
+    }
+
+    /// Compiles and loads the batched step's matmuls for these formats.
+    pub fn preload_batched(&self, formats: &[&'static WeightFormat]) -> Result<()> {
+        for f in formats {
+            if let Some(m) = &f.batched {
+                self.device().load_module(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many parts a batched matmul over `w` splits its row length into: enough blocks
+    /// for two waves over the SMs, at least 4 chunks of 32 values per part.
+    pub fn bmm_splits(&self, w: &DeviceWeight) -> usize {
+        let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
+        let chunks = w.row_len / 32;
+        let target = 2 * self.device().sm_count();
+        let splits = target.div_ceil(blocks).clamp(1, (chunks / 4).max(1));
+        let per = chunks.div_ceil(splits);
+        chunks.div_ceil(per)
+    }
+
+    /// f32 values the partial sums of a batched matmul over `w` (SwiGLU: two weights of
+    /// its shape) for `rows` rows take.
+    pub fn bmm_part_len(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
+        self.bmm_splits(w) * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
+    }
+
+    /// Packs `rows` rows of `n` values of `x` for the batched matmuls: normalised (RMSNorm
+    /// with `eps`) and/or scaled by `w` when given.
+    pub fn act_pack(
+        &self,
+        x: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        w: Option<DevSlice<f32>>,
+        eps: Option<f32>,
+        out: PackedAct,
+    ) -> Result<()> {
+        if rows == 0 || n == 0 {
+            return Err(invalid("packing an empty activation".into()));
+        }
+        x.check_len(rows * n, "activation to pack")?;
+        if let Some(w) = w {
+            w.check_len(n, "norm weight")?;
+        }
+        out.check(rows, n, "packed activation")?;
+        const WARPS: usize = 8;
+        let f = self.device().function(&NORM, "act_pack")?;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(opt(w))
+            .f32(eps.unwrap_or(-1.0))
+            .i32(n as i32)
+            .ptr(out.x.ptr())
+            .ptr(out.s.ptr());
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(32).div_ceil(WARPS) as u32, rows as u32, 1),
+            block: (32 * WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: x, w and the packed planes were checked against rows × n.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+
+    /// y = W·x for the `rows` packed rows of `x` (a multiple of 8, ≤ 64), row m of y at
+    /// `y[m·ldy ..]`, then the epilogue; with `up`, SwiGLU: y = silu(W·x) ⊙ (up·x). `part`
+    /// holds the partial sums (`bmm_part_len`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched_matmul(
+        &self,
+        w: &DeviceWeight,
+        up: Option<&DeviceWeight>,
+        x: &PackedAct,
+        rows: usize,
+        part: DevSlice<f32>,
+        y: DevSlice<f32>,
+        ldy: usize,
+        epi: &BatchEpilogue,
+    ) -> Result<()> {
+        if rows == 0 || !rows.is_multiple_of(8) || rows > Self::MAX_BATCH {
+            return Err(invalid(format!(
+                "a batched matmul over {rows} rows (a multiple of 8 up to {})",
+                Self::MAX_BATCH
+            )));
+        }
+        let module = w.format.batched.as_ref().ok_or_else(|| {
+            KernelError::Unsupported(format!("no batched matmul for {} weights", w.format.tag))
+        })?;
+        if !w.row_len.is_multiple_of(32) {
+            return Err(invalid(format!("rows of {} values (a multiple of 32)", w.row_len)));
+        }
+        if let Some(u) = up {
+            if u.format != w.format || u.rows != w.rows || u.row_len != w.row_len {
+                return Err(invalid(format!(
+                    "gate ({} {}x{}) and up ({} {}x{}) differ",
+                    w.format.tag, w.rows, w.row_len, u.format.tag, u.rows, u.row_len
+                )));
+            }
+        }
+        let (nrows, k) = (w.rows, w.row_len);
+        x.check(rows, k, "batched matmul input")?;
+        if ldy < nrows {
+            return Err(invalid(format!("output stride {ldy} below {nrows} rows")));
+        }
+        y.check_len((rows - 1) * ldy + nrows, "batched matmul output")?;
+        if let Some(b) = epi.bias {
+            b.check_len(nrows, "batched matmul bias")?;
+        }
+        if let Some(r) = epi.residual {
+            r.check_len((rows - 1) * ldy + nrows, "batched matmul residual")?;
+        }
+        if up.is_some() && (epi.bias.is_some() || epi.residual.is_some()) {
+            return Err(invalid("a SwiGLU matmul takes no bias or residual".into()));
+        }
+        let splits = self.bmm_splits(w);
+        let ldp = nrows * if up.is_some() { 2 } else { 1 };
+        part.check_len(splits * rows * ldp, "batched matmul partial sums")?;
+        let per_split = (k / 32).div_ceil(splits);
+        let nt = rows / 8;
+        let nt_kernel = [1, 2, 4, 8].into_iter().find(|&n| n >= nt).expect("rows ≤ 64");
+        if nt_kernel != nt {
+            return Err(invalid(format!(
+                "a batched matmul over {rows} rows: 8, 16, 32 or 64 only"
+            )));
+        }
+        let name = match up {
+            Some(_) => format!("bmm_swiglu_{}_{nt}", w.format.tag),
+            None => format!("bmm_{}_{nt}", w.format.tag),
+        };
+        let f = self.device().function(module, &name)?;
+        let (body, qh, sc) = w.ptrs();
+        let mut args = Args::new().ptr(body).ptr(qh).ptr(sc);
+        if let Some(u) = up {
+            let (b2, qh2, sc2) = u.ptrs();
+            args = args.ptr(b2).ptr(qh2).ptr(sc2);
+        }
+        let mut args = args
+            .ptr(x.x.ptr())
+            .ptr(x.s.ptr())
+            .ptr(part.ptr())
+            .i32(ldp as i32)
+            .i32(nrows as i32)
+            .i32(k as i32)
+            .i32(per_split as i32);
+        let cfg = LaunchConfig {
+            grid: (nrows.div_ceil(BMM_ROWS_PER_BLOCK) as u32, splits as u32, 1),
+            block: (BMM_ROWS_PER_BLOCK as u32 / 16 * 32, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: the packed input holds rows × row_len values, `part` splits × rows × ldp.
+        unsafe { self.device().launch(f, cfg, &mut args)? };
+
+        let f = self.device().function(&NORM, "bmm_finish")?;
+        let mut args = Args::new()
+            .ptr(part.ptr())
+            .i32(splits as i32)
+            .i32(rows as i32)
+            .i32(ldp as i32)
+            .i32(nrows as i32)
+            .i32(up.is_some() as i32)
+            .ptr(opt(epi.bias))
+            .ptr(opt(epi.residual))
+            .ptr(y.ptr())
+            .i32(ldy as i32);
+        let total = rows * nrows;
+        // SAFETY: y and the residual hold rows rows of stride ldy; part as above.
+        unsafe {
+            self.device()
+                .launch(f, LaunchConfig::linear(total.div_ceil(256) as u32, 256), &mut args)
+        }
+    }
+
+    /// RoPE for each row of a batch (`qkv`: rows × fused QKV), rotated Q to `q_out`, K and
+    /// V into slot `slot[z]` of the whole-pool caches `kc`/`vc` at `pos[z]` (padding rows
+    /// write nothing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv_batch(
+        &self,
+        a: &RopeArgs,
+        qkv: DevSlice<f32>,
+        q_out: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        slot_stride: usize,
+        b: &BatchRows,
+        max_ctx: usize,
+    ) -> Result<()> {
+        b.check()?;
+        let hd = a.head_dim;
+        if slot_stride != a.n_kv * max_ctx * hd || kc.len() != vc.len() || !kc.len().is_multiple_of(slot_stride) {
+            return Err(invalid(format!(
+                "a KV pool of {} halves with slots of {slot_stride}",
+                kc.len()
+            )));
+        }
+        a.check(kc.sub(0, slot_stride)?, vc.sub(0, slot_stride)?, max_ctx)?;
+        let width = (a.n_heads + 2 * a.n_kv) * hd;
+        qkv.check_len(b.rows * width, "QKV rows")?;
+        q_out.check_len(b.rows * a.n_heads * hd, "rotated Q rows")?;
+        let f = self.device().function(&ROPE, "rope_kv_batch")?;
+        let threads = ((hd / 2).div_ceil(32) * 32) as u32;
+        let mut args = Args::new()
+            .ptr(qkv.ptr())
+            .ptr(q_out.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(b.pos.ptr())
+            .ptr(b.slot.ptr())
+            .u64(slot_stride as u64)
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(hd as i32)
+            .i32(a.rot_dims as i32)
+            .ptr(a.inv_freq.ptr())
+            .i32(a.neox as i32)
+            .ptr(opt(a.q_norm))
+            .ptr(opt(a.k_norm))
+            .f32(a.eps)
+            .i32(max_ctx as i32);
+        let cfg = LaunchConfig {
+            grid: ((a.n_heads + a.n_kv) as u32, b.rows as u32, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked; each row's slot must lie in the pool and its position
+        // below max_ctx, which the executor guarantees for the arrays it uploads.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+
+    /// Decode attention for each row of a batch over its own slot's first `len[z]`
+    /// positions (split-K with the merge in the same launch, as [`Kernels::attention`]);
+    /// `part_o`, `part_ml` and `counters` hold `rows` times what one row needs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_batch(
+        &self,
+        a: &AttnArgs,
+        q: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        slot_stride: usize,
+        b: &BatchRows,
+        part_o: DevSlice<f32>,
+        part_ml: DevSlice<[f32; 2]>,
+        counters: DevSlice<u32>,
+        out: DevSlice<f32>,
+    ) -> Result<()> {
+        b.check()?;
+        let hd = a.head_dim;
+        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
+            return Err(KernelError::Unsupported(format!(
+                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
+            )));
+        }
+        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) || a.split == 0 {
+            return Err(invalid(format!(
+                "{} heads over {} KV heads, split {}",
+                a.n_heads, a.n_kv, a.split
+            )));
+        }
+        if slot_stride != a.n_kv * a.max_ctx * hd || kc.len() != vc.len() || !kc.len().is_multiple_of(slot_stride) {
+            return Err(invalid(format!(
+                "a KV pool of {} halves with slots of {slot_stride}",
+                kc.len()
+            )));
+        }
+        let nsplit = Self::attention_splits(a.max_ctx, a.split);
+        let qd = a.n_heads * hd;
+        q.check_len(b.rows * qd, "attention Q rows")?;
+        part_o.check_len(b.rows * qd * nsplit, "attention partial outputs")?;
+        part_ml.check_len(b.rows * a.n_heads * nsplit, "attention partial max/sum")?;
+        counters.check_len(b.rows * a.n_heads, "attention split counters")?;
+        out.check_len(b.rows * qd, "attention output rows")?;
+        let f = self
+            .device()
+            .function(&ATTENTION, &format!("attn_decode_batch_{}", hd / 32))?;
+        let mut args = Args::new()
+            .ptr(q.ptr())
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(b.len.ptr())
+            .ptr(b.slot.ptr())
+            .u64(slot_stride as u64)
+            .i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(a.max_ctx as i32)
+            .i32(a.split as i32)
+            .f32(a.scale)
+            .ptr(part_o.ptr())
+            .ptr(part_ml.ptr())
+            .ptr(counters.ptr())
+            .ptr(out.ptr());
+        let cfg = LaunchConfig {
+            grid: (a.n_heads as u32, nsplit as u32, b.rows as u32),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked; each row's slot must lie in the pool and its length be
+        // ≤ max_ctx, which the executor guarantees for the arrays it uploads.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+
+    /// `out[z]` = index of the largest of row z of `logits` (`rows` × `n`), for each row.
+    pub fn argmax_rows(
+        &self,
+        logits: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        scratch: DevSlice<u64>,
+        out: DevSlice<i32>,
+    ) -> Result<()> {
+        if n == 0 || rows == 0 || n > i32::MAX as usize {
+            return Err(invalid(format!("argmax over {rows} rows of {n}")));
+        }
+        logits.check_len(rows * n, "logit rows")?;
+        let blocks = Self::argmax_scratch(n);
+        scratch.check_len(rows * blocks, "argmax scratch")?;
+        out.check_len(rows, "argmax outputs")?;
+        let f = self.device().function(&SAMPLE, "argmax_partial")?;
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(n as i32)
+            .i32(Self::ARGMAX_SLICE as i32)
+            .ptr(scratch.ptr());
+        let cfg = LaunchConfig {
+            grid: (blocks as u32, rows as u32, 1),
+            block: (512, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { self.device().launch(f, cfg, &mut args)? };
+        let f = self.device().function(&SAMPLE, "argmax_final")?;
+        let mut args = Args::new()
+            .ptr(scratch.ptr())
+            .i32(blocks as i32)
+            .ptr(out.ptr());
+        let cfg = LaunchConfig {
+            grid: (1, rows as u32, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+
+    /// Candidate keys `sample_rows` needs per row of `n` logits.
+    pub fn sample_rows_scratch(n: usize) -> usize {
+        Self::sample_scratch(n, Self::MAX_TOP_K)
+    }
+
+    /// Draws `out[z]` from row z of `logits` with its own settings `params[z]` =
+    /// (temperature, top_p, min_p, top_k as f32; top_k 1 is greedy) and uniform `u[z]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_rows(
+        &self,
+        logits: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        params: DevSlice<[f32; 4]>,
+        u: DevSlice<f32>,
+        scratch: DevSlice<u64>,
+        out: DevSlice<i32>,
+    ) -> Result<()> {
+        let ncand = Self::sample_rows_scratch(n);
+        if rows == 0 || n == 0 || ncand > 4096 {
+            return Err(invalid(format!("device sampling of {rows} rows of {n} logits")));
+        }
+        logits.check_len(rows * n, "logit rows")?;
+        params.check_len(rows, "sampling settings")?;
+        u.check_len(rows, "uniform draws")?;
+        scratch.check_len(rows * ncand, "sampling scratch")?;
+        out.check_len(rows, "sampled tokens")?;
+        let k = Self::MAX_TOP_K;
+        let f = self.device().function(&SAMPLE, "topk_partial")?;
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(n as i32)
+            .i32(k as i32)
+            .ptr(scratch.ptr());
+        let cfg = LaunchConfig {
+            grid: ((ncand / k) as u32, rows as u32, 1),
+            block: (1024, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { self.device().launch(f, cfg, &mut args)? };
+        let f = self.device().function(&SAMPLE, "sample_rows")?;
+        let mut args = Args::new()
+            .ptr(scratch.ptr())
+            .i32(ncand as i32)
+            .ptr(params.ptr())
+            .ptr(u.ptr())
+            .ptr(out.ptr());
+        let cfg = LaunchConfig {
+            grid: (1, rows as u32, 1),
+            block: (1024, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: as above; top_k is clamped to 1..=64 by the caller's settings check.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+}

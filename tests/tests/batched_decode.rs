@@ -1,0 +1,258 @@
+//! Batched decode against one sequence at a time, on the same backend: M sequences with
+//! mixed context lengths (one at 5 tokens, one at 1,500, the rest between) decode in one
+//! batch per step, and each must match its own unbatched run — per-step logits cosine ≥
+//! 0.99999 and the same greedy token except at near-ties (top-1/top-2 gap < 1e-3, counted
+//! and printed). Two executors of the same model run side by side: one decodes each
+//! sequence alone, the other the whole batch; both are fed the unbatched run's greedy
+//! tokens (teacher forcing), so every step's logits are compared. Seeded sampling through
+//! `decode_sample` must draw the same tokens batched as alone.
+//!
+//! The CPU case runs in CI (a small synthetic model); the GPU cases are `#[ignore]`d like
+//! every GPU test and run by scripts/gpu_suite.sh with `--include-ignored`.
+
+use std::sync::Arc;
+
+use kiln::conformance::top_gap;
+use kiln::Model;
+use kiln_core::{argmax, Backend, DecodeItem, LayerExecutor, LoadOptions, Sampler, SamplingParams, SeqId};
+use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
+use kiln_formats::synth::{synth_file, Preset, SynthOptions};
+use kiln_tests::{cosine, skip};
+
+const MIN_COSINE: f64 = 0.99999;
+const TIE_GAP: f32 = 1e-3;
+
+fn scratch_dir(what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-batched-{}-{what}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn backend(name: &str) -> Option<Arc<dyn Backend>> {
+    kiln::link_builtin_backends();
+    let registry = kiln_core::Registry::with_builtins();
+    let b = registry.get(name).unwrap_or_else(|| panic!("{name} is linked in"));
+    if let Err(why) = b.probe() {
+        if std::env::var_os("KILN_REQUIRE_GPU").is_some() {
+            panic!("KILN_REQUIRE_GPU is set but {name} is unavailable: {why}");
+        }
+        skip("batched_decode", &why);
+        return None;
+    }
+    Some(b)
+}
+
+/// Prompt lengths for `m` sequences: 5 and `longest` among them, the rest spread between.
+fn prompt_lengths(m: usize, longest: usize, rng: &mut u64) -> Vec<usize> {
+    (0..m)
+        .map(|i| match i {
+            0 => 5,
+            1 => longest,
+            _ => {
+                *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                6 + (*rng >> 33) as usize % (longest - 6)
+            }
+        })
+        .collect()
+}
+
+fn random_prompt(len: usize, vocab: usize, rng: &mut u64) -> Vec<u32> {
+    (0..len)
+        .map(|_| {
+            *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // Skip the first ids (special tokens) so no prompt ends a sequence.
+            (10 + (*rng >> 33) as usize % (vocab - 10)) as u32
+        })
+        .collect()
+}
+
+struct Report {
+    min_cosine: f64,
+    mismatches: usize,
+    near_ties: usize,
+}
+
+/// Greedy: `m` sequences, `steps` steps, batched on `batched` vs one at a time on `alone`.
+fn greedy_batched_vs_alone(
+    alone: &mut dyn LayerExecutor,
+    batched: &mut dyn LayerExecutor,
+    m: usize,
+    longest: usize,
+    steps: usize,
+    seed: u64,
+) -> Report {
+    let vocab = alone.config().vocab_size;
+    let mut rng = seed;
+    let lens = prompt_lengths(m, longest, &mut rng);
+    let prompts: Vec<Vec<u32>> = lens.iter().map(|&l| random_prompt(l, vocab, &mut rng)).collect();
+    let mut one = vec![f32::NAN; vocab];
+    let (mut sa, mut sb): (Vec<SeqId>, Vec<SeqId>) = (Vec::new(), Vec::new());
+    let mut ref_logits = vec![vec![0f32; vocab]; m];
+    for (i, p) in prompts.iter().enumerate() {
+        sa.push(alone.new_sequence().unwrap());
+        sb.push(batched.new_sequence().unwrap());
+        alone.prefill(sa[i], p, &mut ref_logits[i]).unwrap();
+        batched.prefill(sb[i], p, &mut one).unwrap();
+    }
+    let mut report = Report { min_cosine: 1.0, mismatches: 0, near_ties: 0 };
+    let mut batch_logits = vec![f32::NAN; m * vocab];
+    for step in 0..steps {
+        let tokens: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
+        let items: Vec<DecodeItem> = sb.iter().zip(&tokens).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+        batch_logits.fill(f32::NAN);
+        batched.decode(&items, &mut batch_logits).unwrap();
+        for i in 0..m {
+            ref_logits[i].fill(f32::NAN);
+            alone.decode(&[DecodeItem { seq: sa[i], token: tokens[i] }], &mut ref_logits[i]).unwrap();
+            let got = &batch_logits[i * vocab..(i + 1) * vocab];
+            assert!(got.iter().all(|x| x.is_finite()), "M={m} step {step} row {i}: non-finite batched logits");
+            let cos = cosine(&ref_logits[i], got);
+            report.min_cosine = report.min_cosine.min(cos);
+            assert!(cos >= MIN_COSINE, "M={m} step {step} row {i} (prompt {}): cosine {cos}", lens[i]);
+            let (want, have) = (argmax(&ref_logits[i]), argmax(got));
+            if want != have {
+                report.mismatches += 1;
+                let gap = top_gap(&ref_logits[i]);
+                assert!(gap < TIE_GAP, "M={m} step {step} row {i}: batched picks {have}, alone {want}, top-2 gap {gap}");
+                report.near_ties += 1;
+            }
+        }
+    }
+    for (a, b) in sa.into_iter().zip(sb) {
+        alone.free_sequence(a).unwrap();
+        batched.free_sequence(b).unwrap();
+    }
+    report
+}
+
+/// Seeded sampling: `m` sequences draw `steps` tokens each, batched and alone; returns
+/// how many sequences drew exactly the same tokens both ways.
+fn sampled_batched_vs_alone(
+    alone: &mut dyn LayerExecutor,
+    batched: &mut dyn LayerExecutor,
+    m: usize,
+    steps: usize,
+) -> usize {
+    let vocab = alone.config().vocab_size;
+    let mut rng = 99u64;
+    let prompts: Vec<Vec<u32>> = (0..m).map(|i| random_prompt(4 + i % 7, vocab, &mut rng)).collect();
+    let params = |i: usize| SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.0,
+        seed: 1000 + i as u64,
+        ..SamplingParams::default()
+    };
+    let mut logits = vec![0f32; vocab];
+    let run = |exec: &mut dyn LayerExecutor, together: bool| -> Vec<Vec<u32>> {
+        let mut seqs = Vec::new();
+        let mut samplers: Vec<Sampler> = (0..m).map(|i| Sampler::new(params(i))).collect();
+        let mut last = Vec::new();
+        let mut logits = logits.clone();
+        for (i, p) in prompts.iter().enumerate() {
+            let s = exec.new_sequence().unwrap();
+            exec.prefill(s, p, &mut logits).unwrap();
+            last.push(samplers[i].sample(&mut logits));
+            seqs.push(s);
+        }
+        let mut out: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+        for _ in 0..steps {
+            let items: Vec<DecodeItem> = seqs.iter().zip(&last).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+            let mut next = vec![0u32; m];
+            if together {
+                exec.decode_sample(&items, &mut samplers, &mut next).unwrap();
+            } else {
+                for i in 0..m {
+                    exec.decode_sample(&items[i..i + 1], &mut samplers[i..i + 1], &mut next[i..i + 1]).unwrap();
+                }
+            }
+            for i in 0..m {
+                out[i].push(next[i]);
+            }
+            last = next;
+        }
+        for s in seqs {
+            exec.free_sequence(s).unwrap();
+        }
+        out
+    };
+    let a = run(alone, false);
+    let b = run(batched, true);
+    logits.clear();
+    a.iter().zip(&b).filter(|(x, y)| x == y).count()
+}
+
+fn check_backend(backend: &dyn Backend, model: &Model, name: &str, sizes: &[usize], longest: usize, steps: usize) {
+    let options = LoadOptions { max_context: longest + steps + 8, max_sequences: 64, ..Default::default() };
+    let mut alone = backend.load(&model.ir, &options).unwrap();
+    let mut batched = backend.load(&model.ir, &options).unwrap();
+    for &m in sizes {
+        let r = greedy_batched_vs_alone(alone.as_mut(), batched.as_mut(), m, longest, steps, 7 + m as u64);
+        println!(
+            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (all at near-ties < {TIE_GAP})",
+            backend.name(),
+            r.min_cosine,
+            r.mismatches
+        );
+        let _ = r.near_ties;
+    }
+    let m = 16;
+    let same = sampled_batched_vs_alone(alone.as_mut(), batched.as_mut(), m, 32);
+    println!("{name:<28} {:<9} seeded sampling, M={m}, 32 steps: {same}/{m} sequences drew the same tokens", backend.name());
+    assert!(same >= m - 1, "seeded sampling: only {same}/{m} sequences drew the same tokens batched and alone");
+}
+
+#[test]
+fn cpu_batched_decode_matches_one_at_a_time() {
+    let Some(cpu) = backend("cpu") else { return };
+    let dir = scratch_dir("cpu");
+    let path = dir.join("smollm2.q4_0.gguf");
+    synth_file(&path, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q4_0, seed: 5 }, &no_progress).unwrap();
+    let model = Model::open(&path).unwrap();
+    check_backend(cpu.as_ref(), &model, "synthetic smollm2 q4_0", &[1, 2, 3, 7], 300, 8);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn gpu_case(backend_name: &str, preset: Preset, recipe: Recipe, file: &str) {
+    let Some(gpu) = backend(backend_name) else { return };
+    let dir = scratch_dir(file);
+    let path = dir.join(file);
+    synth_file(&path, SynthOptions { preset, recipe, seed: 5 }, &no_progress).unwrap();
+    let model = Model::open(&path).unwrap();
+    check_backend(gpu.as_ref(), &model, file, &[1, 2, 3, 7, 16, 32, 64], 1500, 64);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gpu_batched_decode_llama32_1b_q4_k_m() {
+    gpu_case("cuda-q4k", Preset::Llama32_1b, Recipe::Q4_K_M, "llama3.2-1b.q4_k_m.gguf");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gpu_batched_decode_llama32_1b_q4_0() {
+    gpu_case("cuda-q4_0", Preset::Llama32_1b, Recipe::Q4_0, "llama3.2-1b.q4_0.gguf");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gpu_batched_decode_real_smollm2() {
+    let Some(source) = kiln_tests::smollm2_or_skip("gpu_batched_decode_real_smollm2") else {
+        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        return;
+    };
+    for (backend_name, recipe, file) in [
+        ("cuda-q4k", Recipe::Q4_K_M, "smollm2.q4_k_m.gguf"),
+        ("cuda-q4_0", Recipe::Q4_0, "smollm2.q4_0.gguf"),
+    ] {
+        let Some(gpu) = backend(backend_name) else { return };
+        let dir = scratch_dir(file);
+        let path = dir.join(file);
+        quantize_file(&source, &path, QuantizeOptions { recipe, measure_error: false }, &no_progress).unwrap();
+        let model = Model::open(&path).unwrap();
+        check_backend(gpu.as_ref(), &model, &format!("real {file}"), &[1, 2, 3, 7, 16, 32, 64], 1500, 64);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
