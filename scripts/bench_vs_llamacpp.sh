@@ -25,8 +25,9 @@
 #                            it (e.g. "--backend cuda-q4_0"); PP=512 TG=128 REPS=5 NGL=99 change
 #                            the test; LLAMA_BENCH_ARGS adds flags to llama-bench (e.g. "-fa on").
 #                            BATCHED=1 adds `llama-batched-bench -fa on -npp 128 -ntg 128
-#                            -npl 1,4,8,16,32,64 -c 16384` (S_TG per batch size; llama.cpp only,
-#                            kiln has no batched bench yet), NPL= changes the batch sizes.
+#                            -npl 1,4,8,16,32,64 -c 16384` beside `kiln bench --batch
+#                            1,4,8,16,32,64 -p 128 -n 128` (S_PP and S_TG per batch size, with
+#                            the ratio); NPL= changes the batch sizes.
 #   scripts/bench_vs_llamacpp.sh table DIR       reprints the tables from a run's logs.
 #
 # e.g. on the GPU machine:
@@ -158,19 +159,36 @@ for idx, model, llama_rc, kiln_rc, batched_rc in manifest:
                                 pass
             except OSError:
                 pass
+        kb = {}
+        try:
+            kobj, _ = None, None
+            with open(tag + ".kiln-batched.json", errors="replace") as kf:
+                for line in kf:
+                    line = line.strip()
+                    if line.startswith("{"):
+                        kobj = json.loads(line)
+            for r in (kobj or {}).get("results", []):
+                kb[int(r["b"])] = r
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if not kb:
+            batched.append(f"| {name} | - | - | - | - | - | - | kiln FAILED ({tail(tag + '.kiln-batched.err')}) |")
         if batched_rc != "0" or not rows:
             failed = True
-            batched.append(f"| {name} | - | - | - | - | FAILED (rc {batched_rc}: {tail(tag + '.batched.err')}) |")
+            batched.append(f"| {name} | - | - | - | - | - | - | FAILED (rc {batched_rc}: {tail(tag + '.batched.err')}) |")
         for r in rows:
-            batched.append(f"| {name} | {r['pl']} | {r['pp']} | {r['tg']} | {r['speed_pp']:.2f} | {r['speed_tg']:.2f} |")
+            k = kb.get(int(r["pl"]))
+            ks = f"{k['s_pp']:.2f} | {k['s_tg']:.2f}" if k else "- | -"
+            ratio = f"{k['s_tg'] / r['speed_tg']:.2f}x" if k and r["speed_tg"] > 0 else "-"
+            batched.append(f"| {name} | {r['pl']} | {r['pp']} | {r['tg']} | {r['speed_pp']:.2f} | {r['speed_tg']:.2f} | {ks} | {ratio} |")
 
 if notes:
     print("\n".join(notes))
     print()
 if batched:
-    print("llama-batched-bench (llama.cpp only; S_TG = B * TG / decode time):\n")
-    print("| file | B | PP | TG | llama.cpp S_PP t/s | llama.cpp S_TG t/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("llama-batched-bench beside kiln bench --batch (S_TG = B * TG / decode time):\n")
+    print("| file | B | PP | TG | llama.cpp S_PP t/s | llama.cpp S_TG t/s | kiln S_PP t/s | kiln S_TG t/s | S_TG ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(batched))
     print()
 print("\n".join(table))
@@ -281,6 +299,8 @@ run)
             batched_rc=0
             "$batched_bench" -m "$m" -ngl "$ngl" -fa on -npp 128 -ntg 128 -npl "${NPL:-1,4,8,16,32,64}" -c 16384 \
                 --output-format jsonl >"$tag.batched.jsonl" 2>"$tag.batched.err" || batched_rc=$?
+            "$kiln" bench -m "$m" --batch "${NPL:-1,4,8,16,32,64}" -p 128 -n 128 -c 1024 --output json \
+                ${kiln_args[@]+"${kiln_args[@]}"} >"$tag.kiln-batched.json" 2>"$tag.kiln-batched.err" || true
         fi
         echo "llama-bench rc $llama_rc, kiln rc $kiln_rc, batched rc $batched_rc" >&2
         printf '%s\t%s\t%s\t%s\t%s\n' "$i" "$m" "$llama_rc" "$kiln_rc" "$batched_rc" >>"$out/manifest.tsv"

@@ -32,7 +32,7 @@ build)
     # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance) cp "$bin" ".gpu/$name" ;; esac
+        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance | batched_decode) cp "$bin" ".gpu/$name" ;; esac
     done
     cargo build --release -p kiln --bin kiln
     cargo build --release -p kiln-kernels --example kernel_bench
@@ -67,7 +67,7 @@ run)
     status=0
     summary=()
     # TESTS picks a subset (e.g. TESTS="parity gpu_parity") when device time is short.
-    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity conformance}; do
+    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity conformance batched_decode}; do
         t=.gpu/$name
         [ -x "$t" ] || continue
         if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
@@ -78,7 +78,7 @@ run)
             grep -E "panicked|FAILED|error" "$out/test-$name.log" | head -20 || true
         fi
     done
-    grep -hE "min cosine|cosine|rel err|agree" "$out"/test-*.log | head -60 || true
+    grep -hE "min cosine|cosine|rel err|agree|sequences drew" "$out"/test-*.log | head -80 || true
     if [ "${KERNEL_BENCH:-0}" = 1 ]; then
         .gpu/kernel_bench --quick >"$out/kernel-bench.log" 2>&1 || status=1
         sed -n '/^summary/,$p' "$out/kernel-bench.log"

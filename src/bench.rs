@@ -88,3 +88,73 @@ pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
     let embd = if w.output.is_some() { w.token_embd.bytes().len() as u64 - embd_row } else { 0 };
     all - embd
 }
+
+/// One row of a `llama-batched-bench`-style table: `b` sequences each prefilled with `pp`
+/// tokens, then `tg` steps generating one token for every sequence in one batch.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BatchedRun {
+    pub pp: usize,
+    pub tg: usize,
+    pub b: usize,
+    /// Tokens in the KV cache at the end: b · (pp + tg).
+    pub n_kv: usize,
+    pub t_pp: f64,
+    pub s_pp: f64,
+    pub t_tg: f64,
+    pub s_tg: f64,
+    pub t: f64,
+    pub s: f64,
+}
+
+/// `b` sequences: each prefilled with `pp` random tokens (one after another, as
+/// llama-batched-bench), then `tg` greedy steps decoding all `b` in one batch, tokens drawn
+/// on the backend. One untimed warm-up run first (graph capture, first-use compilation).
+pub fn bench_batched(exec: &mut dyn LayerExecutor, pp: usize, tg: usize, b: usize) -> Result<BatchedRun> {
+    let vocab = exec.config().vocab_size;
+    let mut rng = Rng::new(11);
+    let mut logits = vec![0.0f32; vocab];
+    let mut once = |exec: &mut dyn LayerExecutor, pp: usize, tg: usize| -> Result<(f64, f64)> {
+        let mut seqs = Vec::with_capacity(b);
+        let result = (|| {
+            let mut last = Vec::with_capacity(b);
+            let start = Instant::now();
+            for _ in 0..b {
+                let seq = exec.new_sequence()?;
+                seqs.push(seq);
+                let prompt = random_tokens(pp, vocab, &mut rng);
+                exec.prefill(seq, &prompt, &mut logits)?;
+                last.push(kiln_core::argmax(&logits));
+            }
+            let t_pp = start.elapsed().as_secs_f64();
+            let mut samplers: Vec<Sampler> = (0..b).map(|_| Sampler::new(SamplingParams::greedy())).collect();
+            let mut next = vec![0u32; b];
+            let start = Instant::now();
+            for _ in 0..tg {
+                let items: Vec<DecodeItem> =
+                    seqs.iter().zip(&last).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+                exec.decode_sample(&items, &mut samplers, &mut next)?;
+                last.copy_from_slice(&next);
+            }
+            Ok((t_pp, start.elapsed().as_secs_f64()))
+        })();
+        for s in seqs {
+            exec.free_sequence(s)?;
+        }
+        result
+    };
+    once(exec, pp.min(16), tg.min(4))?;
+    let (t_pp, t_tg) = once(exec, pp, tg)?;
+    let (pp_tokens, tg_tokens) = ((b * pp) as f64, (b * tg) as f64);
+    Ok(BatchedRun {
+        pp,
+        tg,
+        b,
+        n_kv: b * (pp + tg),
+        t_pp,
+        s_pp: pp_tokens / t_pp,
+        t_tg,
+        s_tg: tg_tokens / t_tg,
+        t: t_pp + t_tg,
+        s: (pp_tokens + tg_tokens) / (t_pp + t_tg),
+    })
+}

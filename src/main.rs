@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kiln::bench::{bench_decode, bench_prefill, bytes_per_decode_step};
+use kiln::bench::{bench_batched, bench_decode, bench_prefill, bytes_per_decode_step};
 use kiln::{registry_with_plugins, Engine, GenerateParams, Generation, Model};
 use kiln_core::{Error, LoadOptions, Registry, Result, SamplingParams};
 use kiln_formats::chat::ChatMessage;
@@ -196,6 +196,11 @@ struct BenchArgs {
     repetitions: usize,
     #[arg(short = 'o', long = "output", value_enum, default_value_t = BenchFormat::Md)]
     output: BenchFormat,
+    /// Batch sizes for a llama-batched-bench style table instead (e.g. 1,4,8,16,32,64):
+    /// per B, B sequences prefilled with -p tokens each, then -n steps decoding all B in
+    /// one batch.
+    #[arg(long = "batch", value_delimiter = ',')]
+    batch: Vec<usize>,
 }
 
 fn main() -> ExitCode {
@@ -245,6 +250,12 @@ fn registry(args: &BackendArgs) -> Registry {
 }
 
 fn load_engine(args: &ModelArgs) -> Result<Engine> {
+    load_engine_for(args, 1, false)
+}
+
+/// `load_engine` with room for `sequences` sequences at once, batches decoded in one GPU
+/// step when `batched_decode`.
+fn load_engine_for(args: &ModelArgs, sequences: usize, batched_decode: bool) -> Result<Engine> {
     let path = model_path(args.model.clone())?;
     let model = Model::open(&path)?;
     let registry = registry(&args.backend);
@@ -252,6 +263,8 @@ fn load_engine(args: &ModelArgs) -> Result<Engine> {
         max_context: args.ctx_size,
         threads: args.threads,
         quantized_activations: args.quantized_activations,
+        max_sequences: sequences,
+        batched_decode,
         ..LoadOptions::default()
     };
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
@@ -525,6 +538,9 @@ fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
 }
 
 fn cmd_bench(args: BenchArgs) -> Result<()> {
+    if !args.batch.is_empty() {
+        return cmd_bench_batched(args);
+    }
     let mut engine = load_engine(&args.model)?;
     let backend = match args.model.quantized_activations {
         true => format!("{} (Q8_1 activations)", engine.backend_name()),
@@ -572,6 +588,62 @@ fn cmd_bench(args: BenchArgs) -> Result<()> {
             if let Some(rf) = roofline {
                 println!("measured memory roofline (copy): {rf:.0} GB/s");
             }
+        }
+    }
+    Ok(())
+}
+
+/// `kiln bench --batch …`: the llama-batched-bench table (PP, TG, B, N_KV, T_PP, S_PP,
+/// T_TG, S_TG, T, S) so the two read side by side.
+fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
+    if args.batch.contains(&0) {
+        return Err(Error::InvalidArgument("--batch sizes start at 1".into()));
+    }
+    let most = *args.batch.iter().max().expect("non-empty");
+    let mut engine = load_engine_for(&args.model, most, true)?;
+    let backend = engine.backend_name().to_string();
+    let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let c = engine.model.ir.config.clone();
+    let exec = engine.executor();
+    let ctx = exec.max_context();
+    if args.n_prompt + args.n_gen > ctx {
+        return Err(Error::InvalidArgument(format!(
+            "-p {} + -n {} tokens exceed the context of {ctx} (-c)",
+            args.n_prompt, args.n_gen
+        )));
+    }
+    let mut runs = Vec::new();
+    for &b in &args.batch {
+        runs.push(bench_batched(exec, args.n_prompt, args.n_gen, b)?);
+    }
+    // f16 keys and values, as the GPU executors keep them.
+    let kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2;
+    let kv_total = kv_token * ctx * exec.max_sequences();
+    match args.output {
+        BenchFormat::Json => {
+            let value = serde_json::json!({
+                "model": name, "backend": backend, "context": ctx, "sequences": exec.max_sequences(),
+                "kv_bytes_per_token": kv_token, "kv_bytes": kv_total, "results": runs,
+            });
+            println!("{value}");
+        }
+        BenchFormat::Md => {
+            println!("{name} on {backend}: {} sequences of up to {ctx} tokens", exec.max_sequences());
+            println!();
+            println!("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |");
+            println!("|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|");
+            for r in &runs {
+                println!(
+                    "| {:5} | {:6} | {:4} | {:6} | {:8.3} | {:8.2} | {:8.3} | {:8.2} | {:8.3} | {:8.2} |",
+                    r.pp, r.tg, r.b, r.n_kv, r.t_pp, r.s_pp, r.t_tg, r.s_tg, r.t, r.s
+                );
+            }
+            println!(
+                "\nKV cache (f16): {} bytes per token; {:.2} GiB for {} sequences × {ctx} tokens",
+                kv_token,
+                kv_total as f64 / (1u64 << 30) as f64,
+                exec.max_sequences()
+            );
         }
     }
     Ok(())

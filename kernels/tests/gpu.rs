@@ -884,3 +884,153 @@ fn prefill_dequantisers_match_reference() {
         }
     }
 }
+
+/// The batched decode matmuls on every integer weight format, 8/16/32/64 rows, against
+/// the f64 reference GEMV of each row: packed input (RMSNorm + weight, as the batched step
+/// packs it), plain, bias + residual and SwiGLU epilogues.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn batched_matmul_every_format_matches_reference() {
+    use kiln_kernels::{BatchEpilogue, PackedAct};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("batched matmul");
+    for f in FORMATS.iter().filter(|f| f.batched.is_some()) {
+        let q = f.qtype;
+        for (k, n) in shapes(q) {
+            if !k.is_multiple_of(32) {
+                continue;
+            }
+            let ggml = random_weights(&mut rng, q, k, n).unwrap();
+            let up_ggml = random_weights(&mut rng, q, k, n).unwrap();
+            let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
+            let up = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &up_ggml).unwrap();
+            for rows in [8usize, 16, 32, 64] {
+                let x = random_vec(&mut rng, rows * k, 1.0);
+                let norm_w = random_vec(&mut rng, k, 1.0);
+                let bias = random_vec(&mut rng, n, 0.5);
+                let resid = random_vec(&mut rng, rows * n, 0.5);
+                // What the kernel multiplies: RMSNorm(x_m) · norm_w, row by row.
+                let normed: Vec<f32> = x
+                    .chunks(k)
+                    .flat_map(|r| {
+                        let rms = (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + 1e-5).sqrt();
+                        r.iter().zip(&norm_w).map(move |(v, w)| (*v as f64 / rms) as f32 * w).collect::<Vec<_>>()
+                    })
+                    .collect();
+                let (xs, ss) = PackedAct::lens(rows, k);
+                let (px, ps) = (DeviceBuffer::<[u32; 4]>::alloc(&g.dev, xs).unwrap(), DeviceBuffer::<[f32; 2]>::alloc(&g.dev, ss).unwrap());
+                px.fill_bytes(0xff).unwrap();
+                ps.fill_bytes(0xff).unwrap();
+                let act = PackedAct { x: px.slice(), s: ps.slice() };
+                let (xd, nwd) = (buf(&g.dev, &x), buf(&g.dev, &norm_w));
+                g.k.act_pack(xd.slice(), rows, k, Some(nwd.slice()), Some(1e-5), act).unwrap();
+                let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, true));
+                let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
+                // Plain, then bias + residual (in place), then SwiGLU.
+                let y = poisoned(&g.dev, rows * n);
+                g.k.batched_matmul(&w, None, &act, rows, part.slice(), y.slice(), n, &BatchEpilogue::default()).unwrap();
+                let epi = BatchEpilogue { bias: Some(bd.slice()), residual: Some(rd.slice()) };
+                g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi).unwrap();
+                let sy = poisoned(&g.dev, rows * n);
+                g.k.batched_matmul(&w, Some(&up), &act, rows, part.slice(), sy.slice(), n, &BatchEpilogue::default()).unwrap();
+                let (got, got_epi, got_swiglu) = (y.to_host().unwrap(), rd.to_host().unwrap(), sy.to_host().unwrap());
+                let mut worst = 0f64;
+                for m in 0..rows {
+                    let xm = &normed[m * k..(m + 1) * k];
+                    let want = reference_gemv(q, k, n, &ggml, xm).unwrap();
+                    let want_up = reference_gemv(q, k, n, &up_ggml, xm).unwrap();
+                    let row = |v: &[f32]| v[m * n..(m + 1) * n].to_vec();
+                    let err = rel_err(&row(&got), &want);
+                    let with_epi: Vec<f64> = (0..n).map(|i| want[i] + bias[i] as f64 + resid[m * n + i] as f64).collect();
+                    let err_epi = rel_err(&row(&got_epi), &with_epi);
+                    let swiglu: Vec<f64> = (0..n).map(|i| want[i] / (1.0 + (-want[i]).exp()) * want_up[i]).collect();
+                    let err_sw = rel_err(&row(&got_swiglu), &swiglu);
+                    let tag = f.tag;
+                    assert!(err < 1e-4, "{tag} {k}x{n} rows {rows} row {m}: rel err {err:e}");
+                    assert!(err_epi < 1e-4, "{tag} {k}x{n} rows {rows} row {m} with bias+residual: rel err {err_epi:e}");
+                    assert!(err_sw < 3e-4, "{tag} {k}x{n} rows {rows} row {m} SwiGLU: rel err {err_sw:e}");
+                    worst = worst.max(err).max(err_epi).max(err_sw);
+                }
+                if k == 4096 && rows == 64 {
+                    println!("batched matmul {} {k}x{n}, 64 rows: worst rel err {worst:.2e}", f.tag);
+                }
+            }
+        }
+    }
+}
+
+/// The batched step's RoPE and attention: each row at its own position of its own cache
+/// slot (padding rows write nothing and attend to nothing) equal the one-sequence kernels.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn batched_rope_and_attention_match_the_one_sequence_kernels() {
+    use kiln_kernels::BatchRows;
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("batched attention");
+    let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
+    let inv: Vec<f32> = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let invd = buf(&g.dev, &inv);
+    let rope = RopeArgs {
+        n_heads,
+        n_kv,
+        head_dim: hd,
+        rot_dims: hd,
+        inv_freq: invd.slice(),
+        neox: false,
+        q_norm: None,
+        k_norm: None,
+        eps: 1e-6,
+    };
+    let attn = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split: 64, scale: 0.125 };
+    let width = (n_heads + 2 * n_kv) * hd;
+    let qd = n_heads * hd;
+    // Rows 0..3 real (slots 3, 0, 4 at positions 7, 150, 0), row 3 padding.
+    let rows = 4;
+    let (pos, slot) = ([7i32, 150, 0, -1], [3i32, 0, 4, 0]);
+    let len: Vec<i32> = pos.iter().map(|&p| if p < 0 { 0 } else { p + 1 }).collect();
+    let batched = KvCache::new(&g.dev, slots, 1, n_kv, hd, max_ctx).unwrap();
+    let single = KvCache::new(&g.dev, slots, 1, n_kv, hd, max_ctx).unwrap();
+    // Fill the history of every slot identically in both caches.
+    let history: Vec<u16> = (0..slots * n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+    let (bk, bv) = batched.layer_all(0).unwrap();
+    let (sk, sv) = single.layer_all(0).unwrap();
+    for s in [bk, bv, sk, sv] {
+        s.copy_from_host(&g.dev, &history).unwrap();
+    }
+    let qkv = random_vec(&mut rng, rows * width, 1.0);
+    let qkvd = buf(&g.dev, &qkv);
+    let (posd, lend, slotd) = (buf(&g.dev, &pos), buf(&g.dev, &len), buf(&g.dev, &slot));
+    let br = BatchRows { rows, pos: posd.slice(), len: lend.slice(), slot: slotd.slice() };
+    let q_b = poisoned(&g.dev, rows * qd);
+    let stride = batched.slot_stride();
+    g.k.rope_kv_batch(&rope, qkvd.slice(), q_b.slice(), bk, bv, stride, &br, max_ctx).unwrap();
+    let nsplit = Kernels::attention_splits(max_ctx, 64);
+    let part_o = poisoned(&g.dev, rows * qd * nsplit);
+    let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * n_heads * nsplit).unwrap();
+    let counters = DeviceBuffer::<u32>::zeros(&g.dev, rows * n_heads).unwrap();
+    let out_b = poisoned(&g.dev, rows * qd);
+    g.k.attention_batch(&attn, q_b.slice(), bk, bv, stride, &br, part_o.slice(), part_ml.slice(), counters.slice(), out_b.slice())
+        .unwrap();
+    let got = out_b.to_host().unwrap();
+    assert!(got[3 * qd..].iter().all(|&v| v == 0.0), "a padding row's attention is zero");
+    for z in 0..3 {
+        let (kc, vc) = single.layer(0, slot[z] as usize).unwrap();
+        let q1 = poisoned(&g.dev, qd);
+        let row = buf(&g.dev, &qkv[z * width..(z + 1) * width]);
+        let p1 = buf(&g.dev, &[pos[z]]);
+        g.k.rope_kv(&rope, row.slice(), q1.slice(), kc, vc, p1.slice(), max_ctx).unwrap();
+        let l1 = buf(&g.dev, &[len[z]]);
+        let po = poisoned(&g.dev, qd * nsplit);
+        let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
+        let c1 = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
+        let o1 = poisoned(&g.dev, qd);
+        g.k.attention(&attn, q1.slice(), kc, vc, l1.slice(), po.slice(), pm.slice(), c1.slice(), o1.slice(), None)
+            .unwrap();
+        assert_eq!(&q_b.to_host().unwrap()[z * qd..(z + 1) * qd], &q1.to_host().unwrap()[..], "row {z}: rotated Q");
+        assert_eq!(&got[z * qd..(z + 1) * qd], &o1.to_host().unwrap()[..], "row {z}: attention");
+    }
+    // Both caches hold the same: every row wrote its own slot, the padding row nothing.
+    assert_eq!(bk.to_host(&g.dev).unwrap(), sk.to_host(&g.dev).unwrap(), "K caches differ");
+    assert_eq!(bv.to_host(&g.dev).unwrap(), sv.to_host(&g.dev).unwrap(), "V caches differ");
+    println!("batched RoPE + attention: 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
+}

@@ -184,7 +184,12 @@ fn sampled_batched_vs_alone(
 }
 
 fn check_backend(backend: &dyn Backend, model: &Model, name: &str, sizes: &[usize], longest: usize, steps: usize) {
-    let options = LoadOptions { max_context: longest + steps + 8, max_sequences: 64, ..Default::default() };
+    let options = LoadOptions {
+        max_context: longest + steps + 8,
+        max_sequences: 64,
+        batched_decode: true,
+        ..Default::default()
+    };
     let mut alone = backend.load(&model.ir, &options).unwrap();
     let mut batched = backend.load(&model.ir, &options).unwrap();
     for &m in sizes {

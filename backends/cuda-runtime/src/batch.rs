@@ -67,7 +67,11 @@ impl BatchState {
         exec: &GpuExecutor,
         formats: &[&'static WeightFormat],
         nsplit: usize,
+        batched_decode: bool,
     ) -> Result<std::result::Result<BatchState, String>> {
+        if !batched_decode {
+            return Ok(Err("batched decode is off (LoadOptions::batched_decode)".into()));
+        }
         let slots = exec.slots.capacity();
         if slots < 2 {
             return Ok(Err("one sequence slot".into()));

@@ -380,7 +380,7 @@ impl GpuExecutor {
         }
 
         // Short contexts: small attention splits keep many blocks busy; long ones: fewer,
-        // longer splits (measured on an H200, docs/architecture-cuda.md).
+        // longer splits (measured on an H200, docs/architecture.md).
         let split = if max_ctx <= 4096 { 64 } else { 256 };
         let nsplit = Kernels::attention_splits(max_ctx, split);
         let vocab = c.vocab_size;
@@ -468,7 +468,7 @@ impl GpuExecutor {
             _workspace: ws,
         })
         .and_then(|mut exec| {
-            exec.batch = batch::BatchState::new(&exec, &formats, nsplit)?;
+            exec.batch = batch::BatchState::new(&exec, &formats, nsplit, options.batched_decode)?;
             Ok(exec)
         })
     }
