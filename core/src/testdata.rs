@@ -34,3 +34,12 @@ pub fn gaussian_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize
     }
     Ok(out)
 }
+
+/// A seed that differs per run (printed by the tests so a failure can be replayed).
+pub fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    (t as u64) ^ ((std::process::id() as u64) << 32)
+}

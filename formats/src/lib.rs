@@ -13,6 +13,8 @@
 pub mod apr;
 pub mod apr_model;
 pub mod chat;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod gguf;
 pub mod model;
 pub mod quantize;

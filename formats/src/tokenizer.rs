@@ -452,6 +452,12 @@ impl Tokenizer {
         })
     }
 
+    /// Whether this is byte-level BPE (`gpt2`), whose decoding gives any encoded text
+    /// back exactly, rather than SentencePiece.
+    pub fn is_byte_level(&self) -> bool {
+        !self.spm
+    }
+
     /// Reads the tokenizer of a GGUF file.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         Tokenizer::from_spec(TokenizerSpec::from_gguf(file)?)

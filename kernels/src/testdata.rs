@@ -7,16 +7,7 @@ use kiln_core::{QType, Rng};
 
 use crate::error::{KernelError, Result};
 
-/// A seed that differs per run (printed by the tests so a failure can be replayed).
-pub fn fresh_seed() -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    (t as u64) ^ ((std::process::id() as u64) << 32)
-}
-
-pub use kiln_core::testdata::{random_vec, uniform};
+pub use kiln_core::testdata::{fresh_seed, random_vec, uniform};
 
 fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());

@@ -312,7 +312,7 @@ impl GpuExecutor {
                     let p = &s.params;
                     if p.is_greedy() && p.repeat_penalty == 1.0 {
                         Draw::Device([1.0, 1.0, 0.0, 1.0], 0.0)
-                    } else if Kernels::can_sample(vocab, p) {
+                    } else if Kernels::can_sample(vocab, p) && Kernels::sample_rows_scratch(vocab) <= 4096 {
                         Draw::Device([p.temperature, p.top_p, p.min_p, p.top_k as f32], s.rng.next_f32())
                     } else {
                         Draw::Host
@@ -324,6 +324,7 @@ impl GpuExecutor {
             let n = items.len();
             let all_greedy = draws.iter().all(|d| matches!(d, Draw::Device(p, _) if p[3] == 1.0));
             if all_greedy {
+                // Greedy rows only: the argmax kernels (no sort), lowest index on ties.
                 self.k
                     .argmax_rows(b.logits.sub(0, n * vocab)?, n, vocab, b.keys, b.tokens)
                     .map_err(err)?;
