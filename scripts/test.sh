@@ -15,4 +15,12 @@ if command -v python3 >/dev/null 2>&1; then
     || echo "warning: nvidia-cuda-nvrtc could not be installed; the kernel compile check will be skipped"
 fi
 
+# Every unsafe block says why it is sound (clippy's undocumented_unsafe_blocks; the crates'
+# manifests deny unsafe_op_in_unsafe_fn, so unsafe fns need such blocks too).
+if cargo clippy --version >/dev/null 2>&1; then
+  cargo clippy --workspace --all-targets --release --quiet -- -A clippy::all -D clippy::undocumented_unsafe_blocks
+else
+  echo "warning: clippy is not installed; the SAFETY-comment check is skipped"
+fi
+
 cargo test --workspace --release "$@"

@@ -67,9 +67,13 @@ impl Api {
     /// # Safety
     /// `table` must point to at least `header.struct_size` readable bytes.
     unsafe fn read(table: *const KilnPluginApi, struct_size: u32) -> std::result::Result<Api, String> {
-        let mut raw: KilnPluginApi = std::mem::zeroed();
+        // SAFETY: the table is a C struct of nullable function pointers (and integers), for
+        // which all-zero bytes are a valid value (every entry `None`).
+        let mut raw: KilnPluginApi = unsafe { std::mem::zeroed() };
         let n = (struct_size as usize).min(std::mem::size_of::<KilnPluginApi>());
-        std::ptr::copy_nonoverlapping(table as *const u8, &mut raw as *mut KilnPluginApi as *mut u8, n);
+        // SAFETY: the caller guarantees `struct_size` readable bytes at `table`; at most
+        // `size_of::<KilnPluginApi>()` are written into `raw`.
+        unsafe { std::ptr::copy_nonoverlapping(table as *const u8, &mut raw as *mut KilnPluginApi as *mut u8, n) };
         macro_rules! need {
             ($($f:ident),*) => {
                 Api { $($f: raw.$f.ok_or_else(|| format!("malformed function table: `{}` is null", stringify!($f)))?),* }
@@ -115,6 +119,7 @@ struct Plugin {
 // from any thread concurrently (docs/plugins.md, "Threading"); the rest of `Plugin` is
 // plain owned data.
 unsafe impl Send for Plugin {}
+// SAFETY: as for Send: concurrent calls on the backend handle are what the ABI requires.
 unsafe impl Sync for Plugin {}
 
 impl Drop for Plugin {
@@ -233,6 +238,8 @@ impl Plugin {
             if ptr.is_null() {
                 return Err(malformed(format!("{what} is a null pointer with length {n}")));
             }
+            // SAFETY: the plugin's `describe` promises `n` readable ids at `ptr` until
+            // `destroy_backend` (checked non-null above); they are copied at once.
             Ok(unsafe { std::slice::from_raw_parts(ptr, n) }.to_vec())
         };
         let qtypes = ids(info.qtypes, info.n_qtypes, "qtypes")?

@@ -781,6 +781,7 @@ pub struct ModelDescBuf {
 // SAFETY: the raw pointers inside point into `model` (immutable, itself Send + Sync) and
 // into `config`/`tensors`, which this struct owns and never mutates after construction.
 unsafe impl Send for ModelDescBuf {}
+// SAFETY: as for Send: the struct is never mutated after construction, so shared access only reads.
 unsafe impl Sync for ModelDescBuf {}
 
 impl ModelDescBuf {
@@ -841,6 +842,7 @@ pub struct HostBytes {
 // SAFETY: the host guarantees the bytes are immutable and outlive the executor (see
 // `KilnPluginApi::load`); reading them from any thread is sound.
 unsafe impl Send for HostBytes {}
+// SAFETY: as for Send: the bytes are immutable, so shared access only reads.
 unsafe impl Sync for HostBytes {}
 
 impl Deref for HostBytes {
@@ -1065,6 +1067,7 @@ mod tests {
             flags: load_flags::QUANTIZED_ACTIVATIONS,
             _reserved1: 0,
         };
+        // SAFETY: `full` is a live options struct with its own struct_size.
         let read = unsafe { KilnLoadOptions::read(&full) }.unwrap();
         assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 1));
 
@@ -1072,13 +1075,16 @@ mod tests {
         let mut old = full;
         old.struct_size = LOAD_OPTIONS_SIZE_V1_0;
         old.flags = !0;
+        // SAFETY: `old` is a live options struct; struct_size only shortens what is read.
         let read = unsafe { KilnLoadOptions::read(&old) }.unwrap();
         assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 0));
 
         let mut short = full;
         short.struct_size = LOAD_OPTIONS_SIZE_V1_0 - 8;
+        // SAFETY: `short` is a live options struct; a too-small struct_size is refused before reading past it.
         let err = unsafe { KilnLoadOptions::read(&short) }.unwrap_err();
         assert!(err.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)), "{err}");
+        // SAFETY: a null pointer is refused before any read.
         assert!(unsafe { KilnLoadOptions::read(std::ptr::null()) }.is_err());
     }
 
@@ -1108,6 +1114,7 @@ mod tests {
         let model = tiny_model();
         let buf = ModelDescBuf::new(&model);
         let desc = buf.desc();
+        // SAFETY: `desc` points into `buf`, which outlives the rebuilt model's use here.
         let back = unsafe { model_from_desc(&desc) }.unwrap();
         assert_eq!(back.config, model.config);
         assert_eq!(back.source, "synthetic");
@@ -1131,8 +1138,10 @@ mod tests {
         let bytes: Vec<u8> = (0..QType::AprQ4.tensor_bytes(&dims).unwrap()).map(|i| i as u8).collect();
         model.weights.layers[1].ffn_up = TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
         let buf = ModelDescBuf::new(&model);
+        // SAFETY: the names point into `buf`'s owned strings.
         let desc = buf.tensors.iter().find(|t| unsafe { t.name.to_str("", 64) } == Ok("l1.up")).unwrap();
         assert_eq!(desc.qtype, 128);
+        // SAFETY: `buf` outlives `back`'s use in this test.
         let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
         let t = &back.weights.layers[1].ffn_up;
         assert_eq!((t.qtype(), t.dims(), t.bytes()), (QType::AprQ4, &dims[..], model.weights.layers[1].ffn_up.bytes()));
@@ -1148,6 +1157,7 @@ mod tests {
             let mut desc = buf.desc();
             desc.tensors = tensors.as_ptr();
             desc.n_tensors = tensors.len();
+            // SAFETY: `tensors` and `buf` outlive the call; the descriptor is malformed on purpose.
             let err = unsafe { model_from_desc(&desc) }.unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} lacks {needle:?}");
         };

@@ -33,8 +33,10 @@ fn track(delta: isize) {
     });
 }
 
+// SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             track(layout.size() as isize);
@@ -42,6 +44,7 @@ unsafe impl GlobalAlloc for Counting {
         p
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             track(layout.size() as isize);
@@ -49,6 +52,7 @@ unsafe impl GlobalAlloc for Counting {
         p
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             track(new_size as isize - layout.size() as isize);
@@ -56,6 +60,7 @@ unsafe impl GlobalAlloc for Counting {
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         unsafe { System.dealloc(ptr, layout) };
         track(-(layout.size() as isize));
     }

@@ -98,6 +98,7 @@ impl<T: Pod> DevSlice<T> {
             return Ok(());
         }
         device.bind()?;
+        // SAFETY: `out` has room for this slice's elements (checked above) and the context is bound.
         unsafe { result::memcpy_dtoh_async(out, self.ptr, device.stream()) }
             .ctx("cuMemcpyDtoHAsync")?;
         device.synchronize()
@@ -117,6 +118,7 @@ impl<T: Pod> DevSlice<T> {
             return Ok(());
         }
         device.bind()?;
+        // SAFETY: `data` holds exactly this slice's elements (checked above) and the context is bound.
         unsafe { result::memcpy_htod_async(self.ptr, data, device.stream()) }
             .ctx("cuMemcpyHtoDAsync")?;
         // Pageable copies are staged, but only a synchronised stream guarantees the staging
@@ -143,6 +145,7 @@ impl<T: Pod> DevSlice<T> {
             return Ok(out);
         }
         device.bind()?;
+        // SAFETY: `out` was allocated with this slice's length and the context is bound.
         unsafe { result::memcpy_dtoh_async(&mut out, self.ptr, device.stream()) }
             .ctx("cuMemcpyDtoHAsync")?;
         device.synchronize()?;
@@ -249,6 +252,7 @@ impl<T: Pod> DeviceBuffer<T> {
             return Ok(());
         }
         self.device.bind()?;
+        // SAFETY: the range is this buffer's own allocation; the context is bound.
         unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), self.device.stream()) }
             .ctx("cuMemsetD8Async")
     }
@@ -260,6 +264,7 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
             let _ = self.device.bind();
             // Work still queued may read this memory: let it finish first.
             let _ = self.device.synchronize();
+            // SAFETY: this buffer allocated `ptr` and nothing queued uses it any more (synchronised above).
             let _ = unsafe { result::free_sync(self.ptr) };
         }
     }

@@ -147,6 +147,7 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
     let out = (|| {
         // SAFETY: `prog` is live until destroyed below.
         let compiled = unsafe { nv::compile_program(prog, &options(arch, ptx)) };
+        // SAFETY: `prog` is live until destroyed below.
         let log = unsafe { nv::get_program_log(prog) }
             .map(|l| c_chars_to_string(&l))
             .unwrap_or_default();
@@ -156,15 +157,19 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
         let mut size = 0usize;
         // SAFETY: compiled successfully; size and buffer come from NVRTC.
         let sized = if ptx {
+            // SAFETY: `prog` compiled; NVRTC writes the size.
             unsafe { sys::nvrtcGetPTXSize(prog, &mut size) }
         } else {
+            // SAFETY: `prog` compiled; NVRTC writes the size.
             unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
         };
         sized.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
         let mut out = vec![0u8; size];
         let got = if ptx {
+            // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
             unsafe { sys::nvrtcGetPTX(prog, out.as_mut_ptr() as *mut c_char) }
         } else {
+            // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
             unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char) }
         };
         got.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;

@@ -18,6 +18,7 @@ pub struct Function(sys::CUfunction);
 // SAFETY: CUfunction handles are plain driver handles, valid in any thread once the context
 // is current (every Device method makes it so).
 unsafe impl Send for Function {}
+// SAFETY: as for Send; shared use goes through the same thread-safe driver calls.
 unsafe impl Sync for Function {}
 
 /// Kernel arguments, copied into fixed slots so their addresses stay valid for the launch.
@@ -89,11 +90,13 @@ struct Context {
 // SAFETY: the driver's handles are thread-safe; the tables are behind mutexes; every user
 // binds the context before a driver call.
 unsafe impl Send for Context {}
+// SAFETY: as for Send; shared use goes through the same thread-safe driver calls.
 unsafe impl Sync for Context {}
 
 impl Drop for Context {
     fn drop(&mut self) {
         // Teardown errors cannot be acted on; the context goes away with the process.
+        // SAFETY: the context was retained by `Device::new` and is released once, here.
         unsafe {
             let _ = result::ctx::set_current(self.ctx);
             for (_, m) in self
@@ -120,6 +123,7 @@ pub struct Device {
 
 // SAFETY: the driver's handles are thread-safe; each method binds the context first.
 unsafe impl Send for Device {}
+// SAFETY: as for Send; shared use goes through the same thread-safe driver calls.
 unsafe impl Sync for Device {}
 
 impl std::fmt::Debug for Device {
@@ -157,7 +161,9 @@ impl Device {
         // SAFETY: valid device handle from above.
         let ctx =
             unsafe { result::primary_ctx::retain(cu_device) }.ctx("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: `ctx` was just retained for this valid device.
         unsafe { result::ctx::set_current(ctx) }.ctx("cuCtxSetCurrent")?;
+        // SAFETY: a valid device handle and attribute enum (closure used only below).
         let attr = |a| unsafe { result::device::get_attribute(cu_device, a) };
         use sys::CUdevice_attribute::*;
         let arch = (
@@ -167,8 +173,10 @@ impl Device {
         let sm_count =
             attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx("cuDeviceGetAttribute")?;
         let name = result::device::get_name(cu_device).ctx("cuDeviceGetName")?;
+        // SAFETY: a valid device handle.
         let total_mem = unsafe { result::device::total_mem(cu_device) }.ctx("cuDeviceTotalMem")?;
         let mut driver_version = 0;
+        // SAFETY: writes one int.
         unsafe { sys::cuDriverGetVersion(&mut driver_version) }
             .result()
             .ctx("cuDriverGetVersion")?;
@@ -339,13 +347,16 @@ impl Device {
         .ctx("cuStreamBeginCapture")?;
         let queued = body();
         // End the capture on every path, or the stream stays unusable.
+        // SAFETY: this stream began capturing above; ending it on every path keeps it usable.
         let graph = unsafe { result::stream::end_capture(self.stream) };
         queued?;
         let graph = graph.ctx("cuStreamEndCapture")?;
+        // SAFETY: `graph` is the graph the capture returned.
         let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
         let exec = match exec {
             Ok(e) => e,
             Err(e) => {
+                // SAFETY: the graph failed to instantiate and is not used again.
                 let _ = unsafe { result::graph::destroy(graph) };
                 return Err(KernelError::Driver {
                     what: "cuGraphInstantiate".into(),
@@ -366,6 +377,7 @@ impl Drop for Device {
         // Teardown errors cannot be acted on. The context (and its modules) goes when the
         // last stream's handle does.
         let _ = self.bind();
+        // SAFETY: the stream (and its modules) belong to this handle and are destroyed once.
         unsafe {
             let _ = result::stream::synchronize(self.stream);
             let _ = result::stream::destroy(self.stream);
@@ -405,6 +417,7 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         let _ = self.device.bind();
+        // SAFETY: this handle owns the executable graph; destroyed once.
         unsafe {
             let _ = result::graph::exec_destroy(self.exec);
             let _ = result::graph::destroy(self.graph);
@@ -430,11 +443,13 @@ impl Event {
     }
     pub fn record(&self) -> Result<()> {
         self.device.bind()?;
+        // SAFETY: the event and the stream belong to this device.
         unsafe { result::event::record(self.event, self.device.stream) }.ctx("cuEventRecord")
     }
     /// Milliseconds from `self` to `end`; waits for `end`.
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         self.device.bind()?;
+        // SAFETY: both events were created on this device; `ms` is written by the driver.
         unsafe {
             result::event::synchronize(end.event).ctx("cuEventSynchronize")?;
             result::event::elapsed(self.event, end.event).ctx("cuEventElapsedTime")
@@ -445,6 +460,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         let _ = self.device.bind();
+        // SAFETY: this handle owns the event; destroyed once.
         let _ = unsafe { result::event::destroy(self.event) };
     }
 }

@@ -653,6 +653,7 @@ impl Kernels {
             .i32(n as i32)
             .i32(Self::ARGMAX_SLICE as i32)
             .ptr(scratch.ptr());
+        // SAFETY: the logits and `scratch` hold what the kernel reads and writes (checked above).
         unsafe {
             self.device
                 .launch(f, LaunchConfig::linear(blocks as u32, 512), &mut args)?
@@ -662,6 +663,7 @@ impl Kernels {
             .ptr(scratch.ptr())
             .i32(blocks as i32)
             .ptr(out.ptr());
+        // SAFETY: `scratch` holds `blocks` keys and `out` one id (checked above).
         unsafe {
             self.device
                 .launch(f, LaunchConfig::linear(1, 256), &mut args)
@@ -717,6 +719,7 @@ impl Kernels {
             .i32(n as i32)
             .i32(p.top_k as i32)
             .ptr(scratch.ptr());
+        // SAFETY: the logits and `scratch` hold what the kernel reads and writes (checked above).
         unsafe {
             self.device
                 .launch(f, LaunchConfig::linear(blocks as u32, 1024), &mut args)?
@@ -732,6 +735,7 @@ impl Kernels {
             .ptr(rng.ptr())
             .ptr(opt(uniform))
             .ptr(out.ptr());
+        // SAFETY: `scratch` holds `ncand` keys; `rng`, `uniform` and `out` one value each (checked above).
         unsafe {
             self.device
                 .launch(f, LaunchConfig::linear(1, 1024), &mut args)
@@ -753,6 +757,7 @@ impl Kernels {
             .ptr(src.ptr())
             .ptr(dst.ptr())
             .u64((src.len() / 16) as u64);
+        // SAFETY: both slices are `len` bytes, a multiple of 16 (checked above).
         unsafe {
             self.device
                 .launch(f, LaunchConfig::linear(blocks, 512), &mut args)

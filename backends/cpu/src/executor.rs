@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::{block_sums, simd_available};
+use crate::kernels::{block_sums, Avx2};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
 
@@ -46,7 +46,7 @@ struct Model {
     inv_freq: Vec<f32>,
     max_ctx: usize,
     threads: usize,
-    simd: bool,
+    simd: Option<Avx2>,
 }
 
 /// One sequence slot: its KV cache, laid out `[layer][position][kv_dim]`.
@@ -108,7 +108,7 @@ impl CpuExecutor {
         if w.layers.len() != c.num_layers {
             return Err(Error::Format(format!("config says {} layers, weights have {}", c.num_layers, w.layers.len())));
         }
-        let simd = simd_available();
+        let simd = Avx2::detect();
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in w.layers.iter().enumerate() {

@@ -10,7 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
-use crate::kernels::{dot4_f32, dot_f32, Act, Kernel, RowDot};
+use crate::kernels::{dot4_f32, dot_f32, Act, Avx2, Kernel, RowDot};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
@@ -33,8 +33,8 @@ pub struct QMatrix {
 
 impl QMatrix {
     /// Wraps `view`, checking it is `rows × cols` (`cols` contiguous) of a supported type.
-    pub fn new(view: &TensorView, cols: usize, rows: usize, simd: bool) -> Result<QMatrix> {
-        let kernel = Kernel::new(view.qtype(), simd).ok_or_else(|| {
+    pub fn new(view: &TensorView, cols: usize, rows: usize, simd: Option<Avx2>) -> Result<QMatrix> {
+        let kernel = Kernel::new(view.qtype(), simd.is_some()).ok_or_else(|| {
             Error::Unsupported(format!("tensor {}: the cpu backend cannot multiply {} weights", view.name(), view.qtype()))
         })?;
         if view.dims().len() != 2 || view.row_len() != cols || view.rows() != rows {
@@ -91,11 +91,12 @@ struct OutPtr(*mut f32);
 // SAFETY: tasks write disjoint element ranges of the buffer (see `matmul`), and the buffer
 // outlives the parallel region that uses the pointer.
 unsafe impl Send for OutPtr {}
+// SAFETY: as for Send: shared copies of the pointer only ever write disjoint ranges.
 unsafe impl Sync for OutPtr {}
 
 /// Runs every job on the same input batch, all rows of all jobs in one parallel region.
 /// Must run inside the executor's thread pool. Jobs must be at most 4.
-pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: bool) {
+pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: Option<Avx2>) {
     debug_assert!(jobs.len() <= 4 && input.tokens <= MAX_BATCH);
     let total_rows: usize = jobs.iter().map(|j| j.m.rows).sum();
     let chunk = (total_rows / (threads.max(1) * 8)).clamp(16, 1024);
@@ -130,7 +131,7 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: b
 }
 
 /// Dequantise each row once, a segment at a time, and dot it with every token.
-fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: bool, write: impl Fn(usize) -> &'o mut [f32]) {
+fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: Option<Avx2>, write: impl Fn(usize) -> &'o mut [f32]) {
     let q = m.qtype();
     let seg_bytes = SEGMENT / q.block_len() * q.block_bytes();
     let mut buf = [0.0f32; SEGMENT];

@@ -2,7 +2,7 @@
 
 use kiln_core::RopeKind;
 
-use crate::kernels::dot_f32;
+use crate::kernels::{dot_f32, Avx2};
 
 /// `out = x / rms(x) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -79,7 +79,7 @@ const TILE: usize = 128;
 /// rows of `stride` floats; the head's part starts at `offset`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
-    simd: bool,
+    simd: Option<Avx2>,
     q: &[f32],
     keys: &[f32],
     values: &[f32],

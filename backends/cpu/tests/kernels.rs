@@ -116,7 +116,7 @@ fn simd_kernels_are_selected_when_available() {
     for q in simd_types {
         let on = format!("{:?}", Kernel::new(q, true).unwrap());
         let off = format!("{:?}", Kernel::new(q, false).unwrap());
-        assert!(on.contains("simd: true") && off.contains("simd: false"), "{q}: {on} / {off}");
+        assert!(on.contains("simd: Some(Avx2") && off.contains("simd: None"), "{q}: {on} / {off}");
     }
 }
 
@@ -184,14 +184,36 @@ fn f32_dot_handles_every_tail_length() {
         let b = random_vec(&mut rng, n, 1.0);
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         for simd in paths() {
-            let got = dot_f32(simd, &a, &b);
+            let token = if simd { kiln_backend_cpu::kernels::Avx2::detect() } else { None };
+            let got = dot_f32(token, &a, &b);
             assert!((got as f64 - want).abs() < 1e-5, "n {n} simd {simd}: {got} vs {want}");
             let neg: Vec<f32> = b.iter().map(|v| -v).collect();
-            let four = dot4_f32(simd, &a, [&b, &neg, &a, &b]);
+            let four = dot4_f32(token, &a, [&b, &neg, &a, &b]);
             let self_dot: f64 = a.iter().map(|x| *x as f64 * *x as f64).sum();
             for (got, want) in four.iter().zip([want, -want, self_dot, want]) {
                 assert!((*got as f64 - want).abs() < 1e-5, "dot4 n {n} simd {simd}: {got} vs {want}");
             }
         }
+    }
+}
+
+/// The safe SIMD entry points check the row length on every call (release builds too):
+/// a row shorter than the activation needs is a panic, never an out-of-bounds read.
+#[test]
+fn simd_kernels_refuse_rows_of_the_wrong_length() {
+    if !simd_available() {
+        println!("skipped: no AVX2/FMA/F16C on this CPU");
+        return;
+    }
+    let x = vec![1.0f32; 64];
+    let sums = vec![32.0f32; 2];
+    for q in [QType::Q4_0, QType::Q4_1, QType::Q8_0, QType::F16] {
+        let k = Kernel::new(q, true).unwrap();
+        let short = vec![0u8; q.row_bytes(32).unwrap()];
+        let r = std::panic::catch_unwind(|| {
+            let mut out = [0f32; 1];
+            k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
+        });
+        assert!(r.is_err(), "{q}: a 32-value row against 64 activations must be refused");
     }
 }

@@ -141,14 +141,22 @@ pub mod __private {
     }
 
     unsafe fn set_str(slot: *mut KilnOwnedStr, s: String) {
-        if let Some(slot) = slot.as_mut() {
-            *slot = owned(s);
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            if let Some(slot) = slot.as_mut() {
+                *slot = owned(s);
+            }
         }
     }
 
     unsafe extern "C" fn free_string(s: KilnOwnedStr) {
-        if !s.ptr.is_null() {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(s.ptr, s.len)));
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            if !s.ptr.is_null() {
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(s.ptr, s.len)));
+            }
         }
     }
 
@@ -178,17 +186,21 @@ pub mod __private {
 
     /// Runs `f`, turning its error or panic into a status and a message in `err`.
     unsafe fn guard(err: *mut KilnOwnedStr, f: impl FnOnce() -> Result<(), Error>) -> KilnStatus {
-        match catch_unwind(AssertUnwindSafe(f)) {
-            Ok(Ok(())) => KilnStatus::OK,
-            Ok(Err(e)) => {
-                let (status, message) = status_of(e);
-                set_str(err, message);
-                status
-            }
-            Err(payload) => {
-                // The payload alone: the host names the function (`panicked in decode: ...`).
-                set_str(err, panic_message(&*payload));
-                KilnStatus::PANIC
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            match catch_unwind(AssertUnwindSafe(f)) {
+                Ok(Ok(())) => KilnStatus::OK,
+                Ok(Err(e)) => {
+                    let (status, message) = status_of(e);
+                    set_str(err, message);
+                    status
+                }
+                Err(payload) => {
+                    // The payload alone: the host names the function (`panicked in decode: ...`).
+                    set_str(err, panic_message(&*payload));
+                    KilnStatus::PANIC
+                }
             }
         }
     }
@@ -211,47 +223,59 @@ pub mod __private {
         M: FnOnce() -> Result<B, E>,
         A: FnOnce() -> Vec<Architecture>,
     {
-        guard(err, || {
-            if out.is_null() {
-                return Err(null_arg("out"));
-            }
-            if version_major(host_abi) != ABI_MAJOR {
-                return Err(Error::Unsupported(format!(
-                    "plugin speaks ABI {}, host speaks {}",
-                    version_string(ABI_VERSION),
-                    version_string(host_abi)
-                )));
-            }
-            let backend = make().map_err(|e| Error::Backend { backend: String::new(), message: e.to_string() })?;
-            let boxed = BackendBox {
-                name: backend.name().to_string(),
-                version: version.to_string(),
-                description: backend.description().to_string(),
-                // Kiln-only ids (≥ 128, APR's types) arrived in ABI 1.2: an older host
-                // would refuse the whole plugin for one id it cannot name.
-                qtypes: backend
-                    .qtypes()
-                    .iter()
-                    .filter(|q| q.is_ggml() || version_minor(host_abi) >= 2)
-                    .map(|q| q.id())
-                    .collect(),
-                architectures: architectures().iter().map(arch_id).collect(),
-                backend: Box::new(backend),
-            };
-            *out = Box::into_raw(Box::new(boxed)) as *mut KilnBackend;
-            Ok(())
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            guard(err, || {
+                if out.is_null() {
+                    return Err(null_arg("out"));
+                }
+                if version_major(host_abi) != ABI_MAJOR {
+                    return Err(Error::Unsupported(format!(
+                        "plugin speaks ABI {}, host speaks {}",
+                        version_string(ABI_VERSION),
+                        version_string(host_abi)
+                    )));
+                }
+                let backend = make().map_err(|e| Error::Backend { backend: String::new(), message: e.to_string() })?;
+                let boxed = BackendBox {
+                    name: backend.name().to_string(),
+                    version: version.to_string(),
+                    description: backend.description().to_string(),
+                    // Kiln-only ids (≥ 128, APR's types) arrived in ABI 1.2: an older host
+                    // would refuse the whole plugin for one id it cannot name.
+                    qtypes: backend
+                        .qtypes()
+                        .iter()
+                        .filter(|q| q.is_ggml() || version_minor(host_abi) >= 2)
+                        .map(|q| q.id())
+                        .collect(),
+                    architectures: architectures().iter().map(arch_id).collect(),
+                    backend: Box::new(backend),
+                };
+                *out = Box::into_raw(Box::new(boxed)) as *mut KilnBackend;
+                Ok(())
+            })
+        }
     }
 
     unsafe extern "C" fn destroy_backend(backend: *mut KilnBackend) {
-        if !backend.is_null() {
-            // A Drop that panics must not unwind into the host; there is no one to report to.
-            let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(backend as *mut BackendBox))));
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            if !backend.is_null() {
+                // A Drop that panics must not unwind into the host; there is no one to report to.
+                let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(backend as *mut BackendBox))));
+            }
         }
     }
 
     unsafe fn backend_ref<'a>(backend: *mut KilnBackend) -> Result<&'a BackendBox, Error> {
-        (backend as *const BackendBox).as_ref().ok_or_else(|| null_arg("backend"))
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            (backend as *const BackendBox).as_ref().ok_or_else(|| null_arg("backend"))
+        }
     }
 
     unsafe extern "C" fn describe(
@@ -259,48 +283,56 @@ pub mod __private {
         out: *mut KilnBackendInfo,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        guard(err, || {
-            let b = backend_ref(backend)?;
-            let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
-            if (out.struct_size as usize) < std::mem::size_of::<KilnBackendInfo>() {
-                return Err(Error::InvalidArgument(format!(
-                    "backend info struct_size {} is smaller than ABI {}'s {} bytes",
-                    out.struct_size,
-                    version_string(ABI_VERSION),
-                    std::mem::size_of::<KilnBackendInfo>()
-                )));
-            }
-            out.name = KilnStr::new(&b.name);
-            out.version = KilnStr::new(&b.version);
-            out.description = KilnStr::new(&b.description);
-            out.qtypes = b.qtypes.as_ptr();
-            out.n_qtypes = b.qtypes.len();
-            out.architectures = b.architectures.as_ptr();
-            out.n_architectures = b.architectures.len();
-            Ok(())
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            guard(err, || {
+                let b = backend_ref(backend)?;
+                let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
+                if (out.struct_size as usize) < std::mem::size_of::<KilnBackendInfo>() {
+                    return Err(Error::InvalidArgument(format!(
+                        "backend info struct_size {} is smaller than ABI {}'s {} bytes",
+                        out.struct_size,
+                        version_string(ABI_VERSION),
+                        std::mem::size_of::<KilnBackendInfo>()
+                    )));
+                }
+                out.name = KilnStr::new(&b.name);
+                out.version = KilnStr::new(&b.version);
+                out.description = KilnStr::new(&b.description);
+                out.qtypes = b.qtypes.as_ptr();
+                out.n_qtypes = b.qtypes.len();
+                out.architectures = b.architectures.as_ptr();
+                out.n_architectures = b.architectures.len();
+                Ok(())
+            })
+        }
     }
 
     unsafe extern "C" fn probe(backend: *mut KilnBackend, device: *mut KilnOwnedStr, err: *mut KilnOwnedStr) -> KilnStatus {
-        let mut unavailable = false;
-        let status = guard(err, || {
-            let b = backend_ref(backend)?;
-            if device.is_null() {
-                return Err(null_arg("device"));
-            }
-            match b.backend.probe() {
-                Ok(dev) => set_str(device, dev),
-                Err(why) => {
-                    unavailable = true;
-                    set_str(err, why);
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            let mut unavailable = false;
+            let status = guard(err, || {
+                let b = backend_ref(backend)?;
+                if device.is_null() {
+                    return Err(null_arg("device"));
                 }
+                match b.backend.probe() {
+                    Ok(dev) => set_str(device, dev),
+                    Err(why) => {
+                        unavailable = true;
+                        set_str(err, why);
+                    }
+                }
+                Ok(())
+            });
+            if unavailable && status.is_ok() {
+                KilnStatus::UNAVAILABLE
+            } else {
+                status
             }
-            Ok(())
-        });
-        if unavailable && status.is_ok() {
-            KilnStatus::UNAVAILABLE
-        } else {
-            status
         }
     }
 
@@ -310,19 +342,23 @@ pub mod __private {
         out: *mut KilnSupport,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        guard(err, || {
-            let b = backend_ref(backend)?;
-            let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
-            // The views borrow the host's bytes for this call only; `model` is dropped
-            // before returning (a backend must not keep clones from `supports`).
-            let model = model_from_desc(model)?;
-            let (supported, score, message) = match b.backend.supports(&model) {
-                Support::Yes { score, note } => (1, score, note),
-                Support::No { reason } => (0, 0, reason),
-            };
-            *out = KilnSupport { supported, score, message: owned(message) };
-            Ok(())
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            guard(err, || {
+                let b = backend_ref(backend)?;
+                let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
+                // The views borrow the host's bytes for this call only; `model` is dropped
+                // before returning (a backend must not keep clones from `supports`).
+                let model = model_from_desc(model)?;
+                let (supported, score, message) = match b.backend.supports(&model) {
+                    Support::Yes { score, note } => (1, score, note),
+                    Support::No { reason } => (0, 0, reason),
+                };
+                *out = KilnSupport { supported, score, message: owned(message) };
+                Ok(())
+            })
+        }
     }
 
     /// The host's progress callback, callable only while `load` runs: the flag is cleared
@@ -335,6 +371,7 @@ pub mod __private {
     // SAFETY: the host promises the callback may be called from any thread during `load`;
     // `live` keeps every call inside that window.
     unsafe impl Send for HostProgress {}
+    // SAFETY: as for Send: calls are serialised by `live`'s lock.
     unsafe impl Sync for HostProgress {}
 
     unsafe extern "C" fn load(
@@ -345,62 +382,72 @@ pub mod __private {
         info: *mut KilnExecutorInfo,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        let mut host_progress: Option<Arc<HostProgress>> = None;
-        let status = guard(err, || {
-            let b = backend_ref(backend)?;
-            // A copy of the host's prefix: options appended after the host's minor read as
-            // zero, their defaults.
-            let o = KilnLoadOptions::read(options).map_err(Error::InvalidArgument)?;
-            let info = info.as_mut().ok_or_else(|| null_arg("info"))?;
-            if out.is_null() {
-                return Err(null_arg("out"));
-            }
-            if (info.struct_size as usize) < std::mem::size_of::<KilnExecutorInfo>() {
-                return Err(Error::InvalidArgument(format!("executor info struct_size {} is too small", info.struct_size)));
-            }
-            let size = |v: u64, what: &str| {
-                usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} does not fit usize")))
-            };
-            let progress = o.progress.map(|f| {
-                let hp = Arc::new(HostProgress { f, user: o.progress_user, live: Mutex::new(true) });
-                host_progress = Some(hp.clone());
-                Arc::new(move |done: u64, total: u64| {
-                    let live = hp.live.lock().unwrap_or_else(|p| p.into_inner());
-                    if *live {
-                        // SAFETY: the host keeps `user` valid during `load`, and `live` says we are inside it.
-                        unsafe { (hp.f)(hp.user, done, total) }
-                    }
-                }) as kiln_core::ProgressFn
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            let mut host_progress: Option<Arc<HostProgress>> = None;
+            let status = guard(err, || {
+                let b = backend_ref(backend)?;
+                // A copy of the host's prefix: options appended after the host's minor read as
+                // zero, their defaults.
+                let o = KilnLoadOptions::read(options).map_err(Error::InvalidArgument)?;
+                let info = info.as_mut().ok_or_else(|| null_arg("info"))?;
+                if out.is_null() {
+                    return Err(null_arg("out"));
+                }
+                if (info.struct_size as usize) < std::mem::size_of::<KilnExecutorInfo>() {
+                    return Err(Error::InvalidArgument(format!("executor info struct_size {} is too small", info.struct_size)));
+                }
+                let size = |v: u64, what: &str| {
+                    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} does not fit usize")))
+                };
+                let progress = o.progress.map(|f| {
+                    let hp = Arc::new(HostProgress { f, user: o.progress_user, live: Mutex::new(true) });
+                    host_progress = Some(hp.clone());
+                    Arc::new(move |done: u64, total: u64| {
+                        let live = hp.live.lock().unwrap_or_else(|p| p.into_inner());
+                        if *live {
+                            // Sound: the host keeps `user` valid during `load`, and `live` says
+                            // we are inside it (this closure is inside `load`'s unsafe block).
+                            (hp.f)(hp.user, done, total)
+                        }
+                    }) as kiln_core::ProgressFn
+                });
+                let options = LoadOptions {
+                    max_context: size(o.max_context, "max_context")?,
+                    max_sequences: size(o.max_sequences, "max_sequences")?,
+                    threads: match o.threads {
+                        0 => None,
+                        n => Some(size(n, "threads")?),
+                    },
+                    progress,
+                    // Bits this SDK does not know are permissions from a newer host; declining
+                    // them is always allowed (see `load_flags`).
+                    quantized_activations: o.flags & load_flags::QUANTIZED_ACTIVATIONS != 0,
+                    ..LoadOptions::default()
+                };
+                let model = model_from_desc(model)?;
+                let exec = b.backend.load(&model, &options)?;
+                info.max_context = exec.max_context() as u64;
+                info.max_sequences = exec.max_sequences() as u64;
+                let boxed = ExecBox { exec, items: Vec::new(), poisoned: None };
+                *out = Box::into_raw(Box::new(boxed)) as *mut KilnExecutor;
+                Ok(())
             });
-            let options = LoadOptions {
-                max_context: size(o.max_context, "max_context")?,
-                max_sequences: size(o.max_sequences, "max_sequences")?,
-                threads: match o.threads {
-                    0 => None,
-                    n => Some(size(n, "threads")?),
-                },
-                progress,
-                // Bits this SDK does not know are permissions from a newer host; declining
-                // them is always allowed (see `load_flags`).
-                quantized_activations: o.flags & load_flags::QUANTIZED_ACTIVATIONS != 0,
-            };
-            let model = model_from_desc(model)?;
-            let exec = b.backend.load(&model, &options)?;
-            info.max_context = exec.max_context() as u64;
-            info.max_sequences = exec.max_sequences() as u64;
-            let boxed = ExecBox { exec, items: Vec::new(), poisoned: None };
-            *out = Box::into_raw(Box::new(boxed)) as *mut KilnExecutor;
-            Ok(())
-        });
-        if let Some(hp) = host_progress {
-            *hp.live.lock().unwrap_or_else(|p| p.into_inner()) = false;
+            if let Some(hp) = host_progress {
+                *hp.live.lock().unwrap_or_else(|p| p.into_inner()) = false;
+            }
+            status
         }
-        status
     }
 
     unsafe extern "C" fn free_executor(executor: *mut KilnExecutor) {
-        if !executor.is_null() {
-            let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(executor as *mut ExecBox))));
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            if !executor.is_null() {
+                let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(executor as *mut ExecBox))));
+            }
         }
     }
 
@@ -412,52 +459,72 @@ pub mod __private {
         what: &str,
         f: impl FnOnce(&mut ExecBox) -> Result<(), Error>,
     ) -> KilnStatus {
-        let Some(e) = (executor as *mut ExecBox).as_mut() else {
-            set_str(err, "executor is a null pointer".into());
-            return KilnStatus::INVALID_ARGUMENT;
-        };
-        if let Some(why) = &e.poisoned {
-            set_str(err, format!("executor is unusable after an earlier panic {why}"));
-            return KilnStatus::ERROR;
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            let Some(e) = (executor as *mut ExecBox).as_mut() else {
+                set_str(err, "executor is a null pointer".into());
+                return KilnStatus::INVALID_ARGUMENT;
+            };
+            if let Some(why) = &e.poisoned {
+                set_str(err, format!("executor is unusable after an earlier panic {why}"));
+                return KilnStatus::ERROR;
+            }
+            let status = guard(err, || f(&mut *e));
+            if status == KilnStatus::PANIC {
+                e.poisoned = Some(match err.as_ref() {
+                    Some(s) if !s.is_none() => {
+                        format!("in {what}: {}", String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len)))
+                    }
+                    _ => format!("in {what}"),
+                });
+            }
+            status
         }
-        let status = guard(err, || f(&mut *e));
-        if status == KilnStatus::PANIC {
-            e.poisoned = Some(match err.as_ref() {
-                Some(s) if !s.is_none() => {
-                    format!("in {what}: {}", String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len)))
-                }
-                _ => format!("in {what}"),
-            });
-        }
-        status
     }
 
     unsafe fn slice<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T], Error> {
-        match (ptr.is_null(), len) {
-            (_, 0) => Ok(&[]),
-            (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
-            (false, _) => Ok(std::slice::from_raw_parts(ptr, len)),
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            match (ptr.is_null(), len) {
+                (_, 0) => Ok(&[]),
+                (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
+                (false, _) => Ok(std::slice::from_raw_parts(ptr, len)),
+            }
         }
     }
 
     unsafe fn slice_mut<'a, T>(ptr: *mut T, len: usize, what: &str) -> Result<&'a mut [T], Error> {
-        match (ptr.is_null(), len) {
-            (_, 0) => Ok(&mut []),
-            (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
-            (false, _) => Ok(std::slice::from_raw_parts_mut(ptr, len)),
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            match (ptr.is_null(), len) {
+                (_, 0) => Ok(&mut []),
+                (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
+                (false, _) => Ok(std::slice::from_raw_parts_mut(ptr, len)),
+            }
         }
     }
 
     unsafe extern "C" fn new_sequence(executor: *mut KilnExecutor, out: *mut u32, err: *mut KilnOwnedStr) -> KilnStatus {
-        with_exec(executor, err, "new_sequence", |e| {
-            let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
-            *out = e.exec.new_sequence()?;
-            Ok(())
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "new_sequence", |e| {
+                let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
+                *out = e.exec.new_sequence()?;
+                Ok(())
+            })
+        }
     }
 
     unsafe extern "C" fn free_sequence(executor: *mut KilnExecutor, seq: u32, err: *mut KilnOwnedStr) -> KilnStatus {
-        with_exec(executor, err, "free_sequence", |e| e.exec.free_sequence(seq))
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "free_sequence", |e| e.exec.free_sequence(seq))
+        }
     }
 
     unsafe extern "C" fn sequence_len(
@@ -466,11 +533,15 @@ pub mod __private {
         out: *mut u64,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        with_exec(executor, err, "sequence_len", |e| {
-            let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
-            *out = e.exec.sequence_len(seq)? as u64;
-            Ok(())
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "sequence_len", |e| {
+                let out = out.as_mut().ok_or_else(|| null_arg("out"))?;
+                *out = e.exec.sequence_len(seq)? as u64;
+                Ok(())
+            })
+        }
     }
 
     unsafe extern "C" fn truncate_sequence(
@@ -479,10 +550,14 @@ pub mod __private {
         len: u64,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        with_exec(executor, err, "truncate_sequence", |e| {
-            let len = usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len} does not fit usize")))?;
-            e.exec.truncate_sequence(seq, len)
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "truncate_sequence", |e| {
+                let len = usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len} does not fit usize")))?;
+                e.exec.truncate_sequence(seq, len)
+            })
+        }
     }
 
     unsafe extern "C" fn prefill(
@@ -494,11 +569,15 @@ pub mod __private {
         n_logits: usize,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        with_exec(executor, err, "prefill", |e| {
-            let tokens = slice(tokens, n_tokens, "tokens")?;
-            let logits = slice_mut(logits, n_logits, "logits")?;
-            e.exec.prefill(seq, tokens, logits)
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "prefill", |e| {
+                let tokens = slice(tokens, n_tokens, "tokens")?;
+                let logits = slice_mut(logits, n_logits, "logits")?;
+                e.exec.prefill(seq, tokens, logits)
+            })
+        }
     }
 
     unsafe extern "C" fn decode(
@@ -509,12 +588,16 @@ pub mod __private {
         n_logits: usize,
         err: *mut KilnOwnedStr,
     ) -> KilnStatus {
-        with_exec(executor, err, "decode", |e| {
-            let items = slice(items, n_items, "items")?;
-            let logits = slice_mut(logits, n_logits, "logits")?;
-            e.items.clear();
-            e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
-            e.exec.decode(&e.items, logits)
-        })
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "decode", |e| {
+                let items = slice(items, n_items, "items")?;
+                let logits = slice_mut(logits, n_logits, "logits")?;
+                e.items.clear();
+                e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
+                e.exec.decode(&e.items, logits)
+            })
+        }
     }
 }

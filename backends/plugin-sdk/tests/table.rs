@@ -152,6 +152,7 @@ extern "C" {
 }
 
 fn api() -> &'static KilnPluginApi {
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe { &*kiln_plugin_entry() }
 }
 
@@ -160,7 +161,9 @@ fn take(s: KilnOwnedStr) -> String {
     if s.is_none() {
         return String::new();
     }
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let text = unsafe { String::from_utf8(std::slice::from_raw_parts(s.ptr, s.len).to_vec()).unwrap() };
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe { (api().free_string.unwrap())(s) };
     text
 }
@@ -168,6 +171,7 @@ fn take(s: KilnOwnedStr) -> String {
 fn backend() -> *mut KilnBackend {
     let mut b = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api().create_backend.unwrap())(ABI_VERSION, &mut b, &mut err) };
     assert_eq!(status, KilnStatus::OK, "{}", take(err));
     b
@@ -181,6 +185,7 @@ fn header_and_creation() {
 
     let mut b = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.create_backend.unwrap())(pack_version(ABI_MAJOR + 1, 0), &mut b, &mut err) };
     assert_eq!(status, KilnStatus::UNSUPPORTED);
     let msg = take(err);
@@ -188,6 +193,7 @@ fn header_and_creation() {
     assert!(b.is_null());
 
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.create_backend.unwrap())(ABI_VERSION, std::ptr::null_mut(), &mut err) };
     assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("null"));
@@ -199,12 +205,15 @@ fn describe_probe_supports() {
     let mut info = KilnBackendInfo::empty();
     info.struct_size = 8;
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("struct_size 8"));
 
     let mut info = KilnBackendInfo::empty();
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::OK);
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe {
         assert_eq!(info.name.to_str("name", 64).unwrap(), "tiny");
         assert_eq!(info.version.to_str("version", 64).unwrap(), env!("CARGO_PKG_VERSION"));
@@ -213,6 +222,7 @@ fn describe_probe_supports() {
     }
 
     let (mut device, mut err) = (KilnOwnedStr::NONE, KilnOwnedStr::NONE);
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.probe.unwrap())(b, &mut device, &mut err) }, KilnStatus::UNAVAILABLE);
     assert!(device.is_none());
     assert_eq!(take(err), "no tiny device here");
@@ -222,14 +232,17 @@ fn describe_probe_supports() {
     let desc = buf.desc();
     let mut out = KilnSupport { supported: 7, score: 7, message: KilnOwnedStr::NONE };
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) }, KilnStatus::OK);
     let note = take(std::mem::replace(&mut out.message, KilnOwnedStr::NONE));
     assert_eq!((out.supported, out.score, note.as_str()), (1, 42, "1 layers"));
 
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.supports.unwrap())(b, std::ptr::null(), &mut out, &mut err) };
     assert_eq!(status, KilnStatus::FORMAT);
     assert!(take(err).contains("null model descriptor"));
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe { (api.destroy_backend.unwrap())(b) };
 }
 
@@ -261,6 +274,7 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
     let mut e = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.load.unwrap())(b, &desc, &options, &mut e, &mut info, &mut err) };
     assert_eq!(status, KilnStatus::OK, "{}", take(err));
     assert_eq!((info.max_context, info.max_sequences), (8, 1));
@@ -269,27 +283,32 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     // After load, the executor's copy of the callback no longer reaches the host.
     let mut seq = 99;
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) }, KilnStatus::OK);
     assert_eq!(seq, 0);
     assert_eq!(PROGRESS_CALLS.load(Ordering::SeqCst), 1, "progress after load must be dropped");
 
     // Null handles and buffers are refused, not dereferenced.
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) }, KilnStatus::INVALID_ARGUMENT);
     take(err);
     let mut logits = [0.0f32; 4];
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.prefill.unwrap())(e, 0, std::ptr::null(), 3, logits.as_mut_ptr(), 4, &mut err) };
     assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("tokens is a null pointer"));
     let tokens = [1u32, 2];
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.prefill.unwrap())(e, 0, tokens.as_ptr(), 2, logits.as_mut_ptr(), 4, &mut err) };
     assert_eq!(status, KilnStatus::OK);
     assert_eq!(logits, [1.0; 4]);
 
     // Error kinds travel as their status.
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) }, KilnStatus::INVALID_ARGUMENT);
     assert_eq!(take(err), "nothing to truncate");
 
@@ -297,14 +316,17 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     // poisons the executor.
     let item = KilnDecodeItem { seq: 0, token: 1 };
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.decode.unwrap())(e, &item, 1, logits.as_mut_ptr(), 4, &mut err) };
     assert_eq!(status, KilnStatus::PANIC);
     assert_eq!(take(err), "tiny decode panics");
     let mut len = 0u64;
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     assert_eq!(unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) }, KilnStatus::ERROR);
     assert_eq!(take(err), "executor is unusable after an earlier panic in decode: tiny decode panics");
 
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe {
         (api.free_executor.unwrap())(e);
         (api.destroy_backend.unwrap())(b);
@@ -321,14 +343,17 @@ fn load_with(options: &KilnLoadOptions) -> std::result::Result<(usize, bool), (K
     let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
     let mut e = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.load.unwrap())(b, &desc, options, &mut e, &mut info, &mut err) };
     let result = if status == KilnStatus::OK {
+        // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         unsafe { (api.free_executor.unwrap())(e) };
         let loads = LOADS.lock().unwrap();
         Ok(*loads.iter().rev().find(|(ctx, _)| *ctx == options.max_context as usize).expect("Tiny::load was called"))
     } else {
         Err((status, take(err)))
     };
+    // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe { (api.destroy_backend.unwrap())(b) };
     result
 }

@@ -15,16 +15,24 @@ use crate::dequant;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
+#[cfg(target_arch = "x86_64")]
+pub use avx2::Avx2;
+
+/// Stands in for the AVX2 token where the kernels do not exist: no value can be made.
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Avx2 {}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Avx2 {
+    pub fn detect() -> Option<Avx2> {
+        None
+    }
+}
+
 /// Whether the AVX2 kernels can run on this CPU.
 pub fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Avx2::detect().is_some()
 }
 
 /// Sums of the activation over each 32-value block. Types with a per-block offset
@@ -53,13 +61,12 @@ pub trait RowDot {
     fn dequant_row(&self, row: &[u8], out: &mut [f32]);
 }
 
-/// f32 dot product, vectorised where the CPU allows.
+/// f32 dot product, vectorised when given the AVX2 token.
 #[inline]
-pub fn dot_f32(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+pub fn dot_f32(simd: Option<Avx2>, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2::dot_f32(a, b) };
+    if let Some(t) = simd {
+        return avx2::dot_f32(t, a, b);
     }
     let _ = simd;
     dot_f32_portable(a, b)
@@ -67,12 +74,12 @@ pub fn dot_f32(simd: bool, a: &[f32], b: &[f32]) -> f32 {
 
 /// `w · x[t]` for four activations, reading `w` once.
 #[inline]
-pub fn dot4_f32(simd: bool, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+pub fn dot4_f32(simd: Option<Avx2>, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2::dot4_f32(w, x) };
+    if let Some(t) = simd {
+        return avx2::dot4_f32(t, w, x);
     }
+    let _ = simd;
     x.map(|x| dot_f32_portable(w, x))
 }
 
@@ -113,16 +120,14 @@ macro_rules! block_kernel {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
-            pub simd: bool,
+            simd: Option<Avx2>,
         }
         impl RowDot for $name {
             fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
-                if self.simd {
+                if let Some(t) = self.simd {
                     for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
-                        // SAFETY: `simd` is only set when AVX2, FMA and F16C were detected;
-                        // `row` holds x.len() values of this type (checked at load).
-                        *o = unsafe { avx2::$simd_fn(row, x.x, x.sums) };
+                        *o = avx2::$simd_fn(t, row, x.x, x.sums);
                     }
                     return;
                 }
@@ -179,7 +184,7 @@ portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
 pub struct F32Kernel {
-    pub simd: bool,
+    simd: Option<Avx2>,
 }
 impl RowDot for F32Kernel {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
@@ -204,15 +209,14 @@ impl RowDot for F32Kernel {
 /// IEEE half weights.
 #[derive(Debug, Clone, Copy)]
 pub struct F16Kernel {
-    pub simd: bool,
+    simd: Option<Avx2>,
 }
 impl RowDot for F16Kernel {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
         for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
             #[cfg(target_arch = "x86_64")]
-            if self.simd {
-                // SAFETY: features detected at load; `row` holds x.len() halves.
-                *o = unsafe { avx2::dot_f16(row, x.x) };
+            if let Some(t) = self.simd {
+                *o = avx2::dot_f16(t, row, x.x);
                 continue;
             }
             let mut buf = [0.0f32; 64];
@@ -233,7 +237,7 @@ impl RowDot for F16Kernel {
 /// bfloat16 weights.
 #[derive(Debug, Clone, Copy)]
 pub struct Bf16Kernel {
-    pub simd: bool,
+    simd: Option<Avx2>,
 }
 impl RowDot for Bf16Kernel {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
@@ -292,10 +296,10 @@ pub const SUPPORTED: [QType; 14] = [
 ];
 
 impl Kernel {
-    /// The kernel for `qtype`; `simd` selects the AVX2 paths (only pass true when
-    /// [`simd_available`] says so). `None` for types this backend does not multiply with.
+    /// The kernel for `qtype`, with the AVX2 paths when `simd` asks for them and the CPU
+    /// has them (detected here). `None` for types this backend does not multiply with.
     pub fn new(qtype: QType, simd: bool) -> Option<Kernel> {
-        let simd = simd && simd_available();
+        let simd = if simd { Avx2::detect() } else { None };
         Some(match qtype {
             QType::F32 => F32Kernel { simd }.into(),
             QType::F16 => F16Kernel { simd }.into(),
