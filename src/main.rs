@@ -203,6 +203,11 @@ struct BenchArgs {
     batch: Vec<usize>,
 }
 
+/// The system allocator with per-thread accounting, so a chat template from a model file
+/// cannot build unbounded text in its variables (see kiln_formats::chat::memory).
+#[global_allocator]
+static ALLOC: kiln_formats::chat::memory::GuardedAlloc = kiln_formats::chat::memory::GuardedAlloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // `kiln serve` logs one line per request unless KILN_LOG says otherwise.
@@ -335,6 +340,9 @@ fn print_summary(backend: &str, g: &Generation) {
     );
 }
 
+/// Longest message line `kiln chat` reads.
+const MAX_CHAT_LINE: usize = 4 << 20;
+
 fn cmd_chat(args: ChatArgs) -> Result<()> {
     let mut engine = load_engine(&args.model)?;
     let backend = engine.backend_name().to_string();
@@ -349,7 +357,15 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
     loop {
         eprint!("> ");
         line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+        // One message per line, read with a bound: input without a newline must not grow
+        // without limit (the context refuses far less than this anyway).
+        let n = std::io::Read::take(stdin.lock(), MAX_CHAT_LINE as u64 + 1).read_line(&mut line)?;
+        if n > MAX_CHAT_LINE {
+            return Err(Error::InvalidArgument(format!(
+                "an input line of more than {MAX_CHAT_LINE} bytes; kiln chat reads one message per line"
+            )));
+        }
+        if n == 0 || line.trim().is_empty() {
             break;
         }
         if line.trim() == "/reset" {

@@ -160,6 +160,7 @@ impl<'e> Session<'e> {
                 decode_steps: 0,
             });
         }
+        kiln_core::check_finite(&self.logits)?;
         let mut token = sampler.sample(&mut self.logits);
         loop {
             if params.stop_on_eos && stop_tokens.contains(&token) {
@@ -189,7 +190,10 @@ impl<'e> Session<'e> {
             }
             let item = DecodeItem { seq: self.seq, token };
             let mut next = [0u32];
-            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)?;
+            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next).map_err(|e| match e {
+                Error::NonFiniteLogits { .. } => Error::NonFiniteLogits { step: decode_steps + 1 },
+                other => other,
+            })?;
             self.cached.push(token);
             decode_steps += 1;
             token = next[0];

@@ -455,6 +455,7 @@ fn kind_of(e: &Error) -> &'static str {
         Error::Plugin { .. } => "Plugin",
         Error::Tokenizer(_) => "Tokenizer",
         Error::InvalidArgument(_) => "InvalidArgument",
+        Error::NonFiniteLogits { .. } => "NonFiniteLogits",
     }
 }
 

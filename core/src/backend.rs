@@ -210,9 +210,19 @@ pub trait LayerExecutor: Send {
         let mut logits = vec![0.0f32; batch.len() * vocab];
         self.decode(batch, &mut logits)?;
         for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
+            check_finite(row)?;
             *token = sampler.sample(row);
         }
         Ok(())
+    }
+}
+
+/// `NonFiniteLogits` (step 0; callers that count steps fill it in) when a logit is NaN or
+/// infinite: a broken weight must not turn into an arbitrary token and an exit status of 0.
+pub fn check_finite(logits: &[f32]) -> Result<()> {
+    match logits.iter().all(|l| l.is_finite()) {
+        true => Ok(()),
+        false => Err(Error::NonFiniteLogits { step: 0 }),
     }
 }
 

@@ -32,6 +32,10 @@ pub enum Error {
     /// The caller passed something out of range (unknown sequence, context full ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The model computed NaN or infinite logits: a weight or activation is not finite.
+    /// `step` 0 is the prompt's logits, n the n-th generated token's.
+    #[error("the model produced non-finite logits (NaN or infinity) at step {step}: a weight or activation is not finite")]
+    NonFiniteLogits { step: usize },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

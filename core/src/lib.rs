@@ -20,7 +20,8 @@ pub mod sequences;
 pub mod testdata;
 
 pub use backend::{
-    check_decode, check_decode_batch, check_decode_items, check_prefill, check_sample_slots, check_tokens, score, Backend, DecodeItem,
+    check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill, check_sample_slots, check_tokens, score,
+    Backend, DecodeItem,
     LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
 };
 pub use error::{Error, Result};

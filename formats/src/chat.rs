@@ -8,13 +8,14 @@
 //! kept). A file without a template gets ChatML.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use kiln_core::{Error, Result};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{context, Environment, ErrorKind};
 use serde::Serialize;
 
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, GgufValue};
 
 /// ChatML, used when the file carries no template.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
@@ -35,9 +36,12 @@ impl ChatMessage {
     }
 }
 
+pub mod memory;
+
 /// A compiled chat template plus the special-token strings it may reference.
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    /// Shared with render threads (see [`memory::bounded`]).
+    env: Arc<Environment<'static>>,
     source: String,
     bos_token: String,
     eos_token: String,
@@ -76,6 +80,9 @@ pub mod limits {
     pub const RECURSION: usize = 100;
     /// Bytes of text one render may produce.
     pub const OUTPUT_BYTES: usize = 32 << 20;
+    /// Live bytes one render may hold, where [`super::memory::GuardedAlloc`] is the
+    /// program's allocator (the `kiln` binary's).
+    pub const MEMORY_BYTES: usize = 256 << 20;
 }
 
 /// A writer that refuses to grow past `limit` bytes.
@@ -119,7 +126,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.clone()).map_err(template_error)?;
         Ok(ChatTemplate {
-            env,
+            env: Arc::new(env),
             source,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
@@ -145,7 +152,7 @@ impl ChatTemplate {
                 .unwrap_or_default()
         };
         let (bos, eos) = (piece("tokenizer.ggml.bos_token_id"), piece("tokenizer.ggml.eos_token_id"));
-        match file.get_str("tokenizer.chat_template") {
+        match file.typed("tokenizer.chat_template", "string", GgufValue::as_str)? {
             Some(src) => ChatTemplate::new(src, bos, eos),
             None => Ok(ChatTemplate::chatml(bos, eos)),
         }
@@ -167,13 +174,28 @@ impl ChatTemplate {
     /// Rendering is bounded ([`limits`]): a template that runs out of instructions, nests
     /// too deep or writes too much text is an error naming the limit, never a hang.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+        let env = self.env.clone();
+        let messages = messages.to_vec();
+        let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
+        memory::bounded(limits::MEMORY_BYTES, move || render_with(&env, &messages, add_generation_prompt, &bos, &eos))
+    }
+}
+
+fn render_with(
+    env: &Environment<'static>,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String> {
+    {
+        let tmpl = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
         let mut out = Bounded { out: Vec::new(), limit: limits::OUTPUT_BYTES };
         let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
+            bos_token => bos_token,
+            eos_token => eos_token,
         };
         match tmpl.render_captured_to(ctx, &mut out) {
             Ok(_) => {}

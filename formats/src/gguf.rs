@@ -69,6 +69,8 @@ pub enum GgufError {
     TensorOutOfBounds { name: String, start: u64, len: u64, file_len: u64 },
     #[error("tensor '{0}' appears twice")]
     DuplicateTensor(String),
+    #[error("tensors '{first}' and '{second}' overlap in the data section")]
+    OverlappingTensors { first: String, second: String },
     #[error("metadata key '{0}' appears twice")]
     DuplicateKey(String),
     #[error("general.alignment {0} is not a power of two")]
@@ -225,6 +227,23 @@ impl GgufFile {
         self.get(key)?.as_i32_array()
     }
 
+    /// Key `key` read by `get` (one of the `as_*` accessors), strictly: `None` when the key
+    /// is absent, `WrongType` when it is present with a type `get` does not accept — a
+    /// value of the wrong type is never taken for a missing one.
+    pub fn typed<'a, T>(
+        &'a self,
+        key: &str,
+        expected: &'static str,
+        get: impl Fn(&'a GgufValue) -> Option<T>,
+    ) -> Result<Option<T>, GgufError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => get(v)
+                .map(Some)
+                .ok_or_else(|| GgufError::WrongType { key: key.to_string(), expected, found: v.value_type() }),
+        }
+    }
+
     /// `general.architecture`.
     pub fn architecture(&self) -> Option<&str> {
         self.get_str("general.architecture")
@@ -364,6 +383,23 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
         let end = start.checked_add(t.n_bytes as u64).ok_or_else(out)?;
         if end > file_len {
             return Err(out());
+        }
+    }
+    // No two tensors may share bytes: a tensor written through one name would change
+    // another, and a file that aliases its tensors is not one a converter writes.
+    let mut ranges: Vec<(u64, u64, usize)> = tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.n_bytes > 0)
+        .map(|(i, t)| (t.offset, t.offset + t.n_bytes as u64, i))
+        .collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(GgufError::OverlappingTensors {
+                first: tensors[w[0].2].name.clone(),
+                second: tensors[w[1].2].name.clone(),
+            });
         }
     }
     Ok(Parsed { version, metadata, tensors, alignment, data_offset })

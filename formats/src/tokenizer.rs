@@ -32,7 +32,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::SplitDelimiterBehavior;
 
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, GgufValue};
 
 /// Llama 3's: case-insensitive contractions, digits in groups of up to three, and newlines
 /// kept with the punctuation run before them.
@@ -80,7 +80,11 @@ pub struct TokenizerSpec {
 
 /// Reads a u32 id key, refusing values that do not fit.
 fn id_key(file: &GgufFile, key: &str) -> Result<Option<u32>> {
-    match file.get_u64(key) {
+    // Some converters write -1 for "no such token".
+    if file.get(key).and_then(GgufValue::as_i64).is_some_and(|v| v < 0) {
+        return Ok(None);
+    }
+    match file.typed(key, "unsigned integer", GgufValue::as_u64)? {
         None => Ok(None),
         Some(v) => u32::try_from(v)
             .map(Some)
@@ -92,21 +96,28 @@ impl TokenizerSpec {
     /// Reads the tokenizer keys of a GGUF file. Defaults follow llama.cpp: `llama` models
     /// add BOS and a space prefix unless the file says otherwise, `gpt2` models do neither.
     pub fn from_gguf(file: &GgufFile) -> Result<TokenizerSpec> {
+        // Every key is read strictly: one of the wrong type is an error naming it, not a
+        // silent fallback to "absent".
         let model = file
-            .get_str("tokenizer.ggml.model")
+            .typed("tokenizer.ggml.model", "string", GgufValue::as_str)?
             .ok_or_else(|| Error::Format("missing tokenizer.ggml.model".into()))?
             .to_string();
         let tokens = file
-            .get_string_array("tokenizer.ggml.tokens")
-            .ok_or_else(|| Error::Format("missing or non-string tokenizer.ggml.tokens".into()))?
+            .typed("tokenizer.ggml.tokens", "array of strings", GgufValue::as_string_array)?
+            .ok_or_else(|| Error::Format("missing tokenizer.ggml.tokens".into()))?
             .to_vec();
         let is_spm = model == "llama";
+        let flag = |key: &str, default: bool| -> Result<bool> {
+            Ok(file.typed(key, "bool", GgufValue::as_bool)?.unwrap_or(default))
+        };
         Ok(TokenizerSpec {
-            pre: file.get_str("tokenizer.ggml.pre").map(str::to_string),
-            scores: file.get_f32_array("tokenizer.ggml.scores").map(<[f32]>::to_vec),
-            token_types: file.get_i32_array("tokenizer.ggml.token_type").map(<[i32]>::to_vec),
+            pre: file.typed("tokenizer.ggml.pre", "string", GgufValue::as_str)?.map(str::to_string),
+            scores: file.typed("tokenizer.ggml.scores", "array of f32", GgufValue::as_f32_array)?.map(<[f32]>::to_vec),
+            token_types: file
+                .typed("tokenizer.ggml.token_type", "array of i32", GgufValue::as_i32_array)?
+                .map(<[i32]>::to_vec),
             merges: file
-                .get_string_array("tokenizer.ggml.merges")
+                .typed("tokenizer.ggml.merges", "array of strings", GgufValue::as_string_array)?
                 .map(<[String]>::to_vec)
                 .unwrap_or_default(),
             bos: id_key(file, "tokenizer.ggml.bos_token_id")?,
@@ -114,8 +125,8 @@ impl TokenizerSpec {
             eot: id_key(file, "tokenizer.ggml.eot_token_id")?,
             unk: id_key(file, "tokenizer.ggml.unknown_token_id")?,
             pad: id_key(file, "tokenizer.ggml.padding_token_id")?,
-            add_bos: file.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(is_spm),
-            add_space_prefix: file.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(is_spm),
+            add_bos: flag("tokenizer.ggml.add_bos_token", is_spm)?,
+            add_space_prefix: flag("tokenizer.ggml.add_space_prefix", is_spm)?,
             model,
             tokens,
         })

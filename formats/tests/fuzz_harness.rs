@@ -160,3 +160,28 @@ fn gguf_seeds_pass_every_stage() {
         t.render(&[kiln_formats::chat::ChatMessage::new("user", "hi")], true).unwrap();
     }
 }
+
+/// Inputs the fuzzers found (fuzz/regressions/TARGET/*), each under the time bound.
+#[test]
+fn fuzz_regressions_stay_fixed() {
+    let targets: [(&str, fn(&[u8])); 5] = [
+        ("gguf_reader", fuzz::gguf_reader),
+        ("gguf_model", fuzz::gguf_model),
+        ("tokenizer", fuzz::tokenizer),
+        ("chat_template", fuzz::chat_template),
+        ("apr_reader", |_| {}),
+    ];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
+    for (target, f) in targets {
+        let Ok(dir) = std::fs::read_dir(root.join(target)) else { continue };
+        for e in dir {
+            let path = e.unwrap().path();
+            let input = std::fs::read(&path).unwrap();
+            let t = Instant::now();
+            f(&input);
+            let took = t.elapsed();
+            println!("{target}: {} in {took:?}", path.display());
+            assert!(took < Duration::from_secs(1), "{}: {took:?}", path.display());
+        }
+    }
+}

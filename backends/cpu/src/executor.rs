@@ -100,6 +100,9 @@ fn opt_vector(view: &Option<TensorView>, len: usize, what: &str) -> Result<Optio
     view.as_ref().map(|v| vector(v, len, what)).transpose()
 }
 
+/// Most worker threads per core `LoadOptions::threads` may ask for.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
 impl CpuExecutor {
     pub(crate) fn load(ir: &ModelIr, options: &LoadOptions) -> Result<CpuExecutor> {
         let c = &ir.config;
@@ -149,7 +152,19 @@ impl CpuExecutor {
         let half = c.rope.rotary_dims / 2;
         let freq_factors = opt_vector(&w.rope_freqs, half, "rope frequency factors")?;
         let inv_freq = (0..half).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
-        let threads = options.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // 0 (or none) means every core. More than a few threads per core only adds
+        // switching (and thousands fail to spawn after seconds): refused, with the limit.
+        let threads = match options.threads {
+            None | Some(0) => cores,
+            Some(n) if n > MAX_THREADS_PER_CORE * cores => {
+                return Err(Error::InvalidArgument(format!(
+                    "{n} threads on a machine with {cores} cores (at most {} = {MAX_THREADS_PER_CORE} per core)",
+                    MAX_THREADS_PER_CORE * cores
+                )))
+            }
+            Some(n) => n,
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
