@@ -83,6 +83,9 @@ pub mod limits {
     /// Live bytes one render may hold, where [`super::memory::GuardedAlloc`] is the
     /// program's allocator (the `kiln` binary's).
     pub const MEMORY_BYTES: usize = 256 << 20;
+    /// Wall time one render may take, where the same allocator is installed (a 1,000-message
+    /// conversation renders in milliseconds).
+    pub const RENDER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 }
 
 /// A writer that refuses to grow past `limit` bytes.
@@ -177,7 +180,7 @@ impl ChatTemplate {
         let env = self.env.clone();
         let messages = messages.to_vec();
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
-        memory::bounded(limits::MEMORY_BYTES, move || render_with(&env, &messages, add_generation_prompt, &bos, &eos))
+        memory::bounded(limits::MEMORY_BYTES, limits::RENDER_TIME, move || render_with(&env, &messages, add_generation_prompt, &bos, &eos))
     }
 }
 

@@ -7,4 +7,8 @@
 
 use libfuzzer_sys::fuzz_target;
 
+// Templates get the memory and time bound the `kiln` binary gives them.
+#[global_allocator]
+static ALLOC: kiln_formats::chat::memory::GuardedAlloc = kiln_formats::chat::memory::GuardedAlloc;
+
 fuzz_target!(|data: &[u8]| kiln_formats::fuzz::gguf_model(data));

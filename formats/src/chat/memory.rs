@@ -1,5 +1,7 @@
-//! A memory bound for chat-template rendering. Fuel bounds a template's instructions and
-//! the output writer its text, but neither sees the strings a template builds in variables:
+//! A memory and time bound for chat-template rendering. Fuel bounds a template's
+//! instructions and the output writer its text, but neither sees the strings a template
+//! builds in variables, nor the cost of one instruction (a concatenation copies its whole
+//! left side, so appending in a loop is quadratic):
 //! `{% set ns.s = ns.s ~ ns.s %}` in a loop of 64 (or the same through macro recursion)
 //! asks for 2⁶⁴ bytes in a few hundred instructions, and minijinja has no limit of its own
 //! for string concatenation. The process would abort on the failed allocation.
@@ -7,10 +9,13 @@
 //! [`GuardedAlloc`] is a global allocator (the system allocator plus a per-thread count of
 //! live bytes); a program installs it with `#[global_allocator]` (the `kiln` binary does).
 //! [`bounded`] then runs a render on a thread of its own whose live bytes may not pass a
-//! budget: the allocation that would pass it wakes the caller, which returns a typed error,
-//! and the render thread stops for good right there (it parks; it never returns into the
-//! template, and its memory — at most the budget — stays with it). Without the allocator
-//! installed, `bounded` runs the render in place and only fuel and the output limit apply.
+//! budget and whose time may not pass a deadline: the allocation that would pass the budget
+//! wakes the caller, which returns a typed error, and the render thread stops for good
+//! right there (it parks; it never returns into the template, and its memory — at most the
+//! budget — stays with it); past the deadline the caller returns an error and the thread
+//! stops the same way at its next allocation (every step of a template that keeps working
+//! allocates). Without the allocator installed, `bounded` runs the render in place and
+//! only fuel and the output limit apply.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -34,6 +39,8 @@ thread_local! {
 struct Rendezvous {
     state: Mutex<State>,
     ready: Condvar,
+    /// Set by the caller at the deadline: the render stops at its next allocation.
+    cancelled: AtomicBool,
 }
 
 enum State {
@@ -53,9 +60,14 @@ fn charge(grow: usize) {
             let now = live.get().saturating_add(grow);
             live.set(now);
             if now > budget {
-                over_budget(now);
+                over_budget(Some(now));
             }
         });
+        let wake = WAKE.try_with(|w| w.get()).unwrap_or(std::ptr::null());
+        // SAFETY: see `over_budget`: the rendezvous outlives this bounded thread.
+        if !wake.is_null() && unsafe { &*wake }.cancelled.load(Ordering::Relaxed) {
+            over_budget(None);
+        }
     });
 }
 
@@ -66,7 +78,7 @@ fn release(shrink: usize) {
 /// Tells the caller, then parks this thread for good. Nothing here allocates: the mutex
 /// and condition variable are futex-based, parking allocates nothing.
 #[cold]
-fn over_budget(live: usize) -> ! {
+fn over_budget(live: Option<usize>) -> ! {
     // Unbounded from here on, so nothing below recurses into this path.
     let _ = BUDGET.try_with(|b| b.set(usize::MAX));
     let wake = WAKE.try_with(|w| w.get()).unwrap_or(std::ptr::null());
@@ -74,9 +86,11 @@ fn over_budget(live: usize) -> ! {
         // SAFETY: `bounded` keeps the rendezvous alive (an Arc clone moved into this thread)
         // for as long as this thread exists, and this thread never returns from here.
         let r = unsafe { &*wake };
-        let mut state = r.state.lock().unwrap_or_else(|p| p.into_inner());
-        *state = State::OverBudget(live);
-        r.ready.notify_all();
+        if let Some(live) = live {
+            let mut state = r.state.lock().unwrap_or_else(|p| p.into_inner());
+            *state = State::OverBudget(live);
+            r.ready.notify_all();
+        }
     }
     loop {
         std::thread::park();
@@ -119,17 +133,22 @@ pub fn installed() -> bool {
     INSTALLED.load(Ordering::Relaxed)
 }
 
-/// Runs `render` with at most `budget` live bytes when [`GuardedAlloc`] is installed (on a
-/// thread of its own; see the module doc), else in place. Over the budget: a `Tokenizer`
-/// error naming the limit.
+/// Runs `render` with at most `budget` live bytes for at most `deadline` when
+/// [`GuardedAlloc`] is installed (on a thread of its own; see the module doc), else in
+/// place. Past either: a `Tokenizer` error naming the limit.
 pub fn bounded(
     budget: usize,
+    deadline: std::time::Duration,
     render: impl FnOnce() -> Result<String, kiln_core::Error> + Send + 'static,
 ) -> Result<String, kiln_core::Error> {
     if !installed() {
         return render();
     }
-    let rendezvous = Arc::new(Rendezvous { state: Mutex::new(State::Running), ready: Condvar::new() });
+    let rendezvous = Arc::new(Rendezvous {
+        state: Mutex::new(State::Running),
+        ready: Condvar::new(),
+        cancelled: AtomicBool::new(false),
+    });
     let theirs = rendezvous.clone();
     let spawned = std::thread::Builder::new().name("kiln-chat-template".into()).spawn(move || {
         let _ = WAKE.try_with(|w| w.set(Arc::as_ptr(&theirs)));
@@ -145,10 +164,20 @@ pub fn bounded(
     if let Err(e) = spawned {
         return Err(kiln_core::Error::Tokenizer(format!("chat template: cannot start its render thread: {e}")));
     }
+    let until = std::time::Instant::now() + deadline;
     let mut state = rendezvous.state.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         match std::mem::replace(&mut *state, State::Running) {
-            State::Running => state = rendezvous.ready.wait(state).unwrap_or_else(|p| p.into_inner()),
+            State::Running => {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    rendezvous.cancelled.store(true, Ordering::Relaxed);
+                    return Err(kiln_core::Error::Tokenizer(format!(
+                        "chat template: the render ran for more than {deadline:?} (the limit for one render); the template does too much work"
+                    )));
+                }
+                state = rendezvous.ready.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0;
+            }
             State::Done(result) => return result,
             State::OverBudget(live) => {
                 return Err(kiln_core::Error::Tokenizer(format!(
