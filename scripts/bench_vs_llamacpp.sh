@@ -261,6 +261,10 @@ build-llamacpp)
         -DLLAMA_BUILD_COMMIT="$(head -c 7 "$llamacpp_dir/llama.cpp/LLAMACPP_COMMIT")")
     if [ "$cuda" = ON ]; then
         opts+=(-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_NCCL=OFF)
+    else
+        # The CPU build kiln's CPU backend is compared with: the same instruction set as
+        # kiln's kernels (AVX2 + FMA + F16C), not tuned to the build machine.
+        opts+=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
     fi
     if command -v ninja >/dev/null; then opts+=(-G Ninja); fi
     if [ ! -f "$llamacpp_dir/build/CMakeCache.txt" ]; then

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use kiln_core::plugin_abi::*;
 use kiln_core::{
     Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, ProgressFn, QType,
-    Registry, Result, SeqId, Support,
+    Registry, Result, Sampler, SeqId, Support,
 };
 
 /// Environment variable listing extra plugin directories or library files (separated like
@@ -58,6 +58,19 @@ struct Api {
     truncate_sequence: unsafe extern "C" fn(*mut KilnExecutor, u32, u64, *mut KilnOwnedStr) -> KilnStatus,
     prefill: unsafe extern "C" fn(*mut KilnExecutor, u32, *const u32, usize, *mut f32, usize, *mut KilnOwnedStr) -> KilnStatus,
     decode: unsafe extern "C" fn(*mut KilnExecutor, *const KilnDecodeItem, usize, *mut f32, usize, *mut KilnOwnedStr) -> KilnStatus,
+    /// ABI 1.3; `None` for older plugins (the host then samples the logits of `decode`).
+    decode_sample: Option<
+        unsafe extern "C" fn(
+            *mut KilnExecutor,
+            *const KilnDecodeItem,
+            usize,
+            *mut KilnSamplerState,
+            usize,
+            *mut u32,
+            usize,
+            *mut KilnOwnedStr,
+        ) -> KilnStatus,
+    >,
 }
 
 impl Api {
@@ -76,7 +89,10 @@ impl Api {
         unsafe { std::ptr::copy_nonoverlapping(table as *const u8, &mut raw as *mut KilnPluginApi as *mut u8, n) };
         macro_rules! need {
             ($($f:ident),*) => {
-                Api { $($f: raw.$f.ok_or_else(|| format!("malformed function table: `{}` is null", stringify!($f)))?),* }
+                Api {
+                    $($f: raw.$f.ok_or_else(|| format!("malformed function table: `{}` is null", stringify!($f)))?,)*
+                    decode_sample: raw.decode_sample,
+                }
             };
         }
         Ok(need!(
@@ -627,6 +643,56 @@ impl LayerExecutor for PluginExecutor {
             (p.api.decode)(handle, items.as_ptr(), items.len(), logits.as_mut_ptr(), logits.len(), err)
         })?;
         p.check_logits("decode", logits, vocab)
+    }
+
+    fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
+        let Some(decode_sample) = self.plugin.api.decode_sample else {
+            // A plugin before ABI 1.3: its logits, sampled here.
+            kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
+            let vocab = self.model.model().config.vocab_size;
+            let mut logits = vec![0.0f32; batch.len() * vocab];
+            self.decode(batch, &mut logits)?;
+            for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
+                kiln_core::check_finite(row)?;
+                *token = sampler.sample(row);
+            }
+            return Ok(());
+        };
+        kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
+        let vocab = self.model.model().config.vocab_size;
+        self.items.clear();
+        self.items.extend(batch.iter().map(|i| KilnDecodeItem { seq: i.seq, token: i.token }));
+        let recents: Vec<Vec<u32>> = samplers.iter().map(|s| s.recent().collect()).collect();
+        let mut states: Vec<KilnSamplerState> =
+            samplers.iter().zip(&recents).map(|(s, r)| KilnSamplerState::from_sampler(s, r)).collect();
+        // Poisoned: an id the plugin leaves unwritten is outside every vocabulary.
+        tokens.fill(u32::MAX);
+        let p = &self.plugin;
+        let (handle, items) = (self.handle, &self.items);
+        // SAFETY: every slice is valid for its length during the call; `recents` outlives it.
+        p.call("decode_sample", |err| unsafe {
+            decode_sample(
+                handle,
+                items.as_ptr(),
+                items.len(),
+                states.as_mut_ptr(),
+                states.len(),
+                tokens.as_mut_ptr(),
+                tokens.len(),
+                err,
+            )
+        })?;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(plugin_error(
+                &p.path,
+                format!("decode_sample returned token {t}, outside the vocabulary of {vocab} (unwritten or invalid)"),
+            ));
+        }
+        for ((sampler, state), &token) in samplers.iter_mut().zip(&states).zip(tokens.iter()) {
+            sampler.rng = kiln_core::Rng::new(state.rng_state);
+            sampler.accept(token);
+        }
+        Ok(())
     }
 }
 

@@ -39,8 +39,9 @@ use crate::qtype::QType;
 /// Major version: bumped by any change an older host or plugin could misread.
 pub const ABI_MAJOR: u16 = 1;
 /// Minor version: bumped by purely additive changes (see the module docs). 1.2 added qtype
-/// id 128 (APR Q4): ids from 128 up are kiln's own types, outside ggml's id space.
-pub const ABI_MINOR: u16 = 2;
+/// id 128 (APR Q4): ids from 128 up are kiln's own types, outside ggml's id space. 1.3
+/// appended [`KilnPluginApi::decode_sample`] (a plugin draws tokens itself).
+pub const ABI_MINOR: u16 = 3;
 /// `ABI_MAJOR << 16 | ABI_MINOR`, the value in [`KilnPluginApi::abi_version`].
 pub const ABI_VERSION: u32 = pack_version(ABI_MAJOR, ABI_MINOR);
 /// Name of the symbol every plugin exports.
@@ -267,10 +268,103 @@ pub struct KilnPluginApi {
             err: *mut KilnOwnedStr,
         ) -> KilnStatus,
     >,
+    /// (1.3) One decode step for `n_items` distinct sequences with the next token of each
+    /// drawn by the plugin (on its device, if it has one): `samplers[i]` carries item `i`'s
+    /// settings, its generator state and recent tokens in, the generator state after the
+    /// draw out; `tokens[i]` receives the token. Only ids cross the boundary. Absent (a 1.2
+    /// plugin, or null), the host calls `decode` and samples the logits itself.
+    pub decode_sample: Option<
+        unsafe extern "C" fn(
+            executor: *mut KilnExecutor,
+            items: *const KilnDecodeItem,
+            n_items: usize,
+            samplers: *mut KilnSamplerState,
+            n_samplers: usize,
+            tokens: *mut u32,
+            n_tokens: usize,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
+    >,
 }
 
-/// `struct_size` of the ABI 1.0 table: the least a 1.x host accepts.
-pub const API_SIZE_V1_0: u32 = std::mem::size_of::<KilnPluginApi>() as u32;
+/// `struct_size` of the ABI 1.0 table: the least a 1.x host accepts (1.0 to 1.2 share it).
+pub const API_SIZE_V1_0: u32 = std::mem::offset_of!(KilnPluginApi, decode_sample) as u32;
+
+/// One sequence's sampler across the boundary ([`KilnPluginApi::decode_sample`]): the
+/// settings of [`crate::SamplingParams`], the SplitMix64 state of its [`crate::Rng`] (in
+/// and out) and the recent tokens its repetition penalty looks at (borrowed for the call).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KilnSamplerState {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub top_k: u64,
+    pub repeat_last_n: u64,
+    pub seed: u64,
+    pub rng_state: u64,
+    pub recent: *const u32,
+    pub n_recent: u64,
+}
+
+impl KilnSamplerState {
+    /// `sampler` as it stands; `recent` must hold its recent tokens and outlive the call.
+    pub fn from_sampler(sampler: &crate::Sampler, recent: &[u32]) -> KilnSamplerState {
+        let p = &sampler.params;
+        KilnSamplerState {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repeat_penalty: p.repeat_penalty,
+            top_k: p.top_k as u64,
+            repeat_last_n: p.repeat_last_n as u64,
+            seed: p.seed,
+            rng_state: sampler.rng.state(),
+            recent: recent.as_ptr(),
+            n_recent: recent.len() as u64,
+        }
+    }
+
+    /// The sampler this state describes; settings out of range are an error.
+    ///
+    /// # Safety
+    /// `recent` must point to `n_recent` readable ids (or be anything when `n_recent` is 0).
+    pub unsafe fn to_sampler(&self) -> Result<crate::Sampler> {
+        let size = |v: u64, what: &str| {
+            usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("sampler {what} {v} does not fit usize")))
+        };
+        let params = crate::SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            top_k: size(self.top_k, "top_k")?,
+            repeat_last_n: size(self.repeat_last_n, "repeat_last_n")?,
+            seed: self.seed,
+        };
+        params.validate()?;
+        let n = size(self.n_recent, "recent tokens")?;
+        if n > params.repeat_last_n {
+            return Err(Error::InvalidArgument(format!(
+                "{n} recent tokens for a repetition window of {}",
+                params.repeat_last_n
+            )));
+        }
+        let recent: &[u32] = match n {
+            0 => &[],
+            _ if self.recent.is_null() => return Err(Error::InvalidArgument("recent tokens: a null pointer".into())),
+            // SAFETY: the caller guarantees `n_recent` readable ids at `recent`.
+            _ => unsafe { std::slice::from_raw_parts(self.recent, n) },
+        };
+        let mut s = crate::Sampler::new(params);
+        s.rng = crate::Rng::new(self.rng_state);
+        for &t in recent {
+            s.accept(t);
+        }
+        Ok(s)
+    }
+}
 
 /// What a backend says about itself. The host zeroes it and sets `struct_size`; the plugin
 /// fills the fields that fit. Pointers stay valid until `destroy_backend`.

@@ -69,6 +69,10 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
+    /// The generator's whole state: `Rng::new(r.state())` continues exactly where `r` is.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

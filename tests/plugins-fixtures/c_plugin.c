@@ -138,12 +138,17 @@ static kiln_status decode(kiln_executor *e, const kiln_decode_item *i, size_t n,
 static const kiln_plugin_api api = {
 #ifdef FIXTURE_ABI_MAJOR
     ((uint32_t)2 << 16) | 3,
+#elif defined(FIXTURE_V1_2)
+    ((uint32_t)1 << 16) | 2,
 #else
     KILN_ABI_VERSION,
 #endif
 #ifdef FIXTURE_TOO_SMALL
     /* Header plus three entries: a table cut short. */
     8 + 3 * sizeof(void *),
+#elif defined(FIXTURE_V1_2)
+    /* A plugin built before ABI 1.3: its table ends before decode_sample. */
+    offsetof(kiln_plugin_api, decode_sample),
 #else
     sizeof(kiln_plugin_api),
 #endif

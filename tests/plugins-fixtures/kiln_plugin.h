@@ -1,4 +1,4 @@
-/* kiln plugin ABI 1.1 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
+/* kiln plugin ABI 1.3 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
  * For plugins written without the Rust SDK. The tests compile their deliberately broken
  * plugins against it and check that every struct here has the size Rust gives it. */
 #ifndef KILN_PLUGIN_H
@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define KILN_ABI_MAJOR 1
-#define KILN_ABI_MINOR 1
+#define KILN_ABI_MINOR 3
 #define KILN_ABI_VERSION ((uint32_t)KILN_ABI_MAJOR << 16 | KILN_ABI_MINOR)
 
 typedef int32_t kiln_status;
@@ -81,6 +81,15 @@ typedef struct {
 typedef struct { uint32_t struct_size, _reserved; uint64_t max_context, max_sequences; } kiln_executor_info;
 typedef struct { uint32_t seq, token; } kiln_decode_item;
 
+/* (1.3) One sequence's sampler for decode_sample: settings, SplitMix64 state (in and out),
+ * recent tokens for the repetition penalty (borrowed for the call). */
+typedef struct {
+    float temperature, top_p, min_p, repeat_penalty;
+    uint64_t top_k, repeat_last_n, seed, rng_state;
+    const uint32_t *recent;
+    uint64_t n_recent;
+} kiln_sampler_state;
+
 typedef struct {
     uint32_t abi_version, struct_size;
     void (*free_string)(kiln_owned_str s);
@@ -100,6 +109,10 @@ typedef struct {
                            float *logits, size_t n_logits, kiln_owned_str *err);
     kiln_status (*decode)(kiln_executor *e, const kiln_decode_item *items, size_t n_items,
                           float *logits, size_t n_logits, kiln_owned_str *err);
+    /* 1.3; NULL: the host samples the logits of decode itself. */
+    kiln_status (*decode_sample)(kiln_executor *e, const kiln_decode_item *items, size_t n_items,
+                                 kiln_sampler_state *samplers, size_t n_samplers, uint32_t *tokens,
+                                 size_t n_tokens, kiln_owned_str *err);
 } kiln_plugin_api;
 
 /* The one exported symbol. */

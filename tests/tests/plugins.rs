@@ -16,7 +16,8 @@ use kiln::plugins::{discover_plugins, load_plugin, register_plugins, PluginBacke
 use kiln_core::plugin_abi::{self, KilnPluginApi, UNWRITTEN_LOGITS};
 use kiln_core::{
     Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
-    ModelIr, ModelWeights, NormKind, QType, Registry, RopeConfig, RopeKind, RopeScaling, Support, TensorView,
+    ModelIr, ModelWeights, NormKind, QType, Registry, RopeConfig, RopeKind, RopeScaling, Sampler, SamplingParams,
+    Support, TensorView,
 };
 
 // ---- building fixtures -------------------------------------------------------------
@@ -236,10 +237,10 @@ fn c_header_matches_the_rust_layout() {
     let main = dir.join("sizes.c");
     std::fs::write(
         &main,
-        "#include <stdio.h>\n#include \"kiln_plugin.h\"\nint main(void){printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu\",\
+        "#include <stdio.h>\n#include \"kiln_plugin.h\"\nint main(void){printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\",\
          sizeof(kiln_plugin_api),sizeof(kiln_backend_info),sizeof(kiln_support),sizeof(kiln_model_config),\
          sizeof(kiln_tensor_desc),sizeof(kiln_model_desc),sizeof(kiln_load_options),sizeof(kiln_executor_info),\
-         sizeof(kiln_decode_item));return 0;}\n",
+         sizeof(kiln_decode_item),sizeof(kiln_sampler_state));return 0;}\n",
     )
     .unwrap();
     let exe = dir.join("sizes");
@@ -258,6 +259,7 @@ fn c_header_matches_the_rust_layout() {
         size_of::<plugin_abi::KilnLoadOptions>(),
         size_of::<plugin_abi::KilnExecutorInfo>(),
         size_of::<plugin_abi::KilnDecodeItem>(),
+        size_of::<plugin_abi::KilnSamplerState>(),
     ]
     .map(|s| s.to_string())
     .join(" ");
@@ -309,6 +311,64 @@ fn example_plugin_matches_the_builtin_cpu_backend() {
             assert!((x - y).abs() <= 1e-3 * (1.0 + x.abs()), "{qtype}: logits {x} vs {y}");
         }
     }
+}
+
+/// ABI 1.3: the host calls a plugin's own `decode_sample` (tokens drawn inside the plugin,
+/// only ids and generator states crossing), and a batch of seeded samplers draws exactly
+/// what the host draws from the same plugin's logits — same tokens, same generator states
+/// afterwards, repetition penalty included.
+#[test]
+fn a_plugins_decode_sample_draws_what_the_host_would() {
+    let plugin = load_plugin(&naive_plugin()).unwrap();
+    let model = tiny_llama("synthetic llama", QType::Q8_0);
+    let options = LoadOptions { max_sequences: 3, ..Default::default() };
+    let vocab = model.config.vocab_size;
+    let params = |i: u64| SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.9,
+        min_p: 0.02,
+        repeat_penalty: if i == 1 { 1.3 } else { 1.0 },
+        repeat_last_n: 8,
+        seed: 77 + i,
+    };
+    let run = |in_plugin: bool| -> (Vec<Vec<u32>>, Vec<u64>) {
+        let mut exec = plugin.load(&model, &options).unwrap();
+        let mut logits = vec![0.0; vocab];
+        let mut seqs = Vec::new();
+        let mut samplers: Vec<Sampler> = (0..3).map(|i| Sampler::new(params(i))).collect();
+        let mut last = Vec::new();
+        for (i, s) in samplers.iter_mut().enumerate() {
+            let seq = exec.new_sequence().unwrap();
+            exec.prefill(seq, &[3, 9 + i as u32, 40], &mut logits).unwrap();
+            last.push(s.sample(&mut logits));
+            seqs.push(seq);
+        }
+        let mut out = vec![Vec::new(); 3];
+        for _ in 0..10 {
+            let items: Vec<DecodeItem> = seqs.iter().zip(&last).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+            let mut next = vec![0u32; 3];
+            if in_plugin {
+                exec.decode_sample(&items, &mut samplers, &mut next).unwrap();
+            } else {
+                let mut rows = vec![0.0; 3 * vocab];
+                exec.decode(&items, &mut rows).unwrap();
+                for ((row, s), t) in rows.chunks_mut(vocab).zip(samplers.iter_mut()).zip(next.iter_mut()) {
+                    *t = s.sample(row);
+                }
+            }
+            for (o, &t) in out.iter_mut().zip(&next) {
+                o.push(t);
+            }
+            last = next;
+        }
+        (out, samplers.iter().map(|s| s.rng.state()).collect())
+    };
+    let (host_tokens, host_states) = run(false);
+    let (plugin_tokens, plugin_states) = run(true);
+    assert_eq!(plugin_tokens, host_tokens, "the plugin's draws differ from the host's");
+    assert_eq!(plugin_states, host_states, "the generators did not advance alike");
+    println!("decode_sample through ABI {}: 3 seeded samplers × 10 steps, identical to host sampling", kiln_core::plugin_abi::version_string(kiln_core::plugin_abi::ABI_VERSION));
 }
 
 #[test]
@@ -473,6 +533,16 @@ fn a_well_formed_c_plugin_loads() {
     );
 }
 
+/// A plugin built against ABI 1.2 (its table ends before `decode_sample`) still loads: the
+/// host reads only the entries the table declares and samples that plugin's logits itself.
+#[test]
+fn a_plugin_from_before_decode_sample_still_loads() {
+    let path = c_plugin("V1_2");
+    let b = load_plugin(&path).unwrap();
+    assert_eq!(b.name(), "c-null");
+    assert_eq!(b.probe().unwrap(), "nothing at all");
+}
+
 /// A FIFO (or any non-regular file) is refused before the loader could block on it.
 #[cfg(unix)]
 #[test]
@@ -560,6 +630,14 @@ fn panics_inside_a_plugin_become_errors_and_the_host_survives() {
     let mut logits = vec![0.0; model.config.vocab_size];
     exec.prefill(seq, &[1, 2], &mut logits).unwrap();
     assert!(logits.iter().all(|&v| v == 0.5));
+    // decode_sample crosses the boundary itself (ABI 1.3): its panic names it.
+    let mut fresh = b.load(&model, &LoadOptions::default()).unwrap();
+    let s0 = fresh.new_sequence().unwrap();
+    fresh.prefill(s0, &[1], &mut logits).unwrap();
+    let mut samplers = [Sampler::new(SamplingParams::greedy())];
+    let e = fresh.decode_sample(&[DecodeItem { seq: s0, token: 1 }], &mut samplers, &mut [0]).unwrap_err();
+    assert_plugin_error(&e, &path, &["panicked in decode_sample: decode_sample exploded with 1 samplers"]);
+    drop(fresh);
     let e = exec.decode(&[DecodeItem { seq, token: 1 }], &mut logits).unwrap_err();
     assert_plugin_error(&e, &path, &["panicked in decode: decode exploded at length 2"]);
     let Error::Plugin { message, .. } = &e else { unreachable!() };

@@ -88,7 +88,7 @@ pub mod __private {
     use std::sync::{Arc, Mutex};
 
     use kiln_core::plugin_abi::*;
-    use kiln_core::{Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, Support};
+    use kiln_core::{Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, Sampler, Support};
 
     /// The table every plugin exports; only `create_backend` differs between plugins.
     pub const fn api(
@@ -111,6 +111,7 @@ pub mod __private {
             truncate_sequence: Some(truncate_sequence),
             prefill: Some(prefill),
             decode: Some(decode),
+            decode_sample: Some(decode_sample),
         }
     }
 
@@ -597,6 +598,36 @@ pub mod __private {
                 e.items.clear();
                 e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
                 e.exec.decode(&e.items, logits)
+            })
+        }
+    }
+
+    unsafe extern "C" fn decode_sample(
+        executor: *mut KilnExecutor,
+        items: *const KilnDecodeItem,
+        n_items: usize,
+        samplers: *mut KilnSamplerState,
+        n_samplers: usize,
+        tokens: *mut u32,
+        n_tokens: usize,
+        err: *mut KilnOwnedStr,
+    ) -> KilnStatus {
+        // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
+        // are null or valid for the lengths given, and with handles this SDK created.
+        unsafe {
+            with_exec(executor, err, "decode_sample", |e| {
+                let items = slice(items, n_items, "items")?;
+                let states = slice_mut(samplers, n_samplers, "samplers")?;
+                let tokens = slice_mut(tokens, n_tokens, "tokens")?;
+                e.items.clear();
+                e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
+                let mut drawn: Vec<Sampler> = states.iter().map(|s| s.to_sampler()).collect::<Result<_, Error>>()?;
+                e.exec.decode_sample(&e.items, &mut drawn, tokens)?;
+                // The generators moved on; the host's samplers continue from here.
+                for (state, sampler) in states.iter_mut().zip(&drawn) {
+                    state.rng_state = sampler.rng.state();
+                }
+                Ok(())
             })
         }
     }

@@ -1,13 +1,13 @@
 //! # kiln-fixture-panicky-plugin
 //!
 //! A plugin that misbehaves on purpose, built by tests/tests/plugins.rs: `supports` panics,
-//! and its executor panics on `decode` (after which the SDK must poison it). With
+//! and its executor panics on `decode` and `decode_sample` (after which the SDK must poison it). With
 //! `KILN_FIXTURE_INIT=fail` its constructor returns an error and with `=panic` it panics,
 //! so one library covers both initialisation refusals. Nothing here is a real backend.
 
 use kiln_plugin_sdk::kiln_core::{
-    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, QType, Result, SeqId,
-    Support,
+    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, QType, Result, Sampler,
+    SeqId, Support,
 };
 
 kiln_plugin_sdk::export_backend!(try Panicky::new, architectures = [Architecture::Llama]);
@@ -83,5 +83,8 @@ impl LayerExecutor for PanickyExecutor {
     }
     fn decode(&mut self, _batch: &[DecodeItem], _logits: &mut [f32]) -> Result<()> {
         panic!("decode exploded at length {}", self.len)
+    }
+    fn decode_sample(&mut self, _batch: &[DecodeItem], samplers: &mut [Sampler], _tokens: &mut [u32]) -> Result<()> {
+        panic!("decode_sample exploded with {} samplers", samplers.len())
     }
 }
