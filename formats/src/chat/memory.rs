@@ -150,7 +150,9 @@ pub fn bounded(
         cancelled: AtomicBool::new(false),
     });
     let theirs = rendezvous.clone();
-    let spawned = std::thread::Builder::new().name("kiln-chat-template".into()).spawn(move || {
+    // A deep stack: a template may nest up to the recursion limit, and each level is a few
+    // interpreter frames (a main thread's 8 MiB, not a spawned thread's default 2 MiB).
+    let spawned = std::thread::Builder::new().name("kiln-chat-template".into()).stack_size(16 << 20).spawn(move || {
         let _ = WAKE.try_with(|w| w.set(Arc::as_ptr(&theirs)));
         let _ = LIVE.try_with(|l| l.set(0));
         let _ = BUDGET.try_with(|b| b.set(budget));
