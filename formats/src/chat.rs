@@ -42,6 +42,10 @@ pub mod memory;
 pub struct ChatTemplate {
     /// Shared with render threads (see [`memory::bounded`]).
     env: Arc<Environment<'static>>,
+    /// Why an earlier render of this template was stopped at its memory or time bound, if
+    /// one was: later renders are refused at once, so a template that blows its bounds
+    /// strands at most one parked render thread (and its memory) per load.
+    exhausted: Arc<std::sync::Mutex<Option<String>>>,
     source: String,
     bos_token: String,
     eos_token: String,
@@ -130,6 +134,7 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.clone()).map_err(template_error)?;
         Ok(ChatTemplate {
             env: Arc::new(env),
+            exhausted: Arc::default(),
             source,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
@@ -180,7 +185,19 @@ impl ChatTemplate {
         let env = self.env.clone();
         let messages = messages.to_vec();
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
-        memory::bounded(limits::MEMORY_BYTES, limits::RENDER_TIME, move || render_with(&env, &messages, add_generation_prompt, &bos, &eos))
+        if let Some(why) = &*self.exhausted.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Error::Tokenizer(format!("chat template: refused: an earlier render was stopped ({why})")));
+        }
+        let bounded = memory::bounded(limits::MEMORY_BYTES, limits::RENDER_TIME, move || {
+            render_with(&env, &messages, add_generation_prompt, &bos, &eos)
+        });
+        match bounded {
+            Ok(result) => result,
+            Err(memory::LimitHit(e)) => {
+                *self.exhausted.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                Err(e)
+            }
+        }
     }
 }
 

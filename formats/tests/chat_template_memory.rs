@@ -30,6 +30,11 @@ fn templates_building_unbounded_text_are_stopped_at_the_memory_limit() {
         assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
         println!("stopped in {:?}: {err}", t.elapsed());
     }
+    // A template that was stopped refuses later renders at once (no second parked thread).
+    let t = ChatTemplate::new("{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "", "").unwrap();
+    let first = t.render(&[ChatMessage::new("user", "hi")], true).unwrap_err().to_string();
+    let second = t.render(&[ChatMessage::new("user", "hi")], true).unwrap_err().to_string();
+    assert!(first.contains("more than") && second.contains("an earlier render was stopped"), "{first} / {second}");
     // Ordinary rendering goes on.
     let out = render("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}").unwrap();
     assert_eq!(out, "[user] hi");

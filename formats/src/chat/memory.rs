@@ -133,16 +133,21 @@ pub fn installed() -> bool {
     INSTALLED.load(Ordering::Relaxed)
 }
 
+/// A render stopped at a bound; the thread it ran on stays parked with its memory.
+#[derive(Debug)]
+pub struct LimitHit(pub kiln_core::Error);
+
 /// Runs `render` with at most `budget` live bytes for at most `deadline` when
 /// [`GuardedAlloc`] is installed (on a thread of its own; see the module doc), else in
-/// place. Past either: a `Tokenizer` error naming the limit.
+/// place. `Err(LimitHit)` (a `Tokenizer` error naming the limit) past either bound;
+/// `Ok(render's own result)` otherwise.
 pub fn bounded(
     budget: usize,
     deadline: std::time::Duration,
     render: impl FnOnce() -> Result<String, kiln_core::Error> + Send + 'static,
-) -> Result<String, kiln_core::Error> {
+) -> Result<Result<String, kiln_core::Error>, LimitHit> {
     if !installed() {
-        return render();
+        return Ok(render());
     }
     let rendezvous = Arc::new(Rendezvous {
         state: Mutex::new(State::Running),
@@ -164,7 +169,7 @@ pub fn bounded(
         theirs.ready.notify_all();
     });
     if let Err(e) = spawned {
-        return Err(kiln_core::Error::Tokenizer(format!("chat template: cannot start its render thread: {e}")));
+        return Ok(Err(kiln_core::Error::Tokenizer(format!("chat template: cannot start its render thread: {e}"))));
     }
     let until = std::time::Instant::now() + deadline;
     let mut state = rendezvous.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -174,17 +179,17 @@ pub fn bounded(
                 let left = until.saturating_duration_since(std::time::Instant::now());
                 if left.is_zero() {
                     rendezvous.cancelled.store(true, Ordering::Relaxed);
-                    return Err(kiln_core::Error::Tokenizer(format!(
+                    return Err(LimitHit(kiln_core::Error::Tokenizer(format!(
                         "chat template: the render ran for more than {deadline:?} (the limit for one render); the template does too much work"
-                    )));
+                    ))));
                 }
                 state = rendezvous.ready.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0;
             }
-            State::Done(result) => return result,
+            State::Done(result) => return Ok(result),
             State::OverBudget(live) => {
-                return Err(kiln_core::Error::Tokenizer(format!(
+                return Err(LimitHit(kiln_core::Error::Tokenizer(format!(
                     "chat template: the render holds more than {budget} bytes of memory ({live} asked for; the limit for one render); the template builds too much text"
-                )))
+                ))))
             }
         }
     }
