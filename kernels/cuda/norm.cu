@@ -6,6 +6,21 @@
 // can be read with aligned vector loads: `q` holds the int8 values (32 per block, rows
 // padded to whole blocks with zeros) and `ds` one float2 per block: (d, d * sum(q)).
 
+// rsqrt(mean(x²) + eps) over a row of n values, computed by the whole block (every thread
+// gets it; `scratch` holds 32 floats).
+static __device__ __forceinline__ float rms_scale(const float* __restrict__ x, int n, float eps, float* scratch) {
+    float ss = 0.0f;
+    if ((n & 3) == 0) {
+        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+            const float4 v = ((const float4*)x)[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    }
+    return rsqrtf(block_sum(ss, scratch) / (float)n + eps);
+}
+
 // Grid (ceil(blocks / warps per block), rows): each warp quantises one 32-value block, so a
 // long row is spread over many SMs. With normalisation every block of threads computes
 // the row's sum of squares itself (the row is read from L2 a few times over) rather than
@@ -20,20 +35,7 @@ extern "C" __global__ void rmsnorm_q8_1(const float* __restrict__ x, const float
     const int row = blockIdx.y;
     const int nblk = (n + 31) >> 5;
     x += (size_t)row * n;
-    float scale = 1.0f;
-    if (eps >= 0.0f) {
-        float ss = 0.0f;
-        if ((n & 3) == 0) {
-            for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
-                const float4 v = ((const float4*)x)[i];
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        } else {
-            for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-        }
-        ss = block_sum(ss, scratch);
-        scale = rsqrtf(ss / (float)n + eps);
-    }
+    const float scale = eps >= 0.0f ? rms_scale(x, n, eps, scratch) : 1.0f;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.x * (blockDim.x >> 5) + warp;
     if (b >= nblk) return;
@@ -69,13 +71,7 @@ extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __
     const int row = blockIdx.y, rows = gridDim.y;
     const int nblk = (n + 31) >> 5;
     x += (size_t)row * n;
-    float scale = 1.0f;
-    if (eps >= 0.0f) {
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-        ss = block_sum(ss, scratch);
-        scale = rsqrtf(ss / (float)n + eps);
-    }
+    const float scale = eps >= 0.0f ? rms_scale(x, n, eps, scratch) : 1.0f;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.x * (blockDim.x >> 5) + warp;
     if (b >= nblk) return;

@@ -297,15 +297,7 @@ impl Kernels {
             .ptr(b.pos.ptr())
             .ptr(b.slot.ptr())
             .u64(slot_stride as u64)
-            .i32(a.n_heads as i32)
-            .i32(a.n_kv as i32)
-            .i32(hd as i32)
-            .i32(a.rot_dims as i32)
-            .ptr(a.inv_freq.ptr())
-            .i32(a.neox as i32)
-            .ptr(opt(a.q_norm))
-            .ptr(opt(a.k_norm))
-            .f32(a.eps)
+            .rope(a)
             .i32(max_ctx as i32);
         let cfg = LaunchConfig {
             grid: ((a.n_heads + a.n_kv) as u32, b.rows as u32, 1),

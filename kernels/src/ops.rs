@@ -527,15 +527,7 @@ impl Kernels {
             .ptr(kc.ptr())
             .ptr(vc.ptr())
             .ptr(pos.ptr())
-            .i32(a.n_heads as i32)
-            .i32(a.n_kv as i32)
-            .i32(hd as i32)
-            .i32(a.rot_dims as i32)
-            .ptr(a.inv_freq.ptr())
-            .i32(a.neox as i32)
-            .ptr(opt(a.q_norm))
-            .ptr(opt(a.k_norm))
-            .f32(a.eps)
+            .rope(a)
             .i32(max_ctx as i32);
         // SAFETY: sizes checked; the position must be < max_ctx, which the executor owns.
         unsafe {
@@ -780,6 +772,22 @@ pub struct RopeArgs {
     pub eps: f32,
 }
 
+impl Args {
+    /// The rope kernels' shared parameters, in their order: heads, KV heads, head dim,
+    /// rotary dims, inverse frequencies, NEOX flag, Q/K norms, epsilon.
+    pub(crate) fn rope(self, a: &RopeArgs) -> Args {
+        self.i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(a.head_dim as i32)
+            .i32(a.rot_dims as i32)
+            .ptr(a.inv_freq.ptr())
+            .i32(a.neox as i32)
+            .ptr(opt(a.q_norm))
+            .ptr(opt(a.k_norm))
+            .f32(a.eps)
+    }
+}
+
 impl RopeArgs {
     /// Checks the head geometry, the per-head vectors and a K/V cache of `max_ctx`
     /// positions (shared by the decode and the batched RoPE).
@@ -979,15 +987,7 @@ impl Kernels {
             .ptr(kc.ptr())
             .ptr(vc.ptr())
             .i32(start as i32)
-            .i32(a.n_heads as i32)
-            .i32(a.n_kv as i32)
-            .i32(hd as i32)
-            .i32(a.rot_dims as i32)
-            .ptr(a.inv_freq.ptr())
-            .i32(a.neox as i32)
-            .ptr(opt(a.q_norm))
-            .ptr(opt(a.k_norm))
-            .f32(a.eps)
+            .rope(a)
             .i32(max_ctx as i32);
         let cfg = LaunchConfig {
             grid: ((a.n_heads + a.n_kv) as u32, rows as u32, 1),

@@ -382,19 +382,7 @@ impl GpuExecutor {
         let graph = st.graphs[bucket_of(rows.clamp(2, Kernels::MAX_BATCH))]
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("no batch of {rows} has decoded yet")))?;
-        let (a, b) = (
-            kiln_kernels::Event::new(&self.device).map_err(err)?,
-            kiln_kernels::Event::new(&self.device).map_err(err)?,
-        );
-        let mut times = Vec::with_capacity(replays.max(1));
-        for _ in 0..replays.max(1) {
-            a.record().map_err(err)?;
-            graph.launch().map_err(err)?;
-            b.record().map_err(err)?;
-            times.push(a.elapsed_ms(&b).map_err(err)? as f64);
-        }
-        times.sort_by(|x, y| x.total_cmp(y));
-        Ok(times[times.len() / 2])
+        super::median_replay_ms(&self.device, graph, replays)
     }
 
     /// Bytes of KV cache one token takes, and the cache's total bytes.

@@ -105,6 +105,23 @@ fn err(e: kiln_kernels::KernelError) -> Error {
     e.into()
 }
 
+/// Replays `graph` `replays` times back to back, timed with events; the median in ms.
+fn median_replay_ms(device: &Arc<Device>, graph: &Graph, replays: usize) -> Result<f64> {
+    let (a, b) = (
+        kiln_kernels::Event::new(device).map_err(err)?,
+        kiln_kernels::Event::new(device).map_err(err)?,
+    );
+    let mut times = Vec::with_capacity(replays.max(1));
+    for _ in 0..replays.max(1) {
+        a.record().map_err(err)?;
+        graph.launch().map_err(err)?;
+        b.record().map_err(err)?;
+        times.push(a.elapsed_ms(&b).map_err(err)? as f64);
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    Ok(times[times.len() / 2])
+}
+
 /// A projection: one weight, written at `offset` of its output vector.
 struct Proj {
     w: DeviceWeight,
@@ -692,19 +709,7 @@ impl GpuExecutor {
             .graph
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
-        let (a, b) = (
-            kiln_kernels::Event::new(&self.device).map_err(err)?,
-            kiln_kernels::Event::new(&self.device).map_err(err)?,
-        );
-        let mut times = Vec::with_capacity(replays.max(1));
-        for _ in 0..replays.max(1) {
-            a.record().map_err(err)?;
-            graph.launch().map_err(err)?;
-            b.record().map_err(err)?;
-            times.push(a.elapsed_ms(&b).map_err(err)? as f64);
-        }
-        times.sort_by(|x, y| x.total_cmp(y));
-        Ok(times[times.len() / 2])
+        median_replay_ms(&self.device, graph, replays)
     }
 
     /// Operations in `seq`'s captured decode step (kernels and copies).
