@@ -90,12 +90,7 @@ impl Kernels {
 
     /// Compiles and loads the batched step's matmuls for these formats.
     pub fn preload_batched(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        for f in formats {
-            if let Some(m) = &f.batched {
-                self.device().load_module(m)?;
-            }
-        }
-        Ok(())
+        self.preload_modules(&Self::modules_for(formats, false, true))
     }
 
     /// How many parts a batched matmul over `w` splits its row length into: enough blocks

@@ -200,25 +200,9 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// Compiles `module` for `arch`, or loads the cubin a previous run cached. `driver_version`
 /// (from `cuDriverGetVersion`, 0 when none) is part of the key.
 pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> Result<Vec<u8>> {
-    let nvrtc = nvrtc_version()?;
-    let mut h = Sha256::new();
-    h.update(module.source().as_bytes());
-    h.update(options(arch, false).join(" ").as_bytes());
-    h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
-    let digest = h.finalize();
-    let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
-    let file = cache_dir().map(|d| {
-        d.join(format!(
-            "{}-sm_{}{}-{key}.cubin",
-            module.name, arch.0, arch.1
-        ))
-    });
-    if let Some(f) = &file {
-        if let Ok(bytes) = std::fs::read(f) {
-            if is_elf(&bytes) {
-                return Ok(bytes);
-            }
-        }
+    let file = cache_file(module, arch, driver_version)?;
+    if let Some(bytes) = file.as_deref().and_then(read_cached) {
+        return Ok(bytes);
     }
     let cubin = compile_uncached(module, arch)?;
     if let Some(f) = &file {
@@ -226,6 +210,81 @@ pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> 
         let _ = write_atomically(f, &cubin);
     }
     Ok(cubin)
+}
+
+/// [`compile`] for several modules: cached ones read, the rest compiled in parallel (NVRTC
+/// compiles independent programs concurrently), one thread per core. A first run on a GPU
+/// says on stderr what it compiles and how long it took, so nobody waits in silence.
+pub fn compile_many(modules: &[KernelModule], arch: (i32, i32), driver_version: i32) -> Result<Vec<Vec<u8>>> {
+    let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(modules.len());
+    let mut files = Vec::with_capacity(modules.len());
+    for m in modules {
+        let file = cache_file(m, arch, driver_version)?;
+        out.push(file.as_deref().and_then(read_cached));
+        files.push(file);
+    }
+    let missing: Vec<usize> = (0..modules.len()).filter(|&i| out[i].is_none()).collect();
+    if missing.is_empty() {
+        return Ok(out.into_iter().map(|c| c.expect("all cached")).collect());
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len());
+    let start = std::time::Instant::now();
+    eprintln!(
+        "kiln: compiling {} GPU kernel module{} for sm_{}{} on {threads} thread{} (once per GPU and driver; cached afterwards) …",
+        missing.len(),
+        if missing.len() == 1 { "" } else { "s" },
+        arch.0,
+        arch.1,
+        if threads == 1 { "" } else { "s" }
+    );
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<(usize, Result<Vec<u8>>)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&i) = missing.get(k) else { break };
+                        done.push((i, compile_uncached(&modules[i], arch)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
+    });
+    for (i, cubin) in results {
+        let cubin = cubin?;
+        if let Some(f) = &files[i] {
+            let _ = write_atomically(f, &cubin);
+        }
+        out[i] = Some(cubin);
+    }
+    eprintln!("kiln: compiled in {:.1} s", start.elapsed().as_secs_f64());
+    Ok(out.into_iter().map(|c| c.expect("compiled or cached")).collect())
+}
+
+fn read_cached(f: &std::path::Path) -> Option<Vec<u8>> {
+    std::fs::read(f).ok().filter(|b| is_elf(b))
+}
+
+/// Where the cubin of `module` for `arch` under this NVRTC and driver is cached, if a cache
+/// directory exists: the name carries a hash of everything the result depends on.
+fn cache_file(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> Result<Option<PathBuf>> {
+    let nvrtc = nvrtc_version()?;
+    let mut h = Sha256::new();
+    h.update(module.source().as_bytes());
+    h.update(options(arch, false).join(" ").as_bytes());
+    h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
+    let digest = h.finalize();
+    let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
+    Ok(cache_dir().map(|d| {
+        d.join(format!(
+            "{}-sm_{}{}-{key}.cubin",
+            module.name, arch.0, arch.1
+        ))
+    }))
 }
 
 fn is_elf(b: &[u8]) -> bool {

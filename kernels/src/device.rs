@@ -243,6 +243,27 @@ impl Device {
         result::mem_get_info().ctx("cuMemGetInfo")
     }
 
+    /// Compiles (or takes from the cache) and loads every module of `modules` not loaded
+    /// yet, compiling the missing ones in parallel ([`compile::compile_many`]); idempotent.
+    pub fn load_modules(&self, modules: &[KernelModule]) -> Result<()> {
+        let mut table = self.context.modules.lock().expect("module table poisoned");
+        let mut wanted: Vec<KernelModule> = modules.iter().filter(|m| !table.contains_key(m.name)).copied().collect();
+        wanted.sort_by_key(|m| m.name);
+        wanted.dedup_by_key(|m| m.name);
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let cubins = compile::compile_many(&wanted, self.arch(), self.driver_version())?;
+        self.bind()?;
+        for (m, cubin) in wanted.iter().zip(cubins) {
+            // SAFETY: `cubin` is an ELF image NVRTC produced for this architecture.
+            let loaded = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
+                .ctx("cuModuleLoadData")?;
+            table.insert(m.name, loaded);
+        }
+        Ok(())
+    }
+
     /// Compiles (or takes from the cache) and loads `module`; idempotent.
     pub fn load_module(&self, module: &KernelModule) -> Result<sys::CUmodule> {
         let mut modules = self.context.modules.lock().expect("module table poisoned");

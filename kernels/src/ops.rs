@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 
 use crate::buffer::{DevSlice, DeviceBuffer};
-use crate::compile::{ATTENTION, NORM, ROPE, SAMPLE};
+use crate::compile::{KernelModule, ATTENTION, NORM, ROPE, SAMPLE};
 use crate::format::WeightFormat;
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
@@ -225,22 +225,35 @@ impl Kernels {
 
     /// Compiles and loads every module now (otherwise each loads at its first launch).
     pub fn preload(&self) -> Result<()> {
-        for m in crate::compile::all_modules() {
-            self.device.load_module(&m)?;
+        self.device.load_modules(&crate::compile::all_modules())
+    }
+
+    /// The modules a model with weights in `formats` needs: the shared ones and a GEMV
+    /// module per format; with `prefill` the batched prefill's (dequantisers, row
+    /// kernels); with `batched` the batched decode's matmuls.
+    pub fn modules_for(formats: &[&'static WeightFormat], prefill: bool, batched: bool) -> Vec<KernelModule> {
+        let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE];
+        v.extend(formats.iter().map(|f| f.gemv));
+        if prefill {
+            v.push(crate::compile::PREFILL);
+            v.extend(formats.iter().map(|f| f.dequant));
         }
-        Ok(())
+        if batched {
+            v.extend(formats.iter().filter_map(|f| f.batched));
+        }
+        v
+    }
+
+    /// Compiles (the missing ones in parallel) and loads `modules`. Call before capturing
+    /// a graph: a capture cannot load modules.
+    pub fn preload_modules(&self, modules: &[KernelModule]) -> Result<()> {
+        self.device.load_modules(modules)
     }
 
     /// Compiles and loads what a model with weights in these formats needs: the shared
     /// modules and one GEMV module per format. Call before capturing a graph.
     pub fn preload_for(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        for m in [NORM, ROPE, ATTENTION, SAMPLE] {
-            self.device.load_module(&m)?;
-        }
-        for f in formats {
-            self.device.load_module(&f.gemv)?;
-        }
-        Ok(())
+        self.preload_modules(&Self::modules_for(formats, false, false))
     }
 
     /// For each of `rows` rows of `n` values: v = x · rsqrt(mean(x²) + eps) · w, written
@@ -847,11 +860,7 @@ pub struct PrefillAttnArgs {
 impl Kernels {
     /// Compiles and loads what the batched prefill needs for weights in these formats.
     pub fn preload_prefill(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        self.device.load_module(&crate::compile::PREFILL)?;
-        for f in formats {
-            self.device.load_module(&f.dequant)?;
-        }
-        Ok(())
+        self.preload_modules(&Self::modules_for(formats, true, false))
     }
 
     fn dequant_launch(

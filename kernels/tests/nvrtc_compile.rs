@@ -83,3 +83,32 @@ fn every_kernel_waits_for_its_predecessor_on_hopper() {
     assert!(entries > 100, "only {entries} kernel entry points found in the PTX");
     println!("{entries} kernels, each waits for its predecessor");
 }
+
+/// Several modules compiled at once (in parallel, as an executor's first load does) give
+/// the very cubins one-at-a-time compiles give, and a second call reads them all from the
+/// cache without compiling.
+#[test]
+fn modules_compiled_in_parallel_equal_one_at_a_time_and_are_cached() {
+    if let Err(why) = libs::nvrtc_status() {
+        kiln_kernels::testdata::skip(&format!("no libnvrtc ({why})"));
+        return;
+    }
+    use kiln_kernels::compile::{compile_many, NORM, ROPE, SAMPLE};
+    let cache = std::env::temp_dir().join(format!("kiln-kernel-cache-{}", std::process::id()));
+    std::env::set_var("KILN_KERNEL_CACHE", &cache);
+    let modules = [NORM, ROPE, SAMPLE];
+    let t = std::time::Instant::now();
+    let parallel = compile_many(&modules, (9, 0), 0).unwrap();
+    let cold = t.elapsed();
+    for (m, cubin) in modules.iter().zip(&parallel) {
+        assert_eq!(cubin, &compile_uncached(m, (9, 0)).unwrap(), "{}", m.name);
+    }
+    let t = std::time::Instant::now();
+    let cached = compile_many(&modules, (9, 0), 0).unwrap();
+    let warm = t.elapsed();
+    assert_eq!(cached, parallel);
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), modules.len(), "one cache file per module");
+    println!("3 modules: {cold:?} compiling in parallel, {warm:?} from the cache");
+    assert!(warm < cold, "the second call must not compile");
+    std::fs::remove_dir_all(&cache).ok();
+}

@@ -238,7 +238,15 @@ impl GpuExecutor {
         let max_ctx = options.context_for(&c);
         let k = Kernels::new(device);
         let formats = formats_of(model, policy.as_ref());
-        k.preload_for(&formats).map_err(err)?;
+        // Every module the model needs in one go, so a first run compiles them in parallel:
+        // the decode step's, the batched prefill's when cuBLAS is there, the batched decode's
+        // when asked for.
+        let blas = kiln_kernels::Blas::new(device);
+        let batched = options.batched_decode
+            && options.sequences() > 1
+            && formats.iter().all(|f| f.batched.is_some());
+        k.preload_modules(&Kernels::modules_for(&formats, blas.is_ok(), batched && blas.is_ok()))
+            .map_err(err)?;
 
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let mut done = 0u64;
@@ -438,11 +446,8 @@ impl GpuExecutor {
         // attention's counters start at zero.
         ws.fill_bytes(0xff).map_err(err)?;
         s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
-        let prefill = match kiln_kernels::Blas::new(device) {
-            Ok(blas) => {
-                k.preload_prefill(&formats).map_err(err)?;
-                Ok(prefill::PrefillState::new(device, blas, &c, max_ctx).map_err(err)?)
-            }
+        let prefill = match blas {
+            Ok(blas) => Ok(prefill::PrefillState::new(device, blas, &c, max_ctx).map_err(err)?),
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
             Err(e) => return Err(err(e)),
         };
