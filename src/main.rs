@@ -278,7 +278,9 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, batched_decode: bool) -> 
 }
 
 fn cmd_run(args: RunArgs) -> Result<()> {
+    let load_start = std::time::Instant::now();
     let mut engine = load_engine(&args.model)?;
+    let load_time = load_start.elapsed();
     let model = &engine.model;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
@@ -313,6 +315,9 @@ fn cmd_run(args: RunArgs) -> Result<()> {
             "text": generation.text,
             "finish_reason": generation.finish.as_str(),
             "timings": {
+                "load_ms": load_time.as_secs_f64() * 1e3,
+                "time_to_first_token_ms": generation.first_token_time.as_secs_f64() * 1e3,
+                "ms_per_token": generation.ms_per_token(),
                 "prompt_tokens": generation.prefilled,
                 "prompt_ms": generation.prefill_time.as_secs_f64() * 1e3,
                 "prompt_tokens_per_sec": generation.prompt_tokens_per_sec(),

@@ -57,6 +57,9 @@ pub struct Generation {
     pub text: String,
     pub finish: FinishReason,
     pub prefill_time: Duration,
+    /// From the call to the first generated token (prefill, then its draw): what a user
+    /// waits before text starts. Zero when nothing was generated.
+    pub first_token_time: Duration,
     /// Time of the decode steps after the first token (which comes from the prefill).
     pub decode_time: Duration,
     pub decode_steps: usize,
@@ -68,6 +71,10 @@ impl Generation {
     }
     pub fn decode_tokens_per_sec(&self) -> f64 {
         self.decode_steps as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+    /// Mean time between generated tokens (one decode step and its draw), if any.
+    pub fn ms_per_token(&self) -> Option<f64> {
+        (self.decode_steps > 0).then(|| self.decode_time.as_secs_f64() * 1e3 / self.decode_steps as f64)
     }
 }
 
@@ -156,12 +163,14 @@ impl<'e> Session<'e> {
                 text: String::new(),
                 finish: FinishReason::Length,
                 prefill_time,
+                first_token_time: Duration::ZERO,
                 decode_time: decode_start.elapsed(),
                 decode_steps: 0,
             });
         }
         kiln_core::check_finite(&self.logits)?;
         let mut token = sampler.sample(&mut self.logits);
+        let first_token_time = start.elapsed();
         loop {
             if params.stop_on_eos && stop_tokens.contains(&token) {
                 finish = FinishReason::Stop;
@@ -218,6 +227,7 @@ impl<'e> Session<'e> {
             text,
             finish,
             prefill_time,
+            first_token_time,
             decode_time,
             decode_steps,
         })

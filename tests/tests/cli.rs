@@ -26,7 +26,13 @@ fn run_json_prints_ids_text_and_timings() {
     assert_eq!(v["generated_ids"].as_array().unwrap().len(), 24);
     let text = v["text"].as_str().unwrap();
     assert!(text.starts_with(" Paris."), "greedy continuation was {text:?}");
-    assert!(v["timings"]["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    let t = &v["timings"];
+    assert!(t["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    // Load, time to first token and per-token latency, each on its own.
+    let (load, ttft, per) = (t["load_ms"].as_f64().unwrap(), t["time_to_first_token_ms"].as_f64().unwrap(), t["ms_per_token"].as_f64().unwrap());
+    assert!(load > 0.0 && ttft >= t["prompt_ms"].as_f64().unwrap() && per > 0.0, "{t}");
+    let decode_ms = t["decode_ms"].as_f64().unwrap();
+    assert!((per * t["decode_steps"].as_f64().unwrap() - decode_ms).abs() < 1e-6 * decode_ms.max(1.0), "{t}");
     assert_eq!(v["backend"], "cpu");
 }
 
