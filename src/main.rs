@@ -47,6 +47,12 @@ enum Command {
     },
     /// Measure prompt processing and generation speed (llama-bench style).
     Bench(BenchArgs),
+    /// Prepare a model's first run ahead of time: load it on its backend, which compiles
+    /// and caches the GPU kernels it needs, then exit (e.g. in a container build).
+    Warmup {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// Requantise a GGUF model with a llama.cpp-compatible recipe (q4_k_m, q4_0, ...).
     Quantize(kiln::toolkit::QuantizeArgs),
     /// Write a random-weight model of a real model's shape (for benchmarks and tests).
@@ -224,6 +230,7 @@ fn main() -> ExitCode {
         Command::Backends { model, backend } => cmd_backends(model, backend),
         Command::Tokenize { args, no_bos } => cmd_tokenize(args, no_bos),
         Command::Bench(args) => cmd_bench(args),
+        Command::Warmup { model } => cmd_warmup(model),
         Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
         Command::Synth(args) => kiln::toolkit::cmd_synth(args),
         Command::Convert(args) => kiln::toolkit::cmd_convert(args),
@@ -667,5 +674,24 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `kiln warmup`: the model loaded once on its backend (GPU kernels compiled into the
+/// on-disk cache on a first run), one token generated, the times printed.
+fn cmd_warmup(args: ModelArgs) -> Result<()> {
+    let start = std::time::Instant::now();
+    let mut engine = load_engine(&args)?;
+    let loaded = start.elapsed();
+    let backend = engine.backend_name().to_string();
+    let bos = engine.model.tokenizer.bos().or(engine.model.tokenizer.eos()).unwrap_or(0);
+    let mut session = engine.session()?;
+    let params = GenerateParams { max_tokens: 1, ..GenerateParams::default() };
+    let g = session.generate(&[bos], &params, |_| {})?;
+    eprintln!(
+        "kiln: ready on {backend}: loaded in {:.2} s (kernels compiled or read from the cache), first token after {:.1} ms",
+        loaded.as_secs_f64(),
+        g.first_token_time.as_secs_f64() * 1e3
+    );
     Ok(())
 }

@@ -147,3 +147,13 @@ fn context_beyond_the_model_is_refused() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("8192"), "{}", stderr(&out));
 }
+
+/// `kiln warmup` loads the model on its backend (compiling GPU kernels into the cache on a
+/// GPU), draws one token and says it is ready.
+#[test]
+fn warmup_loads_and_says_ready() {
+    let Some(model) = smollm2_or_skip("warmup_loads_and_says_ready") else { return };
+    let out = kiln(&["warmup", "-m", model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("kiln: ready on cpu: loaded in"), "{}", stderr(&out));
+}
