@@ -261,3 +261,145 @@ fn gpu_batched_decode_real_smollm2() {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// 10,000 random operations on one executor — admit (new sequence + prefill of a random
+/// prompt), decode a random batch of the live sequences, truncate one, finish one — with
+/// every slot accounted for: the executor never holds more than `max_sequences`, a freed
+/// slot is taken again, an admission past capacity is a typed error that changes nothing,
+/// and no sequence sees another's KV: every 250 operations each live sequence's next logits
+/// equal those of its own token history replayed alone on a fresh executor. At the end,
+/// after finishing everything, all `max_sequences` slots can be taken again.
+fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usize, seed: u64, batched: bool) {
+    let options = LoadOptions { max_context: 96, max_sequences: 6, batched_decode: batched, ..Default::default() };
+    let mut exec = backend.load(model, &options).unwrap();
+    let vocab = model.config.vocab_size;
+    let max_seqs = exec.max_sequences();
+    let mut rng = kiln_core::Rng::new(seed);
+    let mut live: Vec<(SeqId, Vec<u32>)> = Vec::new();
+    let mut logits = vec![0f32; vocab];
+    let mut counts = [0usize; 5];
+    for op in 0..ops {
+        let r = rng.next_u64() % 100;
+        if r < 25 {
+            // Admit.
+            let prompt: Vec<u32> = (0..1 + rng.next_u64() % 12).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+            match exec.new_sequence() {
+                Ok(seq) => {
+                    assert!(live.len() < max_seqs, "op {op}: a sequence beyond capacity");
+                    exec.prefill(seq, &prompt, &mut logits).unwrap();
+                    live.push((seq, prompt));
+                    counts[0] += 1;
+                }
+                Err(kiln_core::Error::InvalidArgument(_)) => {
+                    assert_eq!(live.len(), max_seqs, "op {op}: refused with free slots");
+                    counts[4] += 1;
+                }
+                Err(e) => panic!("op {op}: {e}"),
+            }
+        } else if r < 70 && !live.is_empty() {
+            // Decode a random subset that has room.
+            let mut items = Vec::new();
+            for (seq, toks) in &live {
+                if toks.len() + 1 < options.max_context && rng.next_u64() % 2 == 0 {
+                    items.push(DecodeItem { seq: *seq, token: (rng.next_u64() % vocab as u64) as u32 });
+                }
+            }
+            let mut out = vec![0f32; items.len() * vocab];
+            exec.decode(&items, &mut out).unwrap();
+            for it in &items {
+                live.iter_mut().find(|(s, _)| *s == it.seq).unwrap().1.push(it.token);
+            }
+            counts[1] += 1;
+        } else if r < 80 && !live.is_empty() {
+            // Truncate (roll back part of a conversation).
+            let i = (rng.next_u64() % live.len() as u64) as usize;
+            let keep = 1 + (rng.next_u64() % live[i].1.len() as u64) as usize;
+            let keep = keep.min(live[i].1.len());
+            exec.truncate_sequence(live[i].0, keep).unwrap();
+            live[i].1.truncate(keep);
+            counts[2] += 1;
+        } else if !live.is_empty() {
+            // Finish (or cancel) one.
+            let i = (rng.next_u64() % live.len() as u64) as usize;
+            let (seq, _) = live.swap_remove(i);
+            exec.free_sequence(seq).unwrap();
+            assert!(exec.sequence_len(seq).is_err(), "op {op}: a freed sequence is still alive");
+            counts[3] += 1;
+        }
+        for (seq, toks) in &live {
+            assert_eq!(exec.sequence_len(*seq).unwrap(), toks.len(), "op {op}");
+        }
+        if op % 250 == 249 {
+            // Isolation: one more token on each live sequence equals its history alone.
+            let mut fresh = backend.load(model, &options).unwrap();
+            for (seq, toks) in live.iter_mut() {
+                if toks.len() + 1 >= options.max_context {
+                    continue;
+                }
+                let t = (rng.next_u64() % vocab as u64) as u32;
+                let mut got = vec![0f32; vocab];
+                exec.decode(&[DecodeItem { seq: *seq, token: t }], &mut got).unwrap();
+                toks.push(t);
+                let alone = fresh.new_sequence().unwrap();
+                let mut want = vec![0f32; vocab];
+                fresh.prefill(alone, toks, &mut want).unwrap();
+                fresh.free_sequence(alone).unwrap();
+                let cos = cosine(&got, &want);
+                assert!(cos >= 0.9999, "op {op}: sequence {seq} (history {}) cosine {cos} to its history alone", toks.len());
+            }
+        }
+    }
+    for (seq, _) in live.drain(..) {
+        exec.free_sequence(seq).unwrap();
+    }
+    let all: Vec<SeqId> = (0..max_seqs).map(|_| exec.new_sequence().unwrap()).collect();
+    assert_eq!(all.len(), max_seqs, "every slot returned");
+    assert!(exec.new_sequence().is_err());
+    println!(
+        "{}{}: {ops} random operations: {} admitted, {} decode batches, {} truncations, {} finished, {} refused at capacity; all {max_seqs} slots free at the end",
+        backend.name(),
+        if batched { " (batched decode)" } else { "" },
+        counts[0],
+        counts[1],
+        counts[2],
+        counts[3],
+        counts[4]
+    );
+}
+
+fn tiny_model() -> kiln_core::ModelIr {
+    use kiln_core::{Architecture, QType, RopeKind};
+    let shape = kiln::conformance::models::Shape {
+        arch: Architecture::Llama,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        vocab: 200,
+        layers: 2,
+        rope: RopeKind::Norm,
+        qkv_bias: false,
+        qk_norm: false,
+        tied: true,
+        types: [QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::Q8_0],
+    };
+    kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
+}
+
+#[test]
+fn cpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
+    let Some(cpu) = backend("cpu") else { return };
+    random_operations(cpu.as_ref(), &tiny_model(), 10_000, kiln_core::testdata::fresh_seed(), false);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
+    for name in ["cuda-q4k", "cuda-q4_0"] {
+        let Some(gpu) = backend(name) else { return };
+        for batched in [false, true] {
+            random_operations(gpu.as_ref(), &tiny_model(), 2_000, kiln_core::testdata::fresh_seed(), batched);
+        }
+    }
+}
