@@ -372,9 +372,10 @@ fn tiny_model() -> kiln_core::ModelIr {
     let shape = kiln::conformance::models::Shape {
         arch: Architecture::Llama,
         hidden: 64,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
+        // head_dim 32: the GPU executors' attention takes multiples of 32.
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 32,
         ffn: 128,
         vocab: 200,
         layers: 2,
