@@ -5,11 +5,14 @@
 //! it [`Job`]s (prompt ids and generation settings) over a bounded channel; it answers each
 //! job through that job's own tokio channel of [`Event`]s.
 //!
-//! Each turn of the loop: take queued jobs while sequence slots are free (a new job is
-//! prefilled at once and its first token sampled from the prefill's logits), drop the
-//! sequences whose client has gone (their event channel is closed: the HTTP layer dropped
-//! the receiver when the connection closed), then run ONE decode step for every running
-//! sequence as a single batch. Sequences join and leave between steps. A step calls
+//! Each turn of the loop: take queued jobs while sequence slots are free (each gets a
+//! sequence and waits to be prefilled), drop the sequences whose client has gone (their
+//! event channel is closed: the HTTP layer dropped the receiver when the connection
+//! closed), prefill ONE chunk of at most [`PREFILL_CHUNK`] tokens of the oldest admitted
+//! prompt (when its last chunk is in, its first token is sampled from that chunk's logits
+//! and it joins the running sequences), then run ONE decode step for every running
+//! sequence as a single batch. A long prompt is thus prefilled between decode steps, and
+//! the streams already running keep their pace. Sequences join and leave between steps. A step calls
 //! `decode_sample` (the backend samples; only ids cross) unless some sequence needs its
 //! logits on the host — log-probabilities, presence/frequency penalties, logit bias — in
 //! which case it calls `decode` and samples every row on the host with the same
@@ -21,9 +24,7 @@
 //! string is held back until the next token decides. EOS/EOT tokens end a sequence and are
 //! not counted as completion tokens.
 //!
-//! Not done yet: prompts are prefilled whole when admitted, so a long prompt stalls the
-//! other sequences for its prefill (no chunked prefill), and nothing is shared between
-//! sequences (no prefix cache).
+//! Not done yet: nothing is shared between sequences (no prefix cache).
 
 use crate::session::{find_stop, held_back};
 use std::collections::HashMap;
@@ -175,6 +176,18 @@ fn load(config: &SchedulerConfig) -> Result<Engine> {
     Engine::load(model, &registry, config.backend.as_deref(), &config.options)
 }
 
+/// Prompt tokens one turn of the loop prefills at most: one chunk of the GPU executors'
+/// batched prefill, a few tens of milliseconds of work between two decode steps.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// An admitted job whose prompt is being prefilled, a chunk per turn.
+struct Admitting {
+    job: Job,
+    seq: SeqId,
+    /// Prompt tokens already in the KV cache.
+    done: usize,
+}
+
 /// One running sequence.
 struct Running<'t> {
     index: usize,
@@ -214,6 +227,8 @@ struct Scheduler<'e> {
     max_context: usize,
     max_seqs: usize,
     stop_tokens: Vec<u32>,
+    /// Oldest first; one chunk of the first is prefilled per turn.
+    admitting: Vec<Admitting>,
     running: Vec<Running<'e>>,
     /// `samplers[i]` belongs to `running[i]` (a separate vector: `decode_sample` takes a slice).
     samplers: Vec<Sampler>,
@@ -240,6 +255,7 @@ impl<'e> Scheduler<'e> {
             max_context,
             max_seqs,
             stop_tokens: tokenizer.stop_tokens().to_vec(),
+            admitting: Vec::new(),
             running: Vec::new(),
             samplers: Vec::new(),
             logits: Vec::new(),
@@ -264,13 +280,16 @@ impl<'e> Scheduler<'e> {
                         self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
                     self.remove_finished();
+                    for a in std::mem::take(&mut self.admitting) {
+                        self.drop_admitting(a, Some("the server is shutting down"));
+                    }
                 }
-                if self.running.is_empty() {
+                if self.running.is_empty() && self.admitting.is_empty() {
                     break;
                 }
             } else {
-                while self.running.len() < self.max_seqs {
-                    let job = if self.running.is_empty() {
+                while self.running.len() + self.admitting.len() < self.max_seqs {
+                    let job = if self.running.is_empty() && self.admitting.is_empty() {
                         match jobs.recv_timeout(Duration::from_millis(50)) {
                             Ok(job) => job,
                             Err(RecvTimeoutError::Timeout) => break,
@@ -299,6 +318,7 @@ impl<'e> Scheduler<'e> {
                 }
             }
             self.remove_finished();
+            self.prefill_chunk();
             if !self.running.is_empty() {
                 self.step();
             }
@@ -308,28 +328,72 @@ impl<'e> Scheduler<'e> {
     }
 
     fn update_gauges(&self) {
-        let n = self.running.iter().filter(|r| !r.done).count() as i64;
+        let n = (self.running.iter().filter(|r| !r.done).count() + self.admitting.len()) as i64;
         self.metrics.running.store(n, Ordering::Relaxed);
         self.metrics.slots_used.store(n, Ordering::Relaxed);
     }
 
-    /// Allocates a sequence, prefills the prompt, samples the first token.
+    /// Allocates a sequence for the job; its prompt is prefilled over the next turns.
     fn admit(&mut self, job: Job) {
-        let error = |msg: String| {
-            let _ = job.events.send((job.index, Event::Error { message: msg, shutting_down: false }));
-        };
         if job.prompt.is_empty() || job.prompt.len() >= self.max_context {
-            return error(format!("the prompt has {} tokens; it must have 1 to {}", job.prompt.len(), self.max_context - 1));
+            let msg = format!("the prompt has {} tokens; it must have 1 to {}", job.prompt.len(), self.max_context - 1);
+            let _ = job.events.send((job.index, Event::Error { message: msg, shutting_down: false }));
+            return;
         }
-        let seq = match self.exec.new_sequence() {
-            Ok(s) => s,
-            Err(e) => return error(format!("no sequence slot: {e}")),
-        };
+        match self.exec.new_sequence() {
+            Ok(seq) => self.admitting.push(Admitting { job, seq, done: 0 }),
+            Err(e) => {
+                let msg = format!("no sequence slot: {e}");
+                let _ = job.events.send((job.index, Event::Error { message: msg, shutting_down: false }));
+            }
+        }
+    }
+
+    /// Frees an admitted sequence before it ran: its client left (`why` None: counted as
+    /// cancelled) or it cannot go on (`why`: sent as an error).
+    fn drop_admitting(&mut self, a: Admitting, why: Option<&str>) {
+        if let Err(e) = self.exec.free_sequence(a.seq) {
+            tracing::error!("freeing sequence {}: {e}", a.seq);
+        }
+        match why {
+            None => {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(msg) => {
+                let shutting_down = msg.contains("shutting down");
+                let _ = a.job.events.send((a.job.index, Event::Error { message: msg.to_string(), shutting_down }));
+            }
+        }
+        self.update_gauges();
+    }
+
+    /// One chunk of the oldest admitted prompt; after its last chunk the sequence starts
+    /// running with its first token sampled from that chunk's logits.
+    fn prefill_chunk(&mut self) {
+        if self.admitting.is_empty() {
+            return;
+        }
+        if self.admitting[0].job.events.is_closed() {
+            let a = self.admitting.remove(0);
+            return self.drop_admitting(a, None);
+        }
+        let a = &mut self.admitting[0];
+        let end = (a.done + PREFILL_CHUNK).min(a.job.prompt.len());
         self.logits.resize(self.vocab, 0.0);
-        if let Err(e) = self.exec.prefill(seq, &job.prompt, &mut self.logits[..self.vocab]) {
-            let _ = self.exec.free_sequence(seq);
-            return error(format!("prefill failed: {e}"));
+        if let Err(e) = self.exec.prefill(a.seq, &a.job.prompt[a.done..end], &mut self.logits[..self.vocab]) {
+            let a = self.admitting.remove(0);
+            return self.drop_admitting(a, Some(&format!("prefill failed: {e}")));
         }
+        a.done = end;
+        if end == a.job.prompt.len() {
+            let a = self.admitting.remove(0);
+            self.start_running(a.job, a.seq);
+        }
+    }
+
+    /// A fully prefilled job joins the running sequences; its first token comes from the
+    /// logits of the prefill's last chunk (in `self.logits`).
+    fn start_running(&mut self, job: Job, seq: SeqId) {
         self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
         let mut sampling = job.params.sampling.clone();
         // OpenAI's penalties replace llama.cpp's repetition penalty; the sampler needs no history.

@@ -651,6 +651,12 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.text());
 
+    // A prompt longer than one prefill chunk is prefilled over several turns and answered.
+    let r = s.post("/v1/completions", &json!({"prompt": "word ".repeat(1200), "max_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let used = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(used > 2 * 512, "{used} prompt tokens: more than two chunks");
+
     // A non-streaming request whose client leaves is cancelled too.
     let mut quiet = long.clone();
     quiet["stream"] = json!(false);
