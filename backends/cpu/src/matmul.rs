@@ -15,8 +15,13 @@ use crate::kernels::{dot4_f32, dot_f32, Act, Avx2, Kernel, RowDot};
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
 
-/// From this many tokens on, rows are dequantised once and dotted in f32 per token.
-const DEQUANT_MIN_TOKENS: usize = 4;
+/// From this many tokens on, rows are dequantised once and dotted in f32 per token; below
+/// it each token takes the fused AVX2 dot, which decodes the blocks again per token but in
+/// SIMD (the dequantiser is scalar). Measured on SmolLM2 Q4_1, 2-core AMD EPYC,
+/// `kiln bench --batch` (2026-11-30): from 4 tokens on as before, a batch of 4 decoded at
+/// 141 tok/s against 229 for 2; from 16 on, 4 → 234, 6 → 235, 8 → 241 tok/s (16 unchanged,
+/// pp512 unchanged, pp8 248 → 294).
+const DEQUANT_MIN_TOKENS: usize = 16;
 
 /// Values of a row dequantised at once on the many-token path (a multiple of every block).
 const SEGMENT: usize = 1024;
