@@ -322,18 +322,8 @@ impl Kernels {
         out: DevSlice<f32>,
     ) -> Result<()> {
         b.check()?;
+        a.check()?;
         let hd = a.head_dim;
-        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
-            return Err(KernelError::Unsupported(format!(
-                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
-            )));
-        }
-        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) || a.split == 0 {
-            return Err(invalid(format!(
-                "{} heads over {} KV heads, split {}",
-                a.n_heads, a.n_kv, a.split
-            )));
-        }
         if slot_stride != a.n_kv * a.max_ctx * hd || kc.len() != vc.len() || !kc.len().is_multiple_of(slot_stride) {
             return Err(invalid(format!(
                 "a KV pool of {} halves with slots of {slot_stride}",

@@ -576,18 +576,8 @@ impl Kernels {
         out: DevSlice<f32>,
         out_q8: Option<Q8Act>,
     ) -> Result<()> {
+        a.check()?;
         let hd = a.head_dim;
-        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
-            return Err(KernelError::Unsupported(format!(
-                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
-            )));
-        }
-        if a.n_kv == 0 || !a.n_heads.is_multiple_of(a.n_kv) || a.split == 0 {
-            return Err(invalid(format!(
-                "{} heads over {} KV heads, split {}",
-                a.n_heads, a.n_kv, a.split
-            )));
-        }
         let nsplit = Self::attention_splits(a.max_ctx, a.split);
         q.check_len(a.n_heads * hd, "attention Q")?;
         kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
@@ -841,6 +831,26 @@ pub struct AttnArgs {
     pub split: usize,
     /// Usually 1/sqrt(head_dim).
     pub scale: f32,
+}
+
+impl AttnArgs {
+    /// The head geometry the decode attention kernels take (shared by the one-sequence and
+    /// the batched launch).
+    pub(crate) fn check(&self) -> Result<()> {
+        let hd = self.head_dim;
+        if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
+            return Err(KernelError::Unsupported(format!(
+                "attention with head_dim {hd} (needs a multiple of 32 up to 256)"
+            )));
+        }
+        if self.n_kv == 0 || !self.n_heads.is_multiple_of(self.n_kv) || self.split == 0 {
+            return Err(invalid(format!(
+                "{} heads over {} KV heads, split {}",
+                self.n_heads, self.n_kv, self.split
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Shape of the batched prefill attention for [`Kernels::attention_prefill`].

@@ -16,7 +16,7 @@
 
 use kiln_core::{DecodeItem, Error, Result, Sampler};
 use kiln_kernels::{
-    AttnArgs, BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat,
+    BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat,
     Workspace,
 };
 
@@ -175,7 +175,7 @@ impl GpuExecutor {
         let b = &st.b;
         let c = &self.config;
         let k = &self.k;
-        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
         let width = qd + 2 * kvd;
         let bm = Kernels::bmm_rows(rows);
         let n = st.rows;
@@ -210,14 +210,7 @@ impl GpuExecutor {
             let (kc, vc) = self.kv.layer_all(li)?;
             let rope = self.rope_args(l);
             k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.max_ctx)?;
-            let attn = AttnArgs {
-                n_heads: c.num_heads,
-                n_kv: c.num_kv_heads,
-                head_dim: hd,
-                max_ctx: self.max_ctx,
-                split: self.split,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
+            let attn = self.attn_args();
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(&attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out)?;

@@ -553,6 +553,19 @@ impl GpuExecutor {
         }
     }
 
+    /// Decode attention's shape, shared by the one-sequence and the batched step.
+    fn attn_args(&self) -> AttnArgs {
+        let c = &self.config;
+        AttnArgs {
+            n_heads: c.num_heads,
+            n_kv: c.num_kv_heads,
+            head_dim: c.head_dim,
+            max_ctx: self.max_ctx,
+            split: self.split,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        }
+    }
+
     /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
     fn rope_args(&self, l: &Layer) -> RopeArgs {
         let c = &self.config;
@@ -581,7 +594,6 @@ impl GpuExecutor {
     fn queue_step(&self, slot_index: usize) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
-        let hd = c.head_dim;
         let state = self.slots[slot_index].state.slice();
         let (token, pos, len) = (state.sub(0, 1)?, state.sub(1, 1)?, state.sub(2, 1)?);
         let groups = c.hidden_size.div_ceil(32);
@@ -629,14 +641,7 @@ impl GpuExecutor {
             let (kc, vc) = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
             k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.max_ctx)?;
-            let attn = AttnArgs {
-                n_heads: c.num_heads,
-                n_kv: c.num_kv_heads,
-                head_dim: hd,
-                max_ctx: self.max_ctx,
-                split: self.split,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
+            let attn = self.attn_args();
             k.attention(
                 &attn,
                 s.q,
