@@ -648,15 +648,7 @@ impl LayerExecutor for PluginExecutor {
     fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
         let Some(decode_sample) = self.plugin.api.decode_sample else {
             // A plugin before ABI 1.3: its logits, sampled here.
-            kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
-            let vocab = self.model.model().config.vocab_size;
-            let mut logits = vec![0.0f32; batch.len() * vocab];
-            self.decode(batch, &mut logits)?;
-            for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
-                kiln_core::check_finite(row)?;
-                *token = sampler.sample(row);
-            }
-            return Ok(());
+            return kiln_core::decode_sample_on_host(self, batch, samplers, tokens);
         };
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.model.model().config.vocab_size;

@@ -205,16 +205,27 @@ pub trait LayerExecutor: Send {
     /// token drawn with `samplers[i]`. The default computes logits and samples on the host;
     /// GPU backends override it so only ids cross the bus.
     fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
-        check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
-        let vocab = self.config().vocab_size;
-        let mut logits = vec![0.0f32; batch.len() * vocab];
-        self.decode(batch, &mut logits)?;
-        for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
-            check_finite(row)?;
-            *token = sampler.sample(row);
-        }
-        Ok(())
+        decode_sample_on_host(self, batch, samplers, tokens)
     }
+}
+
+/// [`LayerExecutor::decode_sample`]'s default, for overrides that fall back to it: the
+/// batch's logits through `decode`, each row checked finite and sampled on the host.
+pub fn decode_sample_on_host<E: LayerExecutor + ?Sized>(
+    exec: &mut E,
+    batch: &[DecodeItem],
+    samplers: &mut [Sampler],
+    tokens: &mut [u32],
+) -> Result<()> {
+    check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
+    let vocab = exec.config().vocab_size;
+    let mut logits = vec![0.0f32; batch.len() * vocab];
+    exec.decode(batch, &mut logits)?;
+    for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
+        check_finite(row)?;
+        *token = sampler.sample(row);
+    }
+    Ok(())
 }
 
 /// `NonFiniteLogits` (step 0; callers that count steps fill it in) when a logit is NaN or

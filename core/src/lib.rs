@@ -20,7 +20,7 @@ pub mod sequences;
 pub mod testdata;
 
 pub use backend::{
-    check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill, check_sample_slots, check_tokens, score,
+    check_decode, check_decode_batch, check_decode_items, check_finite, decode_sample_on_host, check_prefill, check_sample_slots, check_tokens, score,
     Backend, DecodeItem,
     LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
 };

@@ -599,11 +599,7 @@ impl Kernels {
             .ptr(kc.ptr())
             .ptr(vc.ptr())
             .ptr(len.ptr())
-            .i32(a.n_heads as i32)
-            .i32(a.n_kv as i32)
-            .i32(a.max_ctx as i32)
-            .i32(a.split as i32)
-            .f32(a.scale)
+            .attn(a)
             .ptr(part_o.ptr())
             .ptr(part_ml.ptr())
             .ptr(counters.ptr())
@@ -776,6 +772,12 @@ pub struct RopeArgs {
 }
 
 impl Args {
+    /// The decode attention kernels' shape parameters, in their order: heads, KV heads,
+    /// context, split, scale.
+    pub(crate) fn attn(self, a: &AttnArgs) -> Args {
+        self.i32(a.n_heads as i32).i32(a.n_kv as i32).i32(a.max_ctx as i32).i32(a.split as i32).f32(a.scale)
+    }
+
     /// The rope kernels' shared parameters, in their order: heads, KV heads, head dim,
     /// rotary dims, inverse frequencies, NEOX flag, Q/K norms, epsilon.
     pub(crate) fn rope(self, a: &RopeArgs) -> Args {

@@ -49,6 +49,15 @@ enum State {
     OverBudget(usize),
 }
 
+/// Notes that this allocator serves the process. Read first: a store on every allocation
+/// would bounce the flag's cache line between all allocating threads.
+#[inline]
+fn mark_installed() {
+    if !INSTALLED.load(Ordering::Relaxed) {
+        INSTALLED.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Counts `grow` more bytes for this thread; past its budget, the render is over.
 fn charge(grow: usize) {
     let _ = BUDGET.try_with(|budget| {
@@ -101,13 +110,13 @@ fn over_budget(live: Option<usize>) -> ! {
 // the bookkeeping around it only reads and writes this thread's counters (no allocation).
 unsafe impl GlobalAlloc for GuardedAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        INSTALLED.store(true, Ordering::Relaxed);
+        mark_installed();
         charge(layout.size());
         // SAFETY: forwarded unchanged.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        INSTALLED.store(true, Ordering::Relaxed);
+        mark_installed();
         charge(layout.size());
         // SAFETY: forwarded unchanged.
         unsafe { System.alloc_zeroed(layout) }
