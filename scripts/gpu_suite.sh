@@ -24,6 +24,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mode=${1:-}
+
+# The device tool brings back at most 8 files from $OUT: the logs travel as one archive.
+bundle_logs() {
+    [ -n "${OUT:-}" ] || return 0
+    (cd "$1" && tar -czf gpu-logs.tgz --exclude gpu-logs.tgz -- * && find . -maxdepth 1 -type f ! -name gpu-logs.tgz -delete)
+}
+
 case "$mode" in
 build)
     mkdir -p .gpu
@@ -75,7 +82,7 @@ run)
         else
             status=1
             summary+=("$name: FAILED (see test-$name.log)")
-            grep -E "panicked|FAILED|error" "$out/test-$name.log" | head -20 || true
+            grep -E -A4 "panicked" "$out/test-$name.log" | head -40 || true
         fi
     done
     grep -hE "min cosine|cosine|rel err|agree|sequences drew" "$out"/test-*.log | head -80 || true
@@ -97,6 +104,7 @@ run)
         grep -hE "min cosine|worst cosine|two executors" "$out"/test-*.log 2>/dev/null | sed -E 's/ +/ /g' || true
         printf '%s\n' "${summary[@]}"
         rm -rf "$work"
+        bundle_logs "$out"
         exit $status
     fi
     # Benchmark models, made here by kiln itself.
@@ -126,6 +134,7 @@ run)
     grep -E 'roofline' "$out/bench.md" | head -1 || true
     printf '%s\n' "${summary[@]}"
     rm -rf "$work"
+    bundle_logs "$out"
     exit $status
     ;;
 bench)
