@@ -80,6 +80,58 @@ pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, repeats: usize)
     Ok(Throughput::from_samples(format!("tg{tokens}"), tokens, samples))
 }
 
+/// A short request's latency in a warm process, medians over the repeats (after one
+/// warm-up): `first_token_ms` from a fresh sequence to its first generated token (the
+/// prompt's prefill, its logits copied back, a greedy pick), `first_step_ms` the decode
+/// step after it (sampled on the backend).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FirstToken {
+    pub prompt_tokens: usize,
+    pub first_token_ms: f64,
+    pub first_step_ms: f64,
+    pub repeats: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// [`FirstToken`] for prompts of `prompt` random tokens.
+pub fn bench_first_token(exec: &mut dyn LayerExecutor, prompt: usize, repeats: usize) -> Result<FirstToken> {
+    let vocab = exec.config().vocab_size;
+    let mut rng = Rng::new(5);
+    let mut logits = vec![0.0f32; vocab];
+    let (mut first, mut step) = (Vec::new(), Vec::new());
+    for i in 0..=repeats.max(1) {
+        let tokens = random_tokens(prompt, vocab, &mut rng);
+        let start = Instant::now();
+        let seq = exec.new_sequence()?;
+        let run = |exec: &mut dyn LayerExecutor, logits: &mut [f32]| -> Result<(f64, f64)> {
+            exec.prefill(seq, &tokens, logits)?;
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let mut token = [sampler.sample(logits)];
+            let first = start.elapsed().as_secs_f64();
+            let item = DecodeItem { seq, token: token[0] };
+            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut token)?;
+            Ok((first, start.elapsed().as_secs_f64() - first))
+        };
+        let result = run(exec, &mut logits);
+        exec.free_sequence(seq)?;
+        let (f, s) = result?;
+        if i > 0 {
+            first.push(f * 1e3);
+            step.push(s * 1e3);
+        }
+    }
+    Ok(FirstToken {
+        prompt_tokens: prompt,
+        repeats: first.len(),
+        first_token_ms: median(first),
+        first_step_ms: median(step),
+    })
+}
+
 /// Weight bytes one decode step reads: every matrix once, plus one embedding row.
 pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
     let w = &model.weights;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kiln::bench::{bench_batched, bench_decode, bench_prefill, bytes_per_decode_step};
+use kiln::bench::{bench_batched, bench_decode, bench_first_token, bench_prefill, bytes_per_decode_step};
 use kiln::{registry_with_plugins, Engine, GenerateParams, Generation, Model};
 use kiln_core::{Error, LoadOptions, Registry, Result, SamplingParams};
 use kiln_formats::chat::ChatMessage;
@@ -565,6 +565,9 @@ fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
     Ok(())
 }
 
+/// The prompt length of `kiln bench`'s first-token latency.
+const FIRST_TOKEN_PROMPT: usize = 5;
+
 fn cmd_bench(args: BenchArgs) -> Result<()> {
     if !args.batch.is_empty() {
         return cmd_bench_batched(args);
@@ -585,12 +588,19 @@ fn cmd_bench(args: BenchArgs) -> Result<()> {
     if args.n_gen > 0 {
         results.push(bench_decode(exec, args.n_gen, args.repetitions.max(1))?);
     }
+    // A short request's latency beside the throughputs (what `kiln serve` users feel).
+    let first_token = if args.n_prompt > 0 && args.n_gen > 0 && exec.max_context() > FIRST_TOKEN_PROMPT {
+        Some(bench_first_token(exec, FIRST_TOKEN_PROMPT, args.repetitions.max(1))?)
+    } else {
+        None
+    };
     let roofline = exec.memory_roofline_gbs();
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
                 "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
+                "first_token": first_token,
             });
             println!("{value}");
         }
@@ -610,6 +620,12 @@ fn cmd_bench(args: BenchArgs) -> Result<()> {
                     r.test,
                     r.mean_tps,
                     r.sd_tps
+                );
+            }
+            if let Some(f) = &first_token {
+                println!(
+                    "\nfirst token of a {}-token prompt, warm process: {:.2} ms (prefill + greedy pick), next step {:.2} ms (medians of {})",
+                    f.prompt_tokens, f.first_token_ms, f.first_step_ms, f.repeats
                 );
             }
             println!("\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)", bytes as f64 / 1e6);

@@ -165,14 +165,6 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml, counters, out, \
                              oq, olo, ods);                                                                            \
     }
-ATTN_ENTRY(1)
-ATTN_ENTRY(2)
-ATTN_ENTRY(3)
-ATTN_ENTRY(4)
-ATTN_ENTRY(5)
-ATTN_ENTRY(6)
-ATTN_ENTRY(7)
-ATTN_ENTRY(8)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its
@@ -195,11 +187,3 @@ ATTN_ENTRY(8)
                              part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, \
                              out + z * qd, nullptr, nullptr, nullptr);                                                 \
     }
-ATTN_BATCH_ENTRY(1)
-ATTN_BATCH_ENTRY(2)
-ATTN_BATCH_ENTRY(3)
-ATTN_BATCH_ENTRY(4)
-ATTN_BATCH_ENTRY(5)
-ATTN_BATCH_ENTRY(6)
-ATTN_BATCH_ENTRY(7)
-ATTN_BATCH_ENTRY(8)

@@ -637,9 +637,8 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
 
 // Entry points: {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16), blocks
 // of 4 warps; {gemvq|swigluq}_{type}_{q|w}_{R}_{S}, blocks of 32·S/R warps that own one
-// 32-row group each and quantise their output. Each type is its own NVRTC module (this file
-// followed by one GEMV_TYPE line), so a model compiles only the types it
-// uses. Every entry takes the same parameters (unused ones null).
+// 32-row group each and quantise their output (integer paths only). Every entry takes the
+// same parameters (unused ones null).
 #define GEMV_PARAMS                                                                                                    \
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
@@ -679,30 +678,18 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     GEMVQ_ENTRY(NAME, T, A, 2, 1) \
     GEMVQ_ENTRY(NAME, T, A, 4, 1)
 
-#define GEMV_TYPE(NAME, T)             \
-    EMBED_ENTRY(NAME, T)               \
-    GEMV_SPLITS(NAME##_f, T, A_F32, 1) \
-    GEMV_SPLITS(NAME##_f, T, A_F32, 2) \
-    GEMV_SPLITS(NAME##_f, T, A_F32, 4) \
-    GEMV_INT_PATHS(NAME, T)
-
-#define GEMV_INT_PATHS(NAME, T)        \
-    GEMV_SPLITS(NAME##_q, T, A_Q8, 1)  \
-    GEMV_SPLITS(NAME##_q, T, A_Q8, 2)  \
-    GEMV_SPLITS(NAME##_q, T, A_Q8, 4)  \
-    GEMV_SPLITS(NAME##_w, T, A_Q16, 1) \
-    GEMV_SPLITS(NAME##_w, T, A_Q16, 2) \
-    GEMV_SPLITS(NAME##_w, T, A_Q16, 4) \
-    GEMVQ_TILINGS(NAME##_q, T, A_Q8)   \
-    GEMVQ_TILINGS(NAME##_w, T, A_Q16)
+// Each weight type's kernels come in small modules (see `format.rs`), so a model compiles
+// only its types and its activation path, and the modules compile in parallel: the
+// embedding lookup; per activation path A (NAME = type tag + path tag) the plain GEMVs
+// (every tiling and split) and the quantising ones.
+#define GEMV_PLAIN(NAME, T, A)    \
+    GEMV_SPLITS(NAME, T, A, 1)    \
+    GEMV_SPLITS(NAME, T, A, 2)    \
+    GEMV_SPLITS(NAME, T, A, 4)
+#define GEMV_QUANTISING(NAME, T, A) GEMVQ_TILINGS(NAME, T, A)
 
 // Row-grouped formats (T_Q4_0X4): a warp owns whole 4-row groups, so only R = 4.
-#define GEMV_TYPE_R4(NAME, T)              \
-    EMBED_ENTRY(NAME, T)                   \
-    GEMV_SPLITS(NAME##_f, T, A_F32, 4)     \
-    GEMV_SPLITS(NAME##_q, T, A_Q8, 4)      \
-    GEMV_SPLITS(NAME##_w, T, A_Q16, 4)     \
-    GEMVQ_ENTRY(NAME##_q, T, A_Q8, 4, 2)   \
-    GEMVQ_ENTRY(NAME##_q, T, A_Q8, 4, 1)   \
-    GEMVQ_ENTRY(NAME##_w, T, A_Q16, 4, 2)  \
-    GEMVQ_ENTRY(NAME##_w, T, A_Q16, 4, 1)
+#define GEMV_PLAIN_R4(NAME, T, A) GEMV_SPLITS(NAME, T, A, 4)
+#define GEMV_QUANTISING_R4(NAME, T, A) \
+    GEMVQ_ENTRY(NAME, T, A, 4, 2)      \
+    GEMVQ_ENTRY(NAME, T, A, 4, 1)

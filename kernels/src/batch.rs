@@ -5,10 +5,9 @@
 //! from device arrays so that one captured graph serves every step of a batch size.
 
 use crate::buffer::DevSlice;
-use crate::compile::{ATTENTION, NORM, ROPE, SAMPLE};
+use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
 use crate::device::{Args, LaunchConfig};
 use crate::error::{KernelError, Result};
-use crate::format::WeightFormat;
 use crate::ops::{AttnArgs, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 
@@ -88,10 +87,6 @@ impl Kernels {
         rows.div_ceil(8) * 8
     }
 
-    /// Compiles and loads the batched step's matmuls for these formats.
-    pub fn preload_batched(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        self.preload_modules(&Self::modules_for(formats, false, true))
-    }
 
     /// How many parts a batched matmul over `w` splits its row length into: enough blocks
     /// for two waves over the SMs, at least 4 chunks of 32 values per part.
@@ -339,7 +334,7 @@ impl Kernels {
         out.check_len(b.rows * qd, "attention output rows")?;
         let f = self
             .device()
-            .function(&ATTENTION, &format!("attn_decode_batch_{}", hd / 32))?;
+            .function(&attention_module(hd)?, &format!("attn_decode_batch_{}", hd / 32))?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())

@@ -57,7 +57,30 @@ const fn module(name: &'static str, source: &'static str) -> KernelModule {
 
 pub const NORM: KernelModule = module("norm", include_str!("../cuda/norm.cu"));
 pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
-pub const ATTENTION: KernelModule = module("attention", include_str!("../cuda/attention.cu"));
+const ATTENTION_SRC: &str = include_str!("../cuda/attention.cu");
+
+/// Decode attention, one module per head size (32·E for E = 1..=8): a model compiles the
+/// one it needs.
+macro_rules! attention_modules {
+    ($($e:literal)*) => {
+        [$(KernelModule {
+            name: concat!("attention_", $e),
+            source: ATTENTION_SRC,
+            suffix: concat!("ATTN_ENTRY(", $e, ")\nATTN_BATCH_ENTRY(", $e, ")"),
+        }),*]
+    };
+}
+pub static ATTENTION: [KernelModule; 8] = attention_modules!(1 2 3 4 5 6 7 8);
+
+/// The attention module for heads of `head_dim` values (a multiple of 32 up to 256).
+pub fn attention_module(head_dim: usize) -> Result<KernelModule> {
+    if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 32 * ATTENTION.len() {
+        return Err(KernelError::Unsupported(format!(
+            "decode attention over heads of {head_dim} values (multiples of 32 up to 256 only)"
+        )));
+    }
+    Ok(ATTENTION[head_dim / 32 - 1])
+}
 pub const SAMPLE: KernelModule = module("sample", include_str!("../cuda/sample.cu"));
 
 pub(crate) const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
@@ -82,9 +105,11 @@ impl KernelModule {
 
 /// Every module, for compile checks.
 pub fn all_modules() -> Vec<KernelModule> {
-    let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE, PREFILL];
+    let mut v = vec![NORM, ROPE, SAMPLE, PREFILL];
+    v.extend(ATTENTION);
     for f in &crate::format::FORMATS {
-        v.push(f.gemv);
+        v.push(f.embed);
+        v.extend(f.gemv.all());
         v.push(f.dequant);
         v.extend(f.batched);
     }

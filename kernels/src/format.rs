@@ -24,12 +24,45 @@
 use kiln_core::QType;
 
 use crate::compile::{KernelModule, GEMV_SRC};
+use crate::GemvPath;
 
 /// Where one part of a ggml block lies (`offset` into the block, `bytes` long).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Part {
     pub offset: usize,
     pub bytes: usize,
+}
+
+/// A format's GEMV modules. Kept small so a model compiles only what its activation path
+/// calls, in parallel: for each path the plain GEMVs (`gemv_`/`swiglu_`, every tiling and
+/// split) and, on the integer paths, those that quantise their output (`gemvq_`/`swigluq_`).
+#[derive(Debug, Clone, Copy)]
+pub struct GemvModules {
+    pub float: KernelModule,
+    pub q8: [KernelModule; 2],
+    pub q16: [KernelModule; 2],
+}
+
+impl GemvModules {
+    /// The modules a decode on `path` launches from.
+    pub fn for_path(&self, path: GemvPath) -> &[KernelModule] {
+        match path {
+            GemvPath::Float => std::slice::from_ref(&self.float),
+            GemvPath::Q8 => &self.q8,
+            GemvPath::Q16 => &self.q16,
+        }
+    }
+
+    /// The module holding `path`'s plain (`quantising == false`) or quantising GEMVs; the
+    /// float path has no quantising ones.
+    pub fn module(&self, path: GemvPath, quantising: bool) -> Option<&KernelModule> {
+        self.for_path(path).get(quantising as usize)
+    }
+
+    /// Every module (compile checks).
+    pub fn all(&self) -> impl Iterator<Item = KernelModule> + '_ {
+        std::iter::once(self.float).chain(self.q8).chain(self.q16)
+    }
 }
 
 /// A weight matrix format on the device.
@@ -50,8 +83,11 @@ pub struct WeightFormat {
     pub qh: Option<usize>,
     /// The scale (or scale and min) of a block, if it has one outside `body`.
     pub sc: Option<Part>,
-    /// The GEMV (and embedding lookup) kernels for this format.
-    pub gemv: KernelModule,
+    /// The embedding lookup (`embed_{tag}`).
+    pub embed: KernelModule,
+    /// The GEMV kernels, one small module per activation path and kind (see
+    /// [`GemvModules`]).
+    pub gemv: GemvModules,
     /// The whole-matrix dequantisation kernel (batched prefill) for this format.
     pub dequant: KernelModule,
     /// The batched decode matmuls on int8 tensor cores (`cuda/bmm.cu`), for every
@@ -62,11 +98,22 @@ pub struct WeightFormat {
     pub transcode: Option<fn(&mut [u8])>,
 }
 
+/// One GEMV module: `gemv.cu` and one `GEMV_{kind}{rows}(tag_path, T, A)` line.
+macro_rules! gemv_module {
+    ($prefix:literal, $kind:literal, $r4:literal, $tag:literal, $path:literal, $cuda:literal, $a:literal) => {
+        KernelModule::with_suffix(
+            concat!($prefix, $tag, "_", $path),
+            GEMV_SRC,
+            concat!("GEMV_", $kind, $r4, "(", $tag, "_", $path, ", ", $cuda, ", ", $a, ")"),
+        )
+    };
+}
+
 macro_rules! weight_format {
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
      body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr) => {
         weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
-            gemv "GEMV_TYPE", transcode None)
+            rows "", transcode None)
     };
     // Float weights: no batched (integer) matmul.
     (float $q:ident, $tag:literal, $cuda:literal, body $bb:literal) => {
@@ -76,7 +123,7 @@ macro_rules! weight_format {
         }
     };
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
-     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, gemv $gemv:literal,
+     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, rows $r4:literal,
      transcode $tc:expr) => {
         WeightFormat {
             qtype: QType::$q,
@@ -86,11 +133,22 @@ macro_rules! weight_format {
             body: Part { offset: $bo, bytes: $bb },
             qh: $qh,
             sc: $sc,
-            gemv: KernelModule::with_suffix(
-                concat!("gemv_", $tag),
+            embed: KernelModule::with_suffix(
+                concat!("embed_", $tag),
                 GEMV_SRC,
-                concat!($gemv, "(", $tag, ", ", $cuda, ")"),
+                concat!("EMBED_ENTRY(", $tag, ", ", $cuda, ")"),
             ),
+            gemv: GemvModules {
+                float: gemv_module!("gemv_", "PLAIN", $r4, $tag, "f", $cuda, "A_F32"),
+                q8: [
+                    gemv_module!("gemv_", "PLAIN", $r4, $tag, "q", $cuda, "A_Q8"),
+                    gemv_module!("gemvq_", "QUANTISING", $r4, $tag, "q", $cuda, "A_Q8"),
+                ],
+                q16: [
+                    gemv_module!("gemv_", "PLAIN", $r4, $tag, "w", $cuda, "A_Q16"),
+                    gemv_module!("gemvq_", "QUANTISING", $r4, $tag, "w", $cuda, "A_Q16"),
+                ],
+            },
             dequant: KernelModule::with_suffix(
                 concat!("dequant_", $tag),
                 GEMV_SRC,
@@ -140,12 +198,12 @@ pub static FORMATS: [WeightFormat; 14] = [
     weight_format!(Q6_K, "q6_k", "T_Q6_K", group 1, body 0 + 208, qh None, sc sc(208, 2)),
     // Q4_0 in rows of four (the `cuda-q4_0` backend's GEMV layout).
     weight_format!(Q4_0, "q4_0x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
-        gemv "GEMV_TYPE_R4", transcode None),
+        rows "_R4", transcode None),
     // APR's 4-bit type: transcoded to Q4_0 blocks at upload, then Q4_0's kernels.
     weight_format!(AprQ4, "apr_q4", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2),
-        gemv "GEMV_TYPE", transcode Some(apr_q4_to_q4_0)),
+        rows "", transcode Some(apr_q4_to_q4_0)),
     weight_format!(AprQ4, "apr_q4x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
-        gemv "GEMV_TYPE_R4", transcode Some(apr_q4_to_q4_0)),
+        rows "_R4", transcode Some(apr_q4_to_q4_0)),
 ];
 
 /// Q4_0 weights stored in groups of four rows (see the module doc).

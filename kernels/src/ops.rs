@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 
 use crate::buffer::{DevSlice, DeviceBuffer};
-use crate::compile::{KernelModule, ATTENTION, NORM, ROPE, SAMPLE};
+use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
 use crate::format::WeightFormat;
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
@@ -228,12 +228,22 @@ impl Kernels {
         self.device.load_modules(&crate::compile::all_modules())
     }
 
-    /// The modules a model with weights in `formats` needs: the shared ones and a GEMV
-    /// module per format; with `prefill` the batched prefill's (dequantisers, row
-    /// kernels); with `batched` the batched decode's matmuls.
-    pub fn modules_for(formats: &[&'static WeightFormat], prefill: bool, batched: bool) -> Vec<KernelModule> {
-        let mut v = vec![NORM, ROPE, ATTENTION, SAMPLE];
-        v.extend(formats.iter().map(|f| f.gemv));
+    /// The modules a model with weights in `formats`, heads of `head_dim` values and
+    /// GEMVs on `path` needs: the shared ones, its attention and its formats' embedding
+    /// lookups and GEMVs on that path; with `prefill` the batched prefill's
+    /// (dequantisers, row kernels); with `batched` the batched decode's matmuls.
+    pub fn modules_for(
+        formats: &[&'static WeightFormat],
+        path: GemvPath,
+        head_dim: usize,
+        prefill: bool,
+        batched: bool,
+    ) -> Result<Vec<KernelModule>> {
+        let mut v = vec![NORM, ROPE, SAMPLE, crate::compile::attention_module(head_dim)?];
+        for f in formats {
+            v.push(f.embed);
+            v.extend_from_slice(f.gemv.for_path(path));
+        }
         if prefill {
             v.push(crate::compile::PREFILL);
             v.extend(formats.iter().map(|f| f.dequant));
@@ -241,19 +251,15 @@ impl Kernels {
         if batched {
             v.extend(formats.iter().filter_map(|f| f.batched));
         }
-        v
+        v.sort_by_key(|m| m.name);
+        v.dedup();
+        Ok(v)
     }
 
     /// Compiles (the missing ones in parallel) and loads `modules`. Call before capturing
     /// a graph: a capture cannot load modules.
     pub fn preload_modules(&self, modules: &[KernelModule]) -> Result<()> {
         self.device.load_modules(modules)
-    }
-
-    /// Compiles and loads what a model with weights in these formats needs: the shared
-    /// modules and one GEMV module per format. Call before capturing a graph.
-    pub fn preload_for(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        self.preload_modules(&Self::modules_for(formats, false, false))
     }
 
     /// For each of `rows` rows of `n` values: v = x · rsqrt(mean(x²) + eps) · w, written
@@ -400,7 +406,10 @@ impl Kernels {
             t.rows_per_warp,
             t.warps_per_row
         );
-        let f = self.device.function(&w.format.gemv, &name)?;
+        let module = w.format.gemv.module(path, quantising).ok_or_else(|| {
+            invalid(format!("{} GEMVs that quantise their output need an integer path", w.format.tag))
+        })?;
+        let f = self.device.function(module, &name)?;
         let (body, qh, sc) = w.ptrs();
         let (body2, qh2, sc2) = w2.map_or((0, 0, 0), |w2| w2.ptrs());
         let q = epi.quant;
@@ -461,7 +470,7 @@ impl Kernels {
         }
         let f = self
             .device
-            .function(&w.format.gemv, &format!("embed_{}", w.format.tag))?;
+            .function(&w.format.embed, &format!("embed_{}", w.format.tag))?;
         let (body, qh, sc) = w.ptrs();
         let mut args = Args::new()
             .ptr(body)
@@ -590,10 +599,9 @@ impl Kernels {
         if let Some(q) = out_q8 {
             q.check_len(a.n_heads * hd, "quantised attention output")?;
         }
-        let e = hd / 32;
         let f = self
             .device
-            .function(&ATTENTION, &format!("attn_decode_{e}"))?;
+            .function(&attention_module(hd)?, &format!("attn_decode_{}", hd / 32))?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -870,11 +878,6 @@ pub struct PrefillAttnArgs {
 
 // Batched prefill: dequantisation to f16, and the per-token steps over the rows of a chunk.
 impl Kernels {
-    /// Compiles and loads what the batched prefill needs for weights in these formats.
-    pub fn preload_prefill(&self, formats: &[&'static WeightFormat]) -> Result<()> {
-        self.preload_modules(&Self::modules_for(formats, true, false))
-    }
-
     fn dequant_launch(
         &self,
         w: &DeviceWeight,

@@ -18,7 +18,9 @@ fn every_kernel_compiles_for_ampere_and_hopper() {
     println!("NVRTC {major}.{minor} from {found}");
     for arch in [(8, 0), (9, 0)] {
         for m in all_modules() {
+            let start = std::time::Instant::now();
             let cubin = compile_uncached(&m, arch).unwrap_or_else(|e| panic!("{e}"));
+            let took = start.elapsed().as_secs_f64();
             assert_eq!(
                 &cubin[..4],
                 b"\x7fELF",
@@ -28,7 +30,7 @@ fn every_kernel_compiles_for_ampere_and_hopper() {
                 arch.1
             );
             println!(
-                "compiled {} for sm_{}{}: {} bytes",
+                "compiled {} for sm_{}{}: {} bytes in {took:.2} s",
                 m.name,
                 arch.0,
                 arch.1,

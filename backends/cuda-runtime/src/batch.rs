@@ -82,7 +82,10 @@ impl BatchState {
         if let Err(why) = &exec.prefill {
             return Ok(Err(format!("no batched embedding lookup: {why}")));
         }
-        exec.k.preload_batched(formats).map_err(err)?;
+        // Loaded with the model's other modules already (one parallel compile); this only
+        // makes sure, as a graph capture cannot load them.
+        let matmuls: Vec<_> = formats.iter().filter_map(|f| f.batched).collect();
+        exec.k.preload_modules(&matmuls).map_err(err)?;
         let c = &exec.config;
         // Buffers for the largest bucket the slots can fill, and at least the eight rows
         // a matmul takes.
@@ -276,6 +279,21 @@ impl GpuExecutor {
                 .sub(0, items.len() * vocab)
                 .and_then(|l| l.copy_to_host(&self.device, out))
                 .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Captures the graph of every bucket the batch buffers hold (at load: a capture on a
+    /// request's path would cost it milliseconds). Nothing when batched decode is off.
+    pub(super) fn capture_batch_graphs(&mut self) -> Result<()> {
+        let Ok(st) = &self.batch else { return Ok(()) };
+        let most = st.rows;
+        for (bucket, &rows) in BUCKETS.iter().enumerate() {
+            if rows > most {
+                break;
+            }
+            let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
+            self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
         }
         Ok(())
     }

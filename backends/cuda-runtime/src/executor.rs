@@ -190,6 +190,8 @@ pub struct GpuExecutor {
     /// How every GEMV reads its activation: `GemvPath::Q16` unless the caller accepted
     /// plain Q8_1.
     path: GemvPath,
+    /// The device formats of the model's matrices (the modules a path change loads).
+    formats: Vec<&'static WeightFormat>,
     /// A tiling forced on the GEMVs that quantise their output (a benchmark knob; `None`:
     /// the policy's, per weight).
     quant_tiling: Option<GemvTiling>,
@@ -245,8 +247,10 @@ impl GpuExecutor {
         let batched = options.batched_decode
             && options.sequences() > 1
             && formats.iter().all(|f| f.batched.is_some());
-        k.preload_modules(&Kernels::modules_for(&formats, blas.is_ok(), batched && blas.is_ok()))
+        let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
+        let modules = Kernels::modules_for(&formats, activation_path, hd, blas.is_ok(), batched && blas.is_ok())
             .map_err(err)?;
+        k.preload_modules(&modules).map_err(err)?;
 
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let mut done = 0u64;
@@ -457,7 +461,6 @@ impl GpuExecutor {
         // activations have outlier channels that a 32-value block scale cannot absorb in 8
         // bits; the residual plane gives 256x finer steps. (f32 activations are exact but
         // 2.5-3.5x slower per GEMV: instruction-bound; see docs/architecture.md.)
-        let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
         let mut slots = Vec::with_capacity(options.sequences());
         for _ in 0..options.sequences() {
             slots.push(Slot {
@@ -475,6 +478,7 @@ impl GpuExecutor {
             max_ctx,
             split,
             path: activation_path,
+            formats: formats.clone(),
             quant_tiling: None,
             fuse_limit: usize::MAX,
             embd,
@@ -491,6 +495,7 @@ impl GpuExecutor {
         })
         .and_then(|mut exec| {
             exec.batch = batch::BatchState::new(&exec, &formats, nsplit, options.batched_decode)?;
+            exec.warm_up()?;
             Ok(exec)
         })
     }
@@ -504,6 +509,9 @@ impl GpuExecutor {
                 "cuda-q4k decodes from quantised activations (GemvPath::Q8 or Q16)".into(),
             ));
         }
+        // The other path's GEMVs load now: a graph capture cannot load modules.
+        let modules = Kernels::modules_for(&self.formats, path, self.config.head_dim, false, false).map_err(err)?;
+        self.k.preload_modules(&modules).map_err(err)?;
         self.path = path;
         self.drop_graphs();
         Ok(())
@@ -734,6 +742,29 @@ impl GpuExecutor {
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
         self.slots.index_of(seq)
+    }
+
+    /// Takes every first-use cost off a request's path, at load: each slot's decode graph
+    /// and each batch bucket's graph captured, and the batched prefill run once at a few
+    /// lengths, so cuBLAS loads (lazily, at first use) the GEMM kernels those shapes pick
+    /// and a short prompt's first token costs only its own work. Leaves every slot empty
+    /// (the scratch prefill's cache entries lie past slot 0's length).
+    fn warm_up(&mut self) -> Result<()> {
+        for slot in 0..self.slots.capacity() {
+            let graph = self.device.capture(|| self.queue_step(slot)).map_err(err)?;
+            self.slots[slot].graph = Some(graph);
+        }
+        self.capture_batch_graphs()?;
+        if self.prefill.is_ok() {
+            for n in [1, 5, 16, 64, prefill::CHUNK] {
+                if n > self.max_ctx {
+                    break;
+                }
+                self.prefill_batched(0, &vec![0; n], false)?;
+                self.slots[0].len = 0;
+            }
+        }
+        self.device.synchronize().map_err(err)
     }
 
     /// Runs one step of `slot` for `token` at its next position, leaving the logits in
