@@ -22,7 +22,9 @@
 // exactly in int32), the rest in f32 per chunk.
 //
 // Grid (ceil(rows / 128), splits): a block of 8 warps owns 128 rows, warp w rows
-// 16w..16w+15; grid.y splits the row length, each split writing its partial sums to
+// 16w..16w+15, and walks its split chunk by chunk (64 sequences: BMM_TILE chunks at a
+// time, the activations staged in shared memory by the whole block). grid.y splits the row
+// length, each split writing its partial sums to
 // part[split][m][row] (row stride `ldp`); `bmm_finish` adds the splits in a fixed order
 // (bit-reproducible) and applies the epilogue.
 
@@ -173,26 +175,20 @@ struct BAct {
     const float2* __restrict__ s;  // [chunks][B] (dx, sx)
 };
 
+// Chunks whose activations a block stages in shared memory at a time (64 sequences), and
+// whose weight fragments each warp loads before using any.
+#define BMM_TILE 4
+
+// Accumulates chunks c0..c1 reading the activation fragments straight from global memory
+// (L2): the faster walk up to 32 sequences on the H200. (Loading BMM_TILE chunks' weight
+// fragments before using any, as the staged walk does, measured 5-15% slower here: more
+// registers, fewer warps per SM; docs/benchmarks.md.)
 template <int T, int NT, bool SWIGLU>
-static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
-                                           int K, int per_split) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2, const BAct& a, size_t ra, size_t rb,
+                                                         int g, int t, int K, int c0, int c1, float (&acc)[NT][4],
+                                                         float (&acc2)[SWIGLU ? NT : 1][4]) {
     constexpr int B = NT * 8;
-    const int row0 = blockIdx.x * (BMM_WARPS * 16) + warp * 16;
-    if (row0 >= nrows) return;
-    // Rows past the end read the last row (in bounds) and are not written.
-    const size_t ra = min(row0 + g, nrows - 1), rb = min(row0 + g + 8, nrows - 1);
     const int nchunks = K / 32;
-    const int c0 = blockIdx.y * per_split, c1 = min(nchunks, c0 + per_split);
-    float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[n][i] = 0.0f;
-            acc2[SWIGLU ? n : 0][i] = 0.0f;
-        }
     for (int c = c0; c < c1; ++c) {
         const BFrag f0 = bmm_frag<T>(w, ra, K, c, t), f8 = bmm_frag<T>(w, rb, K, c, t);
         BFrag u0, u8;
@@ -208,6 +204,86 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
             if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, s, acc2[n]);
         }
     }
+}
+
+// Accumulates chunks c0..c1 BMM_TILE at a time, the block's 8 warps sharing the
+// activations through shared memory: at 64 sequences each warp reading them from L2 costs
+// 14× the weights' traffic. Every warp of the block must call it (it holds barriers);
+// `active` is false for a warp past the last row, which helps stage and computes nothing.
+template <int T, int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2, const BAct& a, size_t ra, size_t rb,
+                                                         bool active, int g, int t, int K, int c0, int c1,
+                                                         float (&acc)[NT][4], float (&acc2)[SWIGLU ? NT : 1][4]) {
+    constexpr int B = NT * 8;
+    const int nchunks = K / 32;
+    // [chunk][sequence][4 × 16 bytes] (a quad's 64 bytes contiguous, so a warp's loads hit
+    // distinct banks) and the (dx, sx) pairs [chunk][sequence].
+    __shared__ uint4 sx[BMM_TILE * B * 4];
+    __shared__ __align__(16) float2 ss[BMM_TILE * B];
+    for (int c = c0; c < c1; c += BMM_TILE) {
+        const int tile = min(BMM_TILE, c1 - c);
+        // This tile's weights first: their loads are in flight while the block stages.
+        BFrag f0[BMM_TILE], f8[BMM_TILE], u0[SWIGLU ? BMM_TILE : 1], u8[SWIGLU ? BMM_TILE : 1];
+#pragma unroll
+        for (int j = 0; j < BMM_TILE; ++j) {
+            if (active && j < tile) {
+                f0[j] = bmm_frag<T>(w, ra, K, c + j, t);
+                f8[j] = bmm_frag<T>(w, rb, K, c + j, t);
+                if constexpr (SWIGLU) {
+                    u0[j] = bmm_frag<T>(w2, ra, K, c + j, t);
+                    u8[j] = bmm_frag<T>(w2, rb, K, c + j, t);
+                }
+            }
+        }
+        __syncthreads();  // the previous tile's readers are done
+        for (int i = threadIdx.x; i < tile * B * 4; i += BMM_WARPS * 32) {
+            const int q = i & 3, m = (i >> 2) % B, j = (i >> 2) / B;
+            sx[i] = a.x[((size_t)m * nchunks + c + j) * 4 + q];
+        }
+        for (int i = threadIdx.x; i < tile * B; i += BMM_WARPS * 32) ss[i] = a.s[(size_t)c * B + i];
+        __syncthreads();
+        if (!active) continue;
+#pragma unroll
+        for (int j = 0; j < BMM_TILE; ++j) {
+            if (j < tile) {
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const uint4 x = sx[(j * B + n * 8 + g) * 4 + t];
+                    const float4 sc = *(const float4*)&ss[j * B + n * 8 + 2 * t];
+                    bmm_tile<T>(f0[j], f8[j], x, sc, acc[n]);
+                    if constexpr (SWIGLU) bmm_tile<T>(u0[j], u8[j], x, sc, acc2[n]);
+                }
+            }
+        }
+    }
+}
+
+template <int T, int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
+                                           int K, int per_split) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int B = NT * 8;
+    const int row0 = blockIdx.x * (BMM_WARPS * 16) + warp * 16;
+    const bool active = row0 < nrows;
+    // Rows past the end read the last row (in bounds) and are not written.
+    const size_t ra = min(row0 + g, nrows - 1), rb = min(row0 + g + 8, nrows - 1);
+    const int nchunks = K / 32;
+    const int c0 = blockIdx.y * per_split, c1 = min(nchunks, c0 + per_split);
+    float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[n][i] = 0.0f;
+            acc2[SWIGLU ? n : 0][i] = 0.0f;
+        }
+    if constexpr (NT == 8) {
+        bmm_chunks_staged<T, NT, SWIGLU>(w, w2, a, ra, rb, active, g, t, K, c0, c1, acc, acc2);
+    } else if (active) {
+        bmm_chunks_direct<T, NT, SWIGLU>(w, w2, a, ra, rb, g, t, K, c0, c1, acc, acc2);
+    }
+    if (!active) return;
     float* out = part + (size_t)blockIdx.y * B * ldp;
 #pragma unroll
     for (int n = 0; n < NT; ++n)
