@@ -34,7 +34,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams, SeqId};
+use kiln_core::{DecodeItem, Error, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams, SeqId};
 use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -420,9 +420,12 @@ impl<'e> Scheduler<'e> {
         self.update_gauges();
         let i = self.running.len() - 1;
         let mut row = std::mem::take(&mut self.logits);
-        let (token, logprob) = self.sample_host(i, &mut row[..self.vocab]);
+        let drawn = self.sample_host(i, &mut row[..self.vocab]);
         self.logits = row;
-        self.accept_token(i, token, logprob);
+        match drawn {
+            Ok((token, logprob)) => self.accept_token(i, token, logprob),
+            Err(e) => self.fail_one(i, &e),
+        }
         self.remove_finished();
     }
 
@@ -431,7 +434,7 @@ impl<'e> Scheduler<'e> {
         let n = self.running.len();
         let batch: Vec<DecodeItem> = self.running.iter().map(|r| DecodeItem { seq: r.seq, token: r.last }).collect();
         let host = self.running.iter().any(|r| r.params.needs_host_logits());
-        let mut results: Vec<(u32, Option<TokenLogprob>)> = Vec::with_capacity(n);
+        let mut results: Vec<Result<(u32, Option<TokenLogprob>)>> = Vec::with_capacity(n);
         if host {
             let mut logits = std::mem::take(&mut self.logits);
             logits.resize(n * self.vocab, 0.0);
@@ -451,13 +454,24 @@ impl<'e> Scheduler<'e> {
             if let Err(e) = self.exec.decode_sample(&batch, &mut self.samplers, &mut self.tokens) {
                 return self.fail_all(&format!("decode step failed: {e}"));
             }
-            results.extend(self.tokens.iter().map(|&t| (t, None)));
+            results.extend(self.tokens.iter().map(|&t| Ok((t, None))));
         }
-        for (i, (token, logprob)) in results.into_iter().enumerate() {
+        for (i, drawn) in results.into_iter().enumerate() {
             self.running[i].len += 1;
-            self.accept_token(i, token, logprob);
+            match drawn {
+                Ok((token, logprob)) => self.accept_token(i, token, logprob),
+                Err(e) => self.fail_one(i, &e),
+            }
         }
         self.remove_finished();
+    }
+
+    /// Ends sequence `i` with an error event (the others run on).
+    fn fail_one(&mut self, i: usize, e: &Error) {
+        let message = format!("generation stopped: {e}");
+        tracing::error!("sequence {}: {message}", self.running[i].seq);
+        self.running[i].send(Event::Error { message, shutting_down: false });
+        self.mark_finished(i);
     }
 
     fn fail_all(&mut self, msg: &str) {
@@ -470,8 +484,10 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Penalties and bias on `row`, logprobs of the post-penalty (pre-temperature)
-    /// distribution, then the sequence's sampler draws.
-    fn sample_host(&mut self, i: usize, row: &mut [f32]) -> (u32, Option<TokenLogprob>) {
+    /// distribution, then the sequence's sampler draws. `NonFiniteLogits` when the model's
+    /// row holds a NaN or an infinity (checked before the bias, which may be large).
+    fn sample_host(&mut self, i: usize, row: &mut [f32]) -> Result<(u32, Option<TokenLogprob>)> {
+        kiln_core::check_finite(row)?;
         let r = &self.running[i];
         let p = &r.params;
         for &(t, bias) in &p.logit_bias {
@@ -516,7 +532,7 @@ impl<'e> Scheduler<'e> {
             }
             _ => None,
         };
-        (token, logprob)
+        Ok((token, logprob))
     }
 
     /// Handles a sampled token: end-of-sequence, text, stop strings, limits.

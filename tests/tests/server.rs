@@ -964,3 +964,37 @@ fn serve_openai_python_client() {
         _ => panic!("the openai client checks failed:\n{stdout}\n{stderr}"),
     }
 }
+
+/// A model whose output norm holds NaN: every request ends in an error naming non-finite
+/// logits (host sampling with logprobs, and device-style sampling), never in arbitrary
+/// tokens; the server keeps serving.
+#[test]
+fn serve_non_finite_logits_are_an_error_not_tokens() {
+    let model = test_model();
+    let broken = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-nan-output-norm.gguf");
+    std::fs::copy(&model, &broken).expect("copy the model");
+    let (offset, bytes) = {
+        let f = kiln_formats::gguf::GgufFile::open(&broken).expect("open the copy");
+        let t = f.tensor("output_norm.weight").expect("an output norm");
+        assert_eq!(t.qtype, kiln_core::QType::F32, "the test writes f32 NaNs");
+        (f.data_offset() + t.offset, t.elements() * 4)
+    };
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut file = std::fs::OpenOptions::new().write(true).open(&broken).expect("open for writing");
+        file.seek(SeekFrom::Start(offset)).expect("seek");
+        let nan: Vec<u8> = (0..bytes / 4).flat_map(|_| f32::NAN.to_le_bytes()).collect();
+        file.write_all(&nan).expect("write NaN");
+    }
+    let mut s = Server::start(&broken, &["--max-seqs", "2", "-c", "256"]);
+    s.wait_ready();
+    for extra in [json!({"logprobs": true, "top_logprobs": 2}), json!({"temperature": 0.7, "seed": 3})] {
+        let mut body = json!({"messages": user("hi"), "max_tokens": 4});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = s.post("/v1/chat/completions", &body);
+        assert!(r.status >= 500, "status {}: {}", r.status, r.text());
+        let e = r.error();
+        assert!(e["message"].as_str().unwrap().contains("non-finite logits"), "{e}");
+    }
+    assert_eq!(s.get("/health").json(), json!({"status": "ok"}), "{}", s.log());
+}
