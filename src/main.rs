@@ -78,7 +78,8 @@ struct BackendArgs {
 
 #[derive(Args, Clone)]
 struct ModelArgs {
-    /// GGUF model file (default: SmolLM2-135M-Instruct, fetched on first use).
+    /// GGUF or APR model file, or the name of a model kiln fetches on first use:
+    /// `smollm2-135m` (the default) or `gemma3-270m`.
     #[arg(short, long)]
     model: Option<PathBuf>,
     #[command(flatten)]
@@ -246,9 +247,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// The file `-m` names: a path, or a known model's name (fetched on first use; a file of
+/// that name in the working directory wins).
 fn model_path(path: Option<PathBuf>) -> Result<PathBuf> {
     match path {
-        Some(p) => Ok(p),
+        Some(p) if p.exists() => Ok(p),
+        Some(p) => match p.to_str().and_then(kiln::fetch::known_model) {
+            Some(known) => kiln::fetch::ensure_model(known, false),
+            None => Ok(p),
+        },
         None => kiln::fetch::ensure_default_model(false),
     }
 }
@@ -551,7 +558,7 @@ fn cmd_backends(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
 fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
     let (path, text) = match args.as_slice() {
         [text] => (model_path(None)?, text.clone()),
-        [model, text] => (PathBuf::from(model), text.clone()),
+        [model, text] => (model_path(Some(PathBuf::from(model)))?, text.clone()),
         _ => return Err(Error::InvalidArgument("usage: kiln tokenize [MODEL] TEXT".into())),
     };
     let model = Model::open(Path::new(&path))?;

@@ -408,6 +408,7 @@ impl PluginBackend {
 
     /// Loads `model` as a concrete [`PluginExecutor`] (what [`Backend::load`] boxes).
     pub fn load_executor(&self, model: &ModelIr, options: &LoadOptions) -> Result<PluginExecutor> {
+        kiln_core::plugin_abi::check_describable(&model.config)?;
         let p = &self.plugin;
         let desc = ModelDescBuf::new(model);
         let mut progress: Option<ProgressFn> = options.progress.clone();
@@ -509,6 +510,9 @@ impl Backend for PluginBackend {
             return Support::No {
                 reason: format!("runs {}, not {}", names.join(", "), model.config.arch.name()),
             };
+        }
+        if let Err(e) = kiln_core::plugin_abi::check_describable(&model.config) {
+            return Support::No { reason: e.to_string() };
         }
         let desc = ModelDescBuf::new(model);
         let d = desc.desc();

@@ -66,6 +66,8 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             ffn_gate: Some(matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
             ffn_up: matrix(rng, &format!("{i}.up"), tg, h, s.ffn),
             ffn_down: matrix(rng, &format!("{i}.down"), td, s.ffn, h),
+            attn_post_norm: None,
+            ffn_post_norm: None,
         });
     }
     let token_embd = {
@@ -101,6 +103,9 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         rope: RopeConfig { kind: s.rope, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: s.head_dim },
         tied_embeddings: s.tied,
         context_length,
+        embedding_scale: 1.0,
+        sandwich_norms: false,
+        sliding_window: None,
     };
     ModelIr { config, weights, source: "random test model".into() }
 }

@@ -158,6 +158,9 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: explicit head_dim and per-head RMSNorm on Q and K.
     Qwen3,
+    /// Gemma 3: embeddings scaled by √hidden, RMSNorm before and after attention and the
+    /// MLP, per-head Q/K norms, GeGLU, sliding-window attention on most layers.
+    Gemma3,
 }
 
 impl Architecture {
@@ -167,6 +170,7 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
         }
     }
 }
@@ -249,9 +253,59 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Longest context the model was trained for.
     pub context_length: usize,
+    /// Multiplies the token embedding before the first layer (Gemma: √hidden; else 1).
+    pub embedding_scale: f32,
+    /// RMSNorm also on each attention and MLP output before it joins the residual (Gemma's
+    /// "sandwich" norms: `post_attention_norm`, `post_ffw_norm`).
+    pub sandwich_norms: bool,
+    /// Sliding-window attention on some layers, if the model has it.
+    pub sliding_window: Option<SlidingWindow>,
+}
+
+/// Attention over a window of recent positions on most layers and over the whole context on
+/// every `global_every`-th (Gemma 3: 512 positions, every sixth layer global).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a windowed layer attends to, its own included.
+    pub window: usize,
+    /// Layers `global_every - 1`, `2·global_every - 1`, … attend to the whole context.
+    pub global_every: usize,
+    /// RoPE base of the windowed layers (unscaled); `rope.theta` is the global layers'.
+    pub local_theta: f32,
+}
+
+/// How one layer attends: over the last `window` positions (or all of them) with its
+/// RoPE base.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    pub window: Option<usize>,
+    pub local_rope: bool,
+}
+
+impl LayerAttention {
+    /// The first position a query at `pos` attends to.
+    pub fn first_position(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 impl ModelConfig {
+    /// How layer `layer` attends (see [`SlidingWindow`]).
+    pub fn layer_attention(&self, layer: usize) -> LayerAttention {
+        match self.sliding_window {
+            Some(sw) if !(layer + 1).is_multiple_of(sw.global_every) => {
+                LayerAttention { window: Some(sw.window), local_rope: true }
+            }
+            _ => LayerAttention { window: None, local_rope: false },
+        }
+    }
+
+    /// The RoPE settings of the windowed layers: the local base, no scaling.
+    pub fn local_rope(&self) -> Option<RopeConfig> {
+        self.sliding_window
+            .map(|sw| RopeConfig { theta: sw.local_theta, scaling: RopeScaling::None, ..self.rope })
+    }
+
     /// Limits [`ModelConfig::validate`] holds metadata to (far above any released model).
     pub const MAX_LAYERS: usize = 1024;
     pub const MAX_WIDTH: usize = 1 << 20;
@@ -315,6 +369,17 @@ impl ModelConfig {
         if self.rope.rotary_dims > self.head_dim || !self.rope.rotary_dims.is_multiple_of(2) {
             return bad(format!("rotary dims {} do not fit head_dim {}", self.rope.rotary_dims, self.head_dim));
         }
+        if !self.embedding_scale.is_finite() || self.embedding_scale <= 0.0 {
+            return bad(format!("embedding scale {} must be a positive number", self.embedding_scale));
+        }
+        if let Some(sw) = self.sliding_window {
+            if sw.window == 0 || sw.global_every == 0 {
+                return bad(format!("sliding window of {} positions, every {} layers global", sw.window, sw.global_every));
+            }
+            if !sw.local_theta.is_finite() || sw.local_theta <= 0.0 {
+                return bad(format!("local rope base {} must be a positive number", sw.local_theta));
+            }
+        }
         Ok(())
     }
 }
@@ -343,6 +408,9 @@ pub struct LayerWeights {
     pub ffn_gate: Option<TensorView>,
     pub ffn_up: TensorView,
     pub ffn_down: TensorView,
+    /// RMSNorm weights of the attention and MLP outputs ([`ModelConfig::sandwich_norms`]).
+    pub attn_post_norm: Option<TensorView>,
+    pub ffn_post_norm: Option<TensorView>,
 }
 
 #[derive(Debug, Clone)]
@@ -382,6 +450,8 @@ impl ModelWeights {
                 &l.ffn_norm,
                 &l.ffn_norm_bias,
                 &l.ffn_gate,
+                &l.attn_post_norm,
+                &l.ffn_post_norm,
             ] {
                 all.extend(t.iter());
             }
@@ -473,6 +543,9 @@ mod validate_tests {
             rope: RopeConfig { kind: RopeKind::Norm, theta: 10_000.0, scaling: RopeScaling::None, rotary_dims: 16 },
             tied_embeddings: true,
             context_length: 2048,
+            embedding_scale: 1.0,
+            sandwich_norms: false,
+            sliding_window: None,
         }
     }
 

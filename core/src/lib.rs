@@ -26,8 +26,8 @@ pub use backend::{
 };
 pub use error::{Error, Result};
 pub use ir::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig, RopeKind,
-    RopeScaling, Storage, TensorView,
+    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig,
+    RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
 };
 pub use qtype::QType;
 pub use registry::{BuiltinBackend, Candidate, Registry};

@@ -669,6 +669,33 @@ pub fn arch_id(a: &Architecture) -> u32 {
         Architecture::Mistral => 1,
         Architecture::Qwen2 => 2,
         Architecture::Qwen3 => 3,
+        // Never sent under ABI 1.3: the host refuses models the ABI cannot describe
+        // (`check_describable`), and Gemma 3's sandwich norms, embedding scale and sliding
+        // window are not in `KilnModelConfig`.
+        Architecture::Gemma3 => 4,
+    }
+}
+
+/// Whether `KilnModelConfig` can describe `c`: an `Unsupported` error naming what it lacks
+/// otherwise (a plugin must never run a model it would misread).
+pub fn check_describable(c: &ModelConfig) -> Result<()> {
+    let lacks = if c.arch == Architecture::Gemma3 {
+        Some("the gemma3 architecture")
+    } else if c.embedding_scale != 1.0 {
+        Some("a scaled embedding")
+    } else if c.sandwich_norms {
+        Some("norms after attention and the MLP")
+    } else if c.sliding_window.is_some() {
+        Some("sliding-window attention")
+    } else {
+        None
+    };
+    match lacks {
+        Some(what) => Err(Error::Unsupported(format!(
+            "plugin ABI {} cannot describe {what} to a plugin",
+            version_string(ABI_VERSION)
+        ))),
+        None => Ok(()),
     }
 }
 pub fn arch_from_id(id: u32) -> Option<Architecture> {
@@ -798,6 +825,9 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
         },
         tied_embeddings: c.flags & flags::TIED_EMBEDDINGS != 0,
         context_length: size(c.context_length, "context_length")?,
+        embedding_scale: 1.0,
+        sandwich_norms: false,
+        sliding_window: None,
     };
     config.validate()?;
     Ok(config)
@@ -835,6 +865,9 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
             ffn_gate,
             ffn_up,
             ffn_down,
+            // Refused before a model reaches a plugin (`check_describable`).
+            attn_post_norm: _,
+            ffn_post_norm: _,
         } = l;
         out.extend([
             (TensorRole::AttnNorm, i, attn_norm),
@@ -1062,6 +1095,8 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
             ffn_gate: take(l, TensorRole::FfnGate, &ctx)?,
             ffn_up: need(l, TensorRole::FfnUp, &ctx)?,
             ffn_down: need(l, TensorRole::FfnDown, &ctx)?,
+            attn_post_norm: None,
+            ffn_post_norm: None,
         });
     }
     let g = &mut global;
@@ -1101,6 +1136,9 @@ mod tests {
             rope: RopeConfig { kind: RopeKind::Neox, theta: 10000.0, scaling: RopeScaling::Linear { factor: 2.0 }, rotary_dims: 8 },
             tied_embeddings: true,
             context_length: 128,
+            embedding_scale: 1.0,
+            sandwich_norms: false,
+            sliding_window: None,
         };
         let m = |name: &str, dims: Vec<usize>| {
             let n: usize = dims.iter().product();
@@ -1125,6 +1163,8 @@ mod tests {
             ffn_gate: Some(m(&format!("l{i}.gate"), vec![hidden, 64])),
             ffn_up: m(&format!("l{i}.up"), vec![hidden, 64]),
             ffn_down: m(&format!("l{i}.down"), vec![64, hidden]),
+            attn_post_norm: None,
+            ffn_post_norm: None,
         };
         ModelIr {
             config,

@@ -229,8 +229,7 @@ fn architecture(name: &str) -> Result<Architecture> {
         "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
         other => {
             return Err(Error::Unsupported(format!(
-                "APR architecture '{other}' (kiln runs {})",
-                crate::model::SUPPORTED_ARCHITECTURES.join(", ")
+                "APR architecture '{other}' (kiln runs llama, mistral, qwen2 and qwen3 from APR files)"
             )))
         }
     })
@@ -241,7 +240,7 @@ fn architecture(name: &str) -> Result<Architecture> {
 fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
     match arch {
         Architecture::Llama | Architecture::Mistral => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 => RopeKind::Neox,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeKind::Neox,
     }
 }
 
@@ -306,6 +305,9 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
         },
         tied_embeddings: !has("output.weight"),
         context_length: meta.usize("max_position_embeddings")?,
+        embedding_scale: 1.0,
+        sandwich_norms: false,
+        sliding_window: None,
     };
     config.validate()?;
     Ok(config)

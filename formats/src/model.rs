@@ -12,13 +12,13 @@ use std::sync::Arc;
 
 use kiln_core::{
     Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
-    Registry, Result, RopeConfig, RopeKind, RopeScaling, TensorView,
+    Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
 
 use crate::gguf::GgufFile;
 
 /// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
-pub const SUPPORTED_ARCHITECTURES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
+pub const SUPPORTED_ARCHITECTURES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "gemma3"];
 
 /// Opens a GGUF file and maps it. The file is returned too: the tokenizer and chat
 /// template live in its metadata.
@@ -66,6 +66,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         "mistral" => Architecture::Mistral,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
+        "gemma3" => Architecture::Gemma3,
         other => {
             return Err(Error::Unsupported(format!(
                 "architecture '{other}' (kiln runs {})",
@@ -122,7 +123,17 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     // Qwen's are left in the HF split-halves order.
     let rope_kind = match arch {
         Architecture::Llama | Architecture::Mistral => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 => RopeKind::Neox,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeKind::Neox,
+    };
+    // Gemma 3 as llama.cpp reads it: five windowed layers (local RoPE base 10,000, unscaled)
+    // to one global; the window is in the file, the rest is the family's definition.
+    let sliding_window = match arch {
+        Architecture::Gemma3 => Some(SlidingWindow {
+            window: meta.usize("attention.sliding_window")?,
+            global_every: 6,
+            local_theta: 10_000.0,
+        }),
+        _ => None,
     };
 
     let token_embd = file
@@ -140,6 +151,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
 
     let has = |name: &str| file.tensor(name).is_some();
+    let is_gemma3 = arch == Architecture::Gemma3;
     let config = ModelConfig {
         arch,
         vocab_size,
@@ -151,7 +163,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         ffn_size,
         norm: NormKind::Rms,
         norm_eps,
-        activation: Activation::Silu,
+        // Gemma's GeGLU uses the tanh-approximated GELU (`gelu_pytorch_tanh`).
+        activation: if is_gemma3 { Activation::Gelu } else { Activation::Silu },
         gated_ffn: true,
         parallel_residual: false,
         qkv_bias: has("blk.0.attn_q.bias") || has("blk.0.attn_qkv.bias"),
@@ -159,10 +172,21 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         rope: RopeConfig { kind: rope_kind, theta, scaling, rotary_dims },
         tied_embeddings: !has("output.weight"),
         context_length,
+        // The scale in f32, as HF and llama.cpp compute it.
+        embedding_scale: if is_gemma3 { (hidden_size as f32).sqrt() } else { 1.0 },
+        // llama.cpp's converter stores Gemma's `1 + weight` norms with the 1 added: plain
+        // RMSNorm weights here, like every other norm.
+        sandwich_norms: has("blk.0.post_attention_norm.weight"),
+        sliding_window,
     };
     config.validate()?;
     if config.arch == Architecture::Qwen3 && !config.qk_norm {
         return Err(Error::Format("a qwen3 model needs blk.N.attn_q_norm / attn_k_norm".into()));
+    }
+    if config.arch == Architecture::Gemma3 && !(config.qk_norm && config.sandwich_norms) {
+        return Err(Error::Format(
+            "a gemma3 model needs blk.N.attn_q_norm / attn_k_norm and post_attention_norm / post_ffw_norm".into(),
+        ));
     }
     Ok(config)
 }
@@ -326,6 +350,11 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
                 if c.qkv_bias { "has" } else { "has none of" }
             )));
         }
+        let mut post_norm = |role: &str| match c.sandwich_norms {
+            true => t.req(&n(role), &[hidden]).map(Some),
+            false => Ok(None),
+        };
+        let (attn_post_norm, ffn_post_norm) = (post_norm("post_attention_norm.weight")?, post_norm("post_ffw_norm.weight")?);
         let (attn_q_norm, attn_k_norm) = if c.qk_norm {
             (
                 Some(t.req(&n("attn_q_norm.weight"), &[c.head_dim])?),
@@ -352,6 +381,8 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             ffn_gate: Some(t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?),
             ffn_up: t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
             ffn_down: t.req(&n("ffn_down.weight"), &[c.ffn_size, hidden])?,
+            attn_post_norm,
+            ffn_post_norm,
         });
     }
     Ok(ModelWeights { token_embd, layers, output_norm, output_norm_bias, output, rope_freqs })

@@ -159,6 +159,9 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
         rope: RopeConfig { kind: RopeKind::Norm, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: head_dim },
         tied_embeddings: false,
         context_length: 64,
+        embedding_scale: 1.0,
+        sandwich_norms: false,
+        sliding_window: None,
     };
     let layer = |i: usize| {
         let s = 100 * (i as u64 + 1);
@@ -180,6 +183,8 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
             ffn_gate: Some(tensor(&format!("blk.{i}.ffn_gate"), matrix, vec![hidden, ffn], s + 6, 0.2)),
             ffn_up: tensor(&format!("blk.{i}.ffn_up"), matrix, vec![hidden, ffn], s + 7, 0.2),
             ffn_down: tensor(&format!("blk.{i}.ffn_down"), matrix, vec![ffn, hidden], s + 8, 0.2),
+            attn_post_norm: None,
+            ffn_post_norm: None,
         }
     };
     ModelIr {

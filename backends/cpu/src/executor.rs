@@ -32,6 +32,9 @@ struct Layer {
     gate: Option<QMatrix>,
     up: QMatrix,
     down: QMatrix,
+    /// RMSNorm of the attention and MLP outputs before the residual (Gemma).
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// Immutable part of the executor: everything a forward pass reads.
@@ -44,6 +47,8 @@ struct Model {
     lm_head: QMatrix,
     /// Inverse frequency of each rotary pair.
     inv_freq: Vec<f32>,
+    /// The windowed layers' (their own RoPE base), when the model has a sliding window.
+    local_inv_freq: Option<Vec<f32>>,
     max_ctx: usize,
     threads: usize,
     simd: Option<Avx2>,
@@ -70,6 +75,8 @@ struct Scratch {
     up: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    cos_local: Vec<f32>,
+    sin_local: Vec<f32>,
 }
 
 /// The CPU executor. See the crate docs.
@@ -126,6 +133,7 @@ impl CpuExecutor {
             };
             need(l.ffn_gate.is_some(), c.gated_ffn, "a gate projection")?;
             need(l.attn_q_norm.is_some() && l.attn_k_norm.is_some(), c.qk_norm, "Q/K norms")?;
+            need(l.attn_post_norm.is_some() && l.ffn_post_norm.is_some(), c.sandwich_norms, "post-attention/MLP norms")?;
             if l.ffn_norm.is_none() && !c.parallel_residual {
                 return Err(Error::Format(format!("layer {i}: no FFN norm and no parallel residual")));
             }
@@ -147,11 +155,14 @@ impl CpuExecutor {
                 gate: l.ffn_gate.as_ref().map(|g| QMatrix::new(g, h, ffn, simd)).transpose()?,
                 up: QMatrix::new(&l.ffn_up, h, ffn, simd)?,
                 down: QMatrix::new(&l.ffn_down, ffn, h, simd)?,
+                post_attn_norm: opt_vector(&l.attn_post_norm, h, "post-attention norm")?,
+                post_ffn_norm: opt_vector(&l.ffn_post_norm, h, "post-MLP norm")?,
             });
         }
         let half = c.rope.rotary_dims / 2;
         let freq_factors = opt_vector(&w.rope_freqs, half, "rope frequency factors")?;
         let inv_freq = (0..half).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
+        let local_inv_freq = c.local_rope().map(|r| (0..half).map(|i| r.inv_freq(i, None)).collect());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // 0 (or none) means every core. More than a few threads per core only adds
         // switching (and thousands fail to spawn after seconds): refused, with the limit.
@@ -197,6 +208,8 @@ impl CpuExecutor {
             up: vec![0.0; b * ffn],
             cos: vec![0.0; b * half.max(1)],
             sin: vec![0.0; b * half.max(1)],
+            cos_local: vec![0.0; b * half.max(1)],
+            sin_local: vec![0.0; b * half.max(1)],
         };
         let model = Model {
             config: c.clone(),
@@ -206,6 +219,7 @@ impl CpuExecutor {
             out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
             lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, simd)?,
             inv_freq,
+            local_inv_freq,
             max_ctx,
             threads,
             simd,
@@ -277,17 +291,31 @@ fn forward(
     let scale = 1.0 / (hd as f32).sqrt();
 
     for (t, &tok) in tokens.iter().enumerate() {
-        m.embd.dequant_row(tok as usize, &mut s.x[t * h..(t + 1) * h]);
+        let x = &mut s.x[t * h..(t + 1) * h];
+        m.embd.dequant_row(tok as usize, x);
+        if c.embedding_scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= c.embedding_scale);
+        }
     }
     for (t, &(_, pos)) in rows.iter().enumerate() {
         for i in 0..half {
             let (sin, cos) = (pos as f32 * m.inv_freq[i]).sin_cos();
             s.cos[t * half + i] = cos;
             s.sin[t * half + i] = sin;
+            if let Some(local) = &m.local_inv_freq {
+                let (sin, cos) = (pos as f32 * local[i]).sin_cos();
+                s.cos_local[t * half + i] = cos;
+                s.sin_local[t * half + i] = sin;
+            }
         }
     }
 
     for (li, l) in m.layers.iter().enumerate() {
+        let attention = c.layer_attention(li);
+        let (cos_all, sin_all) = match attention.local_rope {
+            true => (&s.cos_local, &s.sin_local),
+            false => (&s.cos, &s.sin),
+        };
         for t in 0..n {
             norm(c, &s.x[t * h..(t + 1) * h], &l.attn_norm, l.attn_norm_bias.as_ref(), &mut s.xn[t * h..(t + 1) * h]);
         }
@@ -306,7 +334,7 @@ fn forward(
         add_bias(&mut s.k[..n * kvd], &l.k_bias);
         add_bias(&mut s.v[..n * kvd], &l.v_bias);
         for t in 0..n {
-            let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+            let (cos, sin) = (&cos_all[t * half..(t + 1) * half], &sin_all[t * half..(t + 1) * half]);
             for head in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
                 if let Some(w) = &l.q_norm {
                     ops::rms_norm_in_place(head, w, c.norm_eps);
@@ -334,15 +362,22 @@ fn forward(
             let (slot, pos) = rows[t];
             let base = li * m.max_ctx * kvd;
             let kv = &cache[slot];
-            let keys = &kv.k[base..base + (pos + 1) * kvd];
-            let values = &kv.v[base..base + (pos + 1) * kvd];
+            // A windowed layer sees only the last `window` positions.
+            let first = attention.first_position(pos);
+            let keys = &kv.k[base + first * kvd..base + (pos + 1) * kvd];
+            let values = &kv.v[base + first * kvd..base + (pos + 1) * kvd];
             let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-            ops::attend(simd, qh, keys, values, kvd, (head / group) * hd, pos + 1, scale, out);
+            ops::attend(simd, qh, keys, values, kvd, (head / group) * hd, pos + 1 - first, scale, out);
         });
 
         let input = batch(&s.att, &mut s.sums, n, qd);
         matmul(&mut [MatJob { m: &l.out, out: &mut s.proj[..n * h] }], input, threads, simd);
         add_bias(&mut s.proj[..n * h], &l.out_bias);
+        if let Some(w) = &l.post_attn_norm {
+            for row in s.proj[..n * h].chunks_exact_mut(h) {
+                ops::rms_norm_in_place(row, w, c.norm_eps);
+            }
+        }
 
         if !c.parallel_residual {
             ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);
@@ -377,6 +412,11 @@ fn forward(
         }
         let input = batch(&s.up, &mut s.sums, n, ffn);
         matmul(&mut [MatJob { m: &l.down, out: &mut s.ffn_out[..n * h] }], input, threads, simd);
+        if let Some(w) = &l.post_ffn_norm {
+            for row in s.ffn_out[..n * h].chunks_exact_mut(h) {
+                ops::rms_norm_in_place(row, w, c.norm_eps);
+            }
+        }
         ops::add_in_place(&mut s.x[..n * h], &s.ffn_out[..n * h]);
         if c.parallel_residual {
             ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);

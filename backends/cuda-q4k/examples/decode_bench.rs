@@ -106,6 +106,8 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
             ffn_gate: Some(mat(rng, "gate", q4, s.hidden, s.ffn)),
             ffn_up: mat(rng, "up", q4, s.hidden, s.ffn),
             ffn_down: mat(rng, "down", td, s.ffn, s.hidden),
+            attn_post_norm: None,
+            ffn_post_norm: None,
         });
     }
     let weights = ModelWeights {
@@ -140,6 +142,9 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
         },
         tied_embeddings: true,
         context_length: 4096,
+        embedding_scale: 1.0,
+        sandwich_norms: false,
+        sliding_window: None,
     };
     ModelIr {
         config,

@@ -29,6 +29,13 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
     let name = policy.backend_name();
     let c = &model.config;
     c.validate().map_err(|e| e.to_string())?;
+    if c.sandwich_norms || c.sliding_window.is_some() || c.embedding_scale != 1.0 {
+        return Err(format!(
+            "{name} does not run {} yet (norms after attention and the MLP, a scaled embedding, \
+             sliding-window attention); the cpu backend does",
+            c.arch.name()
+        ));
+    }
     if c.norm != NormKind::Rms {
         return Err(format!("{name} runs RMSNorm models only"));
     }

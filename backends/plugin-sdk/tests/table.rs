@@ -115,6 +115,9 @@ fn tiny_model() -> ModelIr {
             rope: RopeConfig { kind: RopeKind::Norm, theta: 1e4, scaling: RopeScaling::None, rotary_dims: 4 },
             tied_embeddings: true,
             context_length: 8,
+            embedding_scale: 1.0,
+            sandwich_norms: false,
+            sliding_window: None,
         },
         weights: ModelWeights {
             token_embd: f("tok", vec![8, 4]),
@@ -136,6 +139,8 @@ fn tiny_model() -> ModelIr {
                 ffn_gate: None,
                 ffn_up: f("up", vec![8, 16]),
                 ffn_down: f("down", vec![16, 8]),
+                attn_post_norm: None,
+                ffn_post_norm: None,
             }],
             output_norm: f("on", vec![8]),
             output_norm_bias: None,

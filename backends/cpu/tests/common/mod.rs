@@ -180,6 +180,9 @@ impl Spec {
             rope: RopeConfig { kind: self.rope, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: self.head_dim },
             tied_embeddings: self.tied,
             context_length: 256,
+            embedding_scale: 1.0,
+            sandwich_norms: false,
+            sliding_window: None,
         }
     }
 
@@ -217,6 +220,8 @@ impl Spec {
                 ffn_gate: self.gated.then(|| matrix(&mut rng, &p("ffn_gate"), next_q(), h, f, w_scale)),
                 ffn_up: matrix(&mut rng, &p("ffn_up"), next_q(), h, f, w_scale),
                 ffn_down: matrix(&mut rng, &p("ffn_down"), next_q(), f, h, 1.0 / (f as f32).sqrt()),
+                attn_post_norm: None,
+                ffn_post_norm: None,
             });
         }
         let weights = ModelWeights {

@@ -1,0 +1,84 @@
+//! Gemma 3 on the CPU oracle against llama.cpp on the same real file (Gemma 3 270M Q4_K_M):
+//! fixture made by scripts/reference/gemma3_fixture.sh from prompts kiln tokenised, one of
+//! them longer than the 512-position sliding window.
+//!
+//! - the first step's logits at the fixture's probe ids (llama.cpp's 256 highest and every
+//!   1021st id): cosine ≥ 0.995. llama.cpp's CPU matmuls quantise activations to 8 bits
+//!   (Q8_K, Q8_0) and Gemma's residual stream has large outliers, so llama.cpp is the noisier
+//!   side: 0.9969 to 0.99998 over the five prompts, where a wrong local RoPE base gives
+//!   0.957 and attention without the window 0.975 on the long prompt (both tried). The
+//!   0.9999 bar is for HuggingFace float32, which needs torch (the GPU machine has it);
+//! - greedy generation token for token for 32 steps; a divergence only where llama.cpp's
+//!   top-1/top-2 gap is below 0.05.
+//!
+//! Needs the real file (`kiln run -m gemma3-270m` fetches it, or `KILN_GEMMA3_MODEL`);
+//! without it the test reports a skip.
+
+use kiln::Model;
+use kiln_core::{argmax, DecodeItem, LoadOptions, Registry};
+use kiln_tests::{cosine, fixture, skip};
+use serde::Deserialize;
+
+const MIN_COSINE: f64 = 0.995;
+
+#[derive(Deserialize)]
+struct Reference {
+    prompt: Vec<u32>,
+    probe: Vec<(u32, f32)>,
+    greedy: Vec<u32>,
+    top2_gap: Vec<f32>,
+}
+
+fn gemma3_or_skip(test: &str) -> Option<std::path::PathBuf> {
+    let path = match std::env::var_os("KILN_GEMMA3_MODEL") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => kiln::fetch::model_path(&kiln::fetch::GEMMA3_270M),
+    };
+    if path.is_file() {
+        return Some(path);
+    }
+    skip(test, &format!("{} not found (run `kiln run -m gemma3-270m` once, or set KILN_GEMMA3_MODEL)", path.display()));
+    None
+}
+
+#[test]
+fn cpu_matches_llamacpp_on_gemma3_270m() {
+    let Some(path) = gemma3_or_skip("cpu_matches_llamacpp_on_gemma3_270m") else { return };
+    let lines = std::fs::read_to_string(fixture("gemma3/llamacpp_greedy.jsonl")).unwrap();
+    let references: Vec<Reference> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(references.iter().any(|r| r.prompt.len() > 512), "the fixture has a prompt past the window");
+
+    let model = Model::open(&path).unwrap();
+    assert_eq!(model.ir.config.arch.name(), "gemma3");
+    kiln::link_builtin_backends();
+    let backend = Registry::with_builtins().get("cpu").expect("cpu backend registered");
+    let mut exec = backend.load(&model.ir, &LoadOptions { max_context: 1024, ..Default::default() }).unwrap();
+    let vocab = model.ir.config.vocab_size;
+
+    for (i, r) in references.iter().enumerate() {
+        let seq = exec.new_sequence().unwrap();
+        let mut logits = vec![f32::NAN; vocab];
+        exec.prefill(seq, &r.prompt, &mut logits).unwrap();
+        assert!(logits.iter().all(|l| l.is_finite()), "prompt {i}: non-finite logits");
+        let ours: Vec<f32> = r.probe.iter().map(|&(id, _)| logits[id as usize]).collect();
+        let theirs: Vec<f32> = r.probe.iter().map(|&(_, l)| l).collect();
+        let cos = cosine(&ours, &theirs);
+        println!("prompt {i} ({} tokens): first-step cosine {cos:.6} over {} probe ids", r.prompt.len(), r.probe.len());
+        assert!(cos >= MIN_COSINE, "prompt {i}: cosine {cos} < {MIN_COSINE}");
+
+        let mut token = argmax(&logits);
+        let mut agreed = 0;
+        for (step, (&want, &gap)) in r.greedy.iter().zip(&r.top2_gap).enumerate() {
+            if token != want {
+                assert!(gap < 0.05, "prompt {i}: step {step} gives token {token}, llama.cpp {want} with top-2 gap {gap}");
+                println!("prompt {i}: diverged at step {step}, where llama.cpp's top-2 gap is {gap:.4}");
+                break;
+            }
+            agreed += 1;
+            exec.decode(&[DecodeItem { seq, token }], &mut logits).unwrap();
+            token = argmax(&logits);
+        }
+        println!("prompt {i}: {agreed} of {} greedy tokens equal", r.greedy.len());
+        exec.free_sequence(seq).unwrap();
+    }
+}
