@@ -7,8 +7,8 @@ mod common;
 use common::{rel_err, Spec};
 use kiln_backend_cpu::CpuBackend;
 use kiln_core::{
-    quant::dequantize, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, NormKind, RopeKind, Support,
-    TensorView,
+    quant::dequantize, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, NormKind, RopeKind,
+    Support, TensorView,
 };
 
 fn load(ir: &ModelIr, threads: usize, sequences: usize) -> Box<dyn LayerExecutor> {
@@ -189,8 +189,16 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
     assert_eq!(c.norm, NormKind::Rms);
     let (h, hd, eps) = (c.hidden_size, c.head_dim, c.norm_eps as f64);
     let embd = deq(&ir.weights.token_embd);
-    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| embd[t as usize * h..(t as usize + 1) * h].to_vec()).collect();
-    for l in &ir.weights.layers {
+    let scale = c.embedding_scale as f64;
+    let mut xs: Vec<Vec<f64>> =
+        tokens.iter().map(|&t| embd[t as usize * h..(t as usize + 1) * h].iter().map(|v| v * scale).collect()).collect();
+    for (li, l) in ir.weights.layers.iter().enumerate() {
+        // Gemma 3's pattern from its definition: every `global_every`-th layer global, the
+        // others over the last `window` positions with the local RoPE base.
+        let (window, theta) = match c.sliding_window {
+            Some(sw) if (li + 1) % sw.global_every != 0 => (sw.window, sw.local_theta as f64),
+            _ => (usize::MAX, c.rope.theta as f64),
+        };
         let (wq, wk, wv, wo) = (deq(&l.attn_q), deq(&l.attn_k), deq(&l.attn_v), deq(&l.attn_out));
         let an = deq(&l.attn_norm);
         let mut ks = Vec::new();
@@ -213,7 +221,7 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
                         let n = rms(head, &deq(w), eps);
                         head.copy_from_slice(&n);
                     }
-                    rope_ref(c.rope.kind, head, pos, c.rope.theta as f64, c.rope.rotary_dims);
+                    rope_ref(c.rope.kind, head, pos, theta, c.rope.rotary_dims);
                 }
             }
             qs.push(q);
@@ -226,25 +234,35 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
             for head in 0..c.num_heads {
                 let g = head / c.gqa_ratio();
                 let q = &qs[pos][head * hd..(head + 1) * hd];
-                let scores: Vec<f64> = (0..=pos)
+                let first = (pos + 1).saturating_sub(window);
+                let scores: Vec<f64> = (first..=pos)
                     .map(|j| q.iter().zip(&ks[j][g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for (j, p) in e.iter().enumerate() {
+                for (j, p) in (first..=pos).zip(&e) {
                     for d in 0..hd {
                         att[head * hd + d] += p / z * vs[j][g * hd + d];
                     }
                 }
             }
-            let o = mv(&wo, &att);
+            let post = |v: Vec<f64>, w: &Option<TensorView>| match w {
+                Some(w) => rms(&v, &deq(w), eps),
+                None => v,
+            };
+            let o = post(mv(&wo, &att), &l.attn_post_norm);
             let x = &mut xs[pos];
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let xn = rms(x, &fnw, eps);
             let (gate, up) = (mv(&fg, &xn), mv(&fu, &xn));
-            let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let d = mv(&fd, &act);
+            let act = |g: f64| match c.activation {
+                Activation::Silu => g / (1.0 + (-g).exp()),
+                // The tanh approximation, as Gemma's `gelu_pytorch_tanh`.
+                Activation::Gelu => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh()),
+            };
+            let gated: Vec<f64> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
+            let d = post(mv(&fd, &gated), &l.ffn_post_norm);
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
     }
@@ -272,6 +290,32 @@ fn matches_naive_f64_reference_forward() {
     check_against_reference(&Spec::qwen3());
     check_against_reference(&Spec::kquants());
     check_against_reference(&Spec::apr_q4());
+    check_against_reference(&Spec::gemma3());
+}
+
+/// Gemma 3's windowed layers: prefill and decode agree across the window boundary (the
+/// prompt lengths straddle it and the per-token/batched paths), and a single windowed layer
+/// forgets a token once it falls out of the window — and only then.
+#[test]
+fn sliding_window_layers_see_only_the_window() {
+    for n in [1, 3, 4, 5, 10, 70] {
+        check_prefill_matches_decode(&Spec::gemma3(), n);
+    }
+    let spec = Spec { layers: 1, ..Spec::gemma3() };
+    let ir = spec.build(5);
+    let vocab = ir.config.vocab_size;
+    let mut ex = load(&ir, 2, 1);
+    let base = prompt(9, vocab, 3);
+    let last = |ex: &mut dyn LayerExecutor, tokens: &[u32]| stepwise(ex, tokens).pop().unwrap();
+    let want = last(ex.as_mut(), &base);
+    // The last token (position 8) sees positions 5..=8 through a window of 4.
+    for (changed, visible) in [(0, false), (4, false), (5, true), (8, true)] {
+        let mut other = base.clone();
+        other[changed] = (other[changed] + 1) % vocab as u32;
+        let got = last(ex.as_mut(), &other);
+        let same = got == want;
+        assert_eq!(!same, visible, "changing position {changed} {} the last logits", if same { "kept" } else { "changed" });
+    }
 }
 
 // ---------------------------------------------------------------- errors and registry

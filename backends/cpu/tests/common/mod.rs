@@ -4,7 +4,7 @@
 use half::f16;
 use kiln_core::{
     Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType, RopeConfig, RopeKind,
-    RopeScaling, Rng, TensorView,
+    RopeScaling, Rng, SlidingWindow, TensorView,
 };
 
 /// Uniform in [lo, hi).
@@ -103,6 +103,10 @@ pub struct Spec {
     pub qtypes: Vec<QType>,
     pub embd_qtype: QType,
     pub tied: bool,
+    /// Gemma's: RMSNorm after attention and the MLP, a scaled embedding, a sliding window.
+    pub sandwich_norms: bool,
+    pub embedding_scale: f32,
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl Spec {
@@ -126,6 +130,28 @@ impl Spec {
             qtypes: vec![QType::Q4_1, QType::Q8_0, QType::Q4_0, QType::F16, QType::Q5_0, QType::Q5_1, QType::F32],
             embd_qtype: QType::Q8_0,
             tied: true,
+            sandwich_norms: false,
+            embedding_scale: 1.0,
+            sliding_window: None,
+        }
+    }
+
+    /// Gemma 3-style: 3 layers of which the first two attend over a window of 4 positions
+    /// (local RoPE base 100), the third over everything; sandwich norms, GeGLU, per-head
+    /// QK-norm, head_dim 32, embedding × √hidden, one KV head.
+    pub fn gemma3() -> Spec {
+        Spec {
+            arch: Architecture::Gemma3,
+            layers: 3,
+            rope: RopeKind::Neox,
+            head_dim: 32,
+            kv_heads: 1,
+            qk_norm: true,
+            activation: Activation::Gelu,
+            sandwich_norms: true,
+            embedding_scale: 8.0,
+            sliding_window: Some(SlidingWindow { window: 4, global_every: 3, local_theta: 100.0 }),
+            ..Spec::llama()
         }
     }
 
@@ -180,9 +206,9 @@ impl Spec {
             rope: RopeConfig { kind: self.rope, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: self.head_dim },
             tied_embeddings: self.tied,
             context_length: 256,
-            embedding_scale: 1.0,
-            sandwich_norms: false,
-            sliding_window: None,
+            embedding_scale: self.embedding_scale,
+            sandwich_norms: self.sandwich_norms,
+            sliding_window: self.sliding_window,
         }
     }
 
@@ -220,8 +246,8 @@ impl Spec {
                 ffn_gate: self.gated.then(|| matrix(&mut rng, &p("ffn_gate"), next_q(), h, f, w_scale)),
                 ffn_up: matrix(&mut rng, &p("ffn_up"), next_q(), h, f, w_scale),
                 ffn_down: matrix(&mut rng, &p("ffn_down"), next_q(), f, h, 1.0 / (f as f32).sqrt()),
-                attn_post_norm: None,
-                ffn_post_norm: None,
+                attn_post_norm: self.sandwich_norms.then(|| norm_weights(&mut rng, &p("post_attention_norm"), h)),
+                ffn_post_norm: self.sandwich_norms.then(|| norm_weights(&mut rng, &p("post_ffw_norm"), h)),
             });
         }
         let weights = ModelWeights {
