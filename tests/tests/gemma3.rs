@@ -82,3 +82,32 @@ fn cpu_matches_llamacpp_on_gemma3_270m() {
         exec.free_sequence(seq).unwrap();
     }
 }
+
+#[derive(Deserialize)]
+struct Tokenized {
+    text: String,
+    ids: Vec<u32>,
+}
+
+/// The tokenizer the file describes (SentencePiece by scores, byte fallback, user-defined
+/// whitespace-run tokens, BOS added) against llama.cpp's on 40 strings: code, digits,
+/// whitespace runs, emoji, CJK, Bengali digits and more; and decoding gives the text back.
+#[test]
+fn tokenizer_matches_llamacpp_on_gemma3_270m() {
+    let Some(path) = gemma3_or_skip("tokenizer_matches_llamacpp_on_gemma3_270m") else { return };
+    let model = Model::open(&path).unwrap();
+    let tok = &model.tokenizer;
+    let lines = std::fs::read_to_string(fixture("gemma3/tokenizer_llamacpp.jsonl")).unwrap();
+    let cases: Vec<Tokenized> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(cases.len(), 40);
+    let mut wrong = Vec::new();
+    for c in &cases {
+        let ids = tok.encode(&c.text, tok.add_bos_default(), false).unwrap();
+        if ids != c.ids {
+            wrong.push(format!("{:?}: kiln {ids:?}, llama.cpp {:?}", c.text, c.ids));
+        }
+        let text = tok.decode(&ids[1..], true);
+        assert_eq!(text, c.text, "decoding {:?}", c.ids);
+    }
+    assert!(wrong.is_empty(), "{} of 40 strings tokenised differently:\n{}", wrong.len(), wrong.join("\n"));
+}
