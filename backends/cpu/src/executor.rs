@@ -45,6 +45,7 @@ struct Model {
     out_norm: Vec<f32>,
     out_norm_bias: Option<Vec<f32>>,
     lm_head: QMatrix,
+    kv: KvLayout,
     /// Inverse frequency of each rotary pair.
     inv_freq: Vec<f32>,
     /// The windowed layers' (their own RoPE base), when the model has a sliding window.
@@ -54,10 +55,75 @@ struct Model {
     simd: Option<Avx2>,
 }
 
-/// One sequence slot: its KV cache, laid out `[layer][position][kv_dim]`.
+/// One sequence slot: its KV cache (see [`KvLayout`]) and its tokens (a truncation of a
+/// model with windowed layers may have to recompute from them).
 struct Slot {
     k: Vec<f32>,
     v: Vec<f32>,
+    tokens: Vec<u32>,
+}
+
+/// Where a layer's key and value rows for a position lie in a slot's cache: a layer that
+/// attends to the whole context keeps every position; a windowed layer (Gemma 3's local
+/// ones) keeps a ring of `window + MAX_BATCH - 1` rows — one forward pass writes at most
+/// MAX_BATCH positions of a sequence, so it never overwrites a position one of its own
+/// tokens still attends to.
+struct KvLayout {
+    /// Rows each layer keeps, and where its rows start (in floats).
+    rows: Vec<usize>,
+    base: Vec<usize>,
+    /// Floats of one slot's keys (and as many of its values).
+    floats: usize,
+    kvd: usize,
+}
+
+impl KvLayout {
+    fn new(c: &ModelConfig, max_ctx: usize) -> Result<KvLayout> {
+        let kvd = c.kv_dim();
+        let rows: Vec<usize> = (0..c.num_layers)
+            .map(|l| c.layer_attention(l).window.map_or(max_ctx, |w| (w + MAX_BATCH - 1).min(max_ctx)))
+            .collect();
+        let mut base = Vec::with_capacity(rows.len());
+        let mut floats = 0usize;
+        for &r in &rows {
+            base.push(floats);
+            floats = r.checked_mul(kvd).and_then(|n| floats.checked_add(n)).ok_or_else(too_big(max_ctx))?;
+        }
+        if floats.checked_mul(8).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(too_big(max_ctx)());
+        }
+        Ok(KvLayout { rows, base, floats, kvd })
+    }
+
+    /// The first float of `layer`'s row for position `pos`.
+    fn at(&self, layer: usize, pos: usize) -> usize {
+        self.base[layer] + (pos % self.rows[layer]) * self.kvd
+    }
+
+    /// `layer`'s rows for positions `first..=last` as at most two runs (row offset in
+    /// floats, row count): a ring wraps once at most, as `last - first` < its rows.
+    fn runs(&self, layer: usize, first: usize, last: usize) -> [(usize, usize); 2] {
+        let rows = self.rows[layer];
+        let (start, n) = (first % rows, last - first + 1);
+        let head = n.min(rows - start);
+        [(self.base[layer] + start * self.kvd, head), (self.base[layer], n - head)]
+    }
+
+    /// Whether cutting a sequence from `old` positions to `len` loses rows a later token
+    /// attends to: a windowed layer's ring has overwritten position q once q + rows < old.
+    fn truncation_loses_rows(&self, c: &ModelConfig, old: usize, len: usize) -> bool {
+        (0..c.num_layers).any(|l| match c.layer_attention(l).window {
+            Some(w) => {
+                let needed = (len + 1).saturating_sub(w);
+                len > needed && needed + self.rows[l] < old
+            }
+            None => false,
+        })
+    }
+}
+
+fn too_big(max_ctx: usize) -> impl Fn() -> Error {
+    move || Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory"))
 }
 
 /// Buffers a forward pass writes, sized once for [`MAX_BATCH`] tokens.
@@ -182,16 +248,13 @@ impl CpuExecutor {
             .build()
             .map_err(|e| Error::Backend { backend: "cpu".into(), message: format!("thread pool: {e}") })?;
         let max_ctx = options.context_for(c);
-        let per_slot = c
-            .num_layers
-            .checked_mul(max_ctx)
-            .and_then(|n| n.checked_mul(kvd))
-            .filter(|&n| n.checked_mul(8).is_some_and(|b| b <= isize::MAX as usize))
-            .ok_or_else(|| Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory")))?;
+        let kv = KvLayout::new(c, max_ctx)?;
         // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
         // positions its sequence reaches.
-        let slots =
-            SequenceSlots::new((0..options.sequences()).map(|_| Slot { k: vec![0.0; per_slot], v: vec![0.0; per_slot] }));
+        let per_slot = kv.floats;
+        let slots = SequenceSlots::new(
+            (0..options.sequences()).map(|_| Slot { k: vec![0.0; per_slot], v: vec![0.0; per_slot], tokens: Vec::new() }),
+        );
         let widest = h.max(qd).max(ffn);
         let b = MAX_BATCH;
         let scratch = Scratch {
@@ -218,6 +281,7 @@ impl CpuExecutor {
             out_norm: vector(&w.output_norm, h, "output norm")?,
             out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
             lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, simd)?,
+            kv,
             inv_freq,
             local_inv_freq,
             max_ctx,
@@ -348,7 +412,7 @@ fn forward(
                 ops::rope(c.rope.kind, head, cos, sin);
             }
             let (slot, pos) = rows[t];
-            let at = (li * m.max_ctx + pos) * kvd;
+            let at = m.kv.at(li, pos);
             slots[slot].k[at..at + kvd].copy_from_slice(&s.k[t * kvd..(t + 1) * kvd]);
             slots[slot].v[at..at + kvd].copy_from_slice(&s.v[t * kvd..(t + 1) * kvd]);
         }
@@ -360,14 +424,15 @@ fn forward(
         s.att[..n * qd].par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
             let (t, head) = (i / heads, i % heads);
             let (slot, pos) = rows[t];
-            let base = li * m.max_ctx * kvd;
             let kv = &cache[slot];
             // A windowed layer sees only the last `window` positions.
-            let first = attention.first_position(pos);
-            let keys = &kv.k[base + first * kvd..base + (pos + 1) * kvd];
-            let values = &kv.v[base + first * kvd..base + (pos + 1) * kvd];
+            let runs = m.kv.runs(li, attention.first_position(pos), pos).map(|(at, n)| ops::KvRun {
+                keys: &kv.k[at..at + n * kvd],
+                values: &kv.v[at..at + n * kvd],
+                len: n,
+            });
             let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-            ops::attend(simd, qh, keys, values, kvd, (head / group) * hd, pos + 1 - first, scale, out);
+            ops::attend(simd, qh, &runs, kvd, (head / group) * hd, scale, out);
         });
 
         let input = batch(&s.att, &mut s.sums, n, qd);
@@ -447,7 +512,10 @@ impl LayerExecutor for CpuExecutor {
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
-        self.slots.allocate()
+        let seq = self.slots.allocate()?;
+        let slot = self.slot_of(seq)?;
+        self.slots[slot].cache.tokens.clear();
+        Ok(seq)
     }
 
     fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
@@ -459,7 +527,24 @@ impl LayerExecutor for CpuExecutor {
     }
 
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.slots.truncate(seq, len)
+        let slot = self.slot_of(seq)?;
+        let old = self.slots[slot].len;
+        self.slots.truncate(seq, len)?;
+        self.slots[slot].cache.tokens.truncate(len);
+        if self.model.kv.truncation_loses_rows(&self.model.config, old, len) {
+            // A windowed layer's ring no longer holds positions the next token attends to,
+            // and those depend on earlier ones: the kept prefix is run again (a cut by at
+            // most MAX_BATCH positions, or of a short sequence, never gets here).
+            let tokens = std::mem::take(&mut self.slots[slot].cache.tokens);
+            self.slots[slot].len = 0;
+            let mut logits = vec![0.0; self.model.config.vocab_size];
+            let result = self.prefill(seq, &tokens, &mut logits);
+            if result.is_err() {
+                self.slots[slot].cache.tokens = tokens;
+            }
+            result?;
+        }
+        Ok(())
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
@@ -474,6 +559,7 @@ impl LayerExecutor for CpuExecutor {
             }
             self.forward(&rows[..chunk.len()], chunk, logits, true);
             self.slots[slot].len = pos0 + chunk.len();
+            self.slots[slot].cache.tokens.extend_from_slice(chunk);
         }
         Ok(())
     }
@@ -492,8 +578,9 @@ impl LayerExecutor for CpuExecutor {
                 toks[i] = item.token;
             }
             self.forward(&rows[..items.len()], &toks[..items.len()], out, false);
-            for &(slot, _) in &rows[..items.len()] {
+            for (&(slot, _), &token) in rows[..items.len()].iter().zip(&toks) {
                 self.slots[slot].len += 1;
+                self.slots[slot].cache.tokens.push(token);
             }
         }
         Ok(())

@@ -74,18 +74,25 @@ pub fn rope(kind: RopeKind, head: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// Scores computed per tile of the online softmax.
 const TILE: usize = 128;
 
-/// One query head against positions `0..len` of its KV head, streaming softmax (running
-/// max and sum), so no buffer the size of the context is needed. `keys`/`values` hold
-/// rows of `stride` floats; the head's part starts at `offset`.
+/// Rows of one KV head's cache that a query attends to: `len` rows of `stride` floats from
+/// the start of `keys`/`values` (a ring-buffered layer gives two runs when it wraps).
+pub struct KvRun<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub len: usize,
+}
+
+/// One query head against the positions in `runs` of its KV head, streaming softmax
+/// (running max and sum), so no buffer the size of the context is needed. The head's part
+/// of each row starts at `offset`. The order of the rows does not matter (keys carry their
+/// position through RoPE).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     simd: Option<Avx2>,
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    runs: &[KvRun<'_>],
     stride: usize,
     offset: usize,
-    len: usize,
     scale: f32,
     out: &mut [f32],
 ) {
@@ -94,29 +101,32 @@ pub fn attend(
     let mut max = f32::NEG_INFINITY;
     let mut denom = 0.0f32;
     out.fill(0.0);
-    for start in (0..len).step_by(TILE) {
-        let n = (len - start).min(TILE);
-        let mut tile_max = f32::NEG_INFINITY;
-        for (j, s) in scores[..n].iter_mut().enumerate() {
-            let k = &keys[(start + j) * stride + offset..][..hd];
-            *s = dot_f32(simd, q, k) * scale;
-            tile_max = tile_max.max(*s);
-        }
-        let new_max = max.max(tile_max);
-        let correction = (max - new_max).exp();
-        if correction != 1.0 {
-            denom *= correction;
-            for o in out.iter_mut() {
-                *o *= correction;
+    for run in runs {
+        let (keys, values, len) = (run.keys, run.values, run.len);
+        for start in (0..len).step_by(TILE) {
+            let n = (len - start).min(TILE);
+            let mut tile_max = f32::NEG_INFINITY;
+            for (j, s) in scores[..n].iter_mut().enumerate() {
+                let k = &keys[(start + j) * stride + offset..][..hd];
+                *s = dot_f32(simd, q, k) * scale;
+                tile_max = tile_max.max(*s);
             }
-        }
-        max = new_max;
-        for (j, &s) in scores[..n].iter().enumerate() {
-            let p = (s - max).exp();
-            denom += p;
-            let v = &values[(start + j) * stride + offset..][..hd];
-            for (o, &vv) in out.iter_mut().zip(v) {
-                *o += p * vv;
+            let new_max = max.max(tile_max);
+            let correction = (max - new_max).exp();
+            if correction != 1.0 {
+                denom *= correction;
+                for o in out.iter_mut() {
+                    *o *= correction;
+                }
+            }
+            max = new_max;
+            for (j, &s) in scores[..n].iter().enumerate() {
+                let p = (s - max).exp();
+                denom += p;
+                let v = &values[(start + j) * stride + offset..][..hd];
+                for (o, &vv) in out.iter_mut().zip(v) {
+                    *o += p * vv;
+                }
             }
         }
     }

@@ -141,6 +141,31 @@ fn truncate_then_redecode_reproduces_logits() {
     }
 }
 
+/// A windowed layer keeps a ring of window + 63 rows (67 here): cutting a 120-token
+/// sequence back by more than 64 loses rows the next token attends to, and the executor
+/// recomputes them from the kept tokens; a short cut keeps the ring as it is. Either way
+/// decoding on gives the logits it gave the first time.
+#[test]
+fn truncating_a_windowed_model_past_its_ring_recomputes() {
+    let ir = Spec::gemma3().build(9);
+    let vocab = ir.config.vocab_size;
+    let tokens = prompt(120, vocab, 4);
+    let mut ex = load(&ir, 2, 1);
+    let want = stepwise(ex.as_mut(), &tokens);
+    let seq = ex.new_sequence().unwrap();
+    let mut l = vec![0.0; vocab];
+    ex.prefill(seq, &tokens, &mut l).unwrap();
+    for cut_to in [110, 40, 100, 3] {
+        ex.truncate_sequence(seq, cut_to).unwrap();
+        assert_eq!(ex.sequence_len(seq).unwrap(), cut_to);
+        for (i, &t) in tokens.iter().enumerate().skip(cut_to) {
+            ex.decode(&[DecodeItem { seq, token: t }], &mut l).unwrap();
+            let err = rel_err(&l, &want[i]);
+            assert!(err < 1e-4, "cut to {cut_to}, position {i}: rel err {err:e}");
+        }
+    }
+}
+
 #[test]
 fn thread_count_does_not_change_results() {
     let ir = Spec::llama().build(13);

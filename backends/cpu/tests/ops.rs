@@ -3,7 +3,7 @@
 mod common;
 
 use common::random_vec;
-use kiln_backend_cpu::ops::{attend, rope};
+use kiln_backend_cpu::ops::{attend, rope, KvRun};
 use kiln_core::{RopeConfig, RopeKind, RopeScaling, Rng};
 
 #[test]
@@ -81,9 +81,21 @@ fn streaming_attention_equals_full_softmax() {
                 .collect();
             for simd in [None, kiln_backend_cpu::kernels::Avx2::detect()] {
                 let mut got = vec![f32::NAN; hd];
-                attend(simd, &q, &keys, &values, stride, off, len, scale, &mut got);
+                let runs = [KvRun { keys: &keys, values: &values, len }];
+                attend(simd, &q, &runs, stride, off, scale, &mut got);
                 for d in 0..hd {
                     assert!((got[d] as f64 - want[d]).abs() < 1e-5, "len {len} head {g} dim {d} ({simd:?}): {} vs {}", got[d], want[d]);
+                }
+                // The same rows as two runs, the later positions first (a wrapped ring).
+                let mid = len / 2;
+                let runs = [
+                    KvRun { keys: &keys[mid * stride..], values: &values[mid * stride..], len: len - mid },
+                    KvRun { keys: &keys[..mid * stride], values: &values[..mid * stride], len: mid },
+                ];
+                got.fill(f32::NAN);
+                attend(simd, &q, &runs, stride, off, scale, &mut got);
+                for d in 0..hd {
+                    assert!((got[d] as f64 - want[d]).abs() < 1e-5, "len {len} head {g} dim {d}, two runs: {} vs {}", got[d], want[d]);
                 }
             }
         }
