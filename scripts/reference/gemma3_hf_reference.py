@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""HuggingFace transformers' float32 reference for kiln's Gemma 3 tests (issue 14's bar).
+
+Loads the real Gemma 3 270M Q4_K_M GGUF with transformers (which dequantises every tensor
+to float32; needs torch, transformers and the `gguf` package — the GPU machine has the
+first two), feeds the prompts of tests/fixtures/gemma3/llamacpp_greedy.jsonl as token ids
+(kiln tokenised them, so only forward passes are compared), and writes
+tests/fixtures/gemma3/hf_greedy.jsonl in the same schema: per prompt the first step's logits
+at the probe ids (HF's 256 highest and every 1021st id), 32 greedy tokens and HF's top-2
+logit gap at each step.
+
+    python3 scripts/reference/gemma3_hf_reference.py --model gemma-3-270m-q4_k_m.gguf \
+        [--out tests/fixtures/gemma3/hf_greedy.jsonl] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, "..", "..", "tests", "fixtures", "gemma3")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default=os.path.join(FIXTURES, "llamacpp_greedy.jsonl"))
+    ap.add_argument("--out", default=os.path.join(FIXTURES, "hf_greedy.jsonl"))
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+
+    directory, name = os.path.split(os.path.abspath(args.model))
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, torch_dtype=torch.float32)
+    model.eval()
+    prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
+    with open(args.out, "w") as out, torch.no_grad():
+        for ids in prompts:
+            input_ids = torch.tensor([ids])
+            result = model(input_ids=input_ids, use_cache=True)
+            past = result.past_key_values
+            logits = result.logits[0, -1].float()
+            top = torch.topk(logits, 256)
+            probe = [(int(i), float(logits[i])) for i in top.indices]
+            probe += [(i, float(logits[i])) for i in range(0, logits.numel(), 1021)]
+            greedy, gaps = [], []
+            for _ in range(args.steps):
+                two = torch.topk(logits, 2)
+                token = int(two.indices[0])
+                greedy.append(token)
+                gaps.append(float(two.values[0] - two.values[1]))
+                result = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = result.past_key_values
+                logits = result.logits[0, -1].float()
+            out.write(json.dumps({"prompt": ids, "probe": probe, "greedy": greedy, "top2_gap": gaps}) + "\n")
+            print(f"{len(ids)} tokens: greedy {greedy[:8]}...", flush=True)
+
+
+if __name__ == "__main__":
+    main()
