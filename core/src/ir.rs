@@ -373,7 +373,7 @@ impl ModelConfig {
             return bad(format!("embedding scale {} must be a positive number", self.embedding_scale));
         }
         if let Some(sw) = self.sliding_window {
-            if sw.window == 0 || sw.global_every == 0 {
+            if sw.window == 0 || sw.global_every == 0 || sw.window > Self::MAX_CONTEXT || sw.global_every > Self::MAX_LAYERS {
                 return bad(format!("sliding window of {} positions, every {} layers global", sw.window, sw.global_every));
             }
             if !sw.local_theta.is_finite() || sw.local_theta <= 0.0 {
@@ -563,6 +563,10 @@ mod validate_tests {
             ("norm epsilon", ModelConfig { norm_eps: f32::NAN, ..config() }),
             ("rope base", ModelConfig { rope: RopeConfig { theta: 0.0, ..config().rope }, ..config() }),
             ("scaling factor", ModelConfig { rope: RopeConfig { scaling: RopeScaling::Linear { factor: -2.0 }, ..config().rope }, ..config() }),
+            ("sliding window", ModelConfig { sliding_window: Some(SlidingWindow { window: usize::MAX, global_every: 6, local_theta: 1e4 }), ..config() }),
+            ("sliding window", ModelConfig { sliding_window: Some(SlidingWindow { window: 512, global_every: 0, local_theta: 1e4 }), ..config() }),
+            ("local rope base", ModelConfig { sliding_window: Some(SlidingWindow { window: 512, global_every: 6, local_theta: f32::NAN }), ..config() }),
+            ("embedding scale", ModelConfig { embedding_scale: f32::INFINITY, ..config() }),
         ];
         for (what, c) in cases {
             let err = c.validate().expect_err(what).to_string();

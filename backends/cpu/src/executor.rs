@@ -81,7 +81,7 @@ impl KvLayout {
     fn new(c: &ModelConfig, max_ctx: usize) -> Result<KvLayout> {
         let kvd = c.kv_dim();
         let rows: Vec<usize> = (0..c.num_layers)
-            .map(|l| c.layer_attention(l).window.map_or(max_ctx, |w| (w + MAX_BATCH - 1).min(max_ctx)))
+            .map(|l| c.layer_attention(l).window.map_or(max_ctx, |w| w.saturating_add(MAX_BATCH - 1).min(max_ctx)))
             .collect();
         let mut base = Vec::with_capacity(rows.len());
         let mut floats = 0usize;
