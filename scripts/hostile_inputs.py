@@ -220,6 +220,19 @@ class Suite:
             print(f"{'ok  ' if problem is None else 'FAIL'} {name:<44} {secs:6.2f} s  {problem or self.results[-1][2]}")
 
 
+def gemma3():
+    """The tiny model as a gemma3: its keys, a 4-position window, QK and post norms."""
+    m = Model()
+    m.kv = [(k.replace("llama.", "gemma3.", 1), t, v) for k, t, v in m.kv]
+    m.set("general.architecture", STR, "gemma3")
+    m.set("gemma3.attention.sliding_window", U32, 4)
+    hd = m.hidden // m.heads
+    for i in range(m.layers):
+        for name, n in [("attn_q_norm", hd), ("attn_k_norm", hd), ("post_attention_norm", m.hidden), ("post_ffw_norm", m.hidden)]:
+            m.tensors.append({"name": f"blk.{i}.{name}.weight", "dims": [n], "type": GGML_F32, "data": struct.pack(f"<{n}f", *([1.0] * n))})
+    return m
+
+
 def model_cases(s, base):
     """Model files with one thing wrong, each opened by `kiln run` and `kiln inspect`."""
     cases = []
@@ -270,6 +283,14 @@ def model_cases(s, base):
     m = Model(); m.tensors = [t for t in m.tensors if t["name"] != "blk.0.ffn_down.weight"]; case("missing-tensor", m)
     m = Model(); t = m.tensor("output_norm.weight"); t["data"] = struct.pack("<f", float("nan")) + t["data"][4:]
     case("nan-in-a-weight", m, contains="finite")
+    # Gemma 3's own keys and tensors: a well-formed one runs; broken windows and missing
+    # post-norms are refused.
+    case("gemma3-well-formed", gemma3(), expect="ok")
+    case("gemma3-window-0", gemma3().set("gemma3.attention.sliding_window", U32, 0), contains="sliding window")
+    case("gemma3-window-2^63", gemma3().set("gemma3.attention.sliding_window", U64, 2**63), contains="sliding window")
+    case("gemma3-window-missing", gemma3().drop("gemma3.attention.sliding_window"), contains="sliding_window")
+    m = gemma3(); m.tensors = [t for t in m.tensors if "post_ffw_norm" not in t["name"]]
+    case("gemma3-no-post-norms", m)
     for name, path, expect, contains, extra in cases:
         s.run(f"run {name}", ["run", "Hello", "-n", "3", "-m", path] + extra, expect, contains=contains)
         s.run(f"inspect {name}", ["inspect", path] + extra[:0], "any" if expect != "error" else "any")
