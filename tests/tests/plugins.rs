@@ -296,6 +296,18 @@ fn example_plugin_loads_by_path_and_joins_selection() {
     assert_eq!(auto.name(), "cpu", "the built-in backend outscores the example");
     let (named, _) = registry.select(&model, Some("naive-cpu")).unwrap();
     assert_eq!(named.name(), "naive-cpu");
+
+    // A model the ABI cannot describe (a sliding window, as Gemma 3's) is neither offered
+    // to the plugin nor loadable into it; the CPU backend still takes it.
+    let mut windowed = model.clone();
+    windowed.config.sliding_window = Some(kiln_core::SlidingWindow { window: 4, global_every: 2, local_theta: 1e4 });
+    match plugin.supports(&windowed) {
+        Support::No { reason } => assert!(reason.contains("cannot describe sliding-window attention"), "{reason}"),
+        other => panic!("the plugin was offered a model its ABI cannot describe: {other:?}"),
+    }
+    let err = plugin.load(&windowed, &LoadOptions::default()).err().expect("refused");
+    assert!(err.to_string().contains("cannot describe"), "{err}");
+    assert!(registry.get("cpu").unwrap().supports(&windowed).score().is_some());
 }
 
 #[test]
