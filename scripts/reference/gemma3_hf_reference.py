@@ -2,12 +2,13 @@
 """HuggingFace transformers' float32 reference for kiln's Gemma 3 tests (issue 14's bar).
 
 Loads the real Gemma 3 270M Q4_K_M GGUF with transformers (which dequantises every tensor
-to float32; needs torch, transformers and the `gguf` package — the GPU machine has the
-first two), feeds the prompts of tests/fixtures/gemma3/llamacpp_greedy.jsonl as token ids
+to float32; needs torch, transformers, accelerate and the `gguf` package — a CPU is
+enough: `python3 -m venv v && v/bin/pip install torch transformers accelerate gguf`), feeds the prompts of tests/fixtures/gemma3/llamacpp_greedy.jsonl as token ids
 (kiln tokenised them, so only forward passes are compared), and writes
 tests/fixtures/gemma3/hf_greedy.jsonl in the same schema: per prompt the first step's logits
 at the probe ids (HF's 256 highest and every 1021st id), 32 greedy tokens and HF's top-2
-logit gap at each step.
+logit gap at each step; beside it hf_greedy.meta.json with the versions and the model's
+sha256.
 
     python3 scripts/reference/gemma3_hf_reference.py --model gemma-3-270m-q4_k_m.gguf \
         [--out tests/fixtures/gemma3/hf_greedy.jsonl] [--steps 32]
@@ -16,6 +17,8 @@ logit gap at each step.
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import os
 
@@ -35,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
 
     directory, name = os.path.split(os.path.abspath(args.model))
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
     with open(args.out, "w") as out, torch.no_grad():
@@ -58,6 +61,29 @@ def main() -> None:
                 logits = result.logits[0, -1].float()
             out.write(json.dumps({"prompt": ids, "probe": probe, "greedy": greedy, "top2_gap": gaps}) + "\n")
             print(f"{len(ids)} tokens: greedy {greedy[:8]}...", flush=True)
+    write_meta(args)
+
+
+def write_meta(args: argparse.Namespace) -> None:
+    import gguf
+    import transformers
+
+    digest = hashlib.sha256()
+    with open(args.model, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    meta = {
+        "model_sha256": digest.hexdigest(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gguf": getattr(gguf, "__version__", "?"),
+        "dtype": "float32",
+        "steps": args.steps,
+        "made": datetime.date.today().isoformat(),
+    }
+    with open(os.path.splitext(args.out)[0] + ".meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
 
 
 if __name__ == "__main__":
