@@ -75,6 +75,8 @@ fn inspect_backends_and_tokenize() {
     assert!(s.contains("q4_1") && s.contains("210 tensors"), "{s}");
     assert!(s.contains("30 layers, hidden 576"), "{s}");
     assert!(s.contains("* cpu"), "{s}");
+    // 30 layers × 8192 positions × 3 KV heads × 64 × (K and V) × 4 bytes.
+    assert!(s.contains("kv cache:     377.5 MB per sequence"), "{s}");
 
     let out = kiln(&["backends", "-m", model]);
     assert!(out.status.success());

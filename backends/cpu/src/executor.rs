@@ -122,6 +122,12 @@ impl KvLayout {
     }
 }
 
+/// Bytes of one sequence's KV cache (keys and values, f32) for a model of `c` at a context
+/// of `max_ctx` positions, windowed layers holding their ring only.
+pub fn kv_cache_bytes(c: &ModelConfig, max_ctx: usize) -> Result<usize> {
+    Ok(KvLayout::new(c, max_ctx)?.floats * 2 * std::mem::size_of::<f32>())
+}
+
 fn too_big(max_ctx: usize) -> impl Fn() -> Error {
     move || Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory"))
 }
