@@ -8,7 +8,8 @@ enough: `python3 -m venv v && v/bin/pip install torch transformers accelerate gg
 tests/fixtures/gemma3/hf_greedy.jsonl in the same schema: per prompt the first step's logits
 at the probe ids (HF's 256 highest and every 1021st id), 32 greedy tokens and HF's top-2
 logit gap at each step; beside it hf_greedy.meta.json with the versions and the model's
-sha256.
+sha256, and tokenizer_hf.jsonl: transformers' tokenizer for the file (special tokens parsed,
+BOS added) on the 40 strings of tokenizer_strings.jsonl.
 
     python3 scripts/reference/gemma3_hf_reference.py --model gemma-3-270m-q4_k_m.gguf \
         [--out tests/fixtures/gemma3/hf_greedy.jsonl] [--steps 32]
@@ -23,7 +24,7 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "..", "tests", "fixtures", "gemma3")
@@ -62,6 +63,12 @@ def main() -> None:
             out.write(json.dumps({"prompt": ids, "probe": probe, "greedy": greedy, "top2_gap": gaps}) + "\n")
             print(f"{len(ids)} tokens: greedy {greedy[:8]}...", flush=True)
     write_meta(args)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with open(os.path.join(os.path.dirname(args.out), "tokenizer_hf.jsonl"), "w") as out:
+        for line in open(os.path.join(FIXTURES, "tokenizer_strings.jsonl")):
+            text = json.loads(line)
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            out.write(json.dumps({"text": text, "ids": ids}) + "\n")
 
 
 def write_meta(args: argparse.Namespace) -> None:
