@@ -478,20 +478,21 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
         c.rope.kind, c.rope.theta, c.rope.rotary_dims, c.tied_embeddings
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
-    if let Ok(bytes) = kiln_backend_cpu::kv_cache_bytes(c, c.context_length) {
-        let windowed = match c.sliding_window {
-            Some(sw) => format!(
+    if let Ok(kv) = kiln_backend_cpu::kv_cache_size(c, c.context_length) {
+        let windowed: Vec<usize> = (0..c.num_layers).filter(|&l| c.layer_attention(l).window.is_some()).collect();
+        let windowed = match (c.sliding_window, windowed.first()) {
+            (Some(sw), Some(&l)) => format!(
                 "; {} of {} layers attend over {} positions and keep {} rows",
-                (0..c.num_layers).filter(|&l| c.layer_attention(l).window.is_some()).count(),
+                windowed.len(),
                 c.num_layers,
                 sw.window,
-                (sw.window + kiln_backend_cpu::MAX_BATCH - 1).min(c.context_length)
+                kv.rows[l]
             ),
-            None => String::new(),
+            _ => String::new(),
         };
         println!(
             "kv cache:     {:.1} MB per sequence at the full context on the cpu backend (f32){windowed}",
-            bytes as f64 / 1e6
+            kv.bytes as f64 / 1e6
         );
     }
     println!("tensors by type:");

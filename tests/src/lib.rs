@@ -36,6 +36,20 @@ pub fn smollm2_or_skip(test: &str) -> Option<PathBuf> {
     p
 }
 
+/// The real Gemma 3 270M file: `$KILN_GEMMA3_MODEL`, else kiln's model cache (where
+/// `kiln run -m gemma3-270m` and `scripts/test.sh` put it); or a visible skip.
+pub fn gemma3_or_skip(test: &str) -> Option<PathBuf> {
+    let path = match std::env::var_os("KILN_GEMMA3_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => kiln::fetch::model_path(&kiln::fetch::GEMMA3_270M),
+    };
+    if path.is_file() {
+        return Some(path);
+    }
+    skip(test, &format!("{} not found (run `kiln run -m gemma3-270m` once, or set KILN_GEMMA3_MODEL)", path.display()));
+    None
+}
+
 /// A committed fixture file under tests/fixtures.
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)

@@ -16,7 +16,7 @@
 
 use kiln::Model;
 use kiln_core::{argmax, DecodeItem, LoadOptions, Registry};
-use kiln_tests::{cosine, fixture, skip};
+use kiln_tests::{cosine, fixture, gemma3_or_skip};
 use serde::Deserialize;
 
 const MIN_COSINE_LLAMACPP: f64 = 0.995;
@@ -27,18 +27,6 @@ struct Reference {
     probe: Vec<(u32, f32)>,
     greedy: Vec<u32>,
     top2_gap: Vec<f32>,
-}
-
-fn gemma3_or_skip(test: &str) -> Option<std::path::PathBuf> {
-    let path = match std::env::var_os("KILN_GEMMA3_MODEL") {
-        Some(p) => std::path::PathBuf::from(p),
-        None => kiln::fetch::model_path(&kiln::fetch::GEMMA3_270M),
-    };
-    if path.is_file() {
-        return Some(path);
-    }
-    skip(test, &format!("{} not found (run `kiln run -m gemma3-270m` once, or set KILN_GEMMA3_MODEL)", path.display()));
-    None
 }
 
 /// The CPU oracle against the greedy fixture `file`: first-step cosine over its probe ids

@@ -122,10 +122,17 @@ impl KvLayout {
     }
 }
 
-/// Bytes of one sequence's KV cache (keys and values, f32) for a model of `c` at a context
-/// of `max_ctx` positions, windowed layers holding their ring only.
-pub fn kv_cache_bytes(c: &ModelConfig, max_ctx: usize) -> Result<usize> {
-    Ok(KvLayout::new(c, max_ctx)?.floats * 2 * std::mem::size_of::<f32>())
+/// One sequence's KV cache for a model of `c` at a context of `max_ctx` positions: its
+/// bytes (keys and values, f32) and the rows each layer keeps (a windowed layer its ring).
+pub struct KvCacheSize {
+    pub bytes: usize,
+    pub rows: Vec<usize>,
+}
+
+/// [`KvCacheSize`] as this backend allocates it.
+pub fn kv_cache_size(c: &ModelConfig, max_ctx: usize) -> Result<KvCacheSize> {
+    let kv = KvLayout::new(c, max_ctx)?;
+    Ok(KvCacheSize { bytes: kv.floats * 2 * std::mem::size_of::<f32>(), rows: kv.rows })
 }
 
 fn too_big(max_ctx: usize) -> impl Fn() -> Error {
@@ -336,6 +343,13 @@ fn batch<'a>(x: &'a [f32], sums: &'a mut [f32], tokens: usize, cols: usize) -> B
     Batch { x, sums: if cols.is_multiple_of(32) { &sums[..tokens * ns] } else { &[] }, tokens, cols }
 }
 
+/// RMSNorm of each row of `buf` (rows as long as `w`) in place.
+fn norm_rows(buf: &mut [f32], w: &[f32], eps: f32) {
+    for row in buf.chunks_exact_mut(w.len()) {
+        ops::rms_norm_in_place(row, w, eps);
+    }
+}
+
 fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
         for row in buf.chunks_exact_mut(b.len()) {
@@ -445,9 +459,7 @@ fn forward(
         matmul(&mut [MatJob { m: &l.out, out: &mut s.proj[..n * h] }], input, threads, simd);
         add_bias(&mut s.proj[..n * h], &l.out_bias);
         if let Some(w) = &l.post_attn_norm {
-            for row in s.proj[..n * h].chunks_exact_mut(h) {
-                ops::rms_norm_in_place(row, w, c.norm_eps);
-            }
+            norm_rows(&mut s.proj[..n * h], w, c.norm_eps);
         }
 
         if !c.parallel_residual {
@@ -484,9 +496,7 @@ fn forward(
         let input = batch(&s.up, &mut s.sums, n, ffn);
         matmul(&mut [MatJob { m: &l.down, out: &mut s.ffn_out[..n * h] }], input, threads, simd);
         if let Some(w) = &l.post_ffn_norm {
-            for row in s.ffn_out[..n * h].chunks_exact_mut(h) {
-                ops::rms_norm_in_place(row, w, c.norm_eps);
-            }
+            norm_rows(&mut s.ffn_out[..n * h], w, c.norm_eps);
         }
         ops::add_in_place(&mut s.x[..n * h], &s.ffn_out[..n * h]);
         if c.parallel_residual {

@@ -21,7 +21,7 @@ pub mod kernels;
 mod matmul;
 pub mod ops;
 
-pub use executor::{kv_cache_bytes, CpuExecutor};
+pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize};
 pub use matmul::MAX_BATCH;
 
 /// The `cpu` backend: always available, score 10 for every model whose weight types it
