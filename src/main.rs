@@ -272,9 +272,9 @@ fn load_engine(args: &ModelArgs) -> Result<Engine> {
     load_engine_for(args, 1, false)
 }
 
-/// `load_engine` with room for `sequences` sequences at once, batches decoded in one GPU
-/// step when `batched_decode`.
-fn load_engine_for(args: &ModelArgs, sequences: usize, batched_decode: bool) -> Result<Engine> {
+/// `load_engine` with room for `sequences` sequences at once, batches decoded one sequence
+/// at a time on a GPU when `sequential_decode`.
+fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) -> Result<Engine> {
     let path = model_path(args.model.clone())?;
     let model = Model::open(&path)?;
     let registry = registry(&args.backend);
@@ -283,7 +283,7 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, batched_decode: bool) -> 
         threads: args.threads,
         quantized_activations: args.quantized_activations,
         max_sequences: sequences,
-        batched_decode,
+        sequential_decode,
         ..LoadOptions::default()
     };
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
@@ -668,7 +668,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
         return Err(Error::InvalidArgument("--batch sizes start at 1".into()));
     }
     let most = *args.batch.iter().max().expect("non-empty");
-    let mut engine = load_engine_for(&args.model, most, true)?;
+    let mut engine = load_engine_for(&args.model, most, false)?;
     let backend = engine.backend_name().to_string();
     let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let c = engine.model.ir.config.clone();

@@ -694,7 +694,7 @@ fn run_model(
         threads: options.threads,
         progress: None,
         quantized_activations: options.quantized_activations,
-        batched_decode: false,
+        sequential_decode: false,
     };
     let oracle_options = LoadOptions { max_sequences: 1, quantized_activations: false, ..load.clone() };
     let mut oracle = match CpuBackend.load(ir, &oracle_options) {

@@ -105,11 +105,10 @@ pub struct ServeArgs {
     /// Let a GPU backend quantise activations to 8 bits (faster; output drifts).
     #[arg(long)]
     pub quantized_activations: bool,
-    /// GPU backends: decode the running sequences in one batched step (int8 tensor-core
-    /// matmuls) instead of one step per sequence. Experimental: not yet validated on a GPU
-    /// (docs/architecture.md, "Batched decode").
+    /// GPU backends: decode the running sequences one at a time instead of in one batched
+    /// step (int8 tensor-core matmuls, every weight read once for all of them).
     #[arg(long)]
-    pub batched_decode: bool,
+    pub sequential_decode: bool,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub body_limit: usize,
@@ -216,7 +215,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             max_sequences: args.max_seqs,
             threads: args.threads,
             quantized_activations: args.quantized_activations,
-            batched_decode: args.batched_decode,
+            sequential_decode: args.sequential_decode,
             ..LoadOptions::default()
         },
         load_delay: Duration::from_millis(args.load_delay_ms),

@@ -205,7 +205,6 @@ fn check_backend(backend: &dyn Backend, model: &Model, name: &str, sizes: &[usiz
     let options = LoadOptions {
         max_context: longest + steps + 8,
         max_sequences: 64,
-        batched_decode: true,
         ..Default::default()
     };
     let mut alone = backend.load(&model.ir, &options).unwrap();
@@ -291,7 +290,7 @@ fn gpu_batched_decode_real_smollm2() {
 /// equal those of its own token history replayed alone on a fresh executor. At the end,
 /// after finishing everything, all `max_sequences` slots can be taken again.
 fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usize, seed: u64, batched: bool) {
-    let options = LoadOptions { max_context: 96, max_sequences: 6, batched_decode: batched, ..Default::default() };
+    let options = LoadOptions { max_context: 96, max_sequences: 6, sequential_decode: !batched, ..Default::default() };
     let mut exec = backend.load(model, &options).unwrap();
     let vocab = model.config.vocab_size;
     let max_seqs = exec.max_sequences();

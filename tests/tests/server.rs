@@ -986,7 +986,7 @@ fn serve_non_finite_logits_are_an_error_not_tokens() {
         let nan: Vec<u8> = (0..bytes / 4).flat_map(|_| f32::NAN.to_le_bytes()).collect();
         file.write_all(&nan).expect("write NaN");
     }
-    let mut s = Server::start(&broken, &["--max-seqs", "2", "-c", "256"]);
+    let s = Server::start(&broken, &["--max-seqs", "2", "-c", "256"]);
     s.wait_ready();
     for extra in [json!({"logprobs": true, "top_logprobs": 2}), json!({"temperature": 0.7, "seed": 3})] {
         let mut body = json!({"messages": user("hi"), "max_tokens": 4});

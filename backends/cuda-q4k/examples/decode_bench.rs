@@ -193,6 +193,9 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let prefill_only = args.iter().any(|a| a == "--prefill-only");
+    // `--short-prefill`: short prompts through the batched step against the cuBLAS prefill
+    // (where one should hand over to the other).
+    let short_prefill = args.iter().any(|a| a == "--short-prefill");
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: {why}");
@@ -218,6 +221,12 @@ fn main() {
         let load_s = t0.elapsed().as_secs_f64();
         if pp > 0 {
             prefill_bench(&mut ex, s, pp);
+        }
+        if short_prefill {
+            // Buffers for 64 rows come with 64 sequence slots.
+            let options = LoadOptions { max_context: 512, max_sequences: 64, ..Default::default() };
+            let mut wide = load_executor(&dev, &ir, &options).expect("load");
+            short_prefill_bench(&mut wide, s);
         }
         if prefill_only {
             continue;
@@ -321,4 +330,40 @@ fn prefill_bench(ex: &mut GpuExecutor, s: &Spec, pp: usize) {
         pp as f64 / dt,
         dt * 1e3
     );
+}
+
+/// Median wall time (ms) of 7 prefills of `n` random tokens into a fresh sequence, logits
+/// back on the host, after one warm-up.
+fn prefill_ms(ex: &mut GpuExecutor, vocab: usize, n: usize, rng: &mut Rng) -> f64 {
+    let mut logits = vec![0f32; vocab];
+    let mut times = Vec::new();
+    for i in 0..8 {
+        let tokens: Vec<u32> = (0..n)
+            .map(|_| ((rng.next_f32() * vocab as f32) as usize).min(vocab - 1) as u32)
+            .collect();
+        let seq = ex.new_sequence().unwrap();
+        let t0 = Instant::now();
+        ex.prefill(seq, &tokens, &mut logits).unwrap();
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        ex.free_sequence(seq).unwrap();
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    times[times.len() / 2]
+}
+
+/// Prompt lengths 1..64: the batched decode step as prefill against the cuBLAS prefill.
+fn short_prefill_bench(ex: &mut GpuExecutor, s: &Spec) {
+    let mut rng = Rng::new(13);
+    println!("| model | prompt tokens | batched step ms | cuBLAS prefill ms |");
+    println!("|---|---|---|---|");
+    for n in [1usize, 2, 5, 8, 16, 32, 64] {
+        ex.set_short_prefill_max(64);
+        let short = prefill_ms(ex, s.vocab, n, &mut rng);
+        ex.set_short_prefill_max(0);
+        let long = prefill_ms(ex, s.vocab, n, &mut rng);
+        println!("| {} | {n} | {short:.3} | {long:.3} |", s.name);
+    }
+    ex.set_short_prefill_max(kiln_backend_cuda_q4k::SHORT_PREFILL);
 }

@@ -7,7 +7,7 @@
 //! runs them with `--include-ignored`.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, PREFILL_CHUNK};
+use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, PREFILL_CHUNK, SHORT_PREFILL};
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng};
 use kiln_kernels::testdata::fresh_seed;
 
@@ -107,6 +107,60 @@ fn batched_prefill_matches_the_cpu_backend() {
                 // Written so that a NaN cosine fails too.
                 if v.is_nan() || v < FLOOR {
                     failures.push(format!("{label}, {n} tokens, {what}: cosine {v} < {FLOOR}"));
+                }
+            }
+            cpu.free_sequence(cs).unwrap();
+            gpu.free_sequence(gs).unwrap();
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Short prompts prefill through the batched decode step (the prompt's tokens its rows):
+/// its last-token logits must agree with the CPU's and with the cuBLAS prefill's on the same
+/// prompt, and decoding after it must match the CPU (the KV it wrote is right), at every
+/// length the short path takes, including one (a padded bucket) and its largest.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
+    let Some(dev) = device() else { return };
+    let seed = fresh_seed();
+    println!("seed {seed}");
+    let mut rng = Rng::new(seed);
+    let options = LoadOptions {
+        max_context: 256,
+        max_sequences: 1,
+        ..Default::default()
+    };
+    let mut failures = Vec::new();
+    for (label, shape) in shapes() {
+        let ir = model(&mut rng, &shape, 256);
+        let vocab = shape.vocab;
+        let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
+        let mut gpu = load_executor(&dev, &ir, &options).unwrap();
+        if let Some(why) = gpu.batched_decode_unavailable() {
+            panic!("no batched step on a GPU machine: {why}");
+        }
+        for n in [1usize, 2, 5, 9, SHORT_PREFILL] {
+            let p = prompt(&mut rng, n, vocab);
+            let (mut lc, mut short, mut long) = (vec![0f32; vocab], vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
+            let cs = cpu.new_sequence().unwrap();
+            cpu.prefill(cs, &p, &mut lc).unwrap();
+            gpu.set_short_prefill_max(0);
+            let gs = gpu.new_sequence().unwrap();
+            gpu.prefill(gs, &p, &mut long).unwrap();
+            gpu.free_sequence(gs).unwrap();
+            gpu.set_short_prefill_max(SHORT_PREFILL);
+            let gs = gpu.new_sequence().unwrap();
+            gpu.prefill(gs, &p, &mut short).unwrap();
+            assert_eq!(gpu.sequence_len(gs).unwrap(), n);
+            let vs_cpu = cosine(&lc, &short);
+            let vs_cublas = cosine(&long, &short);
+            let dec = decode_both(&mut cpu, &mut gpu, (cs, gs), &mut lc, &mut short, 4);
+            println!("{label}, {n} tokens: short prefill vs CPU {vs_cpu:.6}, vs cuBLAS prefill {vs_cublas:.6}, decode after {dec:.6}");
+            for (what, v) in [("vs CPU", vs_cpu), ("vs cuBLAS prefill", vs_cublas), ("decode after", dec)] {
+                if v.is_nan() || v < FLOOR {
+                    failures.push(format!("{label}, {n} tokens, short prefill {what}: cosine {v} < {FLOOR}"));
                 }
             }
             cpu.free_sequence(cs).unwrap();

@@ -13,6 +13,13 @@
 //! context 0: their attention is zero). The matmuls take rows in eights. Per step the host
 //! uploads one small array (token, position, context length and slot of each row); a batch
 //! of one takes the one-sequence graph, which it was already.
+//!
+//! The same step prefills short prompts (up to [`SHORT_PREFILL`] tokens): the prompt's
+//! tokens are its rows, all in one slot at consecutive positions. Every row's K/V is
+//! written before any row attends, so row i sees rows 0..=i — causal attention inside the
+//! prompt — and the weights are read once, in their quantised form, where the cuBLAS
+//! prefill would dequantise every matrix to f16 first (on llama3-8b: 4.6 GB read against
+//! 16 GB written and read again).
 
 use kiln_core::{DecodeItem, Error, Result, Sampler};
 use kiln_kernels::{
@@ -24,6 +31,13 @@ use super::{err, GpuExecutor};
 
 /// Batch-size buckets, one graph each.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
+
+/// Prompts up to this many tokens prefill through the batched step (one step, the
+/// prompt's tokens its rows) unless [`GpuExecutor::set_short_prefill_max`] says otherwise.
+/// Longer ones take the cuBLAS prefill, whose GEMMs win once the dequantisation is shared
+/// by enough tokens (crossover measured with `decode_bench --short-prefill`,
+/// docs/benchmarks.md).
+pub const SHORT_PREFILL: usize = 16;
 
 /// The batched step's activations for up to `rows` rows, carved from one workspace.
 #[derive(Clone, Copy)]
@@ -60,22 +74,15 @@ pub(super) struct BatchState {
 }
 
 impl BatchState {
-    /// The batched step's buffers for `exec`, or why its batches go one sequence at a
-    /// time (one sequence slot; a weight format without a batched matmul; no batched
-    /// prefill kernels, whose embedding lookup the step uses).
+    /// The batched step's buffers for `exec`, or why there is no batched step (a weight
+    /// format without a batched matmul; no batched prefill kernels, whose embedding
+    /// lookup the step uses).
     pub(super) fn new(
         exec: &GpuExecutor,
         formats: &[&'static WeightFormat],
         nsplit: usize,
-        batched_decode: bool,
     ) -> Result<std::result::Result<BatchState, String>> {
-        if !batched_decode {
-            return Ok(Err("batched decode is off (LoadOptions::batched_decode)".into()));
-        }
         let slots = exec.slots.capacity();
-        if slots < 2 {
-            return Ok(Err("one sequence slot".into()));
-        }
         if let Some(f) = formats.iter().find(|f| f.batched.is_none()) {
             return Ok(Err(format!("no batched matmul for {} weights", f.tag)));
         }
@@ -87,9 +94,9 @@ impl BatchState {
         let matmuls: Vec<_> = formats.iter().filter_map(|f| f.batched).collect();
         exec.k.preload_modules(&matmuls).map_err(err)?;
         let c = &exec.config;
-        // Buffers for the largest bucket the slots can fill, and at least the eight rows
-        // a matmul takes.
-        let rows = BUCKETS[bucket_of(slots.min(Kernels::MAX_BATCH))].max(8);
+        // Buffers for the largest bucket the slots can fill or a short prompt needs, and at
+        // least the eight rows a matmul takes.
+        let rows = BUCKETS[bucket_of(slots.max(SHORT_PREFILL).min(Kernels::MAX_BATCH))].max(8);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let vocab = c.vocab_size;
         let widest = h.max(qd).max(ffn);
@@ -161,7 +168,27 @@ enum Draw {
 impl GpuExecutor {
     /// Why batches decode one sequence at a time, if they do.
     pub fn batched_decode_unavailable(&self) -> Option<&str> {
+        if self.sequential_decode {
+            return Some("sequential decode was asked for (LoadOptions::sequential_decode)");
+        }
         self.batch.as_ref().err().map(|s| s.as_str())
+    }
+
+    /// Whether a batch of `n` sequences decodes in batched steps.
+    pub(super) fn decodes_batched(&self, n: usize) -> bool {
+        n > 1 && !self.sequential_decode && self.batch.is_ok()
+    }
+
+    /// Prompts up to `tokens` long prefill through the batched step (0: none; at most the
+    /// rows its buffers hold). A benchmark knob: the default is [`SHORT_PREFILL`].
+    pub fn set_short_prefill_max(&mut self, tokens: usize) {
+        let rows = self.batch.as_ref().map_or(0, |b| b.rows);
+        self.short_prefill_max = tokens.min(rows);
+    }
+
+    /// Whether a prompt of `n` tokens prefills through the batched step.
+    pub(super) fn prefills_short(&self, n: usize) -> bool {
+        n <= self.short_prefill_max && self.batch.is_ok()
     }
 
     /// Rows one batched step takes at most (the rest of a larger batch goes in further
@@ -254,18 +281,57 @@ impl GpuExecutor {
             meta[n + i] = -1;
             meta[2 * n + i] = 0;
         }
-        let st = self.batch.as_ref().expect("checked above");
-        st.b.meta.copy_from_host(&self.device, &meta).map_err(err)?;
+        self.launch_bucket(bucket, &meta)?;
+        for slot in slots {
+            self.slots[slot].len += 1;
+        }
+        Ok(rows)
+    }
+
+    /// Uploads the rows' `meta` and replays bucket `bucket`'s graph (capturing it first if
+    /// it has not been).
+    fn launch_bucket(&mut self, bucket: usize, meta: &[i32]) -> Result<()> {
+        let rows = BUCKETS[bucket];
+        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        st.b.meta.copy_from_host(&self.device, meta).map_err(err)?;
         if st.graphs[bucket].is_none() {
             let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
             self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
         }
         let st = self.batch.as_ref().expect("checked above");
-        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)?;
-        for slot in slots {
-            self.slots[slot].len += 1;
+        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)
+    }
+
+    /// Prefills `slot` with `tokens` (1..=the buffers' rows, already checked to fit) in one
+    /// batched step, the tokens its rows at the slot's next positions (see the module
+    /// doc). Returns where the last token's logits are.
+    pub(super) fn prefill_short(&mut self, slot: usize, tokens: &[u32]) -> Result<DevSlice<f32>> {
+        let n = tokens.len();
+        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let cap = st.rows;
+        if n == 0 || n > cap {
+            return Err(Error::InvalidArgument(format!(
+                "a short prefill takes 1 to {cap} tokens, not {n}"
+            )));
         }
-        Ok(rows)
+        let bucket = bucket_of(n.max(2));
+        let start = self.slots[slot].len;
+        let mut meta = vec![0i32; 4 * cap];
+        for (i, &t) in tokens.iter().enumerate() {
+            meta[i] = t as i32;
+            meta[cap + i] = (start + i) as i32;
+            meta[2 * cap + i] = (start + i + 1) as i32;
+            meta[3 * cap + i] = slot as i32;
+        }
+        for i in n..BUCKETS[bucket] {
+            meta[cap + i] = -1;
+            meta[2 * cap + i] = 0;
+        }
+        self.launch_bucket(bucket, &meta)?;
+        self.slots[slot].len = start + n;
+        let vocab = self.config.vocab_size;
+        let st = self.batch.as_ref().expect("launched above");
+        st.b.logits.sub((n - 1) * vocab, vocab).map_err(err)
     }
 
     /// `decode` for a batch of two or more: steps of up to `batch_rows` sequences.
@@ -284,7 +350,7 @@ impl GpuExecutor {
     }
 
     /// Captures the graph of every bucket the batch buffers hold (at load: a capture on a
-    /// request's path would cost it milliseconds). Nothing when batched decode is off.
+    /// request's path would cost it milliseconds). Nothing without a batched step.
     pub(super) fn capture_batch_graphs(&mut self) -> Result<()> {
         let Ok(st) = &self.batch else { return Ok(()) };
         let most = st.rows;

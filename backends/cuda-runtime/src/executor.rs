@@ -15,6 +15,7 @@ mod prefill;
 #[path = "batch.rs"]
 mod batch;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
+pub use batch::SHORT_PREFILL;
 
 use kiln_kernels::{
     AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
@@ -216,9 +217,15 @@ pub struct GpuExecutor {
     /// Keys and values of every slot, `[slot][kv_head][position][head_dim]` per layer.
     kv: KvCache,
     s: Scratch,
-    /// The batched decode step's buffers and graphs, or why batches decode one sequence
-    /// at a time.
+    /// The batched decode step's buffers and graphs, or why there is no batched step
+    /// (then batches decode one sequence at a time and short prompts take the cuBLAS
+    /// prefill).
     batch: std::result::Result<batch::BatchState, String>,
+    /// Decode batches one sequence at a time even with a batched step
+    /// (`LoadOptions::sequential_decode`).
+    sequential_decode: bool,
+    /// Prompts up to this long prefill through the batched step.
+    short_prefill_max: usize,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
@@ -248,12 +255,10 @@ impl GpuExecutor {
         let k = Kernels::new(device);
         let formats = formats_of(model, policy.as_ref());
         // Every module the model needs in one go, so a first run compiles them in parallel:
-        // the decode step's, the batched prefill's when cuBLAS is there, the batched decode's
-        // when asked for.
+        // the decode step's, the batched prefill's when cuBLAS is there, the batched step's
+        // (batched decode and short prompts) when every format has its matmul.
         let blas = kiln_kernels::Blas::new(device);
-        let batched = options.batched_decode
-            && options.sequences() > 1
-            && formats.iter().all(|f| f.batched.is_some());
+        let batched = formats.iter().all(|f| f.batched.is_some());
         let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
         let modules = Kernels::modules_for(&formats, activation_path, hd, blas.is_ok(), batched && blas.is_ok())
             .map_err(err)?;
@@ -498,10 +503,13 @@ impl GpuExecutor {
             s,
             prefill,
             batch: Err(String::new()),
+            sequential_decode: options.sequential_decode,
+            short_prefill_max: 0,
             _workspace: ws,
         })
         .and_then(|mut exec| {
-            exec.batch = batch::BatchState::new(&exec, &formats, nsplit, options.batched_decode)?;
+            exec.batch = batch::BatchState::new(&exec, &formats, nsplit)?;
+            exec.set_short_prefill_max(batch::SHORT_PREFILL);
             exec.warm_up()?;
             Ok(exec)
         })
@@ -864,25 +872,26 @@ impl LayerExecutor for GpuExecutor {
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         let slot = self.check_prefill(seq, tokens, logits)?;
-        if self.prefill.is_ok() {
+        let out = if self.prefills_short(tokens.len()) {
+            self.prefill_short(slot, tokens)?
+        } else if self.prefill.is_ok() {
             self.prefill_batched(slot, tokens, false)?;
+            self.s.logits
         } else {
             // No cuBLAS: token by token through the decode graph (correct, GEMV speed).
             for &t in tokens {
                 self.step(slot, t, 0.0)?;
             }
-        }
-        self.s
-            .logits
-            .copy_to_host(&self.device, logits)
-            .map_err(err)
+            self.s.logits
+        };
+        out.copy_to_host(&self.device, logits).map_err(err)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.config.vocab_size;
         // The whole batch is checked before any step runs: a refused batch changes nothing.
         check_decode(batch, logits, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
-        if batch.len() > 1 && self.batch.is_ok() {
+        if self.decodes_batched(batch.len()) {
             return self.decode_batched(batch, logits);
         }
         let slots: Vec<usize> = batch
@@ -908,7 +917,7 @@ impl LayerExecutor for GpuExecutor {
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.config.vocab_size;
         check_decode_items(batch, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
-        if batch.len() > 1 && self.batch.is_ok() {
+        if self.decodes_batched(batch.len()) {
             return self.decode_sample_batched(batch, samplers, tokens);
         }
         let slots: Vec<usize> = batch
