@@ -88,12 +88,22 @@ impl Kernels {
     }
 
 
-    /// How many parts a batched matmul over `w` splits its row length into: enough blocks
-    /// for two waves over the SMs, at least 4 chunks of 32 values per part.
-    pub fn bmm_splits(&self, w: &DeviceWeight) -> usize {
+    /// How many parts a batched matmul over `rows` rows of `w` splits its row length into:
+    /// enough blocks to fill the SMs `waves` times over, at least 4 chunks of 32 values per
+    /// part. A warp keeps only a few hundred bytes of weights in flight, so the memory
+    /// latency is covered by warps: 8 blocks of 8 warps per SM for 8 and 16 rows, 4 for
+    /// wider batches, whose kernels hold more accumulators (fewer blocks fit an SM) and whose
+    /// partial sums cost more to write. Measured on the H200 (docs/benchmarks.md): llama3-8b
+    /// q4_k_m at 4/8/16/32/64 rows, 2 waves → 8/8/8/4/4: 446 → 588, 862 → 1,128,
+    /// 1,589 → 1,843, 2,429 → 2,468, 2,775 → 2,968 tok/s.
+    pub fn bmm_splits(&self, w: &DeviceWeight, rows: usize) -> usize {
+        let waves = match Self::bmm_rows(rows) {
+            0..=16 => 8,
+            _ => 4,
+        };
         let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
         let chunks = w.row_len / 32;
-        let target = 2 * self.device().sm_count();
+        let target = waves * self.device().sm_count();
         let splits = target.div_ceil(blocks).clamp(1, (chunks / 4).max(1));
         let per = chunks.div_ceil(splits);
         chunks.div_ceil(per)
@@ -102,7 +112,7 @@ impl Kernels {
     /// f32 values the partial sums of a batched matmul over `w` (SwiGLU: two weights of
     /// its shape) for `rows` rows take.
     pub fn bmm_part_len(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
-        self.bmm_splits(w) * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
+        self.bmm_splits(w, rows) * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
     }
 
     /// Packs `rows` rows of `n` values of `x` for the batched matmuls: normalised (RMSNorm
@@ -192,7 +202,7 @@ impl Kernels {
         if up.is_some() && (epi.bias.is_some() || epi.residual.is_some()) {
             return Err(invalid("a SwiGLU matmul takes no bias or residual".into()));
         }
-        let splits = self.bmm_splits(w);
+        let splits = self.bmm_splits(w, rows);
         let ldp = nrows * if up.is_some() { 2 } else { 1 };
         part.check_len(splits * rows * ldp, "batched matmul partial sums")?;
         let per_split = (k / 32).div_ceil(splits);

@@ -133,15 +133,19 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
         ..Default::default()
     };
     let mut failures = Vec::new();
+    let mut tested = 0;
     for (label, shape) in shapes() {
         let ir = model(&mut rng, &shape, 256);
         let vocab = shape.vocab;
         let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
         let mut gpu = load_executor(&dev, &ir, &options).unwrap();
         if let Some(why) = gpu.batched_decode_unavailable() {
-            panic!("no batched step on a GPU machine: {why}");
+            // Formats without an int8 matmul (f16 matrices) keep the cuBLAS prefill.
+            println!("{label}: no batched step ({why}); short prompts take the cuBLAS prefill");
+            continue;
         }
-        for n in [1usize, 2, 5, 9, SHORT_PREFILL] {
+        tested += 1;
+        for n in [1usize, 2, 5, 9, 16, SHORT_PREFILL] {
             let p = prompt(&mut rng, n, vocab);
             let (mut lc, mut short, mut long) = (vec![0f32; vocab], vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
             let cs = cpu.new_sequence().unwrap();
@@ -167,6 +171,7 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
             gpu.free_sequence(gs).unwrap();
         }
     }
+    assert!(tested >= 2, "only {tested} shapes had a batched step");
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -37,7 +37,7 @@ const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 /// Longer ones take the cuBLAS prefill, whose GEMMs win once the dequantisation is shared
 /// by enough tokens (crossover measured with `decode_bench --short-prefill`,
 /// docs/benchmarks.md).
-pub const SHORT_PREFILL: usize = 16;
+pub const SHORT_PREFILL: usize = 32;
 
 /// The batched step's activations for up to `rows` rows, carved from one workspace.
 #[derive(Clone, Copy)]
@@ -102,15 +102,20 @@ impl BatchState {
         let widest = h.max(qd).max(ffn);
         let head = exec.lm_head.as_ref().unwrap_or(&exec.embd);
         let k = &exec.k;
-        let mut part = k.bmm_part_len(head, rows, false);
-        for l in &exec.layers {
-            for p in &l.qkv {
-                part = part.max(k.bmm_part_len(&p.w, rows, false));
+        // The partial sums of the widest split over every matmul and bucket (narrower
+        // batches split the row length more).
+        let mut part = 0;
+        for bucket in BUCKETS.iter().map(|&b| Kernels::bmm_rows(b)).filter(|&b| b <= rows) {
+            part = part.max(k.bmm_part_len(head, bucket, false));
+            for l in &exec.layers {
+                for p in &l.qkv {
+                    part = part.max(k.bmm_part_len(&p.w, bucket, false));
+                }
+                part = part
+                    .max(k.bmm_part_len(&l.o, bucket, false))
+                    .max(k.bmm_part_len(&l.gate, bucket, true))
+                    .max(k.bmm_part_len(&l.down, bucket, false));
             }
-            part = part
-                .max(k.bmm_part_len(&l.o, rows, false))
-                .max(k.bmm_part_len(&l.gate, rows, true))
-                .max(k.bmm_part_len(&l.down, rows, false));
         }
         let (act_x, act_s) = PackedAct::lens(rows, widest);
         let (ws, b) = Workspace::carve(&exec.device, |a| BatchBuffers {
