@@ -37,6 +37,7 @@ pub enum Preset {
     Qwen25_7b,
     Qwen3_0_6b,
     Qwen3_8b,
+    Gemma3_270m,
 }
 
 /// Which tokenizer family a preset imitates (special tokens, pre-tokenizer, template).
@@ -45,6 +46,7 @@ enum TokenizerKind {
     SmolLm,
     Llama3,
     Qwen,
+    Gemma,
 }
 
 /// The hyper-parameters of a preset, as written to the GGUF metadata.
@@ -67,10 +69,13 @@ pub struct SynthShape {
     /// Llama 3.1-style rope scaling `(factor, low_freq_factor, high_freq_factor,
     /// original_context)`, stored as per-pair `rope_freqs.weight` as llama.cpp does.
     pub llama3_rope: Option<(f32, f32, f32, usize)>,
+    /// Gemma 3: the sliding window of its local layers (they also get post-attention and
+    /// post-MLP norms, GeGLU and the scaled embedding from the architecture).
+    pub sliding_window: Option<usize>,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 8] = [
+    pub const ALL: [Preset; 9] = [
         Preset::SmolLm2_135m,
         Preset::Llama32_1b,
         Preset::Llama3_8b,
@@ -79,6 +84,7 @@ impl Preset {
         Preset::Qwen25_7b,
         Preset::Qwen3_0_6b,
         Preset::Qwen3_8b,
+        Preset::Gemma3_270m,
     ];
 
     pub fn name(self) -> &'static str {
@@ -91,6 +97,7 @@ impl Preset {
             Preset::Qwen25_7b => "qwen2.5-7b",
             Preset::Qwen3_0_6b => "qwen3-0.6b",
             Preset::Qwen3_8b => "qwen3-8b",
+            Preset::Gemma3_270m => "gemma3-270m",
         }
     }
 
@@ -107,6 +114,7 @@ impl Preset {
         match self {
             Preset::SmolLm2_135m => TokenizerKind::SmolLm,
             Preset::Llama32_1b | Preset::Llama3_8b => TokenizerKind::Llama3,
+            Preset::Gemma3_270m => TokenizerKind::Gemma,
             _ => TokenizerKind::Qwen,
         }
     }
@@ -129,6 +137,7 @@ impl Preset {
             qkv_bias: false,
             qk_norm: false,
             llama3_rope: None,
+            sliding_window: None,
         };
         let qwen2 = |vocab, hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen2,
@@ -146,6 +155,7 @@ impl Preset {
             qkv_bias: true,
             qk_norm: false,
             llama3_rope: None,
+            sliding_window: None,
         };
         let qwen3 = |hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen3,
@@ -163,6 +173,7 @@ impl Preset {
             qkv_bias: false,
             qk_norm: true,
             llama3_rope: None,
+            sliding_window: None,
         };
         match self {
             Preset::SmolLm2_135m => llama(49_152, 576, 30, 9, 3, 1536, 8192, 100_000.0, true),
@@ -176,6 +187,25 @@ impl Preset {
             Preset::Qwen25_7b => SynthShape { context_length: 131_072, ..qwen2(152_064, 3584, 28, 28, 4, 18_944, false) },
             Preset::Qwen3_0_6b => qwen3(1024, 28, 16, 8, 3072, true),
             Preset::Qwen3_8b => qwen3(4096, 36, 32, 8, 12_288, false),
+            // google/gemma-3-270m: 4 heads of 256 over hidden 640, one KV head, window 512.
+            Preset::Gemma3_270m => SynthShape {
+                arch: Architecture::Gemma3,
+                vocab_size: 262_144,
+                hidden_size: 640,
+                num_layers: 18,
+                num_heads: 4,
+                num_kv_heads: 1,
+                head_dim: 256,
+                ffn_size: 2048,
+                context_length: 32_768,
+                rope_theta: 1_000_000.0,
+                norm_eps: 1e-6,
+                tied_embeddings: true,
+                qkv_bias: false,
+                qk_norm: true,
+                llama3_rope: None,
+                sliding_window: Some(512),
+            },
         }
     }
 }
@@ -225,10 +255,16 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
             push(n("attn_k_norm.weight"), vec![s.head_dim], norm);
         }
         push(n("attn_output.weight"), vec![q_dim, h], proj(q_dim));
+        if s.sliding_window.is_some() {
+            push(n("post_attention_norm.weight"), vec![h], norm);
+        }
         push(n("ffn_norm.weight"), vec![h], norm);
         push(n("ffn_gate.weight"), vec![h, ffn], proj(h));
         push(n("ffn_up.weight"), vec![h, ffn], proj(h));
         push(n("ffn_down.weight"), vec![ffn, h], proj(ffn));
+        if s.sliding_window.is_some() {
+            push(n("post_ffw_norm.weight"), vec![h], norm);
+        }
     }
     push("output_norm.weight".into(), vec![h], norm);
     if !s.tied_embeddings {
@@ -306,6 +342,9 @@ pub fn metadata(preset: Preset, recipe: Recipe, seed: u64) -> Vec<(String, GgufV
     put(&a("rope.freq_base"), GgufValue::F32(s.rope_theta));
     put(&a("rope.dimension_count"), GgufValue::U32(s.head_dim as u32));
     put(&a("attention.layer_norm_rms_epsilon"), GgufValue::F32(s.norm_eps));
+    if let Some(w) = s.sliding_window {
+        put(&a("attention.sliding_window"), GgufValue::U32(w as u32));
+    }
     tokenizer_metadata(preset.tokenizer(), s.vocab_size, &mut put);
     kv
 }
@@ -321,6 +360,7 @@ fn byte_level_char(b: u8) -> char {
 }
 
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
 const LLAMA3_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
 /// A tokenizer family's special tokens `(id, piece)` at the ids the real tokenizer uses,
@@ -360,6 +400,13 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
                 .collect();
             (specials, "qwen2", 151_643, 151_645, None, CHATML_TEMPLATE)
         }
+        TokenizerKind::Gemma => {
+            // Gemma's ids for its specials; the rest of the vocabulary is byte-level filler
+            // (the real one is SentencePiece, which a benchmark's random weights don't need).
+            let named = [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (105, "<start_of_turn>"), (106, "<end_of_turn>")];
+            let specials = named.iter().map(|&(id, n)| (id, n.to_string())).collect();
+            (specials, "default", 2, 1, Some(106), GEMMA_TEMPLATE)
+        }
     };
     let mut tokens: Vec<Option<String>> = vec![None; vocab];
     let mut types = vec![1i32; vocab];
@@ -390,7 +437,7 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
     if let Some(eot) = eot {
         put("tokenizer.ggml.eot_token_id", GgufValue::U32(eot as u32));
     }
-    put("tokenizer.ggml.add_bos_token", GgufValue::Bool(kind == TokenizerKind::Llama3));
+    put("tokenizer.ggml.add_bos_token", GgufValue::Bool(matches!(kind, TokenizerKind::Llama3 | TokenizerKind::Gemma)));
     put("tokenizer.chat_template", template.into());
 }
 

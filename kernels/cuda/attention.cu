@@ -7,6 +7,10 @@
 // serves every step.
 //
 // Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
+//
+// Sliding-window layers (`window` > 0) attend to the last `window` positions only, and
+// their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx; for
+// full layers max_ctx is the context, so the row is p).
 // A warp takes 32 positions at a time: lane l scores position p0 + l with a whole-row dot
 // product (16-byte K loads, q broadcast from shared memory), the warp updates its running
 // softmax once per 32 positions, then accumulates the 32 V rows with lane l owning
@@ -38,14 +42,15 @@ template <int E>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
                                                          const u16* __restrict__ vc, const int* __restrict__ len_ptr,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
-                                                         float* __restrict__ part_o, float2* __restrict__ part_ml,
+                                                         int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
                                                          float2* __restrict__ ods) {
     const int hd = E * 32;
     const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
-    const int start = s * split;
+    const int lo = window > 0 ? max(0, len - window) : 0;
+    const int start = lo + s * split;
     if (start >= len) return;
     const int end = min(len, start + split);
     const int kvh = head / (n_heads / n_kv);
@@ -63,7 +68,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const int p = p0 + lane;
         float score = -INFINITY;
         if (p < end) {
-            const uint4* kp = (const uint4*)(kbase + (size_t)p * hd);
+            const uint4* kp = (const uint4*)(kbase + (size_t)(p % max_ctx) * hd);
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < E * 4; ++i) {
@@ -90,7 +95,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             if (p0 + jb >= end) break;
             float v[VB][E];
 #pragma unroll
-            for (int j = 0; j < VB; ++j) load_halves<E>(vbase + (size_t)min(p0 + jb + j, end - 1) * hd, v[j]);
+            for (int j = 0; j < VB; ++j) load_halves<E>(vbase + (size_t)(min(p0 + jb + j, end - 1) % max_ctx) * hd, v[j]);
 #pragma unroll
             for (int j = 0; j < VB; ++j) {
                 const float wj = __shfl_sync(FULL_MASK, pw, jb + j);
@@ -125,7 +130,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     __threadfence();
     __syncthreads();
     __shared__ int is_last;
-    const int n = min(nsplit, (len + split - 1) / split);
+    const int n = min(nsplit, (len - lo + split - 1) / split);
     if (threadIdx.x == 0) {
         const u32 done = atomicAdd(&counters[head], 1u) + 1;
         is_last = done == (u32)n;
@@ -159,11 +164,11 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #define ATTN_ENTRY(E)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_##E(                                                 \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
-        int split, float scale, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq, i8* olo,            \
-        float2* ods) {                                                                                                 \
+        int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
+        i8* olo, float2* ods) {                                                                                        \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, part_o, part_ml, counters, out, \
-                             oq, olo, ods);                                                                            \
+        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,        \
+                             counters, out, oq, olo, ods);                                                             \
     }
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
@@ -172,8 +177,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #define ATTN_BATCH_ENTRY(E)                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E(                                           \
         const float* q, const u16* kc, const u16* vc, const int* lens, const int* slot, long long slot_stride,         \
-        int n_heads, int n_kv, int max_ctx, int split, float scale, float* part_o, float2* part_ml, u32* counters,    \
-        float* out) {                                                                                                  \
+        int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml,       \
+        u32* counters, float* out) {                                                                                   \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
@@ -184,6 +189,6 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
         attn_partial_impl<E>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,       \
-                             part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, \
-                             out + z * qd, nullptr, nullptr, nullptr);                                                 \
+                             window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,               \
+                             counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr);                         \
     }

@@ -34,6 +34,13 @@ static __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return d;
 }
 
+// The gate activation of a gated feed-forward: SiLU (SwiGLU) or, with `gelu`, GELU in its
+// tanh approximation (GeGLU: what ggml and `gelu_pytorch_tanh` compute).
+static __device__ __forceinline__ float glu_act(float g, int gelu) {
+    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978846f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
 static __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

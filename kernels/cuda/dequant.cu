@@ -103,7 +103,7 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
 
 template <int T>
 static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids, int out_rows, int wrows, int K,
-                                               u16* __restrict__ out_h, float* __restrict__ out_f) {
+                                               u16* __restrict__ out_h, float* __restrict__ out_f, float scale) {
     const int nchunks = (K + 31) >> 5;
     const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (size_t)out_rows * nchunks) return;
@@ -115,6 +115,8 @@ static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids,
         for (int i = 0; i < 32; ++i) v[i] = __int_as_float(0x7fffffff);
     } else {
         dequant_chunk<T>(w, (size_t)src, K, c, v);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] *= scale;
     }
     const size_t base = (size_t)r * K + (size_t)c * 32;
     const bool whole = c * 32 + 32 <= K;
@@ -143,12 +145,13 @@ static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids,
 }
 
 // Entry point dequant_{type}: (layout arrays, ids or null, output rows, weight rows, row
-// length, f16 output or null, f32 output or null).
+// length, f16 output or null, f32 output or null, scale of every value: 1 but for Gemma's
+// embedding lookup).
 #define DEQUANT_TYPE(NAME, T)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) dequant_##NAME(const u8* body, const u32* qh, const u8* sc,     \
                                                                       const int* ids, int out_rows, int wrows, int K,  \
-                                                                      u16* out_h, float* out_f) {                      \
+                                                                      u16* out_h, float* out_f, float scale) {         \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        dequant<T>(w, ids, out_rows, wrows, K, out_h, out_f);                                                          \
+        dequant<T>(w, ids, out_rows, wrows, K, out_h, out_f, scale);                                                   \
     }

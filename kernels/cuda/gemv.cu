@@ -436,10 +436,8 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, int c, 
     }
 }
 
-static __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
 // What a GEMV does with its outputs: y = (W·x) (+ bias) (+ residual), or in SwiGLU mode
-// y = silu(gate·x) * (up·x). With `q` (QOUT kernels, whose blocks own whole 32-row groups)
+// y = act(gate·x) * (up·x), act SiLU or (with `gelu`) GELU. With `q` (QOUT kernels, whose blocks own whole 32-row groups)
 // it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and writes the
 // group's sum(y²) to norm_parts[group]: the next RMSNorm, left for the consumer to finish
 // (see XIn). Partial sums in fixed slots, summed in a fixed order, keep every step
@@ -453,6 +451,7 @@ struct GemvOut {
     i8* __restrict__ r;
     float2* __restrict__ ds;
     float* __restrict__ norm_parts;
+    int gelu;
 };
 
 // A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
@@ -558,7 +557,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
             v2 *= scale;
         }
         if (SWIGLU) {
-            v = silu(v) * v2;
+            v = glu_act(v, out.gelu) * v2;
         } else {
             if (out.bias) v += out.bias[row];
             if (out.residual) v += out.residual[row];
@@ -586,7 +585,8 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
 // shares every line of dequantisation code with the GEMVs it feeds. With `out.q` a warp
 // (one 32-value group) also writes the first layer's quantised input, as GemvOut says.
 template <int T>
-static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, const GemvOut out, int nrows, int K) {
+static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, const GemvOut out, int nrows, int K,
+                                             float scale) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if ((i & ~31) >= K) return;  // whole warps only: the quantisation below shuffles
     const int tok = *token;
@@ -612,6 +612,7 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
         } else {
             v = dot_chunk<T, A_F32>(w, (size_t)tok, K, i >> 5, one);
         }
+        v *= scale;  // Gemma scales its embedding by √hidden
     }
     if (i < K) out.y[i] = v;
     if (out.q) {
@@ -628,11 +629,11 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
 #define EMBED_ENTRY(NAME, T)                                                                                           \
     extern "C" __global__ void embed_##NAME(const u8* body, const u32* qh, const u8* sc, const int* token, float* y,   \
                                             int nrows, int K, const float* norm_w, i8* yq, i8* yr, float2* yds,        \
-                                            float* norm_parts) {                                                       \
+                                            float* norm_parts, float scale) {                                          \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts};                                          \
-        embed<T>(w, token, out, nrows, K);                                                                             \
+        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts, 0};                                       \
+        embed<T>(w, token, out, nrows, K, scale);                                                                      \
     }
 
 // Entry points: {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16), blocks
@@ -643,12 +644,12 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts
+        float *out_parts, int gelu
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
-    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts};                                                 \
+    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu};                                           \
     gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K);
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \

@@ -121,3 +121,19 @@ extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits
     }
     y[(size_t)m * ldy + r] = v;
 }
+
+// x[t] += rmsnorm(y[t]) · w for each of the `rows` rows of n values, one block per row: a
+// sandwich norm (Gemma's post-attention and post-MLP norms) joining the residual stream.
+extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ y, const float* __restrict__ w, float eps,
+                                            float* __restrict__ x, int n) {
+    grid_dependency_wait();
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    y += row * n;
+    x += row * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += y[i] * y[i];
+    ss = block_sum(ss, scratch);
+    const float scale = rsqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] += y[i] * scale * w[i];
+}

@@ -69,7 +69,7 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
         q[a] = xa;
         q[b] = xb;
     } else {
-        const size_t c = ((size_t)kvh * max_ctx + pos) * hd;
+        const size_t c = ((size_t)kvh * max_ctx + pos % max_ctx) * hd;  // a ring for windowed layers
         kc[c + a] = f2h(xa);
         kc[c + b] = f2h(xb);
         const int voff = (n_heads + n_kv + kvh) * hd;
@@ -88,12 +88,14 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
 template <int E>
 static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const u16* __restrict__ kc,
                                                     const u16* __restrict__ vc, u16* __restrict__ out, int n_heads,
-                                                    int n_kv, int max_ctx, int start, float scale) {
+                                                    int n_kv, int max_ctx, int start, float scale, int window) {
     constexpr int HD = 32 * E, NW = 4;
     const int head = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = head / (n_heads / n_kv);
     const int len = start + t + 1;
+    // A sliding-window layer sees the last `window` positions, in a ring of max_ctx rows.
+    const int lo = window > 0 ? max(0, len - window) : 0;
     const float* qr = q + ((size_t)t * n_heads + head) * HD;
     float qv[E], acc[E];
 #pragma unroll
@@ -104,8 +106,9 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
     const u16* K = kc + (size_t)kvh * max_ctx * HD;
     const u16* V = vc + (size_t)kvh * max_ctx * HD;
     float m = -INFINITY, l = 0.0f;
-    for (int j = warp; j < len; j += NW) {
-        const u16* kr = K + (size_t)j * HD;
+    for (int j = lo + warp; j < len; j += NW) {
+        const int row = j % max_ctx;
+        const u16* kr = K + (size_t)row * HD;
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) s += qv[e] * h2f(kr[lane + 32 * e]);
@@ -113,7 +116,7 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
         const float mn = fmaxf(m, s);
         const float corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
-        const u16* vr = V + (size_t)j * HD;
+        const u16* vr = V + (size_t)row * HD;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * h2f(vr[lane + 32 * e]);
         m = mn;
@@ -126,8 +129,8 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
 #pragma unroll
     for (int e = 0; e < E; ++e) so[warp][lane + 32 * e] = acc[e];
     __syncthreads();
-    // Warp 0 always saw position 0, so the overall maximum is finite; a warp that saw no
-    // position has m = -inf and weight 0.
+    // Warp 0 always saw the first position, so the overall maximum is finite; a warp that
+    // saw no position has m = -inf and weight 0.
     float mx = sm[0];
 #pragma unroll
     for (int w = 1; w < NW; ++w) mx = fmaxf(mx, sm[w]);
@@ -149,9 +152,9 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
 #define ATTN_PREFILL(E)                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                               \
         const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,        \
-        float scale) {                                                                                                 \
+        float scale, int window) {                                                                                     \
         grid_dependency_wait();                                                                                        \
-        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale);                                        \
+        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window);                                \
     }
 ATTN_PREFILL(1)
 ATTN_PREFILL(2)
@@ -162,12 +165,15 @@ ATTN_PREFILL(6)
 ATTN_PREFILL(7)
 ATTN_PREFILL(8)
 
-// y[t][i] (f16) = silu(gu[t][i]) · gu[t][ffn + i]: gate and up came out of one GEMM.
-extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __restrict__ y, int rows, int ffn) {
+// y[t][i] (f16) = act(gu[t][i]) · gu[t][ffn + i]: gate and up came out of one GEMM; act is
+// SiLU (SwiGLU) or, with `gelu`, tanh-approximated GELU (GeGLU).
+extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __restrict__ y, int rows, int ffn,
+                                           int gelu) {
     grid_dependency_wait();
     const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (size_t)rows * ffn) return;
     const size_t t = g / ffn, i = g % ffn;
     const float a = gu[t * 2 * ffn + i], b = gu[t * 2 * ffn + ffn + i];
-    y[g] = f2h(a / (1.0f + expf(-a)) * b);
+    y[g] = f2h(glu_act(a, gelu) * b);
 }
+

@@ -8,7 +8,8 @@
 // frequencies, computed on the host exactly as the CPU reference does (scaling and
 // per-pair factors included). The position is read from device memory so a captured graph
 // serves every step.
-// Cache layout: [n_kv][max_ctx][hd].
+// Cache layout: [n_kv][max_ctx][hd], position p in row p % max_ctx (a sliding-window
+// layer's cache is a ring shorter than the context; for the others the row is p).
 
 // One head of one token: `pos` its position; K and V go to the cache only when `write_kv`.
 static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qkv, float* __restrict__ q_out,
@@ -54,7 +55,7 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
         q_out[(size_t)head * hd + a] = xa;
         q_out[(size_t)head * hd + b] = xb;
     } else if (write_kv) {
-        const size_t off = ((size_t)kvh * max_ctx + pos) * hd;
+        const size_t off = ((size_t)kvh * max_ctx + pos % max_ctx) * hd;
         kc[off + a] = f2h(xa);
         kc[off + b] = f2h(xb);
         const float* v = qkv + (size_t)(n_heads + n_kv + kvh) * hd;

@@ -263,6 +263,7 @@ fn main() -> Result<()> {
                 max_ctx,
                 split,
                 scale: 1.0 / (hd as f32).sqrt(),
+                window: 0,
             };
             let g = dev.capture(|| {
                 for _ in 0..LAUNCHES_PER_GRAPH {

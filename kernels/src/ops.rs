@@ -144,6 +144,9 @@ pub struct Epilogue {
     /// May be the output itself (x += W·a).
     pub residual: Option<DevSlice<f32>>,
     pub quant: Option<QuantOut>,
+    /// SwiGLU mode only: GELU (tanh approximation) as the gate activation instead of SiLU
+    /// (GeGLU, Gemma's feed-forward).
+    pub gelu: bool,
 }
 
 /// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
@@ -435,7 +438,8 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.q.ptr()))
             .ptr(q.map_or(0, |q| q.q.lo.ptr()))
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
-            .ptr(q.map_or(0, |q| opt(q.norm_parts)));
+            .ptr(q.map_or(0, |q| opt(q.norm_parts)))
+            .i32(epi.gelu as i32);
         Ok((f, t.grid(w.rows, quantising), args))
     }
 
@@ -454,12 +458,13 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    /// y = row `*token` of `w`, dequantised (the embedding lookup; an id out of range
-    /// writes NaN), and optionally its quantised copy.
+    /// y = row `*token` of `w`, dequantised and times `scale` (the embedding lookup; an id
+    /// out of range writes NaN), and optionally its quantised copy.
     pub fn embed(
         &self,
         w: &DeviceWeight,
         token: DevSlice<i32>,
+        scale: f32,
         y: DevSlice<f32>,
         quant: Option<QuantOut>,
     ) -> Result<()> {
@@ -484,7 +489,8 @@ impl Kernels {
             .ptr(quant.map_or(0, |q| q.q.q.ptr()))
             .ptr(quant.map_or(0, |q| q.q.lo.ptr()))
             .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
-            .ptr(quant.map_or(0, |q| opt(q.norm_parts)));
+            .ptr(quant.map_or(0, |q| opt(q.norm_parts)))
+            .f32(scale);
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
         unsafe {
             self.device.launch(
@@ -495,8 +501,9 @@ impl Kernels {
         }
     }
 
-    /// y = silu(gate·x) ⊙ (up·x): the fused first half of a SwiGLU feed-forward, with an
-    /// optional quantised copy of y for the down projection.
+    /// y = act(gate·x) ⊙ (up·x): the fused first half of a gated feed-forward, act SiLU
+    /// (SwiGLU) or, with `gelu`, tanh-approximated GELU (GeGLU), with an optional quantised
+    /// copy of y for the down projection.
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
@@ -507,6 +514,7 @@ impl Kernels {
         tiling: GemvTiling,
         y: DevSlice<f32>,
         quant: Option<QuantOut>,
+        gelu: bool,
     ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
             return Err(invalid(format!(
@@ -516,6 +524,7 @@ impl Kernels {
         }
         let epi = Epilogue {
             quant,
+            gelu,
             ..Default::default()
         };
         let (f, cfg, mut args) =
@@ -524,7 +533,8 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`.
+    /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos` (in
+    /// row `*pos % max_ctx`: a sliding-window layer's cache is a ring of `max_ctx` rows).
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
@@ -566,8 +576,8 @@ impl Kernels {
         max_ctx.div_ceil(split)
     }
 
-    /// Decode attention of one query per head over positions `0..*len` of the cache, one
-    /// launch: split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
+    /// Decode attention of one query per head over positions `0..*len` of the cache (the last
+    /// `a.window` of them when set, in a ring of `a.max_ctx` rows), one launch: split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
     /// heads·splits pairs) and the last block of each head merges them into `out`, counted
     /// in `counters` (one per head, zero before the first launch, left zero). With `out_q8`
     /// the output is also written quantised.
@@ -781,9 +791,14 @@ pub struct RopeArgs {
 
 impl Args {
     /// The decode attention kernels' shape parameters, in their order: heads, KV heads,
-    /// context, split, scale.
+    /// cache rows, split, scale, window.
     pub(crate) fn attn(self, a: &AttnArgs) -> Args {
-        self.i32(a.n_heads as i32).i32(a.n_kv as i32).i32(a.max_ctx as i32).i32(a.split as i32).f32(a.scale)
+        self.i32(a.n_heads as i32)
+            .i32(a.n_kv as i32)
+            .i32(a.max_ctx as i32)
+            .i32(a.split as i32)
+            .f32(a.scale)
+            .i32(a.window as i32)
     }
 
     /// The rope kernels' shared parameters, in their order: heads, KV heads, head dim,
@@ -836,11 +851,15 @@ pub struct AttnArgs {
     pub n_heads: usize,
     pub n_kv: usize,
     pub head_dim: usize,
+    /// Cache rows per KV head: the context, or a sliding-window layer's ring.
     pub max_ctx: usize,
     /// Positions per split block.
     pub split: usize,
     /// Usually 1/sqrt(head_dim).
     pub scale: f32,
+    /// Positions a query attends to, its own included (0: all; a sliding-window layer's
+    /// window, which its ring of `max_ctx` rows must hold).
+    pub window: usize,
 }
 
 impl AttnArgs {
@@ -859,6 +878,12 @@ impl AttnArgs {
                 self.n_heads, self.n_kv, self.split
             )));
         }
+        if self.window > self.max_ctx || self.max_ctx > i32::MAX as usize {
+            return Err(invalid(format!(
+                "a window of {} positions in a cache of {} rows",
+                self.window, self.max_ctx
+            )));
+        }
         Ok(())
     }
 }
@@ -869,11 +894,26 @@ pub struct PrefillAttnArgs {
     pub n_heads: usize,
     pub n_kv: usize,
     pub head_dim: usize,
+    /// Cache rows per KV head: the context, or a sliding-window layer's ring.
     pub max_ctx: usize,
     /// Position of the chunk's first token (the sequence's length before it).
     pub start: usize,
     /// Usually 1/sqrt(head_dim).
     pub scale: f32,
+    /// Positions a query attends to, its own included (0: all); see [`AttnArgs::window`].
+    pub window: usize,
+}
+
+/// Whether `rows` consecutive positions from `start` fit a cache of `max_ctx` rows: below
+/// `max_ctx` for a full layer (`window` 0), or, for a sliding-window layer's ring, with the
+/// `window - 1` positions before the first of them still in place.
+fn positions_fit(rows: usize, start: usize, max_ctx: usize, window: usize) -> bool {
+    rows > 0
+        && match window {
+            0 => start + rows <= max_ctx,
+            // Positions that never wrap around the ring, or a wrap that spares the window.
+            w => start + rows <= max_ctx || rows + w - 1 <= max_ctx,
+        }
 }
 
 // Batched prefill: dequantisation to f16, and the per-token steps over the rows of a chunk.
@@ -885,6 +925,7 @@ impl Kernels {
         out_rows: usize,
         out_h: Option<DevSlice<u16>>,
         out_f: Option<DevSlice<f32>>,
+        scale: f32,
     ) -> Result<()> {
         let f = self
             .device
@@ -909,7 +950,8 @@ impl Kernels {
             .i32(w.rows as i32)
             .i32(w.row_len as i32)
             .ptr(opt(out_h))
-            .ptr(opt(out_f));
+            .ptr(opt(out_f))
+            .f32(scale);
         // SAFETY: the callers checked the outputs hold out_rows * row_len values; ids are
         // range-checked on the device.
         unsafe {
@@ -924,19 +966,20 @@ impl Kernels {
     /// The whole of `w` dequantised to f16, row-major `[rows][row_len]` (a GEMM operand).
     pub fn dequant_f16(&self, w: &DeviceWeight, out: DevSlice<u16>) -> Result<()> {
         out.check_len(w.rows * w.row_len, "dequantised weight")?;
-        self.dequant_launch(w, None, w.rows, Some(out), None)
+        self.dequant_launch(w, None, w.rows, Some(out), None, 1.0)
     }
 
-    /// Row `ids[r]` of `w` dequantised to f32 as row r of `out` (the embedding of a batch
-    /// of tokens; an id out of range gives a NaN row).
+    /// Row `ids[r]` of `w` dequantised to f32 and times `scale` as row r of `out` (the
+    /// embedding of a batch of tokens; an id out of range gives a NaN row).
     pub fn embed_rows(
         &self,
         w: &DeviceWeight,
         ids: DevSlice<i32>,
+        scale: f32,
         out: DevSlice<f32>,
     ) -> Result<()> {
         out.check_len(ids.len() * w.row_len, "embedding rows")?;
-        self.dequant_launch(w, Some(ids), ids.len(), None, Some(out))
+        self.dequant_launch(w, Some(ids), ids.len(), None, Some(out), scale)
     }
 
     /// For each of `rows` rows of `n` values: y (f16) = x · rsqrt(mean(x²) + eps) · w.
@@ -973,7 +1016,7 @@ impl Kernels {
 
     /// RoPE (after the optional QKV `bias`, and QK-norm when set) on `rows` fused QKV rows
     /// of tokens at positions `start..start + rows`; rotated Q to `q_out` (`[rows][q_dim]`),
-    /// K and V into the cache.
+    /// K and V into the cache of `max_ctx` rows (a ring for a layer with a `window`).
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv_rows(
         &self,
@@ -986,10 +1029,11 @@ impl Kernels {
         kc: DevSlice<u16>,
         vc: DevSlice<u16>,
         max_ctx: usize,
+        window: usize,
     ) -> Result<()> {
         a.check(kc, vc, max_ctx)?;
         let hd = a.head_dim;
-        if rows == 0 || start + rows > max_ctx {
+        if !positions_fit(rows, start, max_ctx, window) || start + rows > i32::MAX as usize {
             return Err(invalid(format!(
                 "{rows} positions from {start} in a context of {max_ctx}"
             )));
@@ -1046,10 +1090,10 @@ impl Kernels {
                 a.n_heads, a.n_kv
             )));
         }
-        if rows == 0 || a.start + rows > a.max_ctx {
+        if !positions_fit(rows, a.start, a.max_ctx, a.window) || a.start + rows > i32::MAX as usize {
             return Err(invalid(format!(
-                "{rows} queries from {} in a context of {}",
-                a.start, a.max_ctx
+                "{rows} queries from {} in a cache of {} rows (window {})",
+                a.start, a.max_ctx, a.window
             )));
         }
         q.check_len(rows * a.n_heads * hd, "attention Q rows")?;
@@ -1069,7 +1113,8 @@ impl Kernels {
             .i32(a.n_kv as i32)
             .i32(a.max_ctx as i32)
             .i32(a.start as i32)
-            .f32(a.scale);
+            .f32(a.scale)
+            .i32(a.window as i32);
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, rows as u32, 1),
             block: (128, 1, 1),
@@ -1079,13 +1124,15 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    /// y[t][i] (f16) = silu(gu[t][i]) · gu[t][ffn + i] for `rows` rows.
+    /// y[t][i] (f16) = act(gu[t][i]) · gu[t][ffn + i] for `rows` rows, act SiLU or (with
+    /// `gelu`) tanh-approximated GELU.
     pub fn swiglu_rows_f16(
         &self,
         gu: DevSlice<f32>,
         rows: usize,
         ffn: usize,
         y: DevSlice<u16>,
+        gelu: bool,
     ) -> Result<()> {
         gu.check_len(rows * 2 * ffn, "gate/up rows")?;
         y.check_len(rows * ffn, "SwiGLU rows")?;
@@ -1100,7 +1147,8 @@ impl Kernels {
             .ptr(gu.ptr())
             .ptr(y.ptr())
             .i32(rows as i32)
-            .i32(ffn as i32);
+            .i32(ffn as i32)
+            .i32(gelu as i32);
         // SAFETY: sizes checked above.
         unsafe {
             self.device.launch(
@@ -1108,6 +1156,39 @@ impl Kernels {
                 LaunchConfig::linear(n.div_ceil(256) as u32, 256),
                 &mut args,
             )
+        }
+    }
+
+    /// For each of `rows` rows of `n` values: x += y · rsqrt(mean(y²) + eps) · w (a norm on
+    /// a block's output before it joins the residual stream: Gemma's sandwich norms).
+    pub fn add_rmsnorm_rows(
+        &self,
+        y: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        w: DevSlice<f32>,
+        eps: f32,
+        x: DevSlice<f32>,
+    ) -> Result<()> {
+        if n == 0 || rows == 0 || n > i32::MAX as usize || rows > u32::MAX as usize {
+            return Err(invalid(format!("a norm over {rows}x{n}")));
+        }
+        y.check_len(rows * n, "normed block output")?;
+        w.check_len(n, "norm weight")?;
+        x.check_len(rows * n, "residual stream")?;
+        let f = self
+            .device
+            .function(&crate::compile::NORM, "add_rmsnorm_rows")?;
+        let mut args = Args::new()
+            .ptr(y.ptr())
+            .ptr(w.ptr())
+            .f32(eps)
+            .ptr(x.ptr())
+            .i32(n as i32);
+        // SAFETY: sizes checked above.
+        unsafe {
+            self.device
+                .launch(f, LaunchConfig::linear(rows as u32, 256), &mut args)
         }
     }
 }

@@ -182,6 +182,7 @@ fn gemv_every_type_path_and_shape_matches_reference() {
                 bias: Some(bd.slice()),
                 residual: Some(rd.slice()),
                 quant: None,
+                gelu: false,
             };
             g.k.gemv(&w, &input, GemvPath::Float, GemvTiling::new(4, 4), y.slice(), &epi)
                 .unwrap();
@@ -281,6 +282,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                         norm_w: Some(nod.slice()),
                         norm_parts: Some(parts_out.slice()),
                     }),
+                    gelu: false,
                 };
                 g.k.gemv(&w, &input, path, t, y.slice(), &epi).unwrap();
                 let got = y.to_host().unwrap();
@@ -299,6 +301,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 bias: Some(bd.slice()),
                 residual: Some(rd.slice()),
                 quant: None,
+                gelu: false,
             };
             g.k.gemv(&w, &input, path, GemvTiling::new(4, 2), y.slice(), &plain)
                 .unwrap();
@@ -377,7 +380,7 @@ fn swiglu_matches_reference() {
                     norm_w: None,
                     norm_parts: None,
                 });
-                g.k.swiglu(&gw, &uw, &input, path, t, y.slice(), quant)
+                g.k.swiglu(&gw, &uw, &input, path, t, y.slice(), quant, false)
                     .unwrap();
                 let got = y.to_host().unwrap();
                 if quantise {
@@ -492,7 +495,7 @@ fn rope_and_kv_write_match_reference() {
         let kn = random_vec(&mut rng, hd, 1.5);
         let (qkvd, qnd, knd) = (buf(&g.dev, &qkv), buf(&g.dev, &qn), buf(&g.dev, &kn));
         let q_out = poisoned(&g.dev, n_heads * hd);
-        let cache = KvCache::new(&g.dev, 1, 1, n_kv, hd, max_ctx).unwrap();
+        let cache = KvCache::new(&g.dev, 1, n_kv, hd, &[max_ctx]).unwrap();
         let (kc, vc) = cache.layer(0, 0).unwrap();
         let posd = buf(&g.dev, &[pos as i32]);
         let inv: Vec<f32> = (0..rot / 2)
@@ -602,6 +605,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 max_ctx,
                 split,
                 scale,
+                window: 0,
             };
             g.k.attention(
                 &a,
@@ -813,7 +817,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
             norm_w: Some(nwd.slice()),
             norm_parts: Some(parts.slice()),
         };
-        g.k.embed(&w, td.slice(), y.slice(), Some(quant)).unwrap();
+        g.k.embed(&w, td.slice(), 1.0, y.slice(), Some(quant)).unwrap();
         let rb = q.row_bytes(k).unwrap();
         let mut row = vec![0f32; k];
         kiln_core::quant::dequantize(q, &ggml[token * rb..(token + 1) * rb], &mut row).unwrap();
@@ -827,7 +831,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
         check_parts(&parts.to_host().unwrap(), &got, &format!("embed {q}"));
         // An id past the vocabulary poisons the output instead of reading out of bounds.
         let bad = buf(&g.dev, &[n as i32]);
-        g.k.embed(&w, bad.slice(), y.slice(), None).unwrap();
+        g.k.embed(&w, bad.slice(), 1.0, y.slice(), None).unwrap();
         assert!(
             y.to_host().unwrap().iter().all(|v| v.is_nan()),
             "embed {q}: out-of-range id"
@@ -865,7 +869,7 @@ fn prefill_dequantisers_match_reference() {
             let ids: Vec<i32> = vec![(n - 1) as i32, 0, (n / 2) as i32, n as i32];
             let idd = buf(&g.dev, &ids);
             let rows = poisoned(&g.dev, ids.len() * k);
-            g.k.embed_rows(&w, idd.slice(), rows.slice()).unwrap();
+            g.k.embed_rows(&w, idd.slice(), 1.0, rows.slice()).unwrap();
             let got = rows.to_host().unwrap();
             for (r, &id) in ids.iter().enumerate() {
                 let row = &got[r * k..(r + 1) * k];
@@ -1008,15 +1012,15 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         k_norm: None,
         eps: 1e-6,
     };
-    let attn = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split: 64, scale: 0.125 };
+    let attn = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split: 64, scale: 0.125, window: 0 };
     let width = (n_heads + 2 * n_kv) * hd;
     let qd = n_heads * hd;
     // Rows 0..3 real (slots 3, 0, 4 at positions 7, 150, 0), row 3 padding.
     let rows = 4;
     let (pos, slot) = ([7i32, 150, 0, -1], [3i32, 0, 4, 0]);
     let len: Vec<i32> = pos.iter().map(|&p| if p < 0 { 0 } else { p + 1 }).collect();
-    let batched = KvCache::new(&g.dev, slots, 1, n_kv, hd, max_ctx).unwrap();
-    let single = KvCache::new(&g.dev, slots, 1, n_kv, hd, max_ctx).unwrap();
+    let batched = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
+    let single = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
     // Fill the history of every slot identically in both caches.
     let history: Vec<u16> = (0..slots * n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
     let (bk, bv) = batched.layer_all(0).unwrap();
@@ -1029,7 +1033,7 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let (posd, lend, slotd) = (buf(&g.dev, &pos), buf(&g.dev, &len), buf(&g.dev, &slot));
     let br = BatchRows { rows, pos: posd.slice(), len: lend.slice(), slot: slotd.slice() };
     let q_b = poisoned(&g.dev, rows * qd);
-    let stride = batched.slot_stride();
+    let stride = batched.slot_stride(0);
     g.k.rope_kv_batch(&rope, qkvd.slice(), q_b.slice(), bk, bv, stride, &br, max_ctx).unwrap();
     let nsplit = Kernels::attention_splits(max_ctx, 64);
     let part_o = poisoned(&g.dev, rows * qd * nsplit);

@@ -89,11 +89,11 @@ fn compare_on(
 ) -> Outcome {
     let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
     let model = Model::open(path).unwrap();
-    let options = LoadOptions { max_context: 512, ..Default::default() };
+    let prompt = model.tokenizer.encode(prompt_text, model.tokenizer.add_bos_default(), false).unwrap();
+    let options = LoadOptions { max_context: (prompt.len() + STEPS + 1).max(512), ..Default::default() };
     let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
     let gpu_options = LoadOptions { quantized_activations: quantized, ..options };
     let mut gpu = cuda_backend.load(&model.ir, &gpu_options).unwrap();
-    let prompt = model.tokenizer.encode(prompt_text, model.tokenizer.add_bos_default(), false).unwrap();
     let vocab = model.ir.config.vocab_size;
     let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
     let (sc, sg) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
@@ -350,4 +350,87 @@ fn apr_models_on_both_gpu_executors() {
         compare_on("cuda-q4_0", Q4_0_BAR, &int4, prompt, true, false, true);
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Gemma 3 on both GPU executors (GeGLU, post-attention and post-MLP norms, the scaled
+/// embedding, QK-norm, heads of 256, and five sliding-window layers in six whose caches are
+/// rings of window + prefill chunk rows), on a synthetic file of the 270M shape: a short
+/// prompt, and one of about 1,150 tokens — past the 512-token window, through two prefill
+/// chunks and once around each ring — then 64 decode steps, against the CPU oracle (itself
+/// checked against transformers on the real model, tests/tests/gemma3.rs).
+const GEMMA3_BAR: Bar = Bar { min_cosine: 0.99999, tie_gap: 1e-3 };
+
+fn gemma3_parity(gpu: &str, recipe: Recipe) {
+    if backends_for(gpu).is_none() {
+        return;
+    }
+    let dir = scratch_dir();
+    let path = dir.join(format!("gemma3-270m.{}.gguf", recipe.name()));
+    synth_file(&path, SynthOptions { preset: Preset::Gemma3_270m, recipe, seed: 1 }, &no_progress).unwrap();
+    let short = "The quick brown fox jumps over the lazy dog";
+    // The synthetic tokenizer has no merges: a token per byte.
+    let long = format!("{short}. ").repeat(26);
+    for prompt in [short, long.as_str()] {
+        compare_on(gpu, GEMMA3_BAR, &path, prompt, true, false, true);
+    }
+    truncate_into_the_ring(gpu, &path, &long);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A truncation far back (1,150 tokens to 300) leaves the sliding-window layers' rings
+/// holding later positions: the executor must rebuild the window before the new end, so
+/// decoding from there matches the CPU oracle.
+fn truncate_into_the_ring(gpu: &str, path: &Path, text: &str) {
+    let (cpu_backend, cuda_backend) = backends_for(gpu).expect("checked by the caller");
+    let model = Model::open(path).unwrap();
+    let prompt = model.tokenizer.encode(text, true, false).unwrap();
+    let options = LoadOptions { max_context: 2048, ..Default::default() };
+    let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
+    let mut gpu_exec = cuda_backend.load(&model.ir, &options).unwrap();
+    let vocab = model.ir.config.vocab_size;
+    let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
+    let (sc, sg) = (cpu.new_sequence().unwrap(), gpu_exec.new_sequence().unwrap());
+    cpu.prefill(sc, &prompt, &mut lc).unwrap();
+    gpu_exec.prefill(sg, &prompt, &mut lg).unwrap();
+    cpu.truncate_sequence(sc, 300).unwrap();
+    gpu_exec.truncate_sequence(sg, 300).unwrap();
+    let mut worst = 1.0f64;
+    let mut token = prompt[300];
+    for step in 0..8 {
+        lg.fill(f32::NAN);
+        cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc).unwrap();
+        gpu_exec.decode(&[DecodeItem { seq: sg, token }], &mut lg).unwrap();
+        let cos = cosine(&lc, &lg);
+        worst = worst.min(cos);
+        assert!(cos >= GEMMA3_BAR.min_cosine, "{gpu}: step {step} after truncating into the ring: cosine {cos}");
+        token = argmax(&lc);
+    }
+    println!("{gpu}: gemma3 truncated from {} to 300 tokens, 8 steps after: min cosine {worst:.6}", prompt.len());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4k() {
+    gemma3_parity("cuda-q4k", Recipe::Q4_K_M);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
+    gemma3_parity("cuda-q4_0", Recipe::Q4_0);
+}
+
+/// The real Gemma 3 270M (when the device has it: KILN_GEMMA3_MODEL) on `cuda-q4k`, with a
+/// chat-length prompt and one past the window.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn real_gemma3_270m_matches_cpu() {
+    if backends().is_none() {
+        return;
+    }
+    let Some(path) = kiln_tests::gemma3_or_skip("real_gemma3_270m_matches_cpu") else { return };
+    let long = "In the beginning the Universe was created. This has made a lot of people very angry and been widely regarded as a bad move. ".repeat(12);
+    for prompt in ["The capital of France is", "def fibonacci(n):", long.as_str()] {
+        compare_on("cuda-q4k", GEMMA3_BAR, &path, prompt, true, false, true);
+    }
 }

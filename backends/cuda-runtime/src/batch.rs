@@ -89,11 +89,16 @@ impl BatchState {
         if let Err(why) = &exec.prefill {
             return Ok(Err(format!("no batched embedding lookup: {why}")));
         }
+        let c = &exec.config;
+        if c.sandwich_norms || c.sliding_window.is_some() || c.activation != kiln_core::Activation::Silu {
+            // Gemma's post-norms, GeGLU and sliding-window rings are in the one-sequence
+            // step and the cuBLAS prefill only.
+            return Ok(Err(format!("no batched step for {} yet", c.arch.name())));
+        }
         // Loaded with the model's other modules already (one parallel compile); this only
         // makes sure, as a graph capture cannot load them.
         let matmuls: Vec<_> = formats.iter().filter_map(|f| f.batched).collect();
         exec.k.preload_modules(&matmuls).map_err(err)?;
-        let c = &exec.config;
         // Buffers for the largest bucket the slots can fill or a short prompt needs, and at
         // least the eight rows a matmul takes.
         let rows = BUCKETS[bucket_of(slots.max(SHORT_PREFILL).min(Kernels::MAX_BATCH))].max(8);
@@ -222,13 +227,12 @@ impl GpuExecutor {
             slot: meta(3, rows)?,
         };
         let x = b.x.sub(0, bm * h)?;
-        let stride = self.kv.slot_stride();
         let none = BatchEpilogue::default();
         let residual = BatchEpilogue {
             bias: None,
             residual: Some(x),
         };
-        k.embed_rows(&self.embd, meta(0, bm)?, x)?;
+        k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
         for (li, l) in self.layers.iter().enumerate() {
             k.act_pack(x, bm, h, Some(l.attn_norm.slice()), Some(c.norm_eps), b.act)?;
             for p in &l.qkv {
@@ -243,9 +247,10 @@ impl GpuExecutor {
                 k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
             }
             let (kc, vc) = self.kv.layer_all(li)?;
+            let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
-            k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.max_ctx)?;
-            let attn = self.attn_args();
+            k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.kv.rows(li))?;
+            let attn = self.attn_args(li);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(&attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out)?;
@@ -287,8 +292,10 @@ impl GpuExecutor {
             meta[2 * n + i] = 0;
         }
         self.launch_bucket(bucket, &meta)?;
-        for slot in slots {
-            self.slots[slot].len += 1;
+        for (slot, it) in slots.into_iter().zip(items) {
+            let pos = self.slots[slot].len;
+            self.slots[slot].len = pos + 1;
+            self.slots[slot].record(pos, &[it.token]);
         }
         Ok(rows)
     }
@@ -334,6 +341,7 @@ impl GpuExecutor {
         }
         self.launch_bucket(bucket, &meta)?;
         self.slots[slot].len = start + n;
+        self.slots[slot].record(start, tokens);
         let vocab = self.config.vocab_size;
         let st = self.batch.as_ref().expect("launched above");
         st.b.logits.sub((n - 1) * vocab, vocab).map_err(err)

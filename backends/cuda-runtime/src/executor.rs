@@ -30,18 +30,11 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
     let name = policy.backend_name();
     let c = &model.config;
     c.validate().map_err(|e| e.to_string())?;
-    if c.sandwich_norms || c.sliding_window.is_some() || c.embedding_scale != 1.0 {
-        return Err(format!(
-            "{name} does not run {} yet (norms after attention and the MLP, a scaled embedding, \
-             sliding-window attention); the cpu backend does",
-            c.arch.name()
-        ));
-    }
     if c.norm != NormKind::Rms {
         return Err(format!("{name} runs RMSNorm models only"));
     }
-    if !c.gated_ffn || c.activation != Activation::Silu {
-        return Err(format!("{name} runs SwiGLU feed-forwards only"));
+    if !c.gated_ffn || !matches!(c.activation, Activation::Silu | Activation::Gelu) {
+        return Err(format!("{name} runs gated feed-forwards (SwiGLU, GeGLU) only"));
     }
     if c.parallel_residual {
         return Err(format!("{name} does not run parallel-residual blocks"));
@@ -65,6 +58,12 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
         if l.ffn_gate.is_none() || l.ffn_norm.is_none() {
             return Err(format!(
                 "layer {i}: {name} needs a gated FFN with its own norm"
+            ));
+        }
+        if c.sandwich_norms != (l.attn_post_norm.is_some() && l.ffn_post_norm.is_some()) {
+            return Err(format!(
+                "layer {i}: the post-attention and post-MLP norms must both be there exactly when \
+                 the model has sandwich norms"
             ));
         }
     }
@@ -144,10 +143,18 @@ struct Layer {
     q_norm: Option<DeviceBuffer<f32>>,
     k_norm: Option<DeviceBuffer<f32>>,
     o: DeviceWeight,
+    /// Gemma's sandwich norm on the attention output before it joins the residual.
+    attn_post_norm: Option<DeviceBuffer<f32>>,
     ffn_norm: DeviceBuffer<f32>,
     gate: DeviceWeight,
     up: DeviceWeight,
     down: DeviceWeight,
+    /// Gemma's sandwich norm on the MLP output before it joins the residual.
+    ffn_post_norm: Option<DeviceBuffer<f32>>,
+    /// Positions a query attends to (0: all; a sliding-window layer's window).
+    window: usize,
+    /// A sliding-window layer rotates with the local RoPE base.
+    local_rope: bool,
 }
 
 /// One sequence's step state (its KV cache is slot `i` of the executor's pool, `i` its
@@ -156,6 +163,17 @@ struct Slot {
     /// [token, position, context length, uniform (f32 bits)] read by the graph.
     state: DeviceBuffer<i32>,
     graph: Option<Graph>,
+    /// The tokens at positions 0..len (what a truncation recomputes sliding-window rings
+    /// from; see `truncate_sequence`).
+    tokens: Vec<u32>,
+}
+
+impl Slot {
+    /// Records `tokens` at positions `pos..` (forgetting any after them).
+    fn record(&mut self, pos: usize, tokens: &[u32]) {
+        self.tokens.truncate(pos);
+        self.tokens.extend_from_slice(tokens);
+    }
 }
 
 /// Activations of one step, carved from one workspace.
@@ -167,6 +185,8 @@ struct Scratch {
     xq: Q8Act,
     /// The attention output, quantised for the output projection.
     aq: Q8Act,
+    /// A block's output before its sandwich norm (models with post-norms).
+    proj: DevSlice<f32>,
     /// The SwiGLU output, quantised for the down projection.
     hq: Q8Act,
     /// For each RMSNorm of a step (two per layer, then the output norm), Σx² per 32-value
@@ -212,6 +232,8 @@ pub struct GpuExecutor {
     lm_head: Option<DeviceWeight>,
     out_norm: DeviceBuffer<f32>,
     inv_freq: DeviceBuffer<f32>,
+    /// The sliding-window layers' inverse frequencies (their own RoPE base), if any.
+    local_inv_freq: Option<DeviceBuffer<f32>>,
     layers: Vec<Layer>,
     slots: SequenceSlots<Slot>,
     /// Keys and values of every slot, `[slot][kv_head][position][head_dim]` per layer.
@@ -330,6 +352,10 @@ impl GpuExecutor {
             .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
             .collect();
         let inv_freq = upload_vec(&inv)?;
+        let local_inv_freq = match c.local_rope() {
+            Some(r) => Some(upload_vec(&(0..r.rotary_dims / 2).map(|i| r.inv_freq(i, None)).collect::<Vec<_>>())?),
+            None => None,
+        };
 
         let mut layers = Vec::with_capacity(w.layers.len());
         for (i, l) in w.layers.iter().enumerate() {
@@ -386,6 +412,13 @@ impl GpuExecutor {
             };
             let gate = l.ffn_gate.as_ref().expect("checked by check_model");
             let ffn_norm = l.ffn_norm.as_ref().expect("checked by check_model");
+            let post_norm = |t: &Option<TensorView>, what| -> Result<Option<DeviceBuffer<f32>>> {
+                match t {
+                    Some(t) => Ok(Some(upload_vec(&vector(t, h, what)?)?)),
+                    None => Ok(None),
+                }
+            };
+            let attention = c.layer_attention(i);
             let layer = Layer {
                 attn_norm: upload_vec(&vector(&l.attn_norm, h, "attention norm")?)?,
                 qkv,
@@ -393,10 +426,15 @@ impl GpuExecutor {
                 q_norm: head_norm(&l.attn_q_norm, "Q norm")?,
                 k_norm: head_norm(&l.attn_k_norm, "K norm")?,
                 o: upload(&l.attn_out, &mut progress)?,
+                attn_post_norm: post_norm(&l.attn_post_norm, "post-attention norm")?,
                 ffn_norm: upload_vec(&vector(ffn_norm, h, "FFN norm")?)?,
                 gate: upload(gate, &mut progress)?,
                 up: upload(&l.ffn_up, &mut progress)?,
                 down: upload(&l.ffn_down, &mut progress)?,
+                ffn_post_norm: post_norm(&l.ffn_post_norm, "post-MLP norm")?,
+                // A window as long as the context never binds: a full layer.
+                window: attention.window.filter(|&w| w < max_ctx).unwrap_or(0),
+                local_rope: attention.local_rope,
             };
             let shapes_ok = layer.o.row_len == qd
                 && layer.o.rows == h
@@ -455,6 +493,7 @@ impl GpuExecutor {
             token_out: a.take(1),
             xq: planes(a, h),
             aq: planes(a, qd),
+            proj: a.take(h),
             hq: planes(a, ffn),
         })
         .map_err(err)?;
@@ -478,10 +517,19 @@ impl GpuExecutor {
             slots.push(Slot {
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
                 graph: None,
+                tokens: Vec::new(),
             });
         }
-        let kv = KvCache::new(device, options.sequences(), c.num_layers, c.num_kv_heads, hd, max_ctx)
-            .map_err(err)?;
+        // A sliding-window layer keeps a ring of its window plus one prefill chunk (the
+        // chunk's queries need the window before each of them).
+        let kv_rows: Vec<usize> = layers
+            .iter()
+            .map(|l| match l.window {
+                0 => max_ctx,
+                w => (w + prefill::CHUNK - 1).min(max_ctx),
+            })
+            .collect();
+        let kv = KvCache::new(device, options.sequences(), c.num_kv_heads, hd, &kv_rows).map_err(err)?;
         Ok(GpuExecutor {
             device: device.clone(),
             policy,
@@ -497,6 +545,7 @@ impl GpuExecutor {
             lm_head,
             out_norm,
             inv_freq,
+            local_inv_freq,
             layers,
             slots: SequenceSlots::new(slots),
             kv,
@@ -576,28 +625,34 @@ impl GpuExecutor {
         }
     }
 
-    /// Decode attention's shape, shared by the one-sequence and the batched step.
-    fn attn_args(&self) -> AttnArgs {
+    /// Decode attention's shape for layer `li`, shared by the one-sequence and the batched
+    /// step.
+    fn attn_args(&self, li: usize) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
-            max_ctx: self.max_ctx,
+            max_ctx: self.kv.rows(li),
             split: self.split,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
+            window: self.layers[li].window,
         }
     }
 
     /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
     fn rope_args(&self, l: &Layer) -> RopeArgs {
         let c = &self.config;
+        let inv_freq = match (&self.local_inv_freq, l.local_rope) {
+            (Some(local), true) => local,
+            _ => &self.inv_freq,
+        };
         RopeArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
             rot_dims: c.rope.rotary_dims,
-            inv_freq: self.inv_freq.slice(),
+            inv_freq: inv_freq.slice(),
             neox: c.rope.kind == RopeKind::Neox,
             q_norm: l.q_norm.as_ref().map(|b| b.slice()),
             k_norm: l.k_norm.as_ref().map(|b| b.slice()),
@@ -640,7 +695,8 @@ impl GpuExecutor {
             q8: Some(q),
             norm,
         };
-        k.embed(&self.embd, token, s.x, Some(stream_out(&self.layers[0].attn_norm, 0)?))?;
+        let gelu = c.activation == Activation::Gelu;
+        k.embed(&self.embd, token, c.embedding_scale, s.x, Some(stream_out(&self.layers[0].attn_norm, 0)?))?;
         for (li, l) in self.layers.iter().enumerate() {
             let attn_input = from(s.xq, Some(norm(2 * li)?));
             for p in &l.qkv {
@@ -663,8 +719,8 @@ impl GpuExecutor {
             }
             let (kc, vc) = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
-            k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.max_ctx)?;
-            let attn = self.attn_args();
+            k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.kv.rows(li))?;
+            let attn = self.attn_args(li);
             k.attention(
                 &attn,
                 s.q,
@@ -677,7 +733,7 @@ impl GpuExecutor {
                 s.attn,
                 Some(s.aq),
             )?;
-            self.residual_gemv(&l.o, s.aq, stream_out(&l.ffn_norm, 2 * li + 1)?)?;
+            self.residual_gemv(&l.o, s.aq, l.attn_post_norm.as_ref(), stream_out(&l.ffn_norm, 2 * li + 1)?)?;
             let hq = QuantOut {
                 q: s.hq,
                 norm_w: None,
@@ -686,17 +742,17 @@ impl GpuExecutor {
             let ffn_input = from(s.xq, Some(norm(2 * li + 1)?));
             if l.gate.bytes() + l.up.bytes() <= self.fuse_limit {
                 let t = self.quant_tiling_of(&l.gate);
-                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, Some(hq))?;
+                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, Some(hq), gelu)?;
             } else {
                 let t = self.tiling(&l.gate);
-                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None)?;
+                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None, gelu)?;
                 k.quantize(s.ffn, c.ffn_size, &hq)?;
             }
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => &next.attn_norm,
                 None => &self.out_norm,
             };
-            self.residual_gemv(&l.down, s.hq, stream_out(next_norm, 2 * li + 2)?)?;
+            self.residual_gemv(&l.down, s.hq, l.ffn_post_norm.as_ref(), stream_out(next_norm, 2 * li + 2)?)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let head_input = from(s.xq, Some(norm(2 * c.num_layers)?));
@@ -710,15 +766,28 @@ impl GpuExecutor {
         )
     }
 
-    /// x += W·a for the residual stream `x`, then `out` gets x quantised for the next GEMV:
-    /// in the GEMV's epilogue, or by a launch of its own for large weights (`fuse_limit`).
-    fn residual_gemv(&self, w: &DeviceWeight, a: Q8Act, out: QuantOut) -> kiln_kernels::Result<()> {
+    /// x += W·a for the residual stream `x` (x += norm(W·a) with a sandwich norm
+    /// `post_norm`), then `out` gets x quantised for the next GEMV: in the GEMV's epilogue,
+    /// or by a launch of its own for large weights (`fuse_limit`) and after a post-norm.
+    fn residual_gemv(
+        &self,
+        w: &DeviceWeight,
+        a: Q8Act,
+        post_norm: Option<&DeviceBuffer<f32>>,
+        out: QuantOut,
+    ) -> kiln_kernels::Result<()> {
         let (k, s) = (&self.k, &self.s);
         let input = GemvInput {
             x: None,
             q8: Some(a),
             norm: None,
         };
+        if let Some(post) = post_norm {
+            let h = self.config.hidden_size;
+            k.gemv(w, &input, self.path, self.tiling(w), s.proj, &Epilogue::default())?;
+            k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
+            return k.quantize(s.x, h, &out);
+        }
         let fused = w.bytes() <= self.fuse_limit;
         let epi = Epilogue {
             residual: Some(s.x),
@@ -823,6 +892,7 @@ impl GpuExecutor {
             .launch()
             .map_err(err)?;
         self.slots[slot].len = pos + 1;
+        self.slots[slot].record(pos, &[token]);
         Ok(())
     }
 
@@ -866,8 +936,32 @@ impl LayerExecutor for GpuExecutor {
     }
 
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        // Attention reads only positions below the length; later ones are overwritten.
-        self.slots.truncate(seq, len)
+        // Attention reads only positions below the length; later ones are overwritten. A
+        // sliding-window layer's ring, though, may have overwritten the window before
+        // `len` with positions past it: those are recomputed from the slot's tokens.
+        let slot = self.slot_of(seq)?;
+        let old = self.slots[slot].len;
+        self.slots.truncate(seq, len)?;
+        let clobbered = self.layers.iter().enumerate().any(|(li, l)| {
+            l.window > 0 && self.kv.rows(li) < self.max_ctx && old - len > self.kv.rows(li) - l.window
+        });
+        if clobbered {
+            let window = self.layers.iter().map(|l| l.window).max().unwrap_or(0);
+            let start = len.saturating_sub(window - 1);
+            let tokens = self.slots[slot].tokens[start..len].to_vec();
+            self.slots[slot].len = start;
+            if tokens.is_empty() {
+                return Ok(());
+            }
+            if self.prefill.is_ok() {
+                self.prefill_batched(slot, &tokens, false)?;
+            } else {
+                for &t in &tokens {
+                    self.step(slot, t, 0.0)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {

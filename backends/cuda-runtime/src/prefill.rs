@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use kiln_core::{Error, ModelConfig, Result};
+use kiln_core::{Activation, Error, ModelConfig, Result};
 use kiln_kernels::{
     Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace,
 };
@@ -36,6 +36,8 @@ struct PrefillBuffers {
     q: DevSlice<f32>,
     /// Gate and up outputs side by side, `[chunk][2 * ffn]`.
     gu: DevSlice<f32>,
+    /// A block's output before its sandwich norm, `[chunk][hidden]`.
+    proj: DevSlice<f32>,
     /// One weight matrix (or Q/K/V, or gate and up, stacked) in f16.
     wbuf: DevSlice<u16>,
 }
@@ -68,6 +70,7 @@ impl PrefillState {
             qkv: a.take(chunk * width),
             q: a.take(chunk * qd),
             gu: a.take(chunk * 2 * ffn),
+            proj: a.take(chunk * h),
             wbuf: a.take(wmax),
         })?;
         let s = PrefillState {
@@ -187,7 +190,7 @@ impl GpuExecutor {
             ids_dev.copy_from_host(&self.device, &ids)?;
             Timer::mark(&mut timer, Part::Other)?;
             let x = p.b.x.sub(0, n * h)?;
-            k.embed_rows(&self.embd, ids_dev, x)?;
+            k.embed_rows(&self.embd, ids_dev, self.config.embedding_scale, x)?;
             for (li, l) in self.layers.iter().enumerate() {
                 self.prefill_layer(p, l, li, slot, n, pos0, &mut timer)?;
             }
@@ -223,6 +226,7 @@ impl GpuExecutor {
             None => None,
         };
         self.slots[slot].len = start + tokens.len();
+        self.slots[slot].record(start, tokens);
         Ok(times)
     }
 
@@ -261,22 +265,23 @@ impl GpuExecutor {
         let rope = self.rope_args(l);
         let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
-        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, self.max_ctx)?;
+        let rows = self.kv.rows(li);
+        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, rows, l.window)?;
         let attn = p.b.act.sub(0, n * qd)?;
         let args = PrefillAttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: hd,
-            max_ctx: self.max_ctx,
+            max_ctx: rows,
             start: pos0,
             scale: 1.0 / (hd as f32).sqrt(),
+            window: l.window,
         };
         k.attention_prefill(&args, n, q, kc, vc, attn)?;
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        p.blas
-            .gemm_f16_f32(p.b.wbuf.sub(0, h * qd)?, h, attn, n, qd, x, h, 1.0)?;
+        self.residual_gemm(p, l.attn_post_norm.as_ref(), h * qd, attn, n, qd, timer)?;
 
         // Feed-forward block.
         Timer::mark(timer, Part::Other)?;
@@ -298,12 +303,39 @@ impl GpuExecutor {
         )?;
         Timer::mark(timer, Part::Other)?;
         let act = p.b.act.sub(0, n * ffn)?;
-        k.swiglu_rows_f16(gu, n, ffn, act)?;
+        k.swiglu_rows_f16(gu, n, ffn, act, c.activation == Activation::Gelu)?;
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        p.blas
-            .gemm_f16_f32(p.b.wbuf.sub(0, h * ffn)?, h, act, n, ffn, x, h, 1.0)?;
+        self.residual_gemm(p, l.ffn_post_norm.as_ref(), h * ffn, act, n, ffn, timer)
+    }
+
+    /// x += W·a for the chunk's `n` rows (W the f16 weight of `len` values in the weight
+    /// buffer, `k` values per row): straight into the residual stream with β = 1, or,
+    /// with a sandwich norm `post_norm`, into a scratch buffer that is normed and then added.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_gemm(
+        &self,
+        p: &PrefillState,
+        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
+        len: usize,
+        a: DevSlice<u16>,
+        n: usize,
+        k: usize,
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let h = self.config.hidden_size;
+        let x = p.b.x.sub(0, n * h)?;
+        let w = p.b.wbuf.sub(0, len)?;
+        match post_norm {
+            None => p.blas.gemm_f16_f32(w, h, a, n, k, x, h, 1.0)?,
+            Some(post) => {
+                let y = p.b.proj.sub(0, n * h)?;
+                p.blas.gemm_f16_f32(w, h, a, n, k, y, h, 0.0)?;
+                Timer::mark(timer, Part::Other)?;
+                self.k.add_rmsnorm_rows(y, n, h, post.slice(), self.config.norm_eps, x)?;
+            }
+        }
         Ok(())
     }
 }
