@@ -23,7 +23,8 @@
 #                            is recorded in the table and the script exits 1 at the end.
 #                            KILN=.gpu/kiln picks the kiln binary, KILN_BENCH_ARGS adds flags to
 #                            it (e.g. "--backend cuda-q4_0"); PP=512 TG=128 REPS=5 NGL=99 change
-#                            the test; LLAMA_BENCH_ARGS adds flags to llama-bench (e.g. "-fa on").
+#                            the test; LLAMA_BENCH_ARGS adds flags to llama-bench (e.g. "-fa on");
+#                            DEPTH=4096 runs both at that depth of context (-d: "pp512 @ d4096").
 #                            BATCHED=1 adds `llama-batched-bench -fa on -npp 128 -ntg 128
 #                            -npl 1,4,8,16,32,64 -c 16384` beside `kiln bench --batch
 #                            1,4,8,16,32,64 -p 128 -n 128` (S_PP and S_TG per batch size, with
@@ -282,7 +283,7 @@ run)
     kiln=${KILN:-.gpu/kiln}
     llama_bench=${LLAMA_BENCH:-$bin_dir/llama-bench}
     batched_bench=${LLAMA_BATCHED_BENCH:-$bin_dir/llama-batched-bench}
-    pp=${PP:-512} tg=${TG:-128} reps=${REPS:-5} ngl=${NGL:-99}
+    pp=${PP:-512} tg=${TG:-128} reps=${REPS:-5} ngl=${NGL:-99} depth=${DEPTH:-0}
     read -r -a kiln_args <<<"${KILN_BENCH_ARGS:-}"
     read -r -a llama_args <<<"${LLAMA_BENCH_ARGS:-}"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv >"$out/nvidia-smi.txt" 2>&1 || true
@@ -293,10 +294,10 @@ run)
         tag=$out/$i-$(basename "$m")
         echo "== $m" >&2
         llama_rc=0
-        "$llama_bench" -m "$m" -p "$pp" -n "$tg" -r "$reps" -ngl "$ngl" -o json ${llama_args[@]+"${llama_args[@]}"} \
+        "$llama_bench" -m "$m" -p "$pp" -n "$tg" -d "$depth" -r "$reps" -ngl "$ngl" -o json ${llama_args[@]+"${llama_args[@]}"} \
             >"$tag.llamacpp.json" 2>"$tag.llamacpp.err" || llama_rc=$?
         kiln_rc=0
-        "$kiln" bench -m "$m" -p "$pp" -n "$tg" -r "$reps" --output json ${kiln_args[@]+"${kiln_args[@]}"} \
+        "$kiln" bench -m "$m" -p "$pp" -n "$tg" -d "$depth" -r "$reps" --output json ${kiln_args[@]+"${kiln_args[@]}"} \
             >"$tag.kiln.json" 2>"$tag.kiln.err" || kiln_rc=$?
         batched_rc=-
         if [ "${BATCHED:-0}" = 1 ]; then

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use kiln_core::{DecodeItem, LayerExecutor, Result, Rng, Sampler, SamplingParams};
+use kiln_core::{DecodeItem, LayerExecutor, Result, Rng, Sampler, SamplingParams, SeqId};
 
 /// mean and standard deviation of tokens/s over the repeats.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -28,30 +28,57 @@ fn random_tokens(n: usize, vocab: usize, rng: &mut Rng) -> Vec<u32> {
     (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
 }
 
-/// Prefill of `tokens` random tokens into a fresh sequence; one warm-up, then `repeats`.
-pub fn bench_prefill(exec: &mut dyn LayerExecutor, tokens: usize, repeats: usize) -> Result<Throughput> {
+/// The test's name as llama-bench prints it: `pp512`, or `pp512 @ d4096` after `depth`
+/// tokens of context.
+fn test_name(kind: &str, tokens: usize, depth: usize) -> String {
+    match depth {
+        0 => format!("{kind}{tokens}"),
+        d => format!("{kind}{tokens} @ d{d}"),
+    }
+}
+
+/// Fills `seq` with `depth` random tokens of context (untimed; `llama-bench -d`), in
+/// prefills of at most 4,096 tokens.
+fn fill_context(exec: &mut dyn LayerExecutor, seq: SeqId, depth: usize, rng: &mut Rng, logits: &mut [f32]) -> Result<()> {
+    let vocab = exec.config().vocab_size;
+    let mut left = depth;
+    while left > 0 {
+        let n = left.min(4096);
+        exec.prefill(seq, &random_tokens(n, vocab, rng), logits)?;
+        left -= n;
+    }
+    Ok(())
+}
+
+/// Prefill of `tokens` random tokens into a fresh sequence holding `depth` tokens of
+/// context already; one warm-up, then `repeats`.
+pub fn bench_prefill(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, repeats: usize) -> Result<Throughput> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(42);
     let mut logits = vec![0.0f32; vocab];
     let mut samples = Vec::new();
     for i in 0..=repeats {
-        let prompt = random_tokens(tokens, vocab, &mut rng);
         let seq = exec.new_sequence()?;
-        let start = Instant::now();
-        let result = exec.prefill(seq, &prompt, &mut logits);
-        let secs = start.elapsed().as_secs_f64();
+        let run = |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
+            fill_context(exec, seq, depth, rng, logits)?;
+            let prompt = random_tokens(tokens, vocab, rng);
+            let start = Instant::now();
+            exec.prefill(seq, &prompt, logits)?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        let result = run(exec, &mut logits, &mut rng);
         exec.free_sequence(seq)?;
-        result?;
+        let secs = result?;
         if i > 0 {
             samples.push(tokens as f64 / secs);
         }
     }
-    Ok(Throughput::from_samples(format!("pp{tokens}"), tokens, samples))
+    Ok(Throughput::from_samples(test_name("pp", tokens, depth), tokens, samples))
 }
 
-/// Greedy generation of `tokens` tokens after a one-token prompt, sampling on the
-/// backend; one warm-up, then `repeats`.
-pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, repeats: usize) -> Result<Throughput> {
+/// Greedy generation of `tokens` tokens after a one-token prompt (after `depth` tokens of
+/// context when set), sampling on the backend; one warm-up, then `repeats`.
+pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, repeats: usize) -> Result<Throughput> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(7);
     let mut logits = vec![0.0f32; vocab];
@@ -59,6 +86,7 @@ pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, repeats: usize)
     for i in 0..=repeats {
         let seq = exec.new_sequence()?;
         let run = |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
+            fill_context(exec, seq, depth, rng, logits)?;
             let first = random_tokens(1, vocab, rng);
             exec.prefill(seq, &first, logits)?;
             let mut sampler = Sampler::new(SamplingParams::greedy());
@@ -77,7 +105,7 @@ pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, repeats: usize)
             samples.push(tokens as f64 / secs);
         }
     }
-    Ok(Throughput::from_samples(format!("tg{tokens}"), tokens, samples))
+    Ok(Throughput::from_samples(test_name("tg", tokens, depth), tokens, samples))
 }
 
 /// A short request's latency in a warm process, medians over the repeats (after one

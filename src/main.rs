@@ -201,6 +201,10 @@ struct BenchArgs {
     /// Repetitions (after one warm-up).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     repetitions: usize,
+    /// Tokens of context already in the sequence before each test (llama-bench's -d): pp
+    /// and tg measured at that depth. Without -c, the context is sized to fit.
+    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
+    n_depth: usize,
     #[arg(short = 'o', long = "output", value_enum, default_value_t = BenchFormat::Md)]
     output: BenchFormat,
     /// Batch sizes for a llama-batched-bench style table instead (e.g. 1,4,8,16,32,64):
@@ -592,9 +596,13 @@ fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
 /// The prompt length of `kiln bench`'s first-token latency.
 const FIRST_TOKEN_PROMPT: usize = 5;
 
-fn cmd_bench(args: BenchArgs) -> Result<()> {
+fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     if !args.batch.is_empty() {
         return cmd_bench_batched(args);
+    }
+    let depth = args.n_depth;
+    if depth > 0 && args.model.ctx_size == 0 {
+        args.model.ctx_size = depth + args.n_prompt.max(args.n_gen + 1);
     }
     let mut engine = load_engine(&args.model)?;
     let backend = match args.model.quantized_activations {
@@ -607,13 +615,13 @@ fn cmd_bench(args: BenchArgs) -> Result<()> {
     let exec = engine.executor();
     let mut results = Vec::new();
     if args.n_prompt > 0 {
-        results.push(bench_prefill(exec, args.n_prompt, args.repetitions.max(1))?);
+        results.push(bench_prefill(exec, args.n_prompt, depth, args.repetitions.max(1))?);
     }
     if args.n_gen > 0 {
-        results.push(bench_decode(exec, args.n_gen, args.repetitions.max(1))?);
+        results.push(bench_decode(exec, args.n_gen, depth, args.repetitions.max(1))?);
     }
     // A short request's latency beside the throughputs (what `kiln serve` users feel).
-    let first_token = if args.n_prompt > 0 && args.n_gen > 0 && exec.max_context() > FIRST_TOKEN_PROMPT {
+    let first_token = if depth == 0 && args.n_prompt > 0 && args.n_gen > 0 && exec.max_context() > FIRST_TOKEN_PROMPT {
         Some(bench_first_token(exec, FIRST_TOKEN_PROMPT, args.repetitions.max(1))?)
     } else {
         None

@@ -159,3 +159,20 @@ fn warmup_loads_and_says_ready() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("kiln: ready on cpu: loaded in"), "{}", stderr(&out));
 }
+
+#[test]
+fn bench_at_a_depth_of_context_names_its_tests_like_llama_bench() {
+    let Some(model) = smollm2_or_skip("bench_at_a_depth_of_context_names_its_tests_like_llama_bench") else { return };
+    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", "200", "-o", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    let tests: Vec<&str> = v["results"].as_array().unwrap().iter().map(|r| r["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["pp16 @ d200", "tg4 @ d200"], "{v}");
+    for r in v["results"].as_array().unwrap() {
+        assert!(r["mean_tps"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // The context is sized to fit the depth: 200 + 16 > the 128 an explicit -c allows.
+    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", "200", "-c", "128"]);
+    assert!(!out.status.success(), "a depth past the context must fail: {}", stdout(&out));
+    assert!(stderr(&out).contains("exceed the context of 128"), "{}", stderr(&out));
+}
