@@ -70,6 +70,15 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// rsqrt(mean(x²) + eps) of the n values of one row, computed by the whole block (every
+// thread gets it); `scratch` holds 32 floats of shared memory.
+static __device__ __forceinline__ float row_rms_scale(const float* x, int n, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, scratch);
+    return rsqrtf(ss / (float)n + eps);
+}
+
 // Programmatic dependent launch (sm_90+). kiln launches every kernel with the
 // programmatic-serialization attribute, so a kernel may be scheduled while the one before it
 // on the stream is still finishing; this wait, the first statement of every kernel, blocks

@@ -131,9 +131,6 @@ extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ y, const f
     const size_t row = blockIdx.x;
     y += row * n;
     x += row * n;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += y[i] * y[i];
-    ss = block_sum(ss, scratch);
-    const float scale = rsqrtf(ss / (float)n + eps);
+    const float scale = row_rms_scale(y, n, eps, scratch);
     for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] += y[i] * scale * w[i];
 }

@@ -11,10 +11,7 @@ extern "C" __global__ void rmsnorm_rows_f16(const float* __restrict__ x, const f
     const size_t row = blockIdx.x;
     x += row * n;
     y += row * n;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
-    const float scale = rsqrtf(ss / (float)n + eps);
+    const float scale = row_rms_scale(x, n, eps, scratch);
     for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = f2h(x[i] * scale * w[i]);
 }
 
