@@ -287,6 +287,22 @@ impl LayerAttention {
     pub fn first_position(&self, pos: usize) -> usize {
         self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
     }
+
+    /// Whether cutting a sequence from `old` positions back to `len` loses cache rows the
+    /// next token attends to, when this layer keeps its positions in a ring of `rows` rows
+    /// (position p in row p % rows): the ring has overwritten position q once
+    /// q + rows < old, and the next token reads the window before `len`. A layer that keeps
+    /// every position never loses one. What was lost depends on every earlier position
+    /// through the layers below, so a backend runs the kept prefix again.
+    pub fn truncation_loses_rows(&self, rows: usize, old: usize, len: usize) -> bool {
+        match self.window {
+            Some(w) => {
+                let needed = (len + 1).saturating_sub(w);
+                len > needed && needed + rows < old
+            }
+            None => false,
+        }
+    }
 }
 
 impl ModelConfig {

@@ -110,15 +110,9 @@ impl KvLayout {
     }
 
     /// Whether cutting a sequence from `old` positions to `len` loses rows a later token
-    /// attends to: a windowed layer's ring has overwritten position q once q + rows < old.
+    /// attends to (see [`kiln_core::LayerAttention::truncation_loses_rows`]).
     fn truncation_loses_rows(&self, c: &ModelConfig, old: usize, len: usize) -> bool {
-        (0..c.num_layers).any(|l| match c.layer_attention(l).window {
-            Some(w) => {
-                let needed = (len + 1).saturating_sub(w);
-                len > needed && needed + self.rows[l] < old
-            }
-            None => false,
-        })
+        (0..c.num_layers).any(|l| c.layer_attention(l).truncation_loses_rows(self.rows[l], old, len))
     }
 }
 

@@ -938,21 +938,16 @@ impl LayerExecutor for GpuExecutor {
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
         // Attention reads only positions below the length; later ones are overwritten. A
         // sliding-window layer's ring, though, may have overwritten the window before
-        // `len` with positions past it: those are recomputed from the slot's tokens.
+        // `len` with positions past it: then the kept prefix runs again from the slot's
+        // tokens (what was lost depends on every position before it).
         let slot = self.slot_of(seq)?;
         let old = self.slots[slot].len;
         self.slots.truncate(seq, len)?;
-        let clobbered = self.layers.iter().enumerate().any(|(li, l)| {
-            l.window > 0 && self.kv.rows(li) < self.max_ctx && old - len > self.kv.rows(li) - l.window
-        });
-        if clobbered {
-            let window = self.layers.iter().map(|l| l.window).max().unwrap_or(0);
-            let start = len.saturating_sub(window - 1);
-            let tokens = self.slots[slot].tokens[start..len].to_vec();
-            self.slots[slot].len = start;
-            if tokens.is_empty() {
-                return Ok(());
-            }
+        let c = &self.config;
+        let lost = (0..self.layers.len()).any(|li| c.layer_attention(li).truncation_loses_rows(self.kv.rows(li), old, len));
+        if lost {
+            let tokens = self.slots[slot].tokens[..len].to_vec();
+            self.slots[slot].len = 0;
             if self.prefill.is_ok() {
                 self.prefill_batched(slot, &tokens, false)?;
             } else {
