@@ -15,11 +15,8 @@ use crate::error::{KernelError, Result};
 
 pub struct KvCache {
     pub slots: usize,
-    pub layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// The longest any layer keeps (the context).
-    pub max_ctx: usize,
     /// Positions each layer keeps per KV head and slot.
     rows: Vec<usize>,
     k: Vec<DeviceBuffer<u16>>,
@@ -36,7 +33,6 @@ impl KvCache {
         head_dim: usize,
         rows: &[usize],
     ) -> Result<Self> {
-        let max_ctx = rows.iter().copied().max().unwrap_or(0);
         if slots == 0 || rows.is_empty() || kv_heads == 0 || head_dim == 0 || rows.contains(&0) {
             return Err(KernelError::InvalidArgument(
                 "KV cache with a zero dimension".into(),
@@ -55,25 +51,28 @@ impl KvCache {
         }
         Ok(KvCache {
             slots,
-            layers: rows.len(),
             kv_heads,
             head_dim,
-            max_ctx,
             rows: rows.to_vec(),
             k,
             v,
         })
     }
 
+    /// Layers the cache holds.
+    pub fn layers(&self) -> usize {
+        self.rows.len()
+    }
+
     /// Bytes the cache occupies on the device.
     pub fn bytes(&self) -> usize {
-        (0..self.layers).map(|l| 2 * self.slots * self.slot_stride(l) * 2).sum()
+        (0..self.layers()).map(|l| 2 * self.slots * self.slot_stride(l) * 2).sum()
     }
 
     /// Bytes of K and V one token of context takes over all layers (while a sliding-window
     /// layer's ring is filling; past it, only the full layers grow).
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.head_dim * 2
+        2 * self.layers() * self.kv_heads * self.head_dim * 2
     }
 
     /// Positions `layer` keeps per KV head and slot (0 for a layer out of range).
@@ -105,7 +104,7 @@ impl KvCache {
             (Some(k), Some(v)) => Ok((k.slice(), v.slice())),
             _ => Err(KernelError::InvalidArgument(format!(
                 "layer {layer} of a {}-layer cache",
-                self.layers
+                self.layers()
             ))),
         }
     }

@@ -576,8 +576,9 @@ impl Kernels {
         max_ctx.div_ceil(split)
     }
 
-    /// Decode attention of one query per head over positions `0..*len` of the cache (the last
-    /// `a.window` of them when set, in a ring of `a.max_ctx` rows), one launch: split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
+    /// Decode attention of one query per head over positions `0..*len` of the cache (the
+    /// last `a.window` of them when set, in a ring of `a.max_ctx` rows), one launch:
+    /// split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
     /// heads·splits pairs) and the last block of each head merges them into `out`, counted
     /// in `counters` (one per head, zero before the first launch, left zero). With `out_q8`
     /// the output is also written quantised.

@@ -101,7 +101,7 @@ impl BatchState {
         exec.k.preload_modules(&matmuls).map_err(err)?;
         // Buffers for the largest bucket the slots can fill or a short prompt needs, and at
         // least the eight rows a matmul takes.
-        let rows = BUCKETS[bucket_of(slots.max(SHORT_PREFILL).min(Kernels::MAX_BATCH))].max(8);
+        let rows = BUCKETS[bucket_of(slots.clamp(SHORT_PREFILL, Kernels::MAX_BATCH))].max(8);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let vocab = c.vocab_size;
         let widest = h.max(qd).max(ffn);
@@ -162,7 +162,14 @@ impl BatchState {
     }
 }
 
-/// The bucket a batch of `n` rows runs in.
+/// One row of a batched step: `token` at position `pos` of cache slot `slot`.
+struct StepRow {
+    token: u32,
+    pos: usize,
+    slot: usize,
+}
+
+/// The bucket a batch of `n` rows runs in (a batch of one runs in the smallest).
 fn bucket_of(n: usize) -> usize {
     BUCKETS.iter().position(|&b| b >= n).expect("batches are split at 64 rows")
 }
@@ -198,7 +205,8 @@ impl GpuExecutor {
 
     /// Whether a prompt of `n` tokens prefills through the batched step.
     pub(super) fn prefills_short(&self, n: usize) -> bool {
-        n <= self.short_prefill_max && self.batch.is_ok()
+        // `set_short_prefill_max` leaves 0 without a batched step.
+        n <= self.short_prefill_max
     }
 
     /// Rows one batched step takes at most (the rest of a larger batch goes in further
@@ -273,45 +281,49 @@ impl GpuExecutor {
     /// sequences with room for one more token), leaving row i's logits in row i of the
     /// batch logits. Returns the bucket's row count.
     fn batch_step(&mut self, items: &[DecodeItem]) -> Result<usize> {
-        let bucket = bucket_of(items.len());
-        let rows = BUCKETS[bucket];
-        let n = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?.rows;
-        let mut meta = vec![0i32; 4 * n];
-        let mut slots = Vec::with_capacity(items.len());
-        for (i, it) in items.iter().enumerate() {
-            let slot = self.slot_of(it.seq)?;
-            let pos = self.slots[slot].len;
-            meta[i] = it.token as i32;
-            meta[n + i] = pos as i32;
-            meta[2 * n + i] = pos as i32 + 1;
-            meta[3 * n + i] = slot as i32;
-            slots.push(slot);
+        let rows = items
+            .iter()
+            .map(|it| {
+                let slot = self.slot_of(it.seq)?;
+                Ok(StepRow { token: it.token, pos: self.slots[slot].len, slot })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bucket_rows = self.launch_rows(&rows)?;
+        for r in rows {
+            self.slots[r.slot].len = r.pos + 1;
+            self.slots[r.slot].record(r.pos, &[r.token]);
         }
-        for i in items.len()..rows {
+        Ok(bucket_rows)
+    }
+
+    /// Runs the batched step on `rows` (at most the buffers' rows): uploads their [token;
+    /// position; context length; slot] array, padding rows masked up to the bucket, and
+    /// replays the bucket's graph (capturing it first if it has not been). Returns the
+    /// bucket's row count.
+    fn launch_rows(&mut self, rows: &[StepRow]) -> Result<usize> {
+        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let n = st.rows;
+        let bucket = bucket_of(rows.len());
+        let mut meta = vec![0i32; 4 * n];
+        for (i, r) in rows.iter().enumerate() {
+            meta[i] = r.token as i32;
+            meta[n + i] = r.pos as i32;
+            meta[2 * n + i] = r.pos as i32 + 1;
+            meta[3 * n + i] = r.slot as i32;
+        }
+        for i in rows.len()..BUCKETS[bucket] {
             meta[n + i] = -1;
             meta[2 * n + i] = 0;
         }
-        self.launch_bucket(bucket, &meta)?;
-        for (slot, it) in slots.into_iter().zip(items) {
-            let pos = self.slots[slot].len;
-            self.slots[slot].len = pos + 1;
-            self.slots[slot].record(pos, &[it.token]);
-        }
-        Ok(rows)
-    }
-
-    /// Uploads the rows' `meta` and replays bucket `bucket`'s graph (capturing it first if
-    /// it has not been).
-    fn launch_bucket(&mut self, bucket: usize, meta: &[i32]) -> Result<()> {
         let rows = BUCKETS[bucket];
-        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
-        st.b.meta.copy_from_host(&self.device, meta).map_err(err)?;
+        st.b.meta.copy_from_host(&self.device, &meta).map_err(err)?;
         if st.graphs[bucket].is_none() {
             let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
             self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
         }
         let st = self.batch.as_ref().expect("checked above");
-        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)
+        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)?;
+        Ok(rows)
     }
 
     /// Prefills `slot` with `tokens` (1..=the buffers' rows, already checked to fit) in one
@@ -326,20 +338,10 @@ impl GpuExecutor {
                 "a short prefill takes 1 to {cap} tokens, not {n}"
             )));
         }
-        let bucket = bucket_of(n.max(2));
         let start = self.slots[slot].len;
-        let mut meta = vec![0i32; 4 * cap];
-        for (i, &t) in tokens.iter().enumerate() {
-            meta[i] = t as i32;
-            meta[cap + i] = (start + i) as i32;
-            meta[2 * cap + i] = (start + i + 1) as i32;
-            meta[3 * cap + i] = slot as i32;
-        }
-        for i in n..BUCKETS[bucket] {
-            meta[cap + i] = -1;
-            meta[2 * cap + i] = 0;
-        }
-        self.launch_bucket(bucket, &meta)?;
+        let rows: Vec<StepRow> =
+            tokens.iter().enumerate().map(|(i, &token)| StepRow { token, pos: start + i, slot }).collect();
+        self.launch_rows(&rows)?;
         self.slots[slot].len = start + n;
         self.slots[slot].record(start, tokens);
         let vocab = self.config.vocab_size;

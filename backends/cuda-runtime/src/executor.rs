@@ -348,12 +348,13 @@ impl GpuExecutor {
             Some(t) => Some(t.to_f32()?),
             None => None,
         };
-        let inv: Vec<f32> = (0..c.rope.rotary_dims / 2)
-            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
-            .collect();
-        let inv_freq = upload_vec(&inv)?;
+        let inv_freqs = |rope: &kiln_core::RopeConfig, factors: Option<&[f32]>| -> Result<DeviceBuffer<f32>> {
+            upload_vec(&(0..rope.rotary_dims / 2).map(|i| rope.inv_freq(i, factors)).collect::<Vec<_>>())
+        };
+        let inv_freq = inv_freqs(&c.rope, freq_factors.as_deref())?;
+        // The windowed layers' own base, unscaled (see `ModelConfig::local_rope`).
         let local_inv_freq = match c.local_rope() {
-            Some(r) => Some(upload_vec(&(0..r.rotary_dims / 2).map(|i| r.inv_freq(i, None)).collect::<Vec<_>>())?),
+            Some(r) => Some(inv_freqs(&r, None)?),
             None => None,
         };
 

@@ -281,7 +281,7 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, l.attn_post_norm.as_ref(), h * qd, attn, n, qd, timer)?;
+        self.residual_gemm(p, l.attn_post_norm.as_ref(), attn, n, qd, timer)?;
 
         // Feed-forward block.
         Timer::mark(timer, Part::Other)?;
@@ -307,18 +307,16 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, l.ffn_post_norm.as_ref(), h * ffn, act, n, ffn, timer)
+        self.residual_gemm(p, l.ffn_post_norm.as_ref(), act, n, ffn, timer)
     }
 
-    /// x += W·a for the chunk's `n` rows (W the f16 weight of `len` values in the weight
-    /// buffer, `k` values per row): straight into the residual stream with β = 1, or,
+    /// x += W·a for the chunk's `n` rows (W the f16 weight in the weight buffer, `k` values
+    /// per row, one row per hidden unit): straight into the residual stream with β = 1, or,
     /// with a sandwich norm `post_norm`, into a scratch buffer that is normed and then added.
-    #[allow(clippy::too_many_arguments)]
     fn residual_gemm(
         &self,
         p: &PrefillState,
         post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
-        len: usize,
         a: DevSlice<u16>,
         n: usize,
         k: usize,
@@ -326,7 +324,7 @@ impl GpuExecutor {
     ) -> Result<()> {
         let h = self.config.hidden_size;
         let x = p.b.x.sub(0, n * h)?;
-        let w = p.b.wbuf.sub(0, len)?;
+        let w = p.b.wbuf.sub(0, h * k)?;
         match post_norm {
             None => p.blas.gemm_f16_f32(w, h, a, n, k, x, h, 1.0)?,
             Some(post) => {
