@@ -602,7 +602,8 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     }
     let depth = args.n_depth;
     if depth > 0 && args.model.ctx_size == 0 {
-        args.model.ctx_size = depth + args.n_prompt.max(args.n_gen + 1);
+        // Saturating: a depth past any context is then refused by name, not wrapped.
+        args.model.ctx_size = depth.saturating_add(args.n_prompt.max(args.n_gen.saturating_add(1)));
     }
     let mut engine = load_engine(&args.model)?;
     let backend = match args.model.quantized_activations {

@@ -175,4 +175,8 @@ fn bench_at_a_depth_of_context_names_its_tests_like_llama_bench() {
     let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", "200", "-c", "128"]);
     assert!(!out.status.success(), "a depth past the context must fail: {}", stdout(&out));
     assert!(stderr(&out).contains("exceed the context of 128"), "{}", stderr(&out));
+    // A depth near usize::MAX is refused as the context it asks for, not wrapped around.
+    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", &usize::MAX.to_string()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains(&format!("a context of {} tokens exceeds", usize::MAX)), "{}", stderr(&out));
 }
