@@ -5,13 +5,13 @@
 #
 #   scripts/bench_vs_llamacpp.sh prepare         here (pip, network): downloads the
 #                            llama-cpp-python 0.3.36 source distribution, keeps only what
-#                            vendor/llama.cpp needs to build llama-bench and llama-batched-bench
-#                            (ggml CPU + CUDA backends, tools/llama-bench, tools/batched-bench)
+#                            vendor/llama.cpp needs to build llama-bench, llama-batched-bench and
+#                            llama-server (ggml CPU + CUDA backends, those tools, mtmd, no web UI)
 #                            and writes .llamacpp/llama.cpp.tar.xz (git-ignored through
 #                            .git/info/exclude; carry it to the GPU machine).
 #   scripts/bench_vs_llamacpp.sh build-llamacpp  on the GPU machine: unpacks the tarball into
-#                            $LLAMACPP_DIR (default /tmp/llamacpp) and builds the two tools with
-#                            CUDA (sm_90, Release, Ninja). Does nothing when both are built; when
+#                            $LLAMACPP_DIR (default /tmp/llamacpp) and builds the three tools with
+#                            CUDA (sm_90, Release, Ninja). Does nothing when all three are built; when
 #                            a call's time limit cuts the build, run it again: ninja resumes.
 #                            GGML_CUDA=OFF builds for the CPU (a check without a GPU);
 #                            CUDA_ARCH=90 and JOBS=<nproc> are the defaults.
@@ -221,9 +221,17 @@ prepare)
     find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$dst/ggml/src/" \;
     cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda} "$dst/ggml/src/"
     cp -a "$src"/tools/{llama-bench,batched-bench} "$dst/tools/"
+    # llama-server: its sources (not its Python tests or benches), the multimodal library it
+    # links (mtmd) and the UI target's CMake templates; the web UI itself stays behind
+    # (built with LLAMA_USE_PREBUILT_UI=OFF the server embeds an empty asset table).
+    mkdir -p "$dst/tools/server" "$dst/tools/ui" "$dst/scripts"
+    find "$src/tools/server" -maxdepth 1 -type f -exec cp -a {} "$dst/tools/server/" \;
+    cp -a "$src"/tools/mtmd "$dst/tools/" && rm -rf "$dst/tools/mtmd/tests"
+    cp -a "$src"/tools/ui/{CMakeLists.txt,sources.cmake,ui.cpp.in,ui.h.in} "$dst/tools/ui/"
+    cp -a "$src"/scripts/ui-assets.cmake "$dst/scripts/"
     # tools/CMakeLists.txt adds every tool unconditionally: keep its preamble, add only ours.
     sed -n '1,/^# tools$/p' "$src/tools/CMakeLists.txt" >"$dst/tools/CMakeLists.txt"
-    printf '\nadd_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\n' >>"$dst/tools/CMakeLists.txt"
+    printf '\nadd_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\nadd_subdirectory(mtmd)\nadd_subdirectory(ui)\nadd_subdirectory(server)\n' >>"$dst/tools/CMakeLists.txt"
     grep -q 'llama_add_compile_flags' "$dst/tools/CMakeLists.txt" || {
         echo "tools/CMakeLists.txt changed shape; check the preamble" >&2
         exit 1
@@ -231,8 +239,9 @@ prepare)
     commit=$(cat "$tmp/$top/.git/modules/vendor/llama.cpp/HEAD")
     {
         echo "llama.cpp $commit, vendored by llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (sdist sha256 $(sha256sum "$sdist" | cut -d' ' -f1))."
-        echo "Stripped by kiln's scripts/bench_vs_llamacpp.sh to build llama-bench and llama-batched-bench"
-        echo "(ggml CPU and CUDA backends only; tools/CMakeLists.txt rewritten to add just those two)."
+        echo "Stripped by kiln's scripts/bench_vs_llamacpp.sh to build llama-bench, llama-batched-bench and"
+        echo "llama-server (ggml CPU and CUDA backends only; tools/CMakeLists.txt rewritten to add just those"
+        echo "tools and the libraries they link; no web UI assets)."
     } >"$dst/KILN_PROVENANCE.txt"
     echo "$commit" >"$dst/LLAMACPP_COMMIT"
     mkdir -p .llamacpp
@@ -246,8 +255,8 @@ prepare)
     ;;
 build-llamacpp)
     start=$SECONDS
-    if [ -x "$bin_dir/llama-bench" ] && [ -x "$bin_dir/llama-batched-bench" ]; then
-        echo "llama-bench and llama-batched-bench already built in $bin_dir"
+    if [ -x "$bin_dir/llama-bench" ] && [ -x "$bin_dir/llama-batched-bench" ] && [ -x "$bin_dir/llama-server" ]; then
+        echo "llama-bench, llama-batched-bench and llama-server already built in $bin_dir"
         exit 0
     fi
     if [ ! -f "$llamacpp_dir/llama.cpp/CMakeLists.txt" ]; then
@@ -256,9 +265,10 @@ build-llamacpp)
         tar -xJf "$TARBALL" -C "$llamacpp_dir"
     fi
     cuda=${GGML_CUDA:-ON}
-    opts=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA="$cuda"
+    opts=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA="$cuda"
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
         -DLLAMA_BUILD_COMMIT="$(head -c 7 "$llamacpp_dir/llama.cpp/LLAMACPP_COMMIT")")
     if [ "$cuda" = ON ]; then
         opts+=(-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_NCCL=OFF)
@@ -271,8 +281,8 @@ build-llamacpp)
     if [ ! -f "$llamacpp_dir/build/CMakeCache.txt" ]; then
         cmake -S "$llamacpp_dir/llama.cpp" -B "$llamacpp_dir/build" "${opts[@]}"
     fi
-    cmake --build "$llamacpp_dir/build" -j "${JOBS:-$(nproc)}" --target llama-bench llama-batched-bench
-    ls -la "$bin_dir/llama-bench" "$bin_dir/llama-batched-bench"
+    cmake --build "$llamacpp_dir/build" -j "${JOBS:-$(nproc)}" --target llama-bench llama-batched-bench llama-server
+    ls -la "$bin_dir/llama-bench" "$bin_dir/llama-batched-bench" "$bin_dir/llama-server"
     echo "built llama.cpp in $((SECONDS - start)) s"
     ;;
 run)

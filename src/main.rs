@@ -134,6 +134,7 @@ impl SamplingArgs {
                 repeat_penalty: self.repeat_penalty,
                 repeat_last_n: self.repeat_last_n,
                 seed,
+                logit_bias: Vec::new(),
             },
             stop_strings: self.stop.clone(),
             stop_on_eos: true,

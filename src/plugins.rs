@@ -650,8 +650,10 @@ impl LayerExecutor for PluginExecutor {
     }
 
     fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
-        let Some(decode_sample) = self.plugin.api.decode_sample else {
-            // A plugin before ABI 1.3: its logits, sampled here.
+        let sample_here = samplers.iter().any(|s| !s.params.logit_bias.is_empty());
+        let Some(decode_sample) = self.plugin.api.decode_sample.filter(|_| !sample_here) else {
+            // A plugin before ABI 1.3, or a logit bias (the ABI does not carry one): the
+            // plugin's logits, sampled here.
             return kiln_core::decode_sample_on_host(self, batch, samplers, tokens);
         };
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;

@@ -342,6 +342,8 @@ impl KilnSamplerState {
             top_k: size(self.top_k, "top_k")?,
             repeat_last_n: size(self.repeat_last_n, "repeat_last_n")?,
             seed: self.seed,
+            // Not carried by ABI 1.3: the host samples rows with a bias itself.
+            logit_bias: Vec::new(),
         };
         params.validate()?;
         let n = size(self.n_recent, "recent tokens")?;

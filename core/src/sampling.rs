@@ -1,8 +1,9 @@
 //! Token sampling: the reference host implementation of every knob a backend may also
 //! implement on its device.
 //!
-//! Order of operations (as llama.cpp's default chain): repetition penalty → top-k →
-//! temperature → top-p → min-p → draw. Temperature 0 is greedy (argmax, lowest id on ties).
+//! Order of operations (as llama.cpp's default chain): logit bias → repetition penalty →
+//! top-k → temperature → top-p → min-p → draw. Temperature 0 is greedy (argmax, lowest id
+//! on ties).
 
 use std::collections::VecDeque;
 
@@ -22,11 +23,23 @@ pub struct SamplingParams {
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
     pub seed: u64,
+    /// Added to the logits of these token ids before anything else (OpenAI's
+    /// `logit_bias`); ids outside the vocabulary are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+            logit_bias: Vec::new(),
+        }
     }
 }
 
@@ -39,7 +52,8 @@ impl SamplingParams {
     }
 
     /// Checks every setting lies in its range: temperature finite and ≥ 0, top-p and min-p
-    /// in [0, 1], repeat penalty finite and > 0. A typed error names the setting.
+    /// in [0, 1], repeat penalty finite and > 0, every logit bias finite. A typed error
+    /// names the setting.
     pub fn validate(&self) -> crate::Result<()> {
         let bad = |what: &str, v: f32, range: &str| {
             Err(crate::Error::InvalidArgument(format!("{what} {v} is outside {range}")))
@@ -55,6 +69,9 @@ impl SamplingParams {
         }
         if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
             return bad("repeat penalty", self.repeat_penalty, "(0, ∞)");
+        }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return bad(&format!("logit bias of token {t}"), b, "(-∞, ∞)");
         }
         Ok(())
     }
@@ -118,10 +135,28 @@ impl Sampler {
         self.recent.iter().copied()
     }
 
-    /// Picks the next token from `logits` (modified in place by the penalty) and
-    /// records it.
+    /// Picks the next token from `logits` (modified in place by the bias and the penalty)
+    /// and records it: [`Sampler::adjust`] then [`Sampler::pick`].
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.adjust(logits);
+        self.pick(logits)
+    }
+
+    /// The logit bias, then the repetition penalty, applied to `logits` in place: what
+    /// `sample` does before it draws. For callers that read the adjusted distribution
+    /// (log-probabilities) before [`Sampler::pick`].
+    pub fn adjust(&self, logits: &mut [f32]) {
+        for &(t, bias) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
         self.apply_repeat_penalty(logits);
+    }
+
+    /// Draws the next token from logits [`Sampler::adjust`] has already been applied to,
+    /// and records it.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
         let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
         self.accept(token);
         token
@@ -146,15 +181,15 @@ impl Sampler {
         let p = &self.params;
         let c = &mut self.candidates;
         c.clear();
-        c.extend(logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)));
+        if p.top_k > 0 && p.top_k < logits.len() {
+            top_k_candidates(logits, p.top_k, c);
+        } else {
+            c.extend(logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)));
+        }
         if c.is_empty() {
             return 0;
         }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < c.len() {
-            c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
-            c.truncate(p.top_k);
-        }
         c.sort_unstable_by(by_logit_desc);
         // Softmax at temperature, in place: logits become probabilities.
         let max = c[0].1;
@@ -189,6 +224,48 @@ impl Sampler {
         }
         c.last().map_or(0, |x| x.0)
     }
+}
+
+/// The `k` largest logits (NaN skipped; the lower id wins a tie) into `out`, unordered, in
+/// one pass with a heap of `k`: on a 128k vocabulary almost every logit is one comparison
+/// with the heap's worst, several times faster than selecting over all of them.
+fn top_k_candidates(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
+    /// Ordered so that the heap's top is the worst kept candidate: the lowest logit, and
+    /// of equal logits the highest id.
+    struct Worst(u32, f32);
+    impl Ord for Worst {
+        fn cmp(&self, o: &Self) -> Ordering {
+            o.1.total_cmp(&self.1).then(self.0.cmp(&o.0))
+        }
+    }
+    impl PartialOrd for Worst {
+        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl PartialEq for Worst {
+        fn eq(&self, o: &Self) -> bool {
+            self.cmp(o) == Ordering::Equal
+        }
+    }
+    impl Eq for Worst {}
+    let mut heap: BinaryHeap<Worst> = BinaryHeap::with_capacity(k + 1);
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() {
+            continue;
+        }
+        if heap.len() < k {
+            heap.push(Worst(i as u32, l));
+        } else if let Some(mut worst) = heap.peek_mut() {
+            // Ids come in ascending order, so an equal logit never displaces a kept one.
+            if l.total_cmp(&worst.1) == Ordering::Greater {
+                *worst = Worst(i as u32, l);
+            }
+        }
+    }
+    out.extend(heap.into_vec().into_iter().map(|w| (w.0, w.1)));
 }
 
 /// Index of the largest logit; the lowest index wins ties, NaN never wins.
@@ -248,6 +325,50 @@ mod tests {
         for _ in 0..500 {
             assert!(s.sample(&mut logits.clone()) < 2, "min-p 0.2 drops tokens 2 and 3");
         }
+    }
+
+    #[test]
+    fn top_k_heap_keeps_what_a_full_selection_keeps() {
+        // Fresh random rows with many exact ties, NaNs and infinities: the heap keeps the
+        // same set as sorting every candidate (the lower id winning each tie).
+        let mut rng = Rng::new(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        for case in 0..300 {
+            let n = 1 + (rng.next_u64() % 500) as usize;
+            let row: Vec<f32> = (0..n)
+                .map(|_| match rng.next_u64() % 10 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::INFINITY,
+                    3 => -0.0,
+                    _ => (rng.next_u64() % 7) as f32 - 3.0,
+                })
+                .collect();
+            let k = 1 + (rng.next_u64() % n as u64) as usize;
+            let mut want: Vec<(u32, f32)> =
+                row.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            want.truncate(k);
+            let mut got = Vec::new();
+            top_k_candidates(&row, k, &mut got);
+            got.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let ids = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(ids(&got), ids(&want), "case {case}: n {n}, k {k}");
+        }
+    }
+
+    #[test]
+    fn logit_bias_comes_first_and_ignores_ids_outside_the_vocabulary() {
+        let params = SamplingParams { logit_bias: vec![(0, -100.0), (2, 5.0), (99, 100.0)], ..SamplingParams::greedy() };
+        let mut s = Sampler::new(params);
+        let mut row = [3.0f32, 2.0, -1.0];
+        assert_eq!(s.sample(&mut row), 2);
+        assert_eq!(row, [-97.0, 2.0, 4.0]);
+        // adjust + pick is sample.
+        let mut row = [3.0f32, 2.0, -1.0];
+        s.adjust(&mut row);
+        assert_eq!(s.pick(&row), 2);
+        let bad = SamplingParams { logit_bias: vec![(1, f32::NAN)], ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("logit bias of token 1"));
     }
 
     #[test]

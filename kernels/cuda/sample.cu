@@ -183,3 +183,16 @@ extern "C" __global__ void sample_rows(const u64* __restrict__ cand, int ncand, 
     const int k = min(max((int)p.w, 1), 64);  // prob[] holds 64
     sample_from(cand + (size_t)y * ncand, ncand, k, p.x, p.y, p.z, nullptr, u + y, out + y);
 }
+
+// logits[index[i]] += bias[i] for each of the `n` entries (a sequence's logit bias, its
+// row's offset folded into the index), before the rows are sampled. Indices outside
+// [0, len) are skipped. Atomic: an index listed twice gets both additions.
+extern "C" __global__ void add_logit_bias(float* __restrict__ logits, int len, const int* __restrict__ index,
+                                          const float* __restrict__ bias, int n) {
+    grid_dependency_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const int at = index[i];
+        if (at >= 0 && at < len) atomicAdd(logits + at, bias[i]);
+    }
+}

@@ -410,6 +410,40 @@ impl Kernels {
         unsafe { self.device().launch(f, cfg, &mut args) }
     }
 
+    /// `logits[index[i]] += bias[i]` for the first `n` entries: the logit biases of a
+    /// batch's rows, each index a row's offset plus a token id (indices outside `logits`
+    /// are skipped on the device).
+    pub fn add_logit_bias(
+        &self,
+        logits: DevSlice<f32>,
+        index: DevSlice<i32>,
+        bias: DevSlice<f32>,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if logits.len() > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(invalid(format!("{n} logit biases over {} logits", logits.len())));
+        }
+        index.check_len(n, "logit bias indices")?;
+        bias.check_len(n, "logit biases")?;
+        let f = self.device().function(&SAMPLE, "add_logit_bias")?;
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(logits.len() as i32)
+            .ptr(index.ptr())
+            .ptr(bias.ptr())
+            .i32(n as i32);
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(256) as u32, 1, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: `n` entries checked in both arrays; the kernel bounds every index.
+        unsafe { self.device().launch(f, cfg, &mut args) }
+    }
+
     /// Candidate keys `sample_rows` needs per row of `n` logits.
     pub fn sample_rows_scratch(n: usize) -> usize {
         Self::sample_scratch(n, Self::MAX_TOP_K)

@@ -698,6 +698,7 @@ fn device_sampling_follows_the_host_sampler() {
         top_p: 0.95,
         min_p: 0.05,
         seed: rng.next_u64(),
+        logit_bias: Vec::new(),
         ..Default::default()
     };
     assert!(Kernels::can_sample(n, &params));

@@ -553,6 +553,7 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
         repeat_penalty: 1.0,
         repeat_last_n: 0,
         seed: s.seed.unwrap_or_else(|| st.random()),
+        logit_bias: req.logit_bias.clone(),
     };
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let choices = jobs.len();
@@ -565,7 +566,6 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
                 sampling: sampling.clone(),
                 presence_penalty: req.presence_penalty,
                 frequency_penalty: req.frequency_penalty,
-                logit_bias: req.logit_bias.clone(),
                 stop: req.stop.clone(),
                 logprobs: req.logprobs,
             },

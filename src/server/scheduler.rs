@@ -50,7 +50,6 @@ pub struct JobParams {
     pub sampling: SamplingParams,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
-    pub logit_bias: Vec<(u32, f32)>,
     pub stop: Vec<String>,
     /// `Some(k)`: each token's logprob and its `k` most likely alternatives.
     pub logprobs: Option<usize>,
@@ -58,7 +57,8 @@ pub struct JobParams {
 
 impl JobParams {
     fn needs_host_logits(&self) -> bool {
-        self.logprobs.is_some() || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+        // A logit bias is part of the sampling settings: device samplers apply it too.
+        self.logprobs.is_some() || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }
 
@@ -490,11 +490,7 @@ impl<'e> Scheduler<'e> {
         kiln_core::check_finite(row)?;
         let r = &self.running[i];
         let p = &r.params;
-        for &(t, bias) in &p.logit_bias {
-            if let Some(l) = row.get_mut(t as usize) {
-                *l += bias;
-            }
-        }
+        self.samplers[i].adjust(row);
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             for (&t, &c) in &r.counts {
                 if let Some(l) = row.get_mut(t as usize) {
@@ -504,9 +500,9 @@ impl<'e> Scheduler<'e> {
         }
         let top_n = p.logprobs;
         let lse = top_n.map(|_| log_sum_exp(row));
-        // The host sampler applies no repetition penalty (see `admit`), so `row` is left
-        // as it is and the chosen token's logprob can be read after the draw.
-        let token = self.samplers[i].sample(row);
+        // `row` is final (bias and penalties in): the logprobs above and the draw read the
+        // same distribution.
+        let token = self.samplers[i].pick(row);
         let logprob = match (top_n, lse) {
             (Some(k), Some(lse)) => {
                 if self.token_text.is_empty() {

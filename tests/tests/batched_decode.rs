@@ -5,7 +5,8 @@
 //! and printed). Two executors of the same model run side by side: one decodes each
 //! sequence alone, the other the whole batch; both are fed the unbatched run's greedy
 //! tokens (teacher forcing), so every step's logits are compared. Seeded sampling through
-//! `decode_sample` must draw the same tokens batched as alone.
+//! `decode_sample` (with logit biases on most rows) must draw on the device the tokens the
+//! host sampler draws from the same batched logits.
 //!
 //! The CPU case runs in CI (a small synthetic model); the GPU cases are `#[ignore]`d like
 //! every GPU test and run by scripts/gpu_suite.sh with `--include-ignored`.
@@ -125,14 +126,23 @@ fn greedy_batched_vs_alone(
     report
 }
 
-/// Seeded sampling settings of sequence `i` (top-k, temperature, top-p: the device sampler's).
+/// Seeded sampling settings of sequence `i` (top-k, temperature, top-p: the device sampler's),
+/// three in four with a logit bias (one of those greedy), some ids past every vocabulary.
 fn sampling_params(i: usize) -> SamplingParams {
+    let t = 17 * i as u32 + 3;
+    let (temperature, logit_bias) = match i % 4 {
+        0 => (0.8, Vec::new()),
+        1 => (0.8, vec![(t, 4.0), (5, -100.0), (u32::MAX, 1.0)]),
+        2 => (0.0, vec![(t, 30.0)]),
+        _ => (0.8, vec![(i as u32, 2.5), (i as u32 + 1, -1.5)]),
+    };
     SamplingParams {
-        temperature: 0.8,
+        temperature,
         top_k: 40,
         top_p: 0.95,
         min_p: 0.0,
         seed: 1000 + i as u64,
+        logit_bias,
         ..SamplingParams::default()
     }
 }

@@ -348,6 +348,7 @@ fn a_plugins_decode_sample_draws_what_the_host_would() {
         repeat_penalty: if i == 1 { 1.3 } else { 1.0 },
         repeat_last_n: 8,
         seed: 77 + i,
+        logit_bias: Vec::new(),
     };
     let run = |in_plugin: bool| -> (Vec<Vec<u32>>, Vec<u64>) {
         let mut exec = plugin.load(&model, &options).unwrap();

@@ -138,6 +138,7 @@ fn device_sampling_truncation_and_sequences() {
         top_p: 0.9,
         min_p: 0.0,
         seed: 11,
+        logit_bias: Vec::new(),
         ..Default::default()
     };
     let mut dev_sampler = [Sampler::new(params.clone())];

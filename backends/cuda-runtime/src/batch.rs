@@ -39,6 +39,10 @@ const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 /// docs/benchmarks.md).
 pub const SHORT_PREFILL: usize = 32;
 
+/// Logit-bias entries a row may bring to the device sampler; a row with more is drawn on
+/// the host (the server accepts at most 1,024, as the device does).
+const DEVICE_LOGIT_BIAS_PER_ROW: usize = 1024;
+
 /// The batched step's activations for up to `rows` rows, carved from one workspace.
 #[derive(Clone, Copy)]
 struct BatchBuffers {
@@ -47,6 +51,9 @@ struct BatchBuffers {
     /// Per row (temperature, top_p, min_p, top_k) and the uniform draw.
     params: DevSlice<[f32; 4]>,
     uniform: DevSlice<f32>,
+    /// The rows' logit biases: flat logit indices and the values added there.
+    bias_index: DevSlice<i32>,
+    bias: DevSlice<f32>,
     /// The residual stream, [rows][hidden].
     x: DevSlice<f32>,
     act: PackedAct,
@@ -127,6 +134,8 @@ impl BatchState {
             meta: a.take(4 * rows),
             params: a.take(rows),
             uniform: a.take(rows),
+            bias_index: a.take(rows * DEVICE_LOGIT_BIAS_PER_ROW),
+            bias: a.take(rows * DEVICE_LOGIT_BIAS_PER_ROW),
             x: a.take(rows * h),
             act: PackedAct {
                 x: a.take(act_x),
@@ -402,7 +411,9 @@ impl GpuExecutor {
                 .iter_mut()
                 .map(|s| {
                     let p = &s.params;
-                    if p.is_greedy() && p.repeat_penalty == 1.0 {
+                    if p.logit_bias.len() > DEVICE_LOGIT_BIAS_PER_ROW {
+                        Draw::Host
+                    } else if p.is_greedy() && p.repeat_penalty == 1.0 {
                         Draw::Device([1.0, 1.0, 0.0, 1.0], 0.0)
                     } else if Kernels::can_sample(vocab, p) && Kernels::sample_rows_scratch(vocab) <= 4096 {
                         Draw::Device([p.temperature, p.top_p, p.min_p, p.top_k as f32], s.rng.next_f32())
@@ -414,6 +425,26 @@ impl GpuExecutor {
             let st = self.batch.as_ref().expect("batch_step succeeded");
             let b = st.b;
             let n = items.len();
+            // The device rows' logit biases, added to their logits before any draw (host
+            // rows get theirs from their sampler).
+            let mut bias_index = Vec::new();
+            let mut bias = Vec::new();
+            for (i, (d, s)) in draws.iter().zip(samplers.iter()).enumerate() {
+                if let Draw::Device(..) = d {
+                    for &(t, v) in s.params.logit_bias.iter().filter(|(t, _)| (*t as usize) < vocab) {
+                        bias_index.push((i * vocab + t as usize) as i32);
+                        bias.push(v);
+                    }
+                }
+            }
+            if !bias.is_empty() {
+                let m = bias.len();
+                b.bias_index.sub(0, m)?.copy_from_host(&self.device, &bias_index).map_err(err)?;
+                b.bias.sub(0, m)?.copy_from_host(&self.device, &bias).map_err(err)?;
+                self.k
+                    .add_logit_bias(b.logits.sub(0, n * vocab)?, b.bias_index, b.bias, m)
+                    .map_err(err)?;
+            }
             let all_greedy = draws.iter().all(|d| matches!(d, Draw::Device(p, _) if p[3] == 1.0));
             if all_greedy {
                 // Greedy rows only: the argmax kernels (no sort), lowest index on ties.

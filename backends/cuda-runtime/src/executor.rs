@@ -1023,7 +1023,9 @@ impl LayerExecutor for GpuExecutor {
         {
             let p = &sampler.params;
             let greedy = p.is_greedy() && p.repeat_penalty == 1.0;
-            let on_device = greedy || Kernels::can_sample(vocab, p);
+            // A logit bias is drawn on the host here (the one-sequence workspace keeps no
+            // room for one; batched steps apply it on the device).
+            let on_device = (greedy || Kernels::can_sample(vocab, p)) && p.logit_bias.is_empty();
             if !on_device {
                 // Settings the device sampler lacks: logits come down, the host samples.
                 self.step(slot, it.token, 0.0)?;
