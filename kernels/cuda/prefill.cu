@@ -162,6 +162,222 @@ ATTN_PREFILL(6)
 ATTN_PREFILL(7)
 ATTN_PREFILL(8)
 
+// The same attention on tensor cores, flash-attention style, for head_dim 64 and 128: a block
+// of 4 warps takes 64 queries of one head (16 a warp) and walks the keys they see in tiles of
+// BKV, each K/V tile copied to shared memory (cp.async, double-buffered: the next tile loads
+// while this one is used). Per tile a warp computes S = Q·Kᵀ (mma m16n8k16, f16 in, f32
+// accumulate; Q pre-scaled by scale·log2 e and held in registers), masks what its queries
+// may not see (later positions, or before a sliding window), updates its running row
+// maximum and sum (online softmax, base 2), and adds P·V with P rounded to f16 from the S
+// registers. Rows outside the prompt, and key rows past the block's last position, are
+// zero-filled so that masked weights (0) never meet garbage (0 · NaN). Blocks are issued
+// longest first (the last queries see the most keys).
+static __device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+static __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+static __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HD, int BKV>
+static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ q, const u16* __restrict__ kc,
+                                                        const u16* __restrict__ vc, u16* __restrict__ out, int rows,
+                                                        int n_heads, int n_kv, int max_ctx, int start, float scale,
+                                                        int window) {
+    constexpr int BQ = 64, LD = HD + 8;  // shared rows padded by 16 bytes: ldmatrix without bank conflicts
+    constexpr int KSTEPS = HD / 16, SN = BKV / 8, ON = HD / 8, CHUNKS = HD / 8;
+    __shared__ __align__(16) u16 ks[2][BKV * LD];
+    __shared__ __align__(16) u16 vs[2][BKV * LD];
+    const int head = blockIdx.y;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int kvh = head / (n_heads / n_kv);
+    const int qw = q0 + warp * 16;                    // this warp's first query row
+    const int hi = start + min(q0 + BQ, rows);        // the block sees positions [lo, hi)
+    const int lo = window > 0 ? max(0, start + q0 - window + 1) : 0;
+    const float qscale = scale * 1.4426950408889634f;  // exp(x) = exp2(x · log2 e)
+
+    u32 qa[KSTEPS][4];
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int r = qw + g + (h & 1) * 8, c = k * 16 + 2 * t4 + (h >> 1) * 8;
+            float x = 0.0f, y = 0.0f;
+            if (r < rows) {
+                const float* src = q + ((size_t)r * n_heads + head) * HD + c;
+                x = src[0] * qscale;
+                y = src[1] * qscale;
+            }
+            qa[k][h] = pack_h2(x, y);
+        }
+    }
+    float o[ON][4];
+#pragma unroll
+    for (int n = 0; n < ON; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    const u16* K = kc + (size_t)kvh * max_ctx * HD;
+    const u16* V = vc + (size_t)kvh * max_ctx * HD;
+    const int ntiles = (hi - lo + BKV - 1) / BKV;
+    auto load_tile = [&](int j, int buf) {
+        const int p0 = lo + j * BKV;
+        for (int c = threadIdx.x; c < BKV * CHUNKS; c += blockDim.x) {
+            const int r = c / CHUNKS, ch = c % CHUNKS, p = p0 + r;
+            u16* kd = &ks[buf][r * LD + ch * 8];
+            u16* vd = &vs[buf][r * LD + ch * 8];
+            if (p < hi) {
+                const size_t at = (size_t)(p % max_ctx) * HD + ch * 8;  // a ring for windowed layers
+                cp_async16(smem_u32(kd), K + at);
+                cp_async16(smem_u32(vd), V + at);
+            } else {
+                *(uint4*)kd = make_uint4(0, 0, 0, 0);
+                *(uint4*)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    if (ntiles > 0) load_tile(0, 0);
+    for (int j = 0; j < ntiles; ++j) {
+        const int buf = j & 1;
+        if (j + 1 < ntiles) {
+            load_tile(j + 1, buf ^ 1);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();
+        const int p0 = lo + j * BKV;
+        // A warp whose queries see nothing of this tile (all later, or all before their
+        // windows, or no queries at all) skips it.
+        const bool skip = qw >= rows || p0 > start + qw + 15 ||
+                          (window > 0 && p0 + BKV - 1 < start + qw - window + 1);
+        if (!skip) {
+            float s[SN][4];
+#pragma unroll
+            for (int n = 0; n < SN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            const u16* kt = ks[buf];
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k) {
+#pragma unroll
+                for (int n = 0; n < SN; n += 2) {
+                    // Matrices: keys n·8.. at dims k·16 and k·16 + 8, then keys (n+1)·8.. likewise.
+                    const int mi = lane >> 3, r = lane & 7;
+                    const u16* src = kt + (n * 8 + (mi >> 1) * 8 + r) * LD + k * 16 + (mi & 1) * 8;
+                    u32 b0, b1, b2, b3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                 : "r"(smem_u32(src)));
+                    mma_f16(s[n], qa[k], b0, b1);
+                    mma_f16(s[n + 1], qa[k], b2, b3);
+                }
+            }
+            // Mask, then the online softmax of rows g (h = 0) and g + 8 (h = 1).
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int n = 0; n < SN; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kp = p0 + n * 8 + 2 * t4 + (e & 1);
+                    const int qp = start + qw + g + (e >> 1) * 8;
+                    const bool seen = kp <= qp && (window <= 0 || kp > qp - window);
+                    s[n][e] = seen ? s[n][e] : -INFINITY;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                }
+            }
+            float corr[2], base[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 2));
+                const float mn = fmaxf(m[h], mx[h]);
+                base[h] = mn == -INFINITY ? 0.0f : mn;  // a row that has seen nothing yet
+                corr[h] = exp2f(m[h] - base[h]);
+                m[h] = mn;
+                l[h] *= corr[h];
+            }
+#pragma unroll
+            for (int n = 0; n < ON; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[0];
+                o[n][2] *= corr[1];
+                o[n][3] *= corr[1];
+            }
+#pragma unroll
+            for (int n = 0; n < SN; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] = exp2f(s[n][e] - base[e >> 1]);
+                    l[e >> 1] += s[n][e];
+                }
+            }
+            const u16* vt = vs[buf];
+#pragma unroll
+            for (int kk = 0; kk < BKV / 16; ++kk) {
+                // P's A fragment straight from the S accumulators of key blocks 2kk, 2kk + 1.
+                const u32 pa[4] = {pack_h2(s[2 * kk][0], s[2 * kk][1]), pack_h2(s[2 * kk][2], s[2 * kk][3]),
+                                   pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < ON; n += 2) {
+                    // Transposed: keys kk·16 and kk·16 + 8 at dims n·8, then at dims (n+1)·8.
+                    const int mi = lane >> 3, r = lane & 7;
+                    const u16* src = vt + (kk * 16 + (mi & 1) * 8 + r) * LD + n * 8 + (mi >> 1) * 8;
+                    u32 b0, b1, b2, b3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                 : "r"(smem_u32(src)));
+                    mma_f16(o[n], pa, b0, b1);
+                    mma_f16(o[n + 1], pa, b2, b3);
+                }
+            }
+        }
+        __syncthreads();  // the next iteration's load overwrites this buffer
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = qw + g + h * 8;
+        if (r >= rows) continue;
+        // Every query sees at least its own position, so l > 0.
+        const float inv = 1.0f / l[h];
+        u32* dst = (u32*)(out + ((size_t)r * n_heads + head) * HD);
+#pragma unroll
+        for (int n = 0; n < ON; ++n) dst[(n * 8 + 2 * t4) / 2] = pack_h2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+}
+
+#define ATTN_PREFILL_MMA(HD, BKV)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_##HD(                                          \
+        const float* q, const u16* kc, const u16* vc, u16* out, int rows, int n_heads, int n_kv, int max_ctx,         \
+        int start, float scale, int window) {                                                                          \
+        grid_dependency_wait();                                                                                        \
+        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window);                \
+    }
+ATTN_PREFILL_MMA(64, 64)
+ATTN_PREFILL_MMA(128, 32)
+
 // y[t][i] (f16) = act(gu[t][i]) · gu[t][ffn + i]: gate and up came out of one GEMM; act is
 // SiLU (SwiGLU) or, with `gelu`, tanh-approximated GELU (GeGLU).
 extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __restrict__ y, int rows, int ffn,

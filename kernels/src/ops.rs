@@ -1069,7 +1069,9 @@ impl Kernels {
 
     /// Causal attention of `rows` queries (`q`: `[rows][n_heads * hd]`, token t at position
     /// `start + t`) over the cache, which must already hold positions `0..start + rows`.
-    /// Output in f16, `[rows][n_heads * hd]`.
+    /// Output in f16, `[rows][n_heads * hd]`. Head sizes 64 and 128 run on tensor cores
+    /// (flash-attention tiles, `attn_prefill_mma_*`); others take the row kernel
+    /// ([`Kernels::attention_prefill_rows`]).
     pub fn attention_prefill(
         &self,
         a: &PrefillAttnArgs,
@@ -1078,6 +1080,35 @@ impl Kernels {
         kc: DevSlice<u16>,
         vc: DevSlice<u16>,
         out: DevSlice<u16>,
+    ) -> Result<()> {
+        self.prefill_attn_launch(a, rows, q, kc, vc, out, matches!(a.head_dim, 64 | 128))
+    }
+
+    /// [`Kernels::attention_prefill`] by the row kernel for every head size (a multiple of
+    /// 32 up to 256): one block per (head, query), CUDA cores, f32 throughout. The tensor-core
+    /// kernel is checked against it and against an f64 reference.
+    pub fn attention_prefill_rows(
+        &self,
+        a: &PrefillAttnArgs,
+        rows: usize,
+        q: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        out: DevSlice<u16>,
+    ) -> Result<()> {
+        self.prefill_attn_launch(a, rows, q, kc, vc, out, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_attn_launch(
+        &self,
+        a: &PrefillAttnArgs,
+        rows: usize,
+        q: DevSlice<f32>,
+        kc: DevSlice<u16>,
+        vc: DevSlice<u16>,
+        out: DevSlice<u16>,
+        tensor_cores: bool,
     ) -> Result<()> {
         let hd = a.head_dim;
         if !hd.is_multiple_of(32) || hd == 0 || hd > 256 {
@@ -1101,6 +1132,31 @@ impl Kernels {
         kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
         out.check_len(rows * a.n_heads * hd, "attention output rows")?;
+        if tensor_cores {
+            let f = self
+                .device
+                .function(&crate::compile::PREFILL, &format!("attn_prefill_mma_{hd}"))?;
+            let mut args = Args::new()
+                .ptr(q.ptr())
+                .ptr(kc.ptr())
+                .ptr(vc.ptr())
+                .ptr(out.ptr())
+                .i32(rows as i32)
+                .i32(a.n_heads as i32)
+                .i32(a.n_kv as i32)
+                .i32(a.max_ctx as i32)
+                .i32(a.start as i32)
+                .f32(a.scale)
+                .i32(a.window as i32);
+            let cfg = LaunchConfig {
+                grid: (rows.div_ceil(64) as u32, a.n_heads as u32, 1),
+                block: (128, 1, 1),
+                shared_bytes: 0,
+            };
+            // SAFETY: sizes checked; every position read is < start + rows and lies in the
+            // cache (or its ring, whose rows hold the window before the chunk).
+            return unsafe { self.device.launch(f, cfg, &mut args) };
+        }
         let f = self.device.function(
             &crate::compile::PREFILL,
             &format!("attn_prefill_{}", hd / 32),

@@ -10,8 +10,8 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, QuantBuffers, QuantOut, RopeArgs, WeightFormat, FORMATS,
-    Q4_0_X4,
+    Kernels, KvCache, PendingNorm, PrefillAttnArgs, QuantBuffers, QuantOut, RopeArgs,
+    WeightFormat, FORMATS, Q4_0_X4,
 };
 
 /// Whether `t` suits `f` (a warp owns whole row groups).
@@ -657,6 +657,84 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             }
         }
     }
+}
+
+/// Prefill attention (causal, GQA, chunks after earlier ones, sliding windows over ring
+/// caches, up to 4,096 positions) against an f64 reference: the tensor-core kernel (head
+/// sizes 64 and 128) and the row kernel every head size has. Outputs poisoned first; the
+/// reference is checked on every fifth query row and the last ones.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn prefill_attention_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("prefill attention");
+    // (head_dim, query heads per KV head, start, rows, window, cache rows)
+    let cases: &[(usize, usize, usize, usize, usize, usize)] = &[
+        (64, 1, 0, 1, 0, 64),
+        (64, 3, 0, 37, 0, 64),
+        (128, 4, 0, 200, 0, 256),
+        (64, 2, 300, 130, 0, 512),
+        (128, 1, 17, 64, 0, 96),
+        (64, 4, 0, 333, 100, 432),
+        (128, 2, 700, 200, 128, 400),
+        (64, 8, 3000, 1096, 0, 4096),
+        (128, 4, 3500, 596, 0, 4096),
+        (96, 2, 40, 90, 0, 160),
+        (256, 2, 100, 70, 50, 200),
+    ];
+    let (mut worst_tc, mut worst_rows) = (0.0f64, 0.0f64);
+    for &(hd, ratio, start, rows, window, max_ctx) in cases {
+        let n_kv = 2;
+        let n_heads = n_kv * ratio;
+        let kh: Vec<u16> =
+            (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+        let vh: Vec<u16> =
+            (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+        let q = random_vec(&mut rng, rows * n_heads * hd, 2.0);
+        let (kd, vd, qd) = (buf(&g.dev, &kh), buf(&g.dev, &vh), buf(&g.dev, &q));
+        let scale = 1.0 / (hd as f32).sqrt();
+        let a = PrefillAttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, start, scale, window };
+        let run = |tensor_cores: bool| {
+            let out = DeviceBuffer::<u16>::alloc(&g.dev, rows * n_heads * hd).unwrap();
+            out.fill_bytes(0xff).unwrap();
+            if tensor_cores {
+                g.k.attention_prefill(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice()).unwrap();
+            } else {
+                g.k.attention_prefill_rows(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice()).unwrap();
+            }
+            f16s_to_f32(&out.to_host().unwrap())
+        };
+        let (auto, by_rows) = (run(true), run(false));
+        let cache = |c: &[u16], kvh: usize, p: usize, d: usize| f16::from_bits(c[(kvh * max_ctx + p % max_ctx) * hd + d]).to_f64();
+        for t in (0..rows).filter(|t| t % 5 == 0 || *t + 3 >= rows) {
+            let pos = start + t;
+            let lo = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            for h in 0..n_heads {
+                let kvh = h / ratio;
+                let qh = &q[(t * n_heads + h) * hd..][..hd];
+                let scores: Vec<f64> = (lo..=pos)
+                    .map(|p| qh.iter().enumerate().map(|(d, &x)| x as f64 * cache(&kh, kvh, p, d)).sum::<f64>() * scale as f64)
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let reference: Vec<f64> = (0..hd)
+                    .map(|d| (lo..=pos).zip(&w).map(|(p, wp)| wp * cache(&vh, kvh, p, d)).sum::<f64>() / total)
+                    .collect();
+                let at = (t * n_heads + h) * hd;
+                let what = format!("hd {hd} gqa {ratio} start {start} rows {rows} window {window} ring {max_ctx}: row {t} head {h}");
+                let e_rows = rel_err(&by_rows[at..at + hd], &reference);
+                assert!(e_rows < 2e-3, "row kernel, {what}: rel err {e_rows:e}");
+                let e_auto = rel_err(&auto[at..at + hd], &reference);
+                assert!(e_auto < 5e-3, "attention_prefill, {what}: rel err {e_auto:e}");
+                worst_rows = worst_rows.max(e_rows);
+                if matches!(hd, 64 | 128) {
+                    worst_tc = worst_tc.max(e_auto);
+                }
+            }
+        }
+    }
+    println!("prefill attention: worst rel err tensor cores {worst_tc:.2e}, row kernel {worst_rows:.2e}");
 }
 
 #[test]
