@@ -97,7 +97,8 @@ extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __
 
 // The batched matmuls' epilogue: y[m][r] = Σ over splits of part[split][m][r] (in split
 // order), + bias[r], + residual[m][r] (which may be y itself); in SwiGLU mode the parts
-// hold gate rows [0, nrows) and up rows [nrows, 2·nrows) and y = silu(gate) · up.
+// hold gate rows [0, nrows) and up rows [nrows, 2·nrows) and y = act(gate) · up, act SiLU
+// (swiglu 1) or tanh-approximated GELU (swiglu 2: GeGLU).
 extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits, int rows, int ldp, int nrows,
                                       int swiglu, const float* __restrict__ bias, const float* residual, float* y,
                                       int ldy) {
@@ -113,7 +114,7 @@ extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits
     }
     float v;
     if (swiglu) {
-        v = a / (1.0f + expf(-a)) * b;
+        v = glu_act(a, swiglu == 2) * b;
     } else {
         v = a;
         if (bias) v += bias[r];

@@ -76,6 +76,8 @@ impl BatchRows {
 pub struct BatchEpilogue {
     pub bias: Option<DevSlice<f32>>,
     pub residual: Option<DevSlice<f32>>,
+    /// Gated (gate/up) matmuls only: GELU instead of SiLU as the gate activation.
+    pub gelu: bool,
 }
 
 impl Kernels {
@@ -247,7 +249,11 @@ impl Kernels {
             .i32(rows as i32)
             .i32(ldp as i32)
             .i32(nrows as i32)
-            .i32(up.is_some() as i32)
+            .i32(match (up.is_some(), epi.gelu) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => 2,
+            })
             .ptr(opt(epi.bias))
             .ptr(opt(epi.residual))
             .ptr(y.ptr())

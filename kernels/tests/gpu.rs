@@ -1013,7 +1013,7 @@ fn batched_matmul_every_format_matches_reference() {
                 // Plain, then bias + residual (in place), then SwiGLU.
                 let y = poisoned(&g.dev, rows * n);
                 g.k.batched_matmul(&w, None, &act, rows, part.slice(), y.slice(), n, &BatchEpilogue::default()).unwrap();
-                let epi = BatchEpilogue { bias: Some(bd.slice()), residual: Some(rd.slice()) };
+                let epi = BatchEpilogue { bias: Some(bd.slice()), residual: Some(rd.slice()), gelu: false };
                 g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi).unwrap();
                 let uy = poisoned(&g.dev, rows * n);
                 g.k.batched_matmul(&up, None, &act, rows, part.slice(), uy.slice(), n, &BatchEpilogue::default()).unwrap();

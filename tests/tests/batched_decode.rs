@@ -271,6 +271,21 @@ fn gpu_batched_decode_llama32_1b_q4_0() {
     gpu_case("cuda-q4_0", Preset::Llama32_1b, Recipe::Q4_0, "llama3.2-1b.q4_0.gguf");
 }
 
+/// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at
+/// 1,100 tokens (past the window, around its ring) beside short ones.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn gpu_batched_decode_gemma3_270m() {
+    let Some(gpu) = backend("cuda-q4k") else { return };
+    let file = "gemma3-270m.q4_k_m.gguf";
+    let dir = scratch_dir(file);
+    let path = dir.join(file);
+    synth_file(&path, SynthOptions { preset: Preset::Gemma3_270m, recipe: Recipe::Q4_K_M, seed: 5 }, &no_progress).unwrap();
+    let model = Model::open(&path).unwrap();
+    check_backend(gpu.as_ref(), &model, file, &[1, 2, 3, 7, 16], 1100, 32);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gpu_batched_decode_real_smollm2() {

@@ -61,6 +61,8 @@ struct BatchBuffers {
     q: DevSlice<f32>,
     attn: DevSlice<f32>,
     ffn: DevSlice<f32>,
+    /// A block's output before its sandwich norm (Gemma), [rows][hidden].
+    proj: DevSlice<f32>,
     logits: DevSlice<f32>,
     part: DevSlice<f32>,
     part_o: DevSlice<f32>,
@@ -97,11 +99,6 @@ impl BatchState {
             return Ok(Err(format!("no batched embedding lookup: {why}")));
         }
         let c = &exec.config;
-        if c.sandwich_norms || c.sliding_window.is_some() || c.activation != kiln_core::Activation::Silu {
-            // Gemma's post-norms, GeGLU and sliding-window rings are in the one-sequence
-            // step and the cuBLAS prefill only.
-            return Ok(Err(format!("no batched step for {} yet", c.arch.name())));
-        }
         // Loaded with the model's other modules already (one parallel compile); this only
         // makes sure, as a graph capture cannot load them.
         let matmuls: Vec<_> = formats.iter().filter_map(|f| f.batched).collect();
@@ -145,6 +142,7 @@ impl BatchState {
             q: a.take(rows * qd),
             attn: a.take(rows * qd),
             ffn: a.take(rows * ffn),
+            proj: a.take(rows * h),
             logits: a.take(rows * vocab),
             part: a.take(part),
             part_o: a.take(rows * c.num_heads * nsplit * hd),
@@ -245,9 +243,26 @@ impl GpuExecutor {
         };
         let x = b.x.sub(0, bm * h)?;
         let none = BatchEpilogue::default();
-        let residual = BatchEpilogue {
-            bias: None,
-            residual: Some(x),
+        let gated = BatchEpilogue {
+            gelu: c.activation == kiln_core::Activation::Gelu,
+            ..Default::default()
+        };
+        // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma).
+        let add_to_stream = |w: &kiln_kernels::DeviceWeight, post: Option<&kiln_kernels::DeviceBuffer<f32>>| {
+            match post {
+                None => {
+                    let residual = BatchEpilogue {
+                        residual: Some(x),
+                        ..Default::default()
+                    };
+                    k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)
+                }
+                Some(post) => {
+                    let y = b.proj.sub(0, bm * h)?;
+                    k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
+                    k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)
+                }
+            }
         };
         k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
         for (li, l) in self.layers.iter().enumerate() {
@@ -258,7 +273,7 @@ impl GpuExecutor {
                         Some(bias) => Some(bias.slice().sub(p.offset, p.w.rows)?),
                         None => None,
                     },
-                    residual: None,
+                    ..Default::default()
                 };
                 let y = b.qkv.sub(p.offset, (bm - 1) * width + p.w.rows)?;
                 k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
@@ -272,12 +287,12 @@ impl GpuExecutor {
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(&attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out)?;
             k.act_pack(b.attn, bm, qd, None, None, b.act)?;
-            k.batched_matmul(&l.o, None, &b.act, bm, b.part, x, h, &residual)?;
+            add_to_stream(&l.o, l.attn_post_norm.as_ref())?;
             k.act_pack(x, bm, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), b.act)?;
             let f = b.ffn.sub(0, bm * ffn)?;
-            k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &none)?;
+            k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &gated)?;
             k.act_pack(f, bm, ffn, None, None, b.act)?;
-            k.batched_matmul(&l.down, None, &b.act, bm, b.part, x, h, &residual)?;
+            add_to_stream(&l.down, l.ffn_post_norm.as_ref())?;
         }
         k.act_pack(x, bm, h, Some(self.out_norm.slice()), Some(c.norm_eps), b.act)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
