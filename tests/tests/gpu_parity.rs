@@ -87,22 +87,41 @@ fn compare_on(
     quantized: bool,
     strict: bool,
 ) -> Outcome {
-    let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
     let model = Model::open(path).unwrap();
     let prompt = model.tokenizer.encode(prompt_text, model.tokenizer.add_bos_default(), false).unwrap();
-    let options = LoadOptions { max_context: (prompt.len() + STEPS + 1).max(512), ..Default::default() };
+    let check = Check { bar, steps: STEPS, check_tokens, quantized, strict };
+    compare_tokens_on(gpu_name, &model, &path.file_name().unwrap().to_string_lossy(), &prompt, check)
+}
+
+/// How [`compare_tokens_on`] compares.
+#[derive(Clone, Copy)]
+struct Check {
+    bar: Bar,
+    /// Teacher-forced decode steps after the prompt.
+    steps: usize,
+    check_tokens: bool,
+    quantized: bool,
+    /// Assert the bar (else only measure).
+    strict: bool,
+}
+
+/// `prompt` through both backends' prefill, then `check.steps` teacher-forced decode steps
+/// (the CPU's greedy token fed to both), every step's logits compared.
+fn compare_tokens_on(gpu_name: &str, model: &Model, name: &str, prompt: &[u32], check: Check) -> Outcome {
+    let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
+    let Check { bar, steps, check_tokens, quantized, strict } = check;
+    let options = LoadOptions { max_context: (prompt.len() + steps + 1).max(512), ..Default::default() };
     let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
     let gpu_options = LoadOptions { quantized_activations: quantized, ..options };
     let mut gpu = cuda_backend.load(&model.ir, &gpu_options).unwrap();
     let vocab = model.ir.config.vocab_size;
     let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
     let (sc, sg) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
-    cpu.prefill(sc, &prompt, &mut lc).unwrap();
-    gpu.prefill(sg, &prompt, &mut lg).unwrap();
+    cpu.prefill(sc, prompt, &mut lc).unwrap();
+    gpu.prefill(sg, prompt, &mut lg).unwrap();
 
-    let name = path.file_name().unwrap().to_string_lossy().into_owned();
     let mut outcome = Outcome { min_cosine: 1.0, token_mismatches: 0, allowed_mismatches: 0 };
-    for step in 0..=STEPS {
+    for step in 0..=steps {
         assert!(lg.iter().all(|l| l.is_finite()), "{name}: step {step}: non-finite GPU logits");
         let cos = cosine(&lc, &lg);
         outcome.min_cosine = outcome.min_cosine.min(cos);
@@ -120,7 +139,7 @@ fn compare_on(
                 bar.tie_gap
             );
         }
-        if step == STEPS {
+        if step == steps {
             break;
         }
         lg.fill(f32::NAN);
@@ -128,7 +147,7 @@ fn compare_on(
         gpu.decode(&[DecodeItem { seq: sg, token: tc }], &mut lg).unwrap();
     }
     println!(
-        "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {STEPS} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
+        "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {steps} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
         if quantized { "Q8_1 activations" } else { "15-bit activations" },
         prompt.len(),
         outcome.min_cosine,
@@ -167,6 +186,42 @@ fn qwen25_05b_synthetic_matches_cpu() {
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn qwen3_06b_synthetic_matches_cpu() {
     synth_parity(Preset::Qwen3_0_6b, "qwen3-0.6b");
+}
+
+/// Long prompts (issue 16): random prompts of each length in `KILN_LONG_PROMPTS`
+/// (comma-separated; default 1000 and 4096) through the GPU prefill (tensor-core attention,
+/// eight chunks at 4,096) against the CPU oracle on synthetic llama3.2-1b and qwen2.5-0.5b:
+/// the last prompt position's logits at cosine ≥ 0.99999, then 32 greedy steps that agree
+/// except at counted near-ties.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn long_prompts_match_cpu() {
+    if backends().is_none() {
+        return;
+    }
+    let lengths: Vec<usize> = std::env::var("KILN_LONG_PROMPTS")
+        .unwrap_or_else(|_| "1000,4096".into())
+        .split(',')
+        .map(|v| v.trim().parse().expect("KILN_LONG_PROMPTS: comma-separated token counts"))
+        .collect();
+    let dir = scratch_dir();
+    let bar = Bar { min_cosine: 0.99999, tie_gap: Q4K_BAR.tie_gap };
+    for (preset, name) in [(Preset::Qwen25_0_5b, "qwen2.5-0.5b"), (Preset::Llama32_1b, "llama3.2-1b")] {
+        let path = dir.join(format!("{name}.q4_k_m.gguf"));
+        synth_file(&path, SynthOptions { preset, recipe: Recipe::Q4_K_M, seed: 1 }, &no_progress).unwrap();
+        let model = Model::open(&path).unwrap();
+        let vocab = model.ir.config.vocab_size as u64;
+        let seed = kiln_core::testdata::fresh_seed();
+        println!("{name}: prompt seed {seed}");
+        let mut rng = kiln_core::Rng::new(seed);
+        for &n in &lengths {
+            let prompt: Vec<u32> = (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let check = Check { bar, steps: 32, check_tokens: true, quantized: false, strict: true };
+            compare_tokens_on("cuda-q4k", &model, &format!("{name} q4_k_m, {n}-token prompt"), &prompt, check);
+        }
+        std::fs::remove_file(&path).ok();
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
