@@ -84,7 +84,7 @@ struct ModelArgs {
     model: Option<PathBuf>,
     #[command(flatten)]
     backend: BackendArgs,
-    /// Context length per sequence (default: the model's, at most 4096).
+    /// Context length per sequence (default: the model's; on a GPU capped to what its KV cache fits in free memory, on the CPU backend at 4096).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
     ctx_size: usize,
     /// CPU threads (default: all cores).
@@ -614,6 +614,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     let bytes = bytes_per_decode_step(&engine.model.ir);
     let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let params = engine.model.ir.parameters();
+    let kv_token = kv_bytes_per_token(&engine.model.ir.config);
     let exec = engine.executor();
     let mut results = Vec::new();
     if args.n_prompt > 0 {
@@ -629,12 +630,14 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
         None
     };
     let roofline = exec.memory_roofline_gbs();
+    let ctx = exec.max_context();
+    let kv_total = kv_token * ctx * exec.max_sequences();
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
                 "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
-                "first_token": first_token,
+                "first_token": first_token, "context": ctx, "kv_bytes_per_token": kv_token, "kv_bytes": kv_total,
             });
             println!("{value}");
         }
@@ -663,12 +666,23 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
                 );
             }
             println!("\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)", bytes as f64 / 1e6);
+            println!(
+                "context {ctx} tokens; an f16 KV cache (the GPU executors') takes {kv_token} bytes a token, {:.2} GiB for {} sequence(s)",
+                kv_total as f64 / (1u64 << 30) as f64,
+                exec.max_sequences()
+            );
             if let Some(rf) = roofline {
                 println!("measured memory roofline (copy): {rf:.0} GB/s");
             }
         }
     }
     Ok(())
+}
+
+/// KV-cache bytes a token of context takes: f16 keys and values of every layer, as the GPU
+/// executors keep them (a sliding-window layer's ring is counted as full).
+fn kv_bytes_per_token(c: &kiln_core::ModelConfig) -> usize {
+    2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
 }
 
 /// `kiln bench --batch …`: the llama-batched-bench table (PP, TG, B, N_KV, T_PP, S_PP,
@@ -694,8 +708,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     for &b in &args.batch {
         runs.push(bench_batched(exec, args.n_prompt, args.n_gen, b)?);
     }
-    // f16 keys and values, as the GPU executors keep them.
-    let kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2;
+    let kv_token = kv_bytes_per_token(&c);
     let kv_total = kv_token * ctx * exec.max_sequences();
     match args.output {
         BenchFormat::Json => {

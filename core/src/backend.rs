@@ -22,8 +22,10 @@ pub type ProgressFn = Arc<dyn Fn(u64, u64) + Send + Sync>;
 /// How to load a model.
 #[derive(Clone, Default)]
 pub struct LoadOptions {
-    /// Longest context per sequence; 0 means the model's own, capped at
-    /// [`LoadOptions::DEFAULT_MAX_CONTEXT`].
+    /// Longest context per sequence; 0 means the model's own, as far as memory allows: GPU
+    /// backends cap it to what their KV cache fits in free device memory
+    /// ([`LoadOptions::fit_context`]), the CPU reference (and [`LoadOptions::context_for`])
+    /// at [`LoadOptions::DEFAULT_MAX_CONTEXT`].
     pub max_context: usize,
     /// Sequences that may be alive at once; 0 means 1.
     pub max_sequences: usize,
@@ -58,6 +60,45 @@ impl LoadOptions {
 
     pub fn sequences(&self) -> usize {
         self.max_sequences.max(1)
+    }
+
+    /// The context for a backend whose KV cache takes, for each sequence, `per_position`
+    /// bytes per position plus `fixed` bytes (sliding-window rings, whatever the context),
+    /// within `budget` bytes. An explicit `max_context` must fit (else `OutOfMemory` naming
+    /// what it takes and what is free); 0 gives the model's context when it fits, else the
+    /// most that fits in whole 256-token steps (`OutOfMemory` below 256).
+    pub fn fit_context(&self, config: &ModelConfig, per_position: u64, fixed: u64, budget: u64) -> Result<usize> {
+        let slots = self.sequences() as u64;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let need = |ctx: u64| slots.saturating_mul(ctx.saturating_mul(per_position).saturating_add(fixed));
+        let fits = |ctx: u64| need(ctx) <= budget;
+        if self.max_context > 0 {
+            let n = self.max_context as u64;
+            return match fits(n) {
+                true => Ok(self.max_context),
+                false => Err(Error::OutOfMemory(format!(
+                    "a KV cache for {n} tokens × {slots} sequences takes {:.2} GiB; {:.2} GiB is left for it \
+                     (lower the context or the number of sequences)",
+                    gib(need(n)),
+                    gib(budget)
+                ))),
+            };
+        }
+        let model = config.context_length.max(1) as u64;
+        if fits(model) {
+            return Ok(model as usize);
+        }
+        const STEP: u64 = 256;
+        let room = (budget / slots).saturating_sub(fixed);
+        let fit = room.checked_div(per_position).unwrap_or(u64::MAX).min(model) / STEP * STEP;
+        if fit == 0 {
+            return Err(Error::OutOfMemory(format!(
+                "not even {STEP} tokens of KV cache fit for {slots} sequences: {:.2} GiB is left for it, {STEP} tokens take {:.2} GiB",
+                gib(budget),
+                gib(need(STEP))
+            )));
+        }
+        Ok(fit as usize)
     }
 }
 

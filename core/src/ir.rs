@@ -565,6 +565,30 @@ mod validate_tests {
         }
     }
 
+    /// `LoadOptions::fit_context`: the model's context when its KV cache fits, else the most
+    /// that fits in 256-token steps; an explicit context that does not fit is refused.
+    #[test]
+    fn default_context_is_the_models_as_far_as_memory_allows() {
+        let c = config(); // 2,048 positions
+        let opts = |max_context, max_sequences| crate::LoadOptions { max_context, max_sequences, ..Default::default() };
+        // 1 KiB a position and 4 KiB of rings per sequence.
+        let (per, fixed) = (1024u64, 4096u64);
+        assert_eq!(opts(0, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(), 2048);
+        assert_eq!(opts(0, 1).fit_context(&c, per, fixed, 2048 * 1024 + 4096).unwrap(), 2048);
+        // Four sequences in 4 MiB: (1 MiB − 4 KiB) / 1 KiB = 1,020 positions → 768.
+        assert_eq!(opts(0, 4).fit_context(&c, per, fixed, 4 << 20).unwrap(), 768);
+        let err = opts(0, 4).fit_context(&c, per, fixed, 100 << 10).unwrap_err();
+        assert!(matches!(err, crate::Error::OutOfMemory(_)), "{err}");
+        assert!(err.to_string().contains("not even 256 tokens"), "{err}");
+        // Explicit contexts: taken when they fit (even past the model's), refused otherwise.
+        assert_eq!(opts(4096, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(), 4096);
+        let err = opts(4096, 2).fit_context(&c, per, fixed, 4 << 20).unwrap_err();
+        assert!(err.to_string().contains("4096 tokens × 2 sequences"), "{err}");
+        // No overflow on absurd sizes.
+        assert!(opts(usize::MAX, 64).fit_context(&c, u64::MAX, u64::MAX, u64::MAX / 2).is_err());
+        assert!(opts(0, 64).fit_context(&c, u64::MAX, 0, u64::MAX / 2).is_err());
+    }
+
     /// Hostile metadata is refused before anything is sized by it.
     #[test]
     fn out_of_range_hyperparameters_are_refused() {

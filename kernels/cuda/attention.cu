@@ -1,10 +1,13 @@
 // Decode attention for one new query per head over the f16 KV cache, split over the
-// context (flash-decoding): each (head, split) block takes `split` positions and writes an
+// context (flash-decoding): each (head, split) block takes a run of positions and writes an
 // unnormalised partial result with its running max and sum; the last block of a head to
 // finish (counted in `counters`, which it leaves at zero) merges the head's splits, so the
-// whole attention is one launch. The context length is read from device memory, so the grid is sized
-// for the longest context and blocks past the end return at once: one captured graph
-// serves every step.
+// whole attention is one launch. The context length is read from device memory and the
+// split length follows it: `split` positions per block while the grid's splits cover the
+// context that way (many short blocks keep the GPU busy at short contexts), longer runs
+// (multiples of 32) once it does not, so a grid of a bounded number of splits serves every
+// length up to the cache's and one captured graph serves every step. Blocks past the end
+// return at once.
 //
 // Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
 //
@@ -50,6 +53,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
+    split = max(split, ((len - lo + nsplit - 1) / nsplit + 31) / 32 * 32);
     const int start = lo + s * split;
     if (start >= len) return;
     const int end = min(len, start + split);

@@ -571,9 +571,14 @@ impl Kernels {
         }
     }
 
-    /// Splits of `split` positions a context of `max_ctx` needs.
+    /// Most split blocks a decode attention launch has per head: a context longer than
+    /// `split` × this takes longer splits (the kernel sizes them from the length).
+    pub const MAX_ATTENTION_SPLITS: usize = 128;
+
+    /// Split blocks per head for a cache of `max_ctx` rows and splits of at least `split`
+    /// positions (the grid's `y`; partial-result buffers hold this many per head).
     pub fn attention_splits(max_ctx: usize, split: usize) -> usize {
-        max_ctx.div_ceil(split)
+        max_ctx.div_ceil(split).clamp(1, Self::MAX_ATTENTION_SPLITS)
     }
 
     /// Decode attention of one query per head over positions `0..*len` of the cache (the
@@ -854,7 +859,8 @@ pub struct AttnArgs {
     pub head_dim: usize,
     /// Cache rows per KV head: the context, or a sliding-window layer's ring.
     pub max_ctx: usize,
-    /// Positions per split block.
+    /// Least positions per split block; a context longer than this times
+    /// [`Kernels::attention_splits`] takes longer splits.
     pub split: usize,
     /// Usually 1/sqrt(head_dim).
     pub scale: f32,

@@ -96,7 +96,7 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (not on /health and /metrics).
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Context length per sequence (default: the model's, at most 4096).
+    /// Context length per sequence (default: the model's; on a GPU capped to what its KV cache fits in free memory, on the CPU backend at 4096).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
     /// CPU threads (default: all cores).

@@ -259,6 +259,38 @@ pub struct GpuExecutor {
 // methods, which bind the context on the calling thread first.
 unsafe impl Send for GpuExecutor {}
 
+/// The context an executor of `c` gets ([`LoadOptions::max_context`]; 0: the model's, as far
+/// as memory allows): its KV cache — f16 K and V rows per layer, a sliding-window layer a
+/// ring of its window plus a prefill chunk — within the device memory free now less the
+/// `weights` about to go up and a reserve for the workspaces (the prefill's f16 copy of the
+/// largest matrix among them), cuBLAS and the graphs. Says so on stderr when it caps the
+/// model's context.
+fn fitted_context(device: &Arc<Device>, c: &ModelConfig, options: &LoadOptions, weights: u64) -> Result<usize> {
+    let (free, total) = device.memory_info().map_err(err)?;
+    let row = 2 * c.kv_dim() as u64 * 2;
+    let (mut per_position, mut fixed) = (0u64, 0u64);
+    for l in 0..c.num_layers {
+        match c.layer_attention(l).window {
+            Some(w) => fixed += (w + prefill::CHUNK - 1) as u64 * row,
+            None => per_position += row,
+        }
+    }
+    let reserve = (1u64 << 30) + total as u64 / 50;
+    let budget = (free as u64).saturating_sub(weights.saturating_add(reserve));
+    let max_ctx = options.fit_context(c, per_position, fixed, budget)?;
+    if options.max_context == 0 && max_ctx < c.context_length {
+        let kv = options.sequences() as u64 * (max_ctx as u64 * per_position + fixed);
+        eprintln!(
+            "kiln: context {max_ctx} tokens of the model's {}: what a KV cache fits in free GPU memory \
+             ({:.1} GiB for {} sequences); -c sets it",
+            c.context_length,
+            kv as f64 / (1u64 << 30) as f64,
+            options.sequences()
+        );
+    }
+    Ok(max_ctx)
+}
+
 impl GpuExecutor {
     /// Uploads `model` to `device` (on a stream of the executor's own) with `policy`'s
     /// weight formats and tilings.
@@ -273,7 +305,8 @@ impl GpuExecutor {
         let c = model.config.clone();
         let w = &model.weights;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
-        let max_ctx = options.context_for(&c);
+        let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
+        let max_ctx = fitted_context(device, &c, options, total)?;
         let k = Kernels::new(device);
         let formats = formats_of(model, policy.as_ref());
         // Every module the model needs in one go, so a first run compiles them in parallel:
@@ -286,7 +319,6 @@ impl GpuExecutor {
             .map_err(err)?;
         k.preload_modules(&modules).map_err(err)?;
 
-        let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let mut done = 0u64;
         let mut progress = |bytes: usize| {
             done += bytes as u64;
@@ -459,9 +491,10 @@ impl GpuExecutor {
             )));
         }
 
-        // Short contexts: small attention splits keep many blocks busy; long ones: fewer,
-        // longer splits (measured on an H200, docs/architecture.md).
-        let split = if max_ctx <= 4096 { 64 } else { 256 };
+        // Splits of 64 positions keep many blocks busy at short contexts; past 64 × the
+        // most splits a launch has, the kernel lengthens them (256 at 32k: what measured
+        // best for long contexts on an H200, docs/architecture.md).
+        let split = 64;
         let nsplit = Kernels::attention_splits(max_ctx, split);
         let vocab = c.vocab_size;
         let sample_keys = Kernels::sample_scratch(vocab, Kernels::MAX_TOP_K);
