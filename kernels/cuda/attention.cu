@@ -3,11 +3,10 @@
 // unnormalised partial result with its running max and sum; the last block of a head to
 // finish (counted in `counters`, which it leaves at zero) merges the head's splits, so the
 // whole attention is one launch. The context length is read from device memory and the
-// split length follows it: `split` positions per block while the grid's splits cover the
-// context that way (many short blocks keep the GPU busy at short contexts), longer runs
-// (multiples of 32) once it does not, so a grid of a bounded number of splits serves every
-// length up to the cache's and one captured graph serves every step. Blocks past the end
-// return at once.
+// split length follows it (short splits while the context is short, so that many blocks
+// keep the GPU busy; longer ones as it grows; the rule is in attn_partial_impl), so a grid
+// of a bounded number of splits serves every length up to the cache's and one captured
+// graph serves every step. Blocks past the end return at once.
 //
 // Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
 //
@@ -53,7 +52,16 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
-    split = max(split, ((len - lo + nsplit - 1) / nsplit + 31) / 32 * 32);
+    // Splits of at least `split`, aiming at 16 a head up to 256 positions each (4,096 of
+    // context; a split of 128+ keeps all four warps busy), at most the grid's: split 64 at
+    // 1,024 positions, 256 from 4,096 to 32,768, then longer. The points measured best on
+    // an H200 (docs/architecture.md).
+    {
+        const int span = len - lo;
+        const int even = min(256, ((span + 15) / 16 + 31) / 32 * 32);
+        const int most = ((span + nsplit - 1) / nsplit + 31) / 32 * 32;
+        split = max(split, max(even, most));
+    }
     const int start = lo + s * split;
     if (start >= len) return;
     const int end = min(len, start + split);
