@@ -1091,7 +1091,7 @@ impl Kernels {
     }
 
     /// [`Kernels::attention_prefill`] by the row kernel for every head size (a multiple of
-    /// 32 up to 256): one block per (head, query), CUDA cores, f32 throughout. The tensor-core
+    /// 32 up to 256): one block per (head, query), CUDA cores, f32 arithmetic. The tensor-core
     /// kernel is checked against it and against an f64 reference.
     pub fn attention_prefill_rows(
         &self,
