@@ -13,7 +13,8 @@
 #                            $LLAMACPP_DIR (default /tmp/llamacpp) and builds the three tools with
 #                            CUDA (sm_90, Release, Ninja). Does nothing when all three are built; when
 #                            a call's time limit cuts the build, run it again: ninja resumes.
-#                            GGML_CUDA=OFF builds for the CPU (a check without a GPU);
+#                            GGML_CUDA=OFF builds for the CPU (AVX2+FMA+F16C; with GGML_CPU_NATIVE=1
+#                            for the build machine's own instruction set, AVX-512 included);
 #                            CUDA_ARCH=90 and JOBS=<nproc> are the defaults.
 #   scripts/bench_vs_llamacpp.sh run MODEL...    on the GPU machine: for each GGUF file,
 #                            `llama-bench -m M -p 512 -n 128 -r 5 -ngl 99 -o json` and
@@ -273,9 +274,14 @@ build-llamacpp)
     if [ "$cuda" = ON ]; then
         opts+=(-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_NCCL=OFF)
     else
-        # The CPU build kiln's CPU backend is compared with: the same instruction set as
-        # kiln's kernels (AVX2 + FMA + F16C), not tuned to the build machine.
-        opts+=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+        # The CPU build kiln's CPU backend is compared with: AVX2 + FMA + F16C, not tuned
+        # to the build machine; GGML_CPU_NATIVE=1 builds for this machine's own
+        # instruction set instead (AVX-512 where it has it, as kiln picks at run time).
+        if [ "${GGML_CPU_NATIVE:-0}" = 1 ]; then
+            opts+=(-DGGML_NATIVE=ON)
+        else
+            opts+=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+        fi
     fi
     if command -v ninja >/dev/null; then opts+=(-G Ninja); fi
     if [ ! -f "$llamacpp_dir/build/CMakeCache.txt" ]; then

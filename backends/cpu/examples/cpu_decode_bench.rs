@@ -1,5 +1,5 @@
 //! Prompt and decode speed of the CPU backend on a real GGUF model, with 1 and 2 threads
-//! (and every core, when there are more).
+//! (and every core, when there are more), on each SIMD instruction set the CPU runs.
 //!
 //! ```text
 //! cargo run --release -p kiln-backend-cpu --example cpu_decode_bench [-- MODEL.gguf]
@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kiln_backend_cpu::CpuBackend;
+use kiln_backend_cpu::{CpuBackend, Isa};
 use kiln_core::{argmax, DecodeItem, LoadOptions};
 
 const PROMPT_TOKENS: usize = 64;
@@ -50,9 +50,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let vocab = c.vocab_size;
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
-    for threads in counts {
+    let isas: Vec<Isa> = Isa::available().into_iter().filter(|&isa| isa != Isa::Portable).collect();
+    for (threads, isa) in counts.iter().flat_map(|&t| isas.iter().map(move |&isa| (t, isa))) {
         let opts = LoadOptions { max_context: 512, max_sequences: 1, threads: Some(threads), ..Default::default() };
-        let mut ex = CpuBackend.load_executor(&ir, &opts)?;
+        let mut ex = CpuBackend.load_executor_on(&ir, &opts, isa)?;
         let mut logits = vec![0.0f32; vocab];
         // Warm-up: page the weights in and spin the pool up.
         let seq = kiln_core::LayerExecutor::new_sequence(&mut ex)?;
@@ -70,7 +71,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let decode_s = t.elapsed().as_secs_f64();
         println!(
-            "threads {threads}: prompt {PROMPT_TOKENS} tokens {:.1} tok/s, decode {DECODE_TOKENS} tokens {:.1} tok/s ({:.2} ms/token)",
+            "{:>8} threads {threads}: prompt {PROMPT_TOKENS} tokens {:.1} tok/s, decode {DECODE_TOKENS} tokens {:.1} tok/s ({:.2} ms/token)",
+            isa.name(),
             PROMPT_TOKENS as f64 / prefill_s,
             DECODE_TOKENS as f64 / decode_s,
             decode_s * 1e3 / DECODE_TOKENS as f64

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::{block_sums, Avx2};
+use crate::kernels::{block_sums, Avx2, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
 
@@ -184,14 +184,14 @@ fn opt_vector(view: &Option<TensorView>, len: usize, what: &str) -> Result<Optio
 pub const MAX_THREADS_PER_CORE: usize = 4;
 
 impl CpuExecutor {
-    pub(crate) fn load(ir: &ModelIr, options: &LoadOptions) -> Result<CpuExecutor> {
+    pub(crate) fn load(ir: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<CpuExecutor> {
         let c = &ir.config;
         c.validate()?;
         let w = &ir.weights;
         if w.layers.len() != c.num_layers {
             return Err(Error::Format(format!("config says {} layers, weights have {}", c.num_layers, w.layers.len())));
         }
-        let simd = Avx2::detect();
+        let simd = Simd::detect(isa).map(Simd::avx2);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in w.layers.iter().enumerate() {
@@ -213,21 +213,21 @@ impl CpuExecutor {
             layers.push(Layer {
                 attn_norm: vector(&l.attn_norm, h, "attention norm")?,
                 attn_norm_bias: opt_vector(&l.attn_norm_bias, h, "attention norm bias")?,
-                q: QMatrix::new(&l.attn_q, h, qd, simd)?,
-                k: QMatrix::new(&l.attn_k, h, kvd, simd)?,
-                v: QMatrix::new(&l.attn_v, h, kvd, simd)?,
+                q: QMatrix::new(&l.attn_q, h, qd, isa)?,
+                k: QMatrix::new(&l.attn_k, h, kvd, isa)?,
+                v: QMatrix::new(&l.attn_v, h, kvd, isa)?,
                 q_bias: opt_vector(&l.attn_q_bias, qd, "Q bias")?,
                 k_bias: opt_vector(&l.attn_k_bias, kvd, "K bias")?,
                 v_bias: opt_vector(&l.attn_v_bias, kvd, "V bias")?,
                 q_norm: opt_vector(&l.attn_q_norm, hd, "Q norm")?,
                 k_norm: opt_vector(&l.attn_k_norm, hd, "K norm")?,
-                out: QMatrix::new(&l.attn_out, qd, h, simd)?,
+                out: QMatrix::new(&l.attn_out, qd, h, isa)?,
                 out_bias: opt_vector(&l.attn_out_bias, h, "attention output bias")?,
                 ffn_norm: opt_vector(&l.ffn_norm, h, "FFN norm")?,
                 ffn_norm_bias: opt_vector(&l.ffn_norm_bias, h, "FFN norm bias")?,
-                gate: l.ffn_gate.as_ref().map(|g| QMatrix::new(g, h, ffn, simd)).transpose()?,
-                up: QMatrix::new(&l.ffn_up, h, ffn, simd)?,
-                down: QMatrix::new(&l.ffn_down, ffn, h, simd)?,
+                gate: l.ffn_gate.as_ref().map(|g| QMatrix::new(g, h, ffn, isa)).transpose()?,
+                up: QMatrix::new(&l.ffn_up, h, ffn, isa)?,
+                down: QMatrix::new(&l.ffn_down, ffn, h, isa)?,
                 post_attn_norm: opt_vector(&l.attn_post_norm, h, "post-attention norm")?,
                 post_ffn_norm: opt_vector(&l.ffn_post_norm, h, "post-MLP norm")?,
             });
@@ -284,10 +284,10 @@ impl CpuExecutor {
         let model = Model {
             config: c.clone(),
             layers,
-            embd: QMatrix::new(&w.token_embd, h, c.vocab_size, simd)?,
+            embd: QMatrix::new(&w.token_embd, h, c.vocab_size, isa)?,
             out_norm: vector(&w.output_norm, h, "output norm")?,
             out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
-            lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, simd)?,
+            lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, isa)?,
             kv,
             inv_freq,
             local_inv_freq,

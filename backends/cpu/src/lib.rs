@@ -23,6 +23,7 @@ pub mod ops;
 
 pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize};
 pub use matmul::MAX_BATCH;
+pub use kernels::Isa;
 
 /// The `cpu` backend: always available, score 10 for every model whose weight types it
 /// can multiply with.
@@ -32,7 +33,13 @@ pub struct CpuBackend;
 impl CpuBackend {
     /// Loads `model` as a concrete [`CpuExecutor`] (what [`Backend::load`] boxes).
     pub fn load_executor(&self, model: &ModelIr, options: &LoadOptions) -> Result<CpuExecutor> {
-        CpuExecutor::load(model, options)
+        CpuExecutor::load(model, options, Isa::best())
+    }
+
+    /// As [`CpuBackend::load_executor`], with kernels no wider than `isa` (to compare the
+    /// instruction sets on one machine; the results agree to rounding).
+    pub fn load_executor_on(&self, model: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<CpuExecutor> {
+        CpuExecutor::load(model, options, isa)
     }
 }
 
@@ -48,7 +55,7 @@ fn cpu_features() -> String {
         .into_iter()
         .filter_map(|(n, on)| on.then_some(n))
         .collect();
-        let path = if kernels::simd_available() { "avx2 kernels" } else { "portable kernels" };
+        let path = format!("{} kernels", Isa::best().name());
         format!("x86_64 {} ({path})", found.join(" "))
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -10,7 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
-use crate::kernels::{dot4_f32, dot_f32, Act, Avx2, Kernel, RowDot};
+use crate::kernels::{dot4_f32, dot_f32, Act, Avx2, Isa, Kernel, RowDot};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
@@ -37,9 +37,10 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
-    /// Wraps `view`, checking it is `rows × cols` (`cols` contiguous) of a supported type.
-    pub fn new(view: &TensorView, cols: usize, rows: usize, simd: Option<Avx2>) -> Result<QMatrix> {
-        let kernel = Kernel::new(view.qtype(), simd.is_some()).ok_or_else(|| {
+    /// Wraps `view`, checking it is `rows × cols` (`cols` contiguous) of a supported type;
+    /// its kernel uses the widest instruction set up to `isa` that the CPU has.
+    pub fn new(view: &TensorView, cols: usize, rows: usize, isa: Isa) -> Result<QMatrix> {
+        let kernel = Kernel::new(view.qtype(), isa).ok_or_else(|| {
             Error::Unsupported(format!("tensor {}: the cpu backend cannot multiply {} weights", view.name(), view.qtype()))
         })?;
         if view.dims().len() != 2 || view.row_len() != cols || view.rows() != rows {

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{random_bytes, random_vec};
-use kiln_backend_cpu::kernels::{block_sums, dot4_f32, dot_f32, simd_available, Act, Kernel, RowDot, SUPPORTED};
+use kiln_backend_cpu::kernels::{block_sums, dot4_f32, dot_f32, simd_available, Act, Isa, Kernel, RowDot, SUPPORTED};
 use kiln_core::{quant::dequantize, QType, Rng};
 
 fn row_lengths(q: QType) -> Vec<usize> {
@@ -15,13 +15,15 @@ fn row_lengths(q: QType) -> Vec<usize> {
     }
 }
 
-fn paths() -> Vec<bool> {
-    if simd_available() {
-        vec![false, true]
-    } else {
+/// Every instruction set this CPU runs (each kernel path is checked on its own).
+fn paths() -> Vec<Isa> {
+    let isas = Isa::available();
+    if !isas.contains(&Isa::Avx2) {
         println!("note: no AVX2/FMA/F16C here; only the portable kernels are tested");
-        vec![false]
+    } else if !isas.contains(&Isa::Avx512) {
+        println!("note: no AVX-512 here; its kernels are not tested on this machine");
     }
+    isas
 }
 
 /// Runs both kernel paths over `rows` rows of `cols` values in `bytes` and checks each
@@ -40,6 +42,7 @@ fn assert_dots_match_reference(q: QType, bytes: &[u8], rows: usize, cols: usize,
     }
     for simd in paths() {
         let kernel = Kernel::new(q, simd).unwrap();
+        let simd = simd.name();
         let mut out = vec![f32::NAN; rows];
         kernel.dot_rows(bytes, row_bytes, Act { x, sums: &sums }, &mut out);
         for r in 0..rows {
@@ -113,10 +116,15 @@ fn simd_kernels_are_selected_when_available() {
         QType::Q6_K,
         QType::AprQ4,
     ];
+    let wide = Isa::available().contains(&Isa::Avx512);
     for q in simd_types {
-        let on = format!("{:?}", Kernel::new(q, true).unwrap());
-        let off = format!("{:?}", Kernel::new(q, false).unwrap());
-        assert!(on.contains("simd: Some(Avx2") && off.contains("simd: None"), "{q}: {on} / {off}");
+        let off = format!("{:?}", Kernel::new(q, Isa::Portable).unwrap());
+        let on = format!("{:?}", Kernel::new(q, Isa::Avx2).unwrap());
+        assert!(on.contains("Avx2(") && off.contains("simd: None"), "{q}: {on} / {off}");
+        // The block types have AVX-512 kernels; the float ones stay on AVX2.
+        let widest = format!("{:?}", Kernel::new(q, Isa::Avx512).unwrap());
+        let float = matches!(q, QType::F32 | QType::F16 | QType::BF16);
+        assert_eq!(widest.contains("Avx512("), wide && !float, "{q}: {widest}");
     }
 }
 
@@ -145,7 +153,7 @@ fn apr_q4_dots_equal_q4_0_dots_of_the_permuted_blocks() {
             Kernel::new(QType::Q4_0, simd).unwrap().dot_rows(&q40, row_bytes, Act { x: &x, sums: &sums }, &mut want);
             for r in 0..rows {
                 let (g, w) = (got[r], want[r]);
-                assert_eq!(g.to_bits(), w.to_bits(), "cols {cols} row {r} simd {simd}: {g} vs {w}");
+                assert_eq!(g.to_bits(), w.to_bits(), "cols {cols} row {r} simd {simd:?}: {g} vs {w}");
             }
         }
     }
@@ -160,7 +168,7 @@ fn row_dequantisation_matches_reference_bit_for_bit() {
             let mut want = vec![0.0f32; cols];
             dequantize(q, &bytes, &mut want).unwrap();
             let mut got = vec![f32::NAN; cols];
-            Kernel::new(q, false).unwrap().dequant_row(&bytes, &mut got);
+            Kernel::new(q, Isa::Portable).unwrap().dequant_row(&bytes, &mut got);
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{q} cols {cols} value {i}: {a} vs {b}");
             }
@@ -171,7 +179,7 @@ fn row_dequantisation_matches_reference_bit_for_bit() {
 #[test]
 fn unsupported_types_have_no_kernel() {
     for q in [QType::Q8_1, QType::Q8_K] {
-        assert!(Kernel::new(q, true).is_none(), "{q}");
+        assert!(Kernel::new(q, Isa::Avx512).is_none(), "{q}");
         assert!(!SUPPORTED.contains(&q));
     }
 }
@@ -184,14 +192,14 @@ fn f32_dot_handles_every_tail_length() {
         let b = random_vec(&mut rng, n, 1.0);
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         for simd in paths() {
-            let token = if simd { kiln_backend_cpu::kernels::Avx2::detect() } else { None };
+            let token = kiln_backend_cpu::kernels::Simd::detect(simd).map(|s| s.avx2());
             let got = dot_f32(token, &a, &b);
-            assert!((got as f64 - want).abs() < 1e-5, "n {n} simd {simd}: {got} vs {want}");
+            assert!((got as f64 - want).abs() < 1e-5, "n {n} simd {simd:?}: {got} vs {want}");
             let neg: Vec<f32> = b.iter().map(|v| -v).collect();
             let four = dot4_f32(token, &a, [&b, &neg, &a, &b]);
             let self_dot: f64 = a.iter().map(|x| *x as f64 * *x as f64).sum();
             for (got, want) in four.iter().zip([want, -want, self_dot, want]) {
-                assert!((*got as f64 - want).abs() < 1e-5, "dot4 n {n} simd {simd}: {got} vs {want}");
+                assert!((*got as f64 - want).abs() < 1e-5, "dot4 n {n} simd {simd:?}: {got} vs {want}");
             }
         }
     }
@@ -207,13 +215,26 @@ fn simd_kernels_refuse_rows_of_the_wrong_length() {
     }
     let x = vec![1.0f32; 64];
     let sums = vec![32.0f32; 2];
-    for q in [QType::Q4_0, QType::Q4_1, QType::Q8_0, QType::F16] {
-        let k = Kernel::new(q, true).unwrap();
-        let short = vec![0u8; q.row_bytes(32).unwrap()];
-        let r = std::panic::catch_unwind(|| {
-            let mut out = [0f32; 1];
-            k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
-        });
-        assert!(r.is_err(), "{q}: a 32-value row against 64 activations must be refused");
+    for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Portable) {
+        for q in [QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q8_0, QType::F16] {
+            let k = Kernel::new(q, isa).unwrap();
+            let short = vec![0u8; q.row_bytes(32).unwrap()];
+            let r = std::panic::catch_unwind(|| {
+                let mut out = [0f32; 1];
+                k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
+            });
+            assert!(r.is_err(), "{q} {isa:?}: a 32-value row against 64 activations must be refused");
+        }
+        let x = vec![1.0f32; 512];
+        let sums = vec![32.0f32; 16];
+        for q in [QType::Q4_K, QType::Q5_K, QType::Q6_K] {
+            let k = Kernel::new(q, isa).unwrap();
+            let short = vec![0u8; q.row_bytes(256).unwrap()];
+            let r = std::panic::catch_unwind(|| {
+                let mut out = [0f32; 1];
+                k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
+            });
+            assert!(r.is_err(), "{q} {isa:?}: a 256-value row against 512 activations must be refused");
+        }
     }
 }

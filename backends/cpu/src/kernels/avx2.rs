@@ -22,7 +22,7 @@ fn hsum(v: __m256) -> f32 {
 /// Two consecutive f16 values at `p`, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x2(p: *const u8) -> (f32, f32) {
+pub(super) unsafe fn f16x2(p: *const u8) -> (f32, f32) {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
@@ -34,7 +34,7 @@ unsafe fn f16x2(p: *const u8) -> (f32, f32) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x1(p: *const u8) -> f32 {
+pub(super) unsafe fn f16x1(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
@@ -76,7 +76,7 @@ unsafe fn fma_i8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
 /// 0x10 in each byte of `h` that has bit `u` (a one-bit mask in every lane) set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits_masked(h: __m128i, u: __m128i) -> __m128i {
+pub(super) fn fifth_bits_masked(h: __m128i, u: __m128i) -> __m128i {
     _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, u), u), _mm_set1_epi8(0x10))
 }
 
@@ -84,7 +84,7 @@ fn fifth_bits_masked(h: __m128i, u: __m128i) -> __m128i {
 /// That is the fifth bit of a Q5 quant, ready to OR onto its low nibble.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits16(bits: u32) -> __m128i {
+pub(super) fn fifth_bits16(bits: u32) -> __m128i {
     // Byte 0 of `bits` to lanes 0..8, byte 1 to lanes 8..16; lane i then tests bit i % 8.
     let spread = _mm_shuffle_epi8(
         _mm_cvtsi32_si128(bits as i32),

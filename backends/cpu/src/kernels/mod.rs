@@ -3,9 +3,11 @@
 //! here, so each qtype gets its own type and `enum_dispatch` resolves the type once per
 //! chunk of rows rather than once per value.
 //!
-//! Two implementations per hot type: AVX2+FMA+F16C (`avx2`), picked at load when the CPU
-//! has it, and a portable one that dequantises a block into registers-sized scratch and
-//! runs a plain f32 dot. Activations are never quantised: this backend is the oracle.
+//! Three implementations per hot type: AVX-512 (`avx512`, sixteen lanes, 4- and 5-bit
+//! values looked up by permutes), AVX2+FMA+F16C (`avx2`) and a portable one that
+//! dequantises a block into register-sized scratch and runs a plain f32 dot; the widest
+//! the CPU runs is picked at load. Activations are never quantised: this backend is the
+//! oracle.
 
 use enum_dispatch::enum_dispatch;
 use kiln_core::QType;
@@ -16,7 +18,12 @@ use crate::dequant;
 mod avx2;
 
 #[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(target_arch = "x86_64")]
 pub use avx2::Avx2;
+#[cfg(target_arch = "x86_64")]
+pub use avx512::Avx512;
 
 /// Stands in for the AVX2 token where the kernels do not exist: no value can be made.
 #[cfg(not(target_arch = "x86_64"))]
@@ -30,9 +37,85 @@ impl Avx2 {
     }
 }
 
+/// Stands in for the AVX-512 token where the kernels do not exist: no value can be made.
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Avx512 {}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Avx512 {
+    pub fn detect() -> Option<Avx512> {
+        None
+    }
+    pub fn avx2(self) -> Avx2 {
+        match self {}
+    }
+}
+
 /// Whether the AVX2 kernels can run on this CPU.
 pub fn simd_available() -> bool {
     Avx2::detect().is_some()
+}
+
+/// The instruction sets the block kernels come in, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// Every set this CPU runs, narrowest first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().filter(|&isa| isa == Isa::Portable || Simd::detect(isa).map(Simd::isa) == Some(isa)).collect()
+    }
+
+    /// The widest set this CPU runs.
+    pub fn best() -> Isa {
+        Simd::detect(Isa::Avx512).map_or(Isa::Portable, Simd::isa)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// Proof of the SIMD kernels a [`Kernel`] runs: made only by detection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Avx2(Avx2),
+    Avx512(Avx512),
+}
+
+impl Simd {
+    /// The widest kernels this CPU runs, up to `max`; `None` for the portable ones.
+    pub fn detect(max: Isa) -> Option<Simd> {
+        match max {
+            Isa::Portable => None,
+            Isa::Avx2 => Avx2::detect().map(Simd::Avx2),
+            Isa::Avx512 => Avx512::detect().map(Simd::Avx512).or_else(|| Avx2::detect().map(Simd::Avx2)),
+        }
+    }
+
+    pub fn isa(self) -> Isa {
+        match self {
+            Simd::Avx2(_) => Isa::Avx2,
+            Simd::Avx512(_) => Isa::Avx512,
+        }
+    }
+
+    /// The AVX2 token (every CPU with the AVX-512 kernels has it too), for the f32 dots.
+    pub fn avx2(self) -> Avx2 {
+        match self {
+            Simd::Avx2(t) => t,
+            Simd::Avx512(t) => t.avx2(),
+        }
+    }
 }
 
 /// Sums of the activation over each 32-value block. Types with a per-block offset
@@ -120,16 +203,25 @@ macro_rules! block_kernel {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
-            simd: Option<Avx2>,
+            simd: Option<Simd>,
         }
         impl RowDot for $name {
             fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(t) = self.simd {
-                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
-                        *o = avx2::$simd_fn(t, row, x.x, x.sums);
+                match self.simd {
+                    Some(Simd::Avx512(t)) => {
+                        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                            *o = avx512::$simd_fn(t, row, x.x, x.sums);
+                        }
+                        return;
                     }
-                    return;
+                    Some(Simd::Avx2(t)) => {
+                        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                            *o = avx2::$simd_fn(t, row, x.x, x.sums);
+                        }
+                        return;
+                    }
+                    None => {}
                 }
                 let bb = $qtype.block_bytes();
                 for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
@@ -296,14 +388,15 @@ pub const SUPPORTED: [QType; 14] = [
 ];
 
 impl Kernel {
-    /// The kernel for `qtype`, with the AVX2 paths when `simd` asks for them and the CPU
-    /// has them (detected here). `None` for types this backend does not multiply with.
-    pub fn new(qtype: QType, simd: bool) -> Option<Kernel> {
-        let simd = if simd { Avx2::detect() } else { None };
+    /// The kernel for `qtype` on the widest instruction set up to `max` that the CPU has
+    /// (detected here). `None` for types this backend does not multiply with.
+    pub fn new(qtype: QType, max: Isa) -> Option<Kernel> {
+        let simd = Simd::detect(max);
+        let avx2 = simd.map(Simd::avx2);
         Some(match qtype {
-            QType::F32 => F32Kernel { simd }.into(),
-            QType::F16 => F16Kernel { simd }.into(),
-            QType::BF16 => Bf16Kernel { simd }.into(),
+            QType::F32 => F32Kernel { simd: avx2 }.into(),
+            QType::F16 => F16Kernel { simd: avx2 }.into(),
+            QType::BF16 => Bf16Kernel { simd: avx2 }.into(),
             QType::Q4_0 => Q4_0Kernel { simd }.into(),
             QType::Q4_1 => Q4_1Kernel { simd }.into(),
             QType::Q5_0 => Q5_0Kernel { simd }.into(),

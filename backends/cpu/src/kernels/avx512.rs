@@ -1,0 +1,375 @@
+//! AVX-512 fused dequantise-and-dot kernels for the block types real models spend their
+//! bytes on. Same contract as the AVX2 kernels (f32 activations, exact dequantised values,
+//! offsets folded in through the activation's block sums), twice the lanes.
+//!
+//! The 4- and 5-bit types skip the integer-to-float conversion: a block's sixteen (or
+//! thirty-two) possible values, already multiplied by the block's scale, sit in one (or
+//! two) registers, and `vpermps` (`vpermt2ps`) picks each weight's value by its quant. The
+//! permute reads only the low 4 (5) bits of each 32-bit lane, so the low nibble needs no
+//! mask. Each table entry is `d · q` in f32, exact (an 11-bit mantissa times a 5-bit
+//! integer), so the weights equal the reference dequantiser's bit for bit.
+//!
+//! Every function here requires AVX-512F plus AVX2, FMA and F16C (the token's detection
+//! checks all four) and a row holding exactly `x.len()` values of its type.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{f16x1, f16x2, fifth_bits16, fifth_bits_masked};
+use super::Avx2;
+use crate::dequant::scale_min_k4;
+
+/// Proof that this CPU runs AVX-512F as well as AVX2, FMA and F16C: only
+/// [`Avx512::detect`] makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512(Avx2);
+
+impl Avx512 {
+    /// A token when the CPU has AVX-512F, AVX2, FMA and F16C.
+    pub fn detect() -> Option<Avx512> {
+        let avx2 = Avx2::detect()?;
+        is_x86_feature_detected!("avx512f").then_some(Avx512(avx2))
+    }
+
+    /// The AVX2 token this CPU also has (for kernels without an AVX-512 version).
+    pub fn avx2(self) -> Avx2 {
+        self.0
+    }
+}
+
+/// 0, 1, …, 15 as f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn iota16() -> __m512 {
+    _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0)
+}
+
+/// Σ table[q & 15] · x over 16 bytes `q` and `x[0..16]`, added to `acc`; only the low four
+/// bits of each byte choose.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn fma_lut16(q: __m128i, table: __m512, x: *const f32, acc: __m512) -> __m512 {
+    // SAFETY: the caller guarantees the features (the safe wrappers take a token only
+    // detection makes) and that `x` points at 16 readable values.
+    unsafe { _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table), _mm512_loadu_ps(x), acc) }
+}
+
+/// Σ (lo ++ hi)[q & 31] · x over 16 bytes `q` and `x[0..16]`, added to `acc`: a 32-entry
+/// table in two registers, only the low five bits of each byte choose.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn fma_lut32(q: __m128i, lo: __m512, hi: __m512, x: *const f32, acc: __m512) -> __m512 {
+    // SAFETY: as for `fma_lut16`.
+    unsafe { _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, _mm512_cvtepu8_epi32(q), hi), _mm512_loadu_ps(x), acc) }
+}
+
+/// Σ q·x over 16 signed bytes `q` and `x[0..16]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_i8x16(q: __m128i, x: *const f32) -> __m512 {
+    // SAFETY: as for `fma_lut16`.
+    unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x)) }
+}
+
+/// Q4_0 and APR Q4 (see the AVX2 kernel for the two nibble orders): weights `d·(q − 8)`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 32;
+        let values = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0));
+        let mask = _mm_set1_epi8(0x0F);
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for b in 0..nb {
+            let p = row.as_ptr().add(b * 18);
+            let px = x.as_ptr().add(b * 32);
+            let table = _mm512_mul_ps(values, _mm512_set1_ps(f16x1(p)));
+            let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let (first, second) = if interleaved {
+                let (lo, hi) = (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+                (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+            } else {
+                (qs, _mm_srli_epi16(qs, 4))
+            };
+            acc0 = fma_lut16(first, table, px, acc0);
+            acc1 = fma_lut16(second, table, px.add(16), acc1);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    // SAFETY: as for `dot_q4_symmetric`.
+    unsafe { dot_q4_symmetric(row, x, false) }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    // SAFETY: as for `dot_q4_symmetric`.
+    unsafe { dot_q4_symmetric(row, x, true) }
+}
+
+/// Q4_1: weights `d·q + m`; the `m` part is `m · Σx` per block.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 32;
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut offset = 0.0f32;
+        for b in 0..nb {
+            let p = row.as_ptr().add(b * 20);
+            let px = x.as_ptr().add(b * 32);
+            let (d, m) = f16x2(p);
+            let table = _mm512_mul_ps(iota16(), _mm512_set1_ps(d));
+            let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
+            acc0 = fma_lut16(qs, table, px, acc0);
+            acc1 = fma_lut16(_mm_srli_epi16(qs, 4), table, px.add(16), acc1);
+            offset += m * *sums.get_unchecked(b);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset
+    }
+}
+
+/// Q5_0: weights `d·(q − 16)` with 5-bit `q`; a two-register table of 32 values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 32;
+        let mask = _mm_set1_epi8(0x0F);
+        let low_values = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0));
+        let high_values = iota16();
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for b in 0..nb {
+            let p = row.as_ptr().add(b * 22);
+            let px = x.as_ptr().add(b * 32);
+            let d = _mm512_set1_ps(f16x1(p));
+            let (low, high) = (_mm512_mul_ps(low_values, d), _mm512_mul_ps(high_values, d));
+            let qh = (p.add(2) as *const u32).read_unaligned().to_le();
+            let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
+            let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
+            let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
+            acc0 = fma_lut32(lo, low, high, px, acc0);
+            acc1 = fma_lut32(hi, low, high, px.add(16), acc1);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+}
+
+/// Q5_1: weights `d·q + m` with 5-bit `q`; the `m` part is `m · Σx` per block.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 32;
+        let mask = _mm_set1_epi8(0x0F);
+        let high_values = _mm512_add_ps(iota16(), _mm512_set1_ps(16.0));
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut offset = 0.0f32;
+        for b in 0..nb {
+            let p = row.as_ptr().add(b * 24);
+            let px = x.as_ptr().add(b * 32);
+            let (d, m) = f16x2(p);
+            let d = _mm512_set1_ps(d);
+            let (low, high) = (_mm512_mul_ps(iota16(), d), _mm512_mul_ps(high_values, d));
+            let qh = (p.add(4) as *const u32).read_unaligned().to_le();
+            let qs = _mm_loadu_si128(p.add(8) as *const __m128i);
+            let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
+            let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
+            acc0 = fma_lut32(lo, low, high, px, acc0);
+            acc1 = fma_lut32(hi, low, high, px.add(16), acc1);
+            offset += m * *sums.get_unchecked(b);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset
+    }
+}
+
+/// Q8_0: weights `d·q` with signed 8-bit `q`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 32;
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for b in 0..nb {
+            let p = row.as_ptr().add(b * 34);
+            let px = x.as_ptr().add(b * 32);
+            let d = _mm512_set1_ps(f16x1(p));
+            let q0 = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let q1 = _mm_loadu_si128(p.add(18) as *const __m128i);
+            acc0 = _mm512_fmadd_ps(d, dot_i8x16(q0, px), acc0);
+            acc1 = _mm512_fmadd_ps(d, dot_i8x16(q1, px.add(16)), acc1);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+}
+
+/// Q4_K: 256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit scale and
+/// min; weights `d·sc·q − dmin·m`, the min part through the activation's block sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 256;
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut offset = 0.0f32;
+        for b in 0..nb {
+            let blk = &row[b * 144..(b + 1) * 144];
+            let (d, dmin) = f16x2(blk.as_ptr());
+            let scales = &blk[4..16];
+            let qs = blk.as_ptr().add(16);
+            let px = x.as_ptr().add(b * 256);
+            let bs = sums.as_ptr().add(b * 8);
+            let mut mins = 0.0f32;
+            for i in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * i, scales);
+                let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+                // d·sc is exact in f32 (11-bit mantissa times 6 bits), and so is each entry.
+                let t1 = _mm512_mul_ps(iota16(), _mm512_set1_ps(d * sc1 as f32));
+                let t2 = _mm512_mul_ps(iota16(), _mm512_set1_ps(d * sc2 as f32));
+                let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
+                let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+                let x0 = px.add(64 * i);
+                acc0 = fma_lut16(qa, t1, x0, acc0);
+                acc1 = fma_lut16(qb, t1, x0.add(16), acc1);
+                acc0 = fma_lut16(_mm_srli_epi16(qa, 4), t2, x0.add(32), acc0);
+                acc1 = fma_lut16(_mm_srli_epi16(qb, 4), t2, x0.add(48), acc1);
+                mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
+            }
+            offset += dmin * mins;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - offset
+    }
+}
+
+/// Q5_K: Q4_K with a fifth bit per value; a two-register table per sub-block.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 256;
+        let mask = _mm_set1_epi8(0x0F);
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let sixteen = _mm512_set1_ps(16.0);
+        let mut offset = 0.0f32;
+        for b in 0..nb {
+            let blk = &row[b * 176..(b + 1) * 176];
+            let (d, dmin) = f16x2(blk.as_ptr());
+            let scales = &blk[4..16];
+            let qha = _mm_loadu_si128(blk.as_ptr().add(16) as *const __m128i);
+            let qhb = _mm_loadu_si128(blk.as_ptr().add(32) as *const __m128i);
+            let qs = blk.as_ptr().add(48);
+            let px = x.as_ptr().add(b * 256);
+            let bs = sums.as_ptr().add(b * 8);
+            let mut mins = 0.0f32;
+            for i in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * i, scales);
+                let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+                let (s1, s2) = (_mm512_set1_ps(d * sc1 as f32), _mm512_set1_ps(d * sc2 as f32));
+                let (lo1, hi1) = (_mm512_mul_ps(iota16(), s1), _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s1));
+                let (lo2, hi2) = (_mm512_mul_ps(iota16(), s2), _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s2));
+                let u1 = _mm_set1_epi8((1u8 << (2 * i)) as i8);
+                let u2 = _mm_set1_epi8((2u8 << (2 * i)) as i8);
+                let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
+                let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+                let x0 = px.add(64 * i);
+                let la = _mm_or_si128(_mm_and_si128(qa, mask), fifth_bits_masked(qha, u1));
+                let lb = _mm_or_si128(_mm_and_si128(qb, mask), fifth_bits_masked(qhb, u1));
+                let ha = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), fifth_bits_masked(qha, u2));
+                let hb = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), fifth_bits_masked(qhb, u2));
+                acc0 = fma_lut32(la, lo1, hi1, x0, acc0);
+                acc1 = fma_lut32(lb, lo1, hi1, x0.add(16), acc1);
+                acc0 = fma_lut32(ha, lo2, hi2, x0.add(32), acc0);
+                acc1 = fma_lut32(hb, lo2, hi2, x0.add(48), acc1);
+                mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
+            }
+            offset += dmin * mins;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - offset
+    }
+}
+
+/// Q6_K: 6-bit quants (low nibble + two high bits) minus 32, an 8-bit scale per 16 values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features and the slice lengths (checked by the
+    // safe wrappers); every pointer stays inside those slices.
+    unsafe {
+        let nb = x.len() / 256;
+        let mask = _mm_set1_epi8(0x0F);
+        let three = _mm_set1_epi8(3);
+        let bias = _mm_set1_epi8(32);
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for b in 0..nb {
+            let blk = row.as_ptr().add(b * 210);
+            let d = f16x1(blk.add(208));
+            let sc = blk.add(192) as *const i8;
+            let px = x.as_ptr().add(b * 256);
+            for n in 0..2 {
+                let ql = blk.add(64 * n);
+                let qh = blk.add(128 + 32 * n);
+                for half in 0..2 {
+                    let l0 = 16 * half;
+                    let qla = _mm_loadu_si128(ql.add(l0) as *const __m128i);
+                    let qlb = _mm_loadu_si128(ql.add(32 + l0) as *const __m128i);
+                    let h = _mm_loadu_si128(qh.add(l0) as *const __m128i);
+                    let h0 = _mm_slli_epi16(_mm_and_si128(h, three), 4);
+                    let h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4);
+                    let h2 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4);
+                    let h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4);
+                    let q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qla, mask), h0), bias);
+                    let q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qlb, mask), h1), bias);
+                    let q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2), bias);
+                    let q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3), bias);
+                    let y = px.add(128 * n + l0);
+                    let s = sc.add(8 * n + half);
+                    acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * *s as f32), dot_i8x16(q1, y), acc0);
+                    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d * *s.add(2) as f32), dot_i8x16(q2, y.add(32)), acc1);
+                    acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * *s.add(4) as f32), dot_i8x16(q3, y.add(64)), acc0);
+                    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d * *s.add(6) as f32), dot_i8x16(q4, y.add(96)), acc1);
+                }
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+}
+
+/// Safe entry points, checked on every call exactly as the AVX2 ones are.
+macro_rules! block_dot {
+    ($($name:ident => $inner:ident, $block:expr, $bytes:expr, $uses_sums:expr;)*) => {$(
+        pub fn $name(_: Avx512, row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+            assert!(
+                x.len() % $block == 0 && row.len() == x.len() / $block * $bytes,
+                concat!(stringify!($name), ": a row of {} bytes for {} values"),
+                row.len(),
+                x.len()
+            );
+            if $uses_sums {
+                assert_eq!(sums.len(), x.len() / 32, concat!(stringify!($name), ": block sums"));
+            }
+            // SAFETY: the token proves the features; the lengths were checked above.
+            unsafe { $inner(row, x, sums) }
+        }
+    )*};
+}
+
+block_dot! {
+    dot_q4_0 => dot_q4_0_unchecked, 32, 18, false;
+    dot_apr_q4 => dot_apr_q4_unchecked, 32, 18, false;
+    dot_q4_1 => dot_q4_1_unchecked, 32, 20, true;
+    dot_q5_0 => dot_q5_0_unchecked, 32, 22, false;
+    dot_q5_1 => dot_q5_1_unchecked, 32, 24, true;
+    dot_q8_0 => dot_q8_0_unchecked, 32, 34, false;
+    dot_q4_k => dot_q4_k_unchecked, 256, 144, true;
+    dot_q5_k => dot_q5_k_unchecked, 256, 176, true;
+    dot_q6_k => dot_q6_k_unchecked, 256, 210, false;
+}
