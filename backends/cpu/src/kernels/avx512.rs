@@ -2,32 +2,33 @@
 //! bytes on. Same contract as the AVX2 kernels (f32 activations, exact dequantised values,
 //! offsets folded in through the activation's block sums), twice the lanes.
 //!
-//! The 4- and 5-bit types skip the integer-to-float conversion: a block's sixteen (or
-//! thirty-two) possible values, already multiplied by the block's scale, sit in one (or
-//! two) registers, and `vpermps` (`vpermt2ps`) picks each weight's value by its quant. The
-//! permute reads only the low 4 (5) bits of each 32-bit lane, so the low nibble needs no
-//! mask. Each table entry is `d · q` in f32, exact (an 11-bit mantissa times a 5-bit
+//! The 4- and 5-bit types skip the integer-to-float conversion: a block's sixteen possible
+//! values per nibble, already multiplied by the block's scale, sit in a register, and
+//! `vpermps` picks each weight's value by its quant (a 5-bit type has two such tables and
+//! its fifth bits, as a lane mask, choose between them). The permute reads only the low
+//! 4 bits of each 32-bit lane, so no nibble needs masking. Each table entry is `d · q` in f32, exact (an 11-bit mantissa times a 5-bit
 //! integer), so the weights equal the reference dequantiser's bit for bit.
 //!
-//! Every function here requires AVX-512F plus AVX2, FMA and F16C (the token's detection
-//! checks all four) and a row holding exactly `x.len()` values of its type.
+//! Every function here requires AVX-512F, BW and VL plus AVX2, FMA and F16C (the token's
+//! detection checks them all) and a row holding exactly `x.len()` values of its type.
 
 use std::arch::x86_64::*;
 
-use super::avx2::{f16x1, f16x2, fifth_bits16, fifth_bits_masked};
+use super::avx2::{f16x1, f16x2};
 use super::Avx2;
 use crate::dequant::scale_min_k4;
 
-/// Proof that this CPU runs AVX-512F as well as AVX2, FMA and F16C: only
+/// Proof that this CPU runs AVX-512F, BW and VL as well as AVX2, FMA and F16C: only
 /// [`Avx512::detect`] makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512(Avx2);
 
 impl Avx512 {
-    /// A token when the CPU has AVX-512F, AVX2, FMA and F16C.
+    /// A token when the CPU has AVX-512F, BW and VL, AVX2, FMA and F16C.
     pub fn detect() -> Option<Avx512> {
         let avx2 = Avx2::detect()?;
-        is_x86_feature_detected!("avx512f").then_some(Avx512(avx2))
+        let wide = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl");
+        wide.then_some(Avx512(avx2))
     }
 
     /// The AVX2 token this CPU also has (for kernels without an AVX-512 version).
@@ -38,33 +39,49 @@ impl Avx512 {
 
 /// 0, 1, …, 15 as f32.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn iota16() -> __m512 {
     _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0)
+}
+
+/// The f16 at `p`, as f32 in all sixteen lanes. Broadcast as a half and converted as a
+/// vector: converting one lane and broadcasting that lets the compiler insert into a
+/// register of its choice, and when it picks a loop's accumulator every block waits for
+/// the previous block's FMA (seen: Q4_0 at half the speed of Q4_1).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn f16_splat(p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees the features and two readable bytes at `p`.
+    unsafe { _mm512_cvtph_ps(_mm256_set1_epi16((p as *const u16).read_unaligned() as i16)) }
 }
 
 /// Σ table[q & 15] · x over 16 bytes `q` and `x[0..16]`, added to `acc`; only the low four
 /// bits of each byte choose.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn fma_lut16(q: __m128i, table: __m512, x: *const f32, acc: __m512) -> __m512 {
     // SAFETY: the caller guarantees the features (the safe wrappers take a token only
     // detection makes) and that `x` points at 16 readable values.
     unsafe { _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table), _mm512_loadu_ps(x), acc) }
 }
 
-/// Σ (lo ++ hi)[q & 31] · x over 16 bytes `q` and `x[0..16]`, added to `acc`: a 32-entry
-/// table in two registers, only the low five bits of each byte choose.
+/// Σ w·x over 16 bytes `q` and `x[0..16]`, added to `acc`, where w is `hi[q & 15]` in the
+/// lanes set in `fifth` and `lo[q & 15]` in the others: a 5-bit quant's value from two
+/// 16-entry tables.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn fma_lut32(q: __m128i, lo: __m512, hi: __m512, x: *const f32, acc: __m512) -> __m512 {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn fma_lut5(q: __m128i, fifth: __mmask16, lo: __m512, hi: __m512, x: *const f32, acc: __m512) -> __m512 {
     // SAFETY: as for `fma_lut16`.
-    unsafe { _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, _mm512_cvtepu8_epi32(q), hi), _mm512_loadu_ps(x), acc) }
+    unsafe {
+        let idx = _mm512_cvtepu8_epi32(q);
+        let w = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, lo), fifth, idx, hi);
+        _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc)
+    }
 }
 
 /// Σ q·x over 16 signed bytes `q` and `x[0..16]`.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_i8x16(q: __m128i, x: *const f32) -> __m512 {
     // SAFETY: as for `fma_lut16`.
     unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x)) }
@@ -72,7 +89,7 @@ unsafe fn dot_i8x16(q: __m128i, x: *const f32) -> __m512 {
 
 /// Q4_0 and APR Q4 (see the AVX2 kernel for the two nibble orders): weights `d·(q − 8)`.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
@@ -84,7 +101,7 @@ unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
         for b in 0..nb {
             let p = row.as_ptr().add(b * 18);
             let px = x.as_ptr().add(b * 32);
-            let table = _mm512_mul_ps(values, _mm512_set1_ps(f16x1(p)));
+            let table = _mm512_mul_ps(values, f16_splat(p));
             let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
             let (first, second) = if interleaved {
                 let (lo, hi) = (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask));
@@ -99,20 +116,20 @@ unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
     }
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: as for `dot_q4_symmetric`.
     unsafe { dot_q4_symmetric(row, x, false) }
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: as for `dot_q4_symmetric`.
     unsafe { dot_q4_symmetric(row, x, true) }
 }
 
 /// Q4_1: weights `d·q + m`; the `m` part is `m · Σx` per block.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
@@ -135,40 +152,36 @@ unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 }
 
 /// Q5_0: weights `d·(q − 16)` with 5-bit `q`; a two-register table of 32 values.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 32;
-        let mask = _mm_set1_epi8(0x0F);
         let low_values = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0));
         let high_values = iota16();
         let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         for b in 0..nb {
             let p = row.as_ptr().add(b * 22);
             let px = x.as_ptr().add(b * 32);
-            let d = _mm512_set1_ps(f16x1(p));
+            let d = f16_splat(p);
             let (low, high) = (_mm512_mul_ps(low_values, d), _mm512_mul_ps(high_values, d));
             let qh = (p.add(2) as *const u32).read_unaligned().to_le();
             let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
-            let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
-            let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
-            acc0 = fma_lut32(lo, low, high, px, acc0);
-            acc1 = fma_lut32(hi, low, high, px.add(16), acc1);
+            acc0 = fma_lut5(qs, qh as __mmask16, low, high, px, acc0);
+            acc1 = fma_lut5(_mm_srli_epi16(qs, 4), (qh >> 16) as __mmask16, low, high, px.add(16), acc1);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
     }
 }
 
 /// Q5_1: weights `d·q + m` with 5-bit `q`; the `m` part is `m · Σx` per block.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 32;
-        let mask = _mm_set1_epi8(0x0F);
         let high_values = _mm512_add_ps(iota16(), _mm512_set1_ps(16.0));
         let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let mut offset = 0.0f32;
@@ -180,10 +193,8 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let (low, high) = (_mm512_mul_ps(iota16(), d), _mm512_mul_ps(high_values, d));
             let qh = (p.add(4) as *const u32).read_unaligned().to_le();
             let qs = _mm_loadu_si128(p.add(8) as *const __m128i);
-            let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
-            let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
-            acc0 = fma_lut32(lo, low, high, px, acc0);
-            acc1 = fma_lut32(hi, low, high, px.add(16), acc1);
+            acc0 = fma_lut5(qs, qh as __mmask16, low, high, px, acc0);
+            acc1 = fma_lut5(_mm_srli_epi16(qs, 4), (qh >> 16) as __mmask16, low, high, px.add(16), acc1);
             offset += m * *sums.get_unchecked(b);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset
@@ -191,7 +202,7 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 }
 
 /// Q8_0: weights `d·q` with signed 8-bit `q`.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
@@ -201,7 +212,7 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
         for b in 0..nb {
             let p = row.as_ptr().add(b * 34);
             let px = x.as_ptr().add(b * 32);
-            let d = _mm512_set1_ps(f16x1(p));
+            let d = f16_splat(p);
             let q0 = _mm_loadu_si128(p.add(2) as *const __m128i);
             let q1 = _mm_loadu_si128(p.add(18) as *const __m128i);
             acc0 = _mm512_fmadd_ps(d, dot_i8x16(q0, px), acc0);
@@ -213,7 +224,7 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
 
 /// Q4_K: 256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit scale and
 /// min; weights `d·sc·q − dmin·m`, the min part through the activation's block sums.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
@@ -251,13 +262,12 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 }
 
 /// Q5_K: Q4_K with a fifth bit per value; a two-register table per sub-block.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        let mask = _mm_set1_epi8(0x0F);
         let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let sixteen = _mm512_set1_ps(16.0);
         let mut offset = 0.0f32;
@@ -282,14 +292,12 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
                 let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
                 let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
                 let x0 = px.add(64 * i);
-                let la = _mm_or_si128(_mm_and_si128(qa, mask), fifth_bits_masked(qha, u1));
-                let lb = _mm_or_si128(_mm_and_si128(qb, mask), fifth_bits_masked(qhb, u1));
-                let ha = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), fifth_bits_masked(qha, u2));
-                let hb = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), fifth_bits_masked(qhb, u2));
-                acc0 = fma_lut32(la, lo1, hi1, x0, acc0);
-                acc1 = fma_lut32(lb, lo1, hi1, x0.add(16), acc1);
-                acc0 = fma_lut32(ha, lo2, hi2, x0.add(32), acc0);
-                acc1 = fma_lut32(hb, lo2, hi2, x0.add(48), acc1);
+                let (ka1, kb1) = (_mm_test_epi8_mask(qha, u1), _mm_test_epi8_mask(qhb, u1));
+                let (ka2, kb2) = (_mm_test_epi8_mask(qha, u2), _mm_test_epi8_mask(qhb, u2));
+                acc0 = fma_lut5(qa, ka1, lo1, hi1, x0, acc0);
+                acc1 = fma_lut5(qb, kb1, lo1, hi1, x0.add(16), acc1);
+                acc0 = fma_lut5(_mm_srli_epi16(qa, 4), ka2, lo2, hi2, x0.add(32), acc0);
+                acc1 = fma_lut5(_mm_srli_epi16(qb, 4), kb2, lo2, hi2, x0.add(48), acc1);
                 mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
             }
             offset += dmin * mins;
@@ -299,7 +307,7 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 }
 
 /// Q6_K: 6-bit quants (low nibble + two high bits) minus 32, an 8-bit scale per 16 values.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees the features and the slice lengths (checked by the
     // safe wrappers); every pointer stays inside those slices.

@@ -1,0 +1,52 @@
+//! Speed of each fused row-dot kernel on one thread, per instruction set: a weight matrix
+//! that stays in L2 (so the kernel's arithmetic, not memory, is measured) dotted with one
+//! activation, repeated; the median of several timings, in weights per nanosecond and
+//! weight-bytes per second.
+//!
+//! ```text
+//! cargo run --release -p kiln-backend-cpu --example cpu_kernel_bench [-- ROWS COLS]
+//! ```
+
+use std::time::Instant;
+
+use kiln_backend_cpu::kernels::{block_sums, Act, Kernel, RowDot};
+use kiln_backend_cpu::Isa;
+use kiln_core::{QType, Rng};
+
+fn main() {
+    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("ROWS and COLS are numbers"));
+    let rows = args.next().unwrap_or(512);
+    let cols = args.next().unwrap_or(1536);
+    let mut rng = Rng::new(1);
+    let x: Vec<f32> = (0..cols).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+    let mut sums = vec![0.0; cols / 32];
+    block_sums(&x, &mut sums);
+    let isas = Isa::available();
+    println!("{rows} × {cols}, one thread; weights/ns per instruction set ({})", isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "));
+    let types = [QType::Q4_0, QType::AprQ4, QType::Q4_1, QType::Q5_0, QType::Q5_1, QType::Q8_0, QType::Q4_K, QType::Q5_K, QType::Q6_K, QType::F16];
+    for q in types {
+        let Ok(row_bytes) = q.row_bytes(cols) else { continue };
+        let values: Vec<f32> = (0..rows * cols).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+        let mut bytes = vec![0u8; rows * row_bytes];
+        kiln_core::quant::quantize(q, &values, &mut bytes).expect("a quantisable type");
+        let mut line = format!("{:<7}", q.name());
+        for &isa in &isas {
+            let kernel = Kernel::new(q, isa).expect("a kernel for every listed type");
+            let mut out = vec![0.0f32; rows];
+            let mut times = Vec::new();
+            for _ in 0..7 {
+                let reps = 20;
+                let t = Instant::now();
+                for _ in 0..reps {
+                    kernel.dot_rows(&bytes, row_bytes, Act { x: &x, sums: &sums }, &mut out);
+                    std::hint::black_box(&mut out);
+                }
+                times.push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+            times.sort_by(f64::total_cmp);
+            let s = times[times.len() / 2];
+            line += &format!("  {:>9} {:6.2} w/ns {:6.1} GB/s", isa.name(), (rows * cols) as f64 / s / 1e9, (rows * row_bytes) as f64 / s / 1e9);
+        }
+        println!("{line}");
+    }
+}
