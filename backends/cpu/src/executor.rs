@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::{block_sums, Avx2, Isa, Simd};
+use crate::kernels::{block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
 
@@ -52,7 +52,7 @@ struct Model {
     local_inv_freq: Option<Vec<f32>>,
     max_ctx: usize,
     threads: usize,
-    simd: Option<Avx2>,
+    simd: Option<Simd>,
 }
 
 /// One sequence slot: its KV cache (see [`KvLayout`]) and its tokens (a truncation of a
@@ -191,7 +191,7 @@ impl CpuExecutor {
         if w.layers.len() != c.num_layers {
             return Err(Error::Format(format!("config says {} layers, weights have {}", c.num_layers, w.layers.len())));
         }
-        let simd = Simd::detect(isa).map(Simd::avx2);
+        let simd = Simd::detect(isa);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in w.layers.iter().enumerate() {

@@ -10,7 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
-use crate::kernels::{dot4_f32, dot_f32, Act, Avx2, Isa, Kernel, RowDot};
+use crate::kernels::{dot4_f32, dot_f32, Act, Isa, Kernel, RowDot, Simd};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
@@ -102,7 +102,7 @@ unsafe impl Sync for OutPtr {}
 
 /// Runs every job on the same input batch, all rows of all jobs in one parallel region.
 /// Must run inside the executor's thread pool. Jobs must be at most 4.
-pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: Option<Avx2>) {
+pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: Option<Simd>) {
     debug_assert!(jobs.len() <= 4 && input.tokens <= MAX_BATCH);
     let total_rows: usize = jobs.iter().map(|j| j.m.rows).sum();
     let chunk = (total_rows / (threads.max(1) * 8)).clamp(16, 1024);
@@ -137,7 +137,7 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
 }
 
 /// Dequantise each row once, a segment at a time, and dot it with every token.
-fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: Option<Avx2>, write: impl Fn(usize) -> &'o mut [f32]) {
+fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: Option<Simd>, write: impl Fn(usize) -> &'o mut [f32]) {
     let q = m.qtype();
     let seg_bytes = SEGMENT / q.block_len() * q.block_bytes();
     let mut buf = [0.0f32; SEGMENT];

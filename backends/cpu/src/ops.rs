@@ -2,7 +2,7 @@
 
 use kiln_core::RopeKind;
 
-use crate::kernels::{dot_f32, Avx2};
+use crate::kernels::{dot_f32, Simd};
 
 /// `out = x / rms(x) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -88,7 +88,7 @@ pub struct KvRun<'a> {
 /// position through RoPE).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
-    simd: Option<Avx2>,
+    simd: Option<Simd>,
     q: &[f32],
     runs: &[KvRun<'_>],
     stride: usize,

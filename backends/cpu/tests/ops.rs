@@ -79,7 +79,7 @@ fn streaming_attention_equals_full_softmax() {
             let want: Vec<f64> = (0..hd)
                 .map(|d| (0..len).map(|j| (scores[j] - max).exp() / z * values[j * stride + off + d] as f64).sum())
                 .collect();
-            for simd in [None, kiln_backend_cpu::kernels::Avx2::detect()] {
+            for simd in kiln_backend_cpu::kernels::Isa::available().into_iter().map(kiln_backend_cpu::kernels::Simd::detect) {
                 let mut got = vec![f32::NAN; hd];
                 let runs = [KvRun { keys: &keys, values: &values, len }];
                 attend(simd, &q, &runs, stride, off, scale, &mut got);

@@ -351,6 +351,64 @@ unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     }
 }
 
+/// `a · b` over their common length; the tail through a lane mask.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dot_f32_unchecked(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: the caller guarantees the features; every load lies within the first
+    // min(a.len(), b.len()) values of each slice (the last one masked to them).
+    unsafe {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+            i += 32;
+        }
+        while i < n {
+            let k: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, pa.add(i)), _mm512_maskz_loadu_ps(k, pb.add(i)), acc0);
+            i += 16;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+    }
+}
+
+/// `w · x[t]` for four activations, each weight vector loaded once for all four.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dot4_f32_unchecked(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    // SAFETY: as for `dot_f32_unchecked`, over the common length of all five slices.
+    unsafe {
+        let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+        let pw = w.as_ptr();
+        let px = x.map(|x| x.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i < n {
+            let k: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            let wv = _mm512_maskz_loadu_ps(k, pw.add(i));
+            for t in 0..4 {
+                acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(k, px[t].add(i)), acc[t]);
+            }
+            i += 16;
+        }
+        acc.map(|a| _mm512_reduce_add_ps(a))
+    }
+}
+
+/// `a · b` over their common length.
+pub fn dot_f32(_: Avx512, a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: the token proves the features; the kernel reads the common length only.
+    unsafe { dot_f32_unchecked(a, b) }
+}
+
+/// `w · x[t]` for four activations over their common length.
+pub fn dot4_f32(_: Avx512, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    // SAFETY: the token proves the features; the kernel reads the common length only.
+    unsafe { dot4_f32_unchecked(w, x) }
+}
+
 /// Safe entry points, checked on every call exactly as the AVX2 ones are.
 macro_rules! block_dot {
     ($($name:ident => $inner:ident, $block:expr, $bytes:expr, $uses_sums:expr;)*) => {$(

@@ -144,12 +144,14 @@ pub trait RowDot {
     fn dequant_row(&self, row: &[u8], out: &mut [f32]);
 }
 
-/// f32 dot product, vectorised when given the AVX2 token.
+/// f32 dot product, vectorised when given a SIMD token.
 #[inline]
-pub fn dot_f32(simd: Option<Avx2>, a: &[f32], b: &[f32]) -> f32 {
+pub fn dot_f32(simd: Option<Simd>, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if let Some(t) = simd {
-        return avx2::dot_f32(t, a, b);
+    match simd {
+        Some(Simd::Avx512(t)) => return avx512::dot_f32(t, a, b),
+        Some(Simd::Avx2(t)) => return avx2::dot_f32(t, a, b),
+        None => {}
     }
     let _ = simd;
     dot_f32_portable(a, b)
@@ -157,10 +159,12 @@ pub fn dot_f32(simd: Option<Avx2>, a: &[f32], b: &[f32]) -> f32 {
 
 /// `w · x[t]` for four activations, reading `w` once.
 #[inline]
-pub fn dot4_f32(simd: Option<Avx2>, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+pub fn dot4_f32(simd: Option<Simd>, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    if let Some(t) = simd {
-        return avx2::dot4_f32(t, w, x);
+    match simd {
+        Some(Simd::Avx512(t)) => return avx512::dot4_f32(t, w, x),
+        Some(Simd::Avx2(t)) => return avx2::dot4_f32(t, w, x),
+        None => {}
     }
     let _ = simd;
     x.map(|x| dot_f32_portable(w, x))
@@ -276,7 +280,7 @@ portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
 pub struct F32Kernel {
-    simd: Option<Avx2>,
+    simd: Option<Simd>,
 }
 impl RowDot for F32Kernel {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
@@ -329,7 +333,7 @@ impl RowDot for F16Kernel {
 /// bfloat16 weights.
 #[derive(Debug, Clone, Copy)]
 pub struct Bf16Kernel {
-    simd: Option<Avx2>,
+    simd: Option<Simd>,
 }
 impl RowDot for Bf16Kernel {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
@@ -394,9 +398,9 @@ impl Kernel {
         let simd = Simd::detect(max);
         let avx2 = simd.map(Simd::avx2);
         Some(match qtype {
-            QType::F32 => F32Kernel { simd: avx2 }.into(),
+            QType::F32 => F32Kernel { simd }.into(),
             QType::F16 => F16Kernel { simd: avx2 }.into(),
-            QType::BF16 => Bf16Kernel { simd: avx2 }.into(),
+            QType::BF16 => Bf16Kernel { simd }.into(),
             QType::Q4_0 => Q4_0Kernel { simd }.into(),
             QType::Q4_1 => Q4_1Kernel { simd }.into(),
             QType::Q5_0 => Q5_0Kernel { simd }.into(),
