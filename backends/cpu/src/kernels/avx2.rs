@@ -34,7 +34,7 @@ pub(super) unsafe fn f16x2(p: *const u8) -> (f32, f32) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn f16x1(p: *const u8) -> f32 {
+unsafe fn f16x1(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
