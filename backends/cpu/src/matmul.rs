@@ -136,38 +136,75 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
     });
 }
 
-/// Dequantise each row once, a segment at a time, and dot it with every token.
+/// Dequantise each row once, a segment at a time, and dot it with every token. With the
+/// AVX-512 kernels four rows go together and meet four tokens at a time, each loaded vector
+/// used four times (a register-blocked f32 GEMM); otherwise one row meets four tokens.
 fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: Option<Simd>, write: impl Fn(usize) -> &'o mut [f32]) {
     let q = m.qtype();
     let seg_bytes = SEGMENT / q.block_len() * q.block_bytes();
-    let mut buf = [0.0f32; SEGMENT];
-    let mut acc = [0.0f32; MAX_BATCH];
+    let tokens = input.tokens;
+    let mut buf = [[0.0f32; SEGMENT]; 4];
+    let mut acc = [[0.0f32; MAX_BATCH]; 4];
     let mut outs: [&mut [f32]; MAX_BATCH] = std::array::from_fn(|_| <&mut [f32]>::default());
-    for (t, o) in outs.iter_mut().enumerate().take(input.tokens) {
+    for (t, o) in outs.iter_mut().enumerate().take(tokens) {
         *o = write(t);
     }
-    for r in 0..rows {
-        let row = &bytes[r * m.row_bytes..(r + 1) * m.row_bytes];
-        acc[..input.tokens].fill(0.0);
-        for (s, seg) in row.chunks(seg_bytes).enumerate() {
+    let wide = simd.and_then(|s| match s {
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512(t) => Some(t),
+        _ => None,
+    });
+    let group = if wide.is_some() { 4 } else { 1 };
+    let mut r0 = 0;
+    while r0 < rows {
+        let nr = group.min(rows - r0);
+        for a in &mut acc[..nr] {
+            a[..tokens].fill(0.0);
+        }
+        for s in 0..m.cols.div_ceil(SEGMENT) {
             let c0 = s * SEGMENT;
             let n = (m.cols - c0).min(SEGMENT);
-            m.kernel.dequant_row(seg, &mut buf[..n]);
+            for (j, b) in buf.iter_mut().enumerate().take(nr) {
+                let row = &bytes[(r0 + j) * m.row_bytes..(r0 + j + 1) * m.row_bytes];
+                let seg = &row[s * seg_bytes..(s * seg_bytes + seg_bytes).min(row.len())];
+                m.kernel.dequant_row(seg, &mut b[..n]);
+            }
             let x = |t: usize| &input.x[t * m.cols + c0..t * m.cols + c0 + n];
             let mut t = 0;
-            while t + 4 <= input.tokens {
-                let d = dot4_f32(simd, &buf[..n], [x(t), x(t + 1), x(t + 2), x(t + 3)]);
-                for (a, d) in acc[t..t + 4].iter_mut().zip(d) {
-                    *a += d;
+            #[cfg(target_arch = "x86_64")]
+            if let Some(wide) = wide {
+                // Short groups repeat their last row; the repeats' sums are not kept.
+                let w: [&[f32]; 4] = std::array::from_fn(|j| &buf[j.min(nr - 1)][..n]);
+                while t + 4 <= tokens {
+                    let d = crate::kernels::dot4x4_f32(wide, w, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                    for (a, d) in acc.iter_mut().zip(d).take(nr) {
+                        for (a, d) in a[t..t + 4].iter_mut().zip(d) {
+                            *a += d;
+                        }
+                    }
+                    t += 4;
                 }
-                t += 4;
             }
-            for t in t..input.tokens {
-                acc[t] += dot_f32(simd, &buf[..n], x(t));
+            for (j, a) in acc.iter_mut().enumerate().take(nr) {
+                let w = &buf[j][..n];
+                let mut t = t;
+                while t + 4 <= tokens {
+                    let d = dot4_f32(simd, w, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                    for (a, d) in a[t..t + 4].iter_mut().zip(d) {
+                        *a += d;
+                    }
+                    t += 4;
+                }
+                for t in t..tokens {
+                    a[t] += dot_f32(simd, w, x(t));
+                }
             }
         }
-        for (o, a) in outs[..input.tokens].iter_mut().zip(&acc) {
-            o[r] = *a;
+        for (j, a) in acc.iter().enumerate().take(nr) {
+            for (o, a) in outs[..tokens].iter_mut().zip(a) {
+                o[r0 + j] = *a;
+            }
         }
+        r0 += nr;
     }
 }

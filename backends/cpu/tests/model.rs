@@ -58,8 +58,10 @@ fn check_prefill_matches_decode(spec: &Spec, n: usize) {
 
 #[test]
 fn prefill_then_decode_equals_token_by_token() {
-    // 2 uses the per-token fused path, 10 the dequantise-once path, 70 spans two batches.
-    for n in [1, 2, 10, 70] {
+    // 2 and 10 use the per-token fused path; 70 spans two batches (64 tokens through the
+    // dequantise-once path, 6 fused); 83 ends in a batch of 19 (dequantise-once, four
+    // groups of four tokens and a tail of three).
+    for n in [1, 2, 10, 70, 83] {
         check_prefill_matches_decode(&Spec::llama(), n);
     }
 }
@@ -73,13 +75,14 @@ fn qwen2_and_qwen3_shapes_run() {
 #[test]
 fn kquant_model_runs() {
     check_prefill_matches_decode(&Spec::kquants(), 12);
+    check_prefill_matches_decode(&Spec::kquants(), 23);
 }
 
 #[test]
 fn apr_q4_model_runs() {
-    // 2 tokens take the fused per-token kernels, 10 the dequantise-once path.
+    // 2 tokens take the fused per-token kernels, 21 the dequantise-once path.
     check_prefill_matches_decode(&Spec::apr_q4(), 2);
-    check_prefill_matches_decode(&Spec::apr_q4(), 10);
+    check_prefill_matches_decode(&Spec::apr_q4(), 21);
 }
 
 #[test]

@@ -170,6 +170,14 @@ pub fn dot4_f32(simd: Option<Simd>, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     x.map(|x| dot_f32_portable(w, x))
 }
 
+/// `w[r] · x[t]` for four weight rows and four activations (AVX-512 only: the AVX2
+/// register file cannot hold sixteen accumulators and the operands).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub fn dot4x4_f32(t: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    avx512::dot4x4_f32(t, w, x)
+}
+
 /// Eight independent partial sums so the compiler can keep them in one vector register.
 #[inline]
 pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
