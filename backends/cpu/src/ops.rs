@@ -2,7 +2,7 @@
 
 use kiln_core::RopeKind;
 
-use crate::kernels::{dot_f32, Simd};
+use crate::kernels::{scores_f32, weighted_rows_f32, Simd};
 
 /// `out = x / rms(x) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -96,21 +96,18 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    let hd = q.len();
     let mut scores = [0.0f32; TILE];
     let mut max = f32::NEG_INFINITY;
     let mut denom = 0.0f32;
     out.fill(0.0);
+    let mut weights = [0.0f32; TILE];
     for run in runs {
         let (keys, values, len) = (run.keys, run.values, run.len);
         for start in (0..len).step_by(TILE) {
             let n = (len - start).min(TILE);
-            let mut tile_max = f32::NEG_INFINITY;
-            for (j, s) in scores[..n].iter_mut().enumerate() {
-                let k = &keys[(start + j) * stride + offset..][..hd];
-                *s = dot_f32(simd, q, k) * scale;
-                tile_max = tile_max.max(*s);
-            }
+            let rows = start * stride + offset;
+            scores_f32(simd, q, &keys[rows..], stride, scale, &mut scores[..n]);
+            let tile_max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             let new_max = max.max(tile_max);
             let correction = (max - new_max).exp();
             if correction != 1.0 {
@@ -120,14 +117,11 @@ pub fn attend(
                 }
             }
             max = new_max;
-            for (j, &s) in scores[..n].iter().enumerate() {
-                let p = (s - max).exp();
-                denom += p;
-                let v = &values[(start + j) * stride + offset..][..hd];
-                for (o, &vv) in out.iter_mut().zip(v) {
-                    *o += p * vv;
-                }
+            for (w, &s) in weights[..n].iter_mut().zip(&scores[..n]) {
+                *w = (s - max).exp();
+                denom += *w;
             }
+            weighted_rows_f32(simd, &weights[..n], &values[rows..], stride, out);
         }
     }
     let inv = 1.0 / denom;

@@ -61,10 +61,12 @@ fn rope_frequency_factors_and_linear_scaling_divide_the_frequency() {
 #[test]
 fn streaming_attention_equals_full_softmax() {
     let mut rng = Rng::new(2);
-    let (hd, kv_heads) = (24, 3);
-    let stride = hd * kv_heads;
+    let kv_heads = 3;
+    // Head sizes with a partial 16-value vector (24, 136), whole ones (64), and more than
+    // the four vectors the AVX-512 weighted sum keeps in registers at a time (80, 136).
     // Lengths around the tile size exercise the running-max rescale.
-    for len in [1usize, 5, 127, 128, 129, 300] {
+    for (hd, len) in [24usize, 64, 80, 136].into_iter().flat_map(|hd| [1usize, 5, 127, 128, 129, 300].map(|len| (hd, len))) {
+        let stride = hd * kv_heads;
         let keys = random_vec(&mut rng, len * stride, 3.0);
         let values = random_vec(&mut rng, len * stride, 1.0);
         let q = random_vec(&mut rng, hd, 3.0);

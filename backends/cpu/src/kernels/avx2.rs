@@ -511,6 +511,34 @@ impl Avx2 {
     }
 }
 
+/// `y += a·x` over their common length.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f32_unchecked(a: f32, x: &[f32], y: &mut [f32]) {
+    // SAFETY: the caller guarantees the features; every access lies within the common
+    // length of both slices (the tail is scalar).
+    unsafe {
+        let n = x.len().min(y.len());
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            let v = _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), v);
+            i += 8;
+        }
+        while i < n {
+            *py.add(i) += a * *px.add(i);
+            i += 1;
+        }
+    }
+}
+
+/// `y += a·x` over their common length.
+pub fn axpy_f32(_: Avx2, a: f32, x: &[f32], y: &mut [f32]) {
+    // SAFETY: the token proves the features; the kernel touches the common length only.
+    unsafe { axpy_f32_unchecked(a, x, y) }
+}
+
 /// `a · b` over their common length.
 pub fn dot_f32(_: Avx2, a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: the token proves the features; the kernel reads min(a.len(), b.len()) values.

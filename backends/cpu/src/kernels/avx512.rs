@@ -506,6 +506,87 @@ pub fn dot4x4_f32(_: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     unsafe { dot4x4_f32_unchecked(w, x) }
 }
 
+/// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_f32_unchecked(q: &[f32], rows: *const f32, stride: usize, scale: f32, out: &mut [f32]) {
+    // SAFETY: the caller guarantees the features and that each of the `out.len()` rows
+    // holds `q.len()` readable values; the tail of a row is masked.
+    unsafe {
+        let hd = q.len();
+        let pq = q.as_ptr();
+        for (j, o) in out.iter_mut().enumerate() {
+            let k = rows.add(j * stride);
+            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut i = 0;
+            while i + 32 <= hd {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(k.add(i)), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i + 16)), _mm512_loadu_ps(k.add(i + 16)), a1);
+                i += 32;
+            }
+            while i < hd {
+                let m: __mmask16 = if hd - i >= 16 { 0xFFFF } else { (1u16 << (hd - i)) - 1 };
+                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pq.add(i)), _mm512_maskz_loadu_ps(m, k.add(i)), a0);
+                i += 16;
+            }
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+        }
+    }
+}
+
+/// `out[j] = scale · (q · row j)` for `out.len()` rows of `rows`, row j at `j·stride`.
+pub fn scores_f32(_: Avx512, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    if let Some(last) = out.len().checked_sub(1) {
+        assert!(last * stride + q.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", out.len(), q.len(), rows.len());
+    }
+    // SAFETY: the token proves the features; the assertion bounds every row read.
+    unsafe { scores_f32_unchecked(q, rows.as_ptr(), stride, scale, out) }
+}
+
+/// `out += Σ_j w[j] · row j` over `out.len()` values of each row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn weighted_rows_f32_unchecked(w: &[f32], rows: *const f32, stride: usize, out: &mut [f32]) {
+    // SAFETY: the caller guarantees the features and that each of the `w.len()` rows holds
+    // `out.len()` readable values; partial vectors are masked.
+    unsafe {
+        let hd = out.len();
+        let po = out.as_mut_ptr();
+        // Four 16-value column blocks at a time: four independent FMA chains, the sums in
+        // registers over all rows.
+        let mut c0 = 0;
+        while c0 < hd {
+            let blocks = (hd - c0).div_ceil(16).min(4);
+            let mut m = [0 as __mmask16; 4];
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for b in 0..blocks {
+                let left = hd - c0 - 16 * b;
+                m[b] = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+                acc[b] = _mm512_maskz_loadu_ps(m[b], po.add(c0 + 16 * b));
+            }
+            for (j, &wj) in w.iter().enumerate() {
+                let wv = _mm512_set1_ps(wj);
+                let row = rows.add(j * stride + c0);
+                for b in 0..blocks {
+                    acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m[b], row.add(16 * b)), acc[b]);
+                }
+            }
+            for b in 0..blocks {
+                _mm512_mask_storeu_ps(po.add(c0 + 16 * b), m[b], acc[b]);
+            }
+            c0 += 16 * blocks;
+        }
+    }
+}
+
+/// `out += Σ_j w[j] · row j` for `w.len()` rows of `rows`, row j at `j·stride`, over
+/// `out.len()` values of each.
+pub fn weighted_rows_f32(_: Avx512, w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    if let Some(last) = w.len().checked_sub(1) {
+        assert!(last * stride + out.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", w.len(), out.len(), rows.len());
+    }
+    // SAFETY: the token proves the features; the assertion bounds every row read.
+    unsafe { weighted_rows_f32_unchecked(w, rows.as_ptr(), stride, out) }
+}
+
 /// `a · b` over their common length.
 pub fn dot_f32(_: Avx512, a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: the token proves the features; the kernel reads the common length only.

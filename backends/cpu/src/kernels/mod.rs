@@ -157,6 +157,47 @@ pub fn dot_f32(simd: Option<Simd>, a: &[f32], b: &[f32]) -> f32 {
     dot_f32_portable(a, b)
 }
 
+/// `out[j] = scale · (q · row j)` for `out.len()` rows of `rows`, row j at `j·stride`
+/// (attention scores of one query against a tile of keys).
+#[inline]
+pub fn scores_f32(simd: Option<Simd>, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(Simd::Avx512(t)) = simd {
+        return avx512::scores_f32(t, q, rows, stride, scale, out);
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(simd, q, &rows[j * stride..][..q.len()]) * scale;
+    }
+}
+
+/// `out += Σ_j w[j] · row j` for `w.len()` rows of `rows`, row j at `j·stride`, over
+/// `out.len()` values of each (attention's weighted sum of a tile of values).
+#[inline]
+pub fn weighted_rows_f32(simd: Option<Simd>, w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(Simd::Avx512(t)) = simd {
+        return avx512::weighted_rows_f32(t, w, rows, stride, out);
+    }
+    let hd = out.len();
+    for (j, &wj) in w.iter().enumerate() {
+        axpy_f32(simd, wj, &rows[j * stride..][..hd], out);
+    }
+}
+
+/// `y += a·x` over their common length, vectorised when given a SIMD token.
+#[inline]
+pub fn axpy_f32(simd: Option<Simd>, a: f32, x: &[f32], y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    match simd {
+        Some(s) => return avx2::axpy_f32(s.avx2(), a, x, y),
+        None => {}
+    }
+    let _ = simd;
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
 /// `w · x[t]` for four activations, reading `w` once.
 #[inline]
 pub fn dot4_f32(simd: Option<Simd>, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
