@@ -167,10 +167,12 @@ fn row_dequantisation_matches_reference_bit_for_bit() {
             let bytes = random_bytes(&mut rng, q, 1, cols, 3.0);
             let mut want = vec![0.0f32; cols];
             dequantize(q, &bytes, &mut want).unwrap();
-            let mut got = vec![f32::NAN; cols];
-            Kernel::new(q, Isa::Portable).unwrap().dequant_row(&bytes, &mut got);
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{q} cols {cols} value {i}: {a} vs {b}");
+            for isa in paths() {
+                let mut got = vec![f32::NAN; cols];
+                Kernel::new(q, isa).unwrap().dequant_row(&bytes, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{q} {isa:?} cols {cols} value {i}: {a} vs {b}");
+                }
             }
         }
     }

@@ -282,6 +282,12 @@ macro_rules! block_kernel {
                 }
             }
             fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(Simd::Avx512(t)) = self.simd {
+                    if avx512::dequant_row(t, $qtype, row, out) {
+                        return;
+                    }
+                }
                 dequant::dequantize_into($qtype, row, out);
             }
         }
