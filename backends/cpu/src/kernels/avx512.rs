@@ -508,8 +508,16 @@ pub fn dot4x4_f32(_: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     unsafe { dot4x4_f32_unchecked(w, x) }
 }
 
-/// Q4_0, Q4_1 or Q8_0 blocks to f32, the values exactly the reference dequantiser's
-/// (`d·(q − 8)`, `d·q + m` rounded after the product, `d·q`): the many-token path
+/// The 16 bytes at `p`, each widened to a 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn widen_u8(p: *const u8) -> __m512i {
+    // SAFETY: the caller guarantees the features and 16 readable bytes at `p`.
+    unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+/// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K blocks to f32, the values exactly the reference
+/// dequantiser's (the same products and sums in the same order): the many-token path
 /// dequantises every weight row once per batch, and the scalar loops took an eighth of a
 /// prefill.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -550,6 +558,70 @@ unsafe fn dequant_unchecked(qtype: QType, src: *const u8, nb: usize, out: *mut f
                     }
                 }
             }
+            QType::Q5_0 => {
+                let d16 = _mm512_set1_epi32(16);
+                for b in 0..nb {
+                    let p = src.add(b * 22);
+                    let d = f16_splat(p);
+                    let qh = (p.add(2) as *const u32).read_unaligned();
+                    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(6) as *const __m128i));
+                    for (h, nibble) in [(0, _mm512_and_si512(idx, _mm512_set1_epi32(15))), (1, _mm512_srli_epi32(idx, 4))] {
+                        let fifth = (qh >> (16 * h)) as __mmask16;
+                        let q = _mm512_sub_epi32(_mm512_mask_or_epi32(nibble, fifth, nibble, d16), d16);
+                        _mm512_storeu_ps(out.add(32 * b + 16 * h), _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
+                    }
+                }
+            }
+            QType::Q4_K => {
+                for b in 0..nb {
+                    let p = src.add(b * 144);
+                    let (d, dmin) = f16x2(p);
+                    let scales = std::slice::from_raw_parts(p.add(4), 12);
+                    let y = out.add(256 * b);
+                    for i in 0..4 {
+                        let (sc1, m1) = crate::dequant::scale_min_k4(2 * i, scales);
+                        let (sc2, m2) = crate::dequant::scale_min_k4(2 * i + 1, scales);
+                        let (d1, m1) = (_mm512_set1_ps(d * sc1 as f32), _mm512_set1_ps(dmin * m1 as f32));
+                        let (d2, m2) = (_mm512_set1_ps(d * sc2 as f32), _mm512_set1_ps(dmin * m2 as f32));
+                        for h in 0..2 {
+                            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16 + 32 * i + 16 * h) as *const __m128i));
+                            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+                            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+                            _mm512_storeu_ps(y.add(64 * i + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1));
+                            _mm512_storeu_ps(y.add(64 * i + 32 + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2));
+                        }
+                    }
+                }
+            }
+            QType::Q6_K => {
+                let (low4, low2, off) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3), _mm512_set1_epi32(32));
+                for b in 0..nb {
+                    let p = src.add(b * 210);
+                    let d = half::f16::from_bits((p.add(208) as *const u16).read_unaligned()).to_f32();
+                    let sc = p.add(192) as *const i8;
+                    for n in 0..2 {
+                        let y = out.add(256 * b + 128 * n);
+                        for half in 0..2 {
+                            let (a, c) = (widen_u8(p.add(64 * n + 16 * half)), widen_u8(p.add(64 * n + 32 + 16 * half)));
+                            let h = widen_u8(p.add(128 + 32 * n + 16 * half));
+                            // Value k of the four 32-value groups: a low nibble (a, c) or a
+                            // high one, and two bits of h, minus 32.
+                            let parts = [
+                                (_mm512_and_si512(a, low4), 0),
+                                (_mm512_and_si512(c, low4), 2),
+                                (_mm512_srli_epi32(a, 4), 4),
+                                (_mm512_srli_epi32(c, 4), 6),
+                            ];
+                            for (k, (nib, shift)) in parts.into_iter().enumerate() {
+                                let top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2), 4);
+                                let q = _mm512_sub_epi32(_mm512_or_si512(nib, top), off);
+                                let scale = _mm512_set1_ps(d * *sc.add(8 * n + half + 2 * k) as f32);
+                                _mm512_storeu_ps(y.add(32 * k + 16 * half), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
+                            }
+                        }
+                    }
+                }
+            }
             _ => unreachable!("dequant_row checks the type"),
         }
     }
@@ -557,9 +629,9 @@ unsafe fn dequant_unchecked(qtype: QType, src: *const u8, nb: usize, out: *mut f
 
 /// Dequantises the whole blocks that both `src` and `out` hold, as the reference
 /// `dequantize_into` does, if this is a type with an AVX-512 dequantiser (Q4_0, Q4_1,
-/// Q8_0); false (nothing written) otherwise.
+/// Q5_0, Q8_0, Q4_K, Q6_K); false (nothing written) otherwise.
 pub fn dequant_row(_: Avx512, qtype: QType, src: &[u8], out: &mut [f32]) -> bool {
-    if !matches!(qtype, QType::Q4_0 | QType::Q4_1 | QType::Q8_0) {
+    if !matches!(qtype, QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q8_0 | QType::Q4_K | QType::Q6_K) {
         return false;
     }
     let nb = (out.len() / 32).min(src.len() / qtype.block_bytes());
