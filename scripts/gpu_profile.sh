@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Where the batched decode step's time goes, per kernel, on the GPU machine: Nsight Compute
+# (`ncu`, which the GPU image carries) over the kernels of one batched step of
+# `kiln bench --batch B`, summarised per kernel name (launches, total and mean duration,
+# DRAM throughput, achieved occupancy, registers). Run after `scripts/gpu_suite.sh build`
+# with .gpu carried:
+#
+#   SHAPES="llama3-8b" BATCHES="8 64" scripts/gpu_profile.sh
+#
+# ncu leaves the clocks as it finds them (--clock-control none: the card's settings are not
+# ours to change). Logs under $OUT (or ./prof-logs), one CSV per shape and batch, and the
+# summaries printed last.
+#
+# Written 2026-12-01 in a session that was lent no GPU: not yet run on the GPU machine, so
+# its first run may need its ncu invocation adjusted.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-prof-logs}
+mkdir -p "$out"
+work=${WORK:-$(mktemp -d)}
+kiln=.gpu/kiln
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
+for shape in ${SHAPES:-llama3-8b}; do
+    f=$work/$shape.q4_k_m.gguf
+    [ -f "$f" ] || { start=$SECONDS; $kiln synth "$f" --shape "$shape" --type q4_k_m --seed 0 >/dev/null 2>&1; echo "synth $shape: $((SECONDS - start)) s"; }
+    for b in ${BATCHES:-8 64}; do
+        # Only the batched step's kernels (the 128-token prompts take the cuBLAS prefill);
+        # one step of a 32-layer model is ~14 launches a layer.
+        "$ncu" --clock-control none -k 'regex:^(bmm_|act_pack|attn_decode_batch|rope_kv_batch|embed_rows|argmax|sample_rows)' \
+            -c "${LAUNCHES:-520}" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
+            -f -o "$work/ncu-$shape-b$b" "$kiln" bench -m "$f" --batch "$b" -p 128 -n 4 -r 1 >"$out/ncu-$shape-b$b.log" 2>&1
+        "$ncu" -i "$work/ncu-$shape-b$b.ncu-rep" --csv --page raw >"$out/ncu-$shape-b$b.csv" 2>>"$out/ncu-$shape-b$b.log"
+        echo "== $shape B=$b =="
+        python3 - "$out/ncu-$shape-b$b.csv" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+try:
+    h = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+except StopIteration:
+    print("no ncu rows"); sys.exit(0)
+head = rows[h]; data = rows[h + 2:]
+col = {n: head.index(n) for n in head}
+def f(r, n):
+    try: return float(r[col[n]].replace(",", ""))
+    except (KeyError, ValueError): return float("nan")
+agg = collections.defaultdict(list)
+for r in data:
+    agg[r[col["Kernel Name"]]].append(r)
+tot = sum(f(r, "gpu__time_duration.sum") for r in data)
+print(f"{len(data)} launches, {tot/1e3:.1f} us in all")
+print(f"{'kernel':40} {'n':>4} {'total us':>9} {'%':>5} {'mean us':>8} {'dram%':>6} {'occ%':>5} {'issue%':>6} {'imma%':>6} {'regs':>4} {'grid':>6}")
+for k, rs in sorted(agg.items(), key=lambda kv: -sum(f(r, "gpu__time_duration.sum") for r in kv[1])):
+    t = sum(f(r, "gpu__time_duration.sum") for r in rs)
+    m = lambda n: sum(f(r, n) for r in rs) / len(rs)
+    print(f"{k[:40]:40} {len(rs):4d} {t/1e3:9.1f} {100*t/tot:5.1f} {t/len(rs)/1e3:8.2f} {m('dram__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
+          f"{m('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f} {m('smsp__issue_active.avg.pct_of_peak_sustained_active'):6.1f} "
+          f"{m('sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active'):6.1f} {m('launch__registers_per_thread'):4.0f} {m('launch__grid_size'):6.0f}")
+PY
+    done
+done
