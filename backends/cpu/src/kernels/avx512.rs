@@ -642,27 +642,13 @@ pub fn dequant_row(_: Avx512, qtype: QType, src: &[u8], out: &mut [f32]) -> bool
 
 /// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scores_f32_unchecked(q: &[f32], rows: *const f32, stride: usize, scale: f32, out: &mut [f32]) {
+unsafe fn scores_f32_unchecked(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
     // SAFETY: the caller guarantees the features and that each of the `out.len()` rows
-    // holds `q.len()` readable values; the tail of a row is masked.
+    // lies inside `rows`; the dot (inlined: the same features) reads `q.len()` values.
     unsafe {
         let hd = q.len();
-        let pq = q.as_ptr();
         for (j, o) in out.iter_mut().enumerate() {
-            let k = rows.add(j * stride);
-            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut i = 0;
-            while i + 32 <= hd {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(k.add(i)), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i + 16)), _mm512_loadu_ps(k.add(i + 16)), a1);
-                i += 32;
-            }
-            while i < hd {
-                let m: __mmask16 = if hd - i >= 16 { 0xFFFF } else { (1u16 << (hd - i)) - 1 };
-                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pq.add(i)), _mm512_maskz_loadu_ps(m, k.add(i)), a0);
-                i += 16;
-            }
-            *o = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+            *o = dot_f32_unchecked(q, rows.get_unchecked(j * stride..j * stride + hd)) * scale;
         }
     }
 }
@@ -673,7 +659,7 @@ pub fn scores_f32(_: Avx512, q: &[f32], rows: &[f32], stride: usize, scale: f32,
         assert!(last * stride + q.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", out.len(), q.len(), rows.len());
     }
     // SAFETY: the token proves the features; the assertion bounds every row read.
-    unsafe { scores_f32_unchecked(q, rows.as_ptr(), stride, scale, out) }
+    unsafe { scores_f32_unchecked(q, rows, stride, scale, out) }
 }
 
 /// `out += Σ_j w[j] · row j` over `out.len()` values of each row.
