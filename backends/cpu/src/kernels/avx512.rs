@@ -508,6 +508,32 @@ pub fn dot4x4_f32(_: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     unsafe { dot4x4_f32_unchecked(w, x) }
 }
 
+/// Defines `pub fn $name(Avx512, src, out)`: dequantises the whole blocks of `$qtype` that
+/// both `src` and `out` hold, as the reference `dequantize_into` does, `$body` writing the
+/// block at `$p` to the values at `$y`. The values equal the reference dequantiser's bit
+/// for bit (the same products and sums in the same order): the many-token path dequantises
+/// every weight row once per batch, and the scalar loops took an eighth of a prefill.
+macro_rules! dequantiser {
+    ($name:ident, $qtype:expr, |$p:ident, $y:ident| $body:block) => {
+        pub fn $name(_: Avx512, src: &[u8], out: &mut [f32]) {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            unsafe fn blocks(src: &[u8], out: &mut [f32]) {
+                // SAFETY: the caller guarantees the features; block b's bytes and values lie
+                // inside `src` and `out` for every b below the count both hold.
+                unsafe {
+                    let (bytes, len) = ($qtype.block_bytes(), $qtype.block_len());
+                    for b in 0..(out.len() / len).min(src.len() / bytes) {
+                        let ($p, $y) = (src.as_ptr().add(b * bytes), out.as_mut_ptr().add(b * len));
+                        $body
+                    }
+                }
+            }
+            // SAFETY: the token proves the features; `blocks` stays inside both slices.
+            unsafe { blocks(src, out) }
+        }
+    };
+}
+
 /// The 16 bytes at `p`, each widened to a 32-bit lane.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -516,129 +542,141 @@ unsafe fn widen_u8(p: *const u8) -> __m512i {
     unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)) }
 }
 
-/// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K blocks to f32, the values exactly the reference
-/// dequantiser's (the same products and sums in the same order): the many-token path
-/// dequantises every weight row once per batch, and the scalar loops took an eighth of a
-/// prefill.
+/// Writes `d·(q − 8)` for the 32 four-bit values of a Q4_0-style block (scale at `p`,
+/// nibbles at `p + 2`) to `y`; `interleaved`: APR's order (value 2k in the low nibble of
+/// byte k), else ggml's (value k low, k + 16 high).
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequant_unchecked(qtype: QType, src: *const u8, nb: usize, out: *mut f32) {
-    // SAFETY: the caller guarantees the features, `nb` whole blocks of `qtype` at `src`
-    // and `nb · 32` writable values at `out`.
+unsafe fn dequant_q4_symmetric(p: *const u8, y: *mut f32, interleaved: bool) {
+    // SAFETY: the caller guarantees the features, 18 readable bytes at `p` and 32 writable
+    // values at `y`.
     unsafe {
-        match qtype {
-            QType::Q4_0 => {
-                let values = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0));
-                for b in 0..nb {
-                    let p = src.add(b * 18);
-                    let table = _mm512_mul_ps(values, f16_splat(p));
-                    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
-                    _mm512_storeu_ps(out.add(32 * b), _mm512_permutexvar_ps(idx, table));
-                    _mm512_storeu_ps(out.add(32 * b + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table));
+        let table = _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0)), f16_splat(p));
+        let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
+        let (first, second) = if interleaved {
+            let mask = _mm_set1_epi8(0x0F);
+            let (lo, hi) = (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+            (_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)))
+        } else {
+            // The permute reads only the low four bits of each index.
+            let idx = _mm512_cvtepu8_epi32(qs);
+            (idx, _mm512_srli_epi32(idx, 4))
+        };
+        _mm512_storeu_ps(y, _mm512_permutexvar_ps(first, table));
+        _mm512_storeu_ps(y.add(16), _mm512_permutexvar_ps(second, table));
+    }
+}
+
+/// The 5-bit values `(q | fifth << 4) − offset` of a Q5_0/Q5_1 block as f32: `qh` holds the
+/// fifth bits, `qs` points at the 16 nibble bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q5_values(qh: u32, qs: *const u8, offset: i32) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the features and 16 readable bytes at `qs`.
+    unsafe {
+        let (bit4, off) = (_mm512_set1_epi32(16), _mm512_set1_epi32(offset));
+        let idx = widen_u8(qs);
+        let mut out = [_mm512_setzero_ps(); 2];
+        for (h, nibble) in [_mm512_and_si512(idx, _mm512_set1_epi32(15)), _mm512_srli_epi32(idx, 4)].into_iter().enumerate() {
+            let fifth = (qh >> (16 * h)) as __mmask16;
+            let q = _mm512_sub_epi32(_mm512_mask_or_epi32(nibble, fifth, nibble, bit4), off);
+            out[h] = _mm512_cvtepi32_ps(q);
+        }
+        out
+    }
+}
+
+/// Writes a Q4_K or Q5_K block (`qh` null for Q4_K) as `d·sc·q − dmin·m` per sub-block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dequant_k4(p: *const u8, qh: *const u8, qs: *const u8, y: *mut f32) {
+    // SAFETY: the caller guarantees the features, a whole block at `p` (its 32 fifth-bit
+    // bytes at `qh` when not null, its 128 nibble bytes at `qs`) and 256 values at `y`.
+    unsafe {
+        let (d, dmin) = f16x2(p);
+        let scales = std::slice::from_raw_parts(p.add(4), 12);
+        for i in 0..4 {
+            let (sc1, m1) = crate::dequant::scale_min_k4(2 * i, scales);
+            let (sc2, m2) = crate::dequant::scale_min_k4(2 * i + 1, scales);
+            let (d1, m1) = (_mm512_set1_ps(d * sc1 as f32), _mm512_set1_ps(dmin * m1 as f32));
+            let (d2, m2) = (_mm512_set1_ps(d * sc2 as f32), _mm512_set1_ps(dmin * m2 as f32));
+            for h in 0..2 {
+                let q = widen_u8(qs.add(32 * i + 16 * h));
+                let (mut lo, mut hi) = (_mm512_and_si512(q, _mm512_set1_epi32(15)), _mm512_srli_epi32(q, 4));
+                if !qh.is_null() {
+                    // Bit 2i (2i + 1) of qh byte l is the fifth bit of value l of sub-block 2i (2i + 1).
+                    let bits = widen_u8(qh.add(16 * h));
+                    let first = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(1 << (2 * i)));
+                    let second = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(2 << (2 * i)));
+                    let sixteen = _mm512_set1_epi32(16);
+                    lo = _mm512_mask_add_epi32(lo, first, lo, sixteen);
+                    hi = _mm512_mask_add_epi32(hi, second, hi, sixteen);
                 }
+                let (lo, hi) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
+                _mm512_storeu_ps(y.add(64 * i + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1));
+                _mm512_storeu_ps(y.add(64 * i + 32 + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2));
             }
-            QType::Q4_1 => {
-                for b in 0..nb {
-                    let p = src.add(b * 20);
-                    let (d, m) = f16x2(p);
-                    let (table, m) = (_mm512_mul_ps(iota16(), _mm512_set1_ps(d)), _mm512_set1_ps(m));
-                    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4) as *const __m128i));
-                    _mm512_storeu_ps(out.add(32 * b), _mm512_add_ps(_mm512_permutexvar_ps(idx, table), m));
-                    let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
-                    _mm512_storeu_ps(out.add(32 * b + 16), _mm512_add_ps(hi, m));
-                }
-            }
-            QType::Q8_0 => {
-                for b in 0..nb {
-                    let p = src.add(b * 34);
-                    let d = f16_splat(p);
-                    for h in 0..2 {
-                        let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
-                        let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-                        _mm512_storeu_ps(out.add(32 * b + 16 * h), _mm512_mul_ps(d, v));
-                    }
-                }
-            }
-            QType::Q5_0 => {
-                let d16 = _mm512_set1_epi32(16);
-                for b in 0..nb {
-                    let p = src.add(b * 22);
-                    let d = f16_splat(p);
-                    let qh = (p.add(2) as *const u32).read_unaligned();
-                    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(6) as *const __m128i));
-                    for (h, nibble) in [(0, _mm512_and_si512(idx, _mm512_set1_epi32(15))), (1, _mm512_srli_epi32(idx, 4))] {
-                        let fifth = (qh >> (16 * h)) as __mmask16;
-                        let q = _mm512_sub_epi32(_mm512_mask_or_epi32(nibble, fifth, nibble, d16), d16);
-                        _mm512_storeu_ps(out.add(32 * b + 16 * h), _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
-                    }
-                }
-            }
-            QType::Q4_K => {
-                for b in 0..nb {
-                    let p = src.add(b * 144);
-                    let (d, dmin) = f16x2(p);
-                    let scales = std::slice::from_raw_parts(p.add(4), 12);
-                    let y = out.add(256 * b);
-                    for i in 0..4 {
-                        let (sc1, m1) = crate::dequant::scale_min_k4(2 * i, scales);
-                        let (sc2, m2) = crate::dequant::scale_min_k4(2 * i + 1, scales);
-                        let (d1, m1) = (_mm512_set1_ps(d * sc1 as f32), _mm512_set1_ps(dmin * m1 as f32));
-                        let (d2, m2) = (_mm512_set1_ps(d * sc2 as f32), _mm512_set1_ps(dmin * m2 as f32));
-                        for h in 0..2 {
-                            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16 + 32 * i + 16 * h) as *const __m128i));
-                            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-                            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-                            _mm512_storeu_ps(y.add(64 * i + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1));
-                            _mm512_storeu_ps(y.add(64 * i + 32 + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2));
-                        }
-                    }
-                }
-            }
-            QType::Q6_K => {
-                let (low4, low2, off) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3), _mm512_set1_epi32(32));
-                for b in 0..nb {
-                    let p = src.add(b * 210);
-                    let d = half::f16::from_bits((p.add(208) as *const u16).read_unaligned()).to_f32();
-                    let sc = p.add(192) as *const i8;
-                    for n in 0..2 {
-                        let y = out.add(256 * b + 128 * n);
-                        for half in 0..2 {
-                            let (a, c) = (widen_u8(p.add(64 * n + 16 * half)), widen_u8(p.add(64 * n + 32 + 16 * half)));
-                            let h = widen_u8(p.add(128 + 32 * n + 16 * half));
-                            // Value k of the four 32-value groups: a low nibble (a, c) or a
-                            // high one, and two bits of h, minus 32.
-                            let parts = [
-                                (_mm512_and_si512(a, low4), 0),
-                                (_mm512_and_si512(c, low4), 2),
-                                (_mm512_srli_epi32(a, 4), 4),
-                                (_mm512_srli_epi32(c, 4), 6),
-                            ];
-                            for (k, (nib, shift)) in parts.into_iter().enumerate() {
-                                let top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2), 4);
-                                let q = _mm512_sub_epi32(_mm512_or_si512(nib, top), off);
-                                let scale = _mm512_set1_ps(d * *sc.add(8 * n + half + 2 * k) as f32);
-                                _mm512_storeu_ps(y.add(32 * k + 16 * half), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
-                            }
-                        }
-                    }
-                }
-            }
-            _ => unreachable!("dequant_row checks the type"),
         }
     }
 }
 
-/// Dequantises the whole blocks that both `src` and `out` hold, as the reference
-/// `dequantize_into` does, if this is a type with an AVX-512 dequantiser (Q4_0, Q4_1,
-/// Q5_0, Q8_0, Q4_K, Q6_K); false (nothing written) otherwise.
-pub fn dequant_row(_: Avx512, qtype: QType, src: &[u8], out: &mut [f32]) -> bool {
-    if !matches!(qtype, QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q8_0 | QType::Q4_K | QType::Q6_K) {
-        return false;
+dequantiser!(dequant_q4_0, QType::Q4_0, |p, y| { dequant_q4_symmetric(p, y, false) });
+dequantiser!(dequant_apr_q4, QType::AprQ4, |p, y| { dequant_q4_symmetric(p, y, true) });
+dequantiser!(dequant_q4_1, QType::Q4_1, |p, y| {
+    let (d, m) = f16x2(p);
+    let (table, m) = (_mm512_mul_ps(iota16(), _mm512_set1_ps(d)), _mm512_set1_ps(m));
+    let idx = widen_u8(p.add(4));
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_permutexvar_ps(idx, table), m));
+    _mm512_storeu_ps(y.add(16), _mm512_add_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), m));
+});
+dequantiser!(dequant_q5_0, QType::Q5_0, |p, y| {
+    let d = f16_splat(p);
+    let q = q5_values((p.add(2) as *const u32).read_unaligned(), p.add(6), 16);
+    _mm512_storeu_ps(y, _mm512_mul_ps(d, q[0]));
+    _mm512_storeu_ps(y.add(16), _mm512_mul_ps(d, q[1]));
+});
+dequantiser!(dequant_q5_1, QType::Q5_1, |p, y| {
+    let (d, m) = f16x2(p);
+    let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+    let q = q5_values((p.add(4) as *const u32).read_unaligned(), p.add(8), 0);
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(d, q[0]), m));
+    _mm512_storeu_ps(y.add(16), _mm512_add_ps(_mm512_mul_ps(d, q[1]), m));
+});
+dequantiser!(dequant_q8_0, QType::Q8_0, |p, y| {
+    let d = f16_splat(p);
+    for h in 0..2 {
+        let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
+        _mm512_storeu_ps(y.add(16 * h), _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
     }
-    let nb = (out.len() / 32).min(src.len() / qtype.block_bytes());
-    // SAFETY: the token proves the features; `nb` blocks fit both slices.
-    unsafe { dequant_unchecked(qtype, src.as_ptr(), nb, out.as_mut_ptr()) };
-    true
-}
+});
+dequantiser!(dequant_q4_k, QType::Q4_K, |p, y| { dequant_k4(p, std::ptr::null(), p.add(16), y) });
+dequantiser!(dequant_q5_k, QType::Q5_K, |p, y| { dequant_k4(p, p.add(16), p.add(48), y) });
+dequantiser!(dequant_q6_k, QType::Q6_K, |p, y| {
+    let (low4, low2, off) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3), _mm512_set1_epi32(32));
+    let d = half::f16::from_bits((p.add(208) as *const u16).read_unaligned()).to_f32();
+    let sc = p.add(192) as *const i8;
+    for n in 0..2 {
+        let y = y.add(128 * n);
+        for half in 0..2 {
+            let (a, c) = (widen_u8(p.add(64 * n + 16 * half)), widen_u8(p.add(64 * n + 32 + 16 * half)));
+            let h = widen_u8(p.add(128 + 32 * n + 16 * half));
+            // Value k of the four 32-value groups: a low nibble (a, c) or a high one, and
+            // two bits of h, minus 32.
+            let parts = [
+                (_mm512_and_si512(a, low4), 0),
+                (_mm512_and_si512(c, low4), 2),
+                (_mm512_srli_epi32(a, 4), 4),
+                (_mm512_srli_epi32(c, 4), 6),
+            ];
+            for (k, (nib, shift)) in parts.into_iter().enumerate() {
+                let top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2), 4);
+                let q = _mm512_sub_epi32(_mm512_or_si512(nib, top), off);
+                let scale = _mm512_set1_ps(d * *sc.add(8 * n + half + 2 * k) as f32);
+                _mm512_storeu_ps(y.add(32 * k + 16 * half), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
+            }
+        }
+    }
+});
 
 /// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -664,11 +702,11 @@ pub fn scores_f32(_: Avx512, q: &[f32], rows: &[f32], stride: usize, scale: f32,
 
 /// `out += Σ_j w[j] · row j` over `out.len()` values of each row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn weighted_rows_f32_unchecked(w: &[f32], rows: *const f32, stride: usize, out: &mut [f32]) {
-    // SAFETY: the caller guarantees the features and that each of the `w.len()` rows holds
-    // `out.len()` readable values; partial vectors are masked.
+unsafe fn weighted_rows_f32_unchecked(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    // SAFETY: the caller guarantees the features and that each of the `w.len()` rows lies
+    // inside `rows` with `out.len()` values; partial vectors are masked.
     unsafe {
-        let hd = out.len();
+        let (hd, rows) = (out.len(), rows.as_ptr());
         let po = out.as_mut_ptr();
         // Four 16-value column blocks at a time: four independent FMA chains, the sums in
         // registers over all rows.
@@ -704,7 +742,7 @@ pub fn weighted_rows_f32(_: Avx512, w: &[f32], rows: &[f32], stride: usize, out:
         assert!(last * stride + out.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", w.len(), out.len(), rows.len());
     }
     // SAFETY: the token proves the features; the assertion bounds every row read.
-    unsafe { weighted_rows_f32_unchecked(w, rows.as_ptr(), stride, out) }
+    unsafe { weighted_rows_f32_unchecked(w, rows, stride, out) }
 }
 
 /// `a · b` over their common length.

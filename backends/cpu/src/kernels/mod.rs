@@ -188,9 +188,8 @@ pub fn weighted_rows_f32(simd: Option<Simd>, w: &[f32], rows: &[f32], stride: us
 #[inline]
 pub fn axpy_f32(simd: Option<Simd>, a: f32, x: &[f32], y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    match simd {
-        Some(s) => return avx2::axpy_f32(s.avx2(), a, x, y),
-        None => {}
+    if let Some(s) = simd {
+        return avx2::axpy_f32(s.avx2(), a, x, y);
     }
     let _ = simd;
     for (y, &x) in y.iter_mut().zip(x) {
@@ -252,7 +251,7 @@ fn blockwise_dot<const B: usize>(row: &[u8], block_bytes: usize, x: &[f32], f: f
 }
 
 macro_rules! block_kernel {
-    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident) => {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
@@ -284,9 +283,7 @@ macro_rules! block_kernel {
             fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
                 if let Some(Simd::Avx512(t)) = self.simd {
-                    if avx512::dequant_row(t, $qtype, row, out) {
-                        return;
-                    }
+                    return avx512::$simd_deq(t, row, out);
                 }
                 dequant::dequantize_into($qtype, row, out);
             }
@@ -313,21 +310,22 @@ macro_rules! portable_kernel {
     };
 }
 
-block_kernel!(Q4_0Kernel, QType::Q4_0, 32, dequant::block_q4_0, dot_q4_0);
-block_kernel!(Q4_1Kernel, QType::Q4_1, 32, dequant::block_q4_1, dot_q4_1);
-block_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0, dot_q5_0);
-block_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1, dot_q5_1);
-block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0);
-block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k);
-block_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k, dot_q5_k);
-block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k);
+block_kernel!(Q4_0Kernel, QType::Q4_0, 32, dequant::block_q4_0, dot_q4_0, dequant_q4_0);
+block_kernel!(Q4_1Kernel, QType::Q4_1, 32, dequant::block_q4_1, dot_q4_1, dequant_q4_1);
+block_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0, dot_q5_0, dequant_q5_0);
+block_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1, dot_q5_1, dequant_q5_1);
+block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0, dequant_q8_0);
+block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k, dequant_q4_k);
+block_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k, dot_q5_k, dequant_q5_k);
+block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k, dequant_q6_k);
 block_kernel!(
     /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
     AprQ4Kernel,
     QType::AprQ4,
     32,
     dequant::block_apr_q4,
-    dot_apr_q4
+    dot_apr_q4,
+    dequant_apr_q4
 );
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
