@@ -27,23 +27,38 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args> {
-    let mut args = Args { model: None, backend: None, plugins: Vec::new(), max_tokens: 32, prompt: String::new() };
+    let mut args = Args {
+        model: None,
+        backend: None,
+        plugins: Vec::new(),
+        max_tokens: 32,
+        prompt: String::new(),
+    };
     let mut it = std::env::args().skip(1);
     let mut prompt = Vec::new();
     while let Some(a) = it.next() {
-        let mut value = |flag: &str| it.next().ok_or_else(|| Error::InvalidArgument(format!("{flag} needs a value")));
+        let mut value = |flag: &str| {
+            it.next()
+                .ok_or_else(|| Error::InvalidArgument(format!("{flag} needs a value")))
+        };
         match a.as_str() {
             "--model" | "-m" => args.model = Some(value(&a)?.into()),
             "--backend" => args.backend = Some(value(&a)?),
             "--plugin" => args.plugins.push(value(&a)?.into()),
             "-n" => {
                 let v = value(&a)?;
-                args.max_tokens = v.parse().map_err(|_| Error::InvalidArgument(format!("-n {v}: not a number")))?;
+                args.max_tokens = v
+                    .parse()
+                    .map_err(|_| Error::InvalidArgument(format!("-n {v}: not a number")))?;
             }
             _ => prompt.push(a),
         }
     }
-    args.prompt = if prompt.is_empty() { "The capital of France is".into() } else { prompt.join(" ") };
+    args.prompt = if prompt.is_empty() {
+        "The capital of France is".into()
+    } else {
+        prompt.join(" ")
+    };
     Ok(args)
 }
 
@@ -65,8 +80,15 @@ fn run() -> Result<()> {
     }
     println!("backends:");
     for b in registry.backends() {
-        let device = b.probe().unwrap_or_else(|why| format!("unavailable: {why}"));
-        println!("  {:<12} {device}\n  {:<12} {}", b.name(), "", b.description());
+        let device = b
+            .probe()
+            .unwrap_or_else(|why| format!("unavailable: {why}"));
+        println!(
+            "  {:<12} {device}\n  {:<12} {}",
+            b.name(),
+            "",
+            b.description()
+        );
     }
 
     // 2. The model, and what each backend thinks of it.
@@ -86,10 +108,18 @@ fn run() -> Result<()> {
     let prompt = tokenizer.encode(&args.prompt, tokenizer.add_bos_default(), true)?;
 
     // 3. Load on the chosen backend and generate greedily, streaming the text.
-    let mut engine = Engine::load(model, &registry, args.backend.as_deref(), &LoadOptions::default())?;
+    let mut engine = Engine::load(
+        model,
+        &registry,
+        args.backend.as_deref(),
+        &LoadOptions::default(),
+    )?;
     println!("\nrunning on {}:\n", engine.backend_name());
-    let params =
-        GenerateParams { max_tokens: args.max_tokens, sampling: SamplingParams::greedy(), ..GenerateParams::default() };
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams::greedy(),
+        ..GenerateParams::default()
+    };
     print!("{}", args.prompt);
     let mut session = engine.session()?;
     let generation = session.generate(&prompt, &params, |piece| {

@@ -20,12 +20,20 @@ impl Throughput {
         let n = samples.len().max(1) as f64;
         let mean = samples.iter().sum::<f64>() / n;
         let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-        Throughput { test, tokens, mean_tps: mean, sd_tps: var.sqrt(), samples_tps: samples }
+        Throughput {
+            test,
+            tokens,
+            mean_tps: mean,
+            sd_tps: var.sqrt(),
+            samples_tps: samples,
+        }
     }
 }
 
 fn random_tokens(n: usize, vocab: usize, rng: &mut Rng) -> Vec<u32> {
-    (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
 }
 
 /// The test's name as llama-bench prints it: `pp512`, or `pp512 @ d4096` after `depth`
@@ -39,7 +47,13 @@ fn test_name(kind: &str, tokens: usize, depth: usize) -> String {
 
 /// Fills `seq` with `depth` random tokens of context (untimed; `llama-bench -d`), in
 /// prefills of at most 4,096 tokens.
-fn fill_context(exec: &mut dyn LayerExecutor, seq: SeqId, depth: usize, rng: &mut Rng, logits: &mut [f32]) -> Result<()> {
+fn fill_context(
+    exec: &mut dyn LayerExecutor,
+    seq: SeqId,
+    depth: usize,
+    rng: &mut Rng,
+    logits: &mut [f32],
+) -> Result<()> {
     let vocab = exec.config().vocab_size;
     let mut left = depth;
     while left > 0 {
@@ -52,20 +66,26 @@ fn fill_context(exec: &mut dyn LayerExecutor, seq: SeqId, depth: usize, rng: &mu
 
 /// Prefill of `tokens` random tokens into a fresh sequence holding `depth` tokens of
 /// context already; one warm-up, then `repeats`.
-pub fn bench_prefill(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, repeats: usize) -> Result<Throughput> {
+pub fn bench_prefill(
+    exec: &mut dyn LayerExecutor,
+    tokens: usize,
+    depth: usize,
+    repeats: usize,
+) -> Result<Throughput> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(42);
     let mut logits = vec![0.0f32; vocab];
     let mut samples = Vec::new();
     for i in 0..=repeats {
         let seq = exec.new_sequence()?;
-        let run = |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
-            fill_context(exec, seq, depth, rng, logits)?;
-            let prompt = random_tokens(tokens, vocab, rng);
-            let start = Instant::now();
-            exec.prefill(seq, &prompt, logits)?;
-            Ok(start.elapsed().as_secs_f64())
-        };
+        let run =
+            |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
+                fill_context(exec, seq, depth, rng, logits)?;
+                let prompt = random_tokens(tokens, vocab, rng);
+                let start = Instant::now();
+                exec.prefill(seq, &prompt, logits)?;
+                Ok(start.elapsed().as_secs_f64())
+            };
         let result = run(exec, &mut logits, &mut rng);
         exec.free_sequence(seq)?;
         let secs = result?;
@@ -73,31 +93,44 @@ pub fn bench_prefill(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, 
             samples.push(tokens as f64 / secs);
         }
     }
-    Ok(Throughput::from_samples(test_name("pp", tokens, depth), tokens, samples))
+    Ok(Throughput::from_samples(
+        test_name("pp", tokens, depth),
+        tokens,
+        samples,
+    ))
 }
 
 /// Greedy generation of `tokens` tokens after a one-token prompt (after `depth` tokens of
 /// context when set), sampling on the backend; one warm-up, then `repeats`.
-pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, repeats: usize) -> Result<Throughput> {
+pub fn bench_decode(
+    exec: &mut dyn LayerExecutor,
+    tokens: usize,
+    depth: usize,
+    repeats: usize,
+) -> Result<Throughput> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(7);
     let mut logits = vec![0.0f32; vocab];
     let mut samples = Vec::new();
     for i in 0..=repeats {
         let seq = exec.new_sequence()?;
-        let run = |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
-            fill_context(exec, seq, depth, rng, logits)?;
-            let first = random_tokens(1, vocab, rng);
-            exec.prefill(seq, &first, logits)?;
-            let mut sampler = Sampler::new(SamplingParams::greedy());
-            let mut token = [first[0]];
-            let start = Instant::now();
-            for _ in 0..tokens {
-                let item = DecodeItem { seq, token: token[0] };
-                exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut token)?;
-            }
-            Ok(start.elapsed().as_secs_f64())
-        };
+        let run =
+            |exec: &mut dyn LayerExecutor, logits: &mut [f32], rng: &mut Rng| -> Result<f64> {
+                fill_context(exec, seq, depth, rng, logits)?;
+                let first = random_tokens(1, vocab, rng);
+                exec.prefill(seq, &first, logits)?;
+                let mut sampler = Sampler::new(SamplingParams::greedy());
+                let mut token = [first[0]];
+                let start = Instant::now();
+                for _ in 0..tokens {
+                    let item = DecodeItem {
+                        seq,
+                        token: token[0],
+                    };
+                    exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut token)?;
+                }
+                Ok(start.elapsed().as_secs_f64())
+            };
         let result = run(exec, &mut logits, &mut rng);
         exec.free_sequence(seq)?;
         let secs = result?;
@@ -105,7 +138,11 @@ pub fn bench_decode(exec: &mut dyn LayerExecutor, tokens: usize, depth: usize, r
             samples.push(tokens as f64 / secs);
         }
     }
-    Ok(Throughput::from_samples(test_name("tg", tokens, depth), tokens, samples))
+    Ok(Throughput::from_samples(
+        test_name("tg", tokens, depth),
+        tokens,
+        samples,
+    ))
 }
 
 /// A short request's latency in a warm process, medians over the repeats (after one
@@ -126,7 +163,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// [`FirstToken`] for prompts of `prompt` random tokens.
-pub fn bench_first_token(exec: &mut dyn LayerExecutor, prompt: usize, repeats: usize) -> Result<FirstToken> {
+pub fn bench_first_token(
+    exec: &mut dyn LayerExecutor,
+    prompt: usize,
+    repeats: usize,
+) -> Result<FirstToken> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(5);
     let mut logits = vec![0.0f32; vocab];
@@ -140,7 +181,10 @@ pub fn bench_first_token(exec: &mut dyn LayerExecutor, prompt: usize, repeats: u
             let mut sampler = Sampler::new(SamplingParams::greedy());
             let mut token = [sampler.sample(logits)];
             let first = start.elapsed().as_secs_f64();
-            let item = DecodeItem { seq, token: token[0] };
+            let item = DecodeItem {
+                seq,
+                token: token[0],
+            };
             exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut token)?;
             Ok((first, start.elapsed().as_secs_f64() - first))
         };
@@ -165,7 +209,11 @@ pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
     let w = &model.weights;
     let embd_row = w.token_embd.row_bytes() as u64;
     let all: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
-    let embd = if w.output.is_some() { w.token_embd.bytes().len() as u64 - embd_row } else { 0 };
+    let embd = if w.output.is_some() {
+        w.token_embd.bytes().len() as u64 - embd_row
+    } else {
+        0
+    };
     all - embd
 }
 
@@ -189,7 +237,12 @@ pub struct BatchedRun {
 /// `b` sequences: each prefilled with `pp` random tokens (one after another, as
 /// llama-batched-bench), then `tg` greedy steps decoding all `b` in one batch, tokens drawn
 /// on the backend. One untimed warm-up run first (graph capture, first-use compilation).
-pub fn bench_batched(exec: &mut dyn LayerExecutor, pp: usize, tg: usize, b: usize) -> Result<BatchedRun> {
+pub fn bench_batched(
+    exec: &mut dyn LayerExecutor,
+    pp: usize,
+    tg: usize,
+    b: usize,
+) -> Result<BatchedRun> {
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(11);
     let mut logits = vec![0.0f32; vocab];
@@ -206,12 +259,17 @@ pub fn bench_batched(exec: &mut dyn LayerExecutor, pp: usize, tg: usize, b: usiz
                 last.push(kiln_core::argmax(&logits));
             }
             let t_pp = start.elapsed().as_secs_f64();
-            let mut samplers: Vec<Sampler> = (0..b).map(|_| Sampler::new(SamplingParams::greedy())).collect();
+            let mut samplers: Vec<Sampler> = (0..b)
+                .map(|_| Sampler::new(SamplingParams::greedy()))
+                .collect();
             let mut next = vec![0u32; b];
             let start = Instant::now();
             for _ in 0..tg {
-                let items: Vec<DecodeItem> =
-                    seqs.iter().zip(&last).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+                let items: Vec<DecodeItem> = seqs
+                    .iter()
+                    .zip(&last)
+                    .map(|(&seq, &token)| DecodeItem { seq, token })
+                    .collect();
                 exec.decode_sample(&items, &mut samplers, &mut next)?;
                 last.copy_from_slice(&next);
             }

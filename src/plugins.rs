@@ -27,8 +27,8 @@ use std::sync::Arc;
 
 use kiln_core::plugin_abi::*;
 use kiln_core::{
-    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, ProgressFn, QType,
-    Registry, Result, Sampler, SeqId, Support,
+    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
+    ProgressFn, QType, Registry, Result, Sampler, SeqId, Support,
 };
 
 /// Environment variable listing extra plugin directories or library files (separated like
@@ -38,11 +38,22 @@ pub const PLUGIN_PATH_ENV: &str = "KILN_PLUGIN_PATH";
 /// The validated function table: every entry present.
 struct Api {
     free_string: unsafe extern "C" fn(KilnOwnedStr),
-    create_backend: unsafe extern "C" fn(u32, *mut *mut KilnBackend, *mut KilnOwnedStr) -> KilnStatus,
+    create_backend:
+        unsafe extern "C" fn(u32, *mut *mut KilnBackend, *mut KilnOwnedStr) -> KilnStatus,
     destroy_backend: unsafe extern "C" fn(*mut KilnBackend),
-    describe: unsafe extern "C" fn(*mut KilnBackend, *mut KilnBackendInfo, *mut KilnOwnedStr) -> KilnStatus,
-    probe: unsafe extern "C" fn(*mut KilnBackend, *mut KilnOwnedStr, *mut KilnOwnedStr) -> KilnStatus,
-    supports: unsafe extern "C" fn(*mut KilnBackend, *const KilnModelDesc, *mut KilnSupport, *mut KilnOwnedStr) -> KilnStatus,
+    describe: unsafe extern "C" fn(
+        *mut KilnBackend,
+        *mut KilnBackendInfo,
+        *mut KilnOwnedStr,
+    ) -> KilnStatus,
+    probe:
+        unsafe extern "C" fn(*mut KilnBackend, *mut KilnOwnedStr, *mut KilnOwnedStr) -> KilnStatus,
+    supports: unsafe extern "C" fn(
+        *mut KilnBackend,
+        *const KilnModelDesc,
+        *mut KilnSupport,
+        *mut KilnOwnedStr,
+    ) -> KilnStatus,
     load: unsafe extern "C" fn(
         *mut KilnBackend,
         *const KilnModelDesc,
@@ -52,12 +63,30 @@ struct Api {
         *mut KilnOwnedStr,
     ) -> KilnStatus,
     free_executor: unsafe extern "C" fn(*mut KilnExecutor),
-    new_sequence: unsafe extern "C" fn(*mut KilnExecutor, *mut u32, *mut KilnOwnedStr) -> KilnStatus,
+    new_sequence:
+        unsafe extern "C" fn(*mut KilnExecutor, *mut u32, *mut KilnOwnedStr) -> KilnStatus,
     free_sequence: unsafe extern "C" fn(*mut KilnExecutor, u32, *mut KilnOwnedStr) -> KilnStatus,
-    sequence_len: unsafe extern "C" fn(*mut KilnExecutor, u32, *mut u64, *mut KilnOwnedStr) -> KilnStatus,
-    truncate_sequence: unsafe extern "C" fn(*mut KilnExecutor, u32, u64, *mut KilnOwnedStr) -> KilnStatus,
-    prefill: unsafe extern "C" fn(*mut KilnExecutor, u32, *const u32, usize, *mut f32, usize, *mut KilnOwnedStr) -> KilnStatus,
-    decode: unsafe extern "C" fn(*mut KilnExecutor, *const KilnDecodeItem, usize, *mut f32, usize, *mut KilnOwnedStr) -> KilnStatus,
+    sequence_len:
+        unsafe extern "C" fn(*mut KilnExecutor, u32, *mut u64, *mut KilnOwnedStr) -> KilnStatus,
+    truncate_sequence:
+        unsafe extern "C" fn(*mut KilnExecutor, u32, u64, *mut KilnOwnedStr) -> KilnStatus,
+    prefill: unsafe extern "C" fn(
+        *mut KilnExecutor,
+        u32,
+        *const u32,
+        usize,
+        *mut f32,
+        usize,
+        *mut KilnOwnedStr,
+    ) -> KilnStatus,
+    decode: unsafe extern "C" fn(
+        *mut KilnExecutor,
+        *const KilnDecodeItem,
+        usize,
+        *mut f32,
+        usize,
+        *mut KilnOwnedStr,
+    ) -> KilnStatus,
     /// ABI 1.3; `None` for older plugins (the host then samples the logits of `decode`).
     decode_sample: Option<
         unsafe extern "C" fn(
@@ -79,14 +108,23 @@ impl Api {
     ///
     /// # Safety
     /// `table` must point to at least `header.struct_size` readable bytes.
-    unsafe fn read(table: *const KilnPluginApi, struct_size: u32) -> std::result::Result<Api, String> {
+    unsafe fn read(
+        table: *const KilnPluginApi,
+        struct_size: u32,
+    ) -> std::result::Result<Api, String> {
         // SAFETY: the table is a C struct of nullable function pointers (and integers), for
         // which all-zero bytes are a valid value (every entry `None`).
         let mut raw: KilnPluginApi = unsafe { std::mem::zeroed() };
         let n = (struct_size as usize).min(std::mem::size_of::<KilnPluginApi>());
         // SAFETY: the caller guarantees `struct_size` readable bytes at `table`; at most
         // `size_of::<KilnPluginApi>()` are written into `raw`.
-        unsafe { std::ptr::copy_nonoverlapping(table as *const u8, &mut raw as *mut KilnPluginApi as *mut u8, n) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                table as *const u8,
+                &mut raw as *mut KilnPluginApi as *mut u8,
+                n,
+            )
+        };
         macro_rules! need {
             ($($f:ident),*) => {
                 Api {
@@ -149,7 +187,10 @@ impl Drop for Plugin {
 }
 
 fn plugin_error(path: &Path, message: impl Into<String>) -> Error {
-    Error::Plugin { path: path.display().to_string(), message: message.into() }
+    Error::Plugin {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
 }
 
 impl Plugin {
@@ -164,22 +205,31 @@ impl Plugin {
             return Ok(None);
         }
         let checked = if s.len > MAX_MESSAGE {
-            Err(format!("{what} is {} bytes long (at most {MAX_MESSAGE})", s.len))
+            Err(format!(
+                "{what} is {} bytes long (at most {MAX_MESSAGE})",
+                s.len
+            ))
         } else {
             // SAFETY: the plugin handed out `len` bytes at `ptr`; they are ours until freed.
             let bytes = unsafe { std::slice::from_raw_parts(s.ptr, s.len) };
-            std::str::from_utf8(bytes).map(str::to_owned).map_err(|e| format!("{what} is not UTF-8: {e}"))
+            std::str::from_utf8(bytes)
+                .map(str::to_owned)
+                .map_err(|e| format!("{what} is not UTF-8: {e}"))
         };
         // SAFETY: released exactly once, through the allocator that made it.
         unsafe { (self.api.free_string)(s) };
-        checked.map(Some).map_err(|m| self.error(format!("malformed data: {m}")))
+        checked
+            .map(Some)
+            .map_err(|m| self.error(format!("malformed data: {m}")))
     }
 
     /// Runs one table call with a fresh error slot and turns its status into a `Result`.
     fn call(&self, what: &str, f: impl FnOnce(*mut KilnOwnedStr) -> KilnStatus) -> Result<()> {
         let mut err = KilnOwnedStr::NONE;
         let status = f(&mut err);
-        let message = self.take_string(err, &format!("{what} error message"))?.unwrap_or_default();
+        let message = self
+            .take_string(err, &format!("{what} error message"))?
+            .unwrap_or_default();
         self.status_result(what, status, message)
     }
 
@@ -193,10 +243,14 @@ impl Plugin {
             KilnStatus::INVALID_SHAPE => Err(Error::InvalidShape(message)),
             KilnStatus::FORMAT => Err(Error::Format(message)),
             KilnStatus::PANIC => Err(self.error(format!("panicked in {what}: {message}"))),
-            KilnStatus::ERROR => Err(Error::Backend { backend: backend(), message }),
-            KilnStatus(other) => {
-                Err(Error::Backend { backend: backend(), message: format!("{what} failed with status {other}: {message}") })
-            }
+            KilnStatus::ERROR => Err(Error::Backend {
+                backend: backend(),
+                message,
+            }),
+            KilnStatus(other) => Err(Error::Backend {
+                backend: backend(),
+                message: format!("{what} failed with status {other}: {message}"),
+            }),
         }
     }
 
@@ -205,7 +259,9 @@ impl Plugin {
     /// written as NaN/inf. Either way the output is unusable, and saying so here names the
     /// plugin and the call instead of letting sampling silently change.
     fn check_logits(&self, what: &str, logits: &[f32], vocab: usize) -> Result<()> {
-        let Some(first) = logits.iter().position(|v| !v.is_finite()) else { return Ok(()) };
+        let Some(first) = logits.iter().position(|v| !v.is_finite()) else {
+            return Ok(());
+        };
         let bad = logits.iter().filter(|v| !v.is_finite()).count();
         let row = match logits.len() > vocab {
             true => format!(", row {} column {}", first / vocab, first % vocab),
@@ -225,23 +281,31 @@ impl Plugin {
         let handle = self.handle;
         let describe = self.api.describe;
         // SAFETY: valid handle, and an info struct whose size we declared.
-        self.call("describe", |err| unsafe { describe(handle, &mut info, err) })
-            .map_err(|e| self.error(format!("describe failed: {e}")))?;
+        self.call("describe", |err| unsafe {
+            describe(handle, &mut info, err)
+        })
+        .map_err(|e| self.error(format!("describe failed: {e}")))?;
         let malformed = |m: String| self.error(format!("malformed data from describe: {m}"));
         // SAFETY: the ABI keeps these valid until `destroy_backend`; lengths are checked
         // before anything is read.
         let (name, version, description) = unsafe {
             (
                 info.name.to_str("name", MAX_NAME).map_err(malformed)?,
-                info.version.to_str("version", MAX_VERSION).map_err(malformed)?,
-                info.description.to_str("description", MAX_DESCRIPTION).map_err(malformed)?,
+                info.version
+                    .to_str("version", MAX_VERSION)
+                    .map_err(malformed)?,
+                info.description
+                    .to_str("description", MAX_DESCRIPTION)
+                    .map_err(malformed)?,
             )
         };
         if info.name.ptr.is_null() || name.is_empty() {
             return Err(malformed("the backend name is null or empty".into()));
         }
         if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(malformed(format!("backend name {name:?} contains whitespace or control characters")));
+            return Err(malformed(format!(
+                "backend name {name:?} contains whitespace or control characters"
+            )));
         }
         // SAFETY: as above.
         let ids = |ptr: *const u32, n: usize, what: &str| -> Result<Vec<u32>> {
@@ -252,7 +316,9 @@ impl Plugin {
                 return Ok(Vec::new());
             }
             if ptr.is_null() {
-                return Err(malformed(format!("{what} is a null pointer with length {n}")));
+                return Err(malformed(format!(
+                    "{what} is a null pointer with length {n}"
+                )));
             }
             // SAFETY: the plugin's `describe` promises `n` readable ids at `ptr` until
             // `destroy_backend` (checked non-null above); they are copied at once.
@@ -264,16 +330,28 @@ impl Plugin {
             .collect::<Result<Vec<_>>>()?;
         let architectures = ids(info.architectures, info.n_architectures, "architectures")?
             .into_iter()
-            .map(|id| arch_from_id(id).ok_or_else(|| malformed(format!("unknown architecture id {id}"))))
+            .map(|id| {
+                arch_from_id(id).ok_or_else(|| malformed(format!("unknown architecture id {id}")))
+            })
             .collect::<Result<Vec<_>>>()?;
         self.name = name.to_string();
         self.version = version.to_string();
         self.own_description = description.to_string();
         let runs = match architectures.is_empty() {
             true => "architectures: decided per model".to_string(),
-            false => format!("architectures: {}", architectures.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")),
+            false => format!(
+                "architectures: {}",
+                architectures
+                    .iter()
+                    .map(|a| a.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         };
-        self.listing = format!("{description} [plugin {version}, {}; {runs}]", self.path.display());
+        self.listing = format!(
+            "{description} [plugin {version}, {}; {runs}]",
+            self.path.display()
+        );
         self.qtypes = qtypes;
         self.architectures = architectures;
         Ok(())
@@ -323,7 +401,10 @@ impl PluginBackend {
             .map(|sym| *sym as usize)
             .map_err(|e| plugin_error(path, format!("no entry symbol `{ENTRY_SYMBOL}`: {e}")))?;
         if let Some(false) = is_executable_address(address) {
-            return Err(plugin_error(path, format!("`{ENTRY_SYMBOL}` is not a function (it lies outside the library's code)")));
+            return Err(plugin_error(
+                path,
+                format!("`{ENTRY_SYMBOL}` is not a function (it lies outside the library's code)"),
+            ));
         }
         // SAFETY: the symbol's type is fixed by the ABI, and it lies in executable memory.
         let entry = unsafe { lib.get::<KilnPluginEntry>(ENTRY_SYMBOL.as_bytes()) }
@@ -331,7 +412,10 @@ impl PluginBackend {
         // SAFETY: the entry takes no arguments and returns a pointer to a static table.
         let table = unsafe { entry() };
         if table.is_null() {
-            return Err(plugin_error(path, format!("`{ENTRY_SYMBOL}` returned a null function table")));
+            return Err(plugin_error(
+                path,
+                format!("`{ENTRY_SYMBOL}` returned a null function table"),
+            ));
         }
         // SAFETY: every version of the table starts with this header.
         let header = unsafe { std::ptr::read(table as *const KilnPluginHeader) };
@@ -356,7 +440,8 @@ impl PluginBackend {
             ));
         }
         // SAFETY: the plugin declared `struct_size` readable bytes.
-        let api = unsafe { Api::read(table, header.struct_size) }.map_err(|m| plugin_error(path, m))?;
+        let api =
+            unsafe { Api::read(table, header.struct_size) }.map_err(|m| plugin_error(path, m))?;
 
         let mut handle: *mut KilnBackend = std::ptr::null_mut();
         let mut err = KilnOwnedStr::NONE;
@@ -374,16 +459,23 @@ impl PluginBackend {
             qtypes: Vec::new(),
             architectures: Vec::new(),
         };
-        let message = plugin.take_string(err, "create_backend error message")?.unwrap_or_default();
+        let message = plugin
+            .take_string(err, "create_backend error message")?
+            .unwrap_or_default();
         if !status.is_ok() {
-            let cause = plugin.status_result("create_backend", status, message).unwrap_err();
+            let cause = plugin
+                .status_result("create_backend", status, message)
+                .unwrap_err();
             return Err(plugin.error(format!("initialisation failed: {}", bare_message(&cause))));
         }
         if plugin.handle.is_null() {
-            return Err(plugin.error("malformed data: create_backend succeeded but returned a null backend"));
+            return Err(plugin
+                .error("malformed data: create_backend succeeded but returned a null backend"));
         }
         plugin.describe()?;
-        Ok(PluginBackend { plugin: Arc::new(plugin) })
+        Ok(PluginBackend {
+            plugin: Arc::new(plugin),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -418,11 +510,19 @@ impl PluginBackend {
             max_context: options.max_context as u64,
             max_sequences: options.max_sequences as u64,
             threads: options.threads.unwrap_or(0) as u64,
-            progress: progress.as_ref().map(|_| progress_trampoline as KilnProgressFn),
-            progress_user: progress.as_mut().map_or(std::ptr::null_mut(), |f| f as *mut ProgressFn as *mut c_void),
+            progress: progress
+                .as_ref()
+                .map(|_| progress_trampoline as KilnProgressFn),
+            progress_user: progress.as_mut().map_or(std::ptr::null_mut(), |f| {
+                f as *mut ProgressFn as *mut c_void
+            }),
             // A 1.0 plugin reads only the prefix it knows and so never sees this: it loads
             // with exact activations, which the flag permits, never requires.
-            flags: if options.quantized_activations { load_flags::QUANTIZED_ACTIVATIONS } else { 0 },
+            flags: if options.quantized_activations {
+                load_flags::QUANTIZED_ACTIVATIONS
+            } else {
+                0
+            },
             _reserved1: 0,
         };
         let mut handle: *mut KilnExecutor = std::ptr::null_mut();
@@ -435,7 +535,9 @@ impl PluginBackend {
         let d = desc.desc();
         // SAFETY: every pointer is valid for the call; the tensor bytes live in `desc`,
         // which the executor keeps until it frees the plugin's executor.
-        p.call("load", |err| unsafe { (p.api.load)(p.handle, &d, &opts, &mut handle, &mut info, err) })?;
+        p.call("load", |err| unsafe {
+            (p.api.load)(p.handle, &d, &opts, &mut handle, &mut info, err)
+        })?;
         let mut exec = PluginExecutor {
             plugin: p.clone(),
             handle,
@@ -494,12 +596,20 @@ impl Backend for PluginBackend {
         let mut err = KilnOwnedStr::NONE;
         // SAFETY: valid handle and out-pointers.
         let status = unsafe { (p.api.probe)(p.handle, &mut device, &mut err) };
-        let device = p.take_string(device, "probe device").map_err(|e| e.to_string())?;
-        let message = p.take_string(err, "probe message").map_err(|e| e.to_string())?.unwrap_or_default();
+        let device = p
+            .take_string(device, "probe device")
+            .map_err(|e| e.to_string())?;
+        let message = p
+            .take_string(err, "probe message")
+            .map_err(|e| e.to_string())?
+            .unwrap_or_default();
         match status {
             KilnStatus::OK => Ok(device.unwrap_or_default()),
             KilnStatus::UNAVAILABLE => Err(message),
-            other => Err(p.status_result("probe", other, message).unwrap_err().to_string()),
+            other => Err(p
+                .status_result("probe", other, message)
+                .unwrap_err()
+                .to_string()),
         }
     }
 
@@ -508,25 +618,51 @@ impl Backend for PluginBackend {
         if !p.architectures.is_empty() && !p.architectures.contains(&model.config.arch) {
             let names: Vec<&str> = p.architectures.iter().map(|a| a.name()).collect();
             return Support::No {
-                reason: format!("runs {}, not {}", names.join(", "), model.config.arch.name()),
+                reason: format!(
+                    "runs {}, not {}",
+                    names.join(", "),
+                    model.config.arch.name()
+                ),
             };
         }
         if let Err(e) = kiln_core::plugin_abi::check_describable(&model.config) {
-            return Support::No { reason: e.to_string() };
+            return Support::No {
+                reason: e.to_string(),
+            };
         }
         let desc = ModelDescBuf::new(model);
         let d = desc.desc();
-        let mut out = KilnSupport { supported: 0, score: 0, message: KilnOwnedStr::NONE };
+        let mut out = KilnSupport {
+            supported: 0,
+            score: 0,
+            message: KilnOwnedStr::NONE,
+        };
         // SAFETY: descriptor and out-pointer valid for the call.
-        let called = p.call("supports", |err| unsafe { (p.api.supports)(p.handle, &d, &mut out, err) });
-        let message = p.take_string(std::mem::replace(&mut out.message, KilnOwnedStr::NONE), "supports message");
+        let called = p.call("supports", |err| unsafe {
+            (p.api.supports)(p.handle, &d, &mut out, err)
+        });
+        let message = p.take_string(
+            std::mem::replace(&mut out.message, KilnOwnedStr::NONE),
+            "supports message",
+        );
         match (called, message) {
-            (Err(e), _) | (Ok(()), Err(e)) => Support::No { reason: e.to_string() },
+            (Err(e), _) | (Ok(()), Err(e)) => Support::No {
+                reason: e.to_string(),
+            },
             (Ok(()), Ok(m)) => match out.supported {
-                1 => Support::Yes { score: out.score, note: m.unwrap_or_default() },
-                0 => Support::No { reason: m.unwrap_or_default() },
+                1 => Support::Yes {
+                    score: out.score,
+                    note: m.unwrap_or_default(),
+                },
+                0 => Support::No {
+                    reason: m.unwrap_or_default(),
+                },
                 other => Support::No {
-                    reason: p.error(format!("malformed data: supports answered {other} (0 or 1 expected)")).to_string(),
+                    reason: p
+                        .error(format!(
+                            "malformed data: supports answered {other} (0 or 1 expected)"
+                        ))
+                        .to_string(),
                 },
             },
         }
@@ -586,14 +722,18 @@ impl LayerExecutor for PluginExecutor {
         let p = &self.plugin;
         let mut seq = 0u32;
         // SAFETY: valid executor handle and out-pointer.
-        p.call("new_sequence", |err| unsafe { (p.api.new_sequence)(self.handle, &mut seq, err) })?;
+        p.call("new_sequence", |err| unsafe {
+            (p.api.new_sequence)(self.handle, &mut seq, err)
+        })?;
         Ok(seq)
     }
 
     fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
         let p = &self.plugin;
         // SAFETY: valid executor handle.
-        p.call("free_sequence", |err| unsafe { (p.api.free_sequence)(self.handle, seq, err) })
+        p.call("free_sequence", |err| unsafe {
+            (p.api.free_sequence)(self.handle, seq, err)
+        })
     }
 
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
@@ -601,28 +741,49 @@ impl LayerExecutor for PluginExecutor {
         let mut len = 0u64;
         // SAFETY: valid executor handle and out-pointer; `&self` is enough because the
         // executor is not `Sync`, so no other call runs concurrently.
-        p.call("sequence_len", |err| unsafe { (p.api.sequence_len)(self.handle, seq, &mut len, err) })?;
-        usize::try_from(len).ok().filter(|&n| n <= self.max_context).ok_or_else(|| {
-            p.error(format!("malformed data: sequence {seq} reported length {len} beyond its context {}", self.max_context))
-        })
+        p.call("sequence_len", |err| unsafe {
+            (p.api.sequence_len)(self.handle, seq, &mut len, err)
+        })?;
+        usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= self.max_context)
+            .ok_or_else(|| {
+                p.error(format!(
+                    "malformed data: sequence {seq} reported length {len} beyond its context {}",
+                    self.max_context
+                ))
+            })
     }
 
     fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
         let p = &self.plugin;
         // SAFETY: valid executor handle.
-        p.call("truncate_sequence", |err| unsafe { (p.api.truncate_sequence)(self.handle, seq, len as u64, err) })
+        p.call("truncate_sequence", |err| unsafe {
+            (p.api.truncate_sequence)(self.handle, seq, len as u64, err)
+        })
     }
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         let vocab = self.config().vocab_size;
         if logits.len() != vocab {
-            return Err(Error::InvalidArgument(format!("logits buffer holds {}; vocab is {vocab}", logits.len())));
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer holds {}; vocab is {vocab}",
+                logits.len()
+            )));
         }
         let p = &self.plugin;
         logits.fill(f32::NAN);
         // SAFETY: the slices are valid for their lengths during the call.
         p.call("prefill", |err| unsafe {
-            (p.api.prefill)(self.handle, seq, tokens.as_ptr(), tokens.len(), logits.as_mut_ptr(), logits.len(), err)
+            (p.api.prefill)(
+                self.handle,
+                seq,
+                tokens.as_ptr(),
+                tokens.len(),
+                logits.as_mut_ptr(),
+                logits.len(),
+                err,
+            )
         })?;
         p.check_logits("prefill", logits, vocab)
     }
@@ -638,18 +799,33 @@ impl LayerExecutor for PluginExecutor {
             )));
         }
         self.items.clear();
-        self.items.extend(batch.iter().map(|i| KilnDecodeItem { seq: i.seq, token: i.token }));
+        self.items.extend(batch.iter().map(|i| KilnDecodeItem {
+            seq: i.seq,
+            token: i.token,
+        }));
         let p = &self.plugin;
         let (handle, items) = (self.handle, &self.items);
         logits.fill(f32::NAN);
         // SAFETY: the slices are valid for their lengths during the call.
         p.call("decode", |err| unsafe {
-            (p.api.decode)(handle, items.as_ptr(), items.len(), logits.as_mut_ptr(), logits.len(), err)
+            (p.api.decode)(
+                handle,
+                items.as_ptr(),
+                items.len(),
+                logits.as_mut_ptr(),
+                logits.len(),
+                err,
+            )
         })?;
         p.check_logits("decode", logits, vocab)
     }
 
-    fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
+    fn decode_sample(
+        &mut self,
+        batch: &[DecodeItem],
+        samplers: &mut [Sampler],
+        tokens: &mut [u32],
+    ) -> Result<()> {
         let sample_here = samplers.iter().any(|s| !s.params.logit_bias.is_empty());
         let Some(decode_sample) = self.plugin.api.decode_sample.filter(|_| !sample_here) else {
             // A plugin before ABI 1.3, or a logit bias (the ABI does not carry one): the
@@ -659,10 +835,16 @@ impl LayerExecutor for PluginExecutor {
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.model.model().config.vocab_size;
         self.items.clear();
-        self.items.extend(batch.iter().map(|i| KilnDecodeItem { seq: i.seq, token: i.token }));
+        self.items.extend(batch.iter().map(|i| KilnDecodeItem {
+            seq: i.seq,
+            token: i.token,
+        }));
         let recents: Vec<Vec<u32>> = samplers.iter().map(|s| s.recent().collect()).collect();
-        let mut states: Vec<KilnSamplerState> =
-            samplers.iter().zip(&recents).map(|(s, r)| KilnSamplerState::from_sampler(s, r)).collect();
+        let mut states: Vec<KilnSamplerState> = samplers
+            .iter()
+            .zip(&recents)
+            .map(|(s, r)| KilnSamplerState::from_sampler(s, r))
+            .collect();
         // Poisoned: an id the plugin leaves unwritten is outside every vocabulary.
         tokens.fill(u32::MAX);
         let p = &self.plugin;
@@ -701,9 +883,16 @@ fn is_executable_address(address: usize) -> Option<bool> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     for line in maps.lines() {
         let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else { continue };
-        let Some((lo, hi)) = range.split_once('-') else { continue };
-        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else { continue };
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            continue;
+        };
         if (lo..hi).contains(&address) {
             return Some(perms.as_bytes().get(2) == Some(&b'x'));
         }
@@ -720,9 +909,16 @@ pub fn load_plugin(path: &Path) -> Result<Arc<dyn Backend>> {
 /// the running executable.
 pub fn plugin_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var_os(PLUGIN_PATH_ENV)
-        .map(|v| std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).collect())
+        .map(|v| {
+            std::env::split_paths(&v)
+                .filter(|p| !p.as_os_str().is_empty())
+                .collect()
+        })
         .unwrap_or_default();
-    if let Some(dir) = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("plugins"))) {
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("plugins")))
+    {
         dirs.push(dir);
     }
     dirs
@@ -732,7 +928,11 @@ pub fn plugin_dirs() -> Vec<PathBuf> {
 fn libraries_in(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == std::env::consts::DLL_EXTENSION))
+        .filter(|p| {
+            p.is_file()
+                && p.extension()
+                    .is_some_and(|e| e == std::env::consts::DLL_EXTENSION)
+        })
         .collect();
     found.sort();
     Ok(found)
@@ -744,7 +944,13 @@ fn libraries_in(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// plugin claiming an already-taken name is refused.
 pub fn discover_plugins(explicit: &[PathBuf]) -> (Vec<Arc<dyn Backend>>, Vec<Error>) {
     let (found, errors) = discover(explicit);
-    (found.into_iter().map(|b| Arc::new(b) as Arc<dyn Backend>).collect(), errors)
+    (
+        found
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn Backend>)
+            .collect(),
+        errors,
+    )
 }
 
 fn discover(explicit: &[PathBuf]) -> (Vec<PluginBackend>, Vec<Error>) {
@@ -754,7 +960,10 @@ fn discover(explicit: &[PathBuf]) -> (Vec<PluginBackend>, Vec<Error>) {
         if path.is_dir() {
             match libraries_in(path) {
                 Ok(found) => candidates.extend(found),
-                Err(e) => errors.push(plugin_error(path, format!("cannot read plugin directory: {e}"))),
+                Err(e) => errors.push(plugin_error(
+                    path,
+                    format!("cannot read plugin directory: {e}"),
+                )),
             }
         } else if path.exists() {
             candidates.push(path.clone());
@@ -770,7 +979,10 @@ fn discover(explicit: &[PathBuf]) -> (Vec<PluginBackend>, Vec<Error>) {
         } else if entry.is_dir() {
             match libraries_in(&entry) {
                 Ok(found) => candidates.extend(found),
-                Err(e) => errors.push(plugin_error(&entry, format!("cannot read plugin directory: {e}"))),
+                Err(e) => errors.push(plugin_error(
+                    &entry,
+                    format!("cannot read plugin directory: {e}"),
+                )),
             }
         }
     }
@@ -784,9 +996,13 @@ fn discover(explicit: &[PathBuf]) -> (Vec<PluginBackend>, Vec<Error>) {
         }
         seen.push(canonical);
         match PluginBackend::open(&path) {
-            Ok(b) if backends.iter().any(|o| o.name() == b.name()) => {
-                errors.push(plugin_error(&path, format!("another plugin already provides a backend named '{}'", b.name())))
-            }
+            Ok(b) if backends.iter().any(|o| o.name() == b.name()) => errors.push(plugin_error(
+                &path,
+                format!(
+                    "another plugin already provides a backend named '{}'",
+                    b.name()
+                ),
+            )),
             Ok(b) => backends.push(b),
             Err(e) => errors.push(e),
         }

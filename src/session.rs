@@ -23,7 +23,12 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { max_tokens: 128, sampling: SamplingParams::default(), stop_strings: Vec::new(), stop_on_eos: true }
+        GenerateParams {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop_strings: Vec::new(),
+            stop_on_eos: true,
+        }
     }
 }
 
@@ -74,7 +79,8 @@ impl Generation {
     }
     /// Mean time between generated tokens (one decode step and its draw), if any.
     pub fn ms_per_token(&self) -> Option<f64> {
-        (self.decode_steps > 0).then(|| self.decode_time.as_secs_f64() * 1e3 / self.decode_steps as f64)
+        (self.decode_steps > 0)
+            .then(|| self.decode_time.as_secs_f64() * 1e3 / self.decode_steps as f64)
     }
 }
 
@@ -90,7 +96,12 @@ impl<'e> Session<'e> {
     pub(crate) fn new(engine: &'e mut Engine) -> Result<Self> {
         let seq = engine.executor.new_sequence()?;
         let vocab = engine.executor.config().vocab_size;
-        Ok(Session { engine, seq, cached: Vec::new(), logits: vec![0.0; vocab] })
+        Ok(Session {
+            engine,
+            seq,
+            cached: Vec::new(),
+            logits: vec![0.0; vocab],
+        })
     }
 
     pub fn engine(&self) -> &Engine {
@@ -117,7 +128,9 @@ impl<'e> Session<'e> {
         params.sampling.validate()?;
         let vocab = self.engine.executor.config().vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({vocab})")));
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary ({vocab})"
+            )));
         }
         let max_context = self.engine.executor.max_context();
         if prompt.len() >= max_context {
@@ -129,7 +142,12 @@ impl<'e> Session<'e> {
 
         // Keep the longest cached prefix, but always prefill at least one token: its
         // logits start the generation.
-        let mut keep = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let mut keep = self
+            .cached
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
         keep = keep.min(prompt.len() - 1);
         let exec = &mut self.engine.executor;
         exec.truncate_sequence(self.seq, keep)?;
@@ -197,12 +215,18 @@ impl<'e> Session<'e> {
                 finish = FinishReason::ContextFull;
                 break;
             }
-            let item = DecodeItem { seq: self.seq, token };
+            let item = DecodeItem {
+                seq: self.seq,
+                token,
+            };
             let mut next = [0u32];
-            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next).map_err(|e| match e {
-                Error::NonFiniteLogits { .. } => Error::NonFiniteLogits { step: decode_steps + 1 },
-                other => other,
-            })?;
+            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)
+                .map_err(|e| match e {
+                    Error::NonFiniteLogits { .. } => Error::NonFiniteLogits {
+                        step: decode_steps + 1,
+                    },
+                    other => other,
+                })?;
             self.cached.push(token);
             decode_steps += 1;
             token = next[0];
@@ -243,7 +267,11 @@ impl Drop for Session<'_> {
 
 /// Byte offset where the first stop string starts, if any is in `text`.
 pub(crate) fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops.iter().filter(|s| !s.is_empty()).filter_map(|s| text.find(s.as_str())).min()
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
 }
 
 /// Length of the longest suffix of `text` that could begin a stop string: it is withheld

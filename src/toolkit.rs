@@ -59,8 +59,10 @@ impl Bar {
     fn new() -> Bar {
         let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
         bar.set_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta} {msg}")
-                .expect("the template is valid"),
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta} {msg}",
+            )
+            .expect("the template is valid"),
         );
         Bar { bar }
     }
@@ -68,8 +70,14 @@ impl Bar {
     fn observe(&self, event: ProgressEvent<'_>) {
         match event {
             ProgressEvent::Start { total } => self.bar.set_length(total),
-            ProgressEvent::Tensor { name, index, count, qtype } => {
-                self.bar.set_message(format!("{}/{count} {name} → {qtype}", index + 1));
+            ProgressEvent::Tensor {
+                name,
+                index,
+                count,
+                qtype,
+            } => {
+                self.bar
+                    .set_message(format!("{}/{count} {name} → {qtype}", index + 1));
             }
             ProgressEvent::Advance { done } => self.bar.inc(done),
             ProgressEvent::Finish => self.bar.finish_and_clear(),
@@ -80,16 +88,29 @@ impl Bar {
 /// `kiln quantize`: prints the per-tensor mix (and errors, with `--report-error`).
 pub fn cmd_quantize(args: QuantizeArgs) -> Result<()> {
     let recipe = Recipe::from_name(&args.recipe)?;
-    let options = QuantizeOptions { recipe, measure_error: args.report_error };
+    let options = QuantizeOptions {
+        recipe,
+        measure_error: args.report_error,
+    };
     let bar = Bar::new();
     let start = Instant::now();
-    let reports = with_threads(args.threads, || quantize_file(&args.input, &args.output, options, &|e| bar.observe(e)))?;
+    let reports = with_threads(args.threads, || {
+        quantize_file(&args.input, &args.output, options, &|e| bar.observe(e))
+    })?;
     let secs = start.elapsed().as_secs_f64();
     let mut mix: Vec<(kiln_core::QType, usize)> = Vec::new();
     for r in &reports {
         if args.report_error {
-            let err = r.rel_rmse.map_or_else(|| "unchanged".to_string(), |e| format!("rel RMSE {e:.5}"));
-            println!("{:<32} {:>16} {:>5} -> {:<5} {err}", r.name, format!("{:?}", r.dims), r.from.name(), r.to.name());
+            let err = r
+                .rel_rmse
+                .map_or_else(|| "unchanged".to_string(), |e| format!("rel RMSE {e:.5}"));
+            println!(
+                "{:<32} {:>16} {:>5} -> {:<5} {err}",
+                r.name,
+                format!("{:?}", r.dims),
+                r.from.name(),
+                r.to.name()
+            );
         }
         match mix.iter_mut().find(|(q, _)| *q == r.to) {
             Some(m) => m.1 += 1,
@@ -113,12 +134,21 @@ pub fn cmd_quantize(args: QuantizeArgs) -> Result<()> {
 pub fn cmd_synth(args: SynthArgs) -> Result<()> {
     let preset = Preset::from_name(&args.shape)?;
     let recipe = Recipe::from_name(&args.recipe)?;
-    let options = SynthOptions { preset, recipe, seed: args.seed };
+    let options = SynthOptions {
+        preset,
+        recipe,
+        seed: args.seed,
+    };
     let bar = Bar::new();
     let start = Instant::now();
-    let tensors = with_threads(args.threads, || synth_file(&args.output, options, &|e| bar.observe(e)))?;
+    let tensors = with_threads(args.threads, || {
+        synth_file(&args.output, options, &|e| bar.observe(e))
+    })?;
     let secs = start.elapsed().as_secs_f64();
-    let params: usize = tensors.iter().map(|t| t.dims.iter().product::<usize>()).sum();
+    let params: usize = tensors
+        .iter()
+        .map(|t| t.dims.iter().product::<usize>())
+        .sum();
     let size = std::fs::metadata(&args.output)?.len();
     println!(
         "{}: synthetic {} ({recipe}, seed {}): {:.2} B parameters, {} tensors, {:.1} MB, {secs:.1} s",
@@ -153,34 +183,69 @@ pub fn cmd_convert(args: ConvertArgs) -> Result<()> {
     use kiln_core::Error;
     use kiln_formats::apr::Compression;
     use kiln_formats::apr_model::{write_model_apr, write_model_gguf, AprQuantize};
-    let to_apr = match args.output.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+    let to_apr = match args
+        .output
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .as_deref()
+    {
         Some("apr") => true,
         Some("gguf") => false,
-        _ => return Err(Error::InvalidArgument(format!("{}: the output must end in .apr or .gguf", args.output.display()))),
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the output must end in .apr or .gguf",
+                args.output.display()
+            )))
+        }
     };
     let compression = match args.compress.as_deref() {
         None | Some("none") => Compression::None,
         Some("lz4") => Compression::Lz4,
         Some("zstd") => Compression::Zstd,
-        Some(other) => return Err(Error::InvalidArgument(format!("--compress {other}: lz4, zstd or none"))),
+        Some(other) => {
+            return Err(Error::InvalidArgument(format!(
+                "--compress {other}: lz4, zstd or none"
+            )))
+        }
     };
     let quantize = match args.quantize.as_deref() {
         None | Some("keep") => AprQuantize::Keep,
         Some("int4") => AprQuantize::Int4,
         Some("int8") => AprQuantize::Int8,
-        Some(other) => return Err(Error::InvalidArgument(format!("--quantize {other}: int4 or int8"))),
+        Some(other) => {
+            return Err(Error::InvalidArgument(format!(
+                "--quantize {other}: int4 or int8"
+            )))
+        }
     };
     if !to_apr && (compression != Compression::None || quantize != AprQuantize::Keep) {
-        return Err(Error::InvalidArgument("--compress and --quantize apply to APR output only".into()));
+        return Err(Error::InvalidArgument(
+            "--compress and --quantize apply to APR output only".into(),
+        ));
     }
     let model = crate::Model::open(&args.input)?;
     let template = model.chat_template_source().map(str::to_string);
     let bar = Bar::new();
     let start = Instant::now();
     let reports = if to_apr {
-        write_model_apr(&model.ir, &model.tokenizer_spec, template.as_deref(), &args.output, compression, quantize, &|e| bar.observe(e))?
+        write_model_apr(
+            &model.ir,
+            &model.tokenizer_spec,
+            template.as_deref(),
+            &args.output,
+            compression,
+            quantize,
+            &|e| bar.observe(e),
+        )?
     } else {
-        write_model_gguf(&model.ir, &model.tokenizer_spec, template.as_deref(), &args.output, &|e| bar.observe(e))?
+        write_model_gguf(
+            &model.ir,
+            &model.tokenizer_spec,
+            template.as_deref(),
+            &args.output,
+            &|e| bar.observe(e),
+        )?
     };
     for r in &reports {
         println!("{:<40} {} → {}", r.name, r.from, r.to);

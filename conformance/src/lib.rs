@@ -30,7 +30,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kiln_backend_cpu::CpuBackend;
 use kiln_core::plugin_abi::UNWRITTEN_LOGITS;
-use kiln_core::{argmax, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, Rng, SeqId, Support};
+use kiln_core::{
+    argmax, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, Rng, SeqId, Support,
+};
 
 use models::cosine;
 
@@ -166,13 +168,17 @@ impl Report {
         let deferred = f.blame.filter(|&b| {
             b != rule
                 && (b == LOGITS_RULE
-                    || self
-                        .findings
-                        .iter()
-                        .any(|x| x.rule == b && x.outcome == Outcome::Fail && x.model.as_deref() == model))
+                    || self.findings.iter().any(|x| {
+                        x.rule == b && x.outcome == Outcome::Fail && x.model.as_deref() == model
+                    }))
         });
         match deferred {
-            Some(b) => self.push(rule, model, Outcome::Skip, format!("not judged: it needs {b}, which fails here")),
+            Some(b) => self.push(
+                rule,
+                model,
+                Outcome::Skip,
+                format!("not judged: it needs {b}, which fails here"),
+            ),
             None => self.push(rule, model, Outcome::Fail, f.why),
         }
     }
@@ -181,9 +187,20 @@ impl Report {
         self.findings.iter().filter(|f| f.outcome == o).count()
     }
 
-    fn push(&mut self, rule: &'static str, model: Option<&str>, outcome: Outcome, detail: impl Into<String>) {
+    fn push(
+        &mut self,
+        rule: &'static str,
+        model: Option<&str>,
+        outcome: Outcome,
+        detail: impl Into<String>,
+    ) {
         debug_assert!(RULES.iter().any(|r| r.name == rule), "unknown rule {rule}");
-        self.findings.push(Finding { rule, model: model.map(str::to_owned), outcome, detail: detail.into() });
+        self.findings.push(Finding {
+            rule,
+            model: model.map(str::to_owned),
+            outcome,
+            detail: detail.into(),
+        });
     }
 }
 
@@ -214,7 +231,11 @@ impl fmt::Display for Report {
             }
             writeln!(f, "  {}  {:<34} {}", mark(x.outcome), x.rule, x.detail)?;
         }
-        let (pass, fail, skip) = (self.count(Outcome::Pass), self.count(Outcome::Fail), self.count(Outcome::Skip));
+        let (pass, fail, skip) = (
+            self.count(Outcome::Pass),
+            self.count(Outcome::Fail),
+            self.count(Outcome::Skip),
+        );
         writeln!(f)?;
         if self.passed() {
             writeln!(f, "result: PASS — {pass} checks passed, {skip} skipped")?;
@@ -229,7 +250,11 @@ impl fmt::Display for Report {
                 rules.join(", ")
             )?;
             for x in self.failures() {
-                let on = x.model.as_deref().map(|m| format!(" [{m}]")).unwrap_or_default();
+                let on = x
+                    .model
+                    .as_deref()
+                    .map(|m| format!(" [{m}]"))
+                    .unwrap_or_default();
                 writeln!(f, "  FAIL  {}{on}: {}", x.rule, x.detail)?;
             }
             if pass == 0 && fail == 0 {
@@ -313,11 +338,21 @@ pub fn run(backend: &dyn Backend, options: &Options) -> Report {
             report.device = Some(device);
         }
         Ok(Err(why)) => {
-            report.push("backend.available", None, Outcome::Fail, format!("probe() says unavailable: {why}"));
+            report.push(
+                "backend.available",
+                None,
+                Outcome::Fail,
+                format!("probe() says unavailable: {why}"),
+            );
             return report;
         }
         Err(panic) => {
-            report.push("backend.available", None, Outcome::Fail, format!("probe() panicked: {panic}"));
+            report.push(
+                "backend.available",
+                None,
+                Outcome::Fail,
+                format!("probe() panicked: {panic}"),
+            );
             return report;
         }
     }
@@ -328,7 +363,9 @@ pub fn run(backend: &dyn Backend, options: &Options) -> Report {
         let mut rng = Rng::new(options.seed);
         for (label, shape) in models::suite_shapes() {
             let ir = models::model(&mut rng, &shape, 4096);
-            report.models.push((label.to_string(), models::describe(&shape)));
+            report
+                .models
+                .push((label.to_string(), models::describe(&shape)));
             subjects.push((label.to_string(), ir, None));
         }
     }
@@ -343,26 +380,46 @@ pub fn run(backend: &dyn Backend, options: &Options) -> Report {
             real.prompts.len()
         );
         report.models.push((real.label.clone(), about));
-        subjects.push((real.label.clone(), real.ir.clone(), Some(real.prompts.as_slice())));
+        subjects.push((
+            real.label.clone(),
+            real.ir.clone(),
+            Some(real.prompts.as_slice()),
+        ));
     }
     let mut accepted = 0;
     for (label, ir, prompts) in &subjects {
         match guarded(|| backend.supports(ir)) {
             Ok(Support::Yes { score, note }) => {
                 accepted += 1;
-                report.push("backend.supports", Some(label), Outcome::Pass, format!("score {score}: {note}"));
+                report.push(
+                    "backend.supports",
+                    Some(label),
+                    Outcome::Pass,
+                    format!("score {score}: {note}"),
+                );
                 run_model(backend, label, ir, *prompts, options, &mut report);
             }
-            Ok(Support::No { reason }) => {
-                report.push("backend.supports", Some(label), Outcome::Skip, format!("refused, so not run: {reason}"))
-            }
-            Err(panic) => {
-                report.push("backend.supports", Some(label), Outcome::Fail, format!("supports() panicked: {panic}"))
-            }
+            Ok(Support::No { reason }) => report.push(
+                "backend.supports",
+                Some(label),
+                Outcome::Skip,
+                format!("refused, so not run: {reason}"),
+            ),
+            Err(panic) => report.push(
+                "backend.supports",
+                Some(label),
+                Outcome::Fail,
+                format!("supports() panicked: {panic}"),
+            ),
         }
     }
     if accepted == 0 && !subjects.is_empty() {
-        report.push("backend.supports", None, Outcome::Fail, "refused every model of the suite: nothing was checked");
+        report.push(
+            "backend.supports",
+            None,
+            Outcome::Fail,
+            "refused every model of the suite: nothing was checked",
+        );
     }
     report
 }
@@ -372,7 +429,9 @@ fn identity(backend: &dyn Backend, report: &mut Report) {
     let problem = if name.is_empty() || name.len() > 64 {
         Some(format!("name {name:?} is not 1–64 bytes"))
     } else if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        Some(format!("name {name:?} contains whitespace or control characters"))
+        Some(format!(
+            "name {name:?} contains whitespace or control characters"
+        ))
     } else if backend.description().trim().is_empty() {
         Some("the description is empty".into())
     } else if backend.qtypes().is_empty() {
@@ -419,7 +478,10 @@ struct Fail {
 impl Fail {
     /// The same failure, said in `context`.
     fn within(self, context: impl fmt::Display) -> Fail {
-        Fail { why: format!("{context}: {}", self.why), ..self }
+        Fail {
+            why: format!("{context}: {}", self.why),
+            ..self
+        }
     }
 }
 
@@ -462,7 +524,12 @@ fn kind_of(e: &Error) -> &'static str {
 /// Deterministic token ids spread over the vocabulary.
 fn prompt(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(salt.wrapping_mul(40_503)) >> 7) % vocab as u32)
+        .map(|i| {
+            (i.wrapping_mul(2_654_435_761)
+                .wrapping_add(salt.wrapping_mul(40_503))
+                >> 7)
+                % vocab as u32
+        })
         .collect()
 }
 
@@ -501,24 +568,34 @@ impl Harness<'_> {
     }
 
     fn new_seq(&mut self) -> Step<SeqId> {
-        let s = self.exec.new_sequence().map_err(|e| format!("new_sequence failed: {e}"))?;
+        let s = self
+            .exec
+            .new_sequence()
+            .map_err(|e| format!("new_sequence failed: {e}"))?;
         self.alive.push(s);
         Ok(s)
     }
 
     fn free(&mut self, s: SeqId) -> Step<()> {
-        self.exec.free_sequence(s).map_err(|e| format!("free_sequence({s}) failed: {e}"))?;
+        self.exec
+            .free_sequence(s)
+            .map_err(|e| format!("free_sequence({s}) failed: {e}"))?;
         self.alive.retain(|&a| a != s);
         Ok(())
     }
 
     fn len(&self, s: SeqId) -> Step<usize> {
-        self.exec.sequence_len(s).map_err(|e| format!("sequence_len({s}) failed: {e}").into())
+        self.exec
+            .sequence_len(s)
+            .map_err(|e| format!("sequence_len({s}) failed: {e}").into())
     }
 
     fn expect_len(&self, s: SeqId, want: usize, after: &str) -> Step<()> {
         let got = self.len(s)?;
-        ensure!(got == want, "after {after} sequence {s} holds {got} tokens; expected {want}");
+        ensure!(
+            got == want,
+            "after {after} sequence {s} holds {got} tokens; expected {want}"
+        );
         Ok(())
     }
 
@@ -527,7 +604,10 @@ impl Harness<'_> {
             Ok(()) => self.expect_len(s, len, &format!("truncate_sequence({s}, {len})")),
             Err(e) => Err(format!("truncate_sequence({s}, {len}) failed: {e}").into()),
         };
-        done.map_err(|f| Fail { blame: Some(TRUNCATE_RULE), ..f })
+        done.map_err(|f| Fail {
+            blame: Some(TRUNCATE_RULE),
+            ..f
+        })
     }
 
     fn prefill(&mut self, s: SeqId, tokens: &[u32]) -> Step<Vec<f32>> {
@@ -537,7 +617,10 @@ impl Harness<'_> {
     }
 
     fn decode(&mut self, items: &[(SeqId, u32)]) -> Step<Vec<f32>> {
-        let batch: Vec<DecodeItem> = items.iter().map(|&(seq, token)| DecodeItem { seq, token }).collect();
+        let batch: Vec<DecodeItem> = items
+            .iter()
+            .map(|&(seq, token)| DecodeItem { seq, token })
+            .collect();
         let mut out = vec![f32::NAN; items.len() * self.vocab];
         let r = self.exec.decode(&batch, &mut out);
         self.outputs(&format!("decode of {} item(s)", items.len()), r, out)
@@ -549,21 +632,29 @@ impl Harness<'_> {
         self.output_calls += 1;
         match r {
             Ok(()) => {
-                let Some(first) = out.iter().position(|v| !v.is_finite()) else { return Ok(out) };
+                let Some(first) = out.iter().position(|v| !v.is_finite()) else {
+                    return Ok(out);
+                };
                 let bad = out.iter().filter(|v| !v.is_finite()).count();
                 let m = format!(
                     "{what} returned OK with {bad} of {} {UNWRITTEN_LOGITS} (first at index {first})",
                     out.len()
                 );
                 self.unwritten.push(m.clone());
-                Err(Fail { why: m, blame: Some(LOGITS_RULE) })
+                Err(Fail {
+                    why: m,
+                    blame: Some(LOGITS_RULE),
+                })
             }
             Err(e) => {
                 let m = format!("{what} failed: {e}");
                 // A plugin's host turns unwritten logits into an error; count it here too.
                 if e.to_string().contains(UNWRITTEN_LOGITS) {
                     self.unwritten.push(m.clone());
-                    return Err(Fail { why: m, blame: Some(LOGITS_RULE) });
+                    return Err(Fail {
+                        why: m,
+                        blame: Some(LOGITS_RULE),
+                    });
                 }
                 Err(m.into())
             }
@@ -578,20 +669,29 @@ impl Harness<'_> {
         watch: &[SeqId],
         f: impl FnOnce(&mut dyn LayerExecutor) -> kiln_core::Result<T>,
     ) -> Step<()> {
-        let lens = |h: &Self| watch.iter().map(|&s| h.exec.sequence_len(s).ok()).collect::<Vec<_>>();
+        let lens = |h: &Self| {
+            watch
+                .iter()
+                .map(|&s| h.exec.sequence_len(s).ok())
+                .collect::<Vec<_>>()
+        };
         let before = lens(self);
         let r = f(self.exec.as_mut());
         self.rejected += 1;
         let after = lens(self);
         if before != after {
-            self.changed.push(format!("{what} changed the lengths {before:?} to {after:?}"));
+            self.changed.push(format!(
+                "{what} changed the lengths {before:?} to {after:?}"
+            ));
         }
         match r {
             Err(Error::InvalidArgument(_)) => Ok(()),
             Ok(_) => Err(format!("{what} succeeded; the contract says InvalidArgument").into()),
-            Err(e) => {
-                Err(format!("{what} failed with {} ({e}); the contract says InvalidArgument", kind_of(&e)).into())
-            }
+            Err(e) => Err(format!(
+                "{what} failed with {} ({e}); the contract says InvalidArgument",
+                kind_of(&e)
+            )
+            .into()),
         }
     }
 
@@ -604,7 +704,10 @@ impl Harness<'_> {
             "{what}: cosine {c:.6} with the expected logits (bar {bar})"
         );
         let (g, w) = (argmax(got), argmax(want));
-        ensure!(g == w || top_gap(want) < tie_gap, "{what}: argmax {g} instead of {w}");
+        ensure!(
+            g == w || top_gap(want) < tie_gap,
+            "{what}: argmax {g} instead of {w}"
+        );
         Ok(())
     }
 }
@@ -686,7 +789,10 @@ fn run_model(
     let m = Some(label);
     let (context, sequences) = match prompts {
         None => (SYNTH_CONTEXT, SYNTH_SEQUENCES),
-        Some(p) => (p.iter().map(Vec::len).max().unwrap_or(1) + options.steps + 1, 1),
+        Some(p) => (
+            p.iter().map(Vec::len).max().unwrap_or(1) + options.steps + 1,
+            1,
+        ),
     };
     let load = LoadOptions {
         max_context: context,
@@ -696,32 +802,64 @@ fn run_model(
         quantized_activations: options.quantized_activations,
         sequential_decode: false,
     };
-    let oracle_options = LoadOptions { max_sequences: 1, quantized_activations: false, ..load.clone() };
+    let oracle_options = LoadOptions {
+        max_sequences: 1,
+        quantized_activations: false,
+        ..load.clone()
+    };
     let mut oracle = match CpuBackend.load(ir, &oracle_options) {
         Ok(o) => o,
-        Err(e) => return report.push("load.model", m, Outcome::Skip, format!("the CPU oracle cannot load it: {e}")),
+        Err(e) => {
+            return report.push(
+                "load.model",
+                m,
+                Outcome::Skip,
+                format!("the CPU oracle cannot load it: {e}"),
+            )
+        }
     };
     let exec = match guarded(|| backend.load(ir, &load)) {
         Ok(Ok(exec)) => exec,
         Ok(Err(e)) => {
-            return report.push("load.model", m, Outcome::Fail, format!("load() failed after supports() said yes: {e}"))
+            return report.push(
+                "load.model",
+                m,
+                Outcome::Fail,
+                format!("load() failed after supports() said yes: {e}"),
+            )
         }
-        Err(p) => return report.push("load.model", m, Outcome::Fail, format!("load() panicked: {p}")),
+        Err(p) => {
+            return report.push(
+                "load.model",
+                m,
+                Outcome::Fail,
+                format!("load() panicked: {p}"),
+            )
+        }
     };
     let (ctx, seqs) = (exec.max_context(), exec.max_sequences());
     let problem = if exec.config() != &ir.config {
         Some("config() differs from the model's configuration".to_string())
     } else if ctx == 0 || ctx > context {
-        Some(format!("max_context() is {ctx}; asked for {context}, so it must be 1..={context}"))
+        Some(format!(
+            "max_context() is {ctx}; asked for {context}, so it must be 1..={context}"
+        ))
     } else if seqs == 0 || seqs > sequences {
-        Some(format!("max_sequences() is {seqs}; asked for {sequences}, so it must be 1..={sequences}"))
+        Some(format!(
+            "max_sequences() is {seqs}; asked for {sequences}, so it must be 1..={sequences}"
+        ))
     } else {
         None
     };
     if let Some(p) = problem {
         return report.push("load.model", m, Outcome::Fail, p);
     }
-    report.push("load.model", m, Outcome::Pass, format!("max_context {ctx}, max_sequences {seqs}"));
+    report.push(
+        "load.model",
+        m,
+        Outcome::Pass,
+        format!("max_context {ctx}, max_sequences {seqs}"),
+    );
 
     let mut h = Harness {
         backend,
@@ -742,7 +880,8 @@ fn run_model(
                 report.push(rule, m, Outcome::Fail, format!("not run: {}", why.why));
                 continue;
             }
-            let verdict = guarded(|| check(&mut h, options)).unwrap_or_else(|p| Err(format!("panicked: {p}").into()));
+            let verdict = guarded(|| check(&mut h, options))
+                .unwrap_or_else(|p| Err(format!("panicked: {p}").into()));
             match verdict {
                 Ok(Done::Pass(d)) => report.push(rule, m, Outcome::Pass, d),
                 Ok(Done::Skip(d)) => report.push(rule, m, Outcome::Skip, d),
@@ -767,10 +906,17 @@ fn run_model(
         let state = match (h.changed.first(), h.rejected) {
             (Some(first), _) => (
                 Outcome::Fail,
-                format!("{} of {} rejected calls changed a length; first: {first}", h.changed.len(), h.rejected),
+                format!(
+                    "{} of {} rejected calls changed a length; first: {first}",
+                    h.changed.len(),
+                    h.rejected
+                ),
             ),
             (None, 0) => (Outcome::Skip, "no call was rejected".to_string()),
-            (None, n) => (Outcome::Pass, format!("{n} rejected calls, every length kept")),
+            (None, n) => (
+                Outcome::Pass,
+                format!("{n} rejected calls, every length kept"),
+            ),
         };
         report.push("errors.state_unchanged", m, state.0, state.1);
     }
@@ -783,7 +929,10 @@ fn run_model(
                 h.output_calls
             ),
         ),
-        None => (Outcome::Pass, format!("{} calls, every value written and finite", h.output_calls)),
+        None => (
+            Outcome::Pass,
+            format!("{} calls, every value written and finite", h.output_calls),
+        ),
     };
     report.push("logits.all_written_and_finite", m, outputs.0, outputs.1);
 }
@@ -807,10 +956,15 @@ fn parity(
     label: &str,
     report: &mut Report,
 ) {
-    let mut p = Parity { min_cos: f64::INFINITY, ..Parity::default() };
+    let mut p = Parity {
+        min_cos: f64::INFINITY,
+        ..Parity::default()
+    };
     let mut failed: Option<Fail> = None;
     for (i, prompt) in prompts.iter().enumerate() {
-        let steps = o.steps.min(h.exec.max_context().saturating_sub(prompt.len()));
+        let steps = o
+            .steps
+            .min(h.exec.max_context().saturating_sub(prompt.len()));
         let os = match oracle.new_sequence() {
             Ok(s) => s,
             Err(e) => {
@@ -830,19 +984,45 @@ fn parity(
     let m = Some(label);
     if let Some(f) = failed {
         for rule in ["parity.cosine", "parity.greedy"] {
-            report.fail_or_defer(rule, m, Fail { why: format!("could not run: {}", f.why), blame: f.blame });
+            report.fail_or_defer(
+                rule,
+                m,
+                Fail {
+                    why: format!("could not run: {}", f.why),
+                    blame: f.blame,
+                },
+            );
         }
         return;
     }
-    let cos = format!("min cosine {:.7} over {} steps ({}; bar {})", p.min_cos, p.steps, p.worst, o.min_cosine);
-    report.push("parity.cosine", m, if p.min_cos >= o.min_cosine { Outcome::Pass } else { Outcome::Fail }, cos);
-    let ties = format!("{} near-ties (gap < {}), {} of them differing", p.near_ties, o.tie_gap, p.near_tie_diffs);
+    let cos = format!(
+        "min cosine {:.7} over {} steps ({}; bar {})",
+        p.min_cos, p.steps, p.worst, o.min_cosine
+    );
+    report.push(
+        "parity.cosine",
+        m,
+        if p.min_cos >= o.min_cosine {
+            Outcome::Pass
+        } else {
+            Outcome::Fail
+        },
+        cos,
+    );
+    let ties = format!(
+        "{} near-ties (gap < {}), {} of them differing",
+        p.near_ties, o.tie_gap, p.near_tie_diffs
+    );
     match p.diffs.len() {
         0 => report.push(
             "parity.greedy",
             m,
             Outcome::Pass,
-            format!("{} of {} greedy tokens equal; {ties}", p.steps - p.near_tie_diffs, p.steps),
+            format!(
+                "{} of {} greedy tokens equal; {ties}",
+                p.steps - p.near_tie_diffs,
+                p.steps
+            ),
         ),
         n => report.push(
             "parity.greedy",
@@ -851,7 +1031,12 @@ fn parity(
             format!(
                 "{n} of {} greedy tokens differ away from near-ties: {}; {ties}",
                 p.steps,
-                p.diffs.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+                p.diffs
+                    .iter()
+                    .take(3)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         ),
     }
@@ -871,11 +1056,17 @@ fn parity_run(
     p: &mut Parity,
 ) -> Step<()> {
     let mut want = vec![0.0f32; h.vocab];
-    oracle.prefill(os, prompt, &mut want).map_err(|e| format!("the oracle's prefill failed: {e}"))?;
+    oracle
+        .prefill(os, prompt, &mut want)
+        .map_err(|e| format!("the oracle's prefill failed: {e}"))?;
     let s = h.new_seq()?;
     let mut got = h.prefill(s, prompt)?;
     for step in 0..=steps {
-        let where_ = if run == 0 { format!("step {step}") } else { format!("prompt {run} step {step}") };
+        let where_ = if run == 0 {
+            format!("step {step}")
+        } else {
+            format!("prompt {run} step {step}")
+        };
         let c = cosine(&got, &want);
         if c < p.min_cos || c.is_nan() {
             p.min_cos = if c.is_nan() { f64::NEG_INFINITY } else { c };
@@ -887,7 +1078,8 @@ fn parity_run(
             p.near_ties += 1;
             p.near_tie_diffs += usize::from(g != w);
         } else if g != w {
-            p.diffs.push(format!("{where_}: {g} instead of {w} (gap {gap:.3})"));
+            p.diffs
+                .push(format!("{where_}: {g} instead of {w} (gap {gap:.3})"));
         }
         p.steps += 1;
         if step == steps {
@@ -913,14 +1105,28 @@ fn lifecycle_new_free_reuse(h: &mut Harness, o: &Options) -> Step<Done> {
         h.decode(&[(a, t)])?;
     }
     h.free(a)?;
-    h.reject(&format!("sequence_len({a}) after free_sequence({a})"), &[], |e| e.sequence_len(a))?;
-    h.reject(&format!("a second free_sequence({a})"), &[], |e| e.free_sequence(a))?;
+    h.reject(
+        &format!("sequence_len({a}) after free_sequence({a})"),
+        &[],
+        |e| e.sequence_len(a),
+    )?;
+    h.reject(&format!("a second free_sequence({a})"), &[], |e| {
+        e.free_sequence(a)
+    })?;
     let b = h.new_seq()?;
     h.expect_len(b, 0, "new_sequence after a free")?;
     let again = h.prefill(b, &q)?;
-    h.agree(&again, &fresh, o.min_cosine, o.tie_gap, "the same prompt in a sequence made after a free")?;
+    h.agree(
+        &again,
+        &fresh,
+        o.min_cosine,
+        o.tie_gap,
+        "the same prompt in a sequence made after a free",
+    )?;
     h.free(b)?;
-    Ok(Done::Pass(format!("new sequences empty, freed id {a} unknown, reuse computes like a fresh sequence")))
+    Ok(Done::Pass(format!(
+        "new sequences empty, freed id {a} unknown, reuse computes like a fresh sequence"
+    )))
 }
 
 fn lifecycle_capacity(h: &mut Harness, _: &Options) -> Step<Done> {
@@ -929,18 +1135,27 @@ fn lifecycle_capacity(h: &mut Harness, _: &Options) -> Step<Done> {
     for _ in 0..n {
         let s = h.new_seq()?;
         h.expect_len(s, 0, "new_sequence")?;
-        ensure!(!ids.contains(&s), "new_sequence returned id {s} twice while both are alive");
+        ensure!(
+            !ids.contains(&s),
+            "new_sequence returned id {s} twice while both are alive"
+        );
         ids.push(s);
     }
     let r = h.exec.new_sequence();
     if let Ok(extra) = &r {
         h.alive.push(*extra);
     }
-    h.reject(&format!("new_sequence with all {n} sequences alive"), &ids, |_| r)?;
+    h.reject(
+        &format!("new_sequence with all {n} sequences alive"),
+        &ids,
+        |_| r,
+    )?;
     h.free(ids[0])?;
     let s = h.new_seq()?;
     h.expect_len(s, 0, "new_sequence after freeing one of a full set")?;
-    Ok(Done::Pass(format!("{n} distinct live sequences; one more is InvalidArgument; a free makes room")))
+    Ok(Done::Pass(format!(
+        "{n} distinct live sequences; one more is InvalidArgument; a free makes room"
+    )))
 }
 
 fn truncate_keeps_prefix(h: &mut Harness, o: &Options) -> Step<Done> {
@@ -952,7 +1167,13 @@ fn truncate_keeps_prefix(h: &mut Harness, o: &Options) -> Step<Done> {
     h.decode(&[(s, x2)])?;
     h.truncate(s, 12)?;
     let again = h.decode(&[(s, x1)])?;
-    h.agree(&again, &after_x1, o.min_cosine, o.tie_gap, "decode after truncating back to the prompt")?;
+    h.agree(
+        &again,
+        &after_x1,
+        o.min_cosine,
+        o.tie_gap,
+        "decode after truncating back to the prompt",
+    )?;
     h.truncate(s, 6)?;
     let rest = h.prefill(s, &p[6..])?;
     h.agree(
@@ -964,18 +1185,32 @@ fn truncate_keeps_prefix(h: &mut Harness, o: &Options) -> Step<Done> {
     )?;
     h.truncate(s, 0)?;
     let redo = h.prefill(s, &p)?;
-    h.agree(&redo, &whole, o.min_cosine, o.tie_gap, "the prompt prefilled again after truncating to 0")?;
-    Ok(Done::Pass("truncating to 12, 6 and 0 keeps exactly that prefix".into()))
+    h.agree(
+        &redo,
+        &whole,
+        o.min_cosine,
+        o.tie_gap,
+        "the prompt prefilled again after truncating to 0",
+    )?;
+    Ok(Done::Pass(
+        "truncating to 12, 6 and 0 keeps exactly that prefix".into(),
+    ))
 }
 
 fn truncate_past_end(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = h.new_seq()?;
     h.prefill(s, &prompt(5, h.vocab, 5))?;
-    h.reject(&format!("truncate_sequence({s}, 6) of a 5-token sequence"), &[s], |e| e.truncate_sequence(s, 6))?;
+    h.reject(
+        &format!("truncate_sequence({s}, 6) of a 5-token sequence"),
+        &[s],
+        |e| e.truncate_sequence(s, 6),
+    )?;
     h.expect_len(s, 5, "a refused truncation")?;
     h.truncate(s, 5)?;
     h.truncate(s, 0)?;
-    Ok(Done::Pass("past the end is InvalidArgument; to the length is a no-op; to 0 empties".into()))
+    Ok(Done::Pass(
+        "past the end is InvalidArgument; to the length is a no-op; to 0 empties".into(),
+    ))
 }
 
 fn batch_mixed_positions(h: &mut Harness, o: &Options) -> Step<Done> {
@@ -1001,21 +1236,35 @@ fn batch_mixed_positions(h: &mut Harness, o: &Options) -> Step<Done> {
         let batch: Vec<(SeqId, u32)> = order.iter().map(|&i| (items[i].0, items[i].1)).collect();
         let rows = h.decode(&batch)?;
         for (row, &i) in order.iter().enumerate() {
-            let what = format!("row {row} of a batch (sequence {} at position {})", items[i].0, items[i].2);
-            h.agree(&rows[row * vocab..(row + 1) * vocab], &alone[i], o.min_cosine, o.tie_gap, &what)?;
+            let what = format!(
+                "row {row} of a batch (sequence {} at position {})",
+                items[i].0, items[i].2
+            );
+            h.agree(
+                &rows[row * vocab..(row + 1) * vocab],
+                &alone[i],
+                o.min_cosine,
+                o.tie_gap,
+                &what,
+            )?;
         }
         for &(s, _, len) in &items {
             h.expect_len(s, len + 1, "a decode batch")?;
             h.truncate(s, len)?;
         }
     }
-    Ok(Done::Pass(format!("batches of {n} at positions {:?}, both orders, match each sequence alone", &lens[..n])))
+    Ok(Done::Pass(format!(
+        "batches of {n} at positions {:?}, both orders, match each sequence alone",
+        &lens[..n]
+    )))
 }
 
 fn batch_empty(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = h.new_seq()?;
     h.prefill(s, &prompt(4, h.vocab, 6))?;
-    h.exec.decode(&[], &mut []).map_err(|e| format!("decode of an empty batch failed: {e}"))?;
+    h.exec
+        .decode(&[], &mut [])
+        .map_err(|e| format!("decode of an empty batch failed: {e}"))?;
     h.expect_len(s, 4, "decode of an empty batch")?;
     Ok(Done::Pass("an empty batch is a no-op".into()))
 }
@@ -1023,35 +1272,60 @@ fn batch_empty(h: &mut Harness, _: &Options) -> Step<Done> {
 fn context_limit(h: &mut Harness, _: &Options) -> Step<Done> {
     let c = h.exec.max_context();
     if c < 4 {
-        return Ok(Done::Skip(format!("max_context is {c}: too small to fill and check")));
+        return Ok(Done::Skip(format!(
+            "max_context is {c}: too small to fill and check"
+        )));
     }
     let s = h.new_seq()?;
     h.prefill(s, &prompt(c - 2, h.vocab, 7))?;
     let over = prompt(3, h.vocab, 8);
-    h.reject(&format!("prefill of 3 tokens onto {} of {c}", c - 2), &[s], |e| {
-        e.prefill(s, &over, &mut vec![0.0; e.config().vocab_size])
-    })?;
-    h.decode(&[(s, 1)]).map_err(|f| f.within(format!("position {} of {c}", c - 2)))?;
-    h.decode(&[(s, 2)]).map_err(|f| f.within(format!("the last position, {} of {c}", c - 1)))?;
+    h.reject(
+        &format!("prefill of 3 tokens onto {} of {c}", c - 2),
+        &[s],
+        |e| e.prefill(s, &over, &mut vec![0.0; e.config().vocab_size]),
+    )?;
+    h.decode(&[(s, 1)])
+        .map_err(|f| f.within(format!("position {} of {c}", c - 2)))?;
+    h.decode(&[(s, 2)])
+        .map_err(|f| f.within(format!("the last position, {} of {c}", c - 1)))?;
     h.expect_len(s, c, "filling the context")?;
-    h.reject(&format!("decode on a full sequence ({c} of {c} tokens)"), &[s], |e| {
-        e.decode(&[DecodeItem { seq: s, token: 3 }], &mut vec![0.0; e.config().vocab_size])
-    })?;
-    h.reject(&format!("prefill of 1 token on a full sequence ({c} of {c})"), &[s], |e| {
-        e.prefill(s, &[3], &mut vec![0.0; e.config().vocab_size])
-    })?;
+    h.reject(
+        &format!("decode on a full sequence ({c} of {c} tokens)"),
+        &[s],
+        |e| {
+            e.decode(
+                &[DecodeItem { seq: s, token: 3 }],
+                &mut vec![0.0; e.config().vocab_size],
+            )
+        },
+    )?;
+    h.reject(
+        &format!("prefill of 1 token on a full sequence ({c} of {c})"),
+        &[s],
+        |e| e.prefill(s, &[3], &mut vec![0.0; e.config().vocab_size]),
+    )?;
     if h.exec.max_sequences() >= 2 {
         let t = h.new_seq()?;
         h.prefill(t, &[1, 2])?;
-        h.reject("a decode batch whose second item is a full sequence", &[t, s], |e| {
-            let items = [DecodeItem { seq: t, token: 4 }, DecodeItem { seq: s, token: 4 }];
-            e.decode(&items, &mut vec![0.0; 2 * e.config().vocab_size])
-        })?;
+        h.reject(
+            "a decode batch whose second item is a full sequence",
+            &[t, s],
+            |e| {
+                let items = [
+                    DecodeItem { seq: t, token: 4 },
+                    DecodeItem { seq: s, token: 4 },
+                ];
+                e.decode(&items, &mut vec![0.0; 2 * e.config().vocab_size])
+            },
+        )?;
         h.expect_len(t, 2, "a refused batch")?;
     }
     h.truncate(s, c - 1)?;
-    h.decode(&[(s, 5)]).map_err(|f| f.within("decode after truncating a full sequence by one"))?;
-    Ok(Done::Pass(format!("fills to exactly {c}; past it prefill and decode are InvalidArgument")))
+    h.decode(&[(s, 5)])
+        .map_err(|f| f.within("decode after truncating a full sequence by one"))?;
+    Ok(Done::Pass(format!(
+        "fills to exactly {c}; past it prefill and decode are InvalidArgument"
+    )))
 }
 
 /// A live sequence holding 3 tokens, for the misuse checks.
@@ -1064,31 +1338,60 @@ fn three_tokens(h: &mut Harness) -> Step<SeqId> {
 /// The executor still works after misuse: one more step on `s`.
 fn still_works(h: &mut Harness, s: SeqId, len: usize) -> Step<()> {
     h.expect_len(s, len, "the refused calls")?;
-    h.decode(&[(s, 1)]).map(|_| ()).map_err(|f| f.within("the executor stopped working after refused calls"))
+    h.decode(&[(s, 1)])
+        .map(|_| ())
+        .map_err(|f| f.within("the executor stopped working after refused calls"))
 }
 
 fn errors_unknown_sequence(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = three_tokens(h)?;
-    let u = (0..).map(|i: u32| s.wrapping_add(7919).wrapping_add(i)).find(|u| !h.alive.contains(u)).expect("a free id");
+    let u = (0..)
+        .map(|i: u32| s.wrapping_add(7919).wrapping_add(i))
+        .find(|u| !h.alive.contains(u))
+        .expect("a free id");
     let v = h.vocab;
-    h.reject(&format!("sequence_len({u}) of an unknown id"), &[s], |e| e.sequence_len(u))?;
-    h.reject(&format!("free_sequence({u}) of an unknown id"), &[s], |e| e.free_sequence(u))?;
-    h.reject(&format!("truncate_sequence({u}, 0) of an unknown id"), &[s], |e| e.truncate_sequence(u, 0))?;
-    h.reject(&format!("prefill on unknown id {u}"), &[s], |e| e.prefill(u, &[1], &mut vec![0.0; v]))?;
+    h.reject(&format!("sequence_len({u}) of an unknown id"), &[s], |e| {
+        e.sequence_len(u)
+    })?;
+    h.reject(&format!("free_sequence({u}) of an unknown id"), &[s], |e| {
+        e.free_sequence(u)
+    })?;
+    h.reject(
+        &format!("truncate_sequence({u}, 0) of an unknown id"),
+        &[s],
+        |e| e.truncate_sequence(u, 0),
+    )?;
+    h.reject(&format!("prefill on unknown id {u}"), &[s], |e| {
+        e.prefill(u, &[1], &mut vec![0.0; v])
+    })?;
     h.reject(&format!("decode of unknown id {u}"), &[s], |e| {
         e.decode(&[DecodeItem { seq: u, token: 1 }], &mut vec![0.0; v])
     })?;
-    h.reject(&format!("a decode batch of live {s} and unknown {u}"), &[s], |e| {
-        e.decode(&[DecodeItem { seq: s, token: 1 }, DecodeItem { seq: u, token: 1 }], &mut vec![0.0; 2 * v])
-    })?;
+    h.reject(
+        &format!("a decode batch of live {s} and unknown {u}"),
+        &[s],
+        |e| {
+            e.decode(
+                &[
+                    DecodeItem { seq: s, token: 1 },
+                    DecodeItem { seq: u, token: 1 },
+                ],
+                &mut vec![0.0; 2 * v],
+            )
+        },
+    )?;
     still_works(h, s, 3)?;
-    Ok(Done::Pass(format!("id {u}: all six calls are InvalidArgument")))
+    Ok(Done::Pass(format!(
+        "id {u}: all six calls are InvalidArgument"
+    )))
 }
 
 fn errors_empty_prompt(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = three_tokens(h)?;
     let v = h.vocab;
-    h.reject("prefill of zero tokens", &[s], |e| e.prefill(s, &[], &mut vec![0.0; v]))?;
+    h.reject("prefill of zero tokens", &[s], |e| {
+        e.prefill(s, &[], &mut vec![0.0; v])
+    })?;
     still_works(h, s, 3)?;
     Ok(Done::Pass("InvalidArgument".into()))
 }
@@ -1097,29 +1400,61 @@ fn errors_token_out_of_vocab(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = three_tokens(h)?;
     let v = h.vocab;
     let big = v as u32;
-    h.reject(&format!("prefill with token {big} (vocab {v})"), &[s], |e| e.prefill(s, &[1, big], &mut vec![0.0; v]))?;
+    h.reject(
+        &format!("prefill with token {big} (vocab {v})"),
+        &[s],
+        |e| e.prefill(s, &[1, big], &mut vec![0.0; v]),
+    )?;
     h.reject(&format!("decode with token {big}"), &[s], |e| {
         e.decode(&[DecodeItem { seq: s, token: big }], &mut vec![0.0; v])
     })?;
     h.reject("decode with token u32::MAX", &[s], |e| {
-        e.decode(&[DecodeItem { seq: s, token: u32::MAX }], &mut vec![0.0; v])
+        e.decode(
+            &[DecodeItem {
+                seq: s,
+                token: u32::MAX,
+            }],
+            &mut vec![0.0; v],
+        )
     })?;
     if h.exec.max_sequences() >= 2 {
         let t = three_tokens(h)?;
-        h.reject(&format!("a decode batch whose second token is {big}"), &[s, t], |e| {
-            e.decode(&[DecodeItem { seq: s, token: 1 }, DecodeItem { seq: t, token: big }], &mut vec![0.0; 2 * v])
-        })?;
+        h.reject(
+            &format!("a decode batch whose second token is {big}"),
+            &[s, t],
+            |e| {
+                e.decode(
+                    &[
+                        DecodeItem { seq: s, token: 1 },
+                        DecodeItem { seq: t, token: big },
+                    ],
+                    &mut vec![0.0; 2 * v],
+                )
+            },
+        )?;
     }
     still_works(h, s, 3)?;
-    Ok(Done::Pass(format!("ids ≥ {v} are InvalidArgument in prefill and decode")))
+    Ok(Done::Pass(format!(
+        "ids ≥ {v} are InvalidArgument in prefill and decode"
+    )))
 }
 
 fn errors_duplicate_in_batch(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = three_tokens(h)?;
     let v = h.vocab;
-    h.reject(&format!("a decode batch naming sequence {s} twice"), &[s], |e| {
-        e.decode(&[DecodeItem { seq: s, token: 1 }, DecodeItem { seq: s, token: 2 }], &mut vec![0.0; 2 * v])
-    })?;
+    h.reject(
+        &format!("a decode batch naming sequence {s} twice"),
+        &[s],
+        |e| {
+            e.decode(
+                &[
+                    DecodeItem { seq: s, token: 1 },
+                    DecodeItem { seq: s, token: 2 },
+                ],
+                &mut vec![0.0; 2 * v],
+            )
+        },
+    )?;
     still_works(h, s, 3)?;
     Ok(Done::Pass("InvalidArgument".into()))
 }
@@ -1128,7 +1463,9 @@ fn errors_buffer_length(h: &mut Harness, _: &Options) -> Step<Done> {
     let s = three_tokens(h)?;
     let v = h.vocab;
     for n in [v - 1, v + 1, 0] {
-        h.reject(&format!("prefill into {n} logits (vocab {v})"), &[s], |e| e.prefill(s, &[1], &mut vec![0.0; n]))?;
+        h.reject(&format!("prefill into {n} logits (vocab {v})"), &[s], |e| {
+            e.prefill(s, &[1], &mut vec![0.0; n])
+        })?;
     }
     for n in [2 * v, v - 1, 0] {
         h.reject(&format!("decode of 1 item into {n} logits"), &[s], |e| {
@@ -1136,5 +1473,7 @@ fn errors_buffer_length(h: &mut Harness, _: &Options) -> Step<Done> {
         })?;
     }
     still_works(h, s, 3)?;
-    Ok(Done::Pass("short and long buffers are InvalidArgument".into()))
+    Ok(Done::Pass(
+        "short and long buffers are InvalidArgument".into(),
+    ))
 }

@@ -5,8 +5,8 @@
 
 use kiln_core::testdata::{gaussian_weights, random_vec};
 use kiln_core::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig,
-    RopeKind, RopeScaling, TensorView,
+    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType,
+    Rng, RopeConfig, RopeKind, RopeScaling, TensorView,
 };
 
 /// The hyper-parameters and weight types of one synthetic model.
@@ -29,7 +29,8 @@ pub struct Shape {
 
 /// A `[k, n]` matrix (n rows of k values) ~ N(0, 1/k), quantised to `q`.
 pub fn matrix(rng: &mut Rng, name: &str, q: QType, k: usize, n: usize) -> TensorView {
-    let bytes = gaussian_weights(rng, q, k, n, 1.0 / (k as f32).sqrt()).expect("a quantisable type and row length");
+    let bytes = gaussian_weights(rng, q, k, n, 1.0 / (k as f32).sqrt())
+        .expect("a quantisable type and row length");
     TensorView::from_bytes(name, q, vec![k, n], bytes).expect("sized by the quantiser")
 }
 
@@ -46,7 +47,9 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
     let mut layers = Vec::new();
     for i in 0..s.layers {
         let bias = |rng: &mut Rng, n: usize| {
-            s.qkv_bias.then(|| TensorView::from_f32("b", vec![n], &random_vec(rng, n, 0.5)).expect("f32 vector"))
+            s.qkv_bias.then(|| {
+                TensorView::from_f32("b", vec![n], &random_vec(rng, n, 0.5)).expect("f32 vector")
+            })
         };
         layers.push(LayerWeights {
             attn_norm: norm(rng, "attn_norm", h),
@@ -73,8 +76,10 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
     let token_embd = {
         // Tied: the embedding is also the LM head, so it is scaled like one.
         let std = if s.tied { 1.0 / (h as f32).sqrt() } else { 1.0 };
-        let bytes = gaussian_weights(rng, te, h, s.vocab, std).expect("a quantisable type and row length");
-        TensorView::from_bytes("token_embd", te, vec![h, s.vocab], bytes).expect("sized by the quantiser")
+        let bytes =
+            gaussian_weights(rng, te, h, s.vocab, std).expect("a quantisable type and row length");
+        TensorView::from_bytes("token_embd", te, vec![h, s.vocab], bytes)
+            .expect("sized by the quantiser")
     };
     let weights = ModelWeights {
         token_embd,
@@ -100,14 +105,23 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         parallel_residual: false,
         qkv_bias: s.qkv_bias,
         qk_norm: s.qk_norm,
-        rope: RopeConfig { kind: s.rope, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: s.head_dim },
+        rope: RopeConfig {
+            kind: s.rope,
+            theta: 10000.0,
+            scaling: RopeScaling::None,
+            rotary_dims: s.head_dim,
+        },
         tied_embeddings: s.tied,
         context_length,
         embedding_scale: 1.0,
         sandwich_norms: false,
         sliding_window: None,
     };
-    ModelIr { config, weights, source: "random test model".into() }
+    ModelIr {
+        config,
+        weights,
+        source: "random test model".into(),
+    }
 }
 
 /// Cosine similarity of two vectors, accumulated in f64.
@@ -201,7 +215,13 @@ pub fn suite_shapes() -> Vec<(&'static str, Shape)> {
             qkv_bias: false,
             qk_norm: false,
             tied: false,
-            types: [QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::F16],
+            types: [
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::F16,
+            ],
         },
     ));
     all

@@ -67,10 +67,17 @@ impl LoadOptions {
     /// within `budget` bytes. An explicit `max_context` must fit (else `OutOfMemory` naming
     /// what it takes and what is free); 0 gives the model's context when it fits, else the
     /// most that fits in whole 256-token steps (`OutOfMemory` below 256).
-    pub fn fit_context(&self, config: &ModelConfig, per_position: u64, fixed: u64, budget: u64) -> Result<usize> {
+    pub fn fit_context(
+        &self,
+        config: &ModelConfig,
+        per_position: u64,
+        fixed: u64,
+        budget: u64,
+    ) -> Result<usize> {
         let slots = self.sequences() as u64;
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let need = |ctx: u64| slots.saturating_mul(ctx.saturating_mul(per_position).saturating_add(fixed));
+        let need =
+            |ctx: u64| slots.saturating_mul(ctx.saturating_mul(per_position).saturating_add(fixed));
         let fits = |ctx: u64| need(ctx) <= budget;
         if self.max_context > 0 {
             let n = self.max_context as u64;
@@ -90,7 +97,12 @@ impl LoadOptions {
         }
         const STEP: u64 = 256;
         let room = (budget / slots).saturating_sub(fixed);
-        let fit = room.checked_div(per_position).unwrap_or(u64::MAX).min(model) / STEP * STEP;
+        let fit = room
+            .checked_div(per_position)
+            .unwrap_or(u64::MAX)
+            .min(model)
+            / STEP
+            * STEP;
         if fit == 0 {
             return Err(Error::OutOfMemory(format!(
                 "not even {STEP} tokens of KV cache fit for {slots} sequences: {:.2} GiB is left for it, {STEP} tokens take {:.2} GiB",
@@ -246,7 +258,12 @@ pub trait LayerExecutor: Send {
     /// One decode step that samples on the backend: `tokens[i]` receives item `i`'s next
     /// token drawn with `samplers[i]`. The default computes logits and samples on the host;
     /// GPU backends override it so only ids cross the bus.
-    fn decode_sample(&mut self, batch: &[DecodeItem], samplers: &mut [Sampler], tokens: &mut [u32]) -> Result<()> {
+    fn decode_sample(
+        &mut self,
+        batch: &[DecodeItem],
+        samplers: &mut [Sampler],
+        tokens: &mut [u32],
+    ) -> Result<()> {
         decode_sample_on_host(self, batch, samplers, tokens)
     }
 }
@@ -263,7 +280,11 @@ pub fn decode_sample_on_host<E: LayerExecutor + ?Sized>(
     let vocab = exec.config().vocab_size;
     let mut logits = vec![0.0f32; batch.len() * vocab];
     exec.decode(batch, &mut logits)?;
-    for ((row, sampler), token) in logits.chunks_mut(vocab).zip(samplers.iter_mut()).zip(tokens.iter_mut()) {
+    for ((row, sampler), token) in logits
+        .chunks_mut(vocab)
+        .zip(samplers.iter_mut())
+        .zip(tokens.iter_mut())
+    {
         check_finite(row)?;
         *token = sampler.sample(row);
     }
@@ -282,7 +303,9 @@ pub fn check_finite(logits: &[f32]) -> Result<()> {
 /// Token ids inside a vocabulary of `vocab`; `InvalidArgument` naming the first that is not.
 pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
     match tokens.iter().find(|&&t| t as usize >= vocab) {
-        Some(t) => Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary of {vocab}"))),
+        Some(t) => Err(Error::InvalidArgument(format!(
+            "token id {t} is outside the vocabulary of {vocab}"
+        ))),
         None => Ok(()),
     }
 }
@@ -291,12 +314,23 @@ pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
 /// `max_context`: at least one token, every id inside the vocabulary, room for all of them,
 /// and a logits buffer of `vocab` values. Every failure is `InvalidArgument`; call it before
 /// touching any state, so a refused prompt leaves the sequence as it was.
-pub fn check_prefill(tokens: &[u32], logits: &[f32], vocab: usize, len: usize, max_context: usize) -> Result<()> {
+pub fn check_prefill(
+    tokens: &[u32],
+    logits: &[f32],
+    vocab: usize,
+    len: usize,
+    max_context: usize,
+) -> Result<()> {
     if tokens.is_empty() {
-        return Err(Error::InvalidArgument("prefill needs at least one token".into()));
+        return Err(Error::InvalidArgument(
+            "prefill needs at least one token".into(),
+        ));
     }
     if logits.len() != vocab {
-        return Err(Error::InvalidArgument(format!("logits buffer holds {} values, the vocabulary {vocab}", logits.len())));
+        return Err(Error::InvalidArgument(format!(
+            "logits buffer holds {} values, the vocabulary {vocab}",
+            logits.len()
+        )));
     }
     check_tokens(tokens, vocab)?;
     if len.saturating_add(tokens.len()) > max_context {
@@ -343,7 +377,10 @@ pub fn check_decode_items(
 ) -> Result<()> {
     for (i, item) in batch.iter().enumerate() {
         if batch[..i].iter().any(|b| b.seq == item.seq) {
-            return Err(Error::InvalidArgument(format!("sequence {} appears twice in one decode batch", item.seq)));
+            return Err(Error::InvalidArgument(format!(
+                "sequence {} appears twice in one decode batch",
+                item.seq
+            )));
         }
         let len = len_of(item.seq)?;
         check_tokens(&[item.token], vocab)?;
@@ -369,7 +406,10 @@ pub fn check_decode_batch(batch: &[DecodeItem], logits: &[f32], vocab: usize) ->
     }
     for (i, a) in batch.iter().enumerate() {
         if batch[..i].iter().any(|b| b.seq == a.seq) {
-            return Err(Error::InvalidArgument(format!("sequence {} appears twice in one decode batch", a.seq)));
+            return Err(Error::InvalidArgument(format!(
+                "sequence {} appears twice in one decode batch",
+                a.seq
+            )));
         }
     }
     Ok(())

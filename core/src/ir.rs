@@ -53,7 +53,14 @@ impl TensorView {
                 ))
             })?;
         debug_assert!(end <= storage.len());
-        Ok(TensorView { name, qtype, dims, storage, offset, len })
+        Ok(TensorView {
+            name,
+            qtype,
+            dims,
+            storage,
+            offset,
+            len,
+        })
     }
 
     /// A tensor holding its own copy of `bytes` (tests, synthesised weights).
@@ -63,7 +70,12 @@ impl TensorView {
 
     /// An f32 tensor holding `values`.
     pub fn from_f32(name: &str, dims: Vec<usize>, values: &[f32]) -> Result<Self> {
-        TensorView::from_bytes(name, QType::F32, dims, bytemuck::cast_slice(values).to_vec())
+        TensorView::from_bytes(
+            name,
+            QType::F32,
+            dims,
+            bytemuck::cast_slice(values).to_vec(),
+        )
     }
 
     pub fn name(&self) -> &str {
@@ -91,7 +103,9 @@ impl TensorView {
     }
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
-        self.qtype.row_bytes(self.row_len()).expect("checked in TensorView::new")
+        self.qtype
+            .row_bytes(self.row_len())
+            .expect("checked in TensorView::new")
     }
     /// The bytes of row `i`.
     pub fn row(&self, i: usize) -> &[u8] {
@@ -124,14 +138,25 @@ impl TensorView {
     /// fused Q/K/V bias split into its parts. `start` must fall on a block boundary.
     pub fn slice_vector(&self, name: &str, start: usize, count: usize) -> Result<TensorView> {
         let aligned = start.is_multiple_of(self.qtype.block_len());
-        if self.dims.len() != 1 || !aligned || start.checked_add(count).is_none_or(|end| end > self.dims[0]) {
+        if self.dims.len() != 1
+            || !aligned
+            || start
+                .checked_add(count)
+                .is_none_or(|end| end > self.dims[0])
+        {
             return Err(Error::InvalidShape(format!(
                 "cannot take elements {start}+{count} of {} with dims {:?}",
                 self.name, self.dims
             )));
         }
         let skip = self.qtype.row_bytes(start)?;
-        TensorView::new(name, self.qtype, vec![count], self.storage.clone(), self.offset + skip)
+        TensorView::new(
+            name,
+            self.qtype,
+            vec![count],
+            self.storage.clone(),
+            self.offset + skip,
+        )
     }
 
     /// Dequantised copy of the whole tensor (small tensors: norms, biases).
@@ -144,7 +169,11 @@ impl TensorView {
 
 impl std::fmt::Debug for TensorView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TensorView({} {} {:?})", self.name, self.qtype, self.dims)
+        write!(
+            f,
+            "TensorView({} {} {:?})",
+            self.name, self.qtype, self.dims
+        )
     }
 }
 
@@ -200,7 +229,9 @@ pub enum RopeKind {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -309,17 +340,24 @@ impl ModelConfig {
     /// How layer `layer` attends (see [`SlidingWindow`]).
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
         match self.sliding_window {
-            Some(sw) if !(layer + 1).is_multiple_of(sw.global_every) => {
-                LayerAttention { window: Some(sw.window), local_rope: true }
-            }
-            _ => LayerAttention { window: None, local_rope: false },
+            Some(sw) if !(layer + 1).is_multiple_of(sw.global_every) => LayerAttention {
+                window: Some(sw.window),
+                local_rope: true,
+            },
+            _ => LayerAttention {
+                window: None,
+                local_rope: false,
+            },
         }
     }
 
     /// The RoPE settings of the windowed layers: the local base, no scaling.
     pub fn local_rope(&self) -> Option<RopeConfig> {
-        self.sliding_window
-            .map(|sw| RopeConfig { theta: sw.local_theta, scaling: RopeScaling::None, ..self.rope })
+        self.sliding_window.map(|sw| RopeConfig {
+            theta: sw.local_theta,
+            scaling: RopeScaling::None,
+            ..self.rope
+        })
     }
 
     /// Limits [`ModelConfig::validate`] holds metadata to (far above any released model).
@@ -360,40 +398,76 @@ impl ModelConfig {
             }
         }
         if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 {
-            return bad(format!("norm epsilon {} must be a positive number", self.norm_eps));
+            return bad(format!(
+                "norm epsilon {} must be a positive number",
+                self.norm_eps
+            ));
         }
         if !self.rope.theta.is_finite() || self.rope.theta <= 0.0 {
-            return bad(format!("rope base {} must be a positive number", self.rope.theta));
+            return bad(format!(
+                "rope base {} must be a positive number",
+                self.rope.theta
+            ));
         }
         if let RopeScaling::Linear { factor } = self.rope.scaling {
             if !factor.is_finite() || factor <= 0.0 {
-                return bad(format!("rope scaling factor {factor} must be a positive number"));
+                return bad(format!(
+                    "rope scaling factor {factor} must be a positive number"
+                ));
             }
         }
         if self.context_length == 0 {
             return bad("context length 0".into());
         }
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
-            return bad(format!("empty model: {} layers, hidden {}, vocab {}", self.num_layers, self.hidden_size, self.vocab_size));
+            return bad(format!(
+                "empty model: {} layers, hidden {}, vocab {}",
+                self.num_layers, self.hidden_size, self.vocab_size
+            ));
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return bad(format!("{} heads cannot share {} KV heads", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
+            return bad(format!(
+                "{} heads cannot share {} KV heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return bad(format!("head_dim {} must be even and non-zero", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be even and non-zero",
+                self.head_dim
+            ));
         }
         if self.rope.rotary_dims > self.head_dim || !self.rope.rotary_dims.is_multiple_of(2) {
-            return bad(format!("rotary dims {} do not fit head_dim {}", self.rope.rotary_dims, self.head_dim));
+            return bad(format!(
+                "rotary dims {} do not fit head_dim {}",
+                self.rope.rotary_dims, self.head_dim
+            ));
         }
         if !self.embedding_scale.is_finite() || self.embedding_scale <= 0.0 {
-            return bad(format!("embedding scale {} must be a positive number", self.embedding_scale));
+            return bad(format!(
+                "embedding scale {} must be a positive number",
+                self.embedding_scale
+            ));
         }
         if let Some(sw) = self.sliding_window {
-            if sw.window == 0 || sw.global_every == 0 || sw.window > Self::MAX_CONTEXT || sw.global_every > Self::MAX_LAYERS {
-                return bad(format!("sliding window of {} positions, every {} layers global", sw.window, sw.global_every));
+            if sw.window == 0
+                || sw.global_every == 0
+                || sw.window > Self::MAX_CONTEXT
+                || sw.global_every > Self::MAX_LAYERS
+            {
+                return bad(format!(
+                    "sliding window of {} positions, every {} layers global",
+                    sw.window, sw.global_every
+                ));
             }
             if !sw.local_theta.is_finite() || sw.local_theta <= 0.0 {
-                return bad(format!("local rope base {} must be a positive number", sw.local_theta));
+                return bad(format!(
+                    "local rope base {} must be a positive number",
+                    sw.local_theta
+                ));
             }
         }
         Ok(())
@@ -454,7 +528,15 @@ impl ModelWeights {
         all.extend(self.output.iter());
         all.extend(self.rope_freqs.iter());
         for l in &self.layers {
-            all.extend([&l.attn_norm, &l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_up, &l.ffn_down]);
+            all.extend([
+                &l.attn_norm,
+                &l.attn_q,
+                &l.attn_k,
+                &l.attn_v,
+                &l.attn_out,
+                &l.ffn_up,
+                &l.ffn_down,
+            ]);
             for t in [
                 &l.attn_norm_bias,
                 &l.attn_q_bias,
@@ -556,7 +638,12 @@ mod validate_tests {
             parallel_residual: false,
             qkv_bias: false,
             qk_norm: false,
-            rope: RopeConfig { kind: RopeKind::Norm, theta: 10_000.0, scaling: RopeScaling::None, rotary_dims: 16 },
+            rope: RopeConfig {
+                kind: RopeKind::Norm,
+                theta: 10_000.0,
+                scaling: RopeScaling::None,
+                rotary_dims: 16,
+            },
             tied_embeddings: true,
             context_length: 2048,
             embedding_scale: 1.0,
@@ -570,23 +657,52 @@ mod validate_tests {
     #[test]
     fn default_context_is_the_models_as_far_as_memory_allows() {
         let c = config(); // 2,048 positions
-        let opts = |max_context, max_sequences| crate::LoadOptions { max_context, max_sequences, ..Default::default() };
+        let opts = |max_context, max_sequences| crate::LoadOptions {
+            max_context,
+            max_sequences,
+            ..Default::default()
+        };
         // 1 KiB a position and 4 KiB of rings per sequence.
         let (per, fixed) = (1024u64, 4096u64);
-        assert_eq!(opts(0, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(), 2048);
-        assert_eq!(opts(0, 1).fit_context(&c, per, fixed, 2048 * 1024 + 4096).unwrap(), 2048);
+        assert_eq!(
+            opts(0, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(),
+            2048
+        );
+        assert_eq!(
+            opts(0, 1)
+                .fit_context(&c, per, fixed, 2048 * 1024 + 4096)
+                .unwrap(),
+            2048
+        );
         // Four sequences in 4 MiB: (1 MiB − 4 KiB) / 1 KiB = 1,020 positions → 768.
-        assert_eq!(opts(0, 4).fit_context(&c, per, fixed, 4 << 20).unwrap(), 768);
-        let err = opts(0, 4).fit_context(&c, per, fixed, 100 << 10).unwrap_err();
+        assert_eq!(
+            opts(0, 4).fit_context(&c, per, fixed, 4 << 20).unwrap(),
+            768
+        );
+        let err = opts(0, 4)
+            .fit_context(&c, per, fixed, 100 << 10)
+            .unwrap_err();
         assert!(matches!(err, crate::Error::OutOfMemory(_)), "{err}");
         assert!(err.to_string().contains("not even 256 tokens"), "{err}");
         // Explicit contexts: taken when they fit (even past the model's), refused otherwise.
-        assert_eq!(opts(4096, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(), 4096);
-        let err = opts(4096, 2).fit_context(&c, per, fixed, 4 << 20).unwrap_err();
-        assert!(err.to_string().contains("4096 tokens × 2 sequences"), "{err}");
+        assert_eq!(
+            opts(4096, 1).fit_context(&c, per, fixed, 1 << 30).unwrap(),
+            4096
+        );
+        let err = opts(4096, 2)
+            .fit_context(&c, per, fixed, 4 << 20)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("4096 tokens × 2 sequences"),
+            "{err}"
+        );
         // No overflow on absurd sizes.
-        assert!(opts(usize::MAX, 64).fit_context(&c, u64::MAX, u64::MAX, u64::MAX / 2).is_err());
-        assert!(opts(0, 64).fit_context(&c, u64::MAX, 0, u64::MAX / 2).is_err());
+        assert!(opts(usize::MAX, 64)
+            .fit_context(&c, u64::MAX, u64::MAX, u64::MAX / 2)
+            .is_err());
+        assert!(opts(0, 64)
+            .fit_context(&c, u64::MAX, 0, u64::MAX / 2)
+            .is_err());
     }
 
     /// Hostile metadata is refused before anything is sized by it.
@@ -594,19 +710,115 @@ mod validate_tests {
     fn out_of_range_hyperparameters_are_refused() {
         assert!(config().validate().is_ok());
         let cases: Vec<(&str, ModelConfig)> = vec![
-            ("layer count", ModelConfig { num_layers: 1_000_000_000, ..config() }),
-            ("layer count", ModelConfig { num_layers: usize::MAX, ..config() }),
-            ("context length", ModelConfig { context_length: u32::MAX as usize, ..config() }),
-            ("vocabulary", ModelConfig { vocab_size: 1 << 40, ..config() }),
-            ("hidden size", ModelConfig { hidden_size: 1 << 30, ..config() }),
-            ("norm epsilon", ModelConfig { norm_eps: -1e-5, ..config() }),
-            ("norm epsilon", ModelConfig { norm_eps: f32::NAN, ..config() }),
-            ("rope base", ModelConfig { rope: RopeConfig { theta: 0.0, ..config().rope }, ..config() }),
-            ("scaling factor", ModelConfig { rope: RopeConfig { scaling: RopeScaling::Linear { factor: -2.0 }, ..config().rope }, ..config() }),
-            ("sliding window", ModelConfig { sliding_window: Some(SlidingWindow { window: usize::MAX, global_every: 6, local_theta: 1e4 }), ..config() }),
-            ("sliding window", ModelConfig { sliding_window: Some(SlidingWindow { window: 512, global_every: 0, local_theta: 1e4 }), ..config() }),
-            ("local rope base", ModelConfig { sliding_window: Some(SlidingWindow { window: 512, global_every: 6, local_theta: f32::NAN }), ..config() }),
-            ("embedding scale", ModelConfig { embedding_scale: f32::INFINITY, ..config() }),
+            (
+                "layer count",
+                ModelConfig {
+                    num_layers: 1_000_000_000,
+                    ..config()
+                },
+            ),
+            (
+                "layer count",
+                ModelConfig {
+                    num_layers: usize::MAX,
+                    ..config()
+                },
+            ),
+            (
+                "context length",
+                ModelConfig {
+                    context_length: u32::MAX as usize,
+                    ..config()
+                },
+            ),
+            (
+                "vocabulary",
+                ModelConfig {
+                    vocab_size: 1 << 40,
+                    ..config()
+                },
+            ),
+            (
+                "hidden size",
+                ModelConfig {
+                    hidden_size: 1 << 30,
+                    ..config()
+                },
+            ),
+            (
+                "norm epsilon",
+                ModelConfig {
+                    norm_eps: -1e-5,
+                    ..config()
+                },
+            ),
+            (
+                "norm epsilon",
+                ModelConfig {
+                    norm_eps: f32::NAN,
+                    ..config()
+                },
+            ),
+            (
+                "rope base",
+                ModelConfig {
+                    rope: RopeConfig {
+                        theta: 0.0,
+                        ..config().rope
+                    },
+                    ..config()
+                },
+            ),
+            (
+                "scaling factor",
+                ModelConfig {
+                    rope: RopeConfig {
+                        scaling: RopeScaling::Linear { factor: -2.0 },
+                        ..config().rope
+                    },
+                    ..config()
+                },
+            ),
+            (
+                "sliding window",
+                ModelConfig {
+                    sliding_window: Some(SlidingWindow {
+                        window: usize::MAX,
+                        global_every: 6,
+                        local_theta: 1e4,
+                    }),
+                    ..config()
+                },
+            ),
+            (
+                "sliding window",
+                ModelConfig {
+                    sliding_window: Some(SlidingWindow {
+                        window: 512,
+                        global_every: 0,
+                        local_theta: 1e4,
+                    }),
+                    ..config()
+                },
+            ),
+            (
+                "local rope base",
+                ModelConfig {
+                    sliding_window: Some(SlidingWindow {
+                        window: 512,
+                        global_every: 6,
+                        local_theta: f32::NAN,
+                    }),
+                    ..config()
+                },
+            ),
+            (
+                "embedding scale",
+                ModelConfig {
+                    embedding_scale: f32::INFINITY,
+                    ..config()
+                },
+            ),
         ];
         for (what, c) in cases {
             let err = c.validate().expect_err(what).to_string();

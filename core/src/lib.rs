@@ -12,22 +12,22 @@ pub mod backend;
 pub mod error;
 pub mod ir;
 pub mod plugin_abi;
-pub mod quant;
 pub mod qtype;
+pub mod quant;
 pub mod registry;
 pub mod sampling;
 pub mod sequences;
 pub mod testdata;
 
 pub use backend::{
-    check_decode, check_decode_batch, check_decode_items, check_finite, decode_sample_on_host, check_prefill, check_sample_slots, check_tokens, score,
-    Backend, DecodeItem,
+    check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill,
+    check_sample_slots, check_tokens, decode_sample_on_host, score, Backend, DecodeItem,
     LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
 };
 pub use error::{Error, Result};
 pub use ir::{
-    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig,
-    RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
+    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights,
+    NormKind, RopeConfig, RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
 };
 pub use qtype::QType;
 pub use registry::{BuiltinBackend, Candidate, Registry};

@@ -31,8 +31,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ir::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig, RopeKind,
-    RopeScaling, TensorView,
+    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
+    RopeConfig, RopeKind, RopeScaling, TensorView,
 };
 use crate::qtype::QType;
 
@@ -102,11 +102,17 @@ pub struct KilnStr {
 }
 
 impl KilnStr {
-    pub const EMPTY: KilnStr = KilnStr { ptr: std::ptr::null(), len: 0 };
+    pub const EMPTY: KilnStr = KilnStr {
+        ptr: std::ptr::null(),
+        len: 0,
+    };
 
     /// Borrows `s` (the caller keeps `s` alive while the view is used).
     pub fn new(s: &str) -> KilnStr {
-        KilnStr { ptr: s.as_ptr(), len: s.len() }
+        KilnStr {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
     }
 
     /// The string, checked: null with a non-zero length, a length over `max` and invalid
@@ -116,7 +122,10 @@ impl KilnStr {
     /// `ptr` must point to `len` readable bytes that stay valid for `'a`.
     pub unsafe fn to_str<'a>(self, what: &str, max: usize) -> std::result::Result<&'a str, String> {
         if self.len > max {
-            return Err(format!("{what} is {} bytes long; at most {max} are allowed", self.len));
+            return Err(format!(
+                "{what} is {} bytes long; at most {max} are allowed",
+                self.len
+            ));
         }
         if self.len == 0 {
             return Ok("");
@@ -140,7 +149,10 @@ pub struct KilnOwnedStr {
 }
 
 impl KilnOwnedStr {
-    pub const NONE: KilnOwnedStr = KilnOwnedStr { ptr: std::ptr::null_mut(), len: 0 };
+    pub const NONE: KilnOwnedStr = KilnOwnedStr {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+    };
 
     pub fn is_none(&self) -> bool {
         self.ptr.is_null()
@@ -199,18 +211,30 @@ pub struct KilnPluginApi {
     /// Creates the backend (initialises the library, opens the driver ...). `host_abi` is
     /// the host's [`ABI_VERSION`].
     pub create_backend: Option<
-        unsafe extern "C" fn(host_abi: u32, out: *mut *mut KilnBackend, err: *mut KilnOwnedStr) -> KilnStatus,
+        unsafe extern "C" fn(
+            host_abi: u32,
+            out: *mut *mut KilnBackend,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
     >,
     /// Destroys a backend. The host frees every executor loaded from it first.
     pub destroy_backend: Option<unsafe extern "C" fn(backend: *mut KilnBackend)>,
     /// Fills `out` (whose `struct_size` the host set) with strings and arrays that stay
     /// valid until `destroy_backend`.
     pub describe: Option<
-        unsafe extern "C" fn(backend: *mut KilnBackend, out: *mut KilnBackendInfo, err: *mut KilnOwnedStr) -> KilnStatus,
+        unsafe extern "C" fn(
+            backend: *mut KilnBackend,
+            out: *mut KilnBackendInfo,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
     >,
     /// `OK` with a device description in `device`, or `UNAVAILABLE` with the reason in `err`.
     pub probe: Option<
-        unsafe extern "C" fn(backend: *mut KilnBackend, device: *mut KilnOwnedStr, err: *mut KilnOwnedStr) -> KilnStatus,
+        unsafe extern "C" fn(
+            backend: *mut KilnBackend,
+            device: *mut KilnOwnedStr,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
     >,
     /// Scores a model. `model` (and the tensor bytes) are borrowed for this call only.
     pub supports: Option<
@@ -234,15 +258,36 @@ pub struct KilnPluginApi {
         ) -> KilnStatus,
     >,
     pub free_executor: Option<unsafe extern "C" fn(executor: *mut KilnExecutor)>,
-    pub new_sequence:
-        Option<unsafe extern "C" fn(executor: *mut KilnExecutor, out: *mut u32, err: *mut KilnOwnedStr) -> KilnStatus>,
-    pub free_sequence:
-        Option<unsafe extern "C" fn(executor: *mut KilnExecutor, seq: u32, err: *mut KilnOwnedStr) -> KilnStatus>,
-    pub sequence_len: Option<
-        unsafe extern "C" fn(executor: *mut KilnExecutor, seq: u32, out: *mut u64, err: *mut KilnOwnedStr) -> KilnStatus,
+    pub new_sequence: Option<
+        unsafe extern "C" fn(
+            executor: *mut KilnExecutor,
+            out: *mut u32,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
     >,
-    pub truncate_sequence:
-        Option<unsafe extern "C" fn(executor: *mut KilnExecutor, seq: u32, len: u64, err: *mut KilnOwnedStr) -> KilnStatus>,
+    pub free_sequence: Option<
+        unsafe extern "C" fn(
+            executor: *mut KilnExecutor,
+            seq: u32,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
+    >,
+    pub sequence_len: Option<
+        unsafe extern "C" fn(
+            executor: *mut KilnExecutor,
+            seq: u32,
+            out: *mut u64,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
+    >,
+    pub truncate_sequence: Option<
+        unsafe extern "C" fn(
+            executor: *mut KilnExecutor,
+            seq: u32,
+            len: u64,
+            err: *mut KilnOwnedStr,
+        ) -> KilnStatus,
+    >,
     /// Appends `n_tokens` tokens to `seq`; writes the last one's logits (`n_logits` ==
     /// vocab) into the host's buffer.
     pub prefill: Option<
@@ -332,7 +377,9 @@ impl KilnSamplerState {
     /// `recent` must point to `n_recent` readable ids (or be anything when `n_recent` is 0).
     pub unsafe fn to_sampler(&self) -> Result<crate::Sampler> {
         let size = |v: u64, what: &str| {
-            usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("sampler {what} {v} does not fit usize")))
+            usize::try_from(v).map_err(|_| {
+                Error::InvalidArgument(format!("sampler {what} {v} does not fit usize"))
+            })
         };
         let params = crate::SamplingParams {
             temperature: self.temperature,
@@ -355,7 +402,11 @@ impl KilnSamplerState {
         }
         let recent: &[u32] = match n {
             0 => &[],
-            _ if self.recent.is_null() => return Err(Error::InvalidArgument("recent tokens: a null pointer".into())),
+            _ if self.recent.is_null() => {
+                return Err(Error::InvalidArgument(
+                    "recent tokens: a null pointer".into(),
+                ))
+            }
             // SAFETY: the caller guarantees `n_recent` readable ids at `recent`.
             _ => unsafe { std::slice::from_raw_parts(self.recent, n) },
         };
@@ -440,7 +491,8 @@ pub mod flags {
     pub const QK_NORM: u32 = 1 << 3;
     pub const TIED_EMBEDDINGS: u32 = 1 << 4;
     /// Every bit ABI 1.0 defines.
-    pub const KNOWN_V1_0: u32 = GATED_FFN | PARALLEL_RESIDUAL | QKV_BIAS | QK_NORM | TIED_EMBEDDINGS;
+    pub const KNOWN_V1_0: u32 =
+        GATED_FFN | PARALLEL_RESIDUAL | QKV_BIAS | QK_NORM | TIED_EMBEDDINGS;
 }
 
 /// [`ModelConfig`] as plain data. Enums are the ids of [`arch_id`], [`norm_id`],
@@ -619,7 +671,9 @@ impl KilnLoadOptions {
     ///
     /// # Safety
     /// `options` must be null or point to `struct_size` readable bytes (the ABI's promise).
-    pub unsafe fn read(options: *const KilnLoadOptions) -> std::result::Result<KilnLoadOptions, String> {
+    pub unsafe fn read(
+        options: *const KilnLoadOptions,
+    ) -> std::result::Result<KilnLoadOptions, String> {
         if options.is_null() {
             return Err("options is a null pointer".into());
         }
@@ -637,7 +691,13 @@ impl KilnLoadOptions {
         let n = (struct_size as usize).min(std::mem::size_of::<KilnLoadOptions>());
         // SAFETY: the caller promises `struct_size` readable bytes; at most that many, and
         // no more than `out` holds, are copied.
-        unsafe { std::ptr::copy_nonoverlapping(options as *const u8, &mut out as *mut KilnLoadOptions as *mut u8, n) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                options as *const u8,
+                &mut out as *mut KilnLoadOptions as *mut u8,
+                n,
+            )
+        };
         Ok(out)
     }
 }
@@ -701,9 +761,14 @@ pub fn check_describable(c: &ModelConfig) -> Result<()> {
     }
 }
 pub fn arch_from_id(id: u32) -> Option<Architecture> {
-    [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3]
-        .into_iter()
-        .find(|a| arch_id(a) == id)
+    [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ]
+    .into_iter()
+    .find(|a| arch_id(a) == id)
 }
 pub fn norm_id(n: NormKind) -> u32 {
     match n {
@@ -712,7 +777,9 @@ pub fn norm_id(n: NormKind) -> u32 {
     }
 }
 pub fn norm_from_id(id: u32) -> Option<NormKind> {
-    [NormKind::Rms, NormKind::Layer].into_iter().find(|n| norm_id(*n) == id)
+    [NormKind::Rms, NormKind::Layer]
+        .into_iter()
+        .find(|n| norm_id(*n) == id)
 }
 pub fn activation_id(a: Activation) -> u32 {
     match a {
@@ -721,7 +788,9 @@ pub fn activation_id(a: Activation) -> u32 {
     }
 }
 pub fn activation_from_id(id: u32) -> Option<Activation> {
-    [Activation::Silu, Activation::Gelu].into_iter().find(|a| activation_id(*a) == id)
+    [Activation::Silu, Activation::Gelu]
+        .into_iter()
+        .find(|a| activation_id(*a) == id)
 }
 pub fn rope_kind_id(k: RopeKind) -> u32 {
     match k {
@@ -730,7 +799,9 @@ pub fn rope_kind_id(k: RopeKind) -> u32 {
     }
 }
 pub fn rope_kind_from_id(id: u32) -> Option<RopeKind> {
-    [RopeKind::Norm, RopeKind::Neox].into_iter().find(|k| rope_kind_id(*k) == id)
+    [RopeKind::Norm, RopeKind::Neox]
+        .into_iter()
+        .find(|k| rope_kind_id(*k) == id)
 }
 /// Scaling kind id and factor.
 pub fn rope_scaling_id(s: RopeScaling) -> (u32, f32) {
@@ -799,8 +870,11 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
             version_string(ABI_VERSION)
         )));
     }
-    let size = |v: u64, what: &str| usize::try_from(v).map_err(|_| bad(format!("{what} {v} does not fit usize")));
-    let arch = arch_from_id(c.arch).ok_or_else(|| Error::Unsupported(format!("unknown architecture id {}", c.arch)))?;
+    let size = |v: u64, what: &str| {
+        usize::try_from(v).map_err(|_| bad(format!("{what} {v} does not fit usize")))
+    };
+    let arch = arch_from_id(c.arch)
+        .ok_or_else(|| Error::Unsupported(format!("unknown architecture id {}", c.arch)))?;
     let config = ModelConfig {
         arch,
         vocab_size: size(c.vocab_size, "vocab_size")?,
@@ -819,7 +893,8 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
         qkv_bias: c.flags & flags::QKV_BIAS != 0,
         qk_norm: c.flags & flags::QK_NORM != 0,
         rope: RopeConfig {
-            kind: rope_kind_from_id(c.rope_kind).ok_or_else(|| bad(format!("unknown rope kind id {}", c.rope_kind)))?,
+            kind: rope_kind_from_id(c.rope_kind)
+                .ok_or_else(|| bad(format!("unknown rope kind id {}", c.rope_kind)))?,
             theta: c.rope_theta,
             scaling: rope_scaling_from_id(c.rope_scaling, c.rope_scaling_factor)
                 .ok_or_else(|| bad(format!("unknown rope scaling id {}", c.rope_scaling)))?,
@@ -840,11 +915,23 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
 /// Every tensor of `w` with its role and layer. Destructures exhaustively so a new weight
 /// field cannot be forgotten here.
 pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView)> {
-    let ModelWeights { token_embd, layers, output_norm, output_norm_bias, output, rope_freqs } = w;
-    let mut out = vec![(TensorRole::TokenEmbd, NO_LAYER, token_embd), (TensorRole::OutputNorm, NO_LAYER, output_norm)];
-    for (role, t) in
-        [(TensorRole::OutputNormBias, output_norm_bias), (TensorRole::Output, output), (TensorRole::RopeFreqs, rope_freqs)]
-    {
+    let ModelWeights {
+        token_embd,
+        layers,
+        output_norm,
+        output_norm_bias,
+        output,
+        rope_freqs,
+    } = w;
+    let mut out = vec![
+        (TensorRole::TokenEmbd, NO_LAYER, token_embd),
+        (TensorRole::OutputNorm, NO_LAYER, output_norm),
+    ];
+    for (role, t) in [
+        (TensorRole::OutputNormBias, output_norm_bias),
+        (TensorRole::Output, output),
+        (TensorRole::RopeFreqs, rope_freqs),
+    ] {
         out.extend(t.as_ref().map(|t| (role, NO_LAYER, t)));
     }
     for (i, l) in layers.iter().enumerate() {
@@ -939,7 +1026,11 @@ impl ModelDescBuf {
             .collect();
         // `KilnStr::new(t.name())` and `bytes()` borrow from the TensorViews inside `model`,
         // whose `Arc`-held names and storage do not move when `model` itself moves.
-        ModelDescBuf { model, config, tensors }
+        ModelDescBuf {
+            model,
+            config,
+            tensors,
+        }
     }
 
     /// The descriptor, valid while `self` lives.
@@ -999,15 +1090,23 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
     // SAFETY: the caller promises a valid descriptor (or null, refused here).
     let desc = unsafe { desc.as_ref() }.ok_or_else(|| bad("null model descriptor".into()))?;
     if (desc.struct_size as usize) < std::mem::size_of::<KilnModelDesc>() {
-        return Err(bad(format!("struct_size {} is too small", desc.struct_size)));
+        return Err(bad(format!(
+            "struct_size {} is too small",
+            desc.struct_size
+        )));
     }
     // SAFETY: the descriptor's pointers are readable (the caller's promise) or null.
     let config = unsafe { desc.config.as_ref() }.ok_or_else(|| bad("null config".into()))?;
     let config = config_from_abi(config)?;
     // SAFETY: as above, for the source string.
-    let source = unsafe { desc.source.to_str("source", MAX_MESSAGE) }.map_err(bad)?.to_string();
+    let source = unsafe { desc.source.to_str("source", MAX_MESSAGE) }
+        .map_err(bad)?
+        .to_string();
     if desc.n_tensors > 0 && desc.tensors.is_null() {
-        return Err(bad(format!("null tensor array of length {}", desc.n_tensors)));
+        return Err(bad(format!(
+            "null tensor array of length {}",
+            desc.n_tensors
+        )));
     }
     let descs: &[KilnTensorDesc] =
         // SAFETY: non-null (checked) and `n_tensors` entries long (the caller's promise).
@@ -1018,22 +1117,38 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
     let mut per_layer: Vec<Vec<(TensorRole, TensorView)>> = vec![Vec::new(); layers];
     for (i, t) in descs.iter().enumerate() {
         // SAFETY: each descriptor's name is readable (the caller's promise).
-        let name = unsafe { t.name.to_str("tensor name", MAX_MESSAGE) }.map_err(|m| bad(format!("tensor {i}: {m}")))?;
-        let role = TensorRole::from_id(t.role).ok_or_else(|| bad(format!("tensor {name}: unknown role id {}", t.role)))?;
-        let qtype =
-            QType::from_id(t.qtype).ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;
+        let name = unsafe { t.name.to_str("tensor name", MAX_MESSAGE) }
+            .map_err(|m| bad(format!("tensor {i}: {m}")))?;
+        let role = TensorRole::from_id(t.role)
+            .ok_or_else(|| bad(format!("tensor {name}: unknown role id {}", t.role)))?;
+        let qtype = QType::from_id(t.qtype)
+            .ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;
         let n_dims = t.n_dims as usize;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(bad(format!("tensor {name}: {n_dims} dims (1..={MAX_DIMS} allowed)")));
+            return Err(bad(format!(
+                "tensor {name}: {n_dims} dims (1..={MAX_DIMS} allowed)"
+            )));
         }
         let dims = t.dims[..n_dims]
             .iter()
-            .map(|&d| usize::try_from(d).map_err(|_| bad(format!("tensor {name}: dim {d} does not fit usize"))))
+            .map(|&d| {
+                usize::try_from(d)
+                    .map_err(|_| bad(format!("tensor {name}: dim {d} does not fit usize")))
+            })
             .collect::<Result<Vec<usize>>>()?;
-        let len = usize::try_from(t.len).map_err(|_| bad(format!("tensor {name}: length {} does not fit usize", t.len)))?;
-        let expected = qtype.tensor_bytes(&dims).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+        let len = usize::try_from(t.len).map_err(|_| {
+            bad(format!(
+                "tensor {name}: length {} does not fit usize",
+                t.len
+            ))
+        })?;
+        let expected = qtype
+            .tensor_bytes(&dims)
+            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
         if len != expected {
-            return Err(bad(format!("tensor {name}: {len} bytes, but {qtype} {dims:?} needs {expected}")));
+            return Err(bad(format!(
+                "tensor {name}: {len} bytes, but {qtype} {dims:?} needs {expected}"
+            )));
         }
         if len > 0 && t.data.is_null() {
             return Err(bad(format!("tensor {name}: null data pointer")));
@@ -1043,25 +1158,37 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         if role.per_layer() {
             let layer = t.layer as usize;
             if layer >= layers {
-                return Err(bad(format!("tensor {name}: layer {} of a {layers}-layer model", t.layer)));
+                return Err(bad(format!(
+                    "tensor {name}: layer {} of a {layers}-layer model",
+                    t.layer
+                )));
             }
             per_layer[layer].push((role, view));
         } else {
             if t.layer != NO_LAYER {
-                return Err(bad(format!("tensor {name}: global role {role:?} with layer {}", t.layer)));
+                return Err(bad(format!(
+                    "tensor {name}: global role {role:?} with layer {}",
+                    t.layer
+                )));
             }
             global.push((role, view));
         }
     }
 
-    fn take(list: &mut Vec<(TensorRole, TensorView)>, role: TensorRole, ctx: &str) -> Result<Option<TensorView>> {
+    fn take(
+        list: &mut Vec<(TensorRole, TensorView)>,
+        role: TensorRole,
+        ctx: &str,
+    ) -> Result<Option<TensorView>> {
         let mut found = None;
         let mut i = 0;
         while i < list.len() {
             if list[i].0 == role {
                 let (_, v) = list.swap_remove(i);
                 if found.is_some() {
-                    return Err(Error::Format(format!("model descriptor from host: {ctx}{role:?} appears twice")));
+                    return Err(Error::Format(format!(
+                        "model descriptor from host: {ctx}{role:?} appears twice"
+                    )));
                 }
                 found = Some(v);
             } else {
@@ -1070,9 +1197,16 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         }
         Ok(found)
     }
-    fn need(list: &mut Vec<(TensorRole, TensorView)>, role: TensorRole, ctx: &str) -> Result<TensorView> {
-        take(list, role, ctx)?
-            .ok_or_else(|| Error::Format(format!("model descriptor from host: {ctx}{role:?} is missing")))
+    fn need(
+        list: &mut Vec<(TensorRole, TensorView)>,
+        role: TensorRole,
+        ctx: &str,
+    ) -> Result<TensorView> {
+        take(list, role, ctx)?.ok_or_else(|| {
+            Error::Format(format!(
+                "model descriptor from host: {ctx}{role:?} is missing"
+            ))
+        })
     }
 
     let mut layer_weights = Vec::with_capacity(layers);
@@ -1110,7 +1244,11 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         output: take(g, TensorRole::Output, "")?,
         rope_freqs: take(g, TensorRole::RopeFreqs, "")?,
     };
-    Ok(ModelIr { config, weights, source })
+    Ok(ModelIr {
+        config,
+        weights,
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -1135,7 +1273,12 @@ mod tests {
             parallel_residual: false,
             qkv_bias: true,
             qk_norm: false,
-            rope: RopeConfig { kind: RopeKind::Neox, theta: 10000.0, scaling: RopeScaling::Linear { factor: 2.0 }, rotary_dims: 8 },
+            rope: RopeConfig {
+                kind: RopeKind::Neox,
+                theta: 10000.0,
+                scaling: RopeScaling::Linear { factor: 2.0 },
+                rotary_dims: 8,
+            },
             tied_embeddings: true,
             context_length: 128,
             embedding_scale: 1.0,
@@ -1187,7 +1330,10 @@ mod tests {
         assert_eq!(pack_version(1, 3), 0x0001_0003);
         assert_eq!(version_major(0x0002_0007), 2);
         assert_eq!(version_minor(0x0002_0007), 7);
-        assert_eq!(version_string(ABI_VERSION), format!("{ABI_MAJOR}.{ABI_MINOR}"));
+        assert_eq!(
+            version_string(ABI_VERSION),
+            format!("{ABI_MAJOR}.{ABI_MINOR}")
+        );
     }
 
     #[test]
@@ -1205,7 +1351,15 @@ mod tests {
         };
         // SAFETY: `full` is a live options struct with its own struct_size.
         let read = unsafe { KilnLoadOptions::read(&full) }.unwrap();
-        assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 1));
+        assert_eq!(
+            (
+                read.max_context,
+                read.max_sequences,
+                read.threads,
+                read.flags
+            ),
+            (77, 3, 2, 1)
+        );
 
         // A 1.0 host's options end before `flags`; whatever follows in memory is not theirs.
         let mut old = full;
@@ -1213,13 +1367,24 @@ mod tests {
         old.flags = !0;
         // SAFETY: `old` is a live options struct; struct_size only shortens what is read.
         let read = unsafe { KilnLoadOptions::read(&old) }.unwrap();
-        assert_eq!((read.max_context, read.max_sequences, read.threads, read.flags), (77, 3, 2, 0));
+        assert_eq!(
+            (
+                read.max_context,
+                read.max_sequences,
+                read.threads,
+                read.flags
+            ),
+            (77, 3, 2, 0)
+        );
 
         let mut short = full;
         short.struct_size = LOAD_OPTIONS_SIZE_V1_0 - 8;
         // SAFETY: `short` is a live options struct; a too-small struct_size is refused before reading past it.
         let err = unsafe { KilnLoadOptions::read(&short) }.unwrap_err();
-        assert!(err.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)), "{err}");
+        assert!(
+            err.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)),
+            "{err}"
+        );
         // SAFETY: a null pointer is refused before any read.
         assert!(unsafe { KilnLoadOptions::read(std::ptr::null()) }.is_err());
     }
@@ -1258,11 +1423,17 @@ mod tests {
         let b = tensors_with_roles(&back.weights);
         assert_eq!(a.len(), b.len());
         for ((ra, la, ta), (rb, lb, tb)) in a.iter().zip(&b) {
-            assert_eq!((ra, la, ta.name(), ta.qtype(), ta.dims()), (rb, lb, tb.name(), tb.qtype(), tb.dims()));
+            assert_eq!(
+                (ra, la, ta.name(), ta.qtype(), ta.dims()),
+                (rb, lb, tb.name(), tb.qtype(), tb.dims())
+            );
             assert_eq!(ta.bytes(), tb.bytes());
         }
         // Zero copy: the rebuilt view reads the very bytes the host's view reads.
-        assert_eq!(back.weights.token_embd.bytes().as_ptr(), buf.model().weights.token_embd.bytes().as_ptr());
+        assert_eq!(
+            back.weights.token_embd.bytes().as_ptr(),
+            buf.model().weights.token_embd.bytes().as_ptr()
+        );
     }
 
     /// Kiln's own qtypes (ids from 128 up) cross the ABI like ggml's: the plugin side
@@ -1271,16 +1442,30 @@ mod tests {
     fn kiln_qtype_ids_cross_the_abi() {
         let mut model = tiny_model();
         let dims = model.weights.layers[1].ffn_up.dims().to_vec();
-        let bytes: Vec<u8> = (0..QType::AprQ4.tensor_bytes(&dims).unwrap()).map(|i| i as u8).collect();
-        model.weights.layers[1].ffn_up = TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
+        let bytes: Vec<u8> = (0..QType::AprQ4.tensor_bytes(&dims).unwrap())
+            .map(|i| i as u8)
+            .collect();
+        model.weights.layers[1].ffn_up =
+            TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
         let buf = ModelDescBuf::new(&model);
         // SAFETY: the names point into `buf`'s owned strings.
-        let desc = buf.tensors.iter().find(|t| unsafe { t.name.to_str("", 64) } == Ok("l1.up")).unwrap();
+        let desc = buf
+            .tensors
+            .iter()
+            .find(|t| unsafe { t.name.to_str("", 64) } == Ok("l1.up"))
+            .unwrap();
         assert_eq!(desc.qtype, 128);
         // SAFETY: `buf` outlives `back`'s use in this test.
         let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
         let t = &back.weights.layers[1].ffn_up;
-        assert_eq!((t.qtype(), t.dims(), t.bytes()), (QType::AprQ4, &dims[..], model.weights.layers[1].ffn_up.bytes()));
+        assert_eq!(
+            (t.qtype(), t.dims(), t.bytes()),
+            (
+                QType::AprQ4,
+                &dims[..],
+                model.weights.layers[1].ffn_up.bytes()
+            )
+        );
     }
 
     #[test]
@@ -1302,11 +1487,38 @@ mod tests {
         check(&|t| t[0].role = 1000, "unknown role id 1000");
         check(&|t| t[0].len += 1, "bytes, but");
         check(&|t| t[0].data = std::ptr::null(), "null data pointer");
-        check(&|t| t[0].name = KilnStr { ptr: std::ptr::null(), len: 4 }, "null pointer");
-        check(&|t| t[0].name = KilnStr { ptr: b"\xff\xfe".as_ptr(), len: 2 }, "not UTF-8");
+        check(
+            &|t| {
+                t[0].name = KilnStr {
+                    ptr: std::ptr::null(),
+                    len: 4,
+                }
+            },
+            "null pointer",
+        );
+        check(
+            &|t| {
+                t[0].name = KilnStr {
+                    ptr: b"\xff\xfe".as_ptr(),
+                    len: 2,
+                }
+            },
+            "not UTF-8",
+        );
         check(&|t| t[0].n_dims = 9, "9 dims");
         check(&|t| t[2].layer = 7, "layer 7");
-        check(&|t| { t.remove(0); }, "TokenEmbd is missing");
-        check(&|t| { let d = t[3]; t.push(d); }, "appears twice");
+        check(
+            &|t| {
+                t.remove(0);
+            },
+            "TokenEmbd is missing",
+        );
+        check(
+            &|t| {
+                let d = t[3];
+                t.push(d);
+            },
+            "appears twice",
+        );
     }
 }

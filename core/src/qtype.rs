@@ -130,7 +130,9 @@ impl QType {
             | QType::Q8_0
             | QType::Q8_1
             | QType::AprQ4 => 32,
-            QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => 256,
+            QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => {
+                256
+            }
         }
     }
 
@@ -167,16 +169,20 @@ impl QType {
                 self.name()
             )));
         }
-        (n / block)
-            .checked_mul(self.block_bytes())
-            .ok_or_else(|| Error::InvalidShape(format!("{n} values of {} overflow usize", self.name())))
+        (n / block).checked_mul(self.block_bytes()).ok_or_else(|| {
+            Error::InvalidShape(format!("{n} values of {} overflow usize", self.name()))
+        })
     }
 
     /// Bytes of a tensor with these dims (`dims[0]` is the contiguous row length).
     pub fn tensor_bytes(self, dims: &[usize]) -> Result<usize> {
         let row_len = dims.first().copied().unwrap_or(1);
-        let rows = dims.iter().skip(1).try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        let rows = rows.ok_or_else(|| Error::InvalidShape(format!("dims {dims:?} overflow usize")))?;
+        let rows = dims
+            .iter()
+            .skip(1)
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        let rows =
+            rows.ok_or_else(|| Error::InvalidShape(format!("dims {dims:?} overflow usize")))?;
         self.row_bytes(row_len)?
             .checked_mul(rows)
             .ok_or_else(|| Error::InvalidShape(format!("dims {dims:?} overflow usize")))
@@ -204,7 +210,11 @@ mod tests {
             assert!(q.is_ggml());
             assert_eq!(QType::from_ggml_id(q.ggml_id()), Some(q));
         }
-        assert_eq!(QType::from_ggml_id(4), None, "ids 4 and 5 were removed from ggml");
+        assert_eq!(
+            QType::from_ggml_id(4),
+            None,
+            "ids 4 and 5 were removed from ggml"
+        );
         let mut names: Vec<&str> = QType::ALL.iter().map(|q| q.name()).collect();
         names.sort_unstable();
         names.dedup();
@@ -216,19 +226,35 @@ mod tests {
         assert!(QType::ALL.windows(2).all(|w| w[0].id() < w[1].id()));
         let ggml: Vec<QType> = QType::ggml().collect();
         assert!(ggml.windows(2).all(|w| w[0].id() < w[1].id()));
-        let kiln_only: Vec<QType> = QType::ALL.into_iter().filter(|q| !ggml.contains(q)).collect();
+        let kiln_only: Vec<QType> = QType::ALL
+            .into_iter()
+            .filter(|q| !ggml.contains(q))
+            .collect();
         assert_eq!(kiln_only, [QType::AprQ4]);
         assert!(ggml.iter().all(|q| QType::ALL.contains(q)));
         for q in kiln_only {
             assert!(q.id() >= 128 && !q.is_ggml(), "{q}");
-            assert_eq!(QType::from_ggml_id(q.id()), None, "{q} must not be read from GGUF");
+            assert_eq!(
+                QType::from_ggml_id(q.id()),
+                None,
+                "{q} must not be read from GGUF"
+            );
         }
     }
 
     #[test]
     fn apr_q4_geometry() {
         let q = QType::AprQ4;
-        assert_eq!((q.id(), q.name(), q.block_len(), q.block_bytes(), q.is_quantized()), (128, "apr_q4", 32, 18, true));
+        assert_eq!(
+            (
+                q.id(),
+                q.name(),
+                q.block_len(),
+                q.block_bytes(),
+                q.is_quantized()
+            ),
+            (128, "apr_q4", 32, 18, true)
+        );
         assert_eq!(QType::from_id(128), Some(q));
         assert_eq!(QType::from_name("APR_Q4"), Some(q));
         assert_eq!(q.row_bytes(64).unwrap(), 36);

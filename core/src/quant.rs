@@ -83,7 +83,9 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// [`Error::InvalidShape`].
 pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     if !can_quantize(qtype) {
-        return Err(Error::Unsupported(format!("quantising to {qtype} is not supported")));
+        return Err(Error::Unsupported(format!(
+            "quantising to {qtype} is not supported"
+        )));
     }
     let expected = qtype.row_bytes(src.len())?;
     if dst.len() != expected {
@@ -187,7 +189,11 @@ pub fn quantize_row_apr_q4(src: &[f32], dst: &mut [u8]) -> Result<()> {
 
 /// Runs `f` over matching (block bytes, block values) pairs. The caller has checked that
 /// `src` and `dst` hold the same whole number of blocks.
-fn for_each_block<const B: usize, const N: usize>(src: &[u8], dst: &mut [f32], f: fn(&[u8; B], &mut [f32; N])) {
+fn for_each_block<const B: usize, const N: usize>(
+    src: &[u8],
+    dst: &mut [f32],
+    f: fn(&[u8; B], &mut [f32; N]),
+) {
     for (b, y) in src.chunks_exact(B).zip(dst.chunks_exact_mut(N)) {
         // `chunks_exact` yields exactly B and N elements, so both conversions succeed.
         let (Ok(b), Ok(y)) = (<&[u8; B]>::try_from(b), <&mut [f32; N]>::try_from(y)) else {
@@ -198,7 +204,11 @@ fn for_each_block<const B: usize, const N: usize>(src: &[u8], dst: &mut [f32], f
 }
 
 /// The quantising twin of [`for_each_block`].
-fn for_each_block_mut<const N: usize, const B: usize>(src: &[f32], dst: &mut [u8], f: fn(&[f32; N], &mut [u8; B])) {
+fn for_each_block_mut<const N: usize, const B: usize>(
+    src: &[f32],
+    dst: &mut [u8],
+    f: fn(&[f32; N], &mut [u8; B]),
+) {
     for (x, b) in src.chunks_exact(N).zip(dst.chunks_exact_mut(B)) {
         let (Ok(x), Ok(b)) = (<&[f32; N]>::try_from(x), <&mut [u8; B]>::try_from(b)) else {
             unreachable!("chunks_exact yields whole blocks")
@@ -248,7 +258,10 @@ mod tests {
     fn low_bit_k_quants_are_not_quantised_here() {
         let src = [0.0f32; 256];
         let mut dst = [0u8; 84];
-        assert!(matches!(quantize(QType::Q2_K, &src, &mut dst), Err(Error::Unsupported(_))));
+        assert!(matches!(
+            quantize(QType::Q2_K, &src, &mut dst),
+            Err(Error::Unsupported(_))
+        ));
         let mut dst = [0u8; 144];
         assert!(quantize(QType::Q4_K, &src, &mut dst).is_ok());
     }

@@ -56,7 +56,9 @@ impl Registry {
 
     /// Every backend submitted through `inventory` in this binary, sorted by name.
     pub fn with_builtins() -> Self {
-        let mut backends: Vec<Arc<dyn Backend>> = inventory::iter::<BuiltinBackend>().map(|b| (b.create)()).collect();
+        let mut backends: Vec<Arc<dyn Backend>> = inventory::iter::<BuiltinBackend>()
+            .map(|b| (b.create)())
+            .collect();
         backends.sort_by(|a, b| a.name().cmp(b.name()));
         Registry { backends }
     }
@@ -64,7 +66,10 @@ impl Registry {
     /// Adds a backend; fails if one with the same name is already there.
     pub fn register(&mut self, backend: Arc<dyn Backend>) -> Result<()> {
         if self.get(backend.name()).is_some() {
-            return Err(Error::InvalidArgument(format!("a backend named '{}' is already registered", backend.name())));
+            return Err(Error::InvalidArgument(format!(
+                "a backend named '{}' is already registered",
+                backend.name()
+            )));
         }
         self.backends.push(backend);
         Ok(())
@@ -87,9 +92,15 @@ impl Registry {
                 let probe = b.probe();
                 let support = match &probe {
                     Ok(_) => b.supports(model),
-                    Err(_) => Support::No { reason: "device unavailable".into() },
+                    Err(_) => Support::No {
+                        reason: "device unavailable".into(),
+                    },
                 };
-                Candidate { name: b.name().to_string(), probe, support }
+                Candidate {
+                    name: b.name().to_string(),
+                    probe,
+                    support,
+                }
             })
             .collect();
         // A stable sort: equal scores keep registration order (built-ins before plugins).
@@ -99,11 +110,21 @@ impl Registry {
 
     /// Picks the backend to run `model`: the one named by `preferred`, or the best scorer.
     /// The error explains every refusal.
-    pub fn select(&self, model: &ModelIr, preferred: Option<&str>) -> Result<(Arc<dyn Backend>, Vec<Candidate>)> {
+    pub fn select(
+        &self,
+        model: &ModelIr,
+        preferred: Option<&str>,
+    ) -> Result<(Arc<dyn Backend>, Vec<Candidate>)> {
         let ranked = self.rank(model);
         let explain = |c: &[Candidate]| {
             c.iter()
-                .map(|c| format!("  {}: {}", c.name, c.refusal().unwrap_or_else(|| "ok".into())))
+                .map(|c| {
+                    format!(
+                        "  {}: {}",
+                        c.name,
+                        c.refusal().unwrap_or_else(|| "ok".into())
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("\n")
         };
@@ -111,18 +132,30 @@ impl Registry {
             Some(name) => {
                 let Some(c) = ranked.iter().find(|c| c.name == name) else {
                     let names: Vec<&str> = self.backends.iter().map(|b| b.name()).collect();
-                    return Err(Error::NoBackend(format!("no backend named '{name}'; known: {}", names.join(", "))));
+                    return Err(Error::NoBackend(format!(
+                        "no backend named '{name}'; known: {}",
+                        names.join(", ")
+                    )));
                 };
                 if let Some(why) = c.refusal() {
-                    return Err(Error::NoBackend(format!("backend '{name}' cannot run {}: {why}", model.source)));
+                    return Err(Error::NoBackend(format!(
+                        "backend '{name}' cannot run {}: {why}",
+                        model.source
+                    )));
                 }
                 c
             }
             None => ranked.iter().find(|c| c.score().is_some()).ok_or_else(|| {
-                Error::NoBackend(format!("no backend can run {}:\n{}", model.source, explain(&ranked)))
+                Error::NoBackend(format!(
+                    "no backend can run {}:\n{}",
+                    model.source,
+                    explain(&ranked)
+                ))
             })?,
         };
-        let backend = self.get(&chosen.name).expect("ranked backends come from the registry");
+        let backend = self
+            .get(&chosen.name)
+            .expect("ranked backends come from the registry");
         Ok((backend, ranked))
     }
 }

@@ -45,7 +45,10 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
@@ -56,7 +59,9 @@ impl SamplingParams {
     /// names the setting.
     pub fn validate(&self) -> crate::Result<()> {
         let bad = |what: &str, v: f32, range: &str| {
-            Err(crate::Error::InvalidArgument(format!("{what} {v} is outside {range}")))
+            Err(crate::Error::InvalidArgument(format!(
+                "{what} {v} is outside {range}"
+            )))
         };
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", self.temperature, "[0, ∞)");
@@ -117,7 +122,12 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = Rng::new(params.seed);
-        Sampler { params, rng, recent: VecDeque::new(), candidates: Vec::new() }
+        Sampler {
+            params,
+            rng,
+            recent: VecDeque::new(),
+            candidates: Vec::new(),
+        }
     }
 
     /// Records a token of the context (prompt or generated) for the repetition penalty.
@@ -157,7 +167,11 @@ impl Sampler {
     /// Draws the next token from logits [`Sampler::adjust`] has already been applied to,
     /// and records it.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        let token = if self.params.is_greedy() {
+            argmax(logits)
+        } else {
+            self.draw(logits)
+        };
         self.accept(token);
         token
     }
@@ -184,12 +198,19 @@ impl Sampler {
         if p.top_k > 0 && p.top_k < logits.len() {
             top_k_candidates(logits, p.top_k, c);
         } else {
-            c.extend(logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)));
+            c.extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| !l.is_nan())
+                    .map(|(i, &l)| (i as u32, l)),
+            );
         }
         if c.is_empty() {
             return 0;
         }
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc =
+            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         c.sort_unstable_by(by_logit_desc);
         // Softmax at temperature, in place: logits become probabilities.
         let max = c[0].1;
@@ -293,7 +314,11 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            ..Default::default()
+        });
         for _ in 0..50 {
             assert_eq!(s.sample(&mut [0.0, 2.0, 1.9, -3.0]), 1);
         }
@@ -301,11 +326,20 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens_and_distribution_follows_softmax() {
-        let params = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
         let logits = [0.0f32, (2.0f32).ln(), (5.0f32).ln()]; // probabilities 1/8, 2/8, 5/8
         let run = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone());
-            (0..8000).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
+            (0..8000)
+                .map(|_| s.sample(&mut logits.clone()))
+                .collect::<Vec<_>>()
         };
         let a = run(&params);
         assert_eq!(a, run(&params));
@@ -317,13 +351,34 @@ mod tests {
     #[test]
     fn top_p_and_min_p_cut_the_tail() {
         let logits = [10.0f32, 9.0, 0.0, -5.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, min_p: 0.0, seed: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+            min_p: 0.0,
+            seed: 1,
+            ..Default::default()
+        });
         for _ in 0..200 {
-            assert_eq!(s.sample(&mut logits.clone()), 0, "top-p 0.5 keeps only the first token");
+            assert_eq!(
+                s.sample(&mut logits.clone()),
+                0,
+                "top-p 0.5 keeps only the first token"
+            );
         }
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.2, seed: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.2,
+            seed: 1,
+            ..Default::default()
+        });
         for _ in 0..500 {
-            assert!(s.sample(&mut logits.clone()) < 2, "min-p 0.2 drops tokens 2 and 3");
+            assert!(
+                s.sample(&mut logits.clone()) < 2,
+                "min-p 0.2 drops tokens 2 and 3"
+            );
         }
     }
 
@@ -331,7 +386,12 @@ mod tests {
     fn top_k_heap_keeps_what_a_full_selection_keeps() {
         // Fresh random rows with many exact ties, NaNs and infinities: the heap keeps the
         // same set as sorting every candidate (the lower id winning each tie).
-        let mut rng = Rng::new(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        let mut rng = Rng::new(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64,
+        );
         for case in 0..300 {
             let n = 1 + (rng.next_u64() % 500) as usize;
             let row: Vec<f32> = (0..n)
@@ -344,8 +404,12 @@ mod tests {
                 })
                 .collect();
             let k = 1 + (rng.next_u64() % n as u64) as usize;
-            let mut want: Vec<(u32, f32)> =
-                row.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+            let mut want: Vec<(u32, f32)> = row
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan())
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
             want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             want.truncate(k);
             let mut got = Vec::new();
@@ -358,7 +422,10 @@ mod tests {
 
     #[test]
     fn logit_bias_comes_first_and_ignores_ids_outside_the_vocabulary() {
-        let params = SamplingParams { logit_bias: vec![(0, -100.0), (2, 5.0), (99, 100.0)], ..SamplingParams::greedy() };
+        let params = SamplingParams {
+            logit_bias: vec![(0, -100.0), (2, 5.0), (99, 100.0)],
+            ..SamplingParams::greedy()
+        };
         let mut s = Sampler::new(params);
         let mut row = [3.0f32, 2.0, -1.0];
         assert_eq!(s.sample(&mut row), 2);
@@ -367,19 +434,37 @@ mod tests {
         let mut row = [3.0f32, 2.0, -1.0];
         s.adjust(&mut row);
         assert_eq!(s.pick(&row), 2);
-        let bad = SamplingParams { logit_bias: vec![(1, f32::NAN)], ..Default::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("logit bias of token 1"));
+        let bad = SamplingParams {
+            logit_bias: vec![(1, f32::NAN)],
+            ..Default::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("logit bias of token 1"));
     }
 
     #[test]
     fn repetition_penalty_discourages_recent_tokens() {
-        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, ..SamplingParams::greedy() });
+        let mut s = Sampler::new(SamplingParams {
+            repeat_penalty: 2.0,
+            ..SamplingParams::greedy()
+        });
         s.accept(0);
         assert_eq!(s.sample(&mut [3.0, 2.0]), 1, "3/2 < 2");
-        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, repeat_last_n: 1, ..SamplingParams::greedy() });
+        let mut s = Sampler::new(SamplingParams {
+            repeat_penalty: 2.0,
+            repeat_last_n: 1,
+            ..SamplingParams::greedy()
+        });
         s.accept(0);
         s.accept(1);
-        assert_eq!(s.sample(&mut [3.0, 2.0]), 0, "token 0 fell out of the window");
+        assert_eq!(
+            s.sample(&mut [3.0, 2.0]),
+            0,
+            "token 0 fell out of the window"
+        );
     }
 }
 
@@ -392,14 +477,62 @@ mod validate_tests {
         let ok = SamplingParams::default();
         assert!(ok.validate().is_ok());
         let cases: [(&str, SamplingParams); 8] = [
-            ("temperature", SamplingParams { temperature: -0.5, ..ok.clone() }),
-            ("temperature", SamplingParams { temperature: f32::NAN, ..ok.clone() }),
-            ("temperature", SamplingParams { temperature: f32::INFINITY, ..ok.clone() }),
-            ("top-p", SamplingParams { top_p: 1.5, ..ok.clone() }),
-            ("top-p", SamplingParams { top_p: f32::NAN, ..ok.clone() }),
-            ("min-p", SamplingParams { min_p: -0.1, ..ok.clone() }),
-            ("repeat penalty", SamplingParams { repeat_penalty: -1.0, ..ok.clone() }),
-            ("repeat penalty", SamplingParams { repeat_penalty: 0.0, ..ok.clone() }),
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: -0.5,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: f32::INFINITY,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "top-p",
+                SamplingParams {
+                    top_p: 1.5,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "top-p",
+                SamplingParams {
+                    top_p: f32::NAN,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "min-p",
+                SamplingParams {
+                    min_p: -0.1,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "repeat penalty",
+                SamplingParams {
+                    repeat_penalty: -1.0,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "repeat penalty",
+                SamplingParams {
+                    repeat_penalty: 0.0,
+                    ..ok.clone()
+                },
+            ),
         ];
         for (name, p) in cases {
             let err = p.validate().expect_err(name).to_string();

@@ -45,7 +45,14 @@ pub struct SequenceSlots<T> {
 impl<T> SequenceSlots<T> {
     /// One slot per cache, all free.
     pub fn new(caches: impl IntoIterator<Item = T>) -> Self {
-        let slots = caches.into_iter().map(|cache| SeqSlot { id: None, len: 0, cache }).collect();
+        let slots = caches
+            .into_iter()
+            .map(|cache| SeqSlot {
+                id: None,
+                len: 0,
+                cache,
+            })
+            .collect();
         SequenceSlots { slots, next_id: 0 }
     }
 
@@ -57,7 +64,10 @@ impl<T> SequenceSlots<T> {
     /// Puts a new, empty sequence in a free slot. Ids are not reused while alive.
     pub fn allocate(&mut self) -> Result<SeqId> {
         let Some(slot) = self.slots.iter().position(|s| s.id.is_none()) else {
-            return Err(Error::InvalidArgument(format!("all {} sequence slots are in use", self.slots.len())));
+            return Err(Error::InvalidArgument(format!(
+                "all {} sequence slots are in use",
+                self.slots.len()
+            )));
         };
         let mut id = self.next_id;
         while self.slots.iter().any(|s| s.id == Some(id)) {
@@ -96,7 +106,9 @@ impl<T> SequenceSlots<T> {
         let slot = self.index_of(seq)?;
         let cur = self.slots[slot].len;
         if len > cur {
-            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {cur} tokens to {len}")));
+            return Err(Error::InvalidArgument(format!(
+                "cannot truncate sequence {seq} of {cur} tokens to {len}"
+            )));
         }
         self.slots[slot].len = len;
         Ok(())
@@ -134,7 +146,10 @@ mod tests {
         let a = s.allocate().unwrap();
         let b = s.allocate().unwrap();
         assert_ne!(a, b);
-        assert!(matches!(s.allocate(), Err(Error::InvalidArgument(_))), "both slots are taken");
+        assert!(
+            matches!(s.allocate(), Err(Error::InvalidArgument(_))),
+            "both slots are taken"
+        );
         let slot = s.index_of(a).unwrap();
         s[slot].len = 5;
         s.truncate(a, 3).unwrap();

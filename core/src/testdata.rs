@@ -20,7 +20,13 @@ pub fn random_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
 /// `rows` rows of `row_len` values drawn from N(0, std²) (Box–Muller) and quantised to
 /// `qtype` by [`crate::quant::quantize`]. Fails for a row length that is not a whole number
 /// of `qtype`'s blocks and for types the reference cannot quantise to.
-pub fn gaussian_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize, std: f32) -> Result<Vec<u8>> {
+pub fn gaussian_weights(
+    rng: &mut Rng,
+    qtype: QType,
+    row_len: usize,
+    rows: usize,
+    std: f32,
+) -> Result<Vec<u8>> {
     let rb = qtype.row_bytes(row_len)?;
     let mut out = vec![0u8; rb * rows];
     let mut row = vec![0f32; row_len];

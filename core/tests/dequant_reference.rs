@@ -22,25 +22,41 @@ use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 fn fixture() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dequant_reference.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/dequant_reference.json"
+    );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     serde_json::from_str(&text).expect("fixture is valid JSON")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
     assert!(s.len().is_multiple_of(2), "odd-length hex");
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit")).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
+        .collect()
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 fn case_qtype(case: &Value) -> QType {
     let name = case["type"].as_str().expect("type name");
     let qtype = QType::from_name(name).unwrap_or_else(|| panic!("unknown type {name}"));
-    assert!(qtype.is_ggml(), "{name}: the gguf package only knows ggml types");
-    assert_eq!(u64::from(qtype.ggml_id()), case["ggml_id"].as_u64().unwrap(), "{name}: ggml id");
+    assert!(
+        qtype.is_ggml(),
+        "{name}: the gguf package only knows ggml types"
+    );
+    assert_eq!(
+        u64::from(qtype.ggml_id()),
+        case["ggml_id"].as_u64().unwrap(),
+        "{name}: ggml id"
+    );
     qtype
 }
 
@@ -60,7 +76,8 @@ fn dequantize_matches_gguf_bit_for_bit() {
         quant::dequantize(qtype, &bytes, &mut got).unwrap_or_else(|e| panic!("{qtype}: {e}"));
 
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            let same = g.to_bits() == e.to_bits() || (qtype == QType::F16 && g.is_nan() && e.is_nan());
+            let same =
+                g.to_bits() == e.to_bits() || (qtype == QType::F16 && g.is_nan() && e.is_nan());
             assert!(
                 same,
                 "{qtype}: value {i} (block {}, index {}): got {g:e} ({:#010x}), gguf says {e:e} ({:#010x})",
@@ -119,12 +136,20 @@ fn apr_q4_matches_gguf_q4_0_through_the_nibble_permutation() {
             .flat_map(|b| quant::q4_0_block_to_apr_q4(b.try_into().unwrap()))
             .collect();
         for (a, b) in apr.chunks_exact(18).zip(bytes.chunks_exact(18)) {
-            assert_eq!(&quant::apr_q4_block_to_q4_0(a.try_into().unwrap())[..], b, "permutation is not lossless");
+            assert_eq!(
+                &quant::apr_q4_block_to_q4_0(a.try_into().unwrap())[..],
+                b,
+                "permutation is not lossless"
+            );
         }
         let mut got = vec![0.0f32; expected.len()];
         quant::dequantize(QType::AprQ4, &apr, &mut got).unwrap();
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert_eq!(g.to_bits(), e.to_bits(), "value {i}: apr_q4 {g:e}, gguf q4_0 {e:e}");
+            assert_eq!(
+                g.to_bits(),
+                e.to_bits(),
+                "value {i}: apr_q4 {g:e}, gguf q4_0 {e:e}"
+            );
         }
         blocks += apr.len() / 18;
     }
@@ -132,7 +157,9 @@ fn apr_q4_matches_gguf_q4_0_through_the_nibble_permutation() {
 }
 
 fn fixture_rows(fx: &Value) -> Vec<f32> {
-    f32s(&unhex(fx["quantize"]["values_f32_le_hex"].as_str().unwrap()))
+    f32s(&unhex(
+        fx["quantize"]["values_f32_le_hex"].as_str().unwrap(),
+    ))
 }
 
 #[test]
@@ -151,10 +178,21 @@ fn quantizers_match_gguf_bytes() {
         let bb = qtype.block_bytes();
         for (b, (g, e)) in got.chunks(bb).zip(expected.chunks(bb)).enumerate() {
             let bl = qtype.block_len();
-            assert_eq!(g, e, "{qtype}: block {b} differs; input {:?}", &rows[b * bl..(b + 1) * bl]);
+            assert_eq!(
+                g,
+                e,
+                "{qtype}: block {b} differs; input {:?}",
+                &rows[b * bl..(b + 1) * bl]
+            );
         }
     }
-    for q in [QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q5_1, QType::Q8_0] {
+    for q in [
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+    ] {
         assert!(seen.contains(&q), "fixture has no {q} quantise case");
     }
     report_types_without_reference(&seen);
@@ -180,8 +218,12 @@ fn q8_1_is_q8_0_plus_the_scaled_sum() {
         // relative, or half an f16 subnormal step (2^-25) absolute in the subnormal range,
         // where the fixture's 1e-6 blocks put d.
         let approx = sum as f32 * d16;
-        let tol = (approx.abs() + s.abs()) * 2f32.powi(-10) + (sum.unsigned_abs() as f32 + 1.0) * 2f32.powi(-25);
-        assert!((s - approx).abs() <= tol, "block {b}: s = {s}, Σq·d = {approx}");
+        let tol = (approx.abs() + s.abs()) * 2f32.powi(-10)
+            + (sum.unsigned_abs() as f32 + 1.0) * 2f32.powi(-25);
+        assert!(
+            (s - approx).abs() <= tol,
+            "block {b}: s = {s}, Σq·d = {approx}"
+        );
     }
     let mut y0 = vec![0.0f32; rows.len()];
     let mut y1 = vec![0.0f32; rows.len()];
@@ -253,7 +295,11 @@ fn error_bound(qtype: QType, x: f32, block: &[f32]) -> f32 {
         QType::Q4_0 | QType::Q5_0 => {
             let levels = if qtype == QType::Q4_0 { 8.0 } else { 16.0 };
             let d = amax / levels;
-            let rounding = if x.abs() <= (levels - 0.5) * d { 0.5 } else { 1.0 };
+            let rounding = if x.abs() <= (levels - 0.5) * d {
+                0.5
+            } else {
+                1.0
+            };
             d * (rounding + levels * F16_REL)
         }
         QType::Q4_1 | QType::Q5_1 => {
@@ -314,8 +360,14 @@ fn quantize_dequantize_error_is_bounded() {
 fn sub_step_inputs_round_trip_exactly() {
     // Values already on a Q4_0/Q8_0 grid with a power-of-two step survive unchanged: the
     // quantiser finds the same step and the same codes.
-    let q4: Vec<f32> = (0..32).map(|i| ((i * 7) % 16) as f32 - 8.0).map(|v| v * 0.125).collect();
-    let q8: Vec<f32> = (0..32).map(|i| (i * 37 % 255) as f32 - 127.0).map(|v| v / 64.0).collect();
+    let q4: Vec<f32> = (0..32)
+        .map(|i| ((i * 7) % 16) as f32 - 8.0)
+        .map(|v| v * 0.125)
+        .collect();
+    let q8: Vec<f32> = (0..32)
+        .map(|i| (i * 37 % 255) as f32 - 127.0)
+        .map(|v| v / 64.0)
+        .collect();
     for (qtype, row) in [(QType::Q4_0, q4), (QType::Q8_0, q8)] {
         let mut bytes = vec![0u8; qtype.row_bytes(32).unwrap()];
         quant::quantize(qtype, &row, &mut bytes).unwrap();
@@ -351,26 +403,50 @@ fn wrong_lengths_are_invalid_shape_errors() {
         let good = qtype.row_bytes(n).unwrap();
 
         let mut out = vec![0.0f32; n];
-        assert!(is_invalid_shape(quant::dequantize(qtype, &vec![0; good - 1], &mut out)), "{qtype}: short src");
-        assert!(is_invalid_shape(quant::dequantize(qtype, &vec![0; good + 1], &mut out)), "{qtype}: long src");
+        assert!(
+            is_invalid_shape(quant::dequantize(qtype, &vec![0; good - 1], &mut out)),
+            "{qtype}: short src"
+        );
+        assert!(
+            is_invalid_shape(quant::dequantize(qtype, &vec![0; good + 1], &mut out)),
+            "{qtype}: long src"
+        );
         if bl > 1 {
             let mut ragged = vec![0.0f32; n + 1];
-            assert!(is_invalid_shape(quant::dequantize(qtype, &vec![0; good], &mut ragged)), "{qtype}: partial block");
+            assert!(
+                is_invalid_shape(quant::dequantize(qtype, &vec![0; good], &mut ragged)),
+                "{qtype}: partial block"
+            );
         }
-        assert!(quant::dequantize(qtype, &[], &mut []).is_ok(), "{qtype}: an empty row is zero blocks");
+        assert!(
+            quant::dequantize(qtype, &[], &mut []).is_ok(),
+            "{qtype}: an empty row is zero blocks"
+        );
 
         let src = vec![0.5f32; n];
         if can_quantize(qtype) {
-            assert!(is_invalid_shape(quant::quantize(qtype, &src, &mut vec![0; good - 1])), "{qtype}: short dst");
-            assert!(is_invalid_shape(quant::quantize(qtype, &src, &mut vec![0; good + 1])), "{qtype}: long dst");
+            assert!(
+                is_invalid_shape(quant::quantize(qtype, &src, &mut vec![0; good - 1])),
+                "{qtype}: short dst"
+            );
+            assert!(
+                is_invalid_shape(quant::quantize(qtype, &src, &mut vec![0; good + 1])),
+                "{qtype}: long dst"
+            );
             if bl > 1 {
                 let ragged = vec![0.5f32; n - 1];
                 let bytes = qtype.block_bytes() * 2;
-                assert!(is_invalid_shape(quant::quantize(qtype, &ragged, &mut vec![0; bytes])), "{qtype}: partial block");
+                assert!(
+                    is_invalid_shape(quant::quantize(qtype, &ragged, &mut vec![0; bytes])),
+                    "{qtype}: partial block"
+                );
             }
         } else {
             assert!(
-                matches!(quant::quantize(qtype, &src, &mut vec![0; good]), Err(Error::Unsupported(_))),
+                matches!(
+                    quant::quantize(qtype, &src, &mut vec![0; good]),
+                    Err(Error::Unsupported(_))
+                ),
                 "{qtype}: K-quant quantisers are not provided"
             );
         }

@@ -93,9 +93,16 @@ pub enum AprError {
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("{path}: not a regular file ({kind}); APR files are opened only as regular files")]
-    NotRegularFile { path: std::path::PathBuf, kind: &'static str },
+    NotRegularFile {
+        path: std::path::PathBuf,
+        kind: &'static str,
+    },
     #[error("file ends inside the {what}: it needs {need} bytes, the file has {have}")]
-    Truncated { what: &'static str, need: u64, have: u64 },
+    Truncated {
+        what: &'static str,
+        need: u64,
+        have: u64,
+    },
     #[error("not an APR v2 file: magic bytes are {0:02x?}, expected \"APR\\0\" (or \"APR2\")")]
     BadMagic([u8; 4]),
     #[error("APR version {major}.{minor} is not supported (only 2.x)")]
@@ -123,7 +130,11 @@ pub enum AprError {
     #[error("invalid tensor spec: {0}")]
     InvalidSpec(String),
     #[error("tensor '{name}': the writer callback wrote {written} bytes, its dtype and dims need {expected}")]
-    TensorData { name: String, expected: u64, written: u64 },
+    TensorData {
+        name: String,
+        expected: u64,
+        written: u64,
+    },
 }
 
 impl From<AprError> for kiln_core::Error {
@@ -134,7 +145,9 @@ impl From<AprError> for kiln_core::Error {
                 kiln_core::Error::Unsupported(format!("APR: {e}"))
             }
             e @ AprError::OutOfMemory { .. } => kiln_core::Error::OutOfMemory(format!("APR: {e}")),
-            e @ (AprError::InvalidSpec(_) | AprError::TensorData { .. } | AprError::NotRegularFile { .. }) => {
+            e @ (AprError::InvalidSpec(_)
+            | AprError::TensorData { .. }
+            | AprError::NotRegularFile { .. }) => {
                 kiln_core::Error::InvalidArgument(format!("APR: {e}"))
             }
             other => kiln_core::Error::Format(format!("APR: {other}")),
@@ -231,7 +244,12 @@ impl AprDtype {
             7 => AprDtype::U8,
             128 => AprDtype::Q4,
             129 => AprDtype::Q8,
-            _ => AprDtype::Ggml(GGML_IN_APR.iter().copied().find(|q| q.ggml_id() == u32::from(id))?),
+            _ => AprDtype::Ggml(
+                GGML_IN_APR
+                    .iter()
+                    .copied()
+                    .find(|q| q.ggml_id() == u32::from(id))?,
+            ),
         })
     }
 
@@ -312,7 +330,10 @@ impl AprTensorInfo {
     /// Product of the dims (1 for a scalar). Cannot overflow for an entry the reader
     /// accepted.
     pub fn elements(&self) -> u64 {
-        self.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX)
+        self.dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -408,7 +429,13 @@ mod tests {
             assert_eq!(AprDtype::from_id(d.id()), Some(d), "{d}");
             assert!(d.is_storable());
         }
-        for q in [QType::Q4_1, QType::Q5_0, QType::Q5_1, QType::Q8_1, QType::Q8_K] {
+        for q in [
+            QType::Q4_1,
+            QType::Q5_0,
+            QType::Q5_1,
+            QType::Q8_1,
+            QType::Q8_K,
+        ] {
             assert!(!AprDtype::Ggml(q).is_storable(), "{q}");
         }
         assert_eq!(AprDtype::from_id(9), None);
@@ -427,7 +454,10 @@ mod tests {
         assert_eq!(AprDtype::Ggml(QType::Q4_K).byte_size(100), None);
         assert_eq!(AprDtype::F64.byte_size(u64::MAX / 4), None);
         assert_eq!(AprDtype::Q8.byte_size(u64::MAX), None);
-        assert_eq!(AprDtype::Q4.byte_size(u64::MAX), Some(u64::MAX.div_ceil(32) * 18));
+        assert_eq!(
+            AprDtype::Q4.byte_size(u64::MAX),
+            Some(u64::MAX.div_ceil(32) * 18)
+        );
         assert_eq!(AprDtype::Ggml(QType::F32).byte_size(u64::MAX / 2), None);
     }
 

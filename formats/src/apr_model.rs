@@ -19,7 +19,9 @@ use std::io::Write;
 use std::path::Path;
 
 use half::f16;
-use kiln_core::{Architecture, Error, ModelConfig, ModelIr, QType, Result, RopeKind, RopeScaling, TensorView};
+use kiln_core::{
+    Architecture, Error, ModelConfig, ModelIr, QType, Result, RopeKind, RopeScaling, TensorView,
+};
 use serde_json::{json, Map, Value};
 
 use crate::apr::{json_kind, write_apr, AprDtype, AprFile, AprTensorSpec, Compression};
@@ -47,12 +49,32 @@ pub fn model_from_apr(file: &AprFile, source: &str) -> Result<AprModel> {
             .dims
             .iter()
             .rev()
-            .map(|&d| usize::try_from(d).map_err(|_| Error::Format(format!("tensor '{}': dim {d} overflows", t.name))))
+            .map(|&d| {
+                usize::try_from(d)
+                    .map_err(|_| Error::Format(format!("tensor '{}': dim {d} overflows", t.name)))
+            })
             .collect::<Result<_>>()?;
         let view = match t.dtype {
-            AprDtype::Ggml(q) => TensorView::new(name.as_str(), q, dims, file.storage().clone(), file.tensor_offset(t))?,
-            AprDtype::Q4 => TensorView::new(name.as_str(), QType::AprQ4, dims, file.storage().clone(), file.tensor_offset(t))?,
-            AprDtype::Q8 => TensorView::from_bytes(&name, QType::Q8_0, dims.clone(), apr_q8_to_q8_0(&t.name, file.tensor_bytes(t), &dims)?)?,
+            AprDtype::Ggml(q) => TensorView::new(
+                name.as_str(),
+                q,
+                dims,
+                file.storage().clone(),
+                file.tensor_offset(t),
+            )?,
+            AprDtype::Q4 => TensorView::new(
+                name.as_str(),
+                QType::AprQ4,
+                dims,
+                file.storage().clone(),
+                file.tensor_offset(t),
+            )?,
+            AprDtype::Q8 => TensorView::from_bytes(
+                &name,
+                QType::Q8_0,
+                dims.clone(),
+                apr_q8_to_q8_0(&t.name, file.tensor_bytes(t), &dims)?,
+            )?,
             AprDtype::F64 => {
                 let values: Vec<f32> = file
                     .tensor_bytes(t)
@@ -73,7 +95,11 @@ pub fn model_from_apr(file: &AprFile, source: &str) -> Result<AprModel> {
     }
     let config = config_from_apr(&meta, &table, hf_names)?;
     let ir = model_from_table(table, config, source)?;
-    Ok(AprModel { ir, tokenizer: tokenizer_from_apr(&meta)?, chat_template: meta.opt_str("chat_template")?.map(str::to_string) })
+    Ok(AprModel {
+        ir,
+        tokenizer: tokenizer_from_apr(&meta)?,
+        chat_template: meta.opt_str("chat_template")?.map(str::to_string),
+    })
 }
 
 /// The GGUF-style name of an APR tensor, and whether it was HF style.
@@ -87,8 +113,12 @@ fn gguf_name(name: &str) -> (String, bool) {
     if let Some(f) = fixed {
         return (f, true);
     }
-    let Some(rest) = name.strip_prefix("model.layers.") else { return (name.to_string(), false) };
-    let Some((layer, role)) = rest.split_once('.') else { return (name.to_string(), false) };
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return (name.to_string(), false);
+    };
+    let Some((layer, role)) = rest.split_once('.') else {
+        return (name.to_string(), false);
+    };
     if layer.parse::<usize>().is_err() {
         return (name.to_string(), false);
     }
@@ -125,7 +155,9 @@ fn apr_q8_to_q8_0(name: &str, bytes: &[u8], dims: &[usize]) -> Result<Vec<u8>> {
     }
     let scale = f32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"));
     if !scale.is_finite() {
-        return Err(Error::Format(format!("tensor '{name}': 8-bit scale {scale} is not finite")));
+        return Err(Error::Format(format!(
+            "tensor '{name}': 8-bit scale {scale} is not finite"
+        )));
     }
     let quants = &bytes[4..];
     let d = f16::from_f32(scale);
@@ -156,18 +188,25 @@ impl Meta<'_> {
                 .as_u64()
                 .and_then(|x| usize::try_from(x).ok())
                 .map(Some)
-                .ok_or_else(|| Error::Format(format!("APR metadata '{key}' should be a non-negative integer, found {v}"))),
+                .ok_or_else(|| {
+                    Error::Format(format!(
+                        "APR metadata '{key}' should be a non-negative integer, found {v}"
+                    ))
+                }),
         }
     }
     fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| Error::Format(format!("APR metadata '{key}' is missing")))
+        self.opt_usize(key)?
+            .ok_or_else(|| Error::Format(format!("APR metadata '{key}' is missing")))
     }
     fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => match v.as_f64() {
                 Some(x) if x.is_finite() => Ok(Some(x as f32)),
-                _ => Err(Error::Format(format!("APR metadata '{key}' should be a finite number, found {v}"))),
+                _ => Err(Error::Format(format!(
+                    "APR metadata '{key}' should be a finite number, found {v}"
+                ))),
             },
         }
     }
@@ -175,51 +214,80 @@ impl Meta<'_> {
         match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(Error::Format(format!("APR metadata '{key}' should be a string, found {v}"))),
+            Some(v) => Err(Error::Format(format!(
+                "APR metadata '{key}' should be a string, found {v}"
+            ))),
         }
     }
     fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(Error::Format(format!("APR metadata '{key}' should be true or false, found {v}"))),
+            Some(v) => Err(Error::Format(format!(
+                "APR metadata '{key}' should be true or false, found {v}"
+            ))),
         }
     }
     fn opt_id(&self, key: &str) -> Result<Option<u32>> {
         self.opt_usize(key)?
-            .map(|v| u32::try_from(v).map_err(|_| Error::Format(format!("APR metadata '{key}' = {v} is not a token id"))))
+            .map(|v| {
+                u32::try_from(v).map_err(|_| {
+                    Error::Format(format!("APR metadata '{key}' = {v} is not a token id"))
+                })
+            })
             .transpose()
     }
     fn opt_array<'b>(&'b self, key: &str) -> Result<Option<&'b Vec<Value>>> {
         match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Array(a)) => Ok(Some(a)),
-            Some(v) => Err(Error::Format(format!("APR metadata '{key}' should be an array, found {}", json_kind(v)))),
+            Some(v) => Err(Error::Format(format!(
+                "APR metadata '{key}' should be an array, found {}",
+                json_kind(v)
+            ))),
         }
     }
     fn opt_strings(&self, key: &str) -> Result<Option<Vec<String>>> {
-        let Some(a) = self.opt_array(key)? else { return Ok(None) };
+        let Some(a) = self.opt_array(key)? else {
+            return Ok(None);
+        };
         a.iter()
             .map(|v| match v {
                 Value::String(s) => Ok(s.clone()),
                 // Merges are sometimes stored as [left, right] pairs.
                 Value::Array(pair) if pair.len() == 2 && pair.iter().all(Value::is_string) => {
-                    Ok(format!("{} {}", pair[0].as_str().expect("checked"), pair[1].as_str().expect("checked")))
+                    Ok(format!(
+                        "{} {}",
+                        pair[0].as_str().expect("checked"),
+                        pair[1].as_str().expect("checked")
+                    ))
                 }
-                other => Err(Error::Format(format!("APR metadata '{key}' holds {}, strings expected", json_kind(other)))),
+                other => Err(Error::Format(format!(
+                    "APR metadata '{key}' holds {}, strings expected",
+                    json_kind(other)
+                ))),
             })
             .collect::<Result<_>>()
             .map(Some)
     }
-    fn opt_numbers<T>(&self, key: &str, convert: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>> {
-        let Some(a) = self.opt_array(key)? else { return Ok(None) };
+    fn opt_numbers<T>(
+        &self,
+        key: &str,
+        convert: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
+        let Some(a) = self.opt_array(key)? else {
+            return Ok(None);
+        };
         a.iter()
-            .map(|v| convert(v).ok_or_else(|| Error::Format(format!("APR metadata '{key}' holds {v}, a number expected"))))
+            .map(|v| {
+                convert(v).ok_or_else(|| {
+                    Error::Format(format!("APR metadata '{key}' holds {v}, a number expected"))
+                })
+            })
             .collect::<Result<_>>()
             .map(Some)
     }
 }
-
 
 fn architecture(name: &str) -> Result<Architecture> {
     Ok(match name {
@@ -227,11 +295,9 @@ fn architecture(name: &str) -> Result<Architecture> {
         "mistral" | "MistralForCausalLM" => Architecture::Mistral,
         "qwen2" | "Qwen2ForCausalLM" => Architecture::Qwen2,
         "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
-        other => {
-            return Err(Error::Unsupported(format!(
-                "APR architecture '{other}' (kiln runs llama, mistral, qwen2 and qwen3 from APR files)"
-            )))
-        }
+        other => return Err(Error::Unsupported(format!(
+            "APR architecture '{other}' (kiln runs llama, mistral, qwen2 and qwen3 from APR files)"
+        ))),
     })
 }
 
@@ -245,7 +311,9 @@ fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
 }
 
 fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Result<ModelConfig> {
-    let arch_name = meta.opt_str("architecture")?.ok_or_else(|| Error::Format("APR metadata has no 'architecture'".into()))?;
+    let arch_name = meta
+        .opt_str("architecture")?
+        .ok_or_else(|| Error::Format("APR metadata has no 'architecture'".into()))?;
     let arch = architecture(arch_name)?;
     let hidden_size = meta.usize("hidden_size")?;
     let num_heads = meta.usize("num_heads")?;
@@ -260,24 +328,50 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
     let rope_kind = match meta.opt_usize("rope_type")? {
         Some(0) => RopeKind::Norm,
         Some(2) => RopeKind::Neox,
-        Some(other) => return Err(Error::Unsupported(format!("APR rope_type {other} (0 NORM and 2 NEOX are known)"))),
+        Some(other) => {
+            return Err(Error::Unsupported(format!(
+                "APR rope_type {other} (0 NORM and 2 NEOX are known)"
+            )))
+        }
         None if hf_names => RopeKind::Neox,
         None => gguf_rope_kind(&arch),
     };
     let scaling = match meta.0.get("rope_scaling") {
         None | Some(Value::Null) => RopeScaling::None,
-        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("factor").and_then(Value::as_f64)) {
-            (Some("linear"), Some(f)) if f > 0.0 && f.is_finite() => RopeScaling::Linear { factor: f as f32 },
+        Some(Value::Object(o)) => match (
+            o.get("type").and_then(Value::as_str),
+            o.get("factor").and_then(Value::as_f64),
+        ) {
+            (Some("linear"), Some(f)) if f > 0.0 && f.is_finite() => {
+                RopeScaling::Linear { factor: f as f32 }
+            }
             (Some("none"), _) => RopeScaling::None,
-            _ => return Err(Error::Unsupported(format!("APR rope_scaling {}", Value::Object(o.clone())))),
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "APR rope_scaling {}",
+                    Value::Object(o.clone())
+                )))
+            }
         },
-        Some(v) => return Err(Error::Format(format!("APR metadata 'rope_scaling' should be an object, found {v}"))),
+        Some(v) => {
+            return Err(Error::Format(format!(
+                "APR metadata 'rope_scaling' should be an object, found {v}"
+            )))
+        }
     };
     let vocab_size = match meta.opt_usize("vocab_size")? {
         Some(v) => v,
-        None => match table.get("token_embd.weight").map(|t| t.dims().to_vec()).as_deref() {
+        None => match table
+            .get("token_embd.weight")
+            .map(|t| t.dims().to_vec())
+            .as_deref()
+        {
             Some([_, v]) => *v,
-            _ => return Err(Error::Format("APR metadata has no 'vocab_size' and no token embedding".into())),
+            _ => {
+                return Err(Error::Format(
+                    "APR metadata has no 'vocab_size' and no token embedding".into(),
+                ))
+            }
         },
     };
     let has = |name: &str| table.get(name).is_some();
@@ -291,7 +385,9 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
         head_dim,
         ffn_size: meta.usize("intermediate_size")?,
         norm: kiln_core::NormKind::Rms,
-        norm_eps: meta.opt_f32("rms_norm_eps")?.ok_or_else(|| Error::Format("APR metadata 'rms_norm_eps' is missing".into()))?,
+        norm_eps: meta
+            .opt_f32("rms_norm_eps")?
+            .ok_or_else(|| Error::Format("APR metadata 'rms_norm_eps' is missing".into()))?,
         activation: kiln_core::Activation::Silu,
         gated_ffn: true,
         parallel_residual: false,
@@ -317,12 +413,17 @@ fn tokenizer_from_apr(meta: &Meta<'_>) -> Result<TokenizerSpec> {
     let tokens = meta
         .opt_strings("tokenizer.vocabulary")?
         .ok_or_else(|| Error::Format("APR metadata has no 'tokenizer.vocabulary'".into()))?;
-    let model = meta.opt_str("tokenizer.model")?.unwrap_or("gpt2").to_string();
+    let model = meta
+        .opt_str("tokenizer.model")?
+        .unwrap_or("gpt2")
+        .to_string();
     let is_spm = model == "llama";
     Ok(TokenizerSpec {
         pre: meta.opt_str("tokenizer.pre")?.map(str::to_string),
         scores: meta.opt_numbers("tokenizer.scores", |v| v.as_f64().map(|x| x as f32))?,
-        token_types: meta.opt_numbers("tokenizer.token_type", |v| v.as_i64().and_then(|x| i32::try_from(x).ok()))?,
+        token_types: meta.opt_numbers("tokenizer.token_type", |v| {
+            v.as_i64().and_then(|x| i32::try_from(x).ok())
+        })?,
         merges: meta.opt_strings("tokenizer.merges")?.unwrap_or_default(),
         bos: meta.opt_id("tokenizer.bos_token_id")?,
         eos: meta.opt_id("tokenizer.eos_token_id")?,
@@ -330,7 +431,9 @@ fn tokenizer_from_apr(meta: &Meta<'_>) -> Result<TokenizerSpec> {
         unk: meta.opt_id("tokenizer.unknown_token_id")?,
         pad: meta.opt_id("tokenizer.padding_token_id")?,
         add_bos: meta.opt_bool("tokenizer.add_bos_token")?.unwrap_or(is_spm),
-        add_space_prefix: meta.opt_bool("tokenizer.add_space_prefix")?.unwrap_or(is_spm),
+        add_space_prefix: meta
+            .opt_bool("tokenizer.add_space_prefix")?
+            .unwrap_or(is_spm),
         model,
         tokens,
     })
@@ -339,7 +442,11 @@ fn tokenizer_from_apr(meta: &Meta<'_>) -> Result<TokenizerSpec> {
 /// APR metadata for a model: the standard keys aprender writes, plus the ones kiln needs
 /// to rebuild the tokenizer and rope exactly (`tokenizer.model`, `tokenizer.pre`, scores,
 /// token types, the other special ids, `rope_scaling`, `rotary_dim`).
-pub fn apr_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_template: Option<&str>) -> Map<String, Value> {
+pub fn apr_metadata(
+    config: &ModelConfig,
+    tokenizer: &TokenizerSpec,
+    chat_template: Option<&str>,
+) -> Map<String, Value> {
     let c = config;
     let mut m = Map::new();
     m.insert("architecture".into(), json!(c.arch.name()));
@@ -351,14 +458,20 @@ pub fn apr_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_templa
     m.insert("intermediate_size".into(), json!(c.ffn_size));
     m.insert("max_position_embeddings".into(), json!(c.context_length));
     m.insert("rope_theta".into(), f32_json(c.rope.theta));
-    m.insert("rope_type".into(), json!(if c.rope.kind == RopeKind::Neox { 2 } else { 0 }));
+    m.insert(
+        "rope_type".into(),
+        json!(if c.rope.kind == RopeKind::Neox { 2 } else { 0 }),
+    );
     m.insert("rms_norm_eps".into(), f32_json(c.norm_eps));
     m.insert("head_dim".into(), json!(c.head_dim));
     if c.rope.rotary_dims != c.head_dim {
         m.insert("rotary_dim".into(), json!(c.rope.rotary_dims));
     }
     if let RopeScaling::Linear { factor } = c.rope.scaling {
-        m.insert("rope_scaling".into(), json!({"type": "linear", "factor": f32_json(factor)}));
+        m.insert(
+            "rope_scaling".into(),
+            json!({"type": "linear", "factor": f32_json(factor)}),
+        );
     }
     if let Some(t) = chat_template {
         m.insert("chat_template".into(), json!(t));
@@ -388,7 +501,10 @@ pub fn apr_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_templa
         }
     }
     m.insert("tokenizer.add_bos_token".into(), json!(t.add_bos));
-    m.insert("tokenizer.add_space_prefix".into(), json!(t.add_space_prefix));
+    m.insert(
+        "tokenizer.add_space_prefix".into(),
+        json!(t.add_space_prefix),
+    );
     m
 }
 
@@ -399,22 +515,53 @@ fn f32_json(x: f32) -> Value {
 }
 
 /// GGUF metadata for a model (what `kiln convert` writes for an APR input).
-pub fn gguf_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_template: Option<&str>) -> Vec<(String, GgufValue)> {
+pub fn gguf_metadata(
+    config: &ModelConfig,
+    tokenizer: &TokenizerSpec,
+    chat_template: Option<&str>,
+) -> Vec<(String, GgufValue)> {
     let c = config;
     let a = c.arch.name();
     let mut v: Vec<(String, GgufValue)> = vec![
         ("general.architecture".into(), a.into()),
         (format!("{a}.block_count"), (c.num_layers as u32).into()),
-        (format!("{a}.embedding_length"), (c.hidden_size as u32).into()),
-        (format!("{a}.feed_forward_length"), (c.ffn_size as u32).into()),
-        (format!("{a}.attention.head_count"), (c.num_heads as u32).into()),
-        (format!("{a}.attention.head_count_kv"), (c.num_kv_heads as u32).into()),
-        (format!("{a}.attention.key_length"), (c.head_dim as u32).into()),
-        (format!("{a}.attention.value_length"), (c.head_dim as u32).into()),
-        (format!("{a}.context_length"), (c.context_length as u32).into()),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), c.norm_eps.into()),
+        (
+            format!("{a}.embedding_length"),
+            (c.hidden_size as u32).into(),
+        ),
+        (
+            format!("{a}.feed_forward_length"),
+            (c.ffn_size as u32).into(),
+        ),
+        (
+            format!("{a}.attention.head_count"),
+            (c.num_heads as u32).into(),
+        ),
+        (
+            format!("{a}.attention.head_count_kv"),
+            (c.num_kv_heads as u32).into(),
+        ),
+        (
+            format!("{a}.attention.key_length"),
+            (c.head_dim as u32).into(),
+        ),
+        (
+            format!("{a}.attention.value_length"),
+            (c.head_dim as u32).into(),
+        ),
+        (
+            format!("{a}.context_length"),
+            (c.context_length as u32).into(),
+        ),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            c.norm_eps.into(),
+        ),
         (format!("{a}.rope.freq_base"), c.rope.theta.into()),
-        (format!("{a}.rope.dimension_count"), (c.rope.rotary_dims as u32).into()),
+        (
+            format!("{a}.rope.dimension_count"),
+            (c.rope.rotary_dims as u32).into(),
+        ),
         (format!("{a}.vocab_size"), (c.vocab_size as u32).into()),
     ];
     if let RopeScaling::Linear { factor } = c.rope.scaling {
@@ -426,9 +573,15 @@ pub fn gguf_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_templ
     if let Some(pre) = &t.pre {
         v.push(("tokenizer.ggml.pre".into(), pre.as_str().into()));
     }
-    v.push(("tokenizer.ggml.tokens".into(), GgufValue::from(t.tokens.iter().map(String::as_str).collect::<Vec<_>>())));
+    v.push((
+        "tokenizer.ggml.tokens".into(),
+        GgufValue::from(t.tokens.iter().map(String::as_str).collect::<Vec<_>>()),
+    ));
     if !t.merges.is_empty() {
-        v.push(("tokenizer.ggml.merges".into(), GgufValue::from(t.merges.iter().map(String::as_str).collect::<Vec<_>>())));
+        v.push((
+            "tokenizer.ggml.merges".into(),
+            GgufValue::from(t.merges.iter().map(String::as_str).collect::<Vec<_>>()),
+        ));
     }
     if let Some(s) = &t.scores {
         v.push(("tokenizer.ggml.scores".into(), s.clone().into()));
@@ -448,7 +601,10 @@ pub fn gguf_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_templ
         }
     }
     v.push(("tokenizer.ggml.add_bos_token".into(), t.add_bos.into()));
-    v.push(("tokenizer.ggml.add_space_prefix".into(), t.add_space_prefix.into()));
+    v.push((
+        "tokenizer.ggml.add_space_prefix".into(),
+        t.add_space_prefix.into(),
+    ));
     if let Some(tmpl) = chat_template {
         v.push(("tokenizer.chat_template".into(), tmpl.into()));
     }
@@ -459,21 +615,42 @@ pub fn gguf_metadata(config: &ModelConfig, tokenizer: &TokenizerSpec, chat_templ
 /// and HF's split-halves order (NEOX): within each head of `head_dim` rows, pair row 2j is
 /// half row j and pair row 2j+1 is half row j + head_dim/2. Whole rows move, so any block
 /// type is permuted exactly. `to_halves` goes NORM → NEOX.
-pub fn permute_rope_rows(rows: &[u8], row_bytes: usize, head_dim: usize, to_halves: bool) -> Result<Vec<u8>> {
-    if row_bytes == 0 || !rows.len().is_multiple_of(row_bytes) || head_dim == 0 || !head_dim.is_multiple_of(2) {
-        return Err(Error::InvalidShape(format!("{} bytes in rows of {row_bytes}, head_dim {head_dim}", rows.len())));
+pub fn permute_rope_rows(
+    rows: &[u8],
+    row_bytes: usize,
+    head_dim: usize,
+    to_halves: bool,
+) -> Result<Vec<u8>> {
+    if row_bytes == 0
+        || !rows.len().is_multiple_of(row_bytes)
+        || head_dim == 0
+        || !head_dim.is_multiple_of(2)
+    {
+        return Err(Error::InvalidShape(format!(
+            "{} bytes in rows of {row_bytes}, head_dim {head_dim}",
+            rows.len()
+        )));
     }
     let n = rows.len() / row_bytes;
     if !n.is_multiple_of(head_dim) {
-        return Err(Error::InvalidShape(format!("{n} rows do not split into heads of {head_dim}")));
+        return Err(Error::InvalidShape(format!(
+            "{n} rows do not split into heads of {head_dim}"
+        )));
     }
     let half = head_dim / 2;
     let mut out = vec![0u8; rows.len()];
     for h in 0..n / head_dim {
         for j in 0..half {
             for (pair, halves) in [(2 * j, j), (2 * j + 1, j + half)] {
-                let (src, dst) = if to_halves { (pair, halves) } else { (halves, pair) };
-                let (s, d) = ((h * head_dim + src) * row_bytes, (h * head_dim + dst) * row_bytes);
+                let (src, dst) = if to_halves {
+                    (pair, halves)
+                } else {
+                    (halves, pair)
+                };
+                let (s, d) = (
+                    (h * head_dim + src) * row_bytes,
+                    (h * head_dim + dst) * row_bytes,
+                );
                 out[d..d + row_bytes].copy_from_slice(&rows[s..s + row_bytes]);
             }
         }
@@ -506,9 +683,16 @@ pub struct ConvertReport {
 /// The APR dtype a GGUF tensor of `q` keeps, if APR can hold it.
 fn apr_dtype_of(q: QType) -> Option<AprDtype> {
     match q {
-        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0 | QType::Q8_0 | QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K => {
-            Some(AprDtype::Ggml(q))
-        }
+        QType::F32
+        | QType::F16
+        | QType::BF16
+        | QType::Q4_0
+        | QType::Q8_0
+        | QType::Q2_K
+        | QType::Q3_K
+        | QType::Q4_K
+        | QType::Q5_K
+        | QType::Q6_K => Some(AprDtype::Ggml(q)),
         QType::AprQ4 => Some(AprDtype::Q4),
         _ => None,
     }
@@ -526,7 +710,12 @@ pub fn write_model_apr(
     quantize: AprQuantize,
     progress: Progress,
 ) -> Result<Vec<ConvertReport>> {
-    let tensors: Vec<(String, &TensorView)> = ir.weights.tensors().into_iter().map(|t| (t.name().to_string(), t)).collect();
+    let tensors: Vec<(String, &TensorView)> = ir
+        .weights
+        .tensors()
+        .into_iter()
+        .map(|t| (t.name().to_string(), t))
+        .collect();
     let mut plan: Vec<(String, &TensorView, AprDtype)> = Vec::with_capacity(tensors.len());
     let mut report = Vec::new();
     for (name, t) in &tensors {
@@ -540,14 +729,22 @@ pub fn write_model_apr(
             _ => apr_dtype_of(t.qtype()).unwrap_or(AprDtype::Ggml(QType::Q8_0)),
         };
         if apr_dtype_of(t.qtype()) != Some(dtype) {
-            report.push(ConvertReport { name: name.clone(), from: t.qtype().name().to_string(), to: dtype.name() });
+            report.push(ConvertReport {
+                name: name.clone(),
+                from: t.qtype().name().to_string(),
+                to: dtype.name(),
+            });
         }
         plan.push((name.clone(), *t, dtype));
     }
     plan.sort_by(|a, b| a.0.cmp(&b.0));
     let specs: Vec<AprTensorSpec> = plan
         .iter()
-        .map(|(name, t, dtype)| AprTensorSpec { name: name.clone(), dtype: *dtype, dims: t.dims().iter().rev().map(|&d| d as u64).collect() })
+        .map(|(name, t, dtype)| AprTensorSpec {
+            name: name.clone(),
+            dtype: *dtype,
+            dims: t.dims().iter().rev().map(|&d| d as u64).collect(),
+        })
         .collect();
     let meta = apr_metadata(&ir.config, tokenizer, chat_template);
     let total: u64 = plan.iter().map(|(_, t, _)| t.elements() as u64).sum();
@@ -556,9 +753,16 @@ pub fn write_model_apr(
     let mut failure: Option<Error> = None;
     let mut write = |name: &str, out: &mut dyn Write| -> std::io::Result<()> {
         // The writer asks in index order, which is `plan`'s (both sorted by name).
-        let at = plan.binary_search_by(|(n, _, _)| n.as_str().cmp(name)).expect("the writer asks for planned tensors");
+        let at = plan
+            .binary_search_by(|(n, _, _)| n.as_str().cmp(name))
+            .expect("the writer asks for planned tensors");
         let (_, t, dtype) = &plan[at];
-        progress(ProgressEvent::Tensor { name, index, count: plan.len(), qtype: t.qtype() });
+        progress(ProgressEvent::Tensor {
+            name,
+            index,
+            count: plan.len(),
+            qtype: t.qtype(),
+        });
         index += 1;
         let bytes = match encode_as(t, *dtype) {
             Ok(b) => b,
@@ -569,7 +773,9 @@ pub fn write_model_apr(
             }
         };
         out.write_all(&bytes)?;
-        progress(ProgressEvent::Advance { done: t.elements() as u64 });
+        progress(ProgressEvent::Advance {
+            done: t.elements() as u64,
+        });
         Ok(())
     };
     let written = write_apr(output, &meta, &specs, compression, &mut write);
@@ -590,7 +796,10 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<std::borrow::Cow<'_, [u8
     match dtype {
         AprDtype::Ggml(q) => {
             let mut out = vec![0u8; q.row_bytes(t.row_len())? * t.rows()];
-            for (src, dst) in values.chunks_exact(t.row_len()).zip(out.chunks_exact_mut(q.row_bytes(t.row_len())?)) {
+            for (src, dst) in values
+                .chunks_exact(t.row_len())
+                .zip(out.chunks_exact_mut(q.row_bytes(t.row_len())?))
+            {
                 kiln_core::quant::quantize(q, src, dst)?;
             }
             Ok(out.into())
@@ -599,7 +808,10 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<std::borrow::Cow<'_, [u8
             let q = QType::AprQ4;
             let rb = q.row_bytes(t.row_len())?;
             let mut out = vec![0u8; rb * t.rows()];
-            for (src, dst) in values.chunks_exact(t.row_len()).zip(out.chunks_exact_mut(rb)) {
+            for (src, dst) in values
+                .chunks_exact(t.row_len())
+                .zip(out.chunks_exact_mut(rb))
+            {
                 kiln_core::quant::quantize(q, src, dst)?;
             }
             Ok(out.into())
@@ -609,21 +821,38 @@ fn encode_as(t: &TensorView, dtype: AprDtype) -> Result<std::borrow::Cow<'_, [u8
             let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
             let mut out = Vec::with_capacity(4 + values.len());
             out.extend_from_slice(&scale.to_le_bytes());
-            out.extend(values.iter().map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8 as u8));
+            out.extend(
+                values
+                    .iter()
+                    .map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
             Ok(out.into())
         }
-        other => Err(Error::Unsupported(format!("writing {} tensors", other.name()))),
+        other => Err(Error::Unsupported(format!(
+            "writing {} tensors",
+            other.name()
+        ))),
     }
 }
 
 /// Writes `ir` as a GGUF file. APR types GGUF lacks become their nearest GGUF type: the
 /// 4-bit type Q4_0 (a nibble permutation: lossless). Llama-family Q/K rows in HF order
 /// (NEOX) are permuted into GGUF's adjacent-pair order, as llama.cpp's converter does.
-pub fn write_model_gguf(ir: &ModelIr, tokenizer: &TokenizerSpec, chat_template: Option<&str>, output: &Path, progress: Progress) -> Result<Vec<ConvertReport>> {
+pub fn write_model_gguf(
+    ir: &ModelIr,
+    tokenizer: &TokenizerSpec,
+    chat_template: Option<&str>,
+    output: &Path,
+    progress: Progress,
+) -> Result<Vec<ConvertReport>> {
     let c = &ir.config;
     let permute = c.rope.kind != gguf_rope_kind(&c.arch);
     if permute && c.rope.kind != RopeKind::Neox {
-        return Err(Error::Unsupported(format!("a {} model with {:?} rope cannot be written as GGUF", c.arch.name(), c.rope.kind)));
+        return Err(Error::Unsupported(format!(
+            "a {} model with {:?} rope cannot be written as GGUF",
+            c.arch.name(),
+            c.rope.kind
+        )));
     }
     let mut config = c.clone();
     config.rope.kind = gguf_rope_kind(&c.arch);
@@ -631,11 +860,20 @@ pub fn write_model_gguf(ir: &ModelIr, tokenizer: &TokenizerSpec, chat_template: 
     for (k, v) in gguf_metadata(&config, tokenizer, chat_template) {
         writer.add_kv(k, v)?;
     }
-    let tensors: Vec<(String, &TensorView)> = ir.weights.tensors().into_iter().map(|t| (t.name().to_string(), t)).collect();
+    let tensors: Vec<(String, &TensorView)> = ir
+        .weights
+        .tensors()
+        .into_iter()
+        .map(|t| (t.name().to_string(), t))
+        .collect();
     let mut report = Vec::new();
     for (name, t) in &tensors {
         let q = if t.qtype() == QType::AprQ4 {
-            report.push(ConvertReport { name: name.clone(), from: "apr_q4".into(), to: "q4_0".into() });
+            report.push(ConvertReport {
+                name: name.clone(),
+                from: "apr_q4".into(),
+                to: "q4_0".into(),
+            });
             QType::Q4_0
         } else {
             t.qtype()
@@ -647,7 +885,12 @@ pub fn write_model_gguf(ir: &ModelIr, tokenizer: &TokenizerSpec, chat_template: 
     crate::quantize::write_atomically(output, |w| -> Result<()> {
         let mut stream = writer.begin(w)?;
         for (index, (name, t)) in tensors.iter().enumerate() {
-            progress(ProgressEvent::Tensor { name, index, count: tensors.len(), qtype: t.qtype() });
+            progress(ProgressEvent::Tensor {
+                name,
+                index,
+                count: tensors.len(),
+                qtype: t.qtype(),
+            });
             // Unchanged tensors are written straight from the mapping; only converted or
             // permuted ones are copied.
             let mut bytes = std::borrow::Cow::Borrowed(t.bytes());
@@ -664,7 +907,9 @@ pub fn write_model_gguf(ir: &ModelIr, tokenizer: &TokenizerSpec, chat_template: 
                 bytes = permute_rope_rows(&bytes, t.row_bytes(), c.head_dim, false)?.into();
             }
             stream.write_tensor_data(&bytes)?;
-            progress(ProgressEvent::Advance { done: t.elements() as u64 });
+            progress(ProgressEvent::Advance {
+                done: t.elements() as u64,
+            });
         }
         stream.finish()?;
         Ok(())

@@ -32,7 +32,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -131,7 +134,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.clone()).map_err(template_error)?;
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(template_error)?;
         Ok(ChatTemplate {
             env: Arc::new(env),
             exhausted: Arc::default(),
@@ -144,7 +148,8 @@ impl ChatTemplate {
 
     /// ChatML with the given special-token strings.
     pub fn chatml(bos_token: impl Into<String>, eos_token: impl Into<String>) -> ChatTemplate {
-        let mut t = ChatTemplate::new(CHATML_TEMPLATE, bos_token, eos_token).expect("the ChatML template compiles");
+        let mut t = ChatTemplate::new(CHATML_TEMPLATE, bos_token, eos_token)
+            .expect("the ChatML template compiles");
         t.is_fallback = true;
         t
     }
@@ -159,7 +164,10 @@ impl ChatTemplate {
                 .cloned()
                 .unwrap_or_default()
         };
-        let (bos, eos) = (piece("tokenizer.ggml.bos_token_id"), piece("tokenizer.ggml.eos_token_id"));
+        let (bos, eos) = (
+            piece("tokenizer.ggml.bos_token_id"),
+            piece("tokenizer.ggml.eos_token_id"),
+        );
         match file.typed("tokenizer.chat_template", "string", GgufValue::as_str)? {
             Some(src) => ChatTemplate::new(src, bos, eos),
             None => Ok(ChatTemplate::chatml(bos, eos)),
@@ -186,7 +194,9 @@ impl ChatTemplate {
         let messages = messages.to_vec();
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
         if let Some(why) = &*self.exhausted.lock().unwrap_or_else(|p| p.into_inner()) {
-            return Err(Error::Tokenizer(format!("chat template: refused: an earlier render was stopped ({why})")));
+            return Err(Error::Tokenizer(format!(
+                "chat template: refused: an earlier render was stopped ({why})"
+            )));
         }
         let bounded = memory::bounded(limits::MEMORY_BYTES, limits::RENDER_TIME, move || {
             render_with(&env, &messages, add_generation_prompt, &bos, &eos)
@@ -210,7 +220,10 @@ fn render_with(
 ) -> Result<String> {
     {
         let tmpl = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-        let mut out = Bounded { out: Vec::new(), limit: limits::OUTPUT_BYTES };
+        let mut out = Bounded {
+            out: Vec::new(),
+            limit: limits::OUTPUT_BYTES,
+        };
         let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -233,7 +246,8 @@ fn render_with(
             }
             Err(e) => return Err(template_error(e)),
         }
-        String::from_utf8(out.out).map_err(|_| Error::Tokenizer("chat template: rendered text is not UTF-8".into()))
+        String::from_utf8(out.out)
+            .map_err(|_| Error::Tokenizer("chat template: rendered text is not UTF-8".into()))
     }
 }
 
@@ -253,10 +267,28 @@ fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 
 /// Formats a Unix time (UTC). Days-to-civil conversion from Howard Hinnant's algorithm.
 fn strftime_utc(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
@@ -303,7 +335,10 @@ fn strftime_utc(fmt: &str, unix_secs: i64) -> std::result::Result<String, miniji
             other => {
                 return Err(minijinja::Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("strftime_now: unsupported directive %{}", other.map(String::from).unwrap_or_default()),
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
                 ))
             }
         };
@@ -335,7 +370,8 @@ fn write_json(
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
-    let bad = |what: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {what}"));
+    let bad =
+        |what: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {what}"));
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -346,7 +382,13 @@ fn write_json(
                 let f = f64::try_from(v.clone()).map_err(|_| bad("number out of range"))?;
                 if !f.is_finite() {
                     // Python writes NaN/Infinity, which is not JSON but what the model saw.
-                    out.push_str(if f.is_nan() { "NaN" } else if f > 0.0 { "Infinity" } else { "-Infinity" });
+                    out.push_str(if f.is_nan() {
+                        "NaN"
+                    } else if f > 0.0 {
+                        "Infinity"
+                    } else {
+                        "-Infinity"
+                    });
                 } else if f.fract() == 0.0 && f.abs() < 1e16 {
                     let _ = write!(out, "{f:.1}");
                 } else {
@@ -355,7 +397,10 @@ fn write_json(
             }
         }
         ValueKind::String | ValueKind::Bytes => {
-            let s = v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string());
+            let s = v
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| v.to_string());
             out.push_str(&serde_json::to_string(&s).map_err(|e| bad(&e.to_string()))?);
         }
         ValueKind::Seq | ValueKind::Iterable => {
@@ -387,7 +432,10 @@ fn write_json(
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                let name = key.as_str().map(str::to_string).unwrap_or_else(|| key.to_string());
+                let name = key
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| key.to_string());
                 out.push_str(&serde_json::to_string(&name).map_err(|e| bad(&e.to_string()))?);
                 out.push_str(": ");
                 write_json(out, &v.get_item(key)?, indent, depth + 1)?;
@@ -406,9 +454,15 @@ mod tests {
 
     #[test]
     fn civil_dates() {
-        assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S %a %j", 0).unwrap(), "1970-01-01 00:00:00 Thu 001");
+        assert_eq!(
+            strftime_utc("%Y-%m-%d %H:%M:%S %a %j", 0).unwrap(),
+            "1970-01-01 00:00:00 Thu 001"
+        );
         // 2024-02-29 12:34:56 UTC, a Thursday, day 60 of a leap year.
-        assert_eq!(strftime_utc("%d %b %Y %A %j", 1_709_210_096).unwrap(), "29 Feb 2024 Thursday 060");
+        assert_eq!(
+            strftime_utc("%d %b %Y %A %j", 1_709_210_096).unwrap(),
+            "29 Feb 2024 Thursday 060"
+        );
         assert!(strftime_utc("%Q", 0).is_err());
     }
 }

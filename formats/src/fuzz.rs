@@ -15,7 +15,9 @@ use crate::tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A GGUF file's header, metadata and tensor index: parsed, every key and tensor visited.
 pub fn gguf_reader(data: &[u8]) {
-    let Ok(file) = GgufFile::from_storage(Arc::new(data.to_vec())) else { return };
+    let Ok(file) = GgufFile::from_storage(Arc::new(data.to_vec())) else {
+        return;
+    };
     for (key, value) in file.metadata() {
         assert!(file.get(key).is_some(), "a listed key is found");
         let _ = value.to_string();
@@ -28,11 +30,18 @@ pub fn gguf_reader(data: &[u8]) {
 /// A GGUF file as a model: everything `Model::open` derives from it — the IR, the
 /// tokenizer, the chat template — and a first use of each (encode, decode, render).
 pub fn gguf_model(data: &[u8]) {
-    let Ok(file) = GgufFile::from_storage(Arc::new(data.to_vec())) else { return };
+    let Ok(file) = GgufFile::from_storage(Arc::new(data.to_vec())) else {
+        return;
+    };
     if let Ok(ir) = model_from_gguf(&file, "fuzz input") {
         let _ = ir.config.validate();
         for t in ir.weights.tensors() {
-            assert_eq!(t.bytes().len(), t.qtype().row_bytes(t.row_len()).unwrap() * t.rows(), "{}", t.name());
+            assert_eq!(
+                t.bytes().len(),
+                t.qtype().row_bytes(t.row_len()).unwrap() * t.rows(),
+                "{}",
+                t.name()
+            );
         }
     }
     if let Ok(spec) = TokenizerSpec::from_gguf(&file) {
@@ -52,20 +61,28 @@ pub fn gguf_model(data: &[u8]) {
 /// the rest is the text (lossily UTF-8) and, read as little-endian u32s, ids to decode
 /// (in range or not). Byte-level BPE must give the text back exactly.
 pub fn tokenizer(data: &[u8]) {
-    let Some((&pick, rest)) = data.split_first() else { return };
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
     let toks = tokenizers();
     let tok = &toks[pick as usize % toks.len()];
     let text = String::from_utf8_lossy(rest);
     for parse_special in [false, true] {
         if let Ok(ids) = tok.encode(&text, false, parse_special) {
-            assert!(ids.iter().all(|&id| (id as usize) < tok.vocab_size()), "an id outside the vocabulary");
+            assert!(
+                ids.iter().all(|&id| (id as usize) < tok.vocab_size()),
+                "an id outside the vocabulary"
+            );
             let back = tok.decode(&ids, false);
             if !parse_special && tok.is_byte_level() {
                 assert_eq!(back, text, "byte-level BPE must round-trip");
             }
         }
     }
-    let ids: Vec<u32> = rest.chunks(4).map(|c| c.iter().rev().fold(0u32, |a, &b| (a << 8) | b as u32)).collect();
+    let ids: Vec<u32> = rest
+        .chunks(4)
+        .map(|c| c.iter().rev().fold(0u32, |a, &b| (a << 8) | b as u32))
+        .collect();
     let _ = tok.decode(&ids, pick & 1 == 0);
     let mut stream = tok.decode_stream(pick & 2 == 0);
     for &id in &ids {
@@ -82,7 +99,9 @@ pub fn chat_template(data: &[u8]) {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &b""[..]),
     };
-    let Ok(t) = ChatTemplate::new(String::from_utf8_lossy(src), "<s>", "</s>") else { return };
+    let Ok(t) = ChatTemplate::new(String::from_utf8_lossy(src), "<s>", "</s>") else {
+        return;
+    };
     let _ = t.render(&conversation(&String::from_utf8_lossy(msg)), true);
     let _ = t.render(&[], false);
 }
@@ -106,7 +125,8 @@ const BYTE: i32 = 6;
 pub fn tokenizers() -> &'static [Tokenizer] {
     static TOKENIZERS: OnceLock<Vec<Tokenizer>> = OnceLock::new();
     TOKENIZERS.get_or_init(|| {
-        let mut v = vec![Tokenizer::from_spec(spm_spec()).expect("the fuzz SentencePiece vocab is valid")];
+        let mut v =
+            vec![Tokenizer::from_spec(spm_spec()).expect("the fuzz SentencePiece vocab is valid")];
         for pre in ["gpt2", "llama-bpe", "qwen2", "smollm", "default"] {
             v.push(Tokenizer::from_spec(bpe_spec(pre)).expect("the fuzz BPE vocab is valid"));
         }
@@ -124,7 +144,10 @@ fn spm_spec() -> TokenizerSpec {
         scores.push(0.0);
         types.push(BYTE);
     }
-    let pieces = ["▁", "▁t", "he", "▁the", "▁a", "in", "er", "on", "▁s", "at", "▁\n", "\n\n", "  ", "é", "日本"];
+    let pieces = [
+        "▁", "▁t", "he", "▁the", "▁a", "in", "er", "on", "▁s", "at", "▁\n", "\n\n", "  ", "é",
+        "日本",
+    ];
     for (i, p) in pieces.iter().enumerate() {
         tokens.push(p.to_string());
         scores.push(-(i as f32));
@@ -153,7 +176,11 @@ fn byte_level_char(b: u8) -> char {
     for x in 0..=255u8 {
         let printable = matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
         if x == b {
-            return if printable { x as char } else { char::from_u32(next).expect("below U+0200") };
+            return if printable {
+                x as char
+            } else {
+                char::from_u32(next).expect("below U+0200")
+            };
         }
         if !printable {
             next += 1;
@@ -173,7 +200,9 @@ fn bpe_spec(pre: &str) -> TokenizerSpec {
         tokens.push(byte_level_char(b).to_string());
         types.push(NORMAL);
     }
-    let merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", "Ġ s", "a t", "Ċ Ċ", "Ġ Ġ", "1 2"];
+    let merges = [
+        "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", "Ġ s", "a t", "Ċ Ċ", "Ġ Ġ", "1 2",
+    ];
     for m in merges {
         tokens.push(m.replace(' ', ""));
         types.push(NORMAL);
@@ -197,7 +226,10 @@ pub fn gguf_seeds() -> Vec<Vec<u8>> {
     use crate::gguf::{GgufArray, GgufValue, GgufWriter};
     use kiln_core::QType;
     let mut seeds = Vec::new();
-    for (arch, spec, matrix, biases) in [("llama", bpe_spec("llama-bpe"), QType::F16, false), ("qwen2", spm_spec(), QType::Q8_0, true)] {
+    for (arch, spec, matrix, biases) in [
+        ("llama", bpe_spec("llama-bpe"), QType::F16, false),
+        ("qwen2", spm_spec(), QType::Q8_0, true),
+    ] {
         let (layers, hidden, heads, kv_heads, ffn) = (1usize, 32usize, 2usize, 1usize, 64usize);
         let vocab = spec.tokens.len();
         let hd = hidden / heads;
@@ -206,33 +238,86 @@ pub fn gguf_seeds() -> Vec<Vec<u8>> {
             w.add_kv(k, v).expect("valid metadata");
         };
         kv(&mut w, "general.architecture".into(), arch.into());
-        kv(&mut w, format!("{arch}.block_count"), (layers as u32).into());
+        kv(
+            &mut w,
+            format!("{arch}.block_count"),
+            (layers as u32).into(),
+        );
         kv(&mut w, format!("{arch}.context_length"), 256u32.into());
-        kv(&mut w, format!("{arch}.embedding_length"), (hidden as u32).into());
-        kv(&mut w, format!("{arch}.feed_forward_length"), (ffn as u32).into());
-        kv(&mut w, format!("{arch}.attention.head_count"), (heads as u32).into());
-        kv(&mut w, format!("{arch}.attention.head_count_kv"), (kv_heads as u32).into());
-        kv(&mut w, format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6f32.into());
+        kv(
+            &mut w,
+            format!("{arch}.embedding_length"),
+            (hidden as u32).into(),
+        );
+        kv(
+            &mut w,
+            format!("{arch}.feed_forward_length"),
+            (ffn as u32).into(),
+        );
+        kv(
+            &mut w,
+            format!("{arch}.attention.head_count"),
+            (heads as u32).into(),
+        );
+        kv(
+            &mut w,
+            format!("{arch}.attention.head_count_kv"),
+            (kv_heads as u32).into(),
+        );
+        kv(
+            &mut w,
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            1e-6f32.into(),
+        );
         kv(&mut w, format!("{arch}.rope.freq_base"), 10000.0f32.into());
-        kv(&mut w, "tokenizer.ggml.model".into(), spec.model.as_str().into());
+        kv(
+            &mut w,
+            "tokenizer.ggml.model".into(),
+            spec.model.as_str().into(),
+        );
         if let Some(pre) = &spec.pre {
             kv(&mut w, "tokenizer.ggml.pre".into(), pre.as_str().into());
         }
-        kv(&mut w, "tokenizer.ggml.tokens".into(), GgufValue::Array(GgufArray::String(spec.tokens.clone())));
+        kv(
+            &mut w,
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(GgufArray::String(spec.tokens.clone())),
+        );
         if let Some(types) = &spec.token_types {
-            kv(&mut w, "tokenizer.ggml.token_type".into(), types.clone().into());
+            kv(
+                &mut w,
+                "tokenizer.ggml.token_type".into(),
+                types.clone().into(),
+            );
         }
         if let Some(scores) = &spec.scores {
-            kv(&mut w, "tokenizer.ggml.scores".into(), scores.clone().into());
+            kv(
+                &mut w,
+                "tokenizer.ggml.scores".into(),
+                scores.clone().into(),
+            );
         }
         if !spec.merges.is_empty() {
-            kv(&mut w, "tokenizer.ggml.merges".into(), GgufValue::Array(GgufArray::String(spec.merges.clone())));
+            kv(
+                &mut w,
+                "tokenizer.ggml.merges".into(),
+                GgufValue::Array(GgufArray::String(spec.merges.clone())),
+            );
         }
         kv(&mut w, "tokenizer.ggml.bos_token_id".into(), 1u32.into());
         kv(&mut w, "tokenizer.ggml.eos_token_id".into(), 2u32.into());
-        kv(&mut w, "tokenizer.ggml.add_bos_token".into(), spec.add_bos.into());
-        kv(&mut w, "tokenizer.chat_template".into(), SEED_TEMPLATES[0].into());
-        let mut tensors: Vec<(String, Vec<usize>, QType)> = vec![("token_embd.weight".into(), vec![hidden, vocab], matrix)];
+        kv(
+            &mut w,
+            "tokenizer.ggml.add_bos_token".into(),
+            spec.add_bos.into(),
+        );
+        kv(
+            &mut w,
+            "tokenizer.chat_template".into(),
+            SEED_TEMPLATES[0].into(),
+        );
+        let mut tensors: Vec<(String, Vec<usize>, QType)> =
+            vec![("token_embd.weight".into(), vec![hidden, vocab], matrix)];
         for i in 0..layers {
             let n = |r: &str| format!("blk.{i}.{r}");
             tensors.push((n("attn_norm.weight"), vec![hidden], QType::F32));
@@ -253,7 +338,9 @@ pub fn gguf_seeds() -> Vec<Vec<u8>> {
         tensors.push(("output_norm.weight".into(), vec![hidden], QType::F32));
         for (i, (name, dims, qtype)) in tensors.into_iter().enumerate() {
             let elements: usize = dims.iter().product();
-            let values: Vec<f32> = (0..elements).map(|j| (((i * 131 + j * 29) % 97) as f32 - 48.0) / 64.0).collect();
+            let values: Vec<f32> = (0..elements)
+                .map(|j| (((i * 131 + j * 29) % 97) as f32 - 48.0) / 64.0)
+                .collect();
             let mut data = vec![0u8; qtype.tensor_bytes(&dims).expect("whole blocks")];
             kiln_core::quant::quantize(qtype, &values, &mut data).expect("seed tensors quantise");
             w.add_tensor(name, qtype, dims, data).expect("valid tensor");

@@ -63,10 +63,21 @@ pub enum GgufError {
     DimsOverflow { name: String, dims: Vec<u64> },
     #[error("tensor '{name}': {reason}")]
     BadShape { name: String, reason: String },
-    #[error("tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}")]
-    MisalignedTensor { name: String, offset: u64, alignment: u64 },
+    #[error(
+        "tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
+    MisalignedTensor {
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
     #[error("tensor '{name}': bytes {start}..{start}+{len} lie past the end of the file ({file_len} bytes)")]
-    TensorOutOfBounds { name: String, start: u64, len: u64, file_len: u64 },
+    TensorOutOfBounds {
+        name: String,
+        start: u64,
+        len: u64,
+        file_len: u64,
+    },
     #[error("tensor '{0}' appears twice")]
     DuplicateTensor(String),
     #[error("tensors '{first}' and '{second}' overlap in the data section")]
@@ -76,9 +87,17 @@ pub enum GgufError {
     #[error("general.alignment {0} is not a power of two")]
     BadAlignment(u64),
     #[error("metadata '{key}' has type {found}, expected {expected}")]
-    WrongType { key: String, expected: &'static str, found: GgufType },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: GgufType,
+    },
     #[error("tensor '{name}': given {actual} bytes of data, its type and dims need {expected}")]
-    DataSizeMismatch { name: String, expected: u64, actual: u64 },
+    DataSizeMismatch {
+        name: String,
+        expected: u64,
+        actual: u64,
+    },
     #[error("tensor '{name}' was declared but not all of its data was supplied")]
     MissingTensorData { name: String },
     #[error("more tensor data supplied than the declared tensors hold")]
@@ -148,7 +167,10 @@ impl GgufFile {
         let len = file.metadata()?.len();
         if len == 0 {
             // An empty mapping is refused by some platforms; the answer is the same anyway.
-            return Err(GgufError::Truncated { what: "magic", offset: 0 });
+            return Err(GgufError::Truncated {
+                what: "magic",
+                offset: 0,
+            });
         }
         // SAFETY: the map is read-only. Another process truncating or rewriting the file
         // while it is mapped is outside what any mmap-based reader can defend against;
@@ -165,7 +187,8 @@ impl GgufFile {
             version: parsed.version,
             key_index: index_of(&parsed.metadata, |(k, _)| k).map_err(GgufError::DuplicateKey)?,
             metadata: parsed.metadata,
-            tensor_index: index_of(&parsed.tensors, |t| &t.name).map_err(GgufError::DuplicateTensor)?,
+            tensor_index: index_of(&parsed.tensors, |t| &t.name)
+                .map_err(GgufError::DuplicateTensor)?,
             tensors: parsed.tensors,
             alignment: parsed.alignment,
             data_offset: parsed.data_offset,
@@ -238,9 +261,11 @@ impl GgufFile {
     ) -> Result<Option<T>, GgufError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => get(v)
-                .map(Some)
-                .ok_or_else(|| GgufError::WrongType { key: key.to_string(), expected, found: v.value_type() }),
+            Some(v) => get(v).map(Some).ok_or_else(|| GgufError::WrongType {
+                key: key.to_string(),
+                expected,
+                found: v.value_type(),
+            }),
         }
     }
 
@@ -269,8 +294,16 @@ impl GgufFile {
             .data_offset
             .checked_add(info.offset)
             .and_then(|s| usize::try_from(s).ok())
-            .ok_or_else(|| kiln_core::Error::Format(format!("tensor {}: offset overflows", info.name)))?;
-        TensorView::new(info.name.as_str(), info.qtype, info.dims.clone(), self.storage.clone(), start)
+            .ok_or_else(|| {
+                kiln_core::Error::Format(format!("tensor {}: offset overflows", info.name))
+            })?;
+        TensorView::new(
+            info.name.as_str(),
+            info.qtype,
+            info.dims.clone(),
+            self.storage.clone(),
+            start,
+        )
     }
 
     /// [`GgufFile::view`] by name.
@@ -343,7 +376,10 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
     for _ in 0..n_kv {
         let key = r.string("metadata key")?;
         let type_id = r.u32("metadata value type")?;
-        let ty = GgufType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), id: type_id })?;
+        let ty = GgufType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType {
+            key: key.clone(),
+            id: type_id,
+        })?;
         let value = r.value(ty, &key)?;
         metadata.push((key, value));
     }
@@ -402,7 +438,13 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
             });
         }
     }
-    Ok(Parsed { version, metadata, tensors, alignment, data_offset })
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
 }
 
 /// A bounds-checked little-endian cursor over the file.
@@ -418,7 +460,10 @@ impl<'a> Reader<'a> {
 
     fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], GgufError> {
         if n > self.remaining() {
-            return Err(GgufError::Truncated { what, offset: self.pos as u64 });
+            return Err(GgufError::Truncated {
+                what,
+                offset: self.pos as u64,
+            });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -446,7 +491,10 @@ impl<'a> Reader<'a> {
         let need = n.checked_mul(min_len as u64);
         match need {
             Some(need) if need <= self.remaining() as u64 => Ok(n as usize),
-            Some(need) if need <= self.buf.len() as u64 => Err(GgufError::Truncated { what, offset: self.pos as u64 }),
+            Some(need) if need <= self.buf.len() as u64 => Err(GgufError::Truncated {
+                what,
+                offset: self.pos as u64,
+            }),
             _ => Err(GgufError::AbsurdCount { what, value: n }),
         }
     }
@@ -485,10 +533,15 @@ impl<'a> Reader<'a> {
     /// An array payload: element type, count, items. `depth` counts enclosing arrays.
     fn array_value(&mut self, key: &str, depth: usize) -> Result<GgufArray, GgufError> {
         if depth > MAX_ARRAY_DEPTH {
-            return Err(GgufError::NestingTooDeep { key: key.to_string() });
+            return Err(GgufError::NestingTooDeep {
+                key: key.to_string(),
+            });
         }
         let type_id = self.u32("array element type")?;
-        let ty = GgufType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType { key: key.to_string(), id: type_id })?;
+        let ty = GgufType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType {
+            key: key.to_string(),
+            id: type_id,
+        })?;
         let n = self.u64("array length")?;
         let n = self.count(n, ty.min_encoded_len(), "array element")?;
         const W: &str = "array data";
@@ -522,7 +575,11 @@ impl<'a> Reader<'a> {
     }
 
     /// `n` fixed-size little-endian items (`n` already bounded by [`Reader::count`]).
-    fn fixed<T, const N: usize>(&mut self, n: usize, decode: fn([u8; N]) -> T) -> Result<Vec<T>, GgufError> {
+    fn fixed<T, const N: usize>(
+        &mut self,
+        n: usize,
+        decode: fn([u8; N]) -> T,
+    ) -> Result<Vec<T>, GgufError> {
         let bytes = self.take(n * N, "array data")?;
         Ok(bytes
             .chunks_exact(N)
@@ -547,12 +604,25 @@ impl<'a> Reader<'a> {
         let raw = &raw[..n_dims as usize];
         let type_id = self.u32("tensor type")?;
         let offset = self.u64("tensor offset")?;
-        let qtype = QType::from_ggml_id(type_id).ok_or_else(|| GgufError::UnknownQType { tensor: name.clone(), id: type_id })?;
+        let qtype = QType::from_ggml_id(type_id).ok_or_else(|| GgufError::UnknownQType {
+            tensor: name.clone(),
+            id: type_id,
+        })?;
 
-        let overflow = || GgufError::DimsOverflow { name: name.clone(), dims: raw.to_vec() };
-        let dims: Vec<usize> = raw.iter().map(|&d| usize::try_from(d)).collect::<Result<_, _>>().map_err(|_| overflow())?;
+        let overflow = || GgufError::DimsOverflow {
+            name: name.clone(),
+            dims: raw.to_vec(),
+        };
+        let dims: Vec<usize> = raw
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<_, _>>()
+            .map_err(|_| overflow())?;
         // ggml counts elements in an int64.
-        let elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).ok_or_else(overflow)?;
+        let elements = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+            .ok_or_else(overflow)?;
         if elements > i64::MAX as u64 {
             return Err(overflow());
         }
@@ -569,8 +639,18 @@ impl<'a> Reader<'a> {
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(overflow)?;
         if offset % alignment != 0 {
-            return Err(GgufError::MisalignedTensor { name, offset, alignment });
+            return Err(GgufError::MisalignedTensor {
+                name,
+                offset,
+                alignment,
+            });
         }
-        Ok(GgufTensorInfo { name, dims, qtype, offset, n_bytes })
+        Ok(GgufTensorInfo {
+            name,
+            dims,
+            qtype,
+            offset,
+            n_bytes,
+        })
     }
 }

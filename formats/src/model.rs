@@ -11,8 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
-    Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
+    Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr,
+    ModelWeights, NormKind, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow,
+    TensorView,
 };
 
 use crate::gguf::GgufFile;
@@ -42,8 +43,15 @@ pub fn model_from_gguf(file: &GgufFile, source: &str) -> Result<ModelIr> {
 
 /// Gives every tensor of `table` its role in a model of `config`, refusing a tensor that
 /// finds none (shared by every file format).
-pub(crate) fn model_from_table(table: TensorTable, config: ModelConfig, source: &str) -> Result<ModelIr> {
-    let mut t = Tensors { used: vec![false; table.entries.len()], table };
+pub(crate) fn model_from_table(
+    table: TensorTable,
+    config: ModelConfig,
+    source: &str,
+) -> Result<ModelIr> {
+    let mut t = Tensors {
+        used: vec![false; table.entries.len()],
+        table,
+    };
     let weights = weights(&mut t, &config)?;
     if let Some(name) = t.unused().next() {
         return Err(Error::Unsupported(format!(
@@ -51,7 +59,11 @@ pub(crate) fn model_from_table(table: TensorTable, config: ModelConfig, source: 
             config.arch.name()
         )));
     }
-    Ok(ModelIr { config, weights, source: source.to_string() })
+    Ok(ModelIr {
+        config,
+        weights,
+        source: source.to_string(),
+    })
 }
 
 /// The hyper-parameters of a GGUF model (what `kiln inspect` shows), without the weights.
@@ -74,17 +86,24 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             )))
         }
     };
-    let meta = Meta { file, arch: arch_name };
+    let meta = Meta {
+        file,
+        arch: arch_name,
+    };
 
     let num_layers = meta.usize("block_count")?;
     let hidden_size = meta.usize("embedding_length")?;
     let ffn_size = meta.usize("feed_forward_length")?;
     let num_heads = meta.usize("attention.head_count")?;
-    let num_kv_heads = meta.opt_usize("attention.head_count_kv")?.unwrap_or(num_heads);
+    let num_kv_heads = meta
+        .opt_usize("attention.head_count_kv")?
+        .unwrap_or(num_heads);
     let context_length = meta.usize("context_length")?;
     let norm_eps = meta.f32("attention.layer_norm_rms_epsilon")?;
     if num_heads == 0 {
-        return Err(Error::Format(format!("{arch_name}.attention.head_count is 0")));
+        return Err(Error::Format(format!(
+            "{arch_name}.attention.head_count is 0"
+        )));
     }
     let head_dim = match meta.opt_usize("attention.key_length")? {
         Some(d) => d,
@@ -97,13 +116,18 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
     if let Some(v) = meta.opt_usize("attention.value_length")? {
         if v != head_dim {
-            return Err(Error::Unsupported(format!("value head size {v} differs from key head size {head_dim}")));
+            return Err(Error::Unsupported(format!(
+                "value head size {v} differs from key head size {head_dim}"
+            )));
         }
     }
 
     let theta = meta.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
     let rotary_dims = meta.opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
-    let scaling = match (file.get_str(&meta.key("rope.scaling.type")), meta.opt_f32("rope.scaling.factor")?) {
+    let scaling = match (
+        file.get_str(&meta.key("rope.scaling.type")),
+        meta.opt_f32("rope.scaling.factor")?,
+    ) {
         (None | Some("none"), _) => match meta.opt_f32("rope.scale_linear")? {
             // The key older converters wrote for linear scaling.
             Some(f) if f != 1.0 => RopeScaling::Linear { factor: f },
@@ -116,7 +140,11 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 RopeScaling::Linear { factor }
             }
         }
-        (Some("linear"), f) => return Err(Error::Format(format!("linear rope scaling with factor {f:?}"))),
+        (Some("linear"), f) => {
+            return Err(Error::Format(format!(
+                "linear rope scaling with factor {f:?}"
+            )))
+        }
         (Some(other), _) => return Err(Error::Unsupported(format!("rope scaling '{other}'"))),
     };
     // llama.cpp's converter permutes Q/K of llama-family models into adjacent-pair order;
@@ -164,16 +192,29 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         norm: NormKind::Rms,
         norm_eps,
         // Gemma's GeGLU uses the tanh-approximated GELU (`gelu_pytorch_tanh`).
-        activation: if is_gemma3 { Activation::Gelu } else { Activation::Silu },
+        activation: if is_gemma3 {
+            Activation::Gelu
+        } else {
+            Activation::Silu
+        },
         gated_ffn: true,
         parallel_residual: false,
         qkv_bias: has("blk.0.attn_q.bias") || has("blk.0.attn_qkv.bias"),
         qk_norm: has("blk.0.attn_q_norm.weight"),
-        rope: RopeConfig { kind: rope_kind, theta, scaling, rotary_dims },
+        rope: RopeConfig {
+            kind: rope_kind,
+            theta,
+            scaling,
+            rotary_dims,
+        },
         tied_embeddings: !has("output.weight"),
         context_length,
         // The scale in f32, as HF and llama.cpp compute it.
-        embedding_scale: if is_gemma3 { (hidden_size as f32).sqrt() } else { 1.0 },
+        embedding_scale: if is_gemma3 {
+            (hidden_size as f32).sqrt()
+        } else {
+            1.0
+        },
         // llama.cpp's converter stores Gemma's `1 + weight` norms with the 1 added: plain
         // RMSNorm weights here, like every other norm.
         sandwich_norms: has("blk.0.post_attention_norm.weight"),
@@ -181,7 +222,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
     config.validate()?;
     if config.arch == Architecture::Qwen3 && !config.qk_norm {
-        return Err(Error::Format("a qwen3 model needs blk.N.attn_q_norm / attn_k_norm".into()));
+        return Err(Error::Format(
+            "a qwen3 model needs blk.N.attn_q_norm / attn_k_norm".into(),
+        ));
     }
     if config.arch == Architecture::Gemma3 && !(config.qk_norm && config.sandwich_norms) {
         return Err(Error::Format(
@@ -216,14 +259,16 @@ impl Meta<'_> {
         let key = self.key(k);
         match self.file.get(&key) {
             None => Ok(None),
-            Some(v) => v
-                .as_usize()
-                .map(Some)
-                .ok_or_else(|| Error::Format(format!("metadata '{key}' should be a non-negative integer, found {v}"))),
+            Some(v) => v.as_usize().map(Some).ok_or_else(|| {
+                Error::Format(format!(
+                    "metadata '{key}' should be a non-negative integer, found {v}"
+                ))
+            }),
         }
     }
     fn usize(&self, k: &str) -> Result<usize> {
-        self.opt_usize(k)?.ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
+        self.opt_usize(k)?
+            .ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
     }
     fn opt_f32(&self, k: &str) -> Result<Option<f32>> {
         let key = self.key(k);
@@ -231,12 +276,15 @@ impl Meta<'_> {
             None => Ok(None),
             Some(v) => match v.as_f32() {
                 Some(x) if x.is_finite() => Ok(Some(x)),
-                _ => Err(Error::Format(format!("metadata '{key}' should be a finite number, found {v}"))),
+                _ => Err(Error::Format(format!(
+                    "metadata '{key}' should be a finite number, found {v}"
+                ))),
             },
         }
     }
     fn f32(&self, k: &str) -> Result<f32> {
-        self.opt_f32(k)?.ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
+        self.opt_f32(k)?
+            .ok_or_else(|| Error::Format(format!("metadata '{}' is missing", self.key(k))))
     }
 }
 
@@ -251,7 +299,11 @@ pub(crate) struct TensorTable {
 impl TensorTable {
     /// Adds `view` under `name`; a second tensor of the same name is an error.
     pub(crate) fn push(&mut self, name: String, view: TensorView) -> Result<()> {
-        if self.by_name.insert(name.clone(), self.entries.len()).is_some() {
+        if self
+            .by_name
+            .insert(name.clone(), self.entries.len())
+            .is_some()
+        {
             return Err(Error::Format(format!("two tensors are named '{name}'")));
         }
         self.entries.push(view);
@@ -277,26 +329,39 @@ impl Tensors {
     }
 
     fn opt(&mut self, name: &str, dims: &[usize]) -> Result<Option<TensorView>> {
-        let Some(view) = self.info(name) else { return Ok(None) };
+        let Some(view) = self.info(name) else {
+            return Ok(None);
+        };
         check_dims(name, view.dims(), dims)?;
         Ok(Some(view))
     }
 
     fn req(&mut self, name: &str, dims: &[usize]) -> Result<TensorView> {
-        self.opt(name, dims)?.ok_or_else(|| Error::Format(format!("tensor '{name}' is missing")))
+        self.opt(name, dims)?
+            .ok_or_else(|| Error::Format(format!("tensor '{name}' is missing")))
     }
 
     /// The names of the tensors that found no role.
     fn unused(&self) -> impl Iterator<Item = &str> + '_ {
-        let mut names: Vec<(&usize, &str)> = self.table.by_name.iter().map(|(n, i)| (i, n.as_str())).collect();
+        let mut names: Vec<(&usize, &str)> = self
+            .table
+            .by_name
+            .iter()
+            .map(|(n, i)| (i, n.as_str()))
+            .collect();
         names.sort();
-        names.into_iter().filter(|(i, _)| !self.used[**i]).map(|(_, n)| n)
+        names
+            .into_iter()
+            .filter(|(i, _)| !self.used[**i])
+            .map(|(_, n)| n)
     }
 }
 
 fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
     if actual != expected {
-        return Err(Error::Format(format!("tensor '{name}': expected dims {expected:?}, found {actual:?}")));
+        return Err(Error::Format(format!(
+            "tensor '{name}': expected dims {expected:?}, found {actual:?}"
+        )));
     }
     Ok(())
 }
@@ -343,7 +408,10 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
                 t.opt(&n("attn_v.bias"), &[kv_dim])?,
             ),
         };
-        let biases = [&attn_q_bias, &attn_k_bias, &attn_v_bias].iter().filter(|b| b.is_some()).count();
+        let biases = [&attn_q_bias, &attn_k_bias, &attn_v_bias]
+            .iter()
+            .filter(|b| b.is_some())
+            .count();
         if biases != if c.qkv_bias { 3 } else { 0 } {
             return Err(Error::Format(format!(
                 "layer {i} has {biases} of the 3 Q/K/V biases; the model {} them",
@@ -354,7 +422,10 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             true => t.req(&n(role), &[hidden]).map(Some),
             false => Ok(None),
         };
-        let (attn_post_norm, ffn_post_norm) = (post_norm("post_attention_norm.weight")?, post_norm("post_ffw_norm.weight")?);
+        let (attn_post_norm, ffn_post_norm) = (
+            post_norm("post_attention_norm.weight")?,
+            post_norm("post_ffw_norm.weight")?,
+        );
         let (attn_q_norm, attn_k_norm) = if c.qk_norm {
             (
                 Some(t.req(&n("attn_q_norm.weight"), &[c.head_dim])?),
@@ -385,5 +456,12 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             ffn_post_norm,
         });
     }
-    Ok(ModelWeights { token_embd, layers, output_norm, output_norm_bias, output, rope_freqs })
+    Ok(ModelWeights {
+        token_embd,
+        layers,
+        output_norm,
+        output_norm_bias,
+        output,
+        rope_freqs,
+    })
 }

@@ -47,8 +47,16 @@ pub enum Recipe {
 }
 
 impl Recipe {
-    pub const ALL: [Recipe; 8] =
-        [Recipe::Q4_0, Recipe::Q4_1, Recipe::Q8_0, Recipe::Q4_K_S, Recipe::Q4_K_M, Recipe::Q5_K_M, Recipe::Q6_K, Recipe::F16];
+    pub const ALL: [Recipe; 8] = [
+        Recipe::Q4_0,
+        Recipe::Q4_1,
+        Recipe::Q8_0,
+        Recipe::Q4_K_S,
+        Recipe::Q4_K_M,
+        Recipe::Q5_K_M,
+        Recipe::Q6_K,
+        Recipe::F16,
+    ];
 
     /// The lower-case name (`q4_k_m`), as `--type` takes it.
     pub fn name(self) -> &'static str {
@@ -67,10 +75,17 @@ impl Recipe {
     /// Parses a recipe name (case-insensitive); an unknown name lists the known ones.
     pub fn from_name(name: &str) -> Result<Recipe> {
         let lower = name.to_ascii_lowercase();
-        Recipe::ALL.iter().copied().find(|r| r.name() == lower).ok_or_else(|| {
-            let known: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();
-            Error::InvalidArgument(format!("unknown quantisation type '{name}' (known: {})", known.join(", ")))
-        })
+        Recipe::ALL
+            .iter()
+            .copied()
+            .find(|r| r.name() == lower)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown quantisation type '{name}' (known: {})",
+                    known.join(", ")
+                ))
+            })
     }
 
     /// The type of every 2-D tensor no rule singles out (llama.cpp's `default_type`).
@@ -153,8 +168,10 @@ pub fn llama_cpp_order(tensors: &[TensorDesc]) -> Vec<usize> {
 pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Vec<QType> {
     let default = recipe.default_type();
     let has_output = tensors.iter().any(|t| t.name == "output.weight");
-    let n_attention_wv =
-        tensors.iter().filter(|t| t.name.contains("attn_v.weight") || t.name.contains("attn_qkv.weight")).count();
+    let n_attention_wv = tensors
+        .iter()
+        .filter(|t| t.name.contains("attn_v.weight") || t.name.contains("attn_qkv.weight"))
+        .count();
     let mut i_attention_wv = 0;
     let mut i_ffn_down = 0;
     let mut types: Vec<QType> = tensors.iter().map(|t| t.qtype).collect();
@@ -192,7 +209,9 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
             } else if name.contains("ffn_down") {
                 let (i, n) = (i_ffn_down, n_layers);
                 match recipe {
-                    Recipe::Q4_K_M | Recipe::Q5_K_M if use_more_bits(i, n) => new_type = QType::Q6_K,
+                    Recipe::Q4_K_M | Recipe::Q5_K_M if use_more_bits(i, n) => {
+                        new_type = QType::Q6_K
+                    }
                     Recipe::Q4_K_S if i < n / 8 => new_type = QType::Q5_K,
                     _ => {}
                 }
@@ -232,11 +251,20 @@ pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
 /// Progress of a long conversion, in values (elements) converted.
 pub enum ProgressEvent<'a> {
     /// The run starts; `total` values will be converted.
-    Start { total: u64 },
+    Start {
+        total: u64,
+    },
     /// Tensor `index` (of `count`) starts.
-    Tensor { name: &'a str, index: usize, count: usize, qtype: QType },
+    Tensor {
+        name: &'a str,
+        index: usize,
+        count: usize,
+        qtype: QType,
+    },
     /// `done` more values were converted.
-    Advance { done: u64 },
+    Advance {
+        done: u64,
+    },
     Finish,
 }
 
@@ -268,7 +296,12 @@ pub struct QuantizeOptions {
 
 /// Quantises the GGUF file at `input` into a new file at `output` (written beside it under
 /// a temporary name and renamed when complete, so a failed run leaves no half file).
-pub fn quantize_file(input: &Path, output: &Path, options: QuantizeOptions, progress: Progress) -> Result<Vec<TensorReport>> {
+pub fn quantize_file(
+    input: &Path,
+    output: &Path,
+    options: QuantizeOptions,
+    progress: Progress,
+) -> Result<Vec<TensorReport>> {
     if let (Ok(a), Ok(b)) = (input.canonicalize(), output.canonicalize()) {
         if a == b {
             return Err(Error::InvalidArgument(format!(
@@ -282,15 +315,23 @@ pub fn quantize_file(input: &Path, output: &Path, options: QuantizeOptions, prog
 }
 
 /// Writes `output` through `write` into a temporary sibling, then renames it into place.
-pub(crate) fn write_atomically<T>(output: &Path, write: impl FnOnce(&mut BufWriter<File>) -> Result<T>) -> Result<T> {
-    let mut tmp_name = output.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "out.gguf".into());
+pub(crate) fn write_atomically<T>(
+    output: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
+) -> Result<T> {
+    let mut tmp_name = output
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_else(|| "out.gguf".into());
     tmp_name.push(".partial");
     let tmp = output.with_file_name(tmp_name);
     let result = (|| {
         let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
         let value = write(&mut w)?;
         w.flush()?;
-        w.into_inner().map_err(|e| Error::Io(e.into_error()))?.sync_all()?;
+        w.into_inner()
+            .map_err(|e| Error::Io(e.into_error()))?
+            .sync_all()?;
         Ok(value)
     })();
     match result {
@@ -317,7 +358,11 @@ pub fn quantize_gguf<W: Write + Send>(
     let descs: Vec<TensorDesc> = file
         .tensors()
         .iter()
-        .map(|t| TensorDesc { name: t.name.clone(), dims: t.dims.clone(), qtype: t.qtype })
+        .map(|t| TensorDesc {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            qtype: t.qtype,
+        })
         .collect();
     let n_layers = match file.architecture() {
         Some(arch) => file.get_usize(&format!("{arch}.block_count")),
@@ -333,35 +378,67 @@ pub fn quantize_gguf<W: Write + Send>(
         }
     }
     writer.add_kv(FILE_TYPE_KEY, GgufValue::U32(options.recipe.file_type()))?;
-    writer.add_kv(QUANTIZATION_VERSION_KEY, GgufValue::U32(QUANTIZATION_VERSION))?;
+    writer.add_kv(
+        QUANTIZATION_VERSION_KEY,
+        GgufValue::U32(QUANTIZATION_VERSION),
+    )?;
     // Written in llama.cpp's order, as its quantiser writes them.
     let order = llama_cpp_order(&descs);
     for &i in &order {
         let (t, to) = (&descs[i], types[i]);
         if to != t.qtype && !quant::can_quantize(to) {
-            return Err(Error::Unsupported(format!("tensor {}: quantising to {to}", t.name)));
+            return Err(Error::Unsupported(format!(
+                "tensor {}: quantising to {to}",
+                t.name
+            )));
         }
         writer.declare_tensor(t.name.clone(), to, t.dims.clone())?;
     }
 
-    let total: u64 = descs.iter().map(|t| t.dims.iter().product::<usize>() as u64).sum();
+    let total: u64 = descs
+        .iter()
+        .map(|t| t.dims.iter().product::<usize>() as u64)
+        .sum();
     progress(ProgressEvent::Start { total });
     let mut encoder = TensorEncoder::new(writer.begin(out)?);
     let mut reports = Vec::with_capacity(descs.len());
     for (index, &i) in order.iter().enumerate() {
         let (info, to) = (&file.tensors()[i], types[i]);
-        progress(ProgressEvent::Tensor { name: &info.name, index, count: descs.len(), qtype: to });
+        progress(ProgressEvent::Tensor {
+            name: &info.name,
+            index,
+            count: descs.len(),
+            qtype: to,
+        });
         let view = file.view(info)?;
         let rel_rmse = if to == info.qtype {
-            encoder.write_bytes(view.bytes(), info.dims.iter().product::<usize>() as u64, progress)?;
+            encoder.write_bytes(
+                view.bytes(),
+                info.dims.iter().product::<usize>() as u64,
+                progress,
+            )?;
             None
         } else {
             let from = info.qtype;
-            let source = |row: usize, values: &mut [f32]| quant::dequantize(from, view.row(row), values);
-            let err = encoder.encode(view.row_len(), view.rows(), to, &source, options.measure_error, progress)?;
+            let source =
+                |row: usize, values: &mut [f32]| quant::dequantize(from, view.row(row), values);
+            let err = encoder.encode(
+                view.row_len(),
+                view.rows(),
+                to,
+                &source,
+                options.measure_error,
+                progress,
+            )?;
             err.map(|e| e.relative())
         };
-        reports.push(TensorReport { name: info.name.clone(), dims: info.dims.clone(), from: info.qtype, to, rel_rmse });
+        reports.push(TensorReport {
+            name: info.name.clone(),
+            dims: info.dims.clone(),
+            from: info.qtype,
+            to,
+            rel_rmse,
+        });
     }
     encoder.finish()?;
     progress(ProgressEvent::Finish);
@@ -387,7 +464,10 @@ impl ErrorSums {
         }
     }
     fn add(self, o: ErrorSums) -> ErrorSums {
-        ErrorSums { sq_err: self.sq_err + o.sq_err, sq_ref: self.sq_ref + o.sq_ref }
+        ErrorSums {
+            sq_err: self.sq_err + o.sq_err,
+            sq_ref: self.sq_ref + o.sq_ref,
+        }
     }
 }
 
@@ -408,7 +488,12 @@ impl<W: Write + Send> TensorEncoder<W> {
     }
 
     /// Writes bytes already in the target type.
-    pub(crate) fn write_bytes(&mut self, bytes: &[u8], values: u64, progress: Progress) -> Result<()> {
+    pub(crate) fn write_bytes(
+        &mut self,
+        bytes: &[u8],
+        values: u64,
+        progress: Progress,
+    ) -> Result<()> {
         self.writer.write_tensor_data(bytes)?;
         progress(ProgressEvent::Advance { done: values });
         Ok(())
@@ -451,7 +536,16 @@ impl<W: Write + Send> TensorEncoder<W> {
                         .par_chunks_mut(row_bytes.max(1))
                         .enumerate()
                         .map_init(
-                            || (vec![0.0f32; row_len], if measure { vec![0.0f32; row_len] } else { Vec::new() }),
+                            || {
+                                (
+                                    vec![0.0f32; row_len],
+                                    if measure {
+                                        vec![0.0f32; row_len]
+                                    } else {
+                                        Vec::new()
+                                    },
+                                )
+                            },
                             |(values, check), (i, out)| -> Result<ErrorSums> {
                                 source(start + i, values)?;
                                 quant::quantize(qtype, values, out)?;
@@ -474,13 +568,17 @@ impl<W: Write + Send> TensorEncoder<W> {
                         // The writer thread stopped: its error is reported below.
                         break;
                     }
-                    progress(ProgressEvent::Advance { done: (n * row_len) as u64 });
+                    progress(ProgressEvent::Advance {
+                        done: (n * row_len) as u64,
+                    });
                     start += n;
                 }
                 Ok(sums)
             })();
             drop(tx);
-            let written = write_thread.join().map_err(|_| Error::Format("GGUF writer thread panicked".into()))?;
+            let written = write_thread
+                .join()
+                .map_err(|_| Error::Format("GGUF writer thread panicked".into()))?;
             written?;
             let sums = encoded?;
             Ok(measure.then_some(sums))
@@ -494,7 +592,10 @@ impl<W: Write + Send> TensorEncoder<W> {
 }
 
 /// Runs `f` on a rayon pool of `threads` workers, or on the global pool when `None`.
-pub fn with_threads<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+pub fn with_threads<T: Send>(
+    threads: Option<usize>,
+    f: impl FnOnce() -> Result<T> + Send,
+) -> Result<T> {
     match threads {
         None => f(),
         Some(n) => rayon::ThreadPoolBuilder::new()

@@ -22,8 +22,8 @@ use kiln_core::{Architecture, Error, QType, Result};
 
 use crate::gguf::{GgufArray, GgufValue, GgufWriter};
 use crate::quantize::{
-    plan_types, write_atomically, Progress, ProgressEvent, Recipe, TensorDesc, TensorEncoder, FILE_TYPE_KEY,
-    QUANTIZATION_VERSION_KEY,
+    plan_types, write_atomically, Progress, ProgressEvent, Recipe, TensorDesc, TensorEncoder,
+    FILE_TYPE_KEY, QUANTIZATION_VERSION_KEY,
 };
 
 /// A real model whose shapes [`synth_file`] reproduces.
@@ -104,10 +104,17 @@ impl Preset {
     /// Parses a preset name (case-insensitive); an unknown name lists the known ones.
     pub fn from_name(name: &str) -> Result<Preset> {
         let lower = name.to_ascii_lowercase();
-        Preset::ALL.iter().copied().find(|p| p.name() == lower).ok_or_else(|| {
-            let known: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
-            Error::InvalidArgument(format!("unknown shape '{name}' (known: {})", known.join(", ")))
-        })
+        Preset::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == lower)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown shape '{name}' (known: {})",
+                    known.join(", ")
+                ))
+            })
     }
 
     fn tokenizer(self) -> TokenizerKind {
@@ -184,7 +191,10 @@ impl Preset {
             Preset::Llama3_8b => llama(128_256, 4096, 32, 32, 8, 14_336, 8192, 500_000.0, false),
             Preset::Qwen25_0_5b => qwen2(151_936, 896, 24, 14, 2, 4864, true),
             Preset::Qwen25_1_5b => qwen2(151_936, 1536, 28, 12, 2, 8960, true),
-            Preset::Qwen25_7b => SynthShape { context_length: 131_072, ..qwen2(152_064, 3584, 28, 28, 4, 18_944, false) },
+            Preset::Qwen25_7b => SynthShape {
+                context_length: 131_072,
+                ..qwen2(152_064, 3584, 28, 28, 4, 18_944, false)
+            },
             Preset::Qwen3_0_6b => qwen3(1024, 28, 16, 8, 3072, true),
             Preset::Qwen3_8b => qwen3(4096, 36, 32, 8, 12_288, false),
             // google/gemma-3-270m: 4 heads of 256 over hidden 640, one KV head, window 512.
@@ -229,16 +239,49 @@ struct SynthTensor {
 /// llama.cpp's converter writes them.
 fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
     let s = shape;
-    let (h, q_dim, kv_dim, ffn) = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.ffn_size);
-    let proj = |fan_in: usize| Init::Normal { mean: 0.0, std: 1.0 / (fan_in as f32).sqrt() };
-    let norm = Init::Normal { mean: 1.0, std: 0.02 };
-    let bias = Init::Normal { mean: 0.0, std: 0.1 };
+    let (h, q_dim, kv_dim, ffn) = (
+        s.hidden_size,
+        s.num_heads * s.head_dim,
+        s.num_kv_heads * s.head_dim,
+        s.ffn_size,
+    );
+    let proj = |fan_in: usize| Init::Normal {
+        mean: 0.0,
+        std: 1.0 / (fan_in as f32).sqrt(),
+    };
+    let norm = Init::Normal {
+        mean: 1.0,
+        std: 0.02,
+    };
+    let bias = Init::Normal {
+        mean: 0.0,
+        std: 0.1,
+    };
     let mut out = Vec::new();
     let mut push = |name: String, dims: Vec<usize>, init: Init| {
-        out.push(SynthTensor { desc: TensorDesc { name, dims, qtype: QType::F32 }, init, fixed: Vec::new() });
+        out.push(SynthTensor {
+            desc: TensorDesc {
+                name,
+                dims,
+                qtype: QType::F32,
+            },
+            init,
+            fixed: Vec::new(),
+        });
     };
-    let embd_std = if s.tied_embeddings { 1.0 / (h as f32).sqrt() } else { 1.0 };
-    push("token_embd.weight".into(), vec![h, s.vocab_size], Init::Normal { mean: 0.0, std: embd_std });
+    let embd_std = if s.tied_embeddings {
+        1.0 / (h as f32).sqrt()
+    } else {
+        1.0
+    };
+    push(
+        "token_embd.weight".into(),
+        vec![h, s.vocab_size],
+        Init::Normal {
+            mean: 0.0,
+            std: embd_std,
+        },
+    );
     for i in 0..s.num_layers {
         let n = |role: &str| format!("blk.{i}.{role}");
         push(n("attn_norm.weight"), vec![h], norm);
@@ -273,7 +316,11 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
     if let Some((factor, low, high, original)) = s.llama3_rope {
         let factors = llama3_rope_factors(s.head_dim, s.rope_theta, factor, low, high, original);
         out.push(SynthTensor {
-            desc: TensorDesc { name: "rope_freqs.weight".into(), dims: vec![factors.len()], qtype: QType::F32 },
+            desc: TensorDesc {
+                name: "rope_freqs.weight".into(),
+                dims: vec![factors.len()],
+                qtype: QType::F32,
+            },
             init: Init::Fixed,
             fixed: factors,
         });
@@ -283,7 +330,14 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
 
 /// Llama 3.1 rope scaling as llama.cpp's converter stores it: a divisor of each rotary
 /// pair's frequency (1 for high frequencies, `factor` for low, interpolated between).
-fn llama3_rope_factors(head_dim: usize, theta: f32, factor: f32, low: f32, high: f32, original: usize) -> Vec<f32> {
+fn llama3_rope_factors(
+    head_dim: usize,
+    theta: f32,
+    factor: f32,
+    low: f32,
+    high: f32,
+    original: usize,
+) -> Vec<f32> {
     let low_wavelen = original as f32 / low;
     let high_wavelen = original as f32 / high;
     (0..head_dim / 2)
@@ -308,12 +362,18 @@ pub fn plan(preset: Preset, recipe: Recipe) -> Vec<TensorDesc> {
     let shape = preset.shape();
     let descs: Vec<TensorDesc> = tensors(&shape).into_iter().map(|t| t.desc).collect();
     let types = plan_types(recipe, &descs, shape.num_layers);
-    descs.into_iter().zip(types).map(|(d, qtype)| TensorDesc { qtype, ..d }).collect()
+    descs
+        .into_iter()
+        .zip(types)
+        .map(|(d, qtype)| TensorDesc { qtype, ..d })
+        .collect()
 }
 
 /// Bytes of the tensor data `preset` has under `recipe`.
 pub fn data_bytes(preset: Preset, recipe: Recipe) -> Result<u64> {
-    plan(preset, recipe).iter().try_fold(0u64, |acc, t| Ok(acc + t.qtype.tensor_bytes(&t.dims)? as u64))
+    plan(preset, recipe).iter().try_fold(0u64, |acc, t| {
+        Ok(acc + t.qtype.tensor_bytes(&t.dims)? as u64)
+    })
 }
 
 /// Every metadata entry of a synthetic `preset` file: hyper-parameters, tokenizer, chat
@@ -324,24 +384,50 @@ pub fn metadata(preset: Preset, recipe: Recipe, seed: u64) -> Vec<(String, GgufV
     let mut kv: Vec<(String, GgufValue)> = Vec::new();
     let mut put = |k: &str, v: GgufValue| kv.push((k.to_string(), v));
     put("general.architecture", arch.into());
-    put("general.name", format!("kiln synthetic {} (seed {seed})", preset.name()).as_str().into());
+    put(
+        "general.name",
+        format!("kiln synthetic {} (seed {seed})", preset.name())
+            .as_str()
+            .into(),
+    );
     put(FILE_TYPE_KEY, GgufValue::U32(recipe.file_type()));
     put(QUANTIZATION_VERSION_KEY, GgufValue::U32(2));
     let a = |k: &str| format!("{arch}.{k}");
     put(&a("vocab_size"), GgufValue::U32(s.vocab_size as u32));
-    put(&a("context_length"), GgufValue::U32(s.context_length as u32));
+    put(
+        &a("context_length"),
+        GgufValue::U32(s.context_length as u32),
+    );
     put(&a("embedding_length"), GgufValue::U32(s.hidden_size as u32));
     put(&a("block_count"), GgufValue::U32(s.num_layers as u32));
     put(&a("feed_forward_length"), GgufValue::U32(s.ffn_size as u32));
-    put(&a("attention.head_count"), GgufValue::U32(s.num_heads as u32));
-    put(&a("attention.head_count_kv"), GgufValue::U32(s.num_kv_heads as u32));
+    put(
+        &a("attention.head_count"),
+        GgufValue::U32(s.num_heads as u32),
+    );
+    put(
+        &a("attention.head_count_kv"),
+        GgufValue::U32(s.num_kv_heads as u32),
+    );
     if s.head_dim * s.num_heads != s.hidden_size {
-        put(&a("attention.key_length"), GgufValue::U32(s.head_dim as u32));
-        put(&a("attention.value_length"), GgufValue::U32(s.head_dim as u32));
+        put(
+            &a("attention.key_length"),
+            GgufValue::U32(s.head_dim as u32),
+        );
+        put(
+            &a("attention.value_length"),
+            GgufValue::U32(s.head_dim as u32),
+        );
     }
     put(&a("rope.freq_base"), GgufValue::F32(s.rope_theta));
-    put(&a("rope.dimension_count"), GgufValue::U32(s.head_dim as u32));
-    put(&a("attention.layer_norm_rms_epsilon"), GgufValue::F32(s.norm_eps));
+    put(
+        &a("rope.dimension_count"),
+        GgufValue::U32(s.head_dim as u32),
+    );
+    put(
+        &a("attention.layer_norm_rms_epsilon"),
+        GgufValue::F32(s.norm_eps),
+    );
     if let Some(w) = s.sliding_window {
         put(&a("attention.sliding_window"), GgufValue::U32(w as u32));
     }
@@ -365,13 +451,31 @@ const LLAMA3_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ '<
 
 /// A tokenizer family's special tokens `(id, piece)` at the ids the real tokenizer uses,
 /// its pre-tokenizer name, BOS, EOS, EOT and chat template.
-type TokenizerFamily = (Vec<(usize, String)>, &'static str, usize, usize, Option<usize>, &'static str);
+type TokenizerFamily = (
+    Vec<(usize, String)>,
+    &'static str,
+    usize,
+    usize,
+    Option<usize>,
+    &'static str,
+);
 
 fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&str, GgufValue)) {
     let (specials, pre, bos, eos, eot, template): TokenizerFamily = match kind {
         TokenizerKind::SmolLm => {
             let names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-            (names.iter().enumerate().map(|(i, n)| (i, n.to_string())).collect(), "smollm", 1, 2, None, CHATML_TEMPLATE)
+            (
+                names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| (i, n.to_string()))
+                    .collect(),
+                "smollm",
+                1,
+                2,
+                None,
+                CHATML_TEMPLATE,
+            )
         }
         TokenizerKind::Llama3 => {
             let named = [
@@ -387,7 +491,14 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
                     None => (id, format!("<|reserved_special_token_{}|>", id - 128_000)),
                 })
                 .collect();
-            (specials, "llama-bpe", 128_000, 128_001, Some(128_009), LLAMA3_TEMPLATE)
+            (
+                specials,
+                "llama-bpe",
+                128_000,
+                128_001,
+                Some(128_009),
+                LLAMA3_TEMPLATE,
+            )
         }
         TokenizerKind::Qwen => {
             let named = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -403,7 +514,14 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
         TokenizerKind::Gemma => {
             // Gemma's ids for its specials; the rest of the vocabulary is byte-level filler
             // (the real one is SentencePiece, which a benchmark's random weights don't need).
-            let named = [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (105, "<start_of_turn>"), (106, "<end_of_turn>")];
+            let named = [
+                (0, "<pad>"),
+                (1, "<eos>"),
+                (2, "<bos>"),
+                (3, "<unk>"),
+                (105, "<start_of_turn>"),
+                (106, "<end_of_turn>"),
+            ];
             let specials = named.iter().map(|&(id, n)| (id, n.to_string())).collect();
             (specials, "default", 2, 1, Some(106), GEMMA_TEMPLATE)
         }
@@ -426,18 +544,33 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
             }
         });
     }
-    let tokens: Vec<String> = tokens.into_iter().map(|t| t.expect("every id filled")).collect();
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .map(|t| t.expect("every id filled"))
+        .collect();
     put("tokenizer.ggml.model", "gpt2".into());
     put("tokenizer.ggml.pre", pre.into());
-    put("tokenizer.ggml.tokens", GgufValue::Array(GgufArray::String(tokens)));
-    put("tokenizer.ggml.token_type", GgufValue::Array(GgufArray::I32(types)));
-    put("tokenizer.ggml.merges", GgufValue::Array(GgufArray::String(Vec::new())));
+    put(
+        "tokenizer.ggml.tokens",
+        GgufValue::Array(GgufArray::String(tokens)),
+    );
+    put(
+        "tokenizer.ggml.token_type",
+        GgufValue::Array(GgufArray::I32(types)),
+    );
+    put(
+        "tokenizer.ggml.merges",
+        GgufValue::Array(GgufArray::String(Vec::new())),
+    );
     put("tokenizer.ggml.bos_token_id", GgufValue::U32(bos as u32));
     put("tokenizer.ggml.eos_token_id", GgufValue::U32(eos as u32));
     if let Some(eot) = eot {
         put("tokenizer.ggml.eot_token_id", GgufValue::U32(eot as u32));
     }
-    put("tokenizer.ggml.add_bos_token", GgufValue::Bool(matches!(kind, TokenizerKind::Llama3 | TokenizerKind::Gemma)));
+    put(
+        "tokenizer.ggml.add_bos_token",
+        GgufValue::Bool(matches!(kind, TokenizerKind::Llama3 | TokenizerKind::Gemma)),
+    );
     put("tokenizer.chat_template", template.into());
 }
 
@@ -456,7 +589,12 @@ struct Xoshiro256pp([u64; 4]);
 impl Xoshiro256pp {
     fn seeded(seed: u64) -> Self {
         let mut sm = seed;
-        Xoshiro256pp([splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)])
+        Xoshiro256pp([
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+        ])
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -528,20 +666,34 @@ pub fn synth_writer(options: SynthOptions) -> Result<(GgufWriter, Vec<TensorDesc
 }
 
 /// Writes a synthetic model to `out`. Returns the tensor table written.
-pub fn synth_gguf<W: Write + Send>(out: W, options: SynthOptions, progress: Progress) -> Result<Vec<TensorDesc>> {
+pub fn synth_gguf<W: Write + Send>(
+    out: W,
+    options: SynthOptions,
+    progress: Progress,
+) -> Result<Vec<TensorDesc>> {
     let tensors = tensors(&options.preset.shape());
     let (writer, plan) = synth_writer(options)?;
-    let total: u64 = plan.iter().map(|t| t.dims.iter().product::<usize>() as u64).sum();
+    let total: u64 = plan
+        .iter()
+        .map(|t| t.dims.iter().product::<usize>() as u64)
+        .sum();
     progress(ProgressEvent::Start { total });
     let mut encoder = TensorEncoder::new(writer.begin(out)?);
     for (index, (t, desc)) in tensors.iter().zip(&plan).enumerate() {
-        progress(ProgressEvent::Tensor { name: &desc.name, index, count: plan.len(), qtype: desc.qtype });
+        progress(ProgressEvent::Tensor {
+            name: &desc.name,
+            index,
+            count: plan.len(),
+            qtype: desc.qtype,
+        });
         let row_len = desc.dims[0];
         let rows: usize = desc.dims[1..].iter().product();
         let seed = options.seed;
         let source = |row: usize, values: &mut [f32]| -> Result<()> {
             match t.init {
-                Init::Normal { mean, std } => Xoshiro256pp::seeded(row_seed(seed, index, row)).fill_normal(values, mean, std),
+                Init::Normal { mean, std } => {
+                    Xoshiro256pp::seeded(row_seed(seed, index, row)).fill_normal(values, mean, std)
+                }
                 Init::Fixed => values.copy_from_slice(&t.fixed[row * row_len..(row + 1) * row_len]),
             }
             Ok(())
@@ -554,6 +706,10 @@ pub fn synth_gguf<W: Write + Send>(out: W, options: SynthOptions, progress: Prog
 }
 
 /// [`synth_gguf`] into a new file at `path` (written under a temporary name, then renamed).
-pub fn synth_file(path: &Path, options: SynthOptions, progress: Progress) -> Result<Vec<TensorDesc>> {
+pub fn synth_file(
+    path: &Path,
+    options: SynthOptions,
+    progress: Progress,
+) -> Result<Vec<TensorDesc>> {
     write_atomically(path, |w| synth_gguf(w, options, progress))
 }

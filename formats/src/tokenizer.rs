@@ -81,7 +81,11 @@ pub struct TokenizerSpec {
 /// Reads a u32 id key, refusing values that do not fit.
 fn id_key(file: &GgufFile, key: &str) -> Result<Option<u32>> {
     // Some converters write -1 for "no such token".
-    if file.get(key).and_then(GgufValue::as_i64).is_some_and(|v| v < 0) {
+    if file
+        .get(key)
+        .and_then(GgufValue::as_i64)
+        .is_some_and(|v| v < 0)
+    {
         return Ok(None);
     }
     match file.typed(key, "unsigned integer", GgufValue::as_u64)? {
@@ -103,21 +107,43 @@ impl TokenizerSpec {
             .ok_or_else(|| Error::Format("missing tokenizer.ggml.model".into()))?
             .to_string();
         let tokens = file
-            .typed("tokenizer.ggml.tokens", "array of strings", GgufValue::as_string_array)?
+            .typed(
+                "tokenizer.ggml.tokens",
+                "array of strings",
+                GgufValue::as_string_array,
+            )?
             .ok_or_else(|| Error::Format("missing tokenizer.ggml.tokens".into()))?
             .to_vec();
         let is_spm = model == "llama";
         let flag = |key: &str, default: bool| -> Result<bool> {
-            Ok(file.typed(key, "bool", GgufValue::as_bool)?.unwrap_or(default))
+            Ok(file
+                .typed(key, "bool", GgufValue::as_bool)?
+                .unwrap_or(default))
         };
         Ok(TokenizerSpec {
-            pre: file.typed("tokenizer.ggml.pre", "string", GgufValue::as_str)?.map(str::to_string),
-            scores: file.typed("tokenizer.ggml.scores", "array of f32", GgufValue::as_f32_array)?.map(<[f32]>::to_vec),
+            pre: file
+                .typed("tokenizer.ggml.pre", "string", GgufValue::as_str)?
+                .map(str::to_string),
+            scores: file
+                .typed(
+                    "tokenizer.ggml.scores",
+                    "array of f32",
+                    GgufValue::as_f32_array,
+                )?
+                .map(<[f32]>::to_vec),
             token_types: file
-                .typed("tokenizer.ggml.token_type", "array of i32", GgufValue::as_i32_array)?
+                .typed(
+                    "tokenizer.ggml.token_type",
+                    "array of i32",
+                    GgufValue::as_i32_array,
+                )?
                 .map(<[i32]>::to_vec),
             merges: file
-                .typed("tokenizer.ggml.merges", "array of strings", GgufValue::as_string_array)?
+                .typed(
+                    "tokenizer.ggml.merges",
+                    "array of strings",
+                    GgufValue::as_string_array,
+                )?
                 .map(<[String]>::to_vec)
                 .unwrap_or_default(),
             bos: id_key(file, "tokenizer.ggml.bos_token_id")?,
@@ -159,7 +185,10 @@ impl TokenKind {
 
     /// Tokens that `skip_special` drops when decoding.
     fn is_special(self) -> bool {
-        matches!(self, TokenKind::Control | TokenKind::Unknown | TokenKind::Unused)
+        matches!(
+            self,
+            TokenKind::Control | TokenKind::Unknown | TokenKind::Unused
+        )
     }
 }
 
@@ -243,11 +272,16 @@ fn parse_byte_piece(piece: &str) -> Option<u8> {
 fn bpe_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
     // With `use_regex`, ByteLevel applies GPT-2's split (contractions, ` ?letters`,
     // ` ?digits`, ` ?punctuation`, whitespace runs) before mapping bytes to chars.
-    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let byte_level =
+        |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
-        Split::new(SplitPattern::Regex(pattern.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map(PreTokenizerWrapper::Split)
-            .map_err(|e| Error::Tokenizer(format!("pre-tokenizer regex: {e}")))
+        Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map(PreTokenizerWrapper::Split)
+        .map_err(|e| Error::Tokenizer(format!("pre-tokenizer regex: {e}")))
     };
     Ok(match pre.unwrap_or("default") {
         "default" | "gpt2" | "gpt-2" | "phi-2" | "olmo" => byte_level(true),
@@ -290,7 +324,10 @@ fn build_bpe(spec: &TokenizerSpec) -> Result<Model> {
             }
         })
         .collect::<Result<Vec<_>>>()?;
-    let ignore_merges = matches!(spec.pre.as_deref(), Some("llama3" | "llama-bpe" | "llama-v3"));
+    let ignore_merges = matches!(
+        spec.pre.as_deref(),
+        Some("llama3" | "llama-bpe" | "llama-v3")
+    );
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .ignore_merges(ignore_merges)
@@ -302,10 +339,9 @@ fn build_bpe(spec: &TokenizerSpec) -> Result<Model> {
 }
 
 fn build_spm(spec: &TokenizerSpec, kinds: &[TokenKind]) -> Result<Model> {
-    let scores = spec
-        .scores
-        .clone()
-        .ok_or_else(|| Error::Format("llama (SentencePiece) tokenizer without tokenizer.ggml.scores".into()))?;
+    let scores = spec.scores.clone().ok_or_else(|| {
+        Error::Format("llama (SentencePiece) tokenizer without tokenizer.ggml.scores".into())
+    })?;
     if scores.len() != spec.tokens.len() {
         return Err(Error::Format(format!(
             "{} scores for {} tokens",
@@ -329,7 +365,11 @@ fn build_spm(spec: &TokenizerSpec, kinds: &[TokenKind]) -> Result<Model> {
             byte_tokens[b as usize] = token_to_id.get((b as char).to_string().as_str()).copied();
         }
     }
-    Ok(Model::Spm { token_to_id, scores, byte_tokens })
+    Ok(Model::Spm {
+        token_to_id,
+        scores,
+        byte_tokens,
+    })
 }
 
 impl Tokenizer {
@@ -341,7 +381,9 @@ impl Tokenizer {
             return Err(Error::Format("tokenizer has an empty vocabulary".into()));
         }
         if u32::try_from(n).is_err() {
-            return Err(Error::Format(format!("vocabulary of {n} tokens does not fit u32 ids")));
+            return Err(Error::Format(format!(
+                "vocabulary of {n} tokens does not fit u32 ids"
+            )));
         }
         for (name, id) in [
             ("bos", spec.bos),
@@ -352,19 +394,27 @@ impl Tokenizer {
         ] {
             if let Some(id) = id {
                 if id as usize >= n {
-                    return Err(Error::Format(format!("{name} token id {id} outside vocabulary of {n}")));
+                    return Err(Error::Format(format!(
+                        "{name} token id {id} outside vocabulary of {n}"
+                    )));
                 }
             }
         }
         let kinds: Vec<TokenKind> = match &spec.token_types {
             Some(types) if types.len() != n => {
-                return Err(Error::Format(format!("{} token types for {n} tokens", types.len())))
+                return Err(Error::Format(format!(
+                    "{} token types for {n} tokens",
+                    types.len()
+                )))
             }
             Some(types) => types.iter().map(|&t| TokenKind::from_gguf(t)).collect(),
             None => {
                 // Without types, the ids the metadata names are the only known specials.
                 let mut kinds = vec![TokenKind::Normal; n];
-                for id in [spec.bos, spec.eos, spec.eot, spec.pad].into_iter().flatten() {
+                for id in [spec.bos, spec.eos, spec.eot, spec.pad]
+                    .into_iter()
+                    .flatten()
+                {
                     kinds[id as usize] = TokenKind::Control;
                 }
                 if let Some(unk) = spec.unk {
@@ -385,7 +435,11 @@ impl Tokenizer {
         };
 
         let byte_chars = byte_level_chars();
-        let byte_of: HashMap<char, u8> = byte_chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+        let byte_of: HashMap<char, u8> = byte_chars
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
         let bytes = spec
             .tokens
             .iter()
@@ -399,7 +453,9 @@ impl Tokenizer {
                             match byte_of.get(&c) {
                                 Some(&b) => out.push(b),
                                 // Not a byte-level char: keep the text as written.
-                                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                                None => {
+                                    out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes())
+                                }
                             }
                         }
                         out.into()
@@ -425,9 +481,15 @@ impl Tokenizer {
         };
         let specials_all = SpecialMatcher::new(
             &spec.tokens,
-            special_ids(&|k| matches!(k, TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown)),
+            special_ids(&|k| {
+                matches!(
+                    k,
+                    TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
+                )
+            }),
         )?;
-        let specials_user = SpecialMatcher::new(&spec.tokens, special_ids(&|k| k == TokenKind::UserDefined))?;
+        let specials_user =
+            SpecialMatcher::new(&spec.tokens, special_ids(&|k| k == TokenKind::UserDefined))?;
 
         let mut stop: Vec<u32> = Vec::new();
         for id in [spec.eos, spec.eot].into_iter().flatten() {
@@ -445,7 +507,12 @@ impl Tokenizer {
             }
         }
 
-        let unk = spec.unk.or_else(|| kinds.iter().position(|&k| k == TokenKind::Unknown).map(|i| i as u32));
+        let unk = spec.unk.or_else(|| {
+            kinds
+                .iter()
+                .position(|&k| k == TokenKind::Unknown)
+                .map(|i| i as u32)
+        });
         Ok(Tokenizer {
             model,
             kinds,
@@ -480,12 +547,15 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_bos {
-            out.push(
-                self.bos
-                    .ok_or_else(|| Error::Tokenizer("BOS requested but the model defines no BOS token".into()))?,
-            );
+            out.push(self.bos.ok_or_else(|| {
+                Error::Tokenizer("BOS requested but the model defines no BOS token".into())
+            })?);
         }
-        let matcher = if parse_special { &self.specials_all } else { &self.specials_user };
+        let matcher = if parse_special {
+            &self.specials_all
+        } else {
+            &self.specials_user
+        };
         let mut last = 0;
         let mut after_special = true;
         if let Some(m) = matcher {
@@ -513,7 +583,11 @@ impl Tokenizer {
                 out.extend_from_slice(enc.get_ids());
                 Ok(())
             }
-            Model::Spm { token_to_id, scores, byte_tokens } => {
+            Model::Spm {
+                token_to_id,
+                scores,
+                byte_tokens,
+            } => {
                 let mut escaped = String::with_capacity(text.len() + 3);
                 if self.add_space_prefix && after_special {
                     escaped.push('\u{2581}');
@@ -563,7 +637,10 @@ impl Tokenizer {
 
     /// The id of a vocab string, if it is one token.
     pub fn token_id(&self, piece: &str) -> Option<u32> {
-        self.pieces.iter().position(|p| p == piece).map(|i| i as u32)
+        self.pieces
+            .iter()
+            .position(|p| p == piece)
+            .map(|i| i as u32)
     }
 
     /// Whether `id` is a control/unknown/unused token (what `skip_special` drops).
@@ -617,7 +694,10 @@ impl DecodeStream<'_> {
                 }
                 let mut bytes: &[u8] = bytes;
                 if self.at_start && !bytes.is_empty() {
-                    if tok.spm && tok.add_space_prefix && tok.kinds[id as usize] == TokenKind::Normal {
+                    if tok.spm
+                        && tok.add_space_prefix
+                        && tok.kinds[id as usize] == TokenKind::Normal
+                    {
                         bytes = bytes.strip_prefix(b" ").unwrap_or(bytes);
                     }
                     self.at_start = false;

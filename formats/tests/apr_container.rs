@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use kiln_core::QType;
 use kiln_formats::apr::{
-    flags, header_crc, is_apr, write_apr, AprDtype, AprError, AprFile, AprHeader, AprReadOptions, AprTensorSpec,
-    Compression, MAGIC,
+    flags, header_crc, is_apr, write_apr, AprDtype, AprError, AprFile, AprHeader, AprReadOptions,
+    AprTensorSpec, Compression, MAGIC,
 };
 use serde_json::{json, Map, Value};
 
@@ -117,14 +117,20 @@ impl Drop for TempDir {
 }
 
 fn spec(name: &str, dtype: AprDtype, dims: &[u64]) -> AprTensorSpec {
-    AprTensorSpec { name: name.to_string(), dtype, dims: dims.to_vec() }
+    AprTensorSpec {
+        name: name.to_string(),
+        dtype,
+        dims: dims.to_vec(),
+    }
 }
 
 /// Deterministic, name-dependent bytes of the right length for `s`.
 fn data_for(s: &AprTensorSpec) -> Vec<u8> {
     let n: u64 = s.dims.iter().product();
     let size = s.dtype.byte_size(n).unwrap() as usize;
-    let seed = s.name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3));
+    let seed = s.name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3)
+    });
     let mut rng = Rng(seed | 1);
     (0..size).map(|_| rng.next() as u8).collect()
 }
@@ -161,8 +167,10 @@ fn sample_metadata() -> Map<String, Value> {
 }
 
 fn write_file(path: &Path, meta: &Map<String, Value>, specs: &[AprTensorSpec], c: Compression) {
-    let by_name: std::collections::HashMap<String, Vec<u8>> =
-        specs.iter().map(|s| (s.name.clone(), data_for(s))).collect();
+    let by_name: std::collections::HashMap<String, Vec<u8>> = specs
+        .iter()
+        .map(|s| (s.name.clone(), data_for(s)))
+        .collect();
     write_apr(path, meta, specs, c, &mut |name, out| {
         // Write in uneven pieces to exercise the streaming path.
         let bytes = &by_name[name];
@@ -196,7 +204,10 @@ fn fix_crcs(b: &mut [u8]) {
         b[40..44].copy_from_slice(&c.to_le_bytes());
     }
     // A compressed payload (frame magic after the header) carries its CRC inside the frame.
-    let compressed = matches!(b.get(64..68), Some([0x28, 0xB5, 0x2F, 0xFD]) | Some([0x04, 0x22, 0x4D, 0x18]));
+    let compressed = matches!(
+        b.get(64..68),
+        Some([0x28, 0xB5, 0x2F, 0xFD]) | Some([0x04, 0x22, 0x4D, 0x18])
+    );
     if b.len() >= 68 && !compressed {
         let n = b.len() - 4;
         let c = crc32fast::hash(&b[..n]);
@@ -212,10 +223,24 @@ fn fix_header_crc(b: &mut [u8]) {
 }
 
 /// What a parsed file means: metadata, index and every tensor's bytes.
-type Meaning = (Map<String, Value>, Vec<(String, AprDtype, Vec<u64>, Vec<u8>)>);
+type Meaning = (
+    Map<String, Value>,
+    Vec<(String, AprDtype, Vec<u64>, Vec<u8>)>,
+);
 
 fn meaning(f: &AprFile) -> Meaning {
-    let t = f.tensors().iter().map(|t| (t.name.clone(), t.dtype, t.dims.clone(), f.tensor_bytes(t).to_vec())).collect();
+    let t = f
+        .tensors()
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype,
+                t.dims.clone(),
+                f.tensor_bytes(t).to_vec(),
+            )
+        })
+        .collect();
     (f.metadata().clone(), t)
 }
 
@@ -251,7 +276,10 @@ fn round_trip_every_dtype_and_codec() {
         let raw = std::fs::read(&p).unwrap();
         assert!(is_apr(&raw));
         assert_eq!(&raw[..4], &MAGIC);
-        for f in [AprFile::open(&p).unwrap(), AprFile::from_bytes(raw.clone()).unwrap()] {
+        for f in [
+            AprFile::open(&p).unwrap(),
+            AprFile::from_bytes(raw.clone()).unwrap(),
+        ] {
             assert_eq!(f.version(), (2, 0));
             assert_eq!(f.compression(), c);
             let fl = f.flags();
@@ -267,15 +295,30 @@ fn round_trip_every_dtype_and_codec() {
             sorted.sort();
             assert_eq!(names, sorted, "index is sorted by name");
             for s in &specs {
-                let t = f.tensor(&s.name).unwrap_or_else(|| panic!("{} missing", s.name));
+                let t = f
+                    .tensor(&s.name)
+                    .unwrap_or_else(|| panic!("{} missing", s.name));
                 assert_eq!(t.dtype, s.dtype);
                 assert_eq!(t.dims, s.dims);
-                assert_eq!(f.tensor_bytes(t), &data_for(s)[..], "{} bytes ({c:?})", s.name);
+                assert_eq!(
+                    f.tensor_bytes(t),
+                    &data_for(s)[..],
+                    "{} bytes ({c:?})",
+                    s.name
+                );
                 assert_eq!(f.tensor_offset(t), (f.data_offset() + t.offset) as usize);
-                assert_eq!(&f.storage()[f.tensor_offset(t)..][..t.size as usize], f.tensor_bytes(t));
+                assert_eq!(
+                    &f.storage()[f.tensor_offset(t)..][..t.size as usize],
+                    f.tensor_bytes(t)
+                );
                 // Decompressed storage starts 64-byte aligned (mapped storage is checked below).
                 if t.size > 0 && c != Compression::None {
-                    assert_eq!(f.tensor_bytes(t).as_ptr() as usize % 64, 0, "{} aligned in memory", s.name);
+                    assert_eq!(
+                        f.tensor_bytes(t).as_ptr() as usize % 64,
+                        0,
+                        "{} aligned in memory",
+                        s.name
+                    );
                 }
             }
             check_invariants(&f);
@@ -288,12 +331,18 @@ fn round_trip_every_dtype_and_codec() {
             }
         }
     }
-    assert!(AprFile::open(dir.path("m-None.apr")).unwrap().tensor("nope").is_none());
+    assert!(AprFile::open(dir.path("m-None.apr"))
+        .unwrap()
+        .tensor("nope")
+        .is_none());
 }
 
 #[test]
 fn uncompressed_layout_matches_the_spec() {
-    let specs = vec![spec("b", AprDtype::Ggml(QType::F32), &[3]), spec("a", AprDtype::Q8, &[10])];
+    let specs = vec![
+        spec("b", AprDtype::Ggml(QType::F32), &[3]),
+        spec("a", AprDtype::Q8, &[10]),
+    ];
     let mut meta = Map::new();
     meta.insert("k".into(), json!("v"));
     let b = write_bytes(&meta, &specs, Compression::None);
@@ -322,15 +371,24 @@ fn uncompressed_layout_matches_the_spec() {
     assert_eq!(b[i + 4], 1);
     assert_eq!(u64::from_le_bytes(b[i + 5..i + 13].try_into().unwrap()), 10);
     assert_eq!(u64::from_le_bytes(b[i + 13..i + 21].try_into().unwrap()), 0); // offset
-    assert_eq!(u64::from_le_bytes(b[i + 21..i + 29].try_into().unwrap()), 14); // 4 + 10
+    assert_eq!(
+        u64::from_le_bytes(b[i + 21..i + 29].try_into().unwrap()),
+        14
+    ); // 4 + 10
     let j = i + 29;
     assert_eq!(&b[j..j + 3], &[1, 0, b'b']);
-    assert_eq!(u64::from_le_bytes(b[j + 13..j + 21].try_into().unwrap()), 64); // aligned offset
+    assert_eq!(
+        u64::from_le_bytes(b[j + 13..j + 21].try_into().unwrap()),
+        64
+    ); // aligned offset
     assert_eq!(h.data_offset, 192);
     // Two tensors, each padded to 64, then the CRC.
     assert_eq!(b.len(), 192 + 128 + 4);
     let n = b.len() - 4;
-    assert_eq!(u32::from_le_bytes(b[n..].try_into().unwrap()), crc32fast::hash(&b[..n]));
+    assert_eq!(
+        u32::from_le_bytes(b[n..].try_into().unwrap()),
+        crc32fast::hash(&b[..n])
+    );
 }
 
 #[test]
@@ -341,12 +399,18 @@ fn compression_shrinks_compressible_data() {
     let mut sizes = Vec::new();
     for c in [Compression::None, Compression::Lz4, Compression::Zstd] {
         let p = dir.path(&format!("{c:?}.apr"));
-        write_apr(&p, &meta, &specs, c, &mut |_, out| out.write_all(&vec![0u8; 64 * 1024 * 4])).unwrap();
+        write_apr(&p, &meta, &specs, c, &mut |_, out| {
+            out.write_all(&vec![0u8; 64 * 1024 * 4])
+        })
+        .unwrap();
         let f = AprFile::open(&p).unwrap();
         assert!(f.tensor_bytes(&f.tensors()[0]).iter().all(|&x| x == 0));
         sizes.push(std::fs::metadata(&p).unwrap().len());
     }
-    assert!(sizes[1] < sizes[0] / 20 && sizes[2] < sizes[0] / 20, "{sizes:?}");
+    assert!(
+        sizes[1] < sizes[0] / 20 && sizes[2] < sizes[0] / 20,
+        "{sizes:?}"
+    );
 }
 
 #[test]
@@ -423,17 +487,41 @@ fn header_refusals_are_typed() {
     }
     let e = with(&|b| b[6..8].copy_from_slice(&(flags::SIGNED).to_le_bytes())).unwrap_err();
     assert!(e.to_string().contains("verification-key"), "{e}");
-    assert!(matches!(kiln_core::Error::from(e), kiln_core::Error::Unsupported(_)));
+    assert!(matches!(
+        kiln_core::Error::from(e),
+        kiln_core::Error::Unsupported(_)
+    ));
 
-    assert!(matches!(with(&|b| b[4] = 3), Err(AprError::UnsupportedVersion { major: 3, minor: 0 })));
-    assert!(matches!(with(&|b| b[4] = 1), Err(AprError::UnsupportedVersion { major: 1, .. })));
+    assert!(matches!(
+        with(&|b| b[4] = 3),
+        Err(AprError::UnsupportedVersion { major: 3, minor: 0 })
+    ));
+    assert!(matches!(
+        with(&|b| b[4] = 1),
+        Err(AprError::UnsupportedVersion { major: 1, .. })
+    ));
     assert!(matches!(with(&|b| b[3] = b'N'), Err(AprError::BadMagic(_))));
-    assert!(matches!(AprFile::from_bytes(b"GGUF".to_vec()), Err(AprError::BadMagic(_))));
-    assert!(matches!(AprFile::from_bytes(b"AP".to_vec()), Err(AprError::Truncated { what: "header", .. })));
-    assert!(matches!(AprFile::from_bytes(base[..63].to_vec()), Err(AprError::Truncated { what: "header", .. })));
+    assert!(matches!(
+        AprFile::from_bytes(b"GGUF".to_vec()),
+        Err(AprError::BadMagic(_))
+    ));
+    assert!(matches!(
+        AprFile::from_bytes(b"AP".to_vec()),
+        Err(AprError::Truncated { what: "header", .. })
+    ));
+    assert!(matches!(
+        AprFile::from_bytes(base[..63].to_vec()),
+        Err(AprError::Truncated { what: "header", .. })
+    ));
     let mut b = base[..66].to_vec();
     fix_crcs(&mut b);
-    assert!(matches!(AprFile::from_bytes(b), Err(AprError::Truncated { what: "file checksum", .. })));
+    assert!(matches!(
+        AprFile::from_bytes(b),
+        Err(AprError::Truncated {
+            what: "file checksum",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -441,10 +529,16 @@ fn crc_failures_say_which_crc() {
     let base = small_plain();
     let mut b = base.clone();
     b[10] ^= 1; // tensor_count: inside the header CRC
-    assert!(matches!(AprFile::from_bytes(b), Err(AprError::HeaderCrc { .. })));
+    assert!(matches!(
+        AprFile::from_bytes(b),
+        Err(AprError::HeaderCrc { .. })
+    ));
     let mut b = base.clone();
     b[41] ^= 0x80; // the stored header CRC itself
-    assert!(matches!(AprFile::from_bytes(b), Err(AprError::HeaderCrc { .. })));
+    assert!(matches!(
+        AprFile::from_bytes(b),
+        Err(AprError::HeaderCrc { .. })
+    ));
     let mut b = base.clone();
     let n = b.len();
     b[n - 70] ^= 4; // tensor data
@@ -453,12 +547,18 @@ fn crc_failures_say_which_crc() {
     assert!(e.to_string().contains("file CRC32"));
     let mut b = base.clone();
     b[n - 1] ^= 4; // the trailing CRC
-    assert!(matches!(AprFile::from_bytes(b), Err(AprError::FileCrc { .. })));
+    assert!(matches!(
+        AprFile::from_bytes(b),
+        Err(AprError::FileCrc { .. })
+    ));
 
     // With CRC checking off, the same data corruption is read as data.
     let mut b = base.clone();
     b[n - 70] ^= 4;
-    let opts = AprReadOptions { verify_file_crc: false, ..AprReadOptions::default() };
+    let opts = AprReadOptions {
+        verify_file_crc: false,
+        ..AprReadOptions::default()
+    };
     assert!(AprFile::from_bytes_with(b, &opts).is_ok());
 }
 
@@ -501,7 +601,14 @@ struct Craft {
 
 impl Craft {
     fn new(entries: Vec<Entry>, data_len: usize) -> Craft {
-        Craft { meta: b"{}".to_vec(), entries, count: None, data_len, index_pad: Vec::new(), tweak: None }
+        Craft {
+            meta: b"{}".to_vec(),
+            entries,
+            count: None,
+            data_len,
+            index_pad: Vec::new(),
+            tweak: None,
+        }
     }
 
     fn build(&self) -> Vec<u8> {
@@ -562,7 +669,13 @@ fn expect_index_err(c: &Craft, needle: &str) {
 
 #[test]
 fn crafted_baseline_is_valid() {
-    let c = Craft::new(vec![entry("a", f32s(), &[16], 0), entry("b", f32s(), &[4, 4], 64)], 128);
+    let c = Craft::new(
+        vec![
+            entry("a", f32s(), &[16], 0),
+            entry("b", f32s(), &[4, 4], 64),
+        ],
+        128,
+    );
     let f = AprFile::from_bytes(c.build()).unwrap();
     assert_eq!(f.tensors().len(), 2);
     check_invariants(&f);
@@ -571,12 +684,30 @@ fn crafted_baseline_is_valid() {
 #[test]
 fn hostile_index_entries_are_refused() {
     // Overlap: b starts inside a.
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[32], 0), entry("b", f32s(), &[4], 64)], 256), "overlap");
+    expect_index_err(
+        &Craft::new(
+            vec![entry("a", f32s(), &[32], 0), entry("b", f32s(), &[4], 64)],
+            256,
+        ),
+        "overlap",
+    );
     // Overlap by aliasing the same bytes.
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[4], 0), entry("b", f32s(), &[4], 0)], 64), "overlap");
+    expect_index_err(
+        &Craft::new(
+            vec![entry("a", f32s(), &[4], 0), entry("b", f32s(), &[4], 0)],
+            64,
+        ),
+        "overlap",
+    );
     // Out of range.
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[32], 64)], 128), "outside");
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[4], u64::MAX - 63)], 64), "outside");
+    expect_index_err(
+        &Craft::new(vec![entry("a", f32s(), &[32], 64)], 128),
+        "outside",
+    );
+    expect_index_err(
+        &Craft::new(vec![entry("a", f32s(), &[4], u64::MAX - 63)], 64),
+        "outside",
+    );
     // Dims whose product overflows u64 (size set to something plausible).
     let mut e = entry("a", f32s(), &[4], 0);
     e.dims = vec![u64::MAX / 2, 3];
@@ -594,16 +725,34 @@ fn hostile_index_entries_are_refused() {
     e.name = Vec::new();
     expect_index_err(&Craft::new(vec![e], 64), "name_len 0");
     // A 257-byte name.
-    expect_index_err(&Craft::new(vec![entry(&"x".repeat(257), f32s(), &[4], 0)], 64), "name_len 257");
+    expect_index_err(
+        &Craft::new(vec![entry(&"x".repeat(257), f32s(), &[4], 0)], 64),
+        "name_len 257",
+    );
     // Invalid UTF-8.
     let mut e = entry("a", f32s(), &[4], 0);
     e.name = vec![0xFF, 0xFE];
     expect_index_err(&Craft::new(vec![e], 64), "UTF-8");
     // Unsorted and duplicate names.
-    expect_index_err(&Craft::new(vec![entry("b", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)], 128), "sorted");
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)], 128), "sorted");
+    expect_index_err(
+        &Craft::new(
+            vec![entry("b", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)],
+            128,
+        ),
+        "sorted",
+    );
+    expect_index_err(
+        &Craft::new(
+            vec![entry("a", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)],
+            128,
+        ),
+        "sorted",
+    );
     // Misaligned offset.
-    expect_index_err(&Craft::new(vec![entry("a", f32s(), &[4], 8)], 64), "multiple of 64");
+    expect_index_err(
+        &Craft::new(vec![entry("a", f32s(), &[4], 8)], 64),
+        "multiple of 64",
+    );
     // Size that does not match dtype × dims.
     let mut e = entry("a", f32s(), &[4], 0);
     e.size = 15;
@@ -625,11 +774,17 @@ fn hostile_index_entries_are_refused() {
     // tensor_count larger than the entries present, and absurdly large.
     let mut c = Craft::new(vec![entry("a", f32s(), &[4], 0)], 64);
     c.count = Some(2);
-    assert!(matches!(AprFile::from_bytes(c.build()), Err(AprError::Index(_))));
+    assert!(matches!(
+        AprFile::from_bytes(c.build()),
+        Err(AprError::Index(_))
+    ));
     c.count = Some(u32::MAX);
     expect_index_err(&c, "cannot fit");
     // tensor_count smaller than the entries present.
-    let mut c = Craft::new(vec![entry("a", f32s(), &[4], 0), entry("b", f32s(), &[4], 64)], 128);
+    let mut c = Craft::new(
+        vec![entry("a", f32s(), &[4], 0), entry("b", f32s(), &[4], 64)],
+        128,
+    );
     c.count = Some(1);
     expect_index_err(&c, "more than tensor_count");
     // Non-zero index padding.
@@ -646,13 +801,34 @@ fn hostile_layouts_and_metadata_are_refused() {
         c.tweak = Some(tweak);
         AprFile::from_bytes(c.build())
     };
-    assert!(matches!(layout(Box::new(|h| h.metadata_offset = 10)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.metadata_offset = u64::MAX)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.metadata_size = 1000)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.tensor_index_offset = h.data_offset + 64)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.data_offset += 8)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.data_offset = 1 << 40)), Err(AprError::Layout(_))));
-    assert!(matches!(layout(Box::new(|h| h.data_offset = u64::MAX)), Err(AprError::Layout(_))));
+    assert!(matches!(
+        layout(Box::new(|h| h.metadata_offset = 10)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.metadata_offset = u64::MAX)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.metadata_size = 1000)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.tensor_index_offset = h.data_offset + 64)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.data_offset += 8)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.data_offset = 1 << 40)),
+        Err(AprError::Layout(_))
+    ));
+    assert!(matches!(
+        layout(Box::new(|h| h.data_offset = u64::MAX)),
+        Err(AprError::Layout(_))
+    ));
 
     for (meta, needle) in [
         (&b"[1,2]"[..], "JSON object"),
@@ -671,7 +847,10 @@ fn hostile_layouts_and_metadata_are_refused() {
     // Deep nesting is refused by serde_json's recursion limit, not the stack.
     let mut c = base();
     c.meta = format!("{{\"a\":{}{}}}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes();
-    assert!(matches!(AprFile::from_bytes(c.build()), Err(AprError::Metadata(_))));
+    assert!(matches!(
+        AprFile::from_bytes(c.build()),
+        Err(AprError::Metadata(_))
+    ));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -685,9 +864,14 @@ fn dont_care(b: &[u8]) -> Vec<std::ops::Range<usize>> {
     let h = f.header();
     let mut r = Vec::new();
     r.push(44..64); // reserved header bytes
-    r.push((h.metadata_offset + u64::from(h.metadata_size)) as usize..h.tensor_index_offset as usize);
-    let mut spans: Vec<(usize, usize)> =
-        f.tensors().iter().map(|t| (f.tensor_offset(t), f.tensor_offset(t) + t.size as usize)).collect();
+    r.push(
+        (h.metadata_offset + u64::from(h.metadata_size)) as usize..h.tensor_index_offset as usize,
+    );
+    let mut spans: Vec<(usize, usize)> = f
+        .tensors()
+        .iter()
+        .map(|t| (f.tensor_offset(t), f.tensor_offset(t) + t.size as usize))
+        .collect();
     spans.sort();
     let end = b.len() - 4;
     for (i, &(_, e)) in spans.iter().enumerate() {
@@ -709,11 +893,15 @@ fn corruption_suite_3000_cases() {
         spec("token_embd.weight", AprDtype::Q4, &[1, 40]),
         spec("pos", AprDtype::I32, &[3]),
     ];
-    let bases: Vec<(Compression, Vec<u8>)> = [Compression::None, Compression::Lz4, Compression::Zstd]
-        .into_iter()
-        .map(|c| (c, write_bytes(&meta, &specs, c)))
+    let bases: Vec<(Compression, Vec<u8>)> =
+        [Compression::None, Compression::Lz4, Compression::Zstd]
+            .into_iter()
+            .map(|c| (c, write_bytes(&meta, &specs, c)))
+            .collect();
+    let wants: Vec<_> = bases
+        .iter()
+        .map(|(_, b)| meaning(&AprFile::from_bytes(b.clone()).unwrap()))
         .collect();
-    let wants: Vec<_> = bases.iter().map(|(_, b)| meaning(&AprFile::from_bytes(b.clone()).unwrap())).collect();
     let free = dont_care(&bases[0].1);
 
     let mut rng = Rng(0x5EED_0A9B_2026_0001);
@@ -732,7 +920,11 @@ fn corruption_suite_3000_cases() {
         } else {
             for _ in 0..1 + rng.below(4) {
                 // Mostly the structured front of the file, sometimes anywhere.
-                let limit = if rng.below(3) == 0 { b.len() } else { 512.min(b.len()) };
+                let limit = if rng.below(3) == 0 {
+                    b.len()
+                } else {
+                    512.min(b.len())
+                };
                 let at = rng.below(limit);
                 b[at] ^= 1 + rng.below(255) as u8;
                 flipped.push(at);
@@ -747,7 +939,8 @@ fn corruption_suite_3000_cases() {
             }
         }
         let unchanged = b == *base;
-        let only_free = !truncate && refix && flipped.iter().all(|&a| free.iter().any(|r| r.contains(&a)));
+        let only_free =
+            !truncate && refix && flipped.iter().all(|&a| free.iter().any(|r| r.contains(&a)));
 
         let t0 = Instant::now();
         let r = AprFile::from_bytes(b);
@@ -756,7 +949,10 @@ fn corruption_suite_3000_cases() {
             Err(_) => {
                 errs += 1;
                 assert!(!unchanged, "case {case}: unchanged bytes were refused");
-                assert!(!(only_free && which == 0), "case {case}: a flip in padding was refused");
+                assert!(
+                    !(only_free && which == 0),
+                    "case {case}: a flip in padding was refused"
+                );
             }
             Ok(f) => {
                 oks += 1;
@@ -806,7 +1002,12 @@ fn bomb(codec: Compression, valid_index: bool, stream_zeros: u64) -> Vec<u8> {
     let plain = c.build();
     let data_off = AprHeader::parse(plain[..64].try_into().unwrap()).data_offset as usize;
     let mut head = plain[..64].to_vec();
-    let f = u16::from_le_bytes([head[6], head[7]]) | if codec == Compression::Lz4 { flags::LZ4 } else { flags::ZSTD };
+    let f = u16::from_le_bytes([head[6], head[7]])
+        | if codec == Compression::Lz4 {
+            flags::LZ4
+        } else {
+            flags::ZSTD
+        };
     head[6..8].copy_from_slice(&f.to_le_bytes());
     fix_header_crc(&mut head);
     let body = &plain[64..data_off];
@@ -851,22 +1052,35 @@ fn bomb_with_valid_index_stops_at_what_the_index_describes() {
 #[test]
 fn bomb_with_broken_index_stops_at_the_size_limit() {
     // An explicit small limit: LZ4 and zstd.
-    let opts = AprReadOptions { decompress_floor: 8 << 20, decompress_ratio: 1, ..AprReadOptions::default() };
+    let opts = AprReadOptions {
+        decompress_floor: 8 << 20,
+        decompress_ratio: 1,
+        ..AprReadOptions::default()
+    };
     for codec in [Compression::Zstd, Compression::Lz4] {
         let b = bomb(codec, false, 64 << 20);
         let (r, peak) = peak_heap(|| AprFile::from_bytes_with(b, &opts));
         match r {
-            Err(AprError::TooLarge { what: "file", limit }) => assert_eq!(limit, 8 << 20),
+            Err(AprError::TooLarge {
+                what: "file",
+                limit,
+            }) => assert_eq!(limit, 8 << 20),
             other => panic!("{codec:?}: {other:?}"),
         }
-        assert!(peak < (8 << 20) + (2 << 20), "{codec:?}: peak heap {peak} bytes");
+        assert!(
+            peak < (8 << 20) + (2 << 20),
+            "{codec:?}: peak heap {peak} bytes"
+        );
     }
     // The default limit: a ~10 KB zstd file expanding to 300 MiB stops at 256 MiB.
     let b = bomb(Compression::Zstd, false, 300 << 20);
     assert!(b.len() < 64 << 10, "{}", b.len());
     let t0 = Instant::now();
     let (r, peak) = peak_heap(|| AprFile::from_bytes(b));
-    assert!(matches!(r, Err(AprError::TooLarge { limit, .. }) if limit == 256 << 20), "{r:?}");
+    assert!(
+        matches!(r, Err(AprError::TooLarge { limit, .. }) if limit == 256 << 20),
+        "{r:?}"
+    );
     assert!(peak <= (256 << 20) + (1 << 20), "peak heap {peak} bytes");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
@@ -886,14 +1100,20 @@ fn header_data_offset_past_the_limit_is_refused_before_decoding() {
 #[test]
 fn garbage_compressed_payloads_are_decompress_errors() {
     let plain = small_plain();
-    for (flag, magic) in [(flags::ZSTD, [0x28u8, 0xB5, 0x2F, 0xFD]), (flags::LZ4, [0x04, 0x22, 0x4D, 0x18])] {
+    for (flag, magic) in [
+        (flags::ZSTD, [0x28u8, 0xB5, 0x2F, 0xFD]),
+        (flags::LZ4, [0x04, 0x22, 0x4D, 0x18]),
+    ] {
         let mut b = plain[..64].to_vec();
         let f = u16::from_le_bytes([b[6], b[7]]) | flag;
         b[6..8].copy_from_slice(&f.to_le_bytes());
         fix_header_crc(&mut b);
         b.extend_from_slice(&magic);
         b.extend((0..200u32).map(|i| (i * 37) as u8));
-        assert!(matches!(AprFile::from_bytes(b), Err(AprError::Decompress(_))));
+        assert!(matches!(
+            AprFile::from_bytes(b),
+            Err(AprError::Decompress(_))
+        ));
     }
     // Valid frame followed by trailing junk.
     let mut b = write_bytes(&sample_metadata(), &every_dtype(), Compression::Zstd);
@@ -910,35 +1130,87 @@ fn writer_refuses_bad_specs_and_wrong_sizes_without_leaving_files() {
     let p = dir.path("out.apr");
     let meta = Map::new();
     let mut fill = |_: &str, out: &mut dyn Write| out.write_all(&[0u8; 16]);
-    let bad = |specs: Vec<AprTensorSpec>| write_apr(&p, &meta, &specs, Compression::None, &mut |_, _| Ok(()));
-    assert!(matches!(bad(vec![spec("a", f32s(), &[4]), spec("a", f32s(), &[4])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec("a", AprDtype::Ggml(QType::Q4_1), &[32])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec("a", AprDtype::Ggml(QType::Q4_K), &[100])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec("", f32s(), &[4])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec(&"n".repeat(257), f32s(), &[4])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec("a", f32s(), &[1; 9])]), Err(AprError::InvalidSpec(_))));
-    assert!(matches!(bad(vec![spec("a", f32s(), &[u64::MAX, 2])]), Err(AprError::InvalidSpec(_))));
+    let bad = |specs: Vec<AprTensorSpec>| {
+        write_apr(&p, &meta, &specs, Compression::None, &mut |_, _| Ok(()))
+    };
+    assert!(matches!(
+        bad(vec![spec("a", f32s(), &[4]), spec("a", f32s(), &[4])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec("a", AprDtype::Ggml(QType::Q4_1), &[32])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec("a", AprDtype::Ggml(QType::Q4_K), &[100])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec("", f32s(), &[4])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec(&"n".repeat(257), f32s(), &[4])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec("a", f32s(), &[1; 9])]),
+        Err(AprError::InvalidSpec(_))
+    ));
+    assert!(matches!(
+        bad(vec![spec("a", f32s(), &[u64::MAX, 2])]),
+        Err(AprError::InvalidSpec(_))
+    ));
 
     // Too few bytes, too many, and a callback error.
-    for (n, codec) in [(12usize, Compression::None), (20, Compression::Zstd), (4, Compression::Lz4)] {
-        let r = write_apr(&p, &meta, &[spec("a", f32s(), &[4])], codec, &mut |_, out| out.write_all(&vec![1u8; n]));
+    for (n, codec) in [
+        (12usize, Compression::None),
+        (20, Compression::Zstd),
+        (4, Compression::Lz4),
+    ] {
+        let r = write_apr(
+            &p,
+            &meta,
+            &[spec("a", f32s(), &[4])],
+            codec,
+            &mut |_, out| out.write_all(&vec![1u8; n]),
+        );
         match r {
-            Err(AprError::TensorData { name, expected: 16, written }) => {
+            Err(AprError::TensorData {
+                name,
+                expected: 16,
+                written,
+            }) => {
                 assert_eq!(name, "a");
                 assert_eq!(written, n as u64);
             }
             other => panic!("{n}: {other:?}"),
         }
     }
-    let r = write_apr(&p, &meta, &[spec("a", f32s(), &[4])], Compression::None, &mut |_, _| {
-        Err(std::io::Error::other("source went away"))
-    });
+    let r = write_apr(
+        &p,
+        &meta,
+        &[spec("a", f32s(), &[4])],
+        Compression::None,
+        &mut |_, _| Err(std::io::Error::other("source went away")),
+    );
     assert!(matches!(r, Err(AprError::Io(_))));
     assert!(!p.exists(), "no partial file at the destination");
-    assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 0, "temporary files are removed");
+    assert_eq!(
+        std::fs::read_dir(&dir.0).unwrap().count(),
+        0,
+        "temporary files are removed"
+    );
 
     // And it works once the sizes are right.
-    write_apr(&p, &meta, &[spec("a", f32s(), &[4])], Compression::None, &mut fill).unwrap();
+    write_apr(
+        &p,
+        &meta,
+        &[spec("a", f32s(), &[4])],
+        Compression::None,
+        &mut fill,
+    )
+    .unwrap();
     assert_eq!(AprFile::open(&p).unwrap().tensors().len(), 1);
     assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 1);
 
@@ -956,7 +1228,10 @@ fn open_refuses_non_regular_files() {
         Err(AprError::NotRegularFile { kind, .. }) => assert_eq!(kind, "a directory"),
         other => panic!("{other:?}"),
     }
-    assert!(matches!(AprFile::open(dir.path("missing.apr")), Err(AprError::Io(_))));
+    assert!(matches!(
+        AprFile::open(dir.path("missing.apr")),
+        Err(AprError::Io(_))
+    ));
     let fifo = dir.path("pipe.apr");
     match std::process::Command::new("mkfifo").arg(&fifo).status() {
         Ok(s) if s.success() => {
@@ -970,17 +1245,32 @@ fn open_refuses_non_regular_files() {
     }
     let empty = dir.path("empty.apr");
     std::fs::write(&empty, b"").unwrap();
-    assert!(matches!(AprFile::open(&empty), Err(AprError::Truncated { .. })));
+    assert!(matches!(
+        AprFile::open(&empty),
+        Err(AprError::Truncated { .. })
+    ));
 }
 
 #[test]
 fn errors_convert_to_kiln_errors() {
     use kiln_core::Error as K;
     assert!(matches!(K::from(AprError::Index("x".into())), K::Format(m) if m.starts_with("APR")));
-    assert!(matches!(K::from(AprError::UnsupportedVersion { major: 3, minor: 0 }), K::Unsupported(_)));
-    assert!(matches!(K::from(AprError::Io(std::io::Error::other("x"))), K::Io(_)));
-    assert!(matches!(K::from(AprError::OutOfMemory { bytes: 1 }), K::OutOfMemory(_)));
-    assert!(matches!(K::from(AprError::InvalidSpec("x".into())), K::InvalidArgument(_)));
+    assert!(matches!(
+        K::from(AprError::UnsupportedVersion { major: 3, minor: 0 }),
+        K::Unsupported(_)
+    ));
+    assert!(matches!(
+        K::from(AprError::Io(std::io::Error::other("x"))),
+        K::Io(_)
+    ));
+    assert!(matches!(
+        K::from(AprError::OutOfMemory { bytes: 1 }),
+        K::OutOfMemory(_)
+    ));
+    assert!(matches!(
+        K::from(AprError::InvalidSpec("x".into())),
+        K::InvalidArgument(_)
+    ));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1006,23 +1296,41 @@ fn regenerate_fuzz_corpus() {
     let mut meta = Map::new();
     meta.insert("architecture".into(), json!("llama"));
     meta.insert("tokenizer.vocabulary".into(), json!(["a", "b"]));
-    for (name, c) in [("plain.apr", Compression::None), ("lz4.apr", Compression::Lz4), ("zstd.apr", Compression::Zstd)]
-    {
+    for (name, c) in [
+        ("plain.apr", Compression::None),
+        ("lz4.apr", Compression::Lz4),
+        ("zstd.apr", Compression::Zstd),
+    ] {
         write_file(&dir.join(name), &meta, &specs, c);
     }
-    write_apr(&dir.join("empty.apr"), &Map::new(), &[], Compression::None, &mut |_, _| Ok(())).unwrap();
+    write_apr(
+        &dir.join("empty.apr"),
+        &Map::new(),
+        &[],
+        Compression::None,
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     let mut b = std::fs::read(dir.join("plain.apr")).unwrap();
     b[6] |= flags::LZ4 as u8;
     fix_crcs(&mut b);
     std::fs::write(dir.join("flag_only_lz4.apr"), b).unwrap();
-    let c = Craft::new(vec![entry("a", f32s(), &[4], 0), entry("b", AprDtype::I64, &[2], 64)], 128);
+    let c = Craft::new(
+        vec![
+            entry("a", f32s(), &[4], 0),
+            entry("b", AprDtype::I64, &[2], 64),
+        ],
+        128,
+    );
     std::fs::write(dir.join("crafted.apr"), c.build()).unwrap();
 }
 
 #[test]
 fn fuzz_corpus_under_a_stable_harness() {
-    let mut files: Vec<PathBuf> =
-        std::fs::read_dir(corpus_dir()).expect("fuzz/corpus/apr_reader exists").map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir())
+        .expect("fuzz/corpus/apr_reader exists")
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
     assert!(files.len() >= 4, "{files:?}");
     let mut rng = Rng(0xF022_C0DE_0000_0001);
@@ -1031,8 +1339,14 @@ fn fuzz_corpus_under_a_stable_harness() {
     let mut accepted = 0;
     for path in &files {
         let seed = std::fs::read(path).unwrap();
-        assert!(seed.len() < 4096, "{} is {} bytes", path.display(), seed.len());
-        let f = AprFile::from_bytes(seed.clone()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            seed.len() < 4096,
+            "{} is {} bytes",
+            path.display(),
+            seed.len()
+        );
+        let f =
+            AprFile::from_bytes(seed.clone()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         check_invariants(&f);
         for _ in 0..1000 {
             let mut b = seed.clone();
@@ -1050,8 +1364,18 @@ fn fuzz_corpus_under_a_stable_harness() {
                     3 if b.len() >= 8 => {
                         // An interesting value over a u16/u32/u64 field.
                         let at = rng.below(b.len() - 8);
-                        let v: u64 =
-                            [0, 1, 63, 64, 65, 255, 256, u64::from(u32::MAX), u64::MAX, 1 << 40][rng.below(10)];
+                        let v: u64 = [
+                            0,
+                            1,
+                            63,
+                            64,
+                            65,
+                            255,
+                            256,
+                            u64::from(u32::MAX),
+                            u64::MAX,
+                            1 << 40,
+                        ][rng.below(10)];
                         let w = [2usize, 4, 8][rng.below(3)];
                         b[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
                     }
@@ -1086,22 +1410,37 @@ fn fuzz_corpus_under_a_stable_harness() {
 
 #[test]
 fn python_checker_agrees() {
-    if std::process::Command::new("python3").arg("--version").output().is_err() {
+    if std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         eprintln!("skipped: no python3");
         return;
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/apr_check.py");
     let dir = TempDir::new("py");
     let run = |p: &Path| {
-        let out = std::process::Command::new("python3").arg(&script).arg(p).arg("-v").output().unwrap();
-        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .arg(p)
+            .arg("-v")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
     };
     let good = dir.path("good.apr");
     write_file(&good, &sample_metadata(), &every_dtype(), Compression::None);
     let (code, out) = run(&good);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains(": OK:"), "{out}");
-    assert!(out.contains(&format!("{} tensors", every_dtype().len())), "{out}");
+    assert!(
+        out.contains(&format!("{} tensors", every_dtype().len())),
+        "{out}"
+    );
 
     // What kiln refuses, the checker refuses too.
     let raw = std::fs::read(&good).unwrap();
@@ -1117,10 +1456,30 @@ fn python_checker_agrees() {
             b[n - 10] ^= 1;
             b
         }),
-        ("overlap", Craft::new(vec![entry("a", f32s(), &[32], 0), entry("b", f32s(), &[4], 64)], 256).build()),
-        ("unsorted", Craft::new(vec![entry("b", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)], 128).build()),
-        ("misaligned", Craft::new(vec![entry("a", f32s(), &[4], 8)], 64).build()),
-        ("out of range", Craft::new(vec![entry("a", f32s(), &[32], 64)], 128).build()),
+        (
+            "overlap",
+            Craft::new(
+                vec![entry("a", f32s(), &[32], 0), entry("b", f32s(), &[4], 64)],
+                256,
+            )
+            .build(),
+        ),
+        (
+            "unsorted",
+            Craft::new(
+                vec![entry("b", f32s(), &[4], 0), entry("a", f32s(), &[4], 64)],
+                128,
+            )
+            .build(),
+        ),
+        (
+            "misaligned",
+            Craft::new(vec![entry("a", f32s(), &[4], 8)], 64).build(),
+        ),
+        (
+            "out of range",
+            Craft::new(vec![entry("a", f32s(), &[32], 64)], 128).build(),
+        ),
         ("size", {
             let mut e = entry("a", f32s(), &[4], 0);
             e.size = 15;

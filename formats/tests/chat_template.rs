@@ -5,7 +5,10 @@ use kiln_core::Error;
 use kiln_formats::chat::{ChatMessage, ChatTemplate};
 
 fn conv() -> Vec<ChatMessage> {
-    vec![ChatMessage::new("user", "Hello?"), ChatMessage::new("assistant", "Hi there.")]
+    vec![
+        ChatMessage::new("user", "Hello?"),
+        ChatMessage::new("assistant", "Hi there."),
+    ]
 }
 
 #[test]
@@ -28,8 +31,14 @@ fn jinja_conventions_of_transformers() {
     // .strip() / .startswith() are Python methods; bos_token is a variable.
     let src = "{{ bos_token }}\n{% for m in messages %}\n    {% if m.role.startswith('u') %}\n[U] {{ m.content.strip() }}\n    {% else %}\n[A] {{ m['content'] | upper }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}[A]{% endif %}";
     let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-    let msgs = vec![ChatMessage::new("user", "  padded  "), ChatMessage::new("assistant", "ok")];
-    assert_eq!(t.render(&msgs, true).unwrap(), "<s>\n[U] padded\n[A] OK\n[A]");
+    let msgs = vec![
+        ChatMessage::new("user", "  padded  "),
+        ChatMessage::new("assistant", "ok"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<s>\n[U] padded\n[A] OK\n[A]"
+    );
 }
 
 #[test]
@@ -41,7 +50,10 @@ fn tojson_writes_python_json() {
         r#"{"role": "user", "content": "Hello?"}|{"a": [1, 2.5, null, true]}|"x<y""#
     );
     let t = ChatTemplate::new("{{ {'k': [1]} | tojson(indent=2) }}", "", "").unwrap();
-    assert_eq!(t.render(&[], false).unwrap(), "{\n  \"k\": [\n    1\n  ]\n}");
+    assert_eq!(
+        t.render(&[], false).unwrap(),
+        "{\n  \"k\": [\n    1\n  ]\n}"
+    );
 }
 
 #[test]
@@ -53,12 +65,20 @@ fn template_errors_are_typed_and_carry_the_message() {
     )
     .unwrap();
     match t.render(&conv(), false) {
-        Err(Error::Tokenizer(msg)) => assert!(msg.contains("first message must be system"), "{msg}"),
+        Err(Error::Tokenizer(msg)) => {
+            assert!(msg.contains("first message must be system"), "{msg}")
+        }
         other => panic!("expected a template error, got {other:?}"),
     }
-    assert!(matches!(ChatTemplate::new("{% for x in %}", "", ""), Err(Error::Tokenizer(_))));
+    assert!(matches!(
+        ChatTemplate::new("{% for x in %}", "", ""),
+        Err(Error::Tokenizer(_))
+    ));
     let t = ChatTemplate::new("{{ messages | nosuchfilter }}", "", "");
-    assert!(matches!(t.and_then(|t| t.render(&conv(), false)), Err(Error::Tokenizer(_))));
+    assert!(matches!(
+        t.and_then(|t| t.render(&conv(), false)),
+        Err(Error::Tokenizer(_))
+    ));
 }
 
 /// Templates are untrusted code from the model file: an endless loop, deep recursion or a
@@ -82,10 +102,25 @@ fn hostile_templates_hit_a_limit_and_fail_cleanly() {
         assert!(secs < 20.0, "{what}: took {secs} s");
     }
     // The output limit itself, with few instructions: long strings repeated.
-    let big = format!("{{% for i in range(100) %}}{{{{ '{}' }}}}{{% endfor %}}", "y".repeat(1 << 20));
-    let err = ChatTemplate::new(big, "", "").unwrap().render(&conv(), false).unwrap_err().to_string();
+    let big = format!(
+        "{{% for i in range(100) %}}{{{{ '{}' }}}}{{% endfor %}}",
+        "y".repeat(1 << 20)
+    );
+    let err = ChatTemplate::new(big, "", "")
+        .unwrap()
+        .render(&conv(), false)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("exceeds"), "{err}");
     // A real conversation stays far inside the limits.
-    let long: Vec<ChatMessage> = (0..1000).map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello there")).collect();
-    assert!(ChatTemplate::chatml("<s>", "</s>").render(&long, true).unwrap().len() > 10_000);
+    let long: Vec<ChatMessage> = (0..1000)
+        .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello there"))
+        .collect();
+    assert!(
+        ChatTemplate::chatml("<s>", "</s>")
+            .render(&long, true)
+            .unwrap()
+            .len()
+            > 10_000
+    );
 }

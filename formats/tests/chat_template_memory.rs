@@ -12,7 +12,8 @@ static ALLOC: memory::GuardedAlloc = memory::GuardedAlloc;
 
 fn render(src: &str) -> Result<String, String> {
     let t = ChatTemplate::new(src, "<s>", "</s>").map_err(|e| e.to_string())?;
-    t.render(&[ChatMessage::new("user", "hi")], true).map_err(|e| e.to_string())
+    t.render(&[ChatMessage::new("user", "hi")], true)
+        .map_err(|e| e.to_string())
 }
 
 #[test]
@@ -32,9 +33,18 @@ fn templates_building_unbounded_text_are_stopped_at_the_memory_limit() {
     }
     // A template that was stopped refuses later renders at once (no second parked thread).
     let t = ChatTemplate::new("{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "", "").unwrap();
-    let first = t.render(&[ChatMessage::new("user", "hi")], true).unwrap_err().to_string();
-    let second = t.render(&[ChatMessage::new("user", "hi")], true).unwrap_err().to_string();
-    assert!(first.contains("more than") && second.contains("an earlier render was stopped"), "{first} / {second}");
+    let first = t
+        .render(&[ChatMessage::new("user", "hi")], true)
+        .unwrap_err()
+        .to_string();
+    let second = t
+        .render(&[ChatMessage::new("user", "hi")], true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        first.contains("more than") && second.contains("an earlier render was stopped"),
+        "{first} / {second}"
+    );
     // Ordinary rendering goes on.
     let out = render("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}").unwrap();
     assert_eq!(out, "[user] hi");

@@ -23,15 +23,22 @@ static ALLOC: kiln_formats::chat::memory::GuardedAlloc = kiln_formats::chat::mem
 const TIME_BOUND: Duration = Duration::from_secs(15);
 
 fn corpus_dir(target: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus").join(target)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(target)
 }
 
 fn corpus(target: &str, seeds: fn() -> Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     let mut inputs: Vec<Vec<u8>> = match std::fs::read_dir(corpus_dir(target)) {
-        Ok(dir) => dir.map(|e| std::fs::read(e.unwrap().path()).unwrap()).collect(),
+        Ok(dir) => dir
+            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect(),
         Err(_) => Vec::new(),
     };
-    assert!(!inputs.is_empty(), "fuzz/corpus/{target} is committed with seeds");
+    assert!(
+        !inputs.is_empty(),
+        "fuzz/corpus/{target} is committed with seeds"
+    );
     inputs.extend(seeds());
     inputs
 }
@@ -64,7 +71,18 @@ fn mutate(input: &[u8], rng: &mut Rng) -> Vec<u8> {
             0 if !b.is_empty() => b[at] ^= 1 << (rng.next_u64() % 8),
             1 => {
                 let width = [1usize, 2, 4, 8][rng.next_u64() as usize % 4];
-                let v: u64 = [0, 1, 0x7f, 0x80, 0xff, 0xffff, 0x7fff_ffff, 0xffff_ffff, u64::MAX, 1 << 40][rng.next_u64() as usize % 10];
+                let v: u64 = [
+                    0,
+                    1,
+                    0x7f,
+                    0x80,
+                    0xff,
+                    0xffff,
+                    0x7fff_ffff,
+                    0xffff_ffff,
+                    u64::MAX,
+                    1 << 40,
+                ][rng.next_u64() as usize % 10];
                 for (i, byte) in v.to_le_bytes()[..width].iter().enumerate() {
                     if let Some(x) = b.get_mut(at + i) {
                         *x = *byte;
@@ -99,7 +117,10 @@ fn run(target: &str, f: fn(&[u8]), seeds: fn() -> Vec<Vec<u8>>, default_cases: u
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(kiln_core::testdata::fresh_seed);
-    let cases = std::env::var("KILN_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default_cases);
+    let cases = std::env::var("KILN_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_cases);
     let mut rng = Rng::new(seed);
     let inputs = corpus(target, seeds);
     let (mut slowest, start) = (Duration::ZERO, Instant::now());
@@ -118,13 +139,20 @@ fn run(target: &str, f: fn(&[u8]), seeds: fn() -> Vec<Vec<u8>>, default_cases: u
             std::fs::write(&path, &input).unwrap();
             panic!(
                 "{target}: input {i} (seed {seed}) {} — saved to {}",
-                if outcome.is_err() { "panicked".to_string() } else { format!("took {took:?}") },
+                if outcome.is_err() {
+                    "panicked".to_string()
+                } else {
+                    format!("took {took:?}")
+                },
                 path.display()
             );
         }
         slowest = slowest.max(took);
     }
-    println!("{target}: {total} inputs (seed {seed}), slowest {slowest:?}, total {:?}", start.elapsed());
+    println!(
+        "{target}: {total} inputs (seed {seed}), slowest {slowest:?}, total {:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -144,7 +172,12 @@ fn tokenizers_never_panic_and_byte_level_bpe_round_trips() {
 
 #[test]
 fn chat_templates_never_panic_or_run_unbounded() {
-    run("chat_template", fuzz::chat_template, fuzz::chat_template_seeds, 2000);
+    run(
+        "chat_template",
+        fuzz::chat_template,
+        fuzz::chat_template_seeds,
+        2000,
+    );
 }
 
 /// Mutations start from files every stage accepts: each GGUF seed maps to a valid IR, a
@@ -157,10 +190,14 @@ fn gguf_seeds_pass_every_stage() {
         let ir = kiln_formats::model::model_from_gguf(&file, "seed").unwrap();
         ir.config.validate().unwrap();
         let tok = kiln_formats::tokenizer::Tokenizer::from_gguf(&file).unwrap();
-        assert!(!tok.encode("the theater", true, false).unwrap().is_empty(), "seed {i}");
+        assert!(
+            !tok.encode("the theater", true, false).unwrap().is_empty(),
+            "seed {i}"
+        );
         let t = kiln_formats::chat::ChatTemplate::from_gguf(&file).unwrap();
         assert!(!t.is_fallback(), "seed {i} carries its template");
-        t.render(&[kiln_formats::chat::ChatMessage::new("user", "hi")], true).unwrap();
+        t.render(&[kiln_formats::chat::ChatMessage::new("user", "hi")], true)
+            .unwrap();
     }
 }
 
@@ -176,7 +213,9 @@ fn fuzz_regressions_stay_fixed() {
     ];
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
     for (target, f) in targets {
-        let Ok(dir) = std::fs::read_dir(root.join(target)) else { continue };
+        let Ok(dir) = std::fs::read_dir(root.join(target)) else {
+            continue;
+        };
         for e in dir {
             let path = e.unwrap().path();
             let input = std::fs::read(&path).unwrap();

@@ -43,16 +43,38 @@ fn valid_file() -> Vec<u8> {
     w.add_kv("general.alignment", 64u32).unwrap();
     w.add_kv("llama.block_count", 2u32).unwrap();
     w.add_kv("llama.rope.freq_base", 10000.0f32).unwrap();
-    w.add_kv("tokenizer.ggml.tokens", vec!["<s>", "</s>", "a", "b", "ab"]).unwrap();
-    w.add_kv("tokenizer.ggml.scores", vec![0.0f32, 0.0, -1.0, -2.0, -3.0]).unwrap();
-    w.add_kv("tokenizer.ggml.token_type", vec![3i32, 3, 1, 1, 1]).unwrap();
-    w.add_kv("nested", GgufArray::Array(vec![GgufArray::U64(vec![1, 2]), GgufArray::String(vec!["x".into()])]))
+    w.add_kv("tokenizer.ggml.tokens", vec!["<s>", "</s>", "a", "b", "ab"])
         .unwrap();
+    w.add_kv("tokenizer.ggml.scores", vec![0.0f32, 0.0, -1.0, -2.0, -3.0])
+        .unwrap();
+    w.add_kv("tokenizer.ggml.token_type", vec![3i32, 3, 1, 1, 1])
+        .unwrap();
+    w.add_kv(
+        "nested",
+        GgufArray::Array(vec![
+            GgufArray::U64(vec![1, 2]),
+            GgufArray::String(vec!["x".into()]),
+        ]),
+    )
+    .unwrap();
     w.add_kv("flag", true).unwrap();
     w.add_kv("big", u64::MAX).unwrap();
-    w.add_tensor("token_embd.weight", QType::Q8_0, vec![32, 5], vec![3; 34 * 5]).unwrap();
-    w.add_tensor("output_norm.weight", QType::F32, vec![32], vec![0; 128]).unwrap();
-    w.add_tensor("blk.0.attn_q.weight", QType::Q4_K, vec![256, 2], vec![7; 288]).unwrap();
+    w.add_tensor(
+        "token_embd.weight",
+        QType::Q8_0,
+        vec![32, 5],
+        vec![3; 34 * 5],
+    )
+    .unwrap();
+    w.add_tensor("output_norm.weight", QType::F32, vec![32], vec![0; 128])
+        .unwrap();
+    w.add_tensor(
+        "blk.0.attn_q.weight",
+        QType::Q4_K,
+        vec![256, 2],
+        vec![7; 288],
+    )
+    .unwrap();
     w.write_to(Vec::new()).unwrap()
 }
 
@@ -61,7 +83,10 @@ fn corruption(len: usize) -> impl Strategy<Value = (Vec<(usize, u8)>, Option<usi
     let header_end = (len / 2).max(1);
     let pos = prop_oneof![3 => 0..header_end, 1 => 0..len];
     let byte = prop_oneof![any::<u8>(), Just(0u8), Just(0xFF), Just(0x7F), Just(0x80)];
-    (proptest::collection::vec((pos, byte), 1..8), proptest::option::weighted(0.3, 0..len))
+    (
+        proptest::collection::vec((pos, byte), 1..8),
+        proptest::option::weighted(0.3, 0..len),
+    )
 }
 
 proptest! {

@@ -33,7 +33,10 @@ fn every_value() -> Vec<(&'static str, GgufValue)> {
         ("t.bool.false", GgufValue::Bool(false)),
         ("t.string", GgufValue::String("hello".into())),
         ("t.string.empty", GgufValue::String(String::new())),
-        ("t.string.unicode", GgufValue::String("Grüße, 世界 🦀 \u{0}\n\t".into())),
+        (
+            "t.string.unicode",
+            GgufValue::String("Grüße, 世界 🦀 \u{0}\n\t".into()),
+        ),
         ("t.u64", GgufValue::U64(u64::MAX)),
         ("t.i64", GgufValue::I64(i64::MIN)),
         ("t.f64", GgufValue::F64(std::f64::consts::PI)),
@@ -44,8 +47,14 @@ fn every_value() -> Vec<(&'static str, GgufValue)> {
         ("t.arr.u32", GgufArray::U32(vec![7, u32::MAX]).into()),
         ("t.arr.i32", GgufArray::I32(vec![-7, i32::MAX]).into()),
         ("t.arr.f32", GgufArray::F32(vec![0.5, -0.25, 1e30]).into()),
-        ("t.arr.bool", GgufArray::Bool(vec![true, false, true]).into()),
-        ("t.arr.string", GgufArray::String(vec!["a".into(), String::new(), "ü🦀".into()]).into()),
+        (
+            "t.arr.bool",
+            GgufArray::Bool(vec![true, false, true]).into(),
+        ),
+        (
+            "t.arr.string",
+            GgufArray::String(vec!["a".into(), String::new(), "ü🦀".into()]).into(),
+        ),
         ("t.arr.u64", GgufArray::U64(vec![u64::MAX, 0]).into()),
         ("t.arr.i64", GgufArray::I64(vec![i64::MIN, i64::MAX]).into()),
         ("t.arr.f64", GgufArray::F64(vec![1e-300, -2.0]).into()),
@@ -75,15 +84,51 @@ struct T {
 
 fn tensors() -> Vec<T> {
     vec![
-        T { name: "a.f32", qtype: QType::F32, dims: vec![3, 5] },
-        T { name: "b.f16", qtype: QType::F16, dims: vec![7] },
-        T { name: "c.q4_0", qtype: QType::Q4_0, dims: vec![64, 3] },
-        T { name: "d.q8_0", qtype: QType::Q8_0, dims: vec![32, 2, 2] },
-        T { name: "e.q4_k", qtype: QType::Q4_K, dims: vec![256, 3] },
-        T { name: "f.q6_k", qtype: QType::Q6_K, dims: vec![512, 1, 1, 2] },
-        T { name: "g.bf16", qtype: QType::BF16, dims: vec![1] },
-        T { name: "h.empty", qtype: QType::F32, dims: vec![0, 4] },
-        T { name: "i.q4_1", qtype: QType::Q4_1, dims: vec![32] },
+        T {
+            name: "a.f32",
+            qtype: QType::F32,
+            dims: vec![3, 5],
+        },
+        T {
+            name: "b.f16",
+            qtype: QType::F16,
+            dims: vec![7],
+        },
+        T {
+            name: "c.q4_0",
+            qtype: QType::Q4_0,
+            dims: vec![64, 3],
+        },
+        T {
+            name: "d.q8_0",
+            qtype: QType::Q8_0,
+            dims: vec![32, 2, 2],
+        },
+        T {
+            name: "e.q4_k",
+            qtype: QType::Q4_K,
+            dims: vec![256, 3],
+        },
+        T {
+            name: "f.q6_k",
+            qtype: QType::Q6_K,
+            dims: vec![512, 1, 1, 2],
+        },
+        T {
+            name: "g.bf16",
+            qtype: QType::BF16,
+            dims: vec![1],
+        },
+        T {
+            name: "h.empty",
+            qtype: QType::F32,
+            dims: vec![0, 4],
+        },
+        T {
+            name: "i.q4_1",
+            qtype: QType::Q4_1,
+            dims: vec![32],
+        },
     ]
 }
 
@@ -110,7 +155,8 @@ fn check_file(f: &GgufFile, alignment: u64, datas: &[Vec<u8>]) {
     assert_eq!(f.alignment(), alignment);
     assert_eq!(f.data_offset() % alignment, 0);
     // Metadata in file order, all values equal.
-    let mut expected: Vec<(String, GgufValue)> = vec![("general.architecture".into(), "test".into())];
+    let mut expected: Vec<(String, GgufValue)> =
+        vec![("general.architecture".into(), "test".into())];
     if alignment != 32 {
         expected.push(("general.alignment".into(), GgufValue::U32(alignment as u32)));
     }
@@ -129,7 +175,13 @@ fn check_file(f: &GgufFile, alignment: u64, datas: &[Vec<u8>]) {
         assert_eq!(info.qtype, t.qtype);
         assert_eq!(info.dims, t.dims);
         assert_eq!(info.n_bytes, data.len());
-        assert_eq!(info.offset % alignment, 0, "{} offset {}", t.name, info.offset);
+        assert_eq!(
+            info.offset % alignment,
+            0,
+            "{} offset {}",
+            t.name,
+            info.offset
+        );
         assert_eq!(f.tensor(t.name), Some(info));
         let view = f.view(info).unwrap();
         assert_eq!(view.bytes(), data.as_slice(), "{}", t.name);
@@ -166,7 +218,8 @@ fn round_trip_custom_alignments() {
 #[test]
 fn round_trip_through_a_file_on_disk() {
     let (w, datas) = build(Some(64));
-    let path = std::env::temp_dir().join(format!("kiln-gguf-roundtrip-{}.gguf", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("kiln-gguf-roundtrip-{}.gguf", std::process::id()));
     w.write_file(&path).unwrap();
     let f = GgufFile::open(&path);
     std::fs::remove_file(&path).unwrap();
@@ -186,15 +239,27 @@ fn accessors_convert_between_integer_widths_and_reject_other_types() {
     assert_eq!(f.get_f32("t.u16"), Some(65535.0));
     assert_eq!(f.get_f32("t.string"), None);
     assert_eq!(f.get_bool("t.bool.true"), Some(true));
-    assert_eq!(f.get_str("t.string.unicode"), Some("Grüße, 世界 🦀 \u{0}\n\t"));
+    assert_eq!(
+        f.get_str("t.string.unicode"),
+        Some("Grüße, 世界 🦀 \u{0}\n\t")
+    );
     assert_eq!(f.get_str("t.u8"), None);
-    assert_eq!(f.get_string_array("t.arr.string").unwrap(), ["a", "", "ü🦀"]);
+    assert_eq!(
+        f.get_string_array("t.arr.string").unwrap(),
+        ["a", "", "ü🦀"]
+    );
     assert_eq!(f.get_string_array("t.arr.u8"), None);
     assert_eq!(f.get_f32_array("t.arr.f32").unwrap(), [0.5, -0.25, 1e30]);
     assert_eq!(f.get_i32_array("t.arr.i32").unwrap(), [-7, i32::MAX]);
-    assert_eq!(f.get_array("t.arr.empty.string").unwrap().elem_type(), GgufType::String);
+    assert_eq!(
+        f.get_array("t.arr.empty.string").unwrap().elem_type(),
+        GgufType::String
+    );
     assert!(f.get_array("t.arr.empty.string").unwrap().is_empty());
-    assert_eq!(f.get_array("t.arr.i16").unwrap().to_i64_vec(), Some(vec![-2, 2]));
+    assert_eq!(
+        f.get_array("t.arr.i16").unwrap().to_i64_vec(),
+        Some(vec![-2, 2])
+    );
     assert_eq!(f.architecture(), Some("test"));
     // Display is bounded for long arrays.
     let long: GgufValue = GgufArray::U32((0..1000).collect()).into();
@@ -230,7 +295,10 @@ fn streamed_output_equals_in_memory_output() {
         }
     }
     assert!(s.next_tensor().is_none());
-    assert!(matches!(s.write_tensor_data(&[0]), Err(GgufError::UnexpectedTensorData)));
+    assert!(matches!(
+        s.write_tensor_data(&[0]),
+        Err(GgufError::UnexpectedTensorData)
+    ));
     let streamed = s.finish().unwrap();
     assert_eq!(streamed, reference);
 }
@@ -240,27 +308,56 @@ fn writer_rejects_bad_input() {
     let mut w = GgufWriter::new();
     w.add_kv("k", 1u32).unwrap();
     assert!(matches!(w.add_kv("k", 2u32), Err(GgufError::DuplicateKey(k)) if k == "k"));
-    assert!(matches!(w.add_kv("general.alignment", 48u32), Err(GgufError::BadAlignment(48))));
-    assert!(matches!(w.add_kv("general.alignment", 0u32), Err(GgufError::BadAlignment(0))));
-    assert!(matches!(w.add_kv("general.alignment", -32i32), Err(GgufError::WrongType { .. })));
+    assert!(matches!(
+        w.add_kv("general.alignment", 48u32),
+        Err(GgufError::BadAlignment(48))
+    ));
+    assert!(matches!(
+        w.add_kv("general.alignment", 0u32),
+        Err(GgufError::BadAlignment(0))
+    ));
+    assert!(matches!(
+        w.add_kv("general.alignment", -32i32),
+        Err(GgufError::WrongType { .. })
+    ));
     assert!(matches!(
         w.add_tensor("t", QType::F32, vec![4], vec![0; 15]),
-        Err(GgufError::DataSizeMismatch { expected: 16, actual: 15, .. })
+        Err(GgufError::DataSizeMismatch {
+            expected: 16,
+            actual: 15,
+            ..
+        })
     ));
-    assert!(matches!(w.add_tensor("t", QType::Q4_0, vec![31], vec![]), Err(GgufError::BadShape { .. })));
-    assert!(matches!(w.declare_tensor("t", QType::F32, vec![1; 5]), Err(GgufError::TooManyDims { .. })));
+    assert!(matches!(
+        w.add_tensor("t", QType::Q4_0, vec![31], vec![]),
+        Err(GgufError::BadShape { .. })
+    ));
+    assert!(matches!(
+        w.declare_tensor("t", QType::F32, vec![1; 5]),
+        Err(GgufError::TooManyDims { .. })
+    ));
     w.declare_tensor("t", QType::F32, vec![4]).unwrap();
-    assert!(matches!(w.declare_tensor("t", QType::F32, vec![4]), Err(GgufError::DuplicateTensor(_))));
+    assert!(matches!(
+        w.declare_tensor("t", QType::F32, vec![4]),
+        Err(GgufError::DuplicateTensor(_))
+    ));
     let mut deep = GgufArray::U8(vec![1]);
     for _ in 0..12 {
         deep = GgufArray::Array(vec![deep]);
     }
-    assert!(matches!(w.add_kv("deep", deep), Err(GgufError::NestingTooDeep { .. })));
+    assert!(matches!(
+        w.add_kv("deep", deep),
+        Err(GgufError::NestingTooDeep { .. })
+    ));
 
     let mut s = w.begin(Vec::new()).unwrap();
     assert!(matches!(
         s.write_tensor_data(&[0; 20]),
-        Err(GgufError::DataSizeMismatch { expected: 16, actual: 20, .. })
+        Err(GgufError::DataSizeMismatch {
+            expected: 16,
+            actual: 20,
+            ..
+        })
     ));
     s.write_tensor_data(&[0; 8]).unwrap();
     assert!(matches!(s.finish(), Err(GgufError::MissingTensorData { name }) if name == "t"));

@@ -27,7 +27,9 @@ fn model_path() -> Option<PathBuf> {
 
 fn open() -> Option<GgufFile> {
     let Some(path) = model_path() else {
-        println!("skipped: {FILE_NAME} not found (set KILN_TEST_MODEL or run `kiln` once to fetch it)");
+        println!(
+            "skipped: {FILE_NAME} not found (set KILN_TEST_MODEL or run `kiln` once to fetch it)"
+        );
         return None;
     };
     Some(GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
@@ -50,14 +52,23 @@ fn smollm2_header_and_metadata() {
     assert_eq!(f.get_str("tokenizer.ggml.pre"), Some("smollm"));
     let tokens = f.get_string_array("tokenizer.ggml.tokens").unwrap();
     assert_eq!(tokens.len(), 49152);
-    assert_eq!(&tokens[..3], ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]);
+    assert_eq!(
+        &tokens[..3],
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    );
     let merges = f.get_string_array("tokenizer.ggml.merges").unwrap();
     assert_eq!(merges.len(), 48900);
     assert_eq!(&merges[..3], ["Ġ t", "Ġ a", "i n"]);
-    assert_eq!(f.get_i32_array("tokenizer.ggml.token_type").unwrap().len(), 49152);
+    assert_eq!(
+        f.get_i32_array("tokenizer.ggml.token_type").unwrap().len(),
+        49152
+    );
     assert_eq!(f.get_u64("tokenizer.ggml.bos_token_id"), Some(1));
     assert_eq!(f.get_u64("tokenizer.ggml.eos_token_id"), Some(2));
-    assert!(f.get_str("tokenizer.chat_template").unwrap().contains("<|im_start|>"));
+    assert!(f
+        .get_str("tokenizer.chat_template")
+        .unwrap()
+        .contains("<|im_start|>"));
     // Metadata is in file order.
     assert_eq!(f.metadata()[0].0, "general.architecture");
     assert_eq!(f.metadata()[32].0, "general.quantization_version");
@@ -68,11 +79,16 @@ fn smollm2_views_are_the_file_bytes() {
     let Some(f) = open() else { return };
     let path = model_path().unwrap();
     let mut raw = std::fs::File::open(path).unwrap();
-    for name in ["token_embd.weight", "blk.17.attn_k.weight", "output_norm.weight"] {
+    for name in [
+        "token_embd.weight",
+        "blk.17.attn_k.weight",
+        "output_norm.weight",
+    ] {
         let info = f.tensor(name).unwrap();
         let view = f.view(info).unwrap();
         let mut expected = vec![0u8; 256];
-        raw.seek(SeekFrom::Start(f.data_offset() + info.offset)).unwrap();
+        raw.seek(SeekFrom::Start(f.data_offset() + info.offset))
+            .unwrap();
         raw.read_exact(&mut expected).unwrap();
         assert_eq!(&view.bytes()[..256], expected.as_slice(), "{name}");
     }
@@ -81,7 +97,9 @@ fn smollm2_views_are_the_file_bytes() {
 #[test]
 fn smollm2_maps_into_the_ir() {
     let Some(path) = model_path() else {
-        println!("skipped: {FILE_NAME} not found (set KILN_TEST_MODEL or run `kiln` once to fetch it)");
+        println!(
+            "skipped: {FILE_NAME} not found (set KILN_TEST_MODEL or run `kiln` once to fetch it)"
+        );
         return;
     };
     let (f, ir) = load_gguf(&path).unwrap();

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    Architecture, Backend, Error, LayerExecutor, LoadOptions, ModelIr, QType, Registry, RopeKind, RopeScaling, Support,
+    Architecture, Backend, Error, LayerExecutor, LoadOptions, ModelIr, QType, Registry, RopeKind,
+    RopeScaling, Support,
 };
 use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use kiln_formats::model::{config_from_gguf, dispatch, model_from_gguf};
@@ -61,10 +62,22 @@ impl Spec {
     }
     fn qwen3() -> Spec {
         // head_dim 32 with 4 heads: q_dim 128 is twice the hidden size, as in Qwen3.
-        Spec { arch: "qwen3", key_length: Some(32), qk_norm: true, tied: false, vocab_key: false, ..Spec::llama() }
+        Spec {
+            arch: "qwen3",
+            key_length: Some(32),
+            qk_norm: true,
+            tied: false,
+            vocab_key: false,
+            ..Spec::llama()
+        }
     }
     fn qwen2() -> Spec {
-        Spec { arch: "qwen2", biases: true, matrix_qtype: QType::Q8_0, ..Spec::llama() }
+        Spec {
+            arch: "qwen2",
+            biases: true,
+            matrix_qtype: QType::Q8_0,
+            ..Spec::llama()
+        }
     }
     fn head_dim(&self) -> usize {
         self.key_length.unwrap_or(self.hidden / self.heads)
@@ -72,7 +85,12 @@ impl Spec {
 
     /// Every tensor's name and dims, in the order llama.cpp's converter writes them.
     fn tensors(&self) -> Vec<(String, Vec<usize>, bool)> {
-        let (h, q, kv, f) = (self.hidden, self.heads * self.head_dim(), self.kv_heads * self.head_dim(), self.ffn);
+        let (h, q, kv, f) = (
+            self.hidden,
+            self.heads * self.head_dim(),
+            self.kv_heads * self.head_dim(),
+            self.ffn,
+        );
         let mut t = vec![("token_embd.weight".to_string(), vec![h, self.vocab], true)];
         for i in 0..self.layers {
             let n = |r: &str| format!("blk.{i}.{r}");
@@ -111,7 +129,11 @@ impl Spec {
                 *dims = d.clone();
             }
         }
-        t.extend(self.extra_tensors.iter().map(|(n, d)| (n.clone(), d.clone(), false)));
+        t.extend(
+            self.extra_tensors
+                .iter()
+                .map(|(n, d)| (n.clone(), d.clone(), false)),
+        );
         t
     }
 
@@ -119,20 +141,30 @@ impl Spec {
         let a = self.arch;
         let mut w = GgufWriter::new();
         w.add_kv("general.architecture", a).unwrap();
-        w.add_kv(format!("{a}.block_count"), self.layers as u32).unwrap();
+        w.add_kv(format!("{a}.block_count"), self.layers as u32)
+            .unwrap();
         w.add_kv(format!("{a}.context_length"), 4096u32).unwrap();
-        w.add_kv(format!("{a}.embedding_length"), self.hidden as u32).unwrap();
-        w.add_kv(format!("{a}.feed_forward_length"), self.ffn as u32).unwrap();
-        w.add_kv(format!("{a}.attention.head_count"), self.heads as u32).unwrap();
-        w.add_kv(format!("{a}.attention.head_count_kv"), self.kv_heads as u32).unwrap();
-        w.add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32).unwrap();
-        w.add_kv(format!("{a}.rope.freq_base"), 1_000_000.0f32).unwrap();
+        w.add_kv(format!("{a}.embedding_length"), self.hidden as u32)
+            .unwrap();
+        w.add_kv(format!("{a}.feed_forward_length"), self.ffn as u32)
+            .unwrap();
+        w.add_kv(format!("{a}.attention.head_count"), self.heads as u32)
+            .unwrap();
+        w.add_kv(format!("{a}.attention.head_count_kv"), self.kv_heads as u32)
+            .unwrap();
+        w.add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32)
+            .unwrap();
+        w.add_kv(format!("{a}.rope.freq_base"), 1_000_000.0f32)
+            .unwrap();
         if let Some(k) = self.key_length {
-            w.add_kv(format!("{a}.attention.key_length"), k as u32).unwrap();
-            w.add_kv(format!("{a}.attention.value_length"), k as u32).unwrap();
+            w.add_kv(format!("{a}.attention.key_length"), k as u32)
+                .unwrap();
+            w.add_kv(format!("{a}.attention.value_length"), k as u32)
+                .unwrap();
         }
         if self.vocab_key {
-            w.add_kv(format!("{a}.vocab_size"), self.vocab as u32).unwrap();
+            w.add_kv(format!("{a}.vocab_size"), self.vocab as u32)
+                .unwrap();
         }
         let tokens: Vec<String> = (0..self.vocab).map(|i| format!("tok{i}")).collect();
         w.add_kv("tokenizer.ggml.tokens", tokens).unwrap();
@@ -140,7 +172,11 @@ impl Spec {
             w.add_kv(*k, v.clone()).unwrap();
         }
         for (idx, (name, dims, matrix)) in self.tensors().into_iter().enumerate() {
-            let qtype = if matrix { self.matrix_qtype } else { QType::F32 };
+            let qtype = if matrix {
+                self.matrix_qtype
+            } else {
+                QType::F32
+            };
             let n = qtype.tensor_bytes(&dims).unwrap();
             // Distinct bytes per tensor so views can be told apart.
             let data = (0..n).map(|j| (idx * 31 + j * 7) as u8).collect();
@@ -168,11 +204,17 @@ fn qwen3_has_explicit_head_dim_and_qk_norm() {
     let ir = model_from_gguf(&f, "qwen3 test").unwrap();
     let c = &ir.config;
     assert_eq!(c.arch, Architecture::Qwen3);
-    assert_eq!((c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (64, 4, 2, 32));
+    assert_eq!(
+        (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim),
+        (64, 4, 2, 32)
+    );
     assert_ne!(c.head_dim, c.hidden_size / c.num_heads);
     assert_eq!((c.q_dim(), c.kv_dim()), (128, 64));
     assert!(c.qk_norm && !c.qkv_bias && !c.tied_embeddings);
-    assert_eq!(c.vocab_size, 40, "taken from token_embd when the key is absent");
+    assert_eq!(
+        c.vocab_size, 40,
+        "taken from token_embd when the key is absent"
+    );
     assert_eq!(c.rope.kind, RopeKind::Neox);
     assert_eq!(c.rope.theta, 1_000_000.0);
     assert_eq!(c.rope.rotary_dims, 32);
@@ -183,7 +225,10 @@ fn qwen3_has_explicit_head_dim_and_qk_norm() {
     assert_eq!(l.attn_k.dims(), [64, 64]);
     assert_eq!(l.attn_out.dims(), [128, 64]);
     assert_eq!(l.attn_q_norm.as_ref().unwrap().dims(), [32]);
-    assert_eq!(l.attn_k_norm.as_ref().unwrap().name(), "blk.1.attn_k_norm.weight");
+    assert_eq!(
+        l.attn_k_norm.as_ref().unwrap().name(),
+        "blk.1.attn_k_norm.weight"
+    );
     assert!(ir.weights.output.is_some());
     // Each role views exactly the bytes of its tensor in the file.
     for t in ir.weights.tensors() {
@@ -204,7 +249,13 @@ fn qwen2_maps_qkv_biases() {
     for (i, l) in ir.weights.layers.iter().enumerate() {
         let qb = l.attn_q_bias.as_ref().unwrap();
         assert_eq!(qb.dims(), [64]);
-        assert_eq!(qb.bytes(), f.view_by_name(&format!("blk.{i}.attn_q.bias")).unwrap().unwrap().bytes());
+        assert_eq!(
+            qb.bytes(),
+            f.view_by_name(&format!("blk.{i}.attn_q.bias"))
+                .unwrap()
+                .unwrap()
+                .bytes()
+        );
         assert_eq!(l.attn_k_bias.as_ref().unwrap().dims(), [32]);
         assert_eq!(l.attn_v_bias.as_ref().unwrap().dims(), [32]);
         assert_eq!(l.attn_q.qtype(), QType::Q8_0);
@@ -216,7 +267,14 @@ fn qwen2_maps_qkv_biases() {
 
 #[test]
 fn fused_qkv_and_fused_bias_split_without_copying() {
-    let spec = Spec { arch: "qwen2", fused_qkv: true, fused_bias: true, biases: true, matrix_qtype: QType::Q8_0, ..Spec::llama() };
+    let spec = Spec {
+        arch: "qwen2",
+        fused_qkv: true,
+        fused_bias: true,
+        biases: true,
+        matrix_qtype: QType::Q8_0,
+        ..Spec::llama()
+    };
     let f = spec.write();
     let ir = model_from_gguf(&f, "fused").unwrap();
     assert!(ir.config.qkv_bias);
@@ -225,33 +283,69 @@ fn fused_qkv_and_fused_bias_split_without_copying() {
     let l = &ir.weights.layers[0];
     let (q, kv) = (64, 32);
     let row = fused.row_bytes();
-    for (view, start, count) in [(&l.attn_q, 0, q), (&l.attn_k, q, kv), (&l.attn_v, q + kv, kv)] {
+    for (view, start, count) in [
+        (&l.attn_q, 0, q),
+        (&l.attn_k, q, kv),
+        (&l.attn_v, q + kv, kv),
+    ] {
         assert_eq!(view.dims(), [64, count]);
-        assert_eq!(view.bytes(), &fused.bytes()[start * row..(start + count) * row]);
-        assert_eq!(view.bytes().as_ptr(), fused.bytes()[start * row..].as_ptr(), "zero-copy");
+        assert_eq!(
+            view.bytes(),
+            &fused.bytes()[start * row..(start + count) * row]
+        );
+        assert_eq!(
+            view.bytes().as_ptr(),
+            fused.bytes()[start * row..].as_ptr(),
+            "zero-copy"
+        );
     }
     assert_eq!(l.attn_q.name(), "blk.0.attn_q.weight");
     let fb = fused_bias.to_f32().unwrap();
     assert_eq!(l.attn_q_bias.as_ref().unwrap().to_f32().unwrap(), fb[..q]);
-    assert_eq!(l.attn_k_bias.as_ref().unwrap().to_f32().unwrap(), fb[q..q + kv]);
-    assert_eq!(l.attn_v_bias.as_ref().unwrap().to_f32().unwrap(), fb[q + kv..]);
+    assert_eq!(
+        l.attn_k_bias.as_ref().unwrap().to_f32().unwrap(),
+        fb[q..q + kv]
+    );
+    assert_eq!(
+        l.attn_v_bias.as_ref().unwrap().to_f32().unwrap(),
+        fb[q + kv..]
+    );
 
-    let bad = Spec { reshape: vec![("blk.1.attn_qkv.weight".into(), vec![64, 127])], ..spec };
+    let bad = Spec {
+        reshape: vec![("blk.1.attn_qkv.weight".into(), vec![64, 127])],
+        ..spec
+    };
     let m = format_err(bad.map());
-    assert!(m.contains("blk.1.attn_qkv.weight") && m.contains("[64, 128]") && m.contains("[64, 127]"), "{m}");
+    assert!(
+        m.contains("blk.1.attn_qkv.weight") && m.contains("[64, 128]") && m.contains("[64, 127]"),
+        "{m}"
+    );
 }
 
 #[test]
 fn llama_and_mistral_use_norm_rope_and_untied_heads() {
-    let ir = Spec { tied: false, ..Spec::llama() }.map().unwrap();
+    let ir = Spec {
+        tied: false,
+        ..Spec::llama()
+    }
+    .map()
+    .unwrap();
     assert_eq!(ir.config.rope.kind, RopeKind::Norm);
     assert!(!ir.config.tied_embeddings);
     assert_eq!(ir.weights.lm_head().name(), "output.weight");
     assert_eq!(ir.config.rope.scaling, RopeScaling::None);
-    let ir = Spec { arch: "mistral", ..Spec::llama() }.map().unwrap();
+    let ir = Spec {
+        arch: "mistral",
+        ..Spec::llama()
+    }
+    .map()
+    .unwrap();
     assert_eq!(ir.config.arch, Architecture::Mistral);
     assert_eq!(ir.config.rope.kind, RopeKind::Norm);
-    assert_eq!(ir.parameters(), 40 * 64 + 64 + 2 * (64 + 64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 + 3 * 64 * 96));
+    assert_eq!(
+        ir.parameters(),
+        40 * 64 + 64 + 2 * (64 + 64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 + 3 * 64 * 96)
+    );
 }
 
 #[test]
@@ -270,7 +364,10 @@ fn rope_scaling_and_freq_factors() {
     assert_eq!(ir.config.rope.rotary_dims, 8);
     assert_eq!(ir.weights.rope_freqs.as_ref().unwrap().dims(), [4]);
 
-    let yarn = Spec { extra_meta: vec![("llama.rope.scaling.type", "yarn".into())], ..Spec::llama() };
+    let yarn = Spec {
+        extra_meta: vec![("llama.rope.scaling.type", "yarn".into())],
+        ..Spec::llama()
+    };
     assert!(matches!(yarn.map(), Err(Error::Unsupported(m)) if m.contains("yarn")));
     let wrong = Spec {
         extra_meta: vec![("llama.rope.dimension_count", 8u32.into())],
@@ -283,8 +380,15 @@ fn rope_scaling_and_freq_factors() {
 
 #[test]
 fn unknown_architecture_is_unsupported_by_name() {
-    let r = Spec { arch: "gpt-neox", ..Spec::llama() }.map();
-    assert!(matches!(r, Err(Error::Unsupported(ref m)) if m.contains("gpt-neox") && m.contains("qwen3")), "{r:?}");
+    let r = Spec {
+        arch: "gpt-neox",
+        ..Spec::llama()
+    }
+    .map();
+    assert!(
+        matches!(r, Err(Error::Unsupported(ref m)) if m.contains("gpt-neox") && m.contains("qwen3")),
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -297,42 +401,103 @@ fn shape_mismatches_name_tensor_and_dims() {
         ("blk.0.attn_norm.weight", vec![32], "[64]"),
     ];
     for (name, dims, expected) in cases {
-        let spec = Spec { reshape: vec![(name.to_string(), dims.clone())], ..Spec::llama() };
+        let spec = Spec {
+            reshape: vec![(name.to_string(), dims.clone())],
+            ..Spec::llama()
+        };
         let m = format_err(spec.map());
-        assert!(m.contains(name) && m.contains(expected) && m.contains(&format!("{dims:?}")), "{m}");
+        assert!(
+            m.contains(name) && m.contains(expected) && m.contains(&format!("{dims:?}")),
+            "{m}"
+        );
     }
     // Qwen3's norms are per head, not per hidden unit.
-    let spec = Spec { reshape: vec![("blk.0.attn_q_norm.weight".into(), vec![64])], ..Spec::qwen3() };
+    let spec = Spec {
+        reshape: vec![("blk.0.attn_q_norm.weight".into(), vec![64])],
+        ..Spec::qwen3()
+    };
     let m = format_err(spec.map());
     assert!(m.contains("attn_q_norm") && m.contains("[32]"), "{m}");
 }
 
 #[test]
 fn missing_and_surplus_pieces_are_refused() {
-    let m = format_err(Spec { omit: vec!["blk.1.ffn_up.weight".into()], ..Spec::llama() }.map());
-    assert!(m.contains("blk.1.ffn_up.weight") && m.contains("missing"), "{m}");
-    let m = format_err(Spec { omit: vec!["blk.1.attn_v.bias".into()], ..Spec::qwen2() }.map());
+    let m = format_err(
+        Spec {
+            omit: vec!["blk.1.ffn_up.weight".into()],
+            ..Spec::llama()
+        }
+        .map(),
+    );
+    assert!(
+        m.contains("blk.1.ffn_up.weight") && m.contains("missing"),
+        "{m}"
+    );
+    let m = format_err(
+        Spec {
+            omit: vec!["blk.1.attn_v.bias".into()],
+            ..Spec::qwen2()
+        }
+        .map(),
+    );
     assert!(m.contains("layer 1"), "{m}");
-    let m = format_err(Spec { omit: vec!["blk.0.attn_q_norm.weight".into()], ..Spec::qwen3() }.map());
+    let m = format_err(
+        Spec {
+            omit: vec!["blk.0.attn_q_norm.weight".into()],
+            ..Spec::qwen3()
+        }
+        .map(),
+    );
     assert!(m.contains("attn_q_norm"), "{m}");
     // A tensor kiln would ignore would change the model: refused by name.
-    let r = Spec { extra_tensors: vec![("blk.0.ffn_up.bias".into(), vec![96])], ..Spec::llama() }.map();
-    assert!(matches!(r, Err(Error::Unsupported(ref m)) if m.contains("blk.0.ffn_up.bias")), "{r:?}");
-    let r = Spec { extra_tensors: vec![("blk.2.attn_norm.weight".into(), vec![64])], ..Spec::llama() }.map();
-    assert!(matches!(r, Err(Error::Unsupported(ref m)) if m.contains("blk.2")), "{r:?}");
+    let r = Spec {
+        extra_tensors: vec![("blk.0.ffn_up.bias".into(), vec![96])],
+        ..Spec::llama()
+    }
+    .map();
+    assert!(
+        matches!(r, Err(Error::Unsupported(ref m)) if m.contains("blk.0.ffn_up.bias")),
+        "{r:?}"
+    );
+    let r = Spec {
+        extra_tensors: vec![("blk.2.attn_norm.weight".into(), vec![64])],
+        ..Spec::llama()
+    }
+    .map();
+    assert!(
+        matches!(r, Err(Error::Unsupported(ref m)) if m.contains("blk.2")),
+        "{r:?}"
+    );
 }
 
 #[test]
 fn inconsistent_metadata_is_refused() {
     // Heads that do not divide the hidden size, with no explicit head size.
-    let m = format_err(Spec { heads: 5, kv_heads: 5, hidden: 64, ..Spec::llama() }.map());
+    let m = format_err(
+        Spec {
+            heads: 5,
+            kv_heads: 5,
+            hidden: 64,
+            ..Spec::llama()
+        }
+        .map(),
+    );
     assert!(m.contains("5 heads"), "{m}");
     // KV heads must divide heads.
-    let m = format_err(Spec { heads: 4, kv_heads: 3, key_length: Some(16), ..Spec::llama() }.map());
+    let m = format_err(
+        Spec {
+            heads: 4,
+            kv_heads: 3,
+            key_length: Some(16),
+            ..Spec::llama()
+        }
+        .map(),
+    );
     assert!(m.contains("4 heads") && m.contains("3 KV heads"), "{m}");
     // A float where a count belongs.
     let mut f = Spec::llama();
-    f.extra_meta.push(("llama.attention.key_length", 16.5f32.into()));
+    f.extra_meta
+        .push(("llama.attention.key_length", 16.5f32.into()));
     let m = format_err(f.map());
     assert!(m.contains("llama.attention.key_length"), "{m}");
     // A required key missing.
@@ -340,9 +505,14 @@ fn inconsistent_metadata_is_refused() {
     w.add_kv("general.architecture", "llama").unwrap();
     w.add_kv("llama.block_count", 1u32).unwrap();
     let f = GgufFile::from_storage(Arc::new(w.write_to(Vec::new()).unwrap())).unwrap();
-    assert!(matches!(config_from_gguf(&f), Err(Error::Format(m)) if m.contains("llama.embedding_length")));
-    let f = GgufFile::from_storage(Arc::new(GgufWriter::new().write_to(Vec::new()).unwrap())).unwrap();
-    assert!(matches!(config_from_gguf(&f), Err(Error::Format(m)) if m.contains("general.architecture")));
+    assert!(
+        matches!(config_from_gguf(&f), Err(Error::Format(m)) if m.contains("llama.embedding_length"))
+    );
+    let f =
+        GgufFile::from_storage(Arc::new(GgufWriter::new().write_to(Vec::new()).unwrap())).unwrap();
+    assert!(
+        matches!(config_from_gguf(&f), Err(Error::Format(m)) if m.contains("general.architecture"))
+    );
 }
 
 /// A backend that accepts models whose matrices are all of one qtype.
@@ -372,9 +542,14 @@ impl Backend for Fake {
     }
     fn supports(&self, model: &ModelIr) -> Support {
         if model.matrix_qtypes() == [self.qtype] {
-            Support::Yes { score: self.score, note: String::new() }
+            Support::Yes {
+                score: self.score,
+                note: String::new(),
+            }
         } else {
-            Support::No { reason: format!("only {}", self.qtype) }
+            Support::No {
+                reason: format!("only {}", self.qtype),
+            }
         }
     }
     fn load(&self, _: &ModelIr, _: &LoadOptions) -> kiln_core::Result<Box<dyn LayerExecutor>> {
@@ -386,9 +561,24 @@ impl Backend for Fake {
 fn dispatch_picks_the_backend_matching_the_qtype() {
     let mut reg = Registry::new();
     for b in [
-        Fake { name: "fake-f32", qtype: QType::F32, score: 100, present: true },
-        Fake { name: "fake-q8", qtype: QType::Q8_0, score: 100, present: true },
-        Fake { name: "fake-q8-absent", qtype: QType::Q8_0, score: 500, present: false },
+        Fake {
+            name: "fake-f32",
+            qtype: QType::F32,
+            score: 100,
+            present: true,
+        },
+        Fake {
+            name: "fake-q8",
+            qtype: QType::Q8_0,
+            score: 100,
+            present: true,
+        },
+        Fake {
+            name: "fake-q8-absent",
+            qtype: QType::Q8_0,
+            score: 500,
+            present: false,
+        },
     ] {
         reg.register(Arc::new(b)).unwrap();
     }
@@ -396,11 +586,28 @@ fn dispatch_picks_the_backend_matching_the_qtype() {
     let (chosen, ranked) = dispatch(&q8, &reg, None).unwrap();
     assert_eq!(chosen.name(), "fake-q8");
     assert_eq!(ranked[0].name, "fake-q8");
-    assert!(ranked.iter().find(|c| c.name == "fake-f32").unwrap().refusal().unwrap().contains("only f32"));
-    assert!(ranked.iter().find(|c| c.name == "fake-q8-absent").unwrap().refusal().unwrap().contains("no test device"));
+    assert!(ranked
+        .iter()
+        .find(|c| c.name == "fake-f32")
+        .unwrap()
+        .refusal()
+        .unwrap()
+        .contains("only f32"));
+    assert!(ranked
+        .iter()
+        .find(|c| c.name == "fake-q8-absent")
+        .unwrap()
+        .refusal()
+        .unwrap()
+        .contains("no test device"));
 
     let f32 = Spec::llama().map().unwrap();
     assert_eq!(dispatch(&f32, &reg, None).unwrap().0.name(), "fake-f32");
-    assert!(matches!(dispatch(&f32, &reg, Some("fake-q8")), Err(Error::NoBackend(m)) if m.contains("only q8_0")));
-    assert!(matches!(dispatch(&f32, &reg, Some("nope")), Err(Error::NoBackend(_))));
+    assert!(
+        matches!(dispatch(&f32, &reg, Some("fake-q8")), Err(Error::NoBackend(m)) if m.contains("only q8_0"))
+    );
+    assert!(matches!(
+        dispatch(&f32, &reg, Some("nope")),
+        Err(Error::NoBackend(_))
+    ));
 }

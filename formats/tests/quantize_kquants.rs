@@ -72,20 +72,33 @@ fn every_type_round_trips_within_its_expected_error() {
 fn kquants_survive_degenerate_blocks() {
     for qtype in [QType::Q4_K, QType::Q5_K, QType::Q6_K] {
         let zeros = vec![0.0f32; 512];
-        assert!(round_trip(qtype, &zeros).iter().all(|&v| v == 0.0), "{qtype}: zeros");
+        assert!(
+            round_trip(qtype, &zeros).iter().all(|&v| v == 0.0),
+            "{qtype}: zeros"
+        );
         // A constant positive block: representable exactly through the scale alone (the
         // min is clamped to 0), up to f16 and 6-bit scale rounding.
         let ones = vec![1.5f32; 256];
         let y = round_trip(qtype, &ones);
-        assert!(rel_rmse(&ones, &y) < 0.01, "{qtype}: constant block decodes to {:?}", &y[..4]);
+        assert!(
+            rel_rmse(&ones, &y) < 0.01,
+            "{qtype}: constant block decodes to {:?}",
+            &y[..4]
+        );
         // All-negative values (Q6_K's largest scale is negative; Q4_K/Q5_K need the min).
         let neg: Vec<f32> = normal_rows(256, 9).iter().map(|v| -v.abs() - 0.5).collect();
         let bound = if qtype == QType::Q4_K { 0.06 } else { 0.03 };
-        assert!(rel_rmse(&neg, &round_trip(qtype, &neg)) < bound, "{qtype}: negative block");
+        assert!(
+            rel_rmse(&neg, &round_trip(qtype, &neg)) < bound,
+            "{qtype}: negative block"
+        );
         // One huge outlier among small values must not produce NaN or infinities.
         let mut spike = normal_rows(256, 10);
         spike[17] = 3.0e4;
-        assert!(round_trip(qtype, &spike).iter().all(|v| v.is_finite()), "{qtype}: outlier");
+        assert!(
+            round_trip(qtype, &spike).iter().all(|v| v.is_finite()),
+            "{qtype}: outlier"
+        );
     }
 }
 
@@ -106,12 +119,19 @@ fn exhaustive_sub_block(x: &[f32]) -> (f32, f32) {
         let offset = min * (1.0 - 0.5 * a as f32 / STEPS as f32); // min .. min/2
         for b in 0..=STEPS {
             let scale = range / 15.0 * (0.75 + 0.5 * b as f32 / STEPS as f32);
-            let codes: Vec<f32> = x.iter().map(|&v| ((v - offset) / scale).round().clamp(0.0, 15.0)).collect();
+            let codes: Vec<f32> = x
+                .iter()
+                .map(|&v| ((v - offset) / scale).round().clamp(0.0, 15.0))
+                .collect();
             let n = x.len() as f64;
-            let (sl, sl2, sx, sxl) = codes.iter().zip(x).fold((0.0f64, 0.0f64, 0.0f64, 0.0f64), |acc, (&l, &v)| {
-                let (l, v) = (f64::from(l), f64::from(v));
-                (acc.0 + l, acc.1 + l * l, acc.2 + v, acc.3 + v * l)
-            });
+            let (sl, sl2, sx, sxl) =
+                codes
+                    .iter()
+                    .zip(x)
+                    .fold((0.0f64, 0.0f64, 0.0f64, 0.0f64), |acc, (&l, &v)| {
+                        let (l, v) = (f64::from(l), f64::from(v));
+                        (acc.0 + l, acc.1 + l * l, acc.2 + v, acc.3 + v * l)
+                    });
             let det = n * sl2 - sl * sl;
             if det <= 0.0 {
                 continue;
@@ -122,7 +142,11 @@ fn exhaustive_sub_block(x: &[f32]) -> (f32, f32) {
                 m = 0.0;
                 s = sxl / sl2;
             }
-            let err: f64 = codes.iter().zip(x).map(|(&l, &v)| (s * f64::from(l) + m - f64::from(v)).powi(2)).sum();
+            let err: f64 = codes
+                .iter()
+                .zip(x)
+                .map(|(&l, &v)| (s * f64::from(l) + m - f64::from(v)).powi(2))
+                .sum();
             if (err as f32) < best.0 {
                 best = (err as f32, s as f32, m as f32);
             }
@@ -141,11 +165,23 @@ fn exhaustive_q4_k(x: &[f32]) -> Vec<f32> {
     let dmin = f16::from_f32(max_min / 63.0).to_f32();
     let mut y = Vec::with_capacity(x.len());
     for (chunk, &(s, m)) in x.chunks(32).zip(&subs) {
-        let ls = if max_scale > 0.0 { (63.0 * s / max_scale).round().min(63.0) } else { 0.0 };
-        let lm = if max_min > 0.0 { (63.0 * -m / max_min).round().min(63.0) } else { 0.0 };
+        let ls = if max_scale > 0.0 {
+            (63.0 * s / max_scale).round().min(63.0)
+        } else {
+            0.0
+        };
+        let lm = if max_min > 0.0 {
+            (63.0 * -m / max_min).round().min(63.0)
+        } else {
+            0.0
+        };
         let (sd, md) = (d * ls, dmin * lm);
         for &v in chunk {
-            let q = if sd > 0.0 { ((v + md) / sd).round().clamp(0.0, 15.0) } else { 0.0 };
+            let q = if sd > 0.0 {
+                ((v + md) / sd).round().clamp(0.0, 15.0)
+            } else {
+                0.0
+            };
             y.push(sd * q - md);
         }
     }
@@ -160,7 +196,10 @@ fn q4_k_search_is_within_2_percent_of_exhaustive() {
     let exhaustive = rel_rmse(&x, &exhaustive_y);
     let ratio = kiln / exhaustive;
     println!("Q4_K relative RMSE: kiln {kiln:.5}, exhaustive per-sub-block search {exhaustive:.5}, ratio {ratio:.4}");
-    assert!(ratio <= 1.02, "kiln's Q4_K search is {ratio:.4}× the exhaustive search's error");
+    assert!(
+        ratio <= 1.02,
+        "kiln's Q4_K search is {ratio:.4}× the exhaustive search's error"
+    );
 }
 
 #[test]

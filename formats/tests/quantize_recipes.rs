@@ -5,12 +5,22 @@
 
 use kiln_core::QType;
 use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
-use kiln_formats::quantize::{no_progress, plan_types, quantize_gguf, QuantizeOptions, Recipe, TensorDesc};
+use kiln_formats::quantize::{
+    no_progress, plan_types, quantize_gguf, QuantizeOptions, Recipe, TensorDesc,
+};
 
 use QType::*;
 
 /// Tensor table of a llama-shaped model in file order, every 2-D tensor in `matrix`.
-fn llama_table(layers: usize, hidden: usize, kv: usize, ffn: usize, vocab: usize, tied: bool, matrix: QType) -> Vec<TensorDesc> {
+fn llama_table(
+    layers: usize,
+    hidden: usize,
+    kv: usize,
+    ffn: usize,
+    vocab: usize,
+    tied: bool,
+    matrix: QType,
+) -> Vec<TensorDesc> {
     let mut t = Vec::new();
     let mut push = |name: String, dims: Vec<usize>| {
         let qtype = if dims.len() == 1 { F32 } else { matrix };
@@ -36,7 +46,10 @@ fn llama_table(layers: usize, hidden: usize, kv: usize, ffn: usize, vocab: usize
 }
 
 fn type_of(table: &[TensorDesc], types: &[QType], name: &str) -> QType {
-    types[table.iter().position(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))]
+    types[table
+        .iter()
+        .position(|t| t.name == name)
+        .unwrap_or_else(|| panic!("no tensor {name}"))]
 }
 
 /// Layers that llama.cpp's `use_more_bits` picks, written out for 30 and 32 layers.
@@ -50,8 +63,15 @@ fn smollm2_shapes_follow_llama_cpp() {
     let check = |recipe: Recipe, expect: &dyn Fn(&str, usize) -> QType| {
         let types = plan_types(recipe, &table, 30);
         for (t, &q) in table.iter().zip(&types) {
-            let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).map_or(usize::MAX, |l| l.parse().unwrap());
-            let role = t.name.rsplit_once(".weight").map_or(t.name.as_str(), |(a, _)| a.rsplit('.').next().unwrap());
+            let layer = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .map_or(usize::MAX, |l| l.parse().unwrap());
+            let role = t
+                .name
+                .rsplit_once(".weight")
+                .map_or(t.name.as_str(), |(a, _)| a.rsplit('.').next().unwrap());
             assert_eq!(q, expect(role, layer), "{recipe}: {}", t.name);
         }
     };
@@ -90,8 +110,20 @@ fn smollm2_shapes_follow_llama_cpp() {
         "token_embd" => Q8_0, // Q6_K wanted for the head, 576 columns → Q8_0
         _ => Q4_0,
     });
-    check(Recipe::Q8_0, &|role, _| if role.ends_with("norm") { F32 } else { Q8_0 });
-    check(Recipe::F16, &|role, _| if role.ends_with("norm") { F32 } else { F16 });
+    check(Recipe::Q8_0, &|role, _| {
+        if role.ends_with("norm") {
+            F32
+        } else {
+            Q8_0
+        }
+    });
+    check(Recipe::F16, &|role, _| {
+        if role.ends_with("norm") {
+            F32
+        } else {
+            F16
+        }
+    });
 }
 
 #[test]
@@ -102,11 +134,26 @@ fn llama3_8b_shapes_follow_llama_cpp() {
     assert_eq!(type_of(&table, &types, "output.weight"), Q6_K);
     assert_eq!(type_of(&table, &types, "output_norm.weight"), F32);
     for l in 0..32 {
-        let want = if MORE_BITS_32.contains(&l) { Q6_K } else { Q4_K };
-        assert_eq!(type_of(&table, &types, &format!("blk.{l}.attn_v.weight")), want, "attn_v {l}");
-        assert_eq!(type_of(&table, &types, &format!("blk.{l}.ffn_down.weight")), want, "ffn_down {l}");
+        let want = if MORE_BITS_32.contains(&l) {
+            Q6_K
+        } else {
+            Q4_K
+        };
+        assert_eq!(
+            type_of(&table, &types, &format!("blk.{l}.attn_v.weight")),
+            want,
+            "attn_v {l}"
+        );
+        assert_eq!(
+            type_of(&table, &types, &format!("blk.{l}.ffn_down.weight")),
+            want,
+            "ffn_down {l}"
+        );
         for role in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"] {
-            assert_eq!(type_of(&table, &types, &format!("blk.{l}.{role}.weight")), Q4_K);
+            assert_eq!(
+                type_of(&table, &types, &format!("blk.{l}.{role}.weight")),
+                Q4_K
+            );
         }
     }
     let s = plan_types(Recipe::Q4_K_S, &table, 32);
@@ -126,13 +173,25 @@ fn llama3_8b_shapes_follow_llama_cpp() {
 
 #[test]
 fn rows_no_type_tiles_fall_back_to_f16() {
-    let table = vec![TensorDesc { name: "blk.0.attn_q.weight".into(), dims: vec![100, 8], qtype: F32 }];
+    let table = vec![TensorDesc {
+        name: "blk.0.attn_q.weight".into(),
+        dims: vec![100, 8],
+        qtype: F32,
+    }];
     assert_eq!(plan_types(Recipe::Q4_K_M, &table, 1), vec![F16]);
     assert_eq!(plan_types(Recipe::Q4_0, &table, 1), vec![F16]);
     // 1-D tensors keep their type whatever it is; [n, 1] counts as 1-D, as in ggml.
     let table = vec![
-        TensorDesc { name: "blk.0.attn_q.bias".into(), dims: vec![256], qtype: F16 },
-        TensorDesc { name: "blk.0.x.weight".into(), dims: vec![256, 1], qtype: F32 },
+        TensorDesc {
+            name: "blk.0.attn_q.bias".into(),
+            dims: vec![256],
+            qtype: F16,
+        },
+        TensorDesc {
+            name: "blk.0.x.weight".into(),
+            dims: vec![256, 1],
+            qtype: F32,
+        },
     ];
     assert_eq!(plan_types(Recipe::Q4_K_M, &table, 1), vec![F16, F32]);
     assert_eq!(Recipe::from_name("Q4_K_M").unwrap().file_type(), 15);
@@ -171,15 +230,25 @@ pub fn tiny_model(matrix: QType) -> Vec<u8> {
     ] {
         w.add_kv(k, GgufValue::U32(v as u32)).unwrap();
     }
-    w.add_kv("llama.attention.layer_norm_rms_epsilon", GgufValue::F32(1e-5)).unwrap();
+    w.add_kv(
+        "llama.attention.layer_norm_rms_epsilon",
+        GgufValue::F32(1e-5),
+    )
+    .unwrap();
     let mut n = 0u64;
     let mut add = |w: &mut GgufWriter, name: String, dims: Vec<usize>| {
         n += 1;
         let count: usize = dims.iter().product();
         let qtype = if dims.len() == 1 { F32 } else { matrix };
-        let scale = if dims.len() == 1 { 0.1 } else { 1.0 / (dims[0] as f32).sqrt() };
+        let scale = if dims.len() == 1 {
+            0.1
+        } else {
+            1.0 / (dims[0] as f32).sqrt()
+        };
         let offset = if dims.len() == 1 { 1.0 } else { 0.0 };
-        let vals: Vec<f32> = (0..count as u64).map(|i| offset + scale * value(n, i)).collect();
+        let vals: Vec<f32> = (0..count as u64)
+            .map(|i| offset + scale * value(n, i))
+            .collect();
         let mut bytes = vec![0u8; qtype.tensor_bytes(&dims).unwrap()];
         kiln_core::quant::quantize(qtype, &vals, &mut bytes).unwrap();
         w.add_tensor(name, qtype, dims, bytes).unwrap();
@@ -209,20 +278,36 @@ fn open(bytes: Vec<u8>) -> GgufFile {
 fn quantizing_a_small_model_writes_the_planned_types() {
     let input = open(tiny_model(Q8_0));
     for recipe in Recipe::ALL {
-        let options = QuantizeOptions { recipe, measure_error: true };
+        let options = QuantizeOptions {
+            recipe,
+            measure_error: true,
+        };
         let mut out = Vec::new();
         let reports = quantize_gguf(&input, &mut out, options, &no_progress).unwrap();
         let output = open(out);
-        assert_eq!(output.get_u64("general.file_type"), Some(u64::from(recipe.file_type())), "{recipe}");
+        assert_eq!(
+            output.get_u64("general.file_type"),
+            Some(u64::from(recipe.file_type())),
+            "{recipe}"
+        );
         assert_eq!(output.get_u64("general.quantization_version"), Some(2));
-        assert_eq!(output.get_usize("llama.block_count"), Some(2), "{recipe}: metadata copied");
+        assert_eq!(
+            output.get_usize("llama.block_count"),
+            Some(2),
+            "{recipe}: metadata copied"
+        );
         kiln_formats::model::model_from_gguf(&output, "quantized").unwrap();
         for (t, r) in output.tensors().iter().zip(&reports) {
             assert_eq!((t.name.as_str(), t.qtype), (r.name.as_str(), r.to));
             let src = input.view_by_name(&t.name).unwrap().unwrap();
             if t.dims.len() == 1 {
                 assert_eq!(t.qtype, F32);
-                assert_eq!(output.view(t).unwrap().bytes(), src.bytes(), "{recipe}: {} copied", t.name);
+                assert_eq!(
+                    output.view(t).unwrap().bytes(),
+                    src.bytes(),
+                    "{recipe}: {} copied",
+                    t.name
+                );
                 continue;
             }
             let bound = match t.qtype {
@@ -238,18 +323,31 @@ fn quantizing_a_small_model_writes_the_planned_types() {
                 other => panic!("{recipe}: unexpected type {other} for {}", t.name),
             };
             let e = r.rel_rmse.unwrap();
-            assert!(e < bound, "{recipe}: {} as {}: relative RMSE {e}", t.name, t.qtype);
+            assert!(
+                e < bound,
+                "{recipe}: {} as {}: relative RMSE {e}",
+                t.name,
+                t.qtype
+            );
             // The measured error is the error of the file's bytes.
             let y = output.view(t).unwrap().to_f32().unwrap();
             let x = src.to_f32().unwrap();
-            let num: f64 = x.iter().zip(&y).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+            let num: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
             let den: f64 = x.iter().map(|a| f64::from(*a).powi(2)).sum();
             assert!(((num / den).sqrt() - e).abs() < 1e-9);
         }
         let mix: Vec<QType> = output.tensors().iter().map(|t| t.qtype).collect();
         match recipe {
-            Recipe::Q4_K_M => assert!(mix.contains(&Q4_K) && mix.contains(&Q6_K) && mix.contains(&Q5_0)),
-            Recipe::Q5_K_M => assert!(mix.contains(&Q5_K) && mix.contains(&Q6_K) && mix.contains(&Q5_1)),
+            Recipe::Q4_K_M => {
+                assert!(mix.contains(&Q4_K) && mix.contains(&Q6_K) && mix.contains(&Q5_0))
+            }
+            Recipe::Q5_K_M => {
+                assert!(mix.contains(&Q5_K) && mix.contains(&Q6_K) && mix.contains(&Q5_1))
+            }
             _ => {}
         }
     }
@@ -260,14 +358,26 @@ fn requantising_goes_through_f32_and_refuses_nothing_readable() {
     // From Q4_1 (lossy) to Q4_K_M: the result is close to the Q4_1 values it was given.
     let input = open(tiny_model(Q4_1));
     let mut out = Vec::new();
-    let options = QuantizeOptions { recipe: Recipe::Q4_K_M, measure_error: true };
+    let options = QuantizeOptions {
+        recipe: Recipe::Q4_K_M,
+        measure_error: true,
+    };
     let reports = quantize_gguf(&input, &mut out, options, &no_progress).unwrap();
-    assert!(reports.iter().filter(|r| r.from == Q4_1).all(|r| r.rel_rmse.unwrap() < 0.12));
+    assert!(reports
+        .iter()
+        .filter(|r| r.from == Q4_1)
+        .all(|r| r.rel_rmse.unwrap() < 0.12));
     // And F16 from it is exact to f16 rounding.
     let mut out = Vec::new();
-    let options = QuantizeOptions { recipe: Recipe::F16, measure_error: true };
+    let options = QuantizeOptions {
+        recipe: Recipe::F16,
+        measure_error: true,
+    };
     let reports = quantize_gguf(&input, &mut out, options, &no_progress).unwrap();
-    assert!(reports.iter().filter(|r| r.to == F16).all(|r| r.rel_rmse.unwrap() < 5e-4));
+    assert!(reports
+        .iter()
+        .filter(|r| r.to == F16)
+        .all(|r| r.rel_rmse.unwrap() < 5e-4));
 }
 
 const FIXTURE: &str = "tests/fixtures/quantize_python.json";
@@ -277,13 +387,25 @@ const FIXTURE_RECIPES: [Recipe; 4] = [Recipe::Q4_K_M, Recipe::Q5_K_M, Recipe::Q4
 fn fixture_output(recipe: Recipe) -> Vec<u8> {
     let input = open(tiny_model(Q8_0));
     let mut out = Vec::new();
-    quantize_gguf(&input, &mut out, QuantizeOptions { recipe, measure_error: false }, &no_progress).unwrap();
+    quantize_gguf(
+        &input,
+        &mut out,
+        QuantizeOptions {
+            recipe,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
     out
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Writes the files `scripts/make_quantize_fixture.py` reads with the `gguf` package.
@@ -292,7 +414,11 @@ fn sha256_hex(bytes: &[u8]) -> String {
 fn write_python_fixture_inputs() {
     let dir = std::env::var("KILN_QUANTIZE_FIXTURE_DIR").expect("KILN_QUANTIZE_FIXTURE_DIR");
     for recipe in FIXTURE_RECIPES {
-        std::fs::write(format!("{dir}/{}.gguf", recipe.name()), fixture_output(recipe)).unwrap();
+        std::fs::write(
+            format!("{dir}/{}.gguf", recipe.name()),
+            fixture_output(recipe),
+        )
+        .unwrap();
     }
 }
 
@@ -300,30 +426,59 @@ fn write_python_fixture_inputs() {
 /// dequantiser): the same tensors, types and shapes, and the same dequantised values.
 #[test]
 fn python_gguf_reads_kiln_output_and_agrees_on_values() {
-    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(FIXTURE).unwrap()).unwrap();
+    let fx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(FIXTURE).unwrap()).unwrap();
     for recipe in FIXTURE_RECIPES {
         let bytes = fixture_output(recipe);
         let case = &fx[recipe.name()];
         // The bytes Python read are the bytes kiln writes today.
-        assert_eq!(case["sha256"].as_str().unwrap(), sha256_hex(&bytes), "{recipe}: output changed; regenerate the fixture");
+        assert_eq!(
+            case["sha256"].as_str().unwrap(),
+            sha256_hex(&bytes),
+            "{recipe}: output changed; regenerate the fixture"
+        );
         let file = open(bytes);
         let tensors = case["tensors"].as_array().unwrap();
         assert_eq!(tensors.len(), file.tensors().len(), "{recipe}");
         for t in tensors {
             let name = t["name"].as_str().unwrap();
-            let info = file.tensor(name).unwrap_or_else(|| panic!("{recipe}: {name} missing"));
-            assert_eq!(t["type"].as_u64().unwrap() as u32, info.qtype.ggml_id(), "{recipe}: {name} type");
-            let dims: Vec<usize> = t["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            let info = file
+                .tensor(name)
+                .unwrap_or_else(|| panic!("{recipe}: {name} missing"));
+            assert_eq!(
+                t["type"].as_u64().unwrap() as u32,
+                info.qtype.ggml_id(),
+                "{recipe}: {name} type"
+            );
+            let dims: Vec<usize> = t["dims"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize)
+                .collect();
             assert_eq!(dims, info.dims, "{recipe}: {name} dims (ggml order)");
             let y = file.view(info).unwrap().to_f32().unwrap();
             let sum: f64 = y.iter().map(|&v| f64::from(v)).sum();
             let sumsq: f64 = y.iter().map(|&v| f64::from(v).powi(2)).sum();
             let (psum, psumsq) = (t["sum"].as_f64().unwrap(), t["sumsq"].as_f64().unwrap());
-            assert!((sum - psum).abs() <= 1e-6 * psumsq.sqrt().max(1.0), "{recipe}: {name} sum {sum} vs gguf {psum}");
-            assert!((sumsq - psumsq).abs() <= 1e-6 * psumsq.max(1.0), "{recipe}: {name} sumsq {sumsq} vs {psumsq}");
+            assert!(
+                (sum - psum).abs() <= 1e-6 * psumsq.sqrt().max(1.0),
+                "{recipe}: {name} sum {sum} vs gguf {psum}"
+            );
+            assert!(
+                (sumsq - psumsq).abs() <= 1e-6 * psumsq.max(1.0),
+                "{recipe}: {name} sumsq {sumsq} vs {psumsq}"
+            );
             for s in t["samples"].as_array().unwrap() {
-                let (i, v) = (s[0].as_u64().unwrap() as usize, s[1].as_f64().unwrap() as f32);
-                assert!((y[i] - v).abs() <= 1e-6 * v.abs().max(1e-3), "{recipe}: {name}[{i}] = {} vs gguf {v}", y[i]);
+                let (i, v) = (
+                    s[0].as_u64().unwrap() as usize,
+                    s[1].as_f64().unwrap() as f32,
+                );
+                assert!(
+                    (y[i] - v).abs() <= 1e-6 * v.abs().max(1e-3),
+                    "{recipe}: {name}[{i}] = {} vs gguf {v}",
+                    y[i]
+                );
             }
         }
     }

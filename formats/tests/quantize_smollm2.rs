@@ -22,19 +22,40 @@ fn model_path() -> Option<PathBuf> {
 #[test]
 fn smollm2_q4_k_m_per_tensor_error() {
     let Some(input) = model_path() else {
-        println!("skipped: SmolLM2 not found (set KILN_TEST_MODEL or put it in ~/.cache/kiln/models)");
+        println!(
+            "skipped: SmolLM2 not found (set KILN_TEST_MODEL or put it in ~/.cache/kiln/models)"
+        );
         return;
     };
     let out = std::env::temp_dir().join(format!("kiln-smollm2-q4_k_m-{}.gguf", std::process::id()));
     let start = std::time::Instant::now();
-    let options = QuantizeOptions { recipe: Recipe::Q4_K_M, measure_error: true };
+    let options = QuantizeOptions {
+        recipe: Recipe::Q4_K_M,
+        measure_error: true,
+    };
     let reports = quantize_file(&input, &out, options, &no_progress).unwrap();
-    println!("quantised {} tensors in {:.1} s", reports.len(), start.elapsed().as_secs_f64());
-    println!("{:<28} {:>12} {:>6} -> {:<6} {:>10}", "tensor", "dims", "from", "to", "rel RMSE");
+    println!(
+        "quantised {} tensors in {:.1} s",
+        reports.len(),
+        start.elapsed().as_secs_f64()
+    );
+    println!(
+        "{:<28} {:>12} {:>6} -> {:<6} {:>10}",
+        "tensor", "dims", "from", "to", "rel RMSE"
+    );
     let mut worst: f64 = 0.0;
     for r in &reports {
-        let e = r.rel_rmse.map_or("copied".to_string(), |e| format!("{e:.5}"));
-        println!("{:<28} {:>12} {:>6} -> {:<6} {:>10}", r.name, format!("{:?}", r.dims), r.from.name(), r.to.name(), e);
+        let e = r
+            .rel_rmse
+            .map_or("copied".to_string(), |e| format!("{e:.5}"));
+        println!(
+            "{:<28} {:>12} {:>6} -> {:<6} {:>10}",
+            r.name,
+            format!("{:?}", r.dims),
+            r.from.name(),
+            r.to.name(),
+            e
+        );
         if let Some(e) = r.rel_rmse {
             worst = worst.max(e);
             // Against an already-4-bit input the error is that of re-rounding onto a new
@@ -66,18 +87,35 @@ fn smollm2_q4_k_m_per_tensor_error() {
     // The quantised model still predicts what the original does on a simple prompt.
     let orig = GgufFile::open(&input).unwrap();
     let tok = kiln_formats::tokenizer::Tokenizer::from_gguf(&orig).unwrap();
-    let tokens = tok.encode("The capital of France is", false, false).unwrap();
+    let tokens = tok
+        .encode("The capital of France is", false, false)
+        .unwrap();
     let top = |f: &GgufFile| {
         let ir = model_from_gguf(f, "smollm2").unwrap();
-        let mut ex = CpuBackend.load_executor(&ir, &LoadOptions { max_context: 32, ..Default::default() }).unwrap();
+        let mut ex = CpuBackend
+            .load_executor(
+                &ir,
+                &LoadOptions {
+                    max_context: 32,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         let seq = ex.new_sequence().unwrap();
         let mut logits = vec![0.0f32; ir.config.vocab_size];
         ex.prefill(seq, &tokens, &mut logits).unwrap();
         kiln_core::argmax(&logits)
     };
     let (a, b) = (top(&orig), top(&file));
-    println!("next token: original {a} {:?}, q4_k_m {b} {:?}", tok.decode(&[a], false), tok.decode(&[b], false));
-    assert_eq!(a, b, "the q4_k_m model's top next token differs from the original's");
+    println!(
+        "next token: original {a} {:?}, q4_k_m {b} {:?}",
+        tok.decode(&[a], false),
+        tok.decode(&[b], false)
+    );
+    assert_eq!(
+        a, b,
+        "the q4_k_m model's top next token differs from the original's"
+    );
     drop(file);
     std::fs::remove_file(out).unwrap();
 }

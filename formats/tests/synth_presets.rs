@@ -13,7 +13,9 @@ use kiln_core::{Architecture, LayerExecutor, LoadOptions, QType};
 use kiln_formats::gguf::GgufFile;
 use kiln_formats::model::model_from_gguf;
 use kiln_formats::quantize::{no_progress, Recipe};
-use kiln_formats::synth::{data_bytes, plan, synth_file, synth_gguf, synth_writer, Preset, SynthOptions};
+use kiln_formats::synth::{
+    data_bytes, plan, synth_file, synth_gguf, synth_writer, Preset, SynthOptions,
+};
 use kiln_formats::tokenizer::Tokenizer;
 
 fn temp_path(name: &str) -> PathBuf {
@@ -36,7 +38,8 @@ impl Write for SparseData {
             let take = n.min(self.header_left) as usize;
             self.file.write_all(&buf[..take])?;
             self.header_left -= take as u64;
-            self.file.seek(SeekFrom::Current((buf.len() - take) as i64))?;
+            self.file
+                .seek(SeekFrom::Current((buf.len() - take) as i64))?;
         } else {
             self.file.seek(SeekFrom::Current(n as i64))?;
         }
@@ -50,13 +53,25 @@ impl Write for SparseData {
 #[test]
 fn every_preset_maps_to_the_real_models_config() {
     for preset in Preset::ALL {
-        let options = SynthOptions { preset, recipe: Recipe::Q4_K_M, seed: 0 };
+        let options = SynthOptions {
+            preset,
+            recipe: Recipe::Q4_K_M,
+            seed: 0,
+        };
         let (writer, planned) = synth_writer(options).unwrap();
         let file_len = writer.file_len();
-        let data_len: u64 = planned.iter().map(|t| t.qtype.tensor_bytes(&t.dims).unwrap() as u64).sum();
+        let data_len: u64 = planned
+            .iter()
+            .map(|t| t.qtype.tensor_bytes(&t.dims).unwrap() as u64)
+            .sum();
         let path = temp_path(&format!("{}.sparse.gguf", preset.name()));
         let file = File::create(&path).unwrap();
-        let mut stream = writer.begin(SparseData { file, header_left: file_len - data_len }).unwrap();
+        let mut stream = writer
+            .begin(SparseData {
+                file,
+                header_left: file_len - data_len,
+            })
+            .unwrap();
         // Tensors are padded to the alignment; the writer pads, the sink seeks.
         static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
         while let Some((_, qtype, dims)) = stream.next_tensor() {
@@ -72,28 +87,64 @@ fn every_preset_maps_to_the_real_models_config() {
         drop(sink);
 
         let gguf = GgufFile::open(&path).unwrap();
-        let ir = model_from_gguf(&gguf, preset.name()).unwrap_or_else(|e| panic!("{}: {e}", preset.name()));
+        let ir = model_from_gguf(&gguf, preset.name())
+            .unwrap_or_else(|e| panic!("{}: {e}", preset.name()));
         let (s, c) = (preset.shape(), &ir.config);
         assert_eq!(c.arch, s.arch, "{}", preset.name());
         assert_eq!(
-            (c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.ffn_size),
-            (s.vocab_size, s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.ffn_size),
+            (
+                c.vocab_size,
+                c.hidden_size,
+                c.num_layers,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.ffn_size
+            ),
+            (
+                s.vocab_size,
+                s.hidden_size,
+                s.num_layers,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                s.ffn_size
+            ),
             "{}",
             preset.name()
         );
-        assert_eq!((c.tied_embeddings, c.qkv_bias, c.qk_norm), (s.tied_embeddings, s.qkv_bias, s.qk_norm), "{}", preset.name());
+        assert_eq!(
+            (c.tied_embeddings, c.qkv_bias, c.qk_norm),
+            (s.tied_embeddings, s.qkv_bias, s.qk_norm),
+            "{}",
+            preset.name()
+        );
         assert_eq!(c.rope.theta, s.rope_theta);
         assert_eq!(c.context_length, s.context_length);
-        assert_eq!(ir.weights.rope_freqs.is_some(), s.llama3_rope.is_some(), "{}", preset.name());
+        assert_eq!(
+            ir.weights.rope_freqs.is_some(),
+            s.llama3_rope.is_some(),
+            "{}",
+            preset.name()
+        );
 
-        let tok = Tokenizer::from_gguf(&gguf).unwrap_or_else(|e| panic!("{}: tokenizer: {e}", preset.name()));
+        let tok = Tokenizer::from_gguf(&gguf)
+            .unwrap_or_else(|e| panic!("{}: tokenizer: {e}", preset.name()));
         assert_eq!(tok.vocab_size(), s.vocab_size);
         let text = "Hello, world! Ünïcödé ✓";
         let ids = tok.encode(text, false, false).unwrap();
-        assert_eq!(tok.decode(&ids, false), text, "{}: byte-level round trip", preset.name());
+        assert_eq!(
+            tok.decode(&ids, false),
+            text,
+            "{}: byte-level round trip",
+            preset.name()
+        );
         let eos = tok.eos().expect("an eos token");
         assert!(tok.is_special(eos));
-        let params: usize = planned.iter().map(|t| t.dims.iter().product::<usize>()).sum();
+        let params: usize = planned
+            .iter()
+            .map(|t| t.dims.iter().product::<usize>())
+            .sum();
         println!(
             "{:>13}: {:>5.2} B parameters, q4_k_m data {:>6.0} MiB, {} tensors",
             preset.name(),
@@ -108,13 +159,21 @@ fn every_preset_maps_to_the_real_models_config() {
 
 #[test]
 fn real_sizes_and_shapes() {
-    let params = |p: Preset| plan(p, Recipe::F16).iter().map(|t| t.dims.iter().product::<usize>()).sum::<usize>();
+    let params = |p: Preset| {
+        plan(p, Recipe::F16)
+            .iter()
+            .map(|t| t.dims.iter().product::<usize>())
+            .sum::<usize>()
+    };
     // Published parameter counts (embeddings included, tied heads counted once).
     assert_eq!(params(Preset::SmolLm2_135m), 134_515_008);
     assert_eq!(params(Preset::Llama3_8b), 8_030_261_248);
     assert_eq!(params(Preset::Qwen25_7b), 7_615_616_512);
     let q3 = Preset::Qwen3_0_6b.shape();
-    assert_eq!((q3.head_dim, q3.num_heads * q3.head_dim, q3.hidden_size), (128, 2048, 1024));
+    assert_eq!(
+        (q3.head_dim, q3.num_heads * q3.head_dim, q3.hidden_size),
+        (128, 2048, 1024)
+    );
     assert_eq!(Preset::Qwen25_0_5b.shape().hidden_size, 896);
     assert!(Preset::Qwen25_0_5b.shape().qkv_bias);
     assert_eq!(Preset::from_name("Qwen3-8B").unwrap(), Preset::Qwen3_8b);
@@ -126,7 +185,10 @@ fn run_on_cpu(path: &std::path::Path, name: &str) {
     let gguf = GgufFile::open(path).unwrap();
     let ir = model_from_gguf(&gguf, name).unwrap();
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
-    let options = LoadOptions { max_context: 64, ..LoadOptions::default() };
+    let options = LoadOptions {
+        max_context: 64,
+        ..LoadOptions::default()
+    };
     let mut exec = CpuBackend.load_executor(&ir, &options).unwrap();
     let seq = exec.new_sequence().unwrap();
     let vocab = ir.config.vocab_size;
@@ -135,15 +197,31 @@ fn run_on_cpu(path: &std::path::Path, name: &str) {
     exec.prefill(seq, &prompt, &mut logits).unwrap();
     let mut generated = Vec::new();
     for step in 0..4 {
-        assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits at step {step}");
+        assert!(
+            logits.iter().all(|v| v.is_finite()),
+            "{name}: non-finite logits at step {step}"
+        );
         let mean = logits.iter().map(|&v| f64::from(v)).sum::<f64>() / vocab as f64;
-        let var = logits.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / vocab as f64;
-        assert!(var.sqrt() > 0.1, "{name}: logits nearly constant (std {}) at step {step}", var.sqrt());
+        let var = logits
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / vocab as f64;
+        assert!(
+            var.sqrt() > 0.1,
+            "{name}: logits nearly constant (std {}) at step {step}",
+            var.sqrt()
+        );
         let next = kiln_core::argmax(&logits) as u32;
         generated.push(next);
-        exec.decode(&[kiln_core::DecodeItem { seq, token: next }], &mut logits).unwrap();
+        exec.decode(&[kiln_core::DecodeItem { seq, token: next }], &mut logits)
+            .unwrap();
     }
-    println!("{name}: logits std ok; greedy continuation {:?} = {:?}", generated, tok.decode(&generated, false));
+    println!(
+        "{name}: logits std ok; greedy continuation {:?} = {:?}",
+        generated,
+        tok.decode(&generated, false)
+    );
 }
 
 #[test]
@@ -151,15 +229,29 @@ fn small_presets_run_end_to_end_on_the_cpu_backend() {
     // Q4_K_M for the smallest (exercising the 576-wide fallbacks), Q4_0 for the others to
     // keep the test quick and the files small (CI machines can be short of disk); the
     // K-quant paths are the same code. One file exists at a time.
-    for (preset, recipe) in
-        [(Preset::SmolLm2_135m, Recipe::Q4_K_M), (Preset::Qwen25_0_5b, Recipe::Q4_0), (Preset::Qwen3_0_6b, Recipe::Q4_0)]
-    {
+    for (preset, recipe) in [
+        (Preset::SmolLm2_135m, Recipe::Q4_K_M),
+        (Preset::Qwen25_0_5b, Recipe::Q4_0),
+        (Preset::Qwen3_0_6b, Recipe::Q4_0),
+    ] {
         let path = temp_path(&format!("{}-{}.gguf", preset.name(), recipe.name()));
         let start = Instant::now();
-        let written = synth_file(&path, SynthOptions { preset, recipe, seed: 42 }, &no_progress).unwrap();
+        let written = synth_file(
+            &path,
+            SynthOptions {
+                preset,
+                recipe,
+                seed: 42,
+            },
+            &no_progress,
+        )
+        .unwrap();
         let secs = start.elapsed().as_secs_f64();
         let bytes = std::fs::metadata(&path).unwrap().len();
-        let params: usize = written.iter().map(|t| t.dims.iter().product::<usize>()).sum();
+        let params: usize = written
+            .iter()
+            .map(|t| t.dims.iter().product::<usize>())
+            .sum();
         println!(
             "synth {} {}: {:.1} MB in {secs:.1} s ({:.1} M params/s on {} threads)",
             preset.name(),
@@ -170,9 +262,18 @@ fn small_presets_run_end_to_end_on_the_cpu_backend() {
         );
         if preset == Preset::SmolLm2_135m {
             let types: Vec<QType> = written.iter().map(|t| t.qtype).collect();
-            assert!(types.contains(&QType::Q5_0) && types.contains(&QType::Q6_K) && types.contains(&QType::Q8_0));
+            assert!(
+                types.contains(&QType::Q5_0)
+                    && types.contains(&QType::Q6_K)
+                    && types.contains(&QType::Q8_0)
+            );
         }
-        assert_eq!(preset.shape().arch == Architecture::Qwen3, written.iter().any(|t| t.name.ends_with("attn_q_norm.weight")));
+        assert_eq!(
+            preset.shape().arch == Architecture::Qwen3,
+            written
+                .iter()
+                .any(|t| t.name.ends_with("attn_q_norm.weight"))
+        );
         run_on_cpu(&path, preset.name());
         std::fs::remove_file(&path).unwrap();
     }
@@ -190,7 +291,11 @@ const TAIL: usize = 1 << 20;
 
 impl Fingerprint {
     fn of(options: SynthOptions) -> (u64, u64, Vec<u8>) {
-        let mut f = Fingerprint { hasher: Default::default(), len: 0, tail: Vec::new() };
+        let mut f = Fingerprint {
+            hasher: Default::default(),
+            len: 0,
+            tail: Vec::new(),
+        };
         synth_gguf(&mut f, options, &no_progress).unwrap();
         use std::hash::Hasher;
         (f.hasher.finish(), f.len, f.tail)
@@ -215,14 +320,25 @@ impl Write for Fingerprint {
 
 #[test]
 fn synthesis_is_deterministic_and_seeded() {
-    let opts = |seed| SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q8_0, seed };
+    let opts = |seed| SynthOptions {
+        preset: Preset::SmolLm2_135m,
+        recipe: Recipe::Q8_0,
+        seed,
+    };
     let a = Fingerprint::of(opts(1));
     // A different thread count must not change the bytes.
-    let b = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| Fingerprint::of(opts(1)));
+    let b = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(|| Fingerprint::of(opts(1)));
     let c = Fingerprint::of(opts(2));
     assert!(a.1 > (100 << 20), "only {} bytes written", a.1);
     assert!(a == b, "same seed, different thread count: different bytes");
     // The seed is also in general.name; compare the tensor data at the end of the file.
     let tail = |v: &[u8]| v[v.len() - TAIL..].to_vec();
-    assert!(tail(&a.2) != tail(&c.2), "different seeds gave the same weights");
+    assert!(
+        tail(&a.2) != tail(&c.2),
+        "different seeds gave the same weights"
+    );
 }

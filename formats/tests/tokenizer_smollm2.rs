@@ -17,7 +17,9 @@ fn model_path() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/kiln/models").join(MODEL_FILE);
+    let p = PathBuf::from(home)
+        .join(".cache/kiln/models")
+        .join(MODEL_FILE);
     p.exists().then_some(p)
 }
 
@@ -37,12 +39,19 @@ fn open_model() -> Option<GgufFile> {
 }
 
 fn fixture() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer_smollm2.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tokenizer_smollm2.json"
+    );
     serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("fixture JSON")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("id array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
 #[test]
@@ -51,7 +60,11 @@ fn ids_match_the_original_tokenizer_and_decode_round_trips() {
     let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
     let fx = fixture();
     let cases = fx["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 30, "fixture has only {} strings", cases.len());
+    assert!(
+        cases.len() >= 30,
+        "fixture has only {} strings",
+        cases.len()
+    );
 
     let mut failures = Vec::new();
     for case in cases {
@@ -69,12 +82,23 @@ fn ids_match_the_original_tokenizer_and_decode_round_trips() {
             failures.push(format!("{text:?} decodes back as {back:?}"));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 
     // The fixture must still contain the strings where transformers' GGUF loader is wrong,
     // or this test would not be checking the pre-tokenizer.
-    let differing = cases.iter().filter(|c| c["references_differ"] == Value::Bool(true)).count();
-    assert!(differing > 0, "no fixture string separates the two references");
+    let differing = cases
+        .iter()
+        .filter(|c| c["references_differ"] == Value::Bool(true))
+        .count();
+    assert!(
+        differing > 0,
+        "no fixture string separates the two references"
+    );
 }
 
 #[test]
@@ -93,7 +117,9 @@ fn metadata_ids_and_stop_tokens() {
     assert!(spelled.len() > 1 && !spelled.contains(&1), "{spelled:?}");
     assert_eq!(tok.decode(&spelled, false), "<|im_start|>");
     // skip_special drops control tokens.
-    let with = tok.encode("<|im_start|>user\nhi<|im_end|>", false, true).unwrap();
+    let with = tok
+        .encode("<|im_start|>user\nhi<|im_end|>", false, true)
+        .unwrap();
     assert_eq!(tok.decode(&with, true), "user\nhi");
 }
 
@@ -108,7 +134,10 @@ fn streaming_decode_equals_batch_decode() {
         let mut streamed = String::new();
         for &id in &ids {
             if let Some(s) = stream.push(id) {
-                assert!(!s.contains('\u{FFFD}'), "{text:?}: stream emitted a broken character");
+                assert!(
+                    !s.contains('\u{FFFD}'),
+                    "{text:?}: stream emitted a broken character"
+                );
                 streamed.push_str(&s);
             }
         }
@@ -135,6 +164,9 @@ fn chat_template_matches_transformers() {
         assert_eq!(rendered, chat["rendered"].as_str().unwrap());
 
         let tok = Tokenizer::from_gguf(&file).unwrap();
-        assert_eq!(tok.encode(&rendered, false, true).unwrap(), ids(&chat["rendered_ids"]));
+        assert_eq!(
+            tok.encode(&rendered, false, true).unwrap(),
+            ids(&chat["rendered_ids"])
+        );
     }
 }

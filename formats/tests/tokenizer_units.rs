@@ -41,7 +41,8 @@ fn spm_spec(pieces: &[(&str, f32)]) -> TokenizerSpec {
 }
 
 fn id(tok: &Tokenizer, piece: &str) -> u32 {
-    tok.token_id(piece).unwrap_or_else(|| panic!("{piece} not in vocab"))
+    tok.token_id(piece)
+        .unwrap_or_else(|| panic!("{piece} not in vocab"))
 }
 
 fn byte_id(b: u8) -> u32 {
@@ -71,7 +72,14 @@ fn spm_merges_by_score_with_prefix_space_and_byte_fallback() {
     let snowman = "☃".as_bytes();
     assert_eq!(
         ids,
-        vec![1, id(&tok, "▁hello"), id(&tok, "▁"), byte_id(snowman[0]), byte_id(snowman[1]), byte_id(snowman[2])]
+        vec![
+            1,
+            id(&tok, "▁hello"),
+            id(&tok, "▁"),
+            byte_id(snowman[0]),
+            byte_id(snowman[1]),
+            byte_id(snowman[2])
+        ]
     );
     // BOS is a control token: kept or skipped on request; the prefix space is removed.
     assert_eq!(tok.decode(&ids, true), "hello ☃");
@@ -82,21 +90,42 @@ fn spm_merges_by_score_with_prefix_space_and_byte_fallback() {
 #[test]
 fn spm_highest_score_wins_and_ties_go_left() {
     // "abc": "bc" outscores "ab", so the result is a + bc.
-    let mut spec = spm_spec(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -2.0), ("bc", -1.0)]);
+    let mut spec = spm_spec(&[
+        ("a", -1.0),
+        ("b", -1.0),
+        ("c", -1.0),
+        ("ab", -2.0),
+        ("bc", -1.0),
+    ]);
     spec.add_space_prefix = false;
     let tok = Tokenizer::from_spec(spec).unwrap();
-    assert_eq!(tok.encode("abc", false, false).unwrap(), vec![id(&tok, "a"), id(&tok, "bc")]);
+    assert_eq!(
+        tok.encode("abc", false, false).unwrap(),
+        vec![id(&tok, "a"), id(&tok, "bc")]
+    );
     // Raising "ab" above "bc" flips the split.
-    let mut spec = spm_spec(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -0.5), ("bc", -1.0)]);
+    let mut spec = spm_spec(&[
+        ("a", -1.0),
+        ("b", -1.0),
+        ("c", -1.0),
+        ("ab", -0.5),
+        ("bc", -1.0),
+    ]);
     spec.add_space_prefix = false;
     let tok = Tokenizer::from_spec(spec).unwrap();
-    assert_eq!(tok.encode("abc", false, false).unwrap(), vec![id(&tok, "ab"), id(&tok, "c")]);
+    assert_eq!(
+        tok.encode("abc", false, false).unwrap(),
+        vec![id(&tok, "ab"), id(&tok, "c")]
+    );
 
     // Equal scores: the leftmost pair merges first ("aa" + "a", not "a" + "aa").
     let mut spec = spm_spec(&[("a", -1.0), ("aa", -1.0)]);
     spec.add_space_prefix = false;
     let tok = Tokenizer::from_spec(spec).unwrap();
-    assert_eq!(tok.encode("aaa", false, false).unwrap(), vec![id(&tok, "aa"), id(&tok, "a")]);
+    assert_eq!(
+        tok.encode("aaa", false, false).unwrap(),
+        vec![id(&tok, "aa"), id(&tok, "a")]
+    );
 }
 
 /// GPT-2's byte → char map (printable bytes as themselves, the rest from U+0100).
@@ -105,7 +134,11 @@ fn byte_level_char(b: u8) -> char {
     for x in 0..=255u8 {
         let printable = matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
         if x == b {
-            return if printable { x as char } else { char::from_u32(next).unwrap() };
+            return if printable {
+                x as char
+            } else {
+                char::from_u32(next).unwrap()
+            };
         }
         if !printable {
             next += 1;
@@ -157,7 +190,10 @@ fn special_tokens_are_atomic_only_when_asked_except_user_defined() {
     assert_eq!(tok.decode(&plain, false), text);
 
     // A special token glued to text on both sides, and one that is only a prefix.
-    assert_eq!(tok.encode("hi<|im_end|>hi", false, true).unwrap(), vec![hi, 2, hi]);
+    assert_eq!(
+        tok.encode("hi<|im_end|>hi", false, true).unwrap(),
+        vec![hi, 2, hi]
+    );
     let partial = tok.encode("<|im_end", false, true).unwrap();
     assert_eq!(partial.len(), "<|im_end".len());
 
@@ -178,7 +214,14 @@ fn streaming_decoder_holds_a_split_emoji_until_complete() {
     let out: Vec<Option<String>> = ids.iter().map(|&i| stream.push(i)).collect();
     assert_eq!(
         out,
-        vec![Some("a".into()), None, None, None, Some("😀".into()), Some("b".into())]
+        vec![
+            Some("a".into()),
+            None,
+            None,
+            None,
+            Some("😀".into()),
+            Some("b".into())
+        ]
     );
     assert_eq!(stream.flush(), None);
 
@@ -190,7 +233,10 @@ fn streaming_decoder_holds_a_split_emoji_until_complete() {
     assert_eq!(ids.len(), 5);
     let mut stream = spm.decode_stream(true);
     let pieces: Vec<Option<String>> = ids.iter().map(|&i| stream.push(i)).collect();
-    assert_eq!(pieces, vec![None, None, None, Some("😀".into()), Some("a".into())]);
+    assert_eq!(
+        pieces,
+        vec![None, None, None, Some("😀".into()), Some("a".into())]
+    );
 
     // A stream cut in the middle of a character flushes a replacement, not a panic.
     let mut stream = spm.decode_stream(true);
@@ -207,7 +253,11 @@ fn pre_tokenizers_split_digits_as_named() {
         let mut spec = bpe_spec(&["1 2", "12 3"]);
         spec.pre = Some(pre.into());
         let tok = Tokenizer::from_spec(spec).unwrap();
-        tok.encode("1234", false, false).unwrap().iter().map(|&i| tok.piece(i).unwrap().to_string()).collect::<Vec<_>>()
+        tok.encode("1234", false, false)
+            .unwrap()
+            .iter()
+            .map(|&i| tok.piece(i).unwrap().to_string())
+            .collect::<Vec<_>>()
     };
     assert_eq!(digits("gpt2"), ["123", "4"]);
     assert_eq!(digits("smollm"), ["1", "2", "3", "4"]);
@@ -224,11 +274,17 @@ fn inconsistent_metadata_is_a_typed_error() {
 
     let mut spec = bpe_spec(&[]);
     spec.pre = Some("no-such-pre".into());
-    assert!(matches!(Tokenizer::from_spec(spec), Err(Error::Unsupported(_))));
+    assert!(matches!(
+        Tokenizer::from_spec(spec),
+        Err(Error::Unsupported(_))
+    ));
 
     let mut spec = bpe_spec(&[]);
     spec.model = "rwkv".into();
-    assert!(matches!(Tokenizer::from_spec(spec), Err(Error::Unsupported(_))));
+    assert!(matches!(
+        Tokenizer::from_spec(spec),
+        Err(Error::Unsupported(_))
+    ));
 
     let mut spec = bpe_spec(&[]);
     spec.eos = Some(1_000_000);
@@ -246,7 +302,10 @@ fn inconsistent_metadata_is_a_typed_error() {
     spec.bos = None;
     let tok = Tokenizer::from_spec(spec).unwrap();
     assert!(!tok.add_bos_default());
-    assert!(matches!(tok.encode("x", true, false), Err(Error::Tokenizer(_))));
+    assert!(matches!(
+        tok.encode("x", true, false),
+        Err(Error::Tokenizer(_))
+    ));
 }
 
 #[test]

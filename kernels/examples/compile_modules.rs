@@ -17,7 +17,12 @@ fn main() {
         }
         let t = Instant::now();
         match compile_uncached(&m, (9, 0)) {
-            Ok(cubin) => println!("{:<16} {:>9} bytes  {:.1} s", m.name, cubin.len(), t.elapsed().as_secs_f64()),
+            Ok(cubin) => println!(
+                "{:<16} {:>9} bytes  {:.1} s",
+                m.name,
+                cubin.len(),
+                t.elapsed().as_secs_f64()
+            ),
             Err(e) => {
                 failed = true;
                 eprintln!("{}: {e}", m.name);

@@ -119,7 +119,9 @@ fn main() -> Result<()> {
         };
         for f in &FORMATS {
             let q = f.qtype;
-            if !kk.is_multiple_of(q.block_len()) || only.as_ref().is_some_and(|o| !o.iter().any(|t| t == f.tag)) {
+            if !kk.is_multiple_of(q.block_len())
+                || only.as_ref().is_some_and(|o| !o.iter().any(|t| t == f.tag))
+            {
                 continue;
             }
             let ggml = random_weights(&mut rng, q, kk, n)?;
@@ -145,8 +147,15 @@ fn main() -> Result<()> {
                 let quant = GemvTiling::quantising()
                     .filter(|_| path != GemvPath::Float)
                     .map(|t| (t, true));
-                for (t, quantise) in plain.chain(quant).filter(|(t, _)| t.rows_per_warp.is_multiple_of(f.row_group)) {
-                    let epi = if quantise { quantising } else { Epilogue::default() };
+                for (t, quantise) in plain
+                    .chain(quant)
+                    .filter(|(t, _)| t.rows_per_warp.is_multiple_of(f.row_group))
+                {
+                    let epi = if quantise {
+                        quantising
+                    } else {
+                        Epilogue::default()
+                    };
                     let g = dev.capture(|| {
                         for i in 0..LAUNCHES_PER_GRAPH {
                             k.gemv(&ws[i % copies], &input, path, t, y.slice(), &epi)?;

@@ -89,7 +89,6 @@ impl Kernels {
         rows.div_ceil(8) * 8
     }
 
-
     /// How many parts a batched matmul over `rows` rows of `w` splits its row length into:
     /// enough blocks to fill the SMs `waves` times over, at least 4 chunks of 32 values per
     /// part. A warp keeps only a few hundred bytes of weights in flight, so the memory
@@ -179,7 +178,10 @@ impl Kernels {
             KernelError::Unsupported(format!("no batched matmul for {} weights", w.format.tag))
         })?;
         if !w.row_len.is_multiple_of(32) {
-            return Err(invalid(format!("rows of {} values (a multiple of 32)", w.row_len)));
+            return Err(invalid(format!(
+                "rows of {} values (a multiple of 32)",
+                w.row_len
+            )));
         }
         if let Some(u) = up {
             if u.format != w.format || u.rows != w.rows || u.row_len != w.row_len {
@@ -209,7 +211,10 @@ impl Kernels {
         part.check_len(splits * rows * ldp, "batched matmul partial sums")?;
         let per_split = (k / 32).div_ceil(splits);
         let nt = rows / 8;
-        let nt_kernel = [1, 2, 4, 8].into_iter().find(|&n| n >= nt).expect("rows ≤ 64");
+        let nt_kernel = [1, 2, 4, 8]
+            .into_iter()
+            .find(|&n| n >= nt)
+            .expect("rows ≤ 64");
         if nt_kernel != nt {
             return Err(invalid(format!(
                 "a batched matmul over {rows} rows: 8, 16, 32 or 64 only"
@@ -261,8 +266,11 @@ impl Kernels {
         let total = rows * nrows;
         // SAFETY: y and the residual hold rows rows of stride ldy; part as above.
         unsafe {
-            self.device()
-                .launch(f, LaunchConfig::linear(total.div_ceil(256) as u32, 256), &mut args)
+            self.device().launch(
+                f,
+                LaunchConfig::linear(total.div_ceil(256) as u32, 256),
+                &mut args,
+            )
         }
     }
 
@@ -283,7 +291,10 @@ impl Kernels {
     ) -> Result<()> {
         b.check()?;
         let hd = a.head_dim;
-        if slot_stride != a.n_kv * max_ctx * hd || kc.len() != vc.len() || !kc.len().is_multiple_of(slot_stride) {
+        if slot_stride != a.n_kv * max_ctx * hd
+            || kc.len() != vc.len()
+            || !kc.len().is_multiple_of(slot_stride)
+        {
             return Err(invalid(format!(
                 "a KV pool of {} halves with slots of {slot_stride}",
                 kc.len()
@@ -335,7 +346,10 @@ impl Kernels {
         b.check()?;
         a.check()?;
         let hd = a.head_dim;
-        if slot_stride != a.n_kv * a.max_ctx * hd || kc.len() != vc.len() || !kc.len().is_multiple_of(slot_stride) {
+        if slot_stride != a.n_kv * a.max_ctx * hd
+            || kc.len() != vc.len()
+            || !kc.len().is_multiple_of(slot_stride)
+        {
             return Err(invalid(format!(
                 "a KV pool of {} halves with slots of {slot_stride}",
                 kc.len()
@@ -348,9 +362,10 @@ impl Kernels {
         part_ml.check_len(b.rows * a.n_heads * nsplit, "attention partial max/sum")?;
         counters.check_len(b.rows * a.n_heads, "attention split counters")?;
         out.check_len(b.rows * qd, "attention output rows")?;
-        let f = self
-            .device()
-            .function(&attention_module(hd)?, &format!("attn_decode_batch_{}", hd / 32))?;
+        let f = self.device().function(
+            &attention_module(hd)?,
+            &format!("attn_decode_batch_{}", hd / 32),
+        )?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -430,7 +445,10 @@ impl Kernels {
             return Ok(());
         }
         if logits.len() > i32::MAX as usize || n > i32::MAX as usize {
-            return Err(invalid(format!("{n} logit biases over {} logits", logits.len())));
+            return Err(invalid(format!(
+                "{n} logit biases over {} logits",
+                logits.len()
+            )));
         }
         index.check_len(n, "logit bias indices")?;
         bias.check_len(n, "logit biases")?;
@@ -470,7 +488,9 @@ impl Kernels {
     ) -> Result<()> {
         let ncand = Self::sample_rows_scratch(n);
         if rows == 0 || n == 0 || ncand > 4096 {
-            return Err(invalid(format!("device sampling of {rows} rows of {n} logits")));
+            return Err(invalid(format!(
+                "device sampling of {rows} rows of {n} logits"
+            )));
         }
         logits.check_len(rows * n, "logit rows")?;
         params.check_len(rows, "sampling settings")?;

@@ -76,7 +76,10 @@ impl<T: Pod> DevSlice<T> {
     pub fn cast<U: Pod>(&self) -> Result<DevSlice<U>> {
         let bytes = self.bytes();
         let size = std::mem::size_of::<U>();
-        if size == 0 || !bytes.is_multiple_of(size) || !self.ptr.is_multiple_of(std::mem::align_of::<U>() as u64) {
+        if size == 0
+            || !bytes.is_multiple_of(size)
+            || !self.ptr.is_multiple_of(std::mem::align_of::<U>() as u64)
+        {
             return Err(KernelError::InvalidArgument(format!(
                 "{bytes} bytes cannot be viewed as {}",
                 std::any::type_name::<U>()
@@ -300,7 +303,10 @@ impl Workspace {
 
     /// Allocates exactly what `layout` takes and returns the slices it built. `layout` must
     /// take the same sizes each time it is called (it is called twice).
-    pub fn carve<S>(device: &Arc<Device>, layout: impl Fn(&mut Carver) -> S) -> Result<(Workspace, S)> {
+    pub fn carve<S>(
+        device: &Arc<Device>,
+        layout: impl Fn(&mut Carver) -> S,
+    ) -> Result<(Workspace, S)> {
         let mut measure = Carver { base: 0, used: 0 };
         layout(&mut measure);
         let buffer = DeviceBuffer::alloc(device, measure.used.max(Self::ALIGN))?;
@@ -309,7 +315,10 @@ impl Workspace {
             used: 0,
         };
         let slices = layout(&mut carver);
-        debug_assert_eq!(carver.used, measure.used, "a workspace layout took different sizes");
+        debug_assert_eq!(
+            carver.used, measure.used,
+            "a workspace layout took different sizes"
+        );
         Ok((Workspace { buffer }, slices))
     }
 

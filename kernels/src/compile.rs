@@ -149,7 +149,9 @@ pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u
 /// `module`'s PTX for `arch` (what tests inspect; kiln loads cubins).
 pub fn compile_ptx(module: &KernelModule, arch: (i32, i32)) -> Result<String> {
     let ptx = nvrtc(module, arch, true)?;
-    Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
+    Ok(String::from_utf8_lossy(&ptx)
+        .trim_end_matches('\0')
+        .to_string())
 }
 
 /// One NVRTC compilation: the cubin, or with `ptx` the PTX text.
@@ -188,7 +190,9 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
             // SAFETY: `prog` compiled; NVRTC writes the size.
             unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
         };
-        sized.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        sized
+            .result()
+            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
         let mut out = vec![0u8; size];
         let got = if ptx {
             // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
@@ -197,7 +201,8 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
             // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
             unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char) }
         };
-        got.result().map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+        got.result()
+            .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
         Ok(out)
     })();
     // SAFETY: created above, destroyed once.
@@ -240,7 +245,11 @@ pub fn compile(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> 
 /// [`compile`] for several modules: cached ones read, the rest compiled in parallel (NVRTC
 /// compiles independent programs concurrently), one thread per core. A first run on a GPU
 /// says on stderr what it compiles and how long it took, so nobody waits in silence.
-pub fn compile_many(modules: &[KernelModule], arch: (i32, i32), driver_version: i32) -> Result<Vec<Vec<u8>>> {
+pub fn compile_many(
+    modules: &[KernelModule],
+    arch: (i32, i32),
+    driver_version: i32,
+) -> Result<Vec<Vec<u8>>> {
     let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(modules.len());
     let mut files = Vec::with_capacity(modules.len());
     for m in modules {
@@ -252,7 +261,9 @@ pub fn compile_many(modules: &[KernelModule], arch: (i32, i32), driver_version: 
     if missing.is_empty() {
         return Ok(out.into_iter().map(|c| c.expect("all cached")).collect());
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(missing.len());
     let start = std::time::Instant::now();
     eprintln!(
         "kiln: compiling {} GPU kernel module{} for sm_{}{} on {threads} thread{} (once per GPU and driver; cached afterwards) …",
@@ -277,7 +288,10 @@ pub fn compile_many(modules: &[KernelModule], arch: (i32, i32), driver_version: 
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
+        workers
+            .into_iter()
+            .flat_map(|h| h.join().expect("a compile thread panicked"))
+            .collect()
     });
     for (i, cubin) in results {
         let cubin = cubin?;
@@ -287,7 +301,10 @@ pub fn compile_many(modules: &[KernelModule], arch: (i32, i32), driver_version: 
         out[i] = Some(cubin);
     }
     eprintln!("kiln: compiled in {:.1} s", start.elapsed().as_secs_f64());
-    Ok(out.into_iter().map(|c| c.expect("compiled or cached")).collect())
+    Ok(out
+        .into_iter()
+        .map(|c| c.expect("compiled or cached"))
+        .collect())
 }
 
 fn read_cached(f: &std::path::Path) -> Option<Vec<u8>> {
@@ -296,7 +313,11 @@ fn read_cached(f: &std::path::Path) -> Option<Vec<u8>> {
 
 /// Where the cubin of `module` for `arch` under this NVRTC and driver is cached, if a cache
 /// directory exists: the name carries a hash of everything the result depends on.
-fn cache_file(module: &KernelModule, arch: (i32, i32), driver_version: i32) -> Result<Option<PathBuf>> {
+fn cache_file(
+    module: &KernelModule,
+    arch: (i32, i32),
+    driver_version: i32,
+) -> Result<Option<PathBuf>> {
     let nvrtc = nvrtc_version()?;
     let mut h = Sha256::new();
     h.update(module.source().as_bytes());

@@ -247,7 +247,11 @@ impl Device {
     /// yet, compiling the missing ones in parallel ([`compile::compile_many`]); idempotent.
     pub fn load_modules(&self, modules: &[KernelModule]) -> Result<()> {
         let mut table = self.context.modules.lock().expect("module table poisoned");
-        let mut wanted: Vec<KernelModule> = modules.iter().filter(|m| !table.contains_key(m.name)).copied().collect();
+        let mut wanted: Vec<KernelModule> = modules
+            .iter()
+            .filter(|m| !table.contains_key(m.name))
+            .copied()
+            .collect();
         wanted.sort_by_key(|m| m.name);
         wanted.dedup_by_key(|m| m.name);
         if wanted.is_empty() {
@@ -337,7 +341,11 @@ impl Device {
             blockDimZ: cfg.block.2,
             sharedMemBytes: cfg.shared_bytes,
             hStream: self.stream,
-            attrs: if dependent_launch { &mut attr } else { std::ptr::null_mut() },
+            attrs: if dependent_launch {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
             numAttrs: dependent_launch as u32,
         };
         // SAFETY: the context is bound; `params` points at `args`' slots, which live until

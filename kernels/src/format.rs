@@ -222,7 +222,9 @@ impl Eq for WeightFormat {}
 impl WeightFormat {
     /// The plain device layout of `qtype`, if the GEMV kernels multiply with it.
     pub fn plain(qtype: QType) -> Option<&'static WeightFormat> {
-        FORMATS.iter().find(|f| f.qtype == qtype && f.row_group == 1)
+        FORMATS
+            .iter()
+            .find(|f| f.qtype == qtype && f.row_group == 1)
     }
 
     /// The format named `tag`.
@@ -255,7 +257,11 @@ mod tests {
     fn every_part_lies_inside_its_block() {
         for f in &FORMATS {
             let block = f.qtype.block_bytes();
-            let elem = if f.qtype.is_quantized() { block } else { f.body.bytes };
+            let elem = if f.qtype.is_quantized() {
+                block
+            } else {
+                f.body.bytes
+            };
             assert!(f.body.offset + f.body.bytes <= elem, "{}", f.tag);
             if let Some(q) = f.qh {
                 assert!(q + 4 <= block, "{}", f.tag);
@@ -264,7 +270,11 @@ mod tests {
                 assert!(s.offset + s.bytes <= block, "{}", f.tag);
             }
             // The body is what the 16-byte loads read.
-            assert!(!f.qtype.is_quantized() || f.body.bytes % 16 == 0, "{}", f.tag);
+            assert!(
+                !f.qtype.is_quantized() || f.body.bytes % 16 == 0,
+                "{}",
+                f.tag
+            );
         }
     }
 

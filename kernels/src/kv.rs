@@ -66,7 +66,9 @@ impl KvCache {
 
     /// Bytes the cache occupies on the device.
     pub fn bytes(&self) -> usize {
-        (0..self.layers()).map(|l| 2 * self.slots * self.slot_stride(l) * 2).sum()
+        (0..self.layers())
+            .map(|l| 2 * self.slots * self.slot_stride(l) * 2)
+            .sum()
     }
 
     /// Bytes of K and V one token of context takes over all layers (while a sliding-window

@@ -29,13 +29,13 @@ pub use batch::{BatchEpilogue, BatchRows, PackedAct};
 pub use buffer::{Carver, DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};
+pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use gemm::Blas;
 pub use kv::KvCache;
 pub use ops::{
     AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
     Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
-pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use repack::{DeviceWeight, PackedWeight};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.

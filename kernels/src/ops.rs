@@ -4,12 +4,11 @@
 
 use std::sync::Arc;
 
-
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
-use crate::format::WeightFormat;
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
+use crate::format::WeightFormat;
 use crate::repack::DeviceWeight;
 
 fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
@@ -242,7 +241,12 @@ impl Kernels {
         prefill: bool,
         batched: bool,
     ) -> Result<Vec<KernelModule>> {
-        let mut v = vec![NORM, ROPE, SAMPLE, crate::compile::attention_module(head_dim)?];
+        let mut v = vec![
+            NORM,
+            ROPE,
+            SAMPLE,
+            crate::compile::attention_module(head_dim)?,
+        ];
         for f in formats {
             v.push(f.embed);
             v.extend_from_slice(f.gemv.for_path(path));
@@ -410,7 +414,10 @@ impl Kernels {
             t.warps_per_row
         );
         let module = w.format.gemv.module(path, quantising).ok_or_else(|| {
-            invalid(format!("{} GEMVs that quantise their output need an integer path", w.format.tag))
+            invalid(format!(
+                "{} GEMVs that quantise their output need an integer path",
+                w.format.tag
+            ))
         })?;
         let f = self.device.function(module, &name)?;
         let (body, qh, sc) = w.ptrs();
@@ -1128,7 +1135,8 @@ impl Kernels {
                 a.n_heads, a.n_kv
             )));
         }
-        if !positions_fit(rows, a.start, a.max_ctx, a.window) || a.start + rows > i32::MAX as usize {
+        if !positions_fit(rows, a.start, a.max_ctx, a.window) || a.start + rows > i32::MAX as usize
+        {
             return Err(invalid(format!(
                 "{rows} queries from {} in a cache of {} rows (window {})",
                 a.start, a.max_ctx, a.window

@@ -96,12 +96,14 @@ impl PackedWeight {
                 .body
                 .extend_from_slice(&blk[body.offset..body.offset + body.bytes]);
             if let Some(q) = format.qh {
-                packed
-                    .qh
-                    .push(u32::from_le_bytes(blk[q..q + 4].try_into().expect("4 bytes")));
+                packed.qh.push(u32::from_le_bytes(
+                    blk[q..q + 4].try_into().expect("4 bytes"),
+                ));
             }
             if let Some(s) = sc {
-                packed.sc.extend_from_slice(&blk[s.offset..s.offset + s.bytes]);
+                packed
+                    .sc
+                    .extend_from_slice(&blk[s.offset..s.offset + s.bytes]);
             }
         }
         Ok(packed)

@@ -52,7 +52,9 @@ pub fn random_weights_scaled(
         _ => {
             for b in out.chunks_exact_mut(qtype.block_bytes()) {
                 match qtype {
-                    QType::Q4_0 | QType::Q5_0 | QType::AprQ4 => put_f16(b, 0, scale * uniform(rng, -0.1, 0.1)),
+                    QType::Q4_0 | QType::Q5_0 | QType::AprQ4 => {
+                        put_f16(b, 0, scale * uniform(rng, -0.1, 0.1))
+                    }
                     QType::Q8_0 => put_f16(b, 0, scale * uniform(rng, -0.008, 0.008)),
                     QType::Q4_1 | QType::Q5_1 => {
                         put_f16(b, 0, scale * uniform(rng, 0.0, 0.1));

@@ -10,8 +10,8 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, PrefillAttnArgs, QuantBuffers, QuantOut, RopeArgs,
-    WeightFormat, FORMATS, Q4_0_X4,
+    Kernels, KvCache, PendingNorm, PrefillAttnArgs, QuantBuffers, QuantOut, RopeArgs, WeightFormat,
+    FORMATS, Q4_0_X4,
 };
 
 /// Whether `t` suits `f` (a warp owns whole row groups).
@@ -160,7 +160,8 @@ fn gemv_every_type_path_and_shape_matches_reference() {
             for (path, bound) in PATHS {
                 for t in GemvTiling::all() {
                     let y = poisoned(&g.dev, n);
-                    let run = g.k.gemv(&w, &input, path, t, y.slice(), &Epilogue::default());
+                    let run =
+                        g.k.gemv(&w, &input, path, t, y.slice(), &Epilogue::default());
                     if !fits(f, &t) {
                         assert!(run.is_err(), "{}: tiling {t:?} must be refused", f.tag);
                         continue;
@@ -184,8 +185,15 @@ fn gemv_every_type_path_and_shape_matches_reference() {
                 quant: None,
                 gelu: false,
             };
-            g.k.gemv(&w, &input, GemvPath::Float, GemvTiling::new(4, 4), y.slice(), &epi)
-                .unwrap();
+            g.k.gemv(
+                &w,
+                &input,
+                GemvPath::Float,
+                GemvTiling::new(4, 4),
+                y.slice(),
+                &epi,
+            )
+            .unwrap();
             for (i, r) in reference.iter_mut().enumerate() {
                 *r += bias[i] as f64 + resid[i] as f64;
             }
@@ -228,13 +236,24 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemvq");
     let eps = 1e-5f32;
-    let formats = [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16, QType::BF16]
-        .map(|q| WeightFormat::plain(q).unwrap())
-        .into_iter()
-        .chain([Q4_0_X4]);
+    let formats = [
+        QType::Q4_K,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::Q5_0,
+        QType::F16,
+        QType::BF16,
+    ]
+    .map(|q| WeightFormat::plain(q).unwrap())
+    .into_iter()
+    .chain([Q4_0_X4]);
     for f in formats {
         let q = f.qtype;
-        let (k, n) = if q.block_len() == 256 { (768, 67) } else { (576, 130) };
+        let (k, n) = if q.block_len() == 256 {
+            (768, 67)
+        } else {
+            (576, 130)
+        };
         let ggml = random_weights(&mut rng, q, k, n).unwrap();
         let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
         let x = random_vec(&mut rng, k, 3.0);
@@ -257,8 +276,16 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
         // The input as the decode step leaves it: planes of x·w_in, Σx² beside them.
         let (xd, nwd) = (buf(&g.dev, &x), buf(&g.dev, &norm_in));
         let xq = quant_buffers(&g.dev, k);
-        g.k.rmsnorm_q8_1(xd.slice(), 1, k, Some(nwd.slice()), None, None, Some(xq.act()))
-            .unwrap();
+        g.k.rmsnorm_q8_1(
+            xd.slice(),
+            1,
+            k,
+            Some(nwd.slice()),
+            None,
+            None,
+            Some(xq.act()),
+        )
+        .unwrap();
         let parts_in = buf(&g.dev, &group_sum_sq(&x));
         let input = GemvInput {
             x: None,
@@ -268,7 +295,11 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 eps,
             }),
         };
-        let (bd, rd, nod) = (buf(&g.dev, &bias), buf(&g.dev, &resid), buf(&g.dev, &norm_out));
+        let (bd, rd, nod) = (
+            buf(&g.dev, &bias),
+            buf(&g.dev, &resid),
+            buf(&g.dev, &norm_out),
+        );
         for (path, bound) in PATHS.into_iter().filter(|(p, _)| *p != GemvPath::Float) {
             for t in GemvTiling::quantising().filter(|t| fits(f, t)) {
                 let y = poisoned(&g.dev, n);
@@ -327,10 +358,16 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
 fn swiglu_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("swiglu");
-    let formats = [QType::Q4_K, QType::Q6_K, QType::Q8_0, QType::Q5_0, QType::F16]
-        .map(|q| WeightFormat::plain(q).unwrap())
-        .into_iter()
-        .chain([Q4_0_X4]);
+    let formats = [
+        QType::Q4_K,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::Q5_0,
+        QType::F16,
+    ]
+    .map(|q| WeightFormat::plain(q).unwrap())
+    .into_iter()
+    .chain([Q4_0_X4]);
     for f in formats {
         let q = f.qtype;
         let (k, n) = if q.block_len() == 256 {
@@ -371,7 +408,10 @@ fn swiglu_matches_reference() {
             let quantising = GemvTiling::quantising()
                 .filter(|_| path != GemvPath::Float)
                 .map(|t| (t, true));
-            let chosen = plain.into_iter().chain(quantising).filter(|(t, _)| fits(f, t));
+            let chosen = plain
+                .into_iter()
+                .chain(quantising)
+                .filter(|(t, _)| fits(f, t));
             for (t, quantise) in chosen {
                 let y = poisoned(&g.dev, n);
                 let yq = quant_buffers(&g.dev, n);
@@ -388,7 +428,11 @@ fn swiglu_matches_reference() {
                 }
                 let err = rel_err(&got, &reference);
                 // SwiGLU doubles the relative error of a product of two GEMVs.
-                assert!(err < 2.0 * bound.max(2.5e-5), "swiglu {} {path:?} {t:?}: rel err {err:e}", f.tag);
+                assert!(
+                    err < 2.0 * bound.max(2.5e-5),
+                    "swiglu {} {path:?} {t:?}: rel err {err:e}",
+                    f.tag
+                );
             }
         }
     }
@@ -686,47 +730,87 @@ fn prefill_attention_matches_reference() {
     for &(hd, ratio, start, rows, window, max_ctx) in cases {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
-        let kh: Vec<u16> =
-            (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
-        let vh: Vec<u16> =
-            (0..n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+        let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
+            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+            .collect();
+        let vh: Vec<u16> = (0..n_kv * max_ctx * hd)
+            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+            .collect();
         let q = random_vec(&mut rng, rows * n_heads * hd, 2.0);
         let (kd, vd, qd) = (buf(&g.dev, &kh), buf(&g.dev, &vh), buf(&g.dev, &q));
         let scale = 1.0 / (hd as f32).sqrt();
-        let a = PrefillAttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, start, scale, window };
+        let a = PrefillAttnArgs {
+            n_heads,
+            n_kv,
+            head_dim: hd,
+            max_ctx,
+            start,
+            scale,
+            window,
+        };
         let run = |tensor_cores: bool| {
             let out = DeviceBuffer::<u16>::alloc(&g.dev, rows * n_heads * hd).unwrap();
             out.fill_bytes(0xff).unwrap();
             if tensor_cores {
-                g.k.attention_prefill(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice()).unwrap();
+                g.k.attention_prefill(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice())
+                    .unwrap();
             } else {
-                g.k.attention_prefill_rows(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice()).unwrap();
+                g.k.attention_prefill_rows(
+                    &a,
+                    rows,
+                    qd.slice(),
+                    kd.slice(),
+                    vd.slice(),
+                    out.slice(),
+                )
+                .unwrap();
             }
             f16s_to_f32(&out.to_host().unwrap())
         };
         let (auto, by_rows) = (run(true), run(false));
-        let cache = |c: &[u16], kvh: usize, p: usize, d: usize| f16::from_bits(c[(kvh * max_ctx + p % max_ctx) * hd + d]).to_f64();
+        let cache = |c: &[u16], kvh: usize, p: usize, d: usize| {
+            f16::from_bits(c[(kvh * max_ctx + p % max_ctx) * hd + d]).to_f64()
+        };
         for t in (0..rows).filter(|t| t % 5 == 0 || *t + 3 >= rows) {
             let pos = start + t;
-            let lo = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            let lo = if window > 0 {
+                (pos + 1).saturating_sub(window)
+            } else {
+                0
+            };
             for h in 0..n_heads {
                 let kvh = h / ratio;
                 let qh = &q[(t * n_heads + h) * hd..][..hd];
                 let scores: Vec<f64> = (lo..=pos)
-                    .map(|p| qh.iter().enumerate().map(|(d, &x)| x as f64 * cache(&kh, kvh, p, d)).sum::<f64>() * scale as f64)
+                    .map(|p| {
+                        qh.iter()
+                            .enumerate()
+                            .map(|(d, &x)| x as f64 * cache(&kh, kvh, p, d))
+                            .sum::<f64>()
+                            * scale as f64
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let total: f64 = w.iter().sum();
                 let reference: Vec<f64> = (0..hd)
-                    .map(|d| (lo..=pos).zip(&w).map(|(p, wp)| wp * cache(&vh, kvh, p, d)).sum::<f64>() / total)
+                    .map(|d| {
+                        (lo..=pos)
+                            .zip(&w)
+                            .map(|(p, wp)| wp * cache(&vh, kvh, p, d))
+                            .sum::<f64>()
+                            / total
+                    })
                     .collect();
                 let at = (t * n_heads + h) * hd;
                 let what = format!("hd {hd} gqa {ratio} start {start} rows {rows} window {window} ring {max_ctx}: row {t} head {h}");
                 let e_rows = rel_err(&by_rows[at..at + hd], &reference);
                 assert!(e_rows < 2e-3, "row kernel, {what}: rel err {e_rows:e}");
                 let e_auto = rel_err(&auto[at..at + hd], &reference);
-                assert!(e_auto < 5e-3, "attention_prefill, {what}: rel err {e_auto:e}");
+                assert!(
+                    e_auto < 5e-3,
+                    "attention_prefill, {what}: rel err {e_auto:e}"
+                );
                 worst_rows = worst_rows.max(e_rows);
                 if matches!(hd, 64 | 128) {
                     worst_tc = worst_tc.max(e_auto);
@@ -734,7 +818,9 @@ fn prefill_attention_matches_reference() {
             }
         }
     }
-    println!("prefill attention: worst rel err tensor cores {worst_tc:.2e}, row kernel {worst_rows:.2e}");
+    println!(
+        "prefill attention: worst rel err tensor cores {worst_tc:.2e}, row kernel {worst_rows:.2e}"
+    );
 }
 
 #[test]
@@ -896,7 +982,8 @@ fn embedding_lookup_matches_reference_dequantisation() {
             norm_w: Some(nwd.slice()),
             norm_parts: Some(parts.slice()),
         };
-        g.k.embed(&w, td.slice(), 1.0, y.slice(), Some(quant)).unwrap();
+        g.k.embed(&w, td.slice(), 1.0, y.slice(), Some(quant))
+            .unwrap();
         let rb = q.row_bytes(k).unwrap();
         let mut row = vec![0f32; k];
         kiln_core::quant::dequantize(q, &ggml[token * rb..(token + 1) * rb], &mut row).unwrap();
@@ -960,7 +1047,9 @@ fn prefill_dequantisers_match_reference() {
                 // f32 rounding of the dequantisation formula (FMA or not), relative to the row.
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 assert!(
-                    row.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6 * scale),
+                    row.iter()
+                        .zip(want)
+                        .all(|(a, b)| (a - b).abs() <= 1e-6 * scale),
                     "{q} {k}x{n}: embedding row {id}"
                 );
             }
@@ -997,29 +1086,80 @@ fn batched_matmul_every_format_matches_reference() {
                 let normed: Vec<f32> = x
                     .chunks(k)
                     .flat_map(|r| {
-                        let rms = (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + 1e-5).sqrt();
-                        r.iter().zip(&norm_w).map(move |(v, w)| (*v as f64 / rms) as f32 * w).collect::<Vec<_>>()
+                        let rms = (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64
+                            + 1e-5)
+                            .sqrt();
+                        r.iter()
+                            .zip(&norm_w)
+                            .map(move |(v, w)| (*v as f64 / rms) as f32 * w)
+                            .collect::<Vec<_>>()
                     })
                     .collect();
                 let (xs, ss) = PackedAct::lens(rows, k);
-                let (px, ps) = (DeviceBuffer::<[u32; 4]>::alloc(&g.dev, xs).unwrap(), DeviceBuffer::<[f32; 2]>::alloc(&g.dev, ss).unwrap());
+                let (px, ps) = (
+                    DeviceBuffer::<[u32; 4]>::alloc(&g.dev, xs).unwrap(),
+                    DeviceBuffer::<[f32; 2]>::alloc(&g.dev, ss).unwrap(),
+                );
                 px.fill_bytes(0xff).unwrap();
                 ps.fill_bytes(0xff).unwrap();
-                let act = PackedAct { x: px.slice(), s: ps.slice() };
+                let act = PackedAct {
+                    x: px.slice(),
+                    s: ps.slice(),
+                };
                 let (xd, nwd) = (buf(&g.dev, &x), buf(&g.dev, &norm_w));
-                g.k.act_pack(xd.slice(), rows, k, Some(nwd.slice()), Some(1e-5), act).unwrap();
+                g.k.act_pack(xd.slice(), rows, k, Some(nwd.slice()), Some(1e-5), act)
+                    .unwrap();
                 let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, true));
                 let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
                 // Plain, then bias + residual (in place), then SwiGLU.
                 let y = poisoned(&g.dev, rows * n);
-                g.k.batched_matmul(&w, None, &act, rows, part.slice(), y.slice(), n, &BatchEpilogue::default()).unwrap();
-                let epi = BatchEpilogue { bias: Some(bd.slice()), residual: Some(rd.slice()), gelu: false };
-                g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi).unwrap();
+                g.k.batched_matmul(
+                    &w,
+                    None,
+                    &act,
+                    rows,
+                    part.slice(),
+                    y.slice(),
+                    n,
+                    &BatchEpilogue::default(),
+                )
+                .unwrap();
+                let epi = BatchEpilogue {
+                    bias: Some(bd.slice()),
+                    residual: Some(rd.slice()),
+                    gelu: false,
+                };
+                g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi)
+                    .unwrap();
                 let uy = poisoned(&g.dev, rows * n);
-                g.k.batched_matmul(&up, None, &act, rows, part.slice(), uy.slice(), n, &BatchEpilogue::default()).unwrap();
+                g.k.batched_matmul(
+                    &up,
+                    None,
+                    &act,
+                    rows,
+                    part.slice(),
+                    uy.slice(),
+                    n,
+                    &BatchEpilogue::default(),
+                )
+                .unwrap();
                 let sy = poisoned(&g.dev, rows * n);
-                g.k.batched_matmul(&w, Some(&up), &act, rows, part.slice(), sy.slice(), n, &BatchEpilogue::default()).unwrap();
-                let (got, got_epi, got_swiglu) = (y.to_host().unwrap(), rd.to_host().unwrap(), sy.to_host().unwrap());
+                g.k.batched_matmul(
+                    &w,
+                    Some(&up),
+                    &act,
+                    rows,
+                    part.slice(),
+                    sy.slice(),
+                    n,
+                    &BatchEpilogue::default(),
+                )
+                .unwrap();
+                let (got, got_epi, got_swiglu) = (
+                    y.to_host().unwrap(),
+                    rd.to_host().unwrap(),
+                    sy.to_host().unwrap(),
+                );
                 let got_up = uy.to_host().unwrap();
                 let (mut worst, mut worst_sw) = (0f64, 0f64);
                 for m in 0..rows {
@@ -1028,7 +1168,9 @@ fn batched_matmul_every_format_matches_reference() {
                     let want_up = reference_gemv(q, k, n, &up_ggml, xm).unwrap();
                     let row = |v: &[f32]| v[m * n..(m + 1) * n].to_vec();
                     let err = rel_err(&row(&got), &want);
-                    let with_epi: Vec<f64> = (0..n).map(|i| want[i] + bias[i] as f64 + resid[m * n + i] as f64).collect();
+                    let with_epi: Vec<f64> = (0..n)
+                        .map(|i| want[i] + bias[i] as f64 + resid[m * n + i] as f64)
+                        .collect();
                     let err_epi = rel_err(&row(&got_epi), &with_epi);
                     let err_up = rel_err(&row(&got_up), &want_up);
                     // The fused SwiGLU against SwiGLU of the two plain products in f64: the
@@ -1066,7 +1208,12 @@ fn batched_matmul_every_format_matches_reference() {
         }
     }
     // Every case runs before the verdict, so one run shows all that fail.
-    assert!(failures.is_empty(), "{} batched matmul rows off the reference:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} batched matmul rows off the reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// The batched step's RoPE and attention: each row at its own position of its own cache
@@ -1078,7 +1225,9 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("batched attention");
     let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
-    let inv: Vec<f32> = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
+        .collect();
     let invd = buf(&g.dev, &inv);
     let rope = RopeArgs {
         n_heads,
@@ -1091,7 +1240,15 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         k_norm: None,
         eps: 1e-6,
     };
-    let attn = AttnArgs { n_heads, n_kv, head_dim: hd, max_ctx, split: 64, scale: 0.125, window: 0 };
+    let attn = AttnArgs {
+        n_heads,
+        n_kv,
+        head_dim: hd,
+        max_ctx,
+        split: 64,
+        scale: 0.125,
+        window: 0,
+    };
     let width = (n_heads + 2 * n_kv) * hd;
     let qd = n_heads * hd;
     // Rows 0..3 real (slots 3, 0, 4 at positions 7, 150, 0), row 3 padding.
@@ -1101,7 +1258,9 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let batched = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
     let single = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
     // Fill the history of every slot identically in both caches.
-    let history: Vec<u16> = (0..slots * n_kv * max_ctx * hd).map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits()).collect();
+    let history: Vec<u16> = (0..slots * n_kv * max_ctx * hd)
+        .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+        .collect();
     let (bk, bv) = batched.layer_all(0).unwrap();
     let (sk, sv) = single.layer_all(0).unwrap();
     for s in [bk, bv, sk, sv] {
@@ -1110,37 +1269,94 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let qkv = random_vec(&mut rng, rows * width, 1.0);
     let qkvd = buf(&g.dev, &qkv);
     let (posd, lend, slotd) = (buf(&g.dev, &pos), buf(&g.dev, &len), buf(&g.dev, &slot));
-    let br = BatchRows { rows, pos: posd.slice(), len: lend.slice(), slot: slotd.slice() };
+    let br = BatchRows {
+        rows,
+        pos: posd.slice(),
+        len: lend.slice(),
+        slot: slotd.slice(),
+    };
     let q_b = poisoned(&g.dev, rows * qd);
     let stride = batched.slot_stride(0);
-    g.k.rope_kv_batch(&rope, qkvd.slice(), q_b.slice(), bk, bv, stride, &br, max_ctx).unwrap();
+    g.k.rope_kv_batch(
+        &rope,
+        qkvd.slice(),
+        q_b.slice(),
+        bk,
+        bv,
+        stride,
+        &br,
+        max_ctx,
+    )
+    .unwrap();
     let nsplit = Kernels::attention_splits(max_ctx, 64);
     let part_o = poisoned(&g.dev, rows * qd * nsplit);
     let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * n_heads * nsplit).unwrap();
     let counters = DeviceBuffer::<u32>::zeros(&g.dev, rows * n_heads).unwrap();
     let out_b = poisoned(&g.dev, rows * qd);
-    g.k.attention_batch(&attn, q_b.slice(), bk, bv, stride, &br, part_o.slice(), part_ml.slice(), counters.slice(), out_b.slice())
-        .unwrap();
+    g.k.attention_batch(
+        &attn,
+        q_b.slice(),
+        bk,
+        bv,
+        stride,
+        &br,
+        part_o.slice(),
+        part_ml.slice(),
+        counters.slice(),
+        out_b.slice(),
+    )
+    .unwrap();
     let got = out_b.to_host().unwrap();
-    assert!(got[3 * qd..].iter().all(|&v| v == 0.0), "a padding row's attention is zero");
+    assert!(
+        got[3 * qd..].iter().all(|&v| v == 0.0),
+        "a padding row's attention is zero"
+    );
     for z in 0..3 {
         let (kc, vc) = single.layer(0, slot[z] as usize).unwrap();
         let q1 = poisoned(&g.dev, qd);
         let row = buf(&g.dev, &qkv[z * width..(z + 1) * width]);
         let p1 = buf(&g.dev, &[pos[z]]);
-        g.k.rope_kv(&rope, row.slice(), q1.slice(), kc, vc, p1.slice(), max_ctx).unwrap();
+        g.k.rope_kv(&rope, row.slice(), q1.slice(), kc, vc, p1.slice(), max_ctx)
+            .unwrap();
         let l1 = buf(&g.dev, &[len[z]]);
         let po = poisoned(&g.dev, qd * nsplit);
         let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
         let c1 = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
         let o1 = poisoned(&g.dev, qd);
-        g.k.attention(&attn, q1.slice(), kc, vc, l1.slice(), po.slice(), pm.slice(), c1.slice(), o1.slice(), None)
-            .unwrap();
-        assert_eq!(&q_b.to_host().unwrap()[z * qd..(z + 1) * qd], &q1.to_host().unwrap()[..], "row {z}: rotated Q");
-        assert_eq!(&got[z * qd..(z + 1) * qd], &o1.to_host().unwrap()[..], "row {z}: attention");
+        g.k.attention(
+            &attn,
+            q1.slice(),
+            kc,
+            vc,
+            l1.slice(),
+            po.slice(),
+            pm.slice(),
+            c1.slice(),
+            o1.slice(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            &q_b.to_host().unwrap()[z * qd..(z + 1) * qd],
+            &q1.to_host().unwrap()[..],
+            "row {z}: rotated Q"
+        );
+        assert_eq!(
+            &got[z * qd..(z + 1) * qd],
+            &o1.to_host().unwrap()[..],
+            "row {z}: attention"
+        );
     }
     // Both caches hold the same: every row wrote its own slot, the padding row nothing.
-    assert_eq!(bk.to_host(&g.dev).unwrap(), sk.to_host(&g.dev).unwrap(), "K caches differ");
-    assert_eq!(bv.to_host(&g.dev).unwrap(), sv.to_host(&g.dev).unwrap(), "V caches differ");
+    assert_eq!(
+        bk.to_host(&g.dev).unwrap(),
+        sk.to_host(&g.dev).unwrap(),
+        "K caches differ"
+    );
+    assert_eq!(
+        bv.to_host(&g.dev).unwrap(),
+        sv.to_host(&g.dev).unwrap(),
+        "V caches differ"
+    );
     println!("batched RoPE + attention: 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
 }

@@ -82,7 +82,10 @@ fn every_kernel_waits_for_its_predecessor_on_hopper() {
             entries += 1;
         }
     }
-    assert!(entries > 100, "only {entries} kernel entry points found in the PTX");
+    assert!(
+        entries > 100,
+        "only {entries} kernel entry points found in the PTX"
+    );
     println!("{entries} kernels, each waits for its predecessor");
 }
 
@@ -109,7 +112,11 @@ fn modules_compiled_in_parallel_equal_one_at_a_time_and_are_cached() {
     let cached = compile_many(&modules, (9, 0), 0).unwrap();
     let warm = t.elapsed();
     assert_eq!(cached, parallel);
-    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), modules.len(), "one cache file per module");
+    assert_eq!(
+        std::fs::read_dir(&cache).unwrap().count(),
+        modules.len(),
+        "one cache file per module"
+    );
     println!("3 modules: {cold:?} compiling in parallel, {warm:?} from the cache");
     assert!(warm < cold, "the second call must not compile");
     std::fs::remove_dir_all(&cache).ok();

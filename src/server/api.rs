@@ -38,17 +38,46 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code, retry_after: None }
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code,
+            retry_after: None,
+        }
     }
 
     /// 400 `invalid_request_error` about `param`.
-    pub fn invalid(param: impl Into<String>, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { param: Some(param.into()), ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some(code), message) }
+    pub fn invalid(
+        param: impl Into<String>,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            param: Some(param.into()),
+            ..ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some(code),
+                message,
+            )
+        }
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some(code), message)
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some(code),
+            message,
+        )
     }
 
     pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
@@ -75,11 +104,22 @@ impl ApiError {
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, message)
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+            message,
+        )
     }
 
     pub fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some(code), message).with_retry_after(1)
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some(code),
+            message,
+        )
+        .with_retry_after(1)
     }
 }
 
@@ -87,7 +127,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if let Some(secs) = self.retry_after {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
     }
@@ -144,7 +185,9 @@ pub fn parse_json(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
         let what = match e.classify() {
             serde_json::error::Category::Eof => "the body ends before the JSON does",
             serde_json::error::Category::Syntax => "the body is not valid JSON",
-            serde_json::error::Category::Data => "the body's JSON holds a value that cannot be read",
+            serde_json::error::Category::Data => {
+                "the body's JSON holds a value that cannot be read"
+            }
             serde_json::error::Category::Io => "the body could not be read",
         };
         ApiError::bad_request("invalid_json", format!("{what}: {e}"))
@@ -153,18 +196,31 @@ pub fn parse_json(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
         Value::Object(map) => Ok(map),
         other => Err(ApiError::bad_request(
             "invalid_json",
-            format!("the body must be a JSON object, not {}", kiln_formats::apr::json_kind(&other)),
+            format!(
+                "the body must be a JSON object, not {}",
+                kiln_formats::apr::json_kind(&other)
+            ),
         )),
     }
 }
 
-
 fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid(param, "invalid_type", format!("'{param}' must be {expected}, not {}", kiln_formats::apr::json_kind(got)))
+    ApiError::invalid(
+        param,
+        "invalid_type",
+        format!(
+            "'{param}' must be {expected}, not {}",
+            kiln_formats::apr::json_kind(got)
+        ),
+    )
 }
 
 fn out_of_range(param: &str, range: &str, got: impl std::fmt::Display) -> ApiError {
-    ApiError::invalid(param, "invalid_value", format!("'{param}' must be {range}; got {got}"))
+    ApiError::invalid(
+        param,
+        "invalid_value",
+        format!("'{param}' must be {range}; got {got}"),
+    )
 }
 
 /// A field, with JSON `null` read as absent.
@@ -181,33 +237,62 @@ fn opt_bool(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>, ApiErr
 }
 
 /// A number in `[lo, hi]` (or `(lo, hi]` with `lo_open`).
-fn opt_f32(obj: &Map<String, Value>, name: &str, lo: f64, hi: f64, lo_open: bool) -> Result<Option<f32>, ApiError> {
-    let Some(v) = field(obj, name) else { return Ok(None) };
-    let Some(x) = v.as_f64() else { return Err(wrong_type(name, "a number", v)) };
+fn opt_f32(
+    obj: &Map<String, Value>,
+    name: &str,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+) -> Result<Option<f32>, ApiError> {
+    let Some(v) = field(obj, name) else {
+        return Ok(None);
+    };
+    let Some(x) = v.as_f64() else {
+        return Err(wrong_type(name, "a number", v));
+    };
     let low_ok = if lo_open { x > lo } else { x >= lo };
     if !low_ok || x > hi || !x.is_finite() {
-        let range = if lo_open { format!("in ({lo}, {hi}]") } else { format!("in [{lo}, {hi}]") };
+        let range = if lo_open {
+            format!("in ({lo}, {hi}]")
+        } else {
+            format!("in [{lo}, {hi}]")
+        };
         return Err(out_of_range(name, &range, v));
     }
     Ok(Some(x as f32))
 }
 
 /// An integer in `[lo, hi]`. JSON numbers with a zero fraction (`3.0`) count as integers.
-fn opt_int(obj: &Map<String, Value>, name: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
-    let Some(v) = field(obj, name) else { return Ok(None) };
+fn opt_int(
+    obj: &Map<String, Value>,
+    name: &str,
+    lo: i64,
+    hi: i64,
+) -> Result<Option<i64>, ApiError> {
+    let Some(v) = field(obj, name) else {
+        return Ok(None);
+    };
     let n = match v {
         Value::Number(n) => {
             if let Some(i) = n.as_i64() {
                 i
             } else if n.as_u64().is_some() {
-                return Err(out_of_range(name, &format!("an integer in [{lo}, {hi}]"), v));
+                return Err(out_of_range(
+                    name,
+                    &format!("an integer in [{lo}, {hi}]"),
+                    v,
+                ));
             } else {
                 let f = n.as_f64().unwrap_or(f64::NAN);
                 if f.fract() != 0.0 || !f.is_finite() {
                     return Err(wrong_type(name, "an integer", v));
                 }
                 if f < lo as f64 || f > hi as f64 {
-                    return Err(out_of_range(name, &format!("an integer in [{lo}, {hi}]"), v));
+                    return Err(out_of_range(
+                        name,
+                        &format!("an integer in [{lo}, {hi}]"),
+                        v,
+                    ));
                 }
                 f as i64
             }
@@ -215,7 +300,11 @@ fn opt_int(obj: &Map<String, Value>, name: &str, lo: i64, hi: i64) -> Result<Opt
         _ => return Err(wrong_type(name, "an integer", v)),
     };
     if n < lo || n > hi {
-        return Err(out_of_range(name, &format!("an integer in [{lo}, {hi}]"), n));
+        return Err(out_of_range(
+            name,
+            &format!("an integer in [{lo}, {hi}]"),
+            n,
+        ));
     }
     Ok(Some(n))
 }
@@ -228,13 +317,23 @@ fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
         Some(v) => return Err(wrong_type("stop", "a string or an array of strings", v)),
     };
     if list.len() > MAX_STOP_STRINGS {
-        return Err(out_of_range("stop", &format!("at most {MAX_STOP_STRINGS} strings"), format!("{} strings", list.len())));
+        return Err(out_of_range(
+            "stop",
+            &format!("at most {MAX_STOP_STRINGS} strings"),
+            format!("{} strings", list.len()),
+        ));
     }
     let mut out = Vec::new();
     for (i, v) in list.into_iter().enumerate() {
-        let Value::String(s) = v else { return Err(wrong_type(&format!("stop[{i}]"), "a string", v)) };
+        let Value::String(s) = v else {
+            return Err(wrong_type(&format!("stop[{i}]"), "a string", v));
+        };
         if s.len() > MAX_STOP_BYTES {
-            return Err(out_of_range(&format!("stop[{i}]"), &format!("at most {MAX_STOP_BYTES} bytes"), format!("{} bytes", s.len())));
+            return Err(out_of_range(
+                &format!("stop[{i}]"),
+                &format!("at most {MAX_STOP_BYTES} bytes"),
+                format!("{} bytes", s.len()),
+            ));
         }
         if !s.is_empty() {
             out.push(s.clone());
@@ -251,7 +350,9 @@ fn parse_content(v: &Value, param: &str, role: &str) -> Result<String, ApiError>
             let mut text = String::new();
             for (j, part) in parts.iter().enumerate() {
                 let p = format!("{param}[{j}]");
-                let Value::Object(part) = part else { return Err(wrong_type(&p, "an object", part)) };
+                let Value::Object(part) = part else {
+                    return Err(wrong_type(&p, "an object", part));
+                };
                 match part.get("type") {
                     Some(Value::String(t)) if t == "text" => {}
                     Some(Value::String(t)) => {
@@ -262,36 +363,70 @@ fn parse_content(v: &Value, param: &str, role: &str) -> Result<String, ApiError>
                         ))
                     }
                     Some(v) => return Err(wrong_type(&format!("{p}.type"), "a string", v)),
-                    None => return Err(ApiError::invalid(format!("{p}.type"), "missing_required_parameter", "a content part needs a 'type'")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            format!("{p}.type"),
+                            "missing_required_parameter",
+                            "a content part needs a 'type'",
+                        ))
+                    }
                 }
                 match part.get("text") {
                     Some(Value::String(s)) => text.push_str(s),
                     Some(v) => return Err(wrong_type(&format!("{p}.text"), "a string", v)),
-                    None => return Err(ApiError::invalid(format!("{p}.text"), "missing_required_parameter", "a text part needs 'text'")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            format!("{p}.text"),
+                            "missing_required_parameter",
+                            "a text part needs 'text'",
+                        ))
+                    }
                 }
             }
             Ok(text)
         }
-        other => Err(wrong_type(param, "a string or an array of content parts", other)),
+        other => Err(wrong_type(
+            param,
+            "a string or an array of content parts",
+            other,
+        )),
     }
 }
 
 fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let Some(v) = field(obj, "messages") else {
-        return Err(ApiError::invalid("messages", "missing_required_parameter", "'messages' is required"));
+        return Err(ApiError::invalid(
+            "messages",
+            "missing_required_parameter",
+            "'messages' is required",
+        ));
     };
-    let Value::Array(list) = v else { return Err(wrong_type("messages", "an array of messages", v)) };
+    let Value::Array(list) = v else {
+        return Err(wrong_type("messages", "an array of messages", v));
+    };
     if list.is_empty() {
-        return Err(ApiError::invalid("messages", "invalid_value", "'messages' must hold at least one message"));
+        return Err(ApiError::invalid(
+            "messages",
+            "invalid_value",
+            "'messages' must hold at least one message",
+        ));
     }
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
         let p = format!("messages[{i}]");
-        let Value::Object(m) = m else { return Err(wrong_type(&p, "an object", m)) };
+        let Value::Object(m) = m else {
+            return Err(wrong_type(&p, "an object", m));
+        };
         let role = match m.get("role") {
             Some(Value::String(r)) => r.as_str(),
             Some(v) => return Err(wrong_type(&format!("{p}.role"), "a string", v)),
-            None => return Err(ApiError::invalid(format!("{p}.role"), "missing_required_parameter", "a message needs a 'role'")),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{p}.role"),
+                    "missing_required_parameter",
+                    "a message needs a 'role'",
+                ))
+            }
         };
         // OpenAI's newer name for the system role.
         let role = match role {
@@ -302,14 +437,23 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
                 return Err(ApiError::invalid(
                     format!("{p}.role"),
                     "invalid_value",
-                    format!("role '{}' is not supported; use system, user or assistant", truncate_for_message(other)),
+                    format!(
+                        "role '{}' is not supported; use system, user or assistant",
+                        truncate_for_message(other)
+                    ),
                 ))
             }
         };
         let content = match m.get("content") {
             Some(c) => parse_content(c, &format!("{p}.content"), role)?,
             None if role == "assistant" => String::new(),
-            None => return Err(ApiError::invalid(format!("{p}.content"), "missing_required_parameter", "a message needs 'content'")),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{p}.content"),
+                    "missing_required_parameter",
+                    "a message needs 'content'",
+                ))
+            }
         };
         out.push(ChatMessage::new(role, content));
     }
@@ -319,52 +463,103 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
 fn token_id(v: &Value, param: &str) -> Result<u32, ApiError> {
     v.as_u64()
         .and_then(|n| u32::try_from(n).ok())
-        .ok_or_else(|| ApiError::invalid(param, "invalid_value", format!("'{param}' must hold token ids (non-negative integers)")))
+        .ok_or_else(|| {
+            ApiError::invalid(
+                param,
+                "invalid_value",
+                format!("'{param}' must hold token ids (non-negative integers)"),
+            )
+        })
 }
 
 fn parse_prompts(obj: &Map<String, Value>) -> Result<Vec<PromptInput>, ApiError> {
     let Some(v) = field(obj, "prompt") else {
-        return Err(ApiError::invalid("prompt", "missing_required_parameter", "'prompt' is required"));
+        return Err(ApiError::invalid(
+            "prompt",
+            "missing_required_parameter",
+            "'prompt' is required",
+        ));
     };
     let prompts = match v {
         Value::String(s) => vec![PromptInput::Text(s.clone())],
         Value::Array(a) if a.is_empty() => {
-            return Err(ApiError::invalid("prompt", "invalid_value", "'prompt' must not be an empty array"))
+            return Err(ApiError::invalid(
+                "prompt",
+                "invalid_value",
+                "'prompt' must not be an empty array",
+            ))
         }
         Value::Array(a) if a.iter().all(Value::is_number) => {
-            vec![PromptInput::Tokens(a.iter().map(|t| token_id(t, "prompt")).collect::<Result<_, _>>()?)]
+            vec![PromptInput::Tokens(
+                a.iter()
+                    .map(|t| token_id(t, "prompt"))
+                    .collect::<Result<_, _>>()?,
+            )]
         }
         Value::Array(a) => {
             if a.len() > MAX_PROMPTS {
-                return Err(out_of_range("prompt", &format!("at most {MAX_PROMPTS} prompts"), format!("{} prompts", a.len())));
+                return Err(out_of_range(
+                    "prompt",
+                    &format!("at most {MAX_PROMPTS} prompts"),
+                    format!("{} prompts", a.len()),
+                ));
             }
             let mut out = Vec::new();
             for (i, p) in a.iter().enumerate() {
                 out.push(match p {
                     Value::String(s) => PromptInput::Text(s.clone()),
                     Value::Array(ids) if !ids.is_empty() => PromptInput::Tokens(
-                        ids.iter().map(|t| token_id(t, &format!("prompt[{i}]"))).collect::<Result<_, _>>()?,
+                        ids.iter()
+                            .map(|t| token_id(t, &format!("prompt[{i}]")))
+                            .collect::<Result<_, _>>()?,
                     ),
-                    other => return Err(wrong_type(&format!("prompt[{i}]"), "a string or a non-empty array of token ids", other)),
+                    other => {
+                        return Err(wrong_type(
+                            &format!("prompt[{i}]"),
+                            "a string or a non-empty array of token ids",
+                            other,
+                        ))
+                    }
                 });
             }
             out
         }
-        other => return Err(wrong_type("prompt", "a string, an array of strings or an array of token ids", other)),
+        other => {
+            return Err(wrong_type(
+                "prompt",
+                "a string, an array of strings or an array of token ids",
+                other,
+            ))
+        }
     };
     Ok(prompts)
 }
 
 fn parse_logit_bias(obj: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
-    let Some(v) = field(obj, "logit_bias") else { return Ok(Vec::new()) };
-    let Value::Object(map) = v else { return Err(wrong_type("logit_bias", "an object of token id → bias", v)) };
+    let Some(v) = field(obj, "logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let Value::Object(map) = v else {
+        return Err(wrong_type("logit_bias", "an object of token id → bias", v));
+    };
     if map.len() > MAX_LOGIT_BIAS {
-        return Err(out_of_range("logit_bias", &format!("at most {MAX_LOGIT_BIAS} entries"), map.len()));
+        return Err(out_of_range(
+            "logit_bias",
+            &format!("at most {MAX_LOGIT_BIAS} entries"),
+            map.len(),
+        ));
     }
     let mut out = Vec::with_capacity(map.len());
     for (k, b) in map {
         let Ok(id) = k.parse::<u32>() else {
-            return Err(ApiError::invalid("logit_bias", "invalid_value", format!("'logit_bias' keys must be token ids; got '{}'", truncate_for_message(k))));
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "invalid_value",
+                format!(
+                    "'logit_bias' keys must be token ids; got '{}'",
+                    truncate_for_message(k)
+                ),
+            ));
         };
         let Some(x) = b.as_f64().filter(|x| (-100.0..=100.0).contains(x)) else {
             return Err(out_of_range("logit_bias", "numbers in [-100, 100]", b));
@@ -403,35 +598,60 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
     let max_tokens = max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
     if let Some(n) = opt_int(obj, "n", i64::MIN, i64::MAX)? {
         if n != 1 {
-            return Err(ApiError::invalid("n", "unsupported_value", format!("'n' must be 1 (kiln returns one choice per prompt); got {n}")));
+            return Err(ApiError::invalid(
+                "n",
+                "unsupported_value",
+                format!("'n' must be 1 (kiln returns one choice per prompt); got {n}"),
+            ));
         }
     }
     if endpoint == Endpoint::Completions {
         if let Some(n) = opt_int(obj, "best_of", i64::MIN, i64::MAX)? {
             if n != 1 {
-                return Err(ApiError::invalid("best_of", "unsupported_value", format!("'best_of' must be 1; got {n}")));
+                return Err(ApiError::invalid(
+                    "best_of",
+                    "unsupported_value",
+                    format!("'best_of' must be 1; got {n}"),
+                ));
             }
         }
         if opt_bool(obj, "echo")? == Some(true) {
-            return Err(ApiError::invalid("echo", "unsupported_value", "'echo' is not supported"));
+            return Err(ApiError::invalid(
+                "echo",
+                "unsupported_value",
+                "'echo' is not supported",
+            ));
         }
         if let Some(v) = field(obj, "suffix") {
             if !matches!(v, Value::String(s) if s.is_empty()) {
-                return Err(ApiError::invalid("suffix", "unsupported_value", "'suffix' is not supported"));
+                return Err(ApiError::invalid(
+                    "suffix",
+                    "unsupported_value",
+                    "'suffix' is not supported",
+                ));
             }
         }
     }
     for name in ["tools", "functions"] {
         if let Some(v) = field(obj, name) {
             if !matches!(v, Value::Array(a) if a.is_empty()) {
-                return Err(ApiError::invalid(name, "unsupported_value", format!("'{name}' (tool calling) is not supported")));
+                return Err(ApiError::invalid(
+                    name,
+                    "unsupported_value",
+                    format!("'{name}' (tool calling) is not supported"),
+                ));
             }
         }
     }
     if let Some(v) = field(obj, "response_format") {
-        let text = matches!(v, Value::Object(m) if m.get("type").and_then(Value::as_str) == Some("text"));
+        let text =
+            matches!(v, Value::Object(m) if m.get("type").and_then(Value::as_str) == Some("text"));
         if !text {
-            return Err(ApiError::invalid("response_format", "unsupported_value", "only {\"type\": \"text\"} is supported"));
+            return Err(ApiError::invalid(
+                "response_format",
+                "unsupported_value",
+                "only {\"type\": \"text\"} is supported",
+            ));
         }
     }
     let sampling = SamplingRequest {
@@ -457,18 +677,28 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
             let on = opt_bool(obj, "logprobs")?.unwrap_or(false);
             let top = opt_int(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
             if top.is_some() && !on {
-                return Err(ApiError::invalid("top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true"));
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "invalid_value",
+                    "'top_logprobs' needs 'logprobs': true",
+                ));
             }
             on.then(|| top.unwrap_or(0) as usize)
         }
-        Endpoint::Completions => opt_int(obj, "logprobs", 0, MAX_TOP_LOGPROBS as i64)?.map(|k| k as usize),
+        Endpoint::Completions => {
+            opt_int(obj, "logprobs", 0, MAX_TOP_LOGPROBS as i64)?.map(|k| k as usize)
+        }
     };
     let stream = opt_bool(obj, "stream")?.unwrap_or(false);
     let include_usage = match field(obj, "stream_options") {
         None => false,
         Some(Value::Object(o)) => {
             if !stream {
-                return Err(ApiError::invalid("stream_options", "invalid_value", "'stream_options' is only allowed with 'stream': true"));
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    "invalid_value",
+                    "'stream_options' is only allowed with 'stream': true",
+                ));
             }
             match o.get("include_usage") {
                 None | Some(Value::Null) => false,
@@ -521,9 +751,15 @@ mod tests {
         assert_eq!(r.logprobs, Some(3));
         assert!(r.stream && r.include_usage);
         assert_eq!(r.sampling.seed, Some(u64::MAX));
-        let PromptInput::Chat(m) = &r.prompts[0] else { panic!() };
+        let PromptInput::Chat(m) = &r.prompts[0] else {
+            panic!()
+        };
         assert_eq!(m[1].content, "hi");
-        let r = parse(Endpoint::Completions, r#"{"prompt":["a","b"],"logprobs":2,"max_tokens":3.0}"#).unwrap();
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"prompt":["a","b"],"logprobs":2,"max_tokens":3.0}"#,
+        )
+        .unwrap();
         assert_eq!(r.prompts.len(), 2);
         assert_eq!(r.logprobs, Some(2));
         assert_eq!(r.max_tokens, Some(3));
@@ -536,22 +772,78 @@ mod tests {
         let cases = [
             (Endpoint::Chat, r#"{"messages":[]}"#, Some("messages")),
             (Endpoint::Chat, r#"{"messages":"hi"}"#, Some("messages")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"robot","content":"x"}]}"#, Some("messages[0].role")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":5}]}"#, Some("messages[0].content")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#, Some("temperature")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"temperature":2.5}"#, Some("temperature")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#, Some("top_p")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#, Some("max_tokens")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":1e300}"#, Some("max_tokens")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, Some("n")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#, Some("top_logprobs")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-3}"#, Some("presence_penalty")),
-            (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#, Some("stream_options")),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"robot","content":"x"}]}"#,
+                Some("messages[0].role"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":5}]}"#,
+                Some("messages[0].content"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+                Some("temperature"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"temperature":2.5}"#,
+                Some("temperature"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
+                Some("top_p"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":1e300}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+                Some("n"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
+                Some("top_logprobs"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-3}"#,
+                Some("presence_penalty"),
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#,
+                Some("stream_options"),
+            ),
             (Endpoint::Completions, r#"{"prompt":5}"#, Some("prompt")),
-            (Endpoint::Completions, r#"{"prompt":"x","logprobs":21}"#, Some("logprobs")),
-            (Endpoint::Completions, r#"{"prompt":"x","stop":[1]}"#, Some("stop[0]")),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","logprobs":21}"#,
+                Some("logprobs"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","stop":[1]}"#,
+                Some("stop[0]"),
+            ),
             (Endpoint::Completions, r#"{"prompt":[-1]}"#, Some("prompt")),
-            (Endpoint::Completions, r#"{"prompt":"x","top_k":-2}"#, Some("top_k")),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","top_k":-2}"#,
+                Some("top_k"),
+            ),
             (Endpoint::Completions, r#"[1,2]"#, None),
             (Endpoint::Completions, r#"{"prompt":"#, None),
         ];
@@ -561,6 +853,9 @@ mod tests {
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
         }
         let deep = "[".repeat(10_000);
-        assert_eq!(parse(Endpoint::Chat, &deep).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            parse(Endpoint::Chat, &deep).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
     }
 }

@@ -35,16 +35,30 @@ impl Frontend {
         let model = &engine.model;
         let spec = &model.tokenizer_spec;
         let tokenizer = Tokenizer::from_spec(spec.clone())?;
-        let piece = |id: Option<u32>| id.and_then(|i| spec.tokens.get(i as usize)).cloned().unwrap_or_default();
+        let piece = |id: Option<u32>| {
+            id.and_then(|i| spec.tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
         let (bos, eos) = (piece(spec.bos), piece(spec.eos));
         let chat = match model.chat_template_source() {
             Some(src) => ChatTemplate::new(src, bos, eos)?,
             None => ChatTemplate::chatml(bos, eos),
         };
         let vocab = tokenizer.vocab_size();
-        let max_token_bytes = (0..vocab as u32).map(|t| tokenizer.decode(&[t], false).len()).max().unwrap_or(1).max(1);
-        let id = model.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let max_token_bytes = (0..vocab as u32)
+            .map(|t| tokenizer.decode(&[t], false).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let id = model
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         Ok(Frontend {
             id,
             created,
@@ -59,22 +73,36 @@ impl Frontend {
 
     /// Whether a request's `model` names this model: its id, its file name, or `default`.
     pub fn accepts_model(&self, name: &str) -> bool {
-        name == self.id || name == "default" || name.strip_suffix(".gguf").or(name.strip_suffix(".apr")) == Some(self.id.as_str())
+        name == self.id
+            || name == "default"
+            || name.strip_suffix(".gguf").or(name.strip_suffix(".apr")) == Some(self.id.as_str())
     }
 
     /// The prompt's token ids. `param` names the request field for errors.
-    pub fn tokenize(&self, prompt: &PromptInput, param: &str) -> std::result::Result<Vec<u32>, ApiError> {
+    pub fn tokenize(
+        &self,
+        prompt: &PromptInput,
+        param: &str,
+    ) -> std::result::Result<Vec<u32>, ApiError> {
         let text: std::borrow::Cow<'_, str> = match prompt {
             PromptInput::Tokens(ids) => {
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
-                    return Err(ApiError::invalid(param, "invalid_value", format!("token id {bad} is outside the vocabulary ({})", self.vocab)));
+                    return Err(ApiError::invalid(
+                        param,
+                        "invalid_value",
+                        format!("token id {bad} is outside the vocabulary ({})", self.vocab),
+                    ));
                 }
                 return Ok(ids.clone());
             }
             PromptInput::Text(text) => text.into(),
             PromptInput::Chat(messages) => {
                 let text = self.chat.render(messages, true).map_err(|e| {
-                    ApiError::invalid(param, "invalid_value", format!("the chat template refused the messages: {e}"))
+                    ApiError::invalid(
+                        param,
+                        "invalid_value",
+                        format!("the chat template refused the messages: {e}"),
+                    )
                 })?;
                 text.into()
             }
@@ -86,14 +114,26 @@ impl Frontend {
         // Special-token text in a prompt is read as the special token, as llama-server does.
         self.tokenizer
             .encode(&text, self.tokenizer.add_bos_default(), true)
-            .map_err(|e| ApiError::invalid(param, "invalid_value", format!("the prompt could not be tokenized: {}", truncate_for_message(&e.to_string()))))
+            .map_err(|e| {
+                ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!(
+                        "the prompt could not be tokenized: {}",
+                        truncate_for_message(&e.to_string())
+                    ),
+                )
+            })
     }
 
     pub fn context_exceeded(&self, param: &str, tokens: String) -> ApiError {
         ApiError::invalid(
             param,
             "context_length_exceeded",
-            format!("This model's maximum context length is {} tokens; the prompt has {tokens} tokens.", self.context),
+            format!(
+                "This model's maximum context length is {} tokens; the prompt has {tokens} tokens.",
+                self.context
+            ),
         )
     }
 }

@@ -24,11 +24,22 @@ struct HistInner {
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram { bounds, inner: Mutex::new(HistInner { counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }) }
+        Histogram {
+            bounds,
+            inner: Mutex::new(HistInner {
+                counts: vec![0; bounds.len() + 1],
+                sum: 0.0,
+                count: 0,
+            }),
+        }
     }
 
     pub fn observe(&self, value: f64) {
-        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| value <= b)
+            .unwrap_or(self.bounds.len());
         let mut h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         h.counts[i] += 1;
         h.sum += value;
@@ -56,8 +67,12 @@ impl Histogram {
     }
 }
 
-const TTFT_BOUNDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-const ITL_BOUNDS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+const TTFT_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const ITL_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
 
 /// Everything `/metrics` reports.
 pub struct Metrics {
@@ -111,24 +126,48 @@ pub fn endpoint_label(path: &str) -> &'static str {
 
 impl Metrics {
     pub fn count_request(&self, endpoint: &'static str, status: u16) {
-        *self.requests.lock().unwrap_or_else(|e| e.into_inner()).entry((endpoint, status)).or_insert(0) += 1;
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((endpoint, status))
+            .or_insert(0) += 1;
     }
 
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);
-        let _ = writeln!(out, "# HELP kiln_requests_total HTTP requests answered, by endpoint and status code.");
+        let _ = writeln!(
+            out,
+            "# HELP kiln_requests_total HTTP requests answered, by endpoint and status code."
+        );
         let _ = writeln!(out, "# TYPE kiln_requests_total counter");
-        for ((endpoint, status), n) in self.requests.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = writeln!(out, "kiln_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}");
+        for ((endpoint, status), n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "kiln_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+            );
         }
         let load = |a: &AtomicI64| a.load(Ordering::Relaxed).max(0);
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
         };
         let gauge = |out: &mut String, name: &str, help: &str, v: i64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };
-        counter(&mut out, "kiln_prompt_tokens_total", "Prompt tokens prefilled.", self.prompt_tokens.load(Ordering::Relaxed));
+        counter(
+            &mut out,
+            "kiln_prompt_tokens_total",
+            "Prompt tokens prefilled.",
+            self.prompt_tokens.load(Ordering::Relaxed),
+        );
         counter(
             &mut out,
             "kiln_generation_tokens_total",
@@ -141,17 +180,55 @@ impl Metrics {
             "Sequences freed before they finished: client gone or server shutting down.",
             self.cancelled.load(Ordering::Relaxed),
         );
-        gauge(&mut out, "kiln_queue_depth", "Requests waiting for a sequence slot.", load(&self.queue_depth));
-        gauge(&mut out, "kiln_running_sequences", "Sequences being generated.", load(&self.running));
+        gauge(
+            &mut out,
+            "kiln_queue_depth",
+            "Requests waiting for a sequence slot.",
+            load(&self.queue_depth),
+        );
+        gauge(
+            &mut out,
+            "kiln_running_sequences",
+            "Sequences being generated.",
+            load(&self.running),
+        );
         let total = load(&self.slots_total);
         let used = load(&self.slots_used);
         let note = "kiln has no paged KV cache yet: a slot is one sequence's whole-context cache, so slots stand in for KV blocks";
-        gauge(&mut out, "kiln_kv_slots_total", &format!("KV-cache sequence slots ({note})."), total);
-        gauge(&mut out, "kiln_kv_slots_used", "KV-cache sequence slots holding a sequence.", used);
-        gauge(&mut out, "kiln_kv_slots_free", "KV-cache sequence slots free.", (total - used).max(0));
-        gauge(&mut out, "kiln_model_loaded", "1 once the model is loaded.", i64::from(self.model_loaded.load(Ordering::Relaxed)));
-        self.ttft.render(&mut out, "kiln_time_to_first_token_seconds", "From request arrival to the first generated token.");
-        self.itl.render(&mut out, "kiln_inter_token_latency_seconds", "Between consecutive tokens of one sequence.");
+        gauge(
+            &mut out,
+            "kiln_kv_slots_total",
+            &format!("KV-cache sequence slots ({note})."),
+            total,
+        );
+        gauge(
+            &mut out,
+            "kiln_kv_slots_used",
+            "KV-cache sequence slots holding a sequence.",
+            used,
+        );
+        gauge(
+            &mut out,
+            "kiln_kv_slots_free",
+            "KV-cache sequence slots free.",
+            (total - used).max(0),
+        );
+        gauge(
+            &mut out,
+            "kiln_model_loaded",
+            "1 once the model is loaded.",
+            i64::from(self.model_loaded.load(Ordering::Relaxed)),
+        );
+        self.ttft.render(
+            &mut out,
+            "kiln_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "kiln_inter_token_latency_seconds",
+            "Between consecutive tokens of one sequence.",
+        );
         out
     }
 }

@@ -163,14 +163,22 @@ struct AppState {
 impl AppState {
     fn frontend(&self) -> std::result::Result<Arc<Frontend>, ApiError> {
         if self.shutdown.is_set() {
-            return Err(ApiError::unavailable("shutting_down", "the server is shutting down"));
+            return Err(ApiError::unavailable(
+                "shutting_down",
+                "the server is shutting down",
+            ));
         }
-        self.model.get().cloned().ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading"))
+        self.model
+            .get()
+            .cloned()
+            .ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading"))
     }
 
     /// A fresh pseudo-random 64-bit value (request ids, default seeds).
     fn random(&self) -> u64 {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         let mut z = nanos ^ self.ids.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -181,22 +189,34 @@ impl AppState {
 /// Runs the server until SIGINT/SIGTERM (or until the model fails to load: an error).
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.max_seqs == 0 {
-        return Err(Error::InvalidArgument("--max-seqs must be at least 1".into()));
+        return Err(Error::InvalidArgument(
+            "--max-seqs must be at least 1".into(),
+        ));
     }
     if args.queue == 0 {
         return Err(Error::InvalidArgument("--queue must be at least 1".into()));
     }
     if !(args.shutdown_grace >= 0.0 && args.shutdown_grace < 86_400.0) {
-        return Err(Error::InvalidArgument("--shutdown-grace must be between 0 and 86400 seconds".into()));
+        return Err(Error::InvalidArgument(
+            "--shutdown-grace must be between 0 and 86400 seconds".into(),
+        ));
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kiln-http").build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kiln-http")
+        .build()?;
     runtime.block_on(serve(args))
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
-        .map_err(|e| Error::Io(std::io::Error::new(e.kind(), format!("cannot listen on {}:{}: {e}", args.host, args.port))))?;
+        .map_err(|e| {
+            Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("cannot listen on {}:{}: {e}", args.host, args.port),
+            ))
+        })?;
     let addr: SocketAddr = listener.local_addr()?;
     // Always printed (not a log line): scripts and tests read the port from it.
     eprintln!("kiln serve: listening on http://{addr}");
@@ -236,7 +256,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     tokio::spawn({
         let (state, load_error) = (state.clone(), load_error.clone());
         async move {
-            let outcome = ready_rx.await.unwrap_or_else(|_| Err(Error::InvalidArgument("the engine thread stopped".into())));
+            let outcome = ready_rx.await.unwrap_or_else(|_| {
+                Err(Error::InvalidArgument("the engine thread stopped".into()))
+            });
             match outcome {
                 Ok(front) => {
                     eprintln!(
@@ -336,7 +358,11 @@ async fn track(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Res
     let status = resp.status().as_u16();
     let endpoint = metrics::endpoint_label(&path);
     st.metrics.count_request(endpoint, status);
-    let shown = if endpoint == "other" { api::truncate_for_message(&path) } else { path };
+    let shown = if endpoint == "other" {
+        api::truncate_for_message(&path)
+    } else {
+        path
+    };
     tracing::info!(target: "kiln::server", "{method} {shown:?} {status} {:.1} ms", start.elapsed().as_secs_f64() * 1e3);
     resp
 }
@@ -349,17 +375,31 @@ async fn openai_errors(req: Request, next: Next) -> Response {
     if !(status.is_client_error() || status.is_server_error()) {
         return resp;
     }
-    let is_json = resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/json"));
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
     if is_json {
         return resp;
     }
     let (code, message) = match status {
         StatusCode::NOT_FOUND => ("not_found", "no such endpoint".to_string()),
-        StatusCode::METHOD_NOT_ALLOWED => ("method_not_allowed", "this endpoint does not take that method".to_string()),
-        StatusCode::PAYLOAD_TOO_LARGE => ("request_too_large", "the request body is too large".to_string()),
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "method_not_allowed",
+            "this endpoint does not take that method".to_string(),
+        ),
+        StatusCode::PAYLOAD_TOO_LARGE => (
+            "request_too_large",
+            "the request body is too large".to_string(),
+        ),
         s => ("error", s.canonical_reason().unwrap_or("error").to_string()),
     };
-    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
     let mut new = ApiError::new(status, kind, Some(code), message).into_response();
     for name in [header::ALLOW, header::RETRY_AFTER] {
         if let Some(v) = resp.headers().get(&name) {
@@ -373,12 +413,27 @@ async fn openai_errors(req: Request, next: Next) -> Response {
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         if req.uri().path().starts_with("/v1/") {
-            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
             let ok = given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes()));
             if !ok {
-                let msg = if given.is_some() { "Incorrect API key provided." } else { "Missing API key: send 'Authorization: Bearer KEY'." };
-                let mut resp = ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), msg).into_response();
-                resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                let msg = if given.is_some() {
+                    "Incorrect API key provided."
+                } else {
+                    "Missing API key: send 'Authorization: Bearer KEY'."
+                };
+                let mut resp = ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "invalid_request_error",
+                    Some("invalid_api_key"),
+                    msg,
+                )
+                .into_response();
+                resp.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
                 return resp;
             }
         }
@@ -394,20 +449,35 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint")
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        Some("not_found"),
+        "no such endpoint",
+    )
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     if st.shutdown.is_set() {
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting down"}))).into_response();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting down"})),
+        )
+            .into_response();
     }
     match st.model.get() {
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response(),
     }
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> std::result::Result<Json<serde_json::Value>, ApiError> {
+async fn models(
+    State(st): State<Arc<AppState>>,
+) -> std::result::Result<Json<serde_json::Value>, ApiError> {
     let f = st.frontend()?;
     Ok(Json(json!({
         "object": "list",
@@ -422,20 +492,38 @@ async fn models(State(st): State<Arc<AppState>>) -> std::result::Result<Json<ser
 }
 
 async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+    generate(st, Endpoint::Chat, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    generate(st, Endpoint::Completions, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+    generate(st, Endpoint::Completions, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Reads the body up to `limit` bytes; past it, reads on and discards (see [`DRAIN_LIMIT`]).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> std::result::Result<Bytes, ApiError> {
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> std::result::Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > DRAIN_LIMIT as u64) {
         return Err(ApiError::too_large(limit));
     }
@@ -444,11 +532,20 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> std::result
     let mut total = 0usize;
     let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
     loop {
-        let next = tokio::time::timeout_at(deadline, stream.next()).await.map_err(|_| {
-            ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("timeout"), "the request body took too long to arrive")
-        })?;
+        let next = tokio::time::timeout_at(deadline, stream.next())
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    Some("timeout"),
+                    "the request body took too long to arrive",
+                )
+            })?;
         let Some(chunk) = next else { break };
-        let chunk = chunk.map_err(|e| ApiError::bad_request("invalid_body", format!("the body could not be read: {e}")))?;
+        let chunk = chunk.map_err(|e| {
+            ApiError::bad_request("invalid_body", format!("the body could not be read: {e}"))
+        })?;
         total = total.saturating_add(chunk.len());
         if total > limit {
             buf = Vec::new();
@@ -465,7 +562,12 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> std::result
     Ok(buf.into())
 }
 
-async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> std::result::Result<Response, ApiError> {
+async fn generate(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
     let received = Instant::now();
     let bytes = read_body(&headers, body, st.body_limit).await?;
     let mut req = {
@@ -480,17 +582,28 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 Some("model_not_found"),
-                format!("The model '{}' does not exist; this server runs '{}'.", api::truncate_for_message(name), front.id),
+                format!(
+                    "The model '{}' does not exist; this server runs '{}'.",
+                    api::truncate_for_message(name),
+                    front.id
+                ),
             )
             .with_param("model"));
         }
     }
 
-    if let Some(&(bad, _)) = req.logit_bias.iter().find(|(t, _)| *t as usize >= front.vocab) {
+    if let Some(&(bad, _)) = req
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= front.vocab)
+    {
         return Err(ApiError::invalid(
             "logit_bias",
             "invalid_value",
-            format!("token id {bad} in 'logit_bias' is outside the vocabulary ({})", front.vocab),
+            format!(
+                "token id {bad} in 'logit_bias' is outside the vocabulary ({})",
+                front.vocab
+            ),
         ));
     }
 
@@ -506,7 +619,13 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
             prompts
                 .iter()
                 .enumerate()
-                .map(|(i, p)| if several { front.tokenize(p, &format!("{param}[{i}]")) } else { front.tokenize(p, param) })
+                .map(|(i, p)| {
+                    if several {
+                        front.tokenize(p, &format!("{param}[{i}]"))
+                    } else {
+                        front.tokenize(p, param)
+                    }
+                })
                 .collect::<std::result::Result<Vec<_>, _>>()
         })
         .await
@@ -515,9 +634,17 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
 
     let mut jobs = Vec::with_capacity(tokenized.len());
     for (i, ids) in tokenized.into_iter().enumerate() {
-        let p = if several { format!("{param}[{i}]") } else { param.to_string() };
+        let p = if several {
+            format!("{param}[{i}]")
+        } else {
+            param.to_string()
+        };
         if ids.is_empty() {
-            return Err(ApiError::invalid(p, "invalid_value", "the prompt has no tokens"));
+            return Err(ApiError::invalid(
+                p,
+                "invalid_value",
+                "the prompt has no tokens",
+            ));
         }
         if ids.len() >= front.context {
             return Err(front.context_exceeded(&p, ids.len().to_string()));
@@ -588,7 +715,10 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
             }
             Err(TrySendError::Disconnected(_)) => {
                 st.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                return Err(ApiError::unavailable("shutting_down", "the server is shutting down"));
+                return Err(ApiError::unavailable(
+                    "shutting_down",
+                    "the server is shutting down",
+                ));
             }
         }
     }
@@ -600,7 +730,9 @@ async fn generate(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
     };
     let meta = stream::Meta {
         id: format!("{prefix}-{:016x}{:08x}", st.random(), st.random() as u32),
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         model: front.id.clone(),
         fingerprint: format!("kiln-{}", front.backend),
         endpoint,

@@ -34,7 +34,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kiln_core::{DecodeItem, Error, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams, SeqId};
+use kiln_core::{
+    DecodeItem, Error, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams, SeqId,
+};
 use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -107,10 +109,20 @@ pub struct TokenLogprob {
 pub enum Event {
     /// Text that became final (may be empty while a stop string is undecided) and the
     /// logprob of the token sampled at this step, when asked for.
-    Delta { text: String, logprob: Option<TokenLogprob> },
-    Done { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Delta {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     /// The job failed; `shutting_down` says it was refused because the server is stopping.
-    Error { message: String, shutting_down: bool },
+    Error {
+        message: String,
+        shutting_down: bool,
+    },
 }
 
 /// What to load, and how the loop behaves.
@@ -135,29 +147,36 @@ pub fn spawn(
     shutdown: Arc<Shutdown>,
     ready: tokio::sync::oneshot::Sender<Result<Arc<Frontend>>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new().name("kiln-engine".into()).spawn(move || {
-        let mut engine = match load(&config) {
-            Ok(e) => e,
-            Err(e) => {
-                let _ = ready.send(Err(e));
+    std::thread::Builder::new()
+        .name("kiln-engine".into())
+        .spawn(move || {
+            let mut engine = match load(&config) {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            let frontend = match Frontend::new(&engine) {
+                Ok(f) => Arc::new(f),
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            metrics
+                .slots_total
+                .store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
+            metrics.model_loaded.store(true, Ordering::Relaxed);
+            if ready.send(Ok(frontend)).is_err() {
                 return;
             }
-        };
-        let frontend = match Frontend::new(&engine) {
-            Ok(f) => Arc::new(f),
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                return;
-            }
-        };
-        metrics.slots_total.store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
-        metrics.model_loaded.store(true, Ordering::Relaxed);
-        if ready.send(Ok(frontend)).is_err() {
-            return;
-        }
-        let Engine { model, executor, .. } = &mut engine;
-        Scheduler::new(model, executor.as_mut(), &metrics, config.shutdown_grace).run(&jobs, &shutdown);
-    })
+            let Engine {
+                model, executor, ..
+            } = &mut engine;
+            Scheduler::new(model, executor.as_mut(), &metrics, config.shutdown_grace)
+                .run(&jobs, &shutdown);
+        })
 }
 
 fn load(config: &SchedulerConfig) -> Result<Engine> {
@@ -241,7 +260,12 @@ struct Scheduler<'e> {
 }
 
 impl<'e> Scheduler<'e> {
-    fn new(model: &'e Model, exec: &'e mut dyn LayerExecutor, metrics: &'e Metrics, grace: Duration) -> Self {
+    fn new(
+        model: &'e Model,
+        exec: &'e mut dyn LayerExecutor,
+        metrics: &'e Metrics,
+        grace: Duration,
+    ) -> Self {
         let vocab = exec.config().vocab_size;
         let max_context = exec.max_context();
         let max_seqs = exec.max_sequences().max(1);
@@ -272,7 +296,13 @@ impl<'e> Scheduler<'e> {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.grace);
                 while let Ok(job) = jobs.try_recv() {
                     self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                    let _ = job.events.send((job.index, Event::Error { message: "the server is shutting down".into(), shutting_down: true }));
+                    let _ = job.events.send((
+                        job.index,
+                        Event::Error {
+                            message: "the server is shutting down".into(),
+                            shutting_down: true,
+                        },
+                    ));
                 }
                 if Instant::now() >= deadline {
                     for i in (0..self.running.len()).rev() {
@@ -336,15 +366,31 @@ impl<'e> Scheduler<'e> {
     /// Allocates a sequence for the job; its prompt is prefilled over the next turns.
     fn admit(&mut self, job: Job) {
         if job.prompt.is_empty() || job.prompt.len() >= self.max_context {
-            let msg = format!("the prompt has {} tokens; it must have 1 to {}", job.prompt.len(), self.max_context - 1);
-            let _ = job.events.send((job.index, Event::Error { message: msg, shutting_down: false }));
+            let msg = format!(
+                "the prompt has {} tokens; it must have 1 to {}",
+                job.prompt.len(),
+                self.max_context - 1
+            );
+            let _ = job.events.send((
+                job.index,
+                Event::Error {
+                    message: msg,
+                    shutting_down: false,
+                },
+            ));
             return;
         }
         match self.exec.new_sequence() {
             Ok(seq) => self.admitting.push(Admitting { job, seq, done: 0 }),
             Err(e) => {
                 let msg = format!("no sequence slot: {e}");
-                let _ = job.events.send((job.index, Event::Error { message: msg, shutting_down: false }));
+                let _ = job.events.send((
+                    job.index,
+                    Event::Error {
+                        message: msg,
+                        shutting_down: false,
+                    },
+                ));
             }
         }
     }
@@ -361,7 +407,13 @@ impl<'e> Scheduler<'e> {
             }
             Some(msg) => {
                 let shutting_down = msg.contains("shutting down");
-                let _ = a.job.events.send((a.job.index, Event::Error { message: msg.to_string(), shutting_down }));
+                let _ = a.job.events.send((
+                    a.job.index,
+                    Event::Error {
+                        message: msg.to_string(),
+                        shutting_down,
+                    },
+                ));
             }
         }
         self.update_gauges();
@@ -380,7 +432,11 @@ impl<'e> Scheduler<'e> {
         let a = &mut self.admitting[0];
         let end = (a.done + PREFILL_CHUNK).min(a.job.prompt.len());
         self.logits.resize(self.vocab, 0.0);
-        if let Err(e) = self.exec.prefill(a.seq, &a.job.prompt[a.done..end], &mut self.logits[..self.vocab]) {
+        if let Err(e) = self.exec.prefill(
+            a.seq,
+            &a.job.prompt[a.done..end],
+            &mut self.logits[..self.vocab],
+        ) {
             let a = self.admitting.remove(0);
             return self.drop_admitting(a, Some(&format!("prefill failed: {e}")));
         }
@@ -394,7 +450,9 @@ impl<'e> Scheduler<'e> {
     /// A fully prefilled job joins the running sequences; its first token comes from the
     /// logits of the prefill's last chunk (in `self.logits`).
     fn start_running(&mut self, job: Job, seq: SeqId) {
-        self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
         let mut sampling = job.params.sampling.clone();
         // OpenAI's penalties replace llama.cpp's repetition penalty; the sampler needs no history.
         sampling.repeat_penalty = 1.0;
@@ -432,7 +490,14 @@ impl<'e> Scheduler<'e> {
     /// One decode step for every running sequence, as one batch.
     fn step(&mut self) {
         let n = self.running.len();
-        let batch: Vec<DecodeItem> = self.running.iter().map(|r| DecodeItem { seq: r.seq, token: r.last }).collect();
+        let batch: Vec<DecodeItem> = self
+            .running
+            .iter()
+            .map(|r| DecodeItem {
+                seq: r.seq,
+                token: r.last,
+            })
+            .collect();
         let host = self.running.iter().any(|r| r.params.needs_host_logits());
         let mut results: Vec<Result<(u32, Option<TokenLogprob>)>> = Vec::with_capacity(n);
         if host {
@@ -451,7 +516,10 @@ impl<'e> Scheduler<'e> {
             }
         } else {
             self.tokens.resize(n, 0);
-            if let Err(e) = self.exec.decode_sample(&batch, &mut self.samplers, &mut self.tokens) {
+            if let Err(e) = self
+                .exec
+                .decode_sample(&batch, &mut self.samplers, &mut self.tokens)
+            {
                 return self.fail_all(&format!("decode step failed: {e}"));
             }
             results.extend(self.tokens.iter().map(|&t| Ok((t, None))));
@@ -470,14 +538,20 @@ impl<'e> Scheduler<'e> {
     fn fail_one(&mut self, i: usize, e: &Error) {
         let message = format!("generation stopped: {e}");
         tracing::error!("sequence {}: {message}", self.running[i].seq);
-        self.running[i].send(Event::Error { message, shutting_down: false });
+        self.running[i].send(Event::Error {
+            message,
+            shutting_down: false,
+        });
         self.mark_finished(i);
     }
 
     fn fail_all(&mut self, msg: &str) {
         tracing::error!("{msg}");
         for i in 0..self.running.len() {
-            self.running[i].send(Event::Error { message: msg.to_string(), shutting_down: false });
+            self.running[i].send(Event::Error {
+                message: msg.to_string(),
+                shutting_down: false,
+            });
             self.mark_finished(i);
         }
         self.remove_finished();
@@ -506,25 +580,50 @@ impl<'e> Scheduler<'e> {
         let logprob = match (top_n, lse) {
             (Some(k), Some(lse)) => {
                 if self.token_text.is_empty() {
-                    self.token_text = (0..self.vocab as u32).map(|t| self.tokenizer.decode(&[t], false)).collect();
+                    self.token_text = (0..self.vocab as u32)
+                        .map(|t| self.tokenizer.decode(&[t], false))
+                        .collect();
                 }
-                let lp = |x: f32| if x.is_finite() { (x - lse).max(-9999.0) } else { -9999.0 };
+                let lp = |x: f32| {
+                    if x.is_finite() {
+                        (x - lse).max(-9999.0)
+                    } else {
+                        -9999.0
+                    }
+                };
                 let mut top = Vec::new();
                 if k > 0 {
                     let c = &mut self.candidates;
                     c.clear();
-                    c.extend(row.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(t, &l)| (t as u32, l)));
-                    let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+                    c.extend(
+                        row.iter()
+                            .enumerate()
+                            .filter(|(_, l)| !l.is_nan())
+                            .map(|(t, &l)| (t as u32, l)),
+                    );
+                    let by_desc =
+                        |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
                     let k = k.min(c.len());
                     if k > 0 && k < c.len() {
                         c.select_nth_unstable_by(k - 1, by_desc);
                     }
                     c.truncate(k);
                     c.sort_unstable_by(by_desc);
-                    top = c.iter().map(|&(t, l)| (self.token_text[t as usize].clone(), lp(l))).collect();
+                    top = c
+                        .iter()
+                        .map(|&(t, l)| (self.token_text[t as usize].clone(), lp(l)))
+                        .collect();
                 }
-                let text = self.token_text.get(token as usize).cloned().unwrap_or_default();
-                Some(TokenLogprob { token: text, logprob: lp(row.get(token as usize).copied().unwrap_or(f32::NAN)), top })
+                let text = self
+                    .token_text
+                    .get(token as usize)
+                    .cloned()
+                    .unwrap_or_default();
+                Some(TokenLogprob {
+                    token: text,
+                    logprob: lp(row.get(token as usize).copied().unwrap_or(f32::NAN)),
+                    top,
+                })
             }
             _ => None,
         };
@@ -539,12 +638,20 @@ impl<'e> Scheduler<'e> {
         let now = Instant::now();
         let r = &mut self.running[i];
         match r.last_token_at {
-            None => self.metrics.ttft.observe(now.duration_since(r.received).as_secs_f64()),
-            Some(t) => self.metrics.itl.observe(now.duration_since(t).as_secs_f64()),
+            None => self
+                .metrics
+                .ttft
+                .observe(now.duration_since(r.received).as_secs_f64()),
+            Some(t) => self
+                .metrics
+                .itl
+                .observe(now.duration_since(t).as_secs_f64()),
         }
         r.last_token_at = Some(now);
         r.generated += 1;
-        self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .generated_tokens
+            .fetch_add(1, Ordering::Relaxed);
         if r.params.presence_penalty != 0.0 || r.params.frequency_penalty != 0.0 {
             *r.counts.entry(token).or_insert(0) += 1;
         }
@@ -580,7 +687,10 @@ impl<'e> Scheduler<'e> {
         }
         if !r.pending.is_empty() {
             let text = std::mem::take(&mut r.pending);
-            r.send(Event::Delta { text, logprob: None });
+            r.send(Event::Delta {
+                text,
+                logprob: None,
+            });
         }
         self.finish_now(i, finish);
     }
@@ -590,7 +700,11 @@ impl<'e> Scheduler<'e> {
         self.mark_finished(i);
         self.update_gauges();
         let r = &self.running[i];
-        r.send(Event::Done { finish, prompt_tokens: r.prompt_tokens, completion_tokens: r.generated });
+        r.send(Event::Done {
+            finish,
+            prompt_tokens: r.prompt_tokens,
+            completion_tokens: r.generated,
+        });
     }
 
     /// Frees the sequence's slot now; the entry is removed by `remove_finished`.
@@ -618,14 +732,21 @@ impl<'e> Scheduler<'e> {
 }
 
 fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let max = row
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return max;
     }
-    let sum: f64 = row.iter().filter(|x| !x.is_nan()).map(|&x| ((x - max) as f64).exp()).sum();
+    let sum: f64 = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - max) as f64).exp())
+        .sum();
     max + sum.ln() as f32
 }
-
 
 #[cfg(test)]
 mod tests {

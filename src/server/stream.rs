@@ -79,7 +79,8 @@ fn completion_logprobs(entries: &[TokenLogprob], mut offset: usize) -> Value {
     for e in entries {
         tokens.push(json!(e.token));
         lps.push(json!(e.logprob));
-        let top: serde_json::Map<String, Value> = e.top.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect();
+        let top: serde_json::Map<String, Value> =
+            e.top.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect();
         tops.push(Value::Object(top));
         offsets.push(json!(offset));
         offset += e.token.len();
@@ -88,12 +89,18 @@ fn completion_logprobs(entries: &[TokenLogprob], mut offset: usize) -> Value {
 }
 
 /// Waits for every choice to finish and builds the response body.
-pub async fn collect(meta: Meta, mut rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) -> Result<Value, ApiError> {
+pub async fn collect(
+    meta: Meta,
+    mut rx: UnboundedReceiver<(usize, Event)>,
+    logprobs: bool,
+) -> Result<Value, ApiError> {
     let mut choices: Vec<Choice> = (0..meta.choices).map(|_| Choice::default()).collect();
     let mut open = meta.choices;
     while open > 0 {
         let Some((i, event)) = rx.recv().await else {
-            return Err(ApiError::internal("the engine stopped before the answer was complete"));
+            return Err(ApiError::internal(
+                "the engine stopped before the answer was complete",
+            ));
         };
         let c = &mut choices[i];
         match event {
@@ -101,13 +108,20 @@ pub async fn collect(meta: Meta, mut rx: UnboundedReceiver<(usize, Event)>, logp
                 c.text.push_str(&text);
                 c.logprobs.extend(logprob);
             }
-            Event::Done { finish, prompt_tokens, completion_tokens } => {
+            Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
                 c.finish = Some(finish);
                 c.prompt_tokens = prompt_tokens;
                 c.completion_tokens = completion_tokens;
                 open -= 1;
             }
-            Event::Error { message, shutting_down } => return Err(event_error(message, shutting_down)),
+            Event::Error {
+                message,
+                shutting_down,
+            } => return Err(event_error(message, shutting_down)),
         }
     }
     let prompt: usize = choices.iter().map(|c| c.prompt_tokens).sum();
@@ -181,17 +195,35 @@ impl StreamState {
         v.to_string()
     }
 
-    fn delta(&mut self, i: usize, text: String, logprob: Option<TokenLogprob>, finish: Option<Finish>) {
+    fn delta(
+        &mut self,
+        i: usize,
+        text: String,
+        logprob: Option<TokenLogprob>,
+        finish: Option<Finish>,
+    ) {
         let finish = finish.map(Finish::as_str);
         let entries: Vec<TokenLogprob> = logprob.into_iter().collect();
         let choice = match self.meta.endpoint {
             Endpoint::Chat => {
-                let delta = if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
-                let lp = if self.logprobs && !entries.is_empty() { chat_logprobs(&entries) } else { Value::Null };
+                let delta = if text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                let lp = if self.logprobs && !entries.is_empty() {
+                    chat_logprobs(&entries)
+                } else {
+                    Value::Null
+                };
                 json!({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
             Endpoint::Completions => {
-                let lp = if self.logprobs && !entries.is_empty() { completion_logprobs(&entries, self.sent[i]) } else { Value::Null };
+                let lp = if self.logprobs && !entries.is_empty() {
+                    completion_logprobs(&entries, self.sent[i])
+                } else {
+                    Value::Null
+                };
                 json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
             }
         };
@@ -207,7 +239,11 @@ impl StreamState {
                     self.delta(i, text, logprob, None);
                 }
             }
-            Event::Done { finish, prompt_tokens, completion_tokens } => {
+            Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
                 self.delta(i, String::new(), None, Some(finish));
                 self.prompt_tokens += prompt_tokens;
                 self.completion_tokens += completion_tokens;
@@ -216,8 +252,12 @@ impl StreamState {
                     self.end(true);
                 }
             }
-            Event::Error { message, shutting_down } => {
-                self.out.push_back(event_error(message, shutting_down).body().to_string());
+            Event::Error {
+                message,
+                shutting_down,
+            } => {
+                self.out
+                    .push_back(event_error(message, shutting_down).body().to_string());
                 self.end(false);
             }
         }
@@ -274,11 +314,17 @@ pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) ->
             match st.rx.recv().await {
                 Some((i, event)) => st.handle(i, event),
                 None => {
-                    st.out.push_back(ApiError::internal("the engine stopped before the answer was complete").body().to_string());
+                    st.out.push_back(
+                        ApiError::internal("the engine stopped before the answer was complete")
+                            .body()
+                            .to_string(),
+                    );
                     st.end(false);
                 }
             }
         }
     });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+        .into_response()
 }

@@ -31,7 +31,12 @@ pub fn skip(test: &str, reason: &str) {
 pub fn smollm2_or_skip(test: &str) -> Option<PathBuf> {
     let p = smollm2_path();
     if p.is_none() {
-        skip(test, &format!("{SMOLLM2_FILE} not found (set KILN_TEST_MODEL or run `kiln run` once to fetch it)"));
+        skip(
+            test,
+            &format!(
+                "{SMOLLM2_FILE} not found (set KILN_TEST_MODEL or run `kiln run` once to fetch it)"
+            ),
+        );
     }
     p
 }
@@ -46,13 +51,21 @@ pub fn gemma3_or_skip(test: &str) -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    skip(test, &format!("{} not found (run `kiln run -m gemma3-270m` once, or set KILN_GEMMA3_MODEL)", path.display()));
+    skip(
+        test,
+        &format!(
+            "{} not found (run `kiln run -m gemma3-270m` once, or set KILN_GEMMA3_MODEL)",
+            path.display()
+        ),
+    );
     None
 }
 
 /// A committed fixture file under tests/fixtures.
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(rel)
 }
 
 /// Cosine similarity of two vectors, accumulated in f64.
@@ -70,12 +83,17 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
 pub fn kiln_binary() -> PathBuf {
     // Integration tests run from target/<profile>/deps/.
     let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/deps").to_path_buf();
+    let profile_dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .to_path_buf();
     let bin = profile_dir.join("kiln");
     if !bin.is_file() {
         let release = profile_dir.file_name().is_some_and(|n| n == "release");
         let mut cmd = std::process::Command::new(env!("CARGO"));
-        cmd.args(["build", "--bin", "kiln"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        cmd.args(["build", "--bin", "kiln"])
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
         if release {
             cmd.arg("--release");
         }

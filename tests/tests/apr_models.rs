@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use kiln::Model;
 use kiln_core::{argmax, DecodeItem, LayerExecutor, LoadOptions, Registry};
 use kiln_formats::apr::{write_apr, AprDtype, AprFile, AprTensorSpec, Compression};
-use kiln_formats::apr_model::{apr_metadata, permute_rope_rows, write_model_apr, write_model_gguf, AprQuantize};
+use kiln_formats::apr_model::{
+    apr_metadata, permute_rope_rows, write_model_apr, write_model_gguf, AprQuantize,
+};
 use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
 use kiln_formats::synth::{synth_file, Preset, SynthOptions};
 use kiln_tests::{cosine, fixture, smollm2_or_skip};
@@ -23,7 +25,15 @@ fn scratch(tag: &str) -> PathBuf {
 fn cpu(model: &Model) -> Box<dyn LayerExecutor> {
     kiln::link_builtin_backends();
     let backend = Registry::with_builtins().get("cpu").expect("cpu backend");
-    backend.load(&model.ir, &LoadOptions { max_context: 128, ..Default::default() }).unwrap()
+    backend
+        .load(
+            &model.ir,
+            &LoadOptions {
+                max_context: 128,
+                ..Default::default()
+            },
+        )
+        .unwrap()
 }
 
 /// Logits after the prompt and after each of `steps` greedy steps.
@@ -36,7 +46,8 @@ fn run(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
     let mut all = vec![logits.clone()];
     for _ in 0..steps {
         let t = argmax(&logits);
-        exec.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+        exec.decode(&[DecodeItem { seq, token: t }], &mut logits)
+            .unwrap();
         all.push(logits.clone());
     }
     all
@@ -45,9 +56,25 @@ fn run(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
 fn convert(model: &Model, out: &Path, compression: Compression, quantize: AprQuantize) {
     let tmpl = model.chat_template_source().map(str::to_string);
     if out.extension().is_some_and(|e| e == "apr") {
-        write_model_apr(&model.ir, &model.tokenizer_spec, tmpl.as_deref(), out, compression, quantize, &no_progress).unwrap();
+        write_model_apr(
+            &model.ir,
+            &model.tokenizer_spec,
+            tmpl.as_deref(),
+            out,
+            compression,
+            quantize,
+            &no_progress,
+        )
+        .unwrap();
     } else {
-        write_model_gguf(&model.ir, &model.tokenizer_spec, tmpl.as_deref(), out, &no_progress).unwrap();
+        write_model_gguf(
+            &model.ir,
+            &model.tokenizer_spec,
+            tmpl.as_deref(),
+            out,
+            &no_progress,
+        )
+        .unwrap();
     }
 }
 
@@ -55,7 +82,12 @@ fn convert(model: &Model, out: &Path, compression: Compression, quantize: AprQua
 fn same_tensors(a: &Model, b: &Model) -> usize {
     let mut n = 0;
     for t in a.ir.weights.tensors() {
-        let u = b.ir.weights.tensors().into_iter().find(|u| u.name() == t.name()).unwrap_or_else(|| panic!("{} lost", t.name()));
+        let u =
+            b.ir.weights
+                .tensors()
+                .into_iter()
+                .find(|u| u.name() == t.name())
+                .unwrap_or_else(|| panic!("{} lost", t.name()));
         assert_eq!((u.qtype(), u.dims()), (t.qtype(), t.dims()), "{}", t.name());
         assert!(u.bytes() == t.bytes(), "{}: bytes differ", t.name());
         n += 1;
@@ -69,7 +101,16 @@ fn gguf_apr_gguf_round_trip_is_byte_identical_and_runs_the_same() {
     // q8_0 and q4_0 recipes leave only types APR holds (Q8_0, Q4_0, Q6_K, F32).
     for recipe in [Recipe::Q8_0, Recipe::Q4_0] {
         let gguf = dir.join(format!("m.{}.gguf", recipe.name()));
-        synth_file(&gguf, SynthOptions { preset: Preset::SmolLm2_135m, recipe, seed: 5 }, &no_progress).unwrap();
+        synth_file(
+            &gguf,
+            SynthOptions {
+                preset: Preset::SmolLm2_135m,
+                recipe,
+                seed: 5,
+            },
+            &no_progress,
+        )
+        .unwrap();
         let original = Model::open(&gguf).unwrap();
         for compression in [Compression::None, Compression::Lz4, Compression::Zstd] {
             let apr = dir.join(format!("m.{}.{compression:?}.apr", recipe.name()));
@@ -80,10 +121,27 @@ fn gguf_apr_gguf_round_trip_is_byte_identical_and_runs_the_same() {
             let round = Model::open(&back).unwrap();
             let n = same_tensors(&original, &apr_model);
             same_tensors(&original, &round);
-            assert_eq!(apr_model.tokenizer.encode("Hello, world", false, true).unwrap(), original.tokenizer.encode("Hello, world", false, true).unwrap());
-            let prompt = original.tokenizer.encode("The capital of France is", false, false).unwrap();
+            assert_eq!(
+                apr_model
+                    .tokenizer
+                    .encode("Hello, world", false, true)
+                    .unwrap(),
+                original
+                    .tokenizer
+                    .encode("Hello, world", false, true)
+                    .unwrap()
+            );
+            let prompt = original
+                .tokenizer
+                .encode("The capital of France is", false, false)
+                .unwrap();
             let (a, b) = (run(&original, &prompt, 4), run(&apr_model, &prompt, 4));
-            assert_eq!(a, b, "{} {compression:?}: APR logits differ from the GGUF's", recipe.name());
+            assert_eq!(
+                a,
+                b,
+                "{} {compression:?}: APR logits differ from the GGUF's",
+                recipe.name()
+            );
             println!("{} {compression:?}: {n} tensors byte-identical through APR and back; logits identical", recipe.name());
         }
     }
@@ -96,7 +154,16 @@ fn gguf_apr_gguf_round_trip_is_byte_identical_and_runs_the_same() {
 fn both_rotary_layouts_give_the_same_logits() {
     let dir = scratch("layouts");
     let gguf = dir.join("llama.gguf");
-    synth_file(&gguf, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q8_0, seed: 9 }, &no_progress).unwrap();
+    synth_file(
+        &gguf,
+        SynthOptions {
+            preset: Preset::SmolLm2_135m,
+            recipe: Recipe::Q8_0,
+            seed: 9,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let m = Model::open(&gguf).unwrap();
     assert_eq!(m.ir.config.rope.kind, kiln_core::RopeKind::Norm);
     let c = &m.ir.config;
@@ -124,11 +191,20 @@ fn both_rotary_layouts_give_the_same_logits() {
             }
         }
     };
-    let mut tensors: Vec<(String, &kiln_core::TensorView)> = m.ir.weights.tensors().into_iter().map(|t| (hf(t.name()), t)).collect();
+    let mut tensors: Vec<(String, &kiln_core::TensorView)> =
+        m.ir.weights
+            .tensors()
+            .into_iter()
+            .map(|t| (hf(t.name()), t))
+            .collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let specs: Vec<AprTensorSpec> = tensors
         .iter()
-        .map(|(name, t)| AprTensorSpec { name: name.clone(), dtype: AprDtype::Ggml(t.qtype()), dims: t.dims().iter().rev().map(|&d| d as u64).collect() })
+        .map(|(name, t)| AprTensorSpec {
+            name: name.clone(),
+            dtype: AprDtype::Ggml(t.qtype()),
+            dims: t.dims().iter().rev().map(|&d| d as u64).collect(),
+        })
         .collect();
     let mut config = c.clone();
     config.rope.kind = kiln_core::RopeKind::Neox;
@@ -151,7 +227,10 @@ fn both_rotary_layouts_give_the_same_logits() {
     let (a, b) = (run(&m, &prompt, 6), run(&hf_model, &prompt, 6));
     for (step, (x, y)) in a.iter().zip(&b).enumerate() {
         let cos = cosine(x, y);
-        assert!(cos > 1.0 - 1e-6, "step {step}: cosine {cos} between the two layouts");
+        assert!(
+            cos > 1.0 - 1e-6,
+            "step {step}: cosine {cos} between the two layouts"
+        );
         assert_eq!(argmax(x), argmax(y), "step {step}");
     }
     // And back to GGUF: the rows are permuted into llama.cpp's order again.
@@ -181,7 +260,11 @@ struct RefStep {
 }
 
 fn read_f32(path: &Path) -> Vec<f32> {
-    std::fs::read(path).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// The real SmolLM2 through APR: kept types (its Q4_1 matrices become Q8_0, which APR
@@ -189,14 +272,33 @@ fn read_f32(path: &Path) -> Vec<f32> {
 /// `int8`, each against the transformers float32 reference (6 prompts × 32 greedy tokens).
 #[test]
 fn real_smollm2_through_apr_against_the_reference() {
-    let Some(source) = smollm2_or_skip("real_smollm2_through_apr_against_the_reference") else { return };
-    let reference: Reference = serde_json::from_str(&std::fs::read_to_string(fixture("smollm2_reference/reference.json")).unwrap()).unwrap();
+    let Some(source) = smollm2_or_skip("real_smollm2_through_apr_against_the_reference") else {
+        return;
+    };
+    let reference: Reference = serde_json::from_str(
+        &std::fs::read_to_string(fixture("smollm2_reference/reference.json")).unwrap(),
+    )
+    .unwrap();
     let dir = scratch("smollm2");
     let original = Model::open(&source).unwrap();
     // For scale: llama.cpp's own 4-bit rule (Q4_0, kiln quantize) through the same harness.
     let q4_0 = dir.join("smollm2.q4_0.gguf");
-    quantize_file(&source, &q4_0, QuantizeOptions { recipe: Recipe::Q4_0, measure_error: false }, &no_progress).unwrap();
-    for (label, quantize) in [("kept", AprQuantize::Keep), ("int8", AprQuantize::Int8), ("int4", AprQuantize::Int4), ("gguf q4_0", AprQuantize::Keep)] {
+    quantize_file(
+        &source,
+        &q4_0,
+        QuantizeOptions {
+            recipe: Recipe::Q4_0,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    for (label, quantize) in [
+        ("kept", AprQuantize::Keep),
+        ("int8", AprQuantize::Int8),
+        ("int4", AprQuantize::Int4),
+        ("gguf q4_0", AprQuantize::Keep),
+    ] {
         let m = if label == "gguf q4_0" {
             Model::open(&q4_0).unwrap()
         } else {
@@ -207,7 +309,12 @@ fn real_smollm2_through_apr_against_the_reference() {
         if label == "kept" {
             // Everything APR holds is byte-identical; then back to GGUF, identical again.
             for t in original.ir.weights.tensors() {
-                let u = m.ir.weights.tensors().into_iter().find(|u| u.name() == t.name()).unwrap();
+                let u =
+                    m.ir.weights
+                        .tensors()
+                        .into_iter()
+                        .find(|u| u.name() == t.name())
+                        .unwrap();
                 if t.qtype() == u.qtype() {
                     assert!(t.bytes() == u.bytes(), "{}", t.name());
                 }
@@ -217,7 +324,11 @@ fn real_smollm2_through_apr_against_the_reference() {
             let round = Model::open(&back).unwrap();
             same_tensors(&m, &round);
             let prompt = &reference.prompts[0].prompt_ids;
-            assert_eq!(run(&m, prompt, 3), run(&round, prompt, 3), "APR and its GGUF run identically");
+            assert_eq!(
+                run(&m, prompt, 3),
+                run(&round, prompt, 3),
+                "APR and its GGUF run identically"
+            );
         }
         let mut exec = cpu(&m);
         let vocab = m.ir.config.vocab_size;
@@ -236,10 +347,14 @@ fn real_smollm2_through_apr_against_the_reference() {
                     break;
                 }
                 same += 1;
-                exec.decode(&[DecodeItem { seq, token }], &mut logits).unwrap();
+                exec.decode(&[DecodeItem { seq, token }], &mut logits)
+                    .unwrap();
                 token = argmax(&logits);
             }
-            println!("{label:<9} {:<16} first-step cosine {cos:.6}, greedy agreement {same}/32", p.name);
+            println!(
+                "{label:<9} {:<16} first-step cosine {cos:.6}, greedy agreement {same}/32",
+                p.name
+            );
             agree += same;
             total += 32;
             exec.free_sequence(seq).unwrap();
@@ -260,13 +375,25 @@ fn real_smollm2_through_apr_against_the_reference() {
 fn detection_by_magic_and_truncation_errors() {
     let dir = scratch("magic");
     let gguf = dir.join("m.gguf");
-    synth_file(&gguf, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q8_0, seed: 1 }, &no_progress).unwrap();
+    synth_file(
+        &gguf,
+        SynthOptions {
+            preset: Preset::SmolLm2_135m,
+            recipe: Recipe::Q8_0,
+            seed: 1,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let m = Model::open(&gguf).unwrap();
     let apr = dir.join("m.apr");
     convert(&m, &apr, Compression::None, AprQuantize::Keep);
     let disguised = dir.join("model.gguf.bin");
     std::fs::copy(&apr, &disguised).unwrap();
-    assert!(matches!(Model::open(&disguised).unwrap().file, kiln::ModelFile::Apr(_)));
+    assert!(matches!(
+        Model::open(&disguised).unwrap().file,
+        kiln::ModelFile::Apr(_)
+    ));
     let bytes = std::fs::read(&apr).unwrap();
     for cut in [5usize, 64, 200, bytes.len() / 2, bytes.len() - 1] {
         let p = dir.join(format!("cut{cut}.apr"));
@@ -276,10 +403,28 @@ fn detection_by_magic_and_truncation_errors() {
     }
     // And the quantised GGUF of kiln quantize still converts (Q5_0 rows become Q8_0).
     let q4km = dir.join("m.q4_k_m.gguf");
-    quantize_file(&gguf, &q4km, QuantizeOptions { recipe: Recipe::Q4_K_M, measure_error: false }, &no_progress).unwrap();
+    quantize_file(
+        &gguf,
+        &q4km,
+        QuantizeOptions {
+            recipe: Recipe::Q4_K_M,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let qm = Model::open(&q4km).unwrap();
     let tmpl = qm.chat_template_source().map(str::to_string);
-    let report = write_model_apr(&qm.ir, &qm.tokenizer_spec, tmpl.as_deref(), &dir.join("q.apr"), Compression::None, AprQuantize::Keep, &no_progress).unwrap();
+    let report = write_model_apr(
+        &qm.ir,
+        &qm.tokenizer_spec,
+        tmpl.as_deref(),
+        &dir.join("q.apr"),
+        Compression::None,
+        AprQuantize::Keep,
+        &no_progress,
+    )
+    .unwrap();
     assert!(report.iter().all(|r| r.to == "q8_0"), "{report:?}");
     assert!(!report.is_empty());
     std::fs::remove_dir_all(&dir).ok();

@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 use kiln::conformance::top_gap;
 use kiln::Model;
-use kiln_core::{argmax, Backend, DecodeItem, LayerExecutor, LoadOptions, Sampler, SamplingParams, SeqId};
+use kiln_core::{
+    argmax, Backend, DecodeItem, LayerExecutor, LoadOptions, Sampler, SamplingParams, SeqId,
+};
 use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
 use kiln_formats::synth::{synth_file, Preset, SynthOptions};
 use kiln_tests::{cosine, skip};
@@ -32,7 +34,9 @@ fn scratch_dir(what: &str) -> std::path::PathBuf {
 fn backend(name: &str) -> Option<Arc<dyn Backend>> {
     kiln::link_builtin_backends();
     let registry = kiln_core::Registry::with_builtins();
-    let b = registry.get(name).unwrap_or_else(|| panic!("{name} is linked in"));
+    let b = registry
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} is linked in"));
     if let Err(why) = b.probe() {
         if std::env::var_os("KILN_REQUIRE_GPU").is_some() {
             panic!("KILN_REQUIRE_GPU is set but {name} is unavailable: {why}");
@@ -50,7 +54,9 @@ fn prompt_lengths(m: usize, longest: usize, rng: &mut u64) -> Vec<usize> {
             0 => 5,
             1 => longest,
             _ => {
-                *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                *rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 6 + (*rng >> 33) as usize % (longest - 6)
             }
         })
@@ -60,7 +66,9 @@ fn prompt_lengths(m: usize, longest: usize, rng: &mut u64) -> Vec<usize> {
 fn random_prompt(len: usize, vocab: usize, rng: &mut u64) -> Vec<u32> {
     (0..len)
         .map(|_| {
-            *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            *rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             // Skip the first ids (special tokens) so no prompt ends a sequence.
             (10 + (*rng >> 33) as usize % (vocab - 10)) as u32
         })
@@ -85,7 +93,10 @@ fn greedy_batched_vs_alone(
     let vocab = alone.config().vocab_size;
     let mut rng = seed;
     let lens = prompt_lengths(m, longest, &mut rng);
-    let prompts: Vec<Vec<u32>> = lens.iter().map(|&l| random_prompt(l, vocab, &mut rng)).collect();
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&l| random_prompt(l, vocab, &mut rng))
+        .collect();
     let mut one = vec![f32::NAN; vocab];
     let (mut sa, mut sb): (Vec<SeqId>, Vec<SeqId>) = (Vec::new(), Vec::new());
     let mut ref_logits = vec![vec![0f32; vocab]; m];
@@ -95,21 +106,44 @@ fn greedy_batched_vs_alone(
         alone.prefill(sa[i], p, &mut ref_logits[i]).unwrap();
         batched.prefill(sb[i], p, &mut one).unwrap();
     }
-    let mut report = Report { min_cosine: 1.0, mismatches: 0, near_ties: 0 };
+    let mut report = Report {
+        min_cosine: 1.0,
+        mismatches: 0,
+        near_ties: 0,
+    };
     let mut batch_logits = vec![f32::NAN; m * vocab];
     for step in 0..steps {
         let tokens: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
-        let items: Vec<DecodeItem> = sb.iter().zip(&tokens).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+        let items: Vec<DecodeItem> = sb
+            .iter()
+            .zip(&tokens)
+            .map(|(&seq, &token)| DecodeItem { seq, token })
+            .collect();
         batch_logits.fill(f32::NAN);
         batched.decode(&items, &mut batch_logits).unwrap();
         for i in 0..m {
             ref_logits[i].fill(f32::NAN);
-            alone.decode(&[DecodeItem { seq: sa[i], token: tokens[i] }], &mut ref_logits[i]).unwrap();
+            alone
+                .decode(
+                    &[DecodeItem {
+                        seq: sa[i],
+                        token: tokens[i],
+                    }],
+                    &mut ref_logits[i],
+                )
+                .unwrap();
             let got = &batch_logits[i * vocab..(i + 1) * vocab];
-            assert!(got.iter().all(|x| x.is_finite()), "M={m} step {step} row {i}: non-finite batched logits");
+            assert!(
+                got.iter().all(|x| x.is_finite()),
+                "M={m} step {step} row {i}: non-finite batched logits"
+            );
             let cos = cosine(&ref_logits[i], got);
             report.min_cosine = report.min_cosine.min(cos);
-            assert!(cos >= MIN_COSINE, "M={m} step {step} row {i} (prompt {}): cosine {cos}", lens[i]);
+            assert!(
+                cos >= MIN_COSINE,
+                "M={m} step {step} row {i} (prompt {}): cosine {cos}",
+                lens[i]
+            );
             let (want, have) = (argmax(&ref_logits[i]), argmax(got));
             if want != have {
                 report.mismatches += 1;
@@ -152,10 +186,18 @@ fn sampling_params(i: usize) -> SamplingParams {
 /// them at once (the device draws, from the sampler's generator); otherwise by `decode`
 /// of all at once and each sampler drawing on the host from its row of logits. With
 /// `together == false` the sequences step one at a time. Returns each sequence's tokens.
-fn sample_run(exec: &mut dyn LayerExecutor, m: usize, steps: usize, on_device: bool, together: bool) -> Vec<Vec<u32>> {
+fn sample_run(
+    exec: &mut dyn LayerExecutor,
+    m: usize,
+    steps: usize,
+    on_device: bool,
+    together: bool,
+) -> Vec<Vec<u32>> {
     let vocab = exec.config().vocab_size;
     let mut rng = 99u64;
-    let prompts: Vec<Vec<u32>> = (0..m).map(|i| random_prompt(4 + i % 7, vocab, &mut rng)).collect();
+    let prompts: Vec<Vec<u32>> = (0..m)
+        .map(|i| random_prompt(4 + i % 7, vocab, &mut rng))
+        .collect();
     let mut samplers: Vec<Sampler> = (0..m).map(|i| Sampler::new(sampling_params(i))).collect();
     let mut logits = vec![0f32; vocab];
     let mut seqs = Vec::new();
@@ -169,12 +211,21 @@ fn sample_run(exec: &mut dyn LayerExecutor, m: usize, steps: usize, on_device: b
     let mut out: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
     let mut rows = vec![0f32; m * vocab];
     for _ in 0..steps {
-        let items: Vec<DecodeItem> = seqs.iter().zip(&last).map(|(&seq, &token)| DecodeItem { seq, token }).collect();
+        let items: Vec<DecodeItem> = seqs
+            .iter()
+            .zip(&last)
+            .map(|(&seq, &token)| DecodeItem { seq, token })
+            .collect();
         let mut next = vec![0u32; m];
-        let groups: Vec<std::ops::Range<usize>> = if together { vec![0..m] } else { (0..m).map(|i| i..i + 1).collect() };
+        let groups: Vec<std::ops::Range<usize>> = if together {
+            vec![0..m]
+        } else {
+            (0..m).map(|i| i..i + 1).collect()
+        };
         for g in groups {
             if on_device {
-                exec.decode_sample(&items[g.clone()], &mut samplers[g.clone()], &mut next[g]).unwrap();
+                exec.decode_sample(&items[g.clone()], &mut samplers[g.clone()], &mut next[g])
+                    .unwrap();
             } else {
                 let logits = &mut rows[g.start * vocab..g.end * vocab];
                 logits.fill(f32::NAN);
@@ -201,17 +252,33 @@ fn sample_run(exec: &mut dyn LayerExecutor, m: usize, steps: usize, on_device: b
 /// how many of the `m` sequences also drew the same tokens batched as alone (reported, not
 /// required: the batched matmuls round differently from the one-sequence GEMVs, so a draw
 /// near a boundary of the distribution may go either way, and the sequence then departs).
-fn sampled_batched(alone: &mut dyn LayerExecutor, batched: &mut dyn LayerExecutor, m: usize, steps: usize) -> usize {
+fn sampled_batched(
+    alone: &mut dyn LayerExecutor,
+    batched: &mut dyn LayerExecutor,
+    m: usize,
+    steps: usize,
+) -> usize {
     let device = sample_run(batched, m, steps, true, true);
     let host = sample_run(batched, m, steps, false, true);
     for (i, (d, h)) in device.iter().zip(&host).enumerate() {
         assert_eq!(d, h, "sequence {i} of {m}: the device drew other tokens than the host sampler on the same logits");
     }
     let one_at_a_time = sample_run(alone, m, steps, true, false);
-    one_at_a_time.iter().zip(&device).filter(|(a, b)| a == b).count()
+    one_at_a_time
+        .iter()
+        .zip(&device)
+        .filter(|(a, b)| a == b)
+        .count()
 }
 
-fn check_backend(backend: &dyn Backend, model: &Model, name: &str, sizes: &[usize], longest: usize, steps: usize) {
+fn check_backend(
+    backend: &dyn Backend,
+    model: &Model,
+    name: &str,
+    sizes: &[usize],
+    longest: usize,
+    steps: usize,
+) {
     let options = LoadOptions {
         max_context: longest + steps + 8,
         max_sequences: 64,
@@ -220,7 +287,14 @@ fn check_backend(backend: &dyn Backend, model: &Model, name: &str, sizes: &[usiz
     let mut alone = backend.load(&model.ir, &options).unwrap();
     let mut batched = backend.load(&model.ir, &options).unwrap();
     for &m in sizes {
-        let r = greedy_batched_vs_alone(alone.as_mut(), batched.as_mut(), m, longest, steps, 7 + m as u64);
+        let r = greedy_batched_vs_alone(
+            alone.as_mut(),
+            batched.as_mut(),
+            m,
+            longest,
+            steps,
+            7 + m as u64,
+        );
         println!(
             "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (all at near-ties < {TIE_GAP})",
             backend.name(),
@@ -243,32 +317,76 @@ fn cpu_batched_decode_matches_one_at_a_time() {
     let Some(cpu) = backend("cpu") else { return };
     let dir = scratch_dir("cpu");
     let path = dir.join("smollm2.q4_0.gguf");
-    synth_file(&path, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q4_0, seed: 5 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset: Preset::SmolLm2_135m,
+            recipe: Recipe::Q4_0,
+            seed: 5,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let model = Model::open(&path).unwrap();
-    check_backend(cpu.as_ref(), &model, "synthetic smollm2 q4_0", &[1, 2, 3, 7], 300, 8);
+    check_backend(
+        cpu.as_ref(),
+        &model,
+        "synthetic smollm2 q4_0",
+        &[1, 2, 3, 7],
+        300,
+        8,
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
 fn gpu_case(backend_name: &str, preset: Preset, recipe: Recipe, file: &str) {
-    let Some(gpu) = backend(backend_name) else { return };
+    let Some(gpu) = backend(backend_name) else {
+        return;
+    };
     let dir = scratch_dir(file);
     let path = dir.join(file);
-    synth_file(&path, SynthOptions { preset, recipe, seed: 5 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset,
+            recipe,
+            seed: 5,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let model = Model::open(&path).unwrap();
-    check_backend(gpu.as_ref(), &model, file, &[1, 2, 3, 7, 16, 32, 64], 1500, 64);
+    check_backend(
+        gpu.as_ref(),
+        &model,
+        file,
+        &[1, 2, 3, 7, 16, 32, 64],
+        1500,
+        64,
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gpu_batched_decode_llama32_1b_q4_k_m() {
-    gpu_case("cuda-q4k", Preset::Llama32_1b, Recipe::Q4_K_M, "llama3.2-1b.q4_k_m.gguf");
+    gpu_case(
+        "cuda-q4k",
+        Preset::Llama32_1b,
+        Recipe::Q4_K_M,
+        "llama3.2-1b.q4_k_m.gguf",
+    );
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gpu_batched_decode_llama32_1b_q4_0() {
-    gpu_case("cuda-q4_0", Preset::Llama32_1b, Recipe::Q4_0, "llama3.2-1b.q4_0.gguf");
+    gpu_case(
+        "cuda-q4_0",
+        Preset::Llama32_1b,
+        Recipe::Q4_0,
+        "llama3.2-1b.q4_0.gguf",
+    );
 }
 
 /// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at
@@ -276,11 +394,22 @@ fn gpu_batched_decode_llama32_1b_q4_0() {
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gpu_batched_decode_gemma3_270m() {
-    let Some(gpu) = backend("cuda-q4k") else { return };
+    let Some(gpu) = backend("cuda-q4k") else {
+        return;
+    };
     let file = "gemma3-270m.q4_k_m.gguf";
     let dir = scratch_dir(file);
     let path = dir.join(file);
-    synth_file(&path, SynthOptions { preset: Preset::Gemma3_270m, recipe: Recipe::Q4_K_M, seed: 5 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset: Preset::Gemma3_270m,
+            recipe: Recipe::Q4_K_M,
+            seed: 5,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let model = Model::open(&path).unwrap();
     check_backend(gpu.as_ref(), &model, file, &[1, 2, 3, 7, 16], 1100, 32);
     std::fs::remove_dir_all(&dir).ok();
@@ -290,19 +419,40 @@ fn gpu_batched_decode_gemma3_270m() {
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn gpu_batched_decode_real_smollm2() {
     let Some(source) = kiln_tests::smollm2_or_skip("gpu_batched_decode_real_smollm2") else {
-        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "the GPU suite needs the real model (KILN_TEST_MODEL)"
+        );
         return;
     };
     for (backend_name, recipe, file) in [
         ("cuda-q4k", Recipe::Q4_K_M, "smollm2.q4_k_m.gguf"),
         ("cuda-q4_0", Recipe::Q4_0, "smollm2.q4_0.gguf"),
     ] {
-        let Some(gpu) = backend(backend_name) else { return };
+        let Some(gpu) = backend(backend_name) else {
+            return;
+        };
         let dir = scratch_dir(file);
         let path = dir.join(file);
-        quantize_file(&source, &path, QuantizeOptions { recipe, measure_error: false }, &no_progress).unwrap();
+        quantize_file(
+            &source,
+            &path,
+            QuantizeOptions {
+                recipe,
+                measure_error: false,
+            },
+            &no_progress,
+        )
+        .unwrap();
         let model = Model::open(&path).unwrap();
-        check_backend(gpu.as_ref(), &model, &format!("real {file}"), &[1, 2, 3, 7, 16, 32, 64], 1500, 64);
+        check_backend(
+            gpu.as_ref(),
+            &model,
+            &format!("real {file}"),
+            &[1, 2, 3, 7, 16, 32, 64],
+            1500,
+            64,
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }
@@ -314,8 +464,19 @@ fn gpu_batched_decode_real_smollm2() {
 /// and no sequence sees another's KV: every 250 operations each live sequence's next logits
 /// equal those of its own token history replayed alone on a fresh executor. At the end,
 /// after finishing everything, all `max_sequences` slots can be taken again.
-fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usize, seed: u64, batched: bool) {
-    let options = LoadOptions { max_context: 96, max_sequences: 6, sequential_decode: !batched, ..Default::default() };
+fn random_operations(
+    backend: &dyn Backend,
+    model: &kiln_core::ModelIr,
+    ops: usize,
+    seed: u64,
+    batched: bool,
+) {
+    let options = LoadOptions {
+        max_context: 96,
+        max_sequences: 6,
+        sequential_decode: !batched,
+        ..Default::default()
+    };
     let mut exec = backend.load(model, &options).unwrap();
     let vocab = model.config.vocab_size;
     let max_seqs = exec.max_sequences();
@@ -327,7 +488,9 @@ fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usi
         let r = rng.next_u64() % 100;
         if r < 25 {
             // Admit.
-            let prompt: Vec<u32> = (0..1 + rng.next_u64() % 12).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+            let prompt: Vec<u32> = (0..1 + rng.next_u64() % 12)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect();
             match exec.new_sequence() {
                 Ok(seq) => {
                     assert!(live.len() < max_seqs, "op {op}: a sequence beyond capacity");
@@ -346,13 +509,20 @@ fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usi
             let mut items = Vec::new();
             for (seq, toks) in &live {
                 if toks.len() + 1 < options.max_context && rng.next_u64() % 2 == 0 {
-                    items.push(DecodeItem { seq: *seq, token: (rng.next_u64() % vocab as u64) as u32 });
+                    items.push(DecodeItem {
+                        seq: *seq,
+                        token: (rng.next_u64() % vocab as u64) as u32,
+                    });
                 }
             }
             let mut out = vec![0f32; items.len() * vocab];
             exec.decode(&items, &mut out).unwrap();
             for it in &items {
-                live.iter_mut().find(|(s, _)| *s == it.seq).unwrap().1.push(it.token);
+                live.iter_mut()
+                    .find(|(s, _)| *s == it.seq)
+                    .unwrap()
+                    .1
+                    .push(it.token);
             }
             counts[1] += 1;
         } else if r < 80 && !live.is_empty() {
@@ -368,7 +538,10 @@ fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usi
             let i = (rng.next_u64() % live.len() as u64) as usize;
             let (seq, _) = live.swap_remove(i);
             exec.free_sequence(seq).unwrap();
-            assert!(exec.sequence_len(seq).is_err(), "op {op}: a freed sequence is still alive");
+            assert!(
+                exec.sequence_len(seq).is_err(),
+                "op {op}: a freed sequence is still alive"
+            );
             counts[3] += 1;
         }
         for (seq, toks) in &live {
@@ -383,21 +556,34 @@ fn random_operations(backend: &dyn Backend, model: &kiln_core::ModelIr, ops: usi
                 }
                 let t = (rng.next_u64() % vocab as u64) as u32;
                 let mut got = vec![0f32; vocab];
-                exec.decode(&[DecodeItem { seq: *seq, token: t }], &mut got).unwrap();
+                exec.decode(
+                    &[DecodeItem {
+                        seq: *seq,
+                        token: t,
+                    }],
+                    &mut got,
+                )
+                .unwrap();
                 toks.push(t);
                 let alone = fresh.new_sequence().unwrap();
                 let mut want = vec![0f32; vocab];
                 fresh.prefill(alone, toks, &mut want).unwrap();
                 fresh.free_sequence(alone).unwrap();
                 let cos = cosine(&got, &want);
-                assert!(cos >= 0.9999, "op {op}: sequence {seq} (history {}) cosine {cos} to its history alone", toks.len());
+                assert!(
+                    cos >= 0.9999,
+                    "op {op}: sequence {seq} (history {}) cosine {cos} to its history alone",
+                    toks.len()
+                );
             }
         }
     }
     for (seq, _) in live.drain(..) {
         exec.free_sequence(seq).unwrap();
     }
-    let all: Vec<SeqId> = (0..max_seqs).map(|_| exec.new_sequence().unwrap()).collect();
+    let all: Vec<SeqId> = (0..max_seqs)
+        .map(|_| exec.new_sequence().unwrap())
+        .collect();
     assert_eq!(all.len(), max_seqs, "every slot returned");
     assert!(exec.new_sequence().is_err());
     println!(
@@ -428,7 +614,13 @@ fn tiny_model() -> kiln_core::ModelIr {
         qkv_bias: false,
         qk_norm: false,
         tied: true,
-        types: [QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::Q8_0, QType::Q8_0],
+        types: [
+            QType::Q8_0,
+            QType::Q8_0,
+            QType::Q8_0,
+            QType::Q8_0,
+            QType::Q8_0,
+        ],
     };
     kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
 }
@@ -436,7 +628,13 @@ fn tiny_model() -> kiln_core::ModelIr {
 #[test]
 fn cpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     let Some(cpu) = backend("cpu") else { return };
-    random_operations(cpu.as_ref(), &tiny_model(), 10_000, kiln_core::testdata::fresh_seed(), false);
+    random_operations(
+        cpu.as_ref(),
+        &tiny_model(),
+        10_000,
+        kiln_core::testdata::fresh_seed(),
+        false,
+    );
 }
 
 #[test]
@@ -445,7 +643,13 @@ fn gpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     for name in ["cuda-q4k", "cuda-q4_0"] {
         let Some(gpu) = backend(name) else { return };
         for batched in [false, true] {
-            random_operations(gpu.as_ref(), &tiny_model(), 2_000, kiln_core::testdata::fresh_seed(), batched);
+            random_operations(
+                gpu.as_ref(),
+                &tiny_model(),
+                2_000,
+                kiln_core::testdata::fresh_seed(),
+                batched,
+            );
         }
     }
 }

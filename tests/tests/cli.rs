@@ -5,7 +5,10 @@ use std::process::Command;
 use kiln_tests::{kiln_binary, smollm2_or_skip};
 
 fn kiln(args: &[&str]) -> std::process::Output {
-    Command::new(kiln_binary()).args(args).output().expect("run kiln")
+    Command::new(kiln_binary())
+        .args(args)
+        .output()
+        .expect("run kiln")
 }
 
 fn stdout(o: &std::process::Output) -> String {
@@ -17,49 +20,117 @@ fn stderr(o: &std::process::Output) -> String {
 
 #[test]
 fn run_json_prints_ids_text_and_timings() {
-    let Some(model) = smollm2_or_skip("run_json_prints_ids_text_and_timings") else { return };
+    let Some(model) = smollm2_or_skip("run_json_prints_ids_text_and_timings") else {
+        return;
+    };
     let model = model.to_str().unwrap();
-    let out = kiln(&["run", "The capital of France is", "-n", "24", "--format", "json", "-m", model]);
+    let out = kiln(&[
+        "run",
+        "The capital of France is",
+        "-n",
+        "24",
+        "--format",
+        "json",
+        "-m",
+        model,
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
-    assert_eq!(v["prompt_ids"], serde_json::json!([504, 3575, 282, 4649, 314]));
+    assert_eq!(
+        v["prompt_ids"],
+        serde_json::json!([504, 3575, 282, 4649, 314])
+    );
     assert_eq!(v["generated_ids"].as_array().unwrap().len(), 24);
     let text = v["text"].as_str().unwrap();
-    assert!(text.starts_with(" Paris."), "greedy continuation was {text:?}");
+    assert!(
+        text.starts_with(" Paris."),
+        "greedy continuation was {text:?}"
+    );
     let t = &v["timings"];
     assert!(t["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
     // Load, time to first token and per-token latency, each on its own.
-    let (load, ttft, per) = (t["load_ms"].as_f64().unwrap(), t["time_to_first_token_ms"].as_f64().unwrap(), t["ms_per_token"].as_f64().unwrap());
-    assert!(load > 0.0 && ttft >= t["prompt_ms"].as_f64().unwrap() && per > 0.0, "{t}");
+    let (load, ttft, per) = (
+        t["load_ms"].as_f64().unwrap(),
+        t["time_to_first_token_ms"].as_f64().unwrap(),
+        t["ms_per_token"].as_f64().unwrap(),
+    );
+    assert!(
+        load > 0.0 && ttft >= t["prompt_ms"].as_f64().unwrap() && per > 0.0,
+        "{t}"
+    );
     let decode_ms = t["decode_ms"].as_f64().unwrap();
-    assert!((per * t["decode_steps"].as_f64().unwrap() - decode_ms).abs() < 1e-6 * decode_ms.max(1.0), "{t}");
+    assert!(
+        (per * t["decode_steps"].as_f64().unwrap() - decode_ms).abs() < 1e-6 * decode_ms.max(1.0),
+        "{t}"
+    );
     assert_eq!(v["backend"], "cpu");
 }
 
 #[test]
 fn run_streams_text_and_summarises_speed() {
-    let Some(model) = smollm2_or_skip("run_streams_text_and_summarises_speed") else { return };
-    let out = kiln(&["run", "Water boils at", "-n", "8", "-m", model.to_str().unwrap()]);
+    let Some(model) = smollm2_or_skip("run_streams_text_and_summarises_speed") else {
+        return;
+    };
+    let out = kiln(&[
+        "run",
+        "Water boils at",
+        "-n",
+        "8",
+        "-m",
+        model.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).starts_with("Water boils at 100"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).starts_with("Water boils at 100"),
+        "{}",
+        stdout(&out)
+    );
     assert!(stderr(&out).contains("tok/s"), "{}", stderr(&out));
 }
 
 #[test]
 fn chat_template_and_stop_on_end_of_turn() {
-    let Some(model) = smollm2_or_skip("chat_template_and_stop_on_end_of_turn") else { return };
-    let out = kiln(&["run", "What is 2+2?", "--chat", "-n", "64", "--format", "json", "-m", model.to_str().unwrap()]);
+    let Some(model) = smollm2_or_skip("chat_template_and_stop_on_end_of_turn") else {
+        return;
+    };
+    let out = kiln(&[
+        "run",
+        "What is 2+2?",
+        "--chat",
+        "-n",
+        "64",
+        "--format",
+        "json",
+        "-m",
+        model.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
-    assert_eq!(v["finish_reason"], "stop", "the reply ends with <|im_end|>: {v}");
+    assert_eq!(
+        v["finish_reason"], "stop",
+        "the reply ends with <|im_end|>: {v}"
+    );
     assert!(v["text"].as_str().unwrap().contains('4'), "{v}");
     assert!(!v["text"].as_str().unwrap().contains("<|im_end|>"));
 }
 
 #[test]
 fn stop_strings_cut_the_output() {
-    let Some(model) = smollm2_or_skip("stop_strings_cut_the_output") else { return };
-    let out = kiln(&["run", "The capital of France is", "-n", "24", "--stop", ".", "--format", "json", "-m", model.to_str().unwrap()]);
+    let Some(model) = smollm2_or_skip("stop_strings_cut_the_output") else {
+        return;
+    };
+    let out = kiln(&[
+        "run",
+        "The capital of France is",
+        "-n",
+        "24",
+        "--stop",
+        ".",
+        "--format",
+        "json",
+        "-m",
+        model.to_str().unwrap(),
+    ]);
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
     assert_eq!(v["text"], " Paris");
     assert_eq!(v["finish_reason"], "stop");
@@ -67,7 +138,9 @@ fn stop_strings_cut_the_output() {
 
 #[test]
 fn inspect_backends_and_tokenize() {
-    let Some(model) = smollm2_or_skip("inspect_backends_and_tokenize") else { return };
+    let Some(model) = smollm2_or_skip("inspect_backends_and_tokenize") else {
+        return;
+    };
     let model = model.to_str().unwrap();
     let out = kiln(&["inspect", model]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -80,11 +153,18 @@ fn inspect_backends_and_tokenize() {
 
     let out = kiln(&["backends", "-m", model]);
     assert!(out.status.success());
-    assert!(stdout(&out).contains("cpu would run it"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("cpu would run it"),
+        "{}",
+        stdout(&out)
+    );
 
     let out = kiln(&["tokenize", model, "x =  5<|im_end|>"]);
     let s = stdout(&out);
-    assert!(s.contains("    256 ") && s.contains("\"<|im_end|>\""), "{s}");
+    assert!(
+        s.contains("    256 ") && s.contains("\"<|im_end|>\""),
+        "{s}"
+    );
 }
 
 #[test]
@@ -100,7 +180,11 @@ fn bad_files_give_clear_errors() {
     std::fs::write(&garbage, b"this is not a model at all").unwrap();
     let out = kiln(&["inspect", garbage.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    assert!(stderr(&out).contains("kiln: error: invalid model file"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("kiln: error: invalid model file"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!stderr(&out).contains("panicked"));
 
     if let Some(model) = kiln_tests::smollm2_path() {
@@ -110,8 +194,19 @@ fn bad_files_give_clear_errors() {
         let out = kiln(&["run", "hi", "-n", "2", "-m", truncated.to_str().unwrap()]);
         assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
         assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
-        let out = kiln(&["run", "hi", "--backend", "no-such-backend", "-m", model.to_str().unwrap()]);
-        assert!(stderr(&out).contains("no backend named 'no-such-backend'"), "{}", stderr(&out));
+        let out = kiln(&[
+            "run",
+            "hi",
+            "--backend",
+            "no-such-backend",
+            "-m",
+            model.to_str().unwrap(),
+        ]);
+        assert!(
+            stderr(&out).contains("no backend named 'no-such-backend'"),
+            "{}",
+            stderr(&out)
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -120,7 +215,9 @@ fn bad_files_give_clear_errors() {
 /// refused with the setting named, before any work.
 #[test]
 fn zero_tokens_and_out_of_range_sampling() {
-    let Some(model) = smollm2_or_skip("zero_tokens_and_out_of_range_sampling") else { return };
+    let Some(model) = smollm2_or_skip("zero_tokens_and_out_of_range_sampling") else {
+        return;
+    };
     let model = model.to_str().unwrap();
     let out = kiln(&["run", "Hello", "-n", "0", "--format", "json", "-m", model]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -137,15 +234,30 @@ fn zero_tokens_and_out_of_range_sampling() {
         let arg = format!("{flag}={value}");
         let out = kiln(&["run", "Hello", "-n", "4", &arg, "-m", model]);
         assert!(!out.status.success(), "{flag} {value} was accepted");
-        assert!(stderr(&out).contains(name), "{flag} {value}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(name),
+            "{flag} {value}: {}",
+            stderr(&out)
+        );
     }
 }
 
 /// A context beyond the model's trained length is refused with both numbers.
 #[test]
 fn context_beyond_the_model_is_refused() {
-    let Some(model) = smollm2_or_skip("context_beyond_the_model_is_refused") else { return };
-    let out = kiln(&["run", "Hello", "-n", "2", "-c", "4294967295", "-m", model.to_str().unwrap()]);
+    let Some(model) = smollm2_or_skip("context_beyond_the_model_is_refused") else {
+        return;
+    };
+    let out = kiln(&[
+        "run",
+        "Hello",
+        "-n",
+        "2",
+        "-c",
+        "4294967295",
+        "-m",
+        model.to_str().unwrap(),
+    ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("8192"), "{}", stderr(&out));
 }
@@ -154,29 +266,96 @@ fn context_beyond_the_model_is_refused() {
 /// GPU), draws one token and says it is ready.
 #[test]
 fn warmup_loads_and_says_ready() {
-    let Some(model) = smollm2_or_skip("warmup_loads_and_says_ready") else { return };
+    let Some(model) = smollm2_or_skip("warmup_loads_and_says_ready") else {
+        return;
+    };
     let out = kiln(&["warmup", "-m", model.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("kiln: ready on cpu: loaded in"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("kiln: ready on cpu: loaded in"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
 fn bench_at_a_depth_of_context_names_its_tests_like_llama_bench() {
-    let Some(model) = smollm2_or_skip("bench_at_a_depth_of_context_names_its_tests_like_llama_bench") else { return };
-    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", "200", "-o", "json"]);
+    let Some(model) =
+        smollm2_or_skip("bench_at_a_depth_of_context_names_its_tests_like_llama_bench")
+    else {
+        return;
+    };
+    let out = kiln(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-d",
+        "200",
+        "-o",
+        "json",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
-    let tests: Vec<&str> = v["results"].as_array().unwrap().iter().map(|r| r["test"].as_str().unwrap()).collect();
+    let tests: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["test"].as_str().unwrap())
+        .collect();
     assert_eq!(tests, ["pp16 @ d200", "tg4 @ d200"], "{v}");
     for r in v["results"].as_array().unwrap() {
         assert!(r["mean_tps"].as_f64().unwrap() > 0.0, "{r}");
     }
     // The context is sized to fit the depth: 200 + 16 > the 128 an explicit -c allows.
-    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", "200", "-c", "128"]);
-    assert!(!out.status.success(), "a depth past the context must fail: {}", stdout(&out));
-    assert!(stderr(&out).contains("exceed the context of 128"), "{}", stderr(&out));
+    let out = kiln(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-d",
+        "200",
+        "-c",
+        "128",
+    ]);
+    assert!(
+        !out.status.success(),
+        "a depth past the context must fail: {}",
+        stdout(&out)
+    );
+    assert!(
+        stderr(&out).contains("exceed the context of 128"),
+        "{}",
+        stderr(&out)
+    );
     // A depth near usize::MAX is refused as the context it asks for, not wrapped around.
-    let out = kiln(&["bench", "-m", model.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "1", "-d", &usize::MAX.to_string()]);
+    let out = kiln(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-d",
+        &usize::MAX.to_string(),
+    ]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains(&format!("a context of {} tokens exceeds", usize::MAX)), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("a context of {} tokens exceeds", usize::MAX)),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -16,7 +16,9 @@ use kiln_tests::{skip, smollm2_path};
 fn conformance_of(name: &str) -> Option<Report> {
     kiln::link_builtin_backends();
     let registry = Registry::with_builtins();
-    let backend = registry.get(name).unwrap_or_else(|| panic!("{name} is linked in"));
+    let backend = registry
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} is linked in"));
     if let Err(why) = backend.probe() {
         if std::env::var_os("KILN_REQUIRE_GPU").is_some() {
             panic!("KILN_REQUIRE_GPU is set but {name} is unavailable: {why}");
@@ -24,21 +26,39 @@ fn conformance_of(name: &str) -> Option<Report> {
         skip(&format!("conformance of {name}"), &why);
         return None;
     }
-    let real_model = smollm2_path().map(|p| kiln::conformance::real_model_from(&p).expect("the real model opens"));
+    let real_model = smollm2_path()
+        .map(|p| kiln::conformance::real_model_from(&p).expect("the real model opens"));
     if real_model.is_none() {
-        skip(&format!("conformance of {name} on SmolLM2"), "model not found; synthetic models only");
+        skip(
+            &format!("conformance of {name} on SmolLM2"),
+            "model not found; synthetic models only",
+        );
     }
-    let report = run(backend.as_ref(), &Options { real_model, ..Options::default() });
+    let report = run(
+        backend.as_ref(),
+        &Options {
+            real_model,
+            ..Options::default()
+        },
+    );
     println!("{report}");
     Some(report)
 }
 
 fn assert_passes(report: &Report) {
-    assert!(report.passed(), "{} fails conformance: {:?}\n{report}", report.backend, report.failed_rules());
+    assert!(
+        report.passed(),
+        "{} fails conformance: {:?}\n{report}",
+        report.backend,
+        report.failed_rules()
+    );
     // Every contract rule was judged on at least one model (nothing passed by skipping).
     for rule in RULES {
         assert!(
-            report.findings.iter().any(|f| f.rule == rule.name && f.outcome == Outcome::Pass),
+            report
+                .findings
+                .iter()
+                .any(|f| f.rule == rule.name && f.outcome == Outcome::Pass),
             "{}: rule {} never passed\n{report}",
             report.backend,
             rule.name
@@ -73,7 +93,15 @@ fn every_rule_has_a_unique_name_and_is_documented() {
     // Embedded at build time: this binary also runs on the GPU machine, without the tree.
     let doc = include_str!("../../docs/plugins.md");
     for (i, rule) in RULES.iter().enumerate() {
-        assert!(RULES[..i].iter().all(|r| r.name != rule.name), "{} twice", rule.name);
-        assert!(doc.contains(&format!("`{}`", rule.name)), "docs/plugins.md does not describe {}", rule.name);
+        assert!(
+            RULES[..i].iter().all(|r| r.name != rule.name),
+            "{} twice",
+            rule.name
+        );
+        assert!(
+            doc.contains(&format!("`{}`", rule.name)),
+            "docs/plugins.md does not describe {}",
+            rule.name
+        );
     }
 }

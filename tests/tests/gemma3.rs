@@ -34,21 +34,40 @@ struct Reference {
 /// below `tie_gap`.
 fn check_against(path: &std::path::Path, file: &str, who: &str, min_cosine: f64, tie_gap: f32) {
     let lines = std::fs::read_to_string(fixture(file)).unwrap();
-    let references: Vec<Reference> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert!(references.iter().any(|r| r.prompt.len() > 512), "the fixture has a prompt past the window");
+    let references: Vec<Reference> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        references.iter().any(|r| r.prompt.len() > 512),
+        "the fixture has a prompt past the window"
+    );
 
     let model = Model::open(path).unwrap();
     assert_eq!(model.ir.config.arch.name(), "gemma3");
     kiln::link_builtin_backends();
-    let backend = Registry::with_builtins().get("cpu").expect("cpu backend registered");
-    let mut exec = backend.load(&model.ir, &LoadOptions { max_context: 1024, ..Default::default() }).unwrap();
+    let backend = Registry::with_builtins()
+        .get("cpu")
+        .expect("cpu backend registered");
+    let mut exec = backend
+        .load(
+            &model.ir,
+            &LoadOptions {
+                max_context: 1024,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     let vocab = model.ir.config.vocab_size;
 
     for (i, r) in references.iter().enumerate() {
         let seq = exec.new_sequence().unwrap();
         let mut logits = vec![f32::NAN; vocab];
         exec.prefill(seq, &r.prompt, &mut logits).unwrap();
-        assert!(logits.iter().all(|l| l.is_finite()), "prompt {i}: non-finite logits");
+        assert!(
+            logits.iter().all(|l| l.is_finite()),
+            "prompt {i}: non-finite logits"
+        );
         let ours: Vec<f32> = r.probe.iter().map(|&(id, _)| logits[id as usize]).collect();
         let theirs: Vec<f32> = r.probe.iter().map(|&(_, l)| l).collect();
         let cos = cosine(&ours, &theirs);
@@ -58,7 +77,10 @@ fn check_against(path: &std::path::Path, file: &str, who: &str, min_cosine: f64,
             1.0 - cos,
             r.probe.len()
         );
-        assert!(cos >= min_cosine, "{who}, prompt {i}: cosine {cos} < {min_cosine}");
+        assert!(
+            cos >= min_cosine,
+            "{who}, prompt {i}: cosine {cos} < {min_cosine}"
+        );
 
         let mut token = argmax(&logits);
         let mut agreed = 0;
@@ -69,18 +91,30 @@ fn check_against(path: &std::path::Path, file: &str, who: &str, min_cosine: f64,
                 break;
             }
             agreed += 1;
-            exec.decode(&[DecodeItem { seq, token }], &mut logits).unwrap();
+            exec.decode(&[DecodeItem { seq, token }], &mut logits)
+                .unwrap();
             token = argmax(&logits);
         }
-        println!("{who}, prompt {i}: {agreed} of {} greedy tokens equal", r.greedy.len());
+        println!(
+            "{who}, prompt {i}: {agreed} of {} greedy tokens equal",
+            r.greedy.len()
+        );
         exec.free_sequence(seq).unwrap();
     }
 }
 
 #[test]
 fn cpu_matches_llamacpp_on_gemma3_270m() {
-    let Some(path) = gemma3_or_skip("cpu_matches_llamacpp_on_gemma3_270m") else { return };
-    check_against(&path, "gemma3/llamacpp_greedy.jsonl", "llama.cpp", MIN_COSINE_LLAMACPP, 0.05);
+    let Some(path) = gemma3_or_skip("cpu_matches_llamacpp_on_gemma3_270m") else {
+        return;
+    };
+    check_against(
+        &path,
+        "gemma3/llamacpp_greedy.jsonl",
+        "llama.cpp",
+        MIN_COSINE_LLAMACPP,
+        0.05,
+    );
 }
 
 /// The bar: HuggingFace transformers in float32 on the same file (fixture and its
@@ -88,11 +122,25 @@ fn cpu_matches_llamacpp_on_gemma3_270m() {
 /// except at near-ties (gap < 0.01).
 #[test]
 fn cpu_matches_transformers_on_gemma3_270m() {
-    let Some(path) = gemma3_or_skip("cpu_matches_transformers_on_gemma3_270m") else { return };
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("gemma3/hf_greedy.meta.json")).unwrap()).unwrap();
-    assert_eq!(meta["model_sha256"], kiln::fetch::GEMMA3_270M.sha256, "fixture made from another file");
-    check_against(&path, "gemma3/hf_greedy.jsonl", "transformers", 0.9999, 0.01);
+    let Some(path) = gemma3_or_skip("cpu_matches_transformers_on_gemma3_270m") else {
+        return;
+    };
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("gemma3/hf_greedy.meta.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        meta["model_sha256"],
+        kiln::fetch::GEMMA3_270M.sha256,
+        "fixture made from another file"
+    );
+    check_against(
+        &path,
+        "gemma3/hf_greedy.jsonl",
+        "transformers",
+        0.9999,
+        0.01,
+    );
 }
 
 #[derive(Deserialize)]
@@ -107,11 +155,16 @@ struct Tokenized {
 /// the text back.
 #[test]
 fn tokenizer_matches_llamacpp_on_gemma3_270m() {
-    let Some(path) = gemma3_or_skip("tokenizer_matches_llamacpp_on_gemma3_270m") else { return };
+    let Some(path) = gemma3_or_skip("tokenizer_matches_llamacpp_on_gemma3_270m") else {
+        return;
+    };
     let model = Model::open(&path).unwrap();
     let tok = &model.tokenizer;
     let lines = std::fs::read_to_string(fixture("gemma3/tokenizer_llamacpp.jsonl")).unwrap();
-    let cases: Vec<Tokenized> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let cases: Vec<Tokenized> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(cases.len(), 40);
     let mut wrong = Vec::new();
     for c in &cases {
@@ -122,12 +175,20 @@ fn tokenizer_matches_llamacpp_on_gemma3_270m() {
         let text = tok.decode(&ids[1..], true);
         assert_eq!(text, c.text, "decoding {:?}", c.ids);
     }
-    assert!(wrong.is_empty(), "{} of 40 strings tokenised differently:\n{}", wrong.len(), wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "{} of 40 strings tokenised differently:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
 
     // transformers' tokenizer for the file parses special tokens in text (the chat markers
     // of the 38th string); kiln does when asked to.
     let lines = std::fs::read_to_string(fixture("gemma3/tokenizer_hf.jsonl")).unwrap();
-    let cases: Vec<Tokenized> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let cases: Vec<Tokenized> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(cases.len(), 40);
     let wrong: Vec<String> = cases
         .iter()
@@ -136,19 +197,35 @@ fn tokenizer_matches_llamacpp_on_gemma3_270m() {
             (ids != c.ids).then(|| format!("{:?}: kiln {ids:?}, transformers {:?}", c.text, c.ids))
         })
         .collect();
-    assert!(wrong.is_empty(), "{} of 40 strings tokenised differently:\n{}", wrong.len(), wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "{} of 40 strings tokenised differently:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
 }
 
 /// `kiln inspect` reports the KV cache the windowed layers save: 15 of 18 layers keep a ring
 /// of 575 rows, 219 MB per sequence at the 32K context instead of 1.2 GB.
 #[test]
 fn inspect_reports_the_windowed_kv_cache() {
-    let Some(path) = gemma3_or_skip("inspect_reports_the_windowed_kv_cache") else { return };
-    let out = std::process::Command::new(kiln_tests::kiln_binary()).arg("inspect").arg(&path).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let Some(path) = gemma3_or_skip("inspect_reports_the_windowed_kv_cache") else {
+        return;
+    };
+    let out = std::process::Command::new(kiln_tests::kiln_binary())
+        .arg("inspect")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
-        s.contains("kv cache:     219.0 MB per sequence") && s.contains("15 of 18 layers attend over 512 positions and keep 575 rows"),
+        s.contains("kv cache:     219.0 MB per sequence")
+            && s.contains("15 of 18 layers attend over 512 positions and keep 575 rows"),
         "{s}"
     );
 }

@@ -34,7 +34,9 @@ const STEPS: usize = 64;
 fn backends_for(gpu: &str) -> Option<(Arc<dyn Backend>, Arc<dyn Backend>)> {
     kiln::link_builtin_backends();
     let registry = kiln_core::Registry::with_builtins();
-    let cuda = registry.get(gpu).unwrap_or_else(|| panic!("{gpu} is linked in"));
+    let cuda = registry
+        .get(gpu)
+        .unwrap_or_else(|| panic!("{gpu} is linked in"));
     if let Err(why) = cuda.probe() {
         if std::env::var_os("KILN_REQUIRE_GPU").is_some() {
             panic!("KILN_REQUIRE_GPU is set but {gpu} is unavailable: {why}");
@@ -57,8 +59,14 @@ struct Bar {
     tie_gap: f32,
 }
 
-const Q4K_BAR: Bar = Bar { min_cosine: 0.999, tie_gap: 0.05 };
-const Q4_0_BAR: Bar = Bar { min_cosine: 0.99999, tie_gap: 1e-3 };
+const Q4K_BAR: Bar = Bar {
+    min_cosine: 0.999,
+    tie_gap: 0.05,
+};
+const Q4_0_BAR: Bar = Bar {
+    min_cosine: 0.99999,
+    tie_gap: 1e-3,
+};
 
 fn scratch_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-gpu-parity-{}", std::process::id()));
@@ -74,8 +82,22 @@ struct Outcome {
 
 /// Runs the prompt and `STEPS` teacher-forced decode steps on both backends and measures
 /// the agreement; asserts the bars when `strict`.
-fn compare(path: &Path, prompt_text: &str, check_tokens: bool, quantized: bool, strict: bool) -> Outcome {
-    compare_on("cuda-q4k", Q4K_BAR, path, prompt_text, check_tokens, quantized, strict)
+fn compare(
+    path: &Path,
+    prompt_text: &str,
+    check_tokens: bool,
+    quantized: bool,
+    strict: bool,
+) -> Outcome {
+    compare_on(
+        "cuda-q4k",
+        Q4K_BAR,
+        path,
+        prompt_text,
+        check_tokens,
+        quantized,
+        strict,
+    )
 }
 
 fn compare_on(
@@ -88,9 +110,24 @@ fn compare_on(
     strict: bool,
 ) -> Outcome {
     let model = Model::open(path).unwrap();
-    let prompt = model.tokenizer.encode(prompt_text, model.tokenizer.add_bos_default(), false).unwrap();
-    let check = Check { bar, steps: STEPS, check_tokens, quantized, strict };
-    compare_tokens_on(gpu_name, &model, &path.file_name().unwrap().to_string_lossy(), &prompt, check)
+    let prompt = model
+        .tokenizer
+        .encode(prompt_text, model.tokenizer.add_bos_default(), false)
+        .unwrap();
+    let check = Check {
+        bar,
+        steps: STEPS,
+        check_tokens,
+        quantized,
+        strict,
+    };
+    compare_tokens_on(
+        gpu_name,
+        &model,
+        &path.file_name().unwrap().to_string_lossy(),
+        &prompt,
+        check,
+    )
 }
 
 /// How [`compare_tokens_on`] compares.
@@ -107,12 +144,30 @@ struct Check {
 
 /// `prompt` through both backends' prefill, then `check.steps` teacher-forced decode steps
 /// (the CPU's greedy token fed to both), every step's logits compared.
-fn compare_tokens_on(gpu_name: &str, model: &Model, name: &str, prompt: &[u32], check: Check) -> Outcome {
+fn compare_tokens_on(
+    gpu_name: &str,
+    model: &Model,
+    name: &str,
+    prompt: &[u32],
+    check: Check,
+) -> Outcome {
     let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
-    let Check { bar, steps, check_tokens, quantized, strict } = check;
-    let options = LoadOptions { max_context: (prompt.len() + steps + 1).max(512), ..Default::default() };
+    let Check {
+        bar,
+        steps,
+        check_tokens,
+        quantized,
+        strict,
+    } = check;
+    let options = LoadOptions {
+        max_context: (prompt.len() + steps + 1).max(512),
+        ..Default::default()
+    };
     let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
-    let gpu_options = LoadOptions { quantized_activations: quantized, ..options };
+    let gpu_options = LoadOptions {
+        quantized_activations: quantized,
+        ..options
+    };
     let mut gpu = cuda_backend.load(&model.ir, &gpu_options).unwrap();
     let vocab = model.ir.config.vocab_size;
     let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
@@ -120,12 +175,23 @@ fn compare_tokens_on(gpu_name: &str, model: &Model, name: &str, prompt: &[u32], 
     cpu.prefill(sc, prompt, &mut lc).unwrap();
     gpu.prefill(sg, prompt, &mut lg).unwrap();
 
-    let mut outcome = Outcome { min_cosine: 1.0, token_mismatches: 0, allowed_mismatches: 0 };
+    let mut outcome = Outcome {
+        min_cosine: 1.0,
+        token_mismatches: 0,
+        allowed_mismatches: 0,
+    };
     for step in 0..=steps {
-        assert!(lg.iter().all(|l| l.is_finite()), "{name}: step {step}: non-finite GPU logits");
+        assert!(
+            lg.iter().all(|l| l.is_finite()),
+            "{name}: step {step}: non-finite GPU logits"
+        );
         let cos = cosine(&lc, &lg);
         outcome.min_cosine = outcome.min_cosine.min(cos);
-        assert!(!strict || cos >= bar.min_cosine, "{name} on {gpu_name}: step {step}: cosine {cos} < {}", bar.min_cosine);
+        assert!(
+            !strict || cos >= bar.min_cosine,
+            "{name} on {gpu_name}: step {step}: cosine {cos} < {}",
+            bar.min_cosine
+        );
         let (tc, tg) = (argmax(&lc), argmax(&lg));
         if tc != tg {
             outcome.token_mismatches += 1;
@@ -143,8 +209,10 @@ fn compare_tokens_on(gpu_name: &str, model: &Model, name: &str, prompt: &[u32], 
             break;
         }
         lg.fill(f32::NAN);
-        cpu.decode(&[DecodeItem { seq: sc, token: tc }], &mut lc).unwrap();
-        gpu.decode(&[DecodeItem { seq: sg, token: tc }], &mut lg).unwrap();
+        cpu.decode(&[DecodeItem { seq: sc, token: tc }], &mut lc)
+            .unwrap();
+        gpu.decode(&[DecodeItem { seq: sg, token: tc }], &mut lg)
+            .unwrap();
     }
     println!(
         "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {steps} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
@@ -163,7 +231,16 @@ fn synth_parity(preset: Preset, name: &str) {
     }
     let dir = scratch_dir();
     let path = dir.join(format!("{name}.q4_k_m.gguf"));
-    synth_file(&path, SynthOptions { preset, recipe: Recipe::Q4_K_M, seed: 1 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset,
+            recipe: Recipe::Q4_K_M,
+            seed: 1,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let prompt = "The quick brown fox jumps over the lazy dog";
     compare(&path, prompt, false, false, true);
     compare(&path, prompt, false, true, false);
@@ -202,13 +279,32 @@ fn long_prompts_match_cpu() {
     let lengths: Vec<usize> = std::env::var("KILN_LONG_PROMPTS")
         .unwrap_or_else(|_| "1000,4096".into())
         .split(',')
-        .map(|v| v.trim().parse().expect("KILN_LONG_PROMPTS: comma-separated token counts"))
+        .map(|v| {
+            v.trim()
+                .parse()
+                .expect("KILN_LONG_PROMPTS: comma-separated token counts")
+        })
         .collect();
     let dir = scratch_dir();
-    let bar = Bar { min_cosine: 0.99999, tie_gap: Q4K_BAR.tie_gap };
-    for (preset, name) in [(Preset::Qwen25_0_5b, "qwen2.5-0.5b"), (Preset::Llama32_1b, "llama3.2-1b")] {
+    let bar = Bar {
+        min_cosine: 0.99999,
+        tie_gap: Q4K_BAR.tie_gap,
+    };
+    for (preset, name) in [
+        (Preset::Qwen25_0_5b, "qwen2.5-0.5b"),
+        (Preset::Llama32_1b, "llama3.2-1b"),
+    ] {
         let path = dir.join(format!("{name}.q4_k_m.gguf"));
-        synth_file(&path, SynthOptions { preset, recipe: Recipe::Q4_K_M, seed: 1 }, &no_progress).unwrap();
+        synth_file(
+            &path,
+            SynthOptions {
+                preset,
+                recipe: Recipe::Q4_K_M,
+                seed: 1,
+            },
+            &no_progress,
+        )
+        .unwrap();
         let model = Model::open(&path).unwrap();
         let vocab = model.ir.config.vocab_size as u64;
         let seed = kiln_core::testdata::fresh_seed();
@@ -216,8 +312,20 @@ fn long_prompts_match_cpu() {
         let mut rng = kiln_core::Rng::new(seed);
         for &n in &lengths {
             let prompt: Vec<u32> = (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect();
-            let check = Check { bar, steps: 32, check_tokens: true, quantized: false, strict: true };
-            compare_tokens_on("cuda-q4k", &model, &format!("{name} q4_k_m, {n}-token prompt"), &prompt, check);
+            let check = Check {
+                bar,
+                steps: 32,
+                check_tokens: true,
+                quantized: false,
+                strict: true,
+            };
+            compare_tokens_on(
+                "cuda-q4k",
+                &model,
+                &format!("{name} q4_k_m, {n}-token prompt"),
+                &prompt,
+                check,
+            );
         }
         std::fs::remove_file(&path).ok();
     }
@@ -231,13 +339,30 @@ fn real_smollm2_q4_k_m_matches_cpu() {
         return;
     }
     let Some(source) = kiln_tests::smollm2_or_skip("real_smollm2_q4_k_m_matches_cpu") else {
-        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "the GPU suite needs the real model (KILN_TEST_MODEL)"
+        );
         return;
     };
     let dir = scratch_dir();
     let path = dir.join("SmolLM2-135M-Instruct.q4_k_m.gguf");
-    quantize_file(&source, &path, QuantizeOptions { recipe: Recipe::Q4_K_M, measure_error: false }, &no_progress).unwrap();
-    for prompt in ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"] {
+    quantize_file(
+        &source,
+        &path,
+        QuantizeOptions {
+            recipe: Recipe::Q4_K_M,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    for prompt in [
+        "The capital of France is",
+        "Water boils at",
+        "def fibonacci(n):",
+        "Once upon a time",
+    ] {
         compare(&path, prompt, true, false, true);
         compare(&path, prompt, true, true, false);
     }
@@ -252,7 +377,16 @@ fn synth_parity_q4_0(preset: Preset, name: &str) {
     }
     let dir = scratch_dir();
     let path = dir.join(format!("{name}.q4_0.gguf"));
-    synth_file(&path, SynthOptions { preset, recipe: Recipe::Q4_0, seed: 1 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset,
+            recipe: Recipe::Q4_0,
+            seed: 1,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let prompt = "The quick brown fox jumps over the lazy dog";
     compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, false, true);
     compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, true, false);
@@ -284,13 +418,30 @@ fn q4_0_real_smollm2_matches_cpu() {
         return;
     }
     let Some(source) = kiln_tests::smollm2_or_skip("q4_0_real_smollm2_matches_cpu") else {
-        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "the GPU suite needs the real model (KILN_TEST_MODEL)"
+        );
         return;
     };
     let dir = scratch_dir();
     let path = dir.join("SmolLM2-135M-Instruct.q4_0.gguf");
-    quantize_file(&source, &path, QuantizeOptions { recipe: Recipe::Q4_0, measure_error: false }, &no_progress).unwrap();
-    for prompt in ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"] {
+    quantize_file(
+        &source,
+        &path,
+        QuantizeOptions {
+            recipe: Recipe::Q4_0,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    for prompt in [
+        "The capital of France is",
+        "Water boils at",
+        "def fibonacci(n):",
+        "Once upon a time",
+    ] {
         compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, false, true);
         compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, true, false);
     }
@@ -308,7 +459,8 @@ fn greedy(exec: &mut dyn kiln_core::LayerExecutor, prompt: &[u32], steps: usize)
         let t = argmax(&logits);
         out.push(t);
         logits.fill(f32::NAN);
-        exec.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+        exec.decode(&[DecodeItem { seq, token: t }], &mut logits)
+            .unwrap();
     }
     exec.free_sequence(seq).unwrap();
     out
@@ -321,14 +473,37 @@ fn greedy(exec: &mut dyn kiln_core::LayerExecutor, prompt: &[u32], steps: usize)
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn two_executors_decode_at_once_without_seeing_each_other() {
-    let Some((_, q4_0)) = backends_for("cuda-q4_0") else { return };
+    let Some((_, q4_0)) = backends_for("cuda-q4_0") else {
+        return;
+    };
     let (_, q4k) = backends_for("cuda-q4k").expect("same device");
     let dir = scratch_dir();
     let (a, b) = (dir.join("a.q4_0.gguf"), dir.join("b.q4_k_m.gguf"));
-    synth_file(&a, SynthOptions { preset: Preset::Qwen25_0_5b, recipe: Recipe::Q4_0, seed: 3 }, &no_progress).unwrap();
-    synth_file(&b, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q4_K_M, seed: 4 }, &no_progress).unwrap();
+    synth_file(
+        &a,
+        SynthOptions {
+            preset: Preset::Qwen25_0_5b,
+            recipe: Recipe::Q4_0,
+            seed: 3,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    synth_file(
+        &b,
+        SynthOptions {
+            preset: Preset::SmolLm2_135m,
+            recipe: Recipe::Q4_K_M,
+            seed: 4,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let (ma, mb) = (Model::open(&a).unwrap(), Model::open(&b).unwrap());
-    let options = LoadOptions { max_context: 512, ..Default::default() };
+    let options = LoadOptions {
+        max_context: 512,
+        ..Default::default()
+    };
     let mut ea = q4_0.load(&ma.ir, &options).unwrap();
     let mut eb = q4k.load(&mb.ir, &options).unwrap();
     let prompt = [1u32, 17, 400, 9, 3000, 25];
@@ -341,10 +516,18 @@ fn two_executors_decode_at_once_without_seeing_each_other() {
             let tb = s.spawn(|| greedy(eb.as_mut(), &prompt, steps));
             (ta.join().unwrap(), tb.join().unwrap())
         });
-        assert_eq!(together_a, alone_a, "round {round}: cuda-q4_0 changed when run beside cuda-q4k");
-        assert_eq!(together_b, alone_b, "round {round}: cuda-q4k changed when run beside cuda-q4_0");
+        assert_eq!(
+            together_a, alone_a,
+            "round {round}: cuda-q4_0 changed when run beside cuda-q4k"
+        );
+        assert_eq!(
+            together_b, alone_b,
+            "round {round}: cuda-q4k changed when run beside cuda-q4_0"
+        );
     }
-    println!("two executors, two threads: {steps} greedy steps each, 3 rounds, identical to each alone");
+    println!(
+        "two executors, two threads: {steps} greedy steps each, 3 rounds, identical to each alone"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -361,21 +544,50 @@ fn apr_models_on_both_gpu_executors() {
         return;
     }
     let Some(source) = kiln_tests::smollm2_or_skip("apr_models_on_both_gpu_executors") else {
-        assert!(std::env::var_os("KILN_REQUIRE_GPU").is_none(), "the GPU suite needs the real model (KILN_TEST_MODEL)");
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "the GPU suite needs the real model (KILN_TEST_MODEL)"
+        );
         return;
     };
     let dir = scratch_dir();
     let original = Model::open(&source).unwrap();
     let tmpl = original.chat_template_source().map(str::to_string);
-    let (apr, back, int4) = (dir.join("s.apr"), dir.join("s.back.gguf"), dir.join("s.int4.apr"));
-    write_model_apr(&original.ir, &original.tokenizer_spec, tmpl.as_deref(), &apr, Compression::Zstd, AprQuantize::Keep, &no_progress).unwrap();
+    let (apr, back, int4) = (
+        dir.join("s.apr"),
+        dir.join("s.back.gguf"),
+        dir.join("s.int4.apr"),
+    );
+    write_model_apr(
+        &original.ir,
+        &original.tokenizer_spec,
+        tmpl.as_deref(),
+        &apr,
+        Compression::Zstd,
+        AprQuantize::Keep,
+        &no_progress,
+    )
+    .unwrap();
     let apr_model = Model::open(&apr).unwrap();
-    write_model_gguf(&apr_model.ir, &apr_model.tokenizer_spec, tmpl.as_deref(), &back, &no_progress).unwrap();
+    write_model_gguf(
+        &apr_model.ir,
+        &apr_model.tokenizer_spec,
+        tmpl.as_deref(),
+        &back,
+        &no_progress,
+    )
+    .unwrap();
     let back_model = Model::open(&back).unwrap();
-    let prompt = original.tokenizer.encode("The capital of France is", false, false).unwrap();
+    let prompt = original
+        .tokenizer
+        .encode("The capital of France is", false, false)
+        .unwrap();
     for name in ["cuda-q4k", "cuda-q4_0"] {
         let (_, gpu) = backends_for(name).expect("checked");
-        let options = LoadOptions { max_context: 256, ..Default::default() };
+        let options = LoadOptions {
+            max_context: 256,
+            ..Default::default()
+        };
         let run = |m: &Model| {
             let mut ex = gpu.load(&m.ir, &options).unwrap();
             let vocab = m.ir.config.vocab_size;
@@ -385,22 +597,45 @@ fn apr_models_on_both_gpu_executors() {
             let mut all = vec![logits.clone()];
             for _ in 0..16 {
                 let t = argmax(&logits);
-                ex.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+                ex.decode(&[DecodeItem { seq, token: t }], &mut logits)
+                    .unwrap();
                 all.push(logits.clone());
             }
             all
         };
         let (a, b) = (run(&apr_model), run(&back_model));
-        let worst = a.iter().zip(&b).map(|(x, y)| cosine(x, y)).fold(1.0, f64::min);
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| cosine(x, y))
+            .fold(1.0, f64::min);
         let same = a.iter().zip(&b).all(|(x, y)| argmax(x) == argmax(y));
         println!("APR (zstd) vs its GGUF on {name}: 17 steps, worst cosine {worst:.9}, same greedy tokens {same}");
-        assert!(worst >= 1.0 - 1e-6 && same, "{name}: APR and GGUF differ (cosine {worst})");
+        assert!(
+            worst >= 1.0 - 1e-6 && same,
+            "{name}: APR and GGUF differ (cosine {worst})"
+        );
     }
-    write_model_apr(&original.ir, &original.tokenizer_spec, tmpl.as_deref(), &int4, Compression::None, AprQuantize::Int4, &no_progress).unwrap();
+    write_model_apr(
+        &original.ir,
+        &original.tokenizer_spec,
+        tmpl.as_deref(),
+        &int4,
+        Compression::None,
+        AprQuantize::Int4,
+        &no_progress,
+    )
+    .unwrap();
     let int4_model = Model::open(&int4).unwrap();
     kiln::link_builtin_backends();
-    let (chosen, _) = kiln_core::Registry::with_builtins().select(&int4_model.ir, None).unwrap();
-    assert_eq!(chosen.name(), "cuda-q4_0", "an APR int4 model goes to cuda-q4_0");
+    let (chosen, _) = kiln_core::Registry::with_builtins()
+        .select(&int4_model.ir, None)
+        .unwrap();
+    assert_eq!(
+        chosen.name(),
+        "cuda-q4_0",
+        "an APR int4 model goes to cuda-q4_0"
+    );
     for prompt in ["The capital of France is", "def fibonacci(n):"] {
         compare_on("cuda-q4_0", Q4_0_BAR, &int4, prompt, true, false, true);
     }
@@ -413,7 +648,10 @@ fn apr_models_on_both_gpu_executors() {
 /// prompt, and one of about 1,150 tokens — past the 512-token window, through two prefill
 /// chunks and once around each ring — then 64 decode steps, against the CPU oracle (itself
 /// checked against transformers on the real model, tests/tests/gemma3.rs).
-const GEMMA3_BAR: Bar = Bar { min_cosine: 0.99999, tie_gap: 1e-3 };
+const GEMMA3_BAR: Bar = Bar {
+    min_cosine: 0.99999,
+    tie_gap: 1e-3,
+};
 
 fn gemma3_parity(gpu: &str, recipe: Recipe) {
     if backends_for(gpu).is_none() {
@@ -421,7 +659,16 @@ fn gemma3_parity(gpu: &str, recipe: Recipe) {
     }
     let dir = scratch_dir();
     let path = dir.join(format!("gemma3-270m.{}.gguf", recipe.name()));
-    synth_file(&path, SynthOptions { preset: Preset::Gemma3_270m, recipe, seed: 1 }, &no_progress).unwrap();
+    synth_file(
+        &path,
+        SynthOptions {
+            preset: Preset::Gemma3_270m,
+            recipe,
+            seed: 1,
+        },
+        &no_progress,
+    )
+    .unwrap();
     let short = "The quick brown fox jumps over the lazy dog";
     // The synthetic tokenizer has no merges: a token per byte. "Hello there" (12 tokens)
     // prefills through the batched step, the others through cuBLAS.
@@ -441,12 +688,18 @@ fn truncate_into_the_ring(gpu: &str, path: &Path, text: &str) {
     let (cpu_backend, cuda_backend) = backends_for(gpu).expect("checked by the caller");
     let model = Model::open(path).unwrap();
     let prompt = model.tokenizer.encode(text, true, false).unwrap();
-    let options = LoadOptions { max_context: 2048, ..Default::default() };
+    let options = LoadOptions {
+        max_context: 2048,
+        ..Default::default()
+    };
     let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
     let mut gpu_exec = cuda_backend.load(&model.ir, &options).unwrap();
     let vocab = model.ir.config.vocab_size;
     let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
-    let (sc, sg) = (cpu.new_sequence().unwrap(), gpu_exec.new_sequence().unwrap());
+    let (sc, sg) = (
+        cpu.new_sequence().unwrap(),
+        gpu_exec.new_sequence().unwrap(),
+    );
     cpu.prefill(sc, &prompt, &mut lc).unwrap();
     gpu_exec.prefill(sg, &prompt, &mut lg).unwrap();
     let mut worst = 1.0f64;
@@ -456,11 +709,17 @@ fn truncate_into_the_ring(gpu: &str, path: &Path, text: &str) {
         let mut token = prompt[cut];
         for step in 0..8 {
             lg.fill(f32::NAN);
-            cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc).unwrap();
-            gpu_exec.decode(&[DecodeItem { seq: sg, token }], &mut lg).unwrap();
+            cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc)
+                .unwrap();
+            gpu_exec
+                .decode(&[DecodeItem { seq: sg, token }], &mut lg)
+                .unwrap();
             let cos = cosine(&lc, &lg);
             worst = worst.min(cos);
-            assert!(cos >= GEMMA3_BAR.min_cosine, "{gpu}: step {step} after truncating to {cut}: cosine {cos}");
+            assert!(
+                cos >= GEMMA3_BAR.min_cosine,
+                "{gpu}: step {step} after truncating to {cut}: cosine {cos}"
+            );
             token = argmax(&lc);
         }
     }
@@ -487,9 +746,15 @@ fn real_gemma3_270m_matches_cpu() {
     if backends().is_none() {
         return;
     }
-    let Some(path) = kiln_tests::gemma3_or_skip("real_gemma3_270m_matches_cpu") else { return };
+    let Some(path) = kiln_tests::gemma3_or_skip("real_gemma3_270m_matches_cpu") else {
+        return;
+    };
     let long = "In the beginning the Universe was created. This has made a lot of people very angry and been widely regarded as a bad move. ".repeat(12);
-    for prompt in ["The capital of France is", "def fibonacci(n):", long.as_str()] {
+    for prompt in [
+        "The capital of France is",
+        "def fibonacci(n):",
+        long.as_str(),
+    ] {
         compare_on("cuda-q4k", GEMMA3_BAR, &path, prompt, true, false, true);
     }
 }

@@ -14,7 +14,8 @@ fn every_hostile_input_ends_in_a_typed_error_or_a_result() {
         kiln_tests::skip("hostile_inputs", "python3 is not available");
         return;
     }
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/hostile_inputs.py");
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/hostile_inputs.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg("--kiln")
@@ -25,7 +26,8 @@ fn every_hostile_input_ends_in_a_typed_error_or_a_result() {
     println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "hostile inputs failed:\n{stdout}");
     let summary: serde_json::Value =
-        serde_json::from_str(stdout.lines().last().expect("a summary line")).expect("the summary is JSON");
+        serde_json::from_str(stdout.lines().last().expect("a summary line"))
+            .expect("the summary is JSON");
     assert_eq!(summary["failed"], 0);
     assert!(summary["cases"].as_u64().unwrap() >= 120, "{summary}");
 }

@@ -32,8 +32,16 @@ fn test_model() -> PathBuf {
     let _guard = SYNTH.lock().unwrap_or_else(|e| e.into_inner());
     let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-smollm2-135m-q8_0.gguf");
     if !path.is_file() {
-        synth_file(&path, SynthOptions { preset: Preset::SmolLm2_135m, recipe: Recipe::Q8_0, seed: 11 }, &no_progress)
-            .expect("write the synthetic model");
+        synth_file(
+            &path,
+            SynthOptions {
+                preset: Preset::SmolLm2_135m,
+                recipe: Recipe::Q8_0,
+                seed: 11,
+            },
+            &no_progress,
+        )
+        .expect("write the synthetic model");
     }
     path
 }
@@ -56,7 +64,16 @@ impl Server {
             .arg(model)
             // The CPU backend everywhere: the timings these tests lean on (a 1 s shutdown
             // grace against a 2000-token stream) are CPU timings.
-            .args(["--host", "127.0.0.1", "--port", "0", "-t", "2", "--backend", "cpu"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "-t",
+                "2",
+                "--backend",
+                "cpu",
+            ])
             .args(extra)
             .env("KILN_LOG", "info")
             .stdin(Stdio::null())
@@ -79,18 +96,32 @@ impl Server {
                 }
             });
         }
-        let key = extra.windows(2).find(|w| w[0] == "--api-key").map(|w| w[1].to_string());
+        let key = extra
+            .windows(2)
+            .find(|w| w[0] == "--api-key")
+            .map(|w| w[1].to_string());
         match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(addr) => Server { child, addr, log, key },
+            Ok(addr) => Server {
+                child,
+                addr,
+                log,
+                key,
+            },
             Err(_) => {
                 let _ = child.kill();
-                panic!("kiln serve did not print its address:\n{}", log.lock().unwrap().join("\n"));
+                panic!(
+                    "kiln serve did not print its address:\n{}",
+                    log.lock().unwrap().join("\n")
+                );
             }
         }
     }
 
     fn auth(&self) -> Vec<(&'static str, String)> {
-        self.key.iter().map(|k| ("Authorization", format!("Bearer {k}"))).collect()
+        self.key
+            .iter()
+            .map(|k| ("Authorization", format!("Bearer {k}")))
+            .collect()
     }
 
     fn get(&self, path: &str) -> Resp {
@@ -122,7 +153,11 @@ impl Server {
             if self.get("/health").status == 200 {
                 return;
             }
-            assert!(start.elapsed() < Duration::from_secs(120), "the model did not load:\n{}", self.log());
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "the model did not load:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -133,7 +168,10 @@ impl Server {
         r.text()
             .lines()
             .filter(|l| !l.starts_with('#'))
-            .filter_map(|l| l.rsplit_once(' ').map(|(k, v)| (k.to_string(), v.parse().unwrap_or(f64::NAN))))
+            .filter_map(|l| {
+                l.rsplit_once(' ')
+                    .map(|(k, v)| (k.to_string(), v.parse().unwrap_or(f64::NAN)))
+            })
             .collect()
     }
 
@@ -142,7 +180,10 @@ impl Server {
     }
 
     fn sigterm(&self) {
-        let ok = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().is_ok_and(|s| s.success());
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
         assert!(ok, "kill -TERM failed");
     }
 
@@ -153,7 +194,11 @@ impl Server {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(start.elapsed() < limit, "kiln serve did not exit within {limit:?}:\n{}", self.log());
+            assert!(
+                start.elapsed() < limit,
+                "kiln serve did not exit within {limit:?}:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -180,12 +225,16 @@ impl Resp {
         String::from_utf8_lossy(&self.body).into_owned()
     }
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
     /// Asserts an OpenAI error body and returns its `error` object.
     fn error(&self) -> Value {
         let v = self.json();
-        let e = v.get("error").unwrap_or_else(|| panic!("no 'error' in {v}")).clone();
+        let e = v
+            .get("error")
+            .unwrap_or_else(|| panic!("no 'error' in {v}"))
+            .clone();
         assert!(e["message"].is_string() && e["type"].is_string(), "{v}");
         assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
         e
@@ -198,8 +247,17 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
-fn send_request(stream: &TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+fn send_request(
+    stream: &TcpStream,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) {
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -220,7 +278,11 @@ fn send_request(stream: &TcpStream, method: &str, path: &str, headers: &[(&str, 
 fn read_head(r: &mut impl BufRead) -> (u16, HashMap<String, String>) {
     let mut line = String::new();
     r.read_line(&mut line).expect("status line");
-    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
     let mut headers = HashMap::new();
     loop {
         line.clear();
@@ -239,21 +301,39 @@ fn read_head(r: &mut impl BufRead) -> (u16, HashMap<String, String>) {
     (status, headers)
 }
 
-fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Resp {
     let stream = connect(addr);
     send_request(&stream, method, path, headers, body);
     let mut r = BufReader::new(stream);
     let (status, headers) = read_head(&mut r);
     let mut body = Vec::new();
-    if headers.get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
-        Chunked::new(r).read_to_end(&mut body).expect("chunked body");
-    } else if let Some(n) = headers.get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+    if headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.contains("chunked"))
+    {
+        Chunked::new(r)
+            .read_to_end(&mut body)
+            .expect("chunked body");
+    } else if let Some(n) = headers
+        .get("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+    {
         body.resize(n, 0);
         r.read_exact(&mut body).expect("body");
     } else {
         r.read_to_end(&mut body).expect("body");
     }
-    Resp { status, headers, body }
+    Resp {
+        status,
+        headers,
+        body,
+    }
 }
 
 /// A `Transfer-Encoding: chunked` body as a plain reader.
@@ -265,7 +345,11 @@ struct Chunked<R> {
 
 impl<R: BufRead> Chunked<R> {
     fn new(inner: R) -> Self {
-        Chunked { inner, left: 0, done: false }
+        Chunked {
+            inner,
+            left: 0,
+            done: false,
+        }
     }
 }
 
@@ -287,8 +371,12 @@ impl<R: BufRead> Read for Chunked<R> {
                 self.done = true;
                 return Ok(0);
             }
-            self.left = usize::from_str_radix(size, 16)
-                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("chunk size {line:?}")))?;
+            self.left = usize::from_str_radix(size, 16).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("chunk size {line:?}"),
+                )
+            })?;
             if self.left == 0 {
                 self.done = true;
                 return Ok(0);
@@ -319,7 +407,11 @@ impl SseStream {
         send_request(&stream, "POST", path, &h, body);
         let mut r = BufReader::new(stream);
         let (status, headers) = read_head(&mut r);
-        SseStream { status, headers, reader: BufReader::new(Chunked::new(r)) }
+        SseStream {
+            status,
+            headers,
+            reader: BufReader::new(Chunked::new(r)),
+        }
     }
 
     /// The next `data:` payload; `None` at the end of the stream.
@@ -364,7 +456,10 @@ impl SseStream {
             let v: Value = serde_json::from_str(&d).unwrap_or_else(|_| panic!("{d}"));
             assert!(v.get("error").is_none(), "{v}");
             let c = &v["choices"][0];
-            let t = c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("");
+            let t = c["text"]
+                .as_str()
+                .or(c["delta"]["content"].as_str())
+                .unwrap_or("");
             if !t.is_empty() {
                 return t.to_string();
             }
@@ -374,7 +469,11 @@ impl SseStream {
 
 /// The text of a streamed response, its finish reasons, and its usage chunk if any.
 fn stream_text(chunks: &[String]) -> (String, Vec<String>, Option<Value>) {
-    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"), "{chunks:?}");
+    assert_eq!(
+        chunks.last().map(String::as_str),
+        Some("[DONE]"),
+        "{chunks:?}"
+    );
     let mut text = String::new();
     let mut finish = Vec::new();
     let mut usage = None;
@@ -382,7 +481,11 @@ fn stream_text(chunks: &[String]) -> (String, Vec<String>, Option<Value>) {
         let v: Value = serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}"));
         assert!(v.get("error").is_none(), "{v}");
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-            assert_eq!(v["choices"], json!([]), "the usage chunk has no choices: {v}");
+            assert_eq!(
+                v["choices"],
+                json!([]),
+                "the usage chunk has no choices: {v}"
+            );
             usage = Some(u.clone());
         }
         for c in v["choices"].as_array().unwrap() {
@@ -406,13 +509,32 @@ fn user(content: &str) -> Value {
 #[test]
 fn serve_openai_api() {
     let model = test_model();
-    let mut s = Server::start(&model, &["--max-seqs", "4", "--queue", "16", "-c", "512", "--api-key", "sekret", "--load-delay-ms", "2000"]);
+    let mut s = Server::start(
+        &model,
+        &[
+            "--max-seqs",
+            "4",
+            "--queue",
+            "16",
+            "-c",
+            "512",
+            "--api-key",
+            "sekret",
+            "--load-delay-ms",
+            "2000",
+        ],
+    );
     let id = model.file_stem().unwrap().to_string_lossy().into_owned();
 
     // Before the model is loaded: health 503, generation 503 with Retry-After, but
     // validation already answers.
     let h = s.get("/health");
-    assert_eq!((h.status, h.json()), (503, json!({"status": "loading"})), "{}", s.log());
+    assert_eq!(
+        (h.status, h.json()),
+        (503, json!({"status": "loading"})),
+        "{}",
+        s.log()
+    );
     let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}));
     assert_eq!(r.status, 503);
     assert_eq!(r.error()["code"], "model_loading");
@@ -425,7 +547,13 @@ fn serve_openai_api() {
     let r = request(s.addr, "GET", "/v1/models", &[], b"");
     assert_eq!(r.status, 401);
     assert_eq!(r.error()["code"], "invalid_api_key");
-    let r = request(s.addr, "POST", "/v1/chat/completions", &[("Authorization", "Bearer wrong")], b"{}");
+    let r = request(
+        s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Authorization", "Bearer wrong")],
+        b"{}",
+    );
     assert_eq!(r.status, 401);
     assert_eq!(r.error()["code"], "invalid_api_key");
     assert_eq!(request(s.addr, "GET", "/metrics", &[], b"").status, 200);
@@ -448,15 +576,28 @@ fn serve_openai_api() {
     let u = &v["usage"];
     assert_eq!(u["completion_tokens"], 3);
     assert!(u["prompt_tokens"].as_u64().unwrap() >= 5, "{v}");
-    assert_eq!(u["total_tokens"].as_u64(), Some(u["prompt_tokens"].as_u64().unwrap() + 3));
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + 3)
+    );
     let greedy = v["choices"][0]["text"].as_str().unwrap().to_string();
-    assert_eq!(s.post("/v1/completions", &body).json()["choices"][0]["text"], greedy.as_str(), "greedy is deterministic");
+    assert_eq!(
+        s.post("/v1/completions", &body).json()["choices"][0]["text"],
+        greedy.as_str(),
+        "greedy is deterministic"
+    );
     // "default" names the model too.
     let body_default = json!({"model": "default", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
-    assert_eq!(s.post("/v1/completions", &body_default).json()["choices"][0]["text"], greedy.as_str());
+    assert_eq!(
+        s.post("/v1/completions", &body_default).json()["choices"][0]["text"],
+        greedy.as_str()
+    );
 
     // Chat, content as a string and as text parts.
-    let r = s.post("/v1/chat/completions", &json!({"messages": user("What is 2+2?"), "max_completion_tokens": 3, "temperature": 0}));
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": user("What is 2+2?"), "max_completion_tokens": 3, "temperature": 0}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
     assert_eq!(v["object"], "chat.completion");
@@ -464,16 +605,26 @@ fn serve_openai_api() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 3);
-    let chat_text = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let chat_text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let parts = json!([{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]);
-    let r = s.post("/v1/chat/completions", &json!({"messages": parts, "max_tokens": 2, "temperature": 0}));
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": parts, "max_tokens": 2, "temperature": 0}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
 
     // Streaming chat: role first, text equal to the non-streaming text, finish, [DONE];
     // with include_usage a usage chunk with empty choices just before [DONE].
     let st = s.stream("/v1/chat/completions", &json!({"messages": user("What is 2+2?"), "max_tokens": 3, "temperature": 0, "stream": true}));
     assert_eq!(st.status, 200);
-    assert!(st.headers["content-type"].starts_with("text/event-stream"), "{:?}", st.headers);
+    assert!(
+        st.headers["content-type"].starts_with("text/event-stream"),
+        "{:?}",
+        st.headers
+    );
     let chunks = st.all();
     let first: Value = serde_json::from_str(&chunks[0]).unwrap();
     assert_eq!(first["object"], "chat.completion.chunk");
@@ -482,7 +633,12 @@ fn serve_openai_api() {
     assert_eq!(text, chat_text);
     assert_eq!(finish, vec!["length"]);
     assert!(usage.is_none());
-    assert!(chunks[..chunks.len() - 1].iter().all(|c| !c.contains("\"usage\"")), "no usage key without include_usage");
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| !c.contains("\"usage\"")),
+        "no usage key without include_usage"
+    );
     let chunks = s
         .stream("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}))
         .all();
@@ -491,7 +647,10 @@ fn serve_openai_api() {
     assert_eq!(finish, vec!["length"]);
     let usage = usage.expect("a usage chunk");
     assert_eq!(usage["completion_tokens"], 3);
-    assert!(chunks[chunks.len() - 2].contains("\"choices\":[]"), "usage is the last chunk before [DONE]");
+    assert!(
+        chunks[chunks.len() - 2].contains("\"choices\":[]"),
+        "usage is the last chunk before [DONE]"
+    );
 
     // Seeds: temperature 0.8 and the same seed give the same text.
     let sampled = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 1234, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()});
@@ -502,7 +661,10 @@ fn serve_openai_api() {
 
     // Stop strings: cut before the stop, finish_reason stop, streaming or not.
     let long = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()});
-    let full = s.post("/v1/completions", &long).json()["choices"][0]["text"].as_str().unwrap().to_string();
+    let full = s.post("/v1/completions", &long).json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let chars: Vec<(usize, char)> = full.char_indices().collect();
     assert!(chars.len() >= 4, "{full:?}");
     let (at, _) = chars[chars.len() / 2];
@@ -520,8 +682,15 @@ fn serve_openai_api() {
 
     // Logprobs: chat (logprobs + top_logprobs) and completions (logprobs: k).
     let v = s.post("/v1/chat/completions", &json!({"messages": user("Hi"), "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3})).json();
-    let content = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs.content").clone();
-    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap(), "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content")
+        .clone();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
     for e in &content {
         let lp = e["logprob"].as_f64().unwrap();
         assert!(lp <= 0.0, "{e}");
@@ -529,13 +698,25 @@ fn serve_openai_api() {
         assert_eq!(top.len(), 3);
         let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
         assert!(tops.windows(2).all(|w| w[0] >= w[1]), "sorted: {tops:?}");
-        assert!((tops[0] - lp).abs() < 1e-5, "greedy picks the top token: {e}");
+        assert!(
+            (tops[0] - lp).abs() < 1e-5,
+            "greedy picks the top token: {e}"
+        );
         assert!(e["bytes"].is_array());
     }
-    let v = s.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2})).json();
+    let v = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2}),
+        )
+        .json();
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 3, "{v}");
-    assert!(lp["token_logprobs"].as_array().unwrap().iter().all(|x| x.as_f64().unwrap() <= 0.0));
+    assert!(lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x.as_f64().unwrap() <= 0.0));
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
     assert_eq!(v["choices"][0]["logprobs"]["text_offset"][0], 0);
 
@@ -544,7 +725,11 @@ fn serve_openai_api() {
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 2);
     assert_eq!(choices[1]["index"], 1);
-    assert_eq!(choices[1]["text"], greedy.as_str(), "batched with another sequence, greedy text is unchanged");
+    assert_eq!(
+        choices[1]["text"],
+        greedy.as_str(),
+        "batched with another sequence, greedy text is unchanged"
+    );
 
     // Penalties run (host path) and change nothing about the response's shape.
     let r = s.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3, "presence_penalty": 1.5, "frequency_penalty": 1.0, "top_k": 5, "min_p": 0.1, "top_p": 0.9}));
@@ -554,22 +739,55 @@ fn serve_openai_api() {
     let r = s.post_raw("/v1/chat/completions", b"{\"messages\": [");
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["code"], "invalid_json");
-    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "temperature": "warm"}));
-    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("temperature")));
-    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "max_tokens": -1}));
-    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("max_tokens")));
-    let r = s.post("/v1/completions", &json!({"prompt": "x", "logit_bias": {"99999999": 5}}));
-    assert_eq!((r.status, r.error()["param"].clone()), (400, json!("logit_bias")));
-    let r = s.post("/v1/chat/completions", &json!({"messages": user("x"), "n": 2}));
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": user("x"), "temperature": "warm"}),
+    );
+    assert_eq!(
+        (r.status, r.error()["param"].clone()),
+        (400, json!("temperature"))
+    );
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": user("x"), "max_tokens": -1}),
+    );
+    assert_eq!(
+        (r.status, r.error()["param"].clone()),
+        (400, json!("max_tokens"))
+    );
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "logit_bias": {"99999999": 5}}),
+    );
+    assert_eq!(
+        (r.status, r.error()["param"].clone()),
+        (400, json!("logit_bias"))
+    );
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": user("x"), "n": 2}),
+    );
     assert_eq!((r.status, r.error()["param"].clone()), (400, json!("n")));
-    let r = s.post("/v1/chat/completions", &json!({"model": "gpt-4o", "messages": user("x")}));
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "gpt-4o", "messages": user("x")}),
+    );
     assert_eq!(r.status, 404);
     assert_eq!(r.error()["code"], "model_not_found");
-    let r = s.post("/v1/completions", &json!({"prompt": "word ".repeat(2000), "max_tokens": 1}));
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "word ".repeat(2000), "max_tokens": 1}),
+    );
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["code"], "context_length_exceeded");
-    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 600}));
-    assert_eq!((r.status, r.error()["code"].clone()), (400, json!("context_length_exceeded")));
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 600}),
+    );
+    assert_eq!(
+        (r.status, r.error()["code"].clone()),
+        (400, json!("context_length_exceeded"))
+    );
     let big = json!({"prompt": "x".repeat(5 << 20), "max_tokens": 1});
     let r = s.post("/v1/completions", &big);
     assert_eq!(r.status, 413);
@@ -594,16 +812,36 @@ fn serve_openai_api() {
     assert!(m["kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}"] >= 5.0);
     assert!(m["kiln_requests_total{endpoint=\"/v1/chat/completions\",status=\"401\"}"] >= 1.0);
     assert!(m["kiln_requests_total{endpoint=\"/v1/completions\",status=\"413\"}"] >= 1.0);
-    assert!(s.log().contains("POST \"/v1/completions\" 200"), "one log line per request:\n{}", s.log());
+    assert!(
+        s.log().contains("POST \"/v1/completions\" 200"),
+        "one log line per request:\n{}",
+        s.log()
+    );
 
     s.sigterm();
-    assert!(s.wait_exit(Duration::from_secs(30)).success(), "{}", s.log());
+    assert!(
+        s.wait_exit(Duration::from_secs(30)).success(),
+        "{}",
+        s.log()
+    );
 }
 
 #[test]
 fn serve_queue_limit_disconnect_and_shutdown() {
     let model = test_model();
-    let mut s = Server::start(&model, &["--max-seqs", "1", "--queue", "1", "-c", "2048", "--shutdown-grace", "1"]);
+    let mut s = Server::start(
+        &model,
+        &[
+            "--max-seqs",
+            "1",
+            "--queue",
+            "1",
+            "-c",
+            "2048",
+            "--shutdown-grace",
+            "1",
+        ],
+    );
     s.wait_ready();
     let bias: Value = serde_json::from_str(NO_EOS).unwrap();
     let long = json!({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0.8, "stream": true, "logit_bias": bias});
@@ -616,7 +854,10 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     assert_eq!(b.status, 200);
     let start = Instant::now();
     while s.metrics()["kiln_queue_depth"] != 1.0 {
-        assert!(start.elapsed() < Duration::from_secs(10), "B never showed in the queue");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "B never showed in the queue"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}));
@@ -628,7 +869,11 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     drop(a);
     let t = Instant::now();
     b.first_text();
-    let _ = writeln!(std::io::stderr(), "serve: the queued stream got its first token {:?} after the running one disconnected", t.elapsed());
+    let _ = writeln!(
+        std::io::stderr(),
+        "serve: the queued stream got its first token {:?} after the running one disconnected",
+        t.elapsed()
+    );
 
     // B leaves: nothing runs, every slot is free.
     let m = s.metrics();
@@ -642,17 +887,27 @@ fn serve_queue_limit_disconnect_and_shutdown() {
             assert!(m["kiln_sequences_cancelled_total"] >= 2.0, "{m:?}");
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(5), "a disconnected stream kept its slot: {m:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "a disconnected stream kept its slot: {m:?}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let _ = writeln!(std::io::stderr(), "serve: a disconnected stream's slot was free {:?} after the client left", t.elapsed());
+    let _ = writeln!(
+        std::io::stderr(),
+        "serve: a disconnected stream's slot was free {:?} after the client left",
+        t.elapsed()
+    );
 
     // The server still serves.
     let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.text());
 
     // A prompt longer than one prefill chunk is prefilled over several turns and answered.
-    let r = s.post("/v1/completions", &json!({"prompt": "word ".repeat(1200), "max_tokens": 2}));
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "word ".repeat(1200), "max_tokens": 2}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     let used = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(used > 2 * 512, "{used} prompt tokens: more than two chunks");
@@ -661,16 +916,28 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     let mut quiet = long.clone();
     quiet["stream"] = json!(false);
     let conn = connect(s.addr);
-    send_request(&conn, "POST", "/v1/completions", &[("Content-Type", "application/json")], quiet.to_string().as_bytes());
+    send_request(
+        &conn,
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        quiet.to_string().as_bytes(),
+    );
     let t = Instant::now();
     while s.metrics()["kiln_running_sequences"] != 1.0 {
-        assert!(t.elapsed() < Duration::from_secs(10), "the non-streaming request never ran");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the non-streaming request never ran"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(conn);
     let t = Instant::now();
     while s.metrics()["kiln_running_sequences"] != 0.0 {
-        assert!(t.elapsed() < Duration::from_secs(5), "a disconnected non-streaming request kept its slot");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "a disconnected non-streaming request kept its slot"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 
@@ -684,7 +951,11 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     }
     let (_, finish, _) = stream_text(&rest);
     assert_eq!(finish, vec!["cancelled"], "{:?}", rest.last());
-    assert!(s.wait_exit(Duration::from_secs(30)).success(), "{}", s.log());
+    assert!(
+        s.wait_exit(Duration::from_secs(30)).success(),
+        "{}",
+        s.log()
+    );
     assert!(s.log().contains("kiln serve: stopped"));
 }
 
@@ -711,7 +982,11 @@ impl Rng {
 /// value, or a prompt that cannot fit), so each must get a 4xx.
 fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
     let chat = i.is_multiple_of(2);
-    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let path = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
     let valid = if chat {
         json!({"model": "default", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
     } else {
@@ -732,21 +1007,72 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         json!(true),
     ];
     let fields: &[(&str, &[Value])] = &[
-        ("temperature", &[json!(-0.1), json!(2.01), json!(1e300), json!("0.5"), json!([0.5])]),
+        (
+            "temperature",
+            &[
+                json!(-0.1),
+                json!(2.01),
+                json!(1e300),
+                json!("0.5"),
+                json!([0.5]),
+            ],
+        ),
         ("top_p", &[json!(0), json!(-1), json!(1.5), json!({"p": 1})]),
         ("top_k", &[json!(-1), json!(0.5), json!(1e20), json!("40")]),
         ("min_p", &[json!(-0.5), json!(2), json!(false)]),
-        ("max_tokens", &[json!(0), json!(-5), json!(-9223372036854775808i64), json!(1e19), json!(1e300), json!(100000), json!("4")]),
-        ("max_completion_tokens", &[json!(0), json!(-1), json!(u64::MAX)]),
+        (
+            "max_tokens",
+            &[
+                json!(0),
+                json!(-5),
+                json!(-9223372036854775808i64),
+                json!(1e19),
+                json!(1e300),
+                json!(100000),
+                json!("4"),
+            ],
+        ),
+        (
+            "max_completion_tokens",
+            &[json!(0), json!(-1), json!(u64::MAX)],
+        ),
         ("n", &[json!(0), json!(2), json!(-1), json!(1e10)]),
         ("presence_penalty", &[json!(2.5), json!(-2.5), json!("x")]),
         ("frequency_penalty", &[json!(9), json!(-1e30)]),
         ("seed", &[json!("seed"), json!(1.5), json!(1e30)]),
-        ("stop", &[json!(5), json!([1, 2]), json!(vec!["s"; 100]), json!({"a": 1}), json!(["x".repeat(1000)])]),
+        (
+            "stop",
+            &[
+                json!(5),
+                json!([1, 2]),
+                json!(vec!["s"; 100]),
+                json!({"a": 1}),
+                json!(["x".repeat(1000)]),
+            ],
+        ),
         ("stream", &[json!("yes"), json!(1)]),
-        ("stream_options", &[json!("usage"), json!({"include_usage": "yes"})]),
-        ("model", &[json!(42), json!("no-such-model"), json!("gpt-4o-mini"), json!(["default"])]),
-        ("logit_bias", &[json!({"x": 1}), json!({"5": 1000}), json!([1]), json!({"-3": 1})]),
+        (
+            "stream_options",
+            &[json!("usage"), json!({"include_usage": "yes"})],
+        ),
+        (
+            "model",
+            &[
+                json!(42),
+                json!("no-such-model"),
+                json!("gpt-4o-mini"),
+                json!(["default"]),
+            ],
+        ),
+        (
+            "logit_bias",
+            &[
+                json!({"x": 1}),
+                json!({"5": 1000}),
+                json!([1]),
+                json!({"-3": 1}),
+            ],
+        ),
         ("tools", &[json!([{"type": "function"}])]),
         ("response_format", &[json!({"type": "json_object"})]),
         ("user", &[json!(5)]),
@@ -772,14 +1098,33 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         3..=5 => {
             let mut v = valid.clone();
             let (name, values) = rng.pick(fields);
-            let value = if rng.below(3) == 0 { rng.pick(&bad_values).clone() } else { rng.pick(values).clone() };
+            let value = if rng.below(3) == 0 {
+                rng.pick(&bad_values).clone()
+            } else {
+                rng.pick(values).clone()
+            };
             // Some generic bad values are fine for some fields; keep only sure refusals.
             let value = match (*name, &value) {
-                ("seed", Value::Number(n)) if n.as_i64().is_some() || n.as_u64().is_some() => json!("seed"),
-                ("temperature" | "top_p" | "min_p" | "presence_penalty" | "frequency_penalty", Value::Number(_)) => json!(5.5),
-                ("top_k", Value::Number(n)) if n.as_u64().is_some_and(|k| k <= u32::MAX as u64) => json!(-1),
-                ("max_tokens" | "max_completion_tokens", Value::Number(n)) if n.as_u64().is_some_and(|k| (1..=100).contains(&k)) => json!(0),
-                ("stream", Value::Bool(_)) | ("n", Value::Number(_)) if value == json!(1) || value == json!(true) => json!("x"),
+                ("seed", Value::Number(n)) if n.as_i64().is_some() || n.as_u64().is_some() => {
+                    json!("seed")
+                }
+                (
+                    "temperature" | "top_p" | "min_p" | "presence_penalty" | "frequency_penalty",
+                    Value::Number(_),
+                ) => json!(5.5),
+                ("top_k", Value::Number(n)) if n.as_u64().is_some_and(|k| k <= u32::MAX as u64) => {
+                    json!(-1)
+                }
+                ("max_tokens" | "max_completion_tokens", Value::Number(n))
+                    if n.as_u64().is_some_and(|k| (1..=100).contains(&k)) =>
+                {
+                    json!(0)
+                }
+                ("stream", Value::Bool(_)) | ("n", Value::Number(_))
+                    if value == json!(1) || value == json!(true) =>
+                {
+                    json!("x")
+                }
                 ("model", Value::String(s)) if s == "default" => json!("nope"),
                 ("stop" | "user", Value::String(_)) => json!(5),
                 ("stop" | "tools", Value::Array(a)) if a.is_empty() => json!(5),
@@ -792,7 +1137,11 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         // Deep nesting (serde_json refuses more than 128 levels).
         6 => {
             let depth = 200 + rng.below(100_000);
-            let (open, close) = if rng.below(2) == 0 { ("[", "]") } else { ("{\"a\":", "}") };
+            let (open, close) = if rng.below(2) == 0 {
+                ("[", "]")
+            } else {
+                ("{\"a\":", "}")
+            };
             let mut s = open.repeat(depth);
             s.push('1');
             s.push_str(&close.repeat(depth));
@@ -824,7 +1173,20 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
             v.to_string().into_bytes()
         }
         // Not an object, or missing what is required.
-        9 => rng.pick(&["null", "[]", "\"prompt\"", "42", "{}", "true", "", " ", "{\"model\":\"default\"}"]).as_bytes().to_vec(),
+        9 => rng
+            .pick(&[
+                "null",
+                "[]",
+                "\"prompt\"",
+                "42",
+                "{}",
+                "true",
+                "",
+                " ",
+                "{\"model\":\"default\"}",
+            ])
+            .as_bytes()
+            .to_vec(),
         // Malformed messages / prompts.
         10 => {
             let bad = if chat {
@@ -843,7 +1205,18 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
                 ])
                 .clone()
             } else {
-                rng.pick(&[json!(""), json!([]), json!([[]]), json!([1, -2]), json!([99999999]), json!({"p": 1}), json!([null]), json!(vec!["a"; 17]), json!(false)]).clone()
+                rng.pick(&[
+                    json!(""),
+                    json!([]),
+                    json!([[]]),
+                    json!([1, -2]),
+                    json!([99999999]),
+                    json!({"p": 1}),
+                    json!([null]),
+                    json!(vec!["a"; 17]),
+                    json!(false),
+                ])
+                .clone()
             };
             let mut v = valid.clone();
             v[if chat { "messages" } else { "prompt" }] = bad;
@@ -851,7 +1224,12 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         }
         // Huge numbers in literal form (beyond f64).
         11 => {
-            let lit = rng.pick(&["1e999", "-1e999", "123456789012345678901234567890123456789e300", "-0.0e-99999"]);
+            let lit = rng.pick(&[
+                "1e999",
+                "-1e999",
+                "123456789012345678901234567890123456789e300",
+                "-0.0e-99999",
+            ]);
             let name = rng.pick(&["max_tokens", "temperature", "top_k", "seed", "n"]);
             let mut v = valid.clone();
             v.as_object_mut().unwrap().remove(*name);
@@ -862,7 +1240,15 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
                 s.replace("-0.0e-99999", "-1e999").into_bytes()
             } else if *lit == "-0.0e-99999" {
                 // 0 is a bad max_tokens/n; top_k 0 and seed 0 are valid: give them a string.
-                s.replace("-0.0e-99999", if matches!(*name, "top_k" | "seed") { "\"0\"" } else { "0" }).into_bytes()
+                s.replace(
+                    "-0.0e-99999",
+                    if matches!(*name, "top_k" | "seed") {
+                        "\"0\""
+                    } else {
+                        "0"
+                    },
+                )
+                .into_bytes()
             } else {
                 s.into_bytes()
             }
@@ -890,7 +1276,11 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
                     _ => v["logprobs"] = json!(3),
                 }
             } else {
-                v["logprobs"] = if rng.below(2) == 0 { json!(-1) } else { json!(21 + rng.below(100)) };
+                v["logprobs"] = if rng.below(2) == 0 {
+                    json!(-1)
+                } else {
+                    json!(21 + rng.below(100))
+                };
             }
             v.to_string().into_bytes()
         }
@@ -910,15 +1300,30 @@ fn serve_hostile_bodies_get_4xx() {
         let (path, body) = hostile_body(&mut rng, i);
         let r = s.post_raw(path, &body);
         let shown = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
-        assert!((400..500).contains(&r.status), "body {i} to {path} got {}: {shown}\n{}", r.status, r.text());
+        assert!(
+            (400..500).contains(&r.status),
+            "body {i} to {path} got {}: {shown}\n{}",
+            r.status,
+            r.text()
+        );
         let e = r.error();
         assert!(!e["message"].as_str().unwrap().is_empty());
         *by_status.entry(r.status).or_insert(0) += 1;
     }
-    let _ = writeln!(std::io::stderr(), "serve: 1000 hostile bodies in {:?}, by status {by_status:?}", start.elapsed());
-    assert!(by_status.get(&413).copied().unwrap_or(0) >= 5, "{by_status:?}");
+    let _ = writeln!(
+        std::io::stderr(),
+        "serve: 1000 hostile bodies in {:?}, by status {by_status:?}",
+        start.elapsed()
+    );
+    assert!(
+        by_status.get(&413).copied().unwrap_or(0) >= 5,
+        "{by_status:?}"
+    );
     assert_eq!(s.get("/health").status, 200);
-    let r = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 2}));
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+    );
     assert_eq!(r.status, 200, "still serving: {}", r.text());
     let m = s.metrics();
     assert_eq!(m["kiln_running_sequences"], 0.0);
@@ -932,7 +1337,10 @@ fn serve_hostile_bodies_get_4xx() {
 fn serve_openai_python_client() {
     let name = "serve_openai_python_client";
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let venv_ok = Command::new("python3").args(["-c", "import venv, ensurepip"]).output().is_ok_and(|o| o.status.success());
+    let venv_ok = Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .output()
+        .is_ok_and(|o| o.status.success());
     if !venv_ok {
         return skip(name, "python3 with venv and ensurepip is not available");
     }
@@ -953,12 +1361,22 @@ fn serve_openai_python_client() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     match out.status.code() {
         Some(0) => {
-            assert!(stdout.contains("all openai client checks passed"), "{stdout}\n{stderr}");
-            let _ = writeln!(std::io::stderr(), "{name}: {}", stdout.lines().last().unwrap_or(""));
+            assert!(
+                stdout.contains("all openai client checks passed"),
+                "{stdout}\n{stderr}"
+            );
+            let _ = writeln!(
+                std::io::stderr(),
+                "{name}: {}",
+                stdout.lines().last().unwrap_or("")
+            );
         }
         // Exit 3: the environment lacks something (no package index to install from).
         Some(3) => {
-            let why = stdout.lines().find_map(|l| l.strip_prefix("skip: ")).unwrap_or("the environment lacks something");
+            let why = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("skip: "))
+                .unwrap_or("the environment lacks something");
             skip(name, why)
         }
         _ => panic!("the openai client checks failed:\n{stdout}\n{stderr}"),
@@ -981,20 +1399,38 @@ fn serve_non_finite_logits_are_an_error_not_tokens() {
     };
     {
         use std::io::{Seek, SeekFrom, Write};
-        let mut file = std::fs::OpenOptions::new().write(true).open(&broken).expect("open for writing");
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&broken)
+            .expect("open for writing");
         file.seek(SeekFrom::Start(offset)).expect("seek");
-        let nan: Vec<u8> = (0..bytes / 4).flat_map(|_| f32::NAN.to_le_bytes()).collect();
+        let nan: Vec<u8> = (0..bytes / 4)
+            .flat_map(|_| f32::NAN.to_le_bytes())
+            .collect();
         file.write_all(&nan).expect("write NaN");
     }
     let s = Server::start(&broken, &["--max-seqs", "2", "-c", "256"]);
     s.wait_ready();
-    for extra in [json!({"logprobs": true, "top_logprobs": 2}), json!({"temperature": 0.7, "seed": 3})] {
+    for extra in [
+        json!({"logprobs": true, "top_logprobs": 2}),
+        json!({"temperature": 0.7, "seed": 3}),
+    ] {
         let mut body = json!({"messages": user("hi"), "max_tokens": 4});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
         let r = s.post("/v1/chat/completions", &body);
         assert!(r.status >= 500, "status {}: {}", r.status, r.text());
         let e = r.error();
-        assert!(e["message"].as_str().unwrap().contains("non-finite logits"), "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("non-finite logits"),
+            "{e}"
+        );
     }
-    assert_eq!(s.get("/health").json(), json!({"status": "ok"}), "{}", s.log());
+    assert_eq!(
+        s.get("/health").json(),
+        json!({"status": "ok"}),
+        "{}",
+        s.log()
+    );
 }

@@ -8,15 +8,38 @@ use kiln_tests::smollm2_or_skip;
 
 #[test]
 fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
-    let Some(path) = smollm2_or_skip("second_turn_prefills_only_new_tokens_and_matches_a_fresh_session") else { return };
+    let Some(path) =
+        smollm2_or_skip("second_turn_prefills_only_new_tokens_and_matches_a_fresh_session")
+    else {
+        return;
+    };
     let (registry, errors) = registry_with_plugins(&[]);
     assert!(errors.is_empty(), "{errors:?}");
     let model = Model::open(&path).unwrap();
-    let mut engine = Engine::load(model, &registry, Some("cpu"), &LoadOptions { max_context: 512, ..Default::default() }).unwrap();
-    let params = GenerateParams { max_tokens: 24, sampling: SamplingParams::greedy(), ..Default::default() };
+    let mut engine = Engine::load(
+        model,
+        &registry,
+        Some("cpu"),
+        &LoadOptions {
+            max_context: 512,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let params = GenerateParams {
+        max_tokens: 24,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
     let encode = |engine: &Engine, messages: &[ChatMessage]| {
         let m = &engine.model;
-        m.tokenizer.encode(&m.chat_template.render(messages, true).unwrap(), false, true).unwrap()
+        m.tokenizer
+            .encode(
+                &m.chat_template.render(messages, true).unwrap(),
+                false,
+                true,
+            )
+            .unwrap()
     };
 
     let mut messages = vec![ChatMessage::new("user", "What is the capital of France?")];
@@ -39,25 +62,52 @@ fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
         second_prompt.len(),
         first_prompt.len()
     );
-    let fresh = engine.session().unwrap().generate(&second_prompt, &params, |_| {}).unwrap();
-    assert_eq!(fresh.ids, second.ids, "reusing the cache must not change greedy tokens");
+    let fresh = engine
+        .session()
+        .unwrap()
+        .generate(&second_prompt, &params, |_| {})
+        .unwrap();
+    assert_eq!(
+        fresh.ids, second.ids,
+        "reusing the cache must not change greedy tokens"
+    );
     assert!(second.text.contains("Berlin"), "{}", second.text);
 }
 
 #[test]
 fn diverging_prompt_rolls_the_cache_back() {
-    let Some(path) = smollm2_or_skip("diverging_prompt_rolls_the_cache_back") else { return };
+    let Some(path) = smollm2_or_skip("diverging_prompt_rolls_the_cache_back") else {
+        return;
+    };
     let (registry, _) = registry_with_plugins(&[]);
-    let mut engine = Engine::load(Model::open(&path).unwrap(), &registry, Some("cpu"), &LoadOptions::default()).unwrap();
-    let params = GenerateParams { max_tokens: 8, sampling: SamplingParams::greedy(), ..Default::default() };
+    let mut engine = Engine::load(
+        Model::open(&path).unwrap(),
+        &registry,
+        Some("cpu"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    let params = GenerateParams {
+        max_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
     let tok = |e: &Engine, s: &str| e.model.tokenizer.encode(s, false, false).unwrap();
     let a = tok(&engine, "The capital of France is");
     let b = tok(&engine, "The capital of Spain is");
     let mut session = engine.session().unwrap();
     session.generate(&a, &params, |_| {}).unwrap();
     let reused = session.generate(&b, &params, |_| {}).unwrap();
-    assert_eq!(reused.prefilled, b.len() - 3, "\"The capital of\" is shared");
+    assert_eq!(
+        reused.prefilled,
+        b.len() - 3,
+        "\"The capital of\" is shared"
+    );
     drop(session);
-    let fresh = engine.session().unwrap().generate(&b, &params, |_| {}).unwrap();
+    let fresh = engine
+        .session()
+        .unwrap()
+        .generate(&b, &params, |_| {})
+        .unwrap();
     assert_eq!(fresh.ids, reused.ids);
 }

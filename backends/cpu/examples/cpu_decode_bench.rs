@@ -41,7 +41,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         c.num_layers,
         c.hidden_size,
         c.vocab_size,
-        ir.matrix_qtypes().iter().map(|q| q.name()).collect::<Vec<_>>()
+        ir.matrix_qtypes()
+            .iter()
+            .map(|q| q.name())
+            .collect::<Vec<_>>()
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut counts = vec![1, 2];
@@ -49,10 +52,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         counts.push(cores);
     }
     let vocab = c.vocab_size;
-    let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
-    let isas: Vec<Isa> = Isa::available().into_iter().filter(|&isa| isa != Isa::Portable).collect();
-    for (threads, isa) in counts.iter().flat_map(|&t| isas.iter().map(move |&isa| (t, isa))) {
-        let opts = LoadOptions { max_context: 512, max_sequences: 1, threads: Some(threads), ..Default::default() };
+    let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32)
+        .map(|i| (i * 7919 + 13) % vocab as u32)
+        .collect();
+    let isas: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|&isa| isa != Isa::Portable)
+        .collect();
+    for (threads, isa) in counts
+        .iter()
+        .flat_map(|&t| isas.iter().map(move |&isa| (t, isa)))
+    {
+        let opts = LoadOptions {
+            max_context: 512,
+            max_sequences: 1,
+            threads: Some(threads),
+            ..Default::default()
+        };
         let mut ex = CpuBackend.load_executor_on(&ir, &opts, isa)?;
         let mut logits = vec![0.0f32; vocab];
         // Warm-up: page the weights in and spin the pool up.

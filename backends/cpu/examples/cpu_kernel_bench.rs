@@ -14,7 +14,9 @@ use kiln_backend_cpu::Isa;
 use kiln_core::{QType, Rng};
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("ROWS and COLS are numbers"));
+    let mut args = std::env::args()
+        .skip(1)
+        .map(|a| a.parse::<usize>().expect("ROWS and COLS are numbers"));
     let rows = args.next().unwrap_or(512);
     let cols = args.next().unwrap_or(1536);
     let mut rng = Rng::new(1);
@@ -22,11 +24,29 @@ fn main() {
     let mut sums = vec![0.0; cols / 32];
     block_sums(&x, &mut sums);
     let isas = Isa::available();
-    println!("{rows} × {cols}, one thread; weights/ns per instruction set ({})", isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "));
-    let types = [QType::Q4_0, QType::AprQ4, QType::Q4_1, QType::Q5_0, QType::Q5_1, QType::Q8_0, QType::Q4_K, QType::Q5_K, QType::Q6_K, QType::F16];
+    println!(
+        "{rows} × {cols}, one thread; weights/ns per instruction set ({})",
+        isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+    );
+    let types = [
+        QType::Q4_0,
+        QType::AprQ4,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+        QType::F16,
+    ];
     for q in types {
-        let Ok(row_bytes) = q.row_bytes(cols) else { continue };
-        let values: Vec<f32> = (0..rows * cols).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+        let Ok(row_bytes) = q.row_bytes(cols) else {
+            continue;
+        };
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.next_f32() * 2.0 - 1.0)
+            .collect();
         let mut bytes = vec![0u8; rows * row_bytes];
         kiln_core::quant::quantize(q, &values, &mut bytes).expect("a quantisable type");
         let mut line = format!("{:<7}", q.name());
@@ -45,7 +65,12 @@ fn main() {
             }
             times.sort_by(f64::total_cmp);
             let s = times[times.len() / 2];
-            line += &format!("  {:>9} {:6.2} w/ns {:6.1} GB/s", isa.name(), (rows * cols) as f64 / s / 1e9, (rows * row_bytes) as f64 / s / 1e9);
+            line += &format!(
+                "  {:>9} {:6.2} w/ns {:6.1} GB/s",
+                isa.name(),
+                (rows * cols) as f64 / s / 1e9,
+                (rows * row_bytes) as f64 / s / 1e9
+            );
         }
         println!("{line}");
     }

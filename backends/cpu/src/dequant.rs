@@ -16,7 +16,10 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -185,7 +188,12 @@ pub(crate) fn block_q6_k(b: &[u8], y: &mut [f32]) {
     let sc = &b[192..208];
     let d = f16_at(b, 208);
     for n in 0..2 {
-        let (ql, qh, sc, y) = (&ql[64 * n..], &qh[32 * n..], &sc[8 * n..], &mut y[128 * n..]);
+        let (ql, qh, sc, y) = (
+            &ql[64 * n..],
+            &qh[32 * n..],
+            &sc[8 * n..],
+            &mut y[128 * n..],
+        );
         for l in 0..32 {
             let is = l / 16;
             let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
@@ -245,7 +253,10 @@ pub(crate) fn dequantize_into(qtype: QType, src: &[u8], out: &mut [f32]) {
         }
         q => {
             let f = block_fn(q).expect("caller checked the qtype is supported");
-            for (y, b) in out.chunks_exact_mut(q.block_len()).zip(src.chunks_exact(q.block_bytes())) {
+            for (y, b) in out
+                .chunks_exact_mut(q.block_len())
+                .zip(src.chunks_exact(q.block_bytes()))
+            {
                 f(b, y);
             }
         }

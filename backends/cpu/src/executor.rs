@@ -3,8 +3,8 @@
 //! sequences, one position each).
 
 use kiln_core::{
-    check_decode, check_prefill, Activation, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
-    NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
+    check_decode, check_prefill, Activation, DecodeItem, Error, LayerExecutor, LoadOptions,
+    ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -81,18 +81,33 @@ impl KvLayout {
     fn new(c: &ModelConfig, max_ctx: usize) -> Result<KvLayout> {
         let kvd = c.kv_dim();
         let rows: Vec<usize> = (0..c.num_layers)
-            .map(|l| c.layer_attention(l).window.map_or(max_ctx, |w| w.saturating_add(MAX_BATCH - 1).min(max_ctx)))
+            .map(|l| {
+                c.layer_attention(l)
+                    .window
+                    .map_or(max_ctx, |w| w.saturating_add(MAX_BATCH - 1).min(max_ctx))
+            })
             .collect();
         let mut base = Vec::with_capacity(rows.len());
         let mut floats = 0usize;
         for &r in &rows {
             base.push(floats);
-            floats = r.checked_mul(kvd).and_then(|n| floats.checked_add(n)).ok_or_else(too_big(max_ctx))?;
+            floats = r
+                .checked_mul(kvd)
+                .and_then(|n| floats.checked_add(n))
+                .ok_or_else(too_big(max_ctx))?;
         }
-        if floats.checked_mul(8).is_none_or(|b| b > isize::MAX as usize) {
+        if floats
+            .checked_mul(8)
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
             return Err(too_big(max_ctx)());
         }
-        Ok(KvLayout { rows, base, floats, kvd })
+        Ok(KvLayout {
+            rows,
+            base,
+            floats,
+            kvd,
+        })
     }
 
     /// The first float of `layer`'s row for position `pos`.
@@ -106,13 +121,19 @@ impl KvLayout {
         let rows = self.rows[layer];
         let (start, n) = (first % rows, last - first + 1);
         let head = n.min(rows - start);
-        [(self.base[layer] + start * self.kvd, head), (self.base[layer], n - head)]
+        [
+            (self.base[layer] + start * self.kvd, head),
+            (self.base[layer], n - head),
+        ]
     }
 
     /// Whether cutting a sequence from `old` positions to `len` loses rows a later token
     /// attends to (see [`kiln_core::LayerAttention::truncation_loses_rows`]).
     fn truncation_loses_rows(&self, c: &ModelConfig, old: usize, len: usize) -> bool {
-        (0..c.num_layers).any(|l| c.layer_attention(l).truncation_loses_rows(self.rows[l], old, len))
+        (0..c.num_layers).any(|l| {
+            c.layer_attention(l)
+                .truncation_loses_rows(self.rows[l], old, len)
+        })
     }
 }
 
@@ -126,11 +147,18 @@ pub struct KvCacheSize {
 /// [`KvCacheSize`] as this backend allocates it.
 pub fn kv_cache_size(c: &ModelConfig, max_ctx: usize) -> Result<KvCacheSize> {
     let kv = KvLayout::new(c, max_ctx)?;
-    Ok(KvCacheSize { bytes: kv.floats * 2 * std::mem::size_of::<f32>(), rows: kv.rows })
+    Ok(KvCacheSize {
+        bytes: kv.floats * 2 * std::mem::size_of::<f32>(),
+        rows: kv.rows,
+    })
 }
 
 fn too_big(max_ctx: usize) -> impl Fn() -> Error {
-    move || Error::OutOfMemory(format!("a KV cache of {max_ctx} positions does not fit in memory"))
+    move || {
+        Error::OutOfMemory(format!(
+            "a KV cache of {max_ctx} positions does not fit in memory"
+        ))
+    }
 }
 
 /// Buffers a forward pass writes, sized once for [`MAX_BATCH`] tokens.
@@ -169,7 +197,11 @@ fn vector(view: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
         )));
     }
     if block_fn(view.qtype()).is_none() {
-        return Err(Error::Unsupported(format!("{what} ({}) is stored as {}", view.name(), view.qtype())));
+        return Err(Error::Unsupported(format!(
+            "{what} ({}) is stored as {}",
+            view.name(),
+            view.qtype()
+        )));
     }
     let mut out = vec![0.0f32; len];
     dequantize_into(view.qtype(), view.bytes(), &mut out);
@@ -189,7 +221,11 @@ impl CpuExecutor {
         c.validate()?;
         let w = &ir.weights;
         if w.layers.len() != c.num_layers {
-            return Err(Error::Format(format!("config says {} layers, weights have {}", c.num_layers, w.layers.len())));
+            return Err(Error::Format(format!(
+                "config says {} layers, weights have {}",
+                c.num_layers,
+                w.layers.len()
+            )));
         }
         let simd = Simd::detect(isa);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
@@ -199,16 +235,30 @@ impl CpuExecutor {
                 if present == want {
                     Ok(())
                 } else if want {
-                    Err(Error::Format(format!("layer {i}: the config needs {what}, the weights have none")))
+                    Err(Error::Format(format!(
+                        "layer {i}: the config needs {what}, the weights have none"
+                    )))
                 } else {
-                    Err(Error::Format(format!("layer {i}: {what} is present but the config does not use it")))
+                    Err(Error::Format(format!(
+                        "layer {i}: {what} is present but the config does not use it"
+                    )))
                 }
             };
             need(l.ffn_gate.is_some(), c.gated_ffn, "a gate projection")?;
-            need(l.attn_q_norm.is_some() && l.attn_k_norm.is_some(), c.qk_norm, "Q/K norms")?;
-            need(l.attn_post_norm.is_some() && l.ffn_post_norm.is_some(), c.sandwich_norms, "post-attention/MLP norms")?;
+            need(
+                l.attn_q_norm.is_some() && l.attn_k_norm.is_some(),
+                c.qk_norm,
+                "Q/K norms",
+            )?;
+            need(
+                l.attn_post_norm.is_some() && l.ffn_post_norm.is_some(),
+                c.sandwich_norms,
+                "post-attention/MLP norms",
+            )?;
             if l.ffn_norm.is_none() && !c.parallel_residual {
-                return Err(Error::Format(format!("layer {i}: no FFN norm and no parallel residual")));
+                return Err(Error::Format(format!(
+                    "layer {i}: no FFN norm and no parallel residual"
+                )));
             }
             layers.push(Layer {
                 attn_norm: vector(&l.attn_norm, h, "attention norm")?,
@@ -225,7 +275,11 @@ impl CpuExecutor {
                 out_bias: opt_vector(&l.attn_out_bias, h, "attention output bias")?,
                 ffn_norm: opt_vector(&l.ffn_norm, h, "FFN norm")?,
                 ffn_norm_bias: opt_vector(&l.ffn_norm_bias, h, "FFN norm bias")?,
-                gate: l.ffn_gate.as_ref().map(|g| QMatrix::new(g, h, ffn, isa)).transpose()?,
+                gate: l
+                    .ffn_gate
+                    .as_ref()
+                    .map(|g| QMatrix::new(g, h, ffn, isa))
+                    .transpose()?,
                 up: QMatrix::new(&l.ffn_up, h, ffn, isa)?,
                 down: QMatrix::new(&l.ffn_down, ffn, h, isa)?,
                 post_attn_norm: opt_vector(&l.attn_post_norm, h, "post-attention norm")?,
@@ -234,8 +288,12 @@ impl CpuExecutor {
         }
         let half = c.rope.rotary_dims / 2;
         let freq_factors = opt_vector(&w.rope_freqs, half, "rope frequency factors")?;
-        let inv_freq = (0..half).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
-        let local_inv_freq = c.local_rope().map(|r| (0..half).map(|i| r.inv_freq(i, None)).collect());
+        let inv_freq = (0..half)
+            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
+            .collect();
+        let local_inv_freq = c
+            .local_rope()
+            .map(|r| (0..half).map(|i| r.inv_freq(i, None)).collect());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // 0 (or none) means every core. More than a few threads per core only adds
         // switching (and thousands fail to spawn after seconds): refused, with the limit.
@@ -253,15 +311,20 @@ impl CpuExecutor {
             .num_threads(threads)
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
-            .map_err(|e| Error::Backend { backend: "cpu".into(), message: format!("thread pool: {e}") })?;
+            .map_err(|e| Error::Backend {
+                backend: "cpu".into(),
+                message: format!("thread pool: {e}"),
+            })?;
         let max_ctx = options.context_for(c);
         let kv = KvLayout::new(c, max_ctx)?;
         // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
         // positions its sequence reaches.
         let per_slot = kv.floats;
-        let slots = SequenceSlots::new(
-            (0..options.sequences()).map(|_| Slot { k: vec![0.0; per_slot], v: vec![0.0; per_slot], tokens: Vec::new() }),
-        );
+        let slots = SequenceSlots::new((0..options.sequences()).map(|_| Slot {
+            k: vec![0.0; per_slot],
+            v: vec![0.0; per_slot],
+            tokens: Vec::new(),
+        }));
         let widest = h.max(qd).max(ffn);
         let b = MAX_BATCH;
         let scratch = Scratch {
@@ -295,7 +358,12 @@ impl CpuExecutor {
             threads,
             simd,
         };
-        Ok(CpuExecutor { model, pool, slots, scratch })
+        Ok(CpuExecutor {
+            model,
+            pool,
+            slots,
+            scratch,
+        })
     }
 
     /// Worker threads of this executor's pool.
@@ -310,9 +378,31 @@ impl CpuExecutor {
     /// Runs positions `rows[i] = (slot, position)` for `tokens[i]` through the model.
     /// Logits of every row go to `logits` (`rows × vocab`), or of the last row only when
     /// `last_only`.
-    fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32], logits: &mut [f32], last_only: bool) {
-        let CpuExecutor { model, pool, slots, scratch, .. } = self;
-        pool.install(|| forward(model, slots.as_mut_slice(), scratch, rows, tokens, logits, last_only));
+    fn forward(
+        &mut self,
+        rows: &[(usize, usize)],
+        tokens: &[u32],
+        logits: &mut [f32],
+        last_only: bool,
+    ) {
+        let CpuExecutor {
+            model,
+            pool,
+            slots,
+            scratch,
+            ..
+        } = self;
+        pool.install(|| {
+            forward(
+                model,
+                slots.as_mut_slice(),
+                scratch,
+                rows,
+                tokens,
+                logits,
+                last_only,
+            )
+        });
     }
 }
 
@@ -334,7 +424,16 @@ fn batch<'a>(x: &'a [f32], sums: &'a mut [f32], tokens: usize, cols: usize) -> B
     if cols.is_multiple_of(32) {
         block_sums(x, &mut sums[..tokens * ns]);
     }
-    Batch { x, sums: if cols.is_multiple_of(32) { &sums[..tokens * ns] } else { &[] }, tokens, cols }
+    Batch {
+        x,
+        sums: if cols.is_multiple_of(32) {
+            &sums[..tokens * ns]
+        } else {
+            &[]
+        },
+        tokens,
+        cols,
+    }
 }
 
 /// RMSNorm of each row of `buf` (rows as long as `w`) in place.
@@ -395,14 +494,29 @@ fn forward(
             false => (&s.cos, &s.sin),
         };
         for t in 0..n {
-            norm(c, &s.x[t * h..(t + 1) * h], &l.attn_norm, l.attn_norm_bias.as_ref(), &mut s.xn[t * h..(t + 1) * h]);
+            norm(
+                c,
+                &s.x[t * h..(t + 1) * h],
+                &l.attn_norm,
+                l.attn_norm_bias.as_ref(),
+                &mut s.xn[t * h..(t + 1) * h],
+            );
         }
         let input = batch(&s.xn, &mut s.sums, n, h);
         matmul(
             &mut [
-                MatJob { m: &l.q, out: &mut s.q[..n * qd] },
-                MatJob { m: &l.k, out: &mut s.k[..n * kvd] },
-                MatJob { m: &l.v, out: &mut s.v[..n * kvd] },
+                MatJob {
+                    m: &l.q,
+                    out: &mut s.q[..n * qd],
+                },
+                MatJob {
+                    m: &l.k,
+                    out: &mut s.k[..n * kvd],
+                },
+                MatJob {
+                    m: &l.v,
+                    out: &mut s.v[..n * kvd],
+                },
             ],
             input,
             threads,
@@ -412,7 +526,10 @@ fn forward(
         add_bias(&mut s.k[..n * kvd], &l.k_bias);
         add_bias(&mut s.v[..n * kvd], &l.v_bias);
         for t in 0..n {
-            let (cos, sin) = (&cos_all[t * half..(t + 1) * half], &sin_all[t * half..(t + 1) * half]);
+            let (cos, sin) = (
+                &cos_all[t * half..(t + 1) * half],
+                &sin_all[t * half..(t + 1) * half],
+            );
             for head in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
                 if let Some(w) = &l.q_norm {
                     ops::rms_norm_in_place(head, w, c.norm_eps);
@@ -435,22 +552,35 @@ fn forward(
         let group = c.gqa_ratio();
         let q = &s.q;
         let cache: &[SeqSlot<Slot>] = slots;
-        s.att[..n * qd].par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-            let (t, head) = (i / heads, i % heads);
-            let (slot, pos) = rows[t];
-            let kv = &cache[slot];
-            // A windowed layer sees only the last `window` positions.
-            let runs = m.kv.runs(li, attention.first_position(pos), pos).map(|(at, n)| ops::KvRun {
-                keys: &kv.k[at..at + n * kvd],
-                values: &kv.v[at..at + n * kvd],
-                len: n,
+        s.att[..n * qd]
+            .par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let (t, head) = (i / heads, i % heads);
+                let (slot, pos) = rows[t];
+                let kv = &cache[slot];
+                // A windowed layer sees only the last `window` positions.
+                let runs =
+                    m.kv.runs(li, attention.first_position(pos), pos)
+                        .map(|(at, n)| ops::KvRun {
+                            keys: &kv.k[at..at + n * kvd],
+                            values: &kv.v[at..at + n * kvd],
+                            len: n,
+                        });
+                let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                ops::attend(simd, qh, &runs, kvd, (head / group) * hd, scale, out);
             });
-            let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-            ops::attend(simd, qh, &runs, kvd, (head / group) * hd, scale, out);
-        });
 
         let input = batch(&s.att, &mut s.sums, n, qd);
-        matmul(&mut [MatJob { m: &l.out, out: &mut s.proj[..n * h] }], input, threads, simd);
+        matmul(
+            &mut [MatJob {
+                m: &l.out,
+                out: &mut s.proj[..n * h],
+            }],
+            input,
+            threads,
+            simd,
+        );
         add_bias(&mut s.proj[..n * h], &l.out_bias);
         if let Some(w) = &l.post_attn_norm {
             norm_rows(&mut s.proj[..n * h], w, c.norm_eps);
@@ -461,18 +591,41 @@ fn forward(
         }
         if let Some(w) = &l.ffn_norm {
             for t in 0..n {
-                norm(c, &s.x[t * h..(t + 1) * h], w, l.ffn_norm_bias.as_ref(), &mut s.xn[t * h..(t + 1) * h]);
+                norm(
+                    c,
+                    &s.x[t * h..(t + 1) * h],
+                    w,
+                    l.ffn_norm_bias.as_ref(),
+                    &mut s.xn[t * h..(t + 1) * h],
+                );
             }
         }
         let input = batch(&s.xn, &mut s.sums, n, h);
         match &l.gate {
             Some(gate) => matmul(
-                &mut [MatJob { m: gate, out: &mut s.gate[..n * ffn] }, MatJob { m: &l.up, out: &mut s.up[..n * ffn] }],
+                &mut [
+                    MatJob {
+                        m: gate,
+                        out: &mut s.gate[..n * ffn],
+                    },
+                    MatJob {
+                        m: &l.up,
+                        out: &mut s.up[..n * ffn],
+                    },
+                ],
                 input,
                 threads,
                 simd,
             ),
-            None => matmul(&mut [MatJob { m: &l.up, out: &mut s.up[..n * ffn] }], input, threads, simd),
+            None => matmul(
+                &mut [MatJob {
+                    m: &l.up,
+                    out: &mut s.up[..n * ffn],
+                }],
+                input,
+                threads,
+                simd,
+            ),
         }
         let act = match c.activation {
             Activation::Silu => ops::silu,
@@ -488,7 +641,15 @@ fn forward(
             }
         }
         let input = batch(&s.up, &mut s.sums, n, ffn);
-        matmul(&mut [MatJob { m: &l.down, out: &mut s.ffn_out[..n * h] }], input, threads, simd);
+        matmul(
+            &mut [MatJob {
+                m: &l.down,
+                out: &mut s.ffn_out[..n * h],
+            }],
+            input,
+            threads,
+            simd,
+        );
         if let Some(w) = &l.post_ffn_norm {
             norm_rows(&mut s.ffn_out[..n * h], w, c.norm_eps);
         }
@@ -502,10 +663,24 @@ fn forward(
     let count = n - first;
     for t in first..n {
         let o = t - first;
-        norm(c, &s.x[t * h..(t + 1) * h], &m.out_norm, m.out_norm_bias.as_ref(), &mut s.xn[o * h..(o + 1) * h]);
+        norm(
+            c,
+            &s.x[t * h..(t + 1) * h],
+            &m.out_norm,
+            m.out_norm_bias.as_ref(),
+            &mut s.xn[o * h..(o + 1) * h],
+        );
     }
     let input = batch(&s.xn, &mut s.sums, count, h);
-    matmul(&mut [MatJob { m: &m.lm_head, out: logits }], input, threads, simd);
+    matmul(
+        &mut [MatJob {
+            m: &m.lm_head,
+            out: logits,
+        }],
+        input,
+        threads,
+        simd,
+    );
 }
 
 impl LayerExecutor for CpuExecutor {
@@ -541,7 +716,11 @@ impl LayerExecutor for CpuExecutor {
         let old = self.slots[slot].len;
         self.slots.truncate(seq, len)?;
         self.slots[slot].cache.tokens.truncate(len);
-        if self.model.kv.truncation_loses_rows(&self.model.config, old, len) {
+        if self
+            .model
+            .kv
+            .truncation_loses_rows(&self.model.config, old, len)
+        {
             // A windowed layer's ring no longer holds positions the next token attends to,
             // and those depend on earlier ones: the kept prefix is run again (a cut by at
             // most MAX_BATCH positions, or of a short sequence, never gets here).
@@ -560,7 +739,13 @@ impl LayerExecutor for CpuExecutor {
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         let slot = self.slot_of(seq)?;
         let start = self.slots[slot].len;
-        check_prefill(tokens, logits, self.model.config.vocab_size, start, self.model.max_ctx)?;
+        check_prefill(
+            tokens,
+            logits,
+            self.model.config.vocab_size,
+            start,
+            self.model.max_ctx,
+        )?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
             let pos0 = start + ci * MAX_BATCH;
@@ -578,10 +763,15 @@ impl LayerExecutor for CpuExecutor {
         let vocab = self.model.config.vocab_size;
         // Validate everything before touching any cache, so an error leaves every
         // sequence as it was.
-        check_decode(batch, logits, vocab, self.model.max_ctx, |seq| self.slots.len_of(seq))?;
+        check_decode(batch, logits, vocab, self.model.max_ctx, |seq| {
+            self.slots.len_of(seq)
+        })?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         let mut toks = [0u32; MAX_BATCH];
-        for (items, out) in batch.chunks(MAX_BATCH).zip(logits.chunks_mut(MAX_BATCH * vocab)) {
+        for (items, out) in batch
+            .chunks(MAX_BATCH)
+            .zip(logits.chunks_mut(MAX_BATCH * vocab))
+        {
             for (i, item) in items.iter().enumerate() {
                 let slot = self.slot_of(item.seq)?;
                 rows[i] = (slot, self.slots[slot].len);

@@ -22,8 +22,8 @@ mod matmul;
 pub mod ops;
 
 pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize};
-pub use matmul::MAX_BATCH;
 pub use kernels::Isa;
+pub use matmul::MAX_BATCH;
 
 /// The `cpu` backend: always available, score 10 for every model whose weight types it
 /// can multiply with.
@@ -38,7 +38,12 @@ impl CpuBackend {
 
     /// As [`CpuBackend::load_executor`], with kernels no wider than `isa` (to compare the
     /// instruction sets on one machine; the results agree to rounding).
-    pub fn load_executor_on(&self, model: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<CpuExecutor> {
+    pub fn load_executor_on(
+        &self,
+        model: &ModelIr,
+        options: &LoadOptions,
+        isa: Isa,
+    ) -> Result<CpuExecutor> {
         CpuExecutor::load(model, options, isa)
     }
 }
@@ -94,9 +99,14 @@ impl Backend for CpuBackend {
             .into_iter()
             .collect();
         if unsupported.is_empty() {
-            Support::Yes { score: kiln_core::score::REFERENCE, note: "reference executor; any supported qtype".into() }
+            Support::Yes {
+                score: kiln_core::score::REFERENCE,
+                note: "reference executor; any supported qtype".into(),
+            }
         } else {
-            Support::No { reason: format!("cpu backend has no kernels for {}", unsupported.join(", ")) }
+            Support::No {
+                reason: format!("cpu backend has no kernels for {}", unsupported.join(", ")),
+            }
         }
     }
 

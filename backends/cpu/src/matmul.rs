@@ -41,7 +41,11 @@ impl QMatrix {
     /// its kernel uses the widest instruction set up to `isa` that the CPU has.
     pub fn new(view: &TensorView, cols: usize, rows: usize, isa: Isa) -> Result<QMatrix> {
         let kernel = Kernel::new(view.qtype(), isa).ok_or_else(|| {
-            Error::Unsupported(format!("tensor {}: the cpu backend cannot multiply {} weights", view.name(), view.qtype()))
+            Error::Unsupported(format!(
+                "tensor {}: the cpu backend cannot multiply {} weights",
+                view.name(),
+                view.qtype()
+            ))
         })?;
         if view.dims().len() != 2 || view.row_len() != cols || view.rows() != rows {
             return Err(Error::InvalidShape(format!(
@@ -51,9 +55,18 @@ impl QMatrix {
             )));
         }
         if view.qtype().is_quantized() && !cols.is_multiple_of(32) {
-            return Err(Error::InvalidShape(format!("tensor {}: rows of {cols} values", view.name())));
+            return Err(Error::InvalidShape(format!(
+                "tensor {}: rows of {cols} values",
+                view.name()
+            )));
         }
-        Ok(QMatrix { view: view.clone(), kernel, rows, cols, row_bytes: view.row_bytes() })
+        Ok(QMatrix {
+            view: view.clone(),
+            kernel,
+            rows,
+            cols,
+            row_bytes: view.row_bytes(),
+        })
     }
 
     pub fn qtype(&self) -> QType {
@@ -86,7 +99,11 @@ impl<'a> Batch<'a> {
         let ns = self.cols / 32;
         Act {
             x: &self.x[t * self.cols..(t + 1) * self.cols],
-            sums: if self.sums.is_empty() { &[] } else { &self.sums[t * ns..(t + 1) * ns] },
+            sums: if self.sums.is_empty() {
+                &[]
+            } else {
+                &self.sums[t * ns..(t + 1) * ns]
+            },
         }
     }
 }
@@ -117,18 +134,23 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
     let n_tasks = firsts[jobs.len()];
     let mats: [Option<&QMatrix>; 4] = std::array::from_fn(|i| jobs.get(i).map(|j| j.m));
     (0..n_tasks).into_par_iter().for_each(|task| {
-        let i = (0..4).find(|&i| task < firsts[i + 1]).expect("task index below the total");
+        let i = (0..4)
+            .find(|&i| task < firsts[i + 1])
+            .expect("task index below the total");
         let m = mats[i].expect("job present");
         let r0 = (task - firsts[i]) * chunk;
         let r1 = (r0 + chunk).min(m.rows);
         let out = outs[i];
         // SAFETY: this task alone writes elements t*rows + r0..r1 for every token t; the
         // ranges of different tasks are disjoint and all lie inside the job's `out`.
-        let write = |t: usize| unsafe { std::slice::from_raw_parts_mut(out.0.add(t * m.rows + r0), r1 - r0) };
+        let write = |t: usize| unsafe {
+            std::slice::from_raw_parts_mut(out.0.add(t * m.rows + r0), r1 - r0)
+        };
         let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
         if input.tokens < DEQUANT_MIN_TOKENS {
             for t in 0..input.tokens {
-                m.kernel.dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+                m.kernel
+                    .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
             }
         } else {
             many_tokens(m, bytes, r1 - r0, input, simd, write);
@@ -139,7 +161,14 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
 /// Dequantise each row once, a segment at a time, and dot it with every token. With the
 /// AVX-512 kernels four rows go together and meet four tokens at a time, each loaded vector
 /// used four times (a register-blocked f32 GEMM); otherwise one row meets four tokens.
-fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, simd: Option<Simd>, write: impl Fn(usize) -> &'o mut [f32]) {
+fn many_tokens<'o>(
+    m: &QMatrix,
+    bytes: &[u8],
+    rows: usize,
+    input: Batch<'_>,
+    simd: Option<Simd>,
+    write: impl Fn(usize) -> &'o mut [f32],
+) {
     let q = m.qtype();
     let seg_bytes = SEGMENT / q.block_len() * q.block_bytes();
     let tokens = input.tokens;
@@ -176,7 +205,8 @@ fn many_tokens<'o>(m: &QMatrix, bytes: &[u8], rows: usize, input: Batch<'_>, sim
                 // Short groups repeat their last row; the repeats' sums are not kept.
                 let w: [&[f32]; 4] = std::array::from_fn(|j| &buf[j.min(nr - 1)][..n]);
                 while t + 4 <= tokens {
-                    let d = crate::kernels::dot4x4_f32(wide, w, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                    let d =
+                        crate::kernels::dot4x4_f32(wide, w, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
                     for (a, d) in acc.iter_mut().zip(d).take(nr) {
                         for (a, d) in a[t..t + 4].iter_mut().zip(d) {
                             *a += d;

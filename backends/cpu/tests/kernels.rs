@@ -4,7 +4,9 @@
 mod common;
 
 use common::{random_bytes, random_vec};
-use kiln_backend_cpu::kernels::{block_sums, dot4_f32, dot_f32, simd_available, Act, Isa, Kernel, RowDot, SUPPORTED};
+use kiln_backend_cpu::kernels::{
+    block_sums, dot4_f32, dot_f32, simd_available, Act, Isa, Kernel, RowDot, SUPPORTED,
+};
 use kiln_core::{quant::dequantize, QType, Rng};
 
 fn row_lengths(q: QType) -> Vec<usize> {
@@ -28,7 +30,14 @@ fn paths() -> Vec<Isa> {
 
 /// Runs both kernel paths over `rows` rows of `cols` values in `bytes` and checks each
 /// dot against the reference dequantiser and an f64 dot.
-fn assert_dots_match_reference(q: QType, bytes: &[u8], rows: usize, cols: usize, x: &[f32], what: &str) {
+fn assert_dots_match_reference(
+    q: QType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    what: &str,
+) {
     let mut sums = vec![0.0; cols / 32];
     block_sums(x, &mut sums);
     let row_bytes = q.row_bytes(cols).unwrap();
@@ -37,8 +46,18 @@ fn assert_dots_match_reference(q: QType, bytes: &[u8], rows: usize, cols: usize,
     let mut magnitude = Vec::new();
     for r in 0..rows {
         dequantize(q, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
-        expect.push(w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>());
-        magnitude.push(w.iter().zip(x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>());
+        expect.push(
+            w.iter()
+                .zip(x)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>(),
+        );
+        magnitude.push(
+            w.iter()
+                .zip(x)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum::<f64>(),
+        );
     }
     for simd in paths() {
         let kernel = Kernel::new(q, simd).unwrap();
@@ -78,7 +97,11 @@ fn fused_dots_match_reference_dequantisation() {
 #[test]
 fn q5_fifth_bit_fields_match_reference() {
     let mut rng = Rng::new(13);
-    let cases = [(QType::Q5_0, 576, 2..6), (QType::Q5_1, 576, 4..8), (QType::Q5_K, 512, 16..48)];
+    let cases = [
+        (QType::Q5_0, 576, 2..6),
+        (QType::Q5_1, 576, 4..8),
+        (QType::Q5_K, 512, 16..48),
+    ];
     for (q, cols, field) in cases {
         for pattern in [0x00u8, 0xFF, 0x01, 0x80, 0x55, 0x0F] {
             let rows = 3;
@@ -89,7 +112,14 @@ fn q5_fifth_bit_fields_match_reference() {
                 }
             }
             let x = random_vec(&mut rng, cols, 2.0);
-            assert_dots_match_reference(q, &bytes, rows, cols, &x, &format!("fifth bits {pattern:#04x}"));
+            assert_dots_match_reference(
+                q,
+                &bytes,
+                rows,
+                cols,
+                &x,
+                &format!("fifth bits {pattern:#04x}"),
+            );
         }
     }
 }
@@ -120,11 +150,18 @@ fn simd_kernels_are_selected_when_available() {
     for q in simd_types {
         let off = format!("{:?}", Kernel::new(q, Isa::Portable).unwrap());
         let on = format!("{:?}", Kernel::new(q, Isa::Avx2).unwrap());
-        assert!(on.contains("Avx2(") && off.contains("simd: None"), "{q}: {on} / {off}");
+        assert!(
+            on.contains("Avx2(") && off.contains("simd: None"),
+            "{q}: {on} / {off}"
+        );
         // Every type but f16 (whose AVX2 kernel already streams at memory speed) has
         // AVX-512 kernels.
         let widest = format!("{:?}", Kernel::new(q, Isa::Avx512).unwrap());
-        assert_eq!(widest.contains("Avx512("), wide && q != QType::F16, "{q}: {widest}");
+        assert_eq!(
+            widest.contains("Avx512("),
+            wide && q != QType::F16,
+            "{q}: {widest}"
+        );
     }
 }
 
@@ -149,11 +186,25 @@ fn apr_q4_dots_equal_q4_0_dots_of_the_permuted_blocks() {
         for simd in paths() {
             let mut got = vec![f32::NAN; rows];
             let mut want = vec![f32::NAN; rows];
-            Kernel::new(QType::AprQ4, simd).unwrap().dot_rows(&apr, row_bytes, Act { x: &x, sums: &sums }, &mut got);
-            Kernel::new(QType::Q4_0, simd).unwrap().dot_rows(&q40, row_bytes, Act { x: &x, sums: &sums }, &mut want);
+            Kernel::new(QType::AprQ4, simd).unwrap().dot_rows(
+                &apr,
+                row_bytes,
+                Act { x: &x, sums: &sums },
+                &mut got,
+            );
+            Kernel::new(QType::Q4_0, simd).unwrap().dot_rows(
+                &q40,
+                row_bytes,
+                Act { x: &x, sums: &sums },
+                &mut want,
+            );
             for r in 0..rows {
                 let (g, w) = (got[r], want[r]);
-                assert_eq!(g.to_bits(), w.to_bits(), "cols {cols} row {r} simd {simd:?}: {g} vs {w}");
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "cols {cols} row {r} simd {simd:?}: {g} vs {w}"
+                );
             }
         }
     }
@@ -171,7 +222,11 @@ fn row_dequantisation_matches_reference_bit_for_bit() {
                 let mut got = vec![f32::NAN; cols];
                 Kernel::new(q, isa).unwrap().dequant_row(&bytes, &mut got);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(a.to_bits(), b.to_bits(), "{q} {isa:?} cols {cols} value {i}: {a} vs {b}");
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{q} {isa:?} cols {cols} value {i}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -196,12 +251,18 @@ fn f32_dot_handles_every_tail_length() {
         for simd in paths() {
             let token = kiln_backend_cpu::kernels::Simd::detect(simd);
             let got = dot_f32(token, &a, &b);
-            assert!((got as f64 - want).abs() < 1e-5, "n {n} simd {simd:?}: {got} vs {want}");
+            assert!(
+                (got as f64 - want).abs() < 1e-5,
+                "n {n} simd {simd:?}: {got} vs {want}"
+            );
             let neg: Vec<f32> = b.iter().map(|v| -v).collect();
             let four = dot4_f32(token, &a, [&b, &neg, &a, &b]);
             let self_dot: f64 = a.iter().map(|x| *x as f64 * *x as f64).sum();
             for (got, want) in four.iter().zip([want, -want, self_dot, want]) {
-                assert!((*got as f64 - want).abs() < 1e-5, "dot4 n {n} simd {simd:?}: {got} vs {want}");
+                assert!(
+                    (*got as f64 - want).abs() < 1e-5,
+                    "dot4 n {n} simd {simd:?}: {got} vs {want}"
+                );
             }
         }
     }
@@ -217,15 +278,27 @@ fn simd_kernels_refuse_rows_of_the_wrong_length() {
     }
     let x = vec![1.0f32; 64];
     let sums = vec![32.0f32; 2];
-    for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Portable) {
-        for q in [QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q8_0, QType::F16] {
+    for isa in Isa::available()
+        .into_iter()
+        .filter(|&isa| isa != Isa::Portable)
+    {
+        for q in [
+            QType::Q4_0,
+            QType::Q4_1,
+            QType::Q5_0,
+            QType::Q8_0,
+            QType::F16,
+        ] {
             let k = Kernel::new(q, isa).unwrap();
             let short = vec![0u8; q.row_bytes(32).unwrap()];
             let r = std::panic::catch_unwind(|| {
                 let mut out = [0f32; 1];
                 k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
             });
-            assert!(r.is_err(), "{q} {isa:?}: a 32-value row against 64 activations must be refused");
+            assert!(
+                r.is_err(),
+                "{q} {isa:?}: a 32-value row against 64 activations must be refused"
+            );
         }
         let x = vec![1.0f32; 512];
         let sums = vec![32.0f32; 16];
@@ -236,7 +309,10 @@ fn simd_kernels_refuse_rows_of_the_wrong_length() {
                 let mut out = [0f32; 1];
                 k.dot_rows(&short, short.len(), Act { x: &x, sums: &sums }, &mut out);
             });
-            assert!(r.is_err(), "{q} {isa:?}: a 256-value row against 512 activations must be refused");
+            assert!(
+                r.is_err(),
+                "{q} {isa:?}: a 256-value row against 512 activations must be refused"
+            );
         }
     }
 }

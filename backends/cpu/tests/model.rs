@@ -7,17 +7,24 @@ mod common;
 use common::{rel_err, Spec};
 use kiln_backend_cpu::CpuBackend;
 use kiln_core::{
-    quant::dequantize, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr, NormKind, RopeKind,
-    Support, TensorView,
+    quant::dequantize, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr,
+    NormKind, RopeKind, Support, TensorView,
 };
 
 fn load(ir: &ModelIr, threads: usize, sequences: usize) -> Box<dyn LayerExecutor> {
-    let opts = LoadOptions { max_context: 128, max_sequences: sequences, threads: Some(threads), ..Default::default() };
+    let opts = LoadOptions {
+        max_context: 128,
+        max_sequences: sequences,
+        threads: Some(threads),
+        ..Default::default()
+    };
     CpuBackend.load(ir, &opts).expect("load")
 }
 
 fn prompt(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) % vocab as u32).collect()
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) % vocab as u32)
+        .collect()
 }
 
 /// Logits after each token, decoding one at a time.
@@ -47,11 +54,20 @@ fn check_prefill_matches_decode(spec: &Spec, n: usize) {
     ex.prefill(seq, &tokens[..n], &mut logits).unwrap();
     assert_eq!(ex.sequence_len(seq).unwrap(), n);
     let err = rel_err(&logits, &want[n - 1]);
-    assert!(err < 1e-4, "{:?}: prefill of {n} vs stepwise: rel err {err:e}", spec.arch);
+    assert!(
+        err < 1e-4,
+        "{:?}: prefill of {n} vs stepwise: rel err {err:e}",
+        spec.arch
+    );
     for (i, &t) in tokens[n..].iter().enumerate() {
-        ex.decode(&[DecodeItem { seq, token: t }], &mut logits).unwrap();
+        ex.decode(&[DecodeItem { seq, token: t }], &mut logits)
+            .unwrap();
         let err = rel_err(&logits, &want[n + i]);
-        assert!(err < 1e-4, "{:?}: decode {i} after prefill: rel err {err:e}", spec.arch);
+        assert!(
+            err < 1e-4,
+            "{:?}: decode {i} after prefill: rel err {err:e}",
+            spec.arch
+        );
     }
     assert!(logits.iter().all(|v| v.is_finite()));
 }
@@ -107,7 +123,12 @@ fn batched_decode_equals_each_sequence_alone() {
     }
     let mut batch_logits = vec![0.0; 3 * vocab];
     for step in 0..3 {
-        let batch: Vec<DecodeItem> = (0..3).map(|i| DecodeItem { seq: seqs[i], token: follow[i][step] }).collect();
+        let batch: Vec<DecodeItem> = (0..3)
+            .map(|i| DecodeItem {
+                seq: seqs[i],
+                token: follow[i][step],
+            })
+            .collect();
         ex.decode(&batch, &mut batch_logits).unwrap();
         for i in 0..3 {
             let want = &alone[i][prompts[i].len() + step];
@@ -188,7 +209,9 @@ fn deq(t: &TensorView) -> Vec<f64> {
 
 /// `w` is rows × cols (row-major): y = W x.
 fn mv(w: &[f64], x: &[f64]) -> Vec<f64> {
-    w.chunks_exact(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    w.chunks_exact(x.len())
+        .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
 }
 
 fn rms(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
@@ -218,8 +241,15 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
     let (h, hd, eps) = (c.hidden_size, c.head_dim, c.norm_eps as f64);
     let embd = deq(&ir.weights.token_embd);
     let scale = c.embedding_scale as f64;
-    let mut xs: Vec<Vec<f64>> =
-        tokens.iter().map(|&t| embd[t as usize * h..(t as usize + 1) * h].iter().map(|v| v * scale).collect()).collect();
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| {
+            embd[t as usize * h..(t as usize + 1) * h]
+                .iter()
+                .map(|v| v * scale)
+                .collect()
+        })
+        .collect();
     for (li, l) in ir.weights.layers.iter().enumerate() {
         // Gemma 3's pattern from its definition: every `global_every`-th layer global, the
         // others over the last `window` positions with the local RoPE base.
@@ -227,7 +257,12 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
             Some(sw) if (li + 1) % sw.global_every != 0 => (sw.window, sw.local_theta as f64),
             _ => (usize::MAX, c.rope.theta as f64),
         };
-        let (wq, wk, wv, wo) = (deq(&l.attn_q), deq(&l.attn_k), deq(&l.attn_v), deq(&l.attn_out));
+        let (wq, wk, wv, wo) = (
+            deq(&l.attn_q),
+            deq(&l.attn_k),
+            deq(&l.attn_v),
+            deq(&l.attn_out),
+        );
         let an = deq(&l.attn_norm);
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -256,7 +291,12 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
             ks.push(k);
             vs.push(v);
         }
-        let (fg, fu, fd, fnw) = (deq(l.ffn_gate.as_ref().unwrap()), deq(&l.ffn_up), deq(&l.ffn_down), deq(l.ffn_norm.as_ref().unwrap()));
+        let (fg, fu, fd, fnw) = (
+            deq(l.ffn_gate.as_ref().unwrap()),
+            deq(&l.ffn_up),
+            deq(&l.ffn_down),
+            deq(l.ffn_norm.as_ref().unwrap()),
+        );
         for pos in 0..xs.len() {
             let mut att = vec![0.0; c.q_dim()];
             for head in 0..c.num_heads {
@@ -264,7 +304,13 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
                 let q = &qs[pos][head * hd..(head + 1) * hd];
                 let first = (pos + 1).saturating_sub(window);
                 let scores: Vec<f64> = (first..=pos)
-                    .map(|j| q.iter().zip(&ks[j][g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][g * hd..(g + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -287,7 +333,12 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
             let act = |g: f64| match c.activation {
                 Activation::Silu => g / (1.0 + (-g).exp()),
                 // The tanh approximation, as Gemma's `gelu_pytorch_tanh`.
-                Activation::Gelu => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh()),
+                Activation::Gelu => {
+                    0.5 * g
+                        * (1.0
+                            + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3)))
+                                .tanh())
+                }
             };
             let gated: Vec<f64> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
             let d = post(mv(&fd, &gated), &l.ffn_post_norm);
@@ -307,7 +358,11 @@ fn check_against_reference(spec: &Spec) {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
         let err = rel_err(g, &w);
-        assert!(err < 1e-4, "{:?} position {i}: rel err {err:e} against the f64 reference", spec.arch);
+        assert!(
+            err < 1e-4,
+            "{:?} position {i}: rel err {err:e} against the f64 reference",
+            spec.arch
+        );
     }
 }
 
@@ -329,7 +384,10 @@ fn sliding_window_layers_see_only_the_window() {
     for n in [1, 3, 4, 5, 10, 70] {
         check_prefill_matches_decode(&Spec::gemma3(), n);
     }
-    let spec = Spec { layers: 1, ..Spec::gemma3() };
+    let spec = Spec {
+        layers: 1,
+        ..Spec::gemma3()
+    };
     let ir = spec.build(5);
     let vocab = ir.config.vocab_size;
     let mut ex = load(&ir, 2, 1);
@@ -342,7 +400,12 @@ fn sliding_window_layers_see_only_the_window() {
         other[changed] = (other[changed] + 1) % vocab as u32;
         let got = last(ex.as_mut(), &other);
         let same = got == want;
-        assert_eq!(!same, visible, "changing position {changed} {} the last logits", if same { "kept" } else { "changed" });
+        assert_eq!(
+            !same,
+            visible,
+            "changing position {changed} {} the last logits",
+            if same { "kept" } else { "changed" }
+        );
     }
 }
 
@@ -359,42 +422,88 @@ fn invalid<T: std::fmt::Debug>(r: kiln_core::Result<T>, what: &str) {
 fn bad_input_is_a_typed_error() {
     let ir = Spec::llama().build(1);
     let vocab = ir.config.vocab_size;
-    let opts = LoadOptions { max_context: 16, max_sequences: 1, threads: Some(1), ..Default::default() };
+    let opts = LoadOptions {
+        max_context: 16,
+        max_sequences: 1,
+        threads: Some(1),
+        ..Default::default()
+    };
     let mut ex = CpuBackend.load(&ir, &opts).unwrap();
     let mut l = vec![0.0; vocab];
-    invalid(ex.decode(&[DecodeItem { seq: 5, token: 1 }], &mut l), "unknown sequence");
+    invalid(
+        ex.decode(&[DecodeItem { seq: 5, token: 1 }], &mut l),
+        "unknown sequence",
+    );
     invalid(ex.sequence_len(5), "unknown sequence len");
     invalid(ex.free_sequence(5), "free unknown");
     let seq = ex.new_sequence().unwrap();
     invalid(ex.new_sequence(), "no free slot");
-    invalid(ex.prefill(seq, &[vocab as u32], &mut l), "token out of vocab");
-    invalid(ex.decode(&[DecodeItem { seq, token: u32::MAX }], &mut l), "token out of vocab in decode");
-    invalid(ex.prefill(seq, &[1, 2], &mut l[..vocab - 1]), "short logits");
-    invalid(ex.decode(&[DecodeItem { seq, token: 1 }], &mut vec![0.0; vocab + 1]), "long logits");
+    invalid(
+        ex.prefill(seq, &[vocab as u32], &mut l),
+        "token out of vocab",
+    );
+    invalid(
+        ex.decode(
+            &[DecodeItem {
+                seq,
+                token: u32::MAX,
+            }],
+            &mut l,
+        ),
+        "token out of vocab in decode",
+    );
+    invalid(
+        ex.prefill(seq, &[1, 2], &mut l[..vocab - 1]),
+        "short logits",
+    );
+    invalid(
+        ex.decode(&[DecodeItem { seq, token: 1 }], &mut vec![0.0; vocab + 1]),
+        "long logits",
+    );
     invalid(ex.prefill(seq, &[], &mut l), "empty prompt");
-    invalid(ex.prefill(seq, &[1; 17], &mut l), "prompt longer than the context");
-    assert_eq!(ex.sequence_len(seq).unwrap(), 0, "failed calls leave the sequence untouched");
+    invalid(
+        ex.prefill(seq, &[1; 17], &mut l),
+        "prompt longer than the context",
+    );
+    assert_eq!(
+        ex.sequence_len(seq).unwrap(),
+        0,
+        "failed calls leave the sequence untouched"
+    );
     ex.prefill(seq, &[1; 16], &mut l).unwrap();
-    invalid(ex.decode(&[DecodeItem { seq, token: 1 }], &mut l), "context full");
+    invalid(
+        ex.decode(&[DecodeItem { seq, token: 1 }], &mut l),
+        "context full",
+    );
     invalid(ex.truncate_sequence(seq, 17), "truncate past the end");
     ex.free_sequence(seq).unwrap();
     invalid(ex.sequence_len(seq), "freed sequence");
     let again = ex.new_sequence().unwrap();
-    assert_ne!(again, seq, "ids of freed sequences are not handed out again at once");
+    assert_ne!(
+        again, seq,
+        "ids of freed sequences are not handed out again at once"
+    );
 }
 
 #[test]
 fn backend_registers_and_judges_models() {
     let reg = kiln_core::Registry::with_builtins();
-    let cpu = reg.get("cpu").expect("cpu backend registered through inventory");
+    let cpu = reg
+        .get("cpu")
+        .expect("cpu backend registered through inventory");
     assert!(cpu.probe().unwrap().contains("threads"));
     let ir = Spec::llama().build(2);
     assert_eq!(cpu.supports(&ir).score(), Some(10));
 
     let mut odd = ir.clone();
     let q = &odd.weights.layers[0].attn_q;
-    odd.weights.layers[0].attn_q =
-        TensorView::from_bytes("blk.0.attn_q", kiln_core::QType::Q8_1, q.dims().to_vec(), vec![0; kiln_core::QType::Q8_1.tensor_bytes(q.dims()).unwrap()]).unwrap();
+    odd.weights.layers[0].attn_q = TensorView::from_bytes(
+        "blk.0.attn_q",
+        kiln_core::QType::Q8_1,
+        q.dims().to_vec(),
+        vec![0; kiln_core::QType::Q8_1.tensor_bytes(q.dims()).unwrap()],
+    )
+    .unwrap();
     match cpu.supports(&odd) {
         Support::No { reason } => assert!(reason.contains("q8_1"), "{reason}"),
         s => panic!("expected a refusal, got {s:?}"),
@@ -403,5 +512,8 @@ fn backend_registers_and_judges_models() {
 
     let mut wrong = ir.clone();
     wrong.config.hidden_size = 32;
-    assert!(cpu.load(&wrong, &LoadOptions::default()).is_err(), "shape mismatch must be refused");
+    assert!(
+        cpu.load(&wrong, &LoadOptions::default()).is_err(),
+        "shape mismatch must be refused"
+    );
 }

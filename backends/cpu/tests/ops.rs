@@ -4,19 +4,26 @@ mod common;
 
 use common::random_vec;
 use kiln_backend_cpu::ops::{attend, rope, KvRun};
-use kiln_core::{RopeConfig, RopeKind, RopeScaling, Rng};
+use kiln_core::{Rng, RopeConfig, RopeKind, RopeScaling};
 
 #[test]
 fn rope_norm_and_neox_follow_their_definitions() {
     let mut rng = Rng::new(1);
     let (hd, rot) = (16, 12); // partial rotary: the last 4 dims must pass through
-    let cfg = |kind| RopeConfig { kind, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: rot };
+    let cfg = |kind| RopeConfig {
+        kind,
+        theta: 10000.0,
+        scaling: RopeScaling::None,
+        rotary_dims: rot,
+    };
     for kind in [RopeKind::Norm, RopeKind::Neox] {
         for pos in [0usize, 1, 7, 300] {
             let x = random_vec(&mut rng, hd, 1.0);
             let c = cfg(kind);
-            let (cos, sin): (Vec<f32>, Vec<f32>) =
-                (0..rot / 2).map(|i| (pos as f32 * c.inv_freq(i, None)).sin_cos()).map(|(s, c)| (c, s)).unzip();
+            let (cos, sin): (Vec<f32>, Vec<f32>) = (0..rot / 2)
+                .map(|i| (pos as f32 * c.inv_freq(i, None)).sin_cos())
+                .map(|(s, c)| (c, s))
+                .unzip();
             let mut got = x.clone();
             rope(kind, &mut got, &cos, &sin);
             let mut want = x.clone();
@@ -31,9 +38,18 @@ fn rope_norm_and_neox_follow_their_definitions() {
                 want[b] = (x0 * theta.sin() + x1 * theta.cos()) as f32;
             }
             for d in 0..hd {
-                assert!((got[d] - want[d]).abs() < 1e-4, "{kind:?} pos {pos} dim {d}: {} vs {}", got[d], want[d]);
+                assert!(
+                    (got[d] - want[d]).abs() < 1e-4,
+                    "{kind:?} pos {pos} dim {d}: {} vs {}",
+                    got[d],
+                    want[d]
+                );
             }
-            assert_eq!(&got[rot..], &x[rot..], "dims past rotary_dims are untouched");
+            assert_eq!(
+                &got[rot..],
+                &x[rot..],
+                "dims past rotary_dims are untouched"
+            );
         }
     }
     // The two layouts really differ (a swapped implementation would pass neither test above,
@@ -49,7 +65,12 @@ fn rope_norm_and_neox_follow_their_definitions() {
 
 #[test]
 fn rope_frequency_factors_and_linear_scaling_divide_the_frequency() {
-    let c = RopeConfig { kind: RopeKind::Norm, theta: 500000.0, scaling: RopeScaling::Linear { factor: 4.0 }, rotary_dims: 64 };
+    let c = RopeConfig {
+        kind: RopeKind::Norm,
+        theta: 500000.0,
+        scaling: RopeScaling::Linear { factor: 4.0 },
+        rotary_dims: 64,
+    };
     let factors: Vec<f32> = (0..32).map(|i| 1.0 + i as f32).collect();
     for i in [0, 5, 31] {
         let plain = 500000f32.powf(-2.0 * i as f32 / 64.0);
@@ -65,7 +86,10 @@ fn streaming_attention_equals_full_softmax() {
     // Head sizes with a partial 16-value vector (24, 136), whole ones (64), and more than
     // the four vectors the AVX-512 weighted sum keeps in registers at a time (80, 136).
     // Lengths around the tile size exercise the running-max rescale.
-    for (hd, len) in [24usize, 64, 80, 136].into_iter().flat_map(|hd| [1usize, 5, 127, 128, 129, 300].map(|len| (hd, len))) {
+    for (hd, len) in [24usize, 64, 80, 136]
+        .into_iter()
+        .flat_map(|hd| [1usize, 5, 127, 128, 129, 300].map(|len| (hd, len)))
+    {
         let stride = hd * kv_heads;
         let keys = random_vec(&mut rng, len * stride, 3.0);
         let values = random_vec(&mut rng, len * stride, 1.0);
@@ -74,30 +98,64 @@ fn streaming_attention_equals_full_softmax() {
         for g in 0..kv_heads {
             let off = g * hd;
             let scores: Vec<f64> = (0..len)
-                .map(|j| (0..hd).map(|d| q[d] as f64 * keys[j * stride + off + d] as f64).sum::<f64>() * scale as f64)
+                .map(|j| {
+                    (0..hd)
+                        .map(|d| q[d] as f64 * keys[j * stride + off + d] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
                 .collect();
             let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
             let want: Vec<f64> = (0..hd)
-                .map(|d| (0..len).map(|j| (scores[j] - max).exp() / z * values[j * stride + off + d] as f64).sum())
+                .map(|d| {
+                    (0..len)
+                        .map(|j| (scores[j] - max).exp() / z * values[j * stride + off + d] as f64)
+                        .sum()
+                })
                 .collect();
-            for simd in kiln_backend_cpu::kernels::Isa::available().into_iter().map(kiln_backend_cpu::kernels::Simd::detect) {
+            for simd in kiln_backend_cpu::kernels::Isa::available()
+                .into_iter()
+                .map(kiln_backend_cpu::kernels::Simd::detect)
+            {
                 let mut got = vec![f32::NAN; hd];
-                let runs = [KvRun { keys: &keys, values: &values, len }];
+                let runs = [KvRun {
+                    keys: &keys,
+                    values: &values,
+                    len,
+                }];
                 attend(simd, &q, &runs, stride, off, scale, &mut got);
                 for d in 0..hd {
-                    assert!((got[d] as f64 - want[d]).abs() < 1e-5, "len {len} head {g} dim {d} ({simd:?}): {} vs {}", got[d], want[d]);
+                    assert!(
+                        (got[d] as f64 - want[d]).abs() < 1e-5,
+                        "len {len} head {g} dim {d} ({simd:?}): {} vs {}",
+                        got[d],
+                        want[d]
+                    );
                 }
                 // The same rows as two runs, the later positions first (a wrapped ring).
                 let mid = len / 2;
                 let runs = [
-                    KvRun { keys: &keys[mid * stride..], values: &values[mid * stride..], len: len - mid },
-                    KvRun { keys: &keys[..mid * stride], values: &values[..mid * stride], len: mid },
+                    KvRun {
+                        keys: &keys[mid * stride..],
+                        values: &values[mid * stride..],
+                        len: len - mid,
+                    },
+                    KvRun {
+                        keys: &keys[..mid * stride],
+                        values: &values[..mid * stride],
+                        len: mid,
+                    },
                 ];
                 got.fill(f32::NAN);
                 attend(simd, &q, &runs, stride, off, scale, &mut got);
                 for d in 0..hd {
-                    assert!((got[d] as f64 - want[d]).abs() < 1e-5, "len {len} head {g} dim {d}, two runs: {} vs {}", got[d], want[d]);
+                    assert!(
+                        (got[d] as f64 - want[d]).abs() < 1e-5,
+                        "len {len} head {g} dim {d}, two runs: {} vs {}",
+                        got[d],
+                        want[d]
+                    );
                 }
             }
         }

@@ -20,7 +20,10 @@ fn main() {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "-n" {
-            steps = it.next().and_then(|v| v.parse().ok()).expect("-n takes a number");
+            steps = it
+                .next()
+                .and_then(|v| v.parse().ok())
+                .expect("-n takes a number");
         } else {
             files.push(a.clone());
         }
@@ -34,20 +37,59 @@ fn main() {
     };
     let variants = [
         ("default", Q40Policy::default()),
-        ("plain everywhere", Q40Policy { grouped_from: usize::MAX, ..Default::default() }),
-        ("x4 everywhere R4S2", Q40Policy { grouped_from: 0, grouped_tiling: GemvTiling::new(4, 2) }),
-        ("x4 everywhere R4S1", Q40Policy { grouped_from: 0, grouped_tiling: GemvTiling::new(4, 1) }),
-        ("x4 everywhere R4S4", Q40Policy { grouped_from: 0, grouped_tiling: GemvTiling::new(4, 4) }),
-        ("x4 from 2048", Q40Policy { grouped_from: 2048, ..Default::default() }),
+        (
+            "plain everywhere",
+            Q40Policy {
+                grouped_from: usize::MAX,
+                ..Default::default()
+            },
+        ),
+        (
+            "x4 everywhere R4S2",
+            Q40Policy {
+                grouped_from: 0,
+                grouped_tiling: GemvTiling::new(4, 2),
+            },
+        ),
+        (
+            "x4 everywhere R4S1",
+            Q40Policy {
+                grouped_from: 0,
+                grouped_tiling: GemvTiling::new(4, 1),
+            },
+        ),
+        (
+            "x4 everywhere R4S4",
+            Q40Policy {
+                grouped_from: 0,
+                grouped_tiling: GemvTiling::new(4, 4),
+            },
+        ),
+        (
+            "x4 from 2048",
+            Q40Policy {
+                grouped_from: 2048,
+                ..Default::default()
+            },
+        ),
     ];
     println!("| model | variant | tg{steps} tok/s | graph ms/step |");
     println!("|---|---|---|---|");
     for f in &files {
         let model = kiln::Model::open(std::path::Path::new(f)).expect("open model");
-        let name = std::path::Path::new(f).file_name().unwrap().to_string_lossy().into_owned();
+        let name = std::path::Path::new(f)
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
         for (label, policy) in variants {
-            let options = LoadOptions { max_context: 1024, max_sequences: 1, ..Default::default() };
-            let mut ex = GpuExecutor::load(&dev, &model.ir, &options, Arc::new(policy)).expect("load");
+            let options = LoadOptions {
+                max_context: 1024,
+                max_sequences: 1,
+                ..Default::default()
+            };
+            let mut ex =
+                GpuExecutor::load(&dev, &model.ir, &options, Arc::new(policy)).expect("load");
             let vocab = model.ir.config.vocab_size;
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; vocab];
@@ -56,7 +98,8 @@ fn main() {
             let mut tok = [kiln_core::argmax(&logits)];
             for _ in 0..16 {
                 let t = tok[0];
-                ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+                ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                    .unwrap();
             }
             let mut best = 0f64;
             for _ in 0..3 {
@@ -64,7 +107,8 @@ fn main() {
                 let t0 = Instant::now();
                 for _ in 0..steps {
                     let t = tok[0];
-                    ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok).unwrap();
+                    ex.decode_sample(&[DecodeItem { seq, token: t }], &mut sampler, &mut tok)
+                        .unwrap();
                 }
                 best = best.max(steps as f64 / t0.elapsed().as_secs_f64());
             }

@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use kiln_core::{score, Backend, LayerExecutor, LoadOptions, ModelIr, QType, Result, Support};
 use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
-use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, APR_Q4_X4, Q4_0_X4};
+use kiln_kernels::{
+    gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, APR_Q4_X4, Q4_0_X4,
+};
 
 pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK};
 
@@ -84,7 +86,11 @@ impl GpuPolicy for Q40Policy {
 
 /// Loads `model` on `device` with `cuda-q4_0`'s policy (what `Backend::load` does on
 /// device 0; tests and benchmarks call it to keep the concrete type).
-pub fn load_executor(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<GpuExecutor> {
+pub fn load_executor(
+    device: &Arc<Device>,
+    model: &ModelIr,
+    options: &LoadOptions,
+) -> Result<GpuExecutor> {
     GpuExecutor::load(device, model, options, Arc::new(Q40Policy::default()))
 }
 
@@ -114,7 +120,10 @@ impl Backend for CudaQ40Backend {
         if share > score::MAJORITY {
             Support::Yes {
                 score: score::GPU_SPECIALIST,
-                note: format!("Q4_0 (or APR 4-bit) holds {:.0}% of the matmul bytes", 100.0 * share),
+                note: format!(
+                    "Q4_0 (or APR 4-bit) holds {:.0}% of the matmul bytes",
+                    100.0 * share
+                ),
             }
         } else {
             Support::Yes {

@@ -102,11 +102,44 @@ fn q4_0_decode_logits_match_the_cpu_backend() {
             ..Default::default()
         };
         let variants = [
-            ("q16 default", Q40Policy::default(), GemvPath::Q16, None, 0.99999),
-            ("q16 all x4 R4S2", grouped, GemvPath::Q16, Some(GemvTiling::new(4, 2)), 0.99999),
-            ("q16 all x4 R4S1", grouped, GemvPath::Q16, Some(GemvTiling::new(4, 1)), 0.99999),
-            ("q16 all x4 R4S4 plain GEMVs", Q40Policy { grouped_tiling: GemvTiling::new(4, 4), ..grouped }, GemvPath::Q16, None, 0.99999),
-            ("q8 default", Q40Policy::default(), GemvPath::Q8, None, 0.999),
+            (
+                "q16 default",
+                Q40Policy::default(),
+                GemvPath::Q16,
+                None,
+                0.99999,
+            ),
+            (
+                "q16 all x4 R4S2",
+                grouped,
+                GemvPath::Q16,
+                Some(GemvTiling::new(4, 2)),
+                0.99999,
+            ),
+            (
+                "q16 all x4 R4S1",
+                grouped,
+                GemvPath::Q16,
+                Some(GemvTiling::new(4, 1)),
+                0.99999,
+            ),
+            (
+                "q16 all x4 R4S4 plain GEMVs",
+                Q40Policy {
+                    grouped_tiling: GemvTiling::new(4, 4),
+                    ..grouped
+                },
+                GemvPath::Q16,
+                None,
+                0.99999,
+            ),
+            (
+                "q8 default",
+                Q40Policy::default(),
+                GemvPath::Q8,
+                None,
+                0.999,
+            ),
         ];
         for (name, policy, path, tiling, floor) in variants {
             let mut gpu = GpuExecutor::load(&dev, &ir, &options, Arc::new(policy)).unwrap();
@@ -125,11 +158,23 @@ fn q4_0_decode_logits_match_the_cpu_backend() {
             for _ in 0..steps {
                 let next = kiln_core::argmax(&lc);
                 same_top += (kiln_core::argmax(&lg) == next) as usize;
-                cpu.decode(&[DecodeItem { seq: cs, token: next }], &mut lc)
-                    .unwrap();
+                cpu.decode(
+                    &[DecodeItem {
+                        seq: cs,
+                        token: next,
+                    }],
+                    &mut lc,
+                )
+                .unwrap();
                 lg.fill(f32::NAN);
-                gpu.decode(&[DecodeItem { seq: gs, token: next }], &mut lg)
-                    .unwrap();
+                gpu.decode(
+                    &[DecodeItem {
+                        seq: gs,
+                        token: next,
+                    }],
+                    &mut lg,
+                )
+                .unwrap();
                 worst = worst.min(cosine(&lc, &lg));
             }
             println!("{label} / {name}: worst cosine {worst:.7}, same argmax {same_top}/{steps}");
@@ -151,11 +196,27 @@ fn selection_follows_the_majority_weight_family() {
     let mut rng = Rng::new(fresh_seed());
     let q4k = kiln_backend_cuda_q4k::CudaQ4kBackend;
     let cases = [
-        ([Q4_0, Q4_0, Q4_0, Q4_0, Q6_K], score::GPU_SPECIALIST, score::GPU_GENERAL),
-        ([Q4_K, Q6_K, Q4_K, Q6_K, Q6_K], score::GPU_OTHER_FAMILY, score::GPU_SPECIALIST),
-        ([Q8_0, Q8_0, Q4_1, Q5_0, Q8_0], score::GPU_OTHER_FAMILY, score::GPU_GENERAL),
+        (
+            [Q4_0, Q4_0, Q4_0, Q4_0, Q6_K],
+            score::GPU_SPECIALIST,
+            score::GPU_GENERAL,
+        ),
+        (
+            [Q4_K, Q6_K, Q4_K, Q6_K, Q6_K],
+            score::GPU_OTHER_FAMILY,
+            score::GPU_SPECIALIST,
+        ),
+        (
+            [Q8_0, Q8_0, Q4_1, Q5_0, Q8_0],
+            score::GPU_OTHER_FAMILY,
+            score::GPU_GENERAL,
+        ),
         // Q4_0 attention, Q4_K feed-forward (most of the bytes): K-quants win.
-        ([Q4_0, Q4_0, Q4_K, Q4_K, Q6_K], score::GPU_OTHER_FAMILY, score::GPU_SPECIALIST),
+        (
+            [Q4_0, Q4_0, Q4_K, Q4_K, Q6_K],
+            score::GPU_OTHER_FAMILY,
+            score::GPU_SPECIALIST,
+        ),
     ];
     for (types, want_q4_0, want_q4k) in cases {
         let (_, mut shape) = q4_0_shapes().remove(0);

@@ -224,7 +224,11 @@ fn main() {
         }
         if short_prefill {
             // Buffers for 64 rows come with 64 sequence slots.
-            let options = LoadOptions { max_context: 512, max_sequences: 64, ..Default::default() };
+            let options = LoadOptions {
+                max_context: 512,
+                max_sequences: 64,
+                ..Default::default()
+            };
             let mut wide = load_executor(&dev, &ir, &options).expect("load");
             short_prefill_bench(&mut wide, s);
         }

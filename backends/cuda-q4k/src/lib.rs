@@ -60,12 +60,19 @@ impl GpuPolicy for Q4kPolicy {
 
 /// Loads `model` on `device` with `cuda-q4k`'s policy (what `Backend::load` does on device
 /// 0; tests and benchmarks call it to keep the concrete type).
-pub fn load_executor(device: &Arc<Device>, model: &ModelIr, options: &LoadOptions) -> Result<GpuExecutor> {
+pub fn load_executor(
+    device: &Arc<Device>,
+    model: &ModelIr,
+    options: &LoadOptions,
+) -> Result<GpuExecutor> {
     GpuExecutor::load(device, model, options, Arc::new(Q4kPolicy))
 }
 
 fn is_kquant(q: QType) -> bool {
-    matches!(q, QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K)
+    matches!(
+        q,
+        QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K
+    )
 }
 
 impl Backend for CudaQ4kBackend {

@@ -34,11 +34,41 @@ fn decode_logits_match_the_cpu_backend() {
         // (usize::MAX: every O/SwiGLU/down GEMV quantises in its epilogue; 0: none does,
         // a separate launch quantises after each.)
         let variants = [
-            ("q16 fused R4S2", GemvPath::Q16, GemvTiling::new(4, 2), usize::MAX, 0.99999),
-            ("q16 fused R2S1", GemvPath::Q16, GemvTiling::new(2, 1), usize::MAX, 0.99999),
-            ("q16 fused R4S1", GemvPath::Q16, GemvTiling::new(4, 1), usize::MAX, 0.99999),
-            ("q16 unfused", GemvPath::Q16, GemvTiling::new(2, 1), 0, 0.99999),
-            ("q8 fused R2S1", GemvPath::Q8, GemvTiling::new(2, 1), usize::MAX, 0.999),
+            (
+                "q16 fused R4S2",
+                GemvPath::Q16,
+                GemvTiling::new(4, 2),
+                usize::MAX,
+                0.99999,
+            ),
+            (
+                "q16 fused R2S1",
+                GemvPath::Q16,
+                GemvTiling::new(2, 1),
+                usize::MAX,
+                0.99999,
+            ),
+            (
+                "q16 fused R4S1",
+                GemvPath::Q16,
+                GemvTiling::new(4, 1),
+                usize::MAX,
+                0.99999,
+            ),
+            (
+                "q16 unfused",
+                GemvPath::Q16,
+                GemvTiling::new(2, 1),
+                0,
+                0.99999,
+            ),
+            (
+                "q8 fused R2S1",
+                GemvPath::Q8,
+                GemvTiling::new(2, 1),
+                usize::MAX,
+                0.999,
+            ),
         ];
         for (name, path, tiling, fuse_limit, floor) in variants {
             let mut gpu = load_executor(&dev, &ir, &options).unwrap();

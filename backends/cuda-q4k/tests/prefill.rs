@@ -147,7 +147,11 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
         tested += 1;
         for n in [1usize, 2, 5, 9, 16, SHORT_PREFILL] {
             let p = prompt(&mut rng, n, vocab);
-            let (mut lc, mut short, mut long) = (vec![0f32; vocab], vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
+            let (mut lc, mut short, mut long) = (
+                vec![0f32; vocab],
+                vec![f32::NAN; vocab],
+                vec![f32::NAN; vocab],
+            );
             let cs = cpu.new_sequence().unwrap();
             cpu.prefill(cs, &p, &mut lc).unwrap();
             gpu.set_short_prefill_max(0);
@@ -162,9 +166,15 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
             let vs_cublas = cosine(&long, &short);
             let dec = decode_both(&mut cpu, &mut gpu, (cs, gs), &mut lc, &mut short, 4);
             println!("{label}, {n} tokens: short prefill vs CPU {vs_cpu:.6}, vs cuBLAS prefill {vs_cublas:.6}, decode after {dec:.6}");
-            for (what, v) in [("vs CPU", vs_cpu), ("vs cuBLAS prefill", vs_cublas), ("decode after", dec)] {
+            for (what, v) in [
+                ("vs CPU", vs_cpu),
+                ("vs cuBLAS prefill", vs_cublas),
+                ("decode after", dec),
+            ] {
                 if v.is_nan() || v < FLOOR {
-                    failures.push(format!("{label}, {n} tokens, short prefill {what}: cosine {v} < {FLOOR}"));
+                    failures.push(format!(
+                        "{label}, {n} tokens, short prefill {what}: cosine {v} < {FLOOR}"
+                    ));
                 }
             }
             cpu.free_sequence(cs).unwrap();

@@ -23,8 +23,7 @@
 
 use kiln_core::{DecodeItem, Error, Result, Sampler};
 use kiln_kernels::{
-    BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat,
-    Workspace,
+    BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat, Workspace,
 };
 
 use super::{err, GpuExecutor};
@@ -114,7 +113,11 @@ impl BatchState {
         // The partial sums of the widest split over every matmul and bucket (narrower
         // batches split the row length more).
         let mut part = 0;
-        for bucket in BUCKETS.iter().map(|&b| Kernels::bmm_rows(b)).filter(|&b| b <= rows) {
+        for bucket in BUCKETS
+            .iter()
+            .map(|&b| Kernels::bmm_rows(b))
+            .filter(|&b| b <= rows)
+        {
             part = part.max(k.bmm_part_len(head, bucket, false));
             for l in &exec.layers {
                 for p in &l.qkv {
@@ -178,7 +181,10 @@ struct StepRow {
 
 /// The bucket a batch of `n` rows runs in (a batch of one runs in the smallest).
 fn bucket_of(n: usize) -> usize {
-    BUCKETS.iter().position(|&b| b >= n).expect("batches are split at 64 rows")
+    BUCKETS
+        .iter()
+        .position(|&b| b >= n)
+        .expect("batches are split at 64 rows")
 }
 
 /// How a decode_sample row draws its token.
@@ -219,9 +225,9 @@ impl GpuExecutor {
     /// Rows one batched step takes at most (the rest of a larger batch goes in further
     /// steps).
     fn batch_rows(&self) -> usize {
-        self.batch
-            .as_ref()
-            .map_or(1, |b| b.rows.min(self.slots.capacity()).min(Kernels::MAX_BATCH))
+        self.batch.as_ref().map_or(1, |b| {
+            b.rows.min(self.slots.capacity()).min(Kernels::MAX_BATCH)
+        })
     }
 
     /// Queues the batched step for the `rows` rows of bucket `rows` (see the module doc).
@@ -248,22 +254,23 @@ impl GpuExecutor {
             ..Default::default()
         };
         // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma).
-        let add_to_stream = |w: &kiln_kernels::DeviceWeight, post: Option<&kiln_kernels::DeviceBuffer<f32>>| {
-            match post {
-                None => {
-                    let residual = BatchEpilogue {
-                        residual: Some(x),
-                        ..Default::default()
-                    };
-                    k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)
+        let add_to_stream =
+            |w: &kiln_kernels::DeviceWeight, post: Option<&kiln_kernels::DeviceBuffer<f32>>| {
+                match post {
+                    None => {
+                        let residual = BatchEpilogue {
+                            residual: Some(x),
+                            ..Default::default()
+                        };
+                        k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)
+                    }
+                    Some(post) => {
+                        let y = b.proj.sub(0, bm * h)?;
+                        k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
+                        k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)
+                    }
                 }
-                Some(post) => {
-                    let y = b.proj.sub(0, bm * h)?;
-                    k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
-                    k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)
-                }
-            }
-        };
+            };
         k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
         for (li, l) in self.layers.iter().enumerate() {
             k.act_pack(x, bm, h, Some(l.attn_norm.slice()), Some(c.norm_eps), b.act)?;
@@ -285,7 +292,9 @@ impl GpuExecutor {
             let attn = self.attn_args(li);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
-            k.attention_batch(&attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out)?;
+            k.attention_batch(
+                &attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out,
+            )?;
             k.act_pack(b.attn, bm, qd, None, None, b.act)?;
             add_to_stream(&l.o, l.attn_post_norm.as_ref())?;
             k.act_pack(x, bm, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), b.act)?;
@@ -294,7 +303,14 @@ impl GpuExecutor {
             k.act_pack(f, bm, ffn, None, None, b.act)?;
             add_to_stream(&l.down, l.ffn_post_norm.as_ref())?;
         }
-        k.act_pack(x, bm, h, Some(self.out_norm.slice()), Some(c.norm_eps), b.act)?;
+        k.act_pack(
+            x,
+            bm,
+            h,
+            Some(self.out_norm.slice()),
+            Some(c.norm_eps),
+            b.act,
+        )?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let vocab = c.vocab_size;
         let logits = b.logits.sub(0, bm * vocab)?;
@@ -309,7 +325,11 @@ impl GpuExecutor {
             .iter()
             .map(|it| {
                 let slot = self.slot_of(it.seq)?;
-                Ok(StepRow { token: it.token, pos: self.slots[slot].len, slot })
+                Ok(StepRow {
+                    token: it.token,
+                    pos: self.slots[slot].len,
+                    slot,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let bucket_rows = self.launch_rows(&rows)?;
@@ -325,7 +345,10 @@ impl GpuExecutor {
     /// replays the bucket's graph (capturing it first if it has not been). Returns the
     /// bucket's row count.
     fn launch_rows(&mut self, rows: &[StepRow]) -> Result<usize> {
-        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let st = self
+            .batch
+            .as_ref()
+            .map_err(|why| Error::Unsupported(why.clone()))?;
         let n = st.rows;
         let bucket = bucket_of(rows.len());
         let mut meta = vec![0i32; 4 * n];
@@ -342,11 +365,18 @@ impl GpuExecutor {
         let rows = BUCKETS[bucket];
         st.b.meta.copy_from_host(&self.device, &meta).map_err(err)?;
         if st.graphs[bucket].is_none() {
-            let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
+            let graph = self
+                .device
+                .capture(|| self.queue_batch_step(rows))
+                .map_err(err)?;
             self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
         }
         let st = self.batch.as_ref().expect("checked above");
-        st.graphs[bucket].as_ref().expect("captured above").launch().map_err(err)?;
+        st.graphs[bucket]
+            .as_ref()
+            .expect("captured above")
+            .launch()
+            .map_err(err)?;
         Ok(rows)
     }
 
@@ -355,7 +385,10 @@ impl GpuExecutor {
     /// doc). Returns where the last token's logits are.
     pub(super) fn prefill_short(&mut self, slot: usize, tokens: &[u32]) -> Result<DevSlice<f32>> {
         let n = tokens.len();
-        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let st = self
+            .batch
+            .as_ref()
+            .map_err(|why| Error::Unsupported(why.clone()))?;
         let cap = st.rows;
         if n == 0 || n > cap {
             return Err(Error::InvalidArgument(format!(
@@ -363,8 +396,15 @@ impl GpuExecutor {
             )));
         }
         let start = self.slots[slot].len;
-        let rows: Vec<StepRow> =
-            tokens.iter().enumerate().map(|(i, &token)| StepRow { token, pos: start + i, slot }).collect();
+        let rows: Vec<StepRow> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| StepRow {
+                token,
+                pos: start + i,
+                slot,
+            })
+            .collect();
         self.launch_rows(&rows)?;
         self.slots[slot].len = start + n;
         self.slots[slot].record(start, tokens);
@@ -374,7 +414,11 @@ impl GpuExecutor {
     }
 
     /// `decode` for a batch of two or more: steps of up to `batch_rows` sequences.
-    pub(super) fn decode_batched(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
+    pub(super) fn decode_batched(
+        &mut self,
+        batch: &[DecodeItem],
+        logits: &mut [f32],
+    ) -> Result<()> {
         let vocab = self.config.vocab_size;
         let per = self.batch_rows();
         for (items, out) in batch.chunks(per).zip(logits.chunks_mut(per * vocab)) {
@@ -397,7 +441,10 @@ impl GpuExecutor {
             if rows > most {
                 break;
             }
-            let graph = self.device.capture(|| self.queue_batch_step(rows)).map_err(err)?;
+            let graph = self
+                .device
+                .capture(|| self.queue_batch_step(rows))
+                .map_err(err)?;
             self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
         }
         Ok(())
@@ -430,8 +477,13 @@ impl GpuExecutor {
                         Draw::Host
                     } else if p.is_greedy() && p.repeat_penalty == 1.0 {
                         Draw::Device([1.0, 1.0, 0.0, 1.0], 0.0)
-                    } else if Kernels::can_sample(vocab, p) && Kernels::sample_rows_scratch(vocab) <= 4096 {
-                        Draw::Device([p.temperature, p.top_p, p.min_p, p.top_k as f32], s.rng.next_f32())
+                    } else if Kernels::can_sample(vocab, p)
+                        && Kernels::sample_rows_scratch(vocab) <= 4096
+                    {
+                        Draw::Device(
+                            [p.temperature, p.top_p, p.min_p, p.top_k as f32],
+                            s.rng.next_f32(),
+                        )
                     } else {
                         Draw::Host
                     }
@@ -446,7 +498,12 @@ impl GpuExecutor {
             let mut bias = Vec::new();
             for (i, (d, s)) in draws.iter().zip(samplers.iter()).enumerate() {
                 if let Draw::Device(..) = d {
-                    for &(t, v) in s.params.logit_bias.iter().filter(|(t, _)| (*t as usize) < vocab) {
+                    for &(t, v) in s
+                        .params
+                        .logit_bias
+                        .iter()
+                        .filter(|(t, _)| (*t as usize) < vocab)
+                    {
                         bias_index.push((i * vocab + t as usize) as i32);
                         bias.push(v);
                     }
@@ -454,13 +511,21 @@ impl GpuExecutor {
             }
             if !bias.is_empty() {
                 let m = bias.len();
-                b.bias_index.sub(0, m)?.copy_from_host(&self.device, &bias_index).map_err(err)?;
-                b.bias.sub(0, m)?.copy_from_host(&self.device, &bias).map_err(err)?;
+                b.bias_index
+                    .sub(0, m)?
+                    .copy_from_host(&self.device, &bias_index)
+                    .map_err(err)?;
+                b.bias
+                    .sub(0, m)?
+                    .copy_from_host(&self.device, &bias)
+                    .map_err(err)?;
                 self.k
                     .add_logit_bias(b.logits.sub(0, n * vocab)?, b.bias_index, b.bias, m)
                     .map_err(err)?;
             }
-            let all_greedy = draws.iter().all(|d| matches!(d, Draw::Device(p, _) if p[3] == 1.0));
+            let all_greedy = draws
+                .iter()
+                .all(|d| matches!(d, Draw::Device(p, _) if p[3] == 1.0));
             if all_greedy {
                 // Greedy rows only: the argmax kernels (no sort), lowest index on ties.
                 self.k
@@ -475,8 +540,14 @@ impl GpuExecutor {
                         uniform[i] = *u;
                     }
                 }
-                b.params.sub(0, n)?.copy_from_host(&self.device, &params[..n]).map_err(err)?;
-                b.uniform.sub(0, n)?.copy_from_host(&self.device, &uniform[..n]).map_err(err)?;
+                b.params
+                    .sub(0, n)?
+                    .copy_from_host(&self.device, &params[..n])
+                    .map_err(err)?;
+                b.uniform
+                    .sub(0, n)?
+                    .copy_from_host(&self.device, &uniform[..n])
+                    .map_err(err)?;
                 self.k
                     .sample_rows(
                         b.logits.sub(0, n * vocab)?,
@@ -490,9 +561,17 @@ impl GpuExecutor {
                     .map_err(err)?;
             }
             if draws.iter().any(|d| matches!(d, Draw::Device(..))) {
-                b.tokens.sub(0, n)?.copy_to_host(&self.device, &mut out[..n]).map_err(err)?;
+                b.tokens
+                    .sub(0, n)?
+                    .copy_to_host(&self.device, &mut out[..n])
+                    .map_err(err)?;
             }
-            for (i, ((d, s), t)) in draws.iter().zip(samplers.iter_mut()).zip(tokens.iter_mut()).enumerate() {
+            for (i, ((d, s), t)) in draws
+                .iter()
+                .zip(samplers.iter_mut())
+                .zip(tokens.iter_mut())
+                .enumerate()
+            {
                 match d {
                     Draw::Device(..) => {
                         *t = out[i] as u32;
@@ -516,7 +595,10 @@ impl GpuExecutor {
     /// `replays` times after the batch's last step; median milliseconds): the step without
     /// the host's round trip. The bucket must have run once.
     pub fn batch_step_device_ms(&mut self, rows: usize, replays: usize) -> Result<f64> {
-        let st = self.batch.as_ref().map_err(|why| Error::Unsupported(why.clone()))?;
+        let st = self
+            .batch
+            .as_ref()
+            .map_err(|why| Error::Unsupported(why.clone()))?;
         let graph = st.graphs[bucket_of(rows.clamp(2, Kernels::MAX_BATCH))]
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("no batch of {rows} has decoded yet")))?;

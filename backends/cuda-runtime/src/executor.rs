@@ -10,17 +10,17 @@ use kiln_core::{
     ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots, TensorView,
 };
 // A child module, so the batched prefill shares the executor's private state.
-#[path = "prefill.rs"]
-mod prefill;
 #[path = "batch.rs"]
 mod batch;
-pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
+#[path = "prefill.rs"]
+mod prefill;
 pub use batch::SHORT_PREFILL;
+pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
-    GemvPath, GemvTiling, Graph, Kernels, KvCache, PendingNorm, Q8Act, QuantOut, RopeArgs,
-    WeightFormat, Workspace,
+    AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
+    GemvTiling, Graph, Kernels, KvCache, PendingNorm, Q8Act, QuantOut, RopeArgs, WeightFormat,
+    Workspace,
 };
 
 use crate::GpuPolicy;
@@ -34,7 +34,9 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
         return Err(format!("{name} runs RMSNorm models only"));
     }
     if !c.gated_ffn || !matches!(c.activation, Activation::Silu | Activation::Gelu) {
-        return Err(format!("{name} runs gated feed-forwards (SwiGLU, GeGLU) only"));
+        return Err(format!(
+            "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
+        ));
     }
     if c.parallel_residual {
         return Err(format!("{name} does not run parallel-residual blocks"));
@@ -265,7 +267,12 @@ unsafe impl Send for GpuExecutor {}
 /// `weights` about to go up and a reserve for the workspaces (the prefill's f16 copy of the
 /// largest matrix among them), cuBLAS and the graphs. Says so on stderr when it caps the
 /// model's context.
-fn fitted_context(device: &Arc<Device>, c: &ModelConfig, options: &LoadOptions, weights: u64) -> Result<usize> {
+fn fitted_context(
+    device: &Arc<Device>,
+    c: &ModelConfig,
+    options: &LoadOptions,
+    weights: u64,
+) -> Result<usize> {
     let (free, total) = device.memory_info().map_err(err)?;
     let row = 2 * c.kv_dim() as u64 * 2;
     let (mut per_position, mut fixed) = (0u64, 0u64);
@@ -314,9 +321,19 @@ impl GpuExecutor {
         // (batched decode and short prompts) when every format has its matmul.
         let blas = kiln_kernels::Blas::new(device);
         let batched = formats.iter().all(|f| f.batched.is_some());
-        let activation_path = if options.quantized_activations { GemvPath::Q8 } else { GemvPath::Q16 };
-        let modules = Kernels::modules_for(&formats, activation_path, hd, blas.is_ok(), batched && blas.is_ok())
-            .map_err(err)?;
+        let activation_path = if options.quantized_activations {
+            GemvPath::Q8
+        } else {
+            GemvPath::Q16
+        };
+        let modules = Kernels::modules_for(
+            &formats,
+            activation_path,
+            hd,
+            blas.is_ok(),
+            batched && blas.is_ok(),
+        )
+        .map_err(err)?;
         k.preload_modules(&modules).map_err(err)?;
 
         let mut done = 0u64;
@@ -328,40 +345,45 @@ impl GpuExecutor {
         };
         // Matrices go up in the format the policy picks for their type; `parts` are
         // matrices of one type and row length stacked into one (Q, K and V).
-        let upload_stacked = |parts: &[&TensorView], progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
-            let first = parts[0];
-            let mut rows = 0;
-            for t in parts {
-                if t.dims().len() != 2 {
-                    return Err(Error::InvalidShape(format!(
-                        "{} is not a matrix: dims {:?}",
-                        t.name(),
-                        t.dims()
-                    )));
+        let upload_stacked =
+            |parts: &[&TensorView], progress: &mut dyn FnMut(usize)| -> Result<DeviceWeight> {
+                let first = parts[0];
+                let mut rows = 0;
+                for t in parts {
+                    if t.dims().len() != 2 {
+                        return Err(Error::InvalidShape(format!(
+                            "{} is not a matrix: dims {:?}",
+                            t.name(),
+                            t.dims()
+                        )));
+                    }
+                    if t.qtype() != first.qtype() || t.row_len() != first.row_len() {
+                        return Err(Error::InvalidShape(format!(
+                            "{} and {} cannot be stacked",
+                            first.name(),
+                            t.name()
+                        )));
+                    }
+                    rows += t.rows();
                 }
-                if t.qtype() != first.qtype() || t.row_len() != first.row_len() {
-                    return Err(Error::InvalidShape(format!(
-                        "{} and {} cannot be stacked",
-                        first.name(),
-                        t.name()
-                    )));
+                let format = policy
+                    .format_for(first.qtype(), first.row_len())
+                    .ok_or_else(|| Error::Unsupported(format!("no GEMV for {}", first.qtype())))?;
+                let dw = if parts.len() == 1 {
+                    DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, first.bytes())
+                } else {
+                    let bytes: Vec<u8> = parts
+                        .iter()
+                        .flat_map(|t| t.bytes().iter().copied())
+                        .collect();
+                    DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, &bytes)
                 }
-                rows += t.rows();
-            }
-            let format = policy
-                .format_for(first.qtype(), first.row_len())
-                .ok_or_else(|| Error::Unsupported(format!("no GEMV for {}", first.qtype())))?;
-            let dw = if parts.len() == 1 {
-                DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, first.bytes())
-            } else {
-                let bytes: Vec<u8> = parts.iter().flat_map(|t| t.bytes().iter().copied()).collect();
-                DeviceWeight::from_ggml_as(device, format, first.row_len(), rows, &bytes)
-            }
-            .map_err(err)?;
-            progress(parts.iter().map(|t| t.bytes().len()).sum());
-            Ok(dw)
-        };
-        let upload = |t: &TensorView, progress: &mut dyn FnMut(usize)| upload_stacked(&[t], progress);
+                .map_err(err)?;
+                progress(parts.iter().map(|t| t.bytes().len()).sum());
+                Ok(dw)
+            };
+        let upload =
+            |t: &TensorView, progress: &mut dyn FnMut(usize)| upload_stacked(&[t], progress);
         let upload_vec = |v: &[f32]| DeviceBuffer::from_host(device, v).map_err(err);
 
         let embd = upload(&w.token_embd, &mut progress)?;
@@ -380,9 +402,14 @@ impl GpuExecutor {
             Some(t) => Some(t.to_f32()?),
             None => None,
         };
-        let inv_freqs = |rope: &kiln_core::RopeConfig, factors: Option<&[f32]>| -> Result<DeviceBuffer<f32>> {
-            upload_vec(&(0..rope.rotary_dims / 2).map(|i| rope.inv_freq(i, factors)).collect::<Vec<_>>())
-        };
+        let inv_freqs =
+            |rope: &kiln_core::RopeConfig, factors: Option<&[f32]>| -> Result<DeviceBuffer<f32>> {
+                upload_vec(
+                    &(0..rope.rotary_dims / 2)
+                        .map(|i| rope.inv_freq(i, factors))
+                        .collect::<Vec<_>>(),
+                )
+            };
         let inv_freq = inv_freqs(&c.rope, freq_factors.as_deref())?;
         // The windowed layers' own base, unscaled (see `ModelConfig::local_rope`).
         let local_inv_freq = match c.local_rope() {
@@ -563,7 +590,8 @@ impl GpuExecutor {
                 w => (w + prefill::CHUNK - 1).min(max_ctx),
             })
             .collect();
-        let kv = KvCache::new(device, options.sequences(), c.num_kv_heads, hd, &kv_rows).map_err(err)?;
+        let kv =
+            KvCache::new(device, options.sequences(), c.num_kv_heads, hd, &kv_rows).map_err(err)?;
         Ok(GpuExecutor {
             device: device.clone(),
             policy,
@@ -608,7 +636,8 @@ impl GpuExecutor {
             ));
         }
         // The other path's GEMVs load now: a graph capture cannot load modules.
-        let modules = Kernels::modules_for(&self.formats, path, self.config.head_dim, false, false).map_err(err)?;
+        let modules = Kernels::modules_for(&self.formats, path, self.config.head_dim, false, false)
+            .map_err(err)?;
         self.k.preload_modules(&modules).map_err(err)?;
         self.path = path;
         self.drop_graphs();
@@ -730,7 +759,13 @@ impl GpuExecutor {
             norm,
         };
         let gelu = c.activation == Activation::Gelu;
-        k.embed(&self.embd, token, c.embedding_scale, s.x, Some(stream_out(&self.layers[0].attn_norm, 0)?))?;
+        k.embed(
+            &self.embd,
+            token,
+            c.embedding_scale,
+            s.x,
+            Some(stream_out(&self.layers[0].attn_norm, 0)?),
+        )?;
         for (li, l) in self.layers.iter().enumerate() {
             let attn_input = from(s.xq, Some(norm(2 * li)?));
             for p in &l.qkv {
@@ -767,7 +802,12 @@ impl GpuExecutor {
                 s.attn,
                 Some(s.aq),
             )?;
-            self.residual_gemv(&l.o, s.aq, l.attn_post_norm.as_ref(), stream_out(&l.ffn_norm, 2 * li + 1)?)?;
+            self.residual_gemv(
+                &l.o,
+                s.aq,
+                l.attn_post_norm.as_ref(),
+                stream_out(&l.ffn_norm, 2 * li + 1)?,
+            )?;
             let hq = QuantOut {
                 q: s.hq,
                 norm_w: None,
@@ -776,7 +816,16 @@ impl GpuExecutor {
             let ffn_input = from(s.xq, Some(norm(2 * li + 1)?));
             if l.gate.bytes() + l.up.bytes() <= self.fuse_limit {
                 let t = self.quant_tiling_of(&l.gate);
-                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, Some(hq), gelu)?;
+                k.swiglu(
+                    &l.gate,
+                    &l.up,
+                    &ffn_input,
+                    self.path,
+                    t,
+                    s.ffn,
+                    Some(hq),
+                    gelu,
+                )?;
             } else {
                 let t = self.tiling(&l.gate);
                 k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None, gelu)?;
@@ -786,7 +835,12 @@ impl GpuExecutor {
                 Some(next) => &next.attn_norm,
                 None => &self.out_norm,
             };
-            self.residual_gemv(&l.down, s.hq, l.ffn_post_norm.as_ref(), stream_out(next_norm, 2 * li + 2)?)?;
+            self.residual_gemv(
+                &l.down,
+                s.hq,
+                l.ffn_post_norm.as_ref(),
+                stream_out(next_norm, 2 * li + 2)?,
+            )?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let head_input = from(s.xq, Some(norm(2 * c.num_layers)?));
@@ -818,7 +872,14 @@ impl GpuExecutor {
         };
         if let Some(post) = post_norm {
             let h = self.config.hidden_size;
-            k.gemv(w, &input, self.path, self.tiling(w), s.proj, &Epilogue::default())?;
+            k.gemv(
+                w,
+                &input,
+                self.path,
+                self.tiling(w),
+                s.proj,
+                &Epilogue::default(),
+            )?;
             k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
             return k.quantize(s.x, h, &out);
         }
@@ -828,7 +889,11 @@ impl GpuExecutor {
             quant: fused.then_some(out),
             ..Default::default()
         };
-        let tiling = if fused { self.quant_tiling_of(w) } else { self.tiling(w) };
+        let tiling = if fused {
+            self.quant_tiling_of(w)
+        } else {
+            self.tiling(w)
+        };
         k.gemv(w, &input, self.path, tiling, s.x, &epi)?;
         if !fused {
             k.quantize(s.x, w.rows, &out)?;
@@ -913,10 +978,7 @@ impl GpuExecutor {
             .copy_from_host(&self.device, &state)
             .map_err(err)?;
         if self.slots[slot].graph.is_none() {
-            let graph = self
-                .device
-                .capture(|| self.queue_step(slot))
-                .map_err(err)?;
+            let graph = self.device.capture(|| self.queue_step(slot)).map_err(err)?;
             self.slots[slot].graph = Some(graph);
         }
         self.slots[slot]
@@ -978,7 +1040,10 @@ impl LayerExecutor for GpuExecutor {
         let old = self.slots[slot].len;
         self.slots.truncate(seq, len)?;
         let c = &self.config;
-        let lost = (0..self.layers.len()).any(|li| c.layer_attention(li).truncation_loses_rows(self.kv.rows(li), old, len));
+        let lost = (0..self.layers.len()).any(|li| {
+            c.layer_attention(li)
+                .truncation_loses_rows(self.kv.rows(li), old, len)
+        });
         if lost {
             let tokens = self.slots[slot].tokens[..len].to_vec();
             self.slots[slot].len = 0;
@@ -1013,7 +1078,9 @@ impl LayerExecutor for GpuExecutor {
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.config.vocab_size;
         // The whole batch is checked before any step runs: a refused batch changes nothing.
-        check_decode(batch, logits, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
+        check_decode(batch, logits, vocab, self.max_ctx, |seq| {
+            self.slots.len_of(seq)
+        })?;
         if self.decodes_batched(batch.len()) {
             return self.decode_batched(batch, logits);
         }

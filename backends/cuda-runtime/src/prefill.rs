@@ -14,9 +14,7 @@
 use std::sync::Arc;
 
 use kiln_core::{Activation, Error, ModelConfig, Result};
-use kiln_kernels::{
-    Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace,
-};
+use kiln_kernels::{Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace};
 
 use super::{GpuExecutor, Layer};
 
@@ -258,8 +256,16 @@ impl GpuExecutor {
         }
         Timer::mark(timer, Part::Gemm)?;
         let qkv = p.b.qkv.sub(0, n * width)?;
-        p.blas
-            .gemm_f16_f32(p.b.wbuf.sub(0, width * h)?, width, xn, n, h, qkv, width, 0.0)?;
+        p.blas.gemm_f16_f32(
+            p.b.wbuf.sub(0, width * h)?,
+            width,
+            xn,
+            n,
+            h,
+            qkv,
+            width,
+            0.0,
+        )?;
         Timer::mark(timer, Part::Other)?;
         let (kc, vc) = self.kv.layer(li, slot)?;
         let rope = self.rope_args(l);
@@ -331,7 +337,8 @@ impl GpuExecutor {
                 let y = p.b.proj.sub(0, n * h)?;
                 p.blas.gemm_f16_f32(w, h, a, n, k, y, h, 0.0)?;
                 Timer::mark(timer, Part::Other)?;
-                self.k.add_rmsnorm_rows(y, n, h, post.slice(), self.config.norm_eps, x)?;
+                self.k
+                    .add_rmsnorm_rows(y, n, h, post.slice(), self.config.norm_eps, x)?;
             }
         }
         Ok(())

@@ -88,11 +88,17 @@ pub mod __private {
     use std::sync::{Arc, Mutex};
 
     use kiln_core::plugin_abi::*;
-    use kiln_core::{Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, Sampler, Support};
+    use kiln_core::{
+        Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, Sampler, Support,
+    };
 
     /// The table every plugin exports; only `create_backend` differs between plugins.
     pub const fn api(
-        create_backend: unsafe extern "C" fn(u32, *mut *mut KilnBackend, *mut KilnOwnedStr) -> KilnStatus,
+        create_backend: unsafe extern "C" fn(
+            u32,
+            *mut *mut KilnBackend,
+            *mut KilnOwnedStr,
+        ) -> KilnStatus,
     ) -> KilnPluginApi {
         KilnPluginApi {
             abi_version: ABI_VERSION,
@@ -138,7 +144,10 @@ pub mod __private {
     fn owned(s: String) -> KilnOwnedStr {
         let bytes = s.into_bytes().into_boxed_slice();
         let len = bytes.len();
-        KilnOwnedStr { ptr: Box::into_raw(bytes) as *mut u8, len }
+        KilnOwnedStr {
+            ptr: Box::into_raw(bytes) as *mut u8,
+            len,
+        }
     }
 
     unsafe fn set_str(slot: *mut KilnOwnedStr, s: String) {
@@ -156,7 +165,9 @@ pub mod __private {
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
             if !s.ptr.is_null() {
-                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(s.ptr, s.len)));
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    s.ptr, s.len,
+                )));
             }
         }
     }
@@ -238,7 +249,10 @@ pub mod __private {
                         version_string(host_abi)
                     )));
                 }
-                let backend = make().map_err(|e| Error::Backend { backend: String::new(), message: e.to_string() })?;
+                let backend = make().map_err(|e| Error::Backend {
+                    backend: String::new(),
+                    message: e.to_string(),
+                })?;
                 let boxed = BackendBox {
                     name: backend.name().to_string(),
                     version: version.to_string(),
@@ -266,7 +280,9 @@ pub mod __private {
         unsafe {
             if !backend.is_null() {
                 // A Drop that panics must not unwind into the host; there is no one to report to.
-                let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(backend as *mut BackendBox))));
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    drop(Box::from_raw(backend as *mut BackendBox))
+                }));
             }
         }
     }
@@ -275,7 +291,9 @@ pub mod __private {
         // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
-            (backend as *const BackendBox).as_ref().ok_or_else(|| null_arg("backend"))
+            (backend as *const BackendBox)
+                .as_ref()
+                .ok_or_else(|| null_arg("backend"))
         }
     }
 
@@ -310,7 +328,11 @@ pub mod __private {
         }
     }
 
-    unsafe extern "C" fn probe(backend: *mut KilnBackend, device: *mut KilnOwnedStr, err: *mut KilnOwnedStr) -> KilnStatus {
+    unsafe extern "C" fn probe(
+        backend: *mut KilnBackend,
+        device: *mut KilnOwnedStr,
+        err: *mut KilnOwnedStr,
+    ) -> KilnStatus {
         // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
@@ -356,7 +378,11 @@ pub mod __private {
                     Support::Yes { score, note } => (1, score, note),
                     Support::No { reason } => (0, 0, reason),
                 };
-                *out = KilnSupport { supported, score, message: owned(message) };
+                *out = KilnSupport {
+                    supported,
+                    score,
+                    message: owned(message),
+                };
                 Ok(())
             })
         }
@@ -397,13 +423,22 @@ pub mod __private {
                     return Err(null_arg("out"));
                 }
                 if (info.struct_size as usize) < std::mem::size_of::<KilnExecutorInfo>() {
-                    return Err(Error::InvalidArgument(format!("executor info struct_size {} is too small", info.struct_size)));
+                    return Err(Error::InvalidArgument(format!(
+                        "executor info struct_size {} is too small",
+                        info.struct_size
+                    )));
                 }
                 let size = |v: u64, what: &str| {
-                    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} does not fit usize")))
+                    usize::try_from(v).map_err(|_| {
+                        Error::InvalidArgument(format!("{what} {v} does not fit usize"))
+                    })
                 };
                 let progress = o.progress.map(|f| {
-                    let hp = Arc::new(HostProgress { f, user: o.progress_user, live: Mutex::new(true) });
+                    let hp = Arc::new(HostProgress {
+                        f,
+                        user: o.progress_user,
+                        live: Mutex::new(true),
+                    });
                     host_progress = Some(hp.clone());
                     Arc::new(move |done: u64, total: u64| {
                         let live = hp.live.lock().unwrap_or_else(|p| p.into_inner());
@@ -431,7 +466,11 @@ pub mod __private {
                 let exec = b.backend.load(&model, &options)?;
                 info.max_context = exec.max_context() as u64;
                 info.max_sequences = exec.max_sequences() as u64;
-                let boxed = ExecBox { exec, items: Vec::new(), poisoned: None };
+                let boxed = ExecBox {
+                    exec,
+                    items: Vec::new(),
+                    poisoned: None,
+                };
                 *out = Box::into_raw(Box::new(boxed)) as *mut KilnExecutor;
                 Ok(())
             });
@@ -447,7 +486,9 @@ pub mod __private {
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
             if !executor.is_null() {
-                let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(executor as *mut ExecBox))));
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    drop(Box::from_raw(executor as *mut ExecBox))
+                }));
             }
         }
     }
@@ -468,14 +509,20 @@ pub mod __private {
                 return KilnStatus::INVALID_ARGUMENT;
             };
             if let Some(why) = &e.poisoned {
-                set_str(err, format!("executor is unusable after an earlier panic {why}"));
+                set_str(
+                    err,
+                    format!("executor is unusable after an earlier panic {why}"),
+                );
                 return KilnStatus::ERROR;
             }
             let status = guard(err, || f(&mut *e));
             if status == KilnStatus::PANIC {
                 e.poisoned = Some(match err.as_ref() {
                     Some(s) if !s.is_none() => {
-                        format!("in {what}: {}", String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len)))
+                        format!(
+                            "in {what}: {}",
+                            String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr, s.len))
+                        )
                     }
                     _ => format!("in {what}"),
                 });
@@ -490,7 +537,9 @@ pub mod __private {
         unsafe {
             match (ptr.is_null(), len) {
                 (_, 0) => Ok(&[]),
-                (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
+                (true, _) => Err(Error::InvalidArgument(format!(
+                    "{what} is a null pointer with length {len}"
+                ))),
                 (false, _) => Ok(std::slice::from_raw_parts(ptr, len)),
             }
         }
@@ -502,13 +551,19 @@ pub mod __private {
         unsafe {
             match (ptr.is_null(), len) {
                 (_, 0) => Ok(&mut []),
-                (true, _) => Err(Error::InvalidArgument(format!("{what} is a null pointer with length {len}"))),
+                (true, _) => Err(Error::InvalidArgument(format!(
+                    "{what} is a null pointer with length {len}"
+                ))),
                 (false, _) => Ok(std::slice::from_raw_parts_mut(ptr, len)),
             }
         }
     }
 
-    unsafe extern "C" fn new_sequence(executor: *mut KilnExecutor, out: *mut u32, err: *mut KilnOwnedStr) -> KilnStatus {
+    unsafe extern "C" fn new_sequence(
+        executor: *mut KilnExecutor,
+        out: *mut u32,
+        err: *mut KilnOwnedStr,
+    ) -> KilnStatus {
         // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
@@ -520,11 +575,17 @@ pub mod __private {
         }
     }
 
-    unsafe extern "C" fn free_sequence(executor: *mut KilnExecutor, seq: u32, err: *mut KilnOwnedStr) -> KilnStatus {
+    unsafe extern "C" fn free_sequence(
+        executor: *mut KilnExecutor,
+        seq: u32,
+        err: *mut KilnOwnedStr,
+    ) -> KilnStatus {
         // SAFETY: the host calls through the ABI (kiln_core::plugin_abi) with pointers that
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
-            with_exec(executor, err, "free_sequence", |e| e.exec.free_sequence(seq))
+            with_exec(executor, err, "free_sequence", |e| {
+                e.exec.free_sequence(seq)
+            })
         }
     }
 
@@ -555,7 +616,9 @@ pub mod __private {
         // are null or valid for the lengths given, and with handles this SDK created.
         unsafe {
             with_exec(executor, err, "truncate_sequence", |e| {
-                let len = usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len} does not fit usize")))?;
+                let len = usize::try_from(len).map_err(|_| {
+                    Error::InvalidArgument(format!("length {len} does not fit usize"))
+                })?;
                 e.exec.truncate_sequence(seq, len)
             })
         }
@@ -596,7 +659,10 @@ pub mod __private {
                 let items = slice(items, n_items, "items")?;
                 let logits = slice_mut(logits, n_logits, "logits")?;
                 e.items.clear();
-                e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
+                e.items.extend(items.iter().map(|i| DecodeItem {
+                    seq: i.seq,
+                    token: i.token,
+                }));
                 e.exec.decode(&e.items, logits)
             })
         }
@@ -620,8 +686,14 @@ pub mod __private {
                 let states = slice_mut(samplers, n_samplers, "samplers")?;
                 let tokens = slice_mut(tokens, n_tokens, "tokens")?;
                 e.items.clear();
-                e.items.extend(items.iter().map(|i| DecodeItem { seq: i.seq, token: i.token }));
-                let mut drawn: Vec<Sampler> = states.iter().map(|s| s.to_sampler()).collect::<Result<_, Error>>()?;
+                e.items.extend(items.iter().map(|i| DecodeItem {
+                    seq: i.seq,
+                    token: i.token,
+                }));
+                let mut drawn: Vec<Sampler> = states
+                    .iter()
+                    .map(|s| s.to_sampler())
+                    .collect::<Result<_, Error>>()?;
                 e.exec.decode_sample(&e.items, &mut drawn, tokens)?;
                 // The generators moved on; the host's samplers continue from here.
                 for (state, sampler) in states.iter_mut().zip(&drawn) {

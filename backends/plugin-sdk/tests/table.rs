@@ -10,12 +10,15 @@ use std::sync::{Arc, Mutex};
 
 use kiln_plugin_sdk::abi::*;
 use kiln_plugin_sdk::kiln_core::{
-    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
-    ModelIr, ModelWeights, NormKind, ProgressFn, QType, Result, RopeConfig, RopeKind, RopeScaling, SeqId, Support,
-    TensorView,
+    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
+    ModelConfig, ModelIr, ModelWeights, NormKind, ProgressFn, QType, Result, RopeConfig, RopeKind,
+    RopeScaling, SeqId, Support, TensorView,
 };
 
-kiln_plugin_sdk::export_backend!(Tiny::default, architectures = [Architecture::Llama, Architecture::Qwen3]);
+kiln_plugin_sdk::export_backend!(
+    Tiny::default,
+    architectures = [Architecture::Llama, Architecture::Qwen3]
+);
 
 #[derive(Default)]
 struct Tiny;
@@ -39,14 +42,23 @@ impl Backend for Tiny {
         Err("no tiny device here".into())
     }
     fn supports(&self, model: &ModelIr) -> Support {
-        Support::Yes { score: 42, note: format!("{} layers", model.config.num_layers) }
+        Support::Yes {
+            score: 42,
+            note: format!("{} layers", model.config.num_layers),
+        }
     }
     fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
-        LOADS.lock().unwrap().push((options.max_context, options.quantized_activations));
+        LOADS
+            .lock()
+            .unwrap()
+            .push((options.max_context, options.quantized_activations));
         if let Some(p) = &options.progress {
             p(1, 2);
         }
-        Ok(Box::new(TinyExec { config: model.config.clone(), progress: options.progress.clone() }))
+        Ok(Box::new(TinyExec {
+            config: model.config.clone(),
+            progress: options.progress.clone(),
+        }))
     }
 }
 
@@ -112,7 +124,12 @@ fn tiny_model() -> ModelIr {
             parallel_residual: false,
             qkv_bias: false,
             qk_norm: false,
-            rope: RopeConfig { kind: RopeKind::Norm, theta: 1e4, scaling: RopeScaling::None, rotary_dims: 4 },
+            rope: RopeConfig {
+                kind: RopeKind::Norm,
+                theta: 1e4,
+                scaling: RopeScaling::None,
+                rotary_dims: 4,
+            },
             tied_embeddings: true,
             context_length: 8,
             embedding_scale: 1.0,
@@ -167,7 +184,8 @@ fn take(s: KilnOwnedStr) -> String {
         return String::new();
     }
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    let text = unsafe { String::from_utf8(std::slice::from_raw_parts(s.ptr, s.len).to_vec()).unwrap() };
+    let text =
+        unsafe { String::from_utf8(std::slice::from_raw_parts(s.ptr, s.len).to_vec()).unwrap() };
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe { (api().free_string.unwrap())(s) };
     text
@@ -186,20 +204,28 @@ fn backend() -> *mut KilnBackend {
 fn header_and_creation() {
     let api = api();
     assert_eq!(api.abi_version, ABI_VERSION);
-    assert_eq!(api.struct_size as usize, std::mem::size_of::<KilnPluginApi>());
+    assert_eq!(
+        api.struct_size as usize,
+        std::mem::size_of::<KilnPluginApi>()
+    );
 
     let mut b = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    let status = unsafe { (api.create_backend.unwrap())(pack_version(ABI_MAJOR + 1, 0), &mut b, &mut err) };
+    let status =
+        unsafe { (api.create_backend.unwrap())(pack_version(ABI_MAJOR + 1, 0), &mut b, &mut err) };
     assert_eq!(status, KilnStatus::UNSUPPORTED);
     let msg = take(err);
-    assert!(msg.contains(&version_string(ABI_VERSION)) && msg.contains(&format!("{}.0", ABI_MAJOR + 1)), "{msg}");
+    assert!(
+        msg.contains(&version_string(ABI_VERSION)) && msg.contains(&format!("{}.0", ABI_MAJOR + 1)),
+        "{msg}"
+    );
     assert!(b.is_null());
 
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    let status = unsafe { (api.create_backend.unwrap())(ABI_VERSION, std::ptr::null_mut(), &mut err) };
+    let status =
+        unsafe { (api.create_backend.unwrap())(ABI_VERSION, std::ptr::null_mut(), &mut err) };
     assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("null"));
 }
@@ -211,36 +237,64 @@ fn describe_probe_supports() {
     info.struct_size = 8;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { (api.describe.unwrap())(b, &mut info, &mut err) },
+        KilnStatus::INVALID_ARGUMENT
+    );
     assert!(take(err).contains("struct_size 8"));
 
     let mut info = KilnBackendInfo::empty();
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.describe.unwrap())(b, &mut info, &mut err) }, KilnStatus::OK);
+    assert_eq!(
+        unsafe { (api.describe.unwrap())(b, &mut info, &mut err) },
+        KilnStatus::OK
+    );
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe {
         assert_eq!(info.name.to_str("name", 64).unwrap(), "tiny");
-        assert_eq!(info.version.to_str("version", 64).unwrap(), env!("CARGO_PKG_VERSION"));
-        assert_eq!(std::slice::from_raw_parts(info.qtypes, info.n_qtypes), [0, 8]);
-        assert_eq!(std::slice::from_raw_parts(info.architectures, info.n_architectures), [0, 3]);
+        assert_eq!(
+            info.version.to_str("version", 64).unwrap(),
+            env!("CARGO_PKG_VERSION")
+        );
+        assert_eq!(
+            std::slice::from_raw_parts(info.qtypes, info.n_qtypes),
+            [0, 8]
+        );
+        assert_eq!(
+            std::slice::from_raw_parts(info.architectures, info.n_architectures),
+            [0, 3]
+        );
     }
 
     let (mut device, mut err) = (KilnOwnedStr::NONE, KilnOwnedStr::NONE);
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.probe.unwrap())(b, &mut device, &mut err) }, KilnStatus::UNAVAILABLE);
+    assert_eq!(
+        unsafe { (api.probe.unwrap())(b, &mut device, &mut err) },
+        KilnStatus::UNAVAILABLE
+    );
     assert!(device.is_none());
     assert_eq!(take(err), "no tiny device here");
 
     let model = tiny_model();
     let buf = ModelDescBuf::new(&model);
     let desc = buf.desc();
-    let mut out = KilnSupport { supported: 7, score: 7, message: KilnOwnedStr::NONE };
+    let mut out = KilnSupport {
+        supported: 7,
+        score: 7,
+        message: KilnOwnedStr::NONE,
+    };
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) }, KilnStatus::OK);
+    assert_eq!(
+        unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) },
+        KilnStatus::OK
+    );
     let note = take(std::mem::replace(&mut out.message, KilnOwnedStr::NONE));
-    assert_eq!((out.supported, out.score, note.as_str()), (1, 42, "1 layers"));
+    assert_eq!(
+        (out.supported, out.score, note.as_str()),
+        (1, 42, "1 layers")
+    );
 
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
@@ -276,45 +330,71 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
         flags: 0,
         _reserved1: 0,
     };
-    let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
+    let mut info = KilnExecutorInfo {
+        struct_size: 24,
+        _reserved: 0,
+        max_context: 0,
+        max_sequences: 0,
+    };
     let mut e = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     let status = unsafe { (api.load.unwrap())(b, &desc, &options, &mut e, &mut info, &mut err) };
     assert_eq!(status, KilnStatus::OK, "{}", take(err));
     assert_eq!((info.max_context, info.max_sequences), (8, 1));
-    assert_eq!(PROGRESS_CALLS.load(Ordering::SeqCst), 1, "progress reported during load");
+    assert_eq!(
+        PROGRESS_CALLS.load(Ordering::SeqCst),
+        1,
+        "progress reported during load"
+    );
 
     // After load, the executor's copy of the callback no longer reaches the host.
     let mut seq = 99;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) }, KilnStatus::OK);
+    assert_eq!(
+        unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) },
+        KilnStatus::OK
+    );
     assert_eq!(seq, 0);
-    assert_eq!(PROGRESS_CALLS.load(Ordering::SeqCst), 1, "progress after load must be dropped");
+    assert_eq!(
+        PROGRESS_CALLS.load(Ordering::SeqCst),
+        1,
+        "progress after load must be dropped"
+    );
 
     // Null handles and buffers are refused, not dereferenced.
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) },
+        KilnStatus::INVALID_ARGUMENT
+    );
     take(err);
     let mut logits = [0.0f32; 4];
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    let status = unsafe { (api.prefill.unwrap())(e, 0, std::ptr::null(), 3, logits.as_mut_ptr(), 4, &mut err) };
+    let status = unsafe {
+        (api.prefill.unwrap())(e, 0, std::ptr::null(), 3, logits.as_mut_ptr(), 4, &mut err)
+    };
     assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("tokens is a null pointer"));
     let tokens = [1u32, 2];
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    let status = unsafe { (api.prefill.unwrap())(e, 0, tokens.as_ptr(), 2, logits.as_mut_ptr(), 4, &mut err) };
+    let status = unsafe {
+        (api.prefill.unwrap())(e, 0, tokens.as_ptr(), 2, logits.as_mut_ptr(), 4, &mut err)
+    };
     assert_eq!(status, KilnStatus::OK);
     assert_eq!(logits, [1.0; 4]);
 
     // Error kinds travel as their status.
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) }, KilnStatus::INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) },
+        KilnStatus::INVALID_ARGUMENT
+    );
     assert_eq!(take(err), "nothing to truncate");
 
     // A panic is caught, reported (the payload alone: the host names the function), and
@@ -328,8 +408,14 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     let mut len = 0u64;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) }, KilnStatus::ERROR);
-    assert_eq!(take(err), "executor is unusable after an earlier panic in decode: tiny decode panics");
+    assert_eq!(
+        unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) },
+        KilnStatus::ERROR
+    );
+    assert_eq!(
+        take(err),
+        "executor is unusable after an earlier panic in decode: tiny decode panics"
+    );
 
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe {
@@ -340,12 +426,19 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
 }
 
 /// Loads `tiny_model` with `options` and returns what `Tiny::load` was given, or the error.
-fn load_with(options: &KilnLoadOptions) -> std::result::Result<(usize, bool), (KilnStatus, String)> {
+fn load_with(
+    options: &KilnLoadOptions,
+) -> std::result::Result<(usize, bool), (KilnStatus, String)> {
     let (api, b) = (api(), backend());
     let model = tiny_model();
     let buf = ModelDescBuf::new(&model);
     let desc = buf.desc();
-    let mut info = KilnExecutorInfo { struct_size: 24, _reserved: 0, max_context: 0, max_sequences: 0 };
+    let mut info = KilnExecutorInfo {
+        struct_size: 24,
+        _reserved: 0,
+        max_context: 0,
+        max_sequences: 0,
+    };
     let mut e = std::ptr::null_mut();
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
@@ -354,7 +447,11 @@ fn load_with(options: &KilnLoadOptions) -> std::result::Result<(usize, bool), (K
         // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
         unsafe { (api.free_executor.unwrap())(e) };
         let loads = LOADS.lock().unwrap();
-        Ok(*loads.iter().rev().find(|(ctx, _)| *ctx == options.max_context as usize).expect("Tiny::load was called"))
+        Ok(*loads
+            .iter()
+            .rev()
+            .find(|(ctx, _)| *ctx == options.max_context as usize)
+            .expect("Tiny::load was called"))
     } else {
         Err((status, take(err)))
     };
@@ -377,20 +474,32 @@ fn load_flags_reach_the_backend_and_a_1_0_host_gets_the_defaults() {
         _reserved1: 0,
     };
     let full = std::mem::size_of::<KilnLoadOptions>() as u32;
-    assert_eq!(load_with(&options(1001, full, load_flags::QUANTIZED_ACTIVATIONS)), Ok((1001, true)));
+    assert_eq!(
+        load_with(&options(1001, full, load_flags::QUANTIZED_ACTIVATIONS)),
+        Ok((1001, true))
+    );
     assert_eq!(load_with(&options(1002, full, 0)), Ok((1002, false)));
     // Bits a newer host may define are permissions this SDK declines, not errors.
-    assert_eq!(load_with(&options(1003, full, !load_flags::QUANTIZED_ACTIVATIONS)), Ok((1003, false)));
+    assert_eq!(
+        load_with(&options(1003, full, !load_flags::QUANTIZED_ACTIVATIONS)),
+        Ok((1003, false))
+    );
 
     // A 1.0 host's struct ends before `flags`: set bits in memory past its `struct_size`
     // must not be read, so the backend gets the default.
     let v1_0 = options(1004, LOAD_OPTIONS_SIZE_V1_0, !0);
-    assert_eq!(LOAD_OPTIONS_SIZE_V1_0 as usize, 4 + 4 + 3 * 8 + 2 * std::mem::size_of::<usize>());
+    assert_eq!(
+        LOAD_OPTIONS_SIZE_V1_0 as usize,
+        4 + 4 + 3 * 8 + 2 * std::mem::size_of::<usize>()
+    );
     assert_eq!(load_with(&v1_0), Ok((1004, false)));
 
     // Shorter than 1.0's fields is refused, not read.
     let (status, msg) = load_with(&options(1005, LOAD_OPTIONS_SIZE_V1_0 - 8, 0)).unwrap_err();
     assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
-    assert!(msg.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)), "{msg}");
+    assert!(
+        msg.contains(&format!("struct_size {}", LOAD_OPTIONS_SIZE_V1_0 - 8)),
+        "{msg}"
+    );
     assert!(!LOADS.lock().unwrap().iter().any(|(ctx, _)| *ctx == 1005));
 }

@@ -154,7 +154,11 @@ mod tests {
             b[2 + i / 2] = (b[2 + i / 2] & !(0x0f << shift)) | (0x0f << shift);
             let y = deq(&b);
             for (k, v) in y.iter().enumerate() {
-                assert_eq!(*v, if k == i { 7.0 } else { 0.0 }, "nibble of value {i}: value {k}");
+                assert_eq!(
+                    *v,
+                    if k == i { 7.0 } else { 0.0 },
+                    "nibble of value {i}: value {k}"
+                );
             }
         }
     }
@@ -169,11 +173,20 @@ mod tests {
             dequantize_q4_0(&q40, &mut want);
             let got = deq(&apr);
             for i in 0..QK {
-                let same = got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan());
-                assert!(same, "value {i}: apr {} vs q4_0 {}; block {apr:02x?}", got[i], want[i]);
+                let same =
+                    got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan());
+                assert!(
+                    same,
+                    "value {i}: apr {} vs q4_0 {}; block {apr:02x?}",
+                    got[i], want[i]
+                );
             }
             assert_eq!(q4_0_block_to_apr_q4(&q40), apr, "inverse");
-            assert_eq!(apr_q4_block_to_q4_0(&q4_0_block_to_apr_q4(&apr)), apr, "inverse the other way");
+            assert_eq!(
+                apr_q4_block_to_q4_0(&q4_0_block_to_apr_q4(&apr)),
+                apr,
+                "inverse the other way"
+            );
         }
     }
 
@@ -211,12 +224,19 @@ mod tests {
             let bound = d * (0.5 + 7.0 / 2048.0) + amax * 1e-6;
             for i in 0..QK {
                 let (x, y) = (x[i], y[i]);
-                assert!((x - y).abs() <= bound, "round {round}, value {i}: {x} → {y} (bound {bound})");
+                assert!(
+                    (x - y).abs() <= bound,
+                    "round {round}, value {i}: {x} → {y} (bound {bound})"
+                );
             }
             // The extreme maps to ±7 exactly: code 1 or 15.
             let i = x.iter().position(|v| v.abs() == amax).unwrap();
             let code = apr_code(&b[2..], i);
-            assert!(code == 1 || code == 15, "extreme value {} got code {code}", x[i]);
+            assert!(
+                code == 1 || code == 15,
+                "extreme value {} got code {code}",
+                x[i]
+            );
         }
     }
 

@@ -13,9 +13,9 @@
 //! Rounding is `nearest_int` (ties to even, as ggml's float trick does); sums are f32 in the
 //! order ggml accumulates them. The byte layouts are documented in [`super::kquants`].
 
-use super::put_f16_le;
 use super::f16_le;
 use super::kquants::scale_min_k4;
+use super::put_f16_le;
 
 const QK_K: usize = 256;
 
@@ -187,7 +187,14 @@ fn qkx_weights(x: &[f32; 32], w: &mut [f32; 32]) {
 /// The shared first half of Q4_K/Q5_K: search each of the 8 sub-blocks, quantise the
 /// scales and mins to 6 bits, write `d`, `dmin` and `scales[12]` to `head` (16 bytes),
 /// and re-round every value against the stored scales into `codes`.
-fn quantize_scale_min_block(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, head: &mut [u8], codes: &mut [u8; QK_K]) {
+fn quantize_scale_min_block(
+    x: &[f32; QK_K],
+    nmax: i32,
+    rmin: f32,
+    nstep: i32,
+    head: &mut [u8],
+    codes: &mut [u8; QK_K],
+) {
     let mut scales = [0.0f32; 8];
     let mut mins = [0.0f32; 8];
     let mut weights = [0.0f32; 32];
@@ -197,14 +204,26 @@ fn quantize_scale_min_block(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, h
     for j in 0..8 {
         let sub: &[f32; 32] = x[32 * j..32 * j + 32].try_into().expect("32 values");
         qkx_weights(sub, &mut weights);
-        let (scale, min) =
-            make_qkx2_quants(sub, &weights, nmax, &mut codes[32 * j..32 * j + 32], &mut laux, rmin, 0.1, nstep);
+        let (scale, min) = make_qkx2_quants(
+            sub,
+            &weights,
+            nmax,
+            &mut codes[32 * j..32 * j + 32],
+            &mut laux,
+            rmin,
+            0.1,
+            nstep,
+        );
         scales[j] = scale;
         mins[j] = min;
         max_scale = max_scale.max(scale);
         max_min = max_min.max(min);
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let packed = &mut head[4..16];
     packed.fill(0);
@@ -258,7 +277,11 @@ pub fn quantize_q5_k(x: &[f32; QK_K], b: &mut [u8; 176]) {
     let (qh, qs) = b[16..176].split_at_mut(32);
     qh.fill(0);
     // As Q4_K for the low 4 bits; sub-block `s` puts its 5th bit in bit `s` of qh[l].
-    for (pair, (chunk, out)) in codes.chunks_exact(64).zip(qs.chunks_exact_mut(32)).enumerate() {
+    for (pair, (chunk, out)) in codes
+        .chunks_exact(64)
+        .zip(qs.chunks_exact_mut(32))
+        .enumerate()
+    {
         let (m1, m2) = (1u8 << (2 * pair), 2u8 << (2 * pair));
         for l in 0..32 {
             let (mut l1, mut l2) = (chunk[l], chunk[l + 32]);
@@ -282,7 +305,11 @@ pub fn quantize_q6_k(x: &[f32; QK_K], b: &mut [u8; 210]) {
     let mut max_scale = 0.0f32;
     let mut max_abs_scale = 0.0f32;
     for ib in 0..16 {
-        let scale = make_qx_quants(&x[16 * ib..16 * ib + 16], 32, &mut codes[16 * ib..16 * ib + 16]);
+        let scale = make_qx_quants(
+            &x[16 * ib..16 * ib + 16],
+            32,
+            &mut codes[16 * ib..16 * ib + 16],
+        );
         scales[ib] = scale;
         if scale.abs() > max_abs_scale {
             max_abs_scale = scale.abs();

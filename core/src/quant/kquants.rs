@@ -49,7 +49,11 @@ pub fn dequantize_q2_k(b: &[u8; 84], y: &mut [f32; QK_K]) {
 /// nibbles of bytes 0..8 (low nibbles for scales 0..8, high nibbles for 8..16); the high 2
 /// bits are the 2-bit fields of bytes 8..12, byte `8 + k % 4`, field `k / 4`.
 fn q3_k_scale(scales: &[u8], k: usize) -> i32 {
-    let low = if k < 8 { scales[k] & 0x0f } else { scales[k - 8] >> 4 };
+    let low = if k < 8 {
+        scales[k] & 0x0f
+    } else {
+        scales[k - 8] >> 4
+    };
     let high = (scales[8 + k % 4] >> (2 * (k / 4))) & 3;
     i32::from(low | (high << 4)) - 32
 }

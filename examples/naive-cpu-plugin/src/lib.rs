@@ -14,8 +14,8 @@
 //! built-in one; run it with `--backend naive-cpu`.
 
 use kiln_plugin_sdk::kiln_core::{
-    self, quant, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
-    ModelWeights, NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
+    self, quant, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
+    ModelIr, ModelWeights, NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
 };
 
 kiln_plugin_sdk::export_backend!(NaiveCpu::new);
@@ -51,8 +51,13 @@ impl Backend for NaiveCpu {
         // Every qtype core dequantises is runnable; the IR's features are all implemented
         // below, so the only refusal is a model that fails its own consistency check.
         match model.config.validate() {
-            Ok(()) => Support::Yes { score: 5, note: "naive reference loop; slow but independent".into() },
-            Err(e) => Support::No { reason: e.to_string() },
+            Ok(()) => Support::Yes {
+                score: 5,
+                note: "naive reference loop; slow but independent".into(),
+            },
+            Err(e) => Support::No {
+                reason: e.to_string(),
+            },
         }
     }
 
@@ -130,14 +135,21 @@ fn small_opt(t: &Option<TensorView>) -> Result<Option<Vec<f32>>> {
 /// Checks that `t` multiplies an input of `k` values into `n` outputs.
 fn check_matrix(t: &TensorView, k: usize, n: usize) -> Result<()> {
     if t.dims().len() != 2 || t.row_len() != k || t.rows() != n {
-        return Err(Error::InvalidShape(format!("{} has dims {:?}; expected [{k}, {n}]", t.name(), t.dims())));
+        return Err(Error::InvalidShape(format!(
+            "{} has dims {:?}; expected [{k}, {n}]",
+            t.name(),
+            t.dims()
+        )));
     }
     Ok(())
 }
 
 fn check_vector(t: &Option<Vec<f32>>, n: usize, what: &str) -> Result<()> {
     match t {
-        Some(v) if v.len() != n => Err(Error::InvalidShape(format!("{what} has {} values; expected {n}", v.len()))),
+        Some(v) if v.len() != n => Err(Error::InvalidShape(format!(
+            "{what} has {} values; expected {n}",
+            v.len()
+        ))),
         _ => Ok(()),
     }
 }
@@ -151,7 +163,11 @@ impl NaiveExecutor {
         check_matrix(&w.token_embd, h, c.vocab_size)?;
         check_matrix(w.lm_head(), h, c.vocab_size)?;
         if w.layers.len() != c.num_layers {
-            return Err(Error::InvalidShape(format!("{} layers of weights for {} layers", w.layers.len(), c.num_layers)));
+            return Err(Error::InvalidShape(format!(
+                "{} layers of weights for {} layers",
+                w.layers.len(),
+                c.num_layers
+            )));
         }
         let mut small_layers = Vec::with_capacity(c.num_layers);
         for l in &w.layers {
@@ -164,10 +180,16 @@ impl NaiveExecutor {
             if let Some(g) = &l.ffn_gate {
                 check_matrix(g, h, f)?;
             } else if c.gated_ffn {
-                return Err(Error::Format(format!("gated FFN without a gate in {}", l.ffn_up.name())));
+                return Err(Error::Format(format!(
+                    "gated FFN without a gate in {}",
+                    l.ffn_up.name()
+                )));
             }
             if l.ffn_norm.is_none() && !c.parallel_residual {
-                return Err(Error::Format(format!("no FFN norm beside {}", l.ffn_up.name())));
+                return Err(Error::Format(format!(
+                    "no FFN norm beside {}",
+                    l.ffn_up.name()
+                )));
             }
             let s = SmallLayer {
                 attn_norm: small(&l.attn_norm)?,
@@ -198,7 +220,9 @@ impl NaiveExecutor {
             small_layers.push(s);
         }
         let freq_factors = w.rope_freqs.as_ref().map(|t| t.to_f32()).transpose()?;
-        let inv_freq = (0..c.rope.rotary_dims / 2).map(|i| c.rope.inv_freq(i, freq_factors.as_deref())).collect();
+        let inv_freq = (0..c.rope.rotary_dims / 2)
+            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
+            .collect();
         let output_norm = small(&w.output_norm)?;
         let output_norm_bias = small_opt(&w.output_norm_bias)?;
         check_vector(&Some(output_norm.clone()), h, "output norm")?;
@@ -233,7 +257,12 @@ impl NaiveExecutor {
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 4];
     let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..4 {
             acc[i] += x[i] * y[i];
@@ -276,7 +305,8 @@ fn norm(kind: NormKind, x: &[f32], w: &[f32], b: &Option<Vec<f32>>, eps: f32, ou
         }
         NormKind::Layer => {
             let mean = x.iter().sum::<f32>() / n;
-            let scale = 1.0 / (x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n + eps).sqrt();
+            let scale =
+                1.0 / (x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n + eps).sqrt();
             for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
                 *o = (v - mean) * scale * g;
             }
@@ -324,7 +354,13 @@ fn activate(kind: Activation, x: f32) -> f32 {
 impl Model {
     /// Runs one token at the sequence's next position; writes logits when asked. On error
     /// the sequence is left as it was.
-    fn step(&self, s: &mut Scratch, seq: &mut Sequence, token: u32, logits: Option<&mut [f32]>) -> Result<()> {
+    fn step(
+        &self,
+        s: &mut Scratch,
+        seq: &mut Sequence,
+        token: u32,
+        logits: Option<&mut [f32]>,
+    ) -> Result<()> {
         let len = seq.len;
         let result = self.step_inner(s, seq, token, logits);
         if result.is_err() {
@@ -337,19 +373,39 @@ impl Model {
         result
     }
 
-    fn step_inner(&self, s: &mut Scratch, seq: &mut Sequence, token: u32, logits: Option<&mut [f32]>) -> Result<()> {
+    fn step_inner(
+        &self,
+        s: &mut Scratch,
+        seq: &mut Sequence,
+        token: u32,
+        logits: Option<&mut [f32]>,
+    ) -> Result<()> {
         let c = &self.config;
         let w = &self.weights;
         if token as usize >= c.vocab_size {
-            return Err(Error::InvalidArgument(format!("token {token} is outside the vocabulary of {}", c.vocab_size)));
+            return Err(Error::InvalidArgument(format!(
+                "token {token} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
         }
         let (hd, kvd) = (c.head_dim, c.kv_dim());
         let pos = seq.len;
         s.x.resize(c.hidden_size, 0.0);
-        quant::dequantize(w.token_embd.qtype(), w.token_embd.row(token as usize), &mut s.x)?;
+        quant::dequantize(
+            w.token_embd.qtype(),
+            w.token_embd.row(token as usize),
+            &mut s.x,
+        )?;
 
         for (li, (lw, sl)) in w.layers.iter().zip(&self.small).enumerate() {
-            norm(c.norm, &s.x, &sl.attn_norm, &sl.attn_norm_bias, c.norm_eps, &mut s.normed);
+            norm(
+                c.norm,
+                &s.x,
+                &sl.attn_norm,
+                &sl.attn_norm_bias,
+                c.norm_eps,
+                &mut s.normed,
+            );
             matvec(&lw.attn_q, &s.normed, &mut s.q, &mut s.row)?;
             matvec(&lw.attn_k, &s.normed, &mut s.k, &mut s.row)?;
             matvec(&lw.attn_v, &s.normed, &mut s.v, &mut s.row)?;
@@ -401,14 +457,24 @@ impl Model {
             if !c.parallel_residual {
                 s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
                 let fw = sl.ffn_norm.as_deref().expect("checked at load");
-                norm(c.norm, &s.x, fw, &sl.ffn_norm_bias, c.norm_eps, &mut s.normed);
+                norm(
+                    c.norm,
+                    &s.x,
+                    fw,
+                    &sl.ffn_norm_bias,
+                    c.norm_eps,
+                    &mut s.normed,
+                );
             }
             matvec(&lw.ffn_up, &s.normed, &mut s.up, &mut s.row)?;
             if let Some(gate) = &lw.ffn_gate {
                 matvec(gate, &s.normed, &mut s.gate, &mut s.row)?;
-                s.up.iter_mut().zip(&s.gate).for_each(|(u, &g)| *u *= activate(c.activation, g));
+                s.up.iter_mut()
+                    .zip(&s.gate)
+                    .for_each(|(u, &g)| *u *= activate(c.activation, g));
             } else {
-                s.up.iter_mut().for_each(|u| *u = activate(c.activation, *u));
+                s.up.iter_mut()
+                    .for_each(|u| *u = activate(c.activation, *u));
             }
             matvec(&lw.ffn_down, &s.up, &mut s.ffn_out, &mut s.row)?;
             s.x.iter_mut().zip(&s.ffn_out).for_each(|(x, f)| *x += f);
@@ -419,7 +485,14 @@ impl Model {
         seq.len += 1;
 
         if let Some(logits) = logits {
-            norm(c.norm, &s.x, &self.output_norm, &self.output_norm_bias, c.norm_eps, &mut s.normed);
+            norm(
+                c.norm,
+                &s.x,
+                &self.output_norm,
+                &self.output_norm_bias,
+                c.norm_eps,
+                &mut s.normed,
+            );
             let mut out = std::mem::take(&mut s.proj);
             matvec(w.lm_head(), &s.normed, &mut out, &mut s.row)?;
             logits.copy_from_slice(&out);
@@ -447,7 +520,11 @@ impl LayerExecutor for NaiveExecutor {
         let slot = self.seqs.iter().position(|s| s.is_none()).ok_or_else(|| {
             Error::InvalidArgument(format!("all {} sequences are in use", self.seqs.len()))
         })?;
-        self.seqs[slot] = Some(Sequence { len: 0, keys: vec![Vec::new(); layers], values: vec![Vec::new(); layers] });
+        self.seqs[slot] = Some(Sequence {
+            len: 0,
+            keys: vec![Vec::new(); layers],
+            values: vec![Vec::new(); layers],
+        });
         Ok(slot as SeqId)
     }
 
@@ -469,7 +546,10 @@ impl LayerExecutor for NaiveExecutor {
         let kvd = self.model.config.kv_dim();
         let s = self.seq_mut(seq)?;
         if len > s.len {
-            return Err(Error::InvalidArgument(format!("cannot truncate sequence {seq} of {} tokens to {len}", s.len)));
+            return Err(Error::InvalidArgument(format!(
+                "cannot truncate sequence {seq} of {} tokens to {len}",
+                s.len
+            )));
         }
         for cache in s.keys.iter_mut().chain(s.values.iter_mut()) {
             cache.truncate(len * kvd);
@@ -481,8 +561,19 @@ impl LayerExecutor for NaiveExecutor {
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         // The contract's checks (docs/plugins.md): all of them before any state changes.
         let len = self.sequence_len(seq)?;
-        kiln_core::check_prefill(tokens, logits, self.model.config.vocab_size, len, self.max_context)?;
-        let NaiveExecutor { model, seqs, scratch, .. } = self;
+        kiln_core::check_prefill(
+            tokens,
+            logits,
+            self.model.config.vocab_size,
+            len,
+            self.max_context,
+        )?;
+        let NaiveExecutor {
+            model,
+            seqs,
+            scratch,
+            ..
+        } = self;
         let s = seqs[seq as usize].as_mut().expect("checked above");
         let (&last, rest) = tokens.split_last().expect("checked above");
         for &t in rest {
@@ -494,8 +585,15 @@ impl LayerExecutor for NaiveExecutor {
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         // Every item is checked before any runs, so a refused batch changes no sequence.
-        kiln_core::check_decode(batch, logits, vocab, self.max_context, |seq| self.sequence_len(seq))?;
-        let NaiveExecutor { model, seqs, scratch, .. } = self;
+        kiln_core::check_decode(batch, logits, vocab, self.max_context, |seq| {
+            self.sequence_len(seq)
+        })?;
+        let NaiveExecutor {
+            model,
+            seqs,
+            scratch,
+            ..
+        } = self;
         for (item, row) in batch.iter().zip(logits.chunks_exact_mut(vocab)) {
             let s = seqs[item.seq as usize].as_mut().expect("checked above");
             model.step(scratch, s, item.token, Some(row))?;

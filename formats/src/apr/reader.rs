@@ -9,8 +9,8 @@ use kiln_core::Storage;
 use serde_json::{Map, Value};
 
 use super::{
-    align64, flags, header_crc, AprDtype, AprError, AprHeader, AprTensorInfo, Compression, ALIGNMENT, HEADER_SIZE,
-    MAGIC, MAGIC_LEGACY, MAX_DIMS, MAX_NAME_LEN,
+    align64, flags, header_crc, AprDtype, AprError, AprHeader, AprTensorInfo, Compression,
+    ALIGNMENT, HEADER_SIZE, MAGIC, MAGIC_LEGACY, MAX_DIMS, MAX_NAME_LEN,
 };
 
 /// zstd frame magic (`28 B5 2F FD`).
@@ -51,7 +51,10 @@ impl AprReadOptions {
     /// expand to: `min(ceiling, max(floor, ratio × compressed_len))`. Once the index is
     /// decoded, the reader tightens this to what the index describes (see the module docs).
     pub fn decompress_limit(&self, compressed_len: u64) -> u64 {
-        self.decompress_ratio.saturating_mul(compressed_len).max(self.decompress_floor).min(self.decompress_ceiling)
+        self.decompress_ratio
+            .saturating_mul(compressed_len)
+            .max(self.decompress_floor)
+            .min(self.decompress_ceiling)
     }
 }
 
@@ -126,7 +129,10 @@ impl AprFile {
     }
 
     /// [`AprFile::from_storage`] with explicit options.
-    pub fn from_storage_with(raw: Arc<dyn Storage>, opts: &AprReadOptions) -> Result<AprFile, AprError> {
+    pub fn from_storage_with(
+        raw: Arc<dyn Storage>,
+        opts: &AprReadOptions,
+    ) -> Result<AprFile, AprError> {
         let header = read_header(&raw)?;
         let compression = detect_compression(&raw, header.flags);
         let storage: Arc<dyn Storage> = match compression {
@@ -138,7 +144,13 @@ impl AprFile {
             }
         };
         let (metadata, tensors) = parse_body(&storage, &header, opts.verify_file_crc)?;
-        Ok(AprFile { storage, header, compression, metadata, tensors })
+        Ok(AprFile {
+            storage,
+            header,
+            compression,
+            metadata,
+            tensors,
+        })
     }
 
     /// `(major, minor)`.
@@ -174,7 +186,10 @@ impl AprFile {
 
     /// The tensor named `name` (binary search: the index is sorted).
     pub fn tensor(&self, name: &str) -> Option<&AprTensorInfo> {
-        self.tensors.binary_search_by(|t| t.name.as_str().cmp(name)).ok().map(|i| &self.tensors[i])
+        self.tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[i])
     }
 
     /// Absolute offset of the data section in [`AprFile::storage`].
@@ -192,7 +207,10 @@ impl AprFile {
     /// it, the answer is an empty slice rather than a panic.
     pub fn tensor_bytes(&self, t: &AprTensorInfo) -> &[u8] {
         let start = self.tensor_offset(t);
-        start.checked_add(t.size as usize).and_then(|end| self.storage.get(start..end)).unwrap_or(&[])
+        start
+            .checked_add(t.size as usize)
+            .and_then(|end| self.storage.get(start..end))
+            .unwrap_or(&[])
     }
 
     /// The bytes every tensor borrows from: the memory map (or the caller's storage) for an
@@ -214,7 +232,10 @@ fn check_regular(path: &Path, meta: &std::fs::Metadata) -> Result<(), AprError> 
     } else {
         file_kind(&ft)
     };
-    Err(AprError::NotRegularFile { path: path.to_path_buf(), kind })
+    Err(AprError::NotRegularFile {
+        path: path.to_path_buf(),
+        kind,
+    })
 }
 
 #[cfg(unix)]
@@ -245,25 +266,43 @@ fn read_header(bytes: &[u8]) -> Result<AprHeader, AprError> {
         return Err(AprError::BadMagic([bytes[0], bytes[1], bytes[2], bytes[3]]));
     }
     let Some(head) = bytes.first_chunk::<HEADER_SIZE>() else {
-        return Err(AprError::Truncated { what: "header", need: HEADER_SIZE as u64, have });
+        return Err(AprError::Truncated {
+            what: "header",
+            need: HEADER_SIZE as u64,
+            have,
+        });
     };
     let header = AprHeader::parse(head);
     debug_assert!(header.magic == MAGIC || header.magic == MAGIC_LEGACY);
     if header.version.0 != 2 {
-        return Err(AprError::UnsupportedVersion { major: header.version.0, minor: header.version.1 });
+        return Err(AprError::UnsupportedVersion {
+            major: header.version.0,
+            minor: header.version.1,
+        });
     }
     let found = header_crc(head);
     if found != header.checksum {
-        return Err(AprError::HeaderCrc { expected: header.checksum, found });
+        return Err(AprError::HeaderCrc {
+            expected: header.checksum,
+            found,
+        });
     }
     check_flags(header.flags)?;
     Ok(header)
 }
 
 fn check_flags(f: u16) -> Result<(), AprError> {
-    let refuse = |flag, why: &str| Err(AprError::Refused { flag, why: why.to_string() });
+    let refuse = |flag, why: &str| {
+        Err(AprError::Refused {
+            flag,
+            why: why.to_string(),
+        })
+    };
     if f & flags::ENCRYPTED != 0 {
-        return refuse("ENCRYPTED", "the payload is encrypted and kiln has no decryption support or keys");
+        return refuse(
+            "ENCRYPTED",
+            "the payload is encrypted and kiln has no decryption support or keys",
+        );
     }
     if f & flags::SIGNED != 0 {
         return refuse(
@@ -273,7 +312,10 @@ fn check_flags(f: u16) -> Result<(), AprError> {
         );
     }
     if f & flags::SHARDED != 0 {
-        return refuse("SHARDED", "this is one shard of a multi-file model; kiln reads single-file models only");
+        return refuse(
+            "SHARDED",
+            "this is one shard of a multi-file model; kiln reads single-file models only",
+        );
     }
     if f & flags::COLUMN_MAJOR != 0 {
         return refuse(
@@ -283,7 +325,10 @@ fn check_flags(f: u16) -> Result<(), AprError> {
         );
     }
     if f & flags::LZ4 != 0 && f & flags::ZSTD != 0 {
-        return refuse("LZ4|ZSTD", "both compression flags are set; a file has one codec at most");
+        return refuse(
+            "LZ4|ZSTD",
+            "both compression flags are set; a file has one codec at most",
+        );
     }
     if f & !flags::KNOWN != 0 {
         return Err(AprError::Refused {
@@ -321,7 +366,10 @@ struct Line([u8; 64]);
 
 impl AlignedBytes {
     fn new() -> Self {
-        AlignedBytes { lines: Vec::new(), len: 0 }
+        AlignedBytes {
+            lines: Vec::new(),
+            len: 0,
+        }
     }
 
     fn capacity(&self) -> usize {
@@ -334,7 +382,9 @@ impl AlignedBytes {
         if lines > self.lines.len() {
             self.lines
                 .try_reserve_exact(lines - self.lines.len())
-                .map_err(|_| AprError::OutOfMemory { bytes: bytes as u64 })?;
+                .map_err(|_| AprError::OutOfMemory {
+                    bytes: bytes as u64,
+                })?;
             self.lines.resize(lines, Line([0; 64]));
         }
         Ok(())
@@ -344,7 +394,8 @@ impl AlignedBytes {
         let cap = self.capacity();
         // SAFETY: `lines` is a contiguous run of `cap` initialised bytes with no padding
         // (`Line` is a 64-byte array aligned to 64).
-        let all = unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), cap) };
+        let all =
+            unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), cap) };
         &mut all[self.len..end.min(cap)]
     }
 
@@ -402,7 +453,8 @@ fn decompress(
     let mut decoder: Box<dyn Read + '_> = match codec {
         Compression::Lz4 => Box::new(lz4_flex::frame::FrameDecoder::new(payload)),
         Compression::Zstd => Box::new(
-            zstd::stream::read::Decoder::with_buffer(payload).map_err(|e| AprError::Decompress(e.to_string()))?,
+            zstd::stream::read::Decoder::with_buffer(payload)
+                .map_err(|e| AprError::Decompress(e.to_string()))?,
         ),
         Compression::None => unreachable!("decompress is called for compressed payloads only"),
     };
@@ -412,7 +464,10 @@ fn decompress(
 
     // Phase 1: metadata and index.
     if header.data_offset > cap {
-        return Err(AprError::TooLarge { what: "metadata and tensor index (data_offset)", limit: cap });
+        return Err(AprError::TooLarge {
+            what: "metadata and tensor index (data_offset)",
+            limit: cap,
+        });
     }
     let head_end = header.data_offset as usize;
     out.fill(&mut *decoder, head_end)?;
@@ -435,7 +490,10 @@ fn decompress(
     let limit_usize = usize::try_from(limit).unwrap_or(cap_usize);
     out.fill(&mut *decoder, limit_usize.saturating_add(1))?;
     if out.len > limit_usize {
-        return Err(AprError::TooLarge { what: "file", limit });
+        return Err(AprError::TooLarge {
+            what: "file",
+            limit,
+        });
     }
     Ok(out)
 }
@@ -449,7 +507,11 @@ fn parse_body(
     let len = bytes.len() as u64;
     let min = HEADER_SIZE as u64 + 4;
     if len < min {
-        return Err(AprError::Truncated { what: "file checksum", need: min, have: len });
+        return Err(AprError::Truncated {
+            what: "file checksum",
+            need: min,
+            have: len,
+        });
     }
     let payload_end = bytes.len() - 4;
     if verify_crc {
@@ -465,12 +527,20 @@ fn parse_body(
     // Section layout: header < metadata <= index <= data <= payload end.
     let h = header;
     if h.metadata_offset < HEADER_SIZE as u64 {
-        return Err(AprError::Layout(format!("metadata_offset {} lies inside the header", h.metadata_offset)));
+        return Err(AprError::Layout(format!(
+            "metadata_offset {} lies inside the header",
+            h.metadata_offset
+        )));
     }
     let meta_end = h
         .metadata_offset
         .checked_add(u64::from(h.metadata_size))
-        .ok_or_else(|| AprError::Layout(format!("metadata_offset {} + metadata_size overflows", h.metadata_offset)))?;
+        .ok_or_else(|| {
+            AprError::Layout(format!(
+                "metadata_offset {} + metadata_size overflows",
+                h.metadata_offset
+            ))
+        })?;
     if meta_end > h.tensor_index_offset {
         return Err(AprError::Layout(format!(
             "metadata ({}..{meta_end}) runs past tensor_index_offset {}",
@@ -490,7 +560,10 @@ fn parse_body(
         )));
     }
     if !h.data_offset.is_multiple_of(ALIGNMENT) {
-        return Err(AprError::Layout(format!("data_offset {} is not a multiple of {ALIGNMENT}", h.data_offset)));
+        return Err(AprError::Layout(format!(
+            "data_offset {} is not a multiple of {ALIGNMENT}",
+            h.data_offset
+        )));
     }
 
     // Metadata: a JSON object. serde_json checks UTF-8 and bounds its recursion depth.
@@ -498,7 +571,10 @@ fn parse_body(
     let metadata = match serde_json::from_slice::<Value>(meta) {
         Ok(Value::Object(m)) => m,
         Ok(other) => {
-            return Err(AprError::Metadata(format!("expected a JSON object, found {}", json_kind(&other))));
+            return Err(AprError::Metadata(format!(
+                "expected a JSON object, found {}",
+                json_kind(&other)
+            )));
         }
         Err(e) => return Err(AprError::Metadata(format!("not valid JSON: {e}"))),
     };
@@ -541,7 +617,11 @@ fn parse_index(bytes: &[u8], h: &AprHeader) -> Result<Vec<AprTensorInfo>, AprErr
             region.len()
         )));
     }
-    let mut cur = Cursor { buf: region, pos: 0, base: start };
+    let mut cur = Cursor {
+        buf: region,
+        pos: 0,
+        base: start,
+    };
     let mut tensors: Vec<AprTensorInfo> = Vec::with_capacity(count as usize);
     for i in 0..count {
         let t = cur.entry(i)?;
@@ -606,7 +686,11 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize, what: &str, i: u64) -> Result<&'a [u8], AprError> {
         let buf: &'a [u8] = self.buf;
-        match self.pos.checked_add(n).and_then(|end| buf.get(self.pos..end)) {
+        match self
+            .pos
+            .checked_add(n)
+            .and_then(|end| buf.get(self.pos..end))
+        {
             Some(s) => {
                 self.pos += n;
                 Ok(s)
@@ -629,19 +713,25 @@ impl<'a> Cursor<'a> {
         let l = self.take(2, "name_len", i)?;
         let name_len = usize::from(u16::from_le_bytes([l[0], l[1]]));
         if name_len == 0 || name_len > MAX_NAME_LEN {
-            return Err(AprError::Index(format!("entry {i}: name_len {name_len} is outside 1..={MAX_NAME_LEN}")));
+            return Err(AprError::Index(format!(
+                "entry {i}: name_len {name_len} is outside 1..={MAX_NAME_LEN}"
+            )));
         }
         let at = self.base + self.pos as u64;
         let raw = self.take(name_len, "name", i)?;
         let name = std::str::from_utf8(raw)
-            .map_err(|_| AprError::Index(format!("entry {i}: name at byte {at} is not valid UTF-8")))?
+            .map_err(|_| {
+                AprError::Index(format!("entry {i}: name at byte {at} is not valid UTF-8"))
+            })?
             .to_string();
         let head = self.take(2, "dtype and ndim", i)?;
         let (id, ndim) = (head[0], usize::from(head[1]));
-        let dtype =
-            AprDtype::from_id(id).ok_or_else(|| AprError::Index(format!("tensor '{name}': unknown dtype id {id}")))?;
+        let dtype = AprDtype::from_id(id)
+            .ok_or_else(|| AprError::Index(format!("tensor '{name}': unknown dtype id {id}")))?;
         if ndim > MAX_DIMS {
-            return Err(AprError::Index(format!("tensor '{name}': {ndim} dims; at most {MAX_DIMS}")));
+            return Err(AprError::Index(format!(
+                "tensor '{name}': {ndim} dims; at most {MAX_DIMS}"
+            )));
         }
         let mut dims = Vec::with_capacity(ndim);
         for _ in 0..ndim {
@@ -652,7 +742,9 @@ impl<'a> Cursor<'a> {
         let elements = dims
             .iter()
             .try_fold(1u64, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| AprError::Index(format!("tensor '{name}': dims {dims:?} overflow u64")))?;
+            .ok_or_else(|| {
+                AprError::Index(format!("tensor '{name}': dims {dims:?} overflow u64"))
+            })?;
         let expected = dtype.byte_size(elements).ok_or_else(|| {
             AprError::Index(format!(
                 "tensor '{name}': {elements} values of {dtype} have no valid size (not a whole number \
@@ -665,8 +757,16 @@ impl<'a> Cursor<'a> {
             )));
         }
         if !offset.is_multiple_of(ALIGNMENT) {
-            return Err(AprError::Index(format!("tensor '{name}': offset {offset} is not a multiple of {ALIGNMENT}")));
+            return Err(AprError::Index(format!(
+                "tensor '{name}': offset {offset} is not a multiple of {ALIGNMENT}"
+            )));
         }
-        Ok(AprTensorInfo { name, dtype, dims, offset, size })
+        Ok(AprTensorInfo {
+            name,
+            dtype,
+            dims,
+            offset,
+            size,
+        })
     }
 }

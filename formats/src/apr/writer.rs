@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde_json::{Map, Value};
 
 use super::{
-    align64, flags, header_crc, AprDtype, AprError, AprHeader, Compression, HEADER_SIZE, MAGIC, MAX_DIMS, MAX_NAME_LEN,
-    VERSION,
+    align64, flags, header_crc, AprDtype, AprError, AprHeader, Compression, HEADER_SIZE, MAGIC,
+    MAX_DIMS, MAX_NAME_LEN, VERSION,
 };
 
 /// One tensor to write: its bytes come from the callback given to [`write_apr`].
@@ -64,7 +64,9 @@ pub fn write_apr(
 
 fn temp_path(path: &Path) -> Result<PathBuf, AprError> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = path.file_name().ok_or_else(|| AprError::InvalidSpec(format!("{} has no file name", path.display())))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| AprError::InvalidSpec(format!("{} has no file name", path.display())))?;
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = format!(".{}.tmp-{}-{n}", name.to_string_lossy(), std::process::id());
     Ok(path.with_file_name(tmp))
@@ -93,15 +95,23 @@ impl Plan {
         order.sort_by(|&a, &b| tensors[a].name.cmp(&tensors[b].name));
         for w in order.windows(2) {
             if tensors[w[0]].name == tensors[w[1]].name {
-                return Err(bad(format!("tensor '{}' appears twice", tensors[w[0]].name)));
+                return Err(bad(format!(
+                    "tensor '{}' appears twice",
+                    tensors[w[0]].name
+                )));
             }
         }
-        let count =
-            u32::try_from(tensors.len()).map_err(|_| bad(format!("{} tensors; at most 2^32-1", tensors.len())))?;
+        let count = u32::try_from(tensors.len())
+            .map_err(|_| bad(format!("{} tensors; at most 2^32-1", tensors.len())))?;
 
-        let metadata_bytes = serde_json::to_vec(metadata).map_err(|e| AprError::Metadata(e.to_string()))?;
-        let metadata_size = u32::try_from(metadata_bytes.len())
-            .map_err(|_| AprError::Metadata(format!("{} bytes of JSON; at most 4 GiB", metadata_bytes.len())))?;
+        let metadata_bytes =
+            serde_json::to_vec(metadata).map_err(|e| AprError::Metadata(e.to_string()))?;
+        let metadata_size = u32::try_from(metadata_bytes.len()).map_err(|_| {
+            AprError::Metadata(format!(
+                "{} bytes of JSON; at most 4 GiB",
+                metadata_bytes.len()
+            ))
+        })?;
 
         let mut index = Vec::new();
         let mut sized = Vec::with_capacity(tensors.len());
@@ -110,10 +120,17 @@ impl Plan {
         for &i in &order {
             let t = &tensors[i];
             if t.name.is_empty() || t.name.len() > MAX_NAME_LEN {
-                return Err(bad(format!("tensor name '{}' must be 1..={MAX_NAME_LEN} bytes", t.name)));
+                return Err(bad(format!(
+                    "tensor name '{}' must be 1..={MAX_NAME_LEN} bytes",
+                    t.name
+                )));
             }
             if t.dims.len() > MAX_DIMS {
-                return Err(bad(format!("tensor '{}': {} dims; at most {MAX_DIMS}", t.name, t.dims.len())));
+                return Err(bad(format!(
+                    "tensor '{}': {} dims; at most {MAX_DIMS}",
+                    t.name,
+                    t.dims.len()
+                )));
             }
             if !t.dtype.is_storable() {
                 return Err(bad(format!(
@@ -125,9 +142,17 @@ impl Plan {
                 .dims
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| bad(format!("tensor '{}': dims {:?} overflow u64", t.name, t.dims)))?;
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tensor '{}': dims {:?} overflow u64",
+                        t.name, t.dims
+                    ))
+                })?;
             let size = t.dtype.byte_size(elements).ok_or_else(|| {
-                bad(format!("tensor '{}': {elements} values of {} have no valid size", t.name, t.dtype))
+                bad(format!(
+                    "tensor '{}': {elements} values of {} have no valid size",
+                    t.name, t.dtype
+                ))
             })?;
             quantized |= t.dtype.is_quantized();
             index.extend_from_slice(&(t.name.len() as u16).to_le_bytes());
@@ -148,11 +173,17 @@ impl Plan {
 
         let overflow = || bad("file size overflows u64".into());
         let metadata_offset = HEADER_SIZE as u64;
-        let index_offset =
-            align64(u64::from(metadata_size)).and_then(|m| m.checked_add(metadata_offset)).ok_or_else(overflow)?;
-        let data_offset = align64(index.len() as u64).and_then(|i| i.checked_add(index_offset)).ok_or_else(overflow)?;
-        let body_len =
-            data_offset.checked_add(data_len).and_then(|e| e.checked_add(4)).ok_or_else(overflow)? - HEADER_SIZE as u64;
+        let index_offset = align64(u64::from(metadata_size))
+            .and_then(|m| m.checked_add(metadata_offset))
+            .ok_or_else(overflow)?;
+        let data_offset = align64(index.len() as u64)
+            .and_then(|i| i.checked_add(index_offset))
+            .ok_or_else(overflow)?;
+        let body_len = data_offset
+            .checked_add(data_len)
+            .and_then(|e| e.checked_add(4))
+            .ok_or_else(overflow)?
+            - HEADER_SIZE as u64;
 
         let mut f = flags::ROW_MAJOR;
         f |= match compression {
@@ -179,7 +210,14 @@ impl Plan {
             reserved: [0; 20],
         };
         header.checksum = header_crc(&header.to_bytes());
-        Ok(Plan { header: header.to_bytes(), metadata: metadata_bytes, index, order: sized, body_len, compression })
+        Ok(Plan {
+            header: header.to_bytes(),
+            metadata: metadata_bytes,
+            index,
+            order: sized,
+            body_len,
+            compression,
+        })
     }
 
     fn write(
@@ -214,11 +252,20 @@ impl Plan {
         body.write_padded(&self.index)?;
         for &(i, size) in &self.order {
             let name = tensors[i].name.as_str();
-            let mut w = Limited { body: &mut body, remaining: size, written: 0, excess: 0 };
+            let mut w = Limited {
+                body: &mut body,
+                remaining: size,
+                written: 0,
+                excess: 0,
+            };
             let result = write_tensor(name, &mut w);
             let (written, excess) = (w.written, w.excess);
             if excess > 0 || (result.is_ok() && written != size) {
-                return Err(AprError::TensorData { name: name.to_string(), expected: size, written: written + excess });
+                return Err(AprError::TensorData {
+                    name: name.to_string(),
+                    expected: size,
+                    written: written + excess,
+                });
             }
             result?;
             body.pad(size)?;

@@ -166,19 +166,24 @@ pub fn bounded(
     let theirs = rendezvous.clone();
     // A deep stack: a template may nest up to the recursion limit, and each level is a few
     // interpreter frames (a main thread's 8 MiB, not a spawned thread's default 2 MiB).
-    let spawned = std::thread::Builder::new().name("kiln-chat-template".into()).stack_size(16 << 20).spawn(move || {
-        let _ = WAKE.try_with(|w| w.set(Arc::as_ptr(&theirs)));
-        let _ = LIVE.try_with(|l| l.set(0));
-        let _ = BUDGET.try_with(|b| b.set(budget));
-        let result = render();
-        let _ = BUDGET.try_with(|b| b.set(usize::MAX));
-        let _ = WAKE.try_with(|w| w.set(std::ptr::null()));
-        let mut state = theirs.state.lock().unwrap_or_else(|p| p.into_inner());
-        *state = State::Done(result);
-        theirs.ready.notify_all();
-    });
+    let spawned = std::thread::Builder::new()
+        .name("kiln-chat-template".into())
+        .stack_size(16 << 20)
+        .spawn(move || {
+            let _ = WAKE.try_with(|w| w.set(Arc::as_ptr(&theirs)));
+            let _ = LIVE.try_with(|l| l.set(0));
+            let _ = BUDGET.try_with(|b| b.set(budget));
+            let result = render();
+            let _ = BUDGET.try_with(|b| b.set(usize::MAX));
+            let _ = WAKE.try_with(|w| w.set(std::ptr::null()));
+            let mut state = theirs.state.lock().unwrap_or_else(|p| p.into_inner());
+            *state = State::Done(result);
+            theirs.ready.notify_all();
+        });
     if let Err(e) = spawned {
-        return Ok(Err(kiln_core::Error::Tokenizer(format!("chat template: cannot start its render thread: {e}"))));
+        return Ok(Err(kiln_core::Error::Tokenizer(format!(
+            "chat template: cannot start its render thread: {e}"
+        ))));
     }
     let until = std::time::Instant::now() + deadline;
     let mut state = rendezvous.state.lock().unwrap_or_else(|p| p.into_inner());

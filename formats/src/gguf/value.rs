@@ -193,7 +193,10 @@ impl GgufArray {
             GgufArray::U32(v) => v.iter().map(|&x| x as i64).collect(),
             GgufArray::I32(v) => v.iter().map(|&x| x as i64).collect(),
             GgufArray::I64(v) => v.clone(),
-            GgufArray::U64(v) => v.iter().map(|&x| i64::try_from(x).ok()).collect::<Option<_>>()?,
+            GgufArray::U64(v) => v
+                .iter()
+                .map(|&x| i64::try_from(x).ok())
+                .collect::<Option<_>>()?,
             _ => return None,
         })
     }
@@ -274,7 +277,10 @@ impl GgufValue {
         match *self {
             GgufValue::F32(v) => Some(v as f64),
             GgufValue::F64(v) => Some(v),
-            _ => self.as_i64().map(|v| v as f64).or_else(|| self.as_u64().map(|v| v as f64)),
+            _ => self
+                .as_i64()
+                .map(|v| v as f64)
+                .or_else(|| self.as_u64().map(|v| v as f64)),
         }
     }
 
@@ -351,7 +357,9 @@ impl From<GgufArray> for GgufValue {
 
 impl From<Vec<&str>> for GgufValue {
     fn from(v: Vec<&str>) -> Self {
-        GgufValue::Array(GgufArray::String(v.into_iter().map(str::to_string).collect()))
+        GgufValue::Array(GgufArray::String(
+            v.into_iter().map(str::to_string).collect(),
+        ))
     }
 }
 

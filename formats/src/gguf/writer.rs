@@ -15,7 +15,10 @@ use std::path::Path;
 
 use kiln_core::QType;
 
-use super::{GgufArray, GgufError, GgufValue, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS};
+use super::{
+    GgufArray, GgufError, GgufValue, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH,
+    MAX_DIMS,
+};
 
 struct PendingTensor {
     name: String,
@@ -43,7 +46,11 @@ impl GgufWriter {
 
     /// Adds a metadata entry (written in insertion order). `general.alignment` must be a
     /// power of two stored as an unsigned integer; it sets the data alignment.
-    pub fn add_kv(&mut self, key: impl Into<String>, value: impl Into<GgufValue>) -> Result<&mut Self, GgufError> {
+    pub fn add_kv(
+        &mut self,
+        key: impl Into<String>,
+        value: impl Into<GgufValue>,
+    ) -> Result<&mut Self, GgufError> {
         let key = key.into();
         let value = value.into();
         if self.keys.contains(&key) {
@@ -51,7 +58,9 @@ impl GgufWriter {
         }
         if key == ALIGNMENT_KEY {
             let a = match value {
-                GgufValue::U8(_) | GgufValue::U16(_) | GgufValue::U32(_) | GgufValue::U64(_) => value.as_u64(),
+                GgufValue::U8(_) | GgufValue::U16(_) | GgufValue::U32(_) | GgufValue::U64(_) => {
+                    value.as_u64()
+                }
                 _ => None,
             }
             .ok_or_else(|| GgufError::WrongType {
@@ -73,17 +82,32 @@ impl GgufWriter {
     }
 
     /// Adds a tensor whose bytes are in hand.
-    pub fn add_tensor(&mut self, name: impl Into<String>, qtype: QType, dims: Vec<usize>, data: Vec<u8>) -> Result<&mut Self, GgufError> {
+    pub fn add_tensor(
+        &mut self,
+        name: impl Into<String>,
+        qtype: QType,
+        dims: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<&mut Self, GgufError> {
         let name = name.into();
         let n_bytes = checked_size(&name, qtype, &dims)?;
         if data.len() as u64 != n_bytes {
-            return Err(GgufError::DataSizeMismatch { name, expected: n_bytes, actual: data.len() as u64 });
+            return Err(GgufError::DataSizeMismatch {
+                name,
+                expected: n_bytes,
+                actual: data.len() as u64,
+            });
         }
         self.push_tensor(name, qtype, dims, n_bytes, Some(data))
     }
 
     /// Declares a tensor whose bytes will be supplied through [`GgufStreamWriter`].
-    pub fn declare_tensor(&mut self, name: impl Into<String>, qtype: QType, dims: Vec<usize>) -> Result<&mut Self, GgufError> {
+    pub fn declare_tensor(
+        &mut self,
+        name: impl Into<String>,
+        qtype: QType,
+        dims: Vec<usize>,
+    ) -> Result<&mut Self, GgufError> {
         let name = name.into();
         let n_bytes = checked_size(&name, qtype, &dims)?;
         self.push_tensor(name, qtype, dims, n_bytes, None)
@@ -100,7 +124,13 @@ impl GgufWriter {
         if !self.names.insert(name.clone()) {
             return Err(GgufError::DuplicateTensor(name));
         }
-        self.tensors.push(PendingTensor { name, qtype, dims, n_bytes, data });
+        self.tensors.push(PendingTensor {
+            name,
+            qtype,
+            dims,
+            n_bytes,
+            data,
+        });
         Ok(self)
     }
 
@@ -112,7 +142,11 @@ impl GgufWriter {
     /// Bytes the finished file will have.
     pub fn file_len(&self) -> u64 {
         let header = self.header_len();
-        let data: u64 = self.tensors.iter().map(|t| t.n_bytes.next_multiple_of(self.alignment())).sum();
+        let data: u64 = self
+            .tensors
+            .iter()
+            .map(|t| t.n_bytes.next_multiple_of(self.alignment()))
+            .sum();
         header.next_multiple_of(self.alignment()) + data
     }
 
@@ -130,7 +164,10 @@ impl GgufWriter {
     /// Writes the header and tensor table, and returns the writer that takes the data.
     pub fn begin<W: Write>(self, w: W) -> Result<GgufStreamWriter<W>, GgufError> {
         let alignment = self.alignment();
-        let mut out = Counting { inner: w, written: 0 };
+        let mut out = Counting {
+            inner: w,
+            written: 0,
+        };
         out.write_all(&GGUF_MAGIC)?;
         out.write_all(&3u32.to_le_bytes())?;
         out.write_all(&(self.tensors.len() as u64).to_le_bytes())?;
@@ -152,7 +189,13 @@ impl GgufWriter {
             offset += t.n_bytes.next_multiple_of(alignment);
         }
         out.pad_to(alignment)?;
-        let mut stream = GgufStreamWriter { out, alignment, tensors: self.tensors, current: 0, written_in_current: 0 };
+        let mut stream = GgufStreamWriter {
+            out,
+            alignment,
+            tensors: self.tensors,
+            current: 0,
+            written_in_current: 0,
+        };
         stream.flush_ready()?;
         Ok(stream)
     }
@@ -185,7 +228,9 @@ pub struct GgufStreamWriter<W: Write> {
 impl<W: Write> GgufStreamWriter<W> {
     /// Name, type and dims of the tensor whose bytes are expected next; `None` when done.
     pub fn next_tensor(&self) -> Option<(&str, QType, &[usize])> {
-        self.tensors.get(self.current).map(|t| (t.name.as_str(), t.qtype, t.dims.as_slice()))
+        self.tensors
+            .get(self.current)
+            .map(|t| (t.name.as_str(), t.qtype, t.dims.as_slice()))
     }
 
     /// Appends `chunk` to the current streamed tensor's data. A chunk must not run past the
@@ -197,7 +242,11 @@ impl<W: Write> GgufStreamWriter<W> {
         };
         let total = self.written_in_current + chunk.len() as u64;
         if total > t.n_bytes {
-            return Err(GgufError::DataSizeMismatch { name: t.name.clone(), expected: t.n_bytes, actual: total });
+            return Err(GgufError::DataSizeMismatch {
+                name: t.name.clone(),
+                expected: t.n_bytes,
+                actual: total,
+            });
         }
         self.out.write_all(chunk)?;
         self.written_in_current = total;
@@ -232,7 +281,9 @@ impl<W: Write> GgufStreamWriter<W> {
     /// Checks every tensor got its data and returns the underlying writer.
     pub fn finish(mut self) -> Result<W, GgufError> {
         if let Some(t) = self.tensors.get(self.current) {
-            return Err(GgufError::MissingTensorData { name: t.name.clone() });
+            return Err(GgufError::MissingTensorData {
+                name: t.name.clone(),
+            });
         }
         self.out.flush()?;
         Ok(self.out.inner)
@@ -241,14 +292,25 @@ impl<W: Write> GgufStreamWriter<W> {
 
 fn checked_size(name: &str, qtype: QType, dims: &[usize]) -> Result<u64, GgufError> {
     if dims.len() > MAX_DIMS {
-        return Err(GgufError::TooManyDims { name: name.to_string(), n_dims: dims.len() as u64 });
+        return Err(GgufError::TooManyDims {
+            name: name.to_string(),
+            n_dims: dims.len() as u64,
+        });
     }
-    qtype.tensor_bytes(dims).map(|n| n as u64).map_err(|e| GgufError::BadShape { name: name.to_string(), reason: e.to_string() })
+    qtype
+        .tensor_bytes(dims)
+        .map(|n| n as u64)
+        .map_err(|e| GgufError::BadShape {
+            name: name.to_string(),
+            reason: e.to_string(),
+        })
 }
 
 fn check_depth(key: &str, a: &GgufArray, depth: usize) -> Result<(), GgufError> {
     if depth > MAX_ARRAY_DEPTH {
-        return Err(GgufError::NestingTooDeep { key: key.to_string() });
+        return Err(GgufError::NestingTooDeep {
+            key: key.to_string(),
+        });
     }
     if let GgufArray::Array(items) = a {
         for item in items {
@@ -301,7 +363,11 @@ fn write_value(w: &mut impl Write, v: &GgufValue) -> std::io::Result<()> {
 fn write_array(w: &mut impl Write, a: &GgufArray) -> std::io::Result<()> {
     w.write_all(&a.elem_type().id().to_le_bytes())?;
     w.write_all(&(a.len() as u64).to_le_bytes())?;
-    fn each<T: Copy, const N: usize>(w: &mut impl Write, v: &[T], enc: fn(T) -> [u8; N]) -> std::io::Result<()> {
+    fn each<T: Copy, const N: usize>(
+        w: &mut impl Write,
+        v: &[T],
+        enc: fn(T) -> [u8; N],
+    ) -> std::io::Result<()> {
         // One write per array rather than per item: a vocabulary has 10^5 entries.
         let mut buf = Vec::with_capacity(v.len() * N);
         for &x in v {

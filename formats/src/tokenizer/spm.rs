@@ -44,7 +44,9 @@ impl PartialOrd for Bigram {
 impl Ord for Bigram {
     /// Max-heap order: higher score first, then the leftmost pair.
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score.total_cmp(&other.score).then_with(|| other.left.cmp(&self.left))
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.left.cmp(&self.left))
     }
 }
 
@@ -77,7 +79,10 @@ pub(super) fn tokenize(vocab: &SpmVocab<'_>, text: &str, out: &mut Vec<u32>) -> 
     }
 
     let mut heap = BinaryHeap::new();
-    let try_add = |heap: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
+    let try_add = |heap: &mut BinaryHeap<Bigram>,
+                   symbols: &[Symbol],
+                   left: Option<usize>,
+                   right: Option<usize>| {
         let (Some(left), Some(right)) = (left, right) else {
             return;
         };
@@ -85,7 +90,12 @@ pub(super) fn tokenize(vocab: &SpmVocab<'_>, text: &str, out: &mut Vec<u32>) -> 
         let piece = &text[l.start..r.start + r.len];
         if let Some(&id) = vocab.token_to_id.get(piece) {
             let score = vocab.scores.get(id as usize).copied().unwrap_or(0.0);
-            heap.push(Bigram { score, left, right, size: piece.len() });
+            heap.push(Bigram {
+                score,
+                left,
+                right,
+                size: piece.len(),
+            });
         }
     };
     for i in 1..n {

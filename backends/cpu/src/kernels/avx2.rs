@@ -39,7 +39,9 @@ unsafe fn f16x1(p: *const u8) -> f32 {
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            (p as *const u16).read_unaligned() as i32,
+        )))
     }
 }
 
@@ -120,7 +122,11 @@ unsafe fn dot_f32_unchecked(a: &[f32], b: &[f32]) -> f32 {
         let mut i = 0;
         while i + 16 <= n {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
             i += 16;
         }
         if i + 8 <= n {
@@ -205,9 +211,7 @@ unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        dot_q4_symmetric(row, x, false)
-    }
+    unsafe { dot_q4_symmetric(row, x, false) }
 }
 
 /// APR Q4: Q4_0's fields and arithmetic with the nibbles in value order (see
@@ -217,9 +221,7 @@ unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        dot_q4_symmetric(row, x, true)
-    }
+    unsafe { dot_q4_symmetric(row, x, true) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -268,8 +270,17 @@ unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
             let qh = (p.add(2) as *const u32).read_unaligned().to_le();
             let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
             // 5-bit quants are 0..=31, so after the −16 they fit an i8.
-            let lo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh)), sixteen);
-            let hi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16)), sixteen);
+            let lo = _mm_sub_epi8(
+                _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh)),
+                sixteen,
+            );
+            let hi = _mm_sub_epi8(
+                _mm_or_si128(
+                    _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
+                    fifth_bits16(qh >> 16),
+                ),
+                sixteen,
+            );
             let s = fma_i8x16(lo, px, _mm256_setzero_ps());
             let s = fma_i8x16(hi, px.add(16), s);
             acc = _mm256_fmadd_ps(d, s, acc);
@@ -297,7 +308,10 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let qh = (p.add(4) as *const u32).read_unaligned().to_le();
             let qs = _mm_loadu_si128(p.add(8) as *const __m128i);
             let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
-            let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), fifth_bits16(qh >> 16));
+            let hi = _mm_or_si128(
+                _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
+                fifth_bits16(qh >> 16),
+            );
             let s = fma_u8x16(lo, px, _mm256_setzero_ps());
             let s = fma_u8x16(hi, px.add(16), s);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
@@ -358,7 +372,11 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
                 let x0 = px.add(64 * i);
                 let s1 = fma_u8x16(_mm_and_si128(qa, mask), x0, _mm256_setzero_ps());
                 let s1 = fma_u8x16(_mm_and_si128(qb, mask), x0.add(16), s1);
-                let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), x0.add(32), _mm256_setzero_ps());
+                let s2 = fma_u8x16(
+                    _mm_and_si128(_mm_srli_epi16(qa, 4), mask),
+                    x0.add(32),
+                    _mm256_setzero_ps(),
+                );
                 let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), x0.add(48), s2);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
@@ -404,8 +422,14 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
                 let x0 = px.add(64 * i);
                 let la = _mm_or_si128(_mm_and_si128(qa, mask), fifth_bits_masked(qha, u1));
                 let lb = _mm_or_si128(_mm_and_si128(qb, mask), fifth_bits_masked(qhb, u1));
-                let ha = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qa, 4), mask), fifth_bits_masked(qha, u2));
-                let hb = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), fifth_bits_masked(qhb, u2));
+                let ha = _mm_or_si128(
+                    _mm_and_si128(_mm_srli_epi16(qa, 4), mask),
+                    fifth_bits_masked(qha, u2),
+                );
+                let hb = _mm_or_si128(
+                    _mm_and_si128(_mm_srli_epi16(qb, 4), mask),
+                    fifth_bits_masked(qhb, u2),
+                );
                 let s1 = fma_u8x16(la, x0, _mm256_setzero_ps());
                 let s1 = fma_u8x16(lb, x0.add(16), s1);
                 let s2 = fma_u8x16(ha, x0.add(32), _mm256_setzero_ps());
@@ -451,15 +475,33 @@ unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
                     let h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4);
                     let q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qla, mask), h0), bias);
                     let q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qlb, mask), h1), bias);
-                    let q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2), bias);
-                    let q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3), bias);
+                    let q3 = _mm_sub_epi8(
+                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2),
+                        bias,
+                    );
+                    let q4 = _mm_sub_epi8(
+                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3),
+                        bias,
+                    );
                     let y = px.add(128 * n + l0);
                     let s = sc.add(8 * n + half);
                     let z = _mm256_setzero_ps();
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s as f32), fma_i8x16(q1, y, z), acc);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(2) as f32), fma_i8x16(q2, y.add(32), z), acc);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(4) as f32), fma_i8x16(q3, y.add(64), z), acc);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s.add(6) as f32), fma_i8x16(q4, y.add(96), z), acc);
+                    acc = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d * *s.add(2) as f32),
+                        fma_i8x16(q2, y.add(32), z),
+                        acc,
+                    );
+                    acc = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d * *s.add(4) as f32),
+                        fma_i8x16(q3, y.add(64), z),
+                        acc,
+                    );
+                    acc = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d * *s.add(6) as f32),
+                        fma_i8x16(q4, y.add(96), z),
+                        acc,
+                    );
                 }
             }
         }
@@ -506,7 +548,9 @@ pub struct Avx2(());
 impl Avx2 {
     /// A token when the CPU has AVX2, FMA and F16C.
     pub fn detect() -> Option<Avx2> {
-        let ok = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         ok.then_some(Avx2(()))
     }
 }
@@ -553,7 +597,13 @@ pub fn dot4_f32(_: Avx2, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
 
 /// An f16 row (`2 · x.len()` bytes) dotted with `x`.
 pub fn dot_f16(_: Avx2, row: &[u8], x: &[f32]) -> f32 {
-    assert_eq!(row.len(), 2 * x.len(), "an f16 row of {} bytes for {} values", row.len(), x.len());
+    assert_eq!(
+        row.len(),
+        2 * x.len(),
+        "an f16 row of {} bytes for {} values",
+        row.len(),
+        x.len()
+    );
     // SAFETY: the token proves the features; the lengths agree (checked above).
     unsafe { dot_f16_unchecked(row, x) }
 }

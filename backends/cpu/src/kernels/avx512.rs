@@ -28,7 +28,9 @@ impl Avx512 {
     /// A token when the CPU has AVX-512F, BW and VL, AVX2, FMA and F16C.
     pub fn detect() -> Option<Avx512> {
         let avx2 = Avx2::detect()?;
-        let wide = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl");
+        let wide = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl");
         wide.then_some(Avx512(avx2))
     }
 
@@ -42,7 +44,9 @@ impl Avx512 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn iota16() -> __m512 {
-    _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0)
+    _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    )
 }
 
 /// The f16 at `p`, as f32 in all sixteen lanes. Broadcast as a half and converted as a
@@ -63,7 +67,13 @@ unsafe fn f16_splat(p: *const u8) -> __m512 {
 unsafe fn fma_lut16(q: __m128i, table: __m512, x: *const f32, acc: __m512) -> __m512 {
     // SAFETY: the caller guarantees the features (the safe wrappers take a token only
     // detection makes) and that `x` points at 16 readable values.
-    unsafe { _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table), _mm512_loadu_ps(x), acc) }
+    unsafe {
+        _mm512_fmadd_ps(
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table),
+            _mm512_loadu_ps(x),
+            acc,
+        )
+    }
 }
 
 /// Σ w·x over 16 lanes `q` (each 0..=15 in its low four bits, anything above) and
@@ -72,7 +82,14 @@ unsafe fn fma_lut16(q: __m128i, table: __m512, x: *const f32, acc: __m512) -> __
 /// two-table permute once the fifth bit is in bit 4 of the index.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn fma_lut5(q: __m512i, fifth: __mmask16, lo: __m512, hi: __m512, x: *const f32, acc: __m512) -> __m512 {
+unsafe fn fma_lut5(
+    q: __m512i,
+    fifth: __mmask16,
+    lo: __m512,
+    hi: __m512,
+    x: *const f32,
+    acc: __m512,
+) -> __m512 {
     // SAFETY: as for `fma_lut16`.
     unsafe {
         let nibble = _mm512_and_si512(q, _mm512_set1_epi32(15));
@@ -86,7 +103,12 @@ unsafe fn fma_lut5(q: __m512i, fifth: __mmask16, lo: __m512, hi: __m512, x: *con
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn dot_i8x16(q: __m128i, x: *const f32) -> __m512 {
     // SAFETY: as for `fma_lut16`.
-    unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x)) }
+    unsafe {
+        _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+            _mm512_loadu_ps(x),
+        )
+    }
 }
 
 /// Runs `$body` over blocks `0..$nb` with `$b` the block index, `$acc` a pair of
@@ -133,7 +155,10 @@ unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
             let table = _mm512_mul_ps(values, f16_splat(p));
             let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
             if interleaved {
-                let (lo, hi) = (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+                let (lo, hi) = (
+                    _mm_and_si128(qs, mask),
+                    _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
+                );
                 (
                     fma_lut16(_mm_unpacklo_epi8(lo, hi), table, px, acc.0),
                     fma_lut16(_mm_unpackhi_epi8(lo, hi), table, px.add(16), acc.1),
@@ -143,8 +168,16 @@ unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
                 // only the low four bits), the high one shifted down.
                 let idx = _mm512_cvtepu8_epi32(qs);
                 (
-                    _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, table), _mm512_loadu_ps(px), acc.0),
-                    _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), _mm512_loadu_ps(px.add(16)), acc.1),
+                    _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(idx, table),
+                        _mm512_loadu_ps(px),
+                        acc.0,
+                    ),
+                    _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table),
+                        _mm512_loadu_ps(px.add(16)),
+                        acc.1,
+                    ),
                 )
             }
         });
@@ -180,8 +213,16 @@ unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4) as *const __m128i));
             offset[half] += m * *sums.get_unchecked(b);
             (
-                _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, table), _mm512_loadu_ps(px), acc.0),
-                _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), _mm512_loadu_ps(px.add(16)), acc.1),
+                _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(idx, table),
+                    _mm512_loadu_ps(px),
+                    acc.0,
+                ),
+                _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table),
+                    _mm512_loadu_ps(px.add(16)),
+                    acc.1,
+                ),
             )
         });
         _mm512_reduce_add_ps(sum) + (offset[0] + offset[1])
@@ -205,7 +246,14 @@ unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
             let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(6) as *const __m128i));
             (
                 fma_lut5(idx, qh as __mmask16, low, high, px, acc.0),
-                fma_lut5(_mm512_srli_epi32(idx, 4), (qh >> 16) as __mmask16, low, high, px.add(16), acc.1),
+                fma_lut5(
+                    _mm512_srli_epi32(idx, 4),
+                    (qh >> 16) as __mmask16,
+                    low,
+                    high,
+                    px.add(16),
+                    acc.1,
+                ),
             )
         });
         _mm512_reduce_add_ps(sum)
@@ -232,7 +280,14 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             offset[half] += m * *sums.get_unchecked(b);
             (
                 fma_lut5(idx, qh as __mmask16, low, high, px, acc.0),
-                fma_lut5(_mm512_srli_epi32(idx, 4), (qh >> 16) as __mmask16, low, high, px.add(16), acc.1),
+                fma_lut5(
+                    _mm512_srli_epi32(idx, 4),
+                    (qh >> 16) as __mmask16,
+                    low,
+                    high,
+                    px.add(16),
+                    acc.1,
+                ),
             )
         });
         _mm512_reduce_add_ps(sum) + (offset[0] + offset[1])
@@ -252,7 +307,10 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
             let d = f16_splat(p);
             let q0 = _mm_loadu_si128(p.add(2) as *const __m128i);
             let q1 = _mm_loadu_si128(p.add(18) as *const __m128i);
-            (_mm512_fmadd_ps(d, dot_i8x16(q0, px), acc.0), _mm512_fmadd_ps(d, dot_i8x16(q1, px.add(16)), acc.1))
+            (
+                _mm512_fmadd_ps(d, dot_i8x16(q0, px), acc.0),
+                _mm512_fmadd_ps(d, dot_i8x16(q1, px.add(16)), acc.1),
+            )
         });
         _mm512_reduce_add_ps(sum)
     }
@@ -272,13 +330,27 @@ unsafe fn k_scales_mins(q: *const u8) -> (__m256, __m256) {
         const LOW4: u32 = 0x0f0f_0f0f;
         const LOW2: u32 = 0x0303_0303;
         let words = q as *const u32;
-        let (u0, u1, u2) = (words.read_unaligned().to_le(), words.add(1).read_unaligned().to_le(), words.add(2).read_unaligned().to_le());
+        let (u0, u1, u2) = (
+            words.read_unaligned().to_le(),
+            words.add(1).read_unaligned().to_le(),
+            words.add(2).read_unaligned().to_le(),
+        );
         let scales_lo = u0 & LOW6;
         let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
         let mins_lo = u1 & LOW6;
         let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
-        let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, scales_hi as i32, scales_lo as i32)));
-        let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, mins_hi as i32, mins_lo as i32)));
+        let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
+            0,
+            0,
+            scales_hi as i32,
+            scales_lo as i32,
+        )));
+        let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
+            0,
+            0,
+            mins_hi as i32,
+            mins_lo as i32,
+        )));
         (scales, mins)
     }
 }
@@ -291,7 +363,12 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // safe wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        let (mut acc0, mut acc1, mut acc2, mut acc3) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+        );
         let mut min_acc = _mm256_setzero_ps();
         let mut dsc = [0.0f32; 8];
         for b in 0..nb {
@@ -300,7 +377,11 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let (scales, mins) = k_scales_mins(blk.add(4));
             // d·sc is exact in f32 (11-bit mantissa times 6 bits), and so is each entry.
             _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, _mm256_set1_ps(d)));
-            min_acc = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(sums.as_ptr().add(b * 8)), min_acc);
+            min_acc = _mm256_fmadd_ps(
+                _mm256_mul_ps(mins, _mm256_set1_ps(dmin)),
+                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
+                min_acc,
+            );
             let qs = blk.add(16);
             let px = x.as_ptr().add(b * 256);
             for i in 0..4 {
@@ -311,13 +392,28 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
                 let x0 = px.add(64 * i);
                 let (ia, ib) = (_mm512_cvtepu8_epi32(qa), _mm512_cvtepu8_epi32(qb));
                 acc0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(ia, t1), _mm512_loadu_ps(x0), acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(ib, t1), _mm512_loadu_ps(x0.add(16)), acc1);
-                acc2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(ia, 4), t2), _mm512_loadu_ps(x0.add(32)), acc2);
-                acc3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(ib, 4), t2), _mm512_loadu_ps(x0.add(48)), acc3);
+                acc1 = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(ib, t1),
+                    _mm512_loadu_ps(x0.add(16)),
+                    acc1,
+                );
+                acc2 = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(ia, 4), t2),
+                    _mm512_loadu_ps(x0.add(32)),
+                    acc2,
+                );
+                acc3 = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(ib, 4), t2),
+                    _mm512_loadu_ps(x0.add(48)),
+                    acc3,
+                );
             }
         }
         let offset = _mm512_reduce_add_ps(_mm512_zextps256_ps512(min_acc));
-        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3))) - offset
+        _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc0, acc1),
+            _mm512_add_ps(acc2, acc3),
+        )) - offset
     }
 }
 
@@ -328,7 +424,12 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // safe wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        let (mut acc0, mut acc1, mut acc2, mut acc3) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+        );
         let sixteen = _mm512_set1_ps(16.0);
         let mut min_acc = _mm256_setzero_ps();
         let mut dsc = [0.0f32; 8];
@@ -337,15 +438,25 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let (d, dmin) = f16x2(blk.as_ptr());
             let (scales, mins) = k_scales_mins(blk.as_ptr().add(4));
             _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, _mm256_set1_ps(d)));
-            min_acc = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(sums.as_ptr().add(b * 8)), min_acc);
+            min_acc = _mm256_fmadd_ps(
+                _mm256_mul_ps(mins, _mm256_set1_ps(dmin)),
+                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
+                min_acc,
+            );
             let qha = _mm_loadu_si128(blk.as_ptr().add(16) as *const __m128i);
             let qhb = _mm_loadu_si128(blk.as_ptr().add(32) as *const __m128i);
             let qs = blk.as_ptr().add(48);
             let px = x.as_ptr().add(b * 256);
             for i in 0..4 {
                 let (s1, s2) = (_mm512_set1_ps(dsc[2 * i]), _mm512_set1_ps(dsc[2 * i + 1]));
-                let (lo1, hi1) = (_mm512_mul_ps(iota16(), s1), _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s1));
-                let (lo2, hi2) = (_mm512_mul_ps(iota16(), s2), _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s2));
+                let (lo1, hi1) = (
+                    _mm512_mul_ps(iota16(), s1),
+                    _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s1),
+                );
+                let (lo2, hi2) = (
+                    _mm512_mul_ps(iota16(), s2),
+                    _mm512_mul_ps(_mm512_add_ps(iota16(), sixteen), s2),
+                );
                 let u1 = _mm_set1_epi8((1u8 << (2 * i)) as i8);
                 let u2 = _mm_set1_epi8((2u8 << (2 * i)) as i8);
                 let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
@@ -361,7 +472,10 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             }
         }
         let offset = _mm512_reduce_add_ps(_mm512_zextps256_ps512(min_acc));
-        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3))) - offset
+        _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc0, acc1),
+            _mm512_add_ps(acc2, acc3),
+        )) - offset
     }
 }
 
@@ -375,13 +489,24 @@ unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
         let mask = _mm_set1_epi8(0x0F);
         let three = _mm_set1_epi8(3);
         let bias = _mm_set1_epi8(32);
-        let (mut acc0, mut acc1, mut acc2, mut acc3) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+        );
         for b in 0..nb {
             let blk = row.as_ptr().add(b * 210);
             // The sixteen 8-bit scales times d, once per super-block.
             let mut dsc = [0.0f32; 16];
             let sc8 = _mm_loadu_si128(blk.add(192) as *const __m128i);
-            _mm512_storeu_ps(dsc.as_mut_ptr(), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), f16_splat(blk.add(208))));
+            _mm512_storeu_ps(
+                dsc.as_mut_ptr(),
+                _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)),
+                    f16_splat(blk.add(208)),
+                ),
+            );
             let px = x.as_ptr().add(b * 256);
             for n in 0..2 {
                 let ql = blk.add(64 * n);
@@ -397,18 +522,30 @@ unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
                     let h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4);
                     let q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qla, mask), h0), bias);
                     let q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qlb, mask), h1), bias);
-                    let q3 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2), bias);
-                    let q4 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3), bias);
+                    let q3 = _mm_sub_epi8(
+                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2),
+                        bias,
+                    );
+                    let q4 = _mm_sub_epi8(
+                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3),
+                        bias,
+                    );
                     let y = px.add(128 * n + l0);
                     let s = 8 * n + half;
                     acc0 = _mm512_fmadd_ps(_mm512_set1_ps(dsc[s]), dot_i8x16(q1, y), acc0);
-                    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 2]), dot_i8x16(q2, y.add(32)), acc1);
-                    acc2 = _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 4]), dot_i8x16(q3, y.add(64)), acc2);
-                    acc3 = _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 6]), dot_i8x16(q4, y.add(96)), acc3);
+                    acc1 =
+                        _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 2]), dot_i8x16(q2, y.add(32)), acc1);
+                    acc2 =
+                        _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 4]), dot_i8x16(q3, y.add(64)), acc2);
+                    acc3 =
+                        _mm512_fmadd_ps(_mm512_set1_ps(dsc[s + 6]), dot_i8x16(q4, y.add(96)), acc3);
                 }
             }
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)))
+        _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc0, acc1),
+            _mm512_add_ps(acc2, acc3),
+        ))
     }
 }
 
@@ -424,12 +561,24 @@ unsafe fn dot_f32_unchecked(a: &[f32], b: &[f32]) -> f32 {
         let mut i = 0;
         while i + 32 <= n {
             acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+            acc1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                _mm512_loadu_ps(pb.add(i + 16)),
+                acc1,
+            );
             i += 32;
         }
         while i < n {
-            let k: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
-            acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, pa.add(i)), _mm512_maskz_loadu_ps(k, pb.add(i)), acc0);
+            let k: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            acc0 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(k, pa.add(i)),
+                _mm512_maskz_loadu_ps(k, pb.add(i)),
+                acc0,
+            );
             i += 16;
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
@@ -447,7 +596,11 @@ unsafe fn dot4_f32_unchecked(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
         let mut acc = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i < n {
-            let k: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            let k: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
             let wv = _mm512_maskz_loadu_ps(k, pw.add(i));
             for t in 0..4 {
                 acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(k, px[t].add(i)), acc[t]);
@@ -472,13 +625,20 @@ unsafe fn dot4x4_f32_unchecked(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] 
     // SAFETY: the caller guarantees the features; every load lies within the common
     // length of all eight slices (the last one masked to it).
     unsafe {
-        let n = w.iter().chain(x.iter()).fold(usize::MAX, |n, s| n.min(s.len()));
+        let n = w
+            .iter()
+            .chain(x.iter())
+            .fold(usize::MAX, |n, s| n.min(s.len()));
         let pw = w.map(|w| w.as_ptr());
         let px = x.map(|x| x.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); 4]; 4];
         let mut i = 0;
         while i < n {
-            let k: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            let k: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
             let mut wv = [_mm512_setzero_ps(); 4];
             for r in 0..4 {
                 wv[r] = _mm512_maskz_loadu_ps(k, pw[r].add(i));
@@ -555,8 +715,14 @@ unsafe fn dequant_q4_symmetric(p: *const u8, y: *mut f32, interleaved: bool) {
         let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
         let (first, second) = if interleaved {
             let mask = _mm_set1_epi8(0x0F);
-            let (lo, hi) = (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask));
-            (_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)))
+            let (lo, hi) = (
+                _mm_and_si128(qs, mask),
+                _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
+            );
+            (
+                _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)),
+                _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)),
+            )
         } else {
             // The permute reads only the low four bits of each index.
             let idx = _mm512_cvtepu8_epi32(qs);
@@ -577,7 +743,13 @@ unsafe fn q5_values(qh: u32, qs: *const u8, offset: i32) -> [__m512; 2] {
         let (bit4, off) = (_mm512_set1_epi32(16), _mm512_set1_epi32(offset));
         let idx = widen_u8(qs);
         let mut out = [_mm512_setzero_ps(); 2];
-        for (h, nibble) in [_mm512_and_si512(idx, _mm512_set1_epi32(15)), _mm512_srli_epi32(idx, 4)].into_iter().enumerate() {
+        for (h, nibble) in [
+            _mm512_and_si512(idx, _mm512_set1_epi32(15)),
+            _mm512_srli_epi32(idx, 4),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let fifth = (qh >> (16 * h)) as __mmask16;
             let q = _mm512_sub_epi32(_mm512_mask_or_epi32(nibble, fifth, nibble, bit4), off);
             out[h] = _mm512_cvtepi32_ps(q);
@@ -598,11 +770,20 @@ unsafe fn dequant_k4(p: *const u8, qh: *const u8, qs: *const u8, y: *mut f32) {
         for i in 0..4 {
             let (sc1, m1) = crate::dequant::scale_min_k4(2 * i, scales);
             let (sc2, m2) = crate::dequant::scale_min_k4(2 * i + 1, scales);
-            let (d1, m1) = (_mm512_set1_ps(d * sc1 as f32), _mm512_set1_ps(dmin * m1 as f32));
-            let (d2, m2) = (_mm512_set1_ps(d * sc2 as f32), _mm512_set1_ps(dmin * m2 as f32));
+            let (d1, m1) = (
+                _mm512_set1_ps(d * sc1 as f32),
+                _mm512_set1_ps(dmin * m1 as f32),
+            );
+            let (d2, m2) = (
+                _mm512_set1_ps(d * sc2 as f32),
+                _mm512_set1_ps(dmin * m2 as f32),
+            );
             for h in 0..2 {
                 let q = widen_u8(qs.add(32 * i + 16 * h));
-                let (mut lo, mut hi) = (_mm512_and_si512(q, _mm512_set1_epi32(15)), _mm512_srli_epi32(q, 4));
+                let (mut lo, mut hi) = (
+                    _mm512_and_si512(q, _mm512_set1_epi32(15)),
+                    _mm512_srli_epi32(q, 4),
+                );
                 if !qh.is_null() {
                     // Bit 2i (2i + 1) of qh byte l is the fifth bit of value l of sub-block 2i (2i + 1).
                     let bits = widen_u8(qh.add(16 * h));
@@ -613,21 +794,37 @@ unsafe fn dequant_k4(p: *const u8, qh: *const u8, qs: *const u8, y: *mut f32) {
                     hi = _mm512_mask_add_epi32(hi, second, hi, sixteen);
                 }
                 let (lo, hi) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
-                _mm512_storeu_ps(y.add(64 * i + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1));
-                _mm512_storeu_ps(y.add(64 * i + 32 + 16 * h), _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2));
+                _mm512_storeu_ps(
+                    y.add(64 * i + 16 * h),
+                    _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1),
+                );
+                _mm512_storeu_ps(
+                    y.add(64 * i + 32 + 16 * h),
+                    _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2),
+                );
             }
         }
     }
 }
 
-dequantiser!(dequant_q4_0, QType::Q4_0, |p, y| { dequant_q4_symmetric(p, y, false) });
-dequantiser!(dequant_apr_q4, QType::AprQ4, |p, y| { dequant_q4_symmetric(p, y, true) });
+dequantiser!(dequant_q4_0, QType::Q4_0, |p, y| {
+    dequant_q4_symmetric(p, y, false)
+});
+dequantiser!(dequant_apr_q4, QType::AprQ4, |p, y| {
+    dequant_q4_symmetric(p, y, true)
+});
 dequantiser!(dequant_q4_1, QType::Q4_1, |p, y| {
     let (d, m) = f16x2(p);
-    let (table, m) = (_mm512_mul_ps(iota16(), _mm512_set1_ps(d)), _mm512_set1_ps(m));
+    let (table, m) = (
+        _mm512_mul_ps(iota16(), _mm512_set1_ps(d)),
+        _mm512_set1_ps(m),
+    );
     let idx = widen_u8(p.add(4));
     _mm512_storeu_ps(y, _mm512_add_ps(_mm512_permutexvar_ps(idx, table), m));
-    _mm512_storeu_ps(y.add(16), _mm512_add_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), m));
+    _mm512_storeu_ps(
+        y.add(16),
+        _mm512_add_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), m),
+    );
 });
 dequantiser!(dequant_q5_0, QType::Q5_0, |p, y| {
     let d = f16_splat(p);
@@ -646,19 +843,33 @@ dequantiser!(dequant_q8_0, QType::Q8_0, |p, y| {
     let d = f16_splat(p);
     for h in 0..2 {
         let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
-        _mm512_storeu_ps(y.add(16 * h), _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+        _mm512_storeu_ps(
+            y.add(16 * h),
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))),
+        );
     }
 });
-dequantiser!(dequant_q4_k, QType::Q4_K, |p, y| { dequant_k4(p, std::ptr::null(), p.add(16), y) });
-dequantiser!(dequant_q5_k, QType::Q5_K, |p, y| { dequant_k4(p, p.add(16), p.add(48), y) });
+dequantiser!(dequant_q4_k, QType::Q4_K, |p, y| {
+    dequant_k4(p, std::ptr::null(), p.add(16), y)
+});
+dequantiser!(dequant_q5_k, QType::Q5_K, |p, y| {
+    dequant_k4(p, p.add(16), p.add(48), y)
+});
 dequantiser!(dequant_q6_k, QType::Q6_K, |p, y| {
-    let (low4, low2, off) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3), _mm512_set1_epi32(32));
+    let (low4, low2, off) = (
+        _mm512_set1_epi32(15),
+        _mm512_set1_epi32(3),
+        _mm512_set1_epi32(32),
+    );
     let d = half::f16::from_bits((p.add(208) as *const u16).read_unaligned()).to_f32();
     let sc = p.add(192) as *const i8;
     for n in 0..2 {
         let y = y.add(128 * n);
         for half in 0..2 {
-            let (a, c) = (widen_u8(p.add(64 * n + 16 * half)), widen_u8(p.add(64 * n + 32 + 16 * half)));
+            let (a, c) = (
+                widen_u8(p.add(64 * n + 16 * half)),
+                widen_u8(p.add(64 * n + 32 + 16 * half)),
+            );
             let h = widen_u8(p.add(128 + 32 * n + 16 * half));
             // Value k of the four 32-value groups: a low nibble (a, c) or a high one, and
             // two bits of h, minus 32.
@@ -669,10 +880,16 @@ dequantiser!(dequant_q6_k, QType::Q6_K, |p, y| {
                 (_mm512_srli_epi32(c, 4), 6),
             ];
             for (k, (nib, shift)) in parts.into_iter().enumerate() {
-                let top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2), 4);
+                let top = _mm512_slli_epi32(
+                    _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2),
+                    4,
+                );
                 let q = _mm512_sub_epi32(_mm512_or_si512(nib, top), off);
                 let scale = _mm512_set1_ps(d * *sc.add(8 * n + half + 2 * k) as f32);
-                _mm512_storeu_ps(y.add(32 * k + 16 * half), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
+                _mm512_storeu_ps(
+                    y.add(32 * k + 16 * half),
+                    _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)),
+                );
             }
         }
     }
@@ -680,7 +897,13 @@ dequantiser!(dequant_q6_k, QType::Q6_K, |p, y| {
 
 /// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scores_f32_unchecked(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+unsafe fn scores_f32_unchecked(
+    q: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     // SAFETY: the caller guarantees the features and that each of the `out.len()` rows
     // lies inside `rows`; the dot (inlined: the same features) reads `q.len()` values.
     unsafe {
@@ -694,7 +917,13 @@ unsafe fn scores_f32_unchecked(q: &[f32], rows: &[f32], stride: usize, scale: f3
 /// `out[j] = scale · (q · row j)` for `out.len()` rows of `rows`, row j at `j·stride`.
 pub fn scores_f32(_: Avx512, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
     if let Some(last) = out.len().checked_sub(1) {
-        assert!(last * stride + q.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", out.len(), q.len(), rows.len());
+        assert!(
+            last * stride + q.len() <= rows.len(),
+            "{} rows of stride {stride} and {} values exceed {}",
+            out.len(),
+            q.len(),
+            rows.len()
+        );
     }
     // SAFETY: the token proves the features; the assertion bounds every row read.
     unsafe { scores_f32_unchecked(q, rows, stride, scale, out) }
@@ -717,14 +946,19 @@ unsafe fn weighted_rows_f32_unchecked(w: &[f32], rows: &[f32], stride: usize, ou
             let mut acc = [_mm512_setzero_ps(); 4];
             for b in 0..blocks {
                 let left = hd - c0 - 16 * b;
-                m[b] = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+                m[b] = if left >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << left) - 1
+                };
                 acc[b] = _mm512_maskz_loadu_ps(m[b], po.add(c0 + 16 * b));
             }
             for (j, &wj) in w.iter().enumerate() {
                 let wv = _mm512_set1_ps(wj);
                 let row = rows.add(j * stride + c0);
                 for b in 0..blocks {
-                    acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m[b], row.add(16 * b)), acc[b]);
+                    acc[b] =
+                        _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m[b], row.add(16 * b)), acc[b]);
                 }
             }
             for b in 0..blocks {
@@ -739,7 +973,13 @@ unsafe fn weighted_rows_f32_unchecked(w: &[f32], rows: &[f32], stride: usize, ou
 /// `out.len()` values of each.
 pub fn weighted_rows_f32(_: Avx512, w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     if let Some(last) = w.len().checked_sub(1) {
-        assert!(last * stride + out.len() <= rows.len(), "{} rows of stride {stride} and {} values exceed {}", w.len(), out.len(), rows.len());
+        assert!(
+            last * stride + out.len() <= rows.len(),
+            "{} rows of stride {stride} and {} values exceed {}",
+            w.len(),
+            out.len(),
+            rows.len()
+        );
     }
     // SAFETY: the token proves the features; the assertion bounds every row read.
     unsafe { weighted_rows_f32_unchecked(w, rows, stride, out) }

@@ -68,7 +68,10 @@ pub enum Isa {
 impl Isa {
     /// Every set this CPU runs, narrowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().filter(|&isa| isa == Isa::Portable || Simd::detect(isa).map(Simd::isa) == Some(isa)).collect()
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&isa| isa == Isa::Portable || Simd::detect(isa).map(Simd::isa) == Some(isa))
+            .collect()
     }
 
     /// The widest set this CPU runs.
@@ -98,7 +101,9 @@ impl Simd {
         match max {
             Isa::Portable => None,
             Isa::Avx2 => Avx2::detect().map(Simd::Avx2),
-            Isa::Avx512 => Avx512::detect().map(Simd::Avx512).or_else(|| Avx2::detect().map(Simd::Avx2)),
+            Isa::Avx512 => Avx512::detect()
+                .map(Simd::Avx512)
+                .or_else(|| Avx2::detect().map(Simd::Avx2)),
         }
     }
 
@@ -160,7 +165,14 @@ pub fn dot_f32(simd: Option<Simd>, a: &[f32], b: &[f32]) -> f32 {
 /// `out[j] = scale · (q · row j)` for `out.len()` rows of `rows`, row j at `j·stride`
 /// (attention scores of one query against a tile of keys).
 #[inline]
-pub fn scores_f32(simd: Option<Simd>, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+pub fn scores_f32(
+    simd: Option<Simd>,
+    q: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if let Some(Simd::Avx512(t)) = simd {
         return avx512::scores_f32(t, q, rows, stride, scale, out);
@@ -173,7 +185,13 @@ pub fn scores_f32(simd: Option<Simd>, q: &[f32], rows: &[f32], stride: usize, sc
 /// `out += Σ_j w[j] · row j` for `w.len()` rows of `rows`, row j at `j·stride`, over
 /// `out.len()` values of each (attention's weighted sum of a tile of values).
 #[inline]
-pub fn weighted_rows_f32(simd: Option<Simd>, w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+pub fn weighted_rows_f32(
+    simd: Option<Simd>,
+    w: &[f32],
+    rows: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if let Some(Simd::Avx512(t)) = simd {
         return avx512::weighted_rows_f32(t, w, rows, stride, out);
@@ -240,7 +258,12 @@ pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
 
 /// Portable fused dot for a block type: dequantise each block into a stack buffer, dot it.
 #[inline(always)]
-fn blockwise_dot<const B: usize>(row: &[u8], block_bytes: usize, x: &[f32], f: fn(&[u8], &mut [f32])) -> f32 {
+fn blockwise_dot<const B: usize>(
+    row: &[u8],
+    block_bytes: usize,
+    x: &[f32],
+    f: fn(&[u8], &mut [f32]),
+) -> f32 {
     let mut buf = [0.0f32; B];
     let mut sum = 0.0f32;
     for (blk, xs) in row.chunks_exact(block_bytes).zip(x.chunks_exact(B)) {
@@ -310,14 +333,70 @@ macro_rules! portable_kernel {
     };
 }
 
-block_kernel!(Q4_0Kernel, QType::Q4_0, 32, dequant::block_q4_0, dot_q4_0, dequant_q4_0);
-block_kernel!(Q4_1Kernel, QType::Q4_1, 32, dequant::block_q4_1, dot_q4_1, dequant_q4_1);
-block_kernel!(Q5_0Kernel, QType::Q5_0, 32, dequant::block_q5_0, dot_q5_0, dequant_q5_0);
-block_kernel!(Q5_1Kernel, QType::Q5_1, 32, dequant::block_q5_1, dot_q5_1, dequant_q5_1);
-block_kernel!(Q8_0Kernel, QType::Q8_0, 32, dequant::block_q8_0, dot_q8_0, dequant_q8_0);
-block_kernel!(Q4KKernel, QType::Q4_K, 256, dequant::block_q4_k, dot_q4_k, dequant_q4_k);
-block_kernel!(Q5KKernel, QType::Q5_K, 256, dequant::block_q5_k, dot_q5_k, dequant_q5_k);
-block_kernel!(Q6KKernel, QType::Q6_K, 256, dequant::block_q6_k, dot_q6_k, dequant_q6_k);
+block_kernel!(
+    Q4_0Kernel,
+    QType::Q4_0,
+    32,
+    dequant::block_q4_0,
+    dot_q4_0,
+    dequant_q4_0
+);
+block_kernel!(
+    Q4_1Kernel,
+    QType::Q4_1,
+    32,
+    dequant::block_q4_1,
+    dot_q4_1,
+    dequant_q4_1
+);
+block_kernel!(
+    Q5_0Kernel,
+    QType::Q5_0,
+    32,
+    dequant::block_q5_0,
+    dot_q5_0,
+    dequant_q5_0
+);
+block_kernel!(
+    Q5_1Kernel,
+    QType::Q5_1,
+    32,
+    dequant::block_q5_1,
+    dot_q5_1,
+    dequant_q5_1
+);
+block_kernel!(
+    Q8_0Kernel,
+    QType::Q8_0,
+    32,
+    dequant::block_q8_0,
+    dot_q8_0,
+    dequant_q8_0
+);
+block_kernel!(
+    Q4KKernel,
+    QType::Q4_K,
+    256,
+    dequant::block_q4_k,
+    dot_q4_k,
+    dequant_q4_k
+);
+block_kernel!(
+    Q5KKernel,
+    QType::Q5_K,
+    256,
+    dequant::block_q5_k,
+    dot_q5_k,
+    dequant_q5_k
+);
+block_kernel!(
+    Q6KKernel,
+    QType::Q6_K,
+    256,
+    dequant::block_q6_k,
+    dot_q6_k,
+    dequant_q6_k
+);
 block_kernel!(
     /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
     AprQ4Kernel,

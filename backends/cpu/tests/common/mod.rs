@@ -3,8 +3,8 @@
 
 use half::f16;
 use kiln_core::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType, RopeConfig, RopeKind,
-    RopeScaling, Rng, SlidingWindow, TensorView,
+    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType,
+    Rng, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
 
 /// Uniform in [lo, hi).
@@ -39,9 +39,18 @@ fn scale_fields(q: QType) -> &'static [(usize, bool)] {
 pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
     let n = rows * cols;
     match qtype {
-        QType::F32 => random_vec(rng, n, scale).iter().flat_map(|v| v.to_le_bytes()).collect(),
-        QType::F16 => random_vec(rng, n, scale).iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
-        QType::BF16 => random_vec(rng, n, scale).iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        QType::F32 => random_vec(rng, n, scale)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        QType::F16 => random_vec(rng, n, scale)
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        QType::BF16 => random_vec(rng, n, scale)
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
         q => {
             let bytes = q.row_bytes(cols).unwrap() * rows;
             let mut out: Vec<u8> = (0..bytes).map(|_| rng.next_u64() as u8).collect();
@@ -60,7 +69,11 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
             };
             for block in out.chunks_exact_mut(q.block_bytes()) {
                 for &(at, is_min) in scale_fields(q) {
-                    let v = if is_min { uniform(rng, 0.0, scale / span) } else { uniform(rng, -scale / span, scale / span) };
+                    let v = if is_min {
+                        uniform(rng, 0.0, scale / span)
+                    } else {
+                        uniform(rng, -scale / span, scale / span)
+                    };
                     put_f16(block, at, v);
                 }
             }
@@ -69,8 +82,21 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
     }
 }
 
-pub fn matrix(rng: &mut Rng, name: &str, qtype: QType, cols: usize, rows: usize, scale: f32) -> TensorView {
-    TensorView::from_bytes(name, qtype, vec![cols, rows], random_bytes(rng, qtype, rows, cols, scale)).unwrap()
+pub fn matrix(
+    rng: &mut Rng,
+    name: &str,
+    qtype: QType,
+    cols: usize,
+    rows: usize,
+    scale: f32,
+) -> TensorView {
+    TensorView::from_bytes(
+        name,
+        qtype,
+        vec![cols, rows],
+        random_bytes(rng, qtype, rows, cols, scale),
+    )
+    .unwrap()
 }
 
 pub fn vector(name: &str, values: &[f32]) -> TensorView {
@@ -127,7 +153,15 @@ impl Spec {
             gated: true,
             norm: NormKind::Rms,
             activation: Activation::Silu,
-            qtypes: vec![QType::Q4_1, QType::Q8_0, QType::Q4_0, QType::F16, QType::Q5_0, QType::Q5_1, QType::F32],
+            qtypes: vec![
+                QType::Q4_1,
+                QType::Q8_0,
+                QType::Q4_0,
+                QType::F16,
+                QType::Q5_0,
+                QType::Q5_1,
+                QType::F32,
+            ],
             embd_qtype: QType::Q8_0,
             tied: true,
             sandwich_norms: false,
@@ -150,19 +184,35 @@ impl Spec {
             activation: Activation::Gelu,
             sandwich_norms: true,
             embedding_scale: 8.0,
-            sliding_window: Some(SlidingWindow { window: 4, global_every: 3, local_theta: 100.0 }),
+            sliding_window: Some(SlidingWindow {
+                window: 4,
+                global_every: 3,
+                local_theta: 100.0,
+            }),
             ..Spec::llama()
         }
     }
 
     /// Qwen2-style: QKV biases, NEOX rope, separate LM head.
     pub fn qwen2() -> Spec {
-        Spec { arch: Architecture::Qwen2, rope: RopeKind::Neox, qkv_bias: true, tied: false, ..Spec::llama() }
+        Spec {
+            arch: Architecture::Qwen2,
+            rope: RopeKind::Neox,
+            qkv_bias: true,
+            tied: false,
+            ..Spec::llama()
+        }
     }
 
     /// Qwen3-style: head_dim 32 with hidden 64 (q_dim 128 ≠ hidden), per-head QK-norm.
     pub fn qwen3() -> Spec {
-        Spec { arch: Architecture::Qwen3, rope: RopeKind::Neox, head_dim: 32, qk_norm: true, ..Spec::llama() }
+        Spec {
+            arch: Architecture::Qwen3,
+            rope: RopeKind::Neox,
+            head_dim: 32,
+            qk_norm: true,
+            ..Spec::llama()
+        }
     }
 
     /// Hidden 256 so the K-quants fit, with one of each in the projections.
@@ -171,7 +221,15 @@ impl Spec {
             hidden: 256,
             ffn: 512,
             head_dim: 64,
-            qtypes: vec![QType::Q4_K, QType::Q6_K, QType::Q5_K, QType::Q3_K, QType::Q2_K, QType::BF16, QType::Q8_0],
+            qtypes: vec![
+                QType::Q4_K,
+                QType::Q6_K,
+                QType::Q5_K,
+                QType::Q3_K,
+                QType::Q2_K,
+                QType::BF16,
+                QType::Q8_0,
+            ],
             embd_qtype: QType::Q6_K,
             ..Spec::llama()
         }
@@ -180,7 +238,14 @@ impl Spec {
     /// Llama-shaped with APR Q4 in most projections and in the (tied) embedding / LM head.
     pub fn apr_q4() -> Spec {
         Spec {
-            qtypes: vec![QType::AprQ4, QType::Q4_0, QType::AprQ4, QType::F16, QType::AprQ4, QType::Q8_0],
+            qtypes: vec![
+                QType::AprQ4,
+                QType::Q4_0,
+                QType::AprQ4,
+                QType::F16,
+                QType::AprQ4,
+                QType::Q8_0,
+            ],
             embd_qtype: QType::AprQ4,
             ..Spec::llama()
         }
@@ -203,7 +268,12 @@ impl Spec {
             parallel_residual: false,
             qkv_bias: self.qkv_bias,
             qk_norm: self.qk_norm,
-            rope: RopeConfig { kind: self.rope, theta: 10000.0, scaling: RopeScaling::None, rotary_dims: self.head_dim },
+            rope: RopeConfig {
+                kind: self.rope,
+                theta: 10000.0,
+                scaling: RopeScaling::None,
+                rotary_dims: self.head_dim,
+            },
             tied_embeddings: self.tied,
             context_length: 256,
             embedding_scale: self.embedding_scale,
@@ -225,7 +295,8 @@ impl Spec {
         for i in 0..self.layers {
             let p = |n: &str| format!("blk.{i}.{n}");
             let bias = |rng: &mut Rng, n: &str, len: usize| -> Option<TensorView> {
-                self.qkv_bias.then(|| vector(&p(n), &random_vec(rng, len, 0.2)))
+                self.qkv_bias
+                    .then(|| vector(&p(n), &random_vec(rng, len, 0.2)))
             };
             let w_scale = 1.0 / (h as f32).sqrt() * 1.7;
             layers.push(LayerWeights {
@@ -237,28 +308,64 @@ impl Spec {
                 attn_q_bias: bias(&mut rng, "attn_q.bias", qd),
                 attn_k_bias: bias(&mut rng, "attn_k.bias", kvd),
                 attn_v_bias: bias(&mut rng, "attn_v.bias", kvd),
-                attn_q_norm: self.qk_norm.then(|| norm_weights(&mut rng, &p("attn_q_norm"), c.head_dim)),
-                attn_k_norm: self.qk_norm.then(|| norm_weights(&mut rng, &p("attn_k_norm"), c.head_dim)),
-                attn_out: matrix(&mut rng, &p("attn_output"), next_q(), qd, h, 1.0 / (qd as f32).sqrt()),
+                attn_q_norm: self
+                    .qk_norm
+                    .then(|| norm_weights(&mut rng, &p("attn_q_norm"), c.head_dim)),
+                attn_k_norm: self
+                    .qk_norm
+                    .then(|| norm_weights(&mut rng, &p("attn_k_norm"), c.head_dim)),
+                attn_out: matrix(
+                    &mut rng,
+                    &p("attn_output"),
+                    next_q(),
+                    qd,
+                    h,
+                    1.0 / (qd as f32).sqrt(),
+                ),
                 attn_out_bias: None,
                 ffn_norm: Some(norm_weights(&mut rng, &p("ffn_norm"), h)),
                 ffn_norm_bias: None,
-                ffn_gate: self.gated.then(|| matrix(&mut rng, &p("ffn_gate"), next_q(), h, f, w_scale)),
+                ffn_gate: self
+                    .gated
+                    .then(|| matrix(&mut rng, &p("ffn_gate"), next_q(), h, f, w_scale)),
                 ffn_up: matrix(&mut rng, &p("ffn_up"), next_q(), h, f, w_scale),
-                ffn_down: matrix(&mut rng, &p("ffn_down"), next_q(), f, h, 1.0 / (f as f32).sqrt()),
-                attn_post_norm: self.sandwich_norms.then(|| norm_weights(&mut rng, &p("post_attention_norm"), h)),
-                ffn_post_norm: self.sandwich_norms.then(|| norm_weights(&mut rng, &p("post_ffw_norm"), h)),
+                ffn_down: matrix(
+                    &mut rng,
+                    &p("ffn_down"),
+                    next_q(),
+                    f,
+                    h,
+                    1.0 / (f as f32).sqrt(),
+                ),
+                attn_post_norm: self
+                    .sandwich_norms
+                    .then(|| norm_weights(&mut rng, &p("post_attention_norm"), h)),
+                ffn_post_norm: self
+                    .sandwich_norms
+                    .then(|| norm_weights(&mut rng, &p("post_ffw_norm"), h)),
             });
         }
         let weights = ModelWeights {
-            token_embd: matrix(&mut rng, "token_embd", self.embd_qtype, h, c.vocab_size, 1.0),
+            token_embd: matrix(
+                &mut rng,
+                "token_embd",
+                self.embd_qtype,
+                h,
+                c.vocab_size,
+                1.0,
+            ),
             layers,
             output_norm: norm_weights(&mut rng, "output_norm", h),
             output_norm_bias: None,
-            output: (!self.tied).then(|| matrix(&mut rng, "output", QType::Q8_0, h, c.vocab_size, 0.5)),
+            output: (!self.tied)
+                .then(|| matrix(&mut rng, "output", QType::Q8_0, h, c.vocab_size, 0.5)),
             rope_freqs: None,
         };
-        ModelIr { config: c, weights, source: format!("random {:?} model", self.arch) }
+        ModelIr {
+            config: c,
+            weights,
+            source: format!("random {:?} model", self.arch),
+        }
     }
 }
 
@@ -266,5 +373,8 @@ impl Spec {
 pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
 }

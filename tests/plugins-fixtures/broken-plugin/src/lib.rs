@@ -21,7 +21,8 @@
 
 use kiln_backend_cpu::CpuBackend;
 use kiln_plugin_sdk::kiln_core::{
-    Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, QType, Result, SeqId, Support,
+    Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, QType, Result,
+    SeqId, Support,
 };
 
 kiln_plugin_sdk::export_backend!(try Broken::from_env);
@@ -58,12 +59,17 @@ impl Broken {
         let asked = std::env::var("KILN_FIXTURE_FAULT").unwrap_or_else(|_| "none".into());
         let Some(&(name, fault)) = FAULTS.iter().find(|(n, _)| *n == asked) else {
             let known: Vec<&str> = FAULTS.iter().map(|(n, _)| *n).collect();
-            return Err(format!("KILN_FIXTURE_FAULT={asked} is none of {}", known.join(", ")));
+            return Err(format!(
+                "KILN_FIXTURE_FAULT={asked} is none of {}",
+                known.join(", ")
+            ));
         };
         Ok(Broken {
             fault,
             name: format!("broken-{name}"),
-            description: format!("test fixture: the CPU executor with one deliberate fault ({name})"),
+            description: format!(
+                "test fixture: the CPU executor with one deliberate fault ({name})"
+            ),
         })
     }
 }
@@ -83,7 +89,10 @@ impl Backend for Broken {
     }
     fn supports(&self, model: &ModelIr) -> Support {
         match CpuBackend.supports(model) {
-            Support::Yes { .. } => Support::Yes { score: 1, note: "a test fixture; never pick it".into() },
+            Support::Yes { .. } => Support::Yes {
+                score: 1,
+                note: "a test fixture; never pick it".into(),
+            },
             no => no,
         }
     }
@@ -93,7 +102,11 @@ impl Backend for Broken {
             .split_once("kiln-fixture-fault=")
             .and_then(|(_, rest)| FAULTS.iter().find(|(n, _)| rest.starts_with(n)))
             .map_or(self.fault, |&(_, f)| f);
-        Ok(Box::new(BrokenExecutor { inner: CpuBackend.load(model, options)?, fault, scratch: Vec::new() }))
+        Ok(Box::new(BrokenExecutor {
+            inner: CpuBackend.load(model, options)?,
+            fault,
+            scratch: Vec::new(),
+        }))
     }
 }
 
@@ -107,7 +120,10 @@ impl BrokenExecutor {
     /// The fault `untyped_errors`: every error loses its kind.
     fn typed<T>(&self, r: Result<T>) -> Result<T> {
         match (self.fault, r) {
-            (Fault::UntypedErrors, Err(e)) => Err(Error::Backend { backend: "broken".into(), message: e.to_string() }),
+            (Fault::UntypedErrors, Err(e)) => Err(Error::Backend {
+                backend: "broken".into(),
+                message: e.to_string(),
+            }),
             (_, r) => r,
         }
     }

@@ -6,8 +6,8 @@
 //! so one library covers both initialisation refusals. Nothing here is a real backend.
 
 use kiln_plugin_sdk::kiln_core::{
-    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr, QType, Result, Sampler,
-    SeqId, Support,
+    Architecture, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
+    QType, Result, Sampler, SeqId, Support,
 };
 
 kiln_plugin_sdk::export_backend!(try Panicky::new, architectures = [Architecture::Llama]);
@@ -44,7 +44,10 @@ impl Backend for Panicky {
         if model.source.contains("refuse") {
             return Err(Error::Unsupported("the fixture refuses this model".into()));
         }
-        Ok(Box::new(PanickyExecutor { config: model.config.clone(), len: 0 }))
+        Ok(Box::new(PanickyExecutor {
+            config: model.config.clone(),
+            len: 0,
+        }))
     }
 }
 
@@ -84,7 +87,12 @@ impl LayerExecutor for PanickyExecutor {
     fn decode(&mut self, _batch: &[DecodeItem], _logits: &mut [f32]) -> Result<()> {
         panic!("decode exploded at length {}", self.len)
     }
-    fn decode_sample(&mut self, _batch: &[DecodeItem], samplers: &mut [Sampler], _tokens: &mut [u32]) -> Result<()> {
+    fn decode_sample(
+        &mut self,
+        _batch: &[DecodeItem],
+        samplers: &mut [Sampler],
+        _tokens: &mut [u32],
+    ) -> Result<()> {
         panic!("decode_sample exploded with {} samplers", samplers.len())
     }
 }
