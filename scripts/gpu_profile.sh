@@ -7,6 +7,9 @@
 #
 #   SHAPES="llama3-8b" BATCHES="8 64" scripts/gpu_profile.sh
 #
+# BATCHES may hold 1 (the single-sequence graph: every kernel of a `kiln bench -p 0` run)
+# and dN (decode attention only, after N tokens of context: `kiln bench -p 0 -d N`).
+#
 # ncu leaves the clocks as it finds them (--clock-control none: the card's settings are not
 # ours to change). Logs under $OUT (or ./prof-logs), one CSV per shape and batch, and the
 # summaries printed last.
@@ -27,9 +30,16 @@ for shape in ${SHAPES:-llama3-8b}; do
     for b in ${BATCHES:-8 64}; do
         # Only the batched step's kernels (the 128-token prompts take the cuBLAS prefill);
         # one step of a 32-layer model is ~14 launches a layer.
-        "$ncu" --clock-control none -k 'regex:^(bmm_|act_pack|attn_decode_batch|rope_kv_batch|embed_rows|argmax|sample_rows)' \
-            -c "${LAUNCHES:-520}" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
-            -f -o "$work/ncu-$shape-b$b" "$kiln" bench -m "$f" --batch "$b" -p 128 -n 4 -r 1 >"$out/ncu-$shape-b$b.log" 2>&1
+        kernels='regex:^(bmm_|act_pack|attn_decode_batch|rope_kv_batch|embed_rows|argmax|sample_rows)'
+        launches=${LAUNCHES:-520}
+        args=(--batch "$b" -p 128 -n 4 -r 1)
+        case "$b" in
+        1) kernels='regex:^(gemv|swiglu|rope_kv|attn_decode|embed_|argmax|rmsnorm|quantize)' launches=${LAUNCHES:-600} args=(-p 0 -n 4 -r 1) ;;
+        d*) kernels='regex:^attn_decode' launches=${LAUNCHES:-128} args=(-p 0 -n 4 -r 1 -d "${b#d}") ;;
+        esac
+        "$ncu" --clock-control none -k "$kernels" \
+            -c "$launches" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
+            -f -o "$work/ncu-$shape-b$b" "$kiln" bench -m "$f" "${args[@]}" >"$out/ncu-$shape-b$b.log" 2>&1
         "$ncu" -i "$work/ncu-$shape-b$b.ncu-rep" --csv --page raw >"$out/ncu-$shape-b$b.csv" 2>>"$out/ncu-$shape-b$b.log"
         echo "== $shape B=$b =="
         python3 - "$out/ncu-$shape-b$b.csv" <<'PY'

@@ -32,6 +32,7 @@ pub enum Preset {
     SmolLm2_135m,
     Llama32_1b,
     Llama3_8b,
+    Llama31_8b,
     Qwen25_0_5b,
     Qwen25_1_5b,
     Qwen25_7b,
@@ -75,10 +76,11 @@ pub struct SynthShape {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 9] = [
+    pub const ALL: [Preset; 10] = [
         Preset::SmolLm2_135m,
         Preset::Llama32_1b,
         Preset::Llama3_8b,
+        Preset::Llama31_8b,
         Preset::Qwen25_0_5b,
         Preset::Qwen25_1_5b,
         Preset::Qwen25_7b,
@@ -92,6 +94,7 @@ impl Preset {
             Preset::SmolLm2_135m => "smollm2-135m",
             Preset::Llama32_1b => "llama3.2-1b",
             Preset::Llama3_8b => "llama3-8b",
+            Preset::Llama31_8b => "llama3.1-8b",
             Preset::Qwen25_0_5b => "qwen2.5-0.5b",
             Preset::Qwen25_1_5b => "qwen2.5-1.5b",
             Preset::Qwen25_7b => "qwen2.5-7b",
@@ -120,7 +123,7 @@ impl Preset {
     fn tokenizer(self) -> TokenizerKind {
         match self {
             Preset::SmolLm2_135m => TokenizerKind::SmolLm,
-            Preset::Llama32_1b | Preset::Llama3_8b => TokenizerKind::Llama3,
+            Preset::Llama32_1b | Preset::Llama3_8b | Preset::Llama31_8b => TokenizerKind::Llama3,
             Preset::Gemma3_270m => TokenizerKind::Gemma,
             _ => TokenizerKind::Qwen,
         }
@@ -189,6 +192,11 @@ impl Preset {
                 ..llama(128_256, 2048, 16, 32, 8, 8192, 131_072, 500_000.0, true)
             },
             Preset::Llama3_8b => llama(128_256, 4096, 32, 32, 8, 14_336, 8192, 500_000.0, false),
+            // Llama-3.1-8B: Llama-3-8B's tensors with a 131,072-token context by rope scaling.
+            Preset::Llama31_8b => SynthShape {
+                llama3_rope: Some((8.0, 1.0, 4.0, 8192)),
+                ..llama(128_256, 4096, 32, 32, 8, 14_336, 131_072, 500_000.0, false)
+            },
             Preset::Qwen25_0_5b => qwen2(151_936, 896, 24, 14, 2, 4864, true),
             Preset::Qwen25_1_5b => qwen2(151_936, 1536, 28, 12, 2, 8960, true),
             Preset::Qwen25_7b => SynthShape {

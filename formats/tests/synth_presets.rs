@@ -168,6 +168,9 @@ fn real_sizes_and_shapes() {
     // Published parameter counts (embeddings included, tied heads counted once).
     assert_eq!(params(Preset::SmolLm2_135m), 134_515_008);
     assert_eq!(params(Preset::Llama3_8b), 8_030_261_248);
+    // Llama 3.1: the same tensors plus rope_freqs (one factor per rotary pair).
+    assert_eq!(params(Preset::Llama31_8b), 8_030_261_248 + 64);
+    assert_eq!(Preset::Llama31_8b.shape().context_length, 131_072);
     assert_eq!(params(Preset::Qwen25_7b), 7_615_616_512);
     let q3 = Preset::Qwen3_0_6b.shape();
     assert_eq!(

@@ -8,7 +8,10 @@
 // of a bounded number of splits serves every length up to the cache's and one captured
 // graph serves every step. Blocks past the end return at once.
 //
-// Grouped-query attention: query head h reads KV head h / (n_heads / n_kv).
+// Grouped-query attention: query head h reads KV head h / (n_heads / n_kv), and the heads
+// of a group share their KV head's reads: a block scores each K row against up to GM query
+// heads of the group and adds each V row into all of their sums (blocks = KV heads ×
+// ceil(group / GM) per split), so the cache is read once per group, not once per head.
 //
 // Sliding-window layers (`window` > 0) attend to the last `window` positions only, and
 // their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx; for
@@ -40,7 +43,7 @@ static __device__ __forceinline__ void load_halves(const u16* p, float (&v)[E]) 
     }
 }
 
-template <int E>
+template <int E, int GM>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
                                                          const u16* __restrict__ vc, const int* __restrict__ len_ptr,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
@@ -49,54 +52,78 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
                                                          float2* __restrict__ ods) {
     const int hd = E * 32;
-    const int head = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
+    // Block x owns query heads h0 .. h0 + nh of KV head kvh: a group of n_heads / n_kv heads
+    // in pieces of at most GM.
+    const int group = n_heads / n_kv, pieces = (group + GM - 1) / GM;
+    const int kvh = blockIdx.x / pieces, piece = blockIdx.x % pieces;
+    const int h0 = kvh * group + piece * GM, nh = min(GM, group - piece * GM);
+    const int s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
-    // Splits of at least `split`, aiming at 16 a head up to 256 positions each (4,096 of
-    // context; a split of 128+ keeps all four warps busy), at most the grid's: split 64 at
-    // 1,024 positions, 256 from 4,096 to 32,768, then longer. The points measured best on
-    // an H200 (docs/architecture.md).
+    // Splits of at least `split`, aiming at 16 a block (32 when the block serves several
+    // query heads: a fourth as many blocks as heads) up to 256 positions each, at most the
+    // grid's: for one head a block, split 64 at 1,024 positions, 256 from 4,096 to 32,768,
+    // then longer. The points measured best on an H200 (docs/architecture.md).
     {
-        const int span = len - lo;
-        const int even = min(256, ((span + 15) / 16 + 31) / 32 * 32);
+        const int span = len - lo, aim = GM == 1 ? 16 : 32;
+        const int even = min(256, ((span + aim - 1) / aim + 31) / 32 * 32);
         const int most = ((span + nsplit - 1) / nsplit + 31) / 32 * 32;
         split = max(split, max(even, most));
     }
     const int start = lo + s * split;
     if (start >= len) return;
     const int end = min(len, start + split);
-    const int kvh = head / (n_heads / n_kv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    __shared__ float4 qs[E * 8];
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) ((float*)qs)[i] = q[(size_t)head * hd + i] * scale;
+    // The block's queries, pre-scaled: head j's at qs[j · hd / 4].
+    __shared__ float4 qs[GM * E * 8];
+    for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) ((float*)qs)[i] = q[(size_t)h0 * hd + i] * scale;
     __syncthreads();
-    float acc[E];
+    float acc[GM][E], m[GM], l[GM];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
+    for (int j = 0; j < GM; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[j][e] = 0.0f;
+    }
     const u16* kbase = kc + (size_t)kvh * max_ctx * hd;
     const u16* vbase = vc + (size_t)kvh * max_ctx * hd + lane * E;
     for (int p0 = start + warp * 32; p0 < end; p0 += nwarps * 32) {
         const int p = p0 + lane;
-        float score = -INFINITY;
+        // Each K row is read once and scored against every query head of the block.
+        float score[GM];
+#pragma unroll
+        for (int j = 0; j < GM; ++j) score[j] = p < end ? 0.0f : -INFINITY;
         if (p < end) {
             const uint4* kp = (const uint4*)(kbase + (size_t)(p % max_ctx) * hd);
-            float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < E * 4; ++i) {
                 const uint4 kv = kp[i];
-                const float4 a = qs[2 * i], b = qs[2 * i + 1];
-                dot += a.x * h2f(kv.x & 0xffff) + a.y * h2f(kv.x >> 16) + a.z * h2f(kv.y & 0xffff) + a.w * h2f(kv.y >> 16) +
-                       b.x * h2f(kv.z & 0xffff) + b.y * h2f(kv.z >> 16) + b.z * h2f(kv.w & 0xffff) + b.w * h2f(kv.w >> 16);
-            }
-            score = dot;
-        }
-        const float m_new = fmaxf(m, warp_max(score));
-        const float corr = expf(m - m_new);
-        const float pw = p < end ? expf(score - m_new) : 0.0f;
-        l = l * corr + warp_sum(pw);
+                const float k0 = h2f(kv.x & 0xffff), k1 = h2f(kv.x >> 16), k2 = h2f(kv.y & 0xffff), k3 = h2f(kv.y >> 16);
+                const float k4 = h2f(kv.z & 0xffff), k5 = h2f(kv.z >> 16), k6 = h2f(kv.w & 0xffff), k7 = h2f(kv.w >> 16);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] *= corr;
+                for (int j = 0; j < GM; ++j) {
+                    if (j < nh) {
+                        const float4 a = qs[j * E * 8 + 2 * i], b = qs[j * E * 8 + 2 * i + 1];
+                        score[j] += a.x * k0 + a.y * k1 + a.z * k2 + a.w * k3 + b.x * k4 + b.y * k5 + b.z * k6 + b.w * k7;
+                    }
+                }
+            }
+        }
+        float pw[GM];
+#pragma unroll
+        for (int j = 0; j < GM; ++j) {
+            pw[j] = 0.0f;
+            if (j < nh) {
+                const float m_new = fmaxf(m[j], warp_max(score[j]));
+                const float corr = expf(m[j] - m_new);
+                pw[j] = p < end ? expf(score[j] - m_new) : 0.0f;
+                l[j] = l[j] * corr + warp_sum(pw[j]);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[j][e] *= corr;
+                m[j] = m_new;
+            }
+        }
         // V rows in batches of VB positions, every load of a batch issued before the
         // first is used: the loop is bound by memory latency, not bandwidth, so what
         // matters is how many loads are in flight. Positions past the end weigh 0 and
@@ -107,57 +134,69 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             if (p0 + jb >= end) break;
             float v[VB][E];
 #pragma unroll
-            for (int j = 0; j < VB; ++j) load_halves<E>(vbase + (size_t)(min(p0 + jb + j, end - 1) % max_ctx) * hd, v[j]);
+            for (int i = 0; i < VB; ++i) load_halves<E>(vbase + (size_t)(min(p0 + jb + i, end - 1) % max_ctx) * hd, v[i]);
 #pragma unroll
-            for (int j = 0; j < VB; ++j) {
-                const float wj = __shfl_sync(FULL_MASK, pw, jb + j);
+            for (int i = 0; i < VB; ++i) {
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] += wj * v[j][e];
+                for (int j = 0; j < GM; ++j) {
+                    if (j < nh) {
+                        const float wi = __shfl_sync(FULL_MASK, pw[j], jb + i);
+#pragma unroll
+                        for (int e = 0; e < E; ++e) acc[j][e] += wi * v[i][e];
+                    }
+                }
             }
         }
-        m = m_new;
     }
-    // Merge the warps of this block.
+    // Merge the warps of this block, one head at a time.
     __shared__ float sm_m[4], sm_l[4];
     __shared__ float sm_o[4 * 256];  // launch bounds: at most 4 warps, hd at most 256
-    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
 #pragma unroll
-    for (int e = 0; e < E; ++e) sm_o[warp * hd + lane * E + e] = acc[e];
-    __syncthreads();
-    float M = -INFINITY;
-    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sm_m[w]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int w = 0; w < nwarps; ++w)
-            if (sm_m[w] != -INFINITY) o += sm_o[w * hd + d] * expf(sm_m[w] - M);
-        part_o[((size_t)head * nsplit + s) * hd + d] = o;
+    for (int j = 0; j < GM; ++j) {
+        if (j >= nh) break;
+        const int head = h0 + j;
+        if (j > 0) __syncthreads();  // the previous head's readers are done
+        if (lane == 0) { sm_m[warp] = m[j]; sm_l[warp] = l[j]; }
+#pragma unroll
+        for (int e = 0; e < E; ++e) sm_o[warp * hd + lane * E + e] = acc[j][e];
+        __syncthreads();
+        float M = -INFINITY;
+        for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sm_m[w]);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < nwarps; ++w)
+                if (sm_m[w] != -INFINITY) o += sm_o[w * hd + d] * expf(sm_m[w] - M);
+            part_o[((size_t)head * nsplit + s) * hd + d] = o;
+        }
+        if (threadIdx.x == 0) {
+            float L = 0.0f;
+            for (int w = 0; w < nwarps; ++w)
+                if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
+            part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
+        }
     }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        for (int w = 0; w < nwarps; ++w)
-            if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
-        part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
-    }
-    // Publish this split, then count it; the head's last split merges them all.
+    // Publish this split, then count it; the last split of the block's heads merges them.
     __threadfence();
     __syncthreads();
     __shared__ int is_last;
     const int n = min(nsplit, (len - lo + split - 1) / split);
     if (threadIdx.x == 0) {
-        const u32 done = atomicAdd(&counters[head], 1u) + 1;
+        const u32 done = atomicAdd(&counters[blockIdx.x], 1u) + 1;
         is_last = done == (u32)n;
-        if (is_last) counters[head] = 0;
+        if (is_last) counters[blockIdx.x] = 0;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // Other blocks' partials: read through L2 (volatile), never a stale L1 line.
-    const volatile float* vo = part_o + (size_t)head * nsplit * hd;
-    const volatile float2* vml = part_ml + (size_t)head * nsplit;
-    float Mh = -INFINITY;
-    for (int j = 0; j < n; ++j) Mh = fmaxf(Mh, vml[j].x);
-    for (int d0 = warp * 32; d0 < hd; d0 += nwarps * 32) {
-        const int d = d0 + lane;
+    // Other blocks' partials: read through L2 (volatile), never a stale L1 line. A warp
+    // takes 32 consecutive values of one head (hd is a multiple of 32), which is also a
+    // quantisation block of the output.
+    for (int i0 = warp * 32; i0 < nh * hd; i0 += nwarps * 32) {
+        const int head = h0 + i0 / hd, d = i0 % hd + lane;
+        const volatile float* vo = part_o + (size_t)head * nsplit * hd;
+        const volatile float2* vml = part_ml + (size_t)head * nsplit;
+        float Mh = -INFINITY;
+        for (int j = 0; j < n; ++j) Mh = fmaxf(Mh, vml[j].x);
         float o = 0.0f, L = 0.0f;
         for (int j = 0; j < n; ++j) {
             const float mj = vml[j].x, lj = vml[j].y;
@@ -168,26 +207,25 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const float v = o / L;
         const size_t i = (size_t)head * hd + d;
         out[i] = v;
-        // 32-value blocks never straddle heads (hd is a multiple of 32).
         if (oq) quantize_block_warp(v, oq, olo, ods, i, i / 32);
     }
 }
 
-#define ATTN_ENTRY(E)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E(                                                 \
+#define ATTN_ENTRY(E, GM)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E##_g##GM(                                         \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
         int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
         i8* olo, float2* ods) {                                                                                        \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,        \
+        attn_partial_impl<E, GM>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,        \
                              counters, out, oq, olo, ods);                                                             \
     }
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its
 // partials, counters and output are row z's own. A padding row (len 0) writes zeros.
-#define ATTN_BATCH_ENTRY(E)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E(                                           \
+#define ATTN_BATCH_ENTRY(E, GM)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E##_g##GM(                                   \
         const float* q, const u16* kc, const u16* vc, const int* lens, const int* slot, long long slot_stride,         \
         int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml,       \
         u32* counters, float* out) {                                                                                   \
@@ -195,12 +233,12 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
         if (lens[z] <= 0) {                                                                                            \
-            if (blockIdx.y == 0)                                                                                       \
-                for (int d = threadIdx.x; d < hd; d += blockDim.x) out[z * qd + (size_t)blockIdx.x * hd + d] = 0.0f;   \
+            if (blockIdx.x == 0 && blockIdx.y == 0)                                                                    \
+                for (size_t d = threadIdx.x; d < qd; d += blockDim.x) out[z * qd + d] = 0.0f;                          \
             return;                                                                                                    \
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
-        attn_partial_impl<E>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,       \
+        attn_partial_impl<E, GM>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,       \
                              window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,               \
                              counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr);                         \
     }

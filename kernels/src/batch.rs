@@ -364,7 +364,7 @@ impl Kernels {
         out.check_len(b.rows * qd, "attention output rows")?;
         let f = self.device().function(
             &attention_module(hd)?,
-            &format!("attn_decode_batch_{}", hd / 32),
+            &format!("attn_decode_batch_{}_g{}", hd / 32, a.heads_per_block()),
         )?;
         let mut args = Args::new()
             .ptr(q.ptr())
@@ -379,7 +379,7 @@ impl Kernels {
             .ptr(counters.ptr())
             .ptr(out.ptr());
         let cfg = LaunchConfig {
-            grid: (a.n_heads as u32, nsplit as u32, b.rows as u32),
+            grid: (a.blocks_per_split() as u32, nsplit as u32, b.rows as u32),
             block: (128, 1, 1),
             shared_bytes: 0,
         };

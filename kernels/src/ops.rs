@@ -591,9 +591,10 @@ impl Kernels {
     /// Decode attention of one query per head over positions `0..*len` of the cache (the
     /// last `a.window` of them when set, in a ring of `a.max_ctx` rows), one launch:
     /// split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
-    /// heads·splits pairs) and the last block of each head merges them into `out`, counted
-    /// in `counters` (one per head, zero before the first launch, left zero). With `out_q8`
-    /// the output is also written quantised.
+    /// heads·splits pairs) and the last block of each group of heads merges them into
+    /// `out`, counted in `counters` (one per head, zero before the first launch, left zero).
+    /// The query heads of a GQA group share one block per split, so each K/V row is read
+    /// once per group. With `out_q8` the output is also written quantised.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -622,9 +623,10 @@ impl Kernels {
         if let Some(q) = out_q8 {
             q.check_len(a.n_heads * hd, "quantised attention output")?;
         }
-        let f = self
-            .device
-            .function(&attention_module(hd)?, &format!("attn_decode_{}", hd / 32))?;
+        let f = self.device.function(
+            &attention_module(hd)?,
+            &format!("attn_decode_{}_g{}", hd / 32, a.heads_per_block()),
+        )?;
         let mut args = Args::new()
             .ptr(q.ptr())
             .ptr(kc.ptr())
@@ -639,7 +641,7 @@ impl Kernels {
             .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
             .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
         let cfg = LaunchConfig {
-            grid: (a.n_heads as u32, nsplit as u32, 1),
+            grid: (a.blocks_per_split() as u32, nsplit as u32, 1),
             block: (128, 1, 1),
             shared_bytes: 0,
         };
@@ -877,6 +879,18 @@ pub struct AttnArgs {
 }
 
 impl AttnArgs {
+    /// Query heads one decode-attention block serves (they share its KV head's reads): the
+    /// group, rounded up to a kernel's 1, 2, 4 or 8, or pieces of 8 for larger groups.
+    pub(crate) fn heads_per_block(&self) -> usize {
+        (self.n_heads / self.n_kv).next_power_of_two().min(8)
+    }
+
+    /// Blocks per split of a decode-attention launch (the grid's `x`): each KV head's group
+    /// in pieces of [`Self::heads_per_block`]; at most `n_heads`, the counters' length.
+    pub(crate) fn blocks_per_split(&self) -> usize {
+        self.n_kv * (self.n_heads / self.n_kv).div_ceil(self.heads_per_block())
+    }
+
     /// The head geometry the decode attention kernels take (shared by the one-sequence and
     /// the batched launch).
     pub(crate) fn check(&self) -> Result<()> {

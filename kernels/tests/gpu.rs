@@ -614,7 +614,17 @@ fn attention_matches_reference_across_contexts_and_gqa() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("attention");
     let max_ctx = 1200;
-    for (ratio, hd) in [(1, 64), (3, 64), (4, 128), (7, 64), (8, 128), (4, 256)] {
+    // Ratios 1..=8 take one block per group of heads (rounded up to 1, 2, 4 or 8), 12 two.
+    for (ratio, hd) in [
+        (1, 64),
+        (2, 96),
+        (3, 64),
+        (4, 128),
+        (7, 64),
+        (8, 128),
+        (4, 256),
+        (12, 64),
+    ] {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
         let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
