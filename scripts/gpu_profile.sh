@@ -9,18 +9,21 @@
 #
 # BATCHES may hold 1 (the single-sequence graph: every kernel of a `kiln bench -p 0` run)
 # and dN (decode attention only, after N tokens of context: `kiln bench -p 0 -d N`).
+# The batched bench prefills its B one-token prompts one at a time through the batched
+# kernels first (8-row launches, ~7 a layer each); LAUNCH_SKIP=N skips N matching launches
+# so the count lands on the B-row steps (e.g. B × 7 × layers + a few).
 #
 # ncu leaves the clocks as it finds them (--clock-control none: the card's settings are not
 # ours to change). Logs under $OUT (or ./prof-logs), one CSV per shape and batch, and the
 # summaries printed last.
 #
-# Written 2026-12-01 in a session that was lent no GPU: not yet run on the GPU machine, so
-# its first run may need its ncu invocation adjusted.
+# Run on the H200 in the sixth session (docs/benchmarks.md, "Decode attention at depth").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-prof-logs}
 mkdir -p "$out"
 work=${WORK:-$(mktemp -d)}
+mkdir -p "$work"
 kiln=.gpu/kiln
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
 [ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
@@ -28,16 +31,17 @@ for shape in ${SHAPES:-llama3-8b}; do
     f=$work/$shape.q4_k_m.gguf
     [ -f "$f" ] || { start=$SECONDS; $kiln synth "$f" --shape "$shape" --type q4_k_m --seed 0 >/dev/null 2>&1; echo "synth $shape: $((SECONDS - start)) s"; }
     for b in ${BATCHES:-8 64}; do
-        # Only the batched step's kernels (the 128-token prompts take the cuBLAS prefill);
+        # Only the batched step's kernels, after one-token prompts (longer prompts go
+        # through the batched kernels too, 16 rows at a time, and would fill the count);
         # one step of a 32-layer model is ~14 launches a layer.
         kernels='regex:^(bmm_|act_pack|attn_decode_batch|rope_kv_batch|embed_rows|argmax|sample_rows)'
         launches=${LAUNCHES:-520}
-        args=(--batch "$b" -p 128 -n 4 -r 1)
+        args=(--batch "$b" -p 1 -n 4 -r 1)
         case "$b" in
-        1) kernels='regex:^(gemv|swiglu|rope_kv|attn_decode|embed_|argmax|rmsnorm|quantize)' launches=${LAUNCHES:-600} args=(-p 0 -n 4 -r 1) ;;
-        d*) kernels='regex:^attn_decode' launches=${LAUNCHES:-128} args=(-p 0 -n 4 -r 1 -d "${b#d}") ;;
+        1) kernels='regex:^(gemv|swigluq|swiglu_q|rope_kv$|attn_decode_[0-9]|embed_|argmax_|quantize)' launches=${LAUNCHES:-600} args=(-p 0 -n 4 -r 1) ;;
+        d*) kernels='regex:^attn_decode_[0-9]' launches=${LAUNCHES:-128} args=(-p 0 -n 4 -r 1 -d "${b#d}") ;;
         esac
-        "$ncu" --clock-control none -k "$kernels" \
+        "$ncu" --clock-control none -k "$kernels" -s "${LAUNCH_SKIP:-0}" \
             -c "$launches" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
             -f -o "$work/ncu-$shape-b$b" "$kiln" bench -m "$f" "${args[@]}" >"$out/ncu-$shape-b$b.log" 2>&1
         "$ncu" -i "$work/ncu-$shape-b$b.ncu-rep" --csv --page raw >"$out/ncu-$shape-b$b.csv" 2>>"$out/ncu-$shape-b$b.log"
@@ -69,3 +73,5 @@ for k, rs in sorted(agg.items(), key=lambda kv: -sum(f(r, "gpu__time_duration.su
 PY
     done
 done
+# The device tool brings back at most 8 files: the logs travel as one archive.
+(cd "$out" && tar -czf prof-logs.tgz --exclude prof-logs.tgz -- * && find . -maxdepth 1 -type f ! -name prof-logs.tgz -delete)

@@ -8,10 +8,13 @@
 // of a bounded number of splits serves every length up to the cache's and one captured
 // graph serves every step. Blocks past the end return at once.
 //
-// Grouped-query attention: query head h reads KV head h / (n_heads / n_kv), and the heads
-// of a group share their KV head's reads: a block scores each K row against up to GM query
-// heads of the group and adds each V row into all of their sums (blocks = KV heads ×
-// ceil(group / GM) per split), so the cache is read once per group, not once per head.
+// Grouped-query attention: query head h reads KV head h / (n_heads / n_kv). The `pairs`
+// kernel computes the heads of a group in pairs (GM = 2): one block scores each K row
+// against both queries and adds each V row into both sums, reading the cache once for the
+// two. It wins on long contexts only (the executor switches to it from 16,384 positions):
+// below, the launch is one block's latency, which a second head lengthens. Measured on an
+// H200 (llama3.2-1b, groups of 4; docs/benchmarks.md): pairs lose 5% at 8,192 positions,
+// win 4% at 16,384 and 14% at 32,768; groups of 4 a block lose at every length.
 //
 // Sliding-window layers (`window` > 0) attend to the last `window` positions only, and
 // their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx; for
@@ -52,21 +55,21 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
                                                          float2* __restrict__ ods) {
     const int hd = E * 32;
-    // Block x owns query heads h0 .. h0 + nh of KV head kvh: a group of n_heads / n_kv heads
-    // in pieces of at most GM.
-    const int group = n_heads / n_kv, pieces = (group + GM - 1) / GM;
-    const int kvh = blockIdx.x / pieces, piece = blockIdx.x % pieces;
-    const int h0 = kvh * group + piece * GM, nh = min(GM, group - piece * GM);
     const int s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
-    // Splits of at least `split`, aiming at 16 a block (32 when the block serves several
-    // query heads: a fourth as many blocks as heads) up to 256 positions each, at most the
-    // grid's: for one head a block, split 64 at 1,024 positions, 256 from 4,096 to 32,768,
-    // then longer. The points measured best on an H200 (docs/architecture.md).
+    const int span = len - lo;
+    // Block x is query head x's. With GM = 2 the first block of each pair of heads of a KV
+    // group computes both (the other returns), reading each K/V row once for the two.
+    const int group = n_heads / n_kv, kvh = blockIdx.x / group, gi = blockIdx.x % group;
+    if (gi % GM != 0) return;
+    const int h0 = blockIdx.x, nh = min(GM, group - gi);
+    // Splits of at least `split`, aiming at 16 a head up to 256 positions each (4,096 of
+    // context; a split of 128+ keeps all four warps busy), at most the grid's: split 64 at
+    // 1,024 positions, 256 from 4,096 to 32,768, then longer. The points measured best on
+    // an H200 (docs/architecture.md).
     {
-        const int span = len - lo, aim = GM == 1 ? 16 : 32;
-        const int even = min(256, ((span + aim - 1) / aim + 31) / 32 * 32);
+        const int even = min(256, ((span + 15) / 16 + 31) / 32 * 32);
         const int most = ((span + nsplit - 1) / nsplit + 31) / 32 * 32;
         split = max(split, max(even, most));
     }
@@ -151,28 +154,31 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     // Merge the warps of this block, one head at a time.
     __shared__ float sm_m[4], sm_l[4];
     __shared__ float sm_o[4 * 256];  // launch bounds: at most 4 warps, hd at most 256
+    // (Every index into the per-head arrays is a compile-time constant, so they stay in
+    // registers: a loop the compiler could not unroll would put them in local memory.)
 #pragma unroll
     for (int j = 0; j < GM; ++j) {
-        if (j >= nh) break;
-        const int head = h0 + j;
-        if (j > 0) __syncthreads();  // the previous head's readers are done
-        if (lane == 0) { sm_m[warp] = m[j]; sm_l[warp] = l[j]; }
+        if (j < nh) {  // uniform over the block: the barriers inside are safe
+            const int head = h0 + j;
+            if (j > 0) __syncthreads();  // the previous head's readers are done
+            if (lane == 0) { sm_m[warp] = m[j]; sm_l[warp] = l[j]; }
 #pragma unroll
-        for (int e = 0; e < E; ++e) sm_o[warp * hd + lane * E + e] = acc[j][e];
-        __syncthreads();
-        float M = -INFINITY;
-        for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sm_m[w]);
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-            float o = 0.0f;
-            for (int w = 0; w < nwarps; ++w)
-                if (sm_m[w] != -INFINITY) o += sm_o[w * hd + d] * expf(sm_m[w] - M);
-            part_o[((size_t)head * nsplit + s) * hd + d] = o;
-        }
-        if (threadIdx.x == 0) {
-            float L = 0.0f;
-            for (int w = 0; w < nwarps; ++w)
-                if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
-            part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
+            for (int e = 0; e < E; ++e) sm_o[warp * hd + lane * E + e] = acc[j][e];
+            __syncthreads();
+            float M = -INFINITY;
+            for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sm_m[w]);
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+                float o = 0.0f;
+                for (int w = 0; w < nwarps; ++w)
+                    if (sm_m[w] != -INFINITY) o += sm_o[w * hd + d] * expf(sm_m[w] - M);
+                part_o[((size_t)head * nsplit + s) * hd + d] = o;
+            }
+            if (threadIdx.x == 0) {
+                float L = 0.0f;
+                for (int w = 0; w < nwarps; ++w)
+                    if (sm_m[w] != -INFINITY) L += sm_l[w] * expf(sm_m[w] - M);
+                part_ml[(size_t)head * nsplit + s] = make_float2(M, L);
+            }
         }
     }
     // Publish this split, then count it; the last split of the block's heads merges them.
@@ -188,21 +194,24 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // Other blocks' partials: read through L2 (volatile), never a stale L1 line. A warp
-    // takes 32 consecutive values of one head (hd is a multiple of 32), which is also a
-    // quantisation block of the output.
+    // Other blocks' partials: read through L2 (ld.cg), never a stale L1 line, and many at
+    // a time: the merge is the launch's serial tail, so it must not wait on one load per
+    // split. A warp takes 32 consecutive values of one head (hd is a multiple of 32),
+    // which is also a quantisation block of the output.
     for (int i0 = warp * 32; i0 < nh * hd; i0 += nwarps * 32) {
         const int head = h0 + i0 / hd, d = i0 % hd + lane;
-        const volatile float* vo = part_o + (size_t)head * nsplit * hd;
-        const volatile float2* vml = part_ml + (size_t)head * nsplit;
+        const float* po = part_o + (size_t)head * nsplit * hd + d;
+        const float2* pml = part_ml + (size_t)head * nsplit;
         float Mh = -INFINITY;
-        for (int j = 0; j < n; ++j) Mh = fmaxf(Mh, vml[j].x);
+#pragma unroll 8
+        for (int j = 0; j < n; ++j) Mh = fmaxf(Mh, __ldcg(&pml[j].x));
         float o = 0.0f, L = 0.0f;
+#pragma unroll 8
         for (int j = 0; j < n; ++j) {
-            const float mj = vml[j].x, lj = vml[j].y;
-            const float wj = mj == -INFINITY ? 0.0f : expf(mj - Mh);
-            L += lj * wj;
-            o += vo[(size_t)j * hd + d] * wj;
+            const float2 ml = __ldcg(&pml[j]);
+            const float wj = ml.x == -INFINITY ? 0.0f : expf(ml.x - Mh);
+            L += ml.y * wj;
+            o += __ldcg(&po[(size_t)j * hd]) * wj;
         }
         const float v = o / L;
         const size_t i = (size_t)head * hd + d;
@@ -211,21 +220,29 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     }
 }
 
-#define ATTN_ENTRY(E, GM)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E##_g##GM(                                         \
+#define ATTN_ENTRY(E)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E(                                                 \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
         int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
         i8* olo, float2* ods) {                                                                                        \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, GM>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,        \
-                             counters, out, oq, olo, ods);                                                             \
+        attn_partial_impl<E, 1>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,     \
+                                counters, out, oq, olo, ods);                                                          \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_pairs_##E(                                           \
+        const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
+        int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
+        i8* olo, float2* ods) {                                                                                        \
+        grid_dependency_wait();                                                                                        \
+        attn_partial_impl<E, 2>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,     \
+                                counters, out, oq, olo, ods);                                                          \
     }
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its
 // partials, counters and output are row z's own. A padding row (len 0) writes zeros.
-#define ATTN_BATCH_ENTRY(E, GM)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E##_g##GM(                                   \
+#define ATTN_BATCH_ENTRY(E)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E(                                           \
         const float* q, const u16* kc, const u16* vc, const int* lens, const int* slot, long long slot_stride,         \
         int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml,       \
         u32* counters, float* out) {                                                                                   \
@@ -233,12 +250,12 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
         if (lens[z] <= 0) {                                                                                            \
-            if (blockIdx.x == 0 && blockIdx.y == 0)                                                                    \
-                for (size_t d = threadIdx.x; d < qd; d += blockDim.x) out[z * qd + d] = 0.0f;                          \
+            if (blockIdx.y == 0)                                                                                       \
+                for (int d = threadIdx.x; d < hd; d += blockDim.x) out[z * qd + (size_t)blockIdx.x * hd + d] = 0.0f;   \
             return;                                                                                                    \
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
-        attn_partial_impl<E, GM>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,       \
-                             window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,               \
-                             counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr);                         \
+        attn_partial_impl<E, 1>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,    \
+                                window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,            \
+                                counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr);                      \
     }

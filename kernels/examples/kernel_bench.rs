@@ -273,6 +273,7 @@ fn main() -> Result<()> {
                 split,
                 scale: 1.0 / (hd as f32).sqrt(),
                 window: 0,
+                pairs: false,
             };
             let g = dev.capture(|| {
                 for _ in 0..LAUNCHES_PER_GRAPH {

@@ -345,6 +345,11 @@ impl Kernels {
     ) -> Result<()> {
         b.check()?;
         a.check()?;
+        if a.pairs {
+            return Err(invalid(
+                "the batched decode attention computes heads one a block".into(),
+            ));
+        }
         let hd = a.head_dim;
         if slot_stride != a.n_kv * a.max_ctx * hd
             || kc.len() != vc.len()
@@ -364,7 +369,7 @@ impl Kernels {
         out.check_len(b.rows * qd, "attention output rows")?;
         let f = self.device().function(
             &attention_module(hd)?,
-            &format!("attn_decode_batch_{}_g{}", hd / 32, a.heads_per_block()),
+            &format!("attn_decode_batch_{}", hd / 32),
         )?;
         let mut args = Args::new()
             .ptr(q.ptr())
@@ -379,7 +384,7 @@ impl Kernels {
             .ptr(counters.ptr())
             .ptr(out.ptr());
         let cfg = LaunchConfig {
-            grid: (a.blocks_per_split() as u32, nsplit as u32, b.rows as u32),
+            grid: (a.n_heads as u32, nsplit as u32, b.rows as u32),
             block: (128, 1, 1),
             shared_bytes: 0,
         };

@@ -60,17 +60,13 @@ pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
 const ATTENTION_SRC: &str = include_str!("../cuda/attention.cu");
 
 /// Decode attention, one module per head size (32·E for E = 1..=8): a model compiles the
-/// one it needs. Each holds the kernels for blocks of 1, 2, 4 and 8 query heads sharing a
-/// KV head (see [`crate::Kernels::attention`]).
+/// one it needs.
 macro_rules! attention_modules {
     ($($e:literal)*) => {
         [$(KernelModule {
             name: concat!("attention_", $e),
             source: ATTENTION_SRC,
-            suffix: concat!(
-                "ATTN_ENTRY(", $e, ", 1)\nATTN_ENTRY(", $e, ", 2)\nATTN_ENTRY(", $e, ", 4)\nATTN_ENTRY(", $e, ", 8)\n",
-                "ATTN_BATCH_ENTRY(", $e, ", 1)\nATTN_BATCH_ENTRY(", $e, ", 2)\nATTN_BATCH_ENTRY(", $e, ", 4)\nATTN_BATCH_ENTRY(", $e, ", 8)"
-            ),
+            suffix: concat!("ATTN_ENTRY(", $e, ")\nATTN_BATCH_ENTRY(", $e, ")"),
         }),*]
     };
 }

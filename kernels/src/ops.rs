@@ -593,8 +593,8 @@ impl Kernels {
     /// split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
     /// heads·splits pairs) and the last block of each group of heads merges them into
     /// `out`, counted in `counters` (one per head, zero before the first launch, left zero).
-    /// The query heads of a GQA group share one block per split, so each K/V row is read
-    /// once per group. With `out_q8` the output is also written quantised.
+    /// With `a.pairs` the query heads of a GQA group share blocks in pairs, reading each
+    /// K/V row once per pair. With `out_q8` the output is also written quantised.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -625,7 +625,11 @@ impl Kernels {
         }
         let f = self.device.function(
             &attention_module(hd)?,
-            &format!("attn_decode_{}_g{}", hd / 32, a.heads_per_block()),
+            &format!(
+                "attn_decode_{}{}",
+                if a.pairs { "pairs_" } else { "" },
+                hd / 32
+            ),
         )?;
         let mut args = Args::new()
             .ptr(q.ptr())
@@ -641,7 +645,7 @@ impl Kernels {
             .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
             .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
         let cfg = LaunchConfig {
-            grid: (a.blocks_per_split() as u32, nsplit as u32, 1),
+            grid: (a.n_heads as u32, nsplit as u32, 1),
             block: (128, 1, 1),
             shared_bytes: 0,
         };
@@ -876,21 +880,12 @@ pub struct AttnArgs {
     /// Positions a query attends to, its own included (0: all; a sliding-window layer's
     /// window, which its ring of `max_ctx` rows must hold).
     pub window: usize,
+    /// The heads of a GQA group computed in pairs, each K/V row read once for both: faster
+    /// on long contexts only (one-sequence decode; the batched launch refuses it).
+    pub pairs: bool,
 }
 
 impl AttnArgs {
-    /// Query heads one decode-attention block serves (they share its KV head's reads): the
-    /// group, rounded up to a kernel's 1, 2, 4 or 8, or pieces of 8 for larger groups.
-    pub(crate) fn heads_per_block(&self) -> usize {
-        (self.n_heads / self.n_kv).next_power_of_two().min(8)
-    }
-
-    /// Blocks per split of a decode-attention launch (the grid's `x`): each KV head's group
-    /// in pieces of [`Self::heads_per_block`]; at most `n_heads`, the counters' length.
-    pub(crate) fn blocks_per_split(&self) -> usize {
-        self.n_kv * (self.n_heads / self.n_kv).div_ceil(self.heads_per_block())
-    }
-
     /// The head geometry the decode attention kernels take (shared by the one-sequence and
     /// the batched launch).
     pub(crate) fn check(&self) -> Result<()> {

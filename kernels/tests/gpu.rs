@@ -613,9 +613,17 @@ fn rope_and_kv_write_match_reference() {
 fn attention_matches_reference_across_contexts_and_gqa() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("attention");
-    let max_ctx = 1200;
-    // Ratios 1..=8 take one block per group of heads (rounded up to 1, 2, 4 or 8), 12 two.
-    for (ratio, hd) in [
+    let short: &[(usize, usize)] = &[
+        (256, 1),
+        (64, 17),
+        (256, 256),
+        (64, 300),
+        (128, 1100),
+        (256, 1200),
+    ];
+    // Long spans, where the executor computes the heads of a group in pairs.
+    let long: &[(usize, usize)] = &[(256, 17000)];
+    let mut cases: Vec<(usize, usize, usize, &[(usize, usize)])> = [
         (1, 64),
         (2, 96),
         (3, 64),
@@ -624,7 +632,16 @@ fn attention_matches_reference_across_contexts_and_gqa() {
         (8, 128),
         (4, 256),
         (12, 64),
-    ] {
+    ]
+    .iter()
+    .map(|&(ratio, hd)| (ratio, hd, 1200, short))
+    .collect();
+    cases.extend(
+        [(1, 64), (3, 64), (4, 128)]
+            .iter()
+            .map(|&(ratio, hd)| (ratio, hd, 17000, long)),
+    );
+    for (ratio, hd, max_ctx, lens) in cases {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
         let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
@@ -634,14 +651,8 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
             .collect();
         let (kd, vd) = (buf(&g.dev, &kh), buf(&g.dev, &vh));
-        for (split, len) in [
-            (256, 1usize),
-            (64, 17),
-            (256, 256),
-            (64, 300),
-            (128, 1100),
-            (256, 1200),
-        ] {
+        // Each case one head a block and in pairs (odd groups end with a head alone).
+        for (&(split, len), pairs) in lens.iter().flat_map(|c| [(c, false), (c, true)]) {
             let nsplit = Kernels::attention_splits(max_ctx, split);
             let part_o = DeviceBuffer::<f32>::alloc(&g.dev, n_heads * nsplit * hd).unwrap();
             let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
@@ -660,6 +671,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 split,
                 scale,
                 window: 0,
+                pairs,
             };
             g.k.attention(
                 &a,
@@ -707,7 +719,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                     })
                     .collect();
                 let err = rel_err(&got[h * hd..(h + 1) * hd], &reference);
-                assert!(err < 1e-5, "attention gqa {ratio} hd {hd} len {len} split {split} head {h}: rel err {err:e}");
+                assert!(err < 1e-5, "attention gqa {ratio} hd {hd} len {len} split {split} pairs {pairs} head {h}: rel err {err:e}");
             }
         }
     }
@@ -1258,6 +1270,7 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         split: 64,
         scale: 0.125,
         window: 0,
+        pairs: false,
     };
     let width = (n_heads + 2 * n_kv) * hd;
     let qd = n_heads * hd;

@@ -289,7 +289,7 @@ impl GpuExecutor {
             let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
             k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.kv.rows(li))?;
-            let attn = self.attn_args(li);
+            let attn = self.attn_args(li, false);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(

@@ -114,6 +114,11 @@ fn err(e: kiln_kernels::KernelError) -> Error {
     e.into()
 }
 
+/// Context length from which the one-sequence step computes the heads of a GQA group in
+/// pairs (its second graph): the point where that measured faster on an H200 (see
+/// attention.cu; below it the launch's latency, not the cache read, decides).
+const PAIRED_ATTENTION_FROM: usize = 16_384;
+
 /// Replays `graph` `replays` times back to back, timed with events; the median in ms.
 fn median_replay_ms(device: &Arc<Device>, graph: &Graph, replays: usize) -> Result<f64> {
     let (a, b) = (
@@ -165,6 +170,10 @@ struct Slot {
     /// [token, position, context length, uniform (f32 bits)] read by the graph.
     state: DeviceBuffer<i32>,
     graph: Option<Graph>,
+    /// The same step with the attention computing the heads of a GQA group in pairs
+    /// ([`AttnArgs::pairs`]), replayed from [`PAIRED_ATTENTION_FROM`] positions on;
+    /// captured when first needed.
+    long_graph: Option<Graph>,
     /// The tokens at positions 0..len (what a truncation recomputes sliding-window rings
     /// from; see `truncate_sequence`).
     tokens: Vec<u32>,
@@ -578,6 +587,7 @@ impl GpuExecutor {
             slots.push(Slot {
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
                 graph: None,
+                long_graph: None,
                 tokens: Vec::new(),
             });
         }
@@ -682,6 +692,7 @@ impl GpuExecutor {
     fn drop_graphs(&mut self) {
         for s in self.slots.as_mut_slice() {
             s.graph = None;
+            s.long_graph = None;
         }
         if let Ok(b) = &mut self.batch {
             b.drop_graphs();
@@ -689,8 +700,8 @@ impl GpuExecutor {
     }
 
     /// Decode attention's shape for layer `li`, shared by the one-sequence and the batched
-    /// step.
-    fn attn_args(&self, li: usize) -> AttnArgs {
+    /// step; `long` for the one-sequence step's graph past [`PAIRED_ATTENTION_FROM`].
+    fn attn_args(&self, li: usize, long: bool) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
@@ -700,6 +711,7 @@ impl GpuExecutor {
             split: self.split,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             window: self.layers[li].window,
+            pairs: long && self.layers[li].window == 0 && c.num_heads / c.num_kv_heads >= 2,
         }
     }
 
@@ -732,7 +744,7 @@ impl GpuExecutor {
     /// the kernels that update the residual stream quantise it times the next norm's weight
     /// and sum its squares per group, and the GEMVs reading it finish the norm (see
     /// PendingNorm). Nothing is accumulated with atomics: every step is bit-reproducible.
-    fn queue_step(&self, slot_index: usize) -> kiln_kernels::Result<()> {
+    fn queue_step(&self, slot_index: usize, long: bool) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
         let state = self.slots[slot_index].state.slice();
@@ -789,7 +801,7 @@ impl GpuExecutor {
             let (kc, vc) = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
             k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.kv.rows(li))?;
-            let attn = self.attn_args(li);
+            let attn = self.attn_args(li, long);
             k.attention(
                 &attn,
                 s.q,
@@ -906,8 +918,13 @@ impl GpuExecutor {
     /// replay, timed with events — the step without the host's per-token round trip.
     pub fn step_device_ms(&mut self, seq: SeqId, replays: usize) -> Result<f64> {
         let slot = self.slot_of(seq)?;
-        let graph = self.slots[slot]
-            .graph
+        let s = &self.slots[slot];
+        let graph = if s.len >= PAIRED_ATTENTION_FROM {
+            &s.long_graph
+        } else {
+            &s.graph
+        };
+        let graph = graph
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
         median_replay_ms(&self.device, graph, replays)
@@ -934,7 +951,10 @@ impl GpuExecutor {
     /// (the scratch prefill's cache entries lie past slot 0's length).
     fn warm_up(&mut self) -> Result<()> {
         for slot in 0..self.slots.capacity() {
-            let graph = self.device.capture(|| self.queue_step(slot)).map_err(err)?;
+            let graph = self
+                .device
+                .capture(|| self.queue_step(slot, false))
+                .map_err(err)?;
             self.slots[slot].graph = Some(graph);
         }
         self.capture_batch_graphs()?;
@@ -977,12 +997,29 @@ impl GpuExecutor {
             .slice()
             .copy_from_host(&self.device, &state)
             .map_err(err)?;
-        if self.slots[slot].graph.is_none() {
-            let graph = self.device.capture(|| self.queue_step(slot)).map_err(err)?;
-            self.slots[slot].graph = Some(graph);
+        let long = pos + 1 >= PAIRED_ATTENTION_FROM;
+        let held = |s: &Slot| {
+            if long {
+                s.long_graph.is_some()
+            } else {
+                s.graph.is_some()
+            }
+        };
+        if !held(&self.slots[slot]) {
+            let graph = self
+                .device
+                .capture(|| self.queue_step(slot, long))
+                .map_err(err)?;
+            let s = &mut self.slots[slot];
+            *(if long {
+                &mut s.long_graph
+            } else {
+                &mut s.graph
+            }) = Some(graph);
         }
-        self.slots[slot]
-            .graph
+        let s = &self.slots[slot];
+        let graph = if long { &s.long_graph } else { &s.graph };
+        graph
             .as_ref()
             .expect("captured above")
             .launch()
