@@ -232,6 +232,31 @@ pub enum RopeScaling {
     Linear {
         factor: f32,
     },
+    /// YaRN ("NTK-by-parts" interpolation with an attention temperature), as Qwen's
+    /// long-context configurations use it: rotary pairs that turn fewer than `beta_slow`
+    /// times over the `original_context` take the frequency divided by `factor`, those that
+    /// turn more than `beta_fast` times keep theirs, a linear ramp blends the pairs between;
+    /// and both q and k are scaled by `attn_factor` (the rotated vectors' magnitude; YaRN's
+    /// 1 + 0.1·ln(factor) times the file's own factor), so scores by its square.
+    Yarn {
+        factor: f32,
+        original_context: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        attn_factor: f32,
+    },
+}
+
+impl RopeScaling {
+    /// YaRN's attention temperature for a context scaled by `factor`: 1 + 0.1·ln(factor)
+    /// (1 for no scaling).
+    pub fn yarn_mscale(factor: f32) -> f32 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            1.0 + 0.1 * factor.ln()
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -252,8 +277,41 @@ impl RopeConfig {
         let scale = match self.scaling {
             RopeScaling::None => 1.0,
             RopeScaling::Linear { factor } => 1.0 / factor,
+            RopeScaling::Yarn {
+                factor: yarn,
+                original_context,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                // The pair index at which a frequency turns `rotations` times over the
+                // original context; the ramp runs between those of beta_fast and beta_slow
+                // (rounded outwards, within the pairs), and its share of extrapolation (the
+                // unscaled frequency) falls from 1 to 0 across it.
+                let dims = self.rotary_dims as f64;
+                let ln_base = (self.theta as f64).ln();
+                let pair_at = |rotations: f32| {
+                    dims * (original_context as f64
+                        / (rotations as f64 * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * ln_base)
+                };
+                let low = pair_at(beta_fast).floor().max(0.0);
+                let high = pair_at(beta_slow).ceil().min(dims - 1.0);
+                let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+                let extrapolated = 1.0 - ramp;
+                (extrapolated + (1.0 - extrapolated) / yarn as f64) as f32
+            }
         };
         base * scale / factor
+    }
+
+    /// What RoPE scales q and k by (YaRN's attention temperature; 1 otherwise).
+    pub fn attention_factor(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn { attn_factor, .. } => attn_factor,
+            _ => 1.0,
+        }
     }
 }
 
@@ -374,6 +432,14 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+
+    /// What attention scores q·k are multiplied by before the softmax: 1/√head_dim, times
+    /// the square of RoPE's attention factor (YaRN scales both q and k; the executors apply
+    /// it here once instead of to every rotated value).
+    pub fn attention_scale(&self) -> f32 {
+        let f = self.rope.attention_factor();
+        f * f / (self.head_dim as f32).sqrt()
+    }
     /// Query heads sharing one KV head.
     pub fn gqa_ratio(&self) -> usize {
         self.num_heads / self.num_kv_heads.max(1)
@@ -409,11 +475,36 @@ impl ModelConfig {
                 self.rope.theta
             ));
         }
-        if let RopeScaling::Linear { factor } = self.rope.scaling {
-            if !factor.is_finite() || factor <= 0.0 {
-                return bad(format!(
-                    "rope scaling factor {factor} must be a positive number"
-                ));
+        match self.rope.scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => {
+                if !factor.is_finite() || factor <= 0.0 {
+                    return bad(format!(
+                        "rope scaling factor {factor} must be a positive number"
+                    ));
+                }
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                attn_factor,
+            } => {
+                let positive = |v: f32| v.is_finite() && v > 0.0;
+                if !positive(factor)
+                    || !positive(beta_fast)
+                    || !positive(beta_slow)
+                    || !positive(attn_factor)
+                {
+                    return bad(format!(
+                        "YaRN rope scaling needs positive numbers: factor {factor}, beta_fast {beta_fast}, \
+                         beta_slow {beta_slow}, attention factor {attn_factor}"
+                    ));
+                }
+                if original_context == 0 {
+                    return bad("YaRN rope scaling with an original context of 0".into());
+                }
             }
         }
         if self.context_length == 0 {

@@ -803,11 +803,14 @@ pub fn rope_kind_from_id(id: u32) -> Option<RopeKind> {
         .into_iter()
         .find(|k| rope_kind_id(*k) == id)
 }
-/// Scaling kind id and factor.
+/// Scaling kind id and factor. YaRN is id 2, which no 1.x plugin decodes: its ramp and
+/// attention factor have no fields in [`KilnModelConfig`], so a plugin refuses such a model
+/// (as an unknown id) rather than run it with the wrong positions.
 pub fn rope_scaling_id(s: RopeScaling) -> (u32, f32) {
     match s {
         RopeScaling::None => (0, 1.0),
         RopeScaling::Linear { factor } => (1, factor),
+        RopeScaling::Yarn { factor, .. } => (2, factor),
     }
 }
 pub fn rope_scaling_from_id(id: u32, factor: f32) -> Option<RopeScaling> {
@@ -1394,6 +1397,22 @@ mod tests {
         let model = tiny_model();
         let back = config_from_abi(&config_to_abi(&model.config)).unwrap();
         assert_eq!(back, model.config);
+    }
+
+    #[test]
+    fn yarn_models_are_refused_by_plugins() {
+        // ABI 1.x has no fields for YaRN's ramp and attention factor: a plugin must refuse
+        // the model, never run it as if it were unscaled.
+        let mut config = tiny_model().config;
+        config.rope.scaling = RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 32,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: RopeScaling::yarn_mscale(4.0),
+        };
+        let r = config_from_abi(&config_to_abi(&config));
+        assert!(matches!(r, Err(Error::Format(ref m)) if m.contains("rope scaling id 2")), "{r:?}");
     }
 
     #[test]

@@ -295,9 +295,11 @@ fn architecture(name: &str) -> Result<Architecture> {
         "mistral" | "MistralForCausalLM" => Architecture::Mistral,
         "qwen2" | "Qwen2ForCausalLM" => Architecture::Qwen2,
         "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
-        other => return Err(Error::Unsupported(format!(
+        other => {
+            return Err(Error::Unsupported(format!(
             "APR architecture '{other}' (kiln runs llama, mistral, qwen2 and qwen3 from APR files)"
-        ))),
+        )))
+        }
     })
 }
 

@@ -145,6 +145,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 "linear rope scaling with factor {f:?}"
             )))
         }
+        (Some("yarn"), factor) => yarn_scaling(&meta, factor)?,
         (Some(other), _) => return Err(Error::Unsupported(format!("rope scaling '{other}'"))),
     };
     // llama.cpp's converter permutes Q/K of llama-family models into adjacent-pair order;
@@ -243,6 +244,47 @@ pub fn dispatch(
     preferred: Option<&str>,
 ) -> Result<(Arc<dyn Backend>, Vec<Candidate>)> {
     registry.select(model, preferred)
+}
+
+/// YaRN rope scaling from llama.cpp's keys: `rope.scaling.factor` and
+/// `rope.scaling.original_context_length` (required), `yarn_beta_fast` / `yarn_beta_slow`
+/// (32 and 1 when absent, llama.cpp's and transformers' defaults) and `yarn_attn_factor`
+/// (1), which multiplies YaRN's own 1 + 0.1·ln(factor). The variants kiln does not run —
+/// a partial extrapolation mix (`yarn_ext_factor` other than 1) and DeepSeek's
+/// `yarn_log_multiplier` — are refused by name rather than run with other positions.
+fn yarn_scaling(meta: &Meta<'_>, factor: Option<f32>) -> Result<RopeScaling> {
+    let factor = match factor {
+        Some(f) if f >= 1.0 => f,
+        f => {
+            return Err(Error::Format(format!(
+                "YaRN rope scaling with factor {f:?} (needs a number of at least 1)"
+            )))
+        }
+    };
+    let original_context = meta.usize("rope.scaling.original_context_length")?;
+    for (key, neutral) in [
+        ("rope.scaling.yarn_ext_factor", 1.0),
+        ("rope.scaling.yarn_log_multiplier", 0.0),
+    ] {
+        if let Some(v) = meta.opt_f32(key)? {
+            if v != neutral {
+                return Err(Error::Unsupported(format!(
+                    "YaRN with '{}' = {v} (kiln runs the plain YaRN of Qwen's long-context models)",
+                    meta.key(key)
+                )));
+            }
+        }
+    }
+    let attn = meta
+        .opt_f32("rope.scaling.yarn_attn_factor")?
+        .unwrap_or(1.0);
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_context,
+        beta_fast: meta.opt_f32("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+        beta_slow: meta.opt_f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        attn_factor: attn * RopeScaling::yarn_mscale(factor),
+    })
 }
 
 /// Typed metadata lookups under the `{arch}.` prefix, with errors naming the key.

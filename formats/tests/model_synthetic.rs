@@ -364,11 +364,83 @@ fn rope_scaling_and_freq_factors() {
     assert_eq!(ir.config.rope.rotary_dims, 8);
     assert_eq!(ir.weights.rope_freqs.as_ref().unwrap().dims(), [4]);
 
-    let yarn = Spec {
-        extra_meta: vec![("llama.rope.scaling.type", "yarn".into())],
-        ..Spec::llama()
+    // YaRN, with llama.cpp's keys; betas and the attention multiplier default as in
+    // llama.cpp and transformers.
+    let yarn = |extra: Vec<(&'static str, GgufValue)>| {
+        let mut meta = vec![("llama.rope.scaling.type", "yarn".into())];
+        meta.extend(extra);
+        Spec {
+            extra_meta: meta,
+            ..Spec::llama()
+        }
+        .map()
     };
-    assert!(matches!(yarn.map(), Err(Error::Unsupported(m)) if m.contains("yarn")));
+    let ir = yarn(vec![
+        ("llama.rope.scaling.factor", 4.0f32.into()),
+        (
+            "llama.rope.scaling.original_context_length",
+            32768u32.into(),
+        ),
+    ])
+    .unwrap();
+    assert_eq!(
+        ir.config.rope.scaling,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 32768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0 + 0.1 * 4.0f32.ln(),
+        }
+    );
+    let scale = ir.config.attention_scale() * (ir.config.head_dim as f32).sqrt();
+    assert!(
+        (scale - (1.0 + 0.1 * 4.0f32.ln()).powi(2)).abs() < 1e-6,
+        "{scale}"
+    );
+    let ir = yarn(vec![
+        ("llama.rope.scaling.factor", 8.0f32.into()),
+        ("llama.rope.scaling.original_context_length", 4096u32.into()),
+        ("llama.rope.scaling.yarn_beta_fast", 16.0f32.into()),
+        ("llama.rope.scaling.yarn_beta_slow", 2.0f32.into()),
+        ("llama.rope.scaling.yarn_attn_factor", 0.5f32.into()),
+    ])
+    .unwrap();
+    assert!(matches!(
+        ir.config.rope.scaling,
+        RopeScaling::Yarn { beta_fast: 16.0, beta_slow: 2.0, attn_factor, .. } if (attn_factor - 0.5 * (1.0 + 0.1 * 8.0f32.ln())).abs() < 1e-6
+    ));
+    let m = format_err(yarn(vec![(
+        "llama.rope.scaling.original_context_length",
+        4096u32.into(),
+    )]));
+    assert!(m.contains("YaRN") && m.contains("factor"), "{m}");
+    let m = format_err(yarn(vec![("llama.rope.scaling.factor", 4.0f32.into())]));
+    assert!(m.contains("original_context_length"), "{m}");
+    let r = yarn(vec![
+        ("llama.rope.scaling.factor", 4.0f32.into()),
+        ("llama.rope.scaling.original_context_length", 4096u32.into()),
+        ("llama.rope.scaling.yarn_ext_factor", 0.5f32.into()),
+    ]);
+    assert!(
+        matches!(r, Err(Error::Unsupported(ref m)) if m.contains("yarn_ext_factor")),
+        "{r:?}"
+    );
+    let r = yarn(vec![
+        ("llama.rope.scaling.factor", 4.0f32.into()),
+        ("llama.rope.scaling.original_context_length", 4096u32.into()),
+        ("llama.rope.scaling.yarn_beta_slow", (-1.0f32).into()),
+    ]);
+    assert!(r.is_err(), "a negative beta is refused");
+    let r = Spec {
+        extra_meta: vec![("llama.rope.scaling.type", "longrope".into())],
+        ..Spec::llama()
+    }
+    .map();
+    assert!(
+        matches!(r, Err(Error::Unsupported(ref m)) if m.contains("longrope")),
+        "{r:?}"
+    );
     let wrong = Spec {
         extra_meta: vec![("llama.rope.dimension_count", 8u32.into())],
         extra_tensors: vec![("rope_freqs.weight".into(), vec![8])],

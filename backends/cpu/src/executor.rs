@@ -465,7 +465,7 @@ fn forward(
     let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
     let half = c.rope.rotary_dims / 2;
     let (threads, simd) = (m.threads, m.simd);
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = c.attention_scale();
 
     for (t, &tok) in tokens.iter().enumerate() {
         let x = &mut s.x[t * h..(t + 1) * h];

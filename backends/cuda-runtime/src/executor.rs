@@ -709,7 +709,7 @@ impl GpuExecutor {
             head_dim: c.head_dim,
             max_ctx: self.kv.rows(li),
             split: self.split,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            scale: c.attention_scale(),
             window: self.layers[li].window,
             pairs: long && self.layers[li].window == 0 && c.num_heads / c.num_kv_heads >= 2,
         }

@@ -280,7 +280,7 @@ impl GpuExecutor {
             head_dim: hd,
             max_ctx: rows,
             start: pos0,
-            scale: 1.0 / (hd as f32).sqrt(),
+            scale: c.attention_scale(),
             window: l.window,
         };
         k.attention_prefill(&args, n, q, kc, vc, attn)?;
