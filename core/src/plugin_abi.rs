@@ -1412,7 +1412,10 @@ mod tests {
             attn_factor: RopeScaling::yarn_mscale(4.0),
         };
         let r = config_from_abi(&config_to_abi(&config));
-        assert!(matches!(r, Err(Error::Format(ref m)) if m.contains("rope scaling id 2")), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::Format(ref m)) if m.contains("rope scaling id 2")),
+            "{r:?}"
+        );
     }
 
     #[test]
