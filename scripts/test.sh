@@ -18,6 +18,13 @@ if command -v python3 >/dev/null 2>&1; then
     || echo "warning: nvidia-cuda-nvrtc could not be installed; the kernel compile check will be skipped"
 fi
 
+# One layout for the Rust sources: rustfmt's defaults (run `cargo fmt --all` to apply).
+if cargo fmt --version >/dev/null 2>&1; then
+  cargo fmt --all --check
+else
+  echo "warning: rustfmt is not installed; the formatting check is skipped"
+fi
+
 # Every unsafe block says why it is sound (clippy's undocumented_unsafe_blocks; the crates'
 # manifests deny unsafe_op_in_unsafe_fn, so unsafe fns need such blocks too).
 if cargo clippy --version >/dev/null 2>&1; then
