@@ -220,23 +220,19 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     }
 }
 
-#define ATTN_ENTRY(E)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_##E(                                                 \
+// One decode-attention entry point: `NAME` computes GM query heads a block.
+#define ATTN_KERNEL(NAME, E, GM)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
         int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
         i8* olo, float2* ods) {                                                                                        \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, 1>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,     \
-                                counters, out, oq, olo, ods);                                                          \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_pairs_##E(                                           \
-        const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
-        int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
-        i8* olo, float2* ods) {                                                                                        \
-        grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, 2>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,     \
-                                counters, out, oq, olo, ods);                                                          \
+        attn_partial_impl<E, GM>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,    \
+                                 counters, out, oq, olo, ods);                                                         \
     }
+
+// attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two).
+#define ATTN_ENTRY(E) ATTN_KERNEL(attn_decode_##E, E, 1) ATTN_KERNEL(attn_decode_pairs_##E, E, 2)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its

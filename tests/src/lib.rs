@@ -2,7 +2,7 @@
 //!
 //! End-to-end tests across kiln's crates (real model vs. independent references, CLI,
 //! plugins). This library holds what those tests share: finding the real model and the
-//! committed fixtures, and reporting a skip so it is seen.
+//! committed fixtures, loading the CPU oracle, and reporting a skip so it is seen.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -101,4 +101,25 @@ pub fn kiln_binary() -> PathBuf {
         assert!(status.success(), "building the kiln binary failed");
     }
     bin
+}
+
+/// The CPU oracle (the built-in `cpu` backend) loaded for `model` with room for
+/// `max_context` positions: what the reference tests compare against their fixtures.
+pub fn cpu_executor(
+    model: &kiln_core::ModelIr,
+    max_context: usize,
+) -> Box<dyn kiln_core::LayerExecutor> {
+    kiln::link_builtin_backends();
+    let backend = kiln_core::Registry::with_builtins()
+        .get("cpu")
+        .expect("cpu backend registered");
+    backend
+        .load(
+            model,
+            &kiln_core::LoadOptions {
+                max_context,
+                ..Default::default()
+            },
+        )
+        .expect("the CPU backend loads the model")
 }

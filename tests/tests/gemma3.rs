@@ -15,8 +15,8 @@
 //! without it the test reports a skip.
 
 use kiln::Model;
-use kiln_core::{argmax, DecodeItem, LoadOptions, Registry};
-use kiln_tests::{cosine, fixture, gemma3_or_skip};
+use kiln_core::{argmax, DecodeItem};
+use kiln_tests::{cosine, cpu_executor, fixture, gemma3_or_skip};
 use serde::Deserialize;
 
 const MIN_COSINE_LLAMACPP: f64 = 0.995;
@@ -45,19 +45,7 @@ fn check_against(path: &std::path::Path, file: &str, who: &str, min_cosine: f64,
 
     let model = Model::open(path).unwrap();
     assert_eq!(model.ir.config.arch.name(), "gemma3");
-    kiln::link_builtin_backends();
-    let backend = Registry::with_builtins()
-        .get("cpu")
-        .expect("cpu backend registered");
-    let mut exec = backend
-        .load(
-            &model.ir,
-            &LoadOptions {
-                max_context: 1024,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let mut exec = cpu_executor(&model.ir, 1024);
     let vocab = model.ir.config.vocab_size;
 
     for (i, r) in references.iter().enumerate() {

@@ -6,8 +6,8 @@
 //!   at a step where the reference's top-1/top-2 gap is below 0.01.
 
 use kiln::Model;
-use kiln_core::{argmax, DecodeItem, LoadOptions, Registry};
-use kiln_tests::{cosine, fixture, smollm2_or_skip};
+use kiln_core::{argmax, DecodeItem};
+use kiln_tests::{cosine, cpu_executor, fixture, smollm2_or_skip};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -56,19 +56,7 @@ fn cpu_matches_transformers_on_smollm2() {
     );
 
     let model = Model::open(&path).unwrap();
-    kiln::link_builtin_backends();
-    let backend = Registry::with_builtins()
-        .get("cpu")
-        .expect("cpu backend registered");
-    let mut exec = backend
-        .load(
-            &model.ir,
-            &LoadOptions {
-                max_context: 256,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let mut exec = cpu_executor(&model.ir, 256);
     let vocab = model.ir.config.vocab_size;
 
     for prompt in &reference.prompts {

@@ -6,10 +6,10 @@
 //! (cosine ≥ 0.99999). The same file read without its scaling must disagree: the fixture
 //! does exercise YaRN.
 
-use kiln_core::{LoadOptions, Registry, RopeScaling};
+use kiln_core::RopeScaling;
 use kiln_formats::gguf::GgufFile;
 use kiln_formats::model::model_from_gguf;
-use kiln_tests::{cosine, fixture};
+use kiln_tests::{cosine, cpu_executor, fixture};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -21,19 +21,7 @@ struct Reference {
 
 /// Cosine of each checked position's logits against the reference, for `model`.
 fn cosines(model: &kiln_core::ModelIr, reference: &Reference, expected: &[f32]) -> Vec<f64> {
-    kiln::link_builtin_backends();
-    let backend = Registry::with_builtins()
-        .get("cpu")
-        .expect("cpu backend registered");
-    let mut exec = backend
-        .load(
-            model,
-            &LoadOptions {
-                max_context: 256,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let mut exec = cpu_executor(model, 256);
     let seq = exec.new_sequence().unwrap();
     let mut logits = vec![f32::NAN; reference.vocab];
     let mut done = 0;
