@@ -237,19 +237,15 @@ fn describe_probe_supports() {
     info.struct_size = 8;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.describe.unwrap())(b, &mut info, &mut err) },
-        KilnStatus::INVALID_ARGUMENT
-    );
+    let status = unsafe { (api.describe.unwrap())(b, &mut info, &mut err) };
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert!(take(err).contains("struct_size 8"));
 
     let mut info = KilnBackendInfo::empty();
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.describe.unwrap())(b, &mut info, &mut err) },
-        KilnStatus::OK
-    );
+    let status = unsafe { (api.describe.unwrap())(b, &mut info, &mut err) };
+    assert_eq!(status, KilnStatus::OK);
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
     unsafe {
         assert_eq!(info.name.to_str("name", 64).unwrap(), "tiny");
@@ -269,10 +265,8 @@ fn describe_probe_supports() {
 
     let (mut device, mut err) = (KilnOwnedStr::NONE, KilnOwnedStr::NONE);
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.probe.unwrap())(b, &mut device, &mut err) },
-        KilnStatus::UNAVAILABLE
-    );
+    let status = unsafe { (api.probe.unwrap())(b, &mut device, &mut err) };
+    assert_eq!(status, KilnStatus::UNAVAILABLE);
     assert!(device.is_none());
     assert_eq!(take(err), "no tiny device here");
 
@@ -286,10 +280,8 @@ fn describe_probe_supports() {
     };
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) },
-        KilnStatus::OK
-    );
+    let status = unsafe { (api.supports.unwrap())(b, &desc, &mut out, &mut err) };
+    assert_eq!(status, KilnStatus::OK);
     let note = take(std::mem::replace(&mut out.message, KilnOwnedStr::NONE));
     assert_eq!(
         (out.supported, out.score, note.as_str()),
@@ -352,10 +344,8 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     let mut seq = 99;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) },
-        KilnStatus::OK
-    );
+    let status = unsafe { (api.new_sequence.unwrap())(e, &mut seq, &mut err) };
+    assert_eq!(status, KilnStatus::OK);
     assert_eq!(seq, 0);
     assert_eq!(
         PROGRESS_CALLS.load(Ordering::SeqCst),
@@ -366,10 +356,8 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     // Null handles and buffers are refused, not dereferenced.
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) },
-        KilnStatus::INVALID_ARGUMENT
-    );
+    let status = unsafe { (api.new_sequence.unwrap())(std::ptr::null_mut(), &mut seq, &mut err) };
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     take(err);
     let mut logits = [0.0f32; 4];
     let mut err = KilnOwnedStr::NONE;
@@ -391,10 +379,8 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     // Error kinds travel as their status.
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) },
-        KilnStatus::INVALID_ARGUMENT
-    );
+    let status = unsafe { (api.truncate_sequence.unwrap())(e, 0, 0, &mut err) };
+    assert_eq!(status, KilnStatus::INVALID_ARGUMENT);
     assert_eq!(take(err), "nothing to truncate");
 
     // A panic is caught, reported (the payload alone: the host names the function), and
@@ -408,10 +394,8 @@ fn executor_calls_check_arguments_and_poison_after_a_panic() {
     let mut len = 0u64;
     let mut err = KilnOwnedStr::NONE;
     // SAFETY: the test passes pointers to live locals (or null on purpose) and handles the table made.
-    assert_eq!(
-        unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) },
-        KilnStatus::ERROR
-    );
+    let status = unsafe { (api.sequence_len.unwrap())(e, 0, &mut len, &mut err) };
+    assert_eq!(status, KilnStatus::ERROR);
     assert_eq!(
         take(err),
         "executor is unusable after an earlier panic in decode: tiny decode panics"
