@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::{block_sums, Isa, Simd};
+use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
 
@@ -548,15 +548,25 @@ fn forward(
             slots[slot].v[at..at + kvd].copy_from_slice(&s.v[t * kvd..(t + 1) * kvd]);
         }
 
-        let heads = c.num_heads;
+        // One task per token and KV head: the query heads of its GQA group (consecutive
+        // in q and in the output) go through the attention together, a few at a time, so
+        // each key and value row is read once for them. With fewer such tasks than twice
+        // the threads (a decode step), the heads go one a task instead, so every thread
+        // has work.
+        let kv_heads = c.num_kv_heads;
         let group = c.gqa_ratio();
+        let heads_together = if n * kv_heads >= 2 * threads {
+            kernels::MULTI_QUERIES
+        } else {
+            1
+        };
         let q = &s.q;
         let cache: &[SeqSlot<Slot>] = slots;
         s.att[..n * qd]
-            .par_chunks_mut(hd)
+            .par_chunks_mut(group * hd)
             .enumerate()
             .for_each(|(i, out)| {
-                let (t, head) = (i / heads, i % heads);
+                let (t, kvh) = (i / kv_heads, i % kv_heads);
                 let (slot, pos) = rows[t];
                 let kv = &cache[slot];
                 // A windowed layer sees only the last `window` positions.
@@ -567,8 +577,13 @@ fn forward(
                             values: &kv.v[at..at + n * kvd],
                             len: n,
                         });
-                let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-                ops::attend(simd, qh, &runs, kvd, (head / group) * hd, scale, out);
+                let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                let piece = heads_together * hd;
+                qg.par_chunks(piece)
+                    .zip(out.par_chunks_mut(piece))
+                    .for_each(|(qp, op)| {
+                        ops::attend_group(simd, qp, hd, &runs, kvd, kvh * hd, scale, op)
+                    });
             });
 
         let input = batch(&s.att, &mut s.sums, n, qd);

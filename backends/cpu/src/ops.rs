@@ -2,7 +2,7 @@
 
 use kiln_core::RopeKind;
 
-use crate::kernels::{scores_f32, weighted_rows_f32, Simd};
+use crate::kernels::{self, Simd};
 
 /// `out = x / rms(x) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -82,11 +82,73 @@ pub struct KvRun<'a> {
     pub len: usize,
 }
 
+/// Up to [`kernels::MULTI_QUERIES`] query heads of one GQA group (`q`: their `hd` values
+/// each, side by side) against the positions in `runs` of their shared KV head, as
+/// [`attend`] does for one, with each key and value row read once for all of them; `out`
+/// gets their outputs side by side.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    simd: Option<Simd>,
+    q: &[f32],
+    hd: usize,
+    runs: &[KvRun<'_>],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const MQ: usize = kernels::MULTI_QUERIES;
+    let heads = if hd == 0 { 0 } else { q.len() / hd };
+    assert!(
+        (1..=MQ).contains(&heads) && q.len() == heads * hd && out.len() == heads * hd,
+        "attend_group: {heads} heads of {hd} for {} query and {} output values",
+        q.len(),
+        out.len()
+    );
+    let mut scores = [0.0f32; MQ * TILE];
+    let mut max = [f32::NEG_INFINITY; MQ];
+    let mut denom = [0.0f32; MQ];
+    out.fill(0.0);
+    for run in runs {
+        let (keys, values, len) = (run.keys, run.values, run.len);
+        for start in (0..len).step_by(TILE) {
+            let n = (len - start).min(TILE);
+            let rows = start * stride + offset;
+            let tile = &mut scores[..heads * n];
+            kernels::scores_multi_f32(simd, q, hd, &keys[rows..], stride, scale, n, tile);
+            // Each head's online softmax: rescale what it has when its maximum grows, then
+            // turn its scores into weights in place.
+            for k in 0..heads {
+                let s = &mut tile[k * n..(k + 1) * n];
+                let new_max = s.iter().fold(max[k], |m, &v| m.max(v));
+                let correction = (max[k] - new_max).exp();
+                if correction != 1.0 {
+                    denom[k] *= correction;
+                    for o in &mut out[k * hd..(k + 1) * hd] {
+                        *o *= correction;
+                    }
+                }
+                max[k] = new_max;
+                for w in s.iter_mut() {
+                    *w = (*w - new_max).exp();
+                    denom[k] += *w;
+                }
+            }
+            kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, out);
+        }
+    }
+    for (o, d) in out.chunks_exact_mut(hd).zip(denom) {
+        let inv = 1.0 / d;
+        for v in o {
+            *v *= inv;
+        }
+    }
+}
+
 /// One query head against the positions in `runs` of its KV head, streaming softmax
 /// (running max and sum), so no buffer the size of the context is needed. The head's part
 /// of each row starts at `offset`. The order of the rows does not matter (keys carry their
-/// position through RoPE).
-#[allow(clippy::too_many_arguments)]
+/// position through RoPE). [`attend_group`] with a group of one.
 pub fn attend(
     simd: Option<Simd>,
     q: &[f32],
@@ -96,36 +158,5 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    let mut scores = [0.0f32; TILE];
-    let mut max = f32::NEG_INFINITY;
-    let mut denom = 0.0f32;
-    out.fill(0.0);
-    let mut weights = [0.0f32; TILE];
-    for run in runs {
-        let (keys, values, len) = (run.keys, run.values, run.len);
-        for start in (0..len).step_by(TILE) {
-            let n = (len - start).min(TILE);
-            let rows = start * stride + offset;
-            scores_f32(simd, q, &keys[rows..], stride, scale, &mut scores[..n]);
-            let tile_max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let new_max = max.max(tile_max);
-            let correction = (max - new_max).exp();
-            if correction != 1.0 {
-                denom *= correction;
-                for o in out.iter_mut() {
-                    *o *= correction;
-                }
-            }
-            max = new_max;
-            for (w, &s) in weights[..n].iter_mut().zip(&scores[..n]) {
-                *w = (s - max).exp();
-                denom += *w;
-            }
-            weighted_rows_f32(simd, &weights[..n], &values[rows..], stride, out);
-        }
-    }
-    let inv = 1.0 / denom;
-    for o in out.iter_mut() {
-        *o *= inv;
-    }
+    attend_group(simd, q, q.len(), runs, stride, offset, scale, out);
 }

@@ -3,7 +3,7 @@
 mod common;
 
 use common::random_vec;
-use kiln_backend_cpu::ops::{attend, rope, KvRun};
+use kiln_backend_cpu::ops::{attend, attend_group, rope, KvRun};
 use kiln_core::{Rng, RopeConfig, RopeKind, RopeScaling};
 
 #[test]
@@ -93,45 +93,64 @@ fn streaming_attention_equals_full_softmax() {
         let stride = hd * kv_heads;
         let keys = random_vec(&mut rng, len * stride, 3.0);
         let values = random_vec(&mut rng, len * stride, 1.0);
-        let q = random_vec(&mut rng, hd, 3.0);
         let scale = 1.0 / (hd as f32).sqrt();
-        for g in 0..kv_heads {
+        // Groups of one to four query heads sharing KV head g (attend_group; attend is the
+        // group of one), each against its own f64 reference.
+        for (g, heads) in (0..kv_heads).flat_map(|g| (1..=4).map(move |h| (g, h))) {
+            let q = random_vec(&mut rng, heads * hd, 3.0);
             let off = g * hd;
-            let scores: Vec<f64> = (0..len)
-                .map(|j| {
+            let want: Vec<Vec<f64>> = (0..heads)
+                .map(|k| {
+                    let qk = &q[k * hd..(k + 1) * hd];
+                    let scores: Vec<f64> = (0..len)
+                        .map(|j| {
+                            (0..hd)
+                                .map(|d| qk[d] as f64 * keys[j * stride + off + d] as f64)
+                                .sum::<f64>()
+                                * scale as f64
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
                     (0..hd)
-                        .map(|d| q[d] as f64 * keys[j * stride + off + d] as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-            let want: Vec<f64> = (0..hd)
-                .map(|d| {
-                    (0..len)
-                        .map(|j| (scores[j] - max).exp() / z * values[j * stride + off + d] as f64)
-                        .sum()
+                        .map(|d| {
+                            (0..len)
+                                .map(|j| {
+                                    (scores[j] - max).exp() / z
+                                        * values[j * stride + off + d] as f64
+                                })
+                                .sum()
+                        })
+                        .collect()
                 })
                 .collect();
             for simd in kiln_backend_cpu::kernels::Isa::available()
                 .into_iter()
                 .map(kiln_backend_cpu::kernels::Simd::detect)
             {
-                let mut got = vec![f32::NAN; hd];
+                let check = |got: &[f32], what: &str| {
+                    for k in 0..heads {
+                        for d in 0..hd {
+                            let (g_, w) = (got[k * hd + d] as f64, want[k][d]);
+                            assert!(
+                                (g_ - w).abs() < 1e-5,
+                                "len {len} kv head {g}, query {k} of {heads}, dim {d} ({simd:?}, {what}): {g_} vs {w}"
+                            );
+                        }
+                    }
+                };
+                let mut got = vec![f32::NAN; heads * hd];
                 let runs = [KvRun {
                     keys: &keys,
                     values: &values,
                     len,
                 }];
-                attend(simd, &q, &runs, stride, off, scale, &mut got);
-                for d in 0..hd {
-                    assert!(
-                        (got[d] as f64 - want[d]).abs() < 1e-5,
-                        "len {len} head {g} dim {d} ({simd:?}): {} vs {}",
-                        got[d],
-                        want[d]
-                    );
+                attend_group(simd, &q, hd, &runs, stride, off, scale, &mut got);
+                check(&got, "one run");
+                if heads == 1 {
+                    got.fill(f32::NAN);
+                    attend(simd, &q, &runs, stride, off, scale, &mut got);
+                    check(&got, "attend");
                 }
                 // The same rows as two runs, the later positions first (a wrapped ring).
                 let mid = len / 2;
@@ -148,15 +167,8 @@ fn streaming_attention_equals_full_softmax() {
                     },
                 ];
                 got.fill(f32::NAN);
-                attend(simd, &q, &runs, stride, off, scale, &mut got);
-                for d in 0..hd {
-                    assert!(
-                        (got[d] as f64 - want[d]).abs() < 1e-5,
-                        "len {len} head {g} dim {d}, two runs: {} vs {}",
-                        got[d],
-                        want[d]
-                    );
-                }
+                attend_group(simd, &q, hd, &runs, stride, off, scale, &mut got);
+                check(&got, "two runs");
             }
         }
     }

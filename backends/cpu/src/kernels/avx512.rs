@@ -985,6 +985,181 @@ pub fn weighted_rows_f32(_: Avx512, w: &[f32], rows: &[f32], stride: usize, out:
     unsafe { weighted_rows_f32_unchecked(w, rows, stride, out) }
 }
 
+/// `out[k·n + j] = scale · (q_k · row j)` for the `Q` queries `q_k = q[k·hd..]` and `n` rows,
+/// row j starting at `rows[j·stride]`: each row is loaded once for all the queries (the
+/// heads of a GQA group), where one call per query would stream it from cache `Q` times.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_multi_f32_unchecked<const Q: usize>(
+    q: &[f32],
+    hd: usize,
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    n: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller guarantees the features, `q` holds Q·hd values, `out` Q·n, and
+    // each of the n rows lies inside `rows` with hd values; partial vectors are masked.
+    unsafe {
+        let (pq, pr, po) = (q.as_ptr(), rows.as_ptr(), out.as_mut_ptr());
+        for j in 0..n {
+            let row = pr.add(j * stride);
+            let mut acc = [_mm512_setzero_ps(); Q];
+            let mut i = 0;
+            while i < hd {
+                let m: __mmask16 = if hd - i >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << (hd - i)) - 1
+                };
+                let v = _mm512_maskz_loadu_ps(m, row.add(i));
+                for k in 0..Q {
+                    acc[k] =
+                        _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pq.add(k * hd + i)), v, acc[k]);
+                }
+                i += 16;
+            }
+            for k in 0..Q {
+                *po.add(k * n + j) = _mm512_reduce_add_ps(acc[k]) * scale;
+            }
+        }
+    }
+}
+
+/// `out[k·hd..][..hd] += Σ_j w[k·n + j] · row j` for `Q` queries and `n` rows (row j at
+/// `rows[j·stride]`), each row loaded once for all the queries.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn weighted_rows_multi_f32_unchecked<const Q: usize>(
+    w: &[f32],
+    n: usize,
+    rows: &[f32],
+    stride: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller guarantees the features, `w` holds Q·n weights, `out` Q·hd values
+    // and each of the n rows lies inside `rows` with hd values; partial vectors are masked.
+    unsafe {
+        let (pw, pr, po) = (w.as_ptr(), rows.as_ptr(), out.as_mut_ptr());
+        // Column blocks of 64 values: Q × 4 accumulators stay in registers over all rows.
+        let mut c0 = 0;
+        while c0 < hd {
+            let blocks = (hd - c0).div_ceil(16).min(4);
+            let mut m = [0 as __mmask16; 4];
+            for (b, mb) in m.iter_mut().enumerate().take(blocks) {
+                let left = hd - c0 - 16 * b;
+                *mb = if left >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << left) - 1
+                };
+            }
+            let mut acc = [[_mm512_setzero_ps(); 4]; Q];
+            for j in 0..n {
+                let row = pr.add(j * stride + c0);
+                let mut v = [_mm512_setzero_ps(); 4];
+                for b in 0..blocks {
+                    v[b] = _mm512_maskz_loadu_ps(m[b], row.add(16 * b));
+                }
+                for k in 0..Q {
+                    let wk = _mm512_set1_ps(*pw.add(k * n + j));
+                    for b in 0..blocks {
+                        acc[k][b] = _mm512_fmadd_ps(wk, v[b], acc[k][b]);
+                    }
+                }
+            }
+            for k in 0..Q {
+                for b in 0..blocks {
+                    let o = po.add(k * hd + c0 + 16 * b);
+                    _mm512_mask_storeu_ps(
+                        o,
+                        m[b],
+                        _mm512_add_ps(_mm512_maskz_loadu_ps(m[b], o), acc[k][b]),
+                    );
+                }
+            }
+            c0 += 64;
+        }
+    }
+}
+
+/// Checks what the multi-query kernels read and write: `q`/`out` hold `queries` vectors of
+/// `hd` values (or weights for `n` rows), and the `n` rows of `stride` lie inside `rows`.
+fn check_multi(
+    queries: usize,
+    per_query: usize,
+    have: usize,
+    n: usize,
+    rows: &[f32],
+    stride: usize,
+    hd: usize,
+) {
+    assert!(
+        (1..=super::MULTI_QUERIES).contains(&queries) && have == queries * per_query,
+        "{queries} queries need {} values, given {have}",
+        queries * per_query
+    );
+    if let Some(last) = n.checked_sub(1) {
+        assert!(
+            last * stride + hd <= rows.len(),
+            "{n} rows of stride {stride} and {hd} values exceed {}",
+            rows.len()
+        );
+    }
+}
+
+/// [`scores_multi_f32_unchecked`] for `q.len() / hd` queries (1 to
+/// [`super::MULTI_QUERIES`]).
+#[allow(clippy::too_many_arguments)]
+pub fn scores_multi_f32(
+    _: Avx512,
+    q: &[f32],
+    hd: usize,
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    n: usize,
+    out: &mut [f32],
+) {
+    let queries = if hd == 0 { 0 } else { q.len() / hd };
+    check_multi(queries, hd, q.len(), n, rows, stride, hd);
+    check_multi(queries, n, out.len(), n, rows, stride, hd);
+    // SAFETY: the token proves the features; the checks bound every read and write.
+    unsafe {
+        match queries {
+            1 => scores_multi_f32_unchecked::<1>(q, hd, rows, stride, scale, n, out),
+            2 => scores_multi_f32_unchecked::<2>(q, hd, rows, stride, scale, n, out),
+            3 => scores_multi_f32_unchecked::<3>(q, hd, rows, stride, scale, n, out),
+            _ => scores_multi_f32_unchecked::<4>(q, hd, rows, stride, scale, n, out),
+        }
+    }
+}
+
+/// [`weighted_rows_multi_f32_unchecked`] for `out.len() / hd` queries (1 to
+/// [`super::MULTI_QUERIES`]).
+pub fn weighted_rows_multi_f32(
+    _: Avx512,
+    w: &[f32],
+    n: usize,
+    rows: &[f32],
+    stride: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    let queries = if hd == 0 { 0 } else { out.len() / hd };
+    check_multi(queries, hd, out.len(), n, rows, stride, hd);
+    check_multi(queries, n, w.len(), n, rows, stride, hd);
+    // SAFETY: the token proves the features; the checks bound every read and write.
+    unsafe {
+        match queries {
+            1 => weighted_rows_multi_f32_unchecked::<1>(w, n, rows, stride, hd, out),
+            2 => weighted_rows_multi_f32_unchecked::<2>(w, n, rows, stride, hd, out),
+            3 => weighted_rows_multi_f32_unchecked::<3>(w, n, rows, stride, hd, out),
+            _ => weighted_rows_multi_f32_unchecked::<4>(w, n, rows, stride, hd, out),
+        }
+    }
+}
+
 /// `a · b` over their common length.
 pub fn dot_f32(_: Avx512, a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: the token proves the features; the kernel reads the common length only.

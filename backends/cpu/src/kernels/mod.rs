@@ -202,6 +202,56 @@ pub fn weighted_rows_f32(
     }
 }
 
+/// Queries a multi-query attention kernel call takes at most (four keep the accumulators of
+/// a 64-value column block of each in registers).
+pub const MULTI_QUERIES: usize = 4;
+
+/// `out[k·n + j] = scale · (q_k · row j)` for the queries `q_k = q[k·hd..][..hd]` (1 to
+/// [`MULTI_QUERIES`] of them) against `n` rows of `rows`, row j at `j·stride`: the heads of
+/// a GQA group scored against a tile of their shared keys, each key read once.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub fn scores_multi_f32(
+    simd: Option<Simd>,
+    q: &[f32],
+    hd: usize,
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    n: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(Simd::Avx512(t)) = simd {
+        return avx512::scores_multi_f32(t, q, hd, rows, stride, scale, n, out);
+    }
+    for (qk, ok) in q.chunks_exact(hd).zip(out.chunks_exact_mut(n)) {
+        scores_f32(simd, qk, rows, stride, scale, ok);
+    }
+}
+
+/// `out[k·hd..][..hd] += Σ_j w[k·n + j] · row j` for 1 to [`MULTI_QUERIES`] queries over
+/// `n` rows of `rows` (row j at `j·stride`): the weighted sums of a GQA group's heads over
+/// a tile of their shared values, each value row read once.
+#[inline]
+pub fn weighted_rows_multi_f32(
+    simd: Option<Simd>,
+    w: &[f32],
+    n: usize,
+    rows: &[f32],
+    stride: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(Simd::Avx512(t)) = simd {
+        return avx512::weighted_rows_multi_f32(t, w, n, rows, stride, hd, out);
+    }
+    for (wk, ok) in w.chunks_exact(n).zip(out.chunks_exact_mut(hd)) {
+        weighted_rows_f32(simd, wk, rows, stride, ok);
+    }
+}
+
 /// `y += a·x` over their common length, vectorised when given a SIMD token.
 #[inline]
 pub fn axpy_f32(simd: Option<Simd>, a: f32, x: &[f32], y: &mut [f32]) {
