@@ -1083,6 +1083,18 @@ unsafe fn weighted_rows_multi_f32_unchecked<const Q: usize>(
     }
 }
 
+/// `$kernel::<Q>(args)` for the query count `$q` (checked to be 1 to 4 before).
+macro_rules! by_queries {
+    ($q:expr, $kernel:ident($($arg:expr),*)) => {
+        match $q {
+            1 => $kernel::<1>($($arg),*),
+            2 => $kernel::<2>($($arg),*),
+            3 => $kernel::<3>($($arg),*),
+            _ => $kernel::<4>($($arg),*),
+        }
+    };
+}
+
 /// Checks what the multi-query kernels read and write: `q`/`out` hold `queries` vectors of
 /// `hd` values (or weights for `n` rows), and the `n` rows of `stride` lie inside `rows`.
 fn check_multi(
@@ -1126,12 +1138,10 @@ pub fn scores_multi_f32(
     check_multi(queries, n, out.len(), n, rows, stride, hd);
     // SAFETY: the token proves the features; the checks bound every read and write.
     unsafe {
-        match queries {
-            1 => scores_multi_f32_unchecked::<1>(q, hd, rows, stride, scale, n, out),
-            2 => scores_multi_f32_unchecked::<2>(q, hd, rows, stride, scale, n, out),
-            3 => scores_multi_f32_unchecked::<3>(q, hd, rows, stride, scale, n, out),
-            _ => scores_multi_f32_unchecked::<4>(q, hd, rows, stride, scale, n, out),
-        }
+        by_queries!(
+            queries,
+            scores_multi_f32_unchecked(q, hd, rows, stride, scale, n, out)
+        )
     }
 }
 
@@ -1151,12 +1161,10 @@ pub fn weighted_rows_multi_f32(
     check_multi(queries, n, w.len(), n, rows, stride, hd);
     // SAFETY: the token proves the features; the checks bound every read and write.
     unsafe {
-        match queries {
-            1 => weighted_rows_multi_f32_unchecked::<1>(w, n, rows, stride, hd, out),
-            2 => weighted_rows_multi_f32_unchecked::<2>(w, n, rows, stride, hd, out),
-            3 => weighted_rows_multi_f32_unchecked::<3>(w, n, rows, stride, hd, out),
-            _ => weighted_rows_multi_f32_unchecked::<4>(w, n, rows, stride, hd, out),
-        }
+        by_queries!(
+            queries,
+            weighted_rows_multi_f32_unchecked(w, n, rows, stride, hd, out)
+        )
     }
 }
 
