@@ -129,10 +129,7 @@ pub fn attend_group(
                     }
                 }
                 max[k] = new_max;
-                for w in s.iter_mut() {
-                    *w = (*w - new_max).exp();
-                    denom[k] += *w;
-                }
+                denom[k] += kernels::exp_shifted_sum(simd, s, new_max);
             }
             kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, out);
         }

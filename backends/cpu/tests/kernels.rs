@@ -316,3 +316,47 @@ fn simd_kernels_refuse_rows_of_the_wrong_length() {
         }
     }
 }
+
+/// The softmax weights of an attention tile on every instruction set (the AVX-512 path is
+/// a polynomial exp) against f64's exp: relative error below 4e-7 (libm's `expf` is within
+/// about 1e-7) where the result is a normal f32, and below the smallest normal where it
+/// underflows; the sum equal to the weights' own sum.
+#[test]
+fn softmax_weights_match_f64_exp() {
+    // A dense sweep of x in [-110, 0] (every 1/64, plus the ends), in tiles of awkward
+    // lengths so the masked tails run too.
+    let xs: Vec<f32> = (0..=110 * 64)
+        .map(|i| -(i as f32) / 64.0)
+        .chain([-0.0, -1e-7, -87.3, -103.9])
+        .collect();
+    for simd in paths()
+        .into_iter()
+        .map(kiln_backend_cpu::kernels::Simd::detect)
+    {
+        for tile in xs.chunks(37) {
+            let max = 0.0f32;
+            let mut w = tile.to_vec();
+            let sum = kiln_backend_cpu::kernels::exp_shifted_sum(simd, &mut w, max);
+            for (&x, &got) in tile.iter().zip(&w) {
+                let want = (x as f64 - max as f64).exp();
+                if want >= f32::MIN_POSITIVE as f64 {
+                    let rel = (got as f64 - want).abs() / want;
+                    assert!(
+                        rel < 4e-7,
+                        "{simd:?}: e^{x} = {got}, want {want} (rel {rel:e})"
+                    );
+                } else {
+                    assert!(
+                        (got as f64 - want).abs() < f32::MIN_POSITIVE as f64,
+                        "{simd:?}: e^{x} = {got}, want {want}"
+                    );
+                }
+            }
+            let own: f64 = w.iter().map(|&v| v as f64).sum();
+            assert!(
+                (sum as f64 - own).abs() <= 1e-6 * own.max(1e-30),
+                "{simd:?}: sum {sum} of weights summing to {own}"
+            );
+        }
+    }
+}

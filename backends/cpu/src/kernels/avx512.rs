@@ -1083,6 +1083,65 @@ unsafe fn weighted_rows_multi_f32_unchecked<const Q: usize>(
     }
 }
 
+/// `e^x` for 16 lanes of `x ≤ 0` (attention's shifted scores): Cody–Waite range reduction
+/// by ln 2 and Cephes' degree-6 polynomial for `e^r` on |r| ≤ ln 2 / 2 (relative error
+/// ~1e-7, what libm's `expf` gives to within an ulp or two), scaled by 2^n with `scalef`,
+/// which underflows gracefully (to subnormals, then 0) below −87.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn exp_neg_ps(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let p = _mm512_fmadd_ps(
+        p,
+        _mm512_mul_ps(r, r),
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    _mm512_scalef_ps(p, n)
+}
+
+/// `s[j] = e^(s[j] − max)` for every j (`max` at least every `s[j]`), returning their sum:
+/// a tile's softmax weights.
+pub fn exp_shifted_sum(_: Avx512, s: &mut [f32], max: f32) -> f32 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn run(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: the caller guarantees the features; every access is masked to `s`.
+        unsafe {
+            let (p, n) = (s.as_mut_ptr(), s.len());
+            let m = _mm512_set1_ps(max);
+            let mut sum = _mm512_setzero_ps();
+            let mut i = 0;
+            while i < n {
+                let k: __mmask16 = if n - i >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << (n - i)) - 1
+                };
+                let w = exp_neg_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(i)), m));
+                _mm512_mask_storeu_ps(p.add(i), k, w);
+                sum = _mm512_mask_add_ps(sum, k, sum, w);
+                i += 16;
+            }
+            _mm512_reduce_add_ps(sum)
+        }
+    }
+    // SAFETY: the token proves the features.
+    unsafe { run(s, max) }
+}
+
 /// `$kernel::<Q>(args)` for the query count `$q` (checked to be 1 to 4 before).
 macro_rules! by_queries {
     ($q:expr, $kernel:ident($($arg:expr),*)) => {

@@ -252,6 +252,24 @@ pub fn weighted_rows_multi_f32(
     }
 }
 
+/// `s[j] = e^(s[j] − max)` for every j (`max` at least every `s[j]`), returning their sum:
+/// the softmax weights of an attention tile, vectorised with AVX-512 (a polynomial exp as
+/// accurate as libm's to an ulp or two), libm's `expf` otherwise.
+#[inline]
+pub fn exp_shifted_sum(simd: Option<Simd>, s: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(Simd::Avx512(t)) = simd {
+        return avx512::exp_shifted_sum(t, s, max);
+    }
+    let _ = simd;
+    let mut sum = 0.0;
+    for w in s.iter_mut() {
+        *w = (*w - max).exp();
+        sum += *w;
+    }
+    sum
+}
+
 /// `y += a·x` over their common length, vectorised when given a SIMD token.
 #[inline]
 pub fn axpy_f32(simd: Option<Simd>, a: f32, x: &[f32], y: &mut [f32]) {
