@@ -180,6 +180,16 @@ struct Slot {
 }
 
 impl Slot {
+    /// The step graph replayed at the context the next step reaches (`long` from
+    /// [`GpuExecutor::long_step`]).
+    fn step_graph(&mut self, long: bool) -> &mut Option<Graph> {
+        if long {
+            &mut self.long_graph
+        } else {
+            &mut self.graph
+        }
+    }
+
     /// Records `tokens` at positions `pos..` (forgetting any after them).
     fn record(&mut self, pos: usize, tokens: &[u32]) {
         self.tokens.truncate(pos);
@@ -711,7 +721,7 @@ impl GpuExecutor {
             split: self.split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
-            pairs: long && self.layers[li].window == 0 && c.num_heads / c.num_kv_heads >= 2,
+            pairs: long && self.layers[li].window == 0,
         }
     }
 
@@ -733,6 +743,12 @@ impl GpuExecutor {
             k_norm: l.k_norm.as_ref().map(|b| b.slice()),
             eps: c.norm_eps,
         }
+    }
+
+    /// Whether a one-sequence step reaching context `len` replays the long graph (paired
+    /// attention): GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
+    fn long_step(&self, len: usize) -> bool {
+        len >= PAIRED_ATTENTION_FROM && self.config.num_heads / self.config.num_kv_heads >= 2
     }
 
     fn tiling(&self, w: &DeviceWeight) -> GemvTiling {
@@ -918,13 +934,9 @@ impl GpuExecutor {
     /// replay, timed with events — the step without the host's per-token round trip.
     pub fn step_device_ms(&mut self, seq: SeqId, replays: usize) -> Result<f64> {
         let slot = self.slot_of(seq)?;
-        let s = &self.slots[slot];
-        let graph = if s.len >= PAIRED_ATTENTION_FROM {
-            &s.long_graph
-        } else {
-            &s.graph
-        };
-        let graph = graph
+        let long = self.long_step(self.slots[slot].len);
+        let graph = self.slots[slot]
+            .step_graph(long)
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
         median_replay_ms(&self.device, graph, replays)
@@ -997,29 +1009,16 @@ impl GpuExecutor {
             .slice()
             .copy_from_host(&self.device, &state)
             .map_err(err)?;
-        let long = pos + 1 >= PAIRED_ATTENTION_FROM;
-        let held = |s: &Slot| {
-            if long {
-                s.long_graph.is_some()
-            } else {
-                s.graph.is_some()
-            }
-        };
-        if !held(&self.slots[slot]) {
+        let long = self.long_step(pos + 1);
+        if self.slots[slot].step_graph(long).is_none() {
             let graph = self
                 .device
                 .capture(|| self.queue_step(slot, long))
                 .map_err(err)?;
-            let s = &mut self.slots[slot];
-            *(if long {
-                &mut s.long_graph
-            } else {
-                &mut s.graph
-            }) = Some(graph);
+            *self.slots[slot].step_graph(long) = Some(graph);
         }
-        let s = &self.slots[slot];
-        let graph = if long { &s.long_graph } else { &s.graph };
-        graph
+        self.slots[slot]
+            .step_graph(long)
             .as_ref()
             .expect("captured above")
             .launch()

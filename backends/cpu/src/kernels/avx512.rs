@@ -1154,21 +1154,23 @@ macro_rules! by_queries {
     };
 }
 
-/// Checks what the multi-query kernels read and write: `q`/`out` hold `queries` vectors of
-/// `hd` values (or weights for `n` rows), and the `n` rows of `stride` lie inside `rows`.
-fn check_multi(
-    queries: usize,
-    per_query: usize,
-    have: usize,
+/// The query count of a multi-query kernel call, checked: `vectors` holds 1 to
+/// [`super::MULTI_QUERIES`] vectors of `hd` values (queries or outputs), `per_row` that many
+/// runs of `n` (scores or weights), and the `n` rows of `stride` lie inside `rows`.
+fn multi_queries(
+    hd: usize,
+    vectors: usize,
+    per_row: usize,
     n: usize,
     rows: &[f32],
     stride: usize,
-    hd: usize,
-) {
+) -> usize {
+    let queries = if hd == 0 { 0 } else { vectors / hd };
     assert!(
-        (1..=super::MULTI_QUERIES).contains(&queries) && have == queries * per_query,
-        "{queries} queries need {} values, given {have}",
-        queries * per_query
+        (1..=super::MULTI_QUERIES).contains(&queries)
+            && vectors == queries * hd
+            && per_row == queries * n,
+        "{queries} queries of {hd} values over {n} rows, given {vectors} and {per_row} values"
     );
     if let Some(last) = n.checked_sub(1) {
         assert!(
@@ -1177,6 +1179,7 @@ fn check_multi(
             rows.len()
         );
     }
+    queries
 }
 
 /// [`scores_multi_f32_unchecked`] for `q.len() / hd` queries (1 to
@@ -1192,9 +1195,7 @@ pub fn scores_multi_f32(
     n: usize,
     out: &mut [f32],
 ) {
-    let queries = if hd == 0 { 0 } else { q.len() / hd };
-    check_multi(queries, hd, q.len(), n, rows, stride, hd);
-    check_multi(queries, n, out.len(), n, rows, stride, hd);
+    let queries = multi_queries(hd, q.len(), out.len(), n, rows, stride);
     // SAFETY: the token proves the features; the checks bound every read and write.
     unsafe {
         by_queries!(
@@ -1215,9 +1216,7 @@ pub fn weighted_rows_multi_f32(
     hd: usize,
     out: &mut [f32],
 ) {
-    let queries = if hd == 0 { 0 } else { out.len() / hd };
-    check_multi(queries, hd, out.len(), n, rows, stride, hd);
-    check_multi(queries, n, w.len(), n, rows, stride, hd);
+    let queries = multi_queries(hd, out.len(), w.len(), n, rows, stride);
     // SAFETY: the token proves the features; the checks bound every read and write.
     unsafe {
         by_queries!(
