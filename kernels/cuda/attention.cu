@@ -5,8 +5,9 @@
 // whole attention is one launch. The context length is read from device memory and the
 // split length follows it (short splits while the context is short, so that many blocks
 // keep the GPU busy; longer ones as it grows; the rule is in attn_partial_impl), so a grid
-// of a bounded number of splits serves every length up to the cache's and one captured
-// graph serves every step. Blocks past the end return at once.
+// of a bounded number of splits serves every length up to the cache's. Blocks past the
+// end return at once; since scheduling them is not free, the executor launches a grid
+// only as wide as the lengths its graph serves need (Kernels::attention_grid_splits).
 //
 // Grouped-query attention: query head h reads KV head h / (n_heads / n_kv). The `pairs`
 // kernel computes the heads of a group in pairs (GM = 2): one block scores each K row
@@ -67,7 +68,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     // Splits of at least `split`, aiming at 16 a head up to 256 positions each (4,096 of
     // context; a split of 128+ keeps all four warps busy), at most the grid's: split 64 at
     // 1,024 positions, 256 from 4,096 to 32,768, then longer. The points measured best on
-    // an H200 (docs/architecture.md).
+    // an H200 (docs/architecture.md). Kernels::attention_split_len mirrors this rule: the
+    // executor sizes each graph's grid from it, so the two must change together.
     {
         const int even = min(256, ((span + 15) / 16 + 31) / 32 * 32);
         const int most = ((span + nsplit - 1) / nsplit + 31) / 32 * 32;

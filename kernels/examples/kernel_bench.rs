@@ -274,6 +274,7 @@ fn main() -> Result<()> {
                 scale: 1.0 / (hd as f32).sqrt(),
                 window: 0,
                 pairs: false,
+                splits: 0,
             };
             let g = dev.capture(|| {
                 for _ in 0..LAUNCHES_PER_GRAPH {

@@ -360,7 +360,7 @@ impl Kernels {
                 kc.len()
             )));
         }
-        let nsplit = Self::attention_splits(a.max_ctx, a.split);
+        let nsplit = a.grid_splits();
         let qd = a.n_heads * hd;
         q.check_len(b.rows * qd, "attention Q rows")?;
         part_o.check_len(b.rows * qd * nsplit, "attention partial outputs")?;

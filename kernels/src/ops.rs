@@ -583,9 +583,44 @@ impl Kernels {
     pub const MAX_ATTENTION_SPLITS: usize = 128;
 
     /// Split blocks per head for a cache of `max_ctx` rows and splits of at least `split`
-    /// positions (the grid's `y`; partial-result buffers hold this many per head).
+    /// positions: the grid's `y` that serves every length up to the cache's (partial-result
+    /// buffers hold this many per head).
     pub fn attention_splits(max_ctx: usize, split: usize) -> usize {
         max_ctx.div_ceil(split).clamp(1, Self::MAX_ATTENTION_SPLITS)
+    }
+
+    /// Positions per split block of a decode attention over `span` positions in a grid of
+    /// `grid_splits` blocks per head, splits of at least `split`: the rule the kernel
+    /// applies on the device (`attn_partial_impl` in attention.cu; the two must agree).
+    /// Short spans take short splits (16 of them up to 4,096 positions) so that many blocks
+    /// share the work; longer spans take 256, or as many as fill the grid.
+    pub fn attention_split_len(span: usize, split: usize, grid_splits: usize) -> usize {
+        let even = span.div_ceil(16).div_ceil(32).saturating_mul(32).min(256);
+        let most = span
+            .div_ceil(grid_splits.max(1))
+            .div_ceil(32)
+            .saturating_mul(32);
+        split.max(even).max(most)
+    }
+
+    /// Split blocks that do work in a decode attention over `span` positions of a cache of
+    /// `max_ctx` rows (the rest of its grid returns at once).
+    pub fn attention_working_splits(span: usize, max_ctx: usize, split: usize) -> usize {
+        let grid = Self::attention_splits(max_ctx, split);
+        span.div_ceil(Self::attention_split_len(span, split, grid))
+            .clamp(1, grid)
+    }
+
+    /// The grid (split blocks per head) a step whose longest span needs `working` split
+    /// blocks launches with ([`Kernels::attention_working_splits`], the most over a step's
+    /// layers): the next power of two, at most `max_splits` (the cache's
+    /// [`Kernels::attention_splits`]). Each such grid computes exactly what the full grid
+    /// does (the same split lengths, bit for bit) without its empty blocks — at a context
+    /// of a few tokens the full grid of a 128k cache is 128 blocks a head with one working,
+    /// and scheduling the empty ones cost more than the attention — and a bounded number of
+    /// grids (one captured graph each) serves every length.
+    pub fn attention_grid_splits(working: usize, max_splits: usize) -> usize {
+        working.max(1).next_power_of_two().min(max_splits.max(1))
     }
 
     /// Decode attention of one query per head over positions `0..*len` of the cache (the
@@ -611,7 +646,7 @@ impl Kernels {
     ) -> Result<()> {
         a.check()?;
         let hd = a.head_dim;
-        let nsplit = Self::attention_splits(a.max_ctx, a.split);
+        let nsplit = a.grid_splits();
         q.check_len(a.n_heads * hd, "attention Q")?;
         kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
@@ -883,9 +918,22 @@ pub struct AttnArgs {
     /// The heads of a GQA group computed in pairs, each K/V row read once for both: faster
     /// on long contexts only (one-sequence decode; the batched launch refuses it).
     pub pairs: bool,
+    /// Split blocks per head the launch's grid has: 0 (or anything above
+    /// [`Kernels::attention_splits`]) for the grid every length needs; fewer serve spans
+    /// up to a bound exactly as the full grid does ([`Kernels::attention_grid_splits`]).
+    pub splits: usize,
 }
 
 impl AttnArgs {
+    /// Split blocks per head in this launch's grid (see [`AttnArgs::splits`]).
+    pub fn grid_splits(&self) -> usize {
+        let all = Kernels::attention_splits(self.max_ctx, self.split);
+        match self.splits {
+            0 => all,
+            n => n.min(all),
+        }
+    }
+
     /// The head geometry the decode attention kernels take (shared by the one-sequence and
     /// the batched launch).
     pub(crate) fn check(&self) -> Result<()> {
@@ -1270,5 +1318,42 @@ impl Kernels {
             self.device
                 .launch(f, LaunchConfig::linear(rows as u32, 256), &mut args)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Kernels;
+
+    /// A grid as wide as the working splits of every span it serves computes what the full
+    /// grid does: the same split length for each span (so the same blocks and the same
+    /// merge, bit for bit), on every cache size the executors make.
+    #[test]
+    fn narrow_attention_grids_split_as_the_full_grid_does() {
+        let split = 64;
+        for max_ctx in [1, 63, 64, 300, 1000, 4096, 8192, 20_000, 32_768, 131_072] {
+            let full = Kernels::attention_splits(max_ctx, split);
+            let mut grids = std::collections::BTreeSet::new();
+            for span in (1..=max_ctx).step_by(1 + max_ctx / 5000) {
+                let working = Kernels::attention_working_splits(span, max_ctx, split);
+                let len = Kernels::attention_split_len(span, split, full);
+                assert_eq!(working, span.div_ceil(len).min(full), "span {span}");
+                let grid = Kernels::attention_grid_splits(working, full);
+                assert!(grid >= working && grid <= full);
+                assert_eq!(
+                    Kernels::attention_split_len(span, split, grid),
+                    len,
+                    "span {span} of a {max_ctx}-row cache in a grid of {grid} (full {full})"
+                );
+                grids.insert(grid);
+            }
+            // One graph per grid: a handful serve a cache of any size.
+            assert!(grids.len() <= 8, "{max_ctx} rows: {grids:?}");
+        }
+        // Short contexts launch few blocks: one per head up to 64 positions.
+        assert_eq!(Kernels::attention_working_splits(5, 131_072, split), 1);
+        assert_eq!(Kernels::attention_working_splits(100, 131_072, split), 2);
+        assert_eq!(Kernels::attention_working_splits(4096, 131_072, split), 16);
+        assert_eq!(Kernels::attention_working_splits(4097, 131_072, split), 17);
     }
 }

@@ -672,6 +672,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 scale,
                 window: 0,
                 pairs,
+                splits: 0,
             };
             g.k.attention(
                 &a,
@@ -691,6 +692,35 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             assert!(
                 counters.to_host().unwrap().iter().all(|&c| c == 0),
                 "attention left its split counters non-zero"
+            );
+            // The grid the executor launches for this length (as few split blocks as it
+            // needs) computes the same bits as the full grid.
+            let working = Kernels::attention_working_splits(len, max_ctx, split);
+            let narrow = AttnArgs {
+                splits: Kernels::attention_grid_splits(working, nsplit),
+                ..a
+            };
+            let out_narrow = poisoned(&g.dev, n_heads * hd);
+            g.k.attention(
+                &narrow,
+                qd.slice(),
+                kd.slice(),
+                vd.slice(),
+                lend.slice(),
+                part_o.slice(),
+                part_ml.slice(),
+                counters.slice(),
+                out_narrow.slice(),
+                None,
+            )
+            .unwrap();
+            let got_narrow = out_narrow.to_host().unwrap();
+            assert!(
+                got.iter()
+                    .zip(&got_narrow)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "len {len}: a grid of {} splits differs from the full {nsplit}",
+                narrow.splits
             );
             for h in 0..n_heads {
                 let kvh = h / ratio;
@@ -1271,6 +1301,7 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         scale: 0.125,
         window: 0,
         pairs: false,
+        splits: 0,
     };
     let width = (n_heads + 2 * n_kv) * hd;
     let qd = n_heads * hd;

@@ -8,7 +8,8 @@
 //! output norm, the LM head for every row, and the tokens drawn on the device (per-row
 //! greedy or sampling settings); only token ids come back.
 //!
-//! One graph is captured per batch-size bucket (2, 4, 8, 16, 32, 64): a batch runs in the
+//! One graph is captured per batch-size bucket (2, 4, 8, 16, 32, 64) and attention grid
+//! (as wide as the batch's longest context needs; see `StepShape`): a batch runs in the
 //! smallest bucket that holds it, its extra rows padding (position −1: they write no cache;
 //! context 0: their attention is zero). The matmuls take rows in eights. Per step the host
 //! uploads one small array (token, position, context length and slot of each row); a batch
@@ -26,9 +27,9 @@ use kiln_kernels::{
     BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat, Workspace,
 };
 
-use super::{err, GpuExecutor};
+use super::{err, GpuExecutor, StepShape};
 
-/// Batch-size buckets, one graph each.
+/// Batch-size buckets, one graph each per attention grid.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 
 /// Prompts up to this many tokens prefill through the batched step (one step, the
@@ -76,7 +77,11 @@ pub(super) struct BatchState {
     /// Rows the buffers hold (≥ 8, ≥ the largest bucket used).
     rows: usize,
     b: BatchBuffers,
-    graphs: [Option<Graph>; BUCKETS.len()],
+    /// Each bucket's graph per attention grid ([`StepShape::index`]; heads never pair here),
+    /// captured when first needed.
+    graphs: [[Option<Graph>; StepShape::COUNT]; BUCKETS.len()],
+    /// The shape each bucket's last step ran with.
+    last_shape: [usize; BUCKETS.len()],
     // Owns the memory `b` points into.
     _ws: Workspace,
 }
@@ -163,6 +168,7 @@ impl BatchState {
             rows,
             b,
             graphs: Default::default(),
+            last_shape: [0; BUCKETS.len()],
             _ws: ws,
         }))
     }
@@ -204,6 +210,15 @@ impl GpuExecutor {
         self.batch.as_ref().err().map(|s| s.as_str())
     }
 
+    /// The shape of a batched step whose longest row reaches context `len` (heads one a
+    /// block: the batched attention does not pair them).
+    fn batch_shape(&self, len: usize) -> StepShape {
+        StepShape {
+            splits: self.attention_grid(len),
+            pairs: false,
+        }
+    }
+
     /// Whether a batch of `n` sequences decodes in batched steps.
     pub(super) fn decodes_batched(&self, n: usize) -> bool {
         n > 1 && !self.sequential_decode && self.batch.is_ok()
@@ -230,8 +245,9 @@ impl GpuExecutor {
         })
     }
 
-    /// Queues the batched step for the `rows` rows of bucket `rows` (see the module doc).
-    fn queue_batch_step(&self, rows: usize) -> kiln_kernels::Result<()> {
+    /// Queues the batched step for the `rows` rows of bucket `rows`, its attention in
+    /// `shape`'s grid (see the module doc).
+    fn queue_batch_step(&self, rows: usize, shape: StepShape) -> kiln_kernels::Result<()> {
         let st = self.batch.as_ref().expect("batched decode is available");
         let b = &st.b;
         let c = &self.config;
@@ -289,7 +305,7 @@ impl GpuExecutor {
             let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
             k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.kv.rows(li))?;
-            let attn = self.attn_args(li, false);
+            let attn = self.attn_args(li, shape);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(
@@ -362,17 +378,19 @@ impl GpuExecutor {
             meta[n + i] = -1;
             meta[2 * n + i] = 0;
         }
+        let shape = self.batch_shape(rows.iter().map(|r| r.pos + 1).max().unwrap_or(1));
         let rows = BUCKETS[bucket];
         st.b.meta.copy_from_host(&self.device, &meta).map_err(err)?;
-        if st.graphs[bucket].is_none() {
+        if st.graphs[bucket][shape.index()].is_none() {
             let graph = self
                 .device
-                .capture(|| self.queue_batch_step(rows))
+                .capture(|| self.queue_batch_step(rows, shape))
                 .map_err(err)?;
-            self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
+            self.batch.as_mut().expect("checked above").graphs[bucket][shape.index()] = Some(graph);
         }
-        let st = self.batch.as_ref().expect("checked above");
-        st.graphs[bucket]
+        let st = self.batch.as_mut().expect("checked above");
+        st.last_shape[bucket] = shape.index();
+        st.graphs[bucket][shape.index()]
             .as_ref()
             .expect("captured above")
             .launch()
@@ -437,15 +455,18 @@ impl GpuExecutor {
     pub(super) fn capture_batch_graphs(&mut self) -> Result<()> {
         let Ok(st) = &self.batch else { return Ok(()) };
         let most = st.rows;
+        // Short prompts' and the first decode steps' shape (contexts up to the split
+        // length); longer contexts capture theirs when first reached.
+        let shape = self.batch_shape(1);
         for (bucket, &rows) in BUCKETS.iter().enumerate() {
             if rows > most {
                 break;
             }
             let graph = self
                 .device
-                .capture(|| self.queue_batch_step(rows))
+                .capture(|| self.queue_batch_step(rows, shape))
                 .map_err(err)?;
-            self.batch.as_mut().expect("checked above").graphs[bucket] = Some(graph);
+            self.batch.as_mut().expect("checked above").graphs[bucket][shape.index()] = Some(graph);
         }
         Ok(())
     }
@@ -599,7 +620,8 @@ impl GpuExecutor {
             .batch
             .as_ref()
             .map_err(|why| Error::Unsupported(why.clone()))?;
-        let graph = st.graphs[bucket_of(rows.clamp(2, Kernels::MAX_BATCH))]
+        let bucket = bucket_of(rows.clamp(2, Kernels::MAX_BATCH));
+        let graph = st.graphs[bucket][st.last_shape[bucket]]
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument(format!("no batch of {rows} has decoded yet")))?;
         super::median_replay_ms(&self.device, graph, replays)

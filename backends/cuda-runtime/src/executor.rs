@@ -115,9 +115,32 @@ fn err(e: kiln_kernels::KernelError) -> Error {
 }
 
 /// Context length from which the one-sequence step computes the heads of a GQA group in
-/// pairs (its second graph): the point where that measured faster on an H200 (see
-/// attention.cu; below it the launch's latency, not the cache read, decides).
+/// pairs: the point where that measured faster on an H200 (see attention.cu; below it the
+/// launch's latency, not the cache read, decides).
 const PAIRED_ATTENTION_FROM: usize = 16_384;
+
+/// What a captured decode step's attention launches are: the split blocks per head of
+/// their grid (a power of two, or the cache's full grid; [`Kernels::attention_grid_splits`])
+/// and whether the heads of a GQA group pair up. A step replays the graph of the shape
+/// its context needs; each shape's graph is captured when first needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StepShape {
+    pub(crate) splits: usize,
+    pub(crate) pairs: bool,
+}
+
+impl StepShape {
+    /// Shapes a cache of any size can need: grids 1, 2, 4, … and the full one (at most
+    /// [`Kernels::MAX_ATTENTION_SPLITS`]), each with and without pairs.
+    pub(crate) const COUNT: usize =
+        2 * (Kernels::MAX_ATTENTION_SPLITS.next_power_of_two().ilog2() as usize + 1);
+
+    /// This shape's place among [`StepShape::COUNT`] (grids are powers of two below the
+    /// full grid, so ⌈log2⌉ tells them apart).
+    pub(crate) fn index(self) -> usize {
+        2 * self.splits.next_power_of_two().ilog2() as usize + self.pairs as usize
+    }
+}
 
 /// Replays `graph` `replays` times back to back, timed with events; the median in ms.
 fn median_replay_ms(device: &Arc<Device>, graph: &Graph, replays: usize) -> Result<f64> {
@@ -169,27 +192,14 @@ struct Layer {
 struct Slot {
     /// [token, position, context length, uniform (f32 bits)] read by the graph.
     state: DeviceBuffer<i32>,
-    graph: Option<Graph>,
-    /// The same step with the attention computing the heads of a GQA group in pairs
-    /// ([`AttnArgs::pairs`]), replayed from [`PAIRED_ATTENTION_FROM`] positions on;
-    /// captured when first needed.
-    long_graph: Option<Graph>,
+    /// The step's graph for each [`StepShape`] (by [`StepShape::index`]) it has needed.
+    graphs: [Option<Graph>; StepShape::COUNT],
     /// The tokens at positions 0..len (what a truncation recomputes sliding-window rings
     /// from; see `truncate_sequence`).
     tokens: Vec<u32>,
 }
 
 impl Slot {
-    /// The step graph replayed at the context the next step reaches (`long` from
-    /// [`GpuExecutor::long_step`]).
-    fn step_graph(&mut self, long: bool) -> &mut Option<Graph> {
-        if long {
-            &mut self.long_graph
-        } else {
-            &mut self.graph
-        }
-    }
-
     /// Records `tokens` at positions `pos..` (forgetting any after them).
     fn record(&mut self, pos: usize, tokens: &[u32]) {
         self.tokens.truncate(pos);
@@ -596,8 +606,7 @@ impl GpuExecutor {
         for _ in 0..options.sequences() {
             slots.push(Slot {
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
-                graph: None,
-                long_graph: None,
+                graphs: Default::default(),
                 tokens: Vec::new(),
             });
         }
@@ -701,17 +710,16 @@ impl GpuExecutor {
 
     fn drop_graphs(&mut self) {
         for s in self.slots.as_mut_slice() {
-            s.graph = None;
-            s.long_graph = None;
+            s.graphs = Default::default();
         }
         if let Ok(b) = &mut self.batch {
             b.drop_graphs();
         }
     }
 
-    /// Decode attention's shape for layer `li`, shared by the one-sequence and the batched
-    /// step; `long` for the one-sequence step's graph past [`PAIRED_ATTENTION_FROM`].
-    fn attn_args(&self, li: usize, long: bool) -> AttnArgs {
+    /// Decode attention's arguments for layer `li` in a step of `shape`, shared by the
+    /// one-sequence and the batched step.
+    fn attn_args(&self, li: usize, shape: StepShape) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
@@ -721,8 +729,26 @@ impl GpuExecutor {
             split: self.split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
-            pairs: long && self.layers[li].window == 0,
+            pairs: shape.pairs && self.layers[li].window == 0,
+            splits: shape.splits,
         }
+    }
+
+    /// The attention grid a step whose longest context is `len` needs: as many split
+    /// blocks per head as the widest of its layers' spans works with (a sliding-window
+    /// layer's span is its window), rounded up to a power of two.
+    fn attention_grid(&self, len: usize) -> usize {
+        let working = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(li, l)| {
+                let span = if l.window > 0 { len.min(l.window) } else { len };
+                Kernels::attention_working_splits(span, self.kv.rows(li), self.split)
+            })
+            .max()
+            .unwrap_or(1);
+        Kernels::attention_grid_splits(working, Kernels::attention_splits(self.max_ctx, self.split))
     }
 
     /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
@@ -745,10 +771,14 @@ impl GpuExecutor {
         }
     }
 
-    /// Whether a one-sequence step reaching context `len` replays the long graph (paired
-    /// attention): GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
-    fn long_step(&self, len: usize) -> bool {
-        len >= PAIRED_ATTENTION_FROM && self.config.num_heads / self.config.num_kv_heads >= 2
+    /// The shape of a one-sequence step reaching context `len`: its attention grid, and
+    /// heads in pairs for GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
+    fn step_shape(&self, len: usize) -> StepShape {
+        StepShape {
+            splits: self.attention_grid(len),
+            pairs: len >= PAIRED_ATTENTION_FROM
+                && self.config.num_heads / self.config.num_kv_heads >= 2,
+        }
     }
 
     fn tiling(&self, w: &DeviceWeight) -> GemvTiling {
@@ -760,7 +790,7 @@ impl GpuExecutor {
     /// the kernels that update the residual stream quantise it times the next norm's weight
     /// and sum its squares per group, and the GEMVs reading it finish the norm (see
     /// PendingNorm). Nothing is accumulated with atomics: every step is bit-reproducible.
-    fn queue_step(&self, slot_index: usize, long: bool) -> kiln_kernels::Result<()> {
+    fn queue_step(&self, slot_index: usize, shape: StepShape) -> kiln_kernels::Result<()> {
         let c = &self.config;
         let (k, s) = (&self.k, &self.s);
         let state = self.slots[slot_index].state.slice();
@@ -817,7 +847,7 @@ impl GpuExecutor {
             let (kc, vc) = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
             k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.kv.rows(li))?;
-            let attn = self.attn_args(li, long);
+            let attn = self.attn_args(li, shape);
             k.attention(
                 &attn,
                 s.q,
@@ -933,23 +963,21 @@ impl GpuExecutor {
     /// back to back (re-running its last step) and returns the median milliseconds per
     /// replay, timed with events — the step without the host's per-token round trip.
     pub fn step_device_ms(&mut self, seq: SeqId, replays: usize) -> Result<f64> {
-        let slot = self.slot_of(seq)?;
-        let long = self.long_step(self.slots[slot].len);
-        let graph = self.slots[slot]
-            .step_graph(long)
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
-        median_replay_ms(&self.device, graph, replays)
+        median_replay_ms(&self.device, self.last_step_graph(seq)?, replays)
     }
 
     /// Operations in `seq`'s captured decode step (kernels and copies).
     pub fn step_graph_nodes(&self, seq: SeqId) -> Result<usize> {
+        self.last_step_graph(seq)?.node_count().map_err(err)
+    }
+
+    /// The graph `seq`'s last decode step replayed.
+    fn last_step_graph(&self, seq: SeqId) -> Result<&Graph> {
         let slot = self.slot_of(seq)?;
-        let graph = self.slots[slot]
-            .graph
+        let shape = self.step_shape(self.slots[slot].len);
+        self.slots[slot].graphs[shape.index()]
             .as_ref()
-            .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))?;
-        graph.node_count().map_err(err)
+            .ok_or_else(|| Error::InvalidArgument(format!("sequence {seq} has not decoded yet")))
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
@@ -962,12 +990,15 @@ impl GpuExecutor {
     /// and a short prompt's first token costs only its own work. Leaves every slot empty
     /// (the scratch prefill's cache entries lie past slot 0's length).
     fn warm_up(&mut self) -> Result<()> {
+        // The first decode steps' shape (a context of one); longer contexts capture theirs
+        // when first reached (a few milliseconds, once per slot and shape).
+        let shape = self.step_shape(1);
         for slot in 0..self.slots.capacity() {
             let graph = self
                 .device
-                .capture(|| self.queue_step(slot, false))
+                .capture(|| self.queue_step(slot, shape))
                 .map_err(err)?;
-            self.slots[slot].graph = Some(graph);
+            self.slots[slot].graphs[shape.index()] = Some(graph);
         }
         self.capture_batch_graphs()?;
         if self.prefill.is_ok() {
@@ -1009,16 +1040,15 @@ impl GpuExecutor {
             .slice()
             .copy_from_host(&self.device, &state)
             .map_err(err)?;
-        let long = self.long_step(pos + 1);
-        if self.slots[slot].step_graph(long).is_none() {
+        let shape = self.step_shape(pos + 1);
+        if self.slots[slot].graphs[shape.index()].is_none() {
             let graph = self
                 .device
-                .capture(|| self.queue_step(slot, long))
+                .capture(|| self.queue_step(slot, shape))
                 .map_err(err)?;
-            *self.slots[slot].step_graph(long) = Some(graph);
+            self.slots[slot].graphs[shape.index()] = Some(graph);
         }
-        self.slots[slot]
-            .step_graph(long)
+        self.slots[slot].graphs[shape.index()]
             .as_ref()
             .expect("captured above")
             .launch()
