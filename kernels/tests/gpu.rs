@@ -1238,10 +1238,15 @@ fn batched_matmul_every_format_matches_reference() {
                         .collect();
                     let err_sw = rel_err(&row(&got_swiglu), &swiglu);
                     let tag = f.tag;
+                    // 15-bit activations give ~5e-5 on a typical row; each row here is
+                    // checked alone, and a short row (256 values, 33 outputs) of K-quant
+                    // weights with a large common offset (dmin) cancels enough to reach
+                    // 1.15e-4 now and then (seen once in thousands of rows, q5_k), so the
+                    // bar is 2e-4: a wrong block, scale or row is off by 1e-2 or more.
                     for (what, e, bar) in [
-                        ("plain", err, 1e-4),
-                        ("plain (up)", err_up, 1e-4),
-                        ("bias+residual", err_epi, 1e-4),
+                        ("plain", err, 2e-4),
+                        ("plain (up)", err_up, 2e-4),
+                        ("bias+residual", err_epi, 2e-4),
                         ("SwiGLU vs its plain products", err_sw, 1e-5),
                     ] {
                         // NaN fails too (the comparison is false).
