@@ -451,6 +451,86 @@ fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
     }
 }
 
+/// Tokens of one sequence a causal attention block takes: each key and value tile is read
+/// once for this many tokens (times the heads of a GQA group).
+const CAUSAL_BLOCK: usize = 8;
+
+/// A full-attention layer's attention for a prefill of `rows` (their K/V already in the
+/// cache): consecutive positions of one sequence in blocks of up to [`CAUSAL_BLOCK`]
+/// tokens, one task per block and KV head, each through [`ops::attend_causal`] (the bits
+/// one token at a time gives). `att` gets each token's heads in place.
+#[allow(clippy::too_many_arguments)]
+fn attend_causal_blocks(
+    m: &Model,
+    cache: &[SeqSlot<Slot>],
+    rows: &[(usize, usize)],
+    q: &[f32],
+    att: &mut [f32],
+    li: usize,
+    simd: Option<Simd>,
+    scale: f32,
+) {
+    let c = &m.config;
+    let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+    let (kv_heads, group) = (c.num_kv_heads, c.gqa_ratio());
+    // Blocks: runs of rows in one slot at consecutive positions, cut every CAUSAL_BLOCK.
+    let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+    for (t, &(slot, pos)) in rows.iter().enumerate() {
+        match blocks.last_mut() {
+            Some(b) if b.len() < CAUSAL_BLOCK && rows[b.end - 1] == (slot, pos.wrapping_sub(1)) => {
+                b.end = t + 1
+            }
+            _ => blocks.push(t..t + 1),
+        }
+    }
+    // Each token's group of heads for KV head g is one piece of `att`; hand every task its
+    // block's pieces (task = block · kv_heads + g).
+    let mut tasks: Vec<Vec<&mut [f32]>> = (0..blocks.len() * kv_heads)
+        .map(|_| Vec::with_capacity(CAUSAL_BLOCK))
+        .collect();
+    let mut block_of = vec![0; rows.len()];
+    for (b, r) in blocks.iter().enumerate() {
+        block_of[r.clone()].fill(b);
+    }
+    for (i, piece) in att.chunks_mut(group * hd).enumerate() {
+        let (t, g) = (i / kv_heads, i % kv_heads);
+        tasks[block_of[t] * kv_heads + g].push(piece);
+    }
+    tasks.into_par_iter().enumerate().for_each(|(task, outs)| {
+        let (b, g) = (task / kv_heads, task % kv_heads);
+        let block = blocks[b].clone();
+        let (slot, last) = rows[block.end - 1];
+        let kv = &cache[slot];
+        let base = m.kv.at(li, 0);
+        let (keys, values) = (
+            &kv.k[base..base + (last + 1) * kvd],
+            &kv.v[base..base + (last + 1) * kvd],
+        );
+        let mut qs = Vec::with_capacity(block.len() * group * hd);
+        let mut lens = Vec::with_capacity(block.len() * group);
+        for t in block.clone() {
+            qs.extend_from_slice(&q[t * qd + g * group * hd..][..group * hd]);
+            lens.extend(std::iter::repeat_n(rows[t].1 + 1, group));
+        }
+        let mut out = vec![0.0f32; qs.len()];
+        ops::attend_causal(
+            simd,
+            &qs,
+            hd,
+            &lens,
+            keys,
+            values,
+            kvd,
+            g * hd,
+            scale,
+            &mut out,
+        );
+        for (piece, o) in outs.into_iter().zip(out.chunks_exact(group * hd)) {
+            piece.copy_from_slice(o);
+        }
+    });
+}
+
 fn forward(
     m: &Model,
     slots: &mut [SeqSlot<Slot>],
@@ -562,29 +642,36 @@ fn forward(
         };
         let q = &s.q;
         let cache: &[SeqSlot<Slot>] = slots;
-        s.att[..n * qd]
-            .par_chunks_mut(group * hd)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let (t, kvh) = (i / kv_heads, i % kv_heads);
-                let (slot, pos) = rows[t];
-                let kv = &cache[slot];
-                // A windowed layer sees only the last `window` positions.
-                let runs =
-                    m.kv.runs(li, attention.first_position(pos), pos)
-                        .map(|(at, n)| ops::KvRun {
-                            keys: &kv.k[at..at + n * kvd],
-                            values: &kv.v[at..at + n * kvd],
-                            len: n,
+        if attention.window.is_none() && n.div_ceil(CAUSAL_BLOCK) * kv_heads >= 2 * threads {
+            // A prefill: runs of consecutive tokens of one sequence go through a full layer
+            // as causal blocks (one task per block and KV head), each key and value tile
+            // read once for the block's tokens and heads (see `ops::attend_causal`).
+            attend_causal_blocks(m, cache, rows, q, &mut s.att[..n * qd], li, simd, scale);
+        } else {
+            s.att[..n * qd]
+                .par_chunks_mut(group * hd)
+                .enumerate()
+                .for_each(|(i, out)| {
+                    let (t, kvh) = (i / kv_heads, i % kv_heads);
+                    let (slot, pos) = rows[t];
+                    let kv = &cache[slot];
+                    // A windowed layer sees only the last `window` positions.
+                    let runs =
+                        m.kv.runs(li, attention.first_position(pos), pos)
+                            .map(|(at, n)| ops::KvRun {
+                                keys: &kv.k[at..at + n * kvd],
+                                values: &kv.v[at..at + n * kvd],
+                                len: n,
+                            });
+                    let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                    let piece = heads_together * hd;
+                    qg.par_chunks(piece)
+                        .zip(out.par_chunks_mut(piece))
+                        .for_each(|(qp, op)| {
+                            ops::attend_group(simd, qp, hd, &runs, kvd, kvh * hd, scale, op)
                         });
-                let qg = &q[t * qd + kvh * group * hd..][..group * hd];
-                let piece = heads_together * hd;
-                qg.par_chunks(piece)
-                    .zip(out.par_chunks_mut(piece))
-                    .for_each(|(qp, op)| {
-                        ops::attend_group(simd, qp, hd, &runs, kvd, kvh * hd, scale, op)
-                    });
-            });
+                });
+        }
 
         let input = batch(&s.att, &mut s.sums, n, qd);
         matmul(

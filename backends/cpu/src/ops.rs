@@ -142,6 +142,85 @@ pub fn attend_group(
     }
 }
 
+/// Queries of consecutive tokens of one sequence (`q`: `lens.len()` vectors of `hd`
+/// values side by side) against one KV head's rows from position 0, query k seeing rows
+/// `0..lens[k]` (a causal prefill: each token its own position and those before it). Each
+/// tile of keys and values is read once for all of them, where one [`attend_group`] per
+/// token streams the whole prefix from memory again for every token. Every query's
+/// result has the bits [`attend_group`] gives it alone: the tiles are the same, and the
+/// rows a query does not see weigh exactly 0 in the tiles it shares with later tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_causal(
+    simd: Option<Simd>,
+    q: &[f32],
+    hd: usize,
+    lens: &[usize],
+    keys: &[f32],
+    values: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const MQ: usize = kernels::MULTI_QUERIES;
+    let nq = lens.len();
+    let len = lens.iter().copied().max().unwrap_or(0);
+    assert!(
+        q.len() == nq * hd
+            && out.len() == nq * hd
+            && lens.iter().all(|&l| l >= 1)
+            && (len == 0 || (len - 1) * stride + offset + hd <= keys.len().min(values.len())),
+        "attend_causal: {nq} queries of {hd} over {len} rows of stride {stride} at {offset}, \
+         {} query, {} output, {} key and {} value values",
+        q.len(),
+        out.len(),
+        keys.len(),
+        values.len()
+    );
+    let mut scores = [0.0f32; MQ * TILE];
+    let mut max = vec![f32::NEG_INFINITY; nq];
+    let mut denom = vec![0.0f32; nq];
+    out.fill(0.0);
+    for start in (0..len).step_by(TILE) {
+        let n = (len - start).min(TILE);
+        let rows = start * stride + offset;
+        for c0 in (0..nq).step_by(MQ) {
+            let cq = (nq - c0).min(MQ);
+            let tile = &mut scores[..cq * n];
+            let (qc, oc) = (
+                &q[c0 * hd..(c0 + cq) * hd],
+                &mut out[c0 * hd..(c0 + cq) * hd],
+            );
+            kernels::scores_multi_f32(simd, qc, hd, &keys[rows..], stride, scale, n, tile);
+            for k in 0..cq {
+                let s = &mut tile[k * n..(k + 1) * n];
+                // Rows past this query's own position weigh e^-inf = 0 (tile 0 holds row 0,
+                // which every query sees, so its maximum is finite from the start).
+                let visible = lens[c0 + k].saturating_sub(start).min(n);
+                s[visible..].fill(f32::NEG_INFINITY);
+                let (mk, dk) = (&mut max[c0 + k], &mut denom[c0 + k]);
+                let new_max = s.iter().fold(*mk, |m, &v| m.max(v));
+                let correction = (*mk - new_max).exp();
+                if correction != 1.0 {
+                    *dk *= correction;
+                    for o in &mut oc[k * hd..(k + 1) * hd] {
+                        *o *= correction;
+                    }
+                }
+                *mk = new_max;
+                *dk += kernels::exp_shifted_sum(simd, s, new_max);
+            }
+            kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, oc);
+        }
+    }
+    for (o, d) in out.chunks_exact_mut(hd).zip(denom) {
+        let inv = 1.0 / d;
+        for v in o {
+            *v *= inv;
+        }
+    }
+}
+
 /// One query head against the positions in `runs` of its KV head, streaming softmax
 /// (running max and sum), so no buffer the size of the context is needed. The head's part
 /// of each row starts at `offset`. The order of the rows does not matter (keys carry their

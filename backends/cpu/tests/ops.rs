@@ -83,10 +83,11 @@ fn rope_frequency_factors_and_linear_scaling_divide_the_frequency() {
 fn streaming_attention_equals_full_softmax() {
     let mut rng = Rng::new(2);
     let kv_heads = 3;
-    // Head sizes with a partial 16-value vector (24, 136), whole ones (64), and more than
+    // Head sizes with a partial 16-value vector (24, 136), whole ones (32, 64: the
+    // kernels specialised for them), and more than
     // the four vectors the AVX-512 weighted sum keeps in registers at a time (80, 136).
     // Lengths around the tile size exercise the running-max rescale.
-    for (hd, len) in [24usize, 64, 80, 136]
+    for (hd, len) in [24usize, 32, 64, 80, 136]
         .into_iter()
         .flat_map(|hd| [1usize, 5, 127, 128, 129, 300].map(|len| (hd, len)))
     {
@@ -169,6 +170,68 @@ fn streaming_attention_equals_full_softmax() {
                 got.fill(f32::NAN);
                 attend_group(simd, &q, hd, &runs, stride, off, scale, &mut got);
                 check(&got, "two runs");
+            }
+        }
+    }
+}
+
+/// A causal block of consecutive tokens (attend_causal) gives each query the bits it gets
+/// alone (attend_group over its own prefix), on every instruction set: blocks of one to
+/// eight tokens of one to four heads, lengths around the tile size, partial vectors.
+#[test]
+fn causal_blocks_equal_each_token_alone() {
+    let mut rng = Rng::new(7);
+    let kv_heads = 2;
+    for (hd, first) in [24usize, 32, 64, 136]
+        .into_iter()
+        .flat_map(|hd| [1usize, 100, 126, 127, 128, 250].map(|f| (hd, f)))
+    {
+        let stride = hd * kv_heads;
+        let rows = first + 8;
+        let keys = random_vec(&mut rng, rows * stride, 3.0);
+        let values = random_vec(&mut rng, rows * stride, 1.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (tokens, heads) in [(1, 1), (2, 3), (4, 4), (8, 2), (3, 7)] {
+            let off = hd;
+            let q = random_vec(&mut rng, tokens * heads * hd, 3.0);
+            // Token i at position first - 1 + i sees rows 0..first + i.
+            let lens: Vec<usize> = (0..tokens)
+                .flat_map(|i| std::iter::repeat_n(first + i, heads))
+                .collect();
+            for simd in kiln_backend_cpu::kernels::Isa::available()
+                .into_iter()
+                .map(kiln_backend_cpu::kernels::Simd::detect)
+            {
+                let mut got = vec![f32::NAN; q.len()];
+                kiln_backend_cpu::ops::attend_causal(
+                    simd, &q, hd, &lens, &keys, &values, stride, off, scale, &mut got,
+                );
+                for (k, &len) in lens.iter().enumerate() {
+                    let runs = [KvRun {
+                        keys: &keys,
+                        values: &values,
+                        len,
+                    }];
+                    let mut alone = vec![f32::NAN; hd];
+                    attend_group(
+                        simd,
+                        &q[k * hd..(k + 1) * hd],
+                        hd,
+                        &runs,
+                        stride,
+                        off,
+                        scale,
+                        &mut alone,
+                    );
+                    let same = got[k * hd..(k + 1) * hd]
+                        .iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "hd {hd}, {tokens} tokens x {heads} heads from {first}, query {k} ({simd:?})"
+                    );
+                }
             }
         }
     }

@@ -1026,6 +1026,120 @@ unsafe fn scores_multi_f32_unchecked<const Q: usize>(
     }
 }
 
+/// The horizontal sums of 16 vectors as one vector (lane i = the sum of `v[i]`'s lanes): a
+/// transposing tree of 30 shuffles and 15 adds, where sixteen `_mm512_reduce_add_ps` take
+/// ~60 of each.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn sum16(v: &[__m512; 16]) -> __m512 {
+    // Within each 128-bit lane: pairs, then quads, so vector q of `quads` holds, in lane l,
+    // the partial sums over lane l of v[4q], v[4q+1], v[4q+2], v[4q+3] in that order.
+    let mut quads = [_mm512_setzero_ps(); 4];
+    for (q, out) in quads.iter_mut().enumerate() {
+        let b = 4 * q;
+        let s01 = _mm512_add_ps(
+            _mm512_unpacklo_ps(v[b], v[b + 1]),
+            _mm512_unpackhi_ps(v[b], v[b + 1]),
+        );
+        let s23 = _mm512_add_ps(
+            _mm512_unpacklo_ps(v[b + 2], v[b + 3]),
+            _mm512_unpackhi_ps(v[b + 2], v[b + 3]),
+        );
+        *out = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(s01, s23),
+            _mm512_shuffle_ps::<0xEE>(s01, s23),
+        );
+    }
+    // Across the four 128-bit lanes: lanes (0, 2) plus lanes (1, 3), twice.
+    let t01 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(quads[0], quads[1]),
+        _mm512_shuffle_f32x4::<0xDD>(quads[0], quads[1]),
+    );
+    let t23 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(quads[2], quads[3]),
+        _mm512_shuffle_f32x4::<0xDD>(quads[2], quads[3]),
+    );
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(t01, t23),
+        _mm512_shuffle_f32x4::<0xDD>(t01, t23),
+    )
+}
+
+/// One row's partial-sum vector against each of `Q` queries of `16·V` values (lane-wise
+/// products summed over the head). A function, not a closure: closures do not inherit
+/// `target_feature`s (see `sum16`'s caller).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn row_partials<const Q: usize, const V: usize>(
+    qv: &[[__m512; V]; Q],
+    row: *const f32,
+) -> [__m512; Q] {
+    // SAFETY: the caller guarantees the features and 16·V readable values at `row`.
+    unsafe {
+        let r: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(row.add(16 * v)));
+        let mut acc = [_mm512_setzero_ps(); Q];
+        for (a, qk) in acc.iter_mut().zip(qv) {
+            *a = _mm512_mul_ps(qk[0], r[0]);
+            for v in 1..V {
+                *a = _mm512_fmadd_ps(qk[v], r[v], *a);
+            }
+        }
+        acc
+    }
+}
+
+/// [`scores_multi_f32_unchecked`] for heads of `16·V` values (V ≤ 4): the `Q` queries stay
+/// in registers (at most 16 vectors), and rows go sixteen at a time, their partial sums
+/// reduced together by [`sum16`] — one reduction per row and query was most of the
+/// general kernel's time once a causal block keeps the rows in cache.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_multi_f32_vectors<const Q: usize, const V: usize>(
+    q: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    n: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller guarantees the features, `q` holds Q·16·V values, `out` Q·n, and
+    // each of the n rows lies inside `rows` with 16·V values.
+    unsafe {
+        let (pq, pr, po) = (q.as_ptr(), rows.as_ptr(), out.as_mut_ptr());
+        let hd = 16 * V;
+        let mut qv = [[_mm512_setzero_ps(); V]; Q];
+        for (k, qk) in qv.iter_mut().enumerate() {
+            for (v, x) in qk.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(pq.add(k * hd + 16 * v));
+            }
+        }
+        // A short last group pads with zero vectors: every row's score goes through the
+        // same tree whatever `n` is, so a row scores the same bits in any tile.
+        let vscale = _mm512_set1_ps(scale);
+        let mut block = [[_mm512_setzero_ps(); 16]; Q];
+        for j in (0..n).step_by(16) {
+            let take = (n - j).min(16);
+            if take < 16 {
+                for b in &mut block {
+                    b[take..].fill(_mm512_setzero_ps());
+                }
+            }
+            for r in 0..take {
+                let partials = row_partials::<Q, V>(&qv, pr.add((j + r) * stride));
+                for (b, p) in block.iter_mut().zip(partials) {
+                    b[r] = p;
+                }
+            }
+            let m: __mmask16 = if take == 16 {
+                0xFFFF
+            } else {
+                (1u16 << take) - 1
+            };
+            for (k, b) in block.iter().enumerate() {
+                _mm512_mask_storeu_ps(po.add(k * n + j), m, _mm512_mul_ps(sum16(b), vscale));
+            }
+        }
+    }
+}
+
 /// `out[k·hd..][..hd] += Σ_j w[k·n + j] · row j` for `Q` queries and `n` rows (row j at
 /// `rows[j·stride]`), each row loaded once for all the queries.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -1182,6 +1296,34 @@ fn multi_queries(
     queries
 }
 
+/// [`scores_multi_f32_vectors`] for heads of 64 and 32 values (what `by_queries!` takes:
+/// one const parameter).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_v4<const Q: usize>(
+    q: &[f32],
+    r: &[f32],
+    s: usize,
+    c: f32,
+    n: usize,
+    o: &mut [f32],
+) {
+    // SAFETY: as for scores_multi_f32_vectors, which the caller's checks satisfy.
+    unsafe { scores_multi_f32_vectors::<Q, 4>(q, r, s, c, n, o) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_v2<const Q: usize>(
+    q: &[f32],
+    r: &[f32],
+    s: usize,
+    c: f32,
+    n: usize,
+    o: &mut [f32],
+) {
+    // SAFETY: as for scores_multi_f32_vectors, which the caller's checks satisfy.
+    unsafe { scores_multi_f32_vectors::<Q, 2>(q, r, s, c, n, o) }
+}
+
 /// [`scores_multi_f32_unchecked`] for `q.len() / hd` queries (1 to
 /// [`super::MULTI_QUERIES`]).
 #[allow(clippy::too_many_arguments)]
@@ -1196,12 +1338,17 @@ pub fn scores_multi_f32(
     out: &mut [f32],
 ) {
     let queries = multi_queries(hd, q.len(), out.len(), n, rows, stride);
-    // SAFETY: the token proves the features; the checks bound every read and write.
+    // SAFETY: the token proves the features; the checks bound every read and write (a
+    // head of 16·V values is what the V-vector kernels read of q and of each row).
     unsafe {
-        by_queries!(
-            queries,
-            scores_multi_f32_unchecked(q, hd, rows, stride, scale, n, out)
-        )
+        match hd {
+            64 => by_queries!(queries, scores_v4(q, rows, stride, scale, n, out)),
+            32 => by_queries!(queries, scores_v2(q, rows, stride, scale, n, out)),
+            _ => by_queries!(
+                queries,
+                scores_multi_f32_unchecked(q, hd, rows, stride, scale, n, out)
+            ),
+        }
     }
 }
 
