@@ -10,8 +10,8 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, PrefillAttnArgs, QuantBuffers, QuantOut, RopeArgs, WeightFormat,
-    FORMATS, Q4_0_X4,
+    Kernels, KvCache, PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs,
+    WeightFormat, FORMATS, Q4_0_X4,
 };
 
 /// Whether `t` suits `f` (a warp owns whole row groups).
@@ -674,19 +674,22 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 pairs,
                 splits: 0,
             };
-            g.k.attention(
-                &a,
-                qd.slice(),
-                kd.slice(),
-                vd.slice(),
-                lend.slice(),
-                part_o.slice(),
-                part_ml.slice(),
-                counters.slice(),
-                out.slice(),
-                Some(oq.act()),
-            )
-            .unwrap();
+            let launch = |a: &AttnArgs, out: &DeviceBuffer<f32>, oq: Option<Q8Act>| {
+                g.k.attention(
+                    a,
+                    qd.slice(),
+                    kd.slice(),
+                    vd.slice(),
+                    lend.slice(),
+                    part_o.slice(),
+                    part_ml.slice(),
+                    counters.slice(),
+                    out.slice(),
+                    oq,
+                )
+                .unwrap()
+            };
+            launch(&a, &out, Some(oq.act()));
             let got = out.to_host().unwrap();
             oq.check(&got, "attention output");
             assert!(
@@ -701,19 +704,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 ..a
             };
             let out_narrow = poisoned(&g.dev, n_heads * hd);
-            g.k.attention(
-                &narrow,
-                qd.slice(),
-                kd.slice(),
-                vd.slice(),
-                lend.slice(),
-                part_o.slice(),
-                part_ml.slice(),
-                counters.slice(),
-                out_narrow.slice(),
-                None,
-            )
-            .unwrap();
+            launch(&narrow, &out_narrow, None);
             let got_narrow = out_narrow.to_host().unwrap();
             assert!(
                 got.iter()
