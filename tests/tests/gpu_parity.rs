@@ -74,6 +74,22 @@ fn scratch_dir() -> PathBuf {
     dir
 }
 
+/// A synthetic `preset` model in `recipe`, written into `dir` as `{name}.{recipe}.gguf`.
+fn synth_into(dir: &Path, name: &str, preset: Preset, recipe: Recipe, seed: u64) -> PathBuf {
+    let path = dir.join(format!("{name}.{}.gguf", recipe.name()));
+    synth_file(
+        &path,
+        SynthOptions {
+            preset,
+            recipe,
+            seed,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    path
+}
+
 struct Outcome {
     min_cosine: f64,
     token_mismatches: usize,
@@ -230,17 +246,7 @@ fn synth_parity(preset: Preset, name: &str) {
         return;
     }
     let dir = scratch_dir();
-    let path = dir.join(format!("{name}.q4_k_m.gguf"));
-    synth_file(
-        &path,
-        SynthOptions {
-            preset,
-            recipe: Recipe::Q4_K_M,
-            seed: 1,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let path = synth_into(&dir, name, preset, Recipe::Q4_K_M, 1);
     let prompt = "The quick brown fox jumps over the lazy dog";
     compare(&path, prompt, false, false, true);
     compare(&path, prompt, false, true, false);
@@ -289,17 +295,7 @@ fn long_prompts_match_cpu(preset: Preset, name: &str) {
         min_cosine: 0.99999,
         tie_gap: Q4K_BAR.tie_gap,
     };
-    let path = dir.join(format!("{name}.q4_k_m.gguf"));
-    synth_file(
-        &path,
-        SynthOptions {
-            preset,
-            recipe: Recipe::Q4_K_M,
-            seed: 1,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let path = synth_into(&dir, name, preset, Recipe::Q4_K_M, 1);
     let model = Model::open(&path).unwrap();
     let vocab = model.ir.config.vocab_size as u64;
     let seed = kiln_core::testdata::fresh_seed();
@@ -381,17 +377,7 @@ fn synth_parity_q4_0(preset: Preset, name: &str) {
         return;
     }
     let dir = scratch_dir();
-    let path = dir.join(format!("{name}.q4_0.gguf"));
-    synth_file(
-        &path,
-        SynthOptions {
-            preset,
-            recipe: Recipe::Q4_0,
-            seed: 1,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let path = synth_into(&dir, name, preset, Recipe::Q4_0, 1);
     let prompt = "The quick brown fox jumps over the lazy dog";
     compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, false, true);
     compare_on("cuda-q4_0", Q4_0_BAR, &path, prompt, true, true, false);
@@ -483,27 +469,8 @@ fn two_executors_decode_at_once_without_seeing_each_other() {
     };
     let (_, q4k) = backends_for("cuda-q4k").expect("same device");
     let dir = scratch_dir();
-    let (a, b) = (dir.join("a.q4_0.gguf"), dir.join("b.q4_k_m.gguf"));
-    synth_file(
-        &a,
-        SynthOptions {
-            preset: Preset::Qwen25_0_5b,
-            recipe: Recipe::Q4_0,
-            seed: 3,
-        },
-        &no_progress,
-    )
-    .unwrap();
-    synth_file(
-        &b,
-        SynthOptions {
-            preset: Preset::SmolLm2_135m,
-            recipe: Recipe::Q4_K_M,
-            seed: 4,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let a = synth_into(&dir, "a", Preset::Qwen25_0_5b, Recipe::Q4_0, 3);
+    let b = synth_into(&dir, "b", Preset::SmolLm2_135m, Recipe::Q4_K_M, 4);
     let (ma, mb) = (Model::open(&a).unwrap(), Model::open(&b).unwrap());
     let options = LoadOptions {
         max_context: 512,
@@ -663,17 +630,7 @@ fn gemma3_parity(gpu: &str, recipe: Recipe) {
         return;
     }
     let dir = scratch_dir();
-    let path = dir.join(format!("gemma3-270m.{}.gguf", recipe.name()));
-    synth_file(
-        &path,
-        SynthOptions {
-            preset: Preset::Gemma3_270m,
-            recipe,
-            seed: 1,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let path = synth_into(&dir, "gemma3-270m", Preset::Gemma3_270m, recipe, 1);
     let short = "The quick brown fox jumps over the lazy dog";
     // The synthetic tokenizer has no merges: a token per byte. "Hello there" (12 tokens)
     // prefills through the batched step, the others through cuBLAS.

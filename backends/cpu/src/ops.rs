@@ -82,6 +82,28 @@ pub struct KvRun<'a> {
     pub len: usize,
 }
 
+/// One query's online-softmax step over a tile of its scores `s`: rescales the output and
+/// the denominator it has so far when the tile raises its maximum, then turns the scores
+/// into the tile's weights in place (adding their sum to the denominator).
+fn softmax_tile(
+    simd: Option<Simd>,
+    s: &mut [f32],
+    max: &mut f32,
+    denom: &mut f32,
+    out: &mut [f32],
+) {
+    let new_max = s.iter().fold(*max, |m, &v| m.max(v));
+    let correction = (*max - new_max).exp();
+    if correction != 1.0 {
+        *denom *= correction;
+        for o in out {
+            *o *= correction;
+        }
+    }
+    *max = new_max;
+    *denom += kernels::exp_shifted_sum(simd, s, new_max);
+}
+
 /// Up to [`kernels::MULTI_QUERIES`] query heads of one GQA group (`q`: their `hd` values
 /// each, side by side) against the positions in `runs` of their shared KV head, as
 /// [`attend`] does for one, with each key and value row read once for all of them; `out`
@@ -116,20 +138,15 @@ pub fn attend_group(
             let rows = start * stride + offset;
             let tile = &mut scores[..heads * n];
             kernels::scores_multi_f32(simd, q, hd, &keys[rows..], stride, scale, n, tile);
-            // Each head's online softmax: rescale what it has when its maximum grows, then
-            // turn its scores into weights in place.
             for k in 0..heads {
-                let s = &mut tile[k * n..(k + 1) * n];
-                let new_max = s.iter().fold(max[k], |m, &v| m.max(v));
-                let correction = (max[k] - new_max).exp();
-                if correction != 1.0 {
-                    denom[k] *= correction;
-                    for o in &mut out[k * hd..(k + 1) * hd] {
-                        *o *= correction;
-                    }
-                }
-                max[k] = new_max;
-                denom[k] += kernels::exp_shifted_sum(simd, s, new_max);
+                let o = &mut out[k * hd..(k + 1) * hd];
+                softmax_tile(
+                    simd,
+                    &mut tile[k * n..(k + 1) * n],
+                    &mut max[k],
+                    &mut denom[k],
+                    o,
+                );
             }
             kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, out);
         }
@@ -198,17 +215,8 @@ pub fn attend_causal(
                 // which every query sees, so its maximum is finite from the start).
                 let visible = lens[c0 + k].saturating_sub(start).min(n);
                 s[visible..].fill(f32::NEG_INFINITY);
-                let (mk, dk) = (&mut max[c0 + k], &mut denom[c0 + k]);
-                let new_max = s.iter().fold(*mk, |m, &v| m.max(v));
-                let correction = (*mk - new_max).exp();
-                if correction != 1.0 {
-                    *dk *= correction;
-                    for o in &mut oc[k * hd..(k + 1) * hd] {
-                        *o *= correction;
-                    }
-                }
-                *mk = new_max;
-                *dk += kernels::exp_shifted_sum(simd, s, new_max);
+                let o = &mut oc[k * hd..(k + 1) * hd];
+                softmax_tile(simd, s, &mut max[c0 + k], &mut denom[c0 + k], o);
             }
             kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, oc);
         }
