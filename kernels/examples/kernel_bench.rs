@@ -88,6 +88,7 @@ fn main() -> Result<()> {
         (4096, 14336, "8B gate/up 14336x4096"),
         (14336, 4096, "8B down 4096x14336"),
         (2048, 8192, "1B gate/up 8192x2048"),
+        (8192, 2048, "1B down 2048x8192"),
     ];
     if quick && !all_shapes {
         shapes.truncate(3);
@@ -198,6 +199,46 @@ fn main() -> Result<()> {
                         });
                     }
                     rows.push(row);
+                }
+            }
+            // Gate/up shapes: the fused SwiGLU (two weights of this shape, output quantised)
+            // as a decode step runs it, on the integer paths.
+            if label.contains("gate/up") && q.is_quantized() {
+                for path in [GemvPath::Q8, GemvPath::Q16] {
+                    for t in GemvTiling::quantising()
+                        .filter(|t| t.rows_per_warp.is_multiple_of(f.row_group))
+                    {
+                        let g = dev.capture(|| {
+                            for i in 0..LAUNCHES_PER_GRAPH {
+                                let (gate, up) = (&ws[(2 * i) % copies], &ws[(2 * i + 1) % copies]);
+                                k.swiglu(
+                                    gate,
+                                    up,
+                                    &input,
+                                    path,
+                                    t,
+                                    y.slice(),
+                                    quantising.quant,
+                                    false,
+                                )?;
+                            }
+                            Ok(())
+                        })?;
+                        let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
+                        let bytes = 2 * packed.bytes() + nblk * 72 + n * 4;
+                        rows.push(Row {
+                            what: format!(
+                                "{label:<24} {:<6} {:<5} R{}S{}q swiglu",
+                                f.tag,
+                                format!("{path:?}"),
+                                t.rows_per_warp,
+                                t.warps_per_row
+                            ),
+                            us: ms * 1e3,
+                            gbps: bytes as f64 / (ms * 1e-3) / 1e9,
+                            err: None,
+                        });
+                    }
                 }
             }
             best.push((label.to_string(), f.tag, fastest));
