@@ -91,14 +91,15 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.b = -h2f(head.x >> 16) * (float)m;
     } else {  // Q6_K: 6-bit values minus 32 as signed bytes; a scale per 16 values
         const size_t b = row * ((size_t)K / 256) + (c >> 3);
-        const int cc = c & 7, h = cc >> 2, k = cc & 3;
+        const int cc = c & 7;
         const u8* blk = w.body + b * Tr::BODY;
-        const u8* ql = blk + 64 * h + 32 * (k & 1);
-        const u8* qh = blk + 128 + 32 * h;
-        const int ls = 4 * (k >> 1), hs = 2 * k;
-        u32 v0 = ((*(const u32*)(ql + 4 * t) >> ls) & 0x0f0f0f0f) | (((*(const u32*)(qh + 4 * t) >> hs) & 0x03030303) << 4);
-        u32 v1 = ((*(const u32*)(ql + 16 + 4 * t) >> ls) & 0x0f0f0f0f) |
-                 (((*(const u32*)(qh + 16 + 4 * t) >> hs) & 0x03030303) << 4);
+        // The device layout (see dot_chunk in gemv.cu): values 4t.. in the low nibbles of
+        // bytes 4t.. of the chunk's 16, values 16 + 4t.. in their high nibbles; their high
+        // 2-bit parts at bit 2t of qh words 0 and 1.
+        const u32 ql = *(const u32*)(blk + 16 * cc + 4 * t);
+        const uint2 qh = *(const uint2*)(blk + 128 + 8 * cc);
+        u32 v0 = (ql & 0x0f0f0f0f) | (((qh.x >> (2 * t)) & 0x03030303) << 4);
+        u32 v1 = ((ql >> 4) & 0x0f0f0f0f) | (((qh.y >> (2 * t)) & 0x03030303) << 4);
         // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value) into
         // bits 6 and 7 of each byte.
         v0 ^= 0x20202020;
@@ -107,10 +108,10 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
         f.lo = v0;
         f.hi = v1;
-        const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
+        const u32 scales = *(const u16*)(blk + 192 + 2 * cc);
         const float d = ld_h(w.sc + b * 2);
-        f.a0 = d * (float)scales[0];
-        f.a1 = d * (float)scales[1];
+        f.a0 = d * (float)(i8)(scales & 255);
+        f.a1 = d * (float)(i8)(scales >> 8);
         f.b = 0.0f;
     }
     return f;

@@ -81,22 +81,20 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
             if constexpr (T == T_Q5_K) q |= ((((u32)qh[i >> 2] >> (8 * (i & 3))) >> j) & 1) << 4;
             v[i] = ds * (float)q - dm;
         }
-    } else {  // Q6_K
+    } else {  // Q6_K, in the device layout (see dot_chunk)
         const size_t b = row * ((size_t)K / 256) + (c >> 3);
-        const int cc = c & 7, h = cc >> 2, k = cc & 3;
+        const int cc = c & 7;
         const u8* blk = w.body + b * Tr::BODY;
-        int ql[8], qh[8];
-        load32(blk + 64 * h + 32 * (k & 1), ql);
-        load32(blk + 128 + 32 * h, qh);
-        const int lshift = 4 * (k >> 1), hshift = 2 * k;
-        const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
+        int q[8];
+        float s0, s1;
+        q6k_chunk(blk, cc, q, s0, s1);
         const float d = ld_h(w.sc + b * 2);
-        const float s0 = d * (float)scales[0], s1 = d * (float)scales[1];
+        s0 *= d;
+        s1 *= d;
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
-            const u32 l = ((u32)ql[i >> 2] >> (8 * (i & 3) + lshift)) & 15;
-            const u32 hb = ((u32)qh[i >> 2] >> (8 * (i & 3) + hshift)) & 3;
-            v[i] = (i < 16 ? s0 : s1) * ((float)(l | (hb << 4)) - 32.0f);
+            const u32 code = ((u32)q[i >> 2] >> (8 * (i & 3))) & 255;
+            v[i] = (i < 16 ? s0 : s1) * ((float)code - 32.0f);
         }
     }
 }

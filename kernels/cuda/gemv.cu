@@ -2,7 +2,8 @@
 //
 // Weights are in kiln's device layout (see the Rust `repack` module): ggml's blocks split
 // into a 16-byte-aligned `body` array (the quants; Q4_K and Q5_K keep their whole block,
-// Q6_K all but `d`), an optional `qh` array (one u32 of 5th bits per Q5_0/Q5_1 block) and
+// Q6_K all but `d`; the K-quants with their scales or quant bits regrouped, see the Rust
+// `format` module), an optional `qh` array (one u32 of 5th bits per Q5_0/Q5_1 block) and
 // a `sc` array (Q4_0/Q5_0/Q8_0/Q6_K: half d; Q4_1/Q5_1: half2 (d, m)), so every load is
 // aligned and vectorised.
 //
@@ -135,21 +136,27 @@ static __device__ __forceinline__ u32 spread4(u32 bits) {
     return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25);
 }
 
-// Byte k (0..11) of the 12 scale bytes held in three words, without a run-time-indexed
-// register array (which would go to local memory).
-static __device__ __forceinline__ int sbyte(u32 w0, u32 w1, u32 w2, int k) {
-    const u32 w = k < 4 ? w0 : (k < 8 ? w1 : w2);
-    return (w >> (8 * (k & 3))) & 255;
+// Q4_K / Q5_K sub-block scales and mins, 6 bits each, from the block's 12 scale bytes in
+// the device layout (the Rust `kquant_scales_for_device`; w0..w2 are bytes 0-3, 4-7, 8-11):
+// byte j (0..8) holds sub-block j's low 4 bits (scale, then min above it), byte 8 + p the
+// high 2 bits of sub-blocks 2p and 2p+1 (scale 2p, min 2p, scale 2p+1, min 2p+1 from bit
+// 0). The same shifts serve every j, so lanes decoding different sub-blocks never diverge.
+static __device__ __forceinline__ void k4_scale_min_w(u32 w0, u32 w1, u32 w2, int j, int& sc, int& m) {
+    const u32 lo = ((j < 4 ? w0 : w1) >> (8 * (j & 3))) & 255;
+    const u32 hi = (w2 >> (4 * j)) & 15;
+    sc = (int)((lo & 15) | ((hi & 3) << 4));
+    m = (int)((lo >> 4) | ((hi >> 2) << 4));
 }
 
-static __device__ __forceinline__ void k4_scale_min_w(u32 w0, u32 w1, u32 w2, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = sbyte(w0, w1, w2, j) & 63;
-        m = sbyte(w0, w1, w2, j + 4) & 63;
-    } else {
-        sc = (sbyte(w0, w1, w2, j + 4) & 15) | ((sbyte(w0, w1, w2, j - 4) >> 6) << 4);
-        m = (sbyte(w0, w1, w2, j + 4) >> 4) | ((sbyte(w0, w1, w2, j) >> 6) << 4);
-    }
+// Sub-blocks 2p and 2p+1 at once (what a GEMV lane takes, see dot_pair_k).
+static __device__ __forceinline__ void k4_scale_min_pair(u32 w0, u32 w1, u32 w2, int p, int& sc0, int& m0, int& sc1,
+                                                         int& m1) {
+    const u32 lo = (p < 2 ? w0 : w1) >> (16 * (p & 1));
+    const u32 hi = w2 >> (8 * p);
+    sc0 = (int)((lo & 15) | ((hi & 3) << 4));
+    m0 = (int)(((lo >> 4) & 15) | ((hi & 12) << 2));
+    sc1 = (int)(((lo >> 8) & 15) | (hi & 48));
+    m1 = (int)(((lo >> 12) & 15) | ((hi >> 2) & 48));
 }
 
 // Q4_K / Q5_K: sub-blocks 2p and 2p+1 share 32 bytes of qs (low and high nibbles), so a lane
@@ -163,8 +170,7 @@ static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K
     const uint4 head = *(const uint4*)blk;  // d, dmin, scales[12]
     const float d = h2f(head.x & 0xffff), dmin = h2f(head.x >> 16);
     int sc0, m0, sc1, m1;
-    k4_scale_min_w(head.y, head.z, head.w, 2 * p, sc0, m0);
-    k4_scale_min_w(head.y, head.z, head.w, 2 * p + 1, sc1, m1);
+    k4_scale_min_pair(head.y, head.z, head.w, p, sc0, m0, sc1, m1);
     int qs[8];
     load32(blk + (T == T_Q4_K ? 16 : 48) + 32 * p, qs);
     int lo[8], hi[8];
@@ -200,6 +206,25 @@ static __device__ __forceinline__ float dot_pair_k(const W& w, size_t row, int K
         }
         return d * ((float)sc0 * s0 + (float)sc1 * s1) - dmin * ((float)m0 * x0.sum + (float)m1 * x1.sum);
     }
+}
+
+// Chunk cc (0..8) of a Q6_K block in the device layout (the Rust `q6k_block_for_device`):
+// its 6-bit codes as bytes, four to a word in value order (values 0..15 in q[0..4], 16..31
+// in q[4..8], like the activation's planes), and the scales of its two 16-value halves.
+// Low nibbles of values j and j + 16 share byte j of the chunk's 16; the high 2-bit parts
+// of values 4i..4i+3 sit at bit 2(i mod 4) of the bytes of word i / 4 of its 8.
+static __device__ __forceinline__ void q6k_chunk(const u8* blk, int cc, int (&q)[8], float& s0, float& s1) {
+    int ql[4];
+    load16(blk + 16 * cc, ql);
+    const uint2 qh = *(const uint2*)(blk + 128 + 8 * cc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        q[i] = (ql[i] & 0x0f0f0f0f) | (((qh.x >> (2 * i)) & 0x03030303) << 4);
+        q[4 + i] = ((ql[i] >> 4) & 0x0f0f0f0f) | (((qh.y >> (2 * i)) & 0x03030303) << 4);
+    }
+    const u32 scales = *(const u16*)(blk + 192 + 2 * cc);
+    s0 = (float)(i8)(scales & 255);
+    s1 = (float)(i8)(scales >> 8);
 }
 
 // Dot product of chunk `c` of row `row` (row length K) with the activation chunk (every
@@ -301,19 +326,13 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             for (int i = 0; i < 8; ++i) sum += fdot4s(qs[i], &x.v[4 * i]);
             return d * sum;
         }
-    } else {  // Q6_K
+    } else {  // Q6_K, in the device layout (the Rust `q6k_block_for_device`)
         const size_t b = row * nblk + (c >> 3);
-        const int cc = c & 7, h = cc >> 2, k = cc & 3;
+        const int cc = c & 7;
         const u8* blk = w.body + b * Tr::BODY;
-        int ql[8], qh[8];
-        load32(blk + 64 * h + 32 * (k & 1), ql);
-        load32(blk + 128 + 32 * h, qh);
-        const int lshift = 4 * (k >> 1), hshift = 2 * k;
         int q[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = ((ql[i] >> lshift) & 0x0f0f0f0f) | (((qh[i] >> hshift) & 0x03030303) << 4);
-        const i8* scales = (const i8*)(blk + 192 + 8 * h + 2 * k);
-        const float s0 = (float)scales[0], s1 = (float)scales[1];
+        float s0, s1;
+        q6k_chunk(blk, cc, q, s0, s1);
         const float d = ld_h(w.sc + b * 2);
         if constexpr (A != A_F32) {
             IAcc<A> lo, hi;
@@ -354,10 +373,11 @@ static __device__ __forceinline__ void prefetch_unit(const W& w, size_t row, int
         prefetch_l2(blk + Tr::BODY - 1);
     } else if constexpr (T == T_Q6_K) {
         const size_t b = row * ((size_t)K / 256) + (u >> 3);
-        const int cc = u & 7, h = cc >> 2, k = cc & 3;
+        const int cc = u & 7;
         const u8* blk = w.body + b * Tr::BODY;
-        prefetch_l2(blk + 64 * h + 32 * (k & 1));
-        prefetch_l2(blk + 128 + 32 * h);
+        prefetch_l2(blk + 16 * cc);
+        prefetch_l2(blk + 128 + 8 * cc);
+        prefetch_l2(blk + 192 + 2 * cc);
         prefetch_l2(w.sc + b * Tr::SC);
     } else {
         size_t body_at, sc_at;

@@ -16,6 +16,18 @@
 //!   row and the four scales of its chunk in one 8-byte load. The row count is padded to a
 //!   multiple of four with zero blocks (scale 0: they contribute nothing).
 //!
+//! Q4_K and Q5_K keep their whole blocks in `body`, but their twelve bytes of 6-bit sub-block
+//! scales and mins are rewritten at upload ([`kquant_scales_for_device`], lossless) so a
+//! lane finds the pair of sub-blocks it works on with the same shifts whichever pair it
+//! is: ggml's packing stores sub-blocks 0–3 and 4–7 differently, so the lanes of one warp,
+//! which take different pairs, ran both branches of its decoder.
+//!
+//! Q6_K keeps its block too, its quant bits regrouped per 32-value chunk at upload
+//! ([`q6k_block_for_device`], lossless): a chunk's low nibbles in 16 bytes (value `j` and
+//! `j + 16` share byte `j`, as in Q4_0) and its high 2-bit parts in 8, so a lane reads its
+//! chunk in one 16-byte and one 8-byte load instead of 32 bytes of each array, 24 of them
+//! another lane's.
+//!
 //! A second 4-bit block format maps onto the same device layout with one more entry: APR's
 //! 4-bit type (f16 scale + 16 nibble bytes per 32 values, symmetric, nibbles in element
 //! order) has `apr_q4` / `apr_q4x4`, whose `transcode` permutes each block's nibbles into
@@ -179,6 +191,82 @@ fn apr_q4_to_q4_0(bytes: &mut [u8]) {
     }
 }
 
+/// The twelve scale bytes of a Q4_K/Q5_K block (ggml's packing of eight 6-bit scales and
+/// eight 6-bit mins, see [`kiln_core::quant::kquants::scale_min_k4`]) in the layout the kernels
+/// decode (`k4_scale_min_w` / `k4_scale_min_pair` in gemv.cu):
+/// - byte `j` (0..8): sub-block `j`'s scale, low 4 bits, and its min's low 4 bits above them;
+/// - byte `8 + p` (0..4): the high 2 bits of sub-blocks `2p` and `2p + 1`, in the order
+///   scale `2p`, min `2p`, scale `2p + 1`, min `2p + 1` from bit 0.
+///
+/// A lane working on sub-blocks `2p` and `2p + 1` reads 16 bits at `2p` and byte `8 + p`:
+/// the same shifts for every `p`, so the lanes of a warp never diverge.
+pub fn kquant_scales_for_device(ggml: &[u8; 12]) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    for j in 0..8 {
+        let (sc, m) = kiln_core::quant::kquants::scale_min_k4(ggml, j);
+        out[j] = (sc & 15) | ((m & 15) << 4);
+        out[8 + j / 2] |= ((sc >> 4) | ((m >> 4) << 2)) << (4 * (j & 1));
+    }
+    out
+}
+
+/// Q4_K / Q5_K blocks of `BLOCK` bytes with their scales in the device layout, in place.
+fn kquant_blocks_for_device<const BLOCK: usize>(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(BLOCK) {
+        let scales: &mut [u8; 12] = (&mut block[4..16]).try_into().expect("12 scale bytes");
+        *scales = kquant_scales_for_device(scales);
+    }
+}
+
+/// The 6-bit codes (0..64, value = d·scale·(code − 32)) of a Q6_K block in ggml's layout:
+/// per 128-value half, 64 bytes of low nibbles (values l and l + 64 share byte l, values
+/// l + 32 and l + 96 byte l + 32) and 32 bytes of 2-bit high parts (byte l: values l,
+/// l + 32, l + 64, l + 96 from bit 0).
+fn q6k_codes(block: &[u8]) -> [u8; 256] {
+    let mut codes = [0u8; 256];
+    for half in 0..2 {
+        let ql = &block[64 * half..64 * half + 64];
+        let qh = &block[128 + 32 * half..128 + 32 * half + 32];
+        for l in 0..32 {
+            let c = &mut codes[128 * half..];
+            c[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+            c[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+            c[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            c[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    codes
+}
+
+/// A Q6_K block (210 bytes) in the layout the kernels read (`dot_chunk`, `dequant_chunk`,
+/// `bmm_frag`): the same 210 bytes with the quant bits regrouped per 32-value chunk `c`.
+/// - bytes `16c..16c + 16`: byte `j` holds code `j`'s low nibble and code `j + 16`'s above it;
+/// - bytes `128 + 8c..128 + 8c + 8`, read as two u32 words: the high 2 bits of code
+///   `4i + b` (i = 0..8, b = 0..4) at bit `2·(i mod 4)` of byte `b` of word `i / 4`, so
+///   `(word >> 2·(i mod 4)) & 0x03030303` puts codes `4i..4i + 4`'s bits in four bytes;
+/// - the scales (bytes 192..208, two per chunk, in chunk order already) and `d` stay.
+pub fn q6k_block_for_device(block: &mut [u8]) {
+    let codes = q6k_codes(block);
+    block[..192].fill(0);
+    for c in 0..8 {
+        let chunk = &codes[32 * c..32 * c + 32];
+        for j in 0..16 {
+            block[16 * c + j] = (chunk[j] & 15) | ((chunk[j + 16] & 15) << 4);
+        }
+        for (v, &code) in chunk.iter().enumerate() {
+            let (i, b) = (v / 4, v % 4);
+            block[128 + 8 * c + 4 * (i / 4) + b] |= (code >> 4) << (2 * (i % 4));
+        }
+    }
+}
+
+/// Q6_K blocks in the device layout, in place.
+fn q6k_blocks_for_device(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(210) {
+        q6k_block_for_device(block);
+    }
+}
+
 const fn sc(offset: usize, bytes: usize) -> Option<Part> {
     Some(Part { offset, bytes })
 }
@@ -193,9 +281,12 @@ pub static FORMATS: [WeightFormat; 14] = [
     weight_format!(Q5_0, "q5_0", "T_Q5_0", group 1, body 6 + 16, qh Some(2), sc sc(0, 2)),
     weight_format!(Q5_1, "q5_1", "T_Q5_1", group 1, body 8 + 16, qh Some(4), sc sc(0, 4)),
     weight_format!(Q8_0, "q8_0", "T_Q8_0", group 1, body 2 + 32, qh None, sc sc(0, 2)),
-    weight_format!(Q4_K, "q4_k", "T_Q4_K", group 1, body 0 + 144, qh None, sc None),
-    weight_format!(Q5_K, "q5_k", "T_Q5_K", group 1, body 0 + 176, qh None, sc None),
-    weight_format!(Q6_K, "q6_k", "T_Q6_K", group 1, body 0 + 208, qh None, sc sc(208, 2)),
+    weight_format!(Q4_K, "q4_k", "T_Q4_K", group 1, body 0 + 144, qh None, sc None,
+        rows "", transcode Some(kquant_blocks_for_device::<144>)),
+    weight_format!(Q5_K, "q5_k", "T_Q5_K", group 1, body 0 + 176, qh None, sc None,
+        rows "", transcode Some(kquant_blocks_for_device::<176>)),
+    weight_format!(Q6_K, "q6_k", "T_Q6_K", group 1, body 0 + 208, qh None, sc sc(208, 2),
+        rows "", transcode Some(q6k_blocks_for_device)),
     // Q4_0 in rows of four (the `cuda-q4_0` backend's GEMV layout).
     weight_format!(Q4_0, "q4_0x4", "T_Q4_0X4", group 4, body 2 + 16, qh None, sc sc(0, 2),
         rows "_R4", transcode None),
@@ -275,6 +366,76 @@ mod tests {
                 "{}",
                 f.tag
             );
+        }
+    }
+
+    /// Every scale and min of every sub-block comes out of the device layout as ggml's
+    /// decoder reads it from the file's, for random and extreme bytes (the decoder here
+    /// restates gemv.cu's `k4_scale_min_w`).
+    #[test]
+    fn kquant_device_scales_decode_to_ggml_values() {
+        let device_scale_min = |n: &[u8; 12], j: usize| {
+            let lo = n[j];
+            let hi = (n[8 + j / 2] >> (4 * (j & 1))) & 15;
+            ((lo & 15) | ((hi & 3) << 4), (lo >> 4) | ((hi >> 2) << 4))
+        };
+        let mut rng = kiln_core::Rng::new(crate::testdata::fresh_seed());
+        let mut cases: Vec<[u8; 12]> = vec![[0; 12], [0xff; 12], [0x3f; 12], [0xc0; 12]];
+        for _ in 0..2000 {
+            cases.push(std::array::from_fn(|_| rng.next_u64() as u8));
+        }
+        for ggml in cases {
+            let dev = kquant_scales_for_device(&ggml);
+            for j in 0..8 {
+                assert_eq!(
+                    device_scale_min(&dev, j),
+                    kiln_core::quant::kquants::scale_min_k4(&ggml, j),
+                    "{ggml:?} sub-block {j}"
+                );
+            }
+        }
+    }
+
+    /// Every value of a Q6_K block read from the device layout the way the kernels read it
+    /// (restated here) equals what core's dequantiser makes of the file's block.
+    #[test]
+    fn q6k_device_blocks_decode_to_ggml_values() {
+        let mut rng = kiln_core::Rng::new(crate::testdata::fresh_seed());
+        for case in 0..500 {
+            let mut ggml = [0u8; 210];
+            for b in ggml.iter_mut() {
+                *b = match case {
+                    0 => 0,
+                    1 => 0xff,
+                    _ => rng.next_u64() as u8,
+                };
+            }
+            // A finite scale: NaN would not compare.
+            ggml[208..].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            let mut expected = [0f32; 256];
+            kiln_core::quant::kquants::dequantize_q6_k(&ggml, &mut expected);
+            let mut dev = ggml;
+            q6k_block_for_device(&mut dev);
+            assert_eq!(dev[192..], ggml[192..], "scales and d stay");
+            let d = half::f16::from_le_bytes([dev[208], dev[209]]).to_f32();
+            for c in 0..8 {
+                let word = |k: usize| {
+                    u32::from_le_bytes(dev[128 + 8 * c + 4 * k..][..4].try_into().unwrap())
+                };
+                for v in 0..32 {
+                    let low = (dev[16 * c + v % 16] >> (4 * (v / 16))) & 15;
+                    let (i, b) = (v / 4, v % 4);
+                    let high = ((word(i / 4) >> (2 * (i % 4))) >> (8 * b)) & 3;
+                    let code = i32::from(low | ((high as u8) << 4));
+                    let scale = f32::from(dev[192 + 2 * c + v / 16] as i8);
+                    let value = d * scale * (code - 32) as f32;
+                    assert_eq!(
+                        value.to_bits(),
+                        expected[32 * c + v].to_bits(),
+                        "case {case} chunk {c} value {v}"
+                    );
+                }
+            }
         }
     }
 

@@ -57,18 +57,6 @@ impl PackedWeight {
                 ggml.len()
             )));
         }
-        let transcoded;
-        let ggml = match format.transcode {
-            Some(transcode) => {
-                transcoded = {
-                    let mut b = ggml.to_vec();
-                    transcode(&mut b);
-                    b
-                };
-                &transcoded[..]
-            }
-            None => ggml,
-        };
         let mut packed = PackedWeight {
             format,
             qtype,
@@ -91,7 +79,10 @@ impl PackedWeight {
         let (body, sc) = (format.body, format.sc);
         packed.body.reserve(nblocks * body.bytes);
         packed.sc.reserve(nblocks * sc.map_or(0, |s| s.bytes));
+        // A format that rewrites the file's blocks does so one block at a time, on a copy.
+        let mut rewritten = vec![0u8; bb];
         for blk in ggml.chunks_exact(bb) {
+            let blk = transcoded(format, blk, &mut rewritten);
             packed
                 .body
                 .extend_from_slice(&blk[body.offset..body.offset + body.bytes]);
@@ -119,12 +110,13 @@ impl PackedWeight {
         let (body, sc) = (f.body, f.sc.expect("grouped formats have a scale"));
         let nchunks = self.row_len / self.qtype.block_len();
         let groups = self.rows.div_ceil(g);
+        let mut rewritten = vec![0u8; bb];
         self.body = vec![0u8; groups * g * nchunks * body.bytes];
         self.sc = vec![0u8; groups * g * nchunks * sc.bytes];
         for row in 0..self.rows {
             let (grp, r) = (row / g, row % g);
             for c in 0..nchunks {
-                let blk = &ggml[(row * nchunks + c) * bb..][..bb];
+                let blk = transcoded(f, &ggml[(row * nchunks + c) * bb..][..bb], &mut rewritten);
                 let (tile, j) = (c / 32, c % 32);
                 let width = (nchunks - tile * 32).min(32);
                 let at = ((grp * nchunks + tile * 32) * g + r * width + j) * body.bytes;
@@ -139,6 +131,18 @@ impl PackedWeight {
     /// Bytes a GEMV reads from this weight.
     pub fn bytes(&self) -> usize {
         self.body.len() + 4 * self.qh.len() + self.sc.len()
+    }
+}
+
+/// `block` as `format`'s kernels read it: the file's bytes, or their rewrite into `scratch`.
+fn transcoded<'a>(format: &WeightFormat, block: &'a [u8], scratch: &'a mut [u8]) -> &'a [u8] {
+    match format.transcode {
+        Some(transcode) => {
+            scratch.copy_from_slice(block);
+            transcode(scratch);
+            scratch
+        }
+        None => block,
     }
 }
 
