@@ -145,7 +145,7 @@ fn q4_0_decode_logits_match_the_cpu_backend() {
             let mut gpu = GpuExecutor::load(&dev, &ir, &options, Arc::new(policy)).unwrap();
             gpu.set_gemv_path(path).unwrap();
             if let Some(t) = tiling {
-                gpu.set_quant_tiling(t).unwrap();
+                gpu.set_quant_tiling(Some(t)).unwrap();
             }
             let (cs, gs) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
             let vocab = shape.vocab;

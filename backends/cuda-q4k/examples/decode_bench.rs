@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_backend_cuda_q4k::{load_executor, quant_tiling_for, GpuExecutor};
+use kiln_backend_cuda_q4k::{load_executor, GpuExecutor};
 use kiln_core::{
     Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
     ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
@@ -235,16 +235,16 @@ fn main() {
         if prefill_only {
             continue;
         }
-        // Every O/SwiGLU/down GEMV quantising its output (the default; three tilings, the
-        // default's first), none doing so (a separate launch after each), and Q8_1.
-        let default_tiling = quant_tiling_for(s.hidden);
+        // Every O/SwiGLU/down GEMV quantising its output (the default), with the policy's
+        // tiling per weight (`None`) and with each tiling forced; none doing so (a separate
+        // launch after each); and Q8_1.
         let variants = [
-            (GemvPath::Q16, default_tiling, usize::MAX),
-            (GemvPath::Q16, GemvTiling::new(2, 1), usize::MAX),
-            (GemvPath::Q16, GemvTiling::new(4, 2), usize::MAX),
-            (GemvPath::Q16, GemvTiling::new(4, 1), usize::MAX),
-            (GemvPath::Q16, default_tiling, 0),
-            (GemvPath::Q8, default_tiling, usize::MAX),
+            (GemvPath::Q16, None, usize::MAX),
+            (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX),
+            (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX),
+            (GemvPath::Q16, Some(GemvTiling::new(4, 1)), usize::MAX),
+            (GemvPath::Q16, None, 0),
+            (GemvPath::Q8, None, usize::MAX),
         ];
         for (path, tiling, limit) in variants {
             ex.set_gemv_path(path).unwrap();
@@ -278,10 +278,13 @@ fn main() {
                 usize::MAX => "all fused".to_string(),
                 l => format!("fused up to {} MB", l >> 20),
             };
-            let variant = format!(
-                "{path:?}, {fused}, R{}S{}",
-                tiling.rows_per_warp, tiling.warps_per_row
-            );
+            let variant = match tiling {
+                Some(t) => format!(
+                    "{path:?}, {fused}, R{}S{}",
+                    t.rows_per_warp, t.warps_per_row
+                ),
+                None => format!("{path:?}, {fused}, per weight"),
+            };
             println!(
             "| {} | {variant} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,

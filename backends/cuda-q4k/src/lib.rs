@@ -29,12 +29,23 @@ pub struct CudaQ4kBackend;
 pub struct Q4kPolicy;
 
 /// Tiling of the GEMVs that quantise their output (their blocks own whole 32-row groups),
-/// by hidden size. Measured on an H200 (decode_bench, 2026-11-30, tg64 tok/s for R2S1 /
-/// R4S1 / R4S2): SmolLM2-135M (576) 1164 / 1025 / 1059, Llama-3.2-1B (2048) 1167 / 1200 /
-/// 1183, Llama-3-8B (4096) 294 / 327 / 358.
-pub fn quant_tiling_for(hidden: usize) -> GemvTiling {
+/// by hidden size, the weight's rows and its type. Measured on an H200 (decode_bench,
+/// 2026-11-30, tg64 tok/s for R2S1 / R4S1 / R4S2): SmolLM2-135M (576) 1164 / 1025 / 1059,
+/// Llama-3.2-1B (2048) 1167 / 1200 / 1183, Llama-3-8B (4096) 294 / 327 / 358. Per launch
+/// (kernel_bench, 2026-12-02, 15-bit activations, R4S1 against R4S2):
+/// - q4_k at hidden 4096: the 14336-row SwiGLU 26.9 against 29.1 µs (448 blocks of 8 warps
+///   fill the SMs in finer steps than 448 of 16), the 4096-row O and down projections
+///   5.7 / 15.5 against 5.4 / 13.5 (128 blocks need 16 warps each to occupy the GPU);
+/// - q6_k: 34.8 against 16.5 µs for the 8B's down projection (few rows, long rows: the
+///   proportions of the 1B's down too, the q6_k matrices that quantise their output in
+///   q4_k_m files), so R4S2 from hidden 2048 (8.0 against 8.3 µs for a 2048-wide SwiGLU
+///   of 8192 rows, the one shape measured where R4S1 wins, none a q4_k_m file has).
+pub fn quant_tiling_for(hidden: usize, rows: usize, qtype: QType) -> GemvTiling {
+    let wide = rows >= 3 * hidden;
     match hidden {
+        h if h >= 4096 && wide && qtype != QType::Q6_K => GemvTiling::new(4, 1),
         h if h >= 4096 => GemvTiling::new(4, 2),
+        h if h >= 2048 && qtype == QType::Q6_K => GemvTiling::new(4, 2),
         h if h >= 2048 => GemvTiling::new(4, 1),
         _ => GemvTiling::new(2, 1),
     }
@@ -53,8 +64,8 @@ impl GpuPolicy for Q4kPolicy {
         }
     }
 
-    fn quant_tiling(&self, _w: &DeviceWeight, hidden: usize) -> GemvTiling {
-        quant_tiling_for(hidden)
+    fn quant_tiling(&self, w: &DeviceWeight, hidden: usize) -> GemvTiling {
+        quant_tiling_for(hidden, w.rows, w.qtype)
     }
 }
 

@@ -73,7 +73,7 @@ fn decode_logits_match_the_cpu_backend() {
         for (name, path, tiling, fuse_limit, floor) in variants {
             let mut gpu = load_executor(&dev, &ir, &options).unwrap();
             gpu.set_gemv_path(path).unwrap();
-            gpu.set_quant_tiling(tiling).unwrap();
+            gpu.set_quant_tiling(Some(tiling)).unwrap();
             gpu.set_fuse_limit(fuse_limit);
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();

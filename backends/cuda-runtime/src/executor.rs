@@ -167,7 +167,8 @@ struct Proj {
 
 struct Layer {
     attn_norm: DeviceBuffer<f32>,
-    /// Q, K and V: one fused weight when their types agree, else three.
+    /// Q, K and V: one stacked weight per run of neighbours of one type (one when all
+    /// three agree).
     qkv: Vec<Proj>,
     qkv_bias: Option<DeviceBuffer<f32>>,
     q_norm: Option<DeviceBuffer<f32>>,
@@ -448,29 +449,24 @@ impl GpuExecutor {
 
         let mut layers = Vec::with_capacity(w.layers.len());
         for (i, l) in w.layers.iter().enumerate() {
-            let same = l.attn_q.qtype() == l.attn_k.qtype() && l.attn_k.qtype() == l.attn_v.qtype();
-            let qkv = if same {
-                // One GEMV for Q, K and V: their rows stacked into one matrix.
-                vec![Proj {
-                    w: upload_stacked(&[&l.attn_q, &l.attn_k, &l.attn_v], &mut progress)?,
-                    offset: 0,
-                }]
-            } else {
-                vec![
-                    Proj {
-                        w: upload(&l.attn_q, &mut progress)?,
-                        offset: 0,
-                    },
-                    Proj {
-                        w: upload(&l.attn_k, &mut progress)?,
-                        offset: qd,
-                    },
-                    Proj {
-                        w: upload(&l.attn_v, &mut progress)?,
-                        offset: qd + kvd,
-                    },
-                ]
-            };
+            // Q, K and V in as few GEMVs as their types allow: neighbours of one type are
+            // stacked into one matrix (all three when they agree; Q and K when only V
+            // differs, as in the layers where q4_k_m files keep V in q6_k).
+            let parts = [(&l.attn_q, 0), (&l.attn_k, qd), (&l.attn_v, qd + kvd)];
+            let mut qkv = Vec::with_capacity(3);
+            let mut first = 0;
+            while first < parts.len() {
+                let qtype = parts[first].0.qtype();
+                let end = (first + 1..parts.len())
+                    .find(|&i| parts[i].0.qtype() != qtype)
+                    .unwrap_or(parts.len());
+                let run: Vec<&TensorView> = parts[first..end].iter().map(|p| p.0).collect();
+                qkv.push(Proj {
+                    w: upload_stacked(&run, &mut progress)?,
+                    offset: parts[first].1,
+                });
+                first = end;
+            }
             let rows: usize = qkv.iter().map(|p| p.w.rows).sum();
             if rows != qd + 2 * kvd || qkv.iter().any(|p| p.w.row_len != h) {
                 return Err(Error::InvalidShape(format!(
@@ -677,13 +673,15 @@ impl GpuExecutor {
     /// `GemvTiling::quantising()`; a benchmark knob) on every weight whose format allows it
     /// (rows per warp a multiple of its row group); the others keep the policy's. Graphs
     /// are re-captured at the next step.
-    pub fn set_quant_tiling(&mut self, tiling: GemvTiling) -> Result<()> {
-        if !GemvTiling::quantising().any(|t| t == tiling) {
-            return Err(Error::InvalidArgument(format!(
-                "{tiling:?} is not a quantising GEMV tiling"
-            )));
+    pub fn set_quant_tiling(&mut self, tiling: Option<GemvTiling>) -> Result<()> {
+        if let Some(t) = tiling {
+            if !GemvTiling::quantising().any(|q| q == t) {
+                return Err(Error::InvalidArgument(format!(
+                    "{t:?} is not a quantising GEMV tiling"
+                )));
+            }
         }
-        self.quant_tiling = Some(tiling);
+        self.quant_tiling = tiling;
         self.drop_graphs();
         Ok(())
     }
