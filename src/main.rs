@@ -100,6 +100,14 @@ struct ModelArgs {
     /// default 15: faster, but the output drifts from the f32 reference.
     #[arg(long)]
     quantized_activations: bool,
+    /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's,
+    /// f32 on the CPU reference, f16 on the GPUs; a backend without the type says which it has).
+    #[arg(long = "kv-type", value_parser = parse_kv_type)]
+    kv_type: Option<kiln_core::KvType>,
+}
+
+fn parse_kv_type(s: &str) -> std::result::Result<kiln_core::KvType, String> {
+    s.parse().map_err(|e: Error| e.to_string())
 }
 
 #[derive(Args, Clone)]
@@ -301,6 +309,7 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) 
         quantized_activations: args.quantized_activations,
         max_sequences: sequences,
         sequential_decode,
+        kv_type: args.kv_type,
         ..LoadOptions::default()
     };
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
@@ -529,7 +538,7 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
         c.rope.kind, c.rope.theta, c.rope.rotary_dims, c.tied_embeddings
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
-    if let Ok(kv) = kiln_backend_cpu::kv_cache_size(c, c.context_length) {
+    if let Ok(kv) = kiln_backend_cpu::kv_cache_size(c, c.context_length, kiln_core::KvType::F32) {
         let windowed: Vec<usize> = (0..c.num_layers)
             .filter(|&l| c.layer_attention(l).window.is_some())
             .collect();
@@ -680,7 +689,8 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let params = engine.model.ir.parameters();
-    let kv_token = kv_bytes_per_token(&engine.model.ir.config);
+    let kv_type = kv_type_in_use(&args.model, engine.backend_name());
+    let kv_token = kv_bytes_per_token(&engine.model.ir.config, kv_type);
     let exec = engine.executor();
     let mut results = Vec::new();
     if args.n_prompt > 0 {
@@ -757,7 +767,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
                 bytes as f64 / 1e6
             );
             println!(
-                "context {ctx} tokens; an f16 KV cache (the GPU executors') takes {kv_token} bytes a token, {:.2} GiB for {} sequence(s)",
+                "context {ctx} tokens; KV cache ({kv_type}): {kv_token} bytes a token, {:.2} GiB for {} sequence(s)",
                 kv_total as f64 / (1u64 << 30) as f64,
                 exec.max_sequences()
             );
@@ -769,10 +779,22 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// KV-cache bytes a token of context takes: f16 keys and values of every layer, as the GPU
-/// executors keep them (a sliding-window layer's ring is counted as full).
-fn kv_bytes_per_token(c: &kiln_core::ModelConfig) -> usize {
-    2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+/// KV-cache bytes a token of context takes: keys and values of every layer stored as `kind`
+/// (a sliding-window layer's ring is counted as full).
+fn kv_bytes_per_token(c: &kiln_core::ModelConfig, kind: kiln_core::KvType) -> usize {
+    2 * c.num_layers
+        * kind
+            .bytes(c.num_kv_heads * c.head_dim)
+            .unwrap_or(usize::MAX)
+}
+
+/// The KV cache type a run uses: the one asked for, else the backend's own (f32 on the CPU
+/// reference, f16 on the GPU backends and, as far as kiln can tell, plugins).
+fn kv_type_in_use(args: &ModelArgs, backend: &str) -> kiln_core::KvType {
+    args.kv_type.unwrap_or(match backend {
+        "cpu" => kiln_core::KvType::F32,
+        _ => kiln_core::KvType::F16,
+    })
 }
 
 /// `kiln bench --batch …`: the llama-batched-bench table (PP, TG, B, N_KV, T_PP, S_PP,
@@ -803,7 +825,8 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     for &b in &args.batch {
         runs.push(bench_batched(exec, args.n_prompt, args.n_gen, b)?);
     }
-    let kv_token = kv_bytes_per_token(&c);
+    let kv_type = kv_type_in_use(&args.model, &backend);
+    let kv_token = kv_bytes_per_token(&c, kv_type);
     let kv_total = kv_token * ctx * exec.max_sequences();
     match args.output {
         BenchFormat::Json => {
@@ -828,7 +851,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
                 );
             }
             println!(
-                "\nKV cache (f16): {} bytes per token; {:.2} GiB for {} sequences × {ctx} tokens",
+                "\nKV cache ({kv_type}): {} bytes per token; {:.2} GiB for {} sequences × {ctx} tokens",
                 kv_token,
                 kv_total as f64 / (1u64 << 30) as f64,
                 exec.max_sequences()

@@ -501,6 +501,13 @@ impl PluginBackend {
     /// Loads `model` as a concrete [`PluginExecutor`] (what [`Backend::load`] boxes).
     pub fn load_executor(&self, model: &ModelIr, options: &LoadOptions) -> Result<PluginExecutor> {
         kiln_core::plugin_abi::check_describable(&model.config)?;
+        if let Some(kind) = options.kv_type {
+            // The 1.x load options have no field for it: a plugin keeps the cache it has.
+            return Err(Error::Unsupported(format!(
+                "plugin {}: the plugin ABI carries no KV cache type, so --kv-type {kind} cannot be honoured (leave it out to use the plugin's own)",
+                self.plugin.name
+            )));
+        }
         let p = &self.plugin;
         let desc = ModelDescBuf::new(model);
         let mut progress: Option<ProgressFn> = options.progress.clone();

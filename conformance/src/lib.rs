@@ -801,6 +801,7 @@ fn run_model(
         progress: None,
         quantized_activations: options.quantized_activations,
         sequential_decode: false,
+        kv_type: None,
     };
     let oracle_options = LoadOptions {
         max_sequences: 1,

@@ -19,6 +19,68 @@ pub type SeqId = u32;
 /// Progress of a long load (weight upload), as (bytes done, bytes total).
 pub type ProgressFn = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
+/// How a KV cache stores its keys and values (`--kv-type`, as llama.cpp's `-ctk`/`-ctv`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvType {
+    /// 4 bytes a value: the CPU reference's default (exact).
+    F32,
+    /// 2 bytes a value: the GPU backends' default.
+    F16,
+    /// ggml's Q8_0 blocks, 34 bytes per 32 values (1.0625 a value): half of f16's memory
+    /// for a small loss (measured in docs/benchmarks.md, "KV cache types").
+    Q8_0,
+}
+
+impl KvType {
+    pub const ALL: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
+
+    /// The block type a row of this cache is encoded in.
+    pub fn qtype(self) -> QType {
+        match self {
+            KvType::F32 => QType::F32,
+            KvType::F16 => QType::F16,
+            KvType::Q8_0 => QType::Q8_0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Bytes `n` values take (`n` a multiple of 32 for Q8_0), or `None` on overflow.
+    pub fn bytes(self, n: usize) -> Option<usize> {
+        match self {
+            KvType::F32 => n.checked_mul(4),
+            KvType::F16 => n.checked_mul(2),
+            KvType::Q8_0 => (n / 32).checked_mul(34),
+        }
+    }
+}
+
+impl std::fmt::Display for KvType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<KvType> {
+        KvType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "KV cache type {s:?}: expected one of f32, f16, q8_0"
+                ))
+            })
+    }
+}
+
 /// How to load a model.
 #[derive(Clone, Default)]
 pub struct LoadOptions {
@@ -45,6 +107,10 @@ pub struct LoadOptions {
     /// from two sequences up; this is the comparison benchmarks make. Backends without a
     /// batched step ignore it.
     pub sequential_decode: bool,
+    /// How the KV cache stores keys and values; `None`: the backend's own (f32 on the CPU
+    /// reference, f16 on the GPUs). A backend that cannot store the type asked for refuses
+    /// to load with [`Error::Unsupported`] naming the types it has.
+    pub kv_type: Option<KvType>,
 }
 
 impl LoadOptions {
@@ -122,6 +188,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("threads", &self.threads)
             .field("quantized_activations", &self.quantized_activations)
             .field("sequential_decode", &self.sequential_decode)
+            .field("kv_type", &self.kv_type)
             .finish_non_exhaustive()
     }
 }

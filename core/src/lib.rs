@@ -21,7 +21,7 @@ pub mod testdata;
 
 pub use backend::{
     check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill,
-    check_sample_slots, check_tokens, decode_sample_on_host, score, Backend, DecodeItem,
+    check_sample_slots, check_tokens, decode_sample_on_host, score, Backend, DecodeItem, KvType,
     LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
 };
 pub use error::{Error, Result};

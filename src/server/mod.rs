@@ -105,6 +105,9 @@ pub struct ServeArgs {
     /// Let a GPU backend quantise activations to 8 bits (faster; output drifts).
     #[arg(long)]
     pub quantized_activations: bool,
+    /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's).
+    #[arg(long = "kv-type", value_parser = |s: &str| s.parse::<kiln_core::KvType>().map_err(|e| e.to_string()))]
+    pub kv_type: Option<kiln_core::KvType>,
     /// GPU backends: decode the running sequences one at a time instead of in one batched
     /// step (int8 tensor-core matmuls, every weight read once for all of them).
     #[arg(long)]
@@ -236,6 +239,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             threads: args.threads,
             quantized_activations: args.quantized_activations,
             sequential_decode: args.sequential_decode,
+            kv_type: args.kv_type,
             ..LoadOptions::default()
         },
         load_delay: Duration::from_millis(args.load_delay_ms),

@@ -123,3 +123,25 @@ pub fn cpu_executor(
         )
         .expect("the CPU backend loads the model")
 }
+
+/// A tiny random Llama (64 hidden, 2 layers, one KV head of `head_dim` values, Q8_0
+/// weights) built in memory: for tests of what an executor makes of a shape.
+pub fn tiny_llama(head_dim: usize) -> kiln_core::ModelIr {
+    use kiln_core::{Architecture, QType, RopeKind};
+    let shape = kiln::conformance::models::Shape {
+        arch: Architecture::Llama,
+        hidden: 64,
+        heads: 2,
+        kv_heads: 1,
+        head_dim,
+        ffn: 128,
+        vocab: 200,
+        layers: 2,
+        rope: RopeKind::Norm,
+        qkv_bias: false,
+        qk_norm: false,
+        tied: true,
+        types: [QType::Q8_0; 5],
+    };
+    kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
+}

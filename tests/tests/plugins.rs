@@ -442,6 +442,18 @@ fn example_plugin_loads_by_path_and_joins_selection() {
         .supports(&windowed)
         .score()
         .is_some());
+
+    // The ABI has no field for a KV cache type: asking for one is refused by name rather
+    // than silently ignored.
+    let with_kv_type = LoadOptions {
+        kv_type: Some(kiln_core::KvType::F16),
+        ..LoadOptions::default()
+    };
+    match plugin.load(&model, &with_kv_type) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("--kv-type f16"), "{m}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a plugin took a KV cache type the ABI cannot carry"),
+    }
 }
 
 #[test]

@@ -1,9 +1,11 @@
-//! The loaded model: weights as views of the file, per-sequence f32 KV caches, and the
-//! forward pass shared by prefill (one sequence, many positions) and batched decode (many
-//! sequences, one position each).
+//! The loaded model: weights as views of the file, per-sequence KV caches (f32 by default;
+//! f16 or Q8_0 rows with `LoadOptions::kv_type`), and the forward pass shared by prefill
+//! (one sequence, many positions) and batched decode (many sequences, one position each).
+
+use std::borrow::Cow;
 
 use kiln_core::{
-    check_decode, check_prefill, Activation, DecodeItem, Error, LayerExecutor, LoadOptions,
+    check_decode, check_prefill, Activation, DecodeItem, Error, KvType, LayerExecutor, LoadOptions,
     ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
 };
 use rayon::prelude::*;
@@ -58,9 +60,88 @@ struct Model {
 /// One sequence slot: its KV cache (see [`KvLayout`]) and its tokens (a truncation of a
 /// model with windowed layers may have to recompute from them).
 struct Slot {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvRows,
+    v: KvRows,
     tokens: Vec<u32>,
+}
+
+/// A slot's keys (or values), every layer's rows one after another ([`KvLayout`]): f32, the
+/// reference, read in place; or rows encoded as f16 / Q8_0 with ggml's rounding, written
+/// through the quantiser and read back one head at a time, dequantised into a buffer of
+/// the reader's own.
+enum KvRows {
+    F32(Vec<f32>),
+    Encoded { kind: KvType, bytes: Vec<u8> },
+}
+
+/// One KV head's rows for a run of positions: value `i` of row `r` at
+/// `data[r * stride + offset + i]`.
+struct HeadRows<'a> {
+    data: Cow<'a, [f32]>,
+    stride: usize,
+    offset: usize,
+}
+
+impl KvRows {
+    /// `elements` zeroed values (mapped by the OS only as positions are reached).
+    fn new(kind: KvType, elements: usize) -> KvRows {
+        match kind {
+            KvType::F32 => KvRows::F32(vec![0.0; elements]),
+            _ => KvRows::Encoded {
+                kind,
+                bytes: vec![0; kind.bytes(elements).expect("sized by KvLayout::new")],
+            },
+        }
+    }
+
+    /// Stores `values` from element `at` (a multiple of the block length).
+    fn write(&mut self, at: usize, values: &[f32]) {
+        match self {
+            KvRows::F32(v) => v[at..at + values.len()].copy_from_slice(values),
+            KvRows::Encoded { kind, bytes } => {
+                let (lo, hi) = (byte(*kind, at), byte(*kind, at + values.len()));
+                kiln_core::quant::quantize(kind.qtype(), values, &mut bytes[lo..hi])
+                    .expect("whole blocks (checked at load)");
+            }
+        }
+    }
+
+    /// Values `offset..offset + hd` of `rows` rows of `stride` values from element `at`.
+    fn head_rows(
+        &self,
+        at: usize,
+        rows: usize,
+        stride: usize,
+        offset: usize,
+        hd: usize,
+    ) -> HeadRows<'_> {
+        match self {
+            KvRows::F32(v) => HeadRows {
+                data: Cow::Borrowed(&v[at..at + rows * stride]),
+                stride,
+                offset,
+            },
+            KvRows::Encoded { kind, bytes } => {
+                let mut out = vec![0.0f32; rows * hd];
+                for (r, o) in out.chunks_exact_mut(hd.max(1)).enumerate() {
+                    let first = at + r * stride + offset;
+                    let src = &bytes[byte(*kind, first)..byte(*kind, first + hd)];
+                    kiln_core::quant::dequantize(kind.qtype(), src, o)
+                        .expect("whole blocks (checked at load)");
+                }
+                HeadRows {
+                    data: Cow::Owned(out),
+                    stride: hd,
+                    offset: 0,
+                }
+            }
+        }
+    }
+}
+
+/// The byte where element `e` (a multiple of the block length) of an encoded cache starts.
+fn byte(kind: KvType, e: usize) -> usize {
+    kind.bytes(e).expect("inside an allocated cache")
 }
 
 /// Where a layer's key and value rows for a position lie in a slot's cache: a layer that
@@ -69,17 +150,26 @@ struct Slot {
 /// MAX_BATCH positions of a sequence, so it never overwrites a position one of its own
 /// tokens still attends to.
 struct KvLayout {
-    /// Rows each layer keeps, and where its rows start (in floats).
+    /// Rows each layer keeps, and where its rows start (in values).
     rows: Vec<usize>,
     base: Vec<usize>,
-    /// Floats of one slot's keys (and as many of its values).
-    floats: usize,
+    /// Values of one slot's keys (and as many of its values).
+    elements: usize,
     kvd: usize,
+    /// How the rows are stored.
+    kind: KvType,
 }
 
 impl KvLayout {
-    fn new(c: &ModelConfig, max_ctx: usize) -> Result<KvLayout> {
+    fn new(c: &ModelConfig, max_ctx: usize, kind: KvType) -> Result<KvLayout> {
         let kvd = c.kv_dim();
+        // A Q8_0 row is encoded a head at a time: each head must be whole blocks.
+        if kind == KvType::Q8_0 && !c.head_dim.is_multiple_of(32) {
+            return Err(Error::Unsupported(format!(
+                "a q8_0 KV cache needs heads of a multiple of 32 values; this model's have {} (use --kv-type f16 or f32)",
+                c.head_dim
+            )));
+        }
         let rows: Vec<usize> = (0..c.num_layers)
             .map(|l| {
                 c.layer_attention(l)
@@ -88,15 +178,15 @@ impl KvLayout {
             })
             .collect();
         let mut base = Vec::with_capacity(rows.len());
-        let mut floats = 0usize;
+        let mut elements = 0usize;
         for &r in &rows {
-            base.push(floats);
-            floats = r
+            base.push(elements);
+            elements = r
                 .checked_mul(kvd)
-                .and_then(|n| floats.checked_add(n))
+                .and_then(|n| elements.checked_add(n))
                 .ok_or_else(too_big(max_ctx))?;
         }
-        if floats
+        if elements
             .checked_mul(8)
             .is_none_or(|b| b > isize::MAX as usize)
         {
@@ -105,18 +195,19 @@ impl KvLayout {
         Ok(KvLayout {
             rows,
             base,
-            floats,
+            elements,
             kvd,
+            kind,
         })
     }
 
-    /// The first float of `layer`'s row for position `pos`.
+    /// The first value of `layer`'s row for position `pos`.
     fn at(&self, layer: usize, pos: usize) -> usize {
         self.base[layer] + (pos % self.rows[layer]) * self.kvd
     }
 
     /// `layer`'s rows for positions `first..=last` as at most two runs (row offset in
-    /// floats, row count): a ring wraps once at most, as `last - first` < its rows.
+    /// values, row count): a ring wraps once at most, as `last - first` < its rows.
     fn runs(&self, layer: usize, first: usize, last: usize) -> [(usize, usize); 2] {
         let rows = self.rows[layer];
         let (start, n) = (first % rows, last - first + 1);
@@ -137,18 +228,19 @@ impl KvLayout {
     }
 }
 
-/// One sequence's KV cache for a model of `c` at a context of `max_ctx` positions: its
-/// bytes (keys and values, f32) and the rows each layer keeps (a windowed layer its ring).
+/// One sequence's KV cache for a model of `c` at a context of `max_ctx` positions, stored
+/// as `kind`: its bytes (keys and values) and the rows each layer keeps (a windowed layer
+/// its ring).
 pub struct KvCacheSize {
     pub bytes: usize,
     pub rows: Vec<usize>,
 }
 
 /// [`KvCacheSize`] as this backend allocates it.
-pub fn kv_cache_size(c: &ModelConfig, max_ctx: usize) -> Result<KvCacheSize> {
-    let kv = KvLayout::new(c, max_ctx)?;
+pub fn kv_cache_size(c: &ModelConfig, max_ctx: usize, kind: KvType) -> Result<KvCacheSize> {
+    let kv = KvLayout::new(c, max_ctx, kind)?;
     Ok(KvCacheSize {
-        bytes: kv.floats * 2 * std::mem::size_of::<f32>(),
+        bytes: 2 * kind.bytes(kv.elements).ok_or_else(too_big(max_ctx))?,
         rows: kv.rows,
     })
 }
@@ -316,13 +408,12 @@ impl CpuExecutor {
                 message: format!("thread pool: {e}"),
             })?;
         let max_ctx = options.context_for(c);
-        let kv = KvLayout::new(c, max_ctx)?;
+        let kv = KvLayout::new(c, max_ctx, options.kv_type.unwrap_or(KvType::F32))?;
         // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
         // positions its sequence reaches.
-        let per_slot = kv.floats;
         let slots = SequenceSlots::new((0..options.sequences()).map(|_| Slot {
-            k: vec![0.0; per_slot],
-            v: vec![0.0; per_slot],
+            k: KvRows::new(kv.kind, kv.elements),
+            v: KvRows::new(kv.kind, kv.elements),
             tokens: Vec::new(),
         }));
         let widest = h.max(qd).max(ffn);
@@ -503,8 +594,8 @@ fn attend_causal_blocks(
         let kv = &cache[slot];
         let base = m.kv.at(li, 0);
         let (keys, values) = (
-            &kv.k[base..base + (last + 1) * kvd],
-            &kv.v[base..base + (last + 1) * kvd],
+            kv.k.head_rows(base, last + 1, kvd, g * hd, hd),
+            kv.v.head_rows(base, last + 1, kvd, g * hd, hd),
         );
         let mut qs = Vec::with_capacity(block.len() * group * hd);
         let mut lens = Vec::with_capacity(block.len() * group);
@@ -518,10 +609,10 @@ fn attend_causal_blocks(
             &qs,
             hd,
             &lens,
-            keys,
-            values,
-            kvd,
-            g * hd,
+            &keys.data,
+            &values.data,
+            keys.stride,
+            keys.offset,
             scale,
             &mut out,
         );
@@ -624,8 +715,8 @@ fn forward(
             }
             let (slot, pos) = rows[t];
             let at = m.kv.at(li, pos);
-            slots[slot].k[at..at + kvd].copy_from_slice(&s.k[t * kvd..(t + 1) * kvd]);
-            slots[slot].v[at..at + kvd].copy_from_slice(&s.v[t * kvd..(t + 1) * kvd]);
+            slots[slot].k.write(at, &s.k[t * kvd..(t + 1) * kvd]);
+            slots[slot].v.write(at, &s.v[t * kvd..(t + 1) * kvd]);
         }
 
         // One task per token and KV head: the query heads of its GQA group (consecutive
@@ -656,19 +747,27 @@ fn forward(
                     let (slot, pos) = rows[t];
                     let kv = &cache[slot];
                     // A windowed layer sees only the last `window` positions.
-                    let runs =
+                    let heads =
                         m.kv.runs(li, attention.first_position(pos), pos)
-                            .map(|(at, n)| ops::KvRun {
-                                keys: &kv.k[at..at + n * kvd],
-                                values: &kv.v[at..at + n * kvd],
-                                len: n,
+                            .map(|(at, n)| {
+                                (
+                                    kv.k.head_rows(at, n, kvd, kvh * hd, hd),
+                                    kv.v.head_rows(at, n, kvd, kvh * hd, hd),
+                                    n,
+                                )
                             });
+                    let runs = heads.each_ref().map(|(k, v, n)| ops::KvRun {
+                        keys: &k.data,
+                        values: &v.data,
+                        len: *n,
+                    });
+                    let (stride, offset) = (heads[0].0.stride, heads[0].0.offset);
                     let qg = &q[t * qd + kvh * group * hd..][..group * hd];
                     let piece = heads_together * hd;
                     qg.par_chunks(piece)
                         .zip(out.par_chunks_mut(piece))
                         .for_each(|(qp, op)| {
-                            ops::attend_group(simd, qp, hd, &runs, kvd, kvh * hd, scale, op)
+                            ops::attend_group(simd, qp, hd, &runs, stride, offset, scale, op)
                         });
                 });
         }

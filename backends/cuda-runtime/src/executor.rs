@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    check_decode, check_decode_items, Activation, DecodeItem, Error, LayerExecutor, LoadOptions,
-    ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots, TensorView,
+    check_decode, check_decode_items, Activation, DecodeItem, Error, KvType, LayerExecutor,
+    LoadOptions, ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots,
+    TensorView,
 };
 // A child module, so the batched prefill shares the executor's private state.
 #[path = "batch.rs"]
@@ -338,6 +339,15 @@ impl GpuExecutor {
         policy: Arc<dyn GpuPolicy>,
     ) -> Result<GpuExecutor> {
         check_model(model, policy.as_ref()).map_err(Error::Unsupported)?;
+        match options.kv_type {
+            None | Some(KvType::F16) => {}
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "{} keeps its KV cache in f16; a {other} cache is not built for the GPU (use --kv-type f16, or the cpu backend, which stores f32, f16 and q8_0)",
+                    policy.backend_name()
+                )))
+            }
+        }
         let device = &device.new_stream().map_err(err)?;
         let c = model.config.clone();
         let w = &model.weights;
