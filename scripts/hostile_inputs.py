@@ -321,11 +321,13 @@ def argument_cases(s, base):
     for flag, value in [("--temp", "-1"), ("--temp", "nan"), ("--temp", "inf"), ("--top-p", "1.5"), ("--top-p", "nan"),
                         ("--min-p", "-0.5"), ("--repeat-penalty", "-2"), ("--repeat-penalty", "0"),
                         ("--top-k", "99999999999999999999999"), ("-n", "-1"), ("-c", "99999999999999"),
-                        ("-c", "100000"), ("-t", "100000"), ("--seed", "-5")]:
+                        ("-c", "100000"), ("-t", "100000"), ("--seed", "-5"), ("--kv-type", "q4_0"),
+                        ("--kv-type", "")]:
         s.run(f"run {flag} {value}", run + ["-n", "2", f"{flag}={value}"], "error")
     s.run("run -t 1000", run + ["-n", "2", "-t", "1000"], "error" if (os.cpu_count() or 1) * 4 < 1000 else "any",
           contains="cores")
     s.run("run -t 0 (all cores)", run + ["-n", "2", "-t", "0"], "any")
+    s.run("run --kv-type q8_0", run + ["-n", "2", "--kv-type", "q8_0"], "any")
     s.run("run --backend nonsense", run + ["--backend", "nonsense"], "error", contains="nonsense")
     s.run("bench -p 0 -n 0", ["bench", "-m", base, "-p", "0", "-n", "0"], "any")
     s.run("bench --batch 0", ["bench", "-m", base, "--batch", "0"], "error")
