@@ -122,10 +122,10 @@ fn measure(model: &Model, what: &str) -> Vec<(KvType, Cost)> {
 }
 
 /// The bars on the cosine, with room over the worst seen across repeated random prompts
-/// (2026-12-02: f16 0.9999997 synthetic, 0.99999996 real; q8_0 0.99984 synthetic, 0.999993
-/// real): f16 rounds each key and value to 11 significant bits, q8_0 to 8 bits of its
+/// (2026-12-02, ten runs: f16 0.9999997 synthetic, 0.99999996 real; q8_0 0.99977 synthetic,
+/// 0.999992 real): f16 rounds each key and value to 11 significant bits, q8_0 to 8 bits of its
 /// 32-value block's largest magnitude. The largest logit difference is printed, not held
-/// to a bar (it scales with the model's logit range: 0.003 / 0.08 synthetic, 0.014 / 0.30
+/// to a bar (it scales with the model's logit range: 0.003 / 0.1 synthetic, 0.014 / 0.42
 /// real). Greedy choices are counted, not held to a bar either: a random model's logits sit
 /// close together (q8_0 flipped choices whose f32 lead was up to 0.047, within twice its
 /// largest logit change), so how many flip says more about the prompt than the cache.
@@ -133,7 +133,7 @@ fn check(costs: &[(KvType, Cost)]) {
     for (kind, c) in costs {
         let bar = match kind {
             KvType::F16 => 0.99999,
-            _ => 0.9995,
+            _ => 0.999,
         };
         assert!(
             c.min_cosine >= bar,

@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
     check_decode, check_prefill, Activation, DecodeItem, Error, KvType, LayerExecutor, LoadOptions,
     ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
@@ -66,12 +67,15 @@ struct Slot {
 }
 
 /// A slot's keys (or values), every layer's rows one after another ([`KvLayout`]): f32, the
-/// reference, read in place; or rows encoded as f16 / Q8_0 with ggml's rounding, written
-/// through the quantiser and read back one head at a time, dequantised into a buffer of
-/// the reader's own.
+/// reference, read in place; or f16 / Q8_0 rows (ggml's rounding, as the GPUs' f16 cache
+/// rounds) encoded as they are written and read back one head at a time, decoded into a
+/// buffer of the reader's own.
 enum KvRows {
     F32(Vec<f32>),
-    Encoded { kind: KvType, bytes: Vec<u8> },
+    /// f16 bits (a `u16` vector, so a zeroed one is mapped lazily as the others are).
+    F16(Vec<u16>),
+    /// ggml Q8_0 blocks: value `e` lies in block `e / 32`, at byte `34 · (e / 32)`.
+    Q8_0(Vec<u8>),
 }
 
 /// One KV head's rows for a run of positions: value `i` of row `r` at
@@ -87,20 +91,21 @@ impl KvRows {
     fn new(kind: KvType, elements: usize) -> KvRows {
         match kind {
             KvType::F32 => KvRows::F32(vec![0.0; elements]),
-            _ => KvRows::Encoded {
-                kind,
-                bytes: vec![0; kind.bytes(elements).expect("sized by KvLayout::new")],
-            },
+            KvType::F16 => KvRows::F16(vec![0; elements]),
+            KvType::Q8_0 => KvRows::Q8_0(vec![0; elements / 32 * 34]),
         }
     }
 
-    /// Stores `values` from element `at` (a multiple of the block length).
+    /// Stores `values` from element `at` (for Q8_0, both multiples of 32).
     fn write(&mut self, at: usize, values: &[f32]) {
         match self {
             KvRows::F32(v) => v[at..at + values.len()].copy_from_slice(values),
-            KvRows::Encoded { kind, bytes } => {
-                let (lo, hi) = (byte(*kind, at), byte(*kind, at + values.len()));
-                kiln_core::quant::quantize(kind.qtype(), values, &mut bytes[lo..hi])
+            KvRows::F16(v) => v[at..at + values.len()]
+                .reinterpret_cast_mut::<half::f16>()
+                .convert_from_f32_slice(values),
+            KvRows::Q8_0(b) => {
+                let blocks = &mut b[at / 32 * 34..(at + values.len()) / 32 * 34];
+                kiln_core::quant::quantize(kiln_core::QType::Q8_0, values, blocks)
                     .expect("whole blocks (checked at load)");
             }
         }
@@ -115,33 +120,35 @@ impl KvRows {
         offset: usize,
         hd: usize,
     ) -> HeadRows<'_> {
+        let decoded = |decode: &dyn Fn(usize, &mut [f32])| {
+            let mut out = vec![0.0f32; rows * hd];
+            for (r, o) in out.chunks_exact_mut(hd.max(1)).enumerate() {
+                decode(at + r * stride + offset, o);
+            }
+            HeadRows {
+                data: Cow::Owned(out),
+                stride: hd,
+                offset: 0,
+            }
+        };
         match self {
             KvRows::F32(v) => HeadRows {
                 data: Cow::Borrowed(&v[at..at + rows * stride]),
                 stride,
                 offset,
             },
-            KvRows::Encoded { kind, bytes } => {
-                let mut out = vec![0.0f32; rows * hd];
-                for (r, o) in out.chunks_exact_mut(hd.max(1)).enumerate() {
-                    let first = at + r * stride + offset;
-                    let src = &bytes[byte(*kind, first)..byte(*kind, first + hd)];
-                    kiln_core::quant::dequantize(kind.qtype(), src, o)
-                        .expect("whole blocks (checked at load)");
-                }
-                HeadRows {
-                    data: Cow::Owned(out),
-                    stride: hd,
-                    offset: 0,
-                }
-            }
+            KvRows::F16(v) => decoded(&|first, o| {
+                v[first..first + o.len()]
+                    .reinterpret_cast::<half::f16>()
+                    .convert_to_f32_slice(o)
+            }),
+            KvRows::Q8_0(b) => decoded(&|first, o| {
+                let blocks = &b[first / 32 * 34..(first + o.len()) / 32 * 34];
+                kiln_core::quant::dequantize(kiln_core::QType::Q8_0, blocks, o)
+                    .expect("whole blocks (checked at load)")
+            }),
         }
     }
-}
-
-/// The byte where element `e` (a multiple of the block length) of an encoded cache starts.
-fn byte(kind: KvType, e: usize) -> usize {
-    kind.bytes(e).expect("inside an allocated cache")
 }
 
 /// Where a layer's key and value rows for a position lie in a slot's cache: a layer that
