@@ -122,7 +122,7 @@ fn measure(model: &Model, what: &str) -> Vec<(KvType, Cost)> {
 }
 
 /// The bars on the cosine, with room over the worst seen across repeated random prompts
-/// (2026-12-02, ten runs: f16 0.9999997 synthetic, 0.99999996 real; q8_0 0.99977 synthetic,
+/// (2026-12-02, worst of five to ten runs: f16 0.9999997 synthetic, 0.99999996 real; q8_0 0.99977 synthetic,
 /// 0.999992 real): f16 rounds each key and value to 11 significant bits, q8_0 to 8 bits of its
 /// 32-value block's largest magnitude. The largest logit difference is printed, not held
 /// to a bar (it scales with the model's logit range: 0.003 / 0.1 synthetic, 0.014 / 0.42
