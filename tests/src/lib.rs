@@ -125,7 +125,8 @@ pub fn cpu_executor(
 }
 
 /// A tiny random Llama (64 hidden, 2 layers, one KV head of `head_dim` values, Q8_0
-/// weights) built in memory: for tests of what an executor makes of a shape.
+/// weights) built in memory: for tests of what an executor makes of a shape (the GPU
+/// executors' attention takes heads of a multiple of 32 values).
 pub fn tiny_llama(head_dim: usize) -> kiln_core::ModelIr {
     use kiln_core::{Architecture, QType, RopeKind};
     let shape = kiln::conformance::models::Shape {

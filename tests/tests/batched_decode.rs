@@ -598,39 +598,12 @@ fn random_operations(
     );
 }
 
-fn tiny_model() -> kiln_core::ModelIr {
-    use kiln_core::{Architecture, QType, RopeKind};
-    let shape = kiln::conformance::models::Shape {
-        arch: Architecture::Llama,
-        hidden: 64,
-        // head_dim 32: the GPU executors' attention takes multiples of 32.
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 32,
-        ffn: 128,
-        vocab: 200,
-        layers: 2,
-        rope: RopeKind::Norm,
-        qkv_bias: false,
-        qk_norm: false,
-        tied: true,
-        types: [
-            QType::Q8_0,
-            QType::Q8_0,
-            QType::Q8_0,
-            QType::Q8_0,
-            QType::Q8_0,
-        ],
-    };
-    kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
-}
-
 #[test]
 fn cpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     let Some(cpu) = backend("cpu") else { return };
     random_operations(
         cpu.as_ref(),
-        &tiny_model(),
+        &kiln_tests::tiny_llama(32),
         10_000,
         kiln_core::testdata::fresh_seed(),
         false,
@@ -645,7 +618,7 @@ fn gpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
         for batched in [false, true] {
             random_operations(
                 gpu.as_ref(),
-                &tiny_model(),
+                &kiln_tests::tiny_llama(32),
                 2_000,
                 kiln_core::testdata::fresh_seed(),
                 batched,
