@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::dequant::scale_min_k4;
+use kiln_core::quant::kquants::scale_min_k4;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -365,8 +365,8 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let bs = sums.as_ptr().add(b * 8);
             let mut mins = 0.0f32;
             for i in 0..4 {
-                let (sc1, m1) = scale_min_k4(2 * i, scales);
-                let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+                let (sc1, m1) = scale_min_k4(scales, 2 * i);
+                let (sc2, m2) = scale_min_k4(scales, 2 * i + 1);
                 let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
                 let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
                 let x0 = px.add(64 * i);
@@ -413,8 +413,8 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
             let bs = sums.as_ptr().add(b * 8);
             let mut mins = 0.0f32;
             for i in 0..4 {
-                let (sc1, m1) = scale_min_k4(2 * i, scales);
-                let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+                let (sc1, m1) = scale_min_k4(scales, 2 * i);
+                let (sc2, m2) = scale_min_k4(scales, 2 * i + 1);
                 let u1 = _mm_set1_epi8((1u8 << (2 * i)) as i8);
                 let u2 = _mm_set1_epi8((2u8 << (2 * i)) as i8);
                 let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);

@@ -768,8 +768,8 @@ unsafe fn dequant_k4(p: *const u8, qh: *const u8, qs: *const u8, y: *mut f32) {
         let (d, dmin) = f16x2(p);
         let scales = std::slice::from_raw_parts(p.add(4), 12);
         for i in 0..4 {
-            let (sc1, m1) = crate::dequant::scale_min_k4(2 * i, scales);
-            let (sc2, m2) = crate::dequant::scale_min_k4(2 * i + 1, scales);
+            let (sc1, m1) = kiln_core::quant::kquants::scale_min_k4(scales, 2 * i);
+            let (sc2, m2) = kiln_core::quant::kquants::scale_min_k4(scales, 2 * i + 1);
             let (d1, m1) = (
                 _mm512_set1_ps(d * sc1 as f32),
                 _mm512_set1_ps(dmin * m1 as f32),
