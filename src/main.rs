@@ -731,7 +731,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
                 "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
-                "first_token": first_token, "context": ctx, "kv_bytes_per_token": kv_token, "kv_bytes": kv_total,
+                "first_token": first_token, "context": ctx, "kv_type": kv_type.name(), "kv_bytes_per_token": kv_token, "kv_bytes": kv_total,
             });
             println!("{value}");
         }
@@ -832,7 +832,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "context": ctx, "sequences": exec.max_sequences(),
-                "kv_bytes_per_token": kv_token, "kv_bytes": kv_total, "results": runs,
+                "kv_type": kv_type.name(), "kv_bytes_per_token": kv_token, "kv_bytes": kv_total, "results": runs,
             });
             println!("{value}");
         }
