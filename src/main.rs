@@ -102,12 +102,8 @@ struct ModelArgs {
     quantized_activations: bool,
     /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's,
     /// f32 on the CPU reference, f16 on the GPUs; a backend without the type says which it has).
-    #[arg(long = "kv-type", value_parser = parse_kv_type)]
+    #[arg(long = "kv-type")]
     kv_type: Option<kiln_core::KvType>,
-}
-
-fn parse_kv_type(s: &str) -> std::result::Result<kiln_core::KvType, String> {
-    s.parse().map_err(|e: Error| e.to_string())
 }
 
 #[derive(Args, Clone)]

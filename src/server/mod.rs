@@ -106,7 +106,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub quantized_activations: bool,
     /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's).
-    #[arg(long = "kv-type", value_parser = |s: &str| s.parse::<kiln_core::KvType>().map_err(|e| e.to_string()))]
+    #[arg(long = "kv-type")]
     pub kv_type: Option<kiln_core::KvType>,
     /// GPU backends: decode the running sequences one at a time instead of in one batched
     /// step (int8 tensor-core matmuls, every weight read once for all of them).

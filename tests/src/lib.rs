@@ -146,3 +146,31 @@ pub fn tiny_llama(head_dim: usize) -> kiln_core::ModelIr {
     };
     kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
 }
+
+/// The synthetic model `kiln synth` makes of `preset` in `recipe` with `seed`, at `path`:
+/// written once (to a temporary name, then renamed, so a test that dies mid-write leaves
+/// no half file behind) and reused by later tests; one writer at a time in a process.
+pub fn synthetic_model(
+    path: PathBuf,
+    preset: kiln_formats::synth::Preset,
+    recipe: kiln_formats::quantize::Recipe,
+    seed: u64,
+) -> PathBuf {
+    static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    if !path.is_file() {
+        let partial = path.with_extension(format!("partial-{}", std::process::id()));
+        kiln_formats::synth::synth_file(
+            &partial,
+            kiln_formats::synth::SynthOptions {
+                preset,
+                recipe,
+                seed,
+            },
+            &kiln_formats::quantize::no_progress,
+        )
+        .expect("write the synthetic model");
+        std::fs::rename(&partial, &path).expect("move the synthetic model into place");
+    }
+    path
+}

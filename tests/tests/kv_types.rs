@@ -10,9 +10,9 @@
 
 use kiln::conformance::top_gap;
 use kiln::Model;
-use kiln_core::{argmax, Backend, DecodeItem, Error, KvType, LayerExecutor, LoadOptions};
-use kiln_formats::quantize::{no_progress, Recipe};
-use kiln_formats::synth::{synth_file, Preset, SynthOptions};
+use kiln_core::{argmax, Backend, DecodeItem, Error, KvType, LoadOptions};
+use kiln_formats::quantize::Recipe;
+use kiln_formats::synth::Preset;
 use kiln_tests::{cosine, smollm2_path};
 
 const PROMPT: usize = 400;
@@ -146,22 +146,14 @@ fn check(costs: &[(KvType, Cost)]) {
 
 #[test]
 fn kv_cache_types_stay_close_to_f32_on_a_synthetic_smollm2() {
-    let dir = std::env::temp_dir().join(format!("kiln-kv-types-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("smollm2.q8_0.gguf");
-    synth_file(
-        &path,
-        SynthOptions {
-            preset: Preset::SmolLm2_135m,
-            recipe: Recipe::Q8_0,
-            seed: 11,
-        },
-        &no_progress,
-    )
-    .unwrap();
+    let path = kiln_tests::synthetic_model(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-types-smollm2-135m-q8_0.gguf"),
+        Preset::SmolLm2_135m,
+        Recipe::Q8_0,
+        11,
+    );
     let model = Model::open(&path).unwrap();
     check(&measure(&model, "synthetic smollm2 q8_0"));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -16,8 +16,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kiln_formats::quantize::{no_progress, Recipe};
-use kiln_formats::synth::{synth_file, Preset, SynthOptions};
+use kiln_formats::quantize::Recipe;
+use kiln_formats::synth::Preset;
 use kiln_tests::{kiln_binary, skip};
 use serde_json::{json, Value};
 
@@ -28,22 +28,12 @@ fn test_model() -> PathBuf {
     if let Some(p) = kiln_tests::smollm2_path() {
         return p;
     }
-    static SYNTH: Mutex<()> = Mutex::new(());
-    let _guard = SYNTH.lock().unwrap_or_else(|e| e.into_inner());
-    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-smollm2-135m-q8_0.gguf");
-    if !path.is_file() {
-        synth_file(
-            &path,
-            SynthOptions {
-                preset: Preset::SmolLm2_135m,
-                recipe: Recipe::Q8_0,
-                seed: 11,
-            },
-            &no_progress,
-        )
-        .expect("write the synthetic model");
-    }
-    path
+    kiln_tests::synthetic_model(
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-smollm2-135m-q8_0.gguf"),
+        Preset::SmolLm2_135m,
+        Recipe::Q8_0,
+        11,
+    )
 }
 
 // ---------------------------------------------------------------------------------------

@@ -74,8 +74,13 @@ enum KvRows {
     F32(Vec<f32>),
     /// f16 bits (a `u16` vector, so a zeroed one is mapped lazily as the others are).
     F16(Vec<u16>),
-    /// ggml Q8_0 blocks: value `e` lies in block `e / 32`, at byte `34 · (e / 32)`.
+    /// ggml Q8_0 blocks: value `e` lies in the block at byte [`q8_0_byte`]`(e)`.
     Q8_0(Vec<u8>),
+}
+
+/// Where the Q8_0 block of value `e` (a multiple of 32) starts: 34 bytes per 32 values.
+fn q8_0_byte(e: usize) -> usize {
+    e / 32 * 34
 }
 
 /// One KV head's rows for a run of positions: value `i` of row `r` at
@@ -92,7 +97,7 @@ impl KvRows {
         match kind {
             KvType::F32 => KvRows::F32(vec![0.0; elements]),
             KvType::F16 => KvRows::F16(vec![0; elements]),
-            KvType::Q8_0 => KvRows::Q8_0(vec![0; elements / 32 * 34]),
+            KvType::Q8_0 => KvRows::Q8_0(vec![0; q8_0_byte(elements)]),
         }
     }
 
@@ -104,7 +109,7 @@ impl KvRows {
                 .reinterpret_cast_mut::<half::f16>()
                 .convert_from_f32_slice(values),
             KvRows::Q8_0(b) => {
-                let blocks = &mut b[at / 32 * 34..(at + values.len()) / 32 * 34];
+                let blocks = &mut b[q8_0_byte(at)..q8_0_byte(at + values.len())];
                 kiln_core::quant::quantize(kiln_core::QType::Q8_0, values, blocks)
                     .expect("whole blocks (checked at load)");
             }
@@ -143,7 +148,7 @@ impl KvRows {
                     .convert_to_f32_slice(o)
             }),
             KvRows::Q8_0(b) => decoded(&|first, o| {
-                let blocks = &b[first / 32 * 34..(first + o.len()) / 32 * 34];
+                let blocks = &b[q8_0_byte(first)..q8_0_byte(first + o.len())];
                 kiln_core::quant::dequantize(kiln_core::QType::Q8_0, blocks, o)
                     .expect("whole blocks (checked at load)")
             }),
