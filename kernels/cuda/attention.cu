@@ -26,30 +26,10 @@
 // elements [l·E, l·E + E) — independent loads throughout, instead of one dependent
 // reduction per position.
 
-// E consecutive f16 values to f32, with the widest aligned loads E allows (a lane's slice
-// of a V row starts at lane·E halves).
-template <int E>
-static __device__ __forceinline__ void load_halves(const u16* p, float (&v)[E]) {
-    if constexpr (E == 8) {
-        const uint4 a = *(const uint4*)p;
-        const u32 w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) { v[2 * i] = h2f(w[i] & 0xffff); v[2 * i + 1] = h2f(w[i] >> 16); }
-    } else if constexpr (E == 4) {
-        const uint2 a = *(const uint2*)p;
-        v[0] = h2f(a.x & 0xffff); v[1] = h2f(a.x >> 16); v[2] = h2f(a.y & 0xffff); v[3] = h2f(a.y >> 16);
-    } else if constexpr (E == 2) {
-        const u32 a = *(const u32*)p;
-        v[0] = h2f(a & 0xffff); v[1] = h2f(a >> 16);
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = h2f(p[e]);
-    }
-}
-
-template <int E, int GM>
-static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const u16* __restrict__ kc,
-                                                         const u16* __restrict__ vc, const int* __restrict__ len_ptr,
+// KV is the cache's format (KvF16 or KvQ8, common.cuh).
+template <int E, int GM, class KV>
+static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const KV kc, const KV vc,
+                                                         const int* __restrict__ len_ptr,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
                                                          int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
@@ -91,8 +71,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[j][e] = 0.0f;
     }
-    const u16* kbase = kc + (size_t)kvh * max_ctx * hd;
-    const u16* vbase = vc + (size_t)kvh * max_ctx * hd + lane * E;
+    const KV kbase = kc.at((size_t)kvh * max_ctx * hd);
+    const KV vbase = vc.at((size_t)kvh * max_ctx * hd);
     for (int p0 = start + warp * 32; p0 < end; p0 += nwarps * 32) {
         const int p = p0 + lane;
         // Each K row is read once and scored against every query head of the block.
@@ -100,17 +80,17 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #pragma unroll
         for (int j = 0; j < GM; ++j) score[j] = p < end ? 0.0f : -INFINITY;
         if (p < end) {
-            const uint4* kp = (const uint4*)(kbase + (size_t)(p % max_ctx) * hd);
+            const size_t krow = (size_t)(p % max_ctx) * hd;
 #pragma unroll
             for (int i = 0; i < E * 4; ++i) {
-                const uint4 kv = kp[i];
-                const float k0 = h2f(kv.x & 0xffff), k1 = h2f(kv.x >> 16), k2 = h2f(kv.y & 0xffff), k3 = h2f(kv.y >> 16);
-                const float k4 = h2f(kv.z & 0xffff), k5 = h2f(kv.z >> 16), k6 = h2f(kv.w & 0xffff), k7 = h2f(kv.w >> 16);
+                float k[8];
+                kbase.load8(krow + i * 8, k);
 #pragma unroll
                 for (int j = 0; j < GM; ++j) {
                     if (j < nh) {
                         const float4 a = qs[j * E * 8 + 2 * i], b = qs[j * E * 8 + 2 * i + 1];
-                        score[j] += a.x * k0 + a.y * k1 + a.z * k2 + a.w * k3 + b.x * k4 + b.y * k5 + b.z * k6 + b.w * k7;
+                        score[j] += a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] +
+                                    b.z * k[6] + b.w * k[7];
                     }
                 }
             }
@@ -139,7 +119,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             if (p0 + jb >= end) break;
             float v[VB][E];
 #pragma unroll
-            for (int i = 0; i < VB; ++i) load_halves<E>(vbase + (size_t)(min(p0 + jb + i, end - 1) % max_ctx) * hd, v[i]);
+            for (int i = 0; i < VB; ++i)
+                vbase.template load<E>((size_t)(min(p0 + jb + i, end - 1) % max_ctx) * hd + lane * E, v[i]);
 #pragma unroll
             for (int i = 0; i < VB; ++i) {
 #pragma unroll
@@ -222,28 +203,40 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     }
 }
 
-// One decode-attention entry point: `NAME` computes GM query heads a block.
-#define ATTN_KERNEL(NAME, E, GM)                                                                                       \
+// One decode-attention entry point: `NAME` computes GM query heads a block over a cache of
+// format KV, whose two planes KK and VV build from the parameters (kd, vd: q8_0's scales,
+// unused by the f16 entries, which take the same parameter list).
+#define KV_F16_K KvF16{kc}
+#define KV_F16_V KvF16{vc}
+#define KV_Q8_K KvQ8{(const i8*)kc, kd}
+#define KV_Q8_V KvQ8{(const i8*)vc, vd}
+#define ATTN_KERNEL(NAME, E, GM, KV, KK, VV)                                                                            \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
-        const float* q, const u16* kc, const u16* vc, const int* len_ptr, int n_heads, int n_kv, int max_ctx,          \
-        int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, i8* oq,         \
-        i8* olo, float2* ods) {                                                                                        \
+        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr, int n_heads,   \
+        int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml, u32* counters,      \
+        float* out, i8* oq, i8* olo, float2* ods) {                                                                    \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, GM>(q, kc, vc, len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,    \
-                                 counters, out, oq, olo, ods);                                                         \
+        attn_partial_impl<E, GM, KV>(q, KK, VV, len_ptr,    n_heads, n_kv, max_ctx, split, scale, window, part_o,       \
+                                     part_ml, counters, out, oq, olo, ods);                                            \
     }
 
-// attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two).
-#define ATTN_ENTRY(E) ATTN_KERNEL(attn_decode_##E, E, 1) ATTN_KERNEL(attn_decode_pairs_##E, E, 2)
+// attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two) over an f16 cache;
+// attn_decode_q8_{E} and attn_decode_pairs_q8_{E} over a q8_0 one.
+#define ATTN_ENTRY(E)                                                                                                  \
+    ATTN_KERNEL(attn_decode_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                                            \
+    ATTN_KERNEL(attn_decode_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)
+#define ATTN_Q8_ENTRY(E)                                                                                               \
+    ATTN_KERNEL(attn_decode_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                                           \
+    ATTN_KERNEL(attn_decode_pairs_q8_##E, E, 2, KvQ8, KV_Q8_K, KV_Q8_V)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
-// positions 0..len[z] of cache slot slot[z] (slots `slot_stride` halves apart); its
+// positions 0..len[z] of cache slot slot[z] (slots `slot_stride` values apart); its
 // partials, counters and output are row z's own. A padding row (len 0) writes zeros.
-#define ATTN_BATCH_ENTRY(E)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_##E(                                           \
-        const float* q, const u16* kc, const u16* vc, const int* lens, const int* slot, long long slot_stride,         \
-        int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml,       \
-        u32* counters, float* out) {                                                                                   \
+#define ATTN_BATCH_KERNEL(NAME, E, KV, KK, VV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
+        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,   \
+        long long slot_stride, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,  \
+        float2* part_ml, u32* counters, float* out) {                                                                  \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
@@ -253,7 +246,11 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             return;                                                                                                    \
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
-        attn_partial_impl<E, 1>(q + z * qd, kc + cache, vc + cache, lens + z, n_heads, n_kv, max_ctx, split, scale,    \
-                                window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,            \
-                                counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr);                      \
+        const KV k_all = KK, v_all = VV;                                                                               \
+        attn_partial_impl<E, 1, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,   \
+                                    split, scale, window, part_o + z * qd * nsplit,                                    \
+                                    part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,     \
+                                    nullptr, nullptr, nullptr);                                                        \
     }
+#define ATTN_BATCH_ENTRY(E) ATTN_BATCH_KERNEL(attn_decode_batch_##E, E, KvF16, KV_F16_K, KV_F16_V)
+#define ATTN_Q8_BATCH_ENTRY(E) ATTN_BATCH_KERNEL(attn_decode_batch_q8_##E, E, KvQ8, KV_Q8_K, KV_Q8_V)

@@ -110,3 +110,120 @@ static __device__ __forceinline__ void quantize_block_warp(float v, i8* __restri
     const int sum = warp_sum_i((int)hi);
     if (lane == 0) ds[blk] = make_float2(amax / 127.0f, amax / 127.0f * (float)sum);
 }
+
+// A plane of the KV cache (keys or values of one layer) as the kernels read it: f16 values
+// (KvF16), or q8_0 (KvQ8): one int8 per value and an f16 scale per 32 consecutive values in
+// a plane of their own, the scale of value e at d[e / 32] (so d = amax / 127 per 32, as
+// ggml's q8_0 block, without its 34-byte stride). `at(e)` moves the view to value e, which
+// is always a multiple of 32 (a slot, a head or a row), so the scale plane moves with it.
+// load8 reads 8 values at a multiple of 8; load<E> E consecutive values at lane · E.
+struct KvF16 {
+    static constexpr bool Q8 = false;
+    const u16* p;
+    __device__ __forceinline__ KvF16 at(size_t e) const { return {p + e}; }
+    __device__ __forceinline__ void load8(size_t e, float (&v)[8]) const {
+        const uint4 a = *(const uint4*)(p + e);
+        const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { v[2 * i] = h2f(w[i] & 0xffff); v[2 * i + 1] = h2f(w[i] >> 16); }
+    }
+    template <int E> __device__ __forceinline__ void load(size_t e, float (&v)[E]) const {
+        const u16* s = p + e;
+        if constexpr (E == 8) {
+            float t[8];
+            load8(e, t);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = t[i];
+        } else if constexpr (E == 4) {
+            const uint2 a = *(const uint2*)s;
+            v[0] = h2f(a.x & 0xffff); v[1] = h2f(a.x >> 16); v[2] = h2f(a.y & 0xffff); v[3] = h2f(a.y >> 16);
+        } else if constexpr (E == 2) {
+            const u32 a = *(const u32*)s;
+            v[0] = h2f(a & 0xffff); v[1] = h2f(a >> 16);
+        } else {
+#pragma unroll
+            for (int i = 0; i < E; ++i) v[i] = h2f(s[i]);
+        }
+    }
+};
+
+struct KvQ8 {
+    static constexpr bool Q8 = true;
+    const i8* q;
+    const u16* d;
+    __device__ __forceinline__ KvQ8 at(size_t e) const { return {q + e, d + e / 32}; }
+    __device__ __forceinline__ void load8(size_t e, float (&v)[8]) const {
+        const uint2 a = *(const uint2*)(q + e);
+        const float s = h2f(d[e / 32]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = s * (float)(i8)(a.x >> (8 * i));
+            v[4 + i] = s * (float)(i8)(a.y >> (8 * i));
+        }
+    }
+    template <int E> __device__ __forceinline__ void load(size_t e, float (&v)[E]) const {
+        if constexpr (E == 8) {
+            load8(e, v);
+        } else if constexpr (E == 4 || E == 2 || E == 1) {
+            // 32 / E lanes share a scale; the E bytes in one aligned load.
+            const float s = h2f(d[e / 32]);
+            const u32 a = E == 4 ? *(const u32*)(q + e) : E == 2 ? (u32) * (const u16*)(q + e) : (u32)(u8)q[e];
+#pragma unroll
+            for (int i = 0; i < E; ++i) v[i] = s * (float)(i8)(a >> (8 * i));
+        } else {
+            // A lane's E values may straddle two scales.
+#pragma unroll
+            for (int i = 0; i < E; ++i) v[i] = h2f(d[(e + i) / 32]) * (float)q[e + i];
+        }
+    }
+};
+
+// The writer's side of a q8_0 plane: one warp quantises the 32 values vals[0..32) (lane l
+// holds value l) into q[0..32) and their scale *d, rounding as ggml's quantize_row_q8_0
+// (d = amax / 127, q = round(x / d) half away from zero, through x · (1 / d)).
+static __device__ __forceinline__ void quantize_kv_block(float x, i8* __restrict__ q, u16* __restrict__ d) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(x));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    q[lane] = (i8)(int)roundf(x * id);
+    if (lane == 0) *d = f2h(dd);
+}
+
+// Writes one KV head's rotated key and its value row to the cache at value offset `off` (a
+// multiple of 32). Every thread of the block calls it; `mine` says whether the thread holds
+// a rotary pair (dims a and b of both rows). An f16 cache takes the values as they are; a
+// q8_0 one (Q8) gathers both rows in shared memory and quantises them a 32-value block a
+// warp, as ggml's q8_0 does.
+template <bool Q8>
+static __device__ __forceinline__ void store_kv(void* __restrict__ kc, void* __restrict__ vc, u16* __restrict__ kd,
+                                                u16* __restrict__ vd, size_t off, int hd, bool mine, int a, int b,
+                                                float ka, float kb, float va, float vb) {
+    if constexpr (!Q8) {
+        if (mine) {
+            u16* k = (u16*)kc + off;
+            u16* v = (u16*)vc + off;
+            k[a] = f2h(ka);
+            k[b] = f2h(kb);
+            v[a] = f2h(va);
+            v[b] = f2h(vb);
+        }
+    } else {
+        __shared__ float rows[2][256];  // head_dim is at most 256
+        if (mine) {
+            rows[0][a] = ka;
+            rows[0][b] = kb;
+            rows[1][a] = va;
+            rows[1][b] = vb;
+        }
+        __syncthreads();
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+        const int per = hd / 32;  // blocks a row
+        for (int blk = warp; blk < 2 * per; blk += nwarps) {
+            const int plane = blk / per, c = (blk % per) * 32;
+            i8* q = (i8*)(plane ? vc : kc) + off + c;
+            u16* d = (plane ? vd : kd) + (off + c) / 32;
+            quantize_kv_block(rows[plane][c + lane], q, d);
+        }
+    }
+}

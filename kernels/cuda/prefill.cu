@@ -16,14 +16,16 @@ extern "C" __global__ void rmsnorm_rows_f16(const float* __restrict__ x, const f
 }
 
 // RoPE (+ optional bias before it and per-head RMSNorm of Q and K) for every token of the
-// chunk, K and V written to the cache at positions start + t. Grid (n_heads + n_kv, rows);
-// the per-token logic is rope.cu's rope_kv, with the bias the decode GEMV adds itself.
-extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const float* __restrict__ bias,
-                                        float* __restrict__ q_out, u16* __restrict__ kc, u16* __restrict__ vc,
-                                        int start, int n_heads, int n_kv, int hd, int rot_dims,
-                                        const float* __restrict__ inv_freq, int neox, const float* __restrict__ q_norm,
-                                        const float* __restrict__ k_norm, float eps, int max_ctx) {
-    grid_dependency_wait();
+// chunk, K and V written to the cache at positions start + t (f16, or with Q8 q8_0: kd, vd
+// are its scale planes). Grid (n_heads + n_kv, rows); the per-token logic is rope.cu's
+// rope_kv, with the bias the decode GEMV adds itself.
+template <bool Q8>
+static __device__ __forceinline__ void rope_kv_rows_impl(const float* __restrict__ qkv, const float* __restrict__ bias,
+                                                         float* __restrict__ q_out, void* kc, void* vc, u16* kd,
+                                                         u16* vd, int start, int n_heads, int n_kv, int hd,
+                                                         int rot_dims, const float* __restrict__ inv_freq, int neox,
+                                                         const float* __restrict__ q_norm,
+                                                         const float* __restrict__ k_norm, float eps, int max_ctx) {
     __shared__ float scratch[32];
     const int head = blockIdx.x, t = blockIdx.y;
     const bool is_q = head < n_heads;
@@ -34,6 +36,7 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
     const int pos = start + t;
     const int i = threadIdx.x;
     const int half = hd / 2;
+    const bool mine = i < half;
     int a, b;
     if (neox) {
         const int rhalf = rot_dims / 2;
@@ -43,7 +46,7 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
         a = 2 * i; b = 2 * i + 1;
     }
     float xa = 0.0f, xb = 0.0f;
-    if (i < half) {
+    if (mine) {
         xa = row[off + a];
         xb = row[off + b];
         if (bias) { xa += bias[off + a]; xb += bias[off + b]; }
@@ -52,29 +55,61 @@ extern "C" __global__ void rope_kv_rows(const float* __restrict__ qkv, const flo
     if (norm) {
         const float ss = block_sum(xa * xa + xb * xb, scratch);
         const float s = rsqrtf(ss / (float)hd + eps);
-        if (i < half) { xa = xa * s * norm[a]; xb = xb * s * norm[b]; }
+        if (mine) { xa = xa * s * norm[a]; xb = xb * s * norm[b]; }
     }
-    if (i >= half) return;
-    if (2 * i < rot_dims) {
+    if (mine && 2 * i < rot_dims) {
         float sn, cs;
         sincosf((float)pos * inv_freq[i], &sn, &cs);
         const float ra = xa * cs - xb * sn, rb = xa * sn + xb * cs;
         xa = ra; xb = rb;
     }
     if (is_q) {
-        float* q = q_out + ((size_t)t * n_heads + head) * hd;
-        q[a] = xa;
-        q[b] = xb;
+        if (mine) {
+            float* q = q_out + ((size_t)t * n_heads + head) * hd;
+            q[a] = xa;
+            q[b] = xb;
+        }
     } else {
         const size_t c = ((size_t)kvh * max_ctx + pos % max_ctx) * hd;  // a ring for windowed layers
-        kc[c + a] = f2h(xa);
-        kc[c + b] = f2h(xb);
         const int voff = (n_heads + n_kv + kvh) * hd;
-        float va = row[voff + a], vb = row[voff + b];
-        if (bias) { va += bias[voff + a]; vb += bias[voff + b]; }
-        vc[c + a] = f2h(va);
-        vc[c + b] = f2h(vb);
+        float va = 0.0f, vb = 0.0f;
+        if (mine) {
+            va = row[voff + a];
+            vb = row[voff + b];
+            if (bias) { va += bias[voff + a]; vb += bias[voff + b]; }
+        }
+        store_kv<Q8>(kc, vc, kd, vd, c, hd, mine, a, b, xa, xb, va, vb);
     }
+}
+
+#define ROPE_KV_ROWS_ENTRY(NAME, Q8)                                                                                   \
+    extern "C" __global__ void NAME(const float* __restrict__ qkv, const float* __restrict__ bias,                    \
+                                    float* __restrict__ q_out, void* kc, void* vc, u16* kd, u16* vd, int start,        \
+                                    int n_heads, int n_kv, int hd, int rot_dims, const float* __restrict__ inv_freq,   \
+                                    int neox, const float* __restrict__ q_norm, const float* __restrict__ k_norm,      \
+                                    float eps, int max_ctx) {                                                          \
+        grid_dependency_wait();                                                                                        \
+        rope_kv_rows_impl<Q8>(qkv, bias, q_out, kc, vc, kd, vd, start, n_heads, n_kv, hd, rot_dims, inv_freq, neox,    \
+                              q_norm, k_norm, eps, max_ctx);                                                           \
+    }
+ROPE_KV_ROWS_ENTRY(rope_kv_rows, false)
+ROPE_KV_ROWS_ENTRY(rope_kv_rows_q8, true)
+
+// A q8_0 cache's rows 0..rows of every KV head of one layer (keys and values: blockIdx.z) as
+// f16, in the f16 cache's layout, for the prefill attention kernels (which read f16 tiles):
+// each value becomes d · q exactly as the decode kernels compute it, rounded to f16.
+// Grid (ceil(rows · hd / 256), n_kv, 2), 256 threads, one value a thread.
+extern "C" __global__ void kv_q8_to_f16(const i8* __restrict__ kq, const u16* __restrict__ kd,
+                                        const i8* __restrict__ vq, const u16* __restrict__ vd, u16* __restrict__ kf,
+                                        u16* __restrict__ vf, int rows, int hd, int max_ctx) {
+    grid_dependency_wait();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * hd) return;
+    const size_t e = (size_t)blockIdx.y * max_ctx * hd + i;
+    const bool values = blockIdx.z == 1;
+    const i8* q = values ? vq : kq;
+    const u16* d = values ? vd : kd;
+    (values ? vf : kf)[e] = f2h(h2f(d[e / 32]) * (float)q[e]);
 }
 
 // Causal GQA attention of the chunk's queries over the cache: query t of head h sees

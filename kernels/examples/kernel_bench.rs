@@ -13,7 +13,7 @@ use kiln_core::Rng;
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
-    Graph, Kernels, PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
+    Graph, Kernels, KvCache, KvFormat, PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -284,20 +284,30 @@ fn main() -> Result<()> {
         ));
     }
     let (n_heads, n_kv, hd, max_ctx) = (32usize, 8usize, 128usize, 8192usize);
-    for split in [64usize, 256] {
-        let cache_len = n_kv * max_ctx * hd;
-        let kc = DeviceBuffer::<u16>::from_host(
-            &dev,
-            &(0..cache_len)
-                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
-                .collect::<Vec<_>>(),
-        )?;
-        let vc = DeviceBuffer::<u16>::from_host(
-            &dev,
-            &(0..cache_len)
-                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
-                .collect::<Vec<_>>(),
-        )?;
+    for (format, split) in [
+        (KvFormat::F16, 64usize),
+        (KvFormat::F16, 256),
+        (KvFormat::Q8_0, 256),
+    ] {
+        let cache = KvCache::with_format(&dev, format, 1, n_kv, hd, &[max_ctx])?;
+        let kv = cache.layer(0, 0)?;
+        let n = kv.values();
+        if let Some((kc, vc)) = kv.as_f16() {
+            for plane in [kc, vc] {
+                let h: Vec<u16> = (0..n)
+                    .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
+                    .collect();
+                plane.copy_from_host(&dev, &h)?;
+            }
+        }
+        if let Some((kq, vq, kd, vd)) = kv.as_q8_0() {
+            for (q, d) in [(kq, kd), (vq, vd)] {
+                let qs: Vec<i8> = (0..n).map(|_| (rng.next_u64() % 255) as i8).collect();
+                let ds = vec![half::f16::from_f32(0.004).to_bits(); n / 32];
+                q.copy_from_host(&dev, &qs)?;
+                d.copy_from_host(&dev, &ds)?;
+            }
+        }
         let qd = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, n_heads * hd, 1.0))?;
         let nsplit = Kernels::attention_splits(max_ctx, split);
         let part_o = DeviceBuffer::<f32>::alloc(&dev, n_heads * nsplit * hd)?;
@@ -322,8 +332,7 @@ fn main() -> Result<()> {
                     k.attention(
                         &a,
                         qd.slice(),
-                        kc.slice(),
-                        vc.slice(),
+                        kv,
                         lend.slice(),
                         part_o.slice(),
                         part_ml.slice(),
@@ -335,9 +344,9 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             let ms = time_graph(&dev, &g, LAUNCHES_PER_GRAPH)?;
-            let bytes = 2 * len * n_kv * hd * 2;
+            let bytes = 2 * format.bytes(len * n_kv * hd);
             extra.push(format!(
-            "attention 8B (32/8 heads, hd 128) ctx {len} split {split}: {:.2} us, {:.0} GB/s of KV",
+            "attention 8B (32/8 heads, hd 128) {format:?} KV ctx {len} split {split}: {:.2} us, {:.0} GB/s of KV",
             ms * 1e3,
             bytes as f64 / (ms * 1e-3) / 1e9
         ));

@@ -8,6 +8,7 @@ use crate::buffer::DevSlice;
 use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
 use crate::device::{Args, LaunchConfig};
 use crate::error::{KernelError, Result};
+use crate::kv::KvPlanes;
 use crate::ops::{AttnArgs, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 
@@ -283,34 +284,25 @@ impl Kernels {
         a: &RopeArgs,
         qkv: DevSlice<f32>,
         q_out: DevSlice<f32>,
-        kc: DevSlice<u16>,
-        vc: DevSlice<u16>,
+        kv: KvPlanes,
         slot_stride: usize,
         b: &BatchRows,
         max_ctx: usize,
     ) -> Result<()> {
         b.check()?;
         let hd = a.head_dim;
-        if slot_stride != a.n_kv * max_ctx * hd
-            || kc.len() != vc.len()
-            || !kc.len().is_multiple_of(slot_stride)
-        {
-            return Err(invalid(format!(
-                "a KV pool of {} halves with slots of {slot_stride}",
-                kc.len()
-            )));
-        }
-        a.check(kc.sub(0, slot_stride)?, vc.sub(0, slot_stride)?, max_ctx)?;
+        check_pool(&kv, slot_stride, a.n_kv * max_ctx * hd)?;
+        a.check(&kv.sub(0, slot_stride)?, max_ctx)?;
         let width = (a.n_heads + 2 * a.n_kv) * hd;
         qkv.check_len(b.rows * width, "QKV rows")?;
         q_out.check_len(b.rows * a.n_heads * hd, "rotated Q rows")?;
-        let f = self.device().function(&ROPE, "rope_kv_batch")?;
+        let f = self.device().function(
+            &ROPE,
+            &format!("rope_kv_batch{}", kv.format.kernel_suffix()),
+        )?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
-        let mut args = Args::new()
-            .ptr(qkv.ptr())
-            .ptr(q_out.ptr())
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
+        let mut args = kv
+            .push(Args::new().ptr(qkv.ptr()).ptr(q_out.ptr()))
             .ptr(b.pos.ptr())
             .ptr(b.slot.ptr())
             .u64(slot_stride as u64)
@@ -334,8 +326,7 @@ impl Kernels {
         &self,
         a: &AttnArgs,
         q: DevSlice<f32>,
-        kc: DevSlice<u16>,
-        vc: DevSlice<u16>,
+        kv: KvPlanes,
         slot_stride: usize,
         b: &BatchRows,
         part_o: DevSlice<f32>,
@@ -351,15 +342,7 @@ impl Kernels {
             ));
         }
         let hd = a.head_dim;
-        if slot_stride != a.n_kv * a.max_ctx * hd
-            || kc.len() != vc.len()
-            || !kc.len().is_multiple_of(slot_stride)
-        {
-            return Err(invalid(format!(
-                "a KV pool of {} halves with slots of {slot_stride}",
-                kc.len()
-            )));
-        }
+        check_pool(&kv, slot_stride, a.n_kv * a.max_ctx * hd)?;
         let nsplit = a.grid_splits();
         let qd = a.n_heads * hd;
         q.check_len(b.rows * qd, "attention Q rows")?;
@@ -368,13 +351,11 @@ impl Kernels {
         counters.check_len(b.rows * a.n_heads, "attention split counters")?;
         out.check_len(b.rows * qd, "attention output rows")?;
         let f = self.device().function(
-            &attention_module(hd)?,
-            &format!("attn_decode_batch_{}", hd / 32),
+            &attention_module(hd, kv.format)?,
+            &format!("attn_decode_batch{}_{}", kv.format.kernel_suffix(), hd / 32),
         )?;
-        let mut args = Args::new()
-            .ptr(q.ptr())
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
+        let mut args = kv
+            .push(Args::new().ptr(q.ptr()))
             .ptr(b.len.ptr())
             .ptr(b.slot.ptr())
             .u64(slot_stride as u64)
@@ -531,4 +512,16 @@ impl Kernels {
         // SAFETY: as above; top_k is clamped to 1..=64 by the caller's settings check.
         unsafe { self.device().launch(f, cfg, &mut args) }
     }
+}
+
+/// Checks a batched step's view of a layer's cache: whole slots of `slot_stride` values,
+/// each the `n_kv · max_ctx · head_dim` values a slot holds.
+fn check_pool(kv: &KvPlanes, slot_stride: usize, slot_values: usize) -> Result<()> {
+    if slot_stride == 0 || slot_stride != slot_values || !kv.values().is_multiple_of(slot_stride) {
+        return Err(invalid(format!(
+            "a KV pool of {} values with slots of {slot_stride}",
+            kv.values()
+        )));
+    }
+    Ok(())
 }

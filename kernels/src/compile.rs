@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use crate::error::{KernelError, Result};
+use crate::kv::KvFormat;
 use crate::libs;
 
 const COMMON: &str = include_str!("../cuda/common.cuh");
@@ -59,28 +60,38 @@ pub const NORM: KernelModule = module("norm", include_str!("../cuda/norm.cu"));
 pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
 const ATTENTION_SRC: &str = include_str!("../cuda/attention.cu");
 
-/// Decode attention, one module per head size (32·E for E = 1..=8): a model compiles the
-/// one it needs.
+/// Decode attention, one module per head size (32·E for E = 1..=8) and KV cache format: a
+/// model compiles the one it needs.
 macro_rules! attention_modules {
-    ($($e:literal)*) => {
+    ($prefix:literal, $entry:literal, $batch:literal: $($e:literal)*) => {
         [$(KernelModule {
-            name: concat!("attention_", $e),
+            name: concat!($prefix, $e),
             source: ATTENTION_SRC,
-            suffix: concat!("ATTN_ENTRY(", $e, ")\nATTN_BATCH_ENTRY(", $e, ")"),
+            suffix: concat!($entry, "(", $e, ")\n", $batch, "(", $e, ")"),
         }),*]
     };
 }
-pub static ATTENTION: [KernelModule; 8] = attention_modules!(1 2 3 4 5 6 7 8);
+pub static ATTENTION: [KernelModule; 8] =
+    attention_modules!("attention_", "ATTN_ENTRY", "ATTN_BATCH_ENTRY": 1 2 3 4 5 6 7 8);
+/// The same over a q8_0 cache.
+pub static ATTENTION_Q8: [KernelModule; 8] =
+    attention_modules!("attention_q8_", "ATTN_Q8_ENTRY", "ATTN_Q8_BATCH_ENTRY": 1 2 3 4 5 6 7 8);
 
-/// The attention module for heads of `head_dim` values (a multiple of 32 up to 256).
-pub fn attention_module(head_dim: usize) -> Result<KernelModule> {
+/// The attention module for heads of `head_dim` values (a multiple of 32 up to 256) over a
+/// cache in `kv`.
+pub fn attention_module(head_dim: usize, kv: KvFormat) -> Result<KernelModule> {
     if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 32 * ATTENTION.len() {
         return Err(KernelError::Unsupported(format!(
             "decode attention over heads of {head_dim} values (multiples of 32 up to 256 only)"
         )));
     }
-    Ok(ATTENTION[head_dim / 32 - 1])
+    let table = match kv {
+        KvFormat::F16 => &ATTENTION,
+        KvFormat::Q8_0 => &ATTENTION_Q8,
+    };
+    Ok(table[head_dim / 32 - 1])
 }
+
 pub const SAMPLE: KernelModule = module("sample", include_str!("../cuda/sample.cu"));
 
 pub(crate) const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
@@ -107,6 +118,7 @@ impl KernelModule {
 pub fn all_modules() -> Vec<KernelModule> {
     let mut v = vec![NORM, ROPE, SAMPLE, PREFILL];
     v.extend(ATTENTION);
+    v.extend(ATTENTION_Q8);
     for f in &crate::format::FORMATS {
         v.push(f.embed);
         v.extend(f.gemv.all());

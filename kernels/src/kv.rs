@@ -1,7 +1,12 @@
-//! The KV cache of an executor: f16 keys and values per layer for a fixed number of
-//! sequence slots, laid out `[slot][kv_head][position][head_dim]` in one allocation per
-//! layer, so one head's history is contiguous for the attention kernel and a batched step
+//! The KV cache of an executor: keys and values per layer for a fixed number of sequence
+//! slots, laid out `[slot][kv_head][position][head_dim]` in one allocation per layer and
+//! plane, so one head's history is contiguous for the attention kernel and a batched step
 //! reaches any slot's cache as `base + slot · slot_stride`.
+//!
+//! Two formats: f16 values, or q8_0 — one int8 per value plus one f16 scale per 32 values in
+//! a plane of their own (the scale of value `e` at `e / 32`): ggml's q8_0 arithmetic (34
+//! bytes per 32 values) without its 34-byte block stride, so that every kernel load stays
+//! aligned and a slot, head or row offset (all multiples of 32 values) moves both planes.
 //!
 //! A layer keeps `rows` positions per KV head: the context, or for a sliding-window layer
 //! only a ring of the window plus one prefill chunk (position p in row p % rows), which is
@@ -10,21 +15,185 @@
 use std::sync::Arc;
 
 use crate::buffer::{DevSlice, DeviceBuffer};
-use crate::device::Device;
+use crate::device::{Args, Device};
 use crate::error::{KernelError, Result};
+
+/// How a KV cache stores its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFormat {
+    F16,
+    Q8_0,
+}
+
+impl KvFormat {
+    /// Bytes of one value in the value plane.
+    pub fn value_bytes(self) -> usize {
+        match self {
+            KvFormat::F16 => 2,
+            KvFormat::Q8_0 => 1,
+        }
+    }
+
+    /// Bytes `values` values take in both planes (`values` a multiple of 32).
+    pub fn bytes(self, values: usize) -> usize {
+        match self {
+            KvFormat::F16 => 2 * values,
+            KvFormat::Q8_0 => values + values / 32 * 2,
+        }
+    }
+
+    /// The suffix of the kernels that read or write this format (`attn_decode_q8_2`).
+    pub(crate) fn kernel_suffix(self) -> &'static str {
+        match self {
+            KvFormat::F16 => "",
+            KvFormat::Q8_0 => "_q8",
+        }
+    }
+}
+
+/// One layer's keys and values as the kernels take them (one slot's, or every slot's):
+/// the value planes, and for q8_0 the scale planes. Cheap to copy; like [`DevSlice`], it
+/// must not outlive the cache it came from.
+#[derive(Debug, Clone, Copy)]
+pub struct KvPlanes {
+    pub format: KvFormat,
+    k: DevSlice<u8>,
+    v: DevSlice<u8>,
+    k_scales: Option<DevSlice<u16>>,
+    v_scales: Option<DevSlice<u16>>,
+}
+
+impl KvPlanes {
+    /// An f16 cache's planes.
+    pub fn f16(k: DevSlice<u16>, v: DevSlice<u16>) -> Result<Self> {
+        if k.len() != v.len() {
+            return Err(invalid(format!(
+                "K and V planes of {} and {} values",
+                k.len(),
+                v.len()
+            )));
+        }
+        Ok(KvPlanes {
+            format: KvFormat::F16,
+            k: k.cast()?,
+            v: v.cast()?,
+            k_scales: None,
+            v_scales: None,
+        })
+    }
+
+    /// A q8_0 cache's planes: int8 values and one f16 scale per 32 of them.
+    pub fn q8_0(
+        k: DevSlice<i8>,
+        v: DevSlice<i8>,
+        k_scales: DevSlice<u16>,
+        v_scales: DevSlice<u16>,
+    ) -> Result<Self> {
+        let n = k.len();
+        if v.len() != n
+            || !n.is_multiple_of(32)
+            || k_scales.len() != n / 32
+            || v_scales.len() != n / 32
+        {
+            return Err(invalid(format!(
+                "q8_0 planes of {} / {} values and {} / {} scales",
+                n,
+                v.len(),
+                k_scales.len(),
+                v_scales.len()
+            )));
+        }
+        Ok(KvPlanes {
+            format: KvFormat::Q8_0,
+            k: k.cast()?,
+            v: v.cast()?,
+            k_scales: Some(k_scales),
+            v_scales: Some(v_scales),
+        })
+    }
+
+    /// Values in each of K and V.
+    pub fn values(&self) -> usize {
+        self.k.len() / self.format.value_bytes()
+    }
+
+    /// Checks each plane holds at least `n` values; `what` names the cache in the error.
+    pub fn check_len(&self, n: usize, what: &str) -> Result<()> {
+        if self.values() < n {
+            return Err(invalid(format!(
+                "{what} holds {} values, {n} needed",
+                self.values()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Values `start..start + len` of both planes (for q8_0 in whole 32-value blocks, so
+    /// the scales follow).
+    pub fn sub(&self, start: usize, len: usize) -> Result<KvPlanes> {
+        if self.format == KvFormat::Q8_0 && (!start.is_multiple_of(32) || !len.is_multiple_of(32)) {
+            return Err(invalid(format!(
+                "KV range {start}+{len} is not in whole 32-value blocks"
+            )));
+        }
+        let b = self.format.value_bytes();
+        let scales = |s: Option<DevSlice<u16>>| s.map(|s| s.sub(start / 32, len / 32)).transpose();
+        Ok(KvPlanes {
+            format: self.format,
+            k: self.k.sub(start * b, len * b)?,
+            v: self.v.sub(start * b, len * b)?,
+            k_scales: scales(self.k_scales)?,
+            v_scales: scales(self.v_scales)?,
+        })
+    }
+
+    /// The f16 value planes (K, V), or None for q8_0 (the tests' read-back).
+    pub fn as_f16(&self) -> Option<(DevSlice<u16>, DevSlice<u16>)> {
+        match self.format {
+            KvFormat::F16 => Some((self.k.cast().ok()?, self.v.cast().ok()?)),
+            KvFormat::Q8_0 => None,
+        }
+    }
+
+    /// The q8_0 planes (K values, V values, K scales, V scales), or None for f16.
+    pub fn as_q8_0(&self) -> Option<(DevSlice<i8>, DevSlice<i8>, DevSlice<u16>, DevSlice<u16>)> {
+        Some((
+            self.k.cast().ok()?,
+            self.v.cast().ok()?,
+            self.k_scales?,
+            self.v_scales?,
+        ))
+    }
+
+    /// Appends the four kernel parameters every KV kernel takes: K values, V values, K
+    /// scales, V scales (null for f16).
+    pub(crate) fn push(&self, args: Args) -> Args {
+        args.ptr(self.k.ptr())
+            .ptr(self.v.ptr())
+            .ptr(self.k_scales.map_or(0, |s| s.ptr()))
+            .ptr(self.v_scales.map_or(0, |s| s.ptr()))
+    }
+}
+
+/// One layer's storage.
+struct LayerPlanes {
+    k: DeviceBuffer<u8>,
+    v: DeviceBuffer<u8>,
+    scales: Option<(DeviceBuffer<u16>, DeviceBuffer<u16>)>,
+}
 
 pub struct KvCache {
     pub slots: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub format: KvFormat,
     /// Positions each layer keeps per KV head and slot.
     rows: Vec<usize>,
-    k: Vec<DeviceBuffer<u16>>,
-    v: Vec<DeviceBuffer<u16>>,
+    layers: Vec<LayerPlanes>,
 }
 
 impl KvCache {
-    /// Allocates the cache for `slots` sequences, layer l keeping `rows[l]` positions
+    /// Allocates an f16 cache for `slots` sequences, layer l keeping `rows[l]` positions
     /// (contents undefined until written).
     pub fn new(
         device: &Arc<Device>,
@@ -33,29 +202,55 @@ impl KvCache {
         head_dim: usize,
         rows: &[usize],
     ) -> Result<Self> {
+        Self::with_format(device, KvFormat::F16, slots, kv_heads, head_dim, rows)
+    }
+
+    /// [`KvCache::new`] in `format`.
+    pub fn with_format(
+        device: &Arc<Device>,
+        format: KvFormat,
+        slots: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        rows: &[usize],
+    ) -> Result<Self> {
         if slots == 0 || rows.is_empty() || kv_heads == 0 || head_dim == 0 || rows.contains(&0) {
-            return Err(KernelError::InvalidArgument(
-                "KV cache with a zero dimension".into(),
-            ));
+            return Err(invalid("KV cache with a zero dimension".into()));
         }
-        let mut k = Vec::with_capacity(rows.len());
-        let mut v = Vec::with_capacity(rows.len());
+        if !head_dim.is_multiple_of(32) && format == KvFormat::Q8_0 {
+            return Err(KernelError::Unsupported(format!(
+                "a q8_0 KV cache for heads of {head_dim} values (needs a multiple of 32)"
+            )));
+        }
+        let mut layers = Vec::with_capacity(rows.len());
         for &r in rows {
             let per = kv_heads
                 .checked_mul(r)
                 .and_then(|n| n.checked_mul(head_dim))
                 .and_then(|n| n.checked_mul(slots))
-                .ok_or_else(|| KernelError::InvalidArgument("KV cache size overflows".into()))?;
-            k.push(DeviceBuffer::alloc(device, per)?);
-            v.push(DeviceBuffer::alloc(device, per)?);
+                .and_then(|n| n.checked_mul(format.value_bytes()))
+                .ok_or_else(|| invalid("KV cache size overflows".into()))?;
+            let values = per / format.value_bytes();
+            let scales = match format {
+                KvFormat::F16 => None,
+                KvFormat::Q8_0 => Some((
+                    DeviceBuffer::alloc(device, values / 32)?,
+                    DeviceBuffer::alloc(device, values / 32)?,
+                )),
+            };
+            layers.push(LayerPlanes {
+                k: DeviceBuffer::alloc(device, per)?,
+                v: DeviceBuffer::alloc(device, per)?,
+                scales,
+            });
         }
         Ok(KvCache {
             slots,
             kv_heads,
             head_dim,
+            format,
             rows: rows.to_vec(),
-            k,
-            v,
+            layers,
         })
     }
 
@@ -67,14 +262,14 @@ impl KvCache {
     /// Bytes the cache occupies on the device.
     pub fn bytes(&self) -> usize {
         (0..self.layers())
-            .map(|l| 2 * self.slots * self.slot_stride(l) * 2)
+            .map(|l| 2 * self.format.bytes(self.slots * self.slot_stride(l)))
             .sum()
     }
 
     /// Bytes of K and V one token of context takes over all layers (while a sliding-window
     /// layer's ring is filling; past it, only the full layers grow).
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.layers() * self.kv_heads * self.head_dim * 2
+        2 * self.layers() * self.format.bytes(self.kv_heads * self.head_dim)
     }
 
     /// Positions `layer` keeps per KV head and slot (0 for a layer out of range).
@@ -82,32 +277,42 @@ impl KvCache {
         self.rows.get(layer).copied().unwrap_or(0)
     }
 
-    /// Halves from one slot's cache to the next within `layer`.
+    /// Values from one slot's cache to the next within `layer`.
     pub fn slot_stride(&self, layer: usize) -> usize {
         self.kv_heads * self.rows(layer) * self.head_dim
     }
 
-    /// (keys, values) of `layer` for the sequence in `slot`.
-    pub fn layer(&self, layer: usize, slot: usize) -> Result<(DevSlice<u16>, DevSlice<u16>)> {
-        let (k, v) = self.layer_all(layer)?;
+    /// Keys and values of `layer` for the sequence in `slot`.
+    pub fn layer(&self, layer: usize, slot: usize) -> Result<KvPlanes> {
+        let all = self.layer_all(layer)?;
         if slot >= self.slots {
-            return Err(KernelError::InvalidArgument(format!(
+            return Err(invalid(format!(
                 "slot {slot} of a {}-slot cache",
                 self.slots
             )));
         }
         let n = self.slot_stride(layer);
-        Ok((k.sub(slot * n, n)?, v.sub(slot * n, n)?))
+        all.sub(slot * n, n)
     }
 
-    /// (keys, values) of `layer` for every slot (the batched step's view).
-    pub fn layer_all(&self, layer: usize) -> Result<(DevSlice<u16>, DevSlice<u16>)> {
-        match (self.k.get(layer), self.v.get(layer)) {
-            (Some(k), Some(v)) => Ok((k.slice(), v.slice())),
-            _ => Err(KernelError::InvalidArgument(format!(
-                "layer {layer} of a {}-layer cache",
-                self.layers()
-            ))),
+    /// Keys and values of `layer` for every slot (the batched step's view).
+    pub fn layer_all(&self, layer: usize) -> Result<KvPlanes> {
+        let l = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| invalid(format!("layer {layer} of a {}-layer cache", self.layers())))?;
+        match &l.scales {
+            None => KvPlanes::f16(l.k.slice().cast()?, l.v.slice().cast()?),
+            Some((ks, vs)) => KvPlanes::q8_0(
+                l.k.slice().cast()?,
+                l.v.slice().cast()?,
+                ks.slice(),
+                vs.slice(),
+            ),
         }
     }
+}
+
+fn invalid(message: String) -> KernelError {
+    KernelError::InvalidArgument(message)
 }

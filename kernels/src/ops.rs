@@ -9,6 +9,7 @@ use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::format::WeightFormat;
+use crate::kv::{KvFormat, KvPlanes};
 use crate::repack::DeviceWeight;
 
 fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
@@ -230,14 +231,15 @@ impl Kernels {
         self.device.load_modules(&crate::compile::all_modules())
     }
 
-    /// The modules a model with weights in `formats`, heads of `head_dim` values and
-    /// GEMVs on `path` needs: the shared ones, its attention and its formats' embedding
+    /// The modules a model with weights in `formats`, heads of `head_dim` values, a KV
+    /// cache in `kv` and GEMVs on `path` needs: the shared ones, its attention and its formats' embedding
     /// lookups and GEMVs on that path; with `prefill` the batched prefill's
     /// (dequantisers, row kernels); with `batched` the batched decode's matmuls.
     pub fn modules_for(
         formats: &[&'static WeightFormat],
         path: GemvPath,
         head_dim: usize,
+        kv: KvFormat,
         prefill: bool,
         batched: bool,
     ) -> Result<Vec<KernelModule>> {
@@ -245,7 +247,7 @@ impl Kernels {
             NORM,
             ROPE,
             SAMPLE,
-            crate::compile::attention_module(head_dim)?,
+            crate::compile::attention_module(head_dim, kv)?,
         ];
         for f in formats {
             v.push(f.embed);
@@ -548,23 +550,21 @@ impl Kernels {
         a: &RopeArgs,
         qkv: DevSlice<f32>,
         q_out: DevSlice<f32>,
-        kc: DevSlice<u16>,
-        vc: DevSlice<u16>,
+        kv: KvPlanes,
         pos: DevSlice<i32>,
         max_ctx: usize,
     ) -> Result<()> {
-        a.check(kc, vc, max_ctx)?;
+        a.check(&kv, max_ctx)?;
         let hd = a.head_dim;
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
         q_out.check_len(a.n_heads * hd, "rotated Q")?;
         pos.check_len(1, "position")?;
-        let f = self.device.function(&ROPE, "rope_kv")?;
+        let f = self
+            .device
+            .function(&ROPE, &format!("rope_kv{}", kv.format.kernel_suffix()))?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
-        let mut args = Args::new()
-            .ptr(qkv.ptr())
-            .ptr(q_out.ptr())
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
+        let mut args = kv
+            .push(Args::new().ptr(qkv.ptr()).ptr(q_out.ptr()))
             .ptr(pos.ptr())
             .rope(a)
             .i32(max_ctx as i32);
@@ -635,8 +635,7 @@ impl Kernels {
         &self,
         a: &AttnArgs,
         q: DevSlice<f32>,
-        kc: DevSlice<u16>,
-        vc: DevSlice<u16>,
+        kv: KvPlanes,
         len: DevSlice<i32>,
         part_o: DevSlice<f32>,
         part_ml: DevSlice<[f32; 2]>,
@@ -648,8 +647,7 @@ impl Kernels {
         let hd = a.head_dim;
         let nsplit = a.grid_splits();
         q.check_len(a.n_heads * hd, "attention Q")?;
-        kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
-        vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
+        kv.check_len(a.n_kv * a.max_ctx * hd, "KV cache")?;
         len.check_len(1, "context length")?;
         part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
@@ -659,17 +657,19 @@ impl Kernels {
             q.check_len(a.n_heads * hd, "quantised attention output")?;
         }
         let f = self.device.function(
-            &attention_module(hd)?,
+            &attention_module(hd, kv.format)?,
             &format!(
-                "attn_decode_{}{}",
+                "attn_decode_{}{}{}",
                 if a.pairs { "pairs_" } else { "" },
+                match kv.format {
+                    KvFormat::F16 => "",
+                    KvFormat::Q8_0 => "q8_",
+                },
                 hd / 32
             ),
         )?;
-        let mut args = Args::new()
-            .ptr(q.ptr())
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
+        let mut args = kv
+            .push(Args::new().ptr(q.ptr()))
             .ptr(len.ptr())
             .attn(a)
             .ptr(part_o.ptr())
@@ -873,11 +873,17 @@ impl Args {
 impl RopeArgs {
     /// Checks the head geometry, the per-head vectors and a K/V cache of `max_ctx`
     /// positions (shared by the decode and the batched RoPE).
-    pub(crate) fn check(&self, kc: DevSlice<u16>, vc: DevSlice<u16>, max_ctx: usize) -> Result<()> {
+    pub(crate) fn check(&self, kv: &KvPlanes, max_ctx: usize) -> Result<()> {
         let hd = self.head_dim;
         let rot = self.rot_dims;
         if hd == 0 || !hd.is_multiple_of(2) || hd > 512 || rot > hd || !rot.is_multiple_of(2) {
             return Err(invalid(format!("head_dim {hd} / rotary dims {rot}")));
+        }
+        // The q8_0 writer quantises whole rows of up to 256 values in shared memory.
+        if kv.format == KvFormat::Q8_0 && (!hd.is_multiple_of(32) || hd > 256) {
+            return Err(KernelError::Unsupported(format!(
+                "a q8_0 KV cache for heads of {hd} values (multiples of 32 up to 256 only)"
+            )));
         }
         if self.n_kv == 0 || !self.n_heads.is_multiple_of(self.n_kv) {
             return Err(invalid(format!(
@@ -885,8 +891,7 @@ impl RopeArgs {
                 self.n_heads, self.n_kv
             )));
         }
-        kc.check_len(self.n_kv * max_ctx * hd, "K cache")?;
-        vc.check_len(self.n_kv * max_ctx * hd, "V cache")?;
+        kv.check_len(self.n_kv * max_ctx * hd, "KV cache")?;
         self.inv_freq
             .check_len(rot / 2, "rope inverse frequencies")?;
         if let Some(n) = self.q_norm {
@@ -1097,12 +1102,11 @@ impl Kernels {
         rows: usize,
         start: usize,
         q_out: DevSlice<f32>,
-        kc: DevSlice<u16>,
-        vc: DevSlice<u16>,
+        kv: KvPlanes,
         max_ctx: usize,
         window: usize,
     ) -> Result<()> {
-        a.check(kc, vc, max_ctx)?;
+        a.check(&kv, max_ctx)?;
         let hd = a.head_dim;
         if !positions_fit(rows, start, max_ctx, window) || start + rows > i32::MAX as usize {
             return Err(invalid(format!(
@@ -1115,16 +1119,13 @@ impl Kernels {
             b.check_len(width, "QKV bias")?;
         }
         q_out.check_len(rows * a.n_heads * hd, "rotated Q rows")?;
-        let f = self
-            .device
-            .function(&crate::compile::PREFILL, "rope_kv_rows")?;
+        let f = self.device.function(
+            &crate::compile::PREFILL,
+            &format!("rope_kv_rows{}", kv.format.kernel_suffix()),
+        )?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
-        let mut args = Args::new()
-            .ptr(qkv.ptr())
-            .ptr(opt(bias))
-            .ptr(q_out.ptr())
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
+        let mut args = kv
+            .push(Args::new().ptr(qkv.ptr()).ptr(opt(bias)).ptr(q_out.ptr()))
             .i32(start as i32)
             .rope(a)
             .i32(max_ctx as i32);
@@ -1134,6 +1135,56 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes and positions checked above.
+        unsafe { self.device.launch(f, cfg, &mut args) }
+    }
+
+    /// A q8_0 cache's rows `0..rows` of one layer and slot (`kv`, `n_kv` heads of `max_ctx`
+    /// rows) as f16 in `k_f16`/`v_f16`, in the f16 cache's layout: what the prefill
+    /// attention kernels, which read f16 tiles, take in place of the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_q8_to_f16(
+        &self,
+        kv: KvPlanes,
+        n_kv: usize,
+        head_dim: usize,
+        max_ctx: usize,
+        rows: usize,
+        k_f16: DevSlice<u16>,
+        v_f16: DevSlice<u16>,
+    ) -> Result<()> {
+        let Some((kq, vq, kd, vd)) = kv.as_q8_0() else {
+            return Err(invalid("kv_q8_to_f16 takes a q8_0 cache".into()));
+        };
+        let n = n_kv * max_ctx * head_dim;
+        if rows > max_ctx || rows * head_dim > i32::MAX as usize {
+            return Err(invalid(format!("{rows} rows of a {max_ctx}-row cache")));
+        }
+        kv.check_len(n, "q8_0 KV cache")?;
+        k_f16.check_len(n, "f16 K rows")?;
+        v_f16.check_len(n, "f16 V rows")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, "kv_q8_to_f16")?;
+        let mut args = Args::new()
+            .ptr(kq.ptr())
+            .ptr(kd.ptr())
+            .ptr(vq.ptr())
+            .ptr(vd.ptr())
+            .ptr(k_f16.ptr())
+            .ptr(v_f16.ptr())
+            .i32(rows as i32)
+            .i32(head_dim as i32)
+            .i32(max_ctx as i32);
+        let cfg = LaunchConfig {
+            grid: ((rows * head_dim).div_ceil(256) as u32, n_kv as u32, 2),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: every plane holds n_kv · max_ctx · head_dim values (checked), and the
+        // kernel touches rows < `rows` ≤ max_ctx of each head.
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 

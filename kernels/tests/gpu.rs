@@ -10,8 +10,8 @@ use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath, GemvTiling,
-    Kernels, KvCache, PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs,
-    WeightFormat, FORMATS, Q4_0_X4,
+    Kernels, KvCache, KvFormat, KvPlanes, PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers,
+    QuantOut, RopeArgs, WeightFormat, FORMATS, Q4_0_X4,
 };
 
 /// Whether `t` suits `f` (a warp owns whole row groups).
@@ -519,93 +519,184 @@ fn rope_ref(
     v
 }
 
+/// The values a cache plane holds, as f32: f16 bits, or q8_0's `d · q` per 32 values.
+fn plane_values(g: &Gpu, kv: &KvPlanes) -> (Vec<f32>, Vec<f32>) {
+    match kv.as_f16() {
+        Some((k, v)) => (
+            f16s_to_f32(&k.to_host(&g.dev).unwrap()),
+            f16s_to_f32(&v.to_host(&g.dev).unwrap()),
+        ),
+        None => {
+            let (kq, vq, kd, vd) = kv.as_q8_0().unwrap();
+            let decode = |q: Vec<i8>, d: Vec<u16>| -> Vec<f32> {
+                q.iter()
+                    .enumerate()
+                    .map(|(i, &q)| f16::from_bits(d[i / 32]).to_f32() * q as f32)
+                    .collect()
+            };
+            (
+                decode(kq.to_host(&g.dev).unwrap(), kd.to_host(&g.dev).unwrap()),
+                decode(vq.to_host(&g.dev).unwrap(), vd.to_host(&g.dev).unwrap()),
+            )
+        }
+    }
+}
+
+/// A cached row checked against its f64 reference: within f16 rounding for an f16 cache;
+/// for q8_0, within one quantisation step of what kiln_core's q8_0 quantiser (ggml's
+/// rounding, the CPU cache's) makes of the reference.
+fn check_cached_row(format: KvFormat, got: &[f32], reference: &[f64], what: &str) {
+    match format {
+        KvFormat::F16 => {
+            let err = rel_err(got, reference);
+            assert!(err < 1e-3, "{what}: {err:e}");
+        }
+        KvFormat::Q8_0 => {
+            let src: Vec<f32> = reference.iter().map(|&v| v as f32).collect();
+            let mut blocks = vec![0u8; src.len() / 32 * 34];
+            kiln_core::quant::quantize_row_q8_0(&src, &mut blocks).unwrap();
+            for (b, block) in blocks.chunks_exact(34).enumerate() {
+                let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                for (i, &q) in block[2..].iter().enumerate() {
+                    let want = d * q as i8 as f32;
+                    let have = got[b * 32 + i];
+                    assert!(
+                        (have - want).abs() <= 1.01 * d,
+                        "{what}: value {} is {have}, core's q8_0 gives {want} (step {d})",
+                        b * 32 + i
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn rope_and_kv_write_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rope");
-    for (neox, hd, rot, qk_norm) in [
-        (false, 64, 64, false),
-        (true, 128, 128, false),
-        (true, 128, 64, false),
-        (true, 128, 128, true),
-        (false, 64, 32, true),
-    ] {
-        let (n_heads, n_kv, max_ctx) = (6, 2, 300);
-        let pos = (rng.next_u64() % max_ctx as u64) as usize;
-        let theta = 10000.0f32;
-        let qkv = random_vec(&mut rng, (n_heads + 2 * n_kv) * hd, 1.0);
-        let qn = random_vec(&mut rng, hd, 1.5);
-        let kn = random_vec(&mut rng, hd, 1.5);
-        let (qkvd, qnd, knd) = (buf(&g.dev, &qkv), buf(&g.dev, &qn), buf(&g.dev, &kn));
-        let q_out = poisoned(&g.dev, n_heads * hd);
-        let cache = KvCache::new(&g.dev, 1, n_kv, hd, &[max_ctx]).unwrap();
-        let (kc, vc) = cache.layer(0, 0).unwrap();
-        let posd = buf(&g.dev, &[pos as i32]);
-        let inv: Vec<f32> = (0..rot / 2)
-            .map(|i| theta.powf(-2.0 * i as f32 / rot as f32))
-            .collect();
-        let invd = buf(&g.dev, &inv);
-        let a = RopeArgs {
-            n_heads,
-            n_kv,
-            head_dim: hd,
-            rot_dims: rot,
-            inv_freq: invd.slice(),
-            neox,
-            q_norm: qk_norm.then(|| qnd.slice()),
-            k_norm: qk_norm.then(|| knd.slice()),
-            eps: 1e-6,
-        };
-        g.k.rope_kv(
-            &a,
-            qkvd.slice(),
-            q_out.slice(),
-            kc,
-            vc,
-            posd.slice(),
-            max_ctx,
-        )
-        .unwrap();
-        let got_q = q_out.to_host().unwrap();
-        let kh = kc.to_host(&g.dev).unwrap();
-        let vh = vc.to_host(&g.dev).unwrap();
-        for h in 0..n_heads {
-            let reference = rope_ref(
-                &qkv[h * hd..(h + 1) * hd],
-                pos,
-                rot,
-                theta,
-                neox,
-                qk_norm.then_some((&qn[..], 1e-6)),
-            );
-            let err = rel_err(&got_q[h * hd..(h + 1) * hd], &reference);
-            assert!(
-                err < 1e-5,
-                "rope q head {h} neox={neox} hd={hd} rot={rot} norm={qk_norm} pos={pos}: {err:e}"
-            );
-        }
-        for h in 0..n_kv {
-            let src = &qkv[(n_heads + h) * hd..(n_heads + h + 1) * hd];
-            let reference = rope_ref(
-                src,
-                pos,
-                rot,
-                theta,
-                neox,
-                qk_norm.then_some((&kn[..], 1e-6)),
-            );
-            let off = (h * max_ctx + pos) * hd;
-            let err = rel_err(&f16s_to_f32(&kh[off..off + hd]), &reference);
-            assert!(err < 1e-3, "rope k head {h}: {err:e}");
-            let vref: Vec<f64> = qkv[(n_heads + n_kv + h) * hd..(n_heads + n_kv + h + 1) * hd]
-                .iter()
-                .map(|&v| v as f64)
+    for format in [KvFormat::F16, KvFormat::Q8_0] {
+        for (neox, hd, rot, qk_norm) in [
+            (false, 64, 64, false),
+            (true, 128, 128, false),
+            (true, 128, 64, false),
+            (true, 128, 128, true),
+            (false, 64, 32, true),
+            (true, 96, 96, false),
+        ] {
+            let (n_heads, n_kv, max_ctx) = (6, 2, 300);
+            let pos = (rng.next_u64() % max_ctx as u64) as usize;
+            let theta = 10000.0f32;
+            let qkv = random_vec(&mut rng, (n_heads + 2 * n_kv) * hd, 1.0);
+            let qn = random_vec(&mut rng, hd, 1.5);
+            let kn = random_vec(&mut rng, hd, 1.5);
+            let (qkvd, qnd, knd) = (buf(&g.dev, &qkv), buf(&g.dev, &qn), buf(&g.dev, &kn));
+            let q_out = poisoned(&g.dev, n_heads * hd);
+            let cache = KvCache::with_format(&g.dev, format, 1, n_kv, hd, &[max_ctx]).unwrap();
+            let kv = cache.layer(0, 0).unwrap();
+            let posd = buf(&g.dev, &[pos as i32]);
+            let inv: Vec<f32> = (0..rot / 2)
+                .map(|i| theta.powf(-2.0 * i as f32 / rot as f32))
                 .collect();
-            let err = rel_err(&f16s_to_f32(&vh[off..off + hd]), &vref);
-            assert!(err < 1e-3, "v head {h}: {err:e}");
+            let invd = buf(&g.dev, &inv);
+            let a = RopeArgs {
+                n_heads,
+                n_kv,
+                head_dim: hd,
+                rot_dims: rot,
+                inv_freq: invd.slice(),
+                neox,
+                q_norm: qk_norm.then(|| qnd.slice()),
+                k_norm: qk_norm.then(|| knd.slice()),
+                eps: 1e-6,
+            };
+            g.k.rope_kv(&a, qkvd.slice(), q_out.slice(), kv, posd.slice(), max_ctx)
+                .unwrap();
+            let got_q = q_out.to_host().unwrap();
+            let (kh, vh) = plane_values(&g, &kv);
+            let case = format!("{format:?} neox={neox} hd={hd} rot={rot} norm={qk_norm} pos={pos}");
+            for h in 0..n_heads {
+                let reference = rope_ref(
+                    &qkv[h * hd..(h + 1) * hd],
+                    pos,
+                    rot,
+                    theta,
+                    neox,
+                    qk_norm.then_some((&qn[..], 1e-6)),
+                );
+                let err = rel_err(&got_q[h * hd..(h + 1) * hd], &reference);
+                assert!(err < 1e-5, "rope q head {h} {case}: {err:e}");
+            }
+            for h in 0..n_kv {
+                let src = &qkv[(n_heads + h) * hd..(n_heads + h + 1) * hd];
+                let reference = rope_ref(
+                    src,
+                    pos,
+                    rot,
+                    theta,
+                    neox,
+                    qk_norm.then_some((&kn[..], 1e-6)),
+                );
+                let off = (h * max_ctx + pos) * hd;
+                check_cached_row(
+                    format,
+                    &kh[off..off + hd],
+                    &reference,
+                    &format!("k head {h} {case}"),
+                );
+                let vref: Vec<f64> = qkv[(n_heads + n_kv + h) * hd..(n_heads + n_kv + h + 1) * hd]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                check_cached_row(
+                    format,
+                    &vh[off..off + hd],
+                    &vref,
+                    &format!("v head {h} {case}"),
+                );
+            }
         }
     }
+}
+
+/// Fills both planes of every cache in `kvs` (all of one format and size) with the same
+/// random contents and returns the values they hold: f16 values in [-1, 1], or q8_0 ints
+/// in [-127, 127] under random scales of about 1/127.
+fn fill_random_kv(g: &Gpu, rng: &mut Rng, kvs: &[KvPlanes]) -> (Vec<f64>, Vec<f64>) {
+    let n = kvs[0].values();
+    let mut plane = |key: bool| -> Vec<f64> {
+        if kvs[0].format == KvFormat::F16 {
+            let h: Vec<u16> = (0..n)
+                .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
+                .collect();
+            for kv in kvs {
+                let (k, v) = kv.as_f16().unwrap();
+                (if key { k } else { v })
+                    .copy_from_host(&g.dev, &h)
+                    .unwrap();
+            }
+            return h.iter().map(|&b| f16::from_bits(b).to_f64()).collect();
+        }
+        let qs: Vec<i8> = (0..n)
+            .map(|_| ((rng.next_u64() % 255) as i32 - 127) as i8)
+            .collect();
+        let ds: Vec<u16> = (0..n / 32)
+            .map(|_| f16::from_f32((0.5 + rng.next_f32()) / 127.0).to_bits())
+            .collect();
+        for kv in kvs {
+            let (kq, vq, kd, vd) = kv.as_q8_0().unwrap();
+            let (q, d) = if key { (kq, kd) } else { (vq, vd) };
+            q.copy_from_host(&g.dev, &qs).unwrap();
+            d.copy_from_host(&g.dev, &ds).unwrap();
+        }
+        qs.iter()
+            .enumerate()
+            .map(|(i, &q)| f16::from_bits(ds[i / 32]).to_f64() * q as f64)
+            .collect()
+    };
+    let k = plane(true);
+    (k, plane(false))
 }
 
 #[test]
@@ -623,7 +714,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
     ];
     // Long spans, where the executor computes the heads of a group in pairs.
     let long: &[(usize, usize)] = &[(256, 17000)];
-    let mut cases: Vec<(usize, usize, usize, &[(usize, usize)])> = [
+    let shapes = [
         (1, 64),
         (2, 96),
         (3, 64),
@@ -632,25 +723,27 @@ fn attention_matches_reference_across_contexts_and_gqa() {
         (8, 128),
         (4, 256),
         (12, 64),
-    ]
-    .iter()
-    .map(|&(ratio, hd)| (ratio, hd, 1200, short))
-    .collect();
+    ];
+    let mut cases: Vec<(KvFormat, usize, usize, usize, &[(usize, usize)])> = Vec::new();
+    for format in [KvFormat::F16, KvFormat::Q8_0] {
+        cases.extend(
+            shapes
+                .iter()
+                .map(|&(ratio, hd)| (format, ratio, hd, 1200, short)),
+        );
+    }
     cases.extend(
         [(1, 64), (3, 64), (4, 128)]
             .iter()
-            .map(|&(ratio, hd)| (ratio, hd, 17000, long)),
+            .map(|&(ratio, hd)| (KvFormat::F16, ratio, hd, 17000, long)),
     );
-    for (ratio, hd, max_ctx, lens) in cases {
+    cases.push((KvFormat::Q8_0, 4, 128, 17000, long));
+    for (format, ratio, hd, max_ctx, lens) in cases {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
-        let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
-            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
-            .collect();
-        let vh: Vec<u16> = (0..n_kv * max_ctx * hd)
-            .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
-            .collect();
-        let (kd, vd) = (buf(&g.dev, &kh), buf(&g.dev, &vh));
+        let cache = KvCache::with_format(&g.dev, format, 1, n_kv, hd, &[max_ctx]).unwrap();
+        let kv = cache.layer(0, 0).unwrap();
+        let (kvals, vvals) = fill_random_kv(&g, &mut rng, &[kv]);
         // Each case one head a block and in pairs (odd groups end with a head alone).
         for (&(split, len), pairs) in lens.iter().flat_map(|c| [(c, false), (c, true)]) {
             let nsplit = Kernels::attention_splits(max_ctx, split);
@@ -678,8 +771,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 g.k.attention(
                     a,
                     qd.slice(),
-                    kd.slice(),
-                    vd.slice(),
+                    kv,
                     lend.slice(),
                     part_o.slice(),
                     part_ml.slice(),
@@ -718,12 +810,8 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 let qh = &q[h * hd..(h + 1) * hd];
                 let scores: Vec<f64> = (0..len)
                     .map(|p| {
-                        let k = &kh[(kvh * max_ctx + p) * hd..][..hd];
-                        qh.iter()
-                            .zip(k)
-                            .map(|(&a, &b)| a as f64 * f16::from_bits(b).to_f64())
-                            .sum::<f64>()
-                            * scale as f64
+                        let k = &kvals[(kvh * max_ctx + p) * hd..][..hd];
+                        qh.iter().zip(k).map(|(&a, &b)| a as f64 * b).sum::<f64>() * scale as f64
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -732,15 +820,13 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                 let reference: Vec<f64> = (0..hd)
                     .map(|d| {
                         (0..len)
-                            .map(|p| {
-                                w[p] * f16::from_bits(vh[(kvh * max_ctx + p) * hd + d]).to_f64()
-                            })
+                            .map(|p| w[p] * vvals[(kvh * max_ctx + p) * hd + d])
                             .sum::<f64>()
                             / total
                     })
                     .collect();
                 let err = rel_err(&got[h * hd..(h + 1) * hd], &reference);
-                assert!(err < 1e-5, "attention gqa {ratio} hd {hd} len {len} split {split} pairs {pairs} head {h}: rel err {err:e}");
+                assert!(err < 1e-5, "attention {format:?} gqa {ratio} hd {hd} len {len} split {split} pairs {pairs} head {h}: rel err {err:e}");
             }
         }
     }
@@ -864,6 +950,54 @@ fn prefill_attention_matches_reference() {
     println!(
         "prefill attention: worst rel err tensor cores {worst_tc:.2e}, row kernel {worst_rows:.2e}"
     );
+}
+
+/// A q8_0 cache's rows expanded to f16 for the prefill attention: each value d · q rounded
+/// to f16, rows past the requested ones and other heads' unused rows left as they were.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn q8_0_kv_rows_expand_to_f16() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("q8_0 expand");
+    for (n_kv, hd, max_ctx, rows) in [(2, 64, 100, 37), (8, 128, 600, 600), (3, 96, 50, 1)] {
+        let cache = KvCache::with_format(&g.dev, KvFormat::Q8_0, 1, n_kv, hd, &[max_ctx]).unwrap();
+        let kv = cache.layer(0, 0).unwrap();
+        let (kvals, vvals) = fill_random_kv(&g, &mut rng, &[kv]);
+        let n = n_kv * max_ctx * hd;
+        let poison = vec![0x7e00u16; n]; // an f16 NaN
+        let (kf, vf) = (buf(&g.dev, &poison), buf(&g.dev, &poison));
+        g.k.kv_q8_to_f16(kv, n_kv, hd, max_ctx, rows, kf.slice(), vf.slice())
+            .unwrap();
+        for (got, want, what) in [
+            (kf.to_host().unwrap(), &kvals, "K"),
+            (vf.to_host().unwrap(), &vvals, "V"),
+        ] {
+            for i in 0..n {
+                let row = (i / hd) % max_ctx;
+                let expect = if row < rows {
+                    f16::from_f64(want[i]).to_bits()
+                } else {
+                    0x7e00
+                };
+                assert_eq!(got[i], expect, "{what} value {i} (row {row} of {rows})");
+            }
+        }
+    }
+    // An f16 cache is refused by name.
+    let f16_cache = KvCache::new(&g.dev, 1, 1, 64, &[8]).unwrap();
+    let scratch = DeviceBuffer::<u16>::alloc(&g.dev, 512).unwrap();
+    let err =
+        g.k.kv_q8_to_f16(
+            f16_cache.layer(0, 0).unwrap(),
+            1,
+            64,
+            8,
+            8,
+            scratch.slice(),
+            scratch.slice(),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("q8_0"), "{err}");
 }
 
 #[test]
@@ -1269,9 +1403,15 @@ fn batched_matmul_every_format_matches_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
 fn batched_rope_and_attention_match_the_one_sequence_kernels() {
-    use kiln_kernels::BatchRows;
     let Some(g) = gpu() else { return };
     let mut rng = seeded("batched attention");
+    for format in [KvFormat::F16, KvFormat::Q8_0] {
+        batched_matches_one_at_a_time(&g, &mut rng, format);
+    }
+}
+
+fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat) {
+    use kiln_kernels::BatchRows;
     let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
     let inv: Vec<f32> = (0..hd / 2)
         .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
@@ -1305,18 +1445,12 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let rows = 4;
     let (pos, slot) = ([7i32, 150, 0, -1], [3i32, 0, 4, 0]);
     let len: Vec<i32> = pos.iter().map(|&p| if p < 0 { 0 } else { p + 1 }).collect();
-    let batched = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
-    let single = KvCache::new(&g.dev, slots, n_kv, hd, &[max_ctx]).unwrap();
+    let batched = KvCache::with_format(&g.dev, format, slots, n_kv, hd, &[max_ctx]).unwrap();
+    let single = KvCache::with_format(&g.dev, format, slots, n_kv, hd, &[max_ctx]).unwrap();
     // Fill the history of every slot identically in both caches.
-    let history: Vec<u16> = (0..slots * n_kv * max_ctx * hd)
-        .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
-        .collect();
-    let (bk, bv) = batched.layer_all(0).unwrap();
-    let (sk, sv) = single.layer_all(0).unwrap();
-    for s in [bk, bv, sk, sv] {
-        s.copy_from_host(&g.dev, &history).unwrap();
-    }
-    let qkv = random_vec(&mut rng, rows * width, 1.0);
+    let (bkv, skv) = (batched.layer_all(0).unwrap(), single.layer_all(0).unwrap());
+    fill_random_kv(g, rng, &[bkv, skv]);
+    let qkv = random_vec(rng, rows * width, 1.0);
     let qkvd = buf(&g.dev, &qkv);
     let (posd, lend, slotd) = (buf(&g.dev, &pos), buf(&g.dev, &len), buf(&g.dev, &slot));
     let br = BatchRows {
@@ -1327,17 +1461,8 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     };
     let q_b = poisoned(&g.dev, rows * qd);
     let stride = batched.slot_stride(0);
-    g.k.rope_kv_batch(
-        &rope,
-        qkvd.slice(),
-        q_b.slice(),
-        bk,
-        bv,
-        stride,
-        &br,
-        max_ctx,
-    )
-    .unwrap();
+    g.k.rope_kv_batch(&rope, qkvd.slice(), q_b.slice(), bkv, stride, &br, max_ctx)
+        .unwrap();
     let nsplit = Kernels::attention_splits(max_ctx, 64);
     let part_o = poisoned(&g.dev, rows * qd * nsplit);
     let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * n_heads * nsplit).unwrap();
@@ -1346,8 +1471,7 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     g.k.attention_batch(
         &attn,
         q_b.slice(),
-        bk,
-        bv,
+        bkv,
         stride,
         &br,
         part_o.slice(),
@@ -1362,11 +1486,11 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         "a padding row's attention is zero"
     );
     for z in 0..3 {
-        let (kc, vc) = single.layer(0, slot[z] as usize).unwrap();
+        let kv = single.layer(0, slot[z] as usize).unwrap();
         let q1 = poisoned(&g.dev, qd);
         let row = buf(&g.dev, &qkv[z * width..(z + 1) * width]);
         let p1 = buf(&g.dev, &[pos[z]]);
-        g.k.rope_kv(&rope, row.slice(), q1.slice(), kc, vc, p1.slice(), max_ctx)
+        g.k.rope_kv(&rope, row.slice(), q1.slice(), kv, p1.slice(), max_ctx)
             .unwrap();
         let l1 = buf(&g.dev, &[len[z]]);
         let po = poisoned(&g.dev, qd * nsplit);
@@ -1376,8 +1500,7 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         g.k.attention(
             &attn,
             q1.slice(),
-            kc,
-            vc,
+            kv,
             l1.slice(),
             po.slice(),
             pm.slice(),
@@ -1398,15 +1521,10 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
         );
     }
     // Both caches hold the same: every row wrote its own slot, the padding row nothing.
-    assert_eq!(
-        bk.to_host(&g.dev).unwrap(),
-        sk.to_host(&g.dev).unwrap(),
-        "K caches differ"
+    let (b, s) = (plane_values(g, &bkv), plane_values(g, &skv));
+    assert!(
+        b.0 == s.0 && b.1 == s.1,
+        "{format:?}: the K/V caches differ"
     );
-    assert_eq!(
-        bv.to_host(&g.dev).unwrap(),
-        sv.to_host(&g.dev).unwrap(),
-        "V caches differ"
-    );
-    println!("batched RoPE + attention: 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
+    println!("batched RoPE + attention ({format:?} cache): 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
 }

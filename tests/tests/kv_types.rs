@@ -5,8 +5,10 @@
 //! difference, and the greedy choices that differ (away from near-ties, top-1/top-2 gap
 //! < 1e-3, and at them) — and the cosine is held to a bar per type. A synthetic SmolLM2 runs everywhere; the real SmolLM2 when its file is there.
 //!
-//! The GPU backends keep f16 and refuse the others by name; plugins refuse any explicit
-//! type (the plugin ABI has no field for it).
+//! The GPU backends store f16 and q8_0 (f32 is refused by name): each is checked against the
+//! CPU cache of the same type and against f32, on a prompt of two prefill chunks (`#[ignore]`d:
+//! CI has no GPU; scripts/gpu_suite.sh runs them). Plugins refuse any explicit type (the
+//! plugin ABI has no field for it).
 
 use kiln::conformance::top_gap;
 use kiln::Model;
@@ -34,12 +36,23 @@ fn run(
     prompt: &[u32],
     forced: &[u32],
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
+    run_on(&cpu(), model, kv_type, prompt, forced)
+}
+
+/// [`run`] on `backend`.
+fn run_on(
+    backend: &std::sync::Arc<dyn Backend>,
+    model: &Model,
+    kv_type: KvType,
+    prompt: &[u32],
+    forced: &[u32],
+) -> (Vec<Vec<f32>>, Vec<u32>) {
     let options = LoadOptions {
         max_context: prompt.len() + STEPS + 1,
         kv_type: Some(kv_type),
         ..Default::default()
     };
-    let mut ex = cpu().load(&model.ir, &options).expect("loads");
+    let mut ex = backend.load(&model.ir, &options).expect("loads");
     let vocab = model.ir.config.vocab_size;
     let seq = ex.new_sequence().unwrap();
     let mut logits = vec![0f32; vocab];
@@ -98,14 +111,18 @@ fn cost(reference: &[Vec<f32>], other: &[Vec<f32>]) -> Cost {
     c
 }
 
-/// Each type against f32 on `model`: prints the cost, returns it per type.
-fn measure(model: &Model, what: &str) -> Vec<(KvType, Cost)> {
+/// `len` random ordinary ids (past the first hundred, where special tokens sit).
+fn random_prompt(model: &Model, len: usize) -> Vec<u32> {
     let vocab = model.ir.config.vocab_size as u32;
     let mut rng = kiln_core::Rng::new(kiln_core::testdata::fresh_seed());
-    // Ordinary ids (past the first hundred, where special tokens sit).
-    let prompt: Vec<u32> = (0..PROMPT)
+    (0..len)
         .map(|_| 100 + (rng.next_u64() % u64::from(vocab - 100)) as u32)
-        .collect();
+        .collect()
+}
+
+/// Each type against f32 on `model`: prints the cost, returns it per type.
+fn measure(model: &Model, what: &str) -> Vec<(KvType, Cost)> {
+    let prompt = random_prompt(model, PROMPT);
     let (reference, tokens) = run(model, KvType::F32, &prompt, &[]);
     [KvType::F16, KvType::Q8_0]
         .into_iter()
@@ -212,4 +229,102 @@ fn kv_types_parse_by_name() {
     }
     let e = "q4_0".parse::<KvType>().unwrap_err();
     assert!(e.to_string().contains("f32, f16, q8_0"), "{e}");
+}
+
+/// The GPU backend `name`, or `None` (the test prints its skip) without a GPU;
+/// `KILN_REQUIRE_GPU` makes a missing one a failure.
+fn gpu(name: &str, test: &str) -> Option<std::sync::Arc<dyn Backend>> {
+    kiln::link_builtin_backends();
+    let backend = kiln_core::Registry::with_builtins()
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} is linked in"));
+    if let Err(why) = backend.probe() {
+        if std::env::var_os("KILN_REQUIRE_GPU").is_some() {
+            panic!("KILN_REQUIRE_GPU is set but {name} is unavailable: {why}");
+        }
+        kiln_tests::skip(test, &why);
+        return None;
+    }
+    Some(backend)
+}
+
+/// A GPU backend's f16 and q8_0 caches on a synthetic SmolLM2 in `recipe`, a prompt of two
+/// prefill chunks (the second attends to the first through the cache) and 32 teacher-forced
+/// steps, against the CPU cache of the same type and against f32. Bars: against the same
+/// type, the backend's parity bar (`bar`, as gpu_parity holds it: the GPU's matmuls round
+/// activations to 15 bits), with room for q8_0's rounding of values that sit on a
+/// quantisation boundary; against f32, the CPU's own bars for the type ([`check`]).
+fn gpu_kv_types_match_the_cpu(name: &str, recipe: Recipe, bar: f64, test: &str) {
+    let Some(gpu) = gpu(name, test) else { return };
+    let path = kiln_tests::synthetic_model(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("kv-types-smollm2-135m-{}.gguf", recipe.name())),
+        Preset::SmolLm2_135m,
+        recipe,
+        12,
+    );
+    let model = Model::open(&path).unwrap();
+    let prompt = random_prompt(&model, 700);
+    let (reference, tokens) = run(&model, KvType::F32, &prompt, &[]);
+    let mut against_f32 = Vec::new();
+    for kind in [KvType::F16, KvType::Q8_0] {
+        let (same_type, _) = run(&model, kind, &prompt, &tokens);
+        let (on_gpu, _) = run_on(&gpu, &model, kind, &prompt, &tokens);
+        let vs_cpu = cost(&same_type, &on_gpu);
+        let vs_f32 = cost(&reference, &on_gpu);
+        println!(
+            "{name} {} kv {kind:<5} prompt 700, {STEPS} steps: min cosine {:.7} to the CPU's {kind} cache (greedy mismatches {} + {} at near-ties), {:.7} to f32 ({} + {})",
+            recipe.name(),
+            vs_cpu.min_cosine,
+            vs_cpu.mismatches,
+            vs_cpu.near_ties,
+            vs_f32.min_cosine,
+            vs_f32.mismatches,
+            vs_f32.near_ties
+        );
+        let same_bar = match kind {
+            KvType::Q8_0 => bar.min(0.9999),
+            _ => bar,
+        };
+        assert!(
+            vs_cpu.min_cosine >= same_bar,
+            "{name} kv {kind}: min cosine {} to the CPU's {kind} cache (bar {same_bar})",
+            vs_cpu.min_cosine
+        );
+        against_f32.push((kind, vs_f32));
+    }
+    check(&against_f32);
+    // f32 is the CPU reference's alone: refused by name.
+    let options = LoadOptions {
+        max_context: 64,
+        kv_type: Some(KvType::F32),
+        ..Default::default()
+    };
+    match gpu.load(&model.ir, &options) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("f32"), "{m}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("{name} loaded an f32 KV cache"),
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn cuda_q4k_kv_types_match_the_cpu() {
+    gpu_kv_types_match_the_cpu(
+        "cuda-q4k",
+        Recipe::Q4_K_M,
+        0.999,
+        "cuda_q4k_kv_types_match_the_cpu",
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn cuda_q4_0_kv_types_match_the_cpu() {
+    gpu_kv_types_match_the_cpu(
+        "cuda-q4_0",
+        Recipe::Q4_0,
+        0.99999,
+        "cuda_q4_0_kv_types_match_the_cpu",
+    );
 }

@@ -301,15 +301,15 @@ impl GpuExecutor {
                 let y = b.qkv.sub(p.offset, (bm - 1) * width + p.w.rows)?;
                 k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
             }
-            let (kc, vc) = self.kv.layer_all(li)?;
+            let kv = self.kv.layer_all(li)?;
             let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
-            k.rope_kv_batch(&rope, b.qkv, b.q, kc, vc, stride, &br, self.kv.rows(li))?;
+            k.rope_kv_batch(&rope, b.qkv, b.q, kv, stride, &br, self.kv.rows(li))?;
             let attn = self.attn_args(li, shape);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(
-                &attn, q, kc, vc, stride, &br, b.part_o, b.part_ml, b.counters, out,
+                &attn, q, kv, stride, &br, b.part_o, b.part_ml, b.counters, out,
             )?;
             k.act_pack(b.attn, bm, qd, None, None, b.act)?;
             add_to_stream(&l.o, l.attn_post_norm.as_ref())?;

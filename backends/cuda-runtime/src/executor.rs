@@ -20,8 +20,8 @@ pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
     AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
-    GemvTiling, Graph, Kernels, KvCache, PendingNorm, Q8Act, QuantOut, RopeArgs, WeightFormat,
-    Workspace,
+    GemvTiling, Graph, Kernels, KvCache, KvFormat, PendingNorm, Q8Act, QuantOut, RopeArgs,
+    WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -302,16 +302,22 @@ fn fitted_context(
     device: &Arc<Device>,
     c: &ModelConfig,
     options: &LoadOptions,
+    kv: KvFormat,
     weights: u64,
 ) -> Result<usize> {
     let (free, total) = device.memory_info().map_err(err)?;
-    let row = 2 * c.kv_dim() as u64 * 2;
+    let row = 2 * kv.bytes(c.kv_dim()) as u64;
     let (mut per_position, mut fixed) = (0u64, 0u64);
     for l in 0..c.num_layers {
         match c.layer_attention(l).window {
             Some(w) => fixed += (w + prefill::CHUNK - 1) as u64 * row,
             None => per_position += row,
         }
+    }
+    // A q8_0 cache's prefill expands one layer's rows to f16 (counted per sequence: an
+    // overestimate beside several).
+    if kv == KvFormat::Q8_0 {
+        per_position += 2 * 2 * c.kv_dim() as u64;
     }
     let reserve = (1u64 << 30) + total as u64 / 50;
     let budget = (free as u64).saturating_sub(weights.saturating_add(reserve));
@@ -339,21 +345,22 @@ impl GpuExecutor {
         policy: Arc<dyn GpuPolicy>,
     ) -> Result<GpuExecutor> {
         check_model(model, policy.as_ref()).map_err(Error::Unsupported)?;
-        match options.kv_type {
-            None | Some(KvType::F16) => {}
+        let kv_format = match options.kv_type {
+            None | Some(KvType::F16) => KvFormat::F16,
+            Some(KvType::Q8_0) => KvFormat::Q8_0,
             Some(other) => {
                 return Err(Error::Unsupported(format!(
-                    "{} keeps its KV cache in f16; a {other} cache is not built for the GPU (use --kv-type f16, or the cpu backend, which stores f32, f16 and q8_0)",
+                    "{} keeps its KV cache in f16 or q8_0; a {other} cache is not built for the GPU (use --kv-type f16 or q8_0, or the cpu backend, which stores f32 too)",
                     policy.backend_name()
                 )))
             }
-        }
+        };
         let device = &device.new_stream().map_err(err)?;
         let c = model.config.clone();
         let w = &model.weights;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
-        let max_ctx = fitted_context(device, &c, options, total)?;
+        let max_ctx = fitted_context(device, &c, options, kv_format, total)?;
         let k = Kernels::new(device);
         let formats = formats_of(model, policy.as_ref());
         // Every module the model needs in one go, so a first run compiles them in parallel:
@@ -370,6 +377,7 @@ impl GpuExecutor {
             &formats,
             activation_path,
             hd,
+            kv_format,
             blas.is_ok(),
             batched && blas.is_ok(),
         )
@@ -598,7 +606,9 @@ impl GpuExecutor {
         ws.fill_bytes(0xff).map_err(err)?;
         s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
         let prefill = match blas {
-            Ok(blas) => Ok(prefill::PrefillState::new(device, blas, &c, max_ctx).map_err(err)?),
+            Ok(blas) => Ok(
+                prefill::PrefillState::new(device, blas, &c, max_ctx, kv_format).map_err(err)?,
+            ),
             Err(kiln_kernels::KernelError::NoCublas(why)) => Err(why),
             Err(e) => return Err(err(e)),
         };
@@ -625,8 +635,15 @@ impl GpuExecutor {
                 w => (w + prefill::CHUNK - 1).min(max_ctx),
             })
             .collect();
-        let kv =
-            KvCache::new(device, options.sequences(), c.num_kv_heads, hd, &kv_rows).map_err(err)?;
+        let kv = KvCache::with_format(
+            device,
+            kv_format,
+            options.sequences(),
+            c.num_kv_heads,
+            hd,
+            &kv_rows,
+        )
+        .map_err(err)?;
         Ok(GpuExecutor {
             device: device.clone(),
             policy,
@@ -671,8 +688,15 @@ impl GpuExecutor {
             ));
         }
         // The other path's GEMVs load now: a graph capture cannot load modules.
-        let modules = Kernels::modules_for(&self.formats, path, self.config.head_dim, false, false)
-            .map_err(err)?;
+        let modules = Kernels::modules_for(
+            &self.formats,
+            path,
+            self.config.head_dim,
+            self.kv.format,
+            false,
+            false,
+        )
+        .map_err(err)?;
         self.k.preload_modules(&modules).map_err(err)?;
         self.path = path;
         self.drop_graphs();
@@ -852,15 +876,14 @@ impl GpuExecutor {
                     &epi,
                 )?;
             }
-            let (kc, vc) = self.kv.layer(li, slot_index)?;
+            let kv = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
-            k.rope_kv(&rope, s.qkv, s.q, kc, vc, pos, self.kv.rows(li))?;
+            k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
             let attn = self.attn_args(li, shape);
             k.attention(
                 &attn,
                 s.q,
-                kc,
-                vc,
+                kv,
                 len,
                 s.part_o,
                 s.part_ml,

@@ -14,7 +14,9 @@
 use std::sync::Arc;
 
 use kiln_core::{Activation, Error, ModelConfig, Result};
-use kiln_kernels::{Blas, DevSlice, Device, Event, GemvInput, PrefillAttnArgs, Workspace};
+use kiln_kernels::{
+    Blas, DevSlice, Device, Event, GemvInput, KvFormat, PrefillAttnArgs, Workspace,
+};
 
 use super::{GpuExecutor, Layer};
 
@@ -38,6 +40,10 @@ struct PrefillBuffers {
     proj: DevSlice<f32>,
     /// One weight matrix (or Q/K/V, or gate and up, stacked) in f16.
     wbuf: DevSlice<u16>,
+    /// With a q8_0 cache: one layer's keys and values of the sequence as f16, in the f16
+    /// cache's layout, which the prefill attention kernels read (empty otherwise).
+    k_f16: DevSlice<u16>,
+    v_f16: DevSlice<u16>,
 }
 
 /// The prefill's cuBLAS handle and workspace.
@@ -55,12 +61,17 @@ impl PrefillState {
         blas: Blas,
         c: &ModelConfig,
         max_ctx: usize,
+        kv: KvFormat,
     ) -> kiln_kernels::Result<PrefillState> {
         let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
         let width = qd + 2 * kvd;
         let chunk = CHUNK.min(max_ctx);
         let widest = h.max(qd).max(ffn);
         let wmax = (width * h).max(h * qd).max(2 * ffn * h).max(h * ffn);
+        let kv_f16 = match kv {
+            KvFormat::F16 => 0,
+            KvFormat::Q8_0 => kvd * max_ctx,
+        };
         let (ws, b) = Workspace::carve(device, |a| PrefillBuffers {
             ids: a.take(chunk),
             x: a.take(chunk * h),
@@ -70,6 +81,8 @@ impl PrefillState {
             gu: a.take(chunk * 2 * ffn),
             proj: a.take(chunk * h),
             wbuf: a.take(wmax),
+            k_f16: a.take(kv_f16),
+            v_f16: a.take(kv_f16),
         })?;
         let s = PrefillState {
             blas,
@@ -267,12 +280,23 @@ impl GpuExecutor {
             0.0,
         )?;
         Timer::mark(timer, Part::Other)?;
-        let (kc, vc) = self.kv.layer(li, slot)?;
+        let kv = self.kv.layer(li, slot)?;
         let rope = self.rope_args(l);
         let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
         let rows = self.kv.rows(li);
-        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kc, vc, rows, l.window)?;
+        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kv, rows, l.window)?;
+        // The attention reads f16: a q8_0 cache's rows so far are expanded first (the same
+        // values the decode step reads, rounded to f16).
+        let (kc, vc) = match kv.as_f16() {
+            Some(planes) => planes,
+            None => {
+                let (kf, vf) = (p.b.k_f16.sub(0, kvd * rows)?, p.b.v_f16.sub(0, kvd * rows)?);
+                let seen = (pos0 + n).min(rows);
+                k.kv_q8_to_f16(kv, c.num_kv_heads, hd, rows, seen, kf, vf)?;
+                (kf, vf)
+            }
+        };
         let attn = p.b.act.sub(0, n * qd)?;
         let args = PrefillAttnArgs {
             n_heads: c.num_heads,
