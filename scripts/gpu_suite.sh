@@ -39,7 +39,7 @@ build)
     # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance | batched_decode) cp "$bin" ".gpu/$name" ;; esac
+        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance | batched_decode | kv_types) cp "$bin" ".gpu/$name" ;; esac
     done
     cargo build --release -p kiln --bin kiln
     cargo build --release -p kiln-kernels --example kernel_bench
@@ -74,7 +74,7 @@ run)
     status=0
     summary=()
     # TESTS picks a subset (e.g. TESTS="parity gpu_parity") when device time is short.
-    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity conformance batched_decode}; do
+    for name in ${TESTS:-gpu parity prefill q4_0_parity gpu_parity conformance batched_decode kv_types}; do
         t=.gpu/$name
         [ -x "$t" ] || continue
         if "$t" --include-ignored --test-threads=1 --nocapture >"$out/test-$name.log" 2>&1; then
