@@ -33,7 +33,7 @@ models() { echo "$work/llama3.2-1b.q4_k_m.gguf $work/llama3-8b.q4_k_m.gguf"; }
 
 case "${1:-}" in
 pack)
-    rev=${2:?give the revision to compare against (e.g. the session's starting commit)}
+    rev=${2:?give the revision to compare against (e.g. the starting commit of the session)}
     bash scripts/gpu_suite.sh build >/tmp/device-calls-build.log 2>&1 || { tail -20 /tmp/device-calls-build.log; exit 1; }
     tree=$(mktemp -d)/old
     git worktree add -f "$tree" "$rev" >/dev/null

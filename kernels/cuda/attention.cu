@@ -210,31 +210,31 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #define KV_F16_V KvF16{vc}
 #define KV_Q8_K KvQ8{(const i8*)kc, kd}
 #define KV_Q8_V KvQ8{(const i8*)vc, vd}
-#define ATTN_KERNEL(NAME, E, GM, KV, KK, VV)                                                                            \
+#define ATTN_KERNEL(NAME, E, GM, KV, KK, VV)                                                                           \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr, int n_heads,   \
         int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml, u32* counters,      \
         float* out, i8* oq, i8* olo, float2* ods) {                                                                    \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, GM, KV>(q, KK, VV, len_ptr,    n_heads, n_kv, max_ctx, split, scale, window, part_o,       \
+        attn_partial_impl<E, GM, KV>(q, KK, VV, len_ptr,    n_heads, n_kv, max_ctx, split, scale, window, part_o,      \
                                      part_ml, counters, out, oq, olo, ods);                                            \
     }
 
 // attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two) over an f16 cache;
 // attn_decode_q8_{E} and attn_decode_pairs_q8_{E} over a q8_0 one.
 #define ATTN_ENTRY(E)                                                                                                  \
-    ATTN_KERNEL(attn_decode_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                                            \
+    ATTN_KERNEL(attn_decode_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                                      \
     ATTN_KERNEL(attn_decode_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)
 #define ATTN_Q8_ENTRY(E)                                                                                               \
-    ATTN_KERNEL(attn_decode_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                                           \
+    ATTN_KERNEL(attn_decode_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                                      \
     ATTN_KERNEL(attn_decode_pairs_q8_##E, E, 2, KvQ8, KV_Q8_K, KV_Q8_V)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` values apart); its
 // partials, counters and output are row z's own. A padding row (len 0) writes zeros.
-#define ATTN_BATCH_KERNEL(NAME, E, KV, KK, VV)                                                                        \
+#define ATTN_BATCH_KERNEL(NAME, E, KV, KK, VV)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
-        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,   \
+        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
         long long slot_stride, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,  \
         float2* part_ml, u32* counters, float* out) {                                                                  \
         grid_dependency_wait();                                                                                        \
@@ -245,11 +245,11 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                 for (int d = threadIdx.x; d < hd; d += blockDim.x) out[z * qd + (size_t)blockIdx.x * hd + d] = 0.0f;   \
             return;                                                                                                    \
         }                                                                                                              \
-        const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                   \
+        const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                    \
         const KV k_all = KK, v_all = VV;                                                                               \
-        attn_partial_impl<E, 1, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,   \
+        attn_partial_impl<E, 1, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,    \
                                     split, scale, window, part_o + z * qd * nsplit,                                    \
-                                    part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,     \
+                                    part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
                                     nullptr, nullptr, nullptr);                                                        \
     }
 #define ATTN_BATCH_ENTRY(E) ATTN_BATCH_KERNEL(attn_decode_batch_##E, E, KvF16, KV_F16_K, KV_F16_V)

@@ -83,7 +83,7 @@ static __device__ __forceinline__ void rope_kv_rows_impl(const float* __restrict
 }
 
 #define ROPE_KV_ROWS_ENTRY(NAME, Q8)                                                                                   \
-    extern "C" __global__ void NAME(const float* __restrict__ qkv, const float* __restrict__ bias,                    \
+    extern "C" __global__ void NAME(const float* __restrict__ qkv, const float* __restrict__ bias,                     \
                                     float* __restrict__ q_out, void* kc, void* vc, u16* kd, u16* vd, int start,        \
                                     int n_heads, int n_kv, int hd, int rot_dims, const float* __restrict__ inv_freq,   \
                                     int neox, const float* __restrict__ q_norm, const float* __restrict__ k_norm,      \
@@ -182,11 +182,11 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
 }
 
 #define ATTN_PREFILL(E)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                               \
-        const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,        \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                                \
+        const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,         \
         float scale, int window) {                                                                                     \
         grid_dependency_wait();                                                                                        \
-        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window);                                \
+        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window);                                 \
     }
 ATTN_PREFILL(1)
 ATTN_PREFILL(2)
@@ -404,11 +404,11 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
 }
 
 #define ATTN_PREFILL_MMA(HD, BKV)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_##HD(                                          \
-        const float* q, const u16* kc, const u16* vc, u16* out, int rows, int n_heads, int n_kv, int max_ctx,         \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_##HD(                                           \
+        const float* q, const u16* kc, const u16* vc, u16* out, int rows, int n_heads, int n_kv, int max_ctx,          \
         int start, float scale, int window) {                                                                          \
         grid_dependency_wait();                                                                                        \
-        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window);                \
+        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window);                 \
     }
 ATTN_PREFILL_MMA(64, 64)
 ATTN_PREFILL_MMA(128, 32)

@@ -91,7 +91,7 @@ ROPE_KV_ENTRY(rope_kv_q8, true)
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.y;                                                                                      \
         const int p = pos[z];                                                                                          \
-        const size_t cache = p < 0 ? 0 : (size_t)slot[z] * (size_t)slot_stride;                                       \
+        const size_t cache = p < 0 ? 0 : (size_t)slot[z] * (size_t)slot_stride;                                        \
         const size_t elem = Q8 ? 1 : 2;                                                                                \
         rope_kv_head<Q8>(qkv + (size_t)z * (n_heads + 2 * n_kv) * hd, q_out + (size_t)z * n_heads * hd,                \
                          (u8*)kc + cache * elem, (u8*)vc + cache * elem, kd ? kd + cache / 32 : kd,                    \

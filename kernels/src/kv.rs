@@ -316,3 +316,65 @@ impl KvCache {
 fn invalid(message: String) -> KernelError {
     KernelError::InvalidArgument(message)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q8_planes(values: usize) -> KvPlanes {
+        // Addresses only: nothing is dereferenced on the host.
+        KvPlanes::q8_0(
+            DevSlice::from_raw(0x10000, values),
+            DevSlice::from_raw(0x20000, values),
+            DevSlice::from_raw(0x30000, values / 32),
+            DevSlice::from_raw(0x40000, values / 32),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn bytes_follow_the_format() {
+        assert_eq!(KvFormat::F16.bytes(64), 128);
+        // ggml's q8_0: 34 bytes a 32-value block.
+        assert_eq!(KvFormat::Q8_0.bytes(64), 68);
+    }
+
+    #[test]
+    fn q8_0_views_move_both_planes_in_whole_blocks() {
+        let all = q8_planes(4 * 128);
+        assert_eq!(all.values(), 512);
+        let slot = all.sub(256, 128).unwrap();
+        let (k, v, ks, vs) = slot.as_q8_0().unwrap();
+        assert_eq!((k.ptr(), k.len()), (0x10000 + 256, 128));
+        assert_eq!((v.ptr(), v.len()), (0x20000 + 256, 128));
+        // One f16 scale per 32 values: 8 scales (16 bytes) in, 4 long.
+        assert_eq!((ks.ptr(), ks.len()), (0x30000 + 16, 4));
+        assert_eq!((vs.ptr(), vs.len()), (0x40000 + 16, 4));
+        assert!(slot.as_f16().is_none());
+        assert!(all.sub(16, 32).is_err(), "a view inside a block");
+        assert!(all.sub(480, 64).is_err(), "a view past the end");
+        assert!(all.check_len(512, "cache").is_ok());
+        assert!(all.check_len(513, "cache").is_err());
+    }
+
+    #[test]
+    fn q8_0_planes_must_agree() {
+        let q = DevSlice::<i8>::from_raw(0x1000, 64);
+        let d = DevSlice::<u16>::from_raw(0x2000, 2);
+        assert!(KvPlanes::q8_0(q, q, d, d).is_ok());
+        assert!(KvPlanes::q8_0(q, DevSlice::from_raw(0x1000, 32), d, d).is_err());
+        assert!(KvPlanes::q8_0(q, q, DevSlice::from_raw(0x2000, 1), d).is_err());
+        let odd = DevSlice::<i8>::from_raw(0x1000, 40);
+        assert!(KvPlanes::q8_0(odd, odd, d, d).is_err());
+    }
+
+    #[test]
+    fn f16_views_take_any_offset_and_pass_null_scales() {
+        let k = DevSlice::<u16>::from_raw(0x1000, 96);
+        let planes = KvPlanes::f16(k, DevSlice::from_raw(0x2000, 96)).unwrap();
+        let sub = planes.sub(3, 5).unwrap();
+        let (k, v) = sub.as_f16().unwrap();
+        assert_eq!((k.ptr(), k.len(), v.ptr()), (0x1000 + 6, 5, 0x2000 + 6));
+        assert!(KvPlanes::f16(k, DevSlice::from_raw(0x2000, 4)).is_err());
+    }
+}
