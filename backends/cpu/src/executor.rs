@@ -11,8 +11,6 @@ use kiln_core::{
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 
 use crate::dequant::{block_fn, dequantize_into};
 use crate::kernels::{self, block_sums, Isa, Simd};
@@ -497,7 +495,7 @@ impl CpuExecutor {
             scratch,
             ..
         } = self;
-        let mut run = || {
+        pool.install(|| {
             forward(
                 model,
                 slots.as_mut_slice(),
@@ -507,50 +505,8 @@ impl CpuExecutor {
                 logits,
                 last_only,
             )
-        };
-        if model.threads == 1 {
-            pool.install(run);
-        } else {
-            run_spinning(pool, &mut run);
-        }
+        });
     }
-}
-
-/// Runs `f` on one worker of `pool` while every other worker spins, taking the tasks of
-/// `f`'s parallel regions as soon as they appear, until `f` returns.
-///
-/// A decode step is a chain of a few hundred short parallel regions (tens of µs each).
-/// rayon parks a worker that finds nothing to do after a few dozen yields, and waking a
-/// parked thread costs a futex wake, which in a VM is an interrupt to a halted vCPU: tens
-/// of µs a region, as long as the region itself. Spinning for the length of one step, as
-/// llama.cpp's thread pool does, keeps that latency off the step; between steps the
-/// workers park as usual.
-fn run_spinning(pool: &ThreadPool, f: &mut (dyn FnMut() + Send)) {
-    let done = AtomicBool::new(false);
-    let job = Mutex::new(Some(f));
-    pool.broadcast(|ctx| {
-        if ctx.index() == 0 {
-            // The lock is taken once, by this worker alone.
-            let mut job = job.lock().unwrap_or_else(|e| e.into_inner());
-            // Whatever happens in the step, the spinners must stop.
-            struct Stop<'a>(&'a AtomicBool);
-            impl Drop for Stop<'_> {
-                fn drop(&mut self) {
-                    self.0.store(true, Ordering::Release);
-                }
-            }
-            let _stop = Stop(&done);
-            if let Some(f) = job.take() {
-                f();
-            }
-        } else {
-            while !done.load(Ordering::Acquire) {
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    std::hint::spin_loop();
-                }
-            }
-        }
-    });
 }
 
 fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [f32]) {
