@@ -159,6 +159,11 @@ pub fn synthetic_model(
     static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     if !path.is_file() {
+        // The directory may not exist where the test binary runs (a build machine's target
+        // directory, carried elsewhere).
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).expect("create the synthetic model's directory");
+        }
         let partial = path.with_extension(format!("partial-{}", std::process::id()));
         kiln_formats::synth::synth_file(
             &partial,

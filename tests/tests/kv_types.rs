@@ -257,8 +257,7 @@ fn gpu(name: &str, test: &str) -> Option<std::sync::Arc<dyn Backend>> {
 fn gpu_kv_types_match_the_cpu(name: &str, recipe: Recipe, bar: f64, test: &str) {
     let Some(gpu) = gpu(name, test) else { return };
     let path = kiln_tests::synthetic_model(
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("kv-types-smollm2-135m-{}.gguf", recipe.name())),
+        std::env::temp_dir().join(format!("kiln-kv-types-smollm2-135m-{}.gguf", recipe.name())),
         Preset::SmolLm2_135m,
         recipe,
         12,
