@@ -685,9 +685,8 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let params = engine.model.ir.parameters();
-    let kv_type = kv_type_in_use(&args.model, engine.backend_name());
-    let kv_token = kv_bytes_per_token(&engine.model.ir.config, kv_type);
     let exec = engine.executor();
+    let kv = KvReport::of(exec);
     let mut results = Vec::new();
     if args.n_prompt > 0 {
         results.push(bench_prefill(
@@ -721,15 +720,14 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     };
     let roofline = exec.memory_roofline_gbs();
     let ctx = exec.max_context();
-    let kv_total = kv_token * ctx * exec.max_sequences();
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
                 "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
-                "first_token": first_token, "context": ctx, "kv_type": kv_type.name(), "kv_bytes_per_token": kv_token, "kv_bytes": kv_total,
+                "first_token": first_token, "context": ctx,
             });
-            println!("{value}");
+            println!("{}", with_fields(value, kv.json()));
         }
         BenchFormat::Md => {
             println!("| model | params | backend | test | t/s | weight GB/s | % of roofline |");
@@ -762,11 +760,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
                 "\nbytes read per decode step: {:.1} MB (weights; the KV cache adds a little)",
                 bytes as f64 / 1e6
             );
-            println!(
-                "context {ctx} tokens; KV cache ({kv_type}): {kv_token} bytes a token, {:.2} GiB for {} sequence(s)",
-                kv_total as f64 / (1u64 << 30) as f64,
-                exec.max_sequences()
-            );
+            println!("context {ctx} tokens; {}", kv.describe());
             if let Some(rf) = roofline {
                 println!("measured memory roofline (copy): {rf:.0} GB/s");
             }
@@ -784,13 +778,59 @@ fn kv_bytes_per_token(c: &kiln_core::ModelConfig, kind: kiln_core::KvType) -> us
             .unwrap_or(usize::MAX)
 }
 
-/// The KV cache type a run uses: the one asked for, else the backend's own (f32 on the CPU
-/// reference, f16 on the GPU backends and, as far as kiln can tell, plugins).
-fn kv_type_in_use(args: &ModelArgs, backend: &str) -> kiln_core::KvType {
-    args.kv_type.unwrap_or(match backend {
-        "cpu" => kiln_core::KvType::F32,
-        _ => kiln_core::KvType::F16,
-    })
+/// What `kiln bench` reports of a run's KV cache: the type the executor says it keeps and
+/// its bytes a token; both `None` for an executor that cannot say (a plugin).
+struct KvReport {
+    kind: Option<kiln_core::KvType>,
+    per_token: Option<usize>,
+    sequences: usize,
+    context: usize,
+}
+
+impl KvReport {
+    fn of(exec: &dyn kiln_core::LayerExecutor) -> KvReport {
+        let kind = exec.kv_type();
+        KvReport {
+            kind,
+            per_token: kind.map(|k| kv_bytes_per_token(exec.config(), k)),
+            sequences: exec.max_sequences(),
+            context: exec.max_context(),
+        }
+    }
+
+    /// Bytes for every sequence's whole context.
+    fn total(&self) -> Option<usize> {
+        self.per_token.map(|b| b * self.context * self.sequences)
+    }
+
+    /// `kv_type`, `kv_bytes_per_token` and `kv_bytes` (null where unknown).
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "kv_type": self.kind.map(|k| k.name()),
+            "kv_bytes_per_token": self.per_token,
+            "kv_bytes": self.total(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        match (self.kind, self.per_token, self.total()) {
+            (Some(kind), Some(per), Some(total)) => format!(
+                "KV cache ({kind}): {per} bytes a token, {:.2} GiB for {} sequence(s) × {} tokens",
+                total as f64 / (1u64 << 30) as f64,
+                self.sequences,
+                self.context
+            ),
+            _ => "KV cache: the backend does not say how it stores it".to_string(),
+        }
+    }
+}
+
+/// `value` (a JSON object) with `extra`'s fields added.
+fn with_fields(mut value: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    if let (Some(v), serde_json::Value::Object(e)) = (value.as_object_mut(), extra) {
+        v.extend(e);
+    }
+    value
 }
 
 /// `kiln bench --batch …`: the llama-batched-bench table (PP, TG, B, N_KV, T_PP, S_PP,
@@ -808,7 +848,6 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let c = engine.model.ir.config.clone();
     let exec = engine.executor();
     let ctx = exec.max_context();
     if args.n_prompt + args.n_gen > ctx {
@@ -821,16 +860,14 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     for &b in &args.batch {
         runs.push(bench_batched(exec, args.n_prompt, args.n_gen, b)?);
     }
-    let kv_type = kv_type_in_use(&args.model, &backend);
-    let kv_token = kv_bytes_per_token(&c, kv_type);
-    let kv_total = kv_token * ctx * exec.max_sequences();
+    let kv = KvReport::of(exec);
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "context": ctx, "sequences": exec.max_sequences(),
-                "kv_type": kv_type.name(), "kv_bytes_per_token": kv_token, "kv_bytes": kv_total, "results": runs,
+                "results": runs,
             });
-            println!("{value}");
+            println!("{}", with_fields(value, kv.json()));
         }
         BenchFormat::Md => {
             println!(
@@ -846,12 +883,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
                     r.pp, r.tg, r.b, r.n_kv, r.t_pp, r.s_pp, r.t_tg, r.s_tg, r.t, r.s
                 );
             }
-            println!(
-                "\nKV cache ({kv_type}): {} bytes per token; {:.2} GiB for {} sequences × {ctx} tokens",
-                kv_token,
-                kv_total as f64 / (1u64 << 30) as f64,
-                exec.max_sequences()
-            );
+            println!("\n{}", kv.describe());
         }
     }
     Ok(())

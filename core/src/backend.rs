@@ -315,6 +315,13 @@ pub trait LayerExecutor: Send {
     /// whole batch is checked before any of it runs (see [`check_decode`]).
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()>;
 
+    /// How this executor's KV cache stores keys and values, where it knows (`kiln bench`
+    /// reports the bytes a token from it); `None` for an executor that cannot say (a
+    /// plugin: the 1.x ABI has no field for it).
+    fn kv_type(&self) -> Option<KvType> {
+        None
+    }
+
     /// The device's measured memory bandwidth in GB/s (a plain copy's bytes read + written
     /// per second), for `kiln bench`'s roofline fraction; `None` where the backend has not
     /// measured it. May take a moment the first time.

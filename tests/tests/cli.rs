@@ -278,6 +278,44 @@ fn warmup_loads_and_says_ready() {
     );
 }
 
+/// `kiln bench` reports the KV cache the executor says it keeps (its type and bytes a
+/// token), not a guess from the backend's name.
+#[test]
+fn bench_reports_the_executors_kv_cache() {
+    let Some(model) = smollm2_or_skip("bench_reports_the_executors_kv_cache") else {
+        return;
+    };
+    for (kv, bytes_per_value) in [(None, 4.0), (Some("f16"), 2.0), (Some("q8_0"), 34.0 / 32.0)] {
+        let mut args = vec![
+            "bench",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "0",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "-c",
+            "64",
+            "-o",
+            "json",
+        ];
+        if let Some(kv) = kv {
+            args.extend(["--kv-type", kv]);
+        }
+        let out = kiln(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value =
+            serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+        // SmolLM2: 30 layers of 3 KV heads of 64 values, keys and values.
+        let per_token = (2.0 * 30.0 * 3.0 * 64.0 * bytes_per_value) as u64;
+        assert_eq!(v["kv_type"], kv.unwrap_or("f32"), "{v}");
+        assert_eq!(v["kv_bytes_per_token"], per_token, "{v}");
+        assert_eq!(v["kv_bytes"], per_token * 64, "{v}");
+    }
+}
+
 #[test]
 fn bench_at_a_depth_of_context_names_its_tests_like_llama_bench() {
     let Some(model) =

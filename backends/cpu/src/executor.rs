@@ -901,6 +901,10 @@ impl LayerExecutor for CpuExecutor {
         &self.model.config
     }
 
+    fn kv_type(&self) -> Option<KvType> {
+        Some(self.model.kv.kind)
+    }
+
     fn max_context(&self) -> usize {
         self.model.max_ctx
     }

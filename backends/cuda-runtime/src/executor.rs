@@ -1103,6 +1103,13 @@ impl LayerExecutor for GpuExecutor {
         &self.config
     }
 
+    fn kv_type(&self) -> Option<KvType> {
+        Some(match self.kv.format {
+            KvFormat::F16 => KvType::F16,
+            KvFormat::Q8_0 => KvType::Q8_0,
+        })
+    }
+
     fn memory_roofline_gbs(&mut self) -> Option<f64> {
         self.device.bind().ok()?;
         kiln_kernels::roofline::copy_bandwidth_gbs(&self.device, &self.k).ok()
