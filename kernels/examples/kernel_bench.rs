@@ -300,8 +300,8 @@ fn main() -> Result<()> {
                 plane.copy_from_host(&dev, &h)?;
             }
         }
-        if let Some((kq, vq, kd, vd)) = kv.as_q8_0() {
-            for (q, d) in [(kq, kd), (vq, vd)] {
+        if let Some(p) = kv.as_q8_0() {
+            for (q, d) in [(p.k, p.k_scales), (p.v, p.v_scales)] {
                 let qs: Vec<i8> = (0..n).map(|_| (rng.next_u64() % 255) as i8).collect();
                 let ds = vec![half::f16::from_f32(0.004).to_bits(); n / 32];
                 q.copy_from_host(&dev, &qs)?;

@@ -155,14 +155,14 @@ impl KvPlanes {
         }
     }
 
-    /// The q8_0 planes (K values, V values, K scales, V scales), or None for f16.
-    pub fn as_q8_0(&self) -> Option<(DevSlice<i8>, DevSlice<i8>, DevSlice<u16>, DevSlice<u16>)> {
-        Some((
-            self.k.cast().ok()?,
-            self.v.cast().ok()?,
-            self.k_scales?,
-            self.v_scales?,
-        ))
+    /// The q8_0 planes, or None for f16.
+    pub fn as_q8_0(&self) -> Option<Q8Planes> {
+        Some(Q8Planes {
+            k: self.k.cast().ok()?,
+            v: self.v.cast().ok()?,
+            k_scales: self.k_scales?,
+            v_scales: self.v_scales?,
+        })
     }
 
     /// Appends the four kernel parameters every KV kernel takes: K values, V values, K
@@ -173,6 +173,15 @@ impl KvPlanes {
             .ptr(self.k_scales.map_or(0, |s| s.ptr()))
             .ptr(self.v_scales.map_or(0, |s| s.ptr()))
     }
+}
+
+/// A q8_0 cache's four planes: int8 keys and values, and one f16 scale per 32 of each.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Planes {
+    pub k: DevSlice<i8>,
+    pub v: DevSlice<i8>,
+    pub k_scales: DevSlice<u16>,
+    pub v_scales: DevSlice<u16>,
 }
 
 /// One layer's storage.
@@ -344,12 +353,12 @@ mod tests {
         let all = q8_planes(4 * 128);
         assert_eq!(all.values(), 512);
         let slot = all.sub(256, 128).unwrap();
-        let (k, v, ks, vs) = slot.as_q8_0().unwrap();
-        assert_eq!((k.ptr(), k.len()), (0x10000 + 256, 128));
-        assert_eq!((v.ptr(), v.len()), (0x20000 + 256, 128));
+        let q = slot.as_q8_0().unwrap();
+        assert_eq!((q.k.ptr(), q.k.len()), (0x10000 + 256, 128));
+        assert_eq!((q.v.ptr(), q.v.len()), (0x20000 + 256, 128));
         // One f16 scale per 32 values: 8 scales (16 bytes) in, 4 long.
-        assert_eq!((ks.ptr(), ks.len()), (0x30000 + 16, 4));
-        assert_eq!((vs.ptr(), vs.len()), (0x40000 + 16, 4));
+        assert_eq!((q.k_scales.ptr(), q.k_scales.len()), (0x30000 + 16, 4));
+        assert_eq!((q.v_scales.ptr(), q.v_scales.len()), (0x40000 + 16, 4));
         assert!(slot.as_f16().is_none());
         assert!(all.sub(16, 32).is_err(), "a view inside a block");
         assert!(all.sub(480, 64).is_err(), "a view past the end");

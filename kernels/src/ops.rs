@@ -1152,7 +1152,7 @@ impl Kernels {
         k_f16: DevSlice<u16>,
         v_f16: DevSlice<u16>,
     ) -> Result<()> {
-        let Some((kq, vq, kd, vd)) = kv.as_q8_0() else {
+        let Some(planes) = kv.as_q8_0() else {
             return Err(invalid("kv_q8_to_f16 takes a q8_0 cache".into()));
         };
         let n = n_kv * max_ctx * head_dim;
@@ -1169,10 +1169,10 @@ impl Kernels {
             .device
             .function(&crate::compile::PREFILL, "kv_q8_to_f16")?;
         let mut args = Args::new()
-            .ptr(kq.ptr())
-            .ptr(kd.ptr())
-            .ptr(vq.ptr())
-            .ptr(vd.ptr())
+            .ptr(planes.k.ptr())
+            .ptr(planes.k_scales.ptr())
+            .ptr(planes.v.ptr())
+            .ptr(planes.v_scales.ptr())
             .ptr(k_f16.ptr())
             .ptr(v_f16.ptr())
             .i32(rows as i32)

@@ -527,7 +527,7 @@ fn plane_values(g: &Gpu, kv: &KvPlanes) -> (Vec<f32>, Vec<f32>) {
             f16s_to_f32(&v.to_host(&g.dev).unwrap()),
         ),
         None => {
-            let (kq, vq, kd, vd) = kv.as_q8_0().unwrap();
+            let p = kv.as_q8_0().unwrap();
             let decode = |q: Vec<i8>, d: Vec<u16>| -> Vec<f32> {
                 q.iter()
                     .enumerate()
@@ -535,8 +535,14 @@ fn plane_values(g: &Gpu, kv: &KvPlanes) -> (Vec<f32>, Vec<f32>) {
                     .collect()
             };
             (
-                decode(kq.to_host(&g.dev).unwrap(), kd.to_host(&g.dev).unwrap()),
-                decode(vq.to_host(&g.dev).unwrap(), vd.to_host(&g.dev).unwrap()),
+                decode(
+                    p.k.to_host(&g.dev).unwrap(),
+                    p.k_scales.to_host(&g.dev).unwrap(),
+                ),
+                decode(
+                    p.v.to_host(&g.dev).unwrap(),
+                    p.v_scales.to_host(&g.dev).unwrap(),
+                ),
             )
         }
     }
@@ -685,8 +691,12 @@ fn fill_random_kv(g: &Gpu, rng: &mut Rng, kvs: &[KvPlanes]) -> (Vec<f64>, Vec<f6
             .map(|_| f16::from_f32((0.5 + rng.next_f32()) / 127.0).to_bits())
             .collect();
         for kv in kvs {
-            let (kq, vq, kd, vd) = kv.as_q8_0().unwrap();
-            let (q, d) = if key { (kq, kd) } else { (vq, vd) };
+            let p = kv.as_q8_0().unwrap();
+            let (q, d) = if key {
+                (p.k, p.k_scales)
+            } else {
+                (p.v, p.v_scales)
+            };
             q.copy_from_host(&g.dev, &qs).unwrap();
             d.copy_from_host(&g.dev, &ds).unwrap();
         }
@@ -724,7 +734,9 @@ fn attention_matches_reference_across_contexts_and_gqa() {
         (4, 256),
         (12, 64),
     ];
-    let mut cases: Vec<(KvFormat, usize, usize, usize, &[(usize, usize)])> = Vec::new();
+    // (cache format, query heads per KV head, head_dim, cache rows, (split, length) cases)
+    type Case<'a> = (KvFormat, usize, usize, usize, &'a [(usize, usize)]);
+    let mut cases: Vec<Case> = Vec::new();
     for format in [KvFormat::F16, KvFormat::Q8_0] {
         cases.extend(
             shapes
