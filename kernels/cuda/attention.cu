@@ -221,7 +221,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     }
 
 // attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two) over an f16 cache;
-// attn_decode_q8_{E} and attn_decode_pairs_q8_{E} over a q8_0 one.
+// attn_decode_q8_{E} and attn_decode_pairs_q8_{E} over a q8_0 one (the format's suffix,
+// `KvFormat::kernel_suffix`, before the head size, as in every KV kernel's name).
 #define ATTN_ENTRY(E)                                                                                                  \
     ATTN_KERNEL(attn_decode_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                                      \
     ATTN_KERNEL(attn_decode_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)

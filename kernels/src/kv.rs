@@ -14,18 +14,39 @@
 
 use std::sync::Arc;
 
+use kiln_core::KvType;
+
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::device::{Args, Device};
 use crate::error::{KernelError, Result};
 
-/// How a KV cache stores its values.
+/// How a KV cache stores its values: the [`KvType`]s a GPU cache can hold (f32, the CPU
+/// reference's exact cache, is not one of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvFormat {
     F16,
     Q8_0,
 }
 
+impl From<KvFormat> for KvType {
+    fn from(f: KvFormat) -> KvType {
+        match f {
+            KvFormat::F16 => KvType::F16,
+            KvFormat::Q8_0 => KvType::Q8_0,
+        }
+    }
+}
+
 impl KvFormat {
+    /// The format of a cache of type `t`; `None` for a type no kernel stores (f32).
+    pub fn of(t: KvType) -> Option<KvFormat> {
+        match t {
+            KvType::F16 => Some(KvFormat::F16),
+            KvType::Q8_0 => Some(KvFormat::Q8_0),
+            KvType::F32 => None,
+        }
+    }
+
     /// Bytes of one value in the value plane.
     pub fn value_bytes(self) -> usize {
         match self {

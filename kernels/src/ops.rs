@@ -659,12 +659,9 @@ impl Kernels {
         let f = self.device.function(
             &attention_module(hd, kv.format)?,
             &format!(
-                "attn_decode_{}{}{}",
-                if a.pairs { "pairs_" } else { "" },
-                match kv.format {
-                    KvFormat::F16 => "",
-                    KvFormat::Q8_0 => "q8_",
-                },
+                "attn_decode{}{}_{}",
+                if a.pairs { "_pairs" } else { "" },
+                kv.format.kernel_suffix(),
                 hd / 32
             ),
         )?;

@@ -345,10 +345,10 @@ impl GpuExecutor {
         policy: Arc<dyn GpuPolicy>,
     ) -> Result<GpuExecutor> {
         check_model(model, policy.as_ref()).map_err(Error::Unsupported)?;
-        let kv_format = match options.kv_type {
-            None | Some(KvType::F16) => KvFormat::F16,
-            Some(KvType::Q8_0) => KvFormat::Q8_0,
-            Some(other) => {
+        let kv_format = match options.kv_type.map(|t| (t, KvFormat::of(t))) {
+            None => KvFormat::F16,
+            Some((_, Some(format))) => format,
+            Some((other, None)) => {
                 return Err(Error::Unsupported(format!(
                     "{} keeps its KV cache in f16 or q8_0; a {other} cache is not built for the GPU (use --kv-type f16 or q8_0, or the cpu backend, which stores f32 too)",
                     policy.backend_name()
@@ -1104,10 +1104,7 @@ impl LayerExecutor for GpuExecutor {
     }
 
     fn kv_type(&self) -> Option<KvType> {
-        Some(match self.kv.format {
-            KvFormat::F16 => KvType::F16,
-            KvFormat::Q8_0 => KvType::Q8_0,
-        })
+        Some(self.kv.format.into())
     }
 
     fn memory_roofline_gbs(&mut self) -> Option<f64> {
