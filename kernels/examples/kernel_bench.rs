@@ -1,10 +1,12 @@
 //! Micro-benchmarks of the decode kernels on the GPU present: the device-to-device copy
 //! roofline, every GEMV type at real model shapes on every activation path and every
 //! rows-per-warp choice (with its error against the f64 reference), RMSNorm+Q8_1 and
-//! attention. Timings are CUDA-event medians over graph replays of several launches that
+//! attention; with `--bmm`, only the batched decode matmuls instead (8 to 64 rows at the 8B
+//! shapes: time per launch, weight bandwidth and int8 rate; `--bmm --once` launches each
+//! once and times nothing, for a profiler; `--attention`: only the attention kernels). Timings are CUDA-event medians over graph replays of several launches that
 //! rotate through enough weight copies to defeat the L2 cache.
 //!
-//! `cargo run --release -p kiln-kernels --example kernel_bench [-- --quick] [--formats q4_0,q4_0x4] [--all-shapes]`
+//! `cargo run --release -p kiln-kernels --example kernel_bench [-- --quick] [--formats q4_0,q4_0x4] [--all-shapes] [--bmm [--once]] [--attention]`
 //! (`--formats` picks weight formats by tag; `--all-shapes` keeps every shape with --quick).
 
 use std::sync::Arc;
@@ -12,8 +14,9 @@ use std::sync::Arc;
 use kiln_core::Rng;
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput, GemvPath, GemvTiling,
-    Graph, Kernels, KvCache, KvFormat, PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
+    AttnArgs, BatchEpilogue, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput,
+    GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedAct, PackedWeight, QuantBuffers,
+    QuantOut, Result, FORMATS,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -62,7 +65,11 @@ fn main() -> Result<()> {
     };
     let k = Kernels::new(&dev);
     let t0 = std::time::Instant::now();
-    k.preload()?;
+    // The partial runs compile only the modules they launch (on first use).
+    let partial = args.iter().any(|a| a == "--bmm" || a == "--attention");
+    if !partial {
+        k.preload()?;
+    }
     println!(
         "device: {} sm_{}{} {} SMs {:.1} GiB, driver {}; kernels compiled/loaded in {:.1}s",
         dev.name(),
@@ -79,6 +86,10 @@ fn main() -> Result<()> {
 
     let roofline = kiln_kernels::roofline::copy_bandwidth_gbs(&dev, &k)?;
     println!("copy roofline: {roofline:.0} GB/s (1 GiB copies, bytes read + written)");
+    if args.iter().any(|a| a == "--bmm") {
+        let profile = args.iter().any(|a| a == "--once");
+        return batched_matmuls(&dev, &k, &mut rng, roofline, only.as_deref(), profile);
+    }
 
     // (row length K, rows N, label)
     let mut shapes = vec![
@@ -92,6 +103,10 @@ fn main() -> Result<()> {
     ];
     if quick && !all_shapes {
         shapes.truncate(3);
+    }
+    let attention_only = args.iter().any(|a| a == "--attention");
+    if attention_only {
+        shapes.clear();
     }
     let mut rows: Vec<Row> = Vec::new();
     let mut best: Vec<(String, &str, [Option<Row>; 3])> = Vec::new();
@@ -258,7 +273,10 @@ fn main() -> Result<()> {
 
     // RMSNorm + Q8_1 and attention, 8B shapes.
     let mut extra = Vec::new();
-    for kk in [576usize, 2048, 4096, 14336] {
+    for kk in [576usize, 2048, 4096, 14336]
+        .into_iter()
+        .filter(|_| !attention_only)
+    {
         let x = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, kk, 1.0))?;
         let w = DeviceBuffer::from_host(&dev, &random_vec(&mut rng, kk, 1.0))?;
         let yv = DeviceBuffer::<f32>::alloc(&dev, kk)?;
@@ -377,6 +395,89 @@ fn main() -> Result<()> {
             cell(&fastest[1]),
             cell(&fastest[2])
         );
+    }
+    Ok(())
+}
+
+/// The batched decode matmuls (`Kernels::batched_matmul`: the int8 mma kernel and its
+/// split-sum epilogue) at the 8B shapes for 8 to 64 rows: time per launch, the weights'
+/// bandwidth against the copy roofline and the int8 rate (2 · rows · K · N per launch).
+fn batched_matmuls(
+    dev: &Arc<Device>,
+    k: &Kernels,
+    rng: &mut Rng,
+    roofline: f64,
+    only: Option<&[String]>,
+    once: bool,
+) -> Result<()> {
+    let default = ["q4_k", "q6_k", "q4_0"].map(str::to_string);
+    let tags = only.unwrap_or(&default);
+    println!("\nbatched matmuls (time per launch incl. the split sum; GB/s of weights; int8 TOPS)");
+    println!("| shape | type | rows | us | GB/s | % roofline | TOPS |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    // (K, N, label, SwiGLU: gate and up of this shape in one launch)
+    let shapes = [
+        (4096usize, 4096usize, "8B q/o 4096x4096", false),
+        (4096, 14336, "8B gate/up 14336x4096", true),
+        (14336, 4096, "8B down 4096x14336", false),
+    ];
+    for f in FORMATS
+        .iter()
+        .filter(|f| f.batched.is_some() && tags.iter().any(|t| t == f.tag))
+    {
+        let q = f.qtype;
+        for &(kk, n, label, swiglu) in &shapes {
+            let packed = PackedWeight::pack_as(f, kk, n, &random_weights(rng, q, kk, n)?)?;
+            let per_launch = packed.bytes() * if swiglu { 2 } else { 1 };
+            let copies = (512usize << 20).div_ceil(per_launch).clamp(2, 16) * 2;
+            let ws: Vec<DeviceWeight> = (0..copies)
+                .map(|_| DeviceWeight::upload(dev, &packed))
+                .collect::<Result<_>>()?;
+            for rows in [8usize, 16, 32, 64] {
+                let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * kk, 1.0))?;
+                let (xs, ss) = PackedAct::lens(rows, kk);
+                let (px, ps) = (
+                    DeviceBuffer::<[u32; 4]>::alloc(dev, xs)?,
+                    DeviceBuffer::<[f32; 2]>::alloc(dev, ss)?,
+                );
+                let act = PackedAct {
+                    x: px.slice(),
+                    s: ps.slice(),
+                };
+                k.act_pack(x.slice(), rows, kk, None, None, act)?;
+                let part = DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
+                let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
+                let epi = BatchEpilogue::default();
+                if once {
+                    // One launch of each, outside any graph: what a profiler is pointed at.
+                    let up = swiglu.then(|| &ws[1]);
+                    k.batched_matmul(&ws[0], up, &act, rows, part.slice(), y.slice(), n, &epi)?;
+                    dev.synchronize()?;
+                    continue;
+                }
+                let g = dev.capture(|| {
+                    for i in 0..LAUNCHES_PER_GRAPH {
+                        let (w, up) = if swiglu {
+                            (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
+                        } else {
+                            (&ws[i % copies], None)
+                        };
+                        k.batched_matmul(w, up, &act, rows, part.slice(), y.slice(), n, &epi)?;
+                    }
+                    Ok(())
+                })?;
+                let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
+                let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
+                let ops = 2.0 * (rows * kk * n) as f64 * if swiglu { 2.0 } else { 1.0 };
+                println!(
+                    "| {label} | {} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
+                    f.tag,
+                    ms * 1e3,
+                    100.0 * gbps / roofline,
+                    ops / (ms * 1e-3) / 1e12
+                );
+            }
+        }
     }
     Ok(())
 }

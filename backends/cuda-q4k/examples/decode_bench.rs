@@ -5,7 +5,10 @@
 //! host builds each distinct tensor once); each is uploaded separately, so the GPU reads
 //! as many bytes as a real model's.
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]...`
+//! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
+//! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up).
+//!
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -196,6 +199,11 @@ fn main() {
     // `--short-prefill`: short prompts through the batched step against the cuBLAS prefill
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
+    let batch: Option<Vec<usize>> = args
+        .iter()
+        .position(|a| a == "--batch")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect());
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: {why}");
@@ -211,6 +219,10 @@ fn main() {
         .filter(|s| chosen.is_empty() || chosen.contains(&s.name))
     {
         let ir = build(s, &mut rng);
+        if let Some(sizes) = &batch {
+            batch_bench(&dev, &ir, s, sizes, n);
+            continue;
+        }
         let t0 = Instant::now();
         let options = LoadOptions {
             max_context: 4096,
@@ -294,6 +306,61 @@ fn main() {
             100.0 * gbps / 3950.0,
             bytes as f64 / (graph_ms * 1e-3) / 1e9
         );
+            ex.free_sequence(seq).unwrap();
+        }
+    }
+}
+
+/// For each batch size `b`: `b` sequences through the batched decode step together,
+/// aggregate tok/s over `n` steps.
+fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: usize) {
+    let most = sizes.iter().copied().max().unwrap_or(1);
+    let options = LoadOptions {
+        max_context: 1024,
+        max_sequences: most,
+        ..Default::default()
+    };
+    let mut ex = load_executor(dev, ir, &options).expect("load");
+    let mut rng = Rng::new(13);
+    let mut logits = vec![0f32; s.vocab];
+    for &b in sizes {
+        let seqs: Vec<_> = (0..b)
+            .map(|_| {
+                let seq = ex.new_sequence().unwrap();
+                let prompt: Vec<u32> = (0..128)
+                    .map(|_| (rng.next_u64() % s.vocab as u64) as u32)
+                    .collect();
+                ex.prefill(seq, &prompt, &mut logits).unwrap();
+                seq
+            })
+            .collect();
+        let mut samplers: Vec<Sampler> = (0..b)
+            .map(|_| Sampler::new(SamplingParams::greedy()))
+            .collect();
+        let mut toks = vec![5u32; b];
+        let mut step = |ex: &mut GpuExecutor, toks: &mut Vec<u32>| {
+            let items: Vec<DecodeItem> = seqs
+                .iter()
+                .zip(toks.iter())
+                .map(|(&seq, &token)| DecodeItem { seq, token })
+                .collect();
+            ex.decode_sample(&items, &mut samplers, toks).unwrap();
+        };
+        for _ in 0..4 {
+            step(&mut ex, &mut toks);
+        }
+        let t0 = Instant::now();
+        for _ in 0..n {
+            step(&mut ex, &mut toks);
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        println!(
+            "| {} | batch {b} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
+            s.name,
+            dt * 1e3 / n as f64,
+            (b * n) as f64 / dt
+        );
+        for seq in seqs {
             ex.free_sequence(seq).unwrap();
         }
     }
