@@ -6,6 +6,7 @@
 #
 #   scripts/ab_bench.sh tg OUT MODEL...      tg128 at each of DEPTHS (default "0 4096"), two
 #                                           rounds of old then new; one line each in OUT/ab.txt
+#                                           (KILN_BENCH_ARGS adds flags, e.g. "--kv-type q8_0")
 #   scripts/ab_bench.sh batch OUT MODEL...   `kiln bench --batch $BATCH` (default 1,4,16,64;
 #                                           -p 128 -n 128 -r 2) for each binary; OUT/abb.txt
 # BINS="kiln_old kiln" names the binaries under .gpu/.
@@ -21,7 +22,7 @@ tg)
         for d in ${DEPTHS:-0 4096}; do
             for round in 1 2; do
                 for b in ${BINS:-kiln_old kiln}; do
-                    line=$(timeout 120 ".gpu/$b" bench -m "$m" -p 0 -n 128 -r 5 -d "$d" 2>>"$out/ab.err" | grep -E 'tg128' | tail -1)
+                    line=$(timeout 120 ".gpu/$b" bench -m "$m" -p 0 -n 128 -r 5 -d "$d" ${KILN_BENCH_ARGS:-} 2>>"$out/ab.err" | grep -E 'tg128' | tail -1)
                     echo "$(basename "$m") d$d round $round $b $line" | tee -a "$out/ab.txt"
                 done
             done
