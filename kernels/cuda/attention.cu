@@ -233,7 +233,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` values apart); its
 // partials, counters and output are row z's own. A padding row (len 0) writes zeros.
-#define ATTN_BATCH_KERNEL(NAME, E, KV, KK, VV)                                                                         \
+#define ATTN_BATCH_KERNEL(NAME, E, GM, KV, KK, VV)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
         long long slot_stride, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,  \
@@ -248,10 +248,16 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                    \
         const KV k_all = KK, v_all = VV;                                                                               \
-        attn_partial_impl<E, 1, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,    \
+        attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,   \
                                     split, scale, window, part_o + z * qd * nsplit,                                    \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
                                     nullptr, nullptr, nullptr);                                                        \
     }
-#define ATTN_BATCH_ENTRY(E) ATTN_BATCH_KERNEL(attn_decode_batch_##E, E, KvF16, KV_F16_K, KV_F16_V)
-#define ATTN_Q8_BATCH_ENTRY(E) ATTN_BATCH_KERNEL(attn_decode_batch_q8_##E, E, KvQ8, KV_Q8_K, KV_Q8_V)
+// attn_decode_batch{_pairs}{_q8}_{E}: one head a block, or (pairs) two heads of a GQA
+// group a block, reading each K/V row once for both.
+#define ATTN_BATCH_ENTRY(E)                                                                                            \
+    ATTN_BATCH_KERNEL(attn_decode_batch_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                          \
+    ATTN_BATCH_KERNEL(attn_decode_batch_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)
+#define ATTN_Q8_BATCH_ENTRY(E)                                                                                         \
+    ATTN_BATCH_KERNEL(attn_decode_batch_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                          \
+    ATTN_BATCH_KERNEL(attn_decode_batch_pairs_q8_##E, E, 2, KvQ8, KV_Q8_K, KV_Q8_V)

@@ -336,11 +336,6 @@ impl Kernels {
     ) -> Result<()> {
         b.check()?;
         a.check()?;
-        if a.pairs {
-            return Err(invalid(
-                "the batched decode attention computes heads one a block".into(),
-            ));
-        }
         let hd = a.head_dim;
         check_pool(&kv, slot_stride, a.n_kv * a.max_ctx * hd)?;
         let nsplit = a.grid_splits();
@@ -352,7 +347,12 @@ impl Kernels {
         out.check_len(b.rows * qd, "attention output rows")?;
         let f = self.device().function(
             &attention_module(hd, kv.format)?,
-            &format!("attn_decode_batch{}_{}", kv.format.kernel_suffix(), hd / 32),
+            &format!(
+                "attn_decode_batch{}{}_{}",
+                if a.pairs { "_pairs" } else { "" },
+                kv.format.kernel_suffix(),
+                hd / 32
+            ),
         )?;
         let mut args = kv
             .push(Args::new().ptr(q.ptr()))

@@ -1422,11 +1422,13 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("batched attention");
     for format in [KvFormat::F16, KvFormat::Q8_0] {
-        batched_matches_one_at_a_time(&g, &mut rng, format);
+        for pairs in [false, true] {
+            batched_matches_one_at_a_time(&g, &mut rng, format, pairs);
+        }
     }
 }
 
-fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat) {
+fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs: bool) {
     use kiln_kernels::BatchRows;
     let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
     let inv: Vec<f32> = (0..hd / 2)
@@ -1452,7 +1454,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat) {
         split: 64,
         scale: 0.125,
         window: 0,
-        pairs: false,
+        pairs,
         splits: 0,
     };
     let width = (n_heads + 2 * n_kv) * hd;
@@ -1542,5 +1544,5 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat) {
         b.0 == s.0 && b.1 == s.1,
         "{format:?}: the K/V caches differ"
     );
-    println!("batched RoPE + attention ({format:?} cache): 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
+    println!("batched RoPE + attention ({format:?} cache, pairs {pairs}): 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
 }
