@@ -15,7 +15,9 @@
 // two. It wins on long contexts only (the executor switches to it from 16,384 positions):
 // below, the launch is one block's latency, which a second head lengthens. Measured on an
 // H200 (llama3.2-1b, groups of 4; docs/benchmarks.md): pairs lose 5% at 8,192 positions,
-// win 4% at 16,384 and 14% at 32,768; groups of 4 a block lose at every length.
+// win 4% at 16,384 and 14% at 32,768; groups of 4 a block lose at every length. The
+// batched step's grid holds a block per row as well, so there pairs pay from 16 rows at any
+// context (the executor's batch_shape).
 //
 // Sliding-window layers (`window` > 0) attend to the last `window` positions only, and
 // their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx; for
