@@ -207,30 +207,34 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 
 // One decode-attention entry point: `NAME` computes GM query heads a block over a cache of
 // format KV, whose two planes KK and VV build from the parameters (kd, vd: q8_0's scales,
-// unused by the f16 entries, which take the same parameter list).
-#define KV_F16_K KvF16{kc}
-#define KV_F16_V KvF16{vc}
-#define KV_Q8_K KvQ8{(const i8*)kc, kd}
-#define KV_Q8_V KvQ8{(const i8*)vc, vd}
+// unused by the f16 entries, which take the same parameter list). KK and VV are
+// function-like macros, so that their names pass through ATTN_ONE_AND_PAIRS unexpanded
+// (the q8_0 ones hold a comma).
+#define KV_F16_K() KvF16{kc}
+#define KV_F16_V() KvF16{vc}
+#define KV_Q8_K() KvQ8{(const i8*)kc, kd}
+#define KV_Q8_V() KvQ8{(const i8*)vc, vd}
 #define ATTN_KERNEL(NAME, E, GM, KV, KK, VV)                                                                           \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr, int n_heads,   \
         int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml, u32* counters,      \
         float* out, i8* oq, i8* olo, float2* ods) {                                                                    \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, GM, KV>(q, KK, VV, len_ptr,    n_heads, n_kv, max_ctx, split, scale, window, part_o,      \
+        attn_partial_impl<E, GM, KV>(q, KK(), VV(), len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o,    \
                                      part_ml, counters, out, oq, olo, ods);                                            \
     }
 
-// attn_decode_{E} (one head a block) and attn_decode_pairs_{E} (two) over an f16 cache;
-// attn_decode_q8_{E} and attn_decode_pairs_q8_{E} over a q8_0 one (the format's suffix,
-// `KvFormat::kernel_suffix`, before the head size, as in every KV kernel's name).
-#define ATTN_ENTRY(E)                                                                                                  \
-    ATTN_KERNEL(attn_decode_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                                      \
-    ATTN_KERNEL(attn_decode_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)
-#define ATTN_Q8_ENTRY(E)                                                                                               \
-    ATTN_KERNEL(attn_decode_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                                      \
-    ATTN_KERNEL(attn_decode_pairs_q8_##E, E, 2, KvQ8, KV_Q8_K, KV_Q8_V)
+// Both forms of an entry point: ONE (one query head a block) and PAIRS (two heads of a GQA
+// group a block, reading each K/V row once for both), made by KERNEL (ATTN_KERNEL or
+// ATTN_BATCH_KERNEL).
+#define ATTN_ONE_AND_PAIRS(KERNEL, ONE, PAIRS, E, KV, KK, VV) KERNEL(ONE, E, 1, KV, KK, VV) KERNEL(PAIRS, E, 2, KV, KK, VV)
+
+// attn_decode_{E} and attn_decode_pairs_{E} over an f16 cache; attn_decode_q8_{E} and
+// attn_decode_pairs_q8_{E} over a q8_0 one (the format's suffix, `KvFormat::kernel_suffix`,
+// before the head size, as in every KV kernel's name).
+#define ATTN_ENTRY(E) ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_##E, attn_decode_pairs_##E, E, KvF16, KV_F16_K, KV_F16_V)
+#define ATTN_Q8_ENTRY(E) \
+    ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_q8_##E, attn_decode_pairs_q8_##E, E, KvQ8, KV_Q8_K, KV_Q8_V)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
 // positions 0..len[z] of cache slot slot[z] (slots `slot_stride` values apart); its
@@ -249,17 +253,16 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             return;                                                                                                    \
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                    \
-        const KV k_all = KK, v_all = VV;                                                                               \
+        const KV k_all = KK(), v_all = VV();                                                                           \
         attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,   \
                                     split, scale, window, part_o + z * qd * nsplit,                                    \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
                                     nullptr, nullptr, nullptr);                                                        \
     }
-// attn_decode_batch{_pairs}{_q8}_{E}: one head a block, or (pairs) two heads of a GQA
-// group a block, reading each K/V row once for both.
+// attn_decode_batch{_pairs}{_q8}_{E}.
 #define ATTN_BATCH_ENTRY(E)                                                                                            \
-    ATTN_BATCH_KERNEL(attn_decode_batch_##E, E, 1, KvF16, KV_F16_K, KV_F16_V)                                          \
-    ATTN_BATCH_KERNEL(attn_decode_batch_pairs_##E, E, 2, KvF16, KV_F16_K, KV_F16_V)
+    ATTN_ONE_AND_PAIRS(ATTN_BATCH_KERNEL, attn_decode_batch_##E, attn_decode_batch_pairs_##E, E, KvF16, KV_F16_K,      \
+                       KV_F16_V)
 #define ATTN_Q8_BATCH_ENTRY(E)                                                                                         \
-    ATTN_BATCH_KERNEL(attn_decode_batch_q8_##E, E, 1, KvQ8, KV_Q8_K, KV_Q8_V)                                          \
-    ATTN_BATCH_KERNEL(attn_decode_batch_pairs_q8_##E, E, 2, KvQ8, KV_Q8_K, KV_Q8_V)
+    ATTN_ONE_AND_PAIRS(ATTN_BATCH_KERNEL, attn_decode_batch_q8_##E, attn_decode_batch_pairs_q8_##E, E, KvQ8, KV_Q8_K,  \
+                       KV_Q8_V)

@@ -87,8 +87,8 @@ fn main() -> Result<()> {
     let roofline = kiln_kernels::roofline::copy_bandwidth_gbs(&dev, &k)?;
     println!("copy roofline: {roofline:.0} GB/s (1 GiB copies, bytes read + written)");
     if args.iter().any(|a| a == "--bmm") {
-        let profile = args.iter().any(|a| a == "--once");
-        return batched_matmuls(&dev, &k, &mut rng, roofline, only.as_deref(), profile);
+        let once = args.iter().any(|a| a == "--once");
+        return batched_matmuls(&dev, &k, &mut rng, roofline, only.as_deref(), once);
     }
 
     // (row length K, rows N, label)

@@ -1298,11 +1298,7 @@ fn batched_matmul_every_format_matches_reference() {
                 let (xd, nwd) = (buf(&g.dev, &x), buf(&g.dev, &norm_w));
                 g.k.act_pack(xd.slice(), rows, k, Some(nwd.slice()), Some(1e-5), act)
                     .unwrap();
-                // One buffer for the plain and the SwiGLU launches: the larger need.
-                let part_len =
-                    g.k.bmm_part_len(&w, rows, false)
-                        .max(g.k.bmm_part_len(&w, rows, true));
-                let part = poisoned(&g.dev, part_len);
+                let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, true));
                 let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
                 // Plain, then bias + residual (in place), then SwiGLU.
                 let y = poisoned(&g.dev, rows * n);
