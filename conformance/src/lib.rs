@@ -518,6 +518,7 @@ fn kind_of(e: &Error) -> &'static str {
         Error::Tokenizer(_) => "Tokenizer",
         Error::InvalidArgument(_) => "InvalidArgument",
         Error::NonFiniteLogits { .. } => "NonFiniteLogits",
+        Error::KvCacheFull { .. } => "KvCacheFull",
     }
 }
 

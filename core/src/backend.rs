@@ -111,6 +111,12 @@ pub struct LoadOptions {
     /// reference, f16 on the GPUs). A backend that cannot store the type asked for refuses
     /// to load with [`Error::Unsupported`] naming the types it has.
     pub kv_type: Option<KvType>,
+    /// Bytes for the paged KV cache's pool of blocks (`--kv-mem`), shared by all sequences;
+    /// `None`: room for every sequence at the full context (on a GPU, as far as free memory
+    /// allows). A smaller pool serves many sequences that stay short: a sequence takes
+    /// blocks as it grows and fails with [`Error::KvCacheFull`] when none is left. It must
+    /// hold at least one sequence's whole context ([`LoadOptions::kv_pool_blocks`]).
+    pub kv_memory: Option<u64>,
 }
 
 impl LoadOptions {
@@ -126,6 +132,30 @@ impl LoadOptions {
 
     pub fn sequences(&self) -> usize {
         self.max_sequences.max(1)
+    }
+
+    /// Blocks of the paged KV cache for sequences of up to `max_ctx` positions, a block
+    /// taking `block_bytes`: every sequence's full context without `kv_memory`, else what
+    /// `kv_memory` holds, at most that. `OutOfMemory` when `kv_memory` holds less than one
+    /// sequence's full context: a request that fits the context must always be able to run.
+    pub fn kv_pool_blocks(&self, max_ctx: usize, block_bytes: u64) -> Result<usize> {
+        let per_seq = max_ctx.div_ceil(crate::KV_BLOCK_TOKENS);
+        let all = per_seq.saturating_mul(self.sequences());
+        let Some(bytes) = self.kv_memory else {
+            return Ok(all);
+        };
+        let fit = bytes.checked_div(block_bytes).unwrap_or(u64::MAX);
+        if fit < per_seq as u64 {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            return Err(Error::OutOfMemory(format!(
+                "a KV cache of {:.1} MiB holds {} tokens, less than one sequence's context of {max_ctx} ({:.1} MiB): \
+                 raise --kv-mem or lower -c",
+                mib(bytes),
+                fit * crate::KV_BLOCK_TOKENS as u64,
+                mib(per_seq as u64 * block_bytes)
+            )));
+        }
+        Ok(fit.min(all as u64) as usize)
     }
 
     /// The context for a backend whose KV cache takes, for each sequence, `per_position`
@@ -189,6 +219,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("quantized_activations", &self.quantized_activations)
             .field("sequential_decode", &self.sequential_decode)
             .field("kv_type", &self.kv_type)
+            .field("kv_memory", &self.kv_memory)
             .finish_non_exhaustive()
     }
 }
@@ -319,6 +350,12 @@ pub trait LayerExecutor: Send {
     /// reports the bytes a token from it); `None` for an executor that cannot say (a
     /// plugin: the 1.x ABI has no field for it).
     fn kv_type(&self) -> Option<KvType> {
+        None
+    }
+
+    /// How full the paged KV cache is (blocks in the pool, free, bytes a block); `None` for
+    /// an executor that does not page its cache (a plugin).
+    fn kv_blocks(&self) -> Option<crate::KvBlockUsage> {
         None
     }
 

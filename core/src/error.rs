@@ -32,6 +32,17 @@ pub enum Error {
     /// The caller passed something out of range (unknown sequence, context full ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The paged KV cache has no free block for a sequence to grow into: the call changed
+    /// nothing, and succeeds once other sequences finish (a scheduler waits, or preempts).
+    #[error(
+        "the KV cache is full: {needed} more block(s) needed, {free} of {total} free; finish or \
+         free a sequence, or give the cache more memory (--kv-mem)"
+    )]
+    KvCacheFull {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
     /// The model computed NaN or infinite logits: a weight or activation is not finite.
     /// `step` 0 is the prompt's logits, n the n-th generated token's.
     #[error("the model produced non-finite logits (NaN or infinity) at step {step}: a weight or activation is not finite")]

@@ -32,7 +32,7 @@ pub use ir::{
 pub use qtype::QType;
 pub use registry::{BuiltinBackend, Candidate, Registry};
 pub use sampling::{argmax, Rng, Sampler, SamplingParams};
-pub use sequences::{SeqSlot, SequenceSlots};
+pub use sequences::{KvBlockUsage, SeqSlot, SequenceSlots, KV_BLOCK_TOKENS};
 
 // Re-exported so backends register with the same `inventory` the registry collects from.
 pub use inventory;

@@ -189,6 +189,9 @@ pub mod __private {
             Error::InvalidArgument(m) => (KilnStatus::INVALID_ARGUMENT, m),
             Error::Unsupported(m) => (KilnStatus::UNSUPPORTED, m),
             Error::OutOfMemory(m) => (KilnStatus::OUT_OF_MEMORY, m),
+            // The 1.x ABI has no status of its own for a full KV cache: the host sees
+            // OutOfMemory with the message.
+            e @ Error::KvCacheFull { .. } => (KilnStatus::OUT_OF_MEMORY, e.to_string()),
             Error::InvalidShape(m) => (KilnStatus::INVALID_SHAPE, m),
             Error::Format(m) => (KilnStatus::FORMAT, m),
             Error::Backend { message, .. } => (KilnStatus::ERROR, message),
