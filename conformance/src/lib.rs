@@ -803,6 +803,7 @@ fn run_model(
         quantized_activations: options.quantized_activations,
         sequential_decode: false,
         kv_type: None,
+        kv_memory: None,
     };
     let oracle_options = LoadOptions {
         max_sequences: 1,

@@ -423,11 +423,15 @@ impl CpuExecutor {
         let kv = KvLayout::new(c, max_ctx, options.kv_type.unwrap_or(KvType::F32))?;
         // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
         // positions its sequence reaches.
-        let slots = SequenceSlots::new((0..options.sequences()).map(|_| Slot {
-            k: KvRows::new(kv.kind, kv.elements),
-            v: KvRows::new(kv.kind, kv.elements),
-            tokens: Vec::new(),
-        }));
+        let slots = SequenceSlots::new(
+            (0..options.sequences()).map(|_| Slot {
+                k: KvRows::new(kv.kind, kv.elements),
+                v: KvRows::new(kv.kind, kv.elements),
+                tokens: Vec::new(),
+            }),
+            options.sequences() * max_ctx.div_ceil(kiln_core::KV_BLOCK_TOKENS),
+            max_ctx,
+        );
         let widest = h.max(qd).max(ffn);
         let b = MAX_BATCH;
         let scratch = Scratch {

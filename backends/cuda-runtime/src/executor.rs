@@ -661,7 +661,11 @@ impl GpuExecutor {
             inv_freq,
             local_inv_freq,
             layers,
-            slots: SequenceSlots::new(slots),
+            slots: SequenceSlots::new(
+                slots,
+                options.sequences() * max_ctx.div_ceil(kiln_core::KV_BLOCK_TOKENS),
+                max_ctx,
+            ),
             kv,
             s,
             prefill,
