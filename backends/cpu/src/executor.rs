@@ -1,13 +1,23 @@
-//! The loaded model: weights as views of the file, per-sequence KV caches (f32 by default;
-//! f16 or Q8_0 rows with `LoadOptions::kv_type`), and the forward pass shared by prefill
-//! (one sequence, many positions) and batched decode (many sequences, one position each).
+//! The loaded model: weights as views of the file, the KV cache (f32 by default; f16 or
+//! Q8_0 rows with `LoadOptions::kv_type`), and the forward pass shared by prefill (one
+//! sequence, many positions) and batched decode (many sequences, one position each).
+//!
+//! The KV cache is paged as the GPU backends' is: the layers that attend to the whole
+//! context keep their rows in one pool of blocks of [`KV_BLOCK_TOKENS`] positions shared
+//! by all sequences ([`KvPool`]), a sequence holding the blocks its length needs
+//! ([`SequenceSlots::reserve`] before every write), so a pool smaller than every sequence's
+//! full context (`LoadOptions::kv_memory`) serves many short sequences, and the oracle
+//! checks the same bookkeeping (a refusal with `KvCacheFull` that changes nothing) the GPUs
+//! run. Sliding-window layers keep a ring per sequence ([`KvLayout`]): its size is fixed
+//! by the window, whatever the length.
 
 use std::borrow::Cow;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
-    check_decode, check_prefill, Activation, DecodeItem, Error, KvType, LayerExecutor, LoadOptions,
-    ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
+    check_decode, check_prefill, Activation, DecodeItem, Error, KvBlockUsage, KvType,
+    LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot,
+    SequenceSlots, TensorView, KV_BLOCK_TOKENS,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -58,7 +68,8 @@ struct Model {
     simd: Option<Simd>,
 }
 
-/// One sequence slot: its KV cache (see [`KvLayout`]) and its tokens (a truncation of a
+/// One sequence slot: its windowed layers' rings (see [`KvLayout`]; its other rows live in
+/// the blocks of the [`KvPool`] its block table names) and its tokens (a truncation of a
 /// model with windowed layers may have to recompute from them).
 struct Slot {
     k: KvRows,
@@ -66,7 +77,7 @@ struct Slot {
     tokens: Vec<u32>,
 }
 
-/// A slot's keys (or values), every layer's rows one after another ([`KvLayout`]): f32, the
+/// Keys (or values): a slot's rings or the pool's blocks ([`KvLayout`]): f32, the
 /// reference, read in place; or f16 / Q8_0 rows (ggml's rounding, as the GPUs' f16 cache
 /// rounds) encoded as they are written and read back one head at a time, decoded into a
 /// buffer of the reader's own.
@@ -116,6 +127,21 @@ impl KvRows {
         }
     }
 
+    /// Decodes `out.len()` values from element `first` (for Q8_0, whole blocks).
+    fn decode(&self, first: usize, out: &mut [f32]) {
+        match self {
+            KvRows::F32(v) => out.copy_from_slice(&v[first..first + out.len()]),
+            KvRows::F16(v) => v[first..first + out.len()]
+                .reinterpret_cast::<half::f16>()
+                .convert_to_f32_slice(out),
+            KvRows::Q8_0(b) => {
+                let blocks = &b[q8_0_byte(first)..q8_0_byte(first + out.len())];
+                kiln_core::quant::dequantize(kiln_core::QType::Q8_0, blocks, out)
+                    .expect("whole blocks (checked at load)")
+            }
+        }
+    }
+
     /// Values `offset..offset + hd` of `rows` rows of `stride` values from element `at`.
     fn head_rows(
         &self,
@@ -125,48 +151,67 @@ impl KvRows {
         offset: usize,
         hd: usize,
     ) -> HeadRows<'_> {
-        let decoded = |decode: &dyn Fn(usize, &mut [f32])| {
-            let mut out = vec![0.0f32; rows * hd];
-            for (r, o) in out.chunks_exact_mut(hd.max(1)).enumerate() {
-                decode(at + r * stride + offset, o);
-            }
-            HeadRows {
-                data: Cow::Owned(out),
-                stride: hd,
-                offset: 0,
-            }
-        };
         match self {
             KvRows::F32(v) => HeadRows {
                 data: Cow::Borrowed(&v[at..at + rows * stride]),
                 stride,
                 offset,
             },
-            KvRows::F16(v) => decoded(&|first, o| {
-                v[first..first + o.len()]
-                    .reinterpret_cast::<half::f16>()
-                    .convert_to_f32_slice(o)
-            }),
-            KvRows::Q8_0(b) => decoded(&|first, o| {
-                let blocks = &b[q8_0_byte(first)..q8_0_byte(first + o.len())];
-                kiln_core::quant::dequantize(kiln_core::QType::Q8_0, blocks, o)
-                    .expect("whole blocks (checked at load)")
-            }),
+            _ => self.gather(std::iter::once((at, rows)), stride, offset, hd),
+        }
+    }
+
+    /// Values `offset..offset + hd` of the rows of `runs` (first element, rows of `stride`
+    /// values), decoded one after another into one buffer: the rows of a paged sequence's
+    /// blocks as one contiguous run, for a cache that cannot be read in place.
+    fn gather(
+        &self,
+        runs: impl Iterator<Item = (usize, usize)> + Clone,
+        stride: usize,
+        offset: usize,
+        hd: usize,
+    ) -> HeadRows<'static> {
+        let rows: usize = runs.clone().map(|(_, n)| n).sum();
+        let mut out = vec![0.0f32; rows * hd];
+        let mut dst = out.chunks_exact_mut(hd.max(1));
+        for (at, n) in runs {
+            for (r, o) in (0..n).zip(&mut dst) {
+                self.decode(at + r * stride + offset, o);
+            }
+        }
+        HeadRows {
+            data: Cow::Owned(out),
+            stride: hd,
+            offset: 0,
         }
     }
 }
 
-/// Where a layer's key and value rows for a position lie in a slot's cache: a layer that
-/// attends to the whole context keeps every position; a windowed layer (Gemma 3's local
-/// ones) keeps a ring of `window + MAX_BATCH - 1` rows — one forward pass writes at most
-/// MAX_BATCH positions of a sequence, so it never overwrites a position one of its own
-/// tokens still attends to.
+/// Where a layer keeps its key and value rows.
+#[derive(Debug, Clone, Copy)]
+enum LayerRows {
+    /// In the pool ([`KvPool`]): the `index`-th of the layers that attend to the whole
+    /// context, position p in row p % 32 of block `blocks()[p / 32]` of its sequence.
+    Paged { index: usize },
+    /// In the slot's ring of `rows` rows from value `base`: position p in row p % rows.
+    Ring { rows: usize, base: usize },
+}
+
+/// Where each layer's key and value rows lie. A layer that attends to the whole context
+/// keeps every position of a sequence in the pool's blocks ([`KvPool`]): the blocks a
+/// sequence holds grow with its length, so sequences of any lengths share one allocation.
+/// A windowed layer (Gemma 3's local ones) keeps a ring of `window + MAX_BATCH - 1` rows
+/// in the sequence's slot — one forward pass writes at most MAX_BATCH positions of a
+/// sequence, so it never overwrites a position one of its own tokens still attends to; a
+/// ring's size does not depend on the length, so paging it would save nothing.
 struct KvLayout {
-    /// Rows each layer keeps, and where its rows start (in values).
-    rows: Vec<usize>,
-    base: Vec<usize>,
-    /// Values of one slot's keys (and as many of its values).
-    elements: usize,
+    layers: Vec<LayerRows>,
+    /// Values of one slot's rings of keys (and as many of values).
+    ring_elements: usize,
+    /// Layers in the pool.
+    paged: usize,
+    /// Bytes one block of the pool takes: 32 rows of keys and of values of every paged layer.
+    block_bytes: usize,
     kvd: usize,
     /// How the rows are stored.
     kind: KvType,
@@ -182,62 +227,129 @@ impl KvLayout {
                 c.head_dim
             )));
         }
-        let rows: Vec<usize> = (0..c.num_layers)
-            .map(|l| {
-                c.layer_attention(l)
-                    .window
-                    .map_or(max_ctx, |w| w.saturating_add(MAX_BATCH - 1).min(max_ctx))
-            })
-            .collect();
-        let mut base = Vec::with_capacity(rows.len());
-        let mut elements = 0usize;
-        for &r in &rows {
-            base.push(elements);
-            elements = r
-                .checked_mul(kvd)
-                .and_then(|n| elements.checked_add(n))
-                .ok_or_else(too_big(max_ctx))?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        let (mut ring_elements, mut paged) = (0usize, 0usize);
+        for l in 0..c.num_layers {
+            match c.layer_attention(l).window {
+                None => {
+                    layers.push(LayerRows::Paged { index: paged });
+                    paged += 1;
+                }
+                Some(w) => {
+                    let rows = w.saturating_add(MAX_BATCH - 1).min(max_ctx);
+                    layers.push(LayerRows::Ring {
+                        rows,
+                        base: ring_elements,
+                    });
+                    ring_elements = rows
+                        .checked_mul(kvd)
+                        .and_then(|n| ring_elements.checked_add(n))
+                        .ok_or_else(too_big(max_ctx))?;
+                }
+            }
         }
-        if elements
+        if ring_elements
             .checked_mul(8)
             .is_none_or(|b| b > isize::MAX as usize)
         {
             return Err(too_big(max_ctx)());
         }
+        let block_bytes = (paged * KV_BLOCK_TOKENS)
+            .checked_mul(kvd)
+            .and_then(|n| kind.bytes(n))
+            .and_then(|b| b.checked_mul(2))
+            .ok_or_else(too_big(max_ctx))?;
         Ok(KvLayout {
-            rows,
-            base,
-            elements,
+            layers,
+            ring_elements,
+            paged,
+            block_bytes,
             kvd,
             kind,
         })
     }
 
-    /// The first value of `layer`'s row for position `pos`.
-    fn at(&self, layer: usize, pos: usize) -> usize {
-        self.base[layer] + (pos % self.rows[layer]) * self.kvd
+    /// Rows `layer` keeps of a sequence of `max_ctx` positions.
+    fn rows(&self, layer: usize, max_ctx: usize) -> usize {
+        match self.layers[layer] {
+            LayerRows::Paged { .. } => max_ctx,
+            LayerRows::Ring { rows, .. } => rows,
+        }
     }
 
-    /// `layer`'s rows for positions `first..=last` as at most two runs (row offset in
+    /// A ring's rows for positions `first..=last` as at most two runs (row offset in
     /// values, row count): a ring wraps once at most, as `last - first` < its rows.
-    fn runs(&self, layer: usize, first: usize, last: usize) -> [(usize, usize); 2] {
-        let rows = self.rows[layer];
+    fn ring_runs(
+        &self,
+        rows: usize,
+        base: usize,
+        first: usize,
+        last: usize,
+    ) -> [(usize, usize); 2] {
         let (start, n) = (first % rows, last - first + 1);
         let head = n.min(rows - start);
-        [
-            (self.base[layer] + start * self.kvd, head),
-            (self.base[layer], n - head),
-        ]
+        [(base + start * self.kvd, head), (base, n - head)]
     }
 
     /// Whether cutting a sequence from `old` positions to `len` loses rows a later token
     /// attends to (see [`kiln_core::LayerAttention::truncation_loses_rows`]).
-    fn truncation_loses_rows(&self, c: &ModelConfig, old: usize, len: usize) -> bool {
+    fn truncation_loses_rows(
+        &self,
+        c: &ModelConfig,
+        max_ctx: usize,
+        old: usize,
+        len: usize,
+    ) -> bool {
         (0..c.num_layers).any(|l| {
             c.layer_attention(l)
-                .truncation_loses_rows(self.rows[l], old, len)
+                .truncation_loses_rows(self.rows(l, max_ctx), old, len)
         })
     }
+}
+
+/// The keys and values of the layers that attend to the whole context, for every block of
+/// the pool all sequences share. Layer-major: paged layer i's rows are rows
+/// `i · rows .. (i + 1) · rows` (`rows` = blocks × 32), block b's rows `b · 32 .. b · 32 +
+/// 32` of them, so a block's rows of one layer are contiguous (attention reads them as one
+/// run) and so are consecutive blocks' (a sequence whose blocks follow one another in the
+/// pool, as one alone gets them, reads its whole context as one run). Allocated zeroed, so
+/// the OS maps it only as blocks are first written.
+struct KvPool {
+    k: KvRows,
+    v: KvRows,
+    /// Rows of each layer: blocks × [`KV_BLOCK_TOKENS`].
+    rows: usize,
+}
+
+impl KvPool {
+    fn new(kv: &KvLayout, blocks: usize, max_ctx: usize) -> Result<KvPool> {
+        let rows = blocks
+            .checked_mul(KV_BLOCK_TOKENS)
+            .ok_or_else(too_big(max_ctx))?;
+        let elements = rows
+            .checked_mul(kv.paged * kv.kvd)
+            .filter(|e| e.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize))
+            .ok_or_else(|| {
+                Error::OutOfMemory(format!(
+                    "a KV cache pool of {blocks} blocks of {KV_BLOCK_TOKENS} positions does not fit in memory"
+                ))
+            })?;
+        Ok(KvPool {
+            k: KvRows::new(kv.kind, elements),
+            v: KvRows::new(kv.kind, elements),
+            rows,
+        })
+    }
+
+    /// The first value of paged layer `index`'s pool row `row`.
+    fn at(&self, kvd: usize, index: usize, row: usize) -> usize {
+        (index * self.rows + row) * kvd
+    }
+}
+
+/// The pool row of position `pos` of a sequence with block table `blocks`.
+fn pool_row(blocks: &[u32], pos: usize) -> usize {
+    blocks[pos / KV_BLOCK_TOKENS] as usize * KV_BLOCK_TOKENS + pos % KV_BLOCK_TOKENS
 }
 
 /// One sequence's KV cache for a model of `c` at a context of `max_ctx` positions, stored
@@ -248,12 +360,21 @@ pub struct KvCacheSize {
     pub rows: Vec<usize>,
 }
 
-/// [`KvCacheSize`] as this backend allocates it.
+/// [`KvCacheSize`] as this backend allocates it: the sequence's rings, and the pool blocks
+/// its whole context takes.
 pub fn kv_cache_size(c: &ModelConfig, max_ctx: usize, kind: KvType) -> Result<KvCacheSize> {
     let kv = KvLayout::new(c, max_ctx, kind)?;
+    let blocks = kv
+        .block_bytes
+        .checked_mul(max_ctx.div_ceil(KV_BLOCK_TOKENS))
+        .ok_or_else(too_big(max_ctx))?;
     Ok(KvCacheSize {
-        bytes: 2 * kind.bytes(kv.elements).ok_or_else(too_big(max_ctx))?,
-        rows: kv.rows,
+        bytes: kind
+            .bytes(kv.ring_elements)
+            .and_then(|b| b.checked_mul(2))
+            .and_then(|b| b.checked_add(blocks))
+            .ok_or_else(too_big(max_ctx))?,
+        rows: (0..c.num_layers).map(|l| kv.rows(l, max_ctx)).collect(),
     })
 }
 
@@ -282,6 +403,12 @@ struct Scratch {
     sin: Vec<f32>,
     cos_local: Vec<f32>,
     sin_local: Vec<f32>,
+    /// Each row's positions `0..=pos` as runs of pool rows (first row, rows), adjacent
+    /// blocks merged, and where each row's runs lie in `runs`: found once a forward pass
+    /// from the block tables, read by every paged layer (kept here, so a decode step
+    /// allocates none).
+    runs: Vec<(usize, usize)>,
+    run_spans: Vec<std::ops::Range<usize>>,
 }
 
 /// The CPU executor. See the crate docs.
@@ -289,6 +416,7 @@ pub struct CpuExecutor {
     model: Model,
     pool: ThreadPool,
     slots: SequenceSlots<Slot>,
+    kv: KvPool,
     scratch: Scratch,
 }
 
@@ -421,15 +549,17 @@ impl CpuExecutor {
             })?;
         let max_ctx = options.context_for(c);
         let kv = KvLayout::new(c, max_ctx, options.kv_type.unwrap_or(KvType::F32))?;
-        // Zeroed allocations are mapped lazily by the OS: a slot costs memory only for the
-        // positions its sequence reaches.
+        let blocks = options.kv_pool_blocks(max_ctx, kv.block_bytes as u64)?;
+        // Zeroed allocations are mapped lazily by the OS: the pool costs memory only for the
+        // blocks sequences reach, a slot's rings only for the positions its sequence does.
+        let pool_kv = KvPool::new(&kv, blocks, max_ctx)?;
         let slots = SequenceSlots::new(
             (0..options.sequences()).map(|_| Slot {
-                k: KvRows::new(kv.kind, kv.elements),
-                v: KvRows::new(kv.kind, kv.elements),
+                k: KvRows::new(kv.kind, kv.ring_elements),
+                v: KvRows::new(kv.kind, kv.ring_elements),
                 tokens: Vec::new(),
             }),
-            options.sequences() * max_ctx.div_ceil(kiln_core::KV_BLOCK_TOKENS),
+            blocks,
             max_ctx,
         );
         let widest = h.max(qd).max(ffn);
@@ -450,6 +580,8 @@ impl CpuExecutor {
             sin: vec![0.0; b * half.max(1)],
             cos_local: vec![0.0; b * half.max(1)],
             sin_local: vec![0.0; b * half.max(1)],
+            runs: Vec::new(),
+            run_spans: Vec::with_capacity(b),
         };
         let model = Model {
             config: c.clone(),
@@ -469,6 +601,7 @@ impl CpuExecutor {
             model,
             pool,
             slots,
+            kv: pool_kv,
             scratch,
         })
     }
@@ -496,13 +629,14 @@ impl CpuExecutor {
             model,
             pool,
             slots,
+            kv,
             scratch,
-            ..
         } = self;
         pool.install(|| {
             forward(
                 model,
                 slots.as_mut_slice(),
+                kv,
                 scratch,
                 rows,
                 tokens,
@@ -558,9 +692,104 @@ fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
     }
 }
 
+/// The query heads `qg` of one GQA group against `runs`, `heads_together` heads a task.
+#[allow(clippy::too_many_arguments)]
+fn attend_pieces(
+    simd: Option<Simd>,
+    qg: &[f32],
+    hd: usize,
+    heads_together: usize,
+    runs: &[ops::KvRun<'_>],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let piece = heads_together * hd;
+    qg.par_chunks(piece)
+        .zip(out.par_chunks_mut(piece))
+        .for_each(|(qp, op)| ops::attend_group(simd, qp, hd, runs, stride, offset, scale, op));
+}
+
 /// Tokens of one sequence a causal attention block takes: each key and value tile is read
 /// once for this many tokens (times the heads of a GQA group).
 const CAUSAL_BLOCK: usize = 8;
+
+/// A paged layer's rows for each token of a forward pass: its runs of the pool
+/// ([`Scratch::runs`]) read in place (f32), or decoded a task at a time (f16, Q8_0).
+struct PagedRows<'a> {
+    pool: &'a KvPool,
+    /// The first value of the layer's pool rows.
+    base: usize,
+    kvd: usize,
+    hd: usize,
+    runs: &'a [(usize, usize)],
+    spans: &'a [std::ops::Range<usize>],
+    /// Every token's runs as slices of an f32 pool (empty for other kinds).
+    borrowed: Vec<ops::KvRun<'a>>,
+}
+
+impl<'a> PagedRows<'a> {
+    fn new(
+        pool: &'a KvPool,
+        index: usize,
+        kvd: usize,
+        hd: usize,
+        runs: &'a [(usize, usize)],
+        spans: &'a [std::ops::Range<usize>],
+    ) -> PagedRows<'a> {
+        let base = pool.at(kvd, index, 0);
+        let borrowed = match (&pool.k, &pool.v) {
+            (KvRows::F32(k), KvRows::F32(v)) => runs
+                .iter()
+                .map(|&(row, n)| {
+                    let r = base + row * kvd..base + (row + n) * kvd;
+                    ops::KvRun {
+                        keys: &k[r.clone()],
+                        values: &v[r],
+                        len: n,
+                    }
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        PagedRows {
+            pool,
+            base,
+            kvd,
+            hd,
+            runs,
+            spans,
+            borrowed,
+        }
+    }
+
+    /// Runs `f(runs, stride, offset)` on token `t`'s rows of KV head `kvh`.
+    fn with_runs<R>(
+        &self,
+        t: usize,
+        kvh: usize,
+        f: impl FnOnce(&[ops::KvRun<'_>], usize, usize) -> R,
+    ) -> R {
+        let span = self.spans[t].clone();
+        if !self.borrowed.is_empty() {
+            return f(&self.borrowed[span], self.kvd, kvh * self.hd);
+        }
+        let at = self.runs[span]
+            .iter()
+            .map(|&(row, n)| (self.base + row * self.kvd, n));
+        let (offset, hd) = (kvh * self.hd, self.hd);
+        let keys = self.pool.k.gather(at.clone(), self.kvd, offset, hd);
+        let values = self.pool.v.gather(at, self.kvd, offset, hd);
+        let len = keys.data.len() / hd.max(1);
+        let run = [ops::KvRun {
+            keys: &keys.data,
+            values: &values.data,
+            len,
+        }];
+        f(&run, keys.stride, keys.offset)
+    }
+}
 
 /// A full-attention layer's attention for a prefill of `rows` (their K/V already in the
 /// cache): consecutive positions of one sequence in blocks of up to [`CAUSAL_BLOCK`]
@@ -569,16 +798,15 @@ const CAUSAL_BLOCK: usize = 8;
 #[allow(clippy::too_many_arguments)]
 fn attend_causal_blocks(
     m: &Model,
-    cache: &[SeqSlot<Slot>],
+    paged: &PagedRows<'_>,
     rows: &[(usize, usize)],
     q: &[f32],
     att: &mut [f32],
-    li: usize,
     simd: Option<Simd>,
     scale: f32,
 ) {
     let c = &m.config;
-    let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+    let (qd, hd) = (c.q_dim(), c.head_dim);
     let (kv_heads, group) = (c.num_kv_heads, c.gqa_ratio());
     // Blocks: runs of rows in one slot at consecutive positions, cut every CAUSAL_BLOCK.
     let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
@@ -606,13 +834,6 @@ fn attend_causal_blocks(
     tasks.into_par_iter().enumerate().for_each(|(task, outs)| {
         let (b, g) = (task / kv_heads, task % kv_heads);
         let block = blocks[b].clone();
-        let (slot, last) = rows[block.end - 1];
-        let kv = &cache[slot];
-        let base = m.kv.at(li, 0);
-        let (keys, values) = (
-            kv.k.head_rows(base, last + 1, kvd, g * hd, hd),
-            kv.v.head_rows(base, last + 1, kvd, g * hd, hd),
-        );
         let mut qs = Vec::with_capacity(block.len() * group * hd);
         let mut lens = Vec::with_capacity(block.len() * group);
         for t in block.clone() {
@@ -620,27 +841,21 @@ fn attend_causal_blocks(
             lens.extend(std::iter::repeat_n(rows[t].1 + 1, group));
         }
         let mut out = vec![0.0f32; qs.len()];
-        ops::attend_causal(
-            simd,
-            &qs,
-            hd,
-            &lens,
-            &keys.data,
-            &values.data,
-            keys.stride,
-            keys.offset,
-            scale,
-            &mut out,
-        );
+        // The block's last token sees the rows of all the others.
+        paged.with_runs(block.end - 1, g, |runs, stride, offset| {
+            ops::attend_causal(simd, &qs, hd, &lens, runs, stride, offset, scale, &mut out)
+        });
         for (piece, o) in outs.into_iter().zip(out.chunks_exact(group * hd)) {
             piece.copy_from_slice(o);
         }
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward(
     m: &Model,
     slots: &mut [SeqSlot<Slot>],
+    pool: &mut KvPool,
     s: &mut Scratch,
     rows: &[(usize, usize)],
     tokens: &[u32],
@@ -659,6 +874,29 @@ fn forward(
         m.embd.dequant_row(tok as usize, x);
         if c.embedding_scale != 1.0 {
             x.iter_mut().for_each(|v| *v *= c.embedding_scale);
+        }
+    }
+    // Each token's rows of the paged layers, from its sequence's block table (the same for
+    // every such layer): blocks that follow one another in the pool make one run.
+    s.runs.clear();
+    s.run_spans.clear();
+    if m.kv.paged > 0 {
+        for &(slot, pos) in rows {
+            let first = s.runs.len();
+            let mut left = pos + 1;
+            for &b in slots[slot].blocks() {
+                if left == 0 {
+                    break;
+                }
+                let (row, n) = (b as usize * KV_BLOCK_TOKENS, left.min(KV_BLOCK_TOKENS));
+                let fresh = s.runs.len() == first;
+                match s.runs.last_mut() {
+                    Some((r, len)) if !fresh && *r + *len == row => *len += n,
+                    _ => s.runs.push((row, n)),
+                }
+                left -= n;
+            }
+            s.run_spans.push(first..s.runs.len());
         }
     }
     for (t, &(_, pos)) in rows.iter().enumerate() {
@@ -730,9 +968,19 @@ fn forward(
                 ops::rope(c.rope.kind, head, cos, sin);
             }
             let (slot, pos) = rows[t];
-            let at = m.kv.at(li, pos);
-            slots[slot].k.write(at, &s.k[t * kvd..(t + 1) * kvd]);
-            slots[slot].v.write(at, &s.v[t * kvd..(t + 1) * kvd]);
+            let (k, v) = (&s.k[t * kvd..(t + 1) * kvd], &s.v[t * kvd..(t + 1) * kvd]);
+            match m.kv.layers[li] {
+                LayerRows::Paged { index } => {
+                    let at = pool.at(kvd, index, pool_row(slots[slot].blocks(), pos));
+                    pool.k.write(at, k);
+                    pool.v.write(at, v);
+                }
+                LayerRows::Ring { rows, base } => {
+                    let at = base + (pos % rows) * kvd;
+                    slots[slot].k.write(at, k);
+                    slots[slot].v.write(at, v);
+                }
+            }
         }
 
         // One task per token and KV head: the query heads of its GQA group (consecutive
@@ -749,43 +997,75 @@ fn forward(
         };
         let q = &s.q;
         let cache: &[SeqSlot<Slot>] = slots;
-        if attention.window.is_none() && n.div_ceil(CAUSAL_BLOCK) * kv_heads >= 2 * threads {
-            // A prefill: runs of consecutive tokens of one sequence go through a full layer
-            // as causal blocks (one task per block and KV head), each key and value tile
-            // read once for the block's tokens and heads (see `ops::attend_causal`).
-            attend_causal_blocks(m, cache, rows, q, &mut s.att[..n * qd], li, simd, scale);
-        } else {
-            s.att[..n * qd]
-                .par_chunks_mut(group * hd)
-                .enumerate()
-                .for_each(|(i, out)| {
-                    let (t, kvh) = (i / kv_heads, i % kv_heads);
-                    let (slot, pos) = rows[t];
-                    let kv = &cache[slot];
-                    // A windowed layer sees only the last `window` positions.
-                    let heads =
-                        m.kv.runs(li, attention.first_position(pos), pos)
-                            .map(|(at, n)| {
-                                (
-                                    kv.k.head_rows(at, n, kvd, kvh * hd, hd),
-                                    kv.v.head_rows(at, n, kvd, kvh * hd, hd),
-                                    n,
+        let att = &mut s.att[..n * qd];
+        match m.kv.layers[li] {
+            LayerRows::Paged { index } => {
+                let paged = PagedRows::new(pool, index, kvd, hd, &s.runs, &s.run_spans);
+                if n.div_ceil(CAUSAL_BLOCK) * kv_heads >= 2 * threads {
+                    // A prefill: runs of consecutive tokens of one sequence go through a
+                    // full layer as causal blocks (one task per block and KV head), each key
+                    // and value tile read once for the block's tokens and heads (see
+                    // `ops::attend_causal`).
+                    attend_causal_blocks(m, &paged, rows, q, att, simd, scale);
+                } else {
+                    att.par_chunks_mut(group * hd)
+                        .enumerate()
+                        .for_each(|(i, out)| {
+                            let (t, kvh) = (i / kv_heads, i % kv_heads);
+                            let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                            paged.with_runs(t, kvh, |runs, stride, offset| {
+                                attend_pieces(
+                                    simd,
+                                    qg,
+                                    hd,
+                                    heads_together,
+                                    runs,
+                                    stride,
+                                    offset,
+                                    scale,
+                                    out,
                                 )
                             });
-                    let runs = heads.each_ref().map(|(k, v, n)| ops::KvRun {
-                        keys: &k.data,
-                        values: &v.data,
-                        len: *n,
-                    });
-                    let (stride, offset) = (heads[0].0.stride, heads[0].0.offset);
-                    let qg = &q[t * qd + kvh * group * hd..][..group * hd];
-                    let piece = heads_together * hd;
-                    qg.par_chunks(piece)
-                        .zip(out.par_chunks_mut(piece))
-                        .for_each(|(qp, op)| {
-                            ops::attend_group(simd, qp, hd, &runs, stride, offset, scale, op)
                         });
-                });
+                }
+            }
+            LayerRows::Ring { rows: ring, base } => {
+                att.par_chunks_mut(group * hd)
+                    .enumerate()
+                    .for_each(|(i, out)| {
+                        let (t, kvh) = (i / kv_heads, i % kv_heads);
+                        let (slot, pos) = rows[t];
+                        let kv = &cache[slot];
+                        // A windowed layer sees only the last `window` positions.
+                        let heads =
+                            m.kv.ring_runs(ring, base, attention.first_position(pos), pos)
+                                .map(|(at, n)| {
+                                    (
+                                        kv.k.head_rows(at, n, kvd, kvh * hd, hd),
+                                        kv.v.head_rows(at, n, kvd, kvh * hd, hd),
+                                        n,
+                                    )
+                                });
+                        let runs = heads.each_ref().map(|(k, v, n)| ops::KvRun {
+                            keys: &k.data,
+                            values: &v.data,
+                            len: *n,
+                        });
+                        let (stride, offset) = (heads[0].0.stride, heads[0].0.offset);
+                        let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                        attend_pieces(
+                            simd,
+                            qg,
+                            hd,
+                            heads_together,
+                            &runs,
+                            stride,
+                            offset,
+                            scale,
+                            out,
+                        );
+                    });
+            }
         }
 
         let input = batch(&s.att, &mut s.sums, n, qd);
@@ -909,6 +1189,16 @@ impl LayerExecutor for CpuExecutor {
         Some(self.model.kv.kind)
     }
 
+    fn kv_blocks(&self) -> Option<KvBlockUsage> {
+        let (total, free) = self.slots.block_counts();
+        Some(KvBlockUsage {
+            block_tokens: KV_BLOCK_TOKENS,
+            total,
+            free,
+            block_bytes: self.model.kv.block_bytes,
+        })
+    }
+
     fn max_context(&self) -> usize {
         self.model.max_ctx
     }
@@ -937,14 +1227,12 @@ impl LayerExecutor for CpuExecutor {
         let old = self.slots[slot].len;
         self.slots.truncate(seq, len)?;
         self.slots[slot].cache.tokens.truncate(len);
-        if self
-            .model
-            .kv
-            .truncation_loses_rows(&self.model.config, old, len)
-        {
+        let m = &self.model;
+        if m.kv.truncation_loses_rows(&m.config, m.max_ctx, old, len) {
             // A windowed layer's ring no longer holds positions the next token attends to,
             // and those depend on earlier ones: the kept prefix is run again (a cut by at
-            // most MAX_BATCH positions, or of a short sequence, never gets here).
+            // most MAX_BATCH positions, or of a short sequence, never gets here). The
+            // sequence keeps the blocks of its kept positions, so this takes none.
             let tokens = std::mem::take(&mut self.slots[slot].cache.tokens);
             self.slots[slot].len = 0;
             let mut logits = vec![0.0; self.model.config.vocab_size];
@@ -967,6 +1255,9 @@ impl LayerExecutor for CpuExecutor {
             start,
             self.model.max_ctx,
         )?;
+        // Blocks for the whole prompt before any of it runs: a pool without room for it
+        // refuses it whole (KvCacheFull), leaving the sequence as it was.
+        self.slots.reserve(slot, start + tokens.len())?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
             let pos0 = start + ci * MAX_BATCH;
@@ -987,6 +1278,16 @@ impl LayerExecutor for CpuExecutor {
         check_decode(batch, logits, vocab, self.model.max_ctx, |seq| {
             self.slots.len_of(seq)
         })?;
+        // Every item's next position needs room in its blocks: taken for the whole batch at
+        // once, or (KvCacheFull) for none of it, before any of it runs.
+        let wants = batch
+            .iter()
+            .map(|item| {
+                let slot = self.slot_of(item.seq)?;
+                Ok((slot, self.slots[slot].len + 1))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.slots.reserve_all(&wants)?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         let mut toks = [0u32; MAX_BATCH];
         for (items, out) in batch

@@ -75,7 +75,10 @@ pub fn rope(kind: RopeKind, head: &mut [f32], cos: &[f32], sin: &[f32]) {
 const TILE: usize = 128;
 
 /// Rows of one KV head's cache that a query attends to: `len` rows of `stride` floats from
-/// the start of `keys`/`values` (a ring-buffered layer gives two runs when it wraps).
+/// the start of `keys`/`values`. A paged layer gives one run per block of the sequence
+/// (blocks adjacent in the pool merged into one), a ring-buffered layer two when it wraps.
+/// Each run is tiled on its own, so the bits of a result depend on where the runs break:
+/// a sequence whose blocks lie one after another computes what one contiguous run gives.
 pub struct KvRun<'a> {
     pub keys: &'a [f32],
     pub values: &'a [f32],
@@ -161,19 +164,20 @@ pub fn attend_group(
 
 /// Queries of consecutive tokens of one sequence (`q`: `lens.len()` vectors of `hd`
 /// values side by side) against one KV head's rows from position 0, query k seeing rows
-/// `0..lens[k]` (a causal prefill: each token its own position and those before it). Each
-/// tile of keys and values is read once for all of them, where one [`attend_group`] per
-/// token streams the whole prefix from memory again for every token. Every query's
-/// result has the bits [`attend_group`] gives it alone: the tiles are the same, and the
-/// rows a query does not see weigh exactly 0 in the tiles it shares with later tokens.
+/// `0..lens[k]` (a causal prefill: each token its own position and those before it). The
+/// rows come as `runs` in position order (a paged cache's blocks: see [`KvRun`]), tiled
+/// within each run as [`attend_group`] tiles them. Each tile of keys and values is read
+/// once for all the queries, where one [`attend_group`] per token streams the whole prefix
+/// from memory again for every token. Every query's result has the bits [`attend_group`]
+/// gives it alone over the same runs: the tiles are the same, and the rows a query does
+/// not see weigh exactly 0 in the tiles it shares with later tokens.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_causal(
     simd: Option<Simd>,
     q: &[f32],
     hd: usize,
     lens: &[usize],
-    keys: &[f32],
-    values: &[f32],
+    runs: &[KvRun<'_>],
     stride: usize,
     offset: usize,
     scale: f32,
@@ -186,40 +190,59 @@ pub fn attend_causal(
         q.len() == nq * hd
             && out.len() == nq * hd
             && lens.iter().all(|&l| l >= 1)
-            && (len == 0 || (len - 1) * stride + offset + hd <= keys.len().min(values.len())),
-        "attend_causal: {nq} queries of {hd} over {len} rows of stride {stride} at {offset}, \
-         {} query, {} output, {} key and {} value values",
+            && runs.iter().map(|r| r.len).sum::<usize>() >= len
+            && runs.iter().all(|r| r.len == 0
+                || (r.len - 1) * stride + offset + hd <= r.keys.len().min(r.values.len())),
+        "attend_causal: {nq} queries of {hd} over {len} rows of stride {stride} at {offset} in {} runs, \
+         {} query and {} output values",
+        runs.len(),
         q.len(),
         out.len(),
-        keys.len(),
-        values.len()
     );
     let mut scores = [0.0f32; MQ * TILE];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut denom = vec![0.0f32; nq];
     out.fill(0.0);
-    for start in (0..len).step_by(TILE) {
-        let n = (len - start).min(TILE);
-        let rows = start * stride + offset;
-        for c0 in (0..nq).step_by(MQ) {
-            let cq = (nq - c0).min(MQ);
-            let tile = &mut scores[..cq * n];
-            let (qc, oc) = (
-                &q[c0 * hd..(c0 + cq) * hd],
-                &mut out[c0 * hd..(c0 + cq) * hd],
-            );
-            kernels::scores_multi_f32(simd, qc, hd, &keys[rows..], stride, scale, n, tile);
-            for k in 0..cq {
-                let s = &mut tile[k * n..(k + 1) * n];
-                // Rows past this query's own position weigh e^-inf = 0 (tile 0 holds row 0,
-                // which every query sees, so its maximum is finite from the start).
-                let visible = lens[c0 + k].saturating_sub(start).min(n);
-                s[visible..].fill(f32::NEG_INFINITY);
-                let o = &mut oc[k * hd..(k + 1) * hd];
-                softmax_tile(simd, s, &mut max[c0 + k], &mut denom[c0 + k], o);
-            }
-            kernels::weighted_rows_multi_f32(simd, tile, n, &values[rows..], stride, hd, oc);
+    // Position of the run's first row.
+    let mut first = 0;
+    for run in runs {
+        if first >= len {
+            break;
         }
+        let run_len = run.len.min(len - first);
+        for start in (0..run_len).step_by(TILE) {
+            let n = (run_len - start).min(TILE);
+            let rows = start * stride + offset;
+            for c0 in (0..nq).step_by(MQ) {
+                let cq = (nq - c0).min(MQ);
+                let tile = &mut scores[..cq * n];
+                let (qc, oc) = (
+                    &q[c0 * hd..(c0 + cq) * hd],
+                    &mut out[c0 * hd..(c0 + cq) * hd],
+                );
+                kernels::scores_multi_f32(simd, qc, hd, &run.keys[rows..], stride, scale, n, tile);
+                for k in 0..cq {
+                    let s = &mut tile[k * n..(k + 1) * n];
+                    // Rows past this query's own position weigh e^-inf = 0 (the first tile
+                    // holds row 0, which every query sees, so its maximum is finite from the
+                    // start).
+                    let visible = lens[c0 + k].saturating_sub(first + start).min(n);
+                    s[visible..].fill(f32::NEG_INFINITY);
+                    let o = &mut oc[k * hd..(k + 1) * hd];
+                    softmax_tile(simd, s, &mut max[c0 + k], &mut denom[c0 + k], o);
+                }
+                kernels::weighted_rows_multi_f32(
+                    simd,
+                    tile,
+                    n,
+                    &run.values[rows..],
+                    stride,
+                    hd,
+                    oc,
+                );
+            }
+        }
+        first += run.len;
     }
     for (o, d) in out.chunks_exact_mut(hd).zip(denom) {
         let inv = 1.0 / d;

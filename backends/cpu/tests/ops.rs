@@ -203,10 +203,53 @@ fn causal_blocks_equal_each_token_alone() {
                 .map(kiln_backend_cpu::kernels::Simd::detect)
             {
                 let mut got = vec![f32::NAN; q.len()];
+                let whole = [KvRun {
+                    keys: &keys,
+                    values: &values,
+                    len: rows,
+                }];
                 kiln_backend_cpu::ops::attend_causal(
-                    simd, &q, hd, &lens, &keys, &values, stride, off, scale, &mut got,
+                    simd, &q, hd, &lens, &whole, stride, off, scale, &mut got,
+                );
+                // The same rows as a paged cache's blocks of 32 in the reverse order in
+                // memory (as runs): each query gets the bits attend_group gives it over the
+                // same runs.
+                let (rk, rv) = (
+                    blocks_reversed(&keys, stride),
+                    blocks_reversed(&values, stride),
+                );
+                let paged = paged_runs(&rk, &rv, rows, stride);
+                let mut got_paged = vec![f32::NAN; q.len()];
+                kiln_backend_cpu::ops::attend_causal(
+                    simd,
+                    &q,
+                    hd,
+                    &lens,
+                    &paged,
+                    stride,
+                    off,
+                    scale,
+                    &mut got_paged,
                 );
                 for (k, &len) in lens.iter().enumerate() {
+                    let mut alone_paged = vec![f32::NAN; hd];
+                    attend_group(
+                        simd,
+                        &q[k * hd..(k + 1) * hd],
+                        hd,
+                        &paged_runs(&rk, &rv, len, stride),
+                        stride,
+                        off,
+                        scale,
+                        &mut alone_paged,
+                    );
+                    assert!(
+                        got_paged[k * hd..(k + 1) * hd]
+                            .iter()
+                            .zip(&alone_paged)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "paged: hd {hd}, {tokens} tokens x {heads} heads from {first}, query {k} ({simd:?})"
+                    );
                     let runs = [KvRun {
                         keys: &keys,
                         values: &values,
@@ -235,4 +278,27 @@ fn causal_blocks_equal_each_token_alone() {
             }
         }
     }
+}
+
+/// `rows` (rows of `stride` values) with their blocks of 32 rows in the reverse order: a
+/// paged cache whose sequence took its blocks from the top of the pool down.
+fn blocks_reversed(rows: &[f32], stride: usize) -> Vec<f32> {
+    rows.chunks(32 * stride).rev().flatten().copied().collect()
+}
+
+/// The first `len` rows of [`blocks_reversed`]'s cache, in position order: one run a block.
+fn paged_runs<'a>(keys: &'a [f32], values: &'a [f32], len: usize, stride: usize) -> Vec<KvRun<'a>> {
+    let total = keys.len() / stride;
+    (0..len.div_ceil(32))
+        .map(|b| {
+            // Block b holds rows 32·b.. of `size`; the blocks after it come first.
+            let size = (total - 32 * b).min(32);
+            let at = total - 32 * b - size;
+            KvRun {
+                keys: &keys[at * stride..(at + size) * stride],
+                values: &values[at * stride..(at + size) * stride],
+                len: (len - 32 * b).min(32),
+            }
+        })
+        .collect()
 }
