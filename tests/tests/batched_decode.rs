@@ -462,28 +462,46 @@ fn gpu_batched_decode_real_smollm2() {
 /// every slot accounted for: the executor never holds more than `max_sequences`, a freed
 /// slot is taken again, an admission past capacity is a typed error that changes nothing,
 /// and no sequence sees another's KV: every 250 operations each live sequence's next logits
-/// equal those of its own token history replayed alone on a fresh executor. At the end,
-/// after finishing everything, all `max_sequences` slots can be taken again.
+/// equal those of its own token history replayed alone on a fresh executor. With a tight
+/// KV pool (a third of every sequence's full context), admissions and decode batches the
+/// pool has no blocks for fail with `KvCacheFull` and change nothing. At the end, after
+/// finishing everything, all `max_sequences` slots can be taken again and every KV block
+/// is back in the pool.
 fn random_operations(
     backend: &dyn Backend,
     model: &kiln_core::ModelIr,
     ops: usize,
     seed: u64,
     batched: bool,
+    pool: Pool,
 ) {
-    let options = LoadOptions {
+    let mut options = LoadOptions {
         max_context: 96,
         max_sequences: 6,
         sequential_decode: !batched,
         ..Default::default()
     };
+    if pool == Pool::Tight {
+        // A third of the default pool (every sequence's full context), learnt from it.
+        let usage = backend
+            .load(model, &options)
+            .unwrap()
+            .kv_blocks()
+            .expect("the executor pages its KV cache");
+        options.kv_memory = Some((usage.total / 3 * usage.block_bytes) as u64);
+    }
     let mut exec = backend.load(model, &options).unwrap();
+    let total_blocks = exec
+        .kv_blocks()
+        .expect("the executor pages its KV cache")
+        .total;
     let vocab = model.config.vocab_size;
     let max_seqs = exec.max_sequences();
     let mut rng = kiln_core::Rng::new(seed);
     let mut live: Vec<(SeqId, Vec<u32>)> = Vec::new();
     let mut logits = vec![0f32; vocab];
     let mut counts = [0usize; 5];
+    let mut cache_full = 0usize;
     for op in 0..ops {
         let r = rng.next_u64() % 100;
         if r < 25 {
@@ -494,9 +512,20 @@ fn random_operations(
             match exec.new_sequence() {
                 Ok(seq) => {
                     assert!(live.len() < max_seqs, "op {op}: a sequence beyond capacity");
-                    exec.prefill(seq, &prompt, &mut logits).unwrap();
-                    live.push((seq, prompt));
-                    counts[0] += 1;
+                    match exec.prefill(seq, &prompt, &mut logits) {
+                        Ok(()) => {
+                            live.push((seq, prompt));
+                            counts[0] += 1;
+                        }
+                        Err(kiln_core::Error::KvCacheFull { .. }) => {
+                            // No blocks for the prompt: refused whole, the sequence still
+                            // empty; the scheduler would queue it, this test drops it.
+                            assert_eq!(exec.sequence_len(seq).unwrap(), 0, "op {op}");
+                            exec.free_sequence(seq).unwrap();
+                            cache_full += 1;
+                        }
+                        Err(e) => panic!("op {op}: {e}"),
+                    }
                 }
                 Err(kiln_core::Error::InvalidArgument(_)) => {
                     assert_eq!(live.len(), max_seqs, "op {op}: refused with free slots");
@@ -516,15 +545,21 @@ fn random_operations(
                 }
             }
             let mut out = vec![0f32; items.len() * vocab];
-            exec.decode(&items, &mut out).unwrap();
-            for it in &items {
-                live.iter_mut()
-                    .find(|(s, _)| *s == it.seq)
-                    .unwrap()
-                    .1
-                    .push(it.token);
+            match exec.decode(&items, &mut out) {
+                Ok(()) => {
+                    for it in &items {
+                        live.iter_mut()
+                            .find(|(s, _)| *s == it.seq)
+                            .unwrap()
+                            .1
+                            .push(it.token);
+                    }
+                    counts[1] += 1;
+                }
+                // Refused whole: no length changed (checked below).
+                Err(kiln_core::Error::KvCacheFull { .. }) => cache_full += 1,
+                Err(e) => panic!("op {op}: {e}"),
             }
-            counts[1] += 1;
         } else if r < 80 && !live.is_empty() {
             // Truncate (roll back part of a conversation).
             let i = (rng.next_u64() % live.len() as u64) as usize;
@@ -556,14 +591,21 @@ fn random_operations(
                 }
                 let t = (rng.next_u64() % vocab as u64) as u32;
                 let mut got = vec![0f32; vocab];
-                exec.decode(
+                match exec.decode(
                     &[DecodeItem {
                         seq: *seq,
                         token: t,
                     }],
                     &mut got,
-                )
-                .unwrap();
+                ) {
+                    Ok(()) => {}
+                    Err(kiln_core::Error::KvCacheFull { .. }) => {
+                        assert_eq!(exec.sequence_len(*seq).unwrap(), toks.len(), "op {op}");
+                        cache_full += 1;
+                        continue;
+                    }
+                    Err(e) => panic!("op {op}: {e}"),
+                }
                 toks.push(t);
                 let alone = fresh.new_sequence().unwrap();
                 let mut want = vec![0f32; vocab];
@@ -581,13 +623,19 @@ fn random_operations(
     for (seq, _) in live.drain(..) {
         exec.free_sequence(seq).unwrap();
     }
+    let usage = exec.kv_blocks().unwrap();
+    assert_eq!(
+        (usage.total, usage.free),
+        (total_blocks, total_blocks),
+        "every KV block back in the pool"
+    );
     let all: Vec<SeqId> = (0..max_seqs)
         .map(|_| exec.new_sequence().unwrap())
         .collect();
     assert_eq!(all.len(), max_seqs, "every slot returned");
     assert!(exec.new_sequence().is_err());
     println!(
-        "{}{}: {ops} random operations: {} admitted, {} decode batches, {} truncations, {} finished, {} refused at capacity; all {max_seqs} slots free at the end",
+        "{}{}, {pool:?} pool of {total_blocks} blocks: {ops} random operations: {} admitted, {} decode batches, {} truncations, {} finished, {} refused at capacity, {cache_full} refused with KvCacheFull; all {max_seqs} slots and {total_blocks} blocks free at the end",
         backend.name(),
         if batched { " (batched decode)" } else { "" },
         counts[0],
@@ -598,16 +646,28 @@ fn random_operations(
     );
 }
 
+/// The KV pool [`random_operations`] runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pool {
+    /// Every sequence's full context (no `kv_memory`).
+    Default,
+    /// A third of that: sequences compete for blocks.
+    Tight,
+}
+
 #[test]
 fn cpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     let Some(cpu) = backend("cpu") else { return };
-    random_operations(
-        cpu.as_ref(),
-        &kiln_tests::tiny_llama(32),
-        10_000,
-        kiln_core::testdata::fresh_seed(),
-        false,
-    );
+    for pool in [Pool::Default, Pool::Tight] {
+        random_operations(
+            cpu.as_ref(),
+            &kiln_tests::tiny_llama(32),
+            10_000,
+            kiln_core::testdata::fresh_seed(),
+            false,
+            pool,
+        );
+    }
 }
 
 #[test]
@@ -616,13 +676,16 @@ fn gpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     for name in ["cuda-q4k", "cuda-q4_0"] {
         let Some(gpu) = backend(name) else { return };
         for batched in [false, true] {
-            random_operations(
-                gpu.as_ref(),
-                &kiln_tests::tiny_llama(32),
-                2_000,
-                kiln_core::testdata::fresh_seed(),
-                batched,
-            );
+            for pool in [Pool::Default, Pool::Tight] {
+                random_operations(
+                    gpu.as_ref(),
+                    &kiln_tests::tiny_llama(32),
+                    2_000,
+                    kiln_core::testdata::fresh_seed(),
+                    batched,
+                    pool,
+                );
+            }
         }
     }
 }
