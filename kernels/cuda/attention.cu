@@ -20,8 +20,11 @@
 // context (the executor's batch_shape).
 //
 // Sliding-window layers (`window` > 0) attend to the last `window` positions only, and
-// their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx; for
-// full layers max_ctx is the context, so the row is p).
+// their cache is a ring of `max_ctx` rows per KV head (position p in row p % max_ctx). The
+// other layers are paged (common.cuh, kv_row): `max_ctx` is the pool's rows a head, and the
+// sequence's block table maps each 32 positions to a block of 32 rows. A warp's 32
+// positions start at a multiple of 32 there (splits are multiples of 32 from 0), so they lie
+// in one block: one table entry a chunk, loaded a chunk ahead.
 // A warp takes 32 positions at a time: lane l scores position p0 + l with a whole-row dot
 // product (16-byte K loads, q broadcast from shared memory), the warp updates its running
 // softmax once per 32 positions, then accumulates the 32 V rows with lane l owning
@@ -31,7 +34,7 @@
 // KV is the cache's format (KvF16 or KvQ8, common.cuh).
 template <int E, int GM, class KV>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const KV kc, const KV vc,
-                                                         const int* __restrict__ len_ptr,
+                                                         const int* __restrict__ len_ptr, const int* __restrict__ table,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
                                                          int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
@@ -75,14 +78,20 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     }
     const KV kbase = kc.at((size_t)kvh * max_ctx * hd);
     const KV vbase = vc.at((size_t)kvh * max_ctx * hd);
-    for (int p0 = start + warp * 32; p0 < end; p0 += nwarps * 32) {
+    // Position q of the current chunk is in row q + shift (paged), or q % max_ctx (a ring).
+    const int step = nwarps * 32;
+    int next_block = table && start + warp * 32 < end ? table[(start + warp * 32) >> 5] : 0;
+    for (int p0 = start + warp * 32; p0 < end; p0 += step) {
         const int p = p0 + lane;
+        const int shift = next_block * 32 - p0;
+        if (table && p0 + step < end) next_block = table[(p0 + step) >> 5];
+        const auto row_of = [&](int pos) { return table ? pos + shift : pos % max_ctx; };
         // Each K row is read once and scored against every query head of the block.
         float score[GM];
 #pragma unroll
         for (int j = 0; j < GM; ++j) score[j] = p < end ? 0.0f : -INFINITY;
         if (p < end) {
-            const size_t krow = (size_t)(p % max_ctx) * hd;
+            const size_t krow = (size_t)row_of(p) * hd;
 #pragma unroll
             for (int i = 0; i < E * 4; ++i) {
                 float k[8];
@@ -122,7 +131,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             float v[VB][E];
 #pragma unroll
             for (int i = 0; i < VB; ++i)
-                vbase.template load<E>((size_t)(min(p0 + jb + i, end - 1) % max_ctx) * hd + lane * E, v[i]);
+                vbase.template load<E>((size_t)row_of(min(p0 + jb + i, end - 1)) * hd + lane * E, v[i]);
 #pragma unroll
             for (int i = 0; i < VB; ++i) {
 #pragma unroll
@@ -216,12 +225,12 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #define KV_Q8_V() KvQ8{(const i8*)vc, vd}
 #define ATTN_KERNEL(NAME, E, GM, KV, KK, VV)                                                                           \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
-        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr, int n_heads,   \
-        int n_kv, int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml, u32* counters,      \
-        float* out, i8* oq, i8* olo, float2* ods) {                                                                    \
+        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr,                \
+        const int* table, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,       \
+        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods) {                                    \
         grid_dependency_wait();                                                                                        \
-        attn_partial_impl<E, GM, KV>(q, KK(), VV(), len_ptr, n_heads, n_kv, max_ctx, split, scale, window, part_o,    \
-                                     part_ml, counters, out, oq, olo, ods);                                            \
+        attn_partial_impl<E, GM, KV>(q, KK(), VV(), len_ptr, table, n_heads, n_kv, max_ctx, split, scale, window,     \
+                                     part_o, part_ml, counters, out, oq, olo, ods);                                    \
     }
 
 // Both forms of an entry point: ONE (one query head a block) and PAIRS (two heads of a GQA
@@ -237,13 +246,15 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_q8_##E, attn_decode_pairs_q8_##E, E, KvQ8, KV_Q8_K, KV_Q8_V)
 
 // The batched decode step's attention: grid.z is the row of the batch. Row z attends over
-// positions 0..len[z] of cache slot slot[z] (slots `slot_stride` values apart); its
-// partials, counters and output are row z's own. A padding row (len 0) writes zeros.
+// positions 0..len[z] of sequence slot slot[z]: in a paged layer through the slot's block
+// table (`table_stride` entries a slot; slot_stride 0), in a sliding-window layer in the
+// slot's ring (slots `slot_stride` values apart; table null). Its partials, counters and
+// output are row z's own. A padding row (len 0) writes zeros.
 #define ATTN_BATCH_KERNEL(NAME, E, GM, KV, KK, VV)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
-        long long slot_stride, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,  \
-        float2* part_ml, u32* counters, float* out) {                                                                  \
+        long long slot_stride, const int* table, int table_stride, int n_heads, int n_kv, int max_ctx, int split,      \
+        float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out) {                          \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
@@ -254,8 +265,9 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                    \
         const KV k_all = KK(), v_all = VV();                                                                           \
-        attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, n_heads, n_kv, max_ctx,   \
-                                    split, scale, window, part_o + z * qd * nsplit,                                    \
+        const int* tab = table ? table + (size_t)slot[z] * table_stride : nullptr;                                     \
+        attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, tab, n_heads, n_kv,       \
+                                    max_ctx, split, scale, window, part_o + z * qd * nsplit,                           \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
                                     nullptr, nullptr, nullptr);                                                        \
     }

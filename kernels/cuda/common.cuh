@@ -190,6 +190,16 @@ static __device__ __forceinline__ void quantize_kv_block(float x, i8* __restrict
     if (lane == 0) *d = f2h(dd);
 }
 
+// The row of a KV head's cache that holds position p. A layer that keeps the whole context
+// is paged: its rows form a pool of 32-row blocks shared by all sequences, and a sequence's
+// block table (`table`) names its blocks in order, so position p is row p % 32 of block
+// table[p / 32] (kiln_core::KV_BLOCK_TOKENS). A sliding-window layer keeps a contiguous ring
+// of `rows` rows per sequence (table null): position p is row p % rows. Either way a KV
+// head's rows lie `rows` apart (the pool's rows, or the ring's).
+static __device__ __forceinline__ int kv_row(const int* __restrict__ table, int p, int rows) {
+    return table ? table[p >> 5] * 32 + (p & 31) : p % rows;
+}
+
 // Writes one KV head's rotated key and its value row to the cache at value offset `off` (a
 // multiple of 32). Every thread of the block calls it; `mine` says whether the thread holds
 // a rotary pair (dims a and b of both rows). An f16 cache takes the values as they are; a

@@ -25,7 +25,8 @@ static __device__ __forceinline__ void rope_kv_rows_impl(const float* __restrict
                                                          u16* vd, int start, int n_heads, int n_kv, int hd,
                                                          int rot_dims, const float* __restrict__ inv_freq, int neox,
                                                          const float* __restrict__ q_norm,
-                                                         const float* __restrict__ k_norm, float eps, int max_ctx) {
+                                                         const float* __restrict__ k_norm, float eps, int max_ctx,
+                                                         const int* __restrict__ table) {
     __shared__ float scratch[32];
     const int head = blockIdx.x, t = blockIdx.y;
     const bool is_q = head < n_heads;
@@ -70,7 +71,7 @@ static __device__ __forceinline__ void rope_kv_rows_impl(const float* __restrict
             q[b] = xb;
         }
     } else {
-        const size_t c = ((size_t)kvh * max_ctx + pos % max_ctx) * hd;  // a ring for windowed layers
+        const size_t c = ((size_t)kvh * max_ctx + kv_row(table, pos, max_ctx)) * hd;
         const int voff = (n_heads + n_kv + kvh) * hd;
         float va = 0.0f, vb = 0.0f;
         if (mine) {
@@ -87,29 +88,33 @@ static __device__ __forceinline__ void rope_kv_rows_impl(const float* __restrict
                                     float* __restrict__ q_out, void* kc, void* vc, u16* kd, u16* vd, int start,        \
                                     int n_heads, int n_kv, int hd, int rot_dims, const float* __restrict__ inv_freq,   \
                                     int neox, const float* __restrict__ q_norm, const float* __restrict__ k_norm,      \
-                                    float eps, int max_ctx) {                                                          \
+                                    float eps, int max_ctx, const int* __restrict__ table) {                           \
         grid_dependency_wait();                                                                                        \
         rope_kv_rows_impl<Q8>(qkv, bias, q_out, kc, vc, kd, vd, start, n_heads, n_kv, hd, rot_dims, inv_freq, neox,    \
-                              q_norm, k_norm, eps, max_ctx);                                                           \
+                              q_norm, k_norm, eps, max_ctx, table);                                                    \
     }
 ROPE_KV_ROWS_ENTRY(rope_kv_rows, false)
 ROPE_KV_ROWS_ENTRY(rope_kv_rows_q8, true)
 
-// A q8_0 cache's rows 0..rows of every KV head of one layer (keys and values: blockIdx.z) as
-// f16, in the f16 cache's layout, for the prefill attention kernels (which read f16 tiles):
-// each value becomes d · q exactly as the decode kernels compute it, rounded to f16.
-// Grid (ceil(rows · hd / 256), n_kv, 2), 256 threads, one value a thread.
+// One sequence's positions 0..rows of a q8_0 cache's layer (every KV head, keys and values:
+// blockIdx.z), found through kv_row(table, p, src_rows), as f16 in a contiguous cache of
+// `dst_rows` rows a head (position p in row p), for the prefill attention kernels (which read
+// f16 tiles): each value becomes d · q exactly as the decode kernels compute it, rounded to
+// f16. Grid (ceil(rows · hd / 256), n_kv, 2), 256 threads, one value a thread.
 extern "C" __global__ void kv_q8_to_f16(const i8* __restrict__ kq, const u16* __restrict__ kd,
                                         const i8* __restrict__ vq, const u16* __restrict__ vd, u16* __restrict__ kf,
-                                        u16* __restrict__ vf, int rows, int hd, int max_ctx) {
+                                        u16* __restrict__ vf, int rows, int hd, int dst_rows, int src_rows,
+                                        const int* __restrict__ table) {
     grid_dependency_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * hd) return;
-    const size_t e = (size_t)blockIdx.y * max_ctx * hd + i;
+    const int p = (int)(i / hd);
+    const size_t e = ((size_t)blockIdx.y * src_rows + kv_row(table, p, src_rows)) * hd + i % hd;
+    const size_t o = (size_t)blockIdx.y * dst_rows * hd + i;
     const bool values = blockIdx.z == 1;
     const i8* q = values ? vq : kq;
     const u16* d = values ? vd : kd;
-    (values ? vf : kf)[e] = f2h(h2f(d[e / 32]) * (float)q[e]);
+    (values ? vf : kf)[o] = f2h(h2f(d[e / 32]) * (float)q[e]);
 }
 
 // Causal GQA attention of the chunk's queries over the cache: query t of head h sees
@@ -120,13 +125,15 @@ extern "C" __global__ void kv_q8_to_f16(const i8* __restrict__ kq, const u16* __
 template <int E>
 static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const u16* __restrict__ kc,
                                                     const u16* __restrict__ vc, u16* __restrict__ out, int n_heads,
-                                                    int n_kv, int max_ctx, int start, float scale, int window) {
+                                                    int n_kv, int max_ctx, int start, float scale, int window,
+                                                    const int* __restrict__ table) {
     constexpr int HD = 32 * E, NW = 4;
     const int head = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = head / (n_heads / n_kv);
     const int len = start + t + 1;
-    // A sliding-window layer sees the last `window` positions, in a ring of max_ctx rows.
+    // A sliding-window layer sees the last `window` positions, in a ring of max_ctx rows; a
+    // paged layer's rows come through its block table (kv_row).
     const int lo = window > 0 ? max(0, len - window) : 0;
     const float* qr = q + ((size_t)t * n_heads + head) * HD;
     float qv[E], acc[E];
@@ -139,7 +146,7 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
     const u16* V = vc + (size_t)kvh * max_ctx * HD;
     float m = -INFINITY, l = 0.0f;
     for (int j = lo + warp; j < len; j += NW) {
-        const int row = j % max_ctx;
+        const int row = kv_row(table, j, max_ctx);
         const u16* kr = K + (size_t)row * HD;
         float s = 0.0f;
 #pragma unroll
@@ -184,9 +191,9 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
 #define ATTN_PREFILL(E)                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                                \
         const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,         \
-        float scale, int window) {                                                                                     \
+        float scale, int window, const int* table) {                                                                   \
         grid_dependency_wait();                                                                                        \
-        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window);                                 \
+        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window, table);                          \
     }
 ATTN_PREFILL(1)
 ATTN_PREFILL(2)
@@ -234,7 +241,7 @@ template <int HD, int BKV>
 static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ q, const u16* __restrict__ kc,
                                                         const u16* __restrict__ vc, u16* __restrict__ out, int rows,
                                                         int n_heads, int n_kv, int max_ctx, int start, float scale,
-                                                        int window) {
+                                                        int window, const int* __restrict__ table) {
     constexpr int BQ = 64, LD = HD + 8;  // shared rows padded by 16 bytes: ldmatrix without bank conflicts
     constexpr int KSTEPS = HD / 16, SN = BKV / 8, ON = HD / 8, CHUNKS = HD / 8;
     __shared__ __align__(16) u16 ks[2][BKV * LD];
@@ -278,7 +285,7 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
             u16* kd = &ks[buf][r * LD + ch * 8];
             u16* vd = &vs[buf][r * LD + ch * 8];
             if (p < hi) {
-                const size_t at = (size_t)(p % max_ctx) * HD + ch * 8;  // a ring for windowed layers
+                const size_t at = (size_t)kv_row(table, p, max_ctx) * HD + ch * 8;
                 cp_async16(smem_u32(kd), K + at);
                 cp_async16(smem_u32(vd), V + at);
             } else {
@@ -406,9 +413,9 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
 #define ATTN_PREFILL_MMA(HD, BKV)                                                                                      \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_##HD(                                           \
         const float* q, const u16* kc, const u16* vc, u16* out, int rows, int n_heads, int n_kv, int max_ctx,          \
-        int start, float scale, int window) {                                                                          \
+        int start, float scale, int window, const int* table) {                                                        \
         grid_dependency_wait();                                                                                        \
-        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window);                 \
+        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window, table);          \
     }
 ATTN_PREFILL_MMA(64, 64)
 ATTN_PREFILL_MMA(128, 32)

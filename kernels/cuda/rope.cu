@@ -8,8 +8,8 @@
 // frequencies, computed on the host exactly as the CPU reference does (scaling and
 // per-pair factors included). The position is read from device memory so a captured graph
 // serves every step.
-// Cache layout: [n_kv][max_ctx][hd], position p in row p % max_ctx (a sliding-window
-// layer's cache is a ring shorter than the context; for the others the row is p).
+// Cache layout: [n_kv][max_ctx][hd], position p in row kv_row(table, p, max_ctx) (common.cuh:
+// a paged layer's block table, or a sliding-window layer's ring of max_ctx rows).
 
 // One head of one token: `pos` its position; K and V go to the cache only when `write_kv`.
 // Uniform over the block: every thread reaches the cache write.
@@ -19,7 +19,8 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
                                                     u16* __restrict__ vd, int pos, bool write_kv, int n_heads,
                                                     int n_kv, int hd, int rot_dims, const float* __restrict__ inv_freq,
                                                     int neox, const float* __restrict__ q_norm,
-                                                    const float* __restrict__ k_norm, float eps, int max_ctx) {
+                                                    const float* __restrict__ k_norm, float eps, int max_ctx,
+                                                    const int* __restrict__ table) {
     __shared__ float scratch[32];
     const int head = blockIdx.x;
     const bool is_q = head < n_heads;
@@ -58,7 +59,7 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
             q_out[(size_t)head * hd + b] = xb;
         }
     } else if (write_kv) {
-        const size_t off = ((size_t)kvh * max_ctx + pos % max_ctx) * hd;
+        const size_t off = ((size_t)kvh * max_ctx + kv_row(table, pos, max_ctx)) * hd;
         const float* v = qkv + (size_t)(n_heads + n_kv + kvh) * hd;
         store_kv<Q8>(kc, vc, kd, vd, off, hd, mine, a, b, xa, xb, mine ? v[a] : 0.0f, mine ? v[b] : 0.0f);
     }
@@ -71,32 +72,36 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
                                     u16* kd, u16* vd, const int* __restrict__ pos_ptr, int n_heads, int n_kv, int hd,  \
                                     int rot_dims, const float* __restrict__ inv_freq, int neox,                        \
                                     const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,     \
-                                    int max_ctx) {                                                                     \
+                                    int max_ctx, const int* __restrict__ table) {                                      \
         grid_dependency_wait();                                                                                        \
         rope_kv_head<Q8>(qkv, q_out, kc, vc, kd, vd, *pos_ptr, true, n_heads, n_kv, hd, rot_dims, inv_freq, neox,      \
-                         q_norm, k_norm, eps, max_ctx);                                                                \
+                         q_norm, k_norm, eps, max_ctx, table);                                                         \
     }
 ROPE_KV_ENTRY(rope_kv, false)
 ROPE_KV_ENTRY(rope_kv_q8, true)
 
 // The batched decode step's RoPE: grid.y is the row of the batch. Row z's token is at
-// position pos[z] of cache slot slot[z] (slots `slot_stride` values apart in the cache); a
-// padding row (pos < 0) rotates its Q at position 0 and writes nothing to any cache.
+// position pos[z] of sequence slot slot[z]: in a paged layer through that slot's block table
+// (`table_stride` entries a slot; slot_stride 0), in a sliding-window layer in the slot's
+// ring (slots `slot_stride` values apart, table null). A padding row (pos < 0) rotates its
+// Q at position 0 and writes nothing to any cache.
 #define ROPE_KV_BATCH_ENTRY(NAME, Q8)                                                                                  \
     extern "C" __global__ void NAME(const float* __restrict__ qkv, float* __restrict__ q_out, void* kc, void* vc,      \
                                     u16* kd, u16* vd, const int* __restrict__ pos, const int* __restrict__ slot,       \
                                     long long slot_stride, int n_heads, int n_kv, int hd, int rot_dims,                \
                                     const float* __restrict__ inv_freq, int neox, const float* __restrict__ q_norm,    \
-                                    const float* __restrict__ k_norm, float eps, int max_ctx) {                        \
+                                    const float* __restrict__ k_norm, float eps, int max_ctx,                          \
+                                    const int* __restrict__ table, int table_stride) {                                 \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.y;                                                                                      \
         const int p = pos[z];                                                                                          \
         const size_t cache = p < 0 ? 0 : (size_t)slot[z] * (size_t)slot_stride;                                        \
+        const int* tab = table && p >= 0 ? table + (size_t)slot[z] * table_stride : nullptr;                           \
         const size_t elem = Q8 ? 1 : 2;                                                                                \
         rope_kv_head<Q8>(qkv + (size_t)z * (n_heads + 2 * n_kv) * hd, q_out + (size_t)z * n_heads * hd,                \
                          (u8*)kc + cache * elem, (u8*)vc + cache * elem, kd ? kd + cache / 32 : kd,                    \
                          vd ? vd + cache / 32 : vd, p < 0 ? 0 : p, p >= 0, n_heads, n_kv, hd, rot_dims, inv_freq,      \
-                         neox, q_norm, k_norm, eps, max_ctx);                                                          \
+                         neox, q_norm, k_norm, eps, max_ctx, tab);                                                     \
     }
 ROPE_KV_BATCH_ENTRY(rope_kv_batch, false)
 ROPE_KV_BATCH_ENTRY(rope_kv_batch_q8, true)

@@ -276,8 +276,10 @@ impl Kernels {
     }
 
     /// RoPE for each row of a batch (`qkv`: rows × fused QKV), rotated Q to `q_out`, K and
-    /// V into slot `slot[z]` of the whole-pool caches `kc`/`vc` at `pos[z]` (padding rows
-    /// write nothing).
+    /// V at `pos[z]` of slot `slot[z]`'s cache in `kv` (every slot's view: rings
+    /// `slot_stride` values apart, or a paged pool, `slot_stride` 0, through the slots' block
+    /// tables), `max_ctx` rows a KV head (a ring's, or the pool's). Padding rows write
+    /// nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv_batch(
         &self,
@@ -291,8 +293,8 @@ impl Kernels {
     ) -> Result<()> {
         b.check()?;
         let hd = a.head_dim;
-        check_pool(&kv, slot_stride, a.n_kv * max_ctx * hd)?;
-        a.check(&kv.sub(0, slot_stride)?, max_ctx)?;
+        let one = check_pool(&kv, slot_stride, a.n_kv * max_ctx * hd)?;
+        a.check(&one, max_ctx)?;
         let width = (a.n_heads + 2 * a.n_kv) * hd;
         qkv.check_len(b.rows * width, "QKV rows")?;
         q_out.check_len(b.rows * a.n_heads * hd, "rotated Q rows")?;
@@ -307,7 +309,9 @@ impl Kernels {
             .ptr(b.slot.ptr())
             .u64(slot_stride as u64)
             .rope(a)
-            .i32(max_ctx as i32);
+            .i32(max_ctx as i32)
+            .ptr(kv.table_ptr())
+            .i32(kv.table().map_or(0, |(_, stride)| stride) as i32);
         let cfg = LaunchConfig {
             grid: ((a.n_heads + a.n_kv) as u32, b.rows as u32, 1),
             block: (threads, 1, 1),
@@ -337,7 +341,12 @@ impl Kernels {
         b.check()?;
         a.check()?;
         let hd = a.head_dim;
-        check_pool(&kv, slot_stride, a.n_kv * a.max_ctx * hd)?;
+        let rows = match kv.table() {
+            Some(_) => kv.values() / (a.n_kv * hd),
+            None => a.max_ctx,
+        };
+        let one = check_pool(&kv, slot_stride, a.n_kv * rows * hd)?;
+        crate::ops::cache_rows(&one, a, rows)?;
         let nsplit = a.grid_splits();
         let qd = a.n_heads * hd;
         q.check_len(b.rows * qd, "attention Q rows")?;
@@ -359,7 +368,9 @@ impl Kernels {
             .ptr(b.len.ptr())
             .ptr(b.slot.ptr())
             .u64(slot_stride as u64)
-            .attn(a)
+            .ptr(kv.table_ptr())
+            .i32(kv.table().map_or(0, |(_, stride)| stride) as i32)
+            .attn(a, rows)
             .ptr(part_o.ptr())
             .ptr(part_ml.ptr())
             .ptr(counters.ptr())
@@ -514,14 +525,23 @@ impl Kernels {
     }
 }
 
-/// Checks a batched step's view of a layer's cache: whole slots of `slot_stride` values,
-/// each the `n_kv · max_ctx · head_dim` values a slot holds.
-fn check_pool(kv: &KvPlanes, slot_stride: usize, slot_values: usize) -> Result<()> {
-    if slot_stride == 0 || slot_stride != slot_values || !kv.values().is_multiple_of(slot_stride) {
-        return Err(invalid(format!(
-            "a KV pool of {} values with slots of {slot_stride}",
-            kv.values()
-        )));
+/// Checks a batched step's view of a layer's cache and returns one slot's view (what the
+/// one-sequence checks take): whole rings of `slot_stride` values, each the `slot_values`
+/// (`n_kv · rows · head_dim`) values a slot holds; or a paged pool of `slot_values` values
+/// with block tables (`slot_stride` 0).
+fn check_pool(kv: &KvPlanes, slot_stride: usize, slot_values: usize) -> Result<KvPlanes> {
+    match kv.table() {
+        Some(_) if slot_stride == 0 && kv.values() == slot_values => Ok(*kv),
+        None if slot_stride != 0
+            && slot_stride == slot_values
+            && kv.values().is_multiple_of(slot_stride) =>
+        {
+            kv.sub(0, slot_stride)
+        }
+        _ => Err(invalid(format!(
+            "a KV pool of {} values with slots of {slot_stride} ({slot_values} values a slot{})",
+            kv.values(),
+            if kv.table().is_some() { ", paged" } else { "" }
+        ))),
     }
-    Ok(())
 }

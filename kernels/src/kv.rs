@@ -1,7 +1,17 @@
-//! The KV cache of an executor: keys and values per layer for a fixed number of sequence
-//! slots, laid out `[slot][kv_head][position][head_dim]` in one allocation per layer and
-//! plane, so one head's history is contiguous for the attention kernel and a batched step
-//! reaches any slot's cache as `base + slot · slot_stride`.
+//! The KV cache of an executor: keys and values per layer, in one allocation per layer and
+//! plane, laid out `[kv_head][row][head_dim]`.
+//!
+//! A layer that attends to the whole context is paged: its rows are a pool of blocks of
+//! [`KV_BLOCK_TOKENS`] rows shared by every sequence, and each sequence slot has a block
+//! table (a row of `max_blocks` block numbers on the device, kept by
+//! [`KvCache::set_table`] from the host's `kiln_core::SequenceSlots`): position p of the
+//! sequence is row p % 32 of block `table[p / 32]` (`kv_row` in common.cuh). A captured
+//! graph keeps working as the sequence grows, since only the table's contents change.
+//!
+//! A sliding-window layer keeps a ring per slot instead (below), contiguous: slot s's ring
+//! starts `s · slot_stride` values in, which is how a batched step reaches it. A cache built
+//! by [`KvCache::with_format`] is all rings (a ring of the context is the identity), which
+//! the kernel tests use.
 //!
 //! Two formats: f16 values, or q8_0 — one int8 per value plus one f16 scale per 32 values in
 //! a plane of their own (the scale of value `e` at `e / 32`): ggml's q8_0 arithmetic (34
@@ -14,7 +24,7 @@
 
 use std::sync::Arc;
 
-use kiln_core::KvType;
+use kiln_core::{KvType, KV_BLOCK_TOKENS};
 
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::device::{Args, Device};
@@ -82,6 +92,10 @@ pub struct KvPlanes {
     v: DevSlice<u8>,
     k_scales: Option<DevSlice<u16>>,
     v_scales: Option<DevSlice<u16>>,
+    /// A paged layer's block table(s): one sequence's (`max_blocks` entries), or every
+    /// slot's in a row of `table_stride` each (the batched step's view). None: a ring.
+    table: Option<DevSlice<i32>>,
+    table_stride: usize,
 }
 
 impl KvPlanes {
@@ -100,6 +114,8 @@ impl KvPlanes {
             v: v.cast()?,
             k_scales: None,
             v_scales: None,
+            table: None,
+            table_stride: 0,
         })
     }
 
@@ -130,6 +146,8 @@ impl KvPlanes {
             v: v.cast()?,
             k_scales: Some(k_scales),
             v_scales: Some(v_scales),
+            table: None,
+            table_stride: 0,
         })
     }
 
@@ -165,6 +183,8 @@ impl KvPlanes {
             v: self.v.sub(start * b, len * b)?,
             k_scales: scales(self.k_scales)?,
             v_scales: scales(self.v_scales)?,
+            table: None,
+            table_stride: 0,
         })
     }
 
@@ -184,6 +204,38 @@ impl KvPlanes {
             k_scales: self.k_scales?,
             v_scales: self.v_scales?,
         })
+    }
+
+    /// These planes read through a block table: `table` holds rows of `stride` entries (one
+    /// row, `stride` = its length, for one sequence).
+    pub fn with_table(mut self, table: DevSlice<i32>, stride: usize) -> Result<KvPlanes> {
+        if stride == 0 || !table.len().is_multiple_of(stride) {
+            return Err(invalid(format!(
+                "a block table of {} entries in rows of {stride}",
+                table.len()
+            )));
+        }
+        self.table = Some(table);
+        self.table_stride = stride;
+        Ok(self)
+    }
+
+    /// The block table (None for a ring), and its row length.
+    pub fn table(&self) -> Option<(DevSlice<i32>, usize)> {
+        self.table.map(|t| (t, self.table_stride))
+    }
+
+    /// The block table's device address, 0 (a null pointer: a ring) without one.
+    pub(crate) fn table_ptr(&self) -> u64 {
+        self.table.map_or(0, |t| t.ptr())
+    }
+
+    /// Positions one sequence's view can address: its table's (paged), or `rows` (a ring).
+    pub fn positions(&self, rows: usize) -> usize {
+        match self.table {
+            Some(_) => self.table_stride * KV_BLOCK_TOKENS,
+            None => rows,
+        }
     }
 
     /// Appends the four kernel parameters every KV kernel takes: K values, V values, K
@@ -212,19 +264,32 @@ struct LayerPlanes {
     scales: Option<(DeviceBuffer<u16>, DeviceBuffer<u16>)>,
 }
 
+/// How a layer keeps its rows: a ring of `rows` per slot (a sliding-window layer), or the
+/// shared pool of blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayerRows {
+    Ring(usize),
+    Paged,
+}
+
 pub struct KvCache {
     pub slots: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub format: KvFormat,
-    /// Positions each layer keeps per KV head and slot.
-    rows: Vec<usize>,
+    layout: Vec<KvLayerRows>,
+    /// Blocks in the pool of the paged layers, and entries in a slot's block table.
+    blocks: usize,
+    max_blocks: usize,
+    /// Every slot's block table, `max_blocks` entries each (zeros until set: block 0, a
+    /// valid address, for entries past what a sequence holds, which no kernel reads).
+    tables: Option<DeviceBuffer<i32>>,
     layers: Vec<LayerPlanes>,
 }
 
 impl KvCache {
-    /// Allocates an f16 cache for `slots` sequences, layer l keeping `rows[l]` positions
-    /// (contents undefined until written).
+    /// Allocates an f16 cache of rings: `slots` sequences, layer l keeping `rows[l]`
+    /// positions a slot (contents undefined until written).
     pub fn new(
         device: &Arc<Device>,
         slots: usize,
@@ -244,7 +309,32 @@ impl KvCache {
         head_dim: usize,
         rows: &[usize],
     ) -> Result<Self> {
-        if slots == 0 || rows.is_empty() || kv_heads == 0 || head_dim == 0 || rows.contains(&0) {
+        let layout: Vec<KvLayerRows> = rows.iter().map(|&r| KvLayerRows::Ring(r)).collect();
+        Self::paged(device, format, slots, kv_heads, head_dim, &layout, 0, 0)
+    }
+
+    /// A cache whose `Paged` layers share a pool of `blocks` blocks of [`KV_BLOCK_TOKENS`]
+    /// rows, each slot's block table holding `max_blocks` entries, and whose `Ring` layers
+    /// keep their rings per slot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged(
+        device: &Arc<Device>,
+        format: KvFormat,
+        slots: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        layout: &[KvLayerRows],
+        blocks: usize,
+        max_blocks: usize,
+    ) -> Result<Self> {
+        let any_paged = layout.contains(&KvLayerRows::Paged);
+        if slots == 0
+            || layout.is_empty()
+            || kv_heads == 0
+            || head_dim == 0
+            || layout.contains(&KvLayerRows::Ring(0))
+            || (any_paged && (blocks == 0 || max_blocks == 0))
+        {
             return Err(invalid("KV cache with a zero dimension".into()));
         }
         if !head_dim.is_multiple_of(32) && format == KvFormat::Q8_0 {
@@ -252,12 +342,18 @@ impl KvCache {
                 "a q8_0 KV cache for heads of {head_dim} values (needs a multiple of 32)"
             )));
         }
-        let mut layers = Vec::with_capacity(rows.len());
-        for &r in rows {
-            let per = kv_heads
-                .checked_mul(r)
+        if blocks.saturating_mul(KV_BLOCK_TOKENS) > i32::MAX as usize {
+            return Err(invalid(format!("a KV pool of {blocks} blocks")));
+        }
+        let mut layers = Vec::with_capacity(layout.len());
+        for &l in layout {
+            let rows = match l {
+                KvLayerRows::Ring(r) => slots.checked_mul(r),
+                KvLayerRows::Paged => Some(blocks * KV_BLOCK_TOKENS),
+            };
+            let per = rows
+                .and_then(|n| n.checked_mul(kv_heads))
                 .and_then(|n| n.checked_mul(head_dim))
-                .and_then(|n| n.checked_mul(slots))
                 .and_then(|n| n.checked_mul(format.value_bytes()))
                 .ok_or_else(|| invalid("KV cache size overflows".into()))?;
             let values = per / format.value_bytes();
@@ -274,25 +370,41 @@ impl KvCache {
                 scales,
             });
         }
+        let tables = match any_paged {
+            true => Some(DeviceBuffer::zeros(
+                device,
+                slots
+                    .checked_mul(max_blocks)
+                    .ok_or_else(|| invalid("KV block tables overflow".into()))?,
+            )?),
+            false => None,
+        };
         Ok(KvCache {
             slots,
             kv_heads,
             head_dim,
             format,
-            rows: rows.to_vec(),
+            layout: layout.to_vec(),
+            blocks,
+            max_blocks,
+            tables,
             layers,
         })
     }
 
     /// Layers the cache holds.
     pub fn layers(&self) -> usize {
-        self.rows.len()
+        self.layout.len()
     }
 
     /// Bytes the cache occupies on the device.
     pub fn bytes(&self) -> usize {
         (0..self.layers())
-            .map(|l| 2 * self.format.bytes(self.slots * self.slot_stride(l)))
+            .map(|l| {
+                2 * self
+                    .format
+                    .bytes(self.kv_heads * self.head_dim * self.plane_rows(l))
+            })
             .sum()
     }
 
@@ -302,31 +414,109 @@ impl KvCache {
         2 * self.layers() * self.format.bytes(self.kv_heads * self.head_dim)
     }
 
-    /// Positions `layer` keeps per KV head and slot (0 for a layer out of range).
+    /// Bytes one block of the pool takes: K and V of every paged layer.
+    pub fn block_bytes(&self) -> usize {
+        let paged = self
+            .layout
+            .iter()
+            .filter(|&&l| l == KvLayerRows::Paged)
+            .count();
+        2 * paged
+            * self
+                .format
+                .bytes(KV_BLOCK_TOKENS * self.kv_heads * self.head_dim)
+    }
+
+    /// Whether `layer` is paged.
+    pub fn is_paged(&self, layer: usize) -> bool {
+        self.layout.get(layer) == Some(&KvLayerRows::Paged)
+    }
+
+    /// Rows a KV head of `layer` has in its planes: a ring's (per slot), or the whole
+    /// pool's (paged) — what the kernels take as the head stride (0 for a layer out of range).
     pub fn rows(&self, layer: usize) -> usize {
-        self.rows.get(layer).copied().unwrap_or(0)
+        match self.layout.get(layer) {
+            Some(KvLayerRows::Ring(r)) => *r,
+            Some(KvLayerRows::Paged) => self.blocks * KV_BLOCK_TOKENS,
+            None => 0,
+        }
     }
 
-    /// Values from one slot's cache to the next within `layer`.
+    /// Rows of `layer`'s planes over all slots.
+    fn plane_rows(&self, layer: usize) -> usize {
+        match self.layout[layer] {
+            KvLayerRows::Ring(r) => self.slots * r,
+            KvLayerRows::Paged => self.blocks * KV_BLOCK_TOKENS,
+        }
+    }
+
+    /// Values from one slot's ring to the next within `layer` (0 for a paged layer, whose
+    /// slots differ by their block tables instead).
     pub fn slot_stride(&self, layer: usize) -> usize {
-        self.kv_heads * self.rows(layer) * self.head_dim
+        match self.layout.get(layer) {
+            Some(KvLayerRows::Ring(r)) => self.kv_heads * r * self.head_dim,
+            _ => 0,
+        }
     }
 
-    /// Keys and values of `layer` for the sequence in `slot`.
+    /// Writes `slot`'s block table: the blocks its sequence holds, in order (the rest of
+    /// its row is left as it was: no kernel reads past the sequence's length).
+    pub fn set_table(&self, device: &Device, slot: usize, blocks: &[u32]) -> Result<()> {
+        let Some(tables) = &self.tables else {
+            return Ok(());
+        };
+        if slot >= self.slots
+            || blocks.len() > self.max_blocks
+            || blocks.iter().any(|&b| b as usize >= self.blocks)
+        {
+            return Err(invalid(format!(
+                "a block table of {} entries for slot {slot} (slots {}, {} blocks, rows of {})",
+                blocks.len(),
+                self.slots,
+                self.blocks,
+                self.max_blocks
+            )));
+        }
+        let row: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
+        tables
+            .slice()
+            .sub(slot * self.max_blocks, row.len())?
+            .copy_from_host(device, &row)
+    }
+
+    /// Keys and values of `layer` for the sequence in `slot`: its ring, or the pool and its
+    /// block table.
     pub fn layer(&self, layer: usize, slot: usize) -> Result<KvPlanes> {
-        let all = self.layer_all(layer)?;
+        let all = self.planes(layer)?;
         if slot >= self.slots {
             return Err(invalid(format!(
                 "slot {slot} of a {}-slot cache",
                 self.slots
             )));
         }
-        let n = self.slot_stride(layer);
-        all.sub(slot * n, n)
+        match (&self.tables, self.layout[layer]) {
+            (Some(t), KvLayerRows::Paged) => {
+                let m = self.max_blocks;
+                all.with_table(t.slice().sub(slot * m, m)?, m)
+            }
+            _ => {
+                let n = self.slot_stride(layer);
+                all.sub(slot * n, n)
+            }
+        }
     }
 
-    /// Keys and values of `layer` for every slot (the batched step's view).
+    /// Keys and values of `layer` for every slot (the batched step's view): every ring
+    /// `slot_stride` values apart, or the pool with every slot's block table.
     pub fn layer_all(&self, layer: usize) -> Result<KvPlanes> {
+        let all = self.planes(layer)?;
+        match (&self.tables, self.layout[layer]) {
+            (Some(t), KvLayerRows::Paged) => all.with_table(t.slice(), self.max_blocks),
+            _ => Ok(all),
+        }
+    }
+
+    fn planes(&self, layer: usize) -> Result<KvPlanes> {
         let l = self
             .layers
             .get(layer)

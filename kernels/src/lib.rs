@@ -31,7 +31,7 @@ pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfi
 pub use error::{KernelError, Result};
 pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use gemm::Blas;
-pub use kv::{KvCache, KvFormat, KvPlanes, Q8Planes};
+pub use kv::{KvCache, KvFormat, KvLayerRows, KvPlanes, Q8Planes};
 pub use ops::{
     AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
     Q8Act, QuantBuffers, QuantOut, RopeArgs,

@@ -542,8 +542,9 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos` (in
-    /// row `*pos % max_ctx`: a sliding-window layer's cache is a ring of `max_ctx` rows).
+    /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`: in
+    /// row `*pos % max_ctx` of a ring of `max_ctx` rows (a sliding-window layer's), or
+    /// through `kv`'s block table in a paged pool of `max_ctx` rows a head.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
@@ -555,6 +556,7 @@ impl Kernels {
         max_ctx: usize,
     ) -> Result<()> {
         a.check(&kv, max_ctx)?;
+        check_one_table(&kv)?;
         let hd = a.head_dim;
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
         q_out.check_len(a.n_heads * hd, "rotated Q")?;
@@ -567,8 +569,10 @@ impl Kernels {
             .push(Args::new().ptr(qkv.ptr()).ptr(q_out.ptr()))
             .ptr(pos.ptr())
             .rope(a)
-            .i32(max_ctx as i32);
-        // SAFETY: sizes checked; the position must be < max_ctx, which the executor owns.
+            .i32(max_ctx as i32)
+            .ptr(kv.table_ptr());
+        // SAFETY: sizes checked; the position must be < max_ctx (and, paged, below what the
+        // table holds, its entries blocks of the pool), which the executor owns.
         unsafe {
             self.device.launch(
                 f,
@@ -647,7 +651,8 @@ impl Kernels {
         let hd = a.head_dim;
         let nsplit = a.grid_splits();
         q.check_len(a.n_heads * hd, "attention Q")?;
-        kv.check_len(a.n_kv * a.max_ctx * hd, "KV cache")?;
+        check_one_table(&kv)?;
+        let rows = cache_rows(&kv, a, kv.values() / (a.n_kv * hd))?;
         len.check_len(1, "context length")?;
         part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
         part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
@@ -668,7 +673,8 @@ impl Kernels {
         let mut args = kv
             .push(Args::new().ptr(q.ptr()))
             .ptr(len.ptr())
-            .attn(a)
+            .ptr(kv.table_ptr())
+            .attn(a, rows)
             .ptr(part_o.ptr())
             .ptr(part_ml.ptr())
             .ptr(counters.ptr())
@@ -842,11 +848,11 @@ pub struct RopeArgs {
 
 impl Args {
     /// The decode attention kernels' shape parameters, in their order: heads, KV heads,
-    /// cache rows, split, scale, window.
-    pub(crate) fn attn(self, a: &AttnArgs) -> Args {
+    /// cache rows a head (`rows`: a ring's, or a paged pool's), split, scale, window.
+    pub(crate) fn attn(self, a: &AttnArgs, rows: usize) -> Args {
         self.i32(a.n_heads as i32)
             .i32(a.n_kv as i32)
-            .i32(a.max_ctx as i32)
+            .i32(rows as i32)
             .i32(a.split as i32)
             .f32(a.scale)
             .i32(a.window as i32)
@@ -907,7 +913,8 @@ pub struct AttnArgs {
     pub n_heads: usize,
     pub n_kv: usize,
     pub head_dim: usize,
-    /// Cache rows per KV head: the context, or a sliding-window layer's ring.
+    /// Positions a sequence reaches: the context (a paged layer's), or a sliding-window
+    /// layer's ring, whose rows per KV head it also is. Sizes the split grid.
     pub max_ctx: usize,
     /// Least positions per split block; a context longer than this times
     /// [`Kernels::attention_splits`] takes longer splits.
@@ -975,6 +982,37 @@ pub struct PrefillAttnArgs {
     pub scale: f32,
     /// Positions a query attends to, its own included (0: all); see [`AttnArgs::window`].
     pub window: usize,
+}
+
+/// Checks a one-sequence view's block table, if it has one: a single row.
+fn check_one_table(kv: &KvPlanes) -> Result<()> {
+    match kv.table() {
+        Some((t, stride)) if t.len() != stride => Err(invalid(format!(
+            "a one-sequence launch given {} block tables",
+            t.len() / stride
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The rows a KV head has in `kv` for an attention launch of `a` (`pool_rows` when `kv` is
+/// paged, its pool's rows a head; else `a.max_ctx`, the ring's), after checking the planes
+/// hold them. A paged view's layer attends to the whole context: a window needs a ring.
+pub(crate) fn cache_rows(kv: &KvPlanes, a: &AttnArgs, pool_rows: usize) -> Result<usize> {
+    let rows = match kv.table() {
+        Some(_) if a.window > 0 => {
+            return Err(invalid(
+                "a sliding-window layer's cache is a ring, not paged".into(),
+            ))
+        }
+        Some(_) => pool_rows,
+        None => a.max_ctx,
+    };
+    if rows > i32::MAX as usize {
+        return Err(invalid(format!("a KV cache of {rows} rows")));
+    }
+    kv.check_len(a.n_kv * rows * a.head_dim, "KV cache")?;
+    Ok(rows)
 }
 
 /// Whether `rows` consecutive positions from `start` fit a cache of `max_ctx` rows: below
@@ -1089,7 +1127,8 @@ impl Kernels {
 
     /// RoPE (after the optional QKV `bias`, and QK-norm when set) on `rows` fused QKV rows
     /// of tokens at positions `start..start + rows`; rotated Q to `q_out` (`[rows][q_dim]`),
-    /// K and V into the cache of `max_ctx` rows (a ring for a layer with a `window`).
+    /// K and V into the cache of `max_ctx` rows a head (a ring for a layer with a `window`;
+    /// a paged pool's rows through `kv`'s block table).
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv_rows(
         &self,
@@ -1104,8 +1143,11 @@ impl Kernels {
         window: usize,
     ) -> Result<()> {
         a.check(&kv, max_ctx)?;
+        check_one_table(&kv)?;
         let hd = a.head_dim;
-        if !positions_fit(rows, start, max_ctx, window) || start + rows > i32::MAX as usize {
+        if !positions_fit(rows, start, kv.positions(max_ctx), window)
+            || start + rows > i32::MAX as usize
+        {
             return Err(invalid(format!(
                 "{rows} positions from {start} in a context of {max_ctx}"
             )));
@@ -1125,7 +1167,8 @@ impl Kernels {
             .push(Args::new().ptr(qkv.ptr()).ptr(opt(bias)).ptr(q_out.ptr()))
             .i32(start as i32)
             .rope(a)
-            .i32(max_ctx as i32);
+            .i32(max_ctx as i32)
+            .ptr(kv.table_ptr());
         let cfg = LaunchConfig {
             grid: ((a.n_heads + a.n_kv) as u32, rows as u32, 1),
             block: (threads, 1, 1),
@@ -1135,9 +1178,10 @@ impl Kernels {
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
-    /// A q8_0 cache's rows `0..rows` of one layer and slot (`kv`, `n_kv` heads of `max_ctx`
-    /// rows) as f16 in `k_f16`/`v_f16`, in the f16 cache's layout: what the prefill
-    /// attention kernels, which read f16 tiles, take in place of the cache.
+    /// Positions `0..rows` of one sequence's q8_0 cache of one layer (`kv`: its ring, or
+    /// the pool with its block table; `n_kv` heads) as f16 in `k_f16`/`v_f16`, contiguous
+    /// caches of `max_ctx` rows a head (position p in row p): what the prefill attention
+    /// kernels, which read f16 tiles, take in place of the cache.
     #[allow(clippy::too_many_arguments)]
     pub fn kv_q8_to_f16(
         &self,
@@ -1152,11 +1196,21 @@ impl Kernels {
         let Some(planes) = kv.as_q8_0() else {
             return Err(invalid("kv_q8_to_f16 takes a q8_0 cache".into()));
         };
-        let n = n_kv * max_ctx * head_dim;
-        if rows > max_ctx || rows * head_dim > i32::MAX as usize {
-            return Err(invalid(format!("{rows} rows of a {max_ctx}-row cache")));
+        check_one_table(&kv)?;
+        if n_kv == 0 || head_dim == 0 {
+            return Err(invalid("kv_q8_to_f16 with no heads".into()));
         }
-        kv.check_len(n, "q8_0 KV cache")?;
+        let src_rows = kv.values() / (n_kv * head_dim);
+        let n = n_kv * max_ctx * head_dim;
+        if rows > max_ctx
+            || rows > kv.positions(src_rows)
+            || src_rows > i32::MAX as usize
+            || n > i32::MAX as usize
+        {
+            return Err(invalid(format!(
+                "{rows} rows of a {max_ctx}-row cache ({src_rows} rows a head in the source)"
+            )));
+        }
         k_f16.check_len(n, "f16 K rows")?;
         v_f16.check_len(n, "f16 V rows")?;
         if rows == 0 {
@@ -1174,14 +1228,17 @@ impl Kernels {
             .ptr(v_f16.ptr())
             .i32(rows as i32)
             .i32(head_dim as i32)
-            .i32(max_ctx as i32);
+            .i32(max_ctx as i32)
+            .i32(src_rows as i32)
+            .ptr(kv.table_ptr());
         let cfg = LaunchConfig {
             grid: ((rows * head_dim).div_ceil(256) as u32, n_kv as u32, 2),
             block: (256, 1, 1),
             shared_bytes: 0,
         };
-        // SAFETY: every plane holds n_kv · max_ctx · head_dim values (checked), and the
-        // kernel touches rows < `rows` ≤ max_ctx of each head.
+        // SAFETY: the outputs hold n_kv · max_ctx · head_dim values and the source n_kv ·
+        // src_rows · head_dim (checked); the kernel reads positions < `rows`, which the
+        // source's ring or table addresses (checked; table entries are blocks of the pool).
         unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
@@ -1197,9 +1254,11 @@ impl Kernels {
         q: DevSlice<f32>,
         kc: DevSlice<u16>,
         vc: DevSlice<u16>,
+        table: Option<DevSlice<i32>>,
         out: DevSlice<u16>,
     ) -> Result<()> {
-        self.prefill_attn_launch(a, rows, q, kc, vc, out, matches!(a.head_dim, 64 | 128))
+        let tc = matches!(a.head_dim, 64 | 128);
+        self.prefill_attn_launch(a, rows, q, kc, vc, table, out, tc)
     }
 
     /// [`Kernels::attention_prefill`] by the row kernel for every head size (a multiple of
@@ -1212,9 +1271,10 @@ impl Kernels {
         q: DevSlice<f32>,
         kc: DevSlice<u16>,
         vc: DevSlice<u16>,
+        table: Option<DevSlice<i32>>,
         out: DevSlice<u16>,
     ) -> Result<()> {
-        self.prefill_attn_launch(a, rows, q, kc, vc, out, false)
+        self.prefill_attn_launch(a, rows, q, kc, vc, table, out, false)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1225,6 +1285,7 @@ impl Kernels {
         q: DevSlice<f32>,
         kc: DevSlice<u16>,
         vc: DevSlice<u16>,
+        table: Option<DevSlice<i32>>,
         out: DevSlice<u16>,
         tensor_cores: bool,
     ) -> Result<()> {
@@ -1240,7 +1301,14 @@ impl Kernels {
                 a.n_heads, a.n_kv
             )));
         }
-        if !positions_fit(rows, a.start, a.max_ctx, a.window) || a.start + rows > i32::MAX as usize
+        let positions = table.map_or(a.max_ctx, |t| t.len() * kiln_core::KV_BLOCK_TOKENS);
+        if table.is_some() && a.window > 0 {
+            return Err(invalid(
+                "a sliding-window layer's cache is a ring, not paged".into(),
+            ));
+        }
+        if !positions_fit(rows, a.start, positions.min(a.max_ctx), a.window)
+            || a.start + rows > i32::MAX as usize
         {
             return Err(invalid(format!(
                 "{rows} queries from {} in a cache of {} rows (window {})",
@@ -1266,7 +1334,8 @@ impl Kernels {
                 .i32(a.max_ctx as i32)
                 .i32(a.start as i32)
                 .f32(a.scale)
-                .i32(a.window as i32);
+                .i32(a.window as i32)
+                .ptr(opt(table));
             let cfg = LaunchConfig {
                 grid: (rows.div_ceil(64) as u32, a.n_heads as u32, 1),
                 block: (128, 1, 1),
@@ -1290,7 +1359,8 @@ impl Kernels {
             .i32(a.max_ctx as i32)
             .i32(a.start as i32)
             .f32(a.scale)
-            .i32(a.window as i32);
+            .i32(a.window as i32)
+            .ptr(opt(table));
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, rows as u32, 1),
             block: (128, 1, 1),

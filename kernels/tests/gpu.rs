@@ -893,8 +893,16 @@ fn prefill_attention_matches_reference() {
             let out = DeviceBuffer::<u16>::alloc(&g.dev, rows * n_heads * hd).unwrap();
             out.fill_bytes(0xff).unwrap();
             if tensor_cores {
-                g.k.attention_prefill(&a, rows, qd.slice(), kd.slice(), vd.slice(), out.slice())
-                    .unwrap();
+                g.k.attention_prefill(
+                    &a,
+                    rows,
+                    qd.slice(),
+                    kd.slice(),
+                    vd.slice(),
+                    None,
+                    out.slice(),
+                )
+                .unwrap();
             } else {
                 g.k.attention_prefill_rows(
                     &a,
@@ -902,6 +910,7 @@ fn prefill_attention_matches_reference() {
                     qd.slice(),
                     kd.slice(),
                     vd.slice(),
+                    None,
                     out.slice(),
                 )
                 .unwrap();
@@ -1541,4 +1550,322 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         "{format:?}: the K/V caches differ"
     );
     println!("batched RoPE + attention ({format:?} cache, pairs {pairs}): 3 rows in 3 slots + 1 padding row, bit-identical to one at a time");
+}
+
+/// The paged cache: a pool of 32-row blocks that sequences take in any order, reached
+/// through each slot's block table, computes exactly what a contiguous cache does. Three
+/// sequences' prompts go into the pool with their blocks shuffled and interleaved (the
+/// prefill's RoPE + KV write), then each one's decode step (RoPE + KV write + attention, in
+/// both the one-sequence and the batched kernels), its prefill attention (tensor-core and
+/// row kernels) and a q8_0 cache's f16 expansion are compared with the same work on a
+/// contiguous cache: bit-identical, for f16 and q8_0 caches. Rows of the pool no sequence
+/// holds stay as poisoned (no kernel writes outside a sequence's blocks).
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn paged_cache_matches_a_contiguous_one() {
+    use kiln_kernels::{BatchRows, KvLayerRows};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("paged cache");
+    for format in [KvFormat::F16, KvFormat::Q8_0] {
+        let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 128, 200usize, 3);
+        let max_blocks = max_ctx.div_ceil(32);
+        let blocks = slots * max_blocks + 3; // a few the sequences never take
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let invd = buf(&g.dev, &inv);
+        let rope = RopeArgs {
+            n_heads,
+            n_kv,
+            head_dim: hd,
+            rot_dims: hd,
+            inv_freq: invd.slice(),
+            neox: false,
+            q_norm: None,
+            k_norm: None,
+            eps: 1e-6,
+        };
+        let ring = KvCache::with_format(&g.dev, format, slots, n_kv, hd, &[max_ctx]).unwrap();
+        let paged = KvCache::paged(
+            &g.dev,
+            format,
+            slots,
+            n_kv,
+            hd,
+            &[KvLayerRows::Paged],
+            blocks,
+            max_blocks,
+        )
+        .unwrap();
+        assert!(paged.is_paged(0) && paged.slot_stride(0) == 0);
+        assert_eq!(paged.rows(0), blocks * 32);
+        // Poison the pool, so that a write outside a sequence's blocks shows.
+        let all = paged.layer_all(0).unwrap();
+        let poison_f16 = |p: kiln_kernels::DevSlice<u16>| p.fill_bytes_async(&g.dev, 0xff).unwrap();
+        match all.as_f16() {
+            Some((k, v)) => {
+                poison_f16(k);
+                poison_f16(v);
+            }
+            None => {
+                let q = all.as_q8_0().unwrap();
+                q.k.fill_bytes_async(&g.dev, 0x7f).unwrap();
+                q.v.fill_bytes_async(&g.dev, 0x7f).unwrap();
+            }
+        }
+        // Shuffle the pool's blocks and deal them out round-robin: the sequences'
+        // blocks interleave, none in order.
+        let mut order: Vec<u32> = (0..blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let lens = [37usize, 161, 96]; // prompt lengths; decode writes one more each
+        let mut tables: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        let mut next = order.iter();
+        for b in 0..max_blocks {
+            for (s, t) in tables.iter_mut().enumerate() {
+                if b * 32 < lens[s] + 1 {
+                    t.push(*next.next().unwrap());
+                }
+            }
+        }
+        for (s, t) in tables.iter().enumerate() {
+            paged.set_table(&g.dev, s, t).unwrap();
+        }
+        assert!(
+            paged.set_table(&g.dev, 0, &[blocks as u32]).is_err(),
+            "a block past the pool is refused"
+        );
+        let width = (n_heads + 2 * n_kv) * hd;
+        let qd = n_heads * hd;
+        // Prompts: RoPE + KV write of every position into both caches.
+        for s in 0..slots {
+            let n = lens[s];
+            let qkv = buf(&g.dev, &random_vec(&mut rng, n * width, 1.0));
+            let qa = poisoned(&g.dev, n * qd);
+            let qb = poisoned(&g.dev, n * qd);
+            let (rk, pk) = (ring.layer(0, s).unwrap(), paged.layer(0, s).unwrap());
+            g.k.rope_kv_rows(&rope, qkv.slice(), None, n, 0, qa.slice(), rk, max_ctx, 0)
+                .unwrap();
+            g.k.rope_kv_rows(
+                &rope,
+                qkv.slice(),
+                None,
+                n,
+                0,
+                qb.slice(),
+                pk,
+                paged.rows(0),
+                0,
+            )
+            .unwrap();
+            assert_eq!(qa.to_host().unwrap(), qb.to_host().unwrap(), "rotated Q");
+            // The prefill attention over the prompt (f16 caches; a q8_0 one expands first).
+            let pa = PrefillAttnArgs {
+                n_heads,
+                n_kv,
+                head_dim: hd,
+                max_ctx,
+                start: 0,
+                scale: 0.088,
+                window: 0,
+            };
+            // A q8_0 cache's rows expand to contiguous f16 rows first (as the executor's
+            // prefill does), through the table for the pool.
+            let expanded = (
+                DeviceBuffer::<u16>::alloc(&g.dev, n_kv * max_ctx * hd).unwrap(),
+                DeviceBuffer::<u16>::alloc(&g.dev, n_kv * max_ctx * hd).unwrap(),
+            );
+            for tensor_cores in [true, false] {
+                let run = |kv: KvPlanes, rows_a_head: usize| -> Vec<u16> {
+                    let out = DeviceBuffer::<u16>::alloc(&g.dev, n * qd).unwrap();
+                    out.fill_bytes(0xff).unwrap();
+                    let (kc, vc, table, cache_rows) = match kv.as_f16() {
+                        Some((kc, vc)) => (kc, vc, kv.table().map(|(t, _)| t), rows_a_head),
+                        None => {
+                            let (kf, vf) = (expanded.0.slice(), expanded.1.slice());
+                            kf.fill_bytes_async(&g.dev, 0xff).unwrap();
+                            vf.fill_bytes_async(&g.dev, 0xff).unwrap();
+                            g.k.kv_q8_to_f16(kv, n_kv, hd, max_ctx, n, kf, vf).unwrap();
+                            (kf, vf, None, max_ctx)
+                        }
+                    };
+                    let a = PrefillAttnArgs {
+                        max_ctx: cache_rows,
+                        ..pa
+                    };
+                    if tensor_cores {
+                        g.k.attention_prefill(&a, n, qa.slice(), kc, vc, table, out.slice())
+                            .unwrap();
+                    } else {
+                        g.k.attention_prefill_rows(&a, n, qa.slice(), kc, vc, table, out.slice())
+                            .unwrap();
+                    }
+                    out.to_host().unwrap()
+                };
+                let (want, got) = (run(rk, max_ctx), run(pk, paged.rows(0)));
+                assert!(
+                    want.iter().all(|&h| h != 0xffff),
+                    "prefill attention wrote every value"
+                );
+                assert_eq!(
+                    want, got,
+                    "{format:?}, slot {s}: prefill attention (tensor cores {tensor_cores})"
+                );
+            }
+        }
+        // A decode step per sequence, one at a time (ring) and batched (pool).
+        let split = 64;
+        let attn = AttnArgs {
+            n_heads,
+            n_kv,
+            head_dim: hd,
+            max_ctx,
+            split,
+            scale: 0.088,
+            window: 0,
+            pairs: false,
+            splits: 0,
+        };
+        let nsplit = Kernels::attention_splits(max_ctx, split);
+        let qkv: Vec<f32> = random_vec(&mut rng, slots * width, 1.0);
+        let pos: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        let len: Vec<i32> = pos.iter().map(|&p| p + 1).collect();
+        let slot: Vec<i32> = vec![2, 0, 1];
+        let order_qkv: Vec<f32> = slot
+            .iter()
+            .flat_map(|&s| qkv[s as usize * width..(s as usize + 1) * width].to_vec())
+            .collect();
+        let row_pos: Vec<i32> = slot.iter().map(|&s| pos[s as usize]).collect();
+        let row_len: Vec<i32> = slot.iter().map(|&s| len[s as usize]).collect();
+        let (posd, lend, slotd) = (
+            buf(&g.dev, &row_pos),
+            buf(&g.dev, &row_len),
+            buf(&g.dev, &slot),
+        );
+        let br = BatchRows {
+            rows: slots,
+            pos: posd.slice(),
+            len: lend.slice(),
+            slot: slotd.slice(),
+        };
+        let qkvd = buf(&g.dev, &order_qkv);
+        let q_b = poisoned(&g.dev, slots * qd);
+        g.k.rope_kv_batch(&rope, qkvd.slice(), q_b.slice(), all, 0, &br, paged.rows(0))
+            .unwrap();
+        let part_o = poisoned(&g.dev, slots * qd * nsplit);
+        let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, slots * n_heads * nsplit).unwrap();
+        let counters = DeviceBuffer::<u32>::zeros(&g.dev, slots * n_heads).unwrap();
+        let out_b = poisoned(&g.dev, slots * qd);
+        g.k.attention_batch(
+            &attn,
+            q_b.slice(),
+            all,
+            0,
+            &br,
+            part_o.slice(),
+            part_ml.slice(),
+            counters.slice(),
+            out_b.slice(),
+        )
+        .unwrap();
+        let batched = out_b.to_host().unwrap();
+        for (z, &s) in slot.iter().enumerate() {
+            let s = s as usize;
+            let mut outs = Vec::new();
+            for (kv, rows_a_head) in [
+                (ring.layer(0, s).unwrap(), max_ctx),
+                (paged.layer(0, s).unwrap(), paged.rows(0)),
+            ] {
+                let q1 = poisoned(&g.dev, qd);
+                let row = buf(&g.dev, &qkv[s * width..(s + 1) * width]);
+                let p1 = buf(&g.dev, &[pos[s]]);
+                // The batched step wrote the pool's row already; writing it again is the same.
+                g.k.rope_kv(&rope, row.slice(), q1.slice(), kv, p1.slice(), rows_a_head)
+                    .unwrap();
+                let l1 = buf(&g.dev, &[len[s]]);
+                let po = poisoned(&g.dev, qd * nsplit);
+                let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
+                let c1 = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
+                let o1 = poisoned(&g.dev, qd);
+                for pairs in [false, true] {
+                    g.k.attention(
+                        &AttnArgs { pairs, ..attn },
+                        q1.slice(),
+                        kv,
+                        l1.slice(),
+                        po.slice(),
+                        pm.slice(),
+                        c1.slice(),
+                        o1.slice(),
+                        None,
+                    )
+                    .unwrap();
+                    outs.push(o1.to_host().unwrap());
+                }
+                assert_eq!(
+                    &q_b.to_host().unwrap()[z * qd..(z + 1) * qd],
+                    &q1.to_host().unwrap()[..],
+                    "slot {s}: rotated Q"
+                );
+            }
+            assert!(outs[0].iter().all(|v| v.is_finite()));
+            assert_eq!(
+                outs[0], outs[2],
+                "{format:?}, slot {s}: one-sequence attention, paged"
+            );
+            assert_eq!(
+                outs[1], outs[3],
+                "{format:?}, slot {s}: paired attention, paged"
+            );
+            assert_eq!(
+                &batched[z * qd..(z + 1) * qd],
+                &outs[0][..],
+                "{format:?}, slot {s}: batched attention over the pool"
+            );
+        }
+        // Every position's K and V rows equal the ring's; the blocks no sequence holds
+        // were never written.
+        let (rv, pv) = (
+            plane_values(&g, &ring.layer_all(0).unwrap()),
+            plane_values(&g, &all),
+        );
+        let held: std::collections::HashSet<u32> = tables.iter().flatten().copied().collect();
+        for (plane, (r, p)) in [(&rv.0, &pv.0), (&rv.1, &pv.1)].into_iter().enumerate() {
+            for kvh in 0..n_kv {
+                for s in 0..slots {
+                    for q in 0..=lens[s] {
+                        let prow = tables[s][q / 32] as usize * 32 + q % 32;
+                        let a = &r[((s * n_kv + kvh) * max_ctx + q) * hd..][..hd];
+                        let b = &p[(kvh * blocks * 32 + prow) * hd..][..hd];
+                        assert_eq!(a, b, "plane {plane}, head {kvh}, slot {s}, position {q}");
+                    }
+                }
+            }
+        }
+        // Raw contents of the blocks no sequence holds: still the poison.
+        let pool_k: Vec<u8> = match all.as_f16() {
+            Some((k, _)) => bytemuck::cast_slice(&k.to_host(&g.dev).unwrap()).to_vec(),
+            None => {
+                bytemuck::cast_slice(&all.as_q8_0().unwrap().k.to_host(&g.dev).unwrap()).to_vec()
+            }
+        };
+        let (row_bytes, poison) = (
+            hd * format.value_bytes(),
+            if format == KvFormat::F16 { 0xff } else { 0x7f },
+        );
+        for kvh in 0..n_kv {
+            for b in (0..blocks as u32).filter(|b| !held.contains(b)) {
+                let at = (kvh * blocks * 32 + b as usize * 32) * row_bytes;
+                assert!(
+                    pool_k[at..at + 32 * row_bytes].iter().all(|&x| x == poison),
+                    "{format:?}: block {b}, held by no sequence, was written"
+                );
+            }
+        }
+        println!(
+            "paged {format:?} cache: 3 sequences in {blocks} shuffled blocks, prefill (RoPE + KV, both attention kernels{}), decode (one-sequence, pairs, batched) bit-identical to a contiguous cache",
+            if format == KvFormat::Q8_0 { ", q8_0 expansion" } else { "" }
+        );
+    }
 }

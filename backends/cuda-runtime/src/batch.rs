@@ -419,6 +419,7 @@ impl GpuExecutor {
             )));
         }
         let start = self.slots[slot].len;
+        self.reserve(slot, start + n)?;
         let rows: Vec<StepRow> = tokens
             .iter()
             .enumerate()

@@ -20,8 +20,8 @@ pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
     AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
-    GemvTiling, Graph, Kernels, KvCache, KvFormat, PendingNorm, Q8Act, QuantOut, RopeArgs,
-    WeightFormat, Workspace,
+    GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act, QuantOut,
+    RopeArgs, WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -293,18 +293,20 @@ pub struct GpuExecutor {
 unsafe impl Send for GpuExecutor {}
 
 /// The context an executor of `c` gets ([`LoadOptions::max_context`]; 0: the model's, as far
-/// as memory allows): its KV cache — f16 K and V rows per layer, a sliding-window layer a
-/// ring of its window plus a prefill chunk — within the device memory free now less the
-/// `weights` about to go up and a reserve for the workspaces (the prefill's f16 copy of the
-/// largest matrix among them), cuBLAS and the graphs. Says so on stderr when it caps the
-/// model's context.
+/// as memory allows) and the blocks of its paged KV pool: K and V rows per layer (a
+/// sliding-window layer a ring of its window plus a prefill chunk a sequence), within the
+/// device memory free now less the `weights` about to go up and a reserve for the
+/// workspaces (the prefill's f16 copy of the largest matrix among them), cuBLAS and the
+/// graphs. Without [`LoadOptions::kv_memory`] the pool holds every sequence's whole
+/// context; with it, that many bytes, and the context is at most what the pool holds.
+/// Says so on stderr when it caps the model's context.
 fn fitted_context(
     device: &Arc<Device>,
     c: &ModelConfig,
     options: &LoadOptions,
     kv: KvFormat,
     weights: u64,
-) -> Result<usize> {
+) -> Result<(usize, usize)> {
     let (free, total) = device.memory_info().map_err(err)?;
     let row = 2 * kv.bytes(c.kv_dim()) as u64;
     let (mut per_position, mut fixed) = (0u64, 0u64);
@@ -321,6 +323,29 @@ fn fitted_context(
     }
     let reserve = (1u64 << 30) + total as u64 / 50;
     let budget = (free as u64).saturating_sub(weights.saturating_add(reserve));
+    let block_bytes = kiln_core::KV_BLOCK_TOKENS as u64 * per_position;
+    if let Some(pool) = options.kv_memory {
+        // The pool and the rings (and a q8_0 prefill's f16 rows, counted in per_position
+        // for one sequence) must fit; the context is the model's, or what the pool holds.
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let rings = options.sequences() as u64 * fixed;
+        if pool.saturating_add(rings) > budget {
+            return Err(Error::OutOfMemory(format!(
+                "a KV cache of {:.2} GiB (--kv-mem) and {:.2} GiB of sliding-window rings do not fit: \
+                 {:.2} GiB is left for them",
+                gib(pool),
+                gib(rings),
+                gib(budget)
+            )));
+        }
+        let holds = (pool / block_bytes.max(1)) as usize * kiln_core::KV_BLOCK_TOKENS;
+        let max_ctx = match options.max_context {
+            0 => c.context_length.max(1).min(holds.max(1)),
+            n => n,
+        };
+        let blocks = options.kv_pool_blocks(max_ctx, block_bytes.max(1))?;
+        return Ok((max_ctx, blocks));
+    }
     let max_ctx = options.fit_context(c, per_position, fixed, budget)?;
     if options.max_context == 0 && max_ctx < c.context_length {
         let kv = options.sequences() as u64 * (max_ctx as u64 * per_position + fixed);
@@ -332,7 +357,10 @@ fn fitted_context(
             options.sequences()
         );
     }
-    Ok(max_ctx)
+    Ok((
+        max_ctx,
+        options.kv_pool_blocks(max_ctx, block_bytes.max(1))?,
+    ))
 }
 
 impl GpuExecutor {
@@ -360,7 +388,7 @@ impl GpuExecutor {
         let w = &model.weights;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
-        let max_ctx = fitted_context(device, &c, options, kv_format, total)?;
+        let (max_ctx, kv_blocks) = fitted_context(device, &c, options, kv_format, total)?;
         let k = Kernels::new(device);
         let formats = formats_of(model, policy.as_ref());
         // Every module the model needs in one go, so a first run compiles them in parallel:
@@ -627,21 +655,24 @@ impl GpuExecutor {
             });
         }
         // A sliding-window layer keeps a ring of its window plus one prefill chunk (the
-        // chunk's queries need the window before each of them).
-        let kv_rows: Vec<usize> = layers
+        // chunk's queries need the window before each of them); the others page.
+        let kv_layout: Vec<KvLayerRows> = layers
             .iter()
             .map(|l| match l.window {
-                0 => max_ctx,
-                w => (w + prefill::CHUNK - 1).min(max_ctx),
+                0 => KvLayerRows::Paged,
+                w => KvLayerRows::Ring((w + prefill::CHUNK - 1).min(max_ctx)),
             })
             .collect();
-        let kv = KvCache::with_format(
+        let max_blocks = max_ctx.div_ceil(kiln_core::KV_BLOCK_TOKENS);
+        let kv = KvCache::paged(
             device,
             kv_format,
             options.sequences(),
             c.num_kv_heads,
             hd,
-            &kv_rows,
+            &kv_layout,
+            kv_blocks,
+            max_blocks,
         )
         .map_err(err)?;
         Ok(GpuExecutor {
@@ -661,11 +692,7 @@ impl GpuExecutor {
             inv_freq,
             local_inv_freq,
             layers,
-            slots: SequenceSlots::new(
-                slots,
-                options.sequences() * max_ctx.div_ceil(kiln_core::KV_BLOCK_TOKENS),
-                max_ctx,
-            ),
+            slots: SequenceSlots::new(slots, kv_blocks, max_ctx),
             kv,
             s,
             prefill,
@@ -761,13 +788,52 @@ impl GpuExecutor {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
-            max_ctx: self.kv.rows(li),
+            max_ctx: self.layer_context(li),
             split: self.split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
             pairs: shape.pairs && self.layers[li].window == 0,
             splits: shape.splits,
         }
+    }
+
+    /// Positions a sequence reaches in layer `li`'s cache: a sliding-window layer's ring,
+    /// or the context (a paged layer).
+    pub(super) fn layer_context(&self, li: usize) -> usize {
+        match self.kv.is_paged(li) {
+            true => self.max_ctx,
+            false => self.kv.rows(li),
+        }
+    }
+
+    /// Makes `slot`'s sequence hold KV blocks for positions `0..len`, writing its block
+    /// table to the device when that changed (before any kernel of the step that needs it
+    /// runs: the copy is on the executor's stream). `KvCacheFull` changes nothing.
+    pub(super) fn reserve(&mut self, slot: usize, len: usize) -> Result<()> {
+        if self.slots.reserve(slot, len)? {
+            self.kv
+                .set_table(&self.device, slot, self.slots[slot].blocks())
+                .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// [`GpuExecutor::reserve`] for a batch's sequences (each to its next position), all
+    /// or nothing.
+    pub(super) fn reserve_batch(&mut self, batch: &[DecodeItem]) -> Result<()> {
+        let wants: Vec<(usize, usize)> = batch
+            .iter()
+            .map(|it| {
+                let slot = self.slot_of(it.seq)?;
+                Ok((slot, self.slots[slot].len + 1))
+            })
+            .collect::<Result<_>>()?;
+        for slot in self.slots.reserve_all(&wants)? {
+            self.kv
+                .set_table(&self.device, slot, self.slots[slot].blocks())
+                .map_err(err)?;
+        }
+        Ok(())
     }
 
     /// The attention grid a step whose longest context is `len` needs: as many split
@@ -780,7 +846,7 @@ impl GpuExecutor {
             .enumerate()
             .map(|(li, l)| {
                 let span = if l.window > 0 { len.min(l.window) } else { len };
-                Kernels::attention_working_splits(span, self.kv.rows(li), self.split)
+                Kernels::attention_working_splits(span, self.layer_context(li), self.split)
             })
             .max()
             .unwrap_or(1);
@@ -1023,7 +1089,8 @@ impl GpuExecutor {
     /// and each batch bucket's graph captured, and the batched prefill run once at a few
     /// lengths, so cuBLAS loads (lazily, at first use) the GEMM kernels those shapes pick
     /// and a short prompt's first token costs only its own work. Leaves every slot empty
-    /// (the scratch prefill's cache entries lie past slot 0's length).
+    /// and every KV block free (the scratch prefill runs in a sequence of its own, freed
+    /// after).
     fn warm_up(&mut self) -> Result<()> {
         // The first decode steps' shape (a context of one); longer contexts capture theirs
         // when first reached (a few milliseconds, once per slot and shape).
@@ -1037,13 +1104,16 @@ impl GpuExecutor {
         }
         self.capture_batch_graphs()?;
         if self.prefill.is_ok() {
+            let seq = self.slots.allocate()?;
+            let slot = self.slot_of(seq)?;
             for n in [1, 5, 16, 64, prefill::CHUNK] {
                 if n > self.max_ctx {
                     break;
                 }
-                self.prefill_batched(0, &vec![0; n], false)?;
-                self.slots[0].len = 0;
+                self.prefill_batched(slot, &vec![0; n], false)?;
+                self.slots[slot].len = 0;
             }
+            self.slots.free(seq)?;
         }
         self.device.synchronize().map_err(err)
     }
@@ -1064,6 +1134,7 @@ impl GpuExecutor {
                 self.max_ctx
             )));
         }
+        self.reserve(slot, pos + 1)?;
         let state = [
             token as i32,
             pos as i32,
@@ -1109,6 +1180,16 @@ impl LayerExecutor for GpuExecutor {
 
     fn kv_type(&self) -> Option<KvType> {
         Some(self.kv.format.into())
+    }
+
+    fn kv_blocks(&self) -> Option<kiln_core::KvBlockUsage> {
+        let (total, free) = self.slots.block_counts();
+        Some(kiln_core::KvBlockUsage {
+            block_tokens: kiln_core::KV_BLOCK_TOKENS,
+            total,
+            free,
+            block_bytes: self.kv.block_bytes(),
+        })
     }
 
     fn memory_roofline_gbs(&mut self) -> Option<f64> {
@@ -1165,6 +1246,8 @@ impl LayerExecutor for GpuExecutor {
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
         let slot = self.check_prefill(seq, tokens, logits)?;
+        // Blocks for the whole prompt first: a prompt the pool cannot take changes nothing.
+        self.reserve(slot, self.slots[slot].len + tokens.len())?;
         let out = if self.prefills_short(tokens.len()) {
             self.prefill_short(slot, tokens)?
         } else if self.prefill.is_ok() {
@@ -1186,6 +1269,7 @@ impl LayerExecutor for GpuExecutor {
         check_decode(batch, logits, vocab, self.max_ctx, |seq| {
             self.slots.len_of(seq)
         })?;
+        self.reserve_batch(batch)?;
         if self.decodes_batched(batch.len()) {
             return self.decode_batched(batch, logits);
         }
@@ -1212,6 +1296,7 @@ impl LayerExecutor for GpuExecutor {
         kiln_core::check_sample_slots(batch.len(), samplers.len(), tokens.len())?;
         let vocab = self.config.vocab_size;
         check_decode_items(batch, vocab, self.max_ctx, |seq| self.slots.len_of(seq))?;
+        self.reserve_batch(batch)?;
         if self.decodes_batched(batch.len()) {
             return self.decode_sample_batched(batch, samplers, tokens);
         }

@@ -180,6 +180,10 @@ impl GpuExecutor {
         tokens: &[u32],
         profile: bool,
     ) -> Result<Option<PrefillTimes>> {
+        if self.prefill.is_ok() {
+            let end = self.slots[slot].len + tokens.len();
+            self.reserve(slot, end)?;
+        }
         let p = self
             .prefill
             .as_ref()
@@ -284,17 +288,21 @@ impl GpuExecutor {
         let rope = self.rope_args(l);
         let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
+        // Rows a KV head has in the cache (a ring's, or the paged pool's), and positions a
+        // sequence reaches in this layer.
         let rows = self.kv.rows(li);
+        let span = self.layer_context(li);
         k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kv, rows, l.window)?;
         // The attention reads f16: a q8_0 cache's rows so far are expanded first (the same
-        // values the decode step reads, rounded to f16).
-        let (kc, vc) = match kv.as_f16() {
-            Some(planes) => planes,
+        // values the decode step reads, rounded to f16) into contiguous rows, position p in
+        // row p (a ring's rows in their ring order).
+        let (kc, vc, table, cache_rows) = match kv.as_f16() {
+            Some((kc, vc)) => (kc, vc, kv.table().map(|(t, _)| t), rows),
             None => {
-                let (kf, vf) = (p.b.k_f16.sub(0, kvd * rows)?, p.b.v_f16.sub(0, kvd * rows)?);
-                let seen = (pos0 + n).min(rows);
-                k.kv_q8_to_f16(kv, c.num_kv_heads, hd, rows, seen, kf, vf)?;
-                (kf, vf)
+                let (kf, vf) = (p.b.k_f16.sub(0, kvd * span)?, p.b.v_f16.sub(0, kvd * span)?);
+                let seen = (pos0 + n).min(span);
+                k.kv_q8_to_f16(kv, c.num_kv_heads, hd, span, seen, kf, vf)?;
+                (kf, vf, None, span)
             }
         };
         let attn = p.b.act.sub(0, n * qd)?;
@@ -302,12 +310,12 @@ impl GpuExecutor {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: hd,
-            max_ctx: rows,
+            max_ctx: cache_rows,
             start: pos0,
             scale: c.attention_scale(),
             window: l.window,
         };
-        k.attention_prefill(&args, n, q, kc, vc, attn)?;
+        k.attention_prefill(&args, n, q, kc, vc, table, attn)?;
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
