@@ -13,10 +13,18 @@ pub struct Throughput {
     pub mean_tps: f64,
     pub sd_tps: f64,
     pub samples_tps: Vec<f64>,
+    /// KV-cache blocks the test's sequence held at its end (`None` for an executor that
+    /// does not page): how much of the pool a run of this shape takes.
+    pub kv_blocks_in_use: Option<usize>,
 }
 
 impl Throughput {
-    fn from_samples(test: String, tokens: usize, samples: Vec<f64>) -> Self {
+    fn from_samples(
+        test: String,
+        tokens: usize,
+        samples: Vec<f64>,
+        kv_blocks_in_use: Option<usize>,
+    ) -> Self {
         let n = samples.len().max(1) as f64;
         let mean = samples.iter().sum::<f64>() / n;
         let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
@@ -26,8 +34,14 @@ impl Throughput {
             mean_tps: mean,
             sd_tps: var.sqrt(),
             samples_tps: samples,
+            kv_blocks_in_use,
         }
     }
+}
+
+/// Blocks of the paged KV cache sequences hold now (`None` where the executor does not page).
+fn blocks_in_use(exec: &dyn LayerExecutor) -> Option<usize> {
+    exec.kv_blocks().map(|kv| kv.in_use())
 }
 
 fn random_tokens(n: usize, vocab: usize, rng: &mut Rng) -> Vec<u32> {
@@ -76,6 +90,7 @@ pub fn bench_prefill(
     let mut rng = Rng::new(42);
     let mut logits = vec![0.0f32; vocab];
     let mut samples = Vec::new();
+    let mut in_use = None;
     for i in 0..=repeats {
         let seq = exec.new_sequence()?;
         let run =
@@ -87,6 +102,7 @@ pub fn bench_prefill(
                 Ok(start.elapsed().as_secs_f64())
             };
         let result = run(exec, &mut logits, &mut rng);
+        in_use = blocks_in_use(exec);
         exec.free_sequence(seq)?;
         let secs = result?;
         if i > 0 {
@@ -97,6 +113,7 @@ pub fn bench_prefill(
         test_name("pp", tokens, depth),
         tokens,
         samples,
+        in_use,
     ))
 }
 
@@ -112,6 +129,7 @@ pub fn bench_decode(
     let mut rng = Rng::new(7);
     let mut logits = vec![0.0f32; vocab];
     let mut samples = Vec::new();
+    let mut in_use = None;
     for i in 0..=repeats {
         let seq = exec.new_sequence()?;
         let run =
@@ -132,6 +150,7 @@ pub fn bench_decode(
                 Ok(start.elapsed().as_secs_f64())
             };
         let result = run(exec, &mut logits, &mut rng);
+        in_use = blocks_in_use(exec);
         exec.free_sequence(seq)?;
         let secs = result?;
         if i > 0 {
@@ -142,6 +161,7 @@ pub fn bench_decode(
         test_name("tg", tokens, depth),
         tokens,
         samples,
+        in_use,
     ))
 }
 
@@ -232,6 +252,9 @@ pub struct BatchedRun {
     pub s_tg: f64,
     pub t: f64,
     pub s: f64,
+    /// KV-cache blocks the `b` sequences held at the end (`None` for an executor that does
+    /// not page).
+    pub kv_blocks_in_use: Option<usize>,
 }
 
 /// `b` sequences: each prefilled with `pp` random tokens (one after another, as
@@ -246,6 +269,7 @@ pub fn bench_batched(
     let vocab = exec.config().vocab_size;
     let mut rng = Rng::new(11);
     let mut logits = vec![0.0f32; vocab];
+    let mut in_use = None;
     let mut once = |exec: &mut dyn LayerExecutor, pp: usize, tg: usize| -> Result<(f64, f64)> {
         let mut seqs = Vec::with_capacity(b);
         let result = (|| {
@@ -273,7 +297,9 @@ pub fn bench_batched(
                 exec.decode_sample(&items, &mut samplers, &mut next)?;
                 last.copy_from_slice(&next);
             }
-            Ok((t_pp, start.elapsed().as_secs_f64()))
+            let t_tg = start.elapsed().as_secs_f64();
+            in_use = blocks_in_use(exec);
+            Ok((t_pp, t_tg))
         })();
         for s in seqs {
             exec.free_sequence(s)?;
@@ -294,5 +320,6 @@ pub fn bench_batched(
         s_tg: tg_tokens / t_tg,
         t: t_pp + t_tg,
         s: (pp_tokens + tg_tokens) / (t_pp + t_tg),
+        kv_blocks_in_use: in_use,
     })
 }

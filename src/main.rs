@@ -104,6 +104,12 @@ struct ModelArgs {
     /// f32 on the CPU reference, f16 on the GPUs; a backend without the type says which it has).
     #[arg(long = "kv-type")]
     kv_type: Option<kiln_core::KvType>,
+    /// Memory for the paged KV cache: one pool of 32-token blocks shared by all sequences,
+    /// each taking blocks as it grows (e.g. 512MiB, 4G, 1500M, or bytes; units are powers
+    /// of 1024). It must hold one sequence's whole context. Default: every sequence at the
+    /// full context.
+    #[arg(long = "kv-mem", value_name = "SIZE", value_parser = kiln::parse_size)]
+    kv_mem: Option<u64>,
 }
 
 #[derive(Args, Clone)]
@@ -306,6 +312,7 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) 
         max_sequences: sequences,
         sequential_decode,
         kv_type: args.kv_type,
+        kv_memory: args.kv_mem,
         ..LoadOptions::default()
     };
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
@@ -687,7 +694,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     let params = engine.model.ir.parameters();
     let exec = engine.executor();
     let kv = KvReport::of(exec);
-    let mut results = Vec::new();
+    let mut results: Vec<kiln::bench::Throughput> = Vec::new();
     if args.n_prompt > 0 {
         results.push(bench_prefill(
             exec,
@@ -718,6 +725,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     } else {
         None
     };
+    let kv = kv.with_in_use(results.iter().map(|r| r.kv_blocks_in_use));
     let roofline = exec.memory_roofline_gbs();
     let ctx = exec.max_context();
     match args.output {
@@ -778,45 +786,87 @@ fn kv_bytes_per_token(c: &kiln_core::ModelConfig, kind: kiln_core::KvType) -> us
             .unwrap_or(usize::MAX)
 }
 
-/// What `kiln bench` reports of a run's KV cache: the type the executor says it keeps and
-/// its bytes a token; both `None` for an executor that cannot say (a plugin).
+/// What `kiln bench` reports of a run's KV cache: the type the executor says it keeps, its
+/// bytes a token, and for a paged cache the pool's blocks and how many the tests held; the
+/// type and bytes are `None` for an executor that cannot say (a plugin), the blocks for one
+/// that does not page.
 struct KvReport {
     kind: Option<kiln_core::KvType>,
     per_token: Option<usize>,
     sequences: usize,
     context: usize,
+    blocks: Option<kiln_core::KvBlockUsage>,
+    /// Most blocks the sequences of one test held at its end.
+    in_use: Option<usize>,
 }
 
 impl KvReport {
     fn of(exec: &dyn kiln_core::LayerExecutor) -> KvReport {
         let kind = exec.kv_type();
+        let blocks = exec.kv_blocks();
+        // A paged cache's own figure where there is one: it leaves out the sliding-window
+        // layers' rings, which are not in the pool, so it is what `--kv-mem` buys a token.
+        let per_token = match blocks {
+            Some(b) => Some(b.block_bytes / b.block_tokens.max(1)),
+            None => kind.map(|k| kv_bytes_per_token(exec.config(), k)),
+        };
         KvReport {
             kind,
-            per_token: kind.map(|k| kv_bytes_per_token(exec.config(), k)),
+            per_token,
             sequences: exec.max_sequences(),
             context: exec.max_context(),
+            blocks,
+            in_use: None,
         }
     }
 
-    /// Bytes for every sequence's whole context.
-    fn total(&self) -> Option<usize> {
-        self.per_token.map(|b| b * self.context * self.sequences)
+    /// The report with the most blocks any test held (`None`s ignored).
+    fn with_in_use(mut self, held: impl IntoIterator<Item = Option<usize>>) -> KvReport {
+        self.in_use = held.into_iter().flatten().max();
+        self
     }
 
-    /// `kv_type`, `kv_bytes_per_token` and `kv_bytes` (null where unknown).
+    /// Bytes of the cache: the paged pool's, else every sequence's whole context.
+    fn total(&self) -> Option<usize> {
+        match self.blocks {
+            Some(b) => Some(b.total * b.block_bytes),
+            None => self.per_token.map(|b| b * self.context * self.sequences),
+        }
+    }
+
+    /// `kv_type`, `kv_bytes_per_token`, `kv_bytes`, and the pool's `kv_block_tokens`,
+    /// `kv_block_bytes`, `kv_blocks_total` and `kv_blocks_in_use` (null where unknown).
     fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "kv_type": self.kind.map(|k| k.name()),
             "kv_bytes_per_token": self.per_token,
             "kv_bytes": self.total(),
+            "kv_block_tokens": self.blocks.map(|b| b.block_tokens),
+            "kv_block_bytes": self.blocks.map(|b| b.block_bytes),
+            "kv_blocks_total": self.blocks.map(|b| b.total),
+            "kv_blocks_in_use": self.in_use,
         })
     }
 
     fn describe(&self) -> String {
-        match (self.kind, self.per_token, self.total()) {
-            (Some(kind), Some(per), Some(total)) => format!(
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let kind = self
+            .kind
+            .map_or("type not reported".to_string(), |k| k.to_string());
+        match (self.per_token, self.total(), self.blocks) {
+            (Some(per), Some(total), Some(b)) => format!(
+                "KV cache ({kind}): {per} bytes a token; a pool of {} blocks of {} tokens, {:.2} GiB, \
+                 shared by {} sequence(s) of up to {} tokens; {} block(s) in use at most during the tests",
+                b.total,
+                b.block_tokens,
+                gib(total),
+                self.sequences,
+                self.context,
+                self.in_use.map_or("no".to_string(), |n| n.to_string()),
+            ),
+            (Some(per), Some(total), None) if self.kind.is_some() => format!(
                 "KV cache ({kind}): {per} bytes a token, {:.2} GiB for {} sequence(s) × {} tokens",
-                total as f64 / (1u64 << 30) as f64,
+                gib(total),
                 self.sequences,
                 self.context
             ),
@@ -860,7 +910,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     for &b in &args.batch {
         runs.push(bench_batched(exec, args.n_prompt, args.n_gen, b)?);
     }
-    let kv = KvReport::of(exec);
+    let kv = KvReport::of(exec).with_in_use(runs.iter().map(|r| r.kv_blocks_in_use));
     match args.output {
         BenchFormat::Json => {
             let value = serde_json::json!({

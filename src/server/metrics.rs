@@ -88,6 +88,14 @@ pub struct Metrics {
     /// Sequence slots of the executor (set once the model is loaded).
     pub slots_total: AtomicI64,
     pub slots_used: AtomicI64,
+    /// Blocks of the paged KV cache's pool, and those sequences hold; -1 until the model
+    /// is loaded, and for an executor that does not page its cache (the series are left
+    /// out then).
+    pub kv_blocks_total: AtomicI64,
+    pub kv_blocks_used: AtomicI64,
+    /// Running sequences preempted because the KV cache ran out of blocks (freed, and
+    /// recomputed from their tokens when blocks are free again).
+    pub preemptions: AtomicU64,
     pub model_loaded: AtomicBool,
     pub ttft: Histogram,
     pub itl: Histogram,
@@ -104,6 +112,9 @@ impl Default for Metrics {
             running: AtomicI64::new(0),
             slots_total: AtomicI64::new(0),
             slots_used: AtomicI64::new(0),
+            kv_blocks_total: AtomicI64::new(-1),
+            kv_blocks_used: AtomicI64::new(-1),
+            preemptions: AtomicU64::new(0),
             model_loaded: AtomicBool::new(false),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
@@ -194,11 +205,10 @@ impl Metrics {
         );
         let total = load(&self.slots_total);
         let used = load(&self.slots_used);
-        let note = "kiln has no paged KV cache yet: a slot is one sequence's whole-context cache, so slots stand in for KV blocks";
         gauge(
             &mut out,
             "kiln_kv_slots_total",
-            &format!("KV-cache sequence slots ({note})."),
+            "Sequence slots of the executor (--max-seqs): sequences that may be alive at once.",
             total,
         );
         gauge(
@@ -212,6 +222,27 @@ impl Metrics {
             "kiln_kv_slots_free",
             "KV-cache sequence slots free.",
             (total - used).max(0),
+        );
+        let blocks_total = self.kv_blocks_total.load(Ordering::Relaxed);
+        if blocks_total >= 0 {
+            gauge(
+                &mut out,
+                "kiln_kv_blocks_total",
+                "Blocks of the paged KV cache's pool (32 positions each, shared by all sequences; --kv-mem).",
+                blocks_total,
+            );
+            gauge(
+                &mut out,
+                "kiln_kv_blocks_used",
+                "KV-cache blocks held by sequences.",
+                load(&self.kv_blocks_used),
+            );
+        }
+        counter(
+            &mut out,
+            "kiln_preemptions_total",
+            "Sequences preempted when the KV cache ran out of blocks: freed, then recomputed from their tokens once blocks are free.",
+            self.preemptions.load(Ordering::Relaxed),
         );
         gauge(
             &mut out,

@@ -14,7 +14,9 @@
 //!   over a bounded channel (`--queue`). A full queue answers 429 with `Retry-After`.
 //! - The engine thread runs up to `--max-seqs` sequences (the executor is loaded with that
 //!   many KV slots) with continuous batching: one batched decode step for all of them per
-//!   turn, sequences joining and leaving between steps.
+//!   turn, sequences joining and leaving between steps. Where the executor pages its KV
+//!   cache (`--kv-mem` sizes the pool), requests are admitted by free KV blocks, and the
+//!   newest sequence is preempted and recomputed later when the running ones outgrow it.
 //! - Answers come back per job as events on a tokio channel; [`stream`] turns them into a
 //!   JSON body or server-sent events. A client that disconnects drops the receiver, and the
 //!   engine thread frees its sequence before the next step.
@@ -108,6 +110,12 @@ pub struct ServeArgs {
     /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's).
     #[arg(long = "kv-type")]
     pub kv_type: Option<kiln_core::KvType>,
+    /// Memory for the paged KV cache: one pool of 32-token blocks shared by all sequences
+    /// (e.g. 512MiB, 4G, or bytes; units are powers of 1024). Requests are admitted while
+    /// the pool has room and the newest is preempted (recomputed later) when it runs out;
+    /// it must hold one sequence's whole context. Default: every sequence at full context.
+    #[arg(long = "kv-mem", value_name = "SIZE", value_parser = crate::parse_size)]
+    pub kv_mem: Option<u64>,
     /// GPU backends: decode the running sequences one at a time instead of in one batched
     /// step (int8 tensor-core matmuls, every weight read once for all of them).
     #[arg(long)]
@@ -240,6 +248,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             quantized_activations: args.quantized_activations,
             sequential_decode: args.sequential_decode,
             kv_type: args.kv_type,
+            kv_memory: args.kv_mem,
             ..LoadOptions::default()
         },
         load_delay: Duration::from_millis(args.load_delay_ms),

@@ -5,8 +5,8 @@
 //! it [`Job`]s (prompt ids and generation settings) over a bounded channel; it answers each
 //! job through that job's own tokio channel of [`Event`]s.
 //!
-//! Each turn of the loop: take queued jobs while sequence slots are free (each gets a
-//! sequence and waits to be prefilled), drop the sequences whose client has gone (their
+//! Each turn of the loop: admit queued jobs while sequence slots and KV blocks are free
+//! (each gets a sequence and waits to be prefilled), drop the sequences whose client has gone (their
 //! event channel is closed: the HTTP layer dropped the receiver when the connection
 //! closed), prefill ONE chunk of at most [`PREFILL_CHUNK`] tokens of the oldest admitted
 //! prompt (when its last chunk is in, its first token is sampled from that chunk's logits
@@ -24,10 +24,33 @@
 //! string is held back until the next token decides. EOS/EOT tokens end a sequence and are
 //! not counted as completion tokens.
 //!
+//! Where the executor pages its KV cache ([`LayerExecutor::kv_blocks`]: a pool of blocks
+//! shared by all sequences, `--kv-mem`), the pool rather than the slots bounds what runs,
+//! as in vLLM:
+//!
+//! - Admission: the head of the queue starts only when the free blocks cover its tokens and
+//!   its first generated one, beyond what the sequences already admitted will take (each
+//!   running one's next step, each one being prefilled the rest of its tokens). Otherwise
+//!   it waits, and so does everything behind it (first come, first served). With nothing
+//!   else alive the whole pool is free, and it holds any context, so a request that fits
+//!   the context always runs eventually.
+//! - Preemption (recompute): before a decode step, the running sequences whose next
+//!   position starts a block need one each; while the free blocks fall short, the sequence
+//!   that arrived last is preempted: its KV cache is freed and it goes back to the queue,
+//!   ahead of every job that arrived after it, keeping its tokens (prompt and generated),
+//!   its sampler (RNG state included), its penalty counts and its text stream. Re-admitted,
+//!   its tokens are prefilled again through the same chunked path, and it decodes on from
+//!   its last sampled token: nothing is streamed twice, and the tokens it draws are those it
+//!   would have drawn. The oldest request is never the one preempted, so it always
+//!   progresses. `Error::KvCacheFull` from a prefill or a step (the executor's count and
+//!   ours disagreeing) preempts the same way, and the work is retried on a later turn.
+//!
+//! Executors that do not page (plugins) are scheduled by slots alone.
+//!
 //! Not done yet: nothing is shared between sequences (no prefix cache).
 
 use crate::session::{find_stop, held_back};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -35,7 +58,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kiln_core::{
-    DecodeItem, Error, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams, SeqId,
+    DecodeItem, Error, KvBlockUsage, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams,
+    SeqId,
 };
 use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -199,23 +223,70 @@ fn load(config: &SchedulerConfig) -> Result<Engine> {
 /// batched prefill, a few tens of milliseconds of work between two decode steps.
 pub const PREFILL_CHUNK: usize = 512;
 
-/// An admitted job whose prompt is being prefilled, a chunk per turn.
-struct Admitting {
-    job: Job,
+/// What a sequence slot is wanted for: a job not started yet, or a preempted sequence to
+/// recompute.
+enum Work<'t> {
+    /// Its prompt is prefilled, then its first token sampled from the prompt's logits.
+    New(Job),
+    /// Preempted: its history (prompt and the tokens generated before it) is prefilled
+    /// again, then it decodes on from its last token as if it had never stopped.
+    Resume(Box<Suspended<'t>>),
+}
+
+/// A running sequence whose KV cache was given back: everything but the cache, so nothing
+/// it has streamed is sent again and what it samples next is what it would have sampled.
+struct Suspended<'t> {
+    run: Running<'t>,
+    /// Its sampler as it was, RNG state included (seeded sampling continues unchanged).
+    sampler: Sampler,
+}
+
+impl Work<'_> {
+    /// The tokens its sequence must hold before it decodes.
+    fn tokens(&self) -> &[u32] {
+        match self {
+            Work::New(job) => &job.prompt,
+            Work::Resume(s) => &s.run.history,
+        }
+    }
+
+    fn events(&self) -> &UnboundedSender<(usize, Event)> {
+        match self {
+            Work::New(job) => &job.events,
+            Work::Resume(s) => &s.run.events,
+        }
+    }
+}
+
+/// Work waiting for a sequence slot and, where the executor pages its KV cache, for the
+/// blocks its tokens need.
+struct Waiting<'t> {
+    /// Order of arrival: the queue is kept sorted by it, so a preempted sequence goes back
+    /// ahead of every job that came after it.
+    ticket: u64,
+    work: Work<'t>,
+}
+
+/// Admitted work whose tokens are being prefilled, a chunk per turn.
+struct Admitting<'t> {
+    ticket: u64,
     seq: SeqId,
-    /// Prompt tokens already in the KV cache.
+    /// Tokens of `work.tokens()` already in the KV cache.
     done: usize,
+    work: Work<'t>,
 }
 
 /// One running sequence.
 struct Running<'t> {
+    /// Order of arrival (see [`Waiting::ticket`]): the highest is preempted first.
+    ticket: u64,
     index: usize,
     events: UnboundedSender<(usize, Event)>,
     params: JobParams,
     seq: SeqId,
     prompt_tokens: usize,
-    /// Tokens in the KV cache.
-    len: usize,
+    /// The tokens in the KV cache, prompt first: what a preempted sequence recomputes.
+    history: Vec<u32>,
     /// The last sampled token: the input of the next decode step.
     last: u32,
     generated: usize,
@@ -235,6 +306,41 @@ impl Running<'_> {
         // A closed channel means the client left; the next turn frees the sequence.
         let _ = self.events.send((self.index, event));
     }
+
+    /// Sends the text still held back, cut at a stop string; the finish reason to report
+    /// (`Stop` where a stop string turned up in it).
+    fn flush_held(&mut self, mut finish: Finish) -> Finish {
+        if let Some(rest) = self.stream.flush() {
+            self.pending.push_str(&rest);
+        }
+        if let Some(cut) = find_stop(&self.pending, &self.params.stop) {
+            self.pending.truncate(cut);
+            if finish != Finish::Cancelled {
+                finish = Finish::Stop;
+            }
+        }
+        if !self.pending.is_empty() {
+            let text = std::mem::take(&mut self.pending);
+            self.send(Event::Delta {
+                text,
+                logprob: None,
+            });
+        }
+        finish
+    }
+
+    fn send_done(&self, finish: Finish) {
+        self.send(Event::Done {
+            finish,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.generated,
+        });
+    }
+}
+
+/// Blocks a sequence of `len` tokens takes for its next decode step (0 or 1).
+fn next_step_blocks(kv: &KvBlockUsage, len: usize) -> usize {
+    kv.blocks_for(len + 1) - kv.blocks_for(len)
 }
 
 struct Scheduler<'e> {
@@ -246,8 +352,11 @@ struct Scheduler<'e> {
     max_context: usize,
     max_seqs: usize,
     stop_tokens: Vec<u32>,
+    /// Taken from the job channel (or preempted) and not admitted yet, by ticket.
+    waiting: VecDeque<Waiting<'e>>,
+    next_ticket: u64,
     /// Oldest first; one chunk of the first is prefilled per turn.
-    admitting: Vec<Admitting>,
+    admitting: Vec<Admitting<'e>>,
     running: Vec<Running<'e>>,
     /// `samplers[i]` belongs to `running[i]` (a separate vector: `decode_sample` takes a slice).
     samplers: Vec<Sampler>,
@@ -279,6 +388,8 @@ impl<'e> Scheduler<'e> {
             max_context,
             max_seqs,
             stop_tokens: tokenizer.stop_tokens().to_vec(),
+            waiting: VecDeque::new(),
+            next_ticket: 0,
             admitting: Vec::new(),
             running: Vec::new(),
             samplers: Vec::new(),
@@ -291,19 +402,27 @@ impl<'e> Scheduler<'e> {
 
     fn run(mut self, jobs: &Receiver<Job>, shutdown: &Shutdown) {
         let mut deadline: Option<Instant> = None;
+        self.update_gauges();
         loop {
             if shutdown.is_set() {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.grace);
                 while let Ok(job) = jobs.try_recv() {
                     self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                    let _ = job.events.send((
-                        job.index,
-                        Event::Error {
-                            message: "the server is shutting down".into(),
-                            shutting_down: true,
-                        },
-                    ));
+                    refuse_for_shutdown(&job);
                 }
+                // Jobs not started are refused as the queued ones are; preempted sequences
+                // have streamed already and go on like the running ones.
+                let mut kept = VecDeque::new();
+                for w in std::mem::take(&mut self.waiting) {
+                    match w.work {
+                        Work::New(job) => {
+                            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                            refuse_for_shutdown(&job);
+                        }
+                        work => kept.push_back(Waiting { work, ..w }),
+                    }
+                }
+                self.waiting = kept;
                 if Instant::now() >= deadline {
                     for i in (0..self.running.len()).rev() {
                         self.finish(i, Finish::Cancelled);
@@ -313,13 +432,24 @@ impl<'e> Scheduler<'e> {
                     for a in std::mem::take(&mut self.admitting) {
                         self.drop_admitting(a, Some("the server is shutting down"));
                     }
+                    for w in std::mem::take(&mut self.waiting) {
+                        self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                        self.drop_work(w.work, Some("the server is shutting down"));
+                    }
                 }
-                if self.running.is_empty() && self.admitting.is_empty() {
+                if self.running.is_empty() && self.admitting.is_empty() && self.waiting.is_empty() {
                     break;
                 }
+                self.admit_waiting();
             } else {
-                while self.running.len() + self.admitting.len() < self.max_seqs {
-                    let job = if self.running.is_empty() && self.admitting.is_empty() {
+                while self.alive() < self.max_seqs {
+                    if !self.waiting.is_empty() {
+                        if !self.admit_next() {
+                            break;
+                        }
+                        continue;
+                    }
+                    let job = if self.alive() == 0 {
                         match jobs.recv_timeout(Duration::from_millis(50)) {
                             Ok(job) => job,
                             Err(RecvTimeoutError::Timeout) => break,
@@ -331,13 +461,7 @@ impl<'e> Scheduler<'e> {
                             Err(_) => break,
                         }
                     };
-                    self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                    if job.events.is_closed() {
-                        self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    self.admit(job);
-                    self.update_gauges();
+                    self.enqueue(job);
                 }
             }
             // Clients that went away: free their slots before spending a step on them.
@@ -348,6 +472,7 @@ impl<'e> Scheduler<'e> {
                 }
             }
             self.remove_finished();
+            self.drop_closed_waiting();
             self.prefill_chunk();
             if !self.running.is_empty() {
                 self.step();
@@ -357,15 +482,33 @@ impl<'e> Scheduler<'e> {
         self.update_gauges();
     }
 
-    fn update_gauges(&self) {
-        let n = (self.running.iter().filter(|r| !r.done).count() + self.admitting.len()) as i64;
-        self.metrics.running.store(n, Ordering::Relaxed);
-        self.metrics.slots_used.store(n, Ordering::Relaxed);
+    /// Sequences holding a slot: running or being prefilled.
+    fn alive(&self) -> usize {
+        self.running.iter().filter(|r| !r.done).count() + self.admitting.len()
     }
 
-    /// Allocates a sequence for the job; its prompt is prefilled over the next turns.
-    fn admit(&mut self, job: Job) {
+    fn update_gauges(&self) {
+        let n = self.alive() as i64;
+        self.metrics.running.store(n, Ordering::Relaxed);
+        self.metrics.slots_used.store(n, Ordering::Relaxed);
+        if let Some(kv) = self.exec.kv_blocks() {
+            let m = self.metrics;
+            m.kv_blocks_total.store(kv.total as i64, Ordering::Relaxed);
+            m.kv_blocks_used
+                .store(kv.in_use() as i64, Ordering::Relaxed);
+        }
+    }
+
+    /// A job from the channel joins the waiting queue (last: it is the newest), or is
+    /// answered at once when its client has gone or its prompt cannot fit the context.
+    fn enqueue(&mut self, job: Job) {
+        if job.events.is_closed() {
+            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if job.prompt.is_empty() || job.prompt.len() >= self.max_context {
+            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
             let msg = format!(
                 "the prompt has {} tokens; it must have 1 to {}",
                 job.prompt.len(),
@@ -380,35 +523,129 @@ impl<'e> Scheduler<'e> {
             ));
             return;
         }
-        match self.exec.new_sequence() {
-            Ok(seq) => self.admitting.push(Admitting { job, seq, done: 0 }),
-            Err(e) => {
-                let msg = format!("no sequence slot: {e}");
-                let _ = job.events.send((
-                    job.index,
-                    Event::Error {
-                        message: msg,
-                        shutting_down: false,
-                    },
-                ));
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.waiting.push_back(Waiting {
+            ticket,
+            work: Work::New(job),
+        });
+    }
+
+    /// Puts preempted work back in the queue at its ticket's place: ahead of every job that
+    /// arrived after it. It waits like a queued request (the queue-depth gauge counts it).
+    fn requeue(&mut self, ticket: u64, work: Work<'e>) {
+        let at = self.waiting.partition_point(|w| w.ticket < ticket);
+        self.waiting.insert(at, Waiting { ticket, work });
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Admits the waiting work at the head of the queue while slots and KV blocks allow
+    /// (during shutdown: only preempted sequences are left to admit).
+    fn admit_waiting(&mut self) {
+        while self.alive() < self.max_seqs && !self.waiting.is_empty() {
+            if !self.admit_next() {
+                break;
             }
+        }
+    }
+
+    /// Admits the head of the waiting queue when the KV cache has room for it; `false` when
+    /// it must wait. First come, first served: a head that does not fit holds back the
+    /// rest, so a long prompt is not starved by short ones.
+    fn admit_next(&mut self) -> bool {
+        let Some(head) = self.waiting.front() else {
+            return false;
+        };
+        if !self.fits(head.work.tokens().len()) {
+            return false;
+        }
+        let w = self.waiting.pop_front().expect("a head");
+        self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        match self.exec.new_sequence() {
+            Ok(seq) => self.admitting.push(Admitting {
+                ticket: w.ticket,
+                seq,
+                done: 0,
+                work: w.work,
+            }),
+            Err(e) => self.drop_work(w.work, Some(&format!("no sequence slot: {e}"))),
+        }
+        self.update_gauges();
+        true
+    }
+
+    /// Whether work of `tokens` tokens may start: the free KV blocks cover them and its
+    /// first decode step, beyond what the sequences already admitted will take (each running
+    /// one's next step, each admitting one's rest of its tokens and its first step). With
+    /// nothing else alive the whole pool is free, and it holds any context, so the head of
+    /// the queue always starts then. Executors that do not page: always.
+    fn fits(&self, tokens: usize) -> bool {
+        let Some(kv) = self.exec.kv_blocks() else {
+            return true;
+        };
+        if self.alive() == 0 {
+            return true;
+        }
+        let running: usize = self
+            .running
+            .iter()
+            .filter(|r| !r.done)
+            .map(|r| next_step_blocks(&kv, r.history.len()))
+            .sum();
+        let admitting: usize = self
+            .admitting
+            .iter()
+            .map(|a| kv.blocks_for(a.work.tokens().len() + 1) - kv.blocks_for(a.done))
+            .sum();
+        kv.blocks_for(tokens + 1) + running + admitting <= kv.free
+    }
+
+    /// Waiting work whose client has gone leaves the queue (a preempted sequence holds no
+    /// slot, so there is nothing to free).
+    fn drop_closed_waiting(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|w| !w.work.events().is_closed());
+        let gone = (before - self.waiting.len()) as i64;
+        if gone > 0 {
+            self.metrics.queue_depth.fetch_sub(gone, Ordering::Relaxed);
+            self.metrics
+                .cancelled
+                .fetch_add(gone as u64, Ordering::Relaxed);
         }
     }
 
     /// Frees an admitted sequence before it ran: its client left (`why` None: counted as
     /// cancelled) or it cannot go on (`why`: sent as an error).
-    fn drop_admitting(&mut self, a: Admitting, why: Option<&str>) {
+    fn drop_admitting(&mut self, a: Admitting<'e>, why: Option<&str>) {
         if let Err(e) = self.exec.free_sequence(a.seq) {
             tracing::error!("freeing sequence {}: {e}", a.seq);
         }
-        match why {
-            None => {
+        self.drop_work(a.work, why);
+        self.update_gauges();
+    }
+
+    /// Answers work that holds no sequence and will not run: `why` None, its client left
+    /// (counted as cancelled); else a job not started gets `why` as an error and a
+    /// preempted sequence, which has streamed already, ends as cancelled on shutdown or
+    /// with `why` as an error.
+    fn drop_work(&mut self, work: Work<'e>, why: Option<&str>) {
+        let Some(msg) = why else {
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let shutting_down = msg.contains("shutting down");
+        match work {
+            Work::Resume(mut s) if shutting_down => {
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                let finish = s.run.flush_held(Finish::Cancelled);
+                s.run.send_done(finish);
             }
-            Some(msg) => {
-                let shutting_down = msg.contains("shutting down");
-                let _ = a.job.events.send((
-                    a.job.index,
+            work => {
+                let _ = work.events().send((
+                    match &work {
+                        Work::New(job) => job.index,
+                        Work::Resume(s) => s.run.index,
+                    },
                     Event::Error {
                         message: msg.to_string(),
                         shutting_down,
@@ -416,40 +653,57 @@ impl<'e> Scheduler<'e> {
                 ));
             }
         }
-        self.update_gauges();
     }
 
-    /// One chunk of the oldest admitted prompt; after its last chunk the sequence starts
-    /// running with its first token sampled from that chunk's logits.
+    /// One chunk of the oldest admitted work; after its last chunk the sequence runs: a new
+    /// job with its first token sampled from that chunk's logits, a preempted one from the
+    /// token it had sampled last. A chunk refused for want of KV blocks preempts the newest
+    /// sequence (maybe this one) and is tried again on a later turn.
     fn prefill_chunk(&mut self) {
         if self.admitting.is_empty() {
             return;
         }
-        if self.admitting[0].job.events.is_closed() {
+        if self.admitting[0].work.events().is_closed() {
             let a = self.admitting.remove(0);
             return self.drop_admitting(a, None);
         }
         let a = &mut self.admitting[0];
-        let end = (a.done + PREFILL_CHUNK).min(a.job.prompt.len());
+        let tokens = a.work.tokens();
+        let end = (a.done + PREFILL_CHUNK).min(tokens.len());
         self.logits.resize(self.vocab, 0.0);
-        if let Err(e) = self.exec.prefill(
-            a.seq,
-            &a.job.prompt[a.done..end],
-            &mut self.logits[..self.vocab],
-        ) {
-            let a = self.admitting.remove(0);
-            return self.drop_admitting(a, Some(&format!("prefill failed: {e}")));
+        let result = self
+            .exec
+            .prefill(a.seq, &tokens[a.done..end], &mut self.logits[..self.vocab]);
+        match result {
+            Ok(()) => {}
+            Err(Error::KvCacheFull { .. }) if self.alive() > 1 => {
+                self.preempt_newest();
+                return;
+            }
+            Err(e) => {
+                let a = self.admitting.remove(0);
+                return self.drop_admitting(a, Some(&format!("prefill failed: {e}")));
+            }
         }
         a.done = end;
-        if end == a.job.prompt.len() {
+        if end == tokens.len() {
             let a = self.admitting.remove(0);
-            self.start_running(a.job, a.seq);
+            match a.work {
+                Work::New(job) => self.start_running(a.ticket, job, a.seq),
+                Work::Resume(s) => {
+                    let Suspended { mut run, sampler } = *s;
+                    run.seq = a.seq;
+                    self.running.push(run);
+                    self.samplers.push(sampler);
+                    self.update_gauges();
+                }
+            }
         }
     }
 
     /// A fully prefilled job joins the running sequences; its first token comes from the
     /// logits of the prefill's last chunk (in `self.logits`).
-    fn start_running(&mut self, job: Job, seq: SeqId) {
+    fn start_running(&mut self, ticket: u64, job: Job, seq: SeqId) {
         self.metrics
             .prompt_tokens
             .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
@@ -458,12 +712,13 @@ impl<'e> Scheduler<'e> {
         sampling.repeat_penalty = 1.0;
         sampling.repeat_last_n = 0;
         self.running.push(Running {
+            ticket,
             index: job.index,
             events: job.events,
             params: job.params,
             seq,
             prompt_tokens: job.prompt.len(),
-            len: job.prompt.len(),
+            history: job.prompt,
             last: 0,
             generated: 0,
             counts: HashMap::new(),
@@ -487,9 +742,72 @@ impl<'e> Scheduler<'e> {
         self.remove_finished();
     }
 
-    /// One decode step for every running sequence, as one batch.
+    /// Preempts the sequence that arrived last (the highest ticket) among the running and
+    /// the admitting ones, as vLLM's recompute preemption does: its KV cache is freed and it
+    /// waits at the front of the queue with its tokens, sampler and stream, to be prefilled
+    /// again when blocks are free. The oldest request is thus never the one stopped, and
+    /// always progresses. `false` when no sequence is alive.
+    fn preempt_newest(&mut self) -> bool {
+        let run = (0..self.running.len())
+            .filter(|&i| !self.running[i].done)
+            .max_by_key(|&i| self.running[i].ticket);
+        let adm = (0..self.admitting.len()).max_by_key(|&i| self.admitting[i].ticket);
+        let (ticket, seq, work) = match (run, adm) {
+            (None, None) => return false,
+            (Some(r), a) if a.is_none_or(|a| self.running[r].ticket > self.admitting[a].ticket) => {
+                let run = self.running.remove(r);
+                let sampler = self.samplers.remove(r);
+                (
+                    run.ticket,
+                    run.seq,
+                    Work::Resume(Box::new(Suspended { run, sampler })),
+                )
+            }
+            (_, Some(a)) => {
+                let a = self.admitting.remove(a);
+                (a.ticket, a.seq, a.work)
+            }
+            (Some(_), None) => unreachable!("taken by the arm above"),
+        };
+        if let Err(e) = self.exec.free_sequence(seq) {
+            tracing::error!("freeing preempted sequence {seq}: {e}");
+        }
+        tracing::info!(
+            "KV cache full: sequence {seq} preempted ({} tokens to recompute)",
+            work.tokens().len()
+        );
+        self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.requeue(ticket, work);
+        self.update_gauges();
+        true
+    }
+
+    /// Before a decode step: every running sequence whose next position starts a new KV
+    /// block needs one; while the free blocks do not cover them, the newest sequence is
+    /// preempted. A sequence alone always fits (the pool holds a whole context), so the
+    /// last one is never preempted here.
+    fn make_room(&mut self) {
+        while let Some(kv) = self.exec.kv_blocks() {
+            let need: usize = self
+                .running
+                .iter()
+                .filter(|r| !r.done)
+                .map(|r| next_step_blocks(&kv, r.history.len()))
+                .sum();
+            if need <= kv.free || self.alive() <= 1 || !self.preempt_newest() {
+                return;
+            }
+        }
+    }
+
+    /// One decode step for every running sequence, as one batch. A step refused for want of
+    /// KV blocks preempts the newest sequence; the others step on the next turn.
     fn step(&mut self) {
+        self.make_room();
         let n = self.running.len();
+        if n == 0 {
+            return;
+        }
         let batch: Vec<DecodeItem> = self
             .running
             .iter()
@@ -500,7 +818,7 @@ impl<'e> Scheduler<'e> {
             .collect();
         let host = self.running.iter().any(|r| r.params.needs_host_logits());
         let mut results: Vec<Result<(u32, Option<TokenLogprob>)>> = Vec::with_capacity(n);
-        if host {
+        let outcome = if host {
             let mut logits = std::mem::take(&mut self.logits);
             logits.resize(n * self.vocab, 0.0);
             let r = self.exec.decode(&batch, &mut logits);
@@ -511,21 +829,25 @@ impl<'e> Scheduler<'e> {
                 }
             }
             self.logits = logits;
-            if let Err(e) = r {
-                return self.fail_all(&format!("decode step failed: {e}"));
-            }
+            r
         } else {
             self.tokens.resize(n, 0);
-            if let Err(e) = self
+            let r = self
                 .exec
-                .decode_sample(&batch, &mut self.samplers, &mut self.tokens)
-            {
-                return self.fail_all(&format!("decode step failed: {e}"));
-            }
+                .decode_sample(&batch, &mut self.samplers, &mut self.tokens);
             results.extend(self.tokens.iter().map(|&t| Ok((t, None))));
+            r
+        };
+        match outcome {
+            Ok(()) => {}
+            Err(Error::KvCacheFull { .. }) if self.alive() > 1 => {
+                self.preempt_newest();
+                return;
+            }
+            Err(e) => return self.fail_all(&format!("decode step failed: {e}")),
         }
         for (i, drawn) in results.into_iter().enumerate() {
-            self.running[i].len += 1;
+            self.running[i].history.push(batch[i].token);
             match drawn {
                 Ok((token, logprob)) => self.accept_token(i, token, logprob),
                 Err(e) => self.fail_one(i, &e),
@@ -533,7 +855,6 @@ impl<'e> Scheduler<'e> {
         }
         self.remove_finished();
     }
-
     /// Ends sequence `i` with an error event (the others run on).
     fn fail_one(&mut self, i: usize, e: &Error) {
         let message = format!("generation stopped: {e}");
@@ -668,30 +989,14 @@ impl<'e> Scheduler<'e> {
         let hold = held_back(&r.pending, &r.params.stop);
         let text: String = r.pending.drain(..r.pending.len() - hold).collect();
         r.send(Event::Delta { text, logprob });
-        if r.generated >= r.params.max_tokens || r.len >= self.max_context {
+        if r.generated >= r.params.max_tokens || r.history.len() >= self.max_context {
             self.finish(i, Finish::Length);
         }
     }
 
     /// Ends sequence `i`: the text still held back is flushed (and cut at a stop string).
-    fn finish(&mut self, i: usize, mut finish: Finish) {
-        let r = &mut self.running[i];
-        if let Some(rest) = r.stream.flush() {
-            r.pending.push_str(&rest);
-        }
-        if let Some(cut) = find_stop(&r.pending, &r.params.stop) {
-            r.pending.truncate(cut);
-            if finish != Finish::Cancelled {
-                finish = Finish::Stop;
-            }
-        }
-        if !r.pending.is_empty() {
-            let text = std::mem::take(&mut r.pending);
-            r.send(Event::Delta {
-                text,
-                logprob: None,
-            });
-        }
+    fn finish(&mut self, i: usize, finish: Finish) {
+        let finish = self.running[i].flush_held(finish);
         self.finish_now(i, finish);
     }
 
@@ -699,12 +1004,7 @@ impl<'e> Scheduler<'e> {
         // Slot and gauges first: a client that has seen `Done` finds the metrics settled.
         self.mark_finished(i);
         self.update_gauges();
-        let r = &self.running[i];
-        r.send(Event::Done {
-            finish,
-            prompt_tokens: r.prompt_tokens,
-            completion_tokens: r.generated,
-        });
+        self.running[i].send_done(finish);
     }
 
     /// Frees the sequence's slot now; the entry is removed by `remove_finished`.
@@ -729,6 +1029,17 @@ impl<'e> Scheduler<'e> {
             }
         }
     }
+}
+
+/// Answers a job that never started with the shutdown error (503 to its client).
+fn refuse_for_shutdown(job: &Job) {
+    let _ = job.events.send((
+        job.index,
+        Event::Error {
+            message: "the server is shutting down".into(),
+            shutting_down: true,
+        },
+    ));
 }
 
 fn log_sum_exp(row: &[f32]) -> f32 {

@@ -313,7 +313,71 @@ fn bench_reports_the_executors_kv_cache() {
         assert_eq!(v["kv_type"], kv.unwrap_or("f32"), "{v}");
         assert_eq!(v["kv_bytes_per_token"], per_token, "{v}");
         assert_eq!(v["kv_bytes"], per_token * 64, "{v}");
+        // The paged pool: 64 tokens are two blocks of 32; the tg test's sequence (a
+        // one-token prompt and two steps) held one.
+        assert_eq!(v["kv_block_tokens"], 32, "{v}");
+        assert_eq!(v["kv_block_bytes"], per_token * 32, "{v}");
+        assert_eq!(v["kv_blocks_total"], 2, "{v}");
+        assert_eq!(v["kv_blocks_in_use"], 1, "{v}");
     }
+}
+
+/// `--kv-mem` sizes the paged KV pool; a malformed or zero size is a usage error naming the
+/// flag, and a pool smaller than one sequence's context is refused at load.
+#[test]
+fn kv_mem_sizes_the_pool() {
+    for command in [&["run", "hi"][..], &["bench"], &["serve"], &["chat"]] {
+        for bad in ["lots", "0", "12X", "-5M", "1.5.2G", ""] {
+            let flag = format!("--kv-mem={bad}");
+            let mut args = command.to_vec();
+            args.push(&flag);
+            let out = kiln(&args);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+            assert!(
+                stderr(&out).contains("--kv-mem"),
+                "{args:?}: {}",
+                stderr(&out)
+            );
+        }
+    }
+    let Some(model) = smollm2_or_skip("kv_mem_sizes_the_pool") else {
+        return;
+    };
+    let model = model.to_str().unwrap();
+    // Two sequences of 64 tokens would take 4 blocks of 1.4 MiB (f32); 3MiB holds 2.
+    let bench = |kv_mem: Option<&str>| {
+        let mut args = vec![
+            "bench", "-m", model, "--batch", "2", "-p", "8", "-n", "4", "-c", "64", "-o", "json",
+        ];
+        if let Some(m) = kv_mem {
+            args.extend(["--kv-mem", m]);
+        }
+        let out = kiln(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value =
+            serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+        v
+    };
+    let v = bench(None);
+    assert_eq!(v["kv_blocks_total"], 4, "{v}");
+    let v = bench(Some("3MiB"));
+    assert_eq!(v["kv_blocks_total"], 2, "{v}");
+    assert_eq!(v["kv_blocks_in_use"], 2, "12 tokens each: {v}");
+    assert_eq!(
+        v["kv_bytes"],
+        2 * v["kv_block_bytes"].as_u64().unwrap(),
+        "{v}"
+    );
+    let out = kiln(&[
+        "run", "hi", "-n", "1", "-c", "64", "--kv-mem", "1MiB", "-m", model,
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("less than one sequence's context of 64")
+            && stderr(&out).contains("raise --kv-mem"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

@@ -949,6 +949,140 @@ fn serve_queue_limit_disconnect_and_shutdown() {
     assert!(s.log().contains("kiln serve: stopped"));
 }
 
+/// Bytes one KV block of `model` takes on the CPU backend at its default type, as
+/// `kiln bench` reports it (no test run: `-p 0 -n 0`).
+fn kv_block_bytes(model: &Path, ctx: usize) -> u64 {
+    let out = Command::new(kiln_binary())
+        .args([
+            "bench",
+            "--backend",
+            "cpu",
+            "-t",
+            "2",
+            "-p",
+            "0",
+            "-n",
+            "0",
+            "-o",
+            "json",
+        ])
+        .args(["-c", &ctx.to_string(), "-m"])
+        .arg(model)
+        .output()
+        .expect("run kiln bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    v["kv_block_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no kv_block_bytes: {v}"))
+}
+
+/// With a KV pool just above one sequence's context (`--kv-mem`), concurrent requests whose
+/// contexts together pass it all complete: the scheduler admits by free blocks and, when
+/// the running sequences need more than are free, preempts the newest and recomputes it
+/// later. Each answer is the one a server with an ample pool gives — greedy, seeded
+/// sampling (the sampler's RNG survives preemption) and a frequency penalty (its counts
+/// too) alike — and the streams never repeat a token they had sent.
+#[test]
+fn serve_kv_pool_admits_by_blocks_and_preempts() {
+    let model = test_model();
+    let block = kv_block_bytes(&model, 128);
+    // A context of 128 tokens takes 4 blocks; four sequences of ~100 tokens want 16.
+    let pool = 5u64;
+    let kv_mem = (pool * block + block / 2).to_string();
+    let bias: Value = serde_json::from_str(NO_EOS).unwrap();
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let mut b = json!({
+                "prompt": format!("Story number {i}:"), "max_tokens": 96,
+                "temperature": 0.0, "logit_bias": bias, "stream": true,
+            });
+            match i {
+                1 => {
+                    b["temperature"] = json!(0.8);
+                    b["seed"] = json!(17);
+                }
+                2 => b["frequency_penalty"] = json!(0.5),
+                _ => {}
+            }
+            b
+        })
+        .collect();
+    let serve_all = |s: &Server| -> Vec<(String, Value)> {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let stream = s.stream("/v1/completions", b);
+                std::thread::spawn(move || {
+                    assert_eq!(stream.status, 200);
+                    let (text, finish, _) = stream_text(&stream.all());
+                    assert_eq!(finish, vec!["length"]);
+                    text
+                })
+            })
+            .collect();
+        let texts: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        // The same requests unstreamed: their token counts, and the same text again.
+        texts
+            .into_iter()
+            .zip(&bodies)
+            .map(|(text, b)| {
+                let mut quiet = b.clone();
+                quiet["stream"] = json!(false);
+                let r = s.post("/v1/completions", &quiet);
+                assert_eq!(r.status, 200, "{}", r.text());
+                let v = r.json();
+                assert_eq!(v["choices"][0]["text"], text.as_str(), "streamed vs not");
+                (text, v["usage"].clone())
+            })
+            .collect()
+    };
+
+    let ample = Server::start(&model, &["--max-seqs", "4", "-c", "128"]);
+    ample.wait_ready();
+    let want = serve_all(&ample);
+    let m = ample.metrics();
+    assert_eq!(m["kiln_kv_blocks_total"], 16.0, "{m:?}");
+    assert_eq!(m["kiln_preemptions_total"], 0.0, "{m:?}");
+    drop(ample);
+
+    let tight = Server::start(
+        &model,
+        &["--max-seqs", "4", "-c", "128", "--kv-mem", &kv_mem],
+    );
+    tight.wait_ready();
+    let got = serve_all(&tight);
+    for (i, ((text, usage), (want_text, want_usage))) in got.iter().zip(&want).enumerate() {
+        assert_eq!(text, want_text, "request {i}: preempted output differs");
+        assert_eq!(usage, want_usage, "request {i}");
+        assert_eq!(usage["completion_tokens"], 96, "request {i}");
+    }
+    let m = tight.metrics();
+    assert_eq!(m["kiln_kv_blocks_total"], pool as f64, "{m:?}");
+    assert!(m["kiln_preemptions_total"] > 0.0, "{m:?}\n{}", tight.log());
+    assert_eq!(m["kiln_kv_blocks_used"], 0.0, "{m:?}");
+    assert_eq!(m["kiln_running_sequences"], 0.0, "{m:?}");
+    assert_eq!(m["kiln_queue_depth"], 0.0, "{m:?}");
+    let _ = writeln!(
+        std::io::stderr(),
+        "serve: {} preemptions with a pool of {pool} blocks",
+        m["kiln_preemptions_total"]
+    );
+
+    // A pool smaller than one context is refused at load, naming the flag.
+    let mut small = Server::start(&model, &["-c", "128", "--kv-mem", &(3 * block).to_string()]);
+    assert!(!small.wait_exit(Duration::from_secs(60)).success());
+    let log = small.log();
+    assert!(
+        log.contains("less than one sequence's context of 128") && log.contains("--kv-mem"),
+        "{log}"
+    );
+}
+
 /// A deterministic generator (SplitMix64) for the hostile bodies.
 struct Rng(u64);
 
