@@ -855,11 +855,14 @@ impl KvReport {
             .map_or("type not reported".to_string(), |k| k.to_string());
         match (self.per_token, self.total(), self.blocks) {
             (Some(per), Some(total), Some(b)) => format!(
-                "KV cache ({kind}): {per} bytes a token; a pool of {} blocks of {} tokens, {:.2} GiB, \
+                "KV cache ({kind}): {per} bytes a token; a pool of {} blocks of {} tokens, {}, \
                  shared by {} sequence(s) of up to {} tokens; {} block(s) in use at most during the tests",
                 b.total,
                 b.block_tokens,
-                gib(total),
+                match total < 1 << 30 {
+                    true => format!("{:.1} MiB", total as f64 / (1u64 << 20) as f64),
+                    false => format!("{:.2} GiB", gib(total)),
+                },
                 self.sequences,
                 self.context,
                 self.in_use.map_or("no".to_string(), |n| n.to_string()),
