@@ -64,6 +64,17 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     Ok(bytes)
 }
 
+pub use kiln_formats as formats;
+
+/// Makes sure the built-in backend crates are linked into the final binary, so their
+/// `inventory` registrations are seen. (A crate nothing refers to may be dropped by the
+/// linker together with its registration.)
+pub fn link_builtin_backends() {
+    std::hint::black_box(std::any::type_name::<kiln_backend_cpu::CpuBackend>());
+    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4k::CudaQ4kBackend>());
+    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4_0::CudaQ40Backend>());
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_size;
@@ -92,14 +103,4 @@ mod tests {
             assert!(parse_size(bad).is_err(), "{bad:?}");
         }
     }
-}
-pub use kiln_formats as formats;
-
-/// Makes sure the built-in backend crates are linked into the final binary, so their
-/// `inventory` registrations are seen. (A crate nothing refers to may be dropped by the
-/// linker together with its registration.)
-pub fn link_builtin_backends() {
-    std::hint::black_box(std::any::type_name::<kiln_backend_cpu::CpuBackend>());
-    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4k::CudaQ4kBackend>());
-    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4_0::CudaQ40Backend>());
 }

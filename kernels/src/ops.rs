@@ -1247,6 +1247,7 @@ impl Kernels {
     /// Output in f16, `[rows][n_heads * hd]`. Head sizes 64 and 128 run on tensor cores
     /// (flash-attention tiles, `attn_prefill_mma_*`); others take the row kernel
     /// ([`Kernels::attention_prefill_rows`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_prefill(
         &self,
         a: &PrefillAttnArgs,
@@ -1264,6 +1265,7 @@ impl Kernels {
     /// [`Kernels::attention_prefill`] by the row kernel for every head size (a multiple of
     /// 32 up to 256): one block per (head, query), CUDA cores, f32 arithmetic. The tensor-core
     /// kernel is checked against it and against an f64 reference.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_prefill_rows(
         &self,
         a: &PrefillAttnArgs,
