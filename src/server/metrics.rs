@@ -93,6 +93,8 @@ pub struct Metrics {
     /// out then).
     pub kv_blocks_total: AtomicI64,
     pub kv_blocks_used: AtomicI64,
+    /// Bytes one KV block takes (-1 until a paging executor has loaded): for the startup line.
+    pub kv_block_bytes: AtomicI64,
     /// Running sequences preempted because the KV cache ran out of blocks (freed, and
     /// recomputed from their tokens when blocks are free again).
     pub preemptions: AtomicU64,
@@ -114,6 +116,7 @@ impl Default for Metrics {
             slots_used: AtomicI64::new(0),
             kv_blocks_total: AtomicI64::new(-1),
             kv_blocks_used: AtomicI64::new(-1),
+            kv_block_bytes: AtomicI64::new(-1),
             preemptions: AtomicU64::new(0),
             model_loaded: AtomicBool::new(false),
             ttft: Histogram::new(TTFT_BOUNDS),

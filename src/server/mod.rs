@@ -274,12 +274,23 @@ async fn serve(args: ServeArgs) -> Result<()> {
             });
             match outcome {
                 Ok(front) => {
+                    let m = &state.metrics;
+                    let blocks = m.kv_blocks_total.load(Ordering::Relaxed);
+                    let pool = match blocks {
+                        b if b > 0 => format!(
+                            ", a KV pool of {b} blocks of {} tokens ({:.2} GiB) shared by them",
+                            kiln_core::KV_BLOCK_TOKENS,
+                            (b * m.kv_block_bytes.load(Ordering::Relaxed).max(0)) as f64
+                                / (1u64 << 30) as f64
+                        ),
+                        _ => String::new(),
+                    };
                     eprintln!(
-                        "kiln serve: model {} loaded on {} (context {}, {} sequence slots)",
+                        "kiln serve: model {} loaded on {} (context {}, {} sequence slots{pool})",
                         front.id,
                         front.backend,
                         front.context,
-                        state.metrics.slots_total.load(Ordering::Relaxed)
+                        m.slots_total.load(Ordering::Relaxed)
                     );
                     let _ = state.model.set(front);
                 }

@@ -191,6 +191,17 @@ pub fn spawn(
             metrics
                 .slots_total
                 .store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
+            if let Some(kv) = engine.executor.kv_blocks() {
+                metrics
+                    .kv_blocks_total
+                    .store(kv.total as i64, Ordering::Relaxed);
+                metrics
+                    .kv_blocks_used
+                    .store(kv.in_use() as i64, Ordering::Relaxed);
+                metrics
+                    .kv_block_bytes
+                    .store(kv.block_bytes as i64, Ordering::Relaxed);
+            }
             metrics.model_loaded.store(true, Ordering::Relaxed);
             if ready.send(Ok(frontend)).is_err() {
                 return;
