@@ -1433,9 +1433,9 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     }
 }
 
-fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs: bool) {
-    use kiln_kernels::BatchRows;
-    let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
+/// Llama-style RoPE over whole heads (base 10,000, no norms), for the attention tests; the
+/// buffer holds the inverse frequencies the arguments point at.
+fn plain_rope(g: &Gpu, n_heads: usize, n_kv: usize, hd: usize) -> (DeviceBuffer<f32>, RopeArgs) {
     let inv: Vec<f32> = (0..hd / 2)
         .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
         .collect();
@@ -1451,6 +1451,14 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         k_norm: None,
         eps: 1e-6,
     };
+    (invd, rope)
+}
+
+fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs: bool) {
+    use kiln_kernels::BatchRows;
+    let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
+    // `_inv_freq` owns the frequencies `rope` points at, to the end of the test.
+    let (_inv_freq, rope) = plain_rope(g, n_heads, n_kv, hd);
     let attn = AttnArgs {
         n_heads,
         n_kv,
@@ -1570,21 +1578,8 @@ fn paged_cache_matches_a_contiguous_one() {
         let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 128, 200usize, 3);
         let max_blocks = max_ctx.div_ceil(32);
         let blocks = slots * max_blocks + 3; // a few the sequences never take
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
-            .collect();
-        let invd = buf(&g.dev, &inv);
-        let rope = RopeArgs {
-            n_heads,
-            n_kv,
-            head_dim: hd,
-            rot_dims: hd,
-            inv_freq: invd.slice(),
-            neox: false,
-            q_norm: None,
-            k_norm: None,
-            eps: 1e-6,
-        };
+        // `_inv_freq` owns the frequencies `rope` points at, to the end of the test.
+        let (_inv_freq, rope) = plain_rope(&g, n_heads, n_kv, hd);
         let ring = KvCache::with_format(&g.dev, format, slots, n_kv, hd, &[max_ctx]).unwrap();
         let paged = KvCache::paged(
             &g.dev,
