@@ -1577,7 +1577,8 @@ fn paged_cache_matches_a_contiguous_one() {
     for format in [KvFormat::F16, KvFormat::Q8_0] {
         let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 128, 200usize, 3);
         let max_blocks = max_ctx.div_ceil(32);
-        let blocks = slots * max_blocks + 3; // a few the sequences never take
+        // A few more blocks than the sequences take: some stay unheld.
+        let blocks = slots * max_blocks + 3;
         // `_inv_freq` owns the frequencies `rope` points at, to the end of the test.
         let (_inv_freq, rope) = plain_rope(&g, n_heads, n_kv, hd);
         let ring = KvCache::with_format(&g.dev, format, slots, n_kv, hd, &[max_ctx]).unwrap();
