@@ -1454,6 +1454,48 @@ fn plain_rope(g: &Gpu, n_heads: usize, n_kv: usize, hd: usize) -> (DeviceBuffer<
     (invd, rope)
 }
 
+/// One sequence's decode step by the one-sequence kernels: RoPE + KV write of `qkv_row` at
+/// `pos` into `kv` (`rows` rows a KV head), then attention over `pos + 1` positions.
+/// Returns the rotated Q and the attention output.
+#[allow(clippy::too_many_arguments)]
+fn one_sequence_step(
+    g: &Gpu,
+    rope: &RopeArgs,
+    attn: &AttnArgs,
+    kv: KvPlanes,
+    rows: usize,
+    qkv_row: &[f32],
+    pos: i32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (qd, nsplit) = (
+        attn.n_heads * attn.head_dim,
+        Kernels::attention_splits(attn.max_ctx, attn.split),
+    );
+    let q1 = poisoned(&g.dev, qd);
+    let row = buf(&g.dev, qkv_row);
+    let p1 = buf(&g.dev, &[pos]);
+    g.k.rope_kv(rope, row.slice(), q1.slice(), kv, p1.slice(), rows)
+        .unwrap();
+    let l1 = buf(&g.dev, &[pos + 1]);
+    let po = poisoned(&g.dev, qd * nsplit);
+    let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, attn.n_heads * nsplit).unwrap();
+    let c1 = DeviceBuffer::<u32>::zeros(&g.dev, attn.n_heads).unwrap();
+    let o1 = poisoned(&g.dev, qd);
+    g.k.attention(
+        attn,
+        q1.slice(),
+        kv,
+        l1.slice(),
+        po.slice(),
+        pm.slice(),
+        c1.slice(),
+        o1.slice(),
+        None,
+    )
+    .unwrap();
+    (q1.to_host().unwrap(), o1.to_host().unwrap())
+}
+
 fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs: bool) {
     use kiln_kernels::BatchRows;
     let (n_heads, n_kv, hd, max_ctx, slots) = (8, 2, 64, 200, 5);
@@ -1518,38 +1560,21 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
     );
     for z in 0..3 {
         let kv = single.layer(0, slot[z] as usize).unwrap();
-        let q1 = poisoned(&g.dev, qd);
-        let row = buf(&g.dev, &qkv[z * width..(z + 1) * width]);
-        let p1 = buf(&g.dev, &[pos[z]]);
-        g.k.rope_kv(&rope, row.slice(), q1.slice(), kv, p1.slice(), max_ctx)
-            .unwrap();
-        let l1 = buf(&g.dev, &[len[z]]);
-        let po = poisoned(&g.dev, qd * nsplit);
-        let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
-        let c1 = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
-        let o1 = poisoned(&g.dev, qd);
-        g.k.attention(
+        let (q1, o1) = one_sequence_step(
+            g,
+            &rope,
             &attn,
-            q1.slice(),
             kv,
-            l1.slice(),
-            po.slice(),
-            pm.slice(),
-            c1.slice(),
-            o1.slice(),
-            None,
-        )
-        .unwrap();
+            max_ctx,
+            &qkv[z * width..(z + 1) * width],
+            pos[z],
+        );
         assert_eq!(
             &q_b.to_host().unwrap()[z * qd..(z + 1) * qd],
-            &q1.to_host().unwrap()[..],
+            &q1[..],
             "row {z}: rotated Q"
         );
-        assert_eq!(
-            &got[z * qd..(z + 1) * qd],
-            &o1.to_host().unwrap()[..],
-            "row {z}: attention"
-        );
+        assert_eq!(&got[z * qd..(z + 1) * qd], &o1[..], "row {z}: attention");
     }
     // Both caches hold the same: every row wrote its own slot, the padding row nothing.
     let (b, s) = (plane_values(g, &bkv), plane_values(g, &skv));
@@ -1635,8 +1660,7 @@ fn paged_cache_matches_a_contiguous_one() {
         let width = (n_heads + 2 * n_kv) * hd;
         let qd = n_heads * hd;
         // Prompts: RoPE + KV write of every position into both caches.
-        for s in 0..slots {
-            let n = lens[s];
+        for (s, &n) in lens.iter().enumerate() {
             let qkv = buf(&g.dev, &random_vec(&mut rng, n * width, 1.0));
             let qa = poisoned(&g.dev, n * qd);
             let qb = poisoned(&g.dev, n * qd);
@@ -1773,37 +1797,24 @@ fn paged_cache_matches_a_contiguous_one() {
                 (ring.layer(0, s).unwrap(), max_ctx),
                 (paged.layer(0, s).unwrap(), paged.rows(0)),
             ] {
-                let q1 = poisoned(&g.dev, qd);
-                let row = buf(&g.dev, &qkv[s * width..(s + 1) * width]);
-                let p1 = buf(&g.dev, &[pos[s]]);
                 // The batched step wrote the pool's row already; writing it again is the same.
-                g.k.rope_kv(&rope, row.slice(), q1.slice(), kv, p1.slice(), rows_a_head)
-                    .unwrap();
-                let l1 = buf(&g.dev, &[len[s]]);
-                let po = poisoned(&g.dev, qd * nsplit);
-                let pm = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, n_heads * nsplit).unwrap();
-                let c1 = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
-                let o1 = poisoned(&g.dev, qd);
                 for pairs in [false, true] {
-                    g.k.attention(
+                    let (q1, o1) = one_sequence_step(
+                        &g,
+                        &rope,
                         &AttnArgs { pairs, ..attn },
-                        q1.slice(),
                         kv,
-                        l1.slice(),
-                        po.slice(),
-                        pm.slice(),
-                        c1.slice(),
-                        o1.slice(),
-                        None,
-                    )
-                    .unwrap();
-                    outs.push(o1.to_host().unwrap());
+                        rows_a_head,
+                        &qkv[s * width..(s + 1) * width],
+                        pos[s],
+                    );
+                    assert_eq!(
+                        &q_b.to_host().unwrap()[z * qd..(z + 1) * qd],
+                        &q1[..],
+                        "slot {s}: rotated Q"
+                    );
+                    outs.push(o1);
                 }
-                assert_eq!(
-                    &q_b.to_host().unwrap()[z * qd..(z + 1) * qd],
-                    &q1.to_host().unwrap()[..],
-                    "slot {s}: rotated Q"
-                );
             }
             assert!(outs[0].iter().all(|v| v.is_finite()));
             assert_eq!(
