@@ -585,6 +585,16 @@ impl<'e> Scheduler<'e> {
         true
     }
 
+    /// Blocks the running sequences take in their next decode step (one each whose next
+    /// position starts a block).
+    fn next_step_need(&self, kv: &KvBlockUsage) -> usize {
+        self.running
+            .iter()
+            .filter(|r| !r.done)
+            .map(|r| next_step_blocks(kv, r.history.len()))
+            .sum()
+    }
+
     /// Whether work of `tokens` tokens may start: the free KV blocks cover them and its
     /// first decode step, beyond what the sequences already admitted will take (each running
     /// one's next step, each admitting one's rest of its tokens and its first step). With
@@ -597,12 +607,7 @@ impl<'e> Scheduler<'e> {
         if self.alive() == 0 {
             return true;
         }
-        let running: usize = self
-            .running
-            .iter()
-            .filter(|r| !r.done)
-            .map(|r| next_step_blocks(&kv, r.history.len()))
-            .sum();
+        let running = self.next_step_need(&kv);
         let admitting: usize = self
             .admitting
             .iter()
@@ -799,12 +804,7 @@ impl<'e> Scheduler<'e> {
     /// last one is never preempted here.
     fn make_room(&mut self) {
         while let Some(kv) = self.exec.kv_blocks() {
-            let need: usize = self
-                .running
-                .iter()
-                .filter(|r| !r.done)
-                .map(|r| next_step_blocks(&kv, r.history.len()))
-                .sum();
+            let need = self.next_step_need(&kv);
             if need <= kv.free || self.alive() <= 1 || !self.preempt_newest() {
                 return;
             }

@@ -811,11 +811,16 @@ impl GpuExecutor {
     /// runs: the copy is on the executor's stream). `KvCacheFull` changes nothing.
     pub(super) fn reserve(&mut self, slot: usize, len: usize) -> Result<()> {
         if self.slots.reserve(slot, len)? {
-            self.kv
-                .set_table(&self.device, slot, self.slots[slot].blocks())
-                .map_err(err)?;
+            self.write_table(slot)?;
         }
         Ok(())
+    }
+
+    /// Copies `slot`'s block table to the device.
+    fn write_table(&self, slot: usize) -> Result<()> {
+        self.kv
+            .set_table(&self.device, slot, self.slots[slot].blocks())
+            .map_err(err)
     }
 
     /// [`GpuExecutor::reserve`] for a batch's sequences (each to its next position), all
@@ -829,9 +834,7 @@ impl GpuExecutor {
             })
             .collect::<Result<_>>()?;
         for slot in self.slots.reserve_all(&wants)? {
-            self.kv
-                .set_table(&self.device, slot, self.slots[slot].blocks())
-                .map_err(err)?;
+            self.write_table(slot)?;
         }
         Ok(())
     }
