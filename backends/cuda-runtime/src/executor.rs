@@ -316,36 +316,40 @@ fn fitted_context(
             None => per_position += row,
         }
     }
-    // A q8_0 cache's prefill expands one layer's rows to f16 (counted per sequence: an
-    // overestimate beside several).
-    if kv == KvFormat::Q8_0 {
-        per_position += 2 * 2 * c.kv_dim() as u64;
-    }
+    // What one block of the pool takes: K and V rows of every paged layer.
+    let block_bytes = (kiln_core::KV_BLOCK_TOKENS as u64 * per_position).max(1);
+    // A q8_0 cache's prefill expands one layer's rows to f16: a workspace of one sequence's
+    // context, not part of the pool (counted per sequence below: an overestimate beside
+    // several).
+    let scratch = match kv {
+        KvFormat::Q8_0 => 2 * 2 * c.kv_dim() as u64,
+        KvFormat::F16 => 0,
+    };
     let reserve = (1u64 << 30) + total as u64 / 50;
     let budget = (free as u64).saturating_sub(weights.saturating_add(reserve));
-    let block_bytes = kiln_core::KV_BLOCK_TOKENS as u64 * per_position;
     if let Some(pool) = options.kv_memory {
-        // The pool and the rings (and a q8_0 prefill's f16 rows, counted in per_position
-        // for one sequence) must fit; the context is the model's, or what the pool holds.
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let rings = options.sequences() as u64 * fixed;
-        if pool.saturating_add(rings) > budget {
-            return Err(Error::OutOfMemory(format!(
-                "a KV cache of {:.2} GiB (--kv-mem) and {:.2} GiB of sliding-window rings do not fit: \
-                 {:.2} GiB is left for them",
-                gib(pool),
-                gib(rings),
-                gib(budget)
-            )));
-        }
-        let holds = (pool / block_bytes.max(1)) as usize * kiln_core::KV_BLOCK_TOKENS;
+        // The pool, the rings and a q8_0 prefill's f16 rows must fit; the context is the
+        // model's, or what the pool holds.
+        let holds = (pool / block_bytes) as usize * kiln_core::KV_BLOCK_TOKENS;
         let max_ctx = match options.max_context {
             0 => c.context_length.max(1).min(holds.max(1)),
             n => n,
         };
-        let blocks = options.kv_pool_blocks(max_ctx, block_bytes.max(1))?;
-        return Ok((max_ctx, blocks));
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let rings = options.sequences() as u64 * fixed;
+        let scratch = scratch.saturating_mul(max_ctx as u64);
+        if pool.saturating_add(rings).saturating_add(scratch) > budget {
+            return Err(Error::OutOfMemory(format!(
+                "a KV cache of {:.2} GiB (--kv-mem) and {:.2} GiB of sliding-window rings and prefill rows \
+                 do not fit: {:.2} GiB is left for them",
+                gib(pool),
+                gib(rings.saturating_add(scratch)),
+                gib(budget)
+            )));
+        }
+        return Ok((max_ctx, options.kv_pool_blocks(max_ctx, block_bytes)?));
     }
+    let per_position = per_position + scratch;
     let max_ctx = options.fit_context(c, per_position, fixed, budget)?;
     if options.max_context == 0 && max_ctx < c.context_length {
         let kv = options.sequences() as u64 * (max_ctx as u64 * per_position + fixed);
