@@ -31,25 +31,27 @@
 // elements [l·E, l·E + E) — independent loads throughout, instead of one dependent
 // reduction per position.
 
-// KV is the cache's format (KvF16 or KvQ8, common.cuh).
-template <int E, int GM, class KV>
+// KV is the cache's format (KvF16 or KvQ8, common.cuh). The block is query head `bx`'s
+// (`bx` the first of a pair with GM = 2), split `s` of `nsplit`: blockIdx.x, blockIdx.y and
+// gridDim.y in a launch of its own, a virtual block's in the persistent decode kernel
+// (persist.cu). Blocks have at most NWMAX warps.
+template <int E, int GM, class KV, int NWMAX = 4>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const KV kc, const KV vc,
                                                          const int* __restrict__ len_ptr, const int* __restrict__ table,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
                                                          int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
-                                                         float2* __restrict__ ods) {
+                                                         float2* __restrict__ ods, int bx, int s, int nsplit) {
     const int hd = E * 32;
-    const int s = blockIdx.y, nsplit = gridDim.y;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
     const int span = len - lo;
     // Block x is query head x's. With GM = 2 the first block of each pair of heads of a KV
     // group computes both (the other returns), reading each K/V row once for the two.
-    const int group = n_heads / n_kv, kvh = blockIdx.x / group, gi = blockIdx.x % group;
+    const int group = n_heads / n_kv, kvh = bx / group, gi = bx % group;
     if (gi % GM != 0) return;
-    const int h0 = blockIdx.x, nh = min(GM, group - gi);
+    const int h0 = bx, nh = min(GM, group - gi);
     // Splits of at least `split`, aiming at 16 a head up to 256 positions each (4,096 of
     // context; a split of 128+ keeps all four warps busy), at most the grid's: split 64 at
     // 1,024 positions, 256 from 4,096 to 32,768, then longer. The points measured best on
@@ -146,8 +148,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         }
     }
     // Merge the warps of this block, one head at a time.
-    __shared__ float sm_m[4], sm_l[4];
-    __shared__ float sm_o[4 * 256];  // launch bounds: at most 4 warps, hd at most 256
+    __shared__ float sm_m[NWMAX], sm_l[NWMAX];
+    __shared__ float sm_o[NWMAX * E * 32];
     // (Every index into the per-head arrays is a compile-time constant, so they stay in
     // registers: a loop the compiler could not unroll would put them in local memory.)
 #pragma unroll
@@ -181,9 +183,9 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     __shared__ int is_last;
     const int n = min(nsplit, (len - lo + split - 1) / split);
     if (threadIdx.x == 0) {
-        const u32 done = atomicAdd(&counters[blockIdx.x], 1u) + 1;
+        const u32 done = atomicAdd(&counters[bx], 1u) + 1;
         is_last = done == (u32)n;
-        if (is_last) counters[blockIdx.x] = 0;
+        if (is_last) counters[bx] = 0;
     }
     __syncthreads();
     if (!is_last) return;
@@ -230,7 +232,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods) {                                    \
         grid_dependency_wait();                                                                                        \
         attn_partial_impl<E, GM, KV>(q, KK(), VV(), len_ptr, table, n_heads, n_kv, max_ctx, split, scale, window,     \
-                                     part_o, part_ml, counters, out, oq, olo, ods);                                    \
+                                     part_o, part_ml, counters, out, oq, olo, ods, blockIdx.x, blockIdx.y, gridDim.y); \
     }
 
 // Both forms of an entry point: ONE (one query head a block) and PAIRS (two heads of a GQA
@@ -269,7 +271,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, tab, n_heads, n_kv,       \
                                     max_ctx, split, scale, window, part_o + z * qd * nsplit,                           \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
-                                    nullptr, nullptr, nullptr);                                                        \
+                                    nullptr, nullptr, nullptr, blockIdx.x, blockIdx.y, nsplit);                        \
     }
 // attn_decode_batch{_pairs}{_q8}_{E}.
 #define ATTN_BATCH_ENTRY(E)                                                                                            \

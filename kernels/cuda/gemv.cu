@@ -476,33 +476,56 @@ struct GemvOut {
 
 // A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
 // the block, so short rows still put many loads in flight); NW / S such groups per block.
-template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
-static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvOut out, int nrows, int K) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = warp / S, part = warp % S;
-    constexpr int RB = NW / S * R;  // rows per block
-    static_assert(!QOUT || RB == 32, "a quantising GEMV block owns one 32-row group");
-    const int row0 = blockIdx.x * RB + group * R;
+// `bx` is the block's index in the grid: blockIdx.x for a launch of its own, or the
+// virtual block a persistent decode kernel runs (persist.cu).
+template <int R, int S, int NW>
+struct GemvTile {
+    static constexpr int RB = NW / S * R;  // rows per block
+    int lane, part, row0;
+    __device__ __forceinline__ GemvTile(int bx) {
+        lane = threadIdx.x & 31;
+        const int warp = threadIdx.x >> 5;
+        part = warp % S;
+        row0 = bx * RB + warp / S * R;
+    }
+};
+
+// A lane's unit of work: one 32-value chunk, or two for Q4_K/Q5_K (see dot_pair_k).
+template <int T> static constexpr __host__ __device__ int gemv_unit() { return (T == T_Q4_K || T == T_Q5_K) ? 2 : 1; }
+
+// Asks L2 for the weights of this lane's first PREFETCH units (see prefetch_unit): issued
+// before the GEMV waits for its input, so the weights stream in meanwhile. Bounded so a
+// huge matrix does not flush L2 ahead of use.
+template <int T, int R, int S, int NW, bool SWIGLU>
+static __device__ __forceinline__ void gemv_prefetch(W w, W w2, int nrows, int K, int bx) {
+    const GemvTile<R, S, NW> t(bx);
     const int nchunks = (K + 31) >> 5;
-    // A lane's unit of work: one 32-value chunk, or two for Q4_K/Q5_K (see dot_pair_k).
-    constexpr int U = (T == T_Q4_K || T == T_Q5_K) ? 2 : 1;
-    // The weights of this lane's first PREFETCH units, before waiting for the previous
-    // kernel (see prefetch_unit). Bounded so a huge matrix does not flush L2 ahead of use.
+    constexpr int U = gemv_unit<T>();
     constexpr int PREFETCH = 2;
-    if (row0 < nrows) {
+    if (t.row0 >= nrows) return;
 #pragma unroll
-        for (int i = 0; i < PREFETCH; ++i) {
-            const int u = part * 32 + lane + i * 32 * S;
-            if (u * U >= nchunks) break;
+    for (int i = 0; i < PREFETCH; ++i) {
+        const int u = t.part * 32 + t.lane + i * 32 * S;
+        if (u * U >= nchunks) break;
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const size_t row = (size_t)min(row0 + r, nrows - 1);
-                prefetch_unit<T>(w, row, K, u);
-                if (SWIGLU) prefetch_unit<T>(w2, row, K, u);
-            }
+        for (int r = 0; r < R; ++r) {
+            const size_t row = (size_t)min(t.row0 + r, nrows - 1);
+            prefetch_unit<T>(w, row, K, u);
+            if (SWIGLU) prefetch_unit<T>(w2, row, K, u);
         }
     }
-    grid_dependency_wait();
+}
+
+// The GEMV proper, once its input is ready.
+template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
+static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, const GemvOut out, int nrows, int K,
+                                                    int bx) {
+    const GemvTile<R, S, NW> t(bx);
+    const int lane = t.lane, warp = threadIdx.x >> 5, part = t.part, row0 = t.row0;
+    constexpr int RB = GemvTile<R, S, NW>::RB;
+    static_assert(!QOUT || RB == 32, "a quantising GEMV block owns one 32-row group");
+    const int nchunks = (K + 31) >> 5;
+    constexpr int U = gemv_unit<T>();
     // The pending norm's partial sums: loaded now, used after the loop, so their latency
     // hides behind the weight loads.
     float norm_part = 0.0f;
@@ -583,21 +606,30 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
             if (out.residual) v += out.residual[row];
         }
         out.y[row] = v;
-        if (QOUT) group_vals[row - blockIdx.x * RB] = v;
+        if (QOUT) group_vals[row - bx * RB] = v;
     }
     if constexpr (QOUT) {
         __syncthreads();
         if (warp == 0) {
-            const int row = blockIdx.x * 32 + lane;
+            const int row = bx * 32 + lane;
             float v = row < nrows ? group_vals[lane] : 0.0f;
             if (out.norm_parts) {
                 const float ss = warp_sum(v * v);
-                if (lane == 0) out.norm_parts[blockIdx.x] = ss;
+                if (lane == 0) out.norm_parts[bx] = ss;
             }
             if (out.norm_w && row < nrows) v *= out.norm_w[row];
-            quantize_block_warp(v, out.q, out.r, out.ds, row, blockIdx.x);
+            quantize_block_warp(v, out.q, out.r, out.ds, row, bx);
         }
     }
+}
+
+// One GEMV launch: prefetch this block's first weights, wait for the previous kernel
+// (programmatic dependent launch), compute.
+template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
+static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvOut out, int nrows, int K) {
+    gemv_prefetch<T, R, S, NW, SWIGLU>(w, w2, nrows, K, blockIdx.x);
+    grid_dependency_wait();
+    gemv_compute<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, blockIdx.x);
 }
 
 // Row `*token` of a weight matrix, dequantised to f32 (the token embedding lookup). Thread
@@ -606,8 +638,8 @@ static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvO
 // (one 32-value group) also writes the first layer's quantised input, as GemvOut says.
 template <int T>
 static __device__ __forceinline__ void embed(W w, const int* __restrict__ token, const GemvOut out, int nrows, int K,
-                                             float scale) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+                                             float scale, int bx) {
+    const int i = bx * blockDim.x + threadIdx.x;
     if ((i & ~31) >= K) return;  // whole warps only: the quantisation below shuffles
     const int tok = *token;
     const int l = i & 31;
@@ -653,7 +685,7 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
         GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts, 0};                                       \
-        embed<T>(w, token, out, nrows, K, scale);                                                                      \
+        embed<T>(w, token, out, nrows, K, scale, blockIdx.x);                                                                      \
     }
 
 // Entry points: {gemv|swiglu}_{type}_{f|q|w}_{R}_{S} (f: A_F32, q: A_Q8, w: A_Q16), blocks

@@ -12,7 +12,8 @@
 // a paged layer's block table, or a sliding-window layer's ring of max_ctx rows).
 
 // One head of one token: `pos` its position; K and V go to the cache only when `write_kv`.
-// Uniform over the block: every thread reaches the cache write.
+// Uniform over the block: every thread reaches the cache write. `head` is the block's
+// (blockIdx.x, or a persistent decode kernel's virtual block, persist.cu).
 template <bool Q8>
 static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qkv, float* __restrict__ q_out,
                                                     void* __restrict__ kc, void* __restrict__ vc, u16* __restrict__ kd,
@@ -20,9 +21,8 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
                                                     int n_kv, int hd, int rot_dims, const float* __restrict__ inv_freq,
                                                     int neox, const float* __restrict__ q_norm,
                                                     const float* __restrict__ k_norm, float eps, int max_ctx,
-                                                    const int* __restrict__ table) {
+                                                    const int* __restrict__ table, int head) {
     __shared__ float scratch[32];
-    const int head = blockIdx.x;
     const bool is_q = head < n_heads;
     const int kvh = head - n_heads;
     const float* src = is_q ? qkv + (size_t)head * hd : qkv + (size_t)(n_heads + kvh) * hd;
@@ -75,7 +75,7 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
                                     int max_ctx, const int* __restrict__ table) {                                      \
         grid_dependency_wait();                                                                                        \
         rope_kv_head<Q8>(qkv, q_out, kc, vc, kd, vd, *pos_ptr, true, n_heads, n_kv, hd, rot_dims, inv_freq, neox,      \
-                         q_norm, k_norm, eps, max_ctx, table);                                                         \
+                         q_norm, k_norm, eps, max_ctx, table, blockIdx.x);                                             \
     }
 ROPE_KV_ENTRY(rope_kv, false)
 ROPE_KV_ENTRY(rope_kv_q8, true)
@@ -101,7 +101,7 @@ ROPE_KV_ENTRY(rope_kv_q8, true)
         rope_kv_head<Q8>(qkv + (size_t)z * (n_heads + 2 * n_kv) * hd, q_out + (size_t)z * n_heads * hd,                \
                          (u8*)kc + cache * elem, (u8*)vc + cache * elem, kd ? kd + cache / 32 : kd,                    \
                          vd ? vd + cache / 32 : vd, p < 0 ? 0 : p, p >= 0, n_heads, n_kv, hd, rot_dims, inv_freq,      \
-                         neox, q_norm, k_norm, eps, max_ctx, tab);                                                     \
+                         neox, q_norm, k_norm, eps, max_ctx, tab, blockIdx.x);                                         \
     }
 ROPE_KV_BATCH_ENTRY(rope_kv_batch, false)
 ROPE_KV_BATCH_ENTRY(rope_kv_batch_q8, true)

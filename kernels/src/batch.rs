@@ -151,7 +151,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: x, w and the packed planes were checked against rows × n.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// y = W·x for the `rows` packed rows of `x` (a multiple of 8, ≤ 64), row m of y at
@@ -246,7 +246,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: the packed input holds rows × row_len values, `part` splits × rows × ldp.
-        unsafe { self.device().launch(f, cfg, &mut args)? };
+        unsafe { self.launch(f, cfg, &mut args)? };
 
         let f = self.device().function(&NORM, "bmm_finish")?;
         let mut args = Args::new()
@@ -267,7 +267,7 @@ impl Kernels {
         let total = rows * nrows;
         // SAFETY: y and the residual hold rows rows of stride ldy; part as above.
         unsafe {
-            self.device().launch(
+            self.launch(
                 f,
                 LaunchConfig::linear(total.div_ceil(256) as u32, 256),
                 &mut args,
@@ -319,7 +319,7 @@ impl Kernels {
         };
         // SAFETY: sizes checked; each row's slot must lie in the pool and its position
         // below max_ctx, which the executor guarantees for the arrays it uploads.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// Decode attention for each row of a batch over its own slot's first `len[z]`
@@ -382,7 +382,7 @@ impl Kernels {
         };
         // SAFETY: sizes checked; each row's slot must lie in the pool and its length be
         // ≤ max_ctx, which the executor guarantees for the arrays it uploads.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// `out[z]` = index of the largest of row z of `logits` (`rows` × `n`), for each row.
@@ -413,7 +413,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes checked above.
-        unsafe { self.device().launch(f, cfg, &mut args)? };
+        unsafe { self.launch(f, cfg, &mut args)? };
         let f = self.device().function(&SAMPLE, "argmax_final")?;
         let mut args = Args::new()
             .ptr(scratch.ptr())
@@ -425,7 +425,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: as above.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// `logits[index[i]] += bias[i]` for the first `n` entries: the logit biases of a
@@ -462,7 +462,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: `n` entries checked in both arrays; the kernel bounds every index.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// Candidate keys `sample_rows` needs per row of `n` logits.
@@ -507,7 +507,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes checked above.
-        unsafe { self.device().launch(f, cfg, &mut args)? };
+        unsafe { self.launch(f, cfg, &mut args)? };
         let f = self.device().function(&SAMPLE, "sample_rows")?;
         let mut args = Args::new()
             .ptr(scratch.ptr())
@@ -521,7 +521,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: as above; top_k is clamped to 1..=64 by the caller's settings check.
-        unsafe { self.device().launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 }
 

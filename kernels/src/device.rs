@@ -52,6 +52,11 @@ impl Args {
     pub fn u64(self, v: u64) -> Self {
         self.push_bits(v)
     }
+    /// The arguments pushed so far, as the kernel receives them (ints and floats in the
+    /// low 32 bits).
+    pub fn slots(&self) -> &[u64] {
+        &self.slots[..self.n]
+    }
 }
 
 /// Launch geometry.
@@ -353,6 +358,58 @@ impl Device {
         unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx("cuLaunchKernelEx")
+    }
+
+    /// Blocks of `threads` threads of `f` that can be resident on one SM at once.
+    pub fn max_active_blocks(&self, f: Function, threads: u32) -> Result<usize> {
+        self.bind()?;
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: the context is bound and `f` is a loaded function of it.
+        unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.0, threads as _, 0) }
+            .result()
+            .ctx("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        Ok(n.max(0) as usize)
+    }
+
+    /// Launches `f` as a cooperative grid of `blocks` × `threads`: the driver guarantees
+    /// every block is resident at once (or refuses the launch), which a kernel that waits
+    /// at grid-wide barriers needs.
+    ///
+    /// # Safety
+    /// As for [`Device::launch`].
+    pub unsafe fn launch_cooperative(
+        &self,
+        f: Function,
+        blocks: u32,
+        threads: u32,
+        args: &mut Args,
+    ) -> Result<()> {
+        let mut params: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
+        for (p, slot) in params.iter_mut().zip(args.slots.iter_mut()).take(args.n) {
+            *p = slot as *mut u64 as *mut c_void;
+        }
+        self.bind()?;
+        // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch`: the context is bound, `params` points at `args`' slots,
+        // which outlive the call, and the caller promises they match the kernel.
+        unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .ctx("cuLaunchKernelEx (cooperative)")
     }
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.

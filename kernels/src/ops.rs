@@ -2,14 +2,15 @@
 //! the device. All work is queued on the device's stream (and so can be captured into a
 //! graph); nothing here synchronises.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
-use crate::device::{Args, Device, LaunchConfig};
+use crate::device::{Args, Device, Function, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::format::WeightFormat;
 use crate::kv::{KvFormat, KvPlanes};
+use crate::persist::{OpKind, PersistOp, Recording};
 use crate::repack::DeviceWeight;
 
 fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
@@ -208,18 +209,112 @@ impl GemvTiling {
     }
 }
 
+/// How a recorded GEMV runs in the persistent kernel (see [`Kernels::record_step`]).
+struct PersistGemv {
+    cuda_type: &'static str,
+    path: GemvPath,
+    tiling: GemvTiling,
+    swiglu: bool,
+    quantising: bool,
+    rows: usize,
+    /// The activation it reads (its address), which tells GEMVs of one input apart.
+    input: u64,
+}
+
+impl PersistGemv {
+    /// The instruction at blocks of `warps` warps: the same tiling, each block holding
+    /// `warps / S × R` rows (a quantising one must still own one 32-row group).
+    fn op(&self, warps: usize) -> Result<PersistOp> {
+        let t = self.tiling;
+        let rows_per_block = warps / t.warps_per_row * t.rows_per_warp;
+        if self.quantising && rows_per_block != 32 {
+            return Err(KernelError::Unsupported(format!(
+                "a quantising GEMV tiled {t:?} in persistent blocks of {warps} warps (its blocks own 32 rows)"
+            )));
+        }
+        let a = match self.path {
+            GemvPath::Float => "A_F32",
+            GemvPath::Q8 => "A_Q8",
+            GemvPath::Q16 => "A_Q16",
+        };
+        let call = format!(
+            "P_GEMV({}, {a}, {}, {}, {}, {})",
+            self.cuda_type, t.rows_per_warp, t.warps_per_row, self.swiglu, self.quantising
+        );
+        let kind = if self.swiglu || self.quantising {
+            OpKind::Other
+        } else {
+            OpKind::Gemv { input: self.input }
+        };
+        Ok(PersistOp::new(
+            call,
+            kind,
+            self.rows.div_ceil(rows_per_block),
+            1,
+        ))
+    }
+}
+
 /// Warps per GEMV block (`__launch_bounds__(128)` in gemv.cu).
 const GEMV_WARPS: u32 = 4;
 
 pub struct Kernels {
     device: Arc<Device>,
+    /// A decode step being recorded for the persistent kernel ([`Kernels::record_step`]).
+    pub(crate) recording: Mutex<Option<Recording>>,
 }
 
 impl Kernels {
     pub fn new(device: &Arc<Device>) -> Self {
         Kernels {
             device: device.clone(),
+            recording: Mutex::new(None),
         }
+    }
+
+    /// Launches `f` now. While a step is recorded for the persistent kernel only the
+    /// launches it runs are taken (recorded by their wrappers); any other refuses, so the
+    /// step keeps its graph form.
+    ///
+    /// # Safety
+    /// As for [`Device::launch`].
+    pub(crate) unsafe fn launch(
+        &self,
+        f: Function,
+        cfg: LaunchConfig,
+        args: &mut Args,
+    ) -> Result<()> {
+        if self.recording_warps().is_some() {
+            return Err(KernelError::Unsupported(
+                "the persistent decode step runs the embedding, GEMV, SwiGLU, RoPE and attention kernels only".into(),
+            ));
+        }
+        // SAFETY: this fn's contract is the device launch's.
+        unsafe { self.device.launch(f, cfg, args) }
+    }
+
+    /// Launches kernel `name` of `module`, or, while a step is recorded for the persistent
+    /// kernel, records it: `persist(warps)` says how it runs there (see [`PersistOp`]).
+    ///
+    /// # Safety
+    /// As for [`Device::launch`].
+    unsafe fn submit(
+        &self,
+        module: &KernelModule,
+        name: &str,
+        cfg: LaunchConfig,
+        mut args: Args,
+        persist: impl FnOnce(usize) -> Result<PersistOp>,
+    ) -> Result<()> {
+        if let Some(warps) = self.recording_warps() {
+            let mut op = persist(warps)?;
+            op.args = args;
+            self.record(op);
+            return Ok(());
+        }
+        let f = self.device.function(module, name)?;
+        // SAFETY: this fn's contract is the device launch's.
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -347,7 +442,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: the callers checked x, y and the planes against rows * n values.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// Checks a GEMV (or SwiGLU, with `w2`) launch and returns its kernel and arguments.
@@ -362,7 +457,7 @@ impl Kernels {
         t: GemvTiling,
         y: DevSlice<f32>,
         epi: &Epilogue,
-    ) -> Result<(crate::device::Function, LaunchConfig, Args)> {
+    ) -> Result<(KernelModule, String, LaunchConfig, Args, PersistGemv)> {
         let quantising = epi.quant.is_some();
         t.check(quantising)?;
         if !t.rows_per_warp.is_multiple_of(w.format.row_group) {
@@ -421,7 +516,7 @@ impl Kernels {
                 w.format.tag
             ))
         })?;
-        let f = self.device.function(module, &name)?;
+        let module = *module;
         let (body, qh, sc) = w.ptrs();
         let (body2, qh2, sc2) = w2.map_or((0, 0, 0), |w2| w2.ptrs());
         let q = epi.quant;
@@ -449,7 +544,16 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
             .ptr(q.map_or(0, |q| opt(q.norm_parts)))
             .i32(epi.gelu as i32);
-        Ok((f, t.grid(w.rows, quantising), args))
+        let persist = PersistGemv {
+            cuda_type: w.format.cuda_type,
+            path,
+            tiling: t,
+            swiglu: w2.is_some(),
+            quantising,
+            rows: w.rows,
+            input: input.q8.map_or(opt(input.x), |q| q.q.ptr()),
+        };
+        Ok((module, name, t.grid(w.rows, quantising), args, persist))
     }
 
     /// y = W·x, with the epilogue's bias, residual and quantised copy.
@@ -462,9 +566,10 @@ impl Kernels {
         y: DevSlice<f32>,
         epi: &Epilogue,
     ) -> Result<()> {
-        let (f, cfg, mut args) = self.gemv_launch("gemv", w, None, input, path, tiling, y, epi)?;
+        let (module, name, cfg, args, persist) =
+            self.gemv_launch("gemv", w, None, input, path, tiling, y, epi)?;
         // SAFETY: every array's length was checked against the weight's shape.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.submit(&module, &name, cfg, args, |warps| persist.op(warps)) }
     }
 
     /// y = row `*token` of `w`, dequantised and times `scale` (the embedding lookup; an id
@@ -482,11 +587,8 @@ impl Kernels {
         if let Some(q) = quant {
             q.check(w.row_len, "quantised embedding")?;
         }
-        let f = self
-            .device
-            .function(&w.format.embed, &format!("embed_{}", w.format.tag))?;
         let (body, qh, sc) = w.ptrs();
-        let mut args = Args::new()
+        let args = Args::new()
             .ptr(body)
             .ptr(qh)
             .ptr(sc)
@@ -500,12 +602,22 @@ impl Kernels {
             .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
             .ptr(quant.map_or(0, |q| opt(q.norm_parts)))
             .f32(scale);
+        let (cuda_type, k) = (w.format.cuda_type, w.row_len);
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
         unsafe {
-            self.device.launch(
-                f,
+            self.submit(
+                &w.format.embed,
+                &format!("embed_{}", w.format.tag),
                 LaunchConfig::linear(w.row_len.div_ceil(128) as u32, 128),
-                &mut args,
+                args,
+                |warps| {
+                    Ok(PersistOp::new(
+                        format!("P_EMBED({cuda_type})"),
+                        OpKind::Embed,
+                        k.div_ceil(32 * warps),
+                        1,
+                    ))
+                },
             )
         }
     }
@@ -536,10 +648,10 @@ impl Kernels {
             gelu,
             ..Default::default()
         };
-        let (f, cfg, mut args) =
+        let (module, name, cfg, args, persist) =
             self.gemv_launch("swiglu", gate, Some(up), input, path, tiling, y, &epi)?;
         // SAFETY: as for gemv; `up` has gate's shape.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.submit(&module, &name, cfg, args, |warps| persist.op(warps)) }
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`: in
@@ -561,23 +673,31 @@ impl Kernels {
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
         q_out.check_len(a.n_heads * hd, "rotated Q")?;
         pos.check_len(1, "position")?;
-        let f = self
-            .device
-            .function(&ROPE, &format!("rope_kv{}", kv.format.kernel_suffix()))?;
         let threads = ((hd / 2).div_ceil(32) * 32) as u32;
-        let mut args = kv
+        let args = kv
             .push(Args::new().ptr(qkv.ptr()).ptr(q_out.ptr()))
             .ptr(pos.ptr())
             .rope(a)
             .i32(max_ctx as i32)
             .ptr(kv.table_ptr());
+        let heads = a.n_heads + a.n_kv;
+        let q8 = kv.format == KvFormat::Q8_0;
         // SAFETY: sizes checked; the position must be < max_ctx (and, paged, below what the
         // table holds, its entries blocks of the pool), which the executor owns.
         unsafe {
-            self.device.launch(
-                f,
-                LaunchConfig::linear((a.n_heads + a.n_kv) as u32, threads),
-                &mut args,
+            self.submit(
+                &ROPE,
+                &format!("rope_kv{}", kv.format.kernel_suffix()),
+                LaunchConfig::linear(heads as u32, threads),
+                args,
+                |_| {
+                    Ok(PersistOp::new(
+                        format!("P_ROPE({q8})"),
+                        OpKind::Other,
+                        heads,
+                        1,
+                    ))
+                },
             )
         }
     }
@@ -661,16 +781,14 @@ impl Kernels {
         if let Some(q) = out_q8 {
             q.check_len(a.n_heads * hd, "quantised attention output")?;
         }
-        let f = self.device.function(
-            &attention_module(hd, kv.format)?,
-            &format!(
-                "attn_decode{}{}_{}",
-                if a.pairs { "_pairs" } else { "" },
-                kv.format.kernel_suffix(),
-                hd / 32
-            ),
-        )?;
-        let mut args = kv
+        let module = attention_module(hd, kv.format)?;
+        let name = format!(
+            "attn_decode{}{}_{}",
+            if a.pairs { "_pairs" } else { "" },
+            kv.format.kernel_suffix(),
+            hd / 32
+        );
+        let args = kv
             .push(Args::new().ptr(q.ptr()))
             .ptr(len.ptr())
             .ptr(kv.table_ptr())
@@ -687,8 +805,25 @@ impl Kernels {
             block: (128, 1, 1),
             shared_bytes: 0,
         };
+        let call = match kv.format {
+            KvFormat::F16 => format!(
+                "P_ATTN({}, {}, KvF16, KV_F16_K, KV_F16_V)",
+                hd / 32,
+                1 + a.pairs as usize
+            ),
+            KvFormat::Q8_0 => format!(
+                "P_ATTN({}, {}, KvQ8, KV_Q8_K, KV_Q8_V)",
+                hd / 32,
+                1 + a.pairs as usize
+            ),
+        };
+        let heads = a.n_heads;
         // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe {
+            self.submit(&module, &name, cfg, args, |_| {
+                Ok(PersistOp::new(call, OpKind::Other, heads * nsplit, nsplit))
+            })
+        }
     }
 
     /// Logits per argmax block.
@@ -1066,7 +1201,7 @@ impl Kernels {
         // SAFETY: the callers checked the outputs hold out_rows * row_len values; ids are
         // range-checked on the device.
         unsafe {
-            self.device.launch(
+            self.launch(
                 f,
                 LaunchConfig::linear(chunks.div_ceil(128) as u32, 128),
                 &mut args,
@@ -1175,7 +1310,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes and positions checked above.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// Positions `0..rows` of one sequence's q8_0 cache of one layer (`kv`: its ring, or
@@ -1239,7 +1374,7 @@ impl Kernels {
         // SAFETY: the outputs hold n_kv · max_ctx · head_dim values and the source n_kv ·
         // src_rows · head_dim (checked); the kernel reads positions < `rows`, which the
         // source's ring or table addresses (checked; table entries are blocks of the pool).
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// Causal attention of `rows` queries (`q`: `[rows][n_heads * hd]`, token t at position
@@ -1345,7 +1480,7 @@ impl Kernels {
             };
             // SAFETY: sizes checked; every position read is < start + rows and lies in the
             // cache (or its ring, whose rows hold the window before the chunk).
-            return unsafe { self.device.launch(f, cfg, &mut args) };
+            return unsafe { self.launch(f, cfg, &mut args) };
         }
         let f = self.device.function(
             &crate::compile::PREFILL,
@@ -1369,7 +1504,7 @@ impl Kernels {
             shared_bytes: 0,
         };
         // SAFETY: sizes checked; every position read is < start + rows ≤ max_ctx.
-        unsafe { self.device.launch(f, cfg, &mut args) }
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// y[t][i] (f16) = act(gu[t][i]) · gu[t][ffn + i] for `rows` rows, act SiLU or (with
@@ -1399,7 +1534,7 @@ impl Kernels {
             .i32(gelu as i32);
         // SAFETY: sizes checked above.
         unsafe {
-            self.device.launch(
+            self.launch(
                 f,
                 LaunchConfig::linear(n.div_ceil(256) as u32, 256),
                 &mut args,

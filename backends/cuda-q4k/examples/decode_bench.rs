@@ -8,7 +8,10 @@
 //! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
 //! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up).
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64]`
+//! With `--persistent`, the default step as a CUDA graph of launches against the persistent
+//! kernel (one launch a token) at 8 and 16 warps a block.
+//!
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64] [--persistent]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -199,6 +202,7 @@ fn main() {
     // `--short-prefill`: short prompts through the batched step against the cuBLAS prefill
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
+    let persistent = args.iter().any(|a| a == "--persistent");
     let batch: Option<Vec<usize>> = args
         .iter()
         .position(|a| a == "--batch")
@@ -250,18 +254,33 @@ fn main() {
         // Every O/SwiGLU/down GEMV quantising its output (the default), with the policy's
         // tiling per weight (`None`) and with each tiling forced; none doing so (a separate
         // launch after each); and Q8_1.
-        let variants = [
-            (GemvPath::Q16, None, usize::MAX),
-            (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX),
-            (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX),
-            (GemvPath::Q16, Some(GemvTiling::new(4, 1)), usize::MAX),
-            (GemvPath::Q16, None, 0),
-            (GemvPath::Q8, None, usize::MAX),
-        ];
-        for (path, tiling, limit) in variants {
+        let variants: Vec<(GemvPath, Option<GemvTiling>, usize, Option<usize>)> = if persistent {
+            vec![
+                (GemvPath::Q16, None, usize::MAX, None),
+                (GemvPath::Q16, None, usize::MAX, Some(8)),
+                (GemvPath::Q16, None, usize::MAX, Some(16)),
+            ]
+        } else {
+            vec![
+                (GemvPath::Q16, None, usize::MAX, None),
+                (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX, None),
+                (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX, None),
+                (GemvPath::Q16, Some(GemvTiling::new(4, 1)), usize::MAX, None),
+                (GemvPath::Q16, None, 0, None),
+                (GemvPath::Q8, None, usize::MAX, None),
+            ]
+        };
+        for (path, tiling, limit, warps) in variants {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
+            if let Err(e) = ex.set_persistent_decode(warps) {
+                println!(
+                    "| {} | persistent, {warps:?} warps | refused: {e} |",
+                    s.name
+                );
+                continue;
+            }
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
             ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
@@ -283,19 +302,25 @@ fn main() {
             let graph_ms = ex.step_device_ms(seq, 21).unwrap();
             let bytes = step_bytes(&ir);
             let gbps = bytes as f64 * n as f64 / dt / 1e9;
-            // The step's graph, plus the two argmax launches after it.
-            let kernels = ex.step_graph_nodes(seq).unwrap() + 2;
+            // The step's graph (or its one persistent launch), plus the two argmax launches.
+            let kernels = match warps {
+                Some(_) => 1,
+                None => ex.step_graph_nodes(seq).unwrap(),
+            } + 2;
             let fused = match limit {
                 0 => "none fused".to_string(),
                 usize::MAX => "all fused".to_string(),
                 l => format!("fused up to {} MB", l >> 20),
             };
-            let variant = match tiling {
-                Some(t) => format!(
-                    "{path:?}, {fused}, R{}S{}",
-                    t.rows_per_warp, t.warps_per_row
-                ),
-                None => format!("{path:?}, {fused}, per weight"),
+            let variant = match (warps, tiling) {
+                (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
+                (None, tiling) => match tiling {
+                    Some(t) => format!(
+                        "{path:?}, {fused}, R{}S{}",
+                        t.rows_per_warp, t.warps_per_row
+                    ),
+                    None => format!("{path:?}, {fused}, per weight"),
+                },
             };
             println!(
             "| {} | {variant} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
