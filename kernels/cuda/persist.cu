@@ -19,44 +19,86 @@
 
 // One instruction: which operation (a case of P_CASES), its virtual blocks, the second grid
 // dimension the operation's blocks index (attention: splits a head), whether it must wait
-// for everything before it, and the arguments of the launch it replaces, in that kernel's
-// parameter order (pointers as they are, ints and floats in the low 32 bits).
+// for everything before it, the chunks of later instructions' weights to ask L2 for now
+// (prefetch list entries pf_begin..pf_end), and the arguments of the launch it replaces,
+// in that kernel's parameter order (pointers as they are, ints and floats in the low 32
+// bits). 32 + 192 bytes: fourteen 16-byte loads.
 struct PInstr {
     u32 op;
     u32 blocks;
     u32 grid_y;
     u32 wait;
+    u32 pf_begin;
+    u32 pf_end;
+    u32 pad[2];
     u64 a[24];
 };
 
-static __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
+// A run of weight bytes to bring into L2 ahead of use: 16-byte aligned, a multiple of 16.
+struct PChunk {
+    u64 ptr;
+    u32 bytes;
+    u32 pad;
+};
 
 // Every block of the grid arrives before any leaves, and every write before the barrier is
-// visible to every read after it. bar[0] counts arrivals, bar[1] is the generation: the last
-// block to arrive resets the count and advances the generation the others wait on, so the
-// barrier leaves bar as it found it up to the generation (reusable across instructions and
-// launches; zeroed once at allocation).
-static __device__ __forceinline__ void grid_barrier(u32* bar) {
+// visible to every read after it (release on arrival, acquire on the wait). The counters
+// only grow: a launch's k-th barrier completes when they reach their k-th multiple, so
+// nothing is ever reset (each program has its own, zeroed at creation).
+//
+// P_BARRIER 0: one counter every block adds to and polls. 1: blocks add to one of
+// P_GROUPS group counters (each on its own 128-byte line, so the atomics of different
+// groups go to different L2 slices instead of queueing on one address); a group's last
+// arrival adds to the top counter, which everyone polls. `bar` holds P_GROUPS + 1 lines.
+#define P_GROUPS 16
+#define P_LINE 16  // u64s a 128-byte line
+static __device__ __forceinline__ u64 atom_add_acq_rel(u64* p, u64 v) {
+    u64 old;
+    asm volatile("atom.add.acq_rel.gpu.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+static __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void grid_barrier(u64* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        // The generation cannot move before this block arrives, so reading it first is safe.
-        const u32 gen = ld_acquire_u32(bar + 1);
-        __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (ld_acquire_u32(bar + 1) == gen) {
-            }
+#if P_BARRIER == 0
+        const u64 old = atom_add_acq_rel(bar, 1);
+        const u64 target = (old / gridDim.x + 1) * gridDim.x;
+        while (ld_acquire_u64(bar) < target) {
         }
-        __threadfence();
+#else
+        const u32 groups = min((u32)P_GROUPS, gridDim.x);
+        const u32 g = blockIdx.x % groups;
+        const u32 members = (gridDim.x - g + groups - 1) / groups;
+        u64* top = bar + P_GROUPS * P_LINE;
+        const u64 old = atom_add_acq_rel(bar + g * P_LINE, 1);
+        const u64 epoch = old / members;
+        if (old % members == members - 1) atom_add_acq_rel(top, 1);
+        const u64 target = (epoch + 1) * groups;
+        while (ld_acquire_u64(top) < target) {
+        }
+#endif
     }
     __syncthreads();
+}
+
+// Asks L2 for one chunk of weights (the bulk copy engine's prefetch on sm_90; a hint).
+static __device__ __forceinline__ void prefetch_chunk_l2(const PChunk& c) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.ptr), "r"(c.bytes) : "memory");
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c.ptr));
+#endif
+}
+
+// Copies instruction `src` into shared memory (threads 0..13, one 16-byte load each; the
+// program is never written during a launch, so the read-only path is safe).
+static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* src) {
+    if (threadIdx.x < sizeof(PInstr) / 16) ((uint4*)dst)[threadIdx.x] = __ldg((const uint4*)src + threadIdx.x);
 }
 
 #define P_INT(i) ((int)(u32)a[i])
@@ -109,27 +151,39 @@ static __device__ __forceinline__ void grid_barrier(u32* bar) {
     }
 
 // decode_persistent: runs instructions 0..n of `prog`. Blocks of P_NW warps, as many as
-// can be resident at once (a cooperative launch); `bar` is the barrier's two counters.
-// persist_op runs virtual block vb of instruction `ins`: its prefetch (before the barrier)
-// or its work. Both are made after the generated P_NW and P_CASES.
+// can be resident at once (a cooperative launch); `count` is the program's barrier counter
+// and `chunks` its prefetch list. persist_op runs virtual block vb of instruction `ins`: its
+// prefetch (before the barrier) or its work. Both are made after the generated P_NW and
+// P_CASES. Instruction i + 1 is staged into shared memory while instruction i runs.
 #define PERSIST_KERNEL                                                                                                 \
-    static __device__ __forceinline__ void persist_op(const PInstr* __restrict__ ins, int vb, bool prefetch) {        \
+    static __device__ __forceinline__ void persist_op(const PInstr* ins, int vb, bool prefetch) {                     \
         const u64* a = ins->a;                                                                                         \
         switch (ins->op) { P_CASES }                                                                                   \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(P_NW * 32) decode_persistent(const PInstr* __restrict__ prog, int n, \
-                                                                              u32* bar) {                              \
+    extern "C" __global__ void __launch_bounds__(P_NW * 32)                                                            \
+        decode_persistent(const PInstr* prog, int n, const PChunk* chunks, u64* count) {                               \
         grid_dependency_wait(); /* a no-op unless launched as a dependent launch */                                   \
+        __shared__ PInstr staged[2];                                                                                   \
+        stage_instr(&staged[0], prog);                                                                                 \
+        __syncthreads();                                                                                               \
         for (int i = 0; i < n; ++i) {                                                                                  \
-            const PInstr* ins = prog + i;                                                                              \
+            const PInstr* ins = &staged[i & 1];                                                                        \
+            if (i + 1 < n) stage_instr(&staged[(i + 1) & 1], prog + i + 1);                                            \
+            if (threadIdx.x < 32)                                                                                      \
+                for (u32 c = ins->pf_begin + blockIdx.x + threadIdx.x * gridDim.x; c < ins->pf_end;                    \
+                     c += 32 * gridDim.x)                                                                              \
+                    prefetch_chunk_l2(chunks[c]);                                                                      \
             const u32 blocks = ins->blocks;                                                                            \
             if (i > 0 && ins->wait) {                                                                                  \
                 if (blockIdx.x < blocks) persist_op(ins, blockIdx.x, true);                                            \
-                grid_barrier(bar);                                                                                     \
+                grid_barrier(count);                                                                                   \
             }                                                                                                          \
             for (u32 vb = blockIdx.x; vb < blocks; vb += gridDim.x) {                                                  \
+                /* this block's next virtual block's first weights, while this one runs */                             \
+                if (vb + gridDim.x < blocks) persist_op(ins, vb + gridDim.x, true);                                    \
                 persist_op(ins, vb, false);                                                                            \
                 __syncthreads(); /* the block's shared memory is the next virtual block's */                          \
             }                                                                                                          \
+            __syncthreads(); /* the next instruction is staged; this one's slot is free */                            \
         }                                                                                                              \
     }
