@@ -12,6 +12,15 @@
 // instruction's first weights (gemv_prefetch) before waiting, so their latency overlaps the
 // slowest block of the current instruction.
 //
+// Measured on an H200 (docs/benchmarks.md, twelfth session) it is slower than the graph of
+// launches with programmatic dependent launch: 1,053 against 1,349 tok/s on SmolLM2's shape,
+// 1,123 against 1,494 on Llama-3.2-1B's, 326 against 447 on Llama-3-8B's. A grid barrier
+// costs 1.3-1.6 µs, about what each instruction loses: with PDL a kernel boundary costs
+// less than that, and the rest of an instruction's time (its dependent chain of L2 and HBM
+// round trips) is the same either way. So the executor keeps the graph by default; this
+// path is its parity-checked alternative (GpuExecutor::set_persistent_decode) and the base
+// for a step whose instructions wait on finer dependencies than the whole grid.
+//
 // This module is common.cuh, gemv.cu, attention.cu, rope.cu and this file, followed by a
 // generated suffix (the Rust `persist` module): `#define P_NW` (warps a block) and
 // `#define P_CASES` (one `case` per distinct operation of the model's program, each a P_*
@@ -19,83 +28,37 @@
 
 // One instruction: which operation (a case of P_CASES), its virtual blocks, the second grid
 // dimension the operation's blocks index (attention: splits a head), whether it must wait
-// for everything before it, the chunks of later instructions' weights to ask L2 for now
-// (prefetch list entries pf_begin..pf_end), and the arguments of the launch it replaces,
-// in that kernel's parameter order (pointers as they are, ints and floats in the low 32
-// bits). 32 + 192 bytes: fourteen 16-byte loads.
+// for everything before it, and the arguments of the launch it replaces, in that kernel's
+// parameter order (pointers as they are, ints and floats in the low 32 bits). 16 + 192
+// bytes: thirteen 16-byte loads.
 struct PInstr {
     u32 op;
     u32 blocks;
     u32 grid_y;
     u32 wait;
-    u32 pf_begin;
-    u32 pf_end;
-    u32 pad[2];
     u64 a[24];
 };
 
-// A run of weight bytes to bring into L2 ahead of use: 16-byte aligned, a multiple of 16.
-struct PChunk {
-    u64 ptr;
-    u32 bytes;
-    u32 pad;
-};
-
 // Every block of the grid arrives before any leaves, and every write before the barrier is
-// visible to every read after it (release on arrival, acquire on the wait). The counters
-// only grow: a launch's k-th barrier completes when they reach their k-th multiple, so
-// nothing is ever reset (each program has its own, zeroed at creation).
-//
-// P_BARRIER 0: one counter every block adds to and polls. 1: blocks add to one of
-// P_GROUPS group counters (each on its own 128-byte line, so the atomics of different
-// groups go to different L2 slices instead of queueing on one address); a group's last
-// arrival adds to the top counter, which everyone polls. `bar` holds P_GROUPS + 1 lines.
-#define P_GROUPS 16
-#define P_LINE 16  // u64s a 128-byte line
-static __device__ __forceinline__ u64 atom_add_acq_rel(u64* p, u64 v) {
-    u64 old;
-    asm volatile("atom.add.acq_rel.gpu.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
-    return old;
-}
-static __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-static __device__ __forceinline__ void grid_barrier(u64* bar) {
+// visible to every read after it (release on arrival, acquire on the wait). `count` only
+// grows: a launch's k-th barrier completes when it reaches its next multiple of the grid,
+// so nothing is ever reset (each program has its own counter, zeroed at creation). A
+// barrier costs 1.3-1.6 µs on an H200 (400-800 blocks; docs/benchmarks.md); a tree of
+// group counters measured the same.
+static __device__ __forceinline__ void grid_barrier(u64* count) {
     __syncthreads();
     if (threadIdx.x == 0) {
-#if P_BARRIER == 0
-        const u64 old = atom_add_acq_rel(bar, 1);
+        u64 old, now;
+        asm volatile("atom.add.acq_rel.gpu.global.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
         const u64 target = (old / gridDim.x + 1) * gridDim.x;
-        while (ld_acquire_u64(bar) < target) {
-        }
-#else
-        const u32 groups = min((u32)P_GROUPS, gridDim.x);
-        const u32 g = blockIdx.x % groups;
-        const u32 members = (gridDim.x - g + groups - 1) / groups;
-        u64* top = bar + P_GROUPS * P_LINE;
-        const u64 old = atom_add_acq_rel(bar + g * P_LINE, 1);
-        const u64 epoch = old / members;
-        if (old % members == members - 1) atom_add_acq_rel(top, 1);
-        const u64 target = (epoch + 1) * groups;
-        while (ld_acquire_u64(top) < target) {
-        }
-#endif
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+        } while (now < target);
     }
     __syncthreads();
 }
 
-// Asks L2 for one chunk of weights (the bulk copy engine's prefetch on sm_90; a hint).
-static __device__ __forceinline__ void prefetch_chunk_l2(const PChunk& c) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.ptr), "r"(c.bytes) : "memory");
-#else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c.ptr));
-#endif
-}
-
-// Copies instruction `src` into shared memory (threads 0..13, one 16-byte load each; the
+// Copies instruction `src` into shared memory (threads 0..12, one 16-byte load each; the
 // program is never written during a launch, so the read-only path is safe).
 static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* src) {
     if (threadIdx.x < sizeof(PInstr) / 16) ((uint4*)dst)[threadIdx.x] = __ldg((const uint4*)src + threadIdx.x);
@@ -151,8 +114,8 @@ static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* sr
     }
 
 // decode_persistent: runs instructions 0..n of `prog`. Blocks of P_NW warps, as many as
-// can be resident at once (a cooperative launch); `count` is the program's barrier counter
-// and `chunks` its prefetch list. persist_op runs virtual block vb of instruction `ins`: its
+// can be resident at once (a cooperative launch); `count` is the program's barrier counter.
+// persist_op runs virtual block vb of instruction `ins`: its
 // prefetch (before the barrier) or its work. Both are made after the generated P_NW and
 // P_CASES. Instruction i + 1 is staged into shared memory while instruction i runs.
 #define PERSIST_KERNEL                                                                                                 \
@@ -161,7 +124,7 @@ static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* sr
         switch (ins->op) { P_CASES }                                                                                   \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(P_NW * 32)                                                            \
-        decode_persistent(const PInstr* prog, int n, const PChunk* chunks, u64* count) {                               \
+        decode_persistent(const PInstr* prog, int n, u64* count) {                                                     \
         grid_dependency_wait(); /* a no-op unless launched as a dependent launch */                                   \
         __shared__ PInstr staged[2];                                                                                   \
         stage_instr(&staged[0], prog);                                                                                 \
@@ -169,10 +132,6 @@ static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* sr
         for (int i = 0; i < n; ++i) {                                                                                  \
             const PInstr* ins = &staged[i & 1];                                                                        \
             if (i + 1 < n) stage_instr(&staged[(i + 1) & 1], prog + i + 1);                                            \
-            if (threadIdx.x < 32)                                                                                      \
-                for (u32 c = ins->pf_begin + blockIdx.x + threadIdx.x * gridDim.x; c < ins->pf_end;                    \
-                     c += 32 * gridDim.x)                                                                              \
-                    prefetch_chunk_l2(chunks[c]);                                                                      \
             const u32 blocks = ins->blocks;                                                                            \
             if (i > 0 && ins->wait) {                                                                                  \
                 if (blockIdx.x < blocks) persist_op(ins, blockIdx.x, true);                                            \

@@ -219,8 +219,6 @@ struct PersistGemv {
     rows: usize,
     /// The activation it reads (its address), which tells GEMVs of one input apart.
     input: u64,
-    /// Its weights' device arrays (and the second weight's, SwiGLU).
-    weights: Vec<(u64, usize)>,
 }
 
 impl PersistGemv {
@@ -248,9 +246,12 @@ impl PersistGemv {
         } else {
             OpKind::Gemv { input: self.input }
         };
-        let mut op = PersistOp::new(call, kind, self.rows.div_ceil(rows_per_block), 1);
-        op.weights = self.weights.clone();
-        Ok(op)
+        Ok(PersistOp::new(
+            call,
+            kind,
+            self.rows.div_ceil(rows_per_block),
+            1,
+        ))
     }
 }
 
@@ -551,11 +552,6 @@ impl Kernels {
             quantising,
             rows: w.rows,
             input: input.q8.map_or(opt(input.x), |q| q.q.ptr()),
-            weights: w
-                .arrays()
-                .into_iter()
-                .chain(w2.map(|w2| w2.arrays()).unwrap_or_default())
-                .collect(),
         };
         Ok((module, name, t.grid(w.rows, quantising), args, persist))
     }

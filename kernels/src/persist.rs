@@ -30,24 +30,10 @@ const PERSIST_SRC: &str = concat!(
     include_str!("../cuda/persist.cu"),
 );
 
-/// u64 words of a program's barrier counters: 16 group lines and the top one (persist.cu).
-const BARRIER_WORDS: usize = 17 * 16;
-
-/// Which grid barrier programs made from now on use (persist.cu's P_BARRIER): 0 one
-/// counter, 1 group counters under a top one. An experiment's knob.
-pub static BARRIER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
-
 /// Arguments an instruction carries (`PInstr::a` in persist.cu).
 const INSTR_ARGS: usize = 24;
-/// Bytes of one `PInstr`: op, blocks, grid_y, wait, pf_begin, pf_end, padding, then the
-/// arguments.
-const INSTR_BYTES: usize = 32 + 8 * INSTR_ARGS;
-
-/// How far ahead of the instruction running the kernel asks L2 for weights: about half the
-/// H100/H200's 50 MB L2, so what was fetched ahead is still there when it is used.
-pub const LOOKAHEAD_BYTES: usize = 24 << 20;
-/// Weights are asked for in chunks of at most this many bytes, spread over the grid.
-const CHUNK_BYTES: usize = 64 << 10;
+/// Bytes of one `PInstr`: op, blocks, grid_y, wait, then the arguments.
+const INSTR_BYTES: usize = 16 + 8 * INSTR_ARGS;
 
 /// What one recorded launch does, as the persistent kernel runs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,8 +58,6 @@ pub struct PersistOp {
     pub(crate) blocks: u32,
     pub(crate) grid_y: u32,
     pub(crate) args: Args,
-    /// The weight arrays it reads (address, bytes): what the kernel fetches ahead.
-    pub(crate) weights: Vec<(u64, usize)>,
 }
 
 impl PersistOp {
@@ -85,7 +69,6 @@ impl PersistOp {
             blocks: blocks as u32,
             grid_y: grid_y as u32,
             args: Args::new(),
-            weights: Vec::new(),
         }
     }
 }
@@ -102,9 +85,7 @@ pub struct StepProgram {
     device: Arc<Device>,
     module: KernelModule,
     instrs: DeviceBuffer<u8>,
-    /// The weight chunks instructions ask L2 for ahead of use (`PChunk`s).
-    chunks: DeviceBuffer<u8>,
-    /// The grid barrier's arrival counters (only grow; see persist.cu).
+    /// The grid barrier's arrival counter (only grows; see persist.cu).
     count: DeviceBuffer<u64>,
     n: usize,
     warps: usize,
@@ -165,9 +146,9 @@ impl Kernels {
 
 /// The generated module for one set of operations at one block size, made once per
 /// process (modules are keyed by a `'static` name, so each distinct text is kept).
-fn module_for(warps: usize, barrier: usize, calls: &[String]) -> KernelModule {
+fn module_for(warps: usize, calls: &[String]) -> KernelModule {
     static MODULES: OnceLock<Mutex<HashMap<String, KernelModule>>> = OnceLock::new();
-    let mut suffix = format!("#define P_NW {warps}\n#define P_BARRIER {barrier}\n#define P_CASES");
+    let mut suffix = format!("#define P_NW {warps}\n#define P_CASES");
     for (i, c) in calls.iter().enumerate() {
         suffix.push_str(&format!(" \\\n    case {i}: {c}; break;"));
     }
@@ -185,59 +166,6 @@ fn module_for(warps: usize, barrier: usize, calls: &[String]) -> KernelModule {
     let m = KernelModule::generated(name, "#define __restrict__\n", PERSIST_SRC, text);
     table.insert(suffix, m);
     m
-}
-
-/// For each instruction, the weight chunks it asks L2 for before it runs: every later
-/// instruction's weights, each as soon as the bytes between the asking instruction and it
-/// are under `lookahead` (so the stream of weights runs that far ahead of the
-/// instruction reading it, and a chain of small, latency-bound instructions finds its
-/// weights in L2); a matrix larger than the window, its first window's worth. Chunks are
-/// 16-byte aligned and whole multiples of 16 bytes (the bulk
-/// prefetch's rule); a tail under 16 bytes is left to the demand loads.
-fn prefetch_schedule(ops: &[PersistOp], lookahead: usize) -> Vec<Vec<(u64, usize)>> {
-    let sizes: Vec<usize> = ops
-        .iter()
-        .map(|o| o.weights.iter().map(|w| w.1).sum())
-        .collect();
-    // start[j]: weight bytes of the instructions before j.
-    let mut start = Vec::with_capacity(ops.len() + 1);
-    let mut at = 0usize;
-    for s in &sizes {
-        start.push(at);
-        at += s;
-    }
-    let mut out = vec![Vec::new(); ops.len()];
-    let mut asker = 0;
-    for (j, op) in ops.iter().enumerate().skip(1) {
-        // The earliest instruction i < j after which no more than `lookahead` bytes of
-        // weights come before j's.
-        if lookahead == 0 {
-            break;
-        }
-        while asker + 1 < j && start[j] - start[asker + 1] > lookahead {
-            asker += 1;
-        }
-        // A matrix larger than the window is asked for up to the window's worth (each
-        // array in proportion): more would evict its own first bytes before they are read.
-        let keep = |bytes: usize| {
-            if sizes[j] <= lookahead {
-                bytes
-            } else {
-                (bytes as u128 * lookahead as u128 / sizes[j] as u128) as usize
-            }
-        };
-        for &(ptr, bytes) in &op.weights {
-            let first = ptr.next_multiple_of(16);
-            let end = (ptr + keep(bytes) as u64) & !15;
-            let mut p = first;
-            while p < end {
-                let n = (end - p).min(CHUNK_BYTES as u64);
-                out[asker].push((p, n as usize));
-                p += n;
-            }
-        }
-    }
-    out
 }
 
 /// Persistent modules that between them hold every kind of operation a program can (each
@@ -266,7 +194,7 @@ pub fn check_modules() -> Vec<KernelModule> {
         "P_GEMV(T_F16, A_F32, 2, 2, false, false)",
     ]
     .map(String::from);
-    vec![module_for(8, 0, &small), module_for(16, 1, &large)]
+    vec![module_for(8, &small), module_for(16, &large)]
 }
 
 impl StepProgram {
@@ -276,30 +204,21 @@ impl StepProgram {
         let ops: Vec<PersistOp> = (0..n)
             .map(|_| PersistOp::new("P_ROPE(false)".into(), OpKind::Other, 0, 1))
             .collect();
-        StepProgram::new(k, warps, 0, &ops)
+        StepProgram::new(k, warps, &ops)
     }
 
     /// Uploads `ops` (from [`Kernels::record_step`] with `warps`) as a program for `k`'s
     /// device, compiling its module if needed.
-    /// `lookahead`: how many bytes of weights ahead the kernel asks L2 for (0: none;
-    /// [`LOOKAHEAD_BYTES`] by default).
-    pub fn new(
-        k: &Kernels,
-        warps: usize,
-        lookahead: usize,
-        ops: &[PersistOp],
-    ) -> Result<StepProgram> {
+    pub fn new(k: &Kernels, warps: usize, ops: &[PersistOp]) -> Result<StepProgram> {
         if ops.is_empty() {
             return Err(KernelError::InvalidArgument(
                 "a persistent step of no instructions".into(),
             ));
         }
-        let chunks_at = prefetch_schedule(ops, lookahead);
         let mut calls: Vec<String> = Vec::new();
         let mut bytes = Vec::with_capacity(ops.len() * INSTR_BYTES);
-        let mut chunk_bytes = Vec::new();
         let mut prev: Option<OpKind> = None;
-        for (op, chunks) in ops.iter().zip(&chunks_at) {
+        for op in ops {
             let id = match calls.iter().position(|c| *c == op.call) {
                 Some(i) => i,
                 None => {
@@ -310,23 +229,7 @@ impl StepProgram {
             let wait = !matches!((prev, op.kind),
                 (Some(OpKind::Gemv { input: a }), OpKind::Gemv { input: b }) if a == b);
             prev = Some(op.kind);
-            let pf_begin = (chunk_bytes.len() / 16) as u32;
-            for &(ptr, n) in chunks {
-                chunk_bytes.extend_from_slice(&ptr.to_le_bytes());
-                chunk_bytes.extend_from_slice(&(n as u32).to_le_bytes());
-                chunk_bytes.extend_from_slice(&0u32.to_le_bytes());
-            }
-            let pf_end = (chunk_bytes.len() / 16) as u32;
-            for word in [
-                id as u32,
-                op.blocks,
-                op.grid_y,
-                wait as u32,
-                pf_begin,
-                pf_end,
-                0,
-                0,
-            ] {
+            for word in [id as u32, op.blocks, op.grid_y, wait as u32] {
                 bytes.extend_from_slice(&word.to_le_bytes());
             }
             let slots = op.args.slots();
@@ -334,15 +237,8 @@ impl StepProgram {
                 bytes.extend_from_slice(&slots.get(i).copied().unwrap_or(0).to_le_bytes());
             }
         }
-        if chunk_bytes.is_empty() {
-            chunk_bytes.resize(16, 0);
-        }
         let device = k.device().clone();
-        let module = module_for(
-            warps,
-            BARRIER.load(std::sync::atomic::Ordering::Relaxed),
-            &calls,
-        );
+        let module = module_for(warps, &calls);
         device.load_modules(&[module])?;
         let f = device.function(&module, "decode_persistent")?;
         let per_sm = device.max_active_blocks(f, (warps * 32) as u32)?;
@@ -354,8 +250,7 @@ impl StepProgram {
         let grid = (per_sm * device.sm_count()) as u32;
         Ok(StepProgram {
             instrs: DeviceBuffer::from_host(&device, &bytes)?,
-            chunks: DeviceBuffer::from_host(&device, &chunk_bytes)?,
-            count: DeviceBuffer::zeros(&device, BARRIER_WORDS)?,
+            count: DeviceBuffer::zeros(&device, 1)?,
             device,
             module,
             n: ops.len(),
@@ -384,11 +279,10 @@ impl StepProgram {
         let mut args = Args::new()
             .ptr(self.instrs.ptr())
             .i32(self.n as i32)
-            .ptr(self.chunks.ptr())
             .ptr(self.count.ptr());
         // SAFETY: the program's arguments were size-checked by the wrappers that recorded
-        // them, and the buffers they name outlive the program (the executor owns both); the
-        // chunks lie inside those weights; `count` is the program's own.
+        // them, and the buffers they name outlive the program (the executor owns both);
+        // `count` is the program's own.
         unsafe {
             self.device
                 .launch_cooperative(f, self.grid, (self.warps * 32) as u32, &mut args)

@@ -201,19 +201,6 @@ impl DeviceWeight {
         self.body.bytes() + self.qh.bytes() + self.sc.bytes()
     }
 
-    /// Its device arrays as (address, bytes): body, fifth bits and scales (empty ones left
-    /// out).
-    pub fn arrays(&self) -> Vec<(u64, usize)> {
-        [
-            (self.body.ptr(), self.body.bytes()),
-            (self.qh.ptr(), self.qh.bytes()),
-            (self.sc.ptr(), self.sc.bytes()),
-        ]
-        .into_iter()
-        .filter(|a| a.1 > 0)
-        .collect()
-    }
-
     pub fn body(&self) -> DevSlice<u8> {
         self.body.slice()
     }

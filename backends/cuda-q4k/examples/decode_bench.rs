@@ -257,22 +257,13 @@ fn main() {
         // Every O/SwiGLU/down GEMV quantising its output (the default), with the policy's
         // tiling per weight (`None`) and with each tiling forced; none doing so (a separate
         // launch after each); and Q8_1.
-        // (persistent: warps a block and bytes of weights asked for ahead)
-        let ahead = kiln_kernels::persist::LOOKAHEAD_BYTES;
-        type Variant = (
-            GemvPath,
-            Option<GemvTiling>,
-            usize,
-            Option<(usize, usize, usize, bool)>,
-        );
+        // (persistent: warps a block)
+        type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>);
         let variants: Vec<Variant> = if persistent {
             vec![
                 (GemvPath::Q16, None, usize::MAX, None),
-                (GemvPath::Q16, None, usize::MAX, Some((8, ahead, 0, true))),
-                (GemvPath::Q16, None, usize::MAX, Some((8, ahead, 1, true))),
-                (GemvPath::Q16, None, usize::MAX, Some((8, ahead, 0, false))),
-                (GemvPath::Q16, None, usize::MAX, Some((8, 0, 0, true))),
-                (GemvPath::Q16, None, usize::MAX, Some((16, ahead, 0, true))),
+                (GemvPath::Q16, None, usize::MAX, Some(8)),
+                (GemvPath::Q16, None, usize::MAX, Some(16)),
             ]
         } else {
             vec![
@@ -284,12 +275,7 @@ fn main() {
                 (GemvPath::Q8, None, usize::MAX, None),
             ]
         };
-        for (path, tiling, limit, persist) in variants {
-            let warps = persist.map(|p| p.0);
-            if let Some((_, _, barrier, tiles)) = persist {
-                ex.set_persistent_tiles(tiles);
-                kiln_kernels::persist::BARRIER.store(barrier, std::sync::atomic::Ordering::Relaxed);
-            }
+        for (path, tiling, limit, warps) in variants {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
@@ -332,12 +318,7 @@ fn main() {
                 l => format!("fused up to {} MB", l >> 20),
             };
             let variant = match (warps, tiling) {
-                (Some(w), _) => format!(
-                    "{path:?}, persistent, {w} warps a block, {} MiB ahead, barrier {}, {} plain tiles",
-                    persist.map_or(0, |p| p.1 >> 20),
-                    persist.map_or(0, |p| p.2),
-                    if persist.is_some_and(|p| p.3) { "32-row" } else { "policy" }
-                ),
+                (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
                 (None, tiling) => match tiling {
                     Some(t) => format!(
                         "{path:?}, {fused}, R{}S{}",
@@ -361,37 +342,33 @@ fn main() {
 }
 
 /// What one grid barrier of the persistent kernel costs: a program of 2,000 instructions
-/// that only wait, each barrier flavour at both block sizes (median of 7 launches).
+/// that only wait, at both block sizes (median of 7 launches).
 fn barrier_bench(dev: &Arc<Device>) {
     let k = kiln_kernels::Kernels::new(dev);
     let n = 2000;
-    println!("| barrier | warps a block | blocks | µs a barrier |");
-    println!("|---|---|---|---|");
-    for barrier in [0, 1] {
-        kiln_kernels::persist::BARRIER.store(barrier, std::sync::atomic::Ordering::Relaxed);
-        for warps in [8, 16] {
-            let p = kiln_kernels::StepProgram::barrier_chain(&k, warps, n).expect("program");
-            let (a, b) = (
-                kiln_kernels::Event::new(dev).unwrap(),
-                kiln_kernels::Event::new(dev).unwrap(),
-            );
-            let mut times: Vec<f32> = (0..7)
-                .map(|_| {
-                    a.record().unwrap();
-                    p.launch().unwrap();
-                    b.record().unwrap();
-                    a.elapsed_ms(&b).unwrap()
-                })
-                .collect();
-            times.sort_by(|x, y| x.total_cmp(y));
-            println!(
-                "| {barrier} | {warps} | {} | {:.3} |",
-                p.grid(),
-                times[3] as f64 * 1e3 / n as f64
-            );
-        }
+    println!("| warps a block | blocks | µs a barrier |");
+    println!("|---|---|---|");
+    for warps in [8, 16] {
+        let p = kiln_kernels::StepProgram::barrier_chain(&k, warps, n).expect("program");
+        let (a, b) = (
+            kiln_kernels::Event::new(dev).unwrap(),
+            kiln_kernels::Event::new(dev).unwrap(),
+        );
+        let mut times: Vec<f32> = (0..7)
+            .map(|_| {
+                a.record().unwrap();
+                p.launch().unwrap();
+                b.record().unwrap();
+                a.elapsed_ms(&b).unwrap()
+            })
+            .collect();
+        times.sort_by(|x, y| x.total_cmp(y));
+        println!(
+            "| {warps} | {} | {:.3} |",
+            p.grid(),
+            times[3] as f64 * 1e3 / n as f64
+        );
     }
-    kiln_kernels::persist::BARRIER.store(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// For each batch size `b`: `b` sequences through the batched decode step together,

@@ -248,12 +248,13 @@ struct Scratch {
 }
 
 /// How one-sequence steps run as a persistent kernel (see kernels' `persist` module):
-/// blocks of `warps` warps, the quantising GEMV tiling whose blocks that size owns one
-/// 32-row group, and how far ahead (bytes of weights) the kernel asks L2 for weights.
+/// blocks of `warps` warps, and the quantising GEMV tiling whose blocks that size owns one
+/// 32-row group (every GEMV of the step takes it: a block runs its virtual blocks one after
+/// another, so fewer, larger ones keep more loads in flight; 1-2% faster than the policy's
+/// plain tilings, docs/benchmarks.md).
 struct Persistent {
     warps: usize,
     tiling: GemvTiling,
-    lookahead: usize,
 }
 
 pub struct GpuExecutor {
@@ -300,8 +301,6 @@ pub struct GpuExecutor {
     /// One-sequence steps run as one persistent kernel instead of a graph of launches
     /// (`set_persistent_decode`).
     persistent: Option<Persistent>,
-    /// The persistent step's plain GEMVs take its quantising tiling (else the policy's).
-    persistent_tiles: bool,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
@@ -726,7 +725,6 @@ impl GpuExecutor {
             sequential_decode: options.sequential_decode,
             short_prefill_max: 0,
             persistent: None,
-            persistent_tiles: true,
             _workspace: ws,
         })
         .and_then(|mut exec| {
@@ -799,11 +797,7 @@ impl GpuExecutor {
                 )))
             }
         };
-        self.persistent = Some(Persistent {
-            warps,
-            tiling,
-            lookahead: kiln_kernels::persist::LOOKAHEAD_BYTES,
-        });
+        self.persistent = Some(Persistent { warps, tiling });
         // A step must record whole (and its module compile) before the executor relies on it.
         let shape = self.step_shape(1);
         if let Err(e) = self.step_program(0, shape) {
@@ -812,25 +806,6 @@ impl GpuExecutor {
             return Err(e);
         }
         Ok(())
-    }
-
-    /// How many bytes of weights ahead of the running instruction the persistent kernel
-    /// asks L2 for (0: none; a benchmark knob, `persist::LOOKAHEAD_BYTES` by default).
-    pub fn set_persistent_lookahead(&mut self, bytes: usize) -> Result<()> {
-        let p = self
-            .persistent
-            .as_mut()
-            .ok_or_else(|| Error::InvalidArgument("persistent decode is off".into()))?;
-        p.lookahead = bytes;
-        self.drop_graphs();
-        Ok(())
-    }
-
-    /// Whether the persistent step's plain GEMVs take its 32-row tiling (true, the default)
-    /// or the policy's (a benchmark knob).
-    pub fn set_persistent_tiles(&mut self, on: bool) {
-        self.persistent_tiles = on;
-        self.drop_graphs();
     }
 
     /// Whether one-sequence steps run as a persistent kernel, and of how many warps a block.
@@ -849,7 +824,7 @@ impl GpuExecutor {
                 .k
                 .record_step(p.warps, || self.queue_step(slot, shape))
                 .map_err(err)?;
-            let program = StepProgram::new(&self.k, p.warps, p.lookahead, &ops).map_err(err)?;
+            let program = StepProgram::new(&self.k, p.warps, &ops).map_err(err)?;
             self.slots[slot].programs[shape.index()] = Some(program);
         }
         Ok(self.slots[slot].programs[shape.index()]
@@ -998,10 +973,8 @@ impl GpuExecutor {
 
     fn tiling(&self, w: &DeviceWeight) -> GemvTiling {
         match &self.persistent {
-            // The persistent kernel's blocks run their virtual blocks one after another, so
-            // fewer, larger ones (the quantising tiling's 32 rows) keep more loads in flight.
-            Some(p) if self.persistent_tiles => p.tiling,
-            _ => self.policy.gemv_tiling(w),
+            Some(p) => p.tiling,
+            None => self.policy.gemv_tiling(w),
         }
     }
 
