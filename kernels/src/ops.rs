@@ -826,6 +826,93 @@ impl Kernels {
         }
     }
 
+    /// RoPE and decode attention in one launch (f16 caches): as [`Kernels::rope_kv`] then
+    /// [`Kernels::attention`] at position `*len - 1`, reading Q, K and V of that position
+    /// from `qkv` (the QKV projection's output) instead of a RoPE launch's output. The new
+    /// key and value are written to the cache as `rope_kv` writes them. Saves a launch and
+    /// its dependency wait a layer; the results are those of the two launches (see
+    /// `RopeIn` in attention.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_rope(
+        &self,
+        a: &AttnArgs,
+        rope: &RopeArgs,
+        qkv: DevSlice<f32>,
+        kv: KvPlanes,
+        len: DevSlice<i32>,
+        part_o: DevSlice<f32>,
+        part_ml: DevSlice<[f32; 2]>,
+        counters: DevSlice<u32>,
+        out: DevSlice<f32>,
+        out_q8: Option<Q8Act>,
+    ) -> Result<()> {
+        a.check()?;
+        if kv.format != KvFormat::F16 {
+            return Err(KernelError::Unsupported(format!(
+                "RoPE folded into the attention over a {:?} cache (f16 only)",
+                kv.format
+            )));
+        }
+        if (rope.n_heads, rope.n_kv, rope.head_dim) != (a.n_heads, a.n_kv, a.head_dim) {
+            return Err(invalid(format!(
+                "RoPE over {}/{} heads of {} and attention over {}/{} heads of {}",
+                rope.n_heads, rope.n_kv, rope.head_dim, a.n_heads, a.n_kv, a.head_dim
+            )));
+        }
+        let hd = a.head_dim;
+        let nsplit = a.grid_splits();
+        check_one_table(&kv)?;
+        let rows = cache_rows(&kv, a, kv.values() / (a.n_kv * hd))?;
+        rope.check(&kv, rows)?;
+        qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
+        len.check_len(1, "context length")?;
+        part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
+        part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
+        counters.check_len(a.n_heads, "attention split counters")?;
+        out.check_len(a.n_heads * hd, "attention output")?;
+        if let Some(q) = out_q8 {
+            q.check_len(a.n_heads * hd, "quantised attention output")?;
+        }
+        let module = attention_module(hd, kv.format)?;
+        let name = format!(
+            "attn_decode_rope{}_{}",
+            if a.pairs { "_pairs" } else { "" },
+            hd / 32
+        );
+        let args = kv
+            .push_values(Args::new().ptr(qkv.ptr()))
+            .ptr(len.ptr())
+            .ptr(kv.table_ptr())
+            .attn(a, rows)
+            .ptr(part_o.ptr())
+            .ptr(part_ml.ptr())
+            .ptr(counters.ptr())
+            .ptr(out.ptr())
+            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
+            .ptr(out_q8.map_or(0, |q| q.ds.ptr()))
+            .i32(rope.rot_dims as i32)
+            .ptr(rope.inv_freq.ptr())
+            .i32(rope.neox as i32)
+            .ptr(opt(rope.q_norm))
+            .ptr(opt(rope.k_norm))
+            .f32(rope.eps);
+        let cfg = LaunchConfig {
+            grid: (a.n_heads as u32, nsplit as u32, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked; `*len` must be in 1..=max_ctx (and, paged, its position
+        // within the table's blocks), which the executor owns.
+        unsafe {
+            self.submit(&module, &name, cfg, args, |_| {
+                Err(KernelError::Unsupported(
+                    "the persistent step runs RoPE and attention as two instructions".into(),
+                ))
+            })
+        }
+    }
+
     /// Logits per argmax block.
     pub const ARGMAX_SLICE: usize = 4096;
 

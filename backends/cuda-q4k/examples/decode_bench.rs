@@ -203,6 +203,15 @@ fn main() {
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
     let persistent = args.iter().any(|a| a == "--persistent");
+    // `--rope-ab`: RoPE folded into the attention (the default) against its own launch.
+    let rope_ab = args.iter().any(|a| a == "--rope-ab");
+    // `--depth D`: decode after a prompt of D tokens instead of 4.
+    let depth: usize = args
+        .iter()
+        .position(|a| a == "--depth")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     let batch: Option<Vec<usize>> = args
         .iter()
         .position(|a| a == "--batch")
@@ -232,7 +241,7 @@ fn main() {
         }
         let t0 = Instant::now();
         let options = LoadOptions {
-            max_context: 4096,
+            max_context: (depth + n + 64).max(4096),
             max_sequences: 1,
             ..Default::default()
         };
@@ -259,7 +268,14 @@ fn main() {
         // launch after each); and Q8_1.
         // (persistent: warps a block)
         type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>);
-        let variants: Vec<Variant> = if persistent {
+        let variants: Vec<Variant> = if rope_ab {
+            vec![
+                (GemvPath::Q16, None, usize::MAX, None),
+                (GemvPath::Q16, None, 0, None),
+                (GemvPath::Q16, None, usize::MAX, None),
+                (GemvPath::Q16, None, 0, None),
+            ]
+        } else if persistent {
             vec![
                 (GemvPath::Q16, None, usize::MAX, None),
                 (GemvPath::Q16, None, usize::MAX, Some(8)),
@@ -275,7 +291,13 @@ fn main() {
                 (GemvPath::Q8, None, usize::MAX, None),
             ]
         };
-        for (path, tiling, limit, warps) in variants {
+        for (path, tiling, mut limit, warps) in variants {
+            // (--rope-ab: the fuse limit's slot says whether RoPE has a launch of its own)
+            let rope_launch = rope_ab && limit == 0;
+            if rope_ab {
+                ex.set_fold_rope(!rope_launch);
+                limit = usize::MAX;
+            }
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
@@ -288,7 +310,8 @@ fn main() {
             }
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
-            ex.prefill(seq, &[1, 2, 3, 4], &mut logits).unwrap();
+            let prompt: Vec<u32> = (0..depth as u32).map(|i| 1 + i % 1000).collect();
+            ex.prefill(seq, &prompt, &mut logits).unwrap();
             let mut sampler = [Sampler::new(SamplingParams::greedy())];
             let mut tok = [5u32];
             // Warm-up steps (graph capture happened in prefill).
@@ -318,6 +341,14 @@ fn main() {
                 l => format!("fused up to {} MB", l >> 20),
             };
             let variant = match (warps, tiling) {
+                _ if rope_ab => format!(
+                    "{path:?}, depth {depth}, RoPE {}",
+                    if rope_launch {
+                        "in its own launch"
+                    } else {
+                        "in the attention"
+                    }
+                ),
                 (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
                 (None, tiling) => match tiling {
                     Some(t) => format!(
