@@ -327,16 +327,36 @@ impl Device {
     /// `args` must match the kernel's parameter list, and every pointer in it must address
     /// live device memory large enough for what the kernel touches with this geometry.
     pub unsafe fn launch(&self, f: Function, cfg: LaunchConfig, args: &mut Args) -> Result<()> {
+        // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let attrs = if self.arch().0 >= 9 {
+            std::slice::from_mut(&mut attr)
+        } else {
+            &mut []
+        };
+        // SAFETY: this fn's contract is `launch_with`'s.
+        unsafe { self.launch_with(f, cfg, args, attrs, "cuLaunchKernelEx") }
+    }
+
+    /// `cuLaunchKernelEx` of `f` on the stream with launch attributes `attrs`.
+    ///
+    /// # Safety
+    /// As for [`Device::launch`].
+    unsafe fn launch_with(
+        &self,
+        f: Function,
+        cfg: LaunchConfig,
+        args: &mut Args,
+        attrs: &mut [sys::CUlaunchAttribute],
+        what: &str,
+    ) -> Result<()> {
         let mut params: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
         for (p, slot) in params.iter_mut().zip(args.slots.iter_mut()).take(args.n) {
             *p = slot as *mut u64 as *mut c_void;
         }
         self.bind()?;
-        // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let dependent_launch = self.arch().0 >= 9;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid.0,
             gridDimY: cfg.grid.1,
@@ -346,18 +366,19 @@ impl Device {
             blockDimZ: cfg.block.2,
             sharedMemBytes: cfg.shared_bytes,
             hStream: self.stream,
-            attrs: if dependent_launch {
-                &mut attr
-            } else {
+            attrs: if attrs.is_empty() {
                 std::ptr::null_mut()
+            } else {
+                attrs.as_mut_ptr()
             },
-            numAttrs: dependent_launch as u32,
+            numAttrs: attrs.len() as u32,
         };
-        // SAFETY: the context is bound; `params` points at `args`' slots, which live until
-        // the call returns; the caller promises they match the kernel (this fn's contract).
+        // SAFETY: the context is bound; `params` points at `args`' slots and `attrs` at the
+        // caller's attributes, both live until the call returns; the caller promises the
+        // arguments match the kernel (this fn's contract).
         unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
-            .ctx("cuLaunchKernelEx")
+            .ctx(what)
     }
 
     /// Blocks of `threads` threads of `f` that can be resident on one SM at once.
@@ -384,32 +405,21 @@ impl Device {
         threads: u32,
         args: &mut Args,
     ) -> Result<()> {
-        let mut params: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
-        for (p, slot) in params.iter_mut().zip(args.slots.iter_mut()).take(args.n) {
-            *p = slot as *mut u64 as *mut c_void;
-        }
-        self.bind()?;
         // SAFETY: an all-zero attribute is a valid "ignore" entry; the id and value are set next.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr.value.cooperative = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: blocks,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: threads,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: self.stream,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: as in `launch`: the context is bound, `params` points at `args`' slots,
-        // which outlive the call, and the caller promises they match the kernel.
-        unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .ctx("cuLaunchKernelEx (cooperative)")
+        let cfg = LaunchConfig::linear(blocks, threads);
+        // SAFETY: this fn's contract is `launch_with`'s.
+        unsafe {
+            self.launch_with(
+                f,
+                cfg,
+                args,
+                std::slice::from_mut(&mut attr),
+                "cuLaunchKernelEx (cooperative)",
+            )
+        }
     }
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.

@@ -771,16 +771,15 @@ impl Kernels {
         let hd = a.head_dim;
         let nsplit = a.grid_splits();
         q.check_len(a.n_heads * hd, "attention Q")?;
-        check_one_table(&kv)?;
-        let rows = cache_rows(&kv, a, kv.values() / (a.n_kv * hd))?;
-        len.check_len(1, "context length")?;
-        part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
-        part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
-        counters.check_len(a.n_heads, "attention split counters")?;
-        out.check_len(a.n_heads * hd, "attention output")?;
-        if let Some(q) = out_q8 {
-            q.check_len(a.n_heads * hd, "quantised attention output")?;
-        }
+        let io = AttnIo {
+            len,
+            part_o,
+            part_ml,
+            counters,
+            out,
+            out_q8,
+        };
+        let rows = io.check(a, &kv)?;
         let module = attention_module(hd, kv.format)?;
         let name = format!(
             "attn_decode{}{}_{}",
@@ -788,18 +787,7 @@ impl Kernels {
             kv.format.kernel_suffix(),
             hd / 32
         );
-        let args = kv
-            .push(Args::new().ptr(q.ptr()))
-            .ptr(len.ptr())
-            .ptr(kv.table_ptr())
-            .attn(a, rows)
-            .ptr(part_o.ptr())
-            .ptr(part_ml.ptr())
-            .ptr(counters.ptr())
-            .ptr(out.ptr())
-            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.ds.ptr()));
+        let args = io.push(kv.push(Args::new().ptr(q.ptr())), a, &kv, rows);
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, nsplit as u32, 1),
             block: (128, 1, 1),
@@ -861,36 +849,25 @@ impl Kernels {
         }
         let hd = a.head_dim;
         let nsplit = a.grid_splits();
-        check_one_table(&kv)?;
-        let rows = cache_rows(&kv, a, kv.values() / (a.n_kv * hd))?;
+        let io = AttnIo {
+            len,
+            part_o,
+            part_ml,
+            counters,
+            out,
+            out_q8,
+        };
+        let rows = io.check(a, &kv)?;
         rope.check(&kv, rows)?;
         qkv.check_len((a.n_heads + 2 * a.n_kv) * hd, "QKV")?;
-        len.check_len(1, "context length")?;
-        part_o.check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
-        part_ml.check_len(a.n_heads * nsplit, "attention partial max/sum")?;
-        counters.check_len(a.n_heads, "attention split counters")?;
-        out.check_len(a.n_heads * hd, "attention output")?;
-        if let Some(q) = out_q8 {
-            q.check_len(a.n_heads * hd, "quantised attention output")?;
-        }
         let module = attention_module(hd, kv.format)?;
         let name = format!(
             "attn_decode_rope{}_{}",
             if a.pairs { "_pairs" } else { "" },
             hd / 32
         );
-        let args = kv
-            .push_values(Args::new().ptr(qkv.ptr()))
-            .ptr(len.ptr())
-            .ptr(kv.table_ptr())
-            .attn(a, rows)
-            .ptr(part_o.ptr())
-            .ptr(part_ml.ptr())
-            .ptr(counters.ptr())
-            .ptr(out.ptr())
-            .ptr(out_q8.map_or(0, |q| q.q.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.lo.ptr()))
-            .ptr(out_q8.map_or(0, |q| q.ds.ptr()))
+        let args = io
+            .push(kv.push_values(Args::new().ptr(qkv.ptr())), a, &kv, rows)
             .i32(rope.rot_dims as i32)
             .ptr(rope.inv_freq.ptr())
             .i32(rope.neox as i32)
@@ -1126,6 +1103,53 @@ impl RopeArgs {
             n.check_len(hd, "K norm")?;
         }
         Ok(())
+    }
+}
+
+/// What a one-sequence decode attention reads beside its query and cache, and writes.
+struct AttnIo {
+    len: DevSlice<i32>,
+    part_o: DevSlice<f32>,
+    part_ml: DevSlice<[f32; 2]>,
+    counters: DevSlice<u32>,
+    out: DevSlice<f32>,
+    out_q8: Option<Q8Act>,
+}
+
+impl AttnIo {
+    /// Checks every array against `a` and the cache `kv`; the cache's rows a head.
+    fn check(&self, a: &AttnArgs, kv: &KvPlanes) -> Result<usize> {
+        let (hd, nsplit) = (a.head_dim, a.grid_splits());
+        check_one_table(kv)?;
+        let rows = cache_rows(kv, a, kv.values() / (a.n_kv * hd))?;
+        self.len.check_len(1, "context length")?;
+        self.part_o
+            .check_len(a.n_heads * nsplit * hd, "attention partial outputs")?;
+        self.part_ml
+            .check_len(a.n_heads * nsplit, "attention partial max/sum")?;
+        self.counters
+            .check_len(a.n_heads, "attention split counters")?;
+        self.out.check_len(a.n_heads * hd, "attention output")?;
+        if let Some(q) = self.out_q8 {
+            q.check_len(a.n_heads * hd, "quantised attention output")?;
+        }
+        Ok(rows)
+    }
+
+    /// The parameters after the cache planes, in the kernels' order: length, block table,
+    /// shape, partials, counters, output and its quantised planes.
+    fn push(&self, args: Args, a: &AttnArgs, kv: &KvPlanes, rows: usize) -> Args {
+        let q = self.out_q8;
+        args.ptr(self.len.ptr())
+            .ptr(kv.table_ptr())
+            .attn(a, rows)
+            .ptr(self.part_o.ptr())
+            .ptr(self.part_ml.ptr())
+            .ptr(self.counters.ptr())
+            .ptr(self.out.ptr())
+            .ptr(q.map_or(0, |q| q.q.ptr()))
+            .ptr(q.map_or(0, |q| q.lo.ptr()))
+            .ptr(q.map_or(0, |q| q.ds.ptr()))
     }
 }
 
