@@ -31,39 +31,18 @@
 // elements [l·E, l·E + E) — independent loads throughout, instead of one dependent
 // reduction per position.
 
-// RoPE folded into the one-sequence decode attention (the `_rope` entries): the attention
-// reads Q, K and V of the step's token from the QKV projection's output instead of a
-// separate RoPE launch's, which saves a launch and its wait in every layer. Each block
-// rotates its own query heads; the blocks whose split holds the new position (the last
-// one) rotate its key too and keep it and its value in shared memory, rounded to f16 as the
-// cache holds them, and read them from there; the group's first head's block also writes
-// them to the cache for later steps (no block reads that row from the cache in this step,
-// so nothing waits for the write). f16 caches only (q8_0 ones keep the RoPE launch).
-struct RopeIn {
-    int rot_dims;
-    const float* inv_freq;
-    int neox;
-    const float* q_norm;
-    const float* k_norm;
-    float eps;
-};
-
 // KV is the cache's format (KvF16 or KvQ8, common.cuh). The block is query head `bx`'s
 // (`bx` the first of a pair with GM = 2), split `s` of `nsplit`: blockIdx.x, blockIdx.y and
 // gridDim.y in a launch of its own, a virtual block's in the persistent decode kernel
-// (persist.cu). Blocks have at most NWMAX warps. With ROPE, `q` is the QKV projection's
-// output (queries, keys, values of the step's token, unrotated) and `rope` says how to
-// rotate them (see RopeIn).
-template <int E, int GM, class KV, int NWMAX = 4, bool ROPE = false>
+// (persist.cu). Blocks have at most NWMAX warps.
+template <int E, int GM, class KV, int NWMAX = 4>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const KV kc, const KV vc,
                                                          const int* __restrict__ len_ptr, const int* __restrict__ table,
                                                          int n_heads, int n_kv, int max_ctx, int split, float scale,
                                                          int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
-                                                         float2* __restrict__ ods, int bx, int s, int nsplit,
-                                                         const RopeIn rope = RopeIn{}) {
-    static_assert(!ROPE || !KV::Q8, "RoPE is folded into the attention over f16 caches only");
+                                                         float2* __restrict__ ods, int bx, int s, int nsplit) {
     const int hd = E * 32;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
@@ -89,40 +68,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     // The block's queries, pre-scaled: head j's at qs[j · hd / 4].
     __shared__ float4 qs[GM * E * 8];
-    // With ROPE: the new position's key and value rows, as the cache would return them.
-    __shared__ float new_k[ROPE ? E * 32 : 1], new_v[ROPE ? E * 32 : 1];
-    const int new_pos = len - 1;
-    const bool has_new = ROPE && start <= new_pos && new_pos < end;
-    if constexpr (ROPE) {
-        __shared__ float scratch[32];
-        for (int j = 0; j < nh; ++j) {
-            const RopePair r = rope_head(q + (size_t)(h0 + j) * hd, hd, rope.rot_dims, rope.inv_freq, rope.neox,
-                                         rope.q_norm, rope.eps, new_pos, scratch);
-            if (r.mine) {
-                ((float*)qs)[j * hd + r.a] = r.xa * scale;
-                ((float*)qs)[j * hd + r.b] = r.xb * scale;
-            }
-        }
-        if (has_new) {
-            const RopePair r = rope_head(q + (size_t)(n_heads + kvh) * hd, hd, rope.rot_dims, rope.inv_freq,
-                                         rope.neox, rope.k_norm, rope.eps, new_pos, scratch);
-            const float* v = q + (size_t)(n_heads + n_kv + kvh) * hd;
-            const float va = r.mine ? v[r.a] : 0.0f, vb = r.mine ? v[r.b] : 0.0f;
-            if (r.mine) {
-                new_k[r.a] = h2f(f2h(r.xa));
-                new_k[r.b] = h2f(f2h(r.xb));
-                new_v[r.a] = h2f(f2h(va));
-                new_v[r.b] = h2f(f2h(vb));
-            }
-            if (gi == 0) {
-                const size_t off = ((size_t)kvh * max_ctx + kv_row(table, new_pos, max_ctx)) * hd;
-                store_kv<false>((void*)kc.p, (void*)vc.p, nullptr, nullptr, off, hd, r.mine, r.a, r.b, r.xa, r.xb,
-                                va, vb);
-            }
-        }
-    } else {
-        for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) ((float*)qs)[i] = q[(size_t)h0 * hd + i] * scale;
-    }
+    for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) ((float*)qs)[i] = q[(size_t)h0 * hd + i] * scale;
     __syncthreads();
     float acc[GM][E], m[GM], l[GM];
 #pragma unroll
@@ -151,12 +97,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 #pragma unroll
             for (int i = 0; i < E * 4; ++i) {
                 float k[8];
-                if (ROPE && has_new && p == new_pos) {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t) k[t] = new_k[i * 8 + t];
-                } else {
-                    kbase.load8(krow + i * 8, k);
-                }
+                kbase.load8(krow + i * 8, k);
 #pragma unroll
                 for (int j = 0; j < GM; ++j) {
                     if (j < nh) {
@@ -191,15 +132,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
             if (p0 + jb >= end) break;
             float v[VB][E];
 #pragma unroll
-            for (int i = 0; i < VB; ++i) {
-                const int pi = min(p0 + jb + i, end - 1);
-                if (ROPE && has_new && pi == new_pos) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) v[i][e] = new_v[lane * E + e];
-                } else {
-                    vbase.template load<E>((size_t)row_of(pi) * hd + lane * E, v[i]);
-                }
-            }
+            for (int i = 0; i < VB; ++i)
+                vbase.template load<E>((size_t)row_of(min(p0 + jb + i, end - 1)) * hd + lane * E, v[i]);
 #pragma unroll
             for (int i = 0; i < VB; ++i) {
 #pragma unroll
@@ -301,33 +235,15 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                                      part_o, part_ml, counters, out, oq, olo, ods, blockIdx.x, blockIdx.y, gridDim.y); \
     }
 
-// The same with RoPE folded in (f16 caches): `qkv` the QKV projection's output, the
-// position len - 1, the rotation's parameters last (the RoPE kernel's).
-#define ATTN_ROPE_KERNEL(NAME, E, GM)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
-        const float* qkv, const u16* kc, const u16* vc, const int* len_ptr, const int* table, int n_heads, int n_kv,   \
-        int max_ctx, int split, float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out,    \
-        i8* oq, i8* olo, float2* ods, int rot_dims, const float* inv_freq, int neox, const float* q_norm,              \
-        const float* k_norm, float eps) {                                                                              \
-        grid_dependency_wait();                                                                                        \
-        const RopeIn rope = {rot_dims, inv_freq, neox, q_norm, k_norm, eps};                                           \
-        attn_partial_impl<E, GM, KvF16, 4, true>(qkv, KvF16{kc}, KvF16{vc}, len_ptr, table, n_heads, n_kv, max_ctx,   \
-                                                 split, scale, window, part_o, part_ml, counters, out, oq, olo, ods,   \
-                                                 blockIdx.x, blockIdx.y, gridDim.y, rope);                             \
-    }
-
 // Both forms of an entry point: ONE (one query head a block) and PAIRS (two heads of a GQA
 // group a block, reading each K/V row once for both), made by KERNEL (ATTN_KERNEL or
 // ATTN_BATCH_KERNEL).
 #define ATTN_ONE_AND_PAIRS(KERNEL, ONE, PAIRS, E, KV, KK, VV) KERNEL(ONE, E, 1, KV, KK, VV) KERNEL(PAIRS, E, 2, KV, KK, VV)
 
-// attn_decode_{E} and attn_decode_pairs_{E} over an f16 cache (and their RoPE-folding
-// attn_decode_rope{_pairs}_{E}); attn_decode_q8_{E} and
+// attn_decode_{E} and attn_decode_pairs_{E} over an f16 cache; attn_decode_q8_{E} and
 // attn_decode_pairs_q8_{E} over a q8_0 one (the format's suffix, `KvFormat::kernel_suffix`,
 // before the head size, as in every KV kernel's name).
-#define ATTN_ENTRY(E)                                                                                                  \
-    ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_##E, attn_decode_pairs_##E, E, KvF16, KV_F16_K, KV_F16_V)              \
-    ATTN_ROPE_KERNEL(attn_decode_rope_##E, E, 1) ATTN_ROPE_KERNEL(attn_decode_rope_pairs_##E, E, 2)
+#define ATTN_ENTRY(E) ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_##E, attn_decode_pairs_##E, E, KvF16, KV_F16_K, KV_F16_V)
 #define ATTN_Q8_ENTRY(E) \
     ATTN_ONE_AND_PAIRS(ATTN_KERNEL, attn_decode_q8_##E, attn_decode_pairs_q8_##E, E, KvQ8, KV_Q8_K, KV_Q8_V)
 

@@ -94,51 +94,6 @@ static __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Thread threadIdx.x's share of one rotated head (RoPE on `hd` values at `src`, position
-// `pos`): rotary pair i = threadIdx.x when `mine` (i < hd / 2), dims a and b of the head, their
-// values after the optional per-head RMSNorm `norm` (Qwen3's QK-norm) and the rotation. NORM
-// pairs adjacent dims, NEOX dims i and i + rot_dims / 2; dims past rot_dims are left as they
-// are. `inv_freq` holds rot_dims / 2 inverse frequencies, computed on the host exactly as
-// the CPU reference. Every thread of the block calls it (the norm's sum is block-wide);
-// `scratch` holds 32 floats of shared memory.
-struct RopePair {
-    bool mine;
-    int a, b;
-    float xa, xb;
-};
-static __device__ __forceinline__ RopePair rope_head(const float* __restrict__ src, int hd, int rot_dims,
-                                                     const float* __restrict__ inv_freq, int neox,
-                                                     const float* __restrict__ norm, float eps, int pos,
-                                                     float* scratch) {
-    RopePair r;
-    const int i = threadIdx.x;
-    r.mine = i < hd / 2;
-    if (neox) {
-        const int rhalf = rot_dims / 2;
-        if (i < rhalf) { r.a = i; r.b = i + rhalf; }
-        else { r.a = rot_dims + 2 * (i - rhalf); r.b = r.a + 1; }  // unrotated tail, any pairing
-    } else {
-        r.a = 2 * i; r.b = 2 * i + 1;
-    }
-    float xa = 0.0f, xb = 0.0f;
-    if (r.mine) { xa = src[r.a]; xb = src[r.b]; }
-    if (norm) {
-        const float ss = block_sum(xa * xa + xb * xb, scratch);
-        const float s = rsqrtf(ss / (float)hd + eps);
-        if (r.mine) { xa = xa * s * norm[r.a]; xb = xb * s * norm[r.b]; }
-    }
-    // Thread i's pair is rotary pair i in both layouts (ggml's theta index).
-    if (r.mine && 2 * i < rot_dims) {
-        float sn, cs;
-        sincosf((float)pos * inv_freq[i], &sn, &cs);
-        const float ra = xa * cs - xb * sn, rb = xa * sn + xb * cs;
-        xa = ra; xb = rb;
-    }
-    r.xa = xa;
-    r.xb = xb;
-    return r;
-}
-
 // Activation quantisation for the integer GEMVs, one 32-value block per warp (lane i holds
 // value i). `q` gets round(v / d) with d = amax / 127 (Q8_1); `lo`, when not null, the
 // rounding residual at 1/254 of that step, so that d / 254 * (254 * q + lo) holds v to

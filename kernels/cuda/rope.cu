@@ -26,10 +26,33 @@ static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qk
     const bool is_q = head < n_heads;
     const int kvh = head - n_heads;
     const float* src = is_q ? qkv + (size_t)head * hd : qkv + (size_t)(n_heads + kvh) * hd;
-    const RopePair r = rope_head(src, hd, rot_dims, inv_freq, neox, is_q ? q_norm : k_norm, eps, pos, scratch);
-    const bool mine = r.mine;
-    const int a = r.a, b = r.b;
-    const float xa = r.xa, xb = r.xb;
+    const int i = threadIdx.x;
+    const int half = hd / 2;
+    const bool mine = i < half;
+    // Indices of this thread's pair.
+    int a, b;
+    if (neox) {
+        const int rhalf = rot_dims / 2;
+        if (i < rhalf) { a = i; b = i + rhalf; }
+        else { a = rot_dims + 2 * (i - rhalf); b = a + 1; }  // unrotated tail, any pairing
+    } else {
+        a = 2 * i; b = 2 * i + 1;
+    }
+    float xa = 0.0f, xb = 0.0f;
+    if (mine) { xa = src[a]; xb = src[b]; }
+    const float* norm = is_q ? q_norm : k_norm;
+    if (norm) {
+        const float ss = block_sum(xa * xa + xb * xb, scratch);
+        const float s = rsqrtf(ss / (float)hd + eps);
+        if (mine) { xa = xa * s * norm[a]; xb = xb * s * norm[b]; }
+    }
+    // Thread i's pair is rotary pair i in both layouts (ggml's theta index).
+    if (mine && 2 * i < rot_dims) {
+        float sn, cs;
+        sincosf((float)pos * inv_freq[i], &sn, &cs);
+        const float ra = xa * cs - xb * sn, rb = xa * sn + xb * cs;
+        xa = ra; xb = rb;
+    }
     if (is_q) {
         if (mine) {
             q_out[(size_t)head * hd + a] = xa;

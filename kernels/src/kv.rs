@@ -238,11 +238,6 @@ impl KvPlanes {
         }
     }
 
-    /// Appends the K and V values' addresses (kernels that take f16 caches only).
-    pub(crate) fn push_values(&self, args: Args) -> Args {
-        args.ptr(self.k.ptr()).ptr(self.v.ptr())
-    }
-
     /// Appends the four kernel parameters every KV kernel takes: K values, V values, K
     /// scales, V scales (null for f16).
     pub(crate) fn push(&self, args: Args) -> Args {

@@ -11,7 +11,9 @@
 //! With `--persistent`, the default step as a CUDA graph of launches against the persistent
 //! kernel (one launch a token) at 8 and 16 warps a block.
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64] [--persistent]`
+//! With `--depth D`, the one-sequence rows decode after a prompt of D tokens instead of 4.
+//!
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64] [--persistent] [--depth D]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -203,8 +205,6 @@ fn main() {
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
     let persistent = args.iter().any(|a| a == "--persistent");
-    // `--rope-ab`: RoPE folded into the attention (the default) against its own launch.
-    let rope_ab = args.iter().any(|a| a == "--rope-ab");
     // `--depth D`: decode after a prompt of D tokens instead of 4.
     let depth: usize = args
         .iter()
@@ -268,14 +268,7 @@ fn main() {
         // launch after each); and Q8_1.
         // (persistent: warps a block)
         type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>);
-        let variants: Vec<Variant> = if rope_ab {
-            vec![
-                (GemvPath::Q16, None, usize::MAX, None),
-                (GemvPath::Q16, None, 0, None),
-                (GemvPath::Q16, None, usize::MAX, None),
-                (GemvPath::Q16, None, 0, None),
-            ]
-        } else if persistent {
+        let variants: Vec<Variant> = if persistent {
             vec![
                 (GemvPath::Q16, None, usize::MAX, None),
                 (GemvPath::Q16, None, usize::MAX, Some(8)),
@@ -291,13 +284,7 @@ fn main() {
                 (GemvPath::Q8, None, usize::MAX, None),
             ]
         };
-        for (path, tiling, mut limit, warps) in variants {
-            // (--rope-ab: the fuse limit's slot says whether RoPE has a launch of its own)
-            let rope_launch = rope_ab && limit == 0;
-            if rope_ab {
-                ex.set_fold_rope(!rope_launch);
-                limit = usize::MAX;
-            }
+        for (path, tiling, limit, warps) in variants {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
@@ -341,14 +328,6 @@ fn main() {
                 l => format!("fused up to {} MB", l >> 20),
             };
             let variant = match (warps, tiling) {
-                _ if rope_ab => format!(
-                    "{path:?}, depth {depth}, RoPE {}",
-                    if rope_launch {
-                        "in its own launch"
-                    } else {
-                        "in the attention"
-                    }
-                ),
                 (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
                 (None, tiling) => match tiling {
                     Some(t) => format!(

@@ -301,9 +301,6 @@ pub struct GpuExecutor {
     /// One-sequence steps run as one persistent kernel instead of a graph of launches
     /// (`set_persistent_decode`).
     persistent: Option<Persistent>,
-    /// RoPE folded into the decode attention over an f16 cache (the default; a benchmark
-    /// knob, `set_fold_rope`).
-    fold_rope: bool,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
@@ -728,7 +725,6 @@ impl GpuExecutor {
             sequential_decode: options.sequential_decode,
             short_prefill_max: 0,
             persistent: None,
-            fold_rope: true,
             _workspace: ws,
         })
         .and_then(|mut exec| {
@@ -810,14 +806,6 @@ impl GpuExecutor {
             return Err(e);
         }
         Ok(())
-    }
-
-    /// Folds RoPE into the one-sequence decode attention (true, the default, over an f16
-    /// cache) or gives it a launch of its own (a benchmark knob). Graphs are re-captured at
-    /// the next step.
-    pub fn set_fold_rope(&mut self, on: bool) {
-        self.fold_rope = on;
-        self.drop_graphs();
     }
 
     /// Whether one-sequence steps run as a persistent kernel, and of how many warps a block.
@@ -1052,35 +1040,18 @@ impl GpuExecutor {
             let kv = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
             let attn = self.attn_args(li, shape);
-            // RoPE folds into the attention over an f16 cache (one launch and its wait fewer
-            // a layer); the persistent step keeps them as two instructions.
-            if self.fold_rope && kv.format == KvFormat::F16 && self.persistent.is_none() {
-                k.attention_rope(
-                    &attn,
-                    &rope,
-                    s.qkv,
-                    kv,
-                    len,
-                    s.part_o,
-                    s.part_ml,
-                    s.attn_counters,
-                    s.attn,
-                    Some(s.aq),
-                )?;
-            } else {
-                k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
-                k.attention(
-                    &attn,
-                    s.q,
-                    kv,
-                    len,
-                    s.part_o,
-                    s.part_ml,
-                    s.attn_counters,
-                    s.attn,
-                    Some(s.aq),
-                )?;
-            }
+            k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
+            k.attention(
+                &attn,
+                s.q,
+                kv,
+                len,
+                s.part_o,
+                s.part_ml,
+                s.attn_counters,
+                s.attn,
+                Some(s.aq),
+            )?;
             self.residual_gemv(
                 &l.o,
                 s.aq,
