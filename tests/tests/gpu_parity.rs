@@ -68,8 +68,12 @@ const Q4_0_BAR: Bar = Bar {
     tie_gap: 1e-3,
 };
 
+/// A directory of the calling test's own: tests run in parallel and each removes its
+/// directory when done (a shared one vanished under a test still reading from it).
 fn scratch_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-gpu-parity-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("kiln-gpu-parity-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
