@@ -6,11 +6,11 @@
 // instruction i's block b is run by physical block b mod gridDim.x, so an instruction may
 // have more or fewer blocks than the grid.
 //
-// Why: a decode step of a small model is ~100-200 dependent launches of a few µs each,
-// where the work itself (weights at the HBM roofline) is a fraction of that. A barrier
-// costs less than a kernel boundary, and a block that reaches it early asks L2 for the next
-// instruction's first weights (gemv_prefetch) before waiting, so their latency overlaps the
-// slowest block of the current instruction.
+// The idea (issue 13): a decode step of a small model is ~100-200 dependent launches of a
+// few µs each, where the work itself (weights at the HBM roofline) is a fraction of that;
+// a barrier was to cost less than a kernel boundary, and a block that reaches it early asks
+// L2 for the next instruction's first weights (gemv_prefetch) before waiting, so their
+// latency overlaps the slowest block of the current instruction.
 //
 // Measured on an H200 (docs/benchmarks.md, twelfth session) it is slower than the graph of
 // launches with programmatic dependent launch: 1,053 against 1,349 tok/s on SmolLM2's shape,
