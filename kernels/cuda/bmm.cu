@@ -40,6 +40,51 @@ struct BFrag {
 // Integer values are unsigned (0..63) for every format but Q8_0 and Q6_K, which are signed.
 template <int T> static constexpr __host__ __device__ bool bmm_signed() { return T == T_Q8_0 || T == T_Q6_K; }
 
+// The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
+// memory); `d6` is Q6_K's super-block scale, which its device layout keeps apart.
+template <int T>
+static __device__ __forceinline__ BFrag kq_frag(const u8* blk, float d6, int j, int t) {
+    BFrag f;
+    if constexpr (T == T_Q4_K || T == T_Q5_K) {
+        const int p = j >> 1;
+        const uint4 head = *(const uint4*)blk;  // d, dmin, scales[12]
+        int sc, m;
+        k4_scale_min_w(head.y, head.z, head.w, j, sc, m);
+        const u8* qs = blk + (T == T_Q4_K ? 16 : 48) + 32 * p;
+        const int shift = 4 * (j & 1);
+        f.lo = (*(const u32*)(qs + 4 * t) >> shift) & 0x0f0f0f0f;
+        f.hi = (*(const u32*)(qs + 16 + 4 * t) >> shift) & 0x0f0f0f0f;
+        if constexpr (T == T_Q5_K) {
+            // Bit j of qh byte l is the fifth bit of value l of sub-block j.
+            f.lo |= ((*(const u32*)(blk + 16 + 4 * t) >> j) & 0x01010101) << 4;
+            f.hi |= ((*(const u32*)(blk + 32 + 4 * t) >> j) & 0x01010101) << 4;
+        }
+        f.a0 = f.a1 = h2f(head.x & 0xffff) * (float)sc;
+        f.b = -h2f(head.x >> 16) * (float)m;
+    } else {  // Q6_K: 6-bit values minus 32 as signed bytes; a scale per 16 values
+        // The device layout (see dot_chunk in gemv.cu): values 4t.. in the low nibbles of
+        // bytes 4t.. of the chunk's 16, values 16 + 4t.. in their high nibbles; their high
+        // 2-bit parts at bit 2t of qh words 0 and 1.
+        const u32 ql = *(const u32*)(blk + 16 * j + 4 * t);
+        const uint2 qh = *(const uint2*)(blk + 128 + 8 * j);
+        u32 v0 = (ql & 0x0f0f0f0f) | (((qh.x >> (2 * t)) & 0x03030303) << 4);
+        u32 v1 = ((ql >> 4) & 0x0f0f0f0f) | (((qh.y >> (2 * t)) & 0x03030303) << 4);
+        // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value) into
+        // bits 6 and 7 of each byte.
+        v0 ^= 0x20202020;
+        v1 ^= 0x20202020;
+        v0 |= ((v0 & 0x20202020) << 1) | ((v0 & 0x20202020) << 2);
+        v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
+        f.lo = v0;
+        f.hi = v1;
+        const u32 scales = *(const u16*)(blk + 192 + 2 * j);
+        f.a0 = d6 * (float)(i8)(scales & 255);
+        f.a1 = d6 * (float)(i8)(scales >> 8);
+        f.b = 0.0f;
+    }
+    return f;
+}
+
 template <int T>
 static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, int c, int t) {
     typedef Traits<T> Tr;
@@ -73,46 +118,10 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.a0 = f.a1 = ld_h(w.sc + b * 2);
         f.b = 0.0f;
     } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
-        const int j = c & 7, p = j >> 1;
-        const u8* blk = w.body + (row * ((size_t)K / 256) + (c >> 3)) * Tr::BODY;
-        const uint4 head = *(const uint4*)blk;  // d, dmin, scales[12]
-        int sc, m;
-        k4_scale_min_w(head.y, head.z, head.w, j, sc, m);
-        const u8* qs = blk + (T == T_Q4_K ? 16 : 48) + 32 * p;
-        const int shift = 4 * (j & 1);
-        f.lo = (*(const u32*)(qs + 4 * t) >> shift) & 0x0f0f0f0f;
-        f.hi = (*(const u32*)(qs + 16 + 4 * t) >> shift) & 0x0f0f0f0f;
-        if constexpr (T == T_Q5_K) {
-            // Bit j of qh byte l is the fifth bit of value l of sub-block j.
-            f.lo |= ((*(const u32*)(blk + 16 + 4 * t) >> j) & 0x01010101) << 4;
-            f.hi |= ((*(const u32*)(blk + 32 + 4 * t) >> j) & 0x01010101) << 4;
-        }
-        f.a0 = f.a1 = h2f(head.x & 0xffff) * (float)sc;
-        f.b = -h2f(head.x >> 16) * (float)m;
-    } else {  // Q6_K: 6-bit values minus 32 as signed bytes; a scale per 16 values
+        return kq_frag<T>(w.body + (row * ((size_t)K / 256) + (c >> 3)) * Tr::BODY, 0.0f, c & 7, t);
+    } else {  // Q6_K
         const size_t b = row * ((size_t)K / 256) + (c >> 3);
-        const int cc = c & 7;
-        const u8* blk = w.body + b * Tr::BODY;
-        // The device layout (see dot_chunk in gemv.cu): values 4t.. in the low nibbles of
-        // bytes 4t.. of the chunk's 16, values 16 + 4t.. in their high nibbles; their high
-        // 2-bit parts at bit 2t of qh words 0 and 1.
-        const u32 ql = *(const u32*)(blk + 16 * cc + 4 * t);
-        const uint2 qh = *(const uint2*)(blk + 128 + 8 * cc);
-        u32 v0 = (ql & 0x0f0f0f0f) | (((qh.x >> (2 * t)) & 0x03030303) << 4);
-        u32 v1 = ((ql >> 4) & 0x0f0f0f0f) | (((qh.y >> (2 * t)) & 0x03030303) << 4);
-        // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value) into
-        // bits 6 and 7 of each byte.
-        v0 ^= 0x20202020;
-        v1 ^= 0x20202020;
-        v0 |= ((v0 & 0x20202020) << 1) | ((v0 & 0x20202020) << 2);
-        v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
-        f.lo = v0;
-        f.hi = v1;
-        const u32 scales = *(const u16*)(blk + 192 + 2 * cc);
-        const float d = ld_h(w.sc + b * 2);
-        f.a0 = d * (float)(i8)(scales & 255);
-        f.a1 = d * (float)(i8)(scales >> 8);
-        f.b = 0.0f;
+        return kq_frag<T>(w.body + b * Tr::BODY, ld_h(w.sc + b * 2), c & 7, t);
     }
     return f;
 }
@@ -299,6 +308,154 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
         }
 }
 
+// The pipelined walk, for K-quant weights (bmmp_*). A block owns 128 rows as above and a
+// split of the row length in 256-value super-blocks. A stage is one super-block column: the
+// block's 128 rows of it (and SwiGLU's second weight's), Q6_K's scales, and the packed
+// activations of its 8 chunks for every sequence, all copied into shared memory by cp.async,
+// `stages` deep: while the warps multiply one stage the next ones are in flight, and no
+// weight byte waits in a register (the walk above holds a stage's fragments in registers,
+// which caps the bytes in flight at a few hundred a warp: docs/benchmarks.md). Fragments are
+// read from shared memory with the same code as from global memory (kq_frag); a row stride
+// of 144, 176 or 208 bytes puts the eight rows a warp's lanes read in distinct banks.
+#define BMMP_ROWS (BMM_WARPS * 16)
+
+template <int T, int NT, bool SWIGLU>
+struct BmmpStage {
+    static constexpr int B = NT * 8, NW = SWIGLU ? 2 : 1, BODY = Traits<T>::BODY;
+    static constexpr int WBYTES = NW * BMMP_ROWS * BODY;              // [weight][row][BODY]
+    static constexpr int DBYTES = T == T_Q6_K ? NW * BMMP_ROWS * 4 : 0;  // [weight][row] u32
+    static constexpr int XBYTES = 8 * B * 64;                          // [chunk][seq][4 × 16 B]
+    static constexpr int SBYTES = 8 * B * 8;                           // [chunk][seq] (dx, sx)
+    static constexpr int BYTES = WBYTES + DBYTES + XBYTES + SBYTES;    // kernels/src/batch.rs
+};
+
+template <int T, int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
+                                            int K, int sb_per_split, int stages) {
+    typedef BmmpStage<T, NT, SWIGLU> St;
+    constexpr int B = St::B, BODY = St::BODY, THREADS = BMM_WARPS * 32;
+    extern __shared__ __align__(16) u8 bmmp_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int block_row0 = blockIdx.x * BMMP_ROWS, row0 = block_row0 + warp * 16;
+    const bool active = row0 < nrows;
+    const size_t nsb = (size_t)K / 256;
+    const int nchunks = K / 32;
+    const int sb0 = blockIdx.y * sb_per_split, n = min((int)nsb, sb0 + sb_per_split) - sb0;
+    auto stage = [&](int s) { return bmmp_smem + (size_t)(s % stages) * St::BYTES; };
+
+    // Rows past the end copy the last row (in bounds) and are not written.
+    auto issue_weights = [&](int s) {
+        const u32 dst = smem_u32(stage(s));
+        const size_t sb = sb0 + s;
+        constexpr int V = BODY / 16;
+        for (int i = threadIdx.x; i < St::NW * BMMP_ROWS * V; i += THREADS) {
+            const int v = i % V, r = (i / V) % BMMP_ROWS, which = i / (V * BMMP_ROWS);
+            const size_t row = min(block_row0 + r, nrows - 1);
+            cp_async16(dst + (which * BMMP_ROWS + r) * BODY + 16 * v,
+                       (which ? w2.body : w.body) + (row * nsb + sb) * BODY + 16 * v);
+        }
+        if constexpr (T == T_Q6_K) {
+            // Each 2-byte scale as the aligned word around it (the planes are padded to whole
+            // words at upload); the compute picks the half.
+            for (int i = threadIdx.x; i < St::NW * BMMP_ROWS; i += THREADS) {
+                const size_t row = min(block_row0 + i % BMMP_ROWS, nrows - 1);
+                const size_t b = row * nsb + sb;
+                cp_async4(dst + St::WBYTES + 4 * i, (i >= BMMP_ROWS ? w2.sc : w.sc) + ((2 * b) & ~(size_t)3));
+            }
+        }
+    };
+    auto issue_acts = [&](int s) {
+        const u32 dst = smem_u32(stage(s) + St::WBYTES + St::DBYTES);
+        const int c0 = (sb0 + s) * 8;
+        // Consecutive threads read consecutive 16 bytes: a sequence's 8 chunks are 512
+        // contiguous bytes of the packed activation.
+        for (int i = threadIdx.x; i < 8 * B * 4; i += THREADS) {
+            const int q = i & 3, j = (i >> 2) & 7, m = i >> 5;
+            cp_async16(dst + ((j * B + m) * 4 + q) * 16, a.x + ((size_t)m * nchunks + c0 + j) * 4 + q);
+        }
+        for (int i = threadIdx.x; i < 4 * B; i += THREADS)
+            cp_async16(dst + St::XBYTES + 16 * i, (const uint4*)(a.s + (size_t)c0 * B) + i);
+    };
+
+    // The weights do not depend on the previous kernel: the first stages' are asked for
+    // before waiting for it; the activations after.
+    for (int s = 0; s < stages - 1 && s < n; ++s) issue_weights(s);
+    grid_dependency_wait();
+    for (int s = 0; s < stages - 1; ++s) {
+        if (s < n) issue_acts(s);
+        cp_async_commit();
+    }
+
+    float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
+#pragma unroll
+    for (int n_ = 0; n_ < NT; ++n_)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[n_][i] = 0.0f;
+            acc2[SWIGLU ? n_ : 0][i] = 0.0f;
+        }
+    const int r0 = warp * 16 + g, r8 = r0 + 8;
+    const size_t ra = min(row0 + g, nrows - 1), rb = min(row0 + g + 8, nrows - 1);
+    for (int s = 0; s < n; ++s) {
+        // Stage s has landed once at most stages - 2 later groups are in flight.
+        if (stages >= 4) cp_async_wait<2>();
+        else if (stages == 3) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // every thread's copies of stage s are visible; stage s - 1 is free
+        if (s + stages - 1 < n) {
+            issue_weights(s + stages - 1);
+            issue_acts(s + stages - 1);
+        }
+        cp_async_commit();
+        if (!active) continue;
+        const u8* st = stage(s);
+        const uint4* sx = (const uint4*)(st + St::WBYTES + St::DBYTES);
+        const float2* ss = (const float2*)(st + St::WBYTES + St::DBYTES + St::XBYTES);
+        float d0 = 0.0f, d8 = 0.0f, e0 = 0.0f, e8 = 0.0f;
+        if constexpr (T == T_Q6_K) {
+            const u32* dw = (const u32*)(st + St::WBYTES);
+            const size_t sb = sb0 + s;
+            const int h0 = 16 * (int)((ra * nsb + sb) & 1), h8 = 16 * (int)((rb * nsb + sb) & 1);
+            d0 = h2f((u16)(dw[r0] >> h0));
+            d8 = h2f((u16)(dw[r8] >> h8));
+            if constexpr (SWIGLU) {
+                e0 = h2f((u16)(dw[BMMP_ROWS + r0] >> h0));
+                e8 = h2f((u16)(dw[BMMP_ROWS + r8] >> h8));
+            }
+        }
+#pragma unroll 2
+        for (int j = 0; j < 8; ++j) {
+            const BFrag f0 = kq_frag<T>(st + r0 * BODY, d0, j, t), f8 = kq_frag<T>(st + r8 * BODY, d8, j, t);
+            BFrag u0, u8;
+            if constexpr (SWIGLU) {
+                u0 = kq_frag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t);
+                u8 = kq_frag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t);
+            }
+#pragma unroll
+            for (int n_ = 0; n_ < NT; ++n_) {
+                const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
+                const float4 sc = *(const float4*)&ss[j * B + n_ * 8 + 2 * t];
+                bmm_tile<T>(f0, f8, x, sc, acc[n_]);
+                if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, sc, acc2[n_]);
+            }
+        }
+    }
+    if (!active) return;
+    float* out = part + (size_t)blockIdx.y * B * ldp;
+#pragma unroll
+    for (int n_ = 0; n_ < NT; ++n_)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + g + (i < 2 ? 0 : 8);
+            const int m = n_ * 8 + 2 * t + (i & 1);
+            if (row < nrows) {
+                out[(size_t)m * ldp + row] = acc[n_][i];
+                if constexpr (SWIGLU) out[(size_t)m * ldp + nrows + row] = acc2[n_][i];
+            }
+        }
+}
+
 #define BMM_ENTRY(NAME, T, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_##NAME##_##NT(                                   \
         const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
@@ -317,9 +474,45 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
         bmm<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split);                                                    \
     }
 
-// Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences.
-#define BMM_TYPE(NAME, T) \
-    BMM_ENTRY(NAME, T, 1) \
-    BMM_ENTRY(NAME, T, 2) \
-    BMM_ENTRY(NAME, T, 4) \
-    BMM_ENTRY(NAME, T, 8)
+#define BMMP_ENTRY(NAME, T, NT)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmp_##NAME##_##NT(                                  \
+        const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
+        int nrows, int K, int per_split, int stages) {                                                                 \
+        W w = {body, qh, sc};                                                                                          \
+        BAct a = {x, s};                                                                                               \
+        bmmp<T, NT, false>(w, w, a, part, ldp, nrows, K, per_split, stages);                                           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmp_swiglu_##NAME##_##NT(                           \
+        const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
+        const float2* s, float* part, int ldp, int nrows, int K, int per_split, int stages) {                          \
+        W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
+        BAct a = {x, s};                                                                                               \
+        bmmp<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split, stages);                                           \
+    }
+
+#define BMMP_TYPE(NAME, T) \
+    BMMP_ENTRY(NAME, T, 1) \
+    BMMP_ENTRY(NAME, T, 2) \
+    BMMP_ENTRY(NAME, T, 4) \
+    BMMP_ENTRY(NAME, T, 8)
+
+// The pipelined entries exist for the K-quants only (chosen by the type's token: `##`
+// keeps it from expanding to its number).
+#define BMMP_FOR_T_Q4_K(NAME, T) BMMP_TYPE(NAME, T)
+#define BMMP_FOR_T_Q5_K(NAME, T) BMMP_TYPE(NAME, T)
+#define BMMP_FOR_T_Q6_K(NAME, T) BMMP_TYPE(NAME, T)
+#define BMMP_FOR_T_Q4_0(NAME, T)
+#define BMMP_FOR_T_Q4_1(NAME, T)
+#define BMMP_FOR_T_Q5_0(NAME, T)
+#define BMMP_FOR_T_Q5_1(NAME, T)
+#define BMMP_FOR_T_Q8_0(NAME, T)
+#define BMMP_FOR_T_Q4_0X4(NAME, T)
+
+// Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, and for the
+// K-quants bmmp_{tag}_{NT} and bmmp_swiglu_{tag}_{NT}.
+#define BMM_TYPE(NAME, T)     \
+    BMM_ENTRY(NAME, T, 1)     \
+    BMM_ENTRY(NAME, T, 2)     \
+    BMM_ENTRY(NAME, T, 4)     \
+    BMM_ENTRY(NAME, T, 8)     \
+    BMMP_FOR_##T(NAME, T)

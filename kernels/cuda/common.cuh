@@ -34,6 +34,30 @@ static __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return d;
 }
 
+// The shared-memory address of a generic pointer into shared memory (for cp.async).
+static __device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// Asynchronous copies global → shared memory (sm_80+): 16 bytes bypassing L1, or 4.
+static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
+
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
 // The gate activation of a gated feed-forward: SiLU (SwiGLU) or, with `gelu`, GELU in its
 // tanh approximation (GeGLU: what ggml and `gelu_pytorch_tanh` compute).
 static __device__ __forceinline__ float glu_act(float g, int gelu) {

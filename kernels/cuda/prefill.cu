@@ -214,16 +214,6 @@ ATTN_PREFILL(8)
 // registers. Rows outside the prompt, and key rows past the block's last position, are
 // zero-filled so that masked weights (0) never meet garbage (0 · NaN). Blocks are issued
 // longest first (the last queries see the most keys).
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-
 static __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -293,7 +283,7 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
                 *(uint4*)vd = make_uint4(0, 0, 0, 0);
             }
         }
-        asm volatile("cp.async.commit_group;");
+        cp_async_commit();
     };
 
     if (ntiles > 0) load_tile(0, 0);
@@ -301,9 +291,9 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
         const int buf = j & 1;
         if (j + 1 < ntiles) {
             load_tile(j + 1, buf ^ 1);
-            asm volatile("cp.async.wait_group 1;");
+            cp_async_wait<1>();
         } else {
-            asm volatile("cp.async.wait_group 0;");
+            cp_async_wait<0>();
         }
         __syncthreads();
         const int p0 = lo + j * BKV;

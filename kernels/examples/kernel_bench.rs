@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use kiln_core::Rng;
+use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
     AttnArgs, BatchEpilogue, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput,
@@ -413,8 +413,8 @@ fn batched_matmuls(
     let default = ["q4_k", "q6_k", "q4_0"].map(str::to_string);
     let tags = only.unwrap_or(&default);
     println!("\nbatched matmuls (time per launch incl. the split sum; GB/s of weights; int8 TOPS)");
-    println!("| shape | type | rows | us | GB/s | % roofline | TOPS |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!("| shape | type | walk | rows | us | GB/s | % roofline | TOPS |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
     // (K, N, label, SwiGLU: gate and up of this shape in one launch)
     let shapes = [
         (4096usize, 4096usize, "8B q/o 4096x4096", false),
@@ -448,34 +448,45 @@ fn batched_matmuls(
                 let part = DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
                 let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
                 let epi = BatchEpilogue::default();
-                if once {
-                    // One launch of each, outside any graph: what a profiler is pointed at.
-                    let up = swiglu.then(|| &ws[1]);
-                    k.batched_matmul(&ws[0], up, &act, rows, part.slice(), y.slice(), n, &epi)?;
-                    dev.synchronize()?;
-                    continue;
-                }
-                let g = dev.capture(|| {
-                    for i in 0..LAUNCHES_PER_GRAPH {
-                        let (w, up) = if swiglu {
-                            (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
-                        } else {
-                            (&ws[i % copies], None)
-                        };
-                        k.batched_matmul(w, up, &act, rows, part.slice(), y.slice(), n, &epi)?;
+                // The K-quants' pipelined walk and the register walk every format has.
+                let walks: &[bool] = if matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
+                    &[true, false]
+                } else {
+                    &[false]
+                };
+                'walks: for &pipelined in walks {
+                    k.set_pipelined_bmm(pipelined);
+                    if once {
+                        // One launch of each, outside any graph: what a profiler is pointed at.
+                        let up = swiglu.then(|| &ws[1]);
+                        k.batched_matmul(&ws[0], up, &act, rows, part.slice(), y.slice(), n, &epi)?;
+                        dev.synchronize()?;
+                        continue 'walks;
                     }
-                    Ok(())
-                })?;
-                let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
-                let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
-                let ops = 2.0 * (rows * kk * n) as f64 * if swiglu { 2.0 } else { 1.0 };
-                println!(
-                    "| {label} | {} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
-                    f.tag,
-                    ms * 1e3,
-                    100.0 * gbps / roofline,
-                    ops / (ms * 1e-3) / 1e12
-                );
+                    let g = dev.capture(|| {
+                        for i in 0..LAUNCHES_PER_GRAPH {
+                            let (w, up) = if swiglu {
+                                (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
+                            } else {
+                                (&ws[i % copies], None)
+                            };
+                            k.batched_matmul(w, up, &act, rows, part.slice(), y.slice(), n, &epi)?;
+                        }
+                        Ok(())
+                    })?;
+                    let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
+                    let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
+                    let ops = 2.0 * (rows * kk * n) as f64 * if swiglu { 2.0 } else { 1.0 };
+                    println!(
+                        "| {label} | {} | {} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
+                        f.tag,
+                        if pipelined { "pipelined" } else { "register" },
+                        ms * 1e3,
+                        100.0 * gbps / roofline,
+                        ops / (ms * 1e-3) / 1e12
+                    );
+                }
+                k.set_pipelined_bmm(true);
             }
         }
     }

@@ -11,6 +11,7 @@ use crate::error::{KernelError, Result};
 use crate::kv::KvPlanes;
 use crate::ops::{AttnArgs, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
+use kiln_core::QType;
 
 fn invalid(msg: String) -> KernelError {
     KernelError::InvalidArgument(msg)
@@ -22,6 +23,26 @@ fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
 
 /// Rows of weights one batched-matmul block owns (8 warps of 16).
 const BMM_ROWS_PER_BLOCK: usize = 128;
+
+/// How a batched matmul walks its weights (see `cuda/bmm.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BmmWalk {
+    /// Each warp loads its rows' fragments into registers a few chunks ahead.
+    Registers,
+    /// `stages` super-block columns of `stage` bytes each in flight through shared memory.
+    Pipelined { stages: usize, stage: usize },
+}
+
+/// Bytes of one stage of the pipelined walk (`BmmpStage` in cuda/bmm.cu): the block's rows
+/// of one super-block column of each weight, Q6_K's scale words, and 8 chunks of packed
+/// activations and their (dx, sx) pairs for every row of the batch.
+fn bmmp_stage_bytes(w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
+    let weights = if swiglu { 2 } else { 1 };
+    let body = w.format.body.bytes;
+    let scales = if w.qtype == QType::Q6_K { 4 } else { 0 };
+    let b = Kernels::bmm_rows(rows);
+    weights * BMM_ROWS_PER_BLOCK * (body + scales) + 8 * b * 64 + 8 * b * 8
+}
 
 /// Activations of a batch packed for the batched matmuls (see `cuda/bmm.cu`): `rows` rows
 /// of `n` values, as 16-byte mma fragments (`x`: rows × chunks × 4) and a (dx, sx) pair
@@ -90,20 +111,57 @@ impl Kernels {
         rows.div_ceil(8) * 8
     }
 
-    /// How many parts a batched matmul over `rows` rows of `w` splits its row length into:
-    /// enough blocks to fill the SMs `waves` times over, at least 4 chunks of 32 values per
-    /// part. A warp keeps only a few hundred bytes of weights in flight, so the memory
-    /// latency is covered by warps: 8 blocks of 8 warps per SM for 8 and 16 rows, 4 for
-    /// wider batches, whose kernels hold more accumulators (fewer blocks fit an SM) and whose
-    /// partial sums cost more to write. Measured on the H200 (docs/benchmarks.md): llama3-8b
-    /// q4_k_m at 4/8/16/32/64 rows, 2 waves → 8/8/8/4/4: 446 → 588, 862 → 1,128,
+    /// Which walk a batched matmul over `w` takes: the pipelined one (cp.async stages of
+    /// whole super-blocks through shared memory) for K-quant weights unless turned off by
+    /// [`Kernels::set_pipelined_bmm`], else the register walk.
+    fn bmm_walk(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> BmmWalk {
+        self.bmm_walk_if(w, rows, swiglu, self.pipelined_bmm())
+    }
+
+    fn bmm_walk_if(&self, w: &DeviceWeight, rows: usize, swiglu: bool, pipelined: bool) -> BmmWalk {
+        let kquant = matches!(w.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K);
+        if !kquant || !w.row_len.is_multiple_of(256) || !pipelined {
+            return BmmWalk::Registers;
+        }
+        let stage = bmmp_stage_bytes(w, rows, swiglu);
+        let optin = self.device().shared_per_block_optin();
+        // Three stages where they fit (two super-blocks in flight while one is used), else two.
+        let stages = if 3 * stage <= optin { 3 } else { 2 };
+        if stages * stage > optin {
+            return BmmWalk::Registers;
+        }
+        BmmWalk::Pipelined { stages, stage }
+    }
+
+    /// How many parts a batched matmul over `rows` rows of `w` splits its row length into.
+    ///
+    /// Register walk: enough blocks to fill the SMs `waves` times over, at least 4 chunks of
+    /// 32 values per part. A warp keeps only a few hundred bytes of weights in flight, so
+    /// the memory latency is covered by warps: 8 blocks of 8 warps per SM for 8 and 16 rows,
+    /// 4 for wider batches, whose kernels hold more accumulators (fewer blocks fit an SM)
+    /// and whose partial sums cost more to write. Measured on the H200 (docs/benchmarks.md):
+    /// llama3-8b q4_k_m at 4/8/16/32/64 rows, 2 waves → 8/8/8/4/4: 446 → 588, 862 → 1,128,
     /// 1,589 → 1,843, 2,429 → 2,468, 2,775 → 2,968 tok/s.
-    pub fn bmm_splits(&self, w: &DeviceWeight, rows: usize) -> usize {
+    ///
+    /// Pipelined walk: parts of whole super-blocks, enough blocks for two per SM (each keeps
+    /// its stages' bytes in flight itself).
+    pub fn bmm_splits(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
+        self.bmm_splits_of(w, rows, self.bmm_walk(w, rows, swiglu))
+    }
+
+    fn bmm_splits_of(&self, w: &DeviceWeight, rows: usize, walk: BmmWalk) -> usize {
+        let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
+        if let BmmWalk::Pipelined { .. } = walk {
+            let superblocks = w.row_len / 256;
+            let target = 2 * self.device().sm_count();
+            let splits = target.div_ceil(blocks).clamp(1, superblocks);
+            let per = superblocks.div_ceil(splits);
+            return superblocks.div_ceil(per);
+        }
         let waves = match Self::bmm_rows(rows) {
             0..=16 => 8,
             _ => 4,
         };
-        let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
         let chunks = w.row_len / 32;
         let target = waves * self.device().sm_count();
         let splits = target.div_ceil(blocks).clamp(1, (chunks / 4).max(1));
@@ -112,9 +170,13 @@ impl Kernels {
     }
 
     /// f32 values the partial sums of a batched matmul over `w` (SwiGLU: two weights of
-    /// its shape) for `rows` rows take.
+    /// its shape) for `rows` rows take, whichever walk it takes.
     pub fn bmm_part_len(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
-        self.bmm_splits(w, rows) * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
+        // Both walks' counts, so a buffer sized before `set_pipelined_bmm` still fits.
+        let splits = self
+            .bmm_splits_of(w, rows, self.bmm_walk_if(w, rows, swiglu, true))
+            .max(self.bmm_splits_of(w, rows, BmmWalk::Registers));
+        splits * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
     }
 
     /// Packs `rows` rows of `n` values of `x` for the batched matmuls: normalised (RMSNorm
@@ -207,10 +269,10 @@ impl Kernels {
         if up.is_some() && (epi.bias.is_some() || epi.residual.is_some()) {
             return Err(invalid("a SwiGLU matmul takes no bias or residual".into()));
         }
-        let splits = self.bmm_splits(w, rows);
+        let walk = self.bmm_walk(w, rows, up.is_some());
+        let splits = self.bmm_splits(w, rows, up.is_some());
         let ldp = nrows * if up.is_some() { 2 } else { 1 };
         part.check_len(splits * rows * ldp, "batched matmul partial sums")?;
-        let per_split = (k / 32).div_ceil(splits);
         let nt = rows / 8;
         let nt_kernel = [1, 2, 4, 8]
             .into_iter()
@@ -221,11 +283,20 @@ impl Kernels {
                 "a batched matmul over {rows} rows: 8, 16, 32 or 64 only"
             )));
         }
-        let name = match up {
-            Some(_) => format!("bmm_swiglu_{}_{nt}", w.format.tag),
-            None => format!("bmm_{}_{nt}", w.format.tag),
+        let (prefix, per_split, shared_bytes) = match walk {
+            BmmWalk::Registers => ("bmm", (k / 32).div_ceil(splits), 0),
+            BmmWalk::Pipelined { stages, stage } => {
+                ("bmmp", (k / 256).div_ceil(splits), stages * stage)
+            }
         };
-        let f = self.device().function(module, &name)?;
+        let name = match up {
+            Some(_) => format!("{prefix}_swiglu_{}_{nt}", w.format.tag),
+            None => format!("{prefix}_{}_{nt}", w.format.tag),
+        };
+        let f = match walk {
+            BmmWalk::Registers => self.device().function(module, &name)?,
+            BmmWalk::Pipelined { .. } => self.device().function_with_shared(module, &name)?,
+        };
         let (body, qh, sc) = w.ptrs();
         let mut args = Args::new().ptr(body).ptr(qh).ptr(sc);
         if let Some(u) = up {
@@ -240,12 +311,16 @@ impl Kernels {
             .i32(nrows as i32)
             .i32(k as i32)
             .i32(per_split as i32);
+        if let BmmWalk::Pipelined { stages, .. } = walk {
+            args = args.i32(stages as i32);
+        }
         let cfg = LaunchConfig {
             grid: (nrows.div_ceil(BMM_ROWS_PER_BLOCK) as u32, splits as u32, 1),
             block: (BMM_ROWS_PER_BLOCK as u32 / 16 * 32, 1, 1),
-            shared_bytes: 0,
+            shared_bytes: shared_bytes as u32,
         };
-        // SAFETY: the packed input holds rows × row_len values, `part` splits × rows × ldp.
+        // SAFETY: the packed input holds rows × row_len values, `part` splits × rows × ldp;
+        // the pipelined walk's stages fit the shared memory the function was allowed.
         unsafe { self.launch(f, cfg, &mut args)? };
 
         let f = self.device().function(&NORM, "bmm_finish")?;

@@ -87,6 +87,8 @@ struct Context {
     arch: (i32, i32),
     driver_version: i32,
     sm_count: i32,
+    /// Shared memory a block may use when its kernel opts in (227 KiB on the H200).
+    shared_optin: i32,
     total_mem: usize,
     modules: Mutex<HashMap<&'static str, sys::CUmodule>>,
     functions: Mutex<HashMap<String, Function>>,
@@ -177,6 +179,8 @@ impl Device {
         );
         let sm_count =
             attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx("cuDeviceGetAttribute")?;
+        let shared_optin = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .ctx("cuDeviceGetAttribute")?;
         let name = result::device::get_name(cu_device).ctx("cuDeviceGetName")?;
         // SAFETY: a valid device handle.
         let total_mem = unsafe { result::device::total_mem(cu_device) }.ctx("cuDeviceTotalMem")?;
@@ -195,6 +199,7 @@ impl Device {
             arch,
             driver_version,
             sm_count,
+            shared_optin,
             total_mem,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
@@ -224,6 +229,11 @@ impl Device {
     }
     pub fn sm_count(&self) -> usize {
         self.context.sm_count as usize
+    }
+    /// Bytes of shared memory one block may take when its kernel was loaded by
+    /// [`Device::function_with_shared`].
+    pub fn shared_per_block_optin(&self) -> usize {
+        self.context.shared_optin.max(0) as usize
     }
     pub fn total_memory(&self) -> usize {
         self.context.total_mem
@@ -307,6 +317,40 @@ impl Device {
         let f = unsafe { result::module::get_function(m, cname) }
             .ctx(&format!("cuModuleGetFunction({key})"))?;
         let f = Function(f);
+        self.context
+            .functions
+            .lock()
+            .expect("function table poisoned")
+            .insert(key, f);
+        Ok(f)
+    }
+
+    /// [`Device::function`] for a kernel that takes more than 48 KiB of dynamic shared
+    /// memory: the limit is raised once, when the kernel is first loaded, to what the
+    /// device allows a block ([`Device::shared_per_block_optin`]).
+    pub fn function_with_shared(&self, module: &KernelModule, name: &str) -> Result<Function> {
+        let key = format!("{}::{name}+shared", module.name);
+        if let Some(&f) = self
+            .context
+            .functions
+            .lock()
+            .expect("function table poisoned")
+            .get(&key)
+        {
+            return Ok(f);
+        }
+        let f = self.function(module, name)?;
+        self.bind()?;
+        // SAFETY: `f` is a loaded function; the attribute takes a byte count.
+        unsafe {
+            sys::cuFuncSetAttribute(
+                f.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                self.context.shared_optin,
+            )
+        }
+        .result()
+        .ctx(&format!("cuFuncSetAttribute({key})"))?;
         self.context
             .functions
             .lock()

@@ -2,6 +2,7 @@
 //! the device. All work is queued on the device's stream (and so can be captured into a
 //! graph); nothing here synchronises.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::buffer::{DevSlice, DeviceBuffer};
@@ -262,6 +263,9 @@ pub struct Kernels {
     device: Arc<Device>,
     /// A decode step being recorded for the persistent kernel ([`Kernels::record_step`]).
     pub(crate) recording: Mutex<Option<Recording>>,
+    /// Whether the batched matmuls over K-quant weights take the pipelined walk (the
+    /// default); off only to measure the register walk beside it.
+    pipelined_bmm: AtomicBool,
 }
 
 impl Kernels {
@@ -269,7 +273,19 @@ impl Kernels {
         Kernels {
             device: device.clone(),
             recording: Mutex::new(None),
+            pipelined_bmm: AtomicBool::new(true),
         }
+    }
+
+    /// Chooses the walk of the batched matmuls over K-quant weights: the pipelined one
+    /// (`true`, the default) or the register walk every format has (`cuda/bmm.cu`).
+    /// Graphs captured before keep the walk they were captured with.
+    pub fn set_pipelined_bmm(&self, on: bool) {
+        self.pipelined_bmm.store(on, Ordering::Relaxed);
+    }
+
+    pub fn pipelined_bmm(&self) -> bool {
+        self.pipelined_bmm.load(Ordering::Relaxed)
     }
 
     /// Launches `f` now. While a step is recorded for the persistent kernel only the

@@ -157,6 +157,18 @@ pub struct DeviceWeight {
     sc: DeviceBuffer<u8>,
 }
 
+/// The scale plane padded with zeros to whole 4-byte words: the pipelined batched matmul
+/// copies Q6_K's 2-byte scales as the aligned words around them (`cuda/bmm.cu`).
+fn padded_to_words(sc: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if sc.len().is_multiple_of(4) {
+        std::borrow::Cow::Borrowed(sc)
+    } else {
+        let mut v = sc.to_vec();
+        v.resize(sc.len().next_multiple_of(4), 0);
+        std::borrow::Cow::Owned(v)
+    }
+}
+
 impl DeviceWeight {
     pub fn upload(device: &Arc<Device>, w: &PackedWeight) -> Result<DeviceWeight> {
         Ok(DeviceWeight {
@@ -166,7 +178,7 @@ impl DeviceWeight {
             rows: w.rows,
             body: DeviceBuffer::from_host(device, &w.body)?,
             qh: DeviceBuffer::from_host(device, &w.qh)?,
-            sc: DeviceBuffer::from_host(device, &w.sc)?,
+            sc: DeviceBuffer::from_host(device, &padded_to_words(&w.sc))?,
         })
     }
 

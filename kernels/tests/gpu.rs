@@ -1275,7 +1275,18 @@ fn batched_matmul_every_format_matches_reference() {
             let up_ggml = random_weights(&mut rng, q, k, n).unwrap();
             let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
             let up = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &up_ggml).unwrap();
-            for rows in [8usize, 16, 32, 64] {
+            // K-quants: the pipelined walk (the default) and the register walk.
+            let walks: &[bool] = if q.block_len() == 256 {
+                &[true, false]
+            } else {
+                &[false]
+            };
+            for (&pipelined, rows) in walks
+                .iter()
+                .flat_map(|p| [8usize, 16, 32, 64].map(|r| (p, r)))
+            {
+                g.k.set_pipelined_bmm(pipelined);
+                let walk = if pipelined { "pipelined" } else { "register" };
                 let x = random_vec(&mut rng, rows * k, 1.0);
                 let norm_w = random_vec(&mut rng, k, 1.0);
                 let bias = random_vec(&mut rng, n, 0.5);
@@ -1397,23 +1408,123 @@ fn batched_matmul_every_format_matches_reference() {
                     ] {
                         // NaN fails too (the comparison is false).
                         if !(e < bar) {
-                            failures.push(format!("{tag} {k}x{n} rows {rows} row {m} {what}: rel err {e:e} (bar {bar:e})"));
+                            failures.push(format!("{tag} {walk} {k}x{n} rows {rows} row {m} {what}: rel err {e:e} (bar {bar:e})"));
                         }
                     }
                     worst = worst.max(err).max(err_up).max(err_epi);
                     worst_sw = worst_sw.max(err_sw);
                 }
                 println!(
-                    "batched matmul {:<8} {k:>4}x{n:<3} rows {rows:<2}: worst rel err {worst:.2e}, fused SwiGLU {worst_sw:.1e}",
+                    "batched matmul {:<8} {walk:<9} {k:>4}x{n:<3} rows {rows:<2}: worst rel err {worst:.2e}, fused SwiGLU {worst_sw:.1e}",
                     f.tag
                 );
             }
+            g.k.set_pipelined_bmm(true);
         }
     }
     // Every case runs before the verdict, so one run shows all that fail.
     assert!(
         failures.is_empty(),
         "{} batched matmul rows off the reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The pipelined K-quant walk at the 8B's shapes, where each block's split runs several
+/// stages deep around its ring of shared-memory stages (the reference test's shapes are
+/// one or two stages a split): against the register walk on the same packed input, which
+/// sums the same integer products in another order, to 1e-5 of each row; NaN fails.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn pipelined_batched_matmul_matches_register_walk_at_depth() {
+    use kiln_kernels::{BatchEpilogue, PackedAct};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("pipelined batched matmul");
+    let mut failures = Vec::new();
+    for f in FORMATS.iter().filter(|f| {
+        matches!(f.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) && f.batched.is_some()
+    }) {
+        let q = f.qtype;
+        for (k, n, swiglu) in [
+            (4096usize, 4096usize, false),
+            (4096, 14336, true),
+            (14336, 4096, false),
+        ] {
+            let w = DeviceWeight::from_ggml_as(
+                &g.dev,
+                f,
+                k,
+                n,
+                &random_weights(&mut rng, q, k, n).unwrap(),
+            )
+            .unwrap();
+            let up = DeviceWeight::from_ggml_as(
+                &g.dev,
+                f,
+                k,
+                n,
+                &random_weights(&mut rng, q, k, n).unwrap(),
+            )
+            .unwrap();
+            for rows in [8usize, 16, 32, 64] {
+                let x = random_vec(&mut rng, rows * k, 1.0);
+                let (xs, ss) = PackedAct::lens(rows, k);
+                let (px, ps) = (
+                    DeviceBuffer::<[u32; 4]>::alloc(&g.dev, xs).unwrap(),
+                    DeviceBuffer::<[f32; 2]>::alloc(&g.dev, ss).unwrap(),
+                );
+                let act = PackedAct {
+                    x: px.slice(),
+                    s: ps.slice(),
+                };
+                let xd = buf(&g.dev, &x);
+                g.k.act_pack(xd.slice(), rows, k, None, None, act).unwrap();
+                let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, swiglu));
+                let run = |pipelined: bool| {
+                    g.k.set_pipelined_bmm(pipelined);
+                    let y = poisoned(&g.dev, rows * n);
+                    let up = swiglu.then_some(&up);
+                    g.k.batched_matmul(
+                        &w,
+                        up,
+                        &act,
+                        rows,
+                        part.slice(),
+                        y.slice(),
+                        n,
+                        &BatchEpilogue::default(),
+                    )
+                    .unwrap();
+                    y.to_host().unwrap()
+                };
+                let (piped, registers) = (run(true), run(false));
+                g.k.set_pipelined_bmm(true);
+                let mut worst = 0f64;
+                for m in 0..rows {
+                    let want: Vec<f64> = registers[m * n..(m + 1) * n]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
+                    let e = rel_err(&piped[m * n..(m + 1) * n], &want);
+                    if !(e < 1e-5) {
+                        failures.push(format!(
+                            "{} {k}x{n} swiglu {swiglu} rows {rows} row {m}: rel err {e:e}",
+                            f.tag
+                        ));
+                    }
+                    worst = worst.max(e);
+                }
+                println!(
+                    "pipelined vs register walk {:<5} {k:>5}x{n:<5} swiglu {swiglu:<5} rows {rows:<2}: worst rel err {worst:.2e}",
+                    f.tag
+                );
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} rows differ between the walks:\n{}",
         failures.len(),
         failures.join("\n")
     );

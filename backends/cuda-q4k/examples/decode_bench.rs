@@ -6,7 +6,8 @@
 //! as many bytes as a real model's.
 //!
 //! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
-//! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up).
+//! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up), with
+//! the K-quant matmuls' pipelined and register walks alternating over two rounds.
 //!
 //! With `--persistent`, the default step as a CUDA graph of launches against the persistent
 //! kernel (one launch a token) at 8 and 16 warps a block.
@@ -416,20 +417,29 @@ fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: us
                 .collect();
             ex.decode_sample(&items, &mut samplers, toks).unwrap();
         };
-        for _ in 0..4 {
-            step(&mut ex, &mut toks);
+        // Both walks of the K-quant matmuls, alternating, two rounds.
+        for round in 0..2 {
+            for pipelined in [true, false] {
+                ex.set_pipelined_bmm(pipelined);
+                for _ in 0..4 {
+                    step(&mut ex, &mut toks);
+                }
+                let t0 = Instant::now();
+                for _ in 0..n {
+                    step(&mut ex, &mut toks);
+                }
+                let dt = t0.elapsed().as_secs_f64();
+                println!(
+                    "| {} | batch {b} | {} walk, round {} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
+                    s.name,
+                    if pipelined { "pipelined" } else { "register" },
+                    round + 1,
+                    dt * 1e3 / n as f64,
+                    (b * n) as f64 / dt
+                );
+            }
         }
-        let t0 = Instant::now();
-        for _ in 0..n {
-            step(&mut ex, &mut toks);
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        println!(
-            "| {} | batch {b} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
-            s.name,
-            dt * 1e3 / n as f64,
-            (b * n) as f64 / dt
-        );
+        ex.set_pipelined_bmm(true);
         for seq in seqs {
             ex.free_sequence(seq).unwrap();
         }

@@ -777,6 +777,14 @@ impl GpuExecutor {
         Ok(())
     }
 
+    /// Chooses the walk of the batched matmuls over K-quant weights: pipelined through
+    /// shared memory (`true`, the default) or the register walk (to measure one beside the
+    /// other). Captured graphs are dropped.
+    pub fn set_pipelined_bmm(&mut self, on: bool) {
+        self.drop_graphs();
+        self.k.set_pipelined_bmm(on);
+    }
+
     /// Runs one-sequence decode steps as one persistent kernel each, of blocks of `warps`
     /// warps (8 or 16; `None`: the CUDA graph of launches, the default). The quantising
     /// GEMVs take the tiling those blocks own 32-row groups with (R4S1 at 8 warps, R4S2 at
