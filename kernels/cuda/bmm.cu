@@ -312,7 +312,7 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
 // split of the row length in 256-value super-blocks. A stage is one super-block column: the
 // block's 128 rows of it (and SwiGLU's second weight's), Q6_K's scales, and the packed
 // activations of its 8 chunks for every sequence, all copied into shared memory by cp.async,
-// `stages` deep: while the warps multiply one stage the next ones are in flight, and no
+// `stages` deep (2–4; the host runs 2): while the warps multiply one stage the next ones are in flight, and no
 // weight byte waits in a register (the walk above holds a stage's fragments in registers,
 // which caps the bytes in flight at a few hundred a warp: docs/benchmarks.md). Fragments are
 // read from shared memory with the same code as from global memory (kq_frag); a row stride

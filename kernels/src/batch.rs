@@ -125,8 +125,11 @@ impl Kernels {
         }
         let stage = bmmp_stage_bytes(w, rows, swiglu);
         let optin = self.device().shared_per_block_optin();
-        // Three stages where they fit (two super-blocks in flight while one is used), else two.
-        let stages = if 3 * stage <= optin { 3 } else { 2 };
+        // Two stages: one super-block in flight while the other is used. Three (or four)
+        // measured the same or slower on the H200 (thirteenth session, benchmarks.md): a
+        // smaller footprint lets a second block onto each SM, whose warps cover the
+        // fragment loads' latency (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
+        let stages = 2;
         if stages * stage > optin {
             return BmmWalk::Registers;
         }
