@@ -268,6 +268,24 @@ static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2
     }
 }
 
+// Writes a warp's sums (rows row0 + g and row0 + g + 8, the sequences of its lane) to its
+// split's partial sums `out` ([m][row], stride ldp; SwiGLU's up products nrows further on).
+template <int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm_store(float* __restrict__ out, int ldp, int nrows, int row0, int g, int t,
+                                                 const float (&acc)[NT][4], const float (&acc2)[SWIGLU ? NT : 1][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + g + (i < 2 ? 0 : 8);
+            const int m = n * 8 + 2 * t + (i & 1);
+            if (row < nrows) {
+                out[(size_t)m * ldp + row] = acc[n][i];
+                if constexpr (SWIGLU) out[(size_t)m * ldp + nrows + row] = acc2[n][i];
+            }
+        }
+}
+
 template <int T, int NT, bool SWIGLU>
 static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
                                            int K, int per_split) {
@@ -294,18 +312,7 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
         bmm_chunks_direct<T, NT, SWIGLU>(w, w2, a, ra, rb, g, t, K, c0, c1, acc, acc2);
     }
     if (!active) return;
-    float* out = part + (size_t)blockIdx.y * B * ldp;
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = row0 + g + (i < 2 ? 0 : 8);
-            const int m = n * 8 + 2 * t + (i & 1);
-            if (row < nrows) {
-                out[(size_t)m * ldp + row] = acc[n][i];
-                if constexpr (SWIGLU) out[(size_t)m * ldp + nrows + row] = acc2[n][i];
-            }
-        }
+    bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
 }
 
 // The pipelined walk, for K-quant weights (bmmp_*). A block owns 128 rows as above and a
@@ -442,18 +449,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         }
     }
     if (!active) return;
-    float* out = part + (size_t)blockIdx.y * B * ldp;
-#pragma unroll
-    for (int n_ = 0; n_ < NT; ++n_)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = row0 + g + (i < 2 ? 0 : 8);
-            const int m = n_ * 8 + 2 * t + (i & 1);
-            if (row < nrows) {
-                out[(size_t)m * ldp + row] = acc[n_][i];
-                if constexpr (SWIGLU) out[(size_t)m * ldp + nrows + row] = acc2[n_][i];
-            }
-        }
+    bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
 }
 
 #define BMM_ENTRY(NAME, T, NT)                                                                                         \

@@ -298,65 +298,58 @@ impl Device {
         Ok(m)
     }
 
-    /// The kernel `name` of `module`.
-    pub fn function(&self, module: &KernelModule, name: &str) -> Result<Function> {
-        let key = format!("{}::{name}", module.name);
-        if let Some(&f) = self
-            .context
-            .functions
-            .lock()
-            .expect("function table poisoned")
-            .get(&key)
-        {
+    /// The function cached under `key`, or the one `load` gives, cached from then on.
+    fn cached_function(
+        &self,
+        key: String,
+        load: impl FnOnce(&str) -> Result<Function>,
+    ) -> Result<Function> {
+        let functions = || {
+            self.context
+                .functions
+                .lock()
+                .expect("function table poisoned")
+        };
+        if let Some(&f) = functions().get(&key) {
             return Ok(f);
         }
-        let m = self.load_module(module)?;
-        let cname = CString::new(name)
-            .map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
-        // SAFETY: `m` is a loaded module.
-        let f = unsafe { result::module::get_function(m, cname) }
-            .ctx(&format!("cuModuleGetFunction({key})"))?;
-        let f = Function(f);
-        self.context
-            .functions
-            .lock()
-            .expect("function table poisoned")
-            .insert(key, f);
+        let f = load(&key)?;
+        functions().insert(key, f);
         Ok(f)
+    }
+
+    /// The kernel `name` of `module`.
+    pub fn function(&self, module: &KernelModule, name: &str) -> Result<Function> {
+        self.cached_function(format!("{}::{name}", module.name), |key| {
+            let m = self.load_module(module)?;
+            let cname = CString::new(name)
+                .map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
+            // SAFETY: `m` is a loaded module.
+            let f = unsafe { result::module::get_function(m, cname) }
+                .ctx(&format!("cuModuleGetFunction({key})"))?;
+            Ok(Function(f))
+        })
     }
 
     /// [`Device::function`] for a kernel that takes more than 48 KiB of dynamic shared
     /// memory: the limit is raised once, when the kernel is first loaded, to what the
     /// device allows a block ([`Device::shared_per_block_optin`]).
     pub fn function_with_shared(&self, module: &KernelModule, name: &str) -> Result<Function> {
-        let key = format!("{}::{name}+shared", module.name);
-        if let Some(&f) = self
-            .context
-            .functions
-            .lock()
-            .expect("function table poisoned")
-            .get(&key)
-        {
-            return Ok(f);
-        }
-        let f = self.function(module, name)?;
-        self.bind()?;
-        // SAFETY: `f` is a loaded function; the attribute takes a byte count.
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f.0,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                self.context.shared_optin,
-            )
-        }
-        .result()
-        .ctx(&format!("cuFuncSetAttribute({key})"))?;
-        self.context
-            .functions
-            .lock()
-            .expect("function table poisoned")
-            .insert(key, f);
-        Ok(f)
+        self.cached_function(format!("{}::{name}+shared", module.name), |key| {
+            let f = self.function(module, name)?;
+            self.bind()?;
+            // SAFETY: `f` is a loaded function; the attribute takes a byte count.
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f.0,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    self.context.shared_optin,
+                )
+            }
+            .result()
+            .ctx(&format!("cuFuncSetAttribute({key})"))?;
+            Ok(f)
+        })
     }
 
     /// Launches `f` on the device's stream.
