@@ -136,7 +136,8 @@ impl Kernels {
         BmmWalk::Pipelined { stages, stage }
     }
 
-    /// How many parts a batched matmul over `rows` rows of `w` splits its row length into.
+    /// How many parts a batched matmul over `rows` rows of `w` taking `walk` splits its row
+    /// length into.
     ///
     /// Register walk: enough blocks to fill the SMs `waves` times over, at least 4 chunks of
     /// 32 values per part. A warp keeps only a few hundred bytes of weights in flight, so
@@ -148,10 +149,6 @@ impl Kernels {
     ///
     /// Pipelined walk: parts of whole super-blocks, enough blocks for two per SM (each keeps
     /// its stages' bytes in flight itself).
-    pub fn bmm_splits(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
-        self.bmm_splits_of(w, rows, self.bmm_walk(w, rows, swiglu))
-    }
-
     fn bmm_splits_of(&self, w: &DeviceWeight, rows: usize, walk: BmmWalk) -> usize {
         let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
         if let BmmWalk::Pipelined { .. } = walk {
@@ -273,7 +270,7 @@ impl Kernels {
             return Err(invalid("a SwiGLU matmul takes no bias or residual".into()));
         }
         let walk = self.bmm_walk(w, rows, up.is_some());
-        let splits = self.bmm_splits(w, rows, up.is_some());
+        let splits = self.bmm_splits_of(w, rows, walk);
         let ldp = nrows * if up.is_some() { 2 } else { 1 };
         part.check_len(splits * rows * ldp, "batched matmul partial sums")?;
         let nt = rows / 8;
