@@ -2,10 +2,11 @@
 //! (and every core, when there are more), on each SIMD instruction set the CPU runs.
 //!
 //! ```text
-//! cargo run --release -p kiln-backend-cpu --example cpu_decode_bench [-- MODEL.gguf]
+//! cargo run --release -p kiln-backend-cpu --example cpu_decode_bench [-- MODEL.gguf [ISA [THREADS]]]
 //! ```
-//! Without an argument the model comes from `KILN_TEST_MODEL` or the kiln cache
-//! (`~/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf`).
+//! Without a model the one from `KILN_TEST_MODEL` or the kiln cache
+//! (`~/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf`) runs. ISA (`avx2`, `avx512`)
+//! and THREADS keep only that instruction set and thread count (for profiling one).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -47,9 +48,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect::<Vec<_>>()
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let only_isa = std::env::args().nth(2);
+    let only_threads = std::env::args()
+        .nth(3)
+        .map(|t| t.parse::<usize>())
+        .transpose()?;
     let mut counts = vec![1, 2];
     if cores > 2 {
         counts.push(cores);
+    }
+    if let Some(t) = only_threads {
+        counts = vec![t];
     }
     let vocab = c.vocab_size;
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32)
@@ -58,6 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let isas: Vec<Isa> = Isa::available()
         .into_iter()
         .filter(|&isa| isa != Isa::Portable)
+        .filter(|isa| only_isa.as_deref().is_none_or(|only| only == isa.name()))
         .collect();
     for (threads, isa) in counts
         .iter()

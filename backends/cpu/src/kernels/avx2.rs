@@ -87,6 +87,174 @@ unsafe fn fma_i8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
     }
 }
 
+/// The eight bytes at `p` widened to 32-bit lanes and split into their nibbles, as f32:
+/// lane j of the first vector holds byte j's low nibble, of the second its high nibble.
+/// The 4-bit block types keep value i in one nibble and value i + 16 (Q4_0, Q4_1) or
+/// i + 32 (Q4_K) in the other, so the two vectors meet two different eight-value runs of
+/// the activation: no shuffle reorders anything, and the widening reads memory directly.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles8(p: *const u8) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees the features and eight readable bytes at `p`.
+    unsafe {
+        let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        (
+            _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)),
+        )
+    }
+}
+
+/// Σ q·x over a 32-value block of unsigned nibbles (16 bytes at `qs`: value i in the low
+/// nibble of byte i, value 16 + i in its high nibble) and `x[0..32]`, as eight lane sums.
+/// Two independent chains, so one block's multiplies need not wait for each other.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_block(qs: *const u8, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees the features, 16 bytes at `qs` and 32 values at `x`.
+    unsafe {
+        let (lo0, hi0) = nibbles8(qs);
+        let (lo1, hi1) = nibbles8(qs.add(8));
+        nibble_block_sums([lo0, hi0, lo1, hi1], x)
+    }
+}
+
+/// The sums of [`nibble_block`] from its four nibble vectors (values 0..8, 16..24, 8..16,
+/// 24..32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_block_sums([lo0, hi0, lo1, hi1]: [__m256; 4], x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees the features and 32 values at `x`.
+    unsafe {
+        let s = _mm256_mul_ps(lo0, _mm256_loadu_ps(x));
+        let t = _mm256_mul_ps(lo1, _mm256_loadu_ps(x.add(8)));
+        let s = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(x.add(16)), s);
+        let t = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(x.add(24)), t);
+        _mm256_add_ps(s, t)
+    }
+}
+
+/// [`nibble_block`] for an APR Q4 block (value i in byte i / 2, low nibble for even i):
+/// the same four vectors of values, so the same sums bit for bit. One in-lane byte
+/// shuffle gathers, into 32-bit lane k, the bytes holding values k, 8 + k, 16 + k and
+/// 24 + k; one variable shift brings the odd lanes' high nibbles down.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn apr_nibble_block(qs: *const u8, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees the features, 16 bytes at `qs` and 32 values at `x`.
+    unsafe {
+        let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
+        // Lane k (k = 0..8; lanes 4..8 in the upper half): bytes k/2, 4 + k/2, 8 + k/2,
+        // 12 + k/2.
+        let gather = _mm256_setr_epi8(
+            0, 4, 8, 12, 0, 4, 8, 12, 1, 5, 9, 13, 1, 5, 9, 13, //
+            2, 6, 10, 14, 2, 6, 10, 14, 3, 7, 11, 15, 3, 7, 11, 15,
+        );
+        let u = _mm256_srlv_epi32(
+            _mm256_shuffle_epi8(both, gather),
+            _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4),
+        );
+        let low = _mm256_set1_epi32(0x0F);
+        let value = |shift: i32| match shift {
+            0 => _mm256_cvtepi32_ps(_mm256_and_si256(u, low)),
+            8 => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 8), low)),
+            16 => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 16), low)),
+            _ => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 24), low)),
+        };
+        // Values 0..8, 16..24, 8..16, 24..32, as `nibble_block` has them.
+        nibble_block_sums([value(0), value(16), value(8), value(24)], x)
+    }
+}
+
+/// The first four bytes (two f16: `d`, then `m` or the first quants) of eight consecutive
+/// blocks `stride` bytes apart from `p`, as two f32 vectors, lane j from block j. The
+/// words travel through a stack array by plain scalar loads and stores, which take load
+/// and store slots only; a broadcast and conversion per block would take two or three
+/// instructions from the vector arithmetic the row dot is bound by (a fifth of a Q4_1
+/// block's).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees the features and four readable bytes at `p + j·stride`
+    // for j in 0..8.
+    unsafe {
+        let mut words = [0u32; 8];
+        for (j, w) in words.iter_mut().enumerate() {
+            *w = (p.add(j * stride) as *const u32).read_unaligned();
+        }
+        let low_halves_first = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let a = _mm_shuffle_epi8(
+            _mm_loadu_si128(words.as_ptr() as *const __m128i),
+            low_halves_first,
+        );
+        let b = _mm_shuffle_epi8(
+            _mm_loadu_si128(words.as_ptr().add(4) as *const __m128i),
+            low_halves_first,
+        );
+        (
+            _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b)),
+            _mm256_cvtph_ps(_mm_unpackhi_epi64(a, b)),
+        )
+    }
+}
+
+/// `p`, laundered so the compiler must read what it points at from memory. The kernels
+/// park per-block scales (and Q6_K's assembled quants) in small stack arrays so that the
+/// loops read them with broadcast and widening loads, which take load slots only; seeing
+/// through the array, the compiler would keep the values in registers and spread them
+/// with shuffles instead, on the one port those kernels are short of.
+#[inline(always)]
+fn from_memory<T>(p: *const T) -> *const T {
+    std::hint::black_box(p)
+}
+
+/// Eight signed bytes at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x8(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees the features and eight readable bytes at `p`.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
+/// The eight 6-bit scales and eight 6-bit mins of a Q4_K or Q5_K super-block (the 12 bytes
+/// at `q`), as f32: sub-block j's scale is the low 6 bits of byte j (j < 4) or the low
+/// nibble of byte j + 4 with the top 2 bits of byte j − 4 above it; its min likewise from
+/// bytes j + 4, the high nibble of byte j + 4 and the top bits of byte j. Unpacked four
+/// bytes at a time instead of per sub-block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k_scales_mins(q: *const u8) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees the features and 12 readable bytes at `q`.
+    unsafe {
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const LOW2: u32 = 0x0303_0303;
+        let words = q as *const u32;
+        let (u0, u1, u2) = (
+            words.read_unaligned().to_le(),
+            words.add(1).read_unaligned().to_le(),
+            words.add(2).read_unaligned().to_le(),
+        );
+        let scales_lo = u0 & LOW6;
+        let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
+        let mins_lo = u1 & LOW6;
+        let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
+        let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
+            0,
+            0,
+            scales_hi as i32,
+            scales_lo as i32,
+        )));
+        let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
+            0,
+            0,
+            mins_hi as i32,
+            mins_lo as i32,
+        )));
+        (scales, mins)
+    }
+}
+
 /// 0x10 in each byte of `h` that has bit `u` (a one-bit mask in every lane) set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -169,61 +337,66 @@ unsafe fn dot_f16_unchecked(row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Σ over 18-byte blocks of d·(q − 8)·x: Q4_0 and APR Q4 share fields and arithmetic and
-/// differ only in where value `i`'s nibble lies. Q4_0: low nibbles are values 0..16, high
-/// nibbles 16..32. APR Q4 (`interleaved`): value `i` in byte `i / 2`, low nibble for even
-/// `i`; interleaving the low- and high-nibble vectors byte by byte restores value order.
+/// Q4_0 and APR Q4: Σ over 18-byte blocks of d·(q − 8)·x, computed as Σ d·(q·x) −
+/// 8·Σ d·(block sum of x): the −8 costs one multiply per eight blocks instead of one
+/// subtraction per value. The two differ only in where value `i`'s nibble lies; APR's
+/// nibbles are gathered into the same vectors ([`apr_nibble_block`]), so both give the
+/// same sums bit for bit.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_symmetric(row: &[u8], x: &[f32], interleaved: bool) -> f32 {
+unsafe fn dot_q4_symmetric<const APR: bool>(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
-        let nb = x.len() / 32;
-        debug_assert_eq!(row.len(), nb * 18);
-        let mask = _mm_set1_epi8(0x0F);
-        let eight = _mm_set1_epi8(8);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..nb {
-            let p = row.as_ptr().add(b * 18);
-            let px = x.as_ptr().add(b * 32);
-            let d = f16_splat(p);
-            let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
-            let lo = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
-            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
-            // Values 0..16, then 16..32.
-            let (first, second) = if interleaved {
-                (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+        let block = |qs: *const u8, x: *const f32| {
+            if APR {
+                apr_nibble_block(qs, x)
             } else {
-                (lo, hi)
-            };
-            let s = fma_i8x16(first, px, _mm256_setzero_ps());
-            let s = fma_i8x16(second, px.add(16), s);
-            acc = _mm256_fmadd_ps(d, s, acc);
+                nibble_block(qs, x)
+            }
+        };
+        let nb = x.len() / 32;
+        let (p, px, ps) = (row.as_ptr(), x.as_ptr(), sums.as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let mut offset = _mm256_setzero_ps();
+        let mut scales = [0.0f32; 8];
+        let mut b = 0;
+        while b + 8 <= nb {
+            let (d, _) = block_headers8(p.add(b * 18), 18);
+            _mm256_storeu_ps(scales.as_mut_ptr(), d);
+            offset = _mm256_fmadd_ps(d, _mm256_loadu_ps(ps.add(b)), offset);
+            let scales = from_memory(scales.as_ptr());
+            for j in 0..8 {
+                let dj = _mm256_broadcast_ss(&*scales.add(j));
+                let s = block(p.add((b + j) * 18 + 2), px.add((b + j) * 32));
+                acc = _mm256_fmadd_ps(dj, s, acc);
+            }
+            b += 8;
         }
-        hsum(acc)
+        let mut tail = _mm256_setzero_ps();
+        for b in b..nb {
+            let d = f16_splat(p.add(b * 18));
+            acc = _mm256_fmadd_ps(d, block(p.add(b * 18 + 2), px.add(b * 32)), acc);
+            tail = _mm256_fmadd_ps(d, _mm256_set1_ps(*ps.add(b)), tail);
+        }
+        hsum(acc) - 8.0 * (hsum(offset) + _mm256_cvtss_f32(tail))
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe { dot_q4_symmetric(row, x, false) }
+unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: as for `dot_q4_symmetric`, whose contract the caller keeps.
+    unsafe { dot_q4_symmetric::<false>(row, x, sums) }
 }
 
-/// APR Q4: Q4_0's fields and arithmetic with the nibbles in value order (see
-/// [`dot_q4_symmetric`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe { dot_q4_symmetric(row, x, true) }
+unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: as for `dot_q4_symmetric`, whose contract the caller keeps.
+    unsafe { dot_q4_symmetric::<true>(row, x, sums) }
 }
 
+/// Q4_1: Σ over 20-byte blocks of (d·q + m)·x = d·Σ q·x + m·(block sum of x).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
@@ -231,24 +404,31 @@ unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 32;
-        debug_assert_eq!(row.len(), nb * 20);
-        debug_assert_eq!(sums.len(), nb);
-        let mask = _mm_set1_epi8(0x0F);
+        let (p, px, ps) = (row.as_ptr(), x.as_ptr(), sums.as_ptr());
         let mut acc = _mm256_setzero_ps();
-        let mut offset = 0.0f32;
-        for b in 0..nb {
-            let p = row.as_ptr().add(b * 20);
-            let px = x.as_ptr().add(b * 32);
-            let (d, m) = f16x2(p);
-            let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
-            let lo = _mm_and_si128(qs, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-            let s = fma_u8x16(lo, px, _mm256_setzero_ps());
-            let s = fma_u8x16(hi, px.add(16), s);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            offset += m * *sums.get_unchecked(b);
+        let mut offset = _mm256_setzero_ps();
+        let mut scales = [0.0f32; 8];
+        let mut b = 0;
+        while b + 8 <= nb {
+            let (d, m) = block_headers8(p.add(b * 20), 20);
+            _mm256_storeu_ps(scales.as_mut_ptr(), d);
+            offset = _mm256_fmadd_ps(m, _mm256_loadu_ps(ps.add(b)), offset);
+            let scales = from_memory(scales.as_ptr());
+            for j in 0..8 {
+                let dj = _mm256_broadcast_ss(&*scales.add(j));
+                let s = nibble_block(p.add((b + j) * 20 + 4), px.add((b + j) * 32));
+                acc = _mm256_fmadd_ps(dj, s, acc);
+            }
+            b += 8;
         }
-        hsum(acc) + offset
+        let mut tail = 0.0f32;
+        for b in b..nb {
+            let (d, m) = f16x2(p.add(b * 20));
+            let s = nibble_block(p.add(b * 20 + 4), px.add(b * 32));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+            tail += m * *ps.add(b);
+        }
+        hsum(acc) + hsum(offset) + tail
     }
 }
 
@@ -321,6 +501,20 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     }
 }
 
+/// Σ q·x over a 32-value block of signed bytes at `qs` and `x[0..32]`, as eight lane sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn byte_block(qs: *const u8, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees the features, 32 bytes at `qs` and 32 values at `x`.
+    unsafe {
+        let s = _mm256_mul_ps(i8x8(qs), _mm256_loadu_ps(x));
+        let t = _mm256_mul_ps(i8x8(qs.add(8)), _mm256_loadu_ps(x.add(8)));
+        let s = _mm256_fmadd_ps(i8x8(qs.add(16)), _mm256_loadu_ps(x.add(16)), s);
+        let t = _mm256_fmadd_ps(i8x8(qs.add(24)), _mm256_loadu_ps(x.add(24)), t);
+        _mm256_add_ps(s, t)
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
@@ -328,22 +522,31 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 32;
-        debug_assert_eq!(row.len(), nb * 34);
+        let (p, px) = (row.as_ptr(), x.as_ptr());
         let mut acc = _mm256_setzero_ps();
-        for b in 0..nb {
-            let p = row.as_ptr().add(b * 34);
-            let px = x.as_ptr().add(b * 32);
-            let d = f16_splat(p);
-            let q0 = _mm_loadu_si128(p.add(2) as *const __m128i);
-            let q1 = _mm_loadu_si128(p.add(18) as *const __m128i);
-            let s = fma_i8x16(q0, px, _mm256_setzero_ps());
-            let s = fma_i8x16(q1, px.add(16), s);
-            acc = _mm256_fmadd_ps(d, s, acc);
+        let mut scales = [0.0f32; 8];
+        let mut b = 0;
+        while b + 8 <= nb {
+            let (d, _) = block_headers8(p.add(b * 34), 34);
+            _mm256_storeu_ps(scales.as_mut_ptr(), d);
+            let scales = from_memory(scales.as_ptr());
+            for j in 0..8 {
+                let s = byte_block(p.add((b + j) * 34 + 2), px.add((b + j) * 32));
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*scales.add(j)), s, acc);
+            }
+            b += 8;
+        }
+        for b in b..nb {
+            let s = byte_block(p.add(b * 34 + 2), px.add(b * 32));
+            acc = _mm256_fmadd_ps(f16_splat(p.add(b * 34)), s, acc);
         }
         hsum(acc)
     }
 }
 
+/// Q4_K: 256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit scale and
+/// min; weights `d·sc·q − dmin·m`, the min part through the activation's block sums. The
+/// scales of a super-block are unpacked together (eight at once) before its values.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
@@ -351,40 +554,42 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        debug_assert_eq!(row.len(), nb * 144);
-        debug_assert_eq!(sums.len(), nb * 8);
-        let mask = _mm_set1_epi8(0x0F);
         let mut acc = _mm256_setzero_ps();
-        let mut offset = 0.0f32;
+        let mut min_acc = _mm256_setzero_ps();
         for b in 0..nb {
-            let blk = &row[b * 144..(b + 1) * 144];
-            let (d, dmin) = f16x2(blk.as_ptr());
-            let scales = &blk[4..16];
-            let qs = blk.as_ptr().add(16);
+            let blk = row.as_ptr().add(b * 144);
+            let (scales, mins) = k_scales_mins(blk.add(4));
+            let mut dsc = [0.0f32; 8];
+            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, f16_splat(blk)));
+            let dsc = from_memory(dsc.as_ptr());
+            min_acc = _mm256_fmadd_ps(
+                _mm256_mul_ps(mins, f16_splat(blk.add(2))),
+                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
+                min_acc,
+            );
+            let qs = blk.add(16);
             let px = x.as_ptr().add(b * 256);
-            let bs = sums.as_ptr().add(b * 8);
-            let mut mins = 0.0f32;
             for i in 0..4 {
-                let (sc1, m1) = scale_min_k4(scales, 2 * i);
-                let (sc2, m2) = scale_min_k4(scales, 2 * i + 1);
-                let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
-                let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+                // Bytes 32i..32i+32: low nibbles are sub-block 2i, high nibbles 2i + 1.
+                let q = qs.add(32 * i);
                 let x0 = px.add(64 * i);
-                let s1 = fma_u8x16(_mm_and_si128(qa, mask), x0, _mm256_setzero_ps());
-                let s1 = fma_u8x16(_mm_and_si128(qb, mask), x0.add(16), s1);
-                let s2 = fma_u8x16(
-                    _mm_and_si128(_mm_srli_epi16(qa, 4), mask),
-                    x0.add(32),
-                    _mm256_setzero_ps(),
-                );
-                let s2 = fma_u8x16(_mm_and_si128(_mm_srli_epi16(qb, 4), mask), x0.add(48), s2);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
-                mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
+                let (l0, h0) = nibbles8(q);
+                let (l1, h1) = nibbles8(q.add(8));
+                let (l2, h2) = nibbles8(q.add(16));
+                let (l3, h3) = nibbles8(q.add(24));
+                let s1 = _mm256_mul_ps(l0, _mm256_loadu_ps(x0));
+                let s2 = _mm256_mul_ps(h0, _mm256_loadu_ps(x0.add(32)));
+                let s1 = _mm256_fmadd_ps(l1, _mm256_loadu_ps(x0.add(8)), s1);
+                let s2 = _mm256_fmadd_ps(h1, _mm256_loadu_ps(x0.add(40)), s2);
+                let s1 = _mm256_fmadd_ps(l2, _mm256_loadu_ps(x0.add(16)), s1);
+                let s2 = _mm256_fmadd_ps(h2, _mm256_loadu_ps(x0.add(48)), s2);
+                let s1 = _mm256_fmadd_ps(l3, _mm256_loadu_ps(x0.add(24)), s1);
+                let s2 = _mm256_fmadd_ps(h3, _mm256_loadu_ps(x0.add(56)), s2);
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*dsc.add(2 * i)), s1, acc);
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*dsc.add(2 * i + 1)), s2, acc);
             }
-            offset += dmin * mins;
         }
-        hsum(acc) - offset
+        hsum(acc) - hsum(min_acc)
     }
 }
 
@@ -444,6 +649,11 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     }
 }
 
+/// Q6_K: 256-value super-blocks of sixteen 16-value sub-blocks with signed 8-bit scales;
+/// each value's low four bits in `ql`, its top two in `qh`. A half super-block (128
+/// values) is assembled into signed bytes with 32-byte operations, parked on the stack,
+/// and widened from there eight at a time: the widening then reads memory, not a register
+/// that would first have to be split (two more shuffles per eight values).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
@@ -451,61 +661,60 @@ unsafe fn dot_q6_k_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        debug_assert_eq!(row.len(), nb * 210);
-        let mask = _mm_set1_epi8(0x0F);
-        let three = _mm_set1_epi8(3);
-        let bias = _mm_set1_epi8(32);
+        let low4 = _mm256_set1_epi8(0x0F);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let bias = _mm256_set1_epi8(32);
         let mut acc = _mm256_setzero_ps();
+        let mut acc2 = _mm256_setzero_ps();
+        let mut quants = [_mm256_setzero_si256(); 4];
         for b in 0..nb {
             let blk = row.as_ptr().add(b * 210);
-            let d = f16x1(blk.add(208));
-            let sc = blk.add(192) as *const i8;
+            let d = f16_splat(blk.add(208));
+            let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
+            let sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+            let sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)));
+            let mut dsc = [0.0f32; 16];
+            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(sc_lo, d));
+            _mm256_storeu_ps(dsc.as_mut_ptr().add(8), _mm256_mul_ps(sc_hi, d));
+            let dsc = from_memory(dsc.as_ptr());
             let px = x.as_ptr().add(b * 256);
             for n in 0..2 {
                 let ql = blk.add(64 * n);
-                let qh = blk.add(128 + 32 * n);
-                for half in 0..2 {
-                    let l0 = 16 * half;
-                    let qla = _mm_loadu_si128(ql.add(l0) as *const __m128i);
-                    let qlb = _mm_loadu_si128(ql.add(32 + l0) as *const __m128i);
-                    let h = _mm_loadu_si128(qh.add(l0) as *const __m128i);
-                    let h0 = _mm_slli_epi16(_mm_and_si128(h, three), 4);
-                    let h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), three), 4);
-                    let h2 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), three), 4);
-                    let h3 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), three), 4);
-                    let q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qla, mask), h0), bias);
-                    let q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qlb, mask), h1), bias);
-                    let q3 = _mm_sub_epi8(
-                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qla, 4), mask), h2),
-                        bias,
-                    );
-                    let q4 = _mm_sub_epi8(
-                        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qlb, 4), mask), h3),
-                        bias,
-                    );
-                    let y = px.add(128 * n + l0);
-                    let s = sc.add(8 * n + half);
-                    let z = _mm256_setzero_ps();
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *s as f32), fma_i8x16(q1, y, z), acc);
-                    acc = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d * *s.add(2) as f32),
-                        fma_i8x16(q2, y.add(32), z),
-                        acc,
-                    );
-                    acc = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d * *s.add(4) as f32),
-                        fma_i8x16(q3, y.add(64), z),
-                        acc,
-                    );
-                    acc = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d * *s.add(6) as f32),
-                        fma_i8x16(q4, y.add(96), z),
-                        acc,
+                let qla = _mm256_loadu_si256(ql as *const __m256i);
+                let qlb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                let h = _mm256_loadu_si256(blk.add(128 + 32 * n) as *const __m256i);
+                // Bits 2k, 2k+1 of qh byte l are the top bits of value 32k + l; moved to
+                // bits 4 and 5, above the low nibble.
+                let h0 = _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45);
+                let h1 = _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45);
+                let h2 = _mm256_and_si256(h, bits45);
+                let h3 = _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45);
+                let nib = |v: __m256i, top: __m256i| {
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low4), top), bias)
+                };
+                quants[0] = nib(qla, h0);
+                quants[1] = nib(qlb, h1);
+                quants[2] = nib(_mm256_srli_epi16(qla, 4), h2);
+                quants[3] = nib(_mm256_srli_epi16(qlb, 4), h3);
+                let quants = from_memory(quants.as_ptr()) as *const u8;
+                for k in 0..4 {
+                    // Values 128n + 32k + l; scale 8n + 2k for l < 16, the next one above.
+                    let q = quants.add(32 * k);
+                    let y = px.add(128 * n + 32 * k);
+                    let sa = _mm256_mul_ps(i8x8(q), _mm256_loadu_ps(y));
+                    let sb = _mm256_mul_ps(i8x8(q.add(16)), _mm256_loadu_ps(y.add(16)));
+                    let sa = _mm256_fmadd_ps(i8x8(q.add(8)), _mm256_loadu_ps(y.add(8)), sa);
+                    let sb = _mm256_fmadd_ps(i8x8(q.add(24)), _mm256_loadu_ps(y.add(24)), sb);
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*dsc.add(8 * n + 2 * k)), sa, acc);
+                    acc2 = _mm256_fmadd_ps(
+                        _mm256_broadcast_ss(&*dsc.add(8 * n + 2 * k + 1)),
+                        sb,
+                        acc2,
                     );
                 }
             }
         }
-        hsum(acc)
+        hsum(_mm256_add_ps(acc, acc2))
     }
 }
 
@@ -630,8 +839,8 @@ macro_rules! block_dot {
 }
 
 block_dot! {
-    dot_q4_0 => dot_q4_0_unchecked, 32, 18, false;
-    dot_apr_q4 => dot_apr_q4_unchecked, 32, 18, false;
+    dot_q4_0 => dot_q4_0_unchecked, 32, 18, true;
+    dot_apr_q4 => dot_apr_q4_unchecked, 32, 18, true;
     dot_q4_1 => dot_q4_1_unchecked, 32, 20, true;
     dot_q5_0 => dot_q5_0_unchecked, 32, 22, false;
     dot_q5_1 => dot_q5_1_unchecked, 32, 24, true;

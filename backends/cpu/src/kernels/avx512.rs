@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use kiln_core::QType;
 
-use super::avx2::f16x2;
+use super::avx2::{f16x2, k_scales_mins};
 use super::Avx2;
 
 /// Proof that this CPU runs AVX-512F, BW and VL as well as AVX2, FMA and F16C: only
@@ -313,45 +313,6 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
             )
         });
         _mm512_reduce_add_ps(sum)
-    }
-}
-
-/// The eight 6-bit scales and eight 6-bit mins of a Q4_K or Q5_K super-block (the 12 bytes
-/// at `q`), as f32: sub-block j's scale is the low 6 bits of byte j (j < 4) or the low
-/// nibble of byte j + 4 with the top 2 bits of byte j − 4 above it; its min likewise from
-/// bytes j + 4, the high nibble of byte j + 4 and the top bits of byte j. Unpacked four
-/// bytes at a time instead of per sub-block.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn k_scales_mins(q: *const u8) -> (__m256, __m256) {
-    // SAFETY: the caller guarantees the features and 12 readable bytes at `q`.
-    unsafe {
-        const LOW6: u32 = 0x3f3f_3f3f;
-        const LOW4: u32 = 0x0f0f_0f0f;
-        const LOW2: u32 = 0x0303_0303;
-        let words = q as *const u32;
-        let (u0, u1, u2) = (
-            words.read_unaligned().to_le(),
-            words.add(1).read_unaligned().to_le(),
-            words.add(2).read_unaligned().to_le(),
-        );
-        let scales_lo = u0 & LOW6;
-        let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
-        let mins_lo = u1 & LOW6;
-        let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
-        let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
-            0,
-            0,
-            scales_hi as i32,
-            scales_lo as i32,
-        )));
-        let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(
-            0,
-            0,
-            mins_hi as i32,
-            mins_lo as i32,
-        )));
-        (scales, mins)
     }
 }
 
