@@ -337,71 +337,22 @@ unsafe fn dot_f16_unchecked(row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Q4_0 and APR Q4: Σ over 18-byte blocks of d·(q − 8)·x, computed as Σ d·(q·x) −
-/// 8·Σ d·(block sum of x): the −8 costs one multiply per eight blocks instead of one
-/// subtraction per value. The two differ only in where value `i`'s nibble lies; APR's
-/// nibbles are gathered into the same vectors ([`apr_nibble_block`]), so both give the
-/// same sums bit for bit.
+/// The loop of the 32-value block types whose offsets go through the activation's block
+/// sums: (Σ_b d_b·`block`(b), Σ_b o_b·s_b), where d_b is block b's first f16, o_b its first
+/// (`OFFSET_HEAD` 0: Q4_0's d) or second (1: Q4_1's m) f16, s_b the activation's sum over
+/// the block, and `block` the eight lane sums of its quants (at byte `QS` of the block)
+/// with the activation. The heads are read eight blocks at a time ([`block_headers8`]),
+/// the offsets added with one FMA per eight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_symmetric<const APR: bool>(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        let block = |qs: *const u8, x: *const f32| {
-            if APR {
-                apr_nibble_block(qs, x)
-            } else {
-                nibble_block(qs, x)
-            }
-        };
-        let nb = x.len() / 32;
-        let (p, px, ps) = (row.as_ptr(), x.as_ptr(), sums.as_ptr());
-        let mut acc = _mm256_setzero_ps();
-        let mut offset = _mm256_setzero_ps();
-        let mut scales = [0.0f32; 8];
-        let mut b = 0;
-        while b + 8 <= nb {
-            let (d, _) = block_headers8(p.add(b * 18), 18);
-            _mm256_storeu_ps(scales.as_mut_ptr(), d);
-            offset = _mm256_fmadd_ps(d, _mm256_loadu_ps(ps.add(b)), offset);
-            let scales = from_memory(scales.as_ptr());
-            for j in 0..8 {
-                let dj = _mm256_broadcast_ss(&*scales.add(j));
-                let s = block(p.add((b + j) * 18 + 2), px.add((b + j) * 32));
-                acc = _mm256_fmadd_ps(dj, s, acc);
-            }
-            b += 8;
-        }
-        let mut tail = _mm256_setzero_ps();
-        for b in b..nb {
-            let d = f16_splat(p.add(b * 18));
-            acc = _mm256_fmadd_ps(d, block(p.add(b * 18 + 2), px.add(b * 32)), acc);
-            tail = _mm256_fmadd_ps(d, _mm256_set1_ps(*ps.add(b)), tail);
-        }
-        hsum(acc) - 8.0 * (hsum(offset) + _mm256_cvtss_f32(tail))
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
-    // SAFETY: as for `dot_q4_symmetric`, whose contract the caller keeps.
-    unsafe { dot_q4_symmetric::<false>(row, x, sums) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
-    // SAFETY: as for `dot_q4_symmetric`, whose contract the caller keeps.
-    unsafe { dot_q4_symmetric::<true>(row, x, sums) }
-}
-
-/// Q4_1: Σ over 20-byte blocks of (d·q + m)·x = d·Σ q·x + m·(block sum of x).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
+unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET_HEAD: usize>(
+    row: &[u8],
+    x: &[f32],
+    sums: &[f32],
+    block: impl Fn(*const u8, *const f32) -> __m256,
+) -> (f32, f32) {
+    // SAFETY: the caller guarantees the features, `x.len() / 32` blocks of STRIDE bytes in
+    // `row` (each at least four bytes) and one sum per block in `sums`.
     unsafe {
         let nb = x.len() / 32;
         let (p, px, ps) = (row.as_ptr(), x.as_ptr(), sums.as_ptr());
@@ -410,26 +361,58 @@ unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
         let mut scales = [0.0f32; 8];
         let mut b = 0;
         while b + 8 <= nb {
-            let (d, m) = block_headers8(p.add(b * 20), 20);
+            let (d, second) = block_headers8(p.add(b * STRIDE), STRIDE);
             _mm256_storeu_ps(scales.as_mut_ptr(), d);
-            offset = _mm256_fmadd_ps(m, _mm256_loadu_ps(ps.add(b)), offset);
+            let o = if OFFSET_HEAD == 0 { d } else { second };
+            offset = _mm256_fmadd_ps(o, _mm256_loadu_ps(ps.add(b)), offset);
             let scales = from_memory(scales.as_ptr());
             for j in 0..8 {
                 let dj = _mm256_broadcast_ss(&*scales.add(j));
-                let s = nibble_block(p.add((b + j) * 20 + 4), px.add((b + j) * 32));
+                let s = block(p.add((b + j) * STRIDE + QS), px.add((b + j) * 32));
                 acc = _mm256_fmadd_ps(dj, s, acc);
             }
             b += 8;
         }
         let mut tail = 0.0f32;
         for b in b..nb {
-            let (d, m) = f16x2(p.add(b * 20));
-            let s = nibble_block(p.add(b * 20 + 4), px.add(b * 32));
+            // Both halves of the head: the second is only used as Q4_1's m.
+            let (d, second) = f16x2(p.add(b * STRIDE));
+            let s = block(p.add(b * STRIDE + QS), px.add(b * 32));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            tail += m * *ps.add(b);
+            tail += if OFFSET_HEAD == 0 { d } else { second } * *ps.add(b);
         }
-        hsum(acc) + hsum(offset) + tail
+        (hsum(acc), hsum(offset) + tail)
     }
+}
+
+/// Q4_0: Σ over 18-byte blocks of d·(q − 8)·x, computed as Σ d·(q·x) − 8·Σ d·(block sum
+/// of x): the −8 costs one multiply per eight blocks instead of one subtraction per value.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
+    let (dot, d_sums) =
+        unsafe { offset_blocks::<18, 2, 0>(row, x, sums, |q, x| nibble_block(q, x)) };
+    dot - 8.0 * d_sums
+}
+
+/// APR Q4: Q4_0's fields and arithmetic with value `i` in byte `i / 2`, low nibble for even
+/// `i`. Its nibbles are gathered into the same vectors ([`apr_nibble_block`]), so it gives
+/// Q4_0's sums bit for bit.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
+    let (dot, d_sums) =
+        unsafe { offset_blocks::<18, 2, 0>(row, x, sums, |q, x| apr_nibble_block(q, x)) };
+    dot - 8.0 * d_sums
+}
+
+/// Q4_1: Σ over 20-byte blocks of (d·q + m)·x = d·Σ q·x + m·(block sum of x).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
+    let (dot, m_sums) =
+        unsafe { offset_blocks::<20, 4, 1>(row, x, sums, |q, x| nibble_block(q, x)) };
+    dot + m_sums
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
