@@ -8,8 +8,6 @@
 
 use std::arch::x86_64::*;
 
-use kiln_core::quant::kquants::scale_min_k4;
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum(v: __m256) -> f32 {
@@ -208,6 +206,14 @@ fn from_memory<T>(p: *const T) -> *const T {
     std::hint::black_box(p)
 }
 
+/// Eight unsigned bytes at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u8x8(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees the features and eight readable bytes at `p`.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
 /// Eight signed bytes at `p` as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -253,13 +259,6 @@ pub(super) unsafe fn k_scales_mins(q: *const u8) -> (__m256, __m256) {
         )));
         (scales, mins)
     }
-}
-
-/// 0x10 in each byte of `h` that has bit `u` (a one-bit mask in every lane) set, else 0.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits_masked(h: __m128i, u: __m128i) -> __m128i {
-    _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, u), u), _mm_set1_epi8(0x10))
 }
 
 /// Bit `i` of the 16 bits in `bits` as byte `i`: 0x10 where the bit is set, 0 where not.
@@ -576,6 +575,10 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     }
 }
 
+/// Q5_K: Q4_K with a fifth bit per value in `qh` (bit 2i of byte l for value 64i + l,
+/// bit 2i + 1 for value 64i + 32 + l). Each 64-value group is assembled into bytes with
+/// 32-byte operations (the fifth bits shifted to bit 4 and masked in), parked on the stack
+/// and widened from there, as Q6_K does.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
@@ -583,52 +586,64 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // reads (checked by the wrappers); every pointer stays inside those slices.
     unsafe {
         let nb = x.len() / 256;
-        debug_assert_eq!(row.len(), nb * 176);
-        debug_assert_eq!(sums.len(), nb * 8);
-        let mask = _mm_set1_epi8(0x0F);
+        let low4 = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
         let mut acc = _mm256_setzero_ps();
-        let mut offset = 0.0f32;
+        let mut acc2 = _mm256_setzero_ps();
+        let mut min_acc = _mm256_setzero_ps();
+        let mut quants = [_mm256_setzero_si256(); 2];
         for b in 0..nb {
-            let blk = &row[b * 176..(b + 1) * 176];
-            let (d, dmin) = f16x2(blk.as_ptr());
-            let scales = &blk[4..16];
-            // Byte l of `qh` carries the fifth bit of value l of every 32-value sub-block:
-            // bit 2i for sub-block 2i (low nibbles), bit 2i+1 for 2i+1 (high nibbles).
-            let qha = _mm_loadu_si128(blk.as_ptr().add(16) as *const __m128i);
-            let qhb = _mm_loadu_si128(blk.as_ptr().add(32) as *const __m128i);
-            let qs = blk.as_ptr().add(48);
+            let blk = row.as_ptr().add(b * 176);
+            let (scales, mins) = k_scales_mins(blk.add(4));
+            let mut dsc = [0.0f32; 8];
+            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, f16_splat(blk)));
+            let dsc = from_memory(dsc.as_ptr());
+            min_acc = _mm256_fmadd_ps(
+                _mm256_mul_ps(mins, f16_splat(blk.add(2))),
+                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
+                min_acc,
+            );
+            let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
             let px = x.as_ptr().add(b * 256);
-            let bs = sums.as_ptr().add(b * 8);
-            let mut mins = 0.0f32;
             for i in 0..4 {
-                let (sc1, m1) = scale_min_k4(scales, 2 * i);
-                let (sc2, m2) = scale_min_k4(scales, 2 * i + 1);
-                let u1 = _mm_set1_epi8((1u8 << (2 * i)) as i8);
-                let u2 = _mm_set1_epi8((2u8 << (2 * i)) as i8);
-                let qa = _mm_loadu_si128(qs.add(32 * i) as *const __m128i);
-                let qb = _mm_loadu_si128(qs.add(32 * i + 16) as *const __m128i);
+                let q = _mm256_loadu_si256(blk.add(48 + 32 * i) as *const __m256i);
+                // Bits 2i and 2i + 1 of each qh byte moved to bit 4 (16-bit shifts: what
+                // crosses into the neighbouring byte lands outside bit 4).
+                let (fifth_lo, fifth_hi) = match i {
+                    0 => (_mm256_slli_epi16(qh, 4), _mm256_slli_epi16(qh, 3)),
+                    1 => (_mm256_slli_epi16(qh, 2), _mm256_slli_epi16(qh, 1)),
+                    2 => (qh, _mm256_srli_epi16(qh, 1)),
+                    _ => (_mm256_srli_epi16(qh, 2), _mm256_srli_epi16(qh, 3)),
+                };
+                quants[0] =
+                    _mm256_or_si256(_mm256_and_si256(q, low4), _mm256_and_si256(fifth_lo, bit4));
+                quants[1] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(q, 4), low4),
+                    _mm256_and_si256(fifth_hi, bit4),
+                );
+                let qp = from_memory(quants.as_ptr()) as *const u8;
                 let x0 = px.add(64 * i);
-                let la = _mm_or_si128(_mm_and_si128(qa, mask), fifth_bits_masked(qha, u1));
-                let lb = _mm_or_si128(_mm_and_si128(qb, mask), fifth_bits_masked(qhb, u1));
-                let ha = _mm_or_si128(
-                    _mm_and_si128(_mm_srli_epi16(qa, 4), mask),
-                    fifth_bits_masked(qha, u2),
+                let s1 = _mm256_mul_ps(u8x8(qp), _mm256_loadu_ps(x0));
+                let t1 = _mm256_mul_ps(u8x8(qp.add(8)), _mm256_loadu_ps(x0.add(8)));
+                let s2 = _mm256_mul_ps(u8x8(qp.add(32)), _mm256_loadu_ps(x0.add(32)));
+                let t2 = _mm256_mul_ps(u8x8(qp.add(40)), _mm256_loadu_ps(x0.add(40)));
+                let s1 = _mm256_fmadd_ps(u8x8(qp.add(16)), _mm256_loadu_ps(x0.add(16)), s1);
+                let t1 = _mm256_fmadd_ps(u8x8(qp.add(24)), _mm256_loadu_ps(x0.add(24)), t1);
+                let s2 = _mm256_fmadd_ps(u8x8(qp.add(48)), _mm256_loadu_ps(x0.add(48)), s2);
+                let t2 = _mm256_fmadd_ps(u8x8(qp.add(56)), _mm256_loadu_ps(x0.add(56)), t2);
+                acc = _mm256_fmadd_ps(
+                    _mm256_broadcast_ss(&*dsc.add(2 * i)),
+                    _mm256_add_ps(s1, t1),
+                    acc,
                 );
-                let hb = _mm_or_si128(
-                    _mm_and_si128(_mm_srli_epi16(qb, 4), mask),
-                    fifth_bits_masked(qhb, u2),
+                acc2 = _mm256_fmadd_ps(
+                    _mm256_broadcast_ss(&*dsc.add(2 * i + 1)),
+                    _mm256_add_ps(s2, t2),
+                    acc2,
                 );
-                let s1 = fma_u8x16(la, x0, _mm256_setzero_ps());
-                let s1 = fma_u8x16(lb, x0.add(16), s1);
-                let s2 = fma_u8x16(ha, x0.add(32), _mm256_setzero_ps());
-                let s2 = fma_u8x16(hb, x0.add(48), s2);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 as f32), s1, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc2 as f32), s2, acc);
-                mins += m1 as f32 * *bs.add(2 * i) + m2 as f32 * *bs.add(2 * i + 1);
             }
-            offset += dmin * mins;
         }
-        hsum(acc) - offset
+        hsum(_mm256_add_ps(acc, acc2)) - hsum(min_acc)
     }
 }
 
