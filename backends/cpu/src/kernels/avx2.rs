@@ -526,6 +526,25 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
     }
 }
 
+/// The head of a Q4_K or Q5_K super-block at `blk` (d, dmin, the 12 scale bytes): its
+/// eight sub-block scales times d into `dsc`, and `min_acc` plus its mins times dmin times
+/// the activation's eight block sums at `sums` (what the caller subtracts at the end).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_head(blk: *const u8, sums: *const f32, dsc: &mut [f32; 8], min_acc: __m256) -> __m256 {
+    // SAFETY: the caller guarantees the features, the 16 head bytes at `blk` and eight
+    // sums at `sums`.
+    unsafe {
+        let (scales, mins) = k_scales_mins(blk.add(4));
+        _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, f16_splat(blk)));
+        _mm256_fmadd_ps(
+            _mm256_mul_ps(mins, f16_splat(blk.add(2))),
+            _mm256_loadu_ps(sums),
+            min_acc,
+        )
+    }
+}
+
 /// Q4_K: 256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit scale and
 /// min; weights `d·sc·q − dmin·m`, the min part through the activation's block sums. The
 /// scales of a super-block are unpacked together (eight at once) before its values.
@@ -540,15 +559,9 @@ unsafe fn dot_q4_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
         let mut min_acc = _mm256_setzero_ps();
         for b in 0..nb {
             let blk = row.as_ptr().add(b * 144);
-            let (scales, mins) = k_scales_mins(blk.add(4));
             let mut dsc = [0.0f32; 8];
-            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, f16_splat(blk)));
+            min_acc = k_head(blk, sums.as_ptr().add(b * 8), &mut dsc, min_acc);
             let dsc = from_memory(dsc.as_ptr());
-            min_acc = _mm256_fmadd_ps(
-                _mm256_mul_ps(mins, f16_splat(blk.add(2))),
-                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
-                min_acc,
-            );
             let qs = blk.add(16);
             let px = x.as_ptr().add(b * 256);
             for i in 0..4 {
@@ -594,15 +607,9 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
         let mut quants = [_mm256_setzero_si256(); 2];
         for b in 0..nb {
             let blk = row.as_ptr().add(b * 176);
-            let (scales, mins) = k_scales_mins(blk.add(4));
             let mut dsc = [0.0f32; 8];
-            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(scales, f16_splat(blk)));
+            min_acc = k_head(blk, sums.as_ptr().add(b * 8), &mut dsc, min_acc);
             let dsc = from_memory(dsc.as_ptr());
-            min_acc = _mm256_fmadd_ps(
-                _mm256_mul_ps(mins, f16_splat(blk.add(2))),
-                _mm256_loadu_ps(sums.as_ptr().add(b * 8)),
-                min_acc,
-            );
             let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
             let px = x.as_ptr().add(b * 256);
             for i in 0..4 {
