@@ -55,36 +55,6 @@ pub(super) unsafe fn f16_splat(p: *const u8) -> __m256 {
     unsafe { _mm256_cvtph_ps(_mm_set1_epi16((p as *const u16).read_unaligned() as i16)) }
 }
 
-/// Σ q·x over 16 unsigned bytes `q` and `x[0..16]`, added to `acc`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fma_u8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        let a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-        let b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-        let acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc);
-        _mm256_fmadd_ps(b, _mm256_loadu_ps(x.add(8)), acc)
-    }
-}
-
-/// Σ q·x over 16 signed bytes `q` and `x[0..16]`, added to `acc`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fma_i8x16(q: __m128i, x: *const f32, acc: __m256) -> __m256 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        let a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-        let b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-        let acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc);
-        _mm256_fmadd_ps(b, _mm256_loadu_ps(x.add(8)), acc)
-    }
-}
-
 /// The eight bytes at `p` widened to 32-bit lanes and split into their nibbles, as f32:
 /// lane j of the first vector holds byte j's low nibble, of the second its high nibble.
 /// The 4-bit block types keep value i in one nibble and value i + 16 (Q4_0, Q4_1) or
@@ -414,73 +384,48 @@ unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     dot + m_sums
 }
 
+/// Σ q·x over a Q5_0/Q5_1 block's 5-bit quants (`q`: the block's `qh` word, then its 16
+/// nibble bytes) and `x[0..32]`, as eight lane sums: the quants assembled in value order
+/// as 32 bytes (fifth bits spread onto bit 4), parked on the stack and widened from there.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
+unsafe fn q5_block(q: *const u8, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees the features, 20 bytes at `q` and 32 values at `x`.
     unsafe {
-        let nb = x.len() / 32;
-        debug_assert_eq!(row.len(), nb * 22);
-        let mask = _mm_set1_epi8(0x0F);
-        let sixteen = _mm_set1_epi8(16);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..nb {
-            let p = row.as_ptr().add(b * 22);
-            let px = x.as_ptr().add(b * 32);
-            let d = f16_splat(p);
-            let qh = (p.add(2) as *const u32).read_unaligned().to_le();
-            let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
-            // 5-bit quants are 0..=31, so after the −16 they fit an i8.
-            let lo = _mm_sub_epi8(
-                _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh)),
-                sixteen,
-            );
-            let hi = _mm_sub_epi8(
-                _mm_or_si128(
-                    _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
-                    fifth_bits16(qh >> 16),
-                ),
-                sixteen,
-            );
-            let s = fma_i8x16(lo, px, _mm256_setzero_ps());
-            let s = fma_i8x16(hi, px.add(16), s);
-            acc = _mm256_fmadd_ps(d, s, acc);
-        }
-        hsum(acc)
+        let qh = (q as *const u32).read_unaligned().to_le();
+        let qs = _mm_loadu_si128(q.add(4) as *const __m128i);
+        let low4 = _mm_set1_epi8(0x0F);
+        let values = [
+            _mm_or_si128(_mm_and_si128(qs, low4), fifth_bits16(qh)),
+            _mm_or_si128(
+                _mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                fifth_bits16(qh >> 16),
+            ),
+        ];
+        let v = from_memory(values.as_ptr()) as *const u8;
+        let s = _mm256_mul_ps(u8x8(v), _mm256_loadu_ps(x));
+        let t = _mm256_mul_ps(u8x8(v.add(8)), _mm256_loadu_ps(x.add(8)));
+        let s = _mm256_fmadd_ps(u8x8(v.add(16)), _mm256_loadu_ps(x.add(16)), s);
+        let t = _mm256_fmadd_ps(u8x8(v.add(24)), _mm256_loadu_ps(x.add(24)), t);
+        _mm256_add_ps(s, t)
     }
 }
 
+/// Q5_0: Σ over 22-byte blocks (d, qh, qs) of d·(q − 16)·x = Σ d·(q·x) − 16·Σ d·(block
+/// sum of x).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
+    let (dot, d_sums) = unsafe { offset_blocks::<22, 2, 0>(row, x, sums, |q, x| q5_block(q, x)) };
+    dot - 16.0 * d_sums
+}
+
+/// Q5_1: Σ over 24-byte blocks (d, m, qh, qs) of (d·q + m)·x = d·Σ q·x + m·(block sum of x).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        let nb = x.len() / 32;
-        debug_assert_eq!(row.len(), nb * 24);
-        debug_assert_eq!(sums.len(), nb);
-        let mask = _mm_set1_epi8(0x0F);
-        let mut acc = _mm256_setzero_ps();
-        let mut offset = 0.0f32;
-        for b in 0..nb {
-            let p = row.as_ptr().add(b * 24);
-            let px = x.as_ptr().add(b * 32);
-            let (d, m) = f16x2(p);
-            let qh = (p.add(4) as *const u32).read_unaligned().to_le();
-            let qs = _mm_loadu_si128(p.add(8) as *const __m128i);
-            let lo = _mm_or_si128(_mm_and_si128(qs, mask), fifth_bits16(qh));
-            let hi = _mm_or_si128(
-                _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
-                fifth_bits16(qh >> 16),
-            );
-            let s = fma_u8x16(lo, px, _mm256_setzero_ps());
-            let s = fma_u8x16(hi, px.add(16), s);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            offset += m * *sums.get_unchecked(b);
-        }
-        hsum(acc) + offset
-    }
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
+    let (dot, m_sums) = unsafe { offset_blocks::<24, 4, 1>(row, x, sums, |q, x| q5_block(q, x)) };
+    dot + m_sums
 }
 
 /// Σ q·x over a 32-value block of signed bytes at `qs` and `x[0..32]`, as eight lane sums.
@@ -847,7 +792,7 @@ block_dot! {
     dot_q4_0 => dot_q4_0_unchecked, 32, 18, true;
     dot_apr_q4 => dot_apr_q4_unchecked, 32, 18, true;
     dot_q4_1 => dot_q4_1_unchecked, 32, 20, true;
-    dot_q5_0 => dot_q5_0_unchecked, 32, 22, false;
+    dot_q5_0 => dot_q5_0_unchecked, 32, 22, true;
     dot_q5_1 => dot_q5_1_unchecked, 32, 24, true;
     dot_q8_0 => dot_q8_0_unchecked, 32, 34, false;
     dot_q4_k => dot_q4_k_unchecked, 256, 144, true;
