@@ -402,12 +402,7 @@ unsafe fn q5_block(q: *const u8, x: *const f32) -> __m256 {
                 fifth_bits16(qh >> 16),
             ),
         ];
-        let v = from_memory(values.as_ptr()) as *const u8;
-        let s = _mm256_mul_ps(u8x8(v), _mm256_loadu_ps(x));
-        let t = _mm256_mul_ps(u8x8(v.add(8)), _mm256_loadu_ps(x.add(8)));
-        let s = _mm256_fmadd_ps(u8x8(v.add(16)), _mm256_loadu_ps(x.add(16)), s);
-        let t = _mm256_fmadd_ps(u8x8(v.add(24)), _mm256_loadu_ps(x.add(24)), t);
-        _mm256_add_ps(s, t)
+        byte_block::<false>(from_memory(values.as_ptr()) as *const u8, x)
     }
 }
 
@@ -428,16 +423,17 @@ unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     dot + m_sums
 }
 
-/// Σ q·x over a 32-value block of signed bytes at `qs` and `x[0..32]`, as eight lane sums.
+/// Σ q·x over 32 bytes at `qs` (signed or not) and `x[0..32]`, as eight lane sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn byte_block(qs: *const u8, x: *const f32) -> __m256 {
+unsafe fn byte_block<const SIGNED: bool>(qs: *const u8, x: *const f32) -> __m256 {
     // SAFETY: the caller guarantees the features, 32 bytes at `qs` and 32 values at `x`.
     unsafe {
-        let s = _mm256_mul_ps(i8x8(qs), _mm256_loadu_ps(x));
-        let t = _mm256_mul_ps(i8x8(qs.add(8)), _mm256_loadu_ps(x.add(8)));
-        let s = _mm256_fmadd_ps(i8x8(qs.add(16)), _mm256_loadu_ps(x.add(16)), s);
-        let t = _mm256_fmadd_ps(i8x8(qs.add(24)), _mm256_loadu_ps(x.add(24)), t);
+        let w = |p: *const u8| if SIGNED { i8x8(p) } else { u8x8(p) };
+        let s = _mm256_mul_ps(w(qs), _mm256_loadu_ps(x));
+        let t = _mm256_mul_ps(w(qs.add(8)), _mm256_loadu_ps(x.add(8)));
+        let s = _mm256_fmadd_ps(w(qs.add(16)), _mm256_loadu_ps(x.add(16)), s);
+        let t = _mm256_fmadd_ps(w(qs.add(24)), _mm256_loadu_ps(x.add(24)), t);
         _mm256_add_ps(s, t)
     }
 }
@@ -458,13 +454,13 @@ unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
             _mm256_storeu_ps(scales.as_mut_ptr(), d);
             let scales = from_memory(scales.as_ptr());
             for j in 0..8 {
-                let s = byte_block(p.add((b + j) * 34 + 2), px.add((b + j) * 32));
+                let s = byte_block::<true>(p.add((b + j) * 34 + 2), px.add((b + j) * 32));
                 acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*scales.add(j)), s, acc);
             }
             b += 8;
         }
         for b in b..nb {
-            let s = byte_block(p.add(b * 34 + 2), px.add(b * 32));
+            let s = byte_block::<true>(p.add(b * 34 + 2), px.add(b * 32));
             acc = _mm256_fmadd_ps(f16_splat(p.add(b * 34)), s, acc);
         }
         hsum(acc)
