@@ -158,9 +158,10 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
     });
 }
 
-/// Dequantise each row once, a segment at a time, and dot it with every token. With the
-/// AVX-512 kernels four rows go together and meet four tokens at a time, each loaded vector
-/// used four times (a register-blocked f32 GEMM); otherwise one row meets four tokens.
+/// Dequantise each row once, a segment at a time, and dot it with every token. Rows go
+/// together in register blocks against four tokens at a time (a register-blocked f32
+/// GEMM): four rows with the AVX-512 kernels, two with AVX2, each loaded vector used several
+/// times; the portable path takes one row against four tokens.
 fn many_tokens<'o>(
     m: &QMatrix,
     bytes: &[u8],
@@ -178,12 +179,11 @@ fn many_tokens<'o>(
     for (t, o) in outs.iter_mut().enumerate().take(tokens) {
         *o = write(t);
     }
-    let wide = simd.and_then(|s| match s {
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512(t) => Some(t),
-        _ => None,
-    });
-    let group = if wide.is_some() { 4 } else { 1 };
+    let group = match simd {
+        Some(Simd::Avx512(_)) => 4,
+        Some(Simd::Avx2(_)) => 2,
+        None => 1,
+    };
     let mut r0 = 0;
     while r0 < rows {
         let nr = group.min(rows - r0);
@@ -200,13 +200,20 @@ fn many_tokens<'o>(
             }
             let x = |t: usize| &input.x[t * m.cols + c0..t * m.cols + c0 + n];
             let mut t = 0;
+            // The register blocks: `group` rows against four tokens a call. Short groups
+            // repeat their last row; the repeats' sums are not kept.
             #[cfg(target_arch = "x86_64")]
-            if let Some(wide) = wide {
-                // Short groups repeat their last row; the repeats' sums are not kept.
+            if let Some(simd) = simd {
                 let w: [&[f32]; 4] = std::array::from_fn(|j| &buf[j.min(nr - 1)][..n]);
                 while t + 4 <= tokens {
-                    let d =
-                        crate::kernels::dot4x4_f32(wide, w, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                    let xs = [x(t), x(t + 1), x(t + 2), x(t + 3)];
+                    let d = match simd {
+                        Simd::Avx512(wide) => crate::kernels::dot4x4_f32(wide, w, xs),
+                        Simd::Avx2(narrow) => {
+                            let [d0, d1] = crate::kernels::dot2x4_f32(narrow, [w[0], w[1]], xs);
+                            [d0, d1, [0.0; 4], [0.0; 4]]
+                        }
+                    };
                     for (a, d) in acc.iter_mut().zip(d).take(nr) {
                         for (a, d) in a[t..t + 4].iter_mut().zip(d) {
                             *a += d;

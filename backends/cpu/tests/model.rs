@@ -5,7 +5,7 @@
 mod common;
 
 use common::{rel_err, Spec};
-use kiln_backend_cpu::CpuBackend;
+use kiln_backend_cpu::{CpuBackend, Isa};
 use kiln_core::{
     quant::dequantize, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelIr,
     NormKind, RopeKind, Support, TensorView,
@@ -44,10 +44,30 @@ fn stepwise(ex: &mut dyn LayerExecutor, tokens: &[u32]) -> Vec<Vec<f32>> {
 }
 
 fn check_prefill_matches_decode(spec: &Spec, n: usize) {
+    // Every instruction set this CPU runs: each has its own many-token register block.
+    for isa in Isa::available() {
+        let opts = LoadOptions {
+            max_context: 128,
+            max_sequences: 2,
+            threads: Some(2),
+            ..Default::default()
+        };
+        let ex = CpuBackend
+            .load_executor_on(&spec.build(42), &opts, isa)
+            .expect("load");
+        check_prefill_matches_decode_on(spec, n, Box::new(ex), isa);
+    }
+}
+
+fn check_prefill_matches_decode_on(
+    spec: &Spec,
+    n: usize,
+    mut ex: Box<dyn LayerExecutor>,
+    isa: Isa,
+) {
     let ir = spec.build(42);
     let vocab = ir.config.vocab_size;
     let tokens = prompt(n + 3, vocab, 1);
-    let mut ex = load(&ir, 2, 2);
     let want = stepwise(ex.as_mut(), &tokens);
     let seq = ex.new_sequence().unwrap();
     let mut logits = vec![0.0; vocab];
@@ -56,8 +76,9 @@ fn check_prefill_matches_decode(spec: &Spec, n: usize) {
     let err = rel_err(&logits, &want[n - 1]);
     assert!(
         err < 1e-4,
-        "{:?}: prefill of {n} vs stepwise: rel err {err:e}",
-        spec.arch
+        "{:?} {}: prefill of {n} vs stepwise: rel err {err:e}",
+        spec.arch,
+        isa.name()
     );
     for (i, &t) in tokens[n..].iter().enumerate() {
         ex.decode(&[DecodeItem { seq, token: t }], &mut logits)
@@ -65,8 +86,9 @@ fn check_prefill_matches_decode(spec: &Spec, n: usize) {
         let err = rel_err(&logits, &want[n + i]);
         assert!(
             err < 1e-4,
-            "{:?}: decode {i} after prefill: rel err {err:e}",
-            spec.arch
+            "{:?} {}: decode {i} after prefill: rel err {err:e}",
+            spec.arch,
+            isa.name()
         );
     }
     assert!(logits.iter().all(|v| v.is_finite()));

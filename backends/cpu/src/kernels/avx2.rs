@@ -695,6 +695,51 @@ unsafe fn dot4_f32_unchecked(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     }
 }
 
+/// `w[r] · x[t]` for two weight rows and four activations: eight accumulators, each loaded
+/// vector used two or four times, so the FMAs, not the loads, set the pace (the AVX2 form
+/// of the many-token path's register block; sixteen registers hold no more).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot2x4_f32_unchecked(w: [&[f32]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    // SAFETY: the caller guarantees the features; every load lies within the common
+    // length of all six slices (the tail is scalar).
+    unsafe {
+        let n = w
+            .iter()
+            .chain(x.iter())
+            .fold(usize::MAX, |n, s| n.min(s.len()));
+        let (w0, w1) = (w[0].as_ptr(), w[1].as_ptr());
+        let px = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        let mut i = 0;
+        while i + 8 <= n {
+            let (a, b) = (_mm256_loadu_ps(w0.add(i)), _mm256_loadu_ps(w1.add(i)));
+            for t in 0..4 {
+                let xv = _mm256_loadu_ps(px[t].add(i));
+                acc[0][t] = _mm256_fmadd_ps(a, xv, acc[0][t]);
+                acc[1][t] = _mm256_fmadd_ps(b, xv, acc[1][t]);
+            }
+            i += 8;
+        }
+        // Loops, not closures: a closure's body would not share this function's features.
+        let mut out = [[0.0f32; 4]; 2];
+        for r in 0..2 {
+            for t in 0..4 {
+                out[r][t] = hsum(acc[r][t]);
+                for k in i..n {
+                    out[r][t] += w[r][k] * x[t][k];
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `w[r] · x[t]` for two rows and four activations over their common length.
+pub fn dot2x4_f32(_: Avx2, w: [&[f32]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    // SAFETY: the token proves the features; the kernel reads the common length only.
+    unsafe { dot2x4_f32_unchecked(w, x) }
+}
+
 /// Proof that this CPU runs AVX2, FMA and F16C: only [`Avx2::detect`] makes one, so the
 /// safe kernels below cannot be reached on a CPU without them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -304,6 +304,13 @@ pub fn dot4x4_f32(t: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     avx512::dot4x4_f32(t, w, x)
 }
 
+/// `w[r] · x[t]` for two weight rows and four activations (the AVX2 register block).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub fn dot2x4_f32(t: Avx2, w: [&[f32]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    avx2::dot2x4_f32(t, w, x)
+}
+
 /// Eight independent partial sums so the compiler can keep them in one vector register.
 #[inline]
 pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
