@@ -1,7 +1,7 @@
 //! AVX2 + FMA + F16C fused dequantise-and-dot kernels for the types real models spend
 //! their bytes on. Each keeps f32 activations: quantised values are widened to f32 and
-//! multiplied with FMA. Offsets (`+m`, `−dmin·m`) are folded in through the activation's
-//! 32-value block sums, so the inner loop is pure widen-and-FMA.
+//! multiplied with FMA. Offsets (Q4_0's −8·d, Q5_0's −16·d, `+m`, `−dmin·m`) are folded in
+//! through the activation's 32-value block sums, so the inner loop is pure widen-and-FMA.
 //!
 //! Every function here requires AVX2, FMA and F16C (callers check at run time) and a row
 //! holding exactly `x.len()` values of its type.
@@ -123,21 +123,19 @@ unsafe fn apr_nibble_block(qs: *const u8, x: *const f32) -> __m256 {
             _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4),
         );
         let low = _mm256_set1_epi32(0x0F);
-        let value = |shift: i32| match shift {
-            0 => _mm256_cvtepi32_ps(_mm256_and_si256(u, low)),
-            8 => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 8), low)),
-            16 => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 16), low)),
-            _ => _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(u, 24), low)),
-        };
+        let v0 = _mm256_and_si256(u, low);
+        let v8 = _mm256_and_si256(_mm256_srli_epi32(u, 8), low);
+        let v16 = _mm256_and_si256(_mm256_srli_epi32(u, 16), low);
+        let v24 = _mm256_and_si256(_mm256_srli_epi32(u, 24), low);
         // Values 0..8, 16..24, 8..16, 24..32, as `nibble_block` has them.
-        nibble_block_sums([value(0), value(16), value(8), value(24)], x)
+        nibble_block_sums([v0, v16, v8, v24].map(|v| _mm256_cvtepi32_ps(v)), x)
     }
 }
 
 /// The first four bytes (two f16: `d`, then `m` or the first quants) of eight consecutive
-/// blocks `stride` bytes apart from `p`, as two f32 vectors, lane j from block j. The
-/// words travel through a stack array by plain scalar loads and stores, which take load
-/// and store slots only; a broadcast and conversion per block would take two or three
+/// blocks `stride` bytes apart from `p`, as two f32 vectors, lane j from block j: one
+/// conversion for eight blocks (the compiler gathers the words with `vpinsrd`, about one
+/// instruction a block), where a broadcast and conversion per block took two or three
 /// instructions from the vector arithmetic the row dot is bound by (a fifth of a Q4_1
 /// block's).
 #[inline]
@@ -306,22 +304,32 @@ unsafe fn dot_f16_unchecked(row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// The loop of the 32-value block types whose offsets go through the activation's block
-/// sums: (Σ_b d_b·`block`(b), Σ_b o_b·s_b), where d_b is block b's first f16, o_b its first
-/// (`OFFSET_HEAD` 0: Q4_0's d) or second (1: Q4_1's m) f16, s_b the activation's sum over
-/// the block, and `block` the eight lane sums of its quants (at byte `QS` of the block)
-/// with the activation. The heads are read eight blocks at a time ([`block_headers8`]),
-/// the offsets added with one FMA per eight.
+/// Which f16 of a block's head multiplies the activation's block sum in [`offset_blocks`].
+mod offset {
+    /// The scale d itself (Q4_0's −8·d, Q5_0's −16·d).
+    pub const SCALE: u8 = 0;
+    /// The second f16, the min m (Q4_1, Q5_1).
+    pub const MIN: u8 = 1;
+    /// None: no offset, and `sums` is not read (Q8_0).
+    pub const NONE: u8 = 2;
+}
+
+/// The loop of the 32-value block types: (Σ_b d_b·`block`(b), Σ_b o_b·s_b), where d_b is
+/// block b's first f16, o_b the head value `OFFSET` names ([`offset`]), s_b the
+/// activation's sum over the block, and `block` the eight lane sums of its quants (at byte
+/// `QS` of the block) with the activation. The heads are read eight blocks at a time
+/// ([`block_headers8`]), the offsets added with one FMA per eight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET_HEAD: usize>(
+unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET: u8>(
     row: &[u8],
     x: &[f32],
     sums: &[f32],
     block: impl Fn(*const u8, *const f32) -> __m256,
 ) -> (f32, f32) {
     // SAFETY: the caller guarantees the features, `x.len() / 32` blocks of STRIDE bytes in
-    // `row` (each at least four bytes) and one sum per block in `sums`.
+    // `row` (each at least four bytes) and, unless OFFSET is NONE, one sum per block in
+    // `sums`.
     unsafe {
         let nb = x.len() / 32;
         let (p, px, ps) = (row.as_ptr(), x.as_ptr(), sums.as_ptr());
@@ -332,8 +340,10 @@ unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET_HEAD:
         while b + 8 <= nb {
             let (d, second) = block_headers8(p.add(b * STRIDE), STRIDE);
             _mm256_storeu_ps(scales.as_mut_ptr(), d);
-            let o = if OFFSET_HEAD == 0 { d } else { second };
-            offset = _mm256_fmadd_ps(o, _mm256_loadu_ps(ps.add(b)), offset);
+            if OFFSET != offset::NONE {
+                let o = if OFFSET == offset::SCALE { d } else { second };
+                offset = _mm256_fmadd_ps(o, _mm256_loadu_ps(ps.add(b)), offset);
+            }
             let scales = from_memory(scales.as_ptr());
             for j in 0..8 {
                 let dj = _mm256_broadcast_ss(&*scales.add(j));
@@ -344,11 +354,13 @@ unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET_HEAD:
         }
         let mut tail = 0.0f32;
         for b in b..nb {
-            // Both halves of the head: the second is only used as Q4_1's m.
+            // Both halves of the head: the second is only used as the min.
             let (d, second) = f16x2(p.add(b * STRIDE));
             let s = block(p.add(b * STRIDE + QS), px.add(b * 32));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            tail += if OFFSET_HEAD == 0 { d } else { second } * *ps.add(b);
+            if OFFSET != offset::NONE {
+                tail += if OFFSET == offset::SCALE { d } else { second } * *ps.add(b);
+            }
         }
         (hsum(acc), hsum(offset) + tail)
     }
@@ -359,8 +371,9 @@ unsafe fn offset_blocks<const STRIDE: usize, const QS: usize, const OFFSET_HEAD:
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
-    let (dot, d_sums) =
-        unsafe { offset_blocks::<18, 2, 0>(row, x, sums, |q, x| nibble_block(q, x)) };
+    let (dot, d_sums) = unsafe {
+        offset_blocks::<18, 2, { offset::SCALE }>(row, x, sums, |q, x| nibble_block(q, x))
+    };
     dot - 8.0 * d_sums
 }
 
@@ -370,8 +383,9 @@ unsafe fn dot_q4_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
-    let (dot, d_sums) =
-        unsafe { offset_blocks::<18, 2, 0>(row, x, sums, |q, x| apr_nibble_block(q, x)) };
+    let (dot, d_sums) = unsafe {
+        offset_blocks::<18, 2, { offset::SCALE }>(row, x, sums, |q, x| apr_nibble_block(q, x))
+    };
     dot - 8.0 * d_sums
 }
 
@@ -380,7 +394,7 @@ unsafe fn dot_apr_q4_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 unsafe fn dot_q4_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
     let (dot, m_sums) =
-        unsafe { offset_blocks::<20, 4, 1>(row, x, sums, |q, x| nibble_block(q, x)) };
+        unsafe { offset_blocks::<20, 4, { offset::MIN }>(row, x, sums, |q, x| nibble_block(q, x)) };
     dot + m_sums
 }
 
@@ -411,7 +425,8 @@ unsafe fn q5_block(q: *const u8, x: *const f32) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
-    let (dot, d_sums) = unsafe { offset_blocks::<22, 2, 0>(row, x, sums, |q, x| q5_block(q, x)) };
+    let (dot, d_sums) =
+        unsafe { offset_blocks::<22, 2, { offset::SCALE }>(row, x, sums, |q, x| q5_block(q, x)) };
     dot - 16.0 * d_sums
 }
 
@@ -419,7 +434,8 @@ unsafe fn dot_q5_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_1_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
     // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper).
-    let (dot, m_sums) = unsafe { offset_blocks::<24, 4, 1>(row, x, sums, |q, x| q5_block(q, x)) };
+    let (dot, m_sums) =
+        unsafe { offset_blocks::<24, 4, { offset::MIN }>(row, x, sums, |q, x| q5_block(q, x)) };
     dot + m_sums
 }
 
@@ -438,33 +454,15 @@ unsafe fn byte_block<const SIGNED: bool>(qs: *const u8, x: *const f32) -> __m256
     }
 }
 
+/// Q8_0: Σ over 34-byte blocks of d·q·x.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], _sums: &[f32]) -> f32 {
-    // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
-    // `Avx2` token, which only detection makes) and the slice lengths this kernel
-    // reads (checked by the wrappers); every pointer stays inside those slices.
-    unsafe {
-        let nb = x.len() / 32;
-        let (p, px) = (row.as_ptr(), x.as_ptr());
-        let mut acc = _mm256_setzero_ps();
-        let mut scales = [0.0f32; 8];
-        let mut b = 0;
-        while b + 8 <= nb {
-            let (d, _) = block_headers8(p.add(b * 34), 34);
-            _mm256_storeu_ps(scales.as_mut_ptr(), d);
-            let scales = from_memory(scales.as_ptr());
-            for j in 0..8 {
-                let s = byte_block::<true>(p.add((b + j) * 34 + 2), px.add((b + j) * 32));
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*scales.add(j)), s, acc);
-            }
-            b += 8;
-        }
-        for b in b..nb {
-            let s = byte_block::<true>(p.add(b * 34 + 2), px.add(b * 32));
-            acc = _mm256_fmadd_ps(f16_splat(p.add(b * 34)), s, acc);
-        }
-        hsum(acc)
-    }
+unsafe fn dot_q8_0_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
+    // SAFETY: the caller keeps `offset_blocks`'s contract (checked by the safe wrapper;
+    // `sums` is not read).
+    let (dot, _) = unsafe {
+        offset_blocks::<34, 2, { offset::NONE }>(row, x, sums, |q, x| byte_block::<true>(q, x))
+    };
+    dot
 }
 
 /// The head of a Q4_K or Q5_K super-block at `blk` (d, dmin, the 12 scale bytes): its
@@ -571,24 +569,11 @@ unsafe fn dot_q5_k_unchecked(row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
                 );
                 let qp = from_memory(quants.as_ptr()) as *const u8;
                 let x0 = px.add(64 * i);
-                let s1 = _mm256_mul_ps(u8x8(qp), _mm256_loadu_ps(x0));
-                let t1 = _mm256_mul_ps(u8x8(qp.add(8)), _mm256_loadu_ps(x0.add(8)));
-                let s2 = _mm256_mul_ps(u8x8(qp.add(32)), _mm256_loadu_ps(x0.add(32)));
-                let t2 = _mm256_mul_ps(u8x8(qp.add(40)), _mm256_loadu_ps(x0.add(40)));
-                let s1 = _mm256_fmadd_ps(u8x8(qp.add(16)), _mm256_loadu_ps(x0.add(16)), s1);
-                let t1 = _mm256_fmadd_ps(u8x8(qp.add(24)), _mm256_loadu_ps(x0.add(24)), t1);
-                let s2 = _mm256_fmadd_ps(u8x8(qp.add(48)), _mm256_loadu_ps(x0.add(48)), s2);
-                let t2 = _mm256_fmadd_ps(u8x8(qp.add(56)), _mm256_loadu_ps(x0.add(56)), t2);
-                acc = _mm256_fmadd_ps(
-                    _mm256_broadcast_ss(&*dsc.add(2 * i)),
-                    _mm256_add_ps(s1, t1),
-                    acc,
-                );
-                acc2 = _mm256_fmadd_ps(
-                    _mm256_broadcast_ss(&*dsc.add(2 * i + 1)),
-                    _mm256_add_ps(s2, t2),
-                    acc2,
-                );
+                // Sub-block 2i from the low nibbles, 2i + 1 from the high ones.
+                let s1 = byte_block::<false>(qp, x0);
+                let s2 = byte_block::<false>(qp.add(32), x0.add(32));
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*dsc.add(2 * i)), s1, acc);
+                acc2 = _mm256_fmadd_ps(_mm256_broadcast_ss(&*dsc.add(2 * i + 1)), s2, acc2);
             }
         }
         hsum(_mm256_add_ps(acc, acc2)) - hsum(min_acc)
