@@ -42,7 +42,7 @@ template <int T> static constexpr __host__ __device__ bool bmm_signed() { return
 
 // The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
 // memory); `d6` is Q6_K's super-block scale, which its device layout keeps apart.
-template <int T>
+template <int T, bool Q6_SIGNED = true>
 static __device__ __forceinline__ BFrag kq_frag(const u8* blk, float d6, int j, int t) {
     BFrag f;
     if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -69,12 +69,14 @@ static __device__ __forceinline__ BFrag kq_frag(const u8* blk, float d6, int j, 
         const uint2 qh = *(const uint2*)(blk + 128 + 8 * j);
         u32 v0 = (ql & 0x0f0f0f0f) | (((qh.x >> (2 * t)) & 0x03030303) << 4);
         u32 v1 = ((ql >> 4) & 0x0f0f0f0f) | (((qh.y >> (2 * t)) & 0x03030303) << 4);
-        // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value) into
-        // bits 6 and 7 of each byte.
-        v0 ^= 0x20202020;
-        v1 ^= 0x20202020;
-        v0 |= ((v0 & 0x20202020) << 1) | ((v0 & 0x20202020) << 2);
-        v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
+        if constexpr (Q6_SIGNED) {
+            // q - 32 for q in 0..63: flip bit 5, then copy it (the sign of a 6-bit value)
+            // into bits 6 and 7 of each byte.
+            v0 ^= 0x20202020;
+            v1 ^= 0x20202020;
+            v0 |= ((v0 & 0x20202020) << 1) | ((v0 & 0x20202020) << 2);
+            v1 |= ((v1 & 0x20202020) << 1) | ((v1 & 0x20202020) << 2);
+        }
         f.lo = v0;
         f.hi = v1;
         const u32 scales = *(const u16*)(blk + 192 + 2 * j);
@@ -83,6 +85,27 @@ static __device__ __forceinline__ BFrag kq_frag(const u8* blk, float d6, int j, 
         f.b = 0.0f;
     }
     return f;
+}
+
+// The f16 walk's A fragment of one row and chunk: the weights at k = 4t..4t+3 and
+// 16 + 4t..16 + 4t + 3 dequantised to four f16x2 words, in the order the m16n8k16 mma
+// takes them when its k slots (2t, 2t+1, 2t+8, 2t+9) stand for k = 4t..4t+3 (the
+// activations are packed in the same order, norm.cu `act_pack`). A byte q becomes 1024 + q
+// by `prmt` beside 0x64 (the f16 exponent of 1024), exactly q by subtracting 1024 (Q6_K:
+// 1056, its offset of 32 too), then a·q + b by one f16x2 FMA: llama.cpp's dequantised f16.
+template <int T>
+static __device__ __forceinline__ void kq_hfrag(const u8* blk, float d6, int j, int t, u32 (&h)[4]) {
+    const BFrag f = kq_frag<T, false>(blk, d6, j, t);
+    const u32 magic = 0x64646464u, bias = T == T_Q6_K ? 0x64206420u : 0x64006400u;
+    const u32 s0 = pack_h2(f.a0, f.a0), s1 = pack_h2(f.a1, f.a1), b = pack_h2(f.b, f.b);
+    const u32 q[4] = {__byte_perm(f.lo, magic, 0x4140), __byte_perm(f.lo, magic, 0x4342),
+                      __byte_perm(f.hi, magic, 0x4140), __byte_perm(f.hi, magic, 0x4342)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 v;
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(v) : "r"(q[i]), "r"(bias));
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(h[i]) : "r"(v), "r"(i < 2 ? s0 : s1), "r"(b));
+    }
 }
 
 template <int T>
@@ -324,22 +347,28 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
 // which caps the bytes in flight at a few hundred a warp: docs/benchmarks.md). Fragments are
 // read from shared memory with the same code as from global memory (kq_frag); a row stride
 // of 144, 176 or 208 bytes puts the eight rows a warp's lanes read in distinct banks.
+//
+// F16 (`bmmh_*`): the same pipeline with the activations in f16 (the packed f16 plane, 64
+// bytes a chunk and sequence as the int8 one) and each weight dequantised once to f16
+// (`kq_hfrag`) for m16n8k16 f16 mma with f32 accumulators that run over the whole split:
+// no per-chunk scale epilogue for every 8 sequences, which is what the int8 walk spends its
+// instructions on from 16 sequences up.
 #define BMMP_ROWS (BMM_WARPS * 16)
 
-template <int T, int NT, bool SWIGLU>
+template <int T, int NT, bool SWIGLU, bool F16>
 struct BmmpStage {
     static constexpr int B = NT * 8, NW = SWIGLU ? 2 : 1, BODY = Traits<T>::BODY;
     static constexpr int WBYTES = NW * BMMP_ROWS * BODY;              // [weight][row][BODY]
     static constexpr int DBYTES = T == T_Q6_K ? NW * BMMP_ROWS * 4 : 0;  // [weight][row] u32
     static constexpr int XBYTES = 8 * B * 64;                          // [chunk][seq][4 × 16 B]
-    static constexpr int SBYTES = 8 * B * 8;                           // [chunk][seq] (dx, sx)
+    static constexpr int SBYTES = F16 ? 0 : 8 * B * 8;                 // [chunk][seq] (dx, sx)
     static constexpr int BYTES = WBYTES + DBYTES + XBYTES + SBYTES;    // kernels/src/batch.rs
 };
 
-template <int T, int NT, bool SWIGLU>
+template <int T, int NT, bool SWIGLU, bool F16>
 static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
                                             int K, int sb_per_split, int stages) {
-    typedef BmmpStage<T, NT, SWIGLU> St;
+    typedef BmmpStage<T, NT, SWIGLU, F16> St;
     constexpr int B = St::B, BODY = St::BODY, THREADS = BMM_WARPS * 32;
     extern __shared__ __align__(16) u8 bmmp_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -381,8 +410,9 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
             const int q = i & 3, j = (i >> 2) & 7, m = i >> 5;
             cp_async16(dst + ((j * B + m) * 4 + q) * 16, a.x + ((size_t)m * nchunks + c0 + j) * 4 + q);
         }
-        for (int i = threadIdx.x; i < 4 * B; i += THREADS)
-            cp_async16(dst + St::XBYTES + 16 * i, (const uint4*)(a.s + (size_t)c0 * B) + i);
+        if constexpr (!F16)
+            for (int i = threadIdx.x; i < 4 * B; i += THREADS)
+                cp_async16(dst + St::XBYTES + 16 * i, (const uint4*)(a.s + (size_t)c0 * B) + i);
     };
 
     // The weights do not depend on the previous kernel: the first stages' are asked for
@@ -431,6 +461,32 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
                 e8 = h2f((u16)(dw[BMMP_ROWS + r8] >> h8));
             }
         }
+        if constexpr (F16) {
+#pragma unroll 2
+            for (int j = 0; j < 8; ++j) {
+                u32 f0[4], f8[4], u0[4], u8[4];
+                kq_hfrag<T>(st + r0 * BODY, d0, j, t, f0);
+                kq_hfrag<T>(st + r8 * BODY, d8, j, t, f8);
+                if constexpr (SWIGLU) {
+                    kq_hfrag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t, u0);
+                    kq_hfrag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t, u8);
+                }
+                // Rows g and g + 8 for k = 4t.. (the first mma) and 16 + 4t.. (the second).
+                const u32 a_lo[4] = {f0[0], f8[0], f0[1], f8[1]}, a_hi[4] = {f0[2], f8[2], f0[3], f8[3]};
+                const u32 b_lo[4] = {u0[0], u8[0], u0[1], u8[1]}, b_hi[4] = {u0[2], u8[2], u0[3], u8[3]};
+#pragma unroll
+                for (int n_ = 0; n_ < NT; ++n_) {
+                    const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
+                    mma_f16(acc[n_], a_lo, x.x, x.y);
+                    mma_f16(acc[n_], a_hi, x.z, x.w);
+                    if constexpr (SWIGLU) {
+                        mma_f16(acc2[n_], b_lo, x.x, x.y);
+                        mma_f16(acc2[n_], b_hi, x.z, x.w);
+                    }
+                }
+            }
+            continue;
+        }
 #pragma unroll 2
         for (int j = 0; j < 8; ++j) {
             const BFrag f0 = kq_frag<T>(st + r0 * BODY, d0, j, t), f8 = kq_frag<T>(st + r8 * BODY, d8, j, t);
@@ -470,27 +526,31 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         bmm<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split);                                                    \
     }
 
-#define BMMP_ENTRY(NAME, T, NT)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmp_##NAME##_##NT(                                  \
+#define BMMP_ENTRY(PREFIX, F16, NAME, T, NT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) PREFIX##_##NAME##_##NT(                              \
         const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
         int nrows, int K, int per_split, int stages) {                                                                 \
         W w = {body, qh, sc};                                                                                          \
         BAct a = {x, s};                                                                                               \
-        bmmp<T, NT, false>(w, w, a, part, ldp, nrows, K, per_split, stages);                                           \
+        bmmp<T, NT, false, F16>(w, w, a, part, ldp, nrows, K, per_split, stages);                                      \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmp_swiglu_##NAME##_##NT(                           \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) PREFIX##_swiglu_##NAME##_##NT(                        \
         const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
         const float2* s, float* part, int ldp, int nrows, int K, int per_split, int stages) {                          \
         W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
         BAct a = {x, s};                                                                                               \
-        bmmp<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split, stages);                                           \
+        bmmp<T, NT, true, F16>(w, w2, a, part, ldp, nrows, K, per_split, stages);                                      \
     }
 
-#define BMMP_TYPE(NAME, T) \
-    BMMP_ENTRY(NAME, T, 1) \
-    BMMP_ENTRY(NAME, T, 2) \
-    BMMP_ENTRY(NAME, T, 4) \
-    BMMP_ENTRY(NAME, T, 8)
+#define BMMP_TYPE(NAME, T)               \
+    BMMP_ENTRY(bmmp, false, NAME, T, 1) \
+    BMMP_ENTRY(bmmp, false, NAME, T, 2) \
+    BMMP_ENTRY(bmmp, false, NAME, T, 4) \
+    BMMP_ENTRY(bmmp, false, NAME, T, 8) \
+    BMMP_ENTRY(bmmh, true, NAME, T, 1)  \
+    BMMP_ENTRY(bmmh, true, NAME, T, 2)  \
+    BMMP_ENTRY(bmmh, true, NAME, T, 4)  \
+    BMMP_ENTRY(bmmh, true, NAME, T, 8)
 
 // The pipelined entries exist for the K-quants only (chosen by the type's token: `##`
 // keeps it from expanding to its number).

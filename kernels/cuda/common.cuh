@@ -24,6 +24,22 @@ static __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// Two floats as one f16x2 word (`lo` in the low half), rounded to nearest.
+static __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += A·B on the tensor cores: a 16x16 f16 A (four f16x2 registers in the mma fragment
+// order), a 16x8 f16 B (two), f32 accumulators.
+static __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 static __device__ __forceinline__ float ld_h(const u8* p) {
     return h2f(*(const u16*)p);
 }

@@ -63,9 +63,10 @@ extern "C" __global__ void copy_u128(const uint4* __restrict__ x, uint4* __restr
 // Packs `gridDim.y` rows of `n` values — RMS-normalised times `w` when eps >= 0, times `w`
 // when only `w` is given — into the batched matmuls' activation layout (see bmm.cu): per
 // row and 32-value chunk, the Q8_1 values and their residual plane interleaved for the mma
-// B fragments, and (dx, sx) per chunk and row, chunk-major. One warp per chunk, 8 per block.
+// B fragments, and (dx, sx) per chunk and row, chunk-major; and the same values in f16 in
+// the same order (`out_h`, for the f16 walk). One warp per chunk, 8 per block.
 extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __restrict__ w, float eps, int n,
-                                    uint4* __restrict__ out, float2* __restrict__ s) {
+                                    uint4* __restrict__ out, float2* __restrict__ s, u16* __restrict__ out_h) {
     grid_dependency_wait();
     __shared__ float scratch[32];
     const int row = blockIdx.y, rows = gridDim.y;
@@ -89,6 +90,10 @@ extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __
     u8* o = (u8*)(out + ((size_t)row * nblk + b) * 4);
     o[off] = (u8)(i8)q;
     o[off + 8] = (u8)(i8)lo;
+    // The f16 plane: lane t of a quad's 16 bytes are values 4t..4t+3 and 16+4t..16+4t+3 of
+    // the chunk, as its int8 bytes are. Finite values beyond f16's range saturate.
+    const float vh = fabsf(v) > 65504.0f ? copysignf(65504.0f, v) : v;
+    out_h[((size_t)row * nblk + b) * 32 + t * 8 + (lane >= 16 ? 4 : 0) + (lane & 3)] = f2h(vh);
     if (lane == 0) {
         const float dx = amax / 127.0f / 254.0f;
         s[(size_t)b * rows + row] = make_float2(dx, dx * (float)sum);

@@ -214,19 +214,6 @@ ATTN_PREFILL(8)
 // registers. Rows outside the prompt, and key rows past the block's last position, are
 // zero-filled so that masked weights (0) never meet garbage (0 · NaN). Blocks are issued
 // longest first (the last queries see the most keys).
-static __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-static __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int HD, int BKV>
 static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ q, const u16* __restrict__ kc,
                                                         const u16* __restrict__ vc, u16* __restrict__ out, int rows,

@@ -14,9 +14,9 @@ use std::sync::Arc;
 use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, BatchEpilogue, Device, DeviceBuffer, DeviceWeight, Epilogue, Event, GemvInput,
-    GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedAct, PackedWeight, QuantBuffers,
-    QuantOut, Result, FORMATS,
+    AttnArgs, BatchEpilogue, BmmPath, Device, DeviceBuffer, DeviceWeight, Epilogue, Event,
+    GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedActBuffers,
+    PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -88,6 +88,9 @@ fn main() -> Result<()> {
     println!("copy roofline: {roofline:.0} GB/s (1 GiB copies, bytes read + written)");
     if args.iter().any(|a| a == "--bmm") {
         let once = args.iter().any(|a| a == "--once");
+        if args.iter().any(|a| a == "--sweep") {
+            return pipeline_sweep(&dev, &k, &mut rng, roofline);
+        }
         return batched_matmuls(&dev, &k, &mut rng, roofline, only.as_deref(), once);
     }
 
@@ -402,6 +405,82 @@ fn main() -> Result<()> {
 /// The batched decode matmuls (`Kernels::batched_matmul`: the int8 mma kernel and its
 /// split-sum epilogue) at the 8B shapes for 8 to 64 rows: time per launch, the weights'
 /// bandwidth against the copy roofline and the int8 rate (2 · rows · K · N per launch).
+/// The f16 pipelined walk at the 8B's q4_k / q6_k shapes for each depth (2–4 stages) and
+/// split target (1, 2, 4 blocks per SM): µs per launch.
+fn pipeline_sweep(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng, roofline: f64) -> Result<()> {
+    println!("\nf16 pipelined walk: stages x blocks per SM (µs per launch incl. the split sum)");
+    println!("| shape | type | rows | stages | blocks/SM | us | % roofline |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let shapes = [
+        (4096usize, 4096usize, "q/o", false),
+        (4096, 14336, "gate/up", true),
+        (14336, 4096, "down", false),
+    ];
+    k.set_bmm_path(BmmPath::PipelinedF16);
+    for f in FORMATS
+        .iter()
+        .filter(|f| f.tag == "q4_k" || f.tag == "q6_k")
+    {
+        let q = f.qtype;
+        for &(kk, n, label, swiglu) in &shapes {
+            if q == QType::Q6_K && label != "down" {
+                continue;
+            }
+            let packed = PackedWeight::pack_as(f, kk, n, &random_weights(rng, q, kk, n)?)?;
+            let per_launch = packed.bytes() * if swiglu { 2 } else { 1 };
+            let copies = (512usize << 20).div_ceil(per_launch).clamp(2, 16) * 2;
+            let ws: Vec<DeviceWeight> = (0..copies)
+                .map(|_| DeviceWeight::upload(dev, &packed))
+                .collect::<Result<_>>()?;
+            for rows in [8usize, 16, 32, 64] {
+                let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * kk, 1.0))?;
+                let packed = PackedActBuffers::alloc(dev, rows, kk)?;
+                let act = packed.view();
+                k.act_pack(x.slice(), rows, kk, None, None, act)?;
+                let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
+                let epi = BatchEpilogue::default();
+                for stages in [2usize, 3, 4] {
+                    for bps in [1usize, 2, 4] {
+                        k.set_bmm_pipeline(stages, bps);
+                        let part =
+                            DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
+                        let g = dev.capture(|| {
+                            for i in 0..LAUNCHES_PER_GRAPH {
+                                let (w, up) = if swiglu {
+                                    (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
+                                } else {
+                                    (&ws[i % copies], None)
+                                };
+                                k.batched_matmul(
+                                    w,
+                                    up,
+                                    &act,
+                                    rows,
+                                    part.slice(),
+                                    y.slice(),
+                                    n,
+                                    &epi,
+                                )?;
+                            }
+                            Ok(())
+                        })?;
+                        let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
+                        let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
+                        println!(
+                            "| {label} | {} | {rows} | {stages} | {bps} | {:.1} | {:.0}% |",
+                            f.tag,
+                            ms * 1e3,
+                            100.0 * gbps / roofline
+                        );
+                    }
+                }
+            }
+        }
+    }
+    k.set_bmm_pipeline(2, 2);
+    Ok(())
+}
+
 fn batched_matmuls(
     dev: &Arc<Device>,
     k: &Kernels,
@@ -435,27 +514,24 @@ fn batched_matmuls(
                 .collect::<Result<_>>()?;
             for rows in [8usize, 16, 32, 64] {
                 let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * kk, 1.0))?;
-                let (xs, ss) = PackedAct::lens(rows, kk);
-                let (px, ps) = (
-                    DeviceBuffer::<[u32; 4]>::alloc(dev, xs)?,
-                    DeviceBuffer::<[f32; 2]>::alloc(dev, ss)?,
-                );
-                let act = PackedAct {
-                    x: px.slice(),
-                    s: ps.slice(),
-                };
+                let packed = PackedActBuffers::alloc(dev, rows, kk)?;
+                let act = packed.view();
                 k.act_pack(x.slice(), rows, kk, None, None, act)?;
                 let part = DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
                 let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
                 let epi = BatchEpilogue::default();
-                // The K-quants' pipelined walk and the register walk every format has.
-                let walks: &[bool] = if matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
-                    &[true, false]
+                // The K-quants' three paths; the register walk every format has.
+                let paths: &[BmmPath] = if matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
+                    &[
+                        BmmPath::PipelinedF16,
+                        BmmPath::PipelinedInt8,
+                        BmmPath::Registers,
+                    ]
                 } else {
-                    &[false]
+                    &[BmmPath::Registers]
                 };
-                'walks: for &pipelined in walks {
-                    k.set_pipelined_bmm(pipelined);
+                'walks: for &path in paths {
+                    k.set_bmm_path(path);
                     if once {
                         // One launch of each, outside any graph: what a profiler is pointed at.
                         let up = swiglu.then(|| &ws[1]);
@@ -480,13 +556,13 @@ fn batched_matmuls(
                     println!(
                         "| {label} | {} | {} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
                         f.tag,
-                        if pipelined { "pipelined" } else { "register" },
+                        format!("{path:?}"),
                         ms * 1e3,
                         100.0 * gbps / roofline,
                         ops / (ms * 1e-3) / 1e12
                     );
                 }
-                k.set_pipelined_bmm(true);
+                k.set_bmm_path(BmmPath::PipelinedF16);
             }
         }
     }

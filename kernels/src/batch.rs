@@ -1,17 +1,18 @@
 //! Launch wrappers for the batched decode step: B sequences, each at its own position of
 //! its own cache slot, through one step. Matmuls read each weight once for all B rows
-//! (`cuda/bmm.cu`, int8 tensor cores); RoPE, attention and sampling take one row of the
+//! (`cuda/bmm.cu`, on tensor cores); RoPE, attention and sampling take one row of the
 //! batch per grid row, with positions, context lengths, slots and sampling settings read
 //! from device arrays so that one captured graph serves every step of a batch size.
 
-use crate::buffer::DevSlice;
+use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
-use crate::device::{Args, LaunchConfig};
+use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::kv::KvPlanes;
 use crate::ops::{AttnArgs, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 use kiln_core::QType;
+use std::sync::Arc;
 
 fn invalid(msg: String) -> KernelError {
     KernelError::InvalidArgument(msg)
@@ -24,37 +25,57 @@ fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
 /// Rows of weights one batched-matmul block owns (8 warps of 16).
 const BMM_ROWS_PER_BLOCK: usize = 128;
 
-/// How a batched matmul walks its weights (see `cuda/bmm.cu`).
+/// Which kernels the batched matmuls over K-quant weights run (`cuda/bmm.cu`); the other
+/// formats always take the register walk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BmmPath {
+    /// Each warp loads its rows' fragments into registers a few chunks ahead; int8 mma on
+    /// the 15-bit activations (`bmm_*`).
+    Registers,
+    /// Super-block columns through shared memory by cp.async; int8 mma (`bmmp_*`).
+    PipelinedInt8,
+    /// The same pipeline with weights dequantised to f16 and f16 activations, f32
+    /// accumulators over the whole split (`bmmh_*`).
+    PipelinedF16,
+}
+
+/// How one batched matmul walks its weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BmmWalk {
-    /// Each warp loads its rows' fragments into registers a few chunks ahead.
     Registers,
     /// `stages` super-block columns of `stage` bytes each in flight through shared memory.
-    Pipelined { stages: usize, stage: usize },
+    Pipelined {
+        f16: bool,
+        stages: usize,
+        stage: usize,
+    },
 }
 
 /// Bytes of one stage of the pipelined walk (`BmmpStage` in cuda/bmm.cu): the block's rows
 /// of one super-block column of each weight, Q6_K's scale words, and 8 chunks of packed
-/// activations and their (dx, sx) pairs for every row of the batch.
-fn bmmp_stage_bytes(w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
+/// activations (and, int8 only, their (dx, sx) pairs) for every row of the batch.
+fn bmmp_stage_bytes(w: &DeviceWeight, rows: usize, swiglu: bool, f16: bool) -> usize {
     let weights = if swiglu { 2 } else { 1 };
     let body = w.format.body.bytes;
     let scales = if w.qtype == QType::Q6_K { 4 } else { 0 };
     let b = Kernels::bmm_rows(rows);
-    weights * BMM_ROWS_PER_BLOCK * (body + scales) + 8 * b * 64 + 8 * b * 8
+    let pairs = if f16 { 0 } else { 8 * b * 8 };
+    weights * BMM_ROWS_PER_BLOCK * (body + scales) + 8 * b * 64 + pairs
 }
 
 /// Activations of a batch packed for the batched matmuls (see `cuda/bmm.cu`): `rows` rows
-/// of `n` values, as 16-byte mma fragments (`x`: rows × chunks × 4) and a (dx, sx) pair
-/// per chunk and row (`s`: chunks × rows).
+/// of `n` values, as 16-byte int8 mma fragments (`x`: rows × chunks × 4) with a (dx, sx)
+/// pair per chunk and row (`s`: chunks × rows), and as f16 in the same order (`h`, as long
+/// as `x`).
 #[derive(Debug, Clone, Copy)]
 pub struct PackedAct {
     pub x: DevSlice<[u32; 4]>,
     pub s: DevSlice<[f32; 2]>,
+    pub h: DevSlice<[u32; 4]>,
 }
 
 impl PackedAct {
-    /// Elements of `x` and `s` for `rows` rows of `n` values.
+    /// Elements of `x` (and `h`) and of `s` for `rows` rows of `n` values.
     pub fn lens(rows: usize, n: usize) -> (usize, usize) {
         let chunks = n.div_ceil(32);
         (rows * chunks * 4, rows * chunks)
@@ -63,7 +84,42 @@ impl PackedAct {
     fn check(&self, rows: usize, n: usize, what: &str) -> Result<()> {
         let (x, s) = Self::lens(rows, n);
         self.x.check_len(x, what)?;
+        self.h.check_len(x, what)?;
         self.s.check_len(s, what)
+    }
+}
+
+/// Device buffers of their own for one [`PackedAct`] (tests and benchmarks; the executors
+/// carve theirs from a workspace).
+pub struct PackedActBuffers {
+    x: DeviceBuffer<[u32; 4]>,
+    s: DeviceBuffer<[f32; 2]>,
+    h: DeviceBuffer<[u32; 4]>,
+}
+
+impl PackedActBuffers {
+    pub fn alloc(device: &Arc<Device>, rows: usize, n: usize) -> Result<Self> {
+        let (x, s) = PackedAct::lens(rows, n);
+        Ok(PackedActBuffers {
+            x: DeviceBuffer::alloc(device, x)?,
+            s: DeviceBuffer::alloc(device, s)?,
+            h: DeviceBuffer::alloc(device, x)?,
+        })
+    }
+
+    /// Sets every byte of the three planes (tests poison them before packing).
+    pub fn fill_bytes(&self, byte: u8) -> Result<()> {
+        self.x.fill_bytes(byte)?;
+        self.s.fill_bytes(byte)?;
+        self.h.fill_bytes(byte)
+    }
+
+    pub fn view(&self) -> PackedAct {
+        PackedAct {
+            x: self.x.slice(),
+            s: self.s.slice(),
+            h: self.h.slice(),
+        }
     }
 }
 
@@ -111,29 +167,32 @@ impl Kernels {
         rows.div_ceil(8) * 8
     }
 
-    /// Which walk a batched matmul over `w` takes: the pipelined one (cp.async stages of
-    /// whole super-blocks through shared memory) for K-quant weights unless turned off by
-    /// [`Kernels::set_pipelined_bmm`], else the register walk.
+    /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
+    /// [`Kernels::set_bmm_path`] (a pipelined one by default: cp.async stages of whole
+    /// super-blocks through shared memory), else the register walk.
     fn bmm_walk(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> BmmWalk {
-        self.bmm_walk_if(w, rows, swiglu, self.pipelined_bmm())
+        self.bmm_walk_if(w, rows, swiglu, self.bmm_path())
     }
 
-    fn bmm_walk_if(&self, w: &DeviceWeight, rows: usize, swiglu: bool, pipelined: bool) -> BmmWalk {
+    fn bmm_walk_if(&self, w: &DeviceWeight, rows: usize, swiglu: bool, path: BmmPath) -> BmmWalk {
         let kquant = matches!(w.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K);
-        if !kquant || !w.row_len.is_multiple_of(256) || !pipelined {
-            return BmmWalk::Registers;
-        }
-        let stage = bmmp_stage_bytes(w, rows, swiglu);
+        let f16 = match path {
+            _ if !kquant || !w.row_len.is_multiple_of(256) => return BmmWalk::Registers,
+            BmmPath::Registers => return BmmWalk::Registers,
+            BmmPath::PipelinedInt8 => false,
+            BmmPath::PipelinedF16 => true,
+        };
+        let stage = bmmp_stage_bytes(w, rows, swiglu, f16);
         let optin = self.device().shared_per_block_optin();
         // Two stages: one super-block in flight while the other is used. Three (or four)
         // measured the same or slower on the H200 (thirteenth session, benchmarks.md): a
         // smaller footprint lets a second block onto each SM, whose warps cover the
         // fragment loads' latency (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
-        let stages = 2;
+        let stages = self.bmm_pipeline().0;
         if stages * stage > optin {
             return BmmWalk::Registers;
         }
-        BmmWalk::Pipelined { stages, stage }
+        BmmWalk::Pipelined { f16, stages, stage }
     }
 
     /// How many parts a batched matmul over `rows` rows of `w` taking `walk` splits its row
@@ -153,7 +212,7 @@ impl Kernels {
         let blocks = w.rows.div_ceil(BMM_ROWS_PER_BLOCK);
         if let BmmWalk::Pipelined { .. } = walk {
             let superblocks = w.row_len / 256;
-            let target = 2 * self.device().sm_count();
+            let target = self.bmm_pipeline().1 * self.device().sm_count();
             let splits = target.div_ceil(blocks).clamp(1, superblocks);
             let per = superblocks.div_ceil(splits);
             return superblocks.div_ceil(per);
@@ -172,10 +231,16 @@ impl Kernels {
     /// f32 values the partial sums of a batched matmul over `w` (SwiGLU: two weights of
     /// its shape) for `rows` rows take, whichever walk it takes.
     pub fn bmm_part_len(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
-        // Both walks' counts, so a buffer sized before `set_pipelined_bmm` still fits.
-        let splits = self
-            .bmm_splits_of(w, rows, self.bmm_walk_if(w, rows, swiglu, true))
-            .max(self.bmm_splits_of(w, rows, BmmWalk::Registers));
+        // Every path's count, so a buffer sized before `set_bmm_path` still fits.
+        let splits = [
+            BmmPath::Registers,
+            BmmPath::PipelinedInt8,
+            BmmPath::PipelinedF16,
+        ]
+        .into_iter()
+        .map(|p| self.bmm_splits_of(w, rows, self.bmm_walk_if(w, rows, swiglu, p)))
+        .max()
+        .expect("three paths");
         splits * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
     }
 
@@ -206,7 +271,8 @@ impl Kernels {
             .f32(eps.unwrap_or(-1.0))
             .i32(n as i32)
             .ptr(out.x.ptr())
-            .ptr(out.s.ptr());
+            .ptr(out.s.ptr())
+            .ptr(out.h.ptr());
         let cfg = LaunchConfig {
             grid: (n.div_ceil(32).div_ceil(WARPS) as u32, rows as u32, 1),
             block: (32 * WARPS as u32, 1, 1),
@@ -285,9 +351,11 @@ impl Kernels {
         }
         let (prefix, per_split, shared_bytes) = match walk {
             BmmWalk::Registers => ("bmm", (k / 32).div_ceil(splits), 0),
-            BmmWalk::Pipelined { stages, stage } => {
-                ("bmmp", (k / 256).div_ceil(splits), stages * stage)
-            }
+            BmmWalk::Pipelined { f16, stages, stage } => (
+                if f16 { "bmmh" } else { "bmmp" },
+                (k / 256).div_ceil(splits),
+                stages * stage,
+            ),
         };
         let name = match up {
             Some(_) => format!("{prefix}_swiglu_{}_{nt}", w.format.tag),
@@ -303,8 +371,12 @@ impl Kernels {
             let (b2, qh2, sc2) = u.ptrs();
             args = args.ptr(b2).ptr(qh2).ptr(sc2);
         }
+        let activations = match walk {
+            BmmWalk::Pipelined { f16: true, .. } => x.h,
+            _ => x.x,
+        };
         let mut args = args
-            .ptr(x.x.ptr())
+            .ptr(activations.ptr())
             .ptr(x.s.ptr())
             .ptr(part.ptr())
             .i32(ldp as i32)

@@ -2,9 +2,10 @@
 //! the device. All work is queued on the device's stream (and so can be captured into a
 //! graph); nothing here synchronises.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::batch::BmmPath;
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, Function, LaunchConfig};
@@ -263,9 +264,12 @@ pub struct Kernels {
     device: Arc<Device>,
     /// A decode step being recorded for the persistent kernel ([`Kernels::record_step`]).
     pub(crate) recording: Mutex<Option<Recording>>,
-    /// Whether the batched matmuls over K-quant weights take the pipelined walk (the
-    /// default); off only to measure the register walk beside it.
-    pipelined_bmm: AtomicBool,
+    /// Which kernels the batched matmuls over K-quant weights run (a [`BmmPath`] as u8).
+    bmm_path: AtomicU8,
+    /// The pipelined walks' stages in flight and the blocks per SM their splits aim at
+    /// (`Kernels::set_bmm_pipeline`).
+    bmm_stages: AtomicU8,
+    bmm_blocks_per_sm: AtomicU8,
 }
 
 impl Kernels {
@@ -273,19 +277,42 @@ impl Kernels {
         Kernels {
             device: device.clone(),
             recording: Mutex::new(None),
-            pipelined_bmm: AtomicBool::new(true),
+            bmm_path: AtomicU8::new(BmmPath::PipelinedF16 as u8),
+            bmm_stages: AtomicU8::new(2),
+            bmm_blocks_per_sm: AtomicU8::new(2),
         }
     }
 
-    /// Chooses the walk of the batched matmuls over K-quant weights: the pipelined one
-    /// (`true`, the default) or the register walk every format has (`cuda/bmm.cu`).
-    /// Graphs captured before keep the walk they were captured with.
-    pub fn set_pipelined_bmm(&self, on: bool) {
-        self.pipelined_bmm.store(on, Ordering::Relaxed);
+    /// Chooses the kernels of the batched matmuls over K-quant weights (`cuda/bmm.cu`;
+    /// [`BmmPath::PipelinedF16`] by default, the others to measure or check beside it).
+    /// Graphs captured before keep the kernels they were captured with.
+    pub fn set_bmm_path(&self, path: BmmPath) {
+        self.bmm_path.store(path as u8, Ordering::Relaxed);
     }
 
-    pub fn pipelined_bmm(&self) -> bool {
-        self.pipelined_bmm.load(Ordering::Relaxed)
+    /// The pipelined walks' depth (2 to 4 stages) and the blocks per SM (1 to 8) their
+    /// row-length splits aim at; (2, 2) by default. For measurements: size partial-sum
+    /// buffers after setting it.
+    pub fn set_bmm_pipeline(&self, stages: usize, blocks_per_sm: usize) {
+        self.bmm_stages
+            .store(stages.clamp(2, 4) as u8, Ordering::Relaxed);
+        self.bmm_blocks_per_sm
+            .store(blocks_per_sm.clamp(1, 8) as u8, Ordering::Relaxed);
+    }
+
+    pub(crate) fn bmm_pipeline(&self) -> (usize, usize) {
+        (
+            self.bmm_stages.load(Ordering::Relaxed) as usize,
+            self.bmm_blocks_per_sm.load(Ordering::Relaxed) as usize,
+        )
+    }
+
+    pub fn bmm_path(&self) -> BmmPath {
+        match self.bmm_path.load(Ordering::Relaxed) {
+            0 => BmmPath::Registers,
+            1 => BmmPath::PipelinedInt8,
+            _ => BmmPath::PipelinedF16,
+        }
     }
 
     /// Launches `f` now. While a step is recorded for the persistent kernel only the

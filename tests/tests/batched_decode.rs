@@ -23,7 +23,13 @@ use kiln_formats::synth::{synth_file, Preset, SynthOptions};
 use kiln_tests::{cosine, skip};
 
 const MIN_COSINE: f64 = 0.99999;
-const TIE_GAP: f32 = 1e-3;
+/// Greedy picks may differ only where the one-at-a-time logits' top two are closer than
+/// this. The two paths round differently: the one-sequence GEMVs take 15-bit activations,
+/// the batched K-quant matmuls f16 weights and activations (llama.cpp's batched matmuls
+/// take 8-bit activations), so their logits differ by ~1e-3 (a pick at a gap of 1.1e-3
+/// was seen flipping on synthetic llama3.2-1b q4_k_m); a wrong row, position or sequence
+/// moves them by far more and fails the cosine bar as well.
+const TIE_GAP: f32 = 5e-3;
 
 fn scratch_dir(what: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-batched-{}-{what}", std::process::id()));
@@ -78,7 +84,8 @@ fn random_prompt(len: usize, vocab: usize, rng: &mut u64) -> Vec<u32> {
 struct Report {
     min_cosine: f64,
     mismatches: usize,
-    near_ties: usize,
+    /// The widest top-2 gap at which a pick differed.
+    widest_tie: f32,
 }
 
 /// Greedy: `m` sequences, `steps` steps, batched on `batched` vs one at a time on `alone`.
@@ -109,7 +116,7 @@ fn greedy_batched_vs_alone(
     let mut report = Report {
         min_cosine: 1.0,
         mismatches: 0,
-        near_ties: 0,
+        widest_tie: 0.0,
     };
     let mut batch_logits = vec![f32::NAN; m * vocab];
     for step in 0..steps {
@@ -149,7 +156,7 @@ fn greedy_batched_vs_alone(
                 report.mismatches += 1;
                 let gap = top_gap(&ref_logits[i]);
                 assert!(gap < TIE_GAP, "M={m} step {step} row {i}: batched picks {have}, alone {want}, top-2 gap {gap}");
-                report.near_ties += 1;
+                report.widest_tie = report.widest_tie.max(gap);
             }
         }
     }
@@ -296,12 +303,12 @@ fn check_backend(
             7 + m as u64,
         );
         println!(
-            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (all at near-ties < {TIE_GAP})",
+            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (widest top-2 gap {:.1e}, bar {TIE_GAP})",
             backend.name(),
             r.min_cosine,
-            r.mismatches
+            r.mismatches,
+            r.widest_tie
         );
-        let _ = r.near_ties;
     }
     let m = 16;
     let same = sampled_batched(alone.as_mut(), batched.as_mut(), m, 32);

@@ -7,7 +7,8 @@
 //!
 //! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
 //! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up), with
-//! the K-quant matmuls' pipelined and register walks alternating over two rounds.
+//! the K-quant matmuls' three paths (f16 and int8 pipelined, int8 register walk) alternating
+//! over two rounds.
 //!
 //! With `--persistent`, the default step as a CUDA graph of launches against the persistent
 //! kernel (one launch a token) at 8 and 16 warps a block.
@@ -26,7 +27,7 @@ use kiln_core::{
     SamplingParams, TensorView,
 };
 use kiln_kernels::testdata::random_weights_scaled;
-use kiln_kernels::{Device, GemvPath, GemvTiling};
+use kiln_kernels::{BmmPath, Device, GemvPath, GemvTiling};
 
 struct Spec {
     name: &'static str,
@@ -417,10 +418,14 @@ fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: us
                 .collect();
             ex.decode_sample(&items, &mut samplers, toks).unwrap();
         };
-        // Both walks of the K-quant matmuls, alternating, two rounds.
+        // Every path of the K-quant matmuls, alternating, two rounds.
         for round in 0..2 {
-            for pipelined in [true, false] {
-                ex.set_pipelined_bmm(pipelined);
+            for path in [
+                BmmPath::PipelinedF16,
+                BmmPath::PipelinedInt8,
+                BmmPath::Registers,
+            ] {
+                ex.set_bmm_path(path);
                 for _ in 0..4 {
                     step(&mut ex, &mut toks);
                 }
@@ -430,16 +435,15 @@ fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: us
                 }
                 let dt = t0.elapsed().as_secs_f64();
                 println!(
-                    "| {} | batch {b} | {} walk, round {} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
+                    "| {} | batch {b} | {path:?}, round {} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
                     s.name,
-                    if pipelined { "pipelined" } else { "register" },
                     round + 1,
                     dt * 1e3 / n as f64,
                     (b * n) as f64 / dt
                 );
             }
         }
-        ex.set_pipelined_bmm(true);
+        ex.set_bmm_path(BmmPath::PipelinedF16);
         for seq in seqs {
             ex.free_sequence(seq).unwrap();
         }

@@ -145,6 +145,7 @@ impl BatchState {
             act: PackedAct {
                 x: a.take(act_x),
                 s: a.take(act_s),
+                h: a.take(act_x),
             },
             qkv: a.take(rows * (qd + 2 * kvd)),
             q: a.take(rows * qd),

@@ -777,12 +777,12 @@ impl GpuExecutor {
         Ok(())
     }
 
-    /// Chooses the walk of the batched matmuls over K-quant weights: pipelined through
-    /// shared memory (`true`, the default) or the register walk (to measure one beside the
-    /// other). Captured graphs are dropped.
-    pub fn set_pipelined_bmm(&mut self, on: bool) {
+    /// Chooses the kernels of the batched matmuls over K-quant weights
+    /// ([`kiln_kernels::BmmPath`]; the default is the fastest, the others are there to
+    /// measure beside it). Captured graphs are dropped.
+    pub fn set_bmm_path(&mut self, path: kiln_kernels::BmmPath) {
         self.drop_graphs();
-        self.k.set_pipelined_bmm(on);
+        self.k.set_bmm_path(path);
     }
 
     /// Runs one-sequence decode steps as one persistent kernel each, of blocks of `warps`
