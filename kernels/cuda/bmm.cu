@@ -87,17 +87,29 @@ static __device__ __forceinline__ BFrag kq_frag(const u8* blk, float d6, int j, 
     return f;
 }
 
+// The f16 walk's scale word of one row and chunk: f16x2 (a, b) with w = a·q + b (Q4_K,
+// Q5_K), or (a0, a1) for Q6_K's two 16-value halves (w = a·(q − 32)).
+template <int T>
+static __device__ __forceinline__ u32 kq_hscale(const u8* blk, float d6, int j) {
+    const BFrag f = kq_frag<T, false>(blk, d6, j, 0);
+    return T == T_Q6_K ? pack_h2(f.a0, f.a1) : pack_h2(f.a0, f.b);
+}
+
 // The f16 walk's A fragment of one row and chunk: the weights at k = 4t..4t+3 and
 // 16 + 4t..16 + 4t + 3 dequantised to four f16x2 words, in the order the m16n8k16 mma
 // takes them when its k slots (2t, 2t+1, 2t+8, 2t+9) stand for k = 4t..4t+3 (the
 // activations are packed in the same order, norm.cu `act_pack`). A byte q becomes 1024 + q
 // by `prmt` beside 0x64 (the f16 exponent of 1024), exactly q by subtracting 1024 (Q6_K:
 // 1056, its offset of 32 too), then a·q + b by one f16x2 FMA: llama.cpp's dequantised f16.
+// `scale` is the row and chunk's word from `kq_hscale` (the values' own scale decode is
+// dead code here and compiled away).
 template <int T>
-static __device__ __forceinline__ void kq_hfrag(const u8* blk, float d6, int j, int t, u32 (&h)[4]) {
-    const BFrag f = kq_frag<T, false>(blk, d6, j, t);
+static __device__ __forceinline__ void kq_hfrag(const u8* blk, u32 scale, int j, int t, u32 (&h)[4]) {
+    const BFrag f = kq_frag<T, false>(blk, 0.0f, j, t);
     const u32 magic = 0x64646464u, bias = T == T_Q6_K ? 0x64206420u : 0x64006400u;
-    const u32 s0 = pack_h2(f.a0, f.a0), s1 = pack_h2(f.a1, f.a1), b = pack_h2(f.b, f.b);
+    // Each half of the scale word broadcast to both halves.
+    const u32 lo2 = __byte_perm(scale, 0, 0x1010), hi2 = __byte_perm(scale, 0, 0x3232);
+    const u32 s0 = lo2, s1 = T == T_Q6_K ? hi2 : lo2, b = T == T_Q6_K ? 0u : hi2;
     const u32 q[4] = {__byte_perm(f.lo, magic, 0x4140), __byte_perm(f.lo, magic, 0x4342),
                       __byte_perm(f.hi, magic, 0x4140), __byte_perm(f.hi, magic, 0x4342)};
 #pragma unroll
@@ -363,6 +375,8 @@ struct BmmpStage {
     static constexpr int XBYTES = 8 * B * 64;                          // [chunk][seq][4 × 16 B]
     static constexpr int SBYTES = F16 ? 0 : 8 * B * 8;                 // [chunk][seq] (dx, sx)
     static constexpr int BYTES = WBYTES + DBYTES + XBYTES + SBYTES;    // kernels/src/batch.rs
+    // After the stages, f16 only: each warp's scale words of one stage [weight][row][chunk].
+    static constexpr int HBYTES = F16 ? BMM_WARPS * NW * 16 * 8 * 4 : 0;
 };
 
 template <int T, int NT, bool SWIGLU, bool F16>
@@ -379,6 +393,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
     const int nchunks = K / 32;
     const int sb0 = blockIdx.y * sb_per_split, n = min((int)nsb, sb0 + sb_per_split) - sb0;
     auto stage = [&](int s) { return bmmp_smem + (size_t)(s % stages) * St::BYTES; };
+    u32* hscale_smem = (u32*)(bmmp_smem + (size_t)stages * St::BYTES);
 
     // Rows past the end copy the last row (in bounds) and are not written.
     auto issue_weights = [&](int s) {
@@ -462,14 +477,35 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
             }
         }
         if constexpr (F16) {
+            // The warp's 16 rows' scale words for the 8 chunks (and the second weight's),
+            // decoded once a stage instead of by each quad at every chunk: lane L takes row
+            // L % 16, chunks 4·(L / 16)..+3.
+            u32* words = hscale_smem + warp * (St::NW * 16 * 8);
+            {
+                const int r = lane & 15, j0 = 4 * (lane >> 4);
+#pragma unroll
+                for (int which = 0; which < St::NW; ++which) {
+                    const int row = which * BMMP_ROWS + warp * 16 + r;
+                    float d = 0.0f;
+                    if constexpr (T == T_Q6_K) {
+                        const u32* dw = (const u32*)(st + St::WBYTES);
+                        const size_t grow = min(row0 + r, nrows - 1);
+                        d = h2f((u16)(dw[row] >> (16 * (int)((grow * nsb + sb0 + s) & 1))));
+                    }
+#pragma unroll
+                    for (int j = j0; j < j0 + 4; ++j)
+                        words[(which * 16 + r) * 8 + j] = kq_hscale<T>(st + row * BODY, d, j);
+                }
+                __syncwarp();
+            }
 #pragma unroll 2
             for (int j = 0; j < 8; ++j) {
                 u32 f0[4], f8[4], u0[4], u8[4];
-                kq_hfrag<T>(st + r0 * BODY, d0, j, t, f0);
-                kq_hfrag<T>(st + r8 * BODY, d8, j, t, f8);
+                kq_hfrag<T>(st + r0 * BODY, words[g * 8 + j], j, t, f0);
+                kq_hfrag<T>(st + r8 * BODY, words[(g + 8) * 8 + j], j, t, f8);
                 if constexpr (SWIGLU) {
-                    kq_hfrag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t, u0);
-                    kq_hfrag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t, u8);
+                    kq_hfrag<T>(st + (BMMP_ROWS + r0) * BODY, words[(16 + g) * 8 + j], j, t, u0);
+                    kq_hfrag<T>(st + (BMMP_ROWS + r8) * BODY, words[(24 + g) * 8 + j], j, t, u8);
                 }
                 // Rows g and g + 8 for k = 4t.. (the first mma) and 16 + 4t.. (the second).
                 const u32 a_lo[4] = {f0[0], f8[0], f0[1], f8[1]}, a_hi[4] = {f0[2], f8[2], f0[3], f8[3]};
@@ -485,6 +521,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
                     }
                 }
             }
+            __syncwarp();  // the words are rewritten for the next stage
             continue;
         }
 #pragma unroll 2

@@ -43,12 +43,30 @@ pub enum BmmPath {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BmmWalk {
     Registers,
-    /// `stages` super-block columns of `stage` bytes each in flight through shared memory.
+    /// `stages` super-block columns of `stage` bytes each in flight through shared memory
+    /// (and, f16, `BmmpStage::HBYTES` of scale words after them).
     Pipelined {
         f16: bool,
         stages: usize,
         stage: usize,
     },
+}
+
+impl BmmWalk {
+    /// Dynamic shared memory a launch takes.
+    fn shared_bytes(self, swiglu: bool) -> usize {
+        match self {
+            BmmWalk::Registers => 0,
+            BmmWalk::Pipelined { f16, stages, stage } => {
+                let words = if f16 {
+                    8 * 16 * 8 * 4 * if swiglu { 2 } else { 1 }
+                } else {
+                    0
+                };
+                stages * stage + words
+            }
+        }
+    }
 }
 
 /// Bytes of one stage of the pipelined walk (`BmmpStage` in cuda/bmm.cu): the block's rows
@@ -188,11 +206,15 @@ impl Kernels {
         // measured the same or slower on the H200 (thirteenth session, benchmarks.md): a
         // smaller footprint lets a second block onto each SM, whose warps cover the
         // fragment loads' latency (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
-        let stages = self.bmm_pipeline().0;
-        if stages * stage > optin {
+        let walk = BmmWalk::Pipelined {
+            f16,
+            stages: self.bmm_pipeline().0,
+            stage,
+        };
+        if walk.shared_bytes(swiglu) > optin {
             return BmmWalk::Registers;
         }
-        BmmWalk::Pipelined { f16, stages, stage }
+        walk
     }
 
     /// How many parts a batched matmul over `rows` rows of `w` taking `walk` splits its row
@@ -349,14 +371,14 @@ impl Kernels {
                 "a batched matmul over {rows} rows: 8, 16, 32 or 64 only"
             )));
         }
-        let (prefix, per_split, shared_bytes) = match walk {
-            BmmWalk::Registers => ("bmm", (k / 32).div_ceil(splits), 0),
-            BmmWalk::Pipelined { f16, stages, stage } => (
+        let (prefix, per_split) = match walk {
+            BmmWalk::Registers => ("bmm", (k / 32).div_ceil(splits)),
+            BmmWalk::Pipelined { f16, .. } => (
                 if f16 { "bmmh" } else { "bmmp" },
                 (k / 256).div_ceil(splits),
-                stages * stage,
             ),
         };
+        let shared_bytes = walk.shared_bytes(up.is_some());
         let name = match up {
             Some(_) => format!("{prefix}_swiglu_{}_{nt}", w.format.tag),
             None => format!("{prefix}_{}_{nt}", w.format.tag),
