@@ -24,12 +24,23 @@ use kiln_tests::{cosine, skip};
 
 const MIN_COSINE: f64 = 0.99999;
 /// Greedy picks may differ only where the one-at-a-time logits' top two are closer than
-/// this. The two paths round differently: the one-sequence GEMVs take 15-bit activations,
-/// the batched K-quant matmuls f16 weights and activations (llama.cpp's batched matmuls
-/// take 8-bit activations), so their logits differ by ~1e-3 (a pick at a gap of 1.1e-3
-/// was seen flipping on synthetic llama3.2-1b q4_k_m); a wrong row, position or sequence
-/// moves them by far more and fails the cosine bar as well.
-const TIE_GAP: f32 = 5e-3;
+/// this: 1e-3 where both paths round alike (the CPU; cuda-q4_0, whose batched and
+/// one-sequence matmuls both take 15-bit activations).
+const TIE_GAP: f32 = 1e-3;
+
+/// The near-tie bar of `backend`'s batched decode against its one-sequence decode. On
+/// cuda-q4k the batched K-quant matmuls round weights and activations to f16 (as its
+/// prefill's cuBLAS GEMMs do; llama.cpp's batched matmuls take 8-bit activations) where
+/// the one-sequence GEMVs take 15-bit activations: picks were seen flipping at top-2 gaps
+/// of 1.1e-3 and 5.3e-3 (synthetic llama3.2-1b q4_k_m, cosine ≥ 0.999995 throughout), so
+/// that backend takes its own bar against the CPU oracle (gpu_parity: 0.05). A wrong row,
+/// position or sequence fails the cosine bar, which stays the same for every backend.
+fn tie_gap(backend: &dyn Backend) -> f32 {
+    match backend.name() {
+        "cuda-q4k" => 0.05,
+        _ => TIE_GAP,
+    }
+}
 
 fn scratch_dir(what: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-batched-{}-{what}", std::process::id()));
@@ -96,6 +107,7 @@ fn greedy_batched_vs_alone(
     longest: usize,
     steps: usize,
     seed: u64,
+    tie_gap: f32,
 ) -> Report {
     let vocab = alone.config().vocab_size;
     let mut rng = seed;
@@ -155,7 +167,7 @@ fn greedy_batched_vs_alone(
             if want != have {
                 report.mismatches += 1;
                 let gap = top_gap(&ref_logits[i]);
-                assert!(gap < TIE_GAP, "M={m} step {step} row {i}: batched picks {have}, alone {want}, top-2 gap {gap}");
+                assert!(gap < tie_gap, "M={m} step {step} row {i}: batched picks {have}, alone {want}, top-2 gap {gap} (bar {tie_gap})");
                 report.widest_tie = report.widest_tie.max(gap);
             }
         }
@@ -293,6 +305,7 @@ fn check_backend(
     };
     let mut alone = backend.load(&model.ir, &options).unwrap();
     let mut batched = backend.load(&model.ir, &options).unwrap();
+    let bar = tie_gap(backend);
     for &m in sizes {
         let r = greedy_batched_vs_alone(
             alone.as_mut(),
@@ -301,9 +314,10 @@ fn check_backend(
             longest,
             steps,
             7 + m as u64,
+            bar,
         );
         println!(
-            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (widest top-2 gap {:.1e}, bar {TIE_GAP})",
+            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (widest top-2 gap {:.1e}, bar {bar})",
             backend.name(),
             r.min_cosine,
             r.mismatches,

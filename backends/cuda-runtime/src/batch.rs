@@ -32,6 +32,10 @@ use super::{err, GpuExecutor, StepShape};
 /// Batch-size buckets, one graph each per attention grid.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 
+/// Least positions a split block of the batched step's attention takes (one per warp of
+/// its four): see `GpuExecutor::batch_split`.
+const BATCH_ATTENTION_SPLIT: usize = 128;
+
 /// Prompts up to this many tokens prefill through the batched step (one step, the
 /// prompt's tokens its rows) unless [`GpuExecutor::set_short_prefill_max`] says otherwise.
 /// Longer ones take the cuBLAS prefill, whose GEMMs win once the dequantisation is shared
@@ -219,9 +223,17 @@ impl GpuExecutor {
     /// "Batched decode at 64 rows"): 1B +2.3 / +1.6 / +3.3% at 16 / 32 / 64 rows, −2.9% at 4.
     fn batch_shape(&self, rows: usize, len: usize) -> StepShape {
         StepShape {
-            splits: self.attention_grid(len),
+            splits: self.attention_grid(len, self.batch_split()),
             pairs: rows >= 16 && self.config.gqa_ratio() >= 2,
         }
+    }
+
+    /// Least positions a split block of the batched attention takes. One sequence splits
+    /// short contexts finely (64 positions, 16 blocks a head up to 4,096) because its
+    /// heads alone leave most SMs idle; a batch's rows × heads fill the GPU already, and a
+    /// 64-position split leaves two of a block's four warps (32 positions each) idle.
+    fn batch_split(&self) -> usize {
+        self.split.max(BATCH_ATTENTION_SPLIT)
     }
 
     /// Whether a batch of `n` sequences decodes in batched steps.
@@ -310,7 +322,7 @@ impl GpuExecutor {
             let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
             k.rope_kv_batch(&rope, b.qkv, b.q, kv, stride, &br, self.kv.rows(li))?;
-            let attn = self.attn_args(li, shape);
+            let attn = self.attn_args(li, shape, self.batch_split());
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(

@@ -875,14 +875,14 @@ impl GpuExecutor {
 
     /// Decode attention's arguments for layer `li` in a step of `shape`, shared by the
     /// one-sequence and the batched step.
-    fn attn_args(&self, li: usize, shape: StepShape) -> AttnArgs {
+    fn attn_args(&self, li: usize, shape: StepShape, split: usize) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
             max_ctx: self.layer_context(li),
-            split: self.split,
+            split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
             pairs: shape.pairs && self.layers[li].window == 0,
@@ -935,18 +935,18 @@ impl GpuExecutor {
     /// The attention grid a step whose longest context is `len` needs: as many split
     /// blocks per head as the widest of its layers' spans works with (a sliding-window
     /// layer's span is its window), rounded up to a power of two.
-    fn attention_grid(&self, len: usize) -> usize {
+    fn attention_grid(&self, len: usize, split: usize) -> usize {
         let working = self
             .layers
             .iter()
             .enumerate()
             .map(|(li, l)| {
                 let span = if l.window > 0 { len.min(l.window) } else { len };
-                Kernels::attention_working_splits(span, self.layer_context(li), self.split)
+                Kernels::attention_working_splits(span, self.layer_context(li), split)
             })
             .max()
             .unwrap_or(1);
-        Kernels::attention_grid_splits(working, Kernels::attention_splits(self.max_ctx, self.split))
+        Kernels::attention_grid_splits(working, Kernels::attention_splits(self.max_ctx, split))
     }
 
     /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
@@ -973,7 +973,7 @@ impl GpuExecutor {
     /// heads in pairs for GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
     fn step_shape(&self, len: usize) -> StepShape {
         StepShape {
-            splits: self.attention_grid(len),
+            splits: self.attention_grid(len, self.split),
             pairs: len >= PAIRED_ATTENTION_FROM
                 && self.config.num_heads / self.config.num_kv_heads >= 2,
         }
@@ -1047,7 +1047,7 @@ impl GpuExecutor {
             }
             let kv = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
-            let attn = self.attn_args(li, shape);
+            let attn = self.attn_args(li, shape, self.split);
             k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
             k.attention(
                 &attn,
