@@ -16,7 +16,7 @@ use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_g
 use kiln_kernels::{
     AttnArgs, BatchEpilogue, BmmPath, Device, DeviceBuffer, DeviceWeight, Epilogue, Event,
     GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedActBuffers,
-    PackedWeight, QuantBuffers, QuantOut, Result, FORMATS,
+    PackedWeight, QuantBuffers, QuantOut, Result, WeightFormat, FORMATS,
 };
 
 const LAUNCHES_PER_GRAPH: usize = 20;
@@ -402,70 +402,130 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// The batched decode matmuls (`Kernels::batched_matmul`: the int8 mma kernel and its
-/// split-sum epilogue) at the 8B shapes for 8 to 64 rows: time per launch, the weights'
-/// bandwidth against the copy roofline and the int8 rate (2 · rows · K · N per launch).
-/// The f16 pipelined walk at the 8B's q4_k / q6_k shapes for each depth (2–4 stages) and
-/// split target (1, 2, 4 blocks per SM): µs per launch.
+/// One batched-matmul shape at the 8B's sizes: copies of one random weight (SwiGLU: pairs)
+/// rotated through ≥ 512 MB so that L2 holds none of a launch's weights.
+struct BmmShape {
+    ws: Vec<DeviceWeight>,
+    /// Weight bytes one launch reads.
+    per_launch: usize,
+    kk: usize,
+    n: usize,
+    swiglu: bool,
+}
+
+impl BmmShape {
+    fn new(
+        dev: &Arc<Device>,
+        rng: &mut Rng,
+        f: &'static WeightFormat,
+        kk: usize,
+        n: usize,
+        swiglu: bool,
+    ) -> Result<Self> {
+        let packed = PackedWeight::pack_as(f, kk, n, &random_weights(rng, f.qtype, kk, n)?)?;
+        let per_launch = packed.bytes() * if swiglu { 2 } else { 1 };
+        let copies = (512usize << 20).div_ceil(per_launch).clamp(2, 16) * 2;
+        let ws = (0..copies)
+            .map(|_| DeviceWeight::upload(dev, &packed))
+            .collect::<Result<_>>()?;
+        Ok(BmmShape {
+            ws,
+            per_launch,
+            kk,
+            n,
+            swiglu,
+        })
+    }
+
+    /// `rows` random rows packed for the matmuls, and an output for them.
+    fn input(
+        &self,
+        dev: &Arc<Device>,
+        k: &Kernels,
+        rng: &mut Rng,
+        rows: usize,
+    ) -> Result<(PackedActBuffers, DeviceBuffer<f32>)> {
+        let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * self.kk, 1.0))?;
+        let packed = PackedActBuffers::alloc(dev, rows, self.kk)?;
+        k.act_pack(x.slice(), rows, self.kk, None, None, packed.view())?;
+        Ok((packed, DeviceBuffer::<f32>::alloc(dev, rows * self.n)?))
+    }
+
+    /// Milliseconds per launch over `rows` rows with the kernels' current settings: a graph
+    /// of LAUNCHES_PER_GRAPH launches walking the copies, or (`once`) one launch outside
+    /// any graph, for a profiler (then 0).
+    fn time(
+        &self,
+        dev: &Arc<Device>,
+        k: &Kernels,
+        act: &PackedActBuffers,
+        y: &DeviceBuffer<f32>,
+        rows: usize,
+        once: bool,
+    ) -> Result<f64> {
+        let part = DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&self.ws[0], rows, self.swiglu))?;
+        let epi = BatchEpilogue::default();
+        let copies = self.ws.len();
+        let launch = |i: usize| {
+            let (w, up) = if self.swiglu {
+                (
+                    &self.ws[(2 * i) % copies],
+                    Some(&self.ws[(2 * i + 1) % copies]),
+                )
+            } else {
+                (&self.ws[i % copies], None)
+            };
+            k.batched_matmul(
+                w,
+                up,
+                &act.view(),
+                rows,
+                part.slice(),
+                y.slice(),
+                self.n,
+                &epi,
+            )
+        };
+        if once {
+            launch(0)?;
+            dev.synchronize()?;
+            return Ok(0.0);
+        }
+        let g = dev.capture(|| (0..LAUNCHES_PER_GRAPH).try_for_each(launch))?;
+        time_graph(dev, &g, LAUNCHES_PER_GRAPH)
+    }
+}
+
+/// (K, N, label, SwiGLU: gate and up of this shape in one launch)
+const BMM_SHAPES: [(usize, usize, &str, bool); 3] = [
+    (4096, 4096, "8B q/o 4096x4096", false),
+    (4096, 14336, "8B gate/up 14336x4096", true),
+    (14336, 4096, "8B down 4096x14336", false),
+];
+
+/// The f16 pipelined walk at the 8B's q4_k shapes and q6_k's down for each depth (2–4
+/// stages) and split target (1, 2, 4 blocks per SM): µs per launch.
 fn pipeline_sweep(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng, roofline: f64) -> Result<()> {
     println!("\nf16 pipelined walk: stages x blocks per SM (µs per launch incl. the split sum)");
     println!("| shape | type | rows | stages | blocks/SM | us | % roofline |");
     println!("|---|---|---:|---:|---:|---:|---:|");
-    let shapes = [
-        (4096usize, 4096usize, "q/o", false),
-        (4096, 14336, "gate/up", true),
-        (14336, 4096, "down", false),
-    ];
     k.set_bmm_path(BmmPath::PipelinedF16);
     for f in FORMATS
         .iter()
         .filter(|f| f.tag == "q4_k" || f.tag == "q6_k")
     {
-        let q = f.qtype;
-        for &(kk, n, label, swiglu) in &shapes {
-            if q == QType::Q6_K && label != "down" {
+        for &(kk, n, label, swiglu) in &BMM_SHAPES {
+            if f.qtype == QType::Q6_K && kk != 14336 {
                 continue;
             }
-            let packed = PackedWeight::pack_as(f, kk, n, &random_weights(rng, q, kk, n)?)?;
-            let per_launch = packed.bytes() * if swiglu { 2 } else { 1 };
-            let copies = (512usize << 20).div_ceil(per_launch).clamp(2, 16) * 2;
-            let ws: Vec<DeviceWeight> = (0..copies)
-                .map(|_| DeviceWeight::upload(dev, &packed))
-                .collect::<Result<_>>()?;
+            let shape = BmmShape::new(dev, rng, f, kk, n, swiglu)?;
             for rows in [8usize, 16, 32, 64] {
-                let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * kk, 1.0))?;
-                let packed = PackedActBuffers::alloc(dev, rows, kk)?;
-                let act = packed.view();
-                k.act_pack(x.slice(), rows, kk, None, None, act)?;
-                let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
-                let epi = BatchEpilogue::default();
+                let (act, y) = shape.input(dev, k, rng, rows)?;
                 for stages in [2usize, 3, 4] {
                     for bps in [1usize, 2, 4] {
                         k.set_bmm_pipeline(stages, bps);
-                        let part =
-                            DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
-                        let g = dev.capture(|| {
-                            for i in 0..LAUNCHES_PER_GRAPH {
-                                let (w, up) = if swiglu {
-                                    (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
-                                } else {
-                                    (&ws[i % copies], None)
-                                };
-                                k.batched_matmul(
-                                    w,
-                                    up,
-                                    &act,
-                                    rows,
-                                    part.slice(),
-                                    y.slice(),
-                                    n,
-                                    &epi,
-                                )?;
-                            }
-                            Ok(())
-                        })?;
-                        let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
-                        let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
+                        let ms = shape.time(dev, k, &act, &y, rows, false)?;
+                        let gbps = shape.per_launch as f64 / (ms * 1e-3) / 1e9;
                         println!(
                             "| {label} | {} | {rows} | {stages} | {bps} | {:.1} | {:.0}% |",
                             f.tag,
@@ -481,6 +541,10 @@ fn pipeline_sweep(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng, roofline: f64) 
     Ok(())
 }
 
+/// The batched decode matmuls (`Kernels::batched_matmul`: the mma kernel and its split-sum
+/// epilogue) at the 8B shapes for 8 to 64 rows, every path a format has: time per launch,
+/// the weights' bandwidth against the copy roofline and the rate (2 · rows · K · N per
+/// launch, TOPS).
 fn batched_matmuls(
     dev: &Arc<Device>,
     k: &Kernels,
@@ -491,72 +555,39 @@ fn batched_matmuls(
 ) -> Result<()> {
     let default = ["q4_k", "q6_k", "q4_0"].map(str::to_string);
     let tags = only.unwrap_or(&default);
-    println!("\nbatched matmuls (time per launch incl. the split sum; GB/s of weights; int8 TOPS)");
+    println!("\nbatched matmuls (time per launch incl. the split sum; GB/s of weights; TOPS)");
     println!("| shape | type | walk | rows | us | GB/s | % roofline | TOPS |");
     println!("|---|---|---|---:|---:|---:|---:|---:|");
-    // (K, N, label, SwiGLU: gate and up of this shape in one launch)
-    let shapes = [
-        (4096usize, 4096usize, "8B q/o 4096x4096", false),
-        (4096, 14336, "8B gate/up 14336x4096", true),
-        (14336, 4096, "8B down 4096x14336", false),
-    ];
     for f in FORMATS
         .iter()
         .filter(|f| f.batched.is_some() && tags.iter().any(|t| t == f.tag))
     {
-        let q = f.qtype;
-        for &(kk, n, label, swiglu) in &shapes {
-            let packed = PackedWeight::pack_as(f, kk, n, &random_weights(rng, q, kk, n)?)?;
-            let per_launch = packed.bytes() * if swiglu { 2 } else { 1 };
-            let copies = (512usize << 20).div_ceil(per_launch).clamp(2, 16) * 2;
-            let ws: Vec<DeviceWeight> = (0..copies)
-                .map(|_| DeviceWeight::upload(dev, &packed))
-                .collect::<Result<_>>()?;
+        for &(kk, n, label, swiglu) in &BMM_SHAPES {
+            let shape = BmmShape::new(dev, rng, f, kk, n, swiglu)?;
             for rows in [8usize, 16, 32, 64] {
-                let x = DeviceBuffer::from_host(dev, &random_vec(rng, rows * kk, 1.0))?;
-                let packed = PackedActBuffers::alloc(dev, rows, kk)?;
-                let act = packed.view();
-                k.act_pack(x.slice(), rows, kk, None, None, act)?;
-                let part = DeviceBuffer::<f32>::alloc(dev, k.bmm_part_len(&ws[0], rows, swiglu))?;
-                let y = DeviceBuffer::<f32>::alloc(dev, rows * n)?;
-                let epi = BatchEpilogue::default();
+                let (act, y) = shape.input(dev, k, rng, rows)?;
                 // The K-quants' three paths; the register walk every format has.
-                let paths: &[BmmPath] = if matches!(q, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
-                    &[
-                        BmmPath::PipelinedF16,
-                        BmmPath::PipelinedInt8,
-                        BmmPath::Registers,
-                    ]
-                } else {
-                    &[BmmPath::Registers]
-                };
-                'walks: for &path in paths {
+                let paths: &[BmmPath] =
+                    if matches!(f.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
+                        &[
+                            BmmPath::PipelinedF16,
+                            BmmPath::PipelinedInt8,
+                            BmmPath::Registers,
+                        ]
+                    } else {
+                        &[BmmPath::Registers]
+                    };
+                for &path in paths {
                     k.set_bmm_path(path);
+                    let ms = shape.time(dev, k, &act, &y, rows, once)?;
                     if once {
-                        // One launch of each, outside any graph: what a profiler is pointed at.
-                        let up = swiglu.then(|| &ws[1]);
-                        k.batched_matmul(&ws[0], up, &act, rows, part.slice(), y.slice(), n, &epi)?;
-                        dev.synchronize()?;
-                        continue 'walks;
+                        continue;
                     }
-                    let g = dev.capture(|| {
-                        for i in 0..LAUNCHES_PER_GRAPH {
-                            let (w, up) = if swiglu {
-                                (&ws[(2 * i) % copies], Some(&ws[(2 * i + 1) % copies]))
-                            } else {
-                                (&ws[i % copies], None)
-                            };
-                            k.batched_matmul(w, up, &act, rows, part.slice(), y.slice(), n, &epi)?;
-                        }
-                        Ok(())
-                    })?;
-                    let ms = time_graph(dev, &g, LAUNCHES_PER_GRAPH)?;
-                    let gbps = per_launch as f64 / (ms * 1e-3) / 1e9;
+                    let gbps = shape.per_launch as f64 / (ms * 1e-3) / 1e9;
                     let ops = 2.0 * (rows * kk * n) as f64 * if swiglu { 2.0 } else { 1.0 };
                     println!(
-                        "| {label} | {} | {} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
+                        "| {label} | {} | {path:?} | {rows} | {:.1} | {gbps:.0} | {:.0}% | {:.1} |",
                         f.tag,
-                        format!("{path:?}"),
                         ms * 1e3,
                         100.0 * gbps / roofline,
                         ops / (ms * 1e-3) / 1e12
