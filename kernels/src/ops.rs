@@ -1660,11 +1660,13 @@ mod tests {
 
     /// A grid as wide as the working splits of every span it serves computes what the full
     /// grid does: the same split length for each span (so the same blocks and the same
-    /// merge, bit for bit), on every cache size the executors make.
+    /// merge, bit for bit), on every cache size the executors make, for the one-sequence
+    /// step's least split (64) and the batched step's (128).
     #[test]
     fn narrow_attention_grids_split_as_the_full_grid_does() {
-        let split = 64;
-        for max_ctx in [1, 63, 64, 300, 1000, 4096, 8192, 20_000, 32_768, 131_072] {
+        for (split, max_ctx) in [64, 128].into_iter().flat_map(|split| {
+            [1, 63, 64, 300, 1000, 4096, 8192, 20_000, 32_768, 131_072].map(|m| (split, m))
+        }) {
             let full = Kernels::attention_splits(max_ctx, split);
             let mut grids = std::collections::BTreeSet::new();
             for span in (1..=max_ctx).step_by(1 + max_ctx / 5000) {
@@ -1684,6 +1686,7 @@ mod tests {
             assert!(grids.len() <= 8, "{max_ctx} rows: {grids:?}");
         }
         // Short contexts launch few blocks: one per head up to 64 positions.
+        let split = 64;
         assert_eq!(Kernels::attention_working_splits(5, 131_072, split), 1);
         assert_eq!(Kernels::attention_working_splits(100, 131_072, split), 2);
         assert_eq!(Kernels::attention_working_splits(4096, 131_072, split), 16);
