@@ -448,7 +448,6 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
             acc2[SWIGLU ? n_ : 0][i] = 0.0f;
         }
     const int r0 = warp * 16 + g, r8 = r0 + 8;
-    const size_t ra = min(row0 + g, nrows - 1), rb = min(row0 + g + 8, nrows - 1);
     for (int s = 0; s < n; ++s) {
         // Stage s has landed once at most stages - 2 later groups are in flight.
         if (stages >= 4) cp_async_wait<2>();
@@ -463,19 +462,13 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         if (!active) continue;
         const u8* st = stage(s);
         const uint4* sx = (const uint4*)(st + St::WBYTES + St::DBYTES);
-        const float2* ss = (const float2*)(st + St::WBYTES + St::DBYTES + St::XBYTES);
-        float d0 = 0.0f, d8 = 0.0f, e0 = 0.0f, e8 = 0.0f;
-        if constexpr (T == T_Q6_K) {
+        // Q6_K's super-block scale of the warp's row r (0..15) of weight `which` in this
+        // stage (the stage holds each 2-byte scale as the aligned word around it).
+        auto q6_scale = [&](int which, int r) {
             const u32* dw = (const u32*)(st + St::WBYTES);
-            const size_t sb = sb0 + s;
-            const int h0 = 16 * (int)((ra * nsb + sb) & 1), h8 = 16 * (int)((rb * nsb + sb) & 1);
-            d0 = h2f((u16)(dw[r0] >> h0));
-            d8 = h2f((u16)(dw[r8] >> h8));
-            if constexpr (SWIGLU) {
-                e0 = h2f((u16)(dw[BMMP_ROWS + r0] >> h0));
-                e8 = h2f((u16)(dw[BMMP_ROWS + r8] >> h8));
-            }
-        }
+            const size_t row = min(row0 + r, nrows - 1);
+            return h2f((u16)(dw[which * BMMP_ROWS + warp * 16 + r] >> (16 * (int)((row * nsb + sb0 + s) & 1))));
+        };
         if constexpr (F16) {
             // The warp's 16 rows' scale words for the 8 chunks (and the second weight's),
             // decoded once a stage instead of by each quad at every chunk: lane L takes row
@@ -485,16 +478,10 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
                 const int r = lane & 15, j0 = 4 * (lane >> 4);
 #pragma unroll
                 for (int which = 0; which < St::NW; ++which) {
-                    const int row = which * BMMP_ROWS + warp * 16 + r;
-                    float d = 0.0f;
-                    if constexpr (T == T_Q6_K) {
-                        const u32* dw = (const u32*)(st + St::WBYTES);
-                        const size_t grow = min(row0 + r, nrows - 1);
-                        d = h2f((u16)(dw[row] >> (16 * (int)((grow * nsb + sb0 + s) & 1))));
-                    }
+                    const float d = T == T_Q6_K ? q6_scale(which, r) : 0.0f;
+                    const u8* blk = st + (which * BMMP_ROWS + warp * 16 + r) * BODY;
 #pragma unroll
-                    for (int j = j0; j < j0 + 4; ++j)
-                        words[(which * 16 + r) * 8 + j] = kq_hscale<T>(st + row * BODY, d, j);
+                    for (int j = j0; j < j0 + 4; ++j) words[(which * 16 + r) * 8 + j] = kq_hscale<T>(blk, d, j);
                 }
                 __syncwarp();
             }
@@ -522,22 +509,32 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
                 }
             }
             __syncwarp();  // the words are rewritten for the next stage
-            continue;
-        }
-#pragma unroll 2
-        for (int j = 0; j < 8; ++j) {
-            const BFrag f0 = kq_frag<T>(st + r0 * BODY, d0, j, t), f8 = kq_frag<T>(st + r8 * BODY, d8, j, t);
-            BFrag u0, u8;
-            if constexpr (SWIGLU) {
-                u0 = kq_frag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t);
-                u8 = kq_frag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t);
+        } else {
+            const float2* ss = (const float2*)(st + St::WBYTES + St::DBYTES + St::XBYTES);
+            float d0 = 0.0f, d8 = 0.0f, e0 = 0.0f, e8 = 0.0f;
+            if constexpr (T == T_Q6_K) {
+                d0 = q6_scale(0, g);
+                d8 = q6_scale(0, g + 8);
+                if constexpr (SWIGLU) {
+                    e0 = q6_scale(1, g);
+                    e8 = q6_scale(1, g + 8);
+                }
             }
+#pragma unroll 2
+            for (int j = 0; j < 8; ++j) {
+                const BFrag f0 = kq_frag<T>(st + r0 * BODY, d0, j, t), f8 = kq_frag<T>(st + r8 * BODY, d8, j, t);
+                BFrag u0, u8;
+                if constexpr (SWIGLU) {
+                    u0 = kq_frag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t);
+                    u8 = kq_frag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t);
+                }
 #pragma unroll
-            for (int n_ = 0; n_ < NT; ++n_) {
-                const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
-                const float4 sc = *(const float4*)&ss[j * B + n_ * 8 + 2 * t];
-                bmm_tile<T>(f0, f8, x, sc, acc[n_]);
-                if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, sc, acc2[n_]);
+                for (int n_ = 0; n_ < NT; ++n_) {
+                    const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
+                    const float4 sc = *(const float4*)&ss[j * B + n_ * 8 + 2 * t];
+                    bmm_tile<T>(f0, f8, x, sc, acc[n_]);
+                    if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, sc, acc2[n_]);
+                }
             }
         }
     }

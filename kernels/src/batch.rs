@@ -58,6 +58,7 @@ impl BmmWalk {
         match self {
             BmmWalk::Registers => 0,
             BmmWalk::Pipelined { f16, stages, stage } => {
+                // `BmmpStage::HBYTES`: 8 warps × 16 rows × 8 chunks of u32 per weight.
                 let words = if f16 {
                     8 * 16 * 8 * 4 * if swiglu { 2 } else { 1 }
                 } else {
@@ -202,10 +203,11 @@ impl Kernels {
         };
         let stage = bmmp_stage_bytes(w, rows, swiglu, f16);
         let optin = self.device().shared_per_block_optin();
-        // Two stages: one super-block in flight while the other is used. Three (or four)
-        // measured the same or slower on the H200 (thirteenth session, benchmarks.md): a
-        // smaller footprint lets a second block onto each SM, whose warps cover the
-        // fragment loads' latency (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
+        // Two stages by default (`set_bmm_pipeline` measures others): one super-block in
+        // flight while the other is used. Three (or four) measured the same or slower on
+        // the H200 (thirteenth and fifteenth sessions, benchmarks.md): a smaller footprint
+        // lets a second block onto each SM, whose warps cover the fragment loads' latency
+        // (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
         let walk = BmmWalk::Pipelined {
             f16,
             stages: self.bmm_pipeline().0,

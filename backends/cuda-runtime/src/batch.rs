@@ -32,8 +32,10 @@ use super::{err, GpuExecutor, StepShape};
 /// Batch-size buckets, one graph each per attention grid.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 
-/// Least positions a split block of the batched step's attention takes (one per warp of
-/// its four): see `GpuExecutor::batch_split`.
+/// Least positions a split block of the batched step's attention takes. One sequence
+/// splits short contexts finely (64 positions, 16 blocks a head up to 4,096) because its
+/// heads alone leave most SMs idle; a batch's rows × heads fill the GPU already, and a
+/// 64-position split leaves two of a block's four warps (32 positions each) idle.
 const BATCH_ATTENTION_SPLIT: usize = 128;
 
 /// Prompts up to this many tokens prefill through the batched step (one step, the
@@ -222,18 +224,12 @@ impl GpuExecutor {
     /// head only lengthens each block's chain. Measured on the H200 (docs/benchmarks.md,
     /// "Batched decode at 64 rows"): 1B +2.3 / +1.6 / +3.3% at 16 / 32 / 64 rows, −2.9% at 4.
     fn batch_shape(&self, rows: usize, len: usize) -> StepShape {
+        let split = self.split.max(BATCH_ATTENTION_SPLIT);
         StepShape {
-            splits: self.attention_grid(len, self.batch_split()),
+            split,
+            splits: self.attention_grid(len, split),
             pairs: rows >= 16 && self.config.gqa_ratio() >= 2,
         }
-    }
-
-    /// Least positions a split block of the batched attention takes. One sequence splits
-    /// short contexts finely (64 positions, 16 blocks a head up to 4,096) because its
-    /// heads alone leave most SMs idle; a batch's rows × heads fill the GPU already, and a
-    /// 64-position split leaves two of a block's four warps (32 positions each) idle.
-    fn batch_split(&self) -> usize {
-        self.split.max(BATCH_ATTENTION_SPLIT)
     }
 
     /// Whether a batch of `n` sequences decodes in batched steps.
@@ -322,7 +318,7 @@ impl GpuExecutor {
             let stride = self.kv.slot_stride(li);
             let rope = self.rope_args(l);
             k.rope_kv_batch(&rope, b.qkv, b.q, kv, stride, &br, self.kv.rows(li))?;
-            let attn = self.attn_args(li, shape, self.batch_split());
+            let attn = self.attn_args(li, shape);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
             k.attention_batch(

@@ -120,12 +120,16 @@ fn err(e: kiln_kernels::KernelError) -> Error {
 /// launch's latency, not the cache read, decides).
 const PAIRED_ATTENTION_FROM: usize = 16_384;
 
-/// What a captured decode step's attention launches are: the split blocks per head of
-/// their grid (a power of two, or the cache's full grid; [`Kernels::attention_grid_splits`])
-/// and whether the heads of a GQA group pair up. A step replays the graph of the shape
-/// its context needs; each shape's graph is captured when first needed.
+/// What a captured decode step's attention launches are: the least positions a split
+/// block takes, the split blocks per head of their grid (a power of two, or the cache's
+/// full grid; [`Kernels::attention_grid_splits`], computed from that least split) and
+/// whether the heads of a GQA group pair up. A step replays the graph of the shape its
+/// context needs; each shape's graph is captured when first needed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StepShape {
+    /// The same for every shape of one kind of step (one sequence, or a batch), so it
+    /// takes no part in [`StepShape::index`].
+    pub(crate) split: usize,
     pub(crate) splits: usize,
     pub(crate) pairs: bool,
 }
@@ -875,14 +879,14 @@ impl GpuExecutor {
 
     /// Decode attention's arguments for layer `li` in a step of `shape`, shared by the
     /// one-sequence and the batched step.
-    fn attn_args(&self, li: usize, shape: StepShape, split: usize) -> AttnArgs {
+    fn attn_args(&self, li: usize, shape: StepShape) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
             max_ctx: self.layer_context(li),
-            split,
+            split: shape.split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
             pairs: shape.pairs && self.layers[li].window == 0,
@@ -973,6 +977,7 @@ impl GpuExecutor {
     /// heads in pairs for GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
     fn step_shape(&self, len: usize) -> StepShape {
         StepShape {
+            split: self.split,
             splits: self.attention_grid(len, self.split),
             pairs: len >= PAIRED_ATTENTION_FROM
                 && self.config.num_heads / self.config.num_kv_heads >= 2,
@@ -1047,7 +1052,7 @@ impl GpuExecutor {
             }
             let kv = self.kv.layer(li, slot_index)?;
             let rope = self.rope_args(l);
-            let attn = self.attn_args(li, shape, self.split);
+            let attn = self.attn_args(li, shape);
             k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
             k.attention(
                 &attn,
