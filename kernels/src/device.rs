@@ -466,6 +466,24 @@ impl Device {
         unsafe { result::stream::synchronize(self.stream) }.ctx("cuStreamSynchronize")
     }
 
+    /// Runs `body` inside a profiler range: with `ncu --profile-from-start off` only the
+    /// kernels launched in it are profiled (so a benchmark can skip its setup and warm-up).
+    /// Outside a profiler the range costs two driver calls and changes nothing.
+    pub fn profiler_range<R>(&self, body: impl FnOnce() -> R) -> Result<R> {
+        self.synchronize()?;
+        // SAFETY: no arguments; the context is current (bound by `synchronize`).
+        unsafe { sys::cuProfilerStart() }
+            .result()
+            .ctx("cuProfilerStart")?;
+        let out = body();
+        self.synchronize()?;
+        // SAFETY: as above.
+        unsafe { sys::cuProfilerStop() }
+            .result()
+            .ctx("cuProfilerStop")?;
+        Ok(out)
+    }
+
     /// Records everything `body` queues on the stream into a CUDA graph, instantiated and
     /// ready to replay. `body` must only queue work (launches, async copies), not wait.
     pub fn capture(self: &Arc<Self>, body: impl FnOnce() -> Result<()>) -> Result<Graph> {

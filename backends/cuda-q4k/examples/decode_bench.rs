@@ -10,12 +10,16 @@
 //! the K-quant matmuls' three paths (f16 and int8 pipelined, int8 register walk) alternating
 //! over two rounds.
 //!
+//! With `--profile-steps K` as well, each batch size first runs K steps of the default path
+//! inside a profiler range and nothing else: `ncu --profile-from-start off` then sees only
+//! the batched step's kernels, at llama-batched-bench's context (prompts of 128).
+//!
 //! With `--persistent`, the default step as a CUDA graph of launches against the persistent
 //! kernel (one launch a token) at 8 and 16 warps a block.
 //!
 //! With `--depth D`, the one-sequence rows decode after a prompt of D tokens instead of 4.
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64] [--persistent] [--depth D]`
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--persistent] [--depth D]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -219,6 +223,12 @@ fn main() {
         .position(|a| a == "--batch")
         .and_then(|i| args.get(i + 1))
         .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect());
+    let profile_steps: usize = args
+        .iter()
+        .position(|a| a == "--profile-steps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: {why}");
@@ -238,7 +248,7 @@ fn main() {
     {
         let ir = build(s, &mut rng);
         if let Some(sizes) = &batch {
-            batch_bench(&dev, &ir, s, sizes, n);
+            batch_bench(&dev, &ir, s, sizes, n, profile_steps);
             continue;
         }
         let t0 = Instant::now();
@@ -384,8 +394,16 @@ fn barrier_bench(dev: &Arc<Device>) {
 }
 
 /// For each batch size `b`: `b` sequences through the batched decode step together,
-/// aggregate tok/s over `n` steps.
-fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: usize) {
+/// aggregate tok/s over `n` steps; with `profile_steps` > 0 only that many steps of the
+/// default path, inside a profiler range.
+fn batch_bench(
+    dev: &Arc<Device>,
+    ir: &ModelIr,
+    s: &Spec,
+    sizes: &[usize],
+    n: usize,
+    profile_steps: usize,
+) {
     let most = sizes.iter().copied().max().unwrap_or(1);
     let options = LoadOptions {
         max_context: 1024,
@@ -418,6 +436,20 @@ fn batch_bench(dev: &Arc<Device>, ir: &ModelIr, s: &Spec, sizes: &[usize], n: us
                 .collect();
             ex.decode_sample(&items, &mut samplers, toks).unwrap();
         };
+        if profile_steps > 0 {
+            // Capture the bucket's graph before the range opens.
+            step(&mut ex, &mut toks);
+            dev.profiler_range(|| {
+                for _ in 0..profile_steps {
+                    step(&mut ex, &mut toks);
+                }
+            })
+            .expect("profiler range");
+            for seq in seqs {
+                ex.free_sequence(seq).unwrap();
+            }
+            continue;
+        }
         // Every path of the K-quant matmuls, alternating, two rounds.
         for round in 0..2 {
             for path in [
