@@ -42,7 +42,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                                                          int window, float* __restrict__ part_o, float2* __restrict__ part_ml,
                                                          u32* __restrict__ counters, float* __restrict__ out,
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
-                                                         float2* __restrict__ ods, int bx, int s, int nsplit) {
+                                                         float2* __restrict__ ods, int bx, int s, int nsplit,
+                                                         const ActPack pack = ActPack{}) {
     const int hd = E * 32;
     const int len = *len_ptr;
     const int lo = window > 0 ? max(0, len - window) : 0;
@@ -213,6 +214,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const size_t i = (size_t)head * hd + d;
         out[i] = v;
         if (oq) quantize_block_warp(v, oq, olo, ods, i, i / 32);
+        if (pack.x) pack_chunk_warp(v, lane, pack.row, pack.rows, n_heads * E, (int)(i / 32), pack.x, pack.s, pack.h);
     }
 }
 
@@ -256,13 +258,18 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
         long long slot_stride, const int* table, int table_stride, int n_heads, int n_kv, int max_ctx, int split,      \
-        float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out) {                          \
+        float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, uint4* px, float2* ps,     \
+        u16* ph, int pack_rows) {                                                                                      \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
         if (lens[z] <= 0) {                                                                                            \
             if (blockIdx.y == 0)                                                                                       \
                 for (int d = threadIdx.x; d < hd; d += blockDim.x) out[z * qd + (size_t)blockIdx.x * hd + d] = 0.0f;   \
+            if (blockIdx.y == 0 && px)                                                                                 \
+                for (int c = threadIdx.x >> 5; c < E; c += blockDim.x >> 5)                                            \
+                    pack_chunk_warp(0.0f, threadIdx.x & 31, z, pack_rows, (int)(qd / 32), blockIdx.x * E + c, px, ps,   \
+                                    ph);                                                                               \
             return;                                                                                                    \
         }                                                                                                              \
         const size_t cache = (size_t)slot[z] * (size_t)slot_stride;                                                    \
@@ -271,7 +278,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, tab, n_heads, n_kv,       \
                                     max_ctx, split, scale, window, part_o + z * qd * nsplit,                           \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
-                                    nullptr, nullptr, nullptr, blockIdx.x, blockIdx.y, nsplit);                        \
+                                    nullptr, nullptr, nullptr, blockIdx.x, blockIdx.y, nsplit,                         \
+                                    ActPack{px, ps, ph, z, pack_rows});                                                \
     }
 // attn_decode_batch{_pairs}{_q8}_{E}.
 #define ATTN_BATCH_ENTRY(E)                                                                                            \

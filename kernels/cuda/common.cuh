@@ -151,6 +151,44 @@ static __device__ __forceinline__ void quantize_block_warp(float v, i8* __restri
     if (lane == 0) ds[blk] = make_float2(amax / 127.0f, amax / 127.0f * (float)sum);
 }
 
+// One 32-value chunk (chunk b of row `row`, `nblk` chunks a row, `rows` rows) in the batched
+// matmuls' activation layout, by one warp (lane i holds value i, v): the Q8_1 values and
+// their residual plane interleaved for the mma B fragments, (dx, sx) chunk-major, and the
+// f16 plane. act_pack, bmm_finish_pack and the batched
+// decode attention write it.
+static __device__ __forceinline__ void pack_chunk_warp(float v, int lane, int row, int rows, int nblk, int b,
+                                                       uint4* __restrict__ out, float2* __restrict__ s,
+                                                       u16* __restrict__ out_h) {
+    const float amax = warp_max(fabsf(v));
+    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    const float scaled = v * inv;
+    const float hi = rintf(scaled);
+    const int q = (int)hi, lo = (int)rintf((scaled - hi) * 254.0f);
+    const int sum = warp_sum_i(q) * 254 + warp_sum_i(lo);
+    const int t = (lane & 15) >> 2;
+    const int off = t * 16 + (lane >= 16 ? 4 : 0) + (lane & 3);
+    u8* o = (u8*)(out + ((size_t)row * nblk + b) * 4);
+    o[off] = (u8)(i8)q;
+    o[off + 8] = (u8)(i8)lo;
+    // The f16 plane: lane t of a quad's 16 bytes are values 4t..4t+3 and 16+4t..16+4t+3 of
+    // the chunk, as its int8 bytes are. Finite values beyond f16's range saturate.
+    const float vh = fabsf(v) > 65504.0f ? copysignf(65504.0f, v) : v;
+    out_h[((size_t)row * nblk + b) * 32 + t * 8 + (lane >= 16 ? 4 : 0) + (lane & 3)] = f2h(vh);
+    if (lane == 0) {
+        const float dx = amax / 127.0f / 254.0f;
+        s[(size_t)b * rows + row] = make_float2(dx, dx * (float)sum);
+    }
+}
+
+// Where a kernel packs its output for a batched matmul (pack_chunk_warp's planes), row
+// `row` of `rows`; `x` null: nowhere.
+struct ActPack {
+    uint4* x = nullptr;
+    float2* s = nullptr;
+    u16* h = nullptr;
+    int row = 0, rows = 0;
+};
+
 // A plane of the KV cache (keys or values of one layer) as the kernels read it: f16 values
 // (KvF16), or q8_0 (KvQ8): one int8 per value and an f16 scale per 32 consecutive values in
 // a plane of their own, the scale of value e at d[e / 32] (so d = amax / 127 per 32, as

@@ -79,25 +79,25 @@ extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __
     const int i = b * 32 + lane;
     float v = 0.0f;
     if (i < n) v = x[i] * scale * (w ? w[i] : 1.0f);
-    const float amax = warp_max(fabsf(v));
-    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
-    const float scaled = v * inv;
-    const float hi = rintf(scaled);
-    const int q = (int)hi, lo = (int)rintf((scaled - hi) * 254.0f);
-    const int sum = warp_sum_i(q) * 254 + warp_sum_i(lo);
-    const int t = (lane & 15) >> 2;
-    const int off = t * 16 + (lane >= 16 ? 4 : 0) + (lane & 3);
-    u8* o = (u8*)(out + ((size_t)row * nblk + b) * 4);
-    o[off] = (u8)(i8)q;
-    o[off + 8] = (u8)(i8)lo;
-    // The f16 plane: lane t of a quad's 16 bytes are values 4t..4t+3 and 16+4t..16+4t+3 of
-    // the chunk, as its int8 bytes are. Finite values beyond f16's range saturate.
-    const float vh = fabsf(v) > 65504.0f ? copysignf(65504.0f, v) : v;
-    out_h[((size_t)row * nblk + b) * 32 + t * 8 + (lane >= 16 ? 4 : 0) + (lane & 3)] = f2h(vh);
-    if (lane == 0) {
-        const float dx = amax / 127.0f / 254.0f;
-        s[(size_t)b * rows + row] = make_float2(dx, dx * (float)sum);
+    pack_chunk_warp(v, lane, row, rows, nblk, b, out, s, out_h);
+}
+
+// Value r of row m of a batched matmul's result: its split sums added in split order, then
+// bias and residual, or the gated activation (see bmm_finish).
+static __device__ __forceinline__ float finish_value(const float* __restrict__ part, int splits, int rows, int ldp,
+                                                     int nrows, int swiglu, const float* __restrict__ bias,
+                                                     const float* residual, int ldy, int m, int r) {
+    float a = 0.0f, b = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+        const float* p = part + ((size_t)sp * rows + m) * ldp;
+        a += p[r];
+        if (swiglu) b += p[nrows + r];
     }
+    if (swiglu) return glu_act(a, swiglu == 2) * b;
+    float v = a;
+    if (bias) v += bias[r];
+    if (residual) v += residual[(size_t)m * ldy + r];
+    return v;
 }
 
 // The batched matmuls' epilogue: y[m][r] = Σ over splits of part[split][m][r] (in split
@@ -111,21 +111,27 @@ extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)rows * nrows) return;
     const int m = (int)(idx / nrows), r = (int)(idx % nrows);
-    float a = 0.0f, b = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) {
-        const float* p = part + ((size_t)sp * rows + m) * ldp;
-        a += p[r];
-        if (swiglu) b += p[nrows + r];
+    y[(size_t)m * ldy + r] = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, ldy, m, r);
+}
+
+// bmm_finish, with y also packed for the next batched matmul as act_pack packs it without a
+// norm: the launch act_pack would take. Grid (ceil(nrows / 1024), rows), 1024 threads,
+// block (bx, m) finishing values [1024·bx, 1024·bx + 1024) of row m, each warp packing its
+// own 32 (nrows a multiple of 32). A pack that normalises needs the whole row first; the
+// form that had the last block of each row do it measured slower than act_pack's launch
+// (docs/benchmarks.md, "Fewer launches between the batched matmuls").
+extern "C" __global__ void __launch_bounds__(1024)
+    bmm_finish_pack(const float* __restrict__ part, int splits, int rows, int ldp, int nrows, int swiglu,
+                    const float* __restrict__ bias, const float* residual, float* y, int ldy, uint4* __restrict__ out,
+                    float2* __restrict__ s, u16* __restrict__ out_h) {
+    grid_dependency_wait();
+    const int m = blockIdx.y, r = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = 0.0f;
+    if (r < nrows) {
+        v = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, ldy, m, r);
+        y[(size_t)m * ldy + r] = v;
     }
-    float v;
-    if (swiglu) {
-        v = glu_act(a, swiglu == 2) * b;
-    } else {
-        v = a;
-        if (bias) v += bias[r];
-        if (residual) v += residual[(size_t)m * ldy + r];
-    }
-    y[(size_t)m * ldy + r] = v;
+    if ((r >> 5) < (nrows >> 5)) pack_chunk_warp(v, threadIdx.x & 31, m, rows, nrows >> 5, r >> 5, out, s, out_h);
 }
 
 // x[t] += rmsnorm(y[t]) · w for each of the `rows` rows of n values, one block per row: a

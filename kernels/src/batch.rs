@@ -133,6 +133,15 @@ impl PackedActBuffers {
         self.h.fill_bytes(byte)
     }
 
+    /// The three planes copied back (tests compare them).
+    pub fn to_host(&self) -> Result<PackedActHost> {
+        Ok(PackedActHost {
+            x: self.x.to_host()?,
+            s: self.s.to_host()?,
+            h: self.h.to_host()?,
+        })
+    }
+
     pub fn view(&self) -> PackedAct {
         PackedAct {
             x: self.x.slice(),
@@ -140,6 +149,14 @@ impl PackedActBuffers {
             h: self.h.slice(),
         }
     }
+}
+
+/// A [`PackedActBuffers`]' planes on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedActHost {
+    pub x: Vec<[u32; 4]>,
+    pub s: Vec<[f32; 2]>,
+    pub h: Vec<[u32; 4]>,
 }
 
 /// Where each row of a batched step reads and writes: `pos[z]` (the position its token
@@ -168,13 +185,18 @@ impl BatchRows {
     }
 }
 
-/// The epilogue of a batched matmul: y = W·x (+ bias) (+ residual, which may be y).
+/// The epilogue of a batched matmul: y = W·x (+ bias) (+ residual, which may be y), and
+/// optionally y packed for the next batched matmul by the same launch.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BatchEpilogue {
     pub bias: Option<DevSlice<f32>>,
     pub residual: Option<DevSlice<f32>>,
     /// Gated (gate/up) matmuls only: GELU instead of SiLU as the gate activation.
     pub gelu: bool,
+    /// Also pack y here as [`Kernels::act_pack`] packs it without a norm (the launch that
+    /// sums the splits does it, saving act_pack's launch; the output's rows must be whole
+    /// 32-value chunks).
+    pub pack: Option<PackedAct>,
 }
 
 impl Kernels {
@@ -419,8 +441,7 @@ impl Kernels {
         // the pipelined walk's stages fit the shared memory the function was allowed.
         unsafe { self.launch(f, cfg, &mut args)? };
 
-        let f = self.device().function(&NORM, "bmm_finish")?;
-        let mut args = Args::new()
+        let args = Args::new()
             .ptr(part.ptr())
             .i32(splits as i32)
             .i32(rows as i32)
@@ -435,14 +456,37 @@ impl Kernels {
             .ptr(opt(epi.residual))
             .ptr(y.ptr())
             .i32(ldy as i32);
-        let total = rows * nrows;
-        // SAFETY: y and the residual hold rows rows of stride ldy; part as above.
-        unsafe {
-            self.launch(
-                f,
-                LaunchConfig::linear(total.div_ceil(256) as u32, 256),
-                &mut args,
-            )
+        match &epi.pack {
+            None => {
+                let f = self.device().function(&NORM, "bmm_finish")?;
+                let mut args = args;
+                let total = rows * nrows;
+                // SAFETY: y and the residual hold rows rows of stride ldy; part as above.
+                unsafe {
+                    self.launch(
+                        f,
+                        LaunchConfig::linear(total.div_ceil(256) as u32, 256),
+                        &mut args,
+                    )
+                }
+            }
+            Some(p) => {
+                if !nrows.is_multiple_of(32) {
+                    return Err(invalid(format!(
+                        "packing outputs of {nrows} values (a multiple of 32)"
+                    )));
+                }
+                p.check(rows, nrows, "packed matmul output")?;
+                let f = self.device().function(&NORM, "bmm_finish_pack")?;
+                let mut args = args.ptr(p.x.ptr()).ptr(p.s.ptr()).ptr(p.h.ptr());
+                let cfg = LaunchConfig {
+                    grid: (nrows.div_ceil(1024) as u32, rows as u32, 1),
+                    block: (1024, 1, 1),
+                    shared_bytes: 0,
+                };
+                // SAFETY: as bmm_finish's, and the packed planes hold rows × nrows values.
+                unsafe { self.launch(f, cfg, &mut args) }
+            }
         }
     }
 
@@ -495,7 +539,10 @@ impl Kernels {
 
     /// Decode attention for each row of a batch over its own slot's first `len[z]`
     /// positions (split-K with the merge in the same launch, as [`Kernels::attention`]);
-    /// `part_o`, `part_ml` and `counters` hold `rows` times what one row needs.
+    /// `part_o`, `part_ml` and `counters` hold `rows` times what one row needs. With
+    /// `pack`, the output is also packed for the batched matmul that reads it (as
+    /// [`Kernels::act_pack`] would pack it; the rows up to the matmul's multiple of 8 are
+    /// left as they are: padding, read by no real row).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_batch(
         &self,
@@ -508,6 +555,7 @@ impl Kernels {
         part_ml: DevSlice<[f32; 2]>,
         counters: DevSlice<u32>,
         out: DevSlice<f32>,
+        pack: Option<PackedAct>,
     ) -> Result<()> {
         b.check()?;
         a.check()?;
@@ -525,6 +573,10 @@ impl Kernels {
         part_ml.check_len(b.rows * a.n_heads * nsplit, "attention partial max/sum")?;
         counters.check_len(b.rows * a.n_heads, "attention split counters")?;
         out.check_len(b.rows * qd, "attention output rows")?;
+        let pack_rows = Self::bmm_rows(b.rows);
+        if let Some(p) = &pack {
+            p.check(pack_rows, qd, "packed attention output")?;
+        }
         let f = self.device().function(
             &attention_module(hd, kv.format)?,
             &format!(
@@ -545,7 +597,11 @@ impl Kernels {
             .ptr(part_o.ptr())
             .ptr(part_ml.ptr())
             .ptr(counters.ptr())
-            .ptr(out.ptr());
+            .ptr(out.ptr())
+            .ptr(pack.map_or(0, |p| p.x.ptr()))
+            .ptr(pack.map_or(0, |p| p.s.ptr()))
+            .ptr(pack.map_or(0, |p| p.h.ptr()))
+            .i32(pack_rows as i32);
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, nsplit as u32, b.rows as u32),
             block: (128, 1, 1),

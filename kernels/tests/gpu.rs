@@ -1332,7 +1332,7 @@ fn batched_matmul_every_format_matches_reference() {
                 let epi = BatchEpilogue {
                     bias: Some(bd.slice()),
                     residual: Some(rd.slice()),
-                    gelu: false,
+                    ..Default::default()
                 };
                 g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi)
                     .unwrap();
@@ -1432,6 +1432,78 @@ fn batched_matmul_every_format_matches_reference() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// A batched matmul that packs its own output (`BatchEpilogue::pack`: the launch that sums
+/// the splits packs too, as the batched step packs the gated product for the down matmul)
+/// against the same matmul followed by `act_pack`: plain, with bias + residual, and SwiGLU,
+/// the planes bit-identical (the same values through the same packing code). Outputs of
+/// 1,056 values leave the last finishing block part-empty. The planes are poisoned before
+/// each launch; NaN fails.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn batched_matmul_packs_its_output_as_act_pack_does() {
+    use kiln_kernels::{BatchEpilogue, PackedActBuffers};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("batched matmul pack");
+    let (k, n) = (512usize, 1056usize);
+    for tag in ["q4_k", "q4_0"] {
+        let f = FORMATS.iter().find(|f| f.tag == tag).expect("format");
+        let ggml = random_weights(&mut rng, f.qtype, k, n).unwrap();
+        let up_ggml = random_weights(&mut rng, f.qtype, k, n).unwrap();
+        let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
+        let up = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &up_ggml).unwrap();
+        for rows in [8usize, 64] {
+            let input = PackedActBuffers::alloc(&g.dev, rows, k).unwrap();
+            let xd = buf(&g.dev, &random_vec(&mut rng, rows * k, 1.0));
+            g.k.act_pack(xd.slice(), rows, k, None, None, input.view())
+                .unwrap();
+            let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, true));
+            let bias = buf(&g.dev, &random_vec(&mut rng, n, 0.5));
+            let fused = PackedActBuffers::alloc(&g.dev, rows, n).unwrap();
+            let apart = PackedActBuffers::alloc(&g.dev, rows, n).unwrap();
+            let resid = random_vec(&mut rng, rows * n, 4.0);
+            for (case, swiglu, epilogue) in [
+                ("plain", false, false),
+                ("bias + residual", false, true),
+                ("SwiGLU", true, false),
+            ] {
+                let y = buf(&g.dev, &resid);
+                fused.fill_bytes(0xff).unwrap();
+                let epi = BatchEpilogue {
+                    bias: epilogue.then(|| bias.slice()),
+                    residual: epilogue.then(|| y.slice()),
+                    pack: Some(fused.view()),
+                    ..Default::default()
+                };
+                g.k.batched_matmul(
+                    &w,
+                    swiglu.then_some(&up),
+                    &input.view(),
+                    rows,
+                    part.slice(),
+                    y.slice(),
+                    n,
+                    &epi,
+                )
+                .unwrap();
+                let got = fused.to_host().unwrap();
+                apart.fill_bytes(0xff).unwrap();
+                g.k.act_pack(y.slice(), rows, n, None, None, apart.view())
+                    .unwrap();
+                let want = apart.to_host().unwrap();
+                let values = y.to_host().unwrap();
+                assert!(
+                    values.iter().all(|v| v.is_finite()),
+                    "{tag} rows {rows} {case}: non-finite output"
+                );
+                assert!(
+                    got == want,
+                    "{tag} rows {rows} {case}: the packed planes differ from act_pack's"
+                );
+            }
+        }
+    }
 }
 
 /// The pipelined K-quant walks at the 8B's shapes, where each block's split runs several
@@ -1656,6 +1728,11 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
     let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * n_heads * nsplit).unwrap();
     let counters = DeviceBuffer::<u32>::zeros(&g.dev, rows * n_heads).unwrap();
     let out_b = poisoned(&g.dev, rows * qd);
+    // The output also packed for the O matmul (its 8 rows; rows 4..8 are the matmul's
+    // padding, which the attention leaves alone).
+    let pack_rows = Kernels::bmm_rows(rows);
+    let packed = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
+    packed.fill_bytes(0xff).unwrap();
     g.k.attention_batch(
         &attn,
         q_b.slice(),
@@ -1666,6 +1743,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         part_ml.slice(),
         counters.slice(),
         out_b.slice(),
+        Some(packed.view()),
     )
     .unwrap();
     let got = out_b.to_host().unwrap();
@@ -1673,6 +1751,35 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         got[3 * qd..].iter().all(|&v| v == 0.0),
         "a padding row's attention is zero"
     );
+    // act_pack of the same rows gives the same planes (the same code packs both).
+    let mut out8 = got.clone();
+    out8.resize(pack_rows * qd, 0.0);
+    let apart = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
+    g.k.act_pack(
+        buf(&g.dev, &out8).slice(),
+        pack_rows,
+        qd,
+        None,
+        None,
+        apart.view(),
+    )
+    .unwrap();
+    let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
+    let chunks = qd / 32;
+    assert!(
+        fused.x[..rows * chunks * 4] == want.x[..rows * chunks * 4]
+            && fused.h[..rows * chunks * 4] == want.h[..rows * chunks * 4],
+        "{format:?}: the attention's packed planes differ from act_pack's"
+    );
+    for c in 0..chunks {
+        for z in 0..rows {
+            let (a, b) = (fused.s[c * pack_rows + z], want.s[c * pack_rows + z]);
+            assert!(
+                a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
+                "{format:?}: chunk {c} row {z}: packed scales {a:?} against act_pack's {b:?}"
+            );
+        }
+    }
     for z in 0..3 {
         let kv = single.layer(0, slot[z] as usize).unwrap();
         let (q1, o1) = one_sequence_step(
@@ -1902,6 +2009,7 @@ fn paged_cache_matches_a_contiguous_one() {
             part_ml.slice(),
             counters.slice(),
             out_b.slice(),
+            None,
         )
         .unwrap();
         let batched = out_b.to_host().unwrap();

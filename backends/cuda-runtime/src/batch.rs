@@ -282,27 +282,36 @@ impl GpuExecutor {
             gelu: c.activation == kiln_core::Activation::Gelu,
             ..Default::default()
         };
-        // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma).
-        let add_to_stream =
-            |w: &kiln_kernels::DeviceWeight, post: Option<&kiln_kernels::DeviceBuffer<f32>>| {
-                match post {
-                    None => {
-                        let residual = BatchEpilogue {
-                            residual: Some(x),
-                            ..Default::default()
-                        };
-                        k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)
-                    }
-                    Some(post) => {
-                        let y = b.proj.sub(0, bm * h)?;
-                        k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
-                        k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)
-                    }
+        // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma); then x normalised with
+        // `next` (the next matmul's norm) and packed for it. That pack stays a launch of its
+        // own: packing in the launch that sums the splits needs the whole row's norm first,
+        // and the last block of each row packing it measured slower than act_pack
+        // (docs/benchmarks.md, "Fewer launches between the batched matmuls").
+        let add_to_stream = |w: &kiln_kernels::DeviceWeight,
+                             post: Option<&kiln_kernels::DeviceBuffer<f32>>,
+                             next: &kiln_kernels::DeviceBuffer<f32>| {
+            match post {
+                None => {
+                    let residual = BatchEpilogue {
+                        residual: Some(x),
+                        ..Default::default()
+                    };
+                    k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)?;
                 }
-            };
+                Some(post) => {
+                    let y = b.proj.sub(0, bm * h)?;
+                    k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
+                    k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)?;
+                }
+            }
+            k.act_pack(x, bm, h, Some(next.slice()), Some(c.norm_eps), b.act)
+        };
         k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
+        // The first matmul's input; every later one is packed after the launch before it
+        // (or by it: the attention's output and the gated product).
+        let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
+        k.act_pack(x, bm, h, Some(first_norm.slice()), Some(c.norm_eps), b.act)?;
         for (li, l) in self.layers.iter().enumerate() {
-            k.act_pack(x, bm, h, Some(l.attn_norm.slice()), Some(c.norm_eps), b.act)?;
             for p in &l.qkv {
                 let epi = BatchEpilogue {
                     bias: match &l.qkv_bias {
@@ -321,25 +330,33 @@ impl GpuExecutor {
             let attn = self.attn_args(li, shape);
             let q = b.q.sub(0, rows * qd)?;
             let out = b.attn.sub(0, rows * qd)?;
+            // The output packed for the O matmul by the attention's merge.
             k.attention_batch(
-                &attn, q, kv, stride, &br, b.part_o, b.part_ml, b.counters, out,
+                &attn,
+                q,
+                kv,
+                stride,
+                &br,
+                b.part_o,
+                b.part_ml,
+                b.counters,
+                out,
+                Some(b.act),
             )?;
-            k.act_pack(b.attn, bm, qd, None, None, b.act)?;
-            add_to_stream(&l.o, l.attn_post_norm.as_ref())?;
-            k.act_pack(x, bm, h, Some(l.ffn_norm.slice()), Some(c.norm_eps), b.act)?;
+            add_to_stream(&l.o, l.attn_post_norm.as_ref(), &l.ffn_norm)?;
             let f = b.ffn.sub(0, bm * ffn)?;
+            // The gated product packed for the down matmul by the launch that sums it.
+            let gated = BatchEpilogue {
+                pack: Some(b.act),
+                ..gated
+            };
             k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &gated)?;
-            k.act_pack(f, bm, ffn, None, None, b.act)?;
-            add_to_stream(&l.down, l.ffn_post_norm.as_ref())?;
+            let next = match self.layers.get(li + 1) {
+                Some(next) => &next.attn_norm,
+                None => &self.out_norm,
+            };
+            add_to_stream(&l.down, l.ffn_post_norm.as_ref(), next)?;
         }
-        k.act_pack(
-            x,
-            bm,
-            h,
-            Some(self.out_norm.slice()),
-            Some(c.norm_eps),
-            b.act,
-        )?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let vocab = c.vocab_size;
         let logits = b.logits.sub(0, bm * vocab)?;
