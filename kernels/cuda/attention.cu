@@ -301,8 +301,8 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
 // The batched step's decode attention on tensor cores, a GQA group a block: block (KV head,
 // split s, row z). The group's G = n_heads / n_kv queries (G ≤ 16) are the rows of
 // m16n8k16 tiles, so each K/V row is read once for all of them, and the scores and the
-// weighted values are mma (f16 in, f32 accumulate; P rounded to f16) as the prefill's flash
-// attention computes them (prefill.cu, attn_prefill_mma). The split's positions go in tiles
+// weighted values are mma (f16 in, f32 accumulate; P rounded to f16) by the prefill's flash
+// attention steps (flash_softmax, flash_pv: common.cuh). The split's positions go in tiles
 // of 16 to the block's 4 warps in turn; each warp copies its tiles' K and V rows into its
 // own shared memory (cp.async, two tiles deep, no block barrier) and keeps an online
 // softmax (base 2) for its rows; the warps merge in shared memory at the end, and the
@@ -395,65 +395,19 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
             // Matrices: keys 0.. at dims k·16 and k·16 + 8, then keys 8.. likewise.
-            const u16* src = kt + ((mi >> 1) * 8 + r8) * LD + k * 16 + (mi & 1) * 8;
             u32 b0, b1, b2, b3;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                         : "r"(smem_u32(src)));
+            ldsm_x4(kt + ((mi >> 1) * 8 + r8) * LD + k * 16 + (mi & 1) * 8, b0, b1, b2, b3);
             mma_f16(sc[0], qa[k], b0, b1);
             mma_f16(sc[1], qa[k], b2, b3);
         }
-        // Keys past the end weigh nothing; then the online softmax of rows g and g + 8.
-        float mx[2] = {-INFINITY, -INFINITY};
+        // Keys past the end weigh nothing.
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
+            for (int e = 0; e < 4; ++e)
                 if (p0 + n * 8 + 2 * t4 + (e & 1) >= end) sc[n][e] = -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
-            }
-        }
-        float corr[2], base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 2));
-            const float mn = fmaxf(m[h], mx[h]);  // finite: the tile's first key is in range
-            base[h] = mn;
-            corr[h] = exp2f(m[h] - mn);
-            m[h] = mn;
-            l[h] *= corr[h];
-        }
-#pragma unroll
-        for (int n = 0; n < ON; ++n) {
-            o[n][0] *= corr[0];
-            o[n][1] *= corr[0];
-            o[n][2] *= corr[1];
-            o[n][3] *= corr[1];
-        }
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                sc[n][e] = exp2f(sc[n][e] - base[e >> 1]);
-                l[e >> 1] += sc[n][e];
-            }
-        }
-        // O += P·V: P's A fragment straight from the score accumulators.
-        const u32 pa[4] = {pack_h2(sc[0][0], sc[0][1]), pack_h2(sc[0][2], sc[0][3]), pack_h2(sc[1][0], sc[1][1]),
-                           pack_h2(sc[1][2], sc[1][3])};
-        const u16* vt = tiles + (2 + buf) * TILE * LD;
-#pragma unroll
-        for (int n = 0; n < ON; n += 2) {
-            // Transposed: keys 0.. and 8.. at dims n·8, then at dims (n+1)·8.
-            const u16* src = vt + ((mi & 1) * 8 + r8) * LD + n * 8 + (mi >> 1) * 8;
-            u32 b0, b1, b2, b3;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                         : "r"(smem_u32(src)));
-            mma_f16(o[n], pa, b0, b1);
-            mma_f16(o[n + 1], pa, b2, b3);
-        }
+        flash_softmax(sc, m, l, o);
+        flash_pv<2, ON, LD>(sc, tiles + (2 + buf) * TILE * LD, o);
         __syncwarp();  // this buffer takes the tile after next
     }
 #pragma unroll
