@@ -315,14 +315,7 @@ fn main() -> Result<()> {
         let cache = KvCache::with_format(&dev, format, 1, n_kv, hd, &[max_ctx])?;
         let kv = cache.layer(0, 0)?;
         let n = kv.values();
-        if let Some((kc, vc)) = kv.as_f16() {
-            for plane in [kc, vc] {
-                let h: Vec<u16> = (0..n)
-                    .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
-                    .collect();
-                plane.copy_from_host(&dev, &h)?;
-            }
-        }
+        fill_f16_planes(&dev, &kv, &mut rng)?;
         if let Some(p) = kv.as_q8_0() {
             for (q, d) in [(p.k, p.k_scales), (p.v, p.v_scales)] {
                 let qs: Vec<i8> = (0..n).map(|_| (rng.next_u64() % 255) as i8).collect();
@@ -618,14 +611,7 @@ fn batched_attention(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng) -> Result<()
     for rows in [4usize, 16, 64] {
         let cache = KvCache::with_format(dev, KvFormat::F16, rows, n_kv, hd, &[max_ctx])?;
         let kv = cache.layer_all(0)?;
-        if let Some((kc, vc)) = kv.as_f16() {
-            for plane in [kc, vc] {
-                let h: Vec<u16> = (0..kv.values())
-                    .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
-                    .collect();
-                plane.copy_from_host(dev, &h)?;
-            }
-        }
+        fill_f16_planes(dev, &kv, rng)?;
         let qd = n_heads * hd;
         let q = DeviceBuffer::from_host(dev, &random_vec(rng, rows * qd, 1.0))?;
         let a = AttnArgs {
@@ -689,6 +675,20 @@ fn batched_attention(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng) -> Result<()
                 us[1],
                 gbps(us[1])
             );
+        }
+    }
+    Ok(())
+}
+
+/// Random keys and values in [-0.5, 0.5) for an f16 cache's planes (a q8_0 cache is left
+/// as it is).
+fn fill_f16_planes(dev: &Arc<Device>, kv: &kiln_kernels::KvPlanes, rng: &mut Rng) -> Result<()> {
+    if let Some((kc, vc)) = kv.as_f16() {
+        for plane in [kc, vc] {
+            let h: Vec<u16> = (0..kv.values())
+                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
+                .collect();
+            plane.copy_from_host(dev, &h)?;
         }
     }
     Ok(())

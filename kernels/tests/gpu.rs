@@ -1620,6 +1620,48 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     }
 }
 
+/// `packed` (planes for the batched matmuls' multiple of 8 rows) holds, for the first `rows`
+/// rows, exactly what act_pack makes of `values` (rows × n): the kernels that pack their own
+/// output use act_pack's code. The rows past `rows` are the matmul's padding, unchecked.
+fn assert_packed_as_act_pack(
+    g: &Gpu,
+    packed: &kiln_kernels::PackedActBuffers,
+    values: &[f32],
+    rows: usize,
+    n: usize,
+    what: &str,
+) {
+    let pack_rows = Kernels::bmm_rows(rows);
+    let mut padded = values.to_vec();
+    padded.resize(pack_rows * n, 0.0);
+    let apart = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, n).unwrap();
+    g.k.act_pack(
+        buf(&g.dev, &padded).slice(),
+        pack_rows,
+        n,
+        None,
+        None,
+        apart.view(),
+    )
+    .unwrap();
+    let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
+    let chunks = n / 32;
+    let end = rows * chunks * 4;
+    assert!(
+        fused.x[..end] == want.x[..end] && fused.h[..end] == want.h[..end],
+        "{what}: the packed planes differ from act_pack's"
+    );
+    for c in 0..chunks {
+        for z in 0..rows {
+            let (a, b) = (fused.s[c * pack_rows + z], want.s[c * pack_rows + z]);
+            assert!(
+                a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
+                "{what}: chunk {c} row {z}: packed scales {a:?} against act_pack's {b:?}"
+            );
+        }
+    }
+}
+
 /// The batched decode attention on tensor cores, a GQA group a block
 /// (`BatchAttention::GroupMma`), against the head-a-block kernels on the same queries and
 /// cache: groups of 1, 3, 4 and 7, heads of 64 and 128 values, rows at 1, 37, 130 and 1,500
@@ -1718,24 +1760,8 @@ fn batched_group_attention_matches_the_head_kernels() {
                 "{kind:?} {n_heads}/{n_kv}x{hd}: split counters left non-zero"
             );
             // The packed planes are act_pack's of the output (rows past the batch aside).
-            let mut padded = got.clone();
-            padded.resize(pack_rows * qd, 0.0);
-            let apart = PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
-            g.k.act_pack(
-                buf(&g.dev, &padded).slice(),
-                pack_rows,
-                qd,
-                None,
-                None,
-                apart.view(),
-            )
-            .unwrap();
-            let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
-            let n = rows * qd / 32 * 4;
-            assert!(
-                fused.x[..n] == want.x[..n] && fused.h[..n] == want.h[..n],
-                "{kind:?} {n_heads}/{n_kv}x{hd}: packed planes differ from act_pack's"
-            );
+            let what = format!("{kind:?} {n_heads}/{n_kv}x{hd}");
+            assert_packed_as_act_pack(&g, &packed, &got, rows, qd, &what);
             got
         };
         let heads = run(BatchAttention::Heads);
@@ -1892,34 +1918,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         "a padding row's attention is zero"
     );
     // act_pack of the same rows gives the same planes (the same code packs both).
-    let mut out8 = got.clone();
-    out8.resize(pack_rows * qd, 0.0);
-    let apart = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
-    g.k.act_pack(
-        buf(&g.dev, &out8).slice(),
-        pack_rows,
-        qd,
-        None,
-        None,
-        apart.view(),
-    )
-    .unwrap();
-    let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
-    let chunks = qd / 32;
-    assert!(
-        fused.x[..rows * chunks * 4] == want.x[..rows * chunks * 4]
-            && fused.h[..rows * chunks * 4] == want.h[..rows * chunks * 4],
-        "{format:?}: the attention's packed planes differ from act_pack's"
-    );
-    for c in 0..chunks {
-        for z in 0..rows {
-            let (a, b) = (fused.s[c * pack_rows + z], want.s[c * pack_rows + z]);
-            assert!(
-                a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
-                "{format:?}: chunk {c} row {z}: packed scales {a:?} against act_pack's {b:?}"
-            );
-        }
-    }
+    assert_packed_as_act_pack(g, &packed, &got, rows, qd, &format!("{format:?}"));
     for z in 0..3 {
         let kv = single.layer(0, slot[z] as usize).unwrap();
         let (q1, o1) = one_sequence_step(
