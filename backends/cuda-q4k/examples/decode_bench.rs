@@ -186,49 +186,32 @@ fn step_bytes(ir: &ModelIr) -> u64 {
     total
 }
 
+/// The value after `flag` in `args`, parsed (None when absent or unparsable).
+fn value_of<T: std::str::FromStr>(args: &[String], flag: &str) -> Option<T> {
+    let i = args.iter().position(|a| a == flag)?;
+    args.get(i + 1)?.parse().ok()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let n: usize = args
-        .iter()
-        .position(|a| a == "-n")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(128);
+    let n: usize = value_of(&args, "-n").unwrap_or(128);
     let chosen: Vec<&str> = args
         .windows(2)
         .filter(|w| w[0] == "--model")
         .map(|w| w[1].as_str())
         .collect();
     // `-p N`: also measure a prefill of N tokens (ppN); `--prefill-only` skips decode.
-    let pp: usize = args
-        .iter()
-        .position(|a| a == "-p")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let pp: usize = value_of(&args, "-p").unwrap_or(0);
     let prefill_only = args.iter().any(|a| a == "--prefill-only");
     // `--short-prefill`: short prompts through the batched step against the cuBLAS prefill
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
     let persistent = args.iter().any(|a| a == "--persistent");
     // `--depth D`: decode after a prompt of D tokens instead of 4.
-    let depth: usize = args
-        .iter()
-        .position(|a| a == "--depth")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let batch: Option<Vec<usize>> = args
-        .iter()
-        .position(|a| a == "--batch")
-        .and_then(|i| args.get(i + 1))
+    let depth: usize = value_of(&args, "--depth").unwrap_or(4);
+    let batch: Option<Vec<usize>> = value_of::<String>(&args, "--batch")
         .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect());
-    let profile_steps: usize = args
-        .iter()
-        .position(|a| a == "--profile-steps")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let profile_steps: usize = value_of(&args, "--profile-steps").unwrap_or(0);
     let dev: Arc<Device> = match kiln_kernels::unavailable_reason() {
         Some(why) => {
             println!("skipped: {why}");

@@ -306,11 +306,19 @@ impl GpuExecutor {
             }
             k.act_pack(x, bm, h, Some(next.slice()), Some(c.norm_eps), b.act)
         };
+        // The norm before layer i's first matmul (past the last layer, the LM head's).
+        let norm_before = |i: usize| self.layers.get(i).map_or(&self.out_norm, |l| &l.attn_norm);
         k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
         // The first matmul's input; every later one is packed after the launch before it
         // (or by it: the attention's output and the gated product).
-        let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
-        k.act_pack(x, bm, h, Some(first_norm.slice()), Some(c.norm_eps), b.act)?;
+        k.act_pack(
+            x,
+            bm,
+            h,
+            Some(norm_before(0).slice()),
+            Some(c.norm_eps),
+            b.act,
+        )?;
         for (li, l) in self.layers.iter().enumerate() {
             for p in &l.qkv {
                 let epi = BatchEpilogue {
@@ -351,11 +359,7 @@ impl GpuExecutor {
                 ..gated
             };
             k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &gated)?;
-            let next = match self.layers.get(li + 1) {
-                Some(next) => &next.attn_norm,
-                None => &self.out_norm,
-            };
-            add_to_stream(&l.down, l.ffn_post_norm.as_ref(), next)?;
+            add_to_stream(&l.down, l.ffn_post_norm.as_ref(), norm_before(li + 1))?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let vocab = c.vocab_size;
