@@ -151,6 +151,87 @@ static __device__ __forceinline__ void quantize_block_warp(float v, i8* __restri
     if (lane == 0) ds[blk] = make_float2(amax / 127.0f, amax / 127.0f * (float)sum);
 }
 
+// Four 8×8 matrices of 16-bit values from shared memory (ldmatrix): lane l gives the
+// address of row l % 8 of matrix l / 8, and gets in b0..b3 the matrices' elements of the
+// mma fragment layout (row l / 4, columns 2·(l % 4) and the next); `trans` transposes each
+// matrix on the way.
+template <bool TRANS = false>
+static __device__ __forceinline__ void ldsm_x4(const void* src, u32& b0, u32& b1, u32& b2, u32& b3) {
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                     : "r"(smem_u32(src)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                     : "r"(smem_u32(src)));
+}
+
+// Flash attention on tensor cores, the steps the prefill's (prefill.cu) and the batched
+// decode's group attention (attention.cu) share. A warp holds 16 query rows: lane (g, t)
+// rows g and g + 8 of m16n8k16 tiles. For a tile of SN·8 keys, `s` holds the scores (base
+// 2, masked to -inf) in the mma accumulator layout, `o` the running output over HD = ON·8
+// dimensions, `m` and `l` each row's running maximum and (this lane's part of the) sum.
+//
+// The online softmax: new maxima (a row that has seen nothing yet keeps base 0), the old
+// output and sum rescaled, and `s` turned into the weights exp2(s − max).
+template <int SN, int ON>
+static __device__ __forceinline__ void flash_softmax(float (&s)[SN][4], float (&m)[2], float (&l)[2],
+                                                     float (&o)[ON][4]) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < SN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+    float corr[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 2));
+        const float mn = fmaxf(m[h], mx[h]);
+        base[h] = mn == -INFINITY ? 0.0f : mn;
+        corr[h] = exp2f(m[h] - base[h]);
+        m[h] = mn;
+        l[h] *= corr[h];
+    }
+#pragma unroll
+    for (int n = 0; n < ON; ++n) {
+        o[n][0] *= corr[0];
+        o[n][1] *= corr[0];
+        o[n][2] *= corr[1];
+        o[n][3] *= corr[1];
+    }
+#pragma unroll
+    for (int n = 0; n < SN; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] = exp2f(s[n][e] - base[e >> 1]);
+            l[e >> 1] += s[n][e];
+        }
+    }
+}
+
+// o += P·V over the tile's SN·8 keys: P's A fragments straight from the weights in `s`
+// (rounded to f16), V's rows (one a key, HD values) in shared memory at `vt`, LD values
+// apart, read transposed.
+template <int SN, int ON, int LD>
+static __device__ __forceinline__ void flash_pv(const float (&s)[SN][4], const u16* vt, float (&o)[ON][4]) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < SN / 2; ++kk) {
+        const u32 pa[4] = {pack_h2(s[2 * kk][0], s[2 * kk][1]), pack_h2(s[2 * kk][2], s[2 * kk][3]),
+                           pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < ON; n += 2) {
+            // Keys kk·16 and kk·16 + 8 at dims n·8, then at dims (n+1)·8.
+            u32 b0, b1, b2, b3;
+            ldsm_x4<true>(vt + (kk * 16 + (mi & 1) * 8 + r) * LD + n * 8 + (mi >> 1) * 8, b0, b1, b2, b3);
+            mma_f16(o[n], pa, b0, b1);
+            mma_f16(o[n + 1], pa, b2, b3);
+        }
+    }
+}
+
 // One 32-value chunk (chunk b of row `row`, `nblk` chunks a row, `rows` rows) in the batched
 // matmuls' activation layout, by one warp (lane i holds value i, v): the Q8_1 values and
 // their residual plane interleaved for the mma B fragments, (dx, sx) chunk-major, and the

@@ -299,17 +299,13 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
                 for (int n = 0; n < SN; n += 2) {
                     // Matrices: keys n·8.. at dims k·16 and k·16 + 8, then keys (n+1)·8.. likewise.
                     const int mi = lane >> 3, r = lane & 7;
-                    const u16* src = kt + (n * 8 + (mi >> 1) * 8 + r) * LD + k * 16 + (mi & 1) * 8;
                     u32 b0, b1, b2, b3;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                 : "r"(smem_u32(src)));
+                    ldsm_x4(kt + (n * 8 + (mi >> 1) * 8 + r) * LD + k * 16 + (mi & 1) * 8, b0, b1, b2, b3);
                     mma_f16(s[n], qa[k], b0, b1);
                     mma_f16(s[n + 1], qa[k], b2, b3);
                 }
             }
-            // Mask, then the online softmax of rows g (h = 0) and g + 8 (h = 1).
-            float mx[2] = {-INFINITY, -INFINITY};
+            // Mask what the queries may not see, then the online softmax of rows g and g + 8.
 #pragma unroll
             for (int n = 0; n < SN; ++n) {
 #pragma unroll
@@ -318,55 +314,10 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
                     const int qp = start + qw + g + (e >> 1) * 8;
                     const bool seen = kp <= qp && (window <= 0 || kp > qp - window);
                     s[n][e] = seen ? s[n][e] : -INFINITY;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
                 }
             }
-            float corr[2], base[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 2));
-                const float mn = fmaxf(m[h], mx[h]);
-                base[h] = mn == -INFINITY ? 0.0f : mn;  // a row that has seen nothing yet
-                corr[h] = exp2f(m[h] - base[h]);
-                m[h] = mn;
-                l[h] *= corr[h];
-            }
-#pragma unroll
-            for (int n = 0; n < ON; ++n) {
-                o[n][0] *= corr[0];
-                o[n][1] *= corr[0];
-                o[n][2] *= corr[1];
-                o[n][3] *= corr[1];
-            }
-#pragma unroll
-            for (int n = 0; n < SN; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = exp2f(s[n][e] - base[e >> 1]);
-                    l[e >> 1] += s[n][e];
-                }
-            }
-            const u16* vt = vs[buf];
-#pragma unroll
-            for (int kk = 0; kk < BKV / 16; ++kk) {
-                // P's A fragment straight from the S accumulators of key blocks 2kk, 2kk + 1.
-                const u32 pa[4] = {pack_h2(s[2 * kk][0], s[2 * kk][1]), pack_h2(s[2 * kk][2], s[2 * kk][3]),
-                                   pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-                for (int n = 0; n < ON; n += 2) {
-                    // Transposed: keys kk·16 and kk·16 + 8 at dims n·8, then at dims (n+1)·8.
-                    const int mi = lane >> 3, r = lane & 7;
-                    const u16* src = vt + (kk * 16 + (mi & 1) * 8 + r) * LD + n * 8 + (mi >> 1) * 8;
-                    u32 b0, b1, b2, b3;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                 : "r"(smem_u32(src)));
-                    mma_f16(o[n], pa, b0, b1);
-                    mma_f16(o[n + 1], pa, b2, b3);
-                }
-            }
+            flash_softmax(s, m, l, o);
+            flash_pv<SN, ON, LD>(s, vs[buf], o);
         }
         __syncthreads();  // the next iteration's load overwrites this buffer
     }

@@ -3,8 +3,10 @@
 //! rows-per-warp choice (with its error against the f64 reference), RMSNorm+Q8_1 and
 //! attention; with `--bmm`, only the batched decode matmuls instead (8 to 64 rows at the 8B
 //! shapes: time per launch, weight bandwidth and int8 rate; `--bmm --once` launches each
-//! once and times nothing, for a profiler; `--attention`: only the attention kernels). Timings are CUDA-event medians over graph replays of several launches that
-//! rotate through enough weight copies to defeat the L2 cache.
+//! once and times nothing, for a profiler; `--attention`: only the attention kernels, one
+//! sequence's and the batched step's two). Timings are CUDA-event medians over graph
+//! replays of several launches that rotate through enough weight copies to defeat the L2
+//! cache.
 //!
 //! `cargo run --release -p kiln-kernels --example kernel_bench [-- --quick] [--formats q4_0,q4_0x4] [--all-shapes] [--bmm [--once]] [--attention]`
 //! (`--formats` picks weight formats by tag; `--all-shapes` keeps every shape with --quick).
@@ -313,14 +315,7 @@ fn main() -> Result<()> {
         let cache = KvCache::with_format(&dev, format, 1, n_kv, hd, &[max_ctx])?;
         let kv = cache.layer(0, 0)?;
         let n = kv.values();
-        if let Some((kc, vc)) = kv.as_f16() {
-            for plane in [kc, vc] {
-                let h: Vec<u16> = (0..n)
-                    .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
-                    .collect();
-                plane.copy_from_host(&dev, &h)?;
-            }
-        }
+        fill_f16_planes(&dev, &kv, &mut rng)?;
         if let Some(p) = kv.as_q8_0() {
             for (q, d) in [(p.k, p.k_scales), (p.v, p.v_scales)] {
                 let qs: Vec<i8> = (0..n).map(|_| (rng.next_u64() % 255) as i8).collect();
@@ -375,6 +370,9 @@ fn main() -> Result<()> {
     }
     for e in &extra {
         println!("{e}");
+    }
+    if attention_only {
+        batched_attention(&dev, &k, &mut rng)?;
     }
 
     println!("\nsummary: fastest tiling per path (time, % of the copy roofline {roofline:.0} GB/s, rel. error)");
@@ -595,6 +593,102 @@ fn batched_matmuls(
                 }
                 k.set_bmm_path(BmmPath::PipelinedF16);
             }
+        }
+    }
+    Ok(())
+}
+
+/// The batched step's decode attention at the 8B's heads (32 query heads, 8 KV heads of 128
+/// values, f16 cache): 4, 16 and 64 rows, every row at the same context, both kernels
+/// (`BatchAttention`: a head a block, paired from 16 rows as the executor pairs them, and a
+/// GQA group a block on tensor cores): time per launch and GB/s of K/V read once.
+fn batched_attention(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng) -> Result<()> {
+    use kiln_kernels::{BatchAttention, BatchRows};
+    let (n_heads, n_kv, hd, max_ctx, split) = (32usize, 8usize, 128usize, 4352usize, 128usize);
+    println!("\nbatched decode attention, 8B heads, f16 cache (time per launch; GB/s of K/V)");
+    println!("| rows | context | heads a block | GB/s | group on tensor cores | GB/s |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for rows in [4usize, 16, 64] {
+        let cache = KvCache::with_format(dev, KvFormat::F16, rows, n_kv, hd, &[max_ctx])?;
+        let kv = cache.layer_all(0)?;
+        fill_f16_planes(dev, &kv, rng)?;
+        let qd = n_heads * hd;
+        let q = DeviceBuffer::from_host(dev, &random_vec(rng, rows * qd, 1.0))?;
+        let a = AttnArgs {
+            n_heads,
+            n_kv,
+            head_dim: hd,
+            max_ctx,
+            split,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: 0,
+            pairs: rows >= 16,
+            splits: 0,
+        };
+        let nsplit = a.grid_splits();
+        let part_o = DeviceBuffer::<f32>::alloc(dev, rows * qd * nsplit)?;
+        let part_ml = DeviceBuffer::<[f32; 2]>::alloc(dev, rows * n_heads * nsplit)?;
+        let counters = DeviceBuffer::<u32>::zeros(dev, rows * n_heads)?;
+        let out = DeviceBuffer::<f32>::alloc(dev, rows * qd)?;
+        let slot: Vec<i32> = (0..rows as i32).collect();
+        let slotd = DeviceBuffer::from_host(dev, &slot)?;
+        for len in [130usize, 1024, 4096] {
+            let pos = DeviceBuffer::from_host(dev, &vec![len as i32 - 1; rows])?;
+            let lens = DeviceBuffer::from_host(dev, &vec![len as i32; rows])?;
+            let b = BatchRows {
+                rows,
+                pos: pos.slice(),
+                len: lens.slice(),
+                slot: slotd.slice(),
+            };
+            let mut us = [0f64; 2];
+            for (i, kind) in [BatchAttention::Heads, BatchAttention::GroupMma]
+                .into_iter()
+                .enumerate()
+            {
+                k.set_batch_attention(kind);
+                let g = dev.capture(|| {
+                    for _ in 0..LAUNCHES_PER_GRAPH {
+                        k.attention_batch(
+                            &a,
+                            q.slice(),
+                            kv,
+                            cache.slot_stride(0),
+                            &b,
+                            part_o.slice(),
+                            part_ml.slice(),
+                            counters.slice(),
+                            out.slice(),
+                            None,
+                        )?;
+                    }
+                    Ok(())
+                });
+                k.set_batch_attention(BatchAttention::Auto);
+                us[i] = time_graph(dev, &g?, LAUNCHES_PER_GRAPH)? * 1e3;
+            }
+            let gbps = |us: f64| (2 * rows * len * n_kv * hd * 2) as f64 / (us * 1e-6) / 1e9;
+            println!(
+                "| {rows} | {len} | {:.2} us | {:.0} | {:.2} us | {:.0} |",
+                us[0],
+                gbps(us[0]),
+                us[1],
+                gbps(us[1])
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Random keys and values in [-0.5, 0.5) for an f16 cache's planes (a q8_0 cache is left
+/// as it is).
+fn fill_f16_planes(dev: &Arc<Device>, kv: &kiln_kernels::KvPlanes, rng: &mut Rng) -> Result<()> {
+    if let Some((kc, vc)) = kv.as_f16() {
+        for plane in [kc, vc] {
+            let h: Vec<u16> = (0..kv.values())
+                .map(|_| half::f16::from_f32(rng.next_f32() - 0.5).to_bits())
+                .collect();
+            plane.copy_from_host(dev, &h)?;
         }
     }
     Ok(())

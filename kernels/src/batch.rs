@@ -8,7 +8,7 @@ use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
-use crate::kv::KvPlanes;
+use crate::kv::{KvFormat, KvPlanes};
 use crate::ops::{AttnArgs, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 use kiln_core::QType;
@@ -37,6 +37,32 @@ pub enum BmmPath {
     /// The same pipeline with weights dequantised to f16 and f16 activations, f32
     /// accumulators over the whole split (`bmmh_*`).
     PipelinedF16,
+}
+
+/// Which kernels the batched step's decode attention runs (`cuda/attention.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchAttention {
+    /// [`BatchAttention::GroupMma`] for batches of 8 rows or more, else
+    /// [`BatchAttention::Heads`] (the default). At 4 rows and ~130 positions of context the
+    /// group kernel's grid is too narrow (14.3 against 12.3 µs a launch at the 8B's heads on
+    /// the H200); from 8 rows, or at 1,024 positions, it takes about half the time
+    /// (docs/benchmarks.md, "Group attention"). Executors whose batched matmuls do not
+    /// round to f16 choose [`BatchAttention::Heads`] at load.
+    Auto,
+    /// A block per query head, or per pair of heads of a GQA group (`AttnArgs::pairs`), on
+    /// CUDA cores (`attn_decode_batch{_pairs}_E`).
+    Heads,
+    /// A block per GQA group on tensor cores (`attn_decode_batch_group_E`): each K/V row read
+    /// once for the whole group. f16 caches, heads of at most 128 values and groups of at
+    /// most 16 only; other shapes take [`BatchAttention::Heads`].
+    GroupMma,
+}
+
+/// Bytes of dynamic shared memory `attn_decode_batch_group_E` takes for heads of `hd`
+/// values (ATTN_GROUP_SMEM in attention.cu: 4 warps × K and V × two tiles of 16 rows of
+/// hd + 8 f16).
+fn attn_group_smem(hd: usize) -> usize {
+    4 * 4 * 16 * (hd + 8) * 2
 }
 
 /// How one batched matmul walks its weights.
@@ -211,6 +237,18 @@ impl Kernels {
     /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
     /// [`Kernels::set_bmm_path`] (a pipelined one by default: cp.async stages of whole
     /// super-blocks through shared memory), else the register walk.
+    /// Whether a batched matmul over `w` (a SwiGLU half with `swiglu`) rounds its weights
+    /// and activations to f16 (the default f16 walk), at whatever batch size. Executors
+    /// use it to match the precision of the rest of their batched step to the matmuls'.
+    pub fn bmm_rounds_to_f16(&self, w: &DeviceWeight, swiglu: bool) -> bool {
+        [8, Self::MAX_BATCH].into_iter().all(|rows| {
+            matches!(
+                self.bmm_walk(w, rows, swiglu),
+                BmmWalk::Pipelined { f16: true, .. }
+            )
+        })
+    }
+
     fn bmm_walk(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> BmmWalk {
         self.bmm_walk_if(w, rows, swiglu, self.bmm_path())
     }
@@ -577,15 +615,27 @@ impl Kernels {
         if let Some(p) = &pack {
             p.check(pack_rows, qd, "packed attention output")?;
         }
-        let f = self.device().function(
-            &attention_module(hd, kv.format)?,
-            &format!(
+        let module = attention_module(hd, kv.format)?;
+        let group = a.n_heads / a.n_kv;
+        let group_kernel = match self.batch_attention() {
+            BatchAttention::Auto => b.rows >= 8,
+            BatchAttention::Heads => false,
+            BatchAttention::GroupMma => true,
+        };
+        let by_group = group_kernel && kv.format == KvFormat::F16 && hd <= 128 && group <= 16;
+        let (f, grid_x, shared_bytes) = if by_group {
+            let name = format!("attn_decode_batch_group_{}", hd / 32);
+            let f = self.device().function_with_shared(&module, &name)?;
+            (f, a.n_kv, attn_group_smem(hd))
+        } else {
+            let name = format!(
                 "attn_decode_batch{}{}_{}",
                 if a.pairs { "_pairs" } else { "" },
                 kv.format.kernel_suffix(),
                 hd / 32
-            ),
-        )?;
+            );
+            (self.device().function(&module, &name)?, a.n_heads, 0)
+        };
         let mut args = kv
             .push(Args::new().ptr(q.ptr()))
             .ptr(b.len.ptr())
@@ -603,9 +653,9 @@ impl Kernels {
             .ptr(pack.map_or(0, |p| p.h.ptr()))
             .i32(pack_rows as i32);
         let cfg = LaunchConfig {
-            grid: (a.n_heads as u32, nsplit as u32, b.rows as u32),
+            grid: (grid_x as u32, nsplit as u32, b.rows as u32),
             block: (128, 1, 1),
-            shared_bytes: 0,
+            shared_bytes: shared_bytes as u32,
         };
         // SAFETY: sizes checked; each row's slot must lie in the pool and its length be
         // ≤ max_ctx, which the executor guarantees for the arrays it uploads.

@@ -338,12 +338,25 @@ impl Device {
         self.cached_function(format!("{}::{name}+shared", module.name), |key| {
             let f = self.function(module, name)?;
             self.bind()?;
+            // A block's static and dynamic shared memory together may not pass the opt-in
+            // limit, so the dynamic limit is what the kernel's static arrays leave.
+            let mut static_bytes: std::os::raw::c_int = 0;
+            // SAFETY: `f` is a loaded function; the attribute is written to `static_bytes`.
+            unsafe {
+                sys::cuFuncGetAttribute(
+                    &mut static_bytes,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                    f.0,
+                )
+            }
+            .result()
+            .ctx(&format!("cuFuncGetAttribute({key})"))?;
             // SAFETY: `f` is a loaded function; the attribute takes a byte count.
             unsafe {
                 sys::cuFuncSetAttribute(
                     f.0,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    self.context.shared_optin,
+                    self.context.shared_optin - static_bytes,
                 )
             }
             .result()

@@ -26,7 +26,9 @@ pub mod repack;
 pub mod roofline;
 pub mod testdata;
 
-pub use batch::{BatchEpilogue, BatchRows, BmmPath, PackedAct, PackedActBuffers, PackedActHost};
+pub use batch::{
+    BatchAttention, BatchEpilogue, BatchRows, BmmPath, PackedAct, PackedActBuffers, PackedActHost,
+};
 pub use buffer::{Carver, DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};
 pub use error::{KernelError, Result};

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::batch::BmmPath;
+use crate::batch::{BatchAttention, BmmPath};
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, Function, LaunchConfig};
@@ -270,6 +270,8 @@ pub struct Kernels {
     /// (`Kernels::set_bmm_pipeline`).
     bmm_stages: AtomicU8,
     bmm_blocks_per_sm: AtomicU8,
+    /// Which kernels the batched decode attention runs (a [`BatchAttention`] as u8).
+    batch_attention: AtomicU8,
 }
 
 impl Kernels {
@@ -280,6 +282,7 @@ impl Kernels {
             bmm_path: AtomicU8::new(BmmPath::PipelinedF16 as u8),
             bmm_stages: AtomicU8::new(2),
             bmm_blocks_per_sm: AtomicU8::new(2),
+            batch_attention: AtomicU8::new(BatchAttention::Auto as u8),
         }
     }
 
@@ -305,6 +308,20 @@ impl Kernels {
             self.bmm_stages.load(Ordering::Relaxed) as usize,
             self.bmm_blocks_per_sm.load(Ordering::Relaxed) as usize,
         )
+    }
+
+    /// Chooses the batched decode attention's kernels ([`BatchAttention::Auto`] by
+    /// default). Graphs captured before keep the kernels they were captured with.
+    pub fn set_batch_attention(&self, kind: BatchAttention) {
+        self.batch_attention.store(kind as u8, Ordering::Relaxed);
+    }
+
+    pub fn batch_attention(&self) -> BatchAttention {
+        match self.batch_attention.load(Ordering::Relaxed) {
+            0 => BatchAttention::Auto,
+            1 => BatchAttention::Heads,
+            _ => BatchAttention::GroupMma,
+        }
     }
 
     pub fn bmm_path(&self) -> BmmPath {

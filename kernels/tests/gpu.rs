@@ -1620,6 +1620,172 @@ fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     }
 }
 
+/// `packed` (planes for the batched matmuls' multiple of 8 rows) holds, for the first `rows`
+/// rows, exactly what act_pack makes of `values` (rows × n): the kernels that pack their own
+/// output use act_pack's code. The rows past `rows` are the matmul's padding, unchecked.
+fn assert_packed_as_act_pack(
+    g: &Gpu,
+    packed: &kiln_kernels::PackedActBuffers,
+    values: &[f32],
+    rows: usize,
+    n: usize,
+    what: &str,
+) {
+    let pack_rows = Kernels::bmm_rows(rows);
+    let mut padded = values.to_vec();
+    padded.resize(pack_rows * n, 0.0);
+    let apart = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, n).unwrap();
+    g.k.act_pack(
+        buf(&g.dev, &padded).slice(),
+        pack_rows,
+        n,
+        None,
+        None,
+        apart.view(),
+    )
+    .unwrap();
+    let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
+    let chunks = n / 32;
+    let end = rows * chunks * 4;
+    assert!(
+        fused.x[..end] == want.x[..end] && fused.h[..end] == want.h[..end],
+        "{what}: the packed planes differ from act_pack's"
+    );
+    for c in 0..chunks {
+        for z in 0..rows {
+            let (a, b) = (fused.s[c * pack_rows + z], want.s[c * pack_rows + z]);
+            assert!(
+                a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
+                "{what}: chunk {c} row {z}: packed scales {a:?} against act_pack's {b:?}"
+            );
+        }
+    }
+}
+
+/// The batched decode attention on tensor cores, a GQA group a block
+/// (`BatchAttention::GroupMma`), against the head-a-block kernels on the same queries and
+/// cache: groups of 1, 3, 4 and 7, heads of 64 and 128 values, rows at 1, 37, 130 and 1,500
+/// positions of context (one split, two, and many merged) beside a padding row, over a
+/// paged cache. Queries and attention weights pass through f16 on the tensor cores: each
+/// output within 4e-3 of the row's largest (random K/V in [-1, 1]). The padding row is
+/// zero, both outputs' packed planes are act_pack's of them, the split counters end at
+/// zero; NaN fails.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+fn batched_group_attention_matches_the_head_kernels() {
+    use kiln_kernels::{BatchAttention, BatchRows, KvLayerRows, PackedActBuffers};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("batched group attention");
+    let max_ctx = 2048;
+    let lens = [1i32, 37, 130, 1500, 0];
+    let rows = lens.len();
+    for (n_heads, n_kv, hd) in [
+        (8usize, 2usize, 64usize),
+        (32, 8, 128),
+        (14, 2, 64),
+        (9, 3, 64),
+        (4, 4, 128),
+    ] {
+        let qd = n_heads * hd;
+        // Row z's sequence in slot z of a pool of blocks dealt in reverse.
+        let blocks_per_slot = max_ctx / 32;
+        let pool = rows * blocks_per_slot;
+        let cache = KvCache::paged(
+            &g.dev,
+            KvFormat::F16,
+            rows,
+            n_kv,
+            hd,
+            &[KvLayerRows::Paged],
+            pool,
+            blocks_per_slot,
+        )
+        .unwrap();
+        for z in 0..rows {
+            let table: Vec<u32> = (0..blocks_per_slot)
+                .map(|i| (pool - 1 - (z * blocks_per_slot + i)) as u32)
+                .collect();
+            cache.set_table(&g.dev, z, &table).unwrap();
+        }
+        let kv = cache.layer_all(0).unwrap();
+        fill_random_kv(&g, &mut rng, &[kv]);
+        let q = buf(&g.dev, &random_vec(&mut rng, rows * qd, 1.0));
+        let pos: Vec<i32> = lens.iter().map(|&l| l - 1).collect();
+        let slot: Vec<i32> = (0..rows as i32).collect();
+        let (posd, lend, slotd) = (buf(&g.dev, &pos), buf(&g.dev, &lens), buf(&g.dev, &slot));
+        let br = BatchRows {
+            rows,
+            pos: posd.slice(),
+            len: lend.slice(),
+            slot: slotd.slice(),
+        };
+        let attn = AttnArgs {
+            n_heads,
+            n_kv,
+            head_dim: hd,
+            max_ctx,
+            split: 128,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: 0,
+            pairs: false,
+            splits: 0,
+        };
+        let nsplit = attn.grid_splits();
+        let pack_rows = Kernels::bmm_rows(rows);
+        let run = |kind: BatchAttention| -> Vec<f32> {
+            g.k.set_batch_attention(kind);
+            let part_o = poisoned(&g.dev, rows * qd * nsplit);
+            let part_ml = DeviceBuffer::<[f32; 2]>::alloc(&g.dev, rows * n_heads * nsplit).unwrap();
+            let counters = DeviceBuffer::<u32>::zeros(&g.dev, rows * n_heads).unwrap();
+            let out = poisoned(&g.dev, rows * qd);
+            let packed = PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
+            packed.fill_bytes(0xff).unwrap();
+            let r = g.k.attention_batch(
+                &attn,
+                q.slice(),
+                kv,
+                0,
+                &br,
+                part_o.slice(),
+                part_ml.slice(),
+                counters.slice(),
+                out.slice(),
+                Some(packed.view()),
+            );
+            g.k.set_batch_attention(BatchAttention::Auto);
+            r.unwrap();
+            let got = out.to_host().unwrap();
+            assert!(
+                counters.to_host().unwrap().iter().all(|&c| c == 0),
+                "{kind:?} {n_heads}/{n_kv}x{hd}: split counters left non-zero"
+            );
+            // The packed planes are act_pack's of the output (rows past the batch aside).
+            let what = format!("{kind:?} {n_heads}/{n_kv}x{hd}");
+            assert_packed_as_act_pack(&g, &packed, &got, rows, qd, &what);
+            got
+        };
+        let heads = run(BatchAttention::Heads);
+        let group = run(BatchAttention::GroupMma);
+        for (z, &len) in lens.iter().enumerate() {
+            let (a, b) = (&heads[z * qd..(z + 1) * qd], &group[z * qd..(z + 1) * qd]);
+            if len == 0 {
+                assert!(
+                    b.iter().all(|&v| v == 0.0),
+                    "{n_heads}/{n_kv}x{hd}: the padding row is not zero"
+                );
+                continue;
+            }
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 4e-3 * scale,
+                "{n_heads}/{n_kv}x{hd} row {z} ({len} positions): off the head kernels by {worst:e} (largest {scale:e})"
+            );
+            println!("group attention {n_heads}/{n_kv}x{hd} at {len:>4} positions: {:.1e} of the row's largest", worst / scale);
+        }
+    }
+}
+
 /// Llama-style RoPE over whole heads (base 10,000, no norms), for the attention tests; the
 /// buffer holds the inverse frequencies the arguments point at.
 fn plain_rope(g: &Gpu, n_heads: usize, n_kv: usize, hd: usize) -> (DeviceBuffer<f32>, RopeArgs) {
@@ -1752,34 +1918,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, pairs
         "a padding row's attention is zero"
     );
     // act_pack of the same rows gives the same planes (the same code packs both).
-    let mut out8 = got.clone();
-    out8.resize(pack_rows * qd, 0.0);
-    let apart = kiln_kernels::PackedActBuffers::alloc(&g.dev, pack_rows, qd).unwrap();
-    g.k.act_pack(
-        buf(&g.dev, &out8).slice(),
-        pack_rows,
-        qd,
-        None,
-        None,
-        apart.view(),
-    )
-    .unwrap();
-    let (fused, want) = (packed.to_host().unwrap(), apart.to_host().unwrap());
-    let chunks = qd / 32;
-    assert!(
-        fused.x[..rows * chunks * 4] == want.x[..rows * chunks * 4]
-            && fused.h[..rows * chunks * 4] == want.h[..rows * chunks * 4],
-        "{format:?}: the attention's packed planes differ from act_pack's"
-    );
-    for c in 0..chunks {
-        for z in 0..rows {
-            let (a, b) = (fused.s[c * pack_rows + z], want.s[c * pack_rows + z]);
-            assert!(
-                a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
-                "{format:?}: chunk {c} row {z}: packed scales {a:?} against act_pack's {b:?}"
-            );
-        }
-    }
+    assert_packed_as_act_pack(g, &packed, &got, rows, qd, &format!("{format:?}"));
     for z in 0..3 {
         let kv = single.layer(0, slot[z] as usize).unwrap();
         let (q1, o1) = one_sequence_step(

@@ -6,8 +6,8 @@
 //! as many bytes as a real model's.
 //!
 //! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
-//! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up), with
-//! the K-quant matmuls' three paths (f16 and int8 pipelined, int8 register walk) alternating
+//! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up): the
+//! default step, each batched attention forced, and the int8 pipelined walk, alternating
 //! over two rounds.
 //!
 //! With `--profile-steps K` as well, each batch size first runs K steps of the default path
@@ -31,7 +31,7 @@ use kiln_core::{
     SamplingParams, TensorView,
 };
 use kiln_kernels::testdata::random_weights_scaled;
-use kiln_kernels::{BmmPath, Device, GemvPath, GemvTiling};
+use kiln_kernels::{BatchAttention, BmmPath, Device, GemvPath, GemvTiling};
 
 struct Spec {
     name: &'static str,
@@ -433,14 +433,17 @@ fn batch_bench(
             }
             continue;
         }
-        // Every path of the K-quant matmuls, alternating, two rounds.
+        // The default step, then each batched attention forced, then the int8 walk,
+        // alternating, two rounds.
         for round in 0..2 {
-            for path in [
-                BmmPath::PipelinedF16,
-                BmmPath::PipelinedInt8,
-                BmmPath::Registers,
+            for (path, attention) in [
+                (BmmPath::PipelinedF16, BatchAttention::Auto),
+                (BmmPath::PipelinedF16, BatchAttention::Heads),
+                (BmmPath::PipelinedF16, BatchAttention::GroupMma),
+                (BmmPath::PipelinedInt8, BatchAttention::Auto),
             ] {
                 ex.set_bmm_path(path);
+                ex.set_batch_attention(attention);
                 for _ in 0..4 {
                     step(&mut ex, &mut toks);
                 }
@@ -450,7 +453,7 @@ fn batch_bench(
                 }
                 let dt = t0.elapsed().as_secs_f64();
                 println!(
-                    "| {} | batch {b} | {path:?}, round {} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
+                    "| {} | batch {b} | {path:?}, {attention:?}, round {} | {n} steps | {:.3} ms/step | {:.0} tok/s |",
                     s.name,
                     round + 1,
                     dt * 1e3 / n as f64,
@@ -459,6 +462,7 @@ fn batch_bench(
             }
         }
         ex.set_bmm_path(BmmPath::PipelinedF16);
+        ex.set_batch_attention(BatchAttention::Auto);
         for seq in seqs {
             ex.free_sequence(seq).unwrap();
         }

@@ -789,6 +789,15 @@ impl GpuExecutor {
         self.k.set_bmm_path(path);
     }
 
+    /// Chooses the batched step's decode attention kernels
+    /// ([`kiln_kernels::BatchAttention`]; by default a GQA group a block on tensor cores
+    /// from 8 rows when the batched matmuls round to f16, else a block per head; either
+    /// forced, to measure). Captured graphs are dropped.
+    pub fn set_batch_attention(&mut self, kind: kiln_kernels::BatchAttention) {
+        self.drop_graphs();
+        self.k.set_batch_attention(kind);
+    }
+
     /// Runs one-sequence decode steps as one persistent kernel each, of blocks of `warps`
     /// warps (8 or 16; `None`: the CUDA graph of launches, the default). The quantising
     /// GEMVs take the tiling those blocks own 32-row groups with (R4S1 at 8 warps, R4S2 at
