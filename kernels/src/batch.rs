@@ -234,9 +234,6 @@ impl Kernels {
         rows.div_ceil(8) * 8
     }
 
-    /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
-    /// [`Kernels::set_bmm_path`] (a pipelined one by default: cp.async stages of whole
-    /// super-blocks through shared memory), else the register walk.
     /// Whether a batched matmul over `w` (a SwiGLU half with `swiglu`) rounds its weights
     /// and activations to f16 (the default f16 walk), at whatever batch size. Executors
     /// use it to match the precision of the rest of their batched step to the matmuls'.
@@ -249,6 +246,9 @@ impl Kernels {
         })
     }
 
+    /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
+    /// [`Kernels::set_bmm_path`] (a pipelined one by default: cp.async stages of whole
+    /// super-blocks through shared memory), else the register walk.
     fn bmm_walk(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> BmmWalk {
         self.bmm_walk_if(w, rows, swiglu, self.bmm_path())
     }
