@@ -558,7 +558,7 @@ fn random_operations(
             // Decode a random subset that has room.
             let mut items = Vec::new();
             for (seq, toks) in &live {
-                if toks.len() + 1 < options.max_context && rng.next_u64() % 2 == 0 {
+                if toks.len() + 1 < options.max_context && rng.next_u64().is_multiple_of(2) {
                     items.push(DecodeItem {
                         seq: *seq,
                         token: (rng.next_u64() % vocab as u64) as u32,

@@ -123,7 +123,7 @@ pub fn attend_group(
     out: &mut [f32],
 ) {
     const MQ: usize = kernels::MULTI_QUERIES;
-    let heads = if hd == 0 { 0 } else { q.len() / hd };
+    let heads = q.len().checked_div(hd).unwrap_or(0);
     assert!(
         (1..=MQ).contains(&heads) && q.len() == heads * hd && out.len() == heads * hd,
         "attend_group: {heads} heads of {hd} for {} query and {} output values",

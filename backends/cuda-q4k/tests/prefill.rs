@@ -64,7 +64,7 @@ fn batched_prefill_matches_the_cpu_backend() {
     let seed = fresh_seed();
     println!("seed {seed}");
     let mut rng = Rng::new(seed);
-    assert!(600 > PREFILL_CHUNK, "the longest prompt must cross a chunk");
+    const { assert!(600 > PREFILL_CHUNK, "the longest prompt must cross a chunk") };
     let options = LoadOptions {
         max_context: 1024,
         max_sequences: 1,

@@ -1240,7 +1240,7 @@ fn multi_queries(
     rows: &[f32],
     stride: usize,
 ) -> usize {
-    let queries = if hd == 0 { 0 } else { vectors / hd };
+    let queries = vectors.checked_div(hd).unwrap_or(0);
     assert!(
         (1..=super::MULTI_QUERIES).contains(&queries)
             && vectors == queries * hd
