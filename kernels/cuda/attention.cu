@@ -317,8 +317,9 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
                                                       int n_heads, int n_kv, int max_ctx, int split, float scale,
                                                       int window, float* __restrict__ part_o,
                                                       float2* __restrict__ part_ml, u32* __restrict__ counters,
-                                                      float* __restrict__ out, const ActPack& pack, int kvh, int s,
-                                                      int nsplit) {
+                                                      float* __restrict__ out, i8* __restrict__ oq,
+                                                      i8* __restrict__ olo, float2* __restrict__ ods,
+                                                      const ActPack& pack, int kvh, int s, int nsplit) {
     constexpr int HD = 32 * E, LD = HD + 8, KSTEPS = HD / 16, ON = HD / 8, CHUNKS = HD / 8, TILE = ATTN_GROUP_TILE;
     extern __shared__ __align__(16) u8 attn_smem[];
     const int lo = window > 0 ? max(0, len - window) : 0;
@@ -450,13 +451,15 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
         // The split merge works in natural units: e^(M ln 2) = 2^M.
         if (d == 0) part_ml[(size_t)head * nsplit + s] = make_float2(M * 0.6931471805599453f, L);
     }
-    attn_merge_splits(part_o, part_ml, &counters[h0], out, nullptr, nullptr, nullptr, pack, h0, group, HD, nsplit,
+    attn_merge_splits(part_o, part_ml, &counters[h0], out, oq, olo, ods, pack, h0, group, HD, nsplit,
                       min(nsplit, (span + split - 1) / split), n_heads * E);
 }
 
 // attn_decode_batch_group_{E}: the kernel above for head sizes 32·E up to 128 (E ≤ 4; its
 // accumulators grow with the head), over an f16 cache, with the batched kernels' parameters
-// (ATTN_BATCH_KERNEL). Grid (n_kv, splits, rows).
+// (ATTN_BATCH_KERNEL). Grid (n_kv, splits, rows). attn_decode_group_{E}: the same for the
+// one-sequence step, with attn_decode_{E}'s parameters (the output also quantised for the O
+// GEMV when oq is set). Grid (n_kv, splits).
 #define ATTN_GROUP_KERNEL(E)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_batch_group_##E(                                     \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
@@ -481,8 +484,16 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
         const int* tab = table ? table + (size_t)slot[z] * table_stride : nullptr;                                     \
         attn_group_mma<E>(q + z * qd, kc + cache, vc + cache, lens[z], tab, n_heads, n_kv, max_ctx, split, scale,      \
                           window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,                    \
-                          counters + z * n_heads, out + z * qd, ActPack{px, ps, ph, z, pack_rows}, blockIdx.x,         \
-                          blockIdx.y, nsplit);                                                                         \
+                          counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr,                             \
+                          ActPack{px, ps, ph, z, pack_rows}, blockIdx.x, blockIdx.y, nsplit);                          \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_group_##E(                                           \
+        const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr,                \
+        const int* table, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,       \
+        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods) {                                    \
+        grid_dependency_wait();                                                                                        \
+        attn_group_mma<E>(q, kc, vc, *len_ptr, table, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,   \
+                          counters, out, oq, olo, ods, ActPack{}, blockIdx.x, blockIdx.y, gridDim.y);                  \
     }
 #define ATTN_GROUP_ENTRY_1 ATTN_GROUP_KERNEL(1)
 #define ATTN_GROUP_ENTRY_2 ATTN_GROUP_KERNEL(2)

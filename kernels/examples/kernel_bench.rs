@@ -16,8 +16,8 @@ use std::sync::Arc;
 use kiln_core::{QType, Rng};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
 use kiln_kernels::{
-    AttnArgs, BatchEpilogue, BmmPath, Device, DeviceBuffer, DeviceWeight, Epilogue, Event,
-    GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedActBuffers,
+    AttnArgs, AttnHeads, BatchEpilogue, BmmPath, Device, DeviceBuffer, DeviceWeight, Epilogue,
+    Event, GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, PackedActBuffers,
     PackedWeight, QuantBuffers, QuantOut, Result, WeightFormat, FORMATS,
 };
 
@@ -340,7 +340,7 @@ fn main() -> Result<()> {
                 split,
                 scale: 1.0 / (hd as f32).sqrt(),
                 window: 0,
-                pairs: false,
+                heads: AttnHeads::One,
                 splits: 0,
             };
             let g = dev.capture(|| {
@@ -599,82 +599,101 @@ fn batched_matmuls(
 }
 
 /// The batched step's decode attention at the 8B's heads (32 query heads, 8 KV heads of 128
-/// values, f16 cache): 4, 16 and 64 rows, every row at the same context, both kernels
-/// (`BatchAttention`: a head a block, paired from 16 rows as the executor pairs them, and a
-/// GQA group a block on tensor cores): time per launch and GB/s of K/V read once.
+/// values) and the 1B's (32 / 8 of 64), f16 cache: 1, 4, 16 and 64 rows, every row at the
+/// same context (one row out to 32,768 positions, at the one-sequence step's least split),
+/// both kernels (`BatchAttention`: a head a block, paired from 16 rows as the executor
+/// pairs them, and a GQA group a block on tensor cores): time per launch and GB/s of K/V
+/// read once.
 fn batched_attention(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng) -> Result<()> {
     use kiln_kernels::{BatchAttention, BatchRows};
-    let (n_heads, n_kv, hd, max_ctx, split) = (32usize, 8usize, 128usize, 4352usize, 128usize);
-    println!("\nbatched decode attention, 8B heads, f16 cache (time per launch; GB/s of K/V)");
-    println!("| rows | context | heads a block | GB/s | group on tensor cores | GB/s |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    for rows in [4usize, 16, 64] {
-        let cache = KvCache::with_format(dev, KvFormat::F16, rows, n_kv, hd, &[max_ctx])?;
-        let kv = cache.layer_all(0)?;
-        fill_f16_planes(dev, &kv, rng)?;
-        let qd = n_heads * hd;
-        let q = DeviceBuffer::from_host(dev, &random_vec(rng, rows * qd, 1.0))?;
-        let a = AttnArgs {
-            n_heads,
-            n_kv,
-            head_dim: hd,
-            max_ctx,
-            split,
-            scale: 1.0 / (hd as f32).sqrt(),
-            window: 0,
-            pairs: rows >= 16,
-            splits: 0,
-        };
-        let nsplit = a.grid_splits();
-        let part_o = DeviceBuffer::<f32>::alloc(dev, rows * qd * nsplit)?;
-        let part_ml = DeviceBuffer::<[f32; 2]>::alloc(dev, rows * n_heads * nsplit)?;
-        let counters = DeviceBuffer::<u32>::zeros(dev, rows * n_heads)?;
-        let out = DeviceBuffer::<f32>::alloc(dev, rows * qd)?;
-        let slot: Vec<i32> = (0..rows as i32).collect();
-        let slotd = DeviceBuffer::from_host(dev, &slot)?;
-        for len in [130usize, 1024, 4096] {
-            let pos = DeviceBuffer::from_host(dev, &vec![len as i32 - 1; rows])?;
-            let lens = DeviceBuffer::from_host(dev, &vec![len as i32; rows])?;
-            let b = BatchRows {
-                rows,
-                pos: pos.slice(),
-                len: lens.slice(),
-                slot: slotd.slice(),
+    println!("\nbatched decode attention, f16 cache (time per launch; GB/s of K/V)");
+    println!("| heads | rows | context | heads a block | GB/s | group on tensor cores | GB/s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (label, n_heads, n_kv, hd) in [("8B", 32usize, 8usize, 128usize), ("1B", 32, 8, 64)] {
+        for rows in [1usize, 4, 16, 64] {
+            let (max_ctx, split, lens): (usize, usize, &[usize]) = match rows {
+                1 => (32_768, 64, &[130, 1024, 4096, 16_384, 32_768]),
+                _ => (4352, 128, &[130, 1024, 4096]),
             };
-            let mut us = [0f64; 2];
-            for (i, kind) in [BatchAttention::Heads, BatchAttention::GroupMma]
-                .into_iter()
-                .enumerate()
-            {
-                k.set_batch_attention(kind);
-                let g = dev.capture(|| {
-                    for _ in 0..LAUNCHES_PER_GRAPH {
-                        k.attention_batch(
-                            &a,
-                            q.slice(),
-                            kv,
-                            cache.slot_stride(0),
-                            &b,
-                            part_o.slice(),
-                            part_ml.slice(),
-                            counters.slice(),
-                            out.slice(),
-                            None,
-                        )?;
-                    }
-                    Ok(())
-                });
-                k.set_batch_attention(BatchAttention::Auto);
-                us[i] = time_graph(dev, &g?, LAUNCHES_PER_GRAPH)? * 1e3;
+            // One row's launches go through 16 layers' caches in turn, as a step's do, so
+            // that a cache is not still in L2 when its next launch reads it.
+            let layers = if rows == 1 { 16 } else { 1 };
+            let cache =
+                KvCache::with_format(dev, KvFormat::F16, rows, n_kv, hd, &vec![max_ctx; layers])?;
+            let kvs = (0..layers)
+                .map(|l| cache.layer_all(l))
+                .collect::<kiln_kernels::Result<Vec<_>>>()?;
+            for kv in &kvs {
+                fill_f16_planes(dev, kv, rng)?;
             }
-            let gbps = |us: f64| (2 * rows * len * n_kv * hd * 2) as f64 / (us * 1e-6) / 1e9;
-            println!(
-                "| {rows} | {len} | {:.2} us | {:.0} | {:.2} us | {:.0} |",
-                us[0],
-                gbps(us[0]),
-                us[1],
-                gbps(us[1])
-            );
+            let qd = n_heads * hd;
+            let q = DeviceBuffer::from_host(dev, &random_vec(rng, rows * qd, 1.0))?;
+            let a = AttnArgs {
+                n_heads,
+                n_kv,
+                head_dim: hd,
+                max_ctx,
+                split,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window: 0,
+                heads: if rows >= 16 {
+                    AttnHeads::Pairs
+                } else {
+                    AttnHeads::One
+                },
+                splits: 0,
+            };
+            let nsplit = a.grid_splits();
+            let part_o = DeviceBuffer::<f32>::alloc(dev, rows * qd * nsplit)?;
+            let part_ml = DeviceBuffer::<[f32; 2]>::alloc(dev, rows * n_heads * nsplit)?;
+            let counters = DeviceBuffer::<u32>::zeros(dev, rows * n_heads)?;
+            let out = DeviceBuffer::<f32>::alloc(dev, rows * qd)?;
+            let slot: Vec<i32> = (0..rows as i32).collect();
+            let slotd = DeviceBuffer::from_host(dev, &slot)?;
+            for &len in lens {
+                let pos = DeviceBuffer::from_host(dev, &vec![len as i32 - 1; rows])?;
+                let lensd = DeviceBuffer::from_host(dev, &vec![len as i32; rows])?;
+                let b = BatchRows {
+                    rows,
+                    pos: pos.slice(),
+                    len: lensd.slice(),
+                    slot: slotd.slice(),
+                };
+                let mut us = [0f64; 2];
+                for (i, kind) in [BatchAttention::Heads, BatchAttention::GroupMma]
+                    .into_iter()
+                    .enumerate()
+                {
+                    k.set_batch_attention(kind);
+                    let g = dev.capture(|| {
+                        for l in 0..LAUNCHES_PER_GRAPH {
+                            k.attention_batch(
+                                &a,
+                                q.slice(),
+                                kvs[l % layers],
+                                cache.slot_stride(0),
+                                &b,
+                                part_o.slice(),
+                                part_ml.slice(),
+                                counters.slice(),
+                                out.slice(),
+                                None,
+                            )?;
+                        }
+                        Ok(())
+                    });
+                    k.set_batch_attention(BatchAttention::Auto);
+                    us[i] = time_graph(dev, &g?, LAUNCHES_PER_GRAPH)? * 1e3;
+                }
+                let gbps = |us: f64| (2 * rows * len * n_kv * hd * 2) as f64 / (us * 1e-6) / 1e9;
+                println!(
+                    "| {label} | {rows} | {len} | {:.2} us | {:.0} | {:.2} us | {:.0} |",
+                    us[0],
+                    gbps(us[0]),
+                    us[1],
+                    gbps(us[1])
+                );
+            }
         }
     }
     Ok(())

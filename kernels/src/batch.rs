@@ -8,8 +8,8 @@ use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
-use crate::kv::{KvFormat, KvPlanes};
-use crate::ops::{AttnArgs, Kernels, RopeArgs};
+use crate::kv::KvPlanes;
+use crate::ops::{AttnArgs, AttnHeads, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 use kiln_core::QType;
 use std::sync::Arc;
@@ -49,7 +49,7 @@ pub enum BatchAttention {
     /// (docs/benchmarks.md, "Group attention"). Executors whose batched matmuls do not
     /// round to f16 choose [`BatchAttention::Heads`] at load.
     Auto,
-    /// A block per query head, or per pair of heads of a GQA group (`AttnArgs::pairs`), on
+    /// A block per query head, or per pair of heads of a GQA group (`AttnHeads::Pairs`), on
     /// CUDA cores (`attn_decode_batch{_pairs}_E`).
     Heads,
     /// A block per GQA group on tensor cores (`attn_decode_batch_group_E`): each K/V row read
@@ -61,7 +61,7 @@ pub enum BatchAttention {
 /// Bytes of dynamic shared memory `attn_decode_batch_group_E` takes for heads of `hd`
 /// values (ATTN_GROUP_SMEM in attention.cu: 4 warps × K and V × two tiles of 16 rows of
 /// hd + 8 f16).
-fn attn_group_smem(hd: usize) -> usize {
+pub(crate) fn attn_group_smem(hd: usize) -> usize {
     4 * 4 * 16 * (hd + 8) * 2
 }
 
@@ -616,13 +616,12 @@ impl Kernels {
             p.check(pack_rows, qd, "packed attention output")?;
         }
         let module = attention_module(hd, kv.format)?;
-        let group = a.n_heads / a.n_kv;
         let group_kernel = match self.batch_attention() {
-            BatchAttention::Auto => b.rows >= 8,
+            BatchAttention::Auto => b.rows >= 8 || a.heads == AttnHeads::Group,
             BatchAttention::Heads => false,
             BatchAttention::GroupMma => true,
         };
-        let by_group = group_kernel && kv.format == KvFormat::F16 && hd <= 128 && group <= 16;
+        let by_group = group_kernel && a.group_kernel_fits(kv.format);
         let (f, grid_x, shared_bytes) = if by_group {
             let name = format!("attn_decode_batch_group_{}", hd / 32);
             let f = self.device().function_with_shared(&module, &name)?;
@@ -630,7 +629,11 @@ impl Kernels {
         } else {
             let name = format!(
                 "attn_decode_batch{}{}_{}",
-                if a.pairs { "_pairs" } else { "" },
+                if a.heads == AttnHeads::Pairs {
+                    "_pairs"
+                } else {
+                    ""
+                },
                 kv.format.kernel_suffix(),
                 hd / 32
             );

@@ -36,8 +36,8 @@ pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use gemm::Blas;
 pub use kv::{KvCache, KvFormat, KvLayerRows, KvPlanes, Q8Planes};
 pub use ops::{
-    AttnArgs, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm, PrefillAttnArgs,
-    Q8Act, QuantBuffers, QuantOut, RopeArgs,
+    AttnArgs, AttnHeads, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm,
+    PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
 pub use persist::{PersistOp, StepProgram};
 pub use repack::{DeviceWeight, PackedWeight};

@@ -812,8 +812,8 @@ impl Kernels {
     /// split-K blocks write partials (`part_o`: heads·splits·hd floats, `part_ml`:
     /// heads·splits pairs) and the last block of each group of heads merges them into
     /// `out`, counted in `counters` (one per head, zero before the first launch, left zero).
-    /// With `a.pairs` the query heads of a GQA group share blocks in pairs, reading each
-    /// K/V row once per pair. With `out_q8` the output is also written quantised.
+    /// `a.heads` says how the query heads of a GQA group share blocks ([`AttnHeads`]). With
+    /// `out_q8` the output is also written quantised.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -841,13 +841,32 @@ impl Kernels {
         };
         let rows = io.check(a, &kv)?;
         let module = attention_module(hd, kv.format)?;
+        let recording = self.recording_warps().is_some();
+        let heads = match a.heads {
+            AttnHeads::Group if recording || !a.group_kernel_fits(kv.format) => AttnHeads::One,
+            h => h,
+        };
+        let args = io.push(kv.push(Args::new().ptr(q.ptr())), a, &kv, rows);
+        if heads == AttnHeads::Group {
+            let f = self
+                .device
+                .function_with_shared(&module, &format!("attn_decode_group_{}", hd / 32))?;
+            let cfg = LaunchConfig {
+                grid: (a.n_kv as u32, nsplit as u32, 1),
+                block: (128, 1, 1),
+                shared_bytes: crate::batch::attn_group_smem(hd) as u32,
+            };
+            let mut args = args;
+            // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
+            return unsafe { self.device.launch(f, cfg, &mut args) };
+        }
+        let pairs = heads == AttnHeads::Pairs;
         let name = format!(
             "attn_decode{}{}_{}",
-            if a.pairs { "_pairs" } else { "" },
+            if pairs { "_pairs" } else { "" },
             kv.format.kernel_suffix(),
             hd / 32
         );
-        let args = io.push(kv.push(Args::new().ptr(q.ptr())), a, &kv, rows);
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, nsplit as u32, 1),
             block: (128, 1, 1),
@@ -857,12 +876,12 @@ impl Kernels {
             KvFormat::F16 => format!(
                 "P_ATTN({}, {}, KvF16, KV_F16_K, KV_F16_V)",
                 hd / 32,
-                1 + a.pairs as usize
+                1 + pairs as usize
             ),
             KvFormat::Q8_0 => format!(
                 "P_ATTN({}, {}, KvQ8, KV_Q8_K, KV_Q8_V)",
                 hd / 32,
-                1 + a.pairs as usize
+                1 + pairs as usize
             ),
         };
         let heads = a.n_heads;
@@ -1137,6 +1156,23 @@ impl AttnIo {
     }
 }
 
+/// How a decode attention launch spreads the query heads of a GQA group over its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttnHeads {
+    /// A block per query head (`attn_decode_E`): the shortest chain per block.
+    #[default]
+    One,
+    /// The heads of a group in pairs (`attn_decode_pairs_E`), each K/V row read once for
+    /// both.
+    Pairs,
+    /// The whole group a block on tensor cores (`attn_decode_group_E`: the group's queries
+    /// as the rows of m16n8k16 tiles, queries and weights rounded to f16), each K/V row
+    /// read once for the group. f16 caches, heads of at most 128 values, groups of at most
+    /// 16 ([`AttnArgs::group_kernel_fits`]); other shapes take [`AttnHeads::One`], as does
+    /// the persistent step's program (its blocks have no dynamic shared memory).
+    Group,
+}
+
 /// Shape of one decode attention for [`Kernels::attention`].
 #[derive(Debug, Clone, Copy)]
 pub struct AttnArgs {
@@ -1154,9 +1190,8 @@ pub struct AttnArgs {
     /// Positions a query attends to, its own included (0: all; a sliding-window layer's
     /// window, which its ring of `max_ctx` rows must hold).
     pub window: usize,
-    /// The heads of a GQA group computed in pairs, each K/V row read once for both: faster
-    /// on long contexts only (one-sequence decode; the batched launch refuses it).
-    pub pairs: bool,
+    /// How the query heads of a GQA group share blocks (see [`AttnHeads`]).
+    pub heads: AttnHeads,
     /// Split blocks per head the launch's grid has: 0 (or anything above
     /// [`Kernels::attention_splits`]) for the grid every length needs; fewer serve spans
     /// up to a bound exactly as the full grid does ([`Kernels::attention_grid_splits`]).
@@ -1171,6 +1206,15 @@ impl AttnArgs {
             0 => all,
             n => n.min(all),
         }
+    }
+
+    /// Whether the tensor-core group kernel ([`AttnHeads::Group`]) takes this shape over a
+    /// cache of `kv`.
+    pub fn group_kernel_fits(&self, kv: KvFormat) -> bool {
+        kv == KvFormat::F16
+            && self.head_dim <= 128
+            && self.n_kv > 0
+            && self.n_heads / self.n_kv <= 16
     }
 
     /// The head geometry the decode attention kernels take (shared by the one-sequence and

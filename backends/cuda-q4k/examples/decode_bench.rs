@@ -17,9 +17,11 @@
 //! With `--persistent`, the default step as a CUDA graph of launches against the persistent
 //! kernel (one launch a token) at 8 and 16 warps a block.
 //!
-//! With `--depth D`, the one-sequence rows decode after a prompt of D tokens instead of 4.
+//! With `--depth D,D2,..`, the one-sequence rows decode after prompts of D tokens instead
+//! of 4. With `--group-ab`, only the default step, alternating (two rounds) with the group
+//! attention on tensor cores off (`GpuExecutor::set_group_attention_from(usize::MAX)`).
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--persistent] [--depth D]`
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--persistent] [--depth D,..] [--group-ab]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -207,8 +209,12 @@ fn main() {
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
     let persistent = args.iter().any(|a| a == "--persistent");
-    // `--depth D`: decode after a prompt of D tokens instead of 4.
-    let depth: usize = value_of(&args, "--depth").unwrap_or(4);
+    // `--depth D,D2,..`: decode after prompts of D tokens instead of 4.
+    let depths: Vec<usize> = value_of::<String>(&args, "--depth")
+        .map(|v| v.split(',').filter_map(|d| d.parse().ok()).collect())
+        .filter(|d: &Vec<usize>| !d.is_empty())
+        .unwrap_or(vec![4]);
+    let group_ab = args.iter().any(|a| a == "--group-ab");
     let batch: Option<Vec<usize>> = value_of::<String>(&args, "--batch")
         .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect());
     let profile_steps: usize = value_of(&args, "--profile-steps").unwrap_or(0);
@@ -236,7 +242,7 @@ fn main() {
         }
         let t0 = Instant::now();
         let options = LoadOptions {
-            max_context: (depth + n + 64).max(4096),
+            max_context: (depths.iter().max().unwrap() + n + 64).max(4096),
             max_sequences: 1,
             ..Default::default()
         };
@@ -261,16 +267,24 @@ fn main() {
         // Every O/SwiGLU/down GEMV quantising its output (the default), with the policy's
         // tiling per weight (`None`) and with each tiling forced; none doing so (a separate
         // launch after each); and Q8_1.
-        // (persistent: warps a block)
-        type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>);
+        // (persistent: warps a block; the context from which attention takes a GQA group
+        // a block on tensor cores)
+        type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>, usize);
+        let group = ex.group_attention_from();
         let variants: Vec<Variant> = if persistent {
-            vec![
+            [
                 (GemvPath::Q16, None, usize::MAX, None),
                 (GemvPath::Q16, None, usize::MAX, Some(8)),
                 (GemvPath::Q16, None, usize::MAX, Some(16)),
             ]
+            .map(|(p, t, l, w)| (p, t, l, w, group))
+            .to_vec()
+        } else if group_ab {
+            [group, usize::MAX, group, usize::MAX]
+                .map(|from| (GemvPath::Q16, None, usize::MAX, None, from))
+                .to_vec()
         } else {
-            vec![
+            [
                 (GemvPath::Q16, None, usize::MAX, None),
                 (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX, None),
                 (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX, None),
@@ -278,11 +292,17 @@ fn main() {
                 (GemvPath::Q16, None, 0, None),
                 (GemvPath::Q8, None, usize::MAX, None),
             ]
+            .map(|(p, t, l, w)| (p, t, l, w, group))
+            .to_vec()
         };
-        for (path, tiling, limit, warps) in variants {
+        let runs = depths
+            .iter()
+            .flat_map(|&d| variants.iter().map(move |v| (d, *v)));
+        for (depth, (path, tiling, limit, warps, group_from)) in runs {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
+            ex.set_group_attention_from(group_from);
             if let Err(e) = ex.set_persistent_decode(warps) {
                 println!(
                     "| {} | persistent, {warps:?} warps | refused: {e} |",
@@ -322,6 +342,15 @@ fn main() {
                 usize::MAX => "all fused".to_string(),
                 l => format!("fused up to {} MB", l >> 20),
             };
+            let group_note = match (group_from, group_ab) {
+                (_, false) => String::new(),
+                (usize::MAX, true) => ", group attention off".to_string(),
+                (from, true) => format!(", group attention from {from}"),
+            };
+            let depth_note = match depth {
+                4 => String::new(),
+                d => format!(" @ d{d}"),
+            };
             let variant = match (warps, tiling) {
                 (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
                 (None, tiling) => match tiling {
@@ -331,7 +360,8 @@ fn main() {
                     ),
                     None => format!("{path:?}, {fused}, per weight"),
                 },
-            };
+            } + &group_note
+                + &depth_note;
             println!(
             "| {} | {variant} | {:.1} MB | {kernels} | {load_s:.1} | {:.0} | {:.3} | {gbps:.0} | {:.0}% | {graph_ms:.3} | {:.0} |",
             s.name,

@@ -15,7 +15,9 @@ use kiln_core::{score, Backend, LayerExecutor, LoadOptions, ModelIr, QType, Resu
 use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
 use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling};
 
-pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL};
+pub use kiln_cuda_runtime::{
+    group_attention_from, GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL,
+};
 
 /// The backend's name.
 pub const NAME: &str = "cuda-q4k";

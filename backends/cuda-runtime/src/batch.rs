@@ -24,8 +24,8 @@
 
 use kiln_core::{DecodeItem, Error, Result, Sampler};
 use kiln_kernels::{
-    BatchAttention, BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct, WeightFormat,
-    Workspace,
+    AttnHeads, BatchAttention, BatchEpilogue, BatchRows, DevSlice, Graph, Kernels, PackedAct,
+    WeightFormat, Workspace,
 };
 
 use super::{err, GpuExecutor, StepShape};
@@ -249,7 +249,10 @@ impl GpuExecutor {
         StepShape {
             split,
             splits: self.attention_grid(len, split),
-            pairs: rows >= 16 && self.config.gqa_ratio() >= 2,
+            heads: match rows >= 16 && self.config.gqa_ratio() >= 2 {
+                true => AttnHeads::Pairs,
+                false => AttnHeads::One,
+            },
         }
     }
 

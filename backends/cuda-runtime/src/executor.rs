@@ -19,9 +19,9 @@ pub use batch::SHORT_PREFILL;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
-    GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act, QuantOut,
-    RopeArgs, StepProgram, WeightFormat, Workspace,
+    AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
+    GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act,
+    QuantOut, RopeArgs, StepProgram, WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -120,10 +120,24 @@ fn err(e: kiln_kernels::KernelError) -> Error {
 /// launch's latency, not the cache read, decides).
 const PAIRED_ATTENTION_FROM: usize = 16_384;
 
+/// Context length from which the one-sequence step computes a whole GQA group a block on
+/// tensor cores ([`AttnHeads::Group`], where the shape allows; pairs otherwise), each K/V
+/// row read once for the group. Measured on an H200 (tg128, docs/benchmarks.md): with
+/// 64-wide heads the group kernel loses 0.5% at 2,048 positions and wins 7% at 4,096; with
+/// 128-wide heads it loses 10% at 2,048 and 1% at 4,096 and wins 5% at 8,192, its larger
+/// tile costing more per block before the cache read dominates.
+pub fn group_attention_from(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        4_096
+    } else {
+        8_192
+    }
+}
+
 /// What a captured decode step's attention launches are: the least positions a split
 /// block takes, the split blocks per head of their grid (a power of two, or the cache's
 /// full grid; [`Kernels::attention_grid_splits`], computed from that least split) and
-/// whether the heads of a GQA group pair up. A step replays the graph of the shape its
+/// how the heads of a GQA group share blocks. A step replays the graph of the shape its
 /// context needs; each shape's graph is captured when first needed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StepShape {
@@ -131,19 +145,24 @@ pub(crate) struct StepShape {
     /// takes no part in [`StepShape::index`].
     pub(crate) split: usize,
     pub(crate) splits: usize,
-    pub(crate) pairs: bool,
+    pub(crate) heads: AttnHeads,
 }
 
 impl StepShape {
     /// Shapes a cache of any size can need: grids 1, 2, 4, … and the full one (at most
-    /// [`Kernels::MAX_ATTENTION_SPLITS`]), each with and without pairs.
+    /// [`Kernels::MAX_ATTENTION_SPLITS`]), each with each [`AttnHeads`].
     pub(crate) const COUNT: usize =
-        2 * (Kernels::MAX_ATTENTION_SPLITS.next_power_of_two().ilog2() as usize + 1);
+        3 * (Kernels::MAX_ATTENTION_SPLITS.next_power_of_two().ilog2() as usize + 1);
 
     /// This shape's place among [`StepShape::COUNT`] (grids are powers of two below the
     /// full grid, so ⌈log2⌉ tells them apart).
     pub(crate) fn index(self) -> usize {
-        2 * self.splits.next_power_of_two().ilog2() as usize + self.pairs as usize
+        let heads = match self.heads {
+            AttnHeads::One => 0,
+            AttnHeads::Pairs => 1,
+            AttnHeads::Group => 2,
+        };
+        3 * self.splits.next_power_of_two().ilog2() as usize + heads
     }
 }
 
@@ -269,6 +288,11 @@ pub struct GpuExecutor {
     config: ModelConfig,
     max_ctx: usize,
     split: usize,
+    /// Context from which one-sequence steps take a GQA group a block on tensor cores
+    /// ([`group_attention_from`](crate::group_attention_from) of the head size unless
+    /// set), and whether this model's cache and heads allow that kernel at all.
+    group_attention_from: usize,
+    group_kernel_fits: bool,
     /// How every GEMV reads its activation: `GemvPath::Q16` unless the caller accepted
     /// plain Q8_1.
     path: GemvPath,
@@ -704,6 +728,8 @@ impl GpuExecutor {
             max_blocks,
         )
         .map_err(err)?;
+        let group_kernel_fits =
+            kv_format == KvFormat::F16 && hd <= 128 && c.num_heads / c.num_kv_heads <= 16;
         Ok(GpuExecutor {
             device: device.clone(),
             policy,
@@ -711,6 +737,8 @@ impl GpuExecutor {
             config: c,
             max_ctx,
             split,
+            group_attention_from: group_attention_from(hd),
+            group_kernel_fits,
             path: activation_path,
             formats: formats.clone(),
             quant_tiling: None,
@@ -796,6 +824,21 @@ impl GpuExecutor {
     pub fn set_batch_attention(&mut self, kind: kiln_kernels::BatchAttention) {
         self.drop_graphs();
         self.k.set_batch_attention(kind);
+    }
+
+    /// The context length from which one-sequence attention takes a GQA group a block
+    /// (see [`GpuExecutor::set_group_attention_from`]).
+    pub fn group_attention_from(&self) -> usize {
+        self.group_attention_from
+    }
+
+    /// One-sequence steps take a GQA group's heads a block on tensor cores from contexts
+    /// of `positions` on ([`group_attention_from`](crate::group_attention_from) of the
+    /// head size by default; `usize::MAX`: never, the head kernels at every length, to
+    /// measure beside it). Captured graphs are dropped.
+    pub fn set_group_attention_from(&mut self, positions: usize) {
+        self.drop_graphs();
+        self.group_attention_from = positions;
     }
 
     /// Runs one-sequence decode steps as one persistent kernel each, of blocks of `warps`
@@ -898,7 +941,10 @@ impl GpuExecutor {
             split: shape.split,
             scale: c.attention_scale(),
             window: self.layers[li].window,
-            pairs: shape.pairs && self.layers[li].window == 0,
+            heads: match self.layers[li].window {
+                0 => shape.heads,
+                _ => AttnHeads::One,
+            },
             splits: shape.splits,
         }
     }
@@ -983,13 +1029,23 @@ impl GpuExecutor {
     }
 
     /// The shape of a one-sequence step reaching context `len`: its attention grid, and
-    /// heads in pairs for GQA models from [`PAIRED_ATTENTION_FROM`] positions on.
+    /// for GQA models the heads of a group on tensor cores from
+    /// [`GpuExecutor::set_group_attention_from`] positions on ([`crate::group_attention_from`] by
+    /// default) where the cache and heads allow it, else in pairs from
+    /// [`PAIRED_ATTENTION_FROM`].
     fn step_shape(&self, len: usize) -> StepShape {
+        let gqa = self.config.num_heads / self.config.num_kv_heads >= 2;
+        let heads = if gqa && len >= self.group_attention_from && self.group_kernel_fits {
+            AttnHeads::Group
+        } else if gqa && len >= PAIRED_ATTENTION_FROM {
+            AttnHeads::Pairs
+        } else {
+            AttnHeads::One
+        };
         StepShape {
             split: self.split,
             splits: self.attention_grid(len, self.split),
-            pairs: len >= PAIRED_ATTENTION_FROM
-                && self.config.num_heads / self.config.num_kv_heads >= 2,
+            heads,
         }
     }
 

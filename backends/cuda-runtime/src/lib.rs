@@ -20,7 +20,9 @@ use kiln_kernels::{Device, DeviceWeight, GemvTiling, WeightFormat};
 
 mod executor;
 
-pub use executor::{check_model, GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL};
+pub use executor::{
+    check_model, group_attention_from, GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL,
+};
 
 /// What a GPU backend decides; the runtime does the rest.
 pub trait GpuPolicy: Send + Sync + std::fmt::Debug {
