@@ -256,8 +256,12 @@ prepare)
     ;;
 build-llamacpp)
     start=$SECONDS
-    if [ -x "$bin_dir/llama-bench" ] && [ -x "$bin_dir/llama-batched-bench" ] && [ -x "$bin_dir/llama-server" ]; then
-        echo "llama-bench, llama-batched-bench and llama-server already built in $bin_dir"
+    # TARGETS="llama-bench" builds only what a CPU comparison runs (minutes on two cores).
+    read -r -a targets <<< "${TARGETS:-llama-bench llama-batched-bench llama-server}"
+    built=1
+    for t in "${targets[@]}"; do [ -x "$bin_dir/$t" ] || built=0; done
+    if [ "$built" = 1 ]; then
+        echo "${targets[*]} already built in $bin_dir"
         exit 0
     fi
     if [ ! -f "$llamacpp_dir/llama.cpp/CMakeLists.txt" ]; then
@@ -287,8 +291,8 @@ build-llamacpp)
     if [ ! -f "$llamacpp_dir/build/CMakeCache.txt" ]; then
         cmake -S "$llamacpp_dir/llama.cpp" -B "$llamacpp_dir/build" "${opts[@]}"
     fi
-    cmake --build "$llamacpp_dir/build" -j "${JOBS:-$(nproc)}" --target llama-bench llama-batched-bench llama-server
-    ls -la "$bin_dir/llama-bench" "$bin_dir/llama-batched-bench" "$bin_dir/llama-server"
+    cmake --build "$llamacpp_dir/build" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
+    for t in "${targets[@]}"; do ls -la "$bin_dir/$t"; done
     echo "built llama.cpp in $((SECONDS - start)) s"
     ;;
 run)

@@ -1,7 +1,8 @@
 //! Speed of each fused row-dot kernel on one thread, per instruction set: a weight matrix
 //! that stays in L2 (so the kernel's arithmetic, not memory, is measured) dotted with one
 //! activation, repeated; the median of several timings, in weights per nanosecond and
-//! weight-bytes per second.
+//! weight-bytes per second. Beside each set's f32 kernel (the oracle's), the integer kernel
+//! on 8-bit activations (`q8`, the opt-in fast path) where the type has one.
 //!
 //! ```text
 //! cargo run --release -p kiln-backend-cpu --example cpu_kernel_bench [-- ROWS COLS]
@@ -9,6 +10,7 @@
 
 use std::time::Instant;
 
+use kiln_backend_cpu::kernels::q8::{Q8Act, Q8Kernel};
 use kiln_backend_cpu::kernels::{block_sums, Act, Kernel, RowDot};
 use kiln_backend_cpu::Isa;
 use kiln_core::{QType, Rng};
@@ -23,6 +25,8 @@ fn main() {
     let x: Vec<f32> = (0..cols).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
     let mut sums = vec![0.0; cols / 32];
     block_sums(&x, &mut sums);
+    let mut x8 = Q8Act::default();
+    x8.quantize(&x, 1, cols);
     let isas = Isa::available();
     println!(
         "{rows} × {cols}, one thread; weights/ns per instruction set ({})",
@@ -50,15 +54,14 @@ fn main() {
         let mut bytes = vec![0u8; rows * row_bytes];
         kiln_core::quant::quantize(q, &values, &mut bytes).expect("a quantisable type");
         let mut line = format!("{:<7}", q.name());
-        for &isa in &isas {
-            let kernel = Kernel::new(q, isa).expect("a kernel for every listed type");
-            let mut out = vec![0.0f32; rows];
+        let mut out = vec![0.0f32; rows];
+        let mut report = |name: &str, run: &mut dyn FnMut(&mut [f32])| {
             let mut times = Vec::new();
             for _ in 0..7 {
                 let reps = 20;
                 let t = Instant::now();
                 for _ in 0..reps {
-                    kernel.dot_rows(&bytes, row_bytes, Act { x: &x, sums: &sums }, &mut out);
+                    run(&mut out);
                     std::hint::black_box(&mut out);
                 }
                 times.push(t.elapsed().as_secs_f64() / reps as f64);
@@ -66,11 +69,23 @@ fn main() {
             times.sort_by(f64::total_cmp);
             let s = times[times.len() / 2];
             line += &format!(
-                "  {:>9} {:6.2} w/ns {:6.1} GB/s",
-                isa.name(),
+                "  {name:>12} {:6.2} w/ns {:6.1} GB/s",
                 (rows * cols) as f64 / s / 1e9,
                 (rows * row_bytes) as f64 / s / 1e9
             );
+        };
+        for &isa in &isas {
+            let kernel = Kernel::new(q, isa).expect("a kernel for every listed type");
+            let act = Act { x: &x, sums: &sums };
+            report(isa.name(), &mut |out| {
+                kernel.dot_rows(&bytes, row_bytes, act, out)
+            });
+            if let Some(k8) = Q8Kernel::new(q, isa) {
+                let name = format!("{} q8", isa.name());
+                report(&name, &mut |out| {
+                    k8.dot_rows(&bytes, row_bytes, x8.token(0), out)
+                });
+            }
         }
         println!("{line}");
     }

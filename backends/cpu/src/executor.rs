@@ -23,8 +23,9 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
+use crate::kernels::q8::Q8Act;
 use crate::kernels::{self, block_sums, Isa, Simd};
-use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
+use crate::matmul::{matmul, Batch, MatJob, QMatrix, DEQUANT_MIN_TOKENS, MAX_BATCH};
 use crate::ops;
 
 struct Layer {
@@ -66,6 +67,9 @@ struct Model {
     max_ctx: usize,
     threads: usize,
     simd: Option<Simd>,
+    /// Few-token matmuls take 8-bit activations where the weight type has an integer
+    /// kernel (`LoadOptions::quantized_activations`; never in the oracle's default).
+    quantized_activations: bool,
 }
 
 /// One sequence slot: its windowed layers' rings (see [`KvLayout`]; its other rows live in
@@ -391,6 +395,8 @@ struct Scratch {
     x: Vec<f32>,
     xn: Vec<f32>,
     sums: Vec<f32>,
+    /// The current matmul input quantised to 8 bits (with `quantized_activations`).
+    q8: Q8Act,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -461,6 +467,15 @@ impl CpuExecutor {
         }
         let simd = Simd::detect(isa);
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        // The matrices a forward pass multiplies, with their integer kernels when the caller
+        // asked for 8-bit activations (`kernels::q8`; the oracle's f32 path otherwise).
+        let q8 = options.quantized_activations;
+        let mat = |view: &TensorView, cols: usize, rows: usize| {
+            QMatrix::new(view, cols, rows, isa).map(|m| match q8 {
+                true => m.with_q8_activations(isa),
+                false => m,
+            })
+        };
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in w.layers.iter().enumerate() {
             let need = |present: bool, want: bool, what: &str| -> Result<()> {
@@ -495,25 +510,21 @@ impl CpuExecutor {
             layers.push(Layer {
                 attn_norm: vector(&l.attn_norm, h, "attention norm")?,
                 attn_norm_bias: opt_vector(&l.attn_norm_bias, h, "attention norm bias")?,
-                q: QMatrix::new(&l.attn_q, h, qd, isa)?,
-                k: QMatrix::new(&l.attn_k, h, kvd, isa)?,
-                v: QMatrix::new(&l.attn_v, h, kvd, isa)?,
+                q: mat(&l.attn_q, h, qd)?,
+                k: mat(&l.attn_k, h, kvd)?,
+                v: mat(&l.attn_v, h, kvd)?,
                 q_bias: opt_vector(&l.attn_q_bias, qd, "Q bias")?,
                 k_bias: opt_vector(&l.attn_k_bias, kvd, "K bias")?,
                 v_bias: opt_vector(&l.attn_v_bias, kvd, "V bias")?,
                 q_norm: opt_vector(&l.attn_q_norm, hd, "Q norm")?,
                 k_norm: opt_vector(&l.attn_k_norm, hd, "K norm")?,
-                out: QMatrix::new(&l.attn_out, qd, h, isa)?,
+                out: mat(&l.attn_out, qd, h)?,
                 out_bias: opt_vector(&l.attn_out_bias, h, "attention output bias")?,
                 ffn_norm: opt_vector(&l.ffn_norm, h, "FFN norm")?,
                 ffn_norm_bias: opt_vector(&l.ffn_norm_bias, h, "FFN norm bias")?,
-                gate: l
-                    .ffn_gate
-                    .as_ref()
-                    .map(|g| QMatrix::new(g, h, ffn, isa))
-                    .transpose()?,
-                up: QMatrix::new(&l.ffn_up, h, ffn, isa)?,
-                down: QMatrix::new(&l.ffn_down, ffn, h, isa)?,
+                gate: l.ffn_gate.as_ref().map(|g| mat(g, h, ffn)).transpose()?,
+                up: mat(&l.ffn_up, h, ffn)?,
+                down: mat(&l.ffn_down, ffn, h)?,
                 post_attn_norm: opt_vector(&l.attn_post_norm, h, "post-attention norm")?,
                 post_ffn_norm: opt_vector(&l.ffn_post_norm, h, "post-MLP norm")?,
             });
@@ -568,6 +579,7 @@ impl CpuExecutor {
             x: vec![0.0; b * h],
             xn: vec![0.0; b * widest],
             sums: vec![0.0; b * widest.div_ceil(32)],
+            q8: Q8Act::default(),
             q: vec![0.0; b * qd],
             k: vec![0.0; b * kvd],
             v: vec![0.0; b * kvd],
@@ -589,13 +601,14 @@ impl CpuExecutor {
             embd: QMatrix::new(&w.token_embd, h, c.vocab_size, isa)?,
             out_norm: vector(&w.output_norm, h, "output norm")?,
             out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
-            lm_head: QMatrix::new(w.lm_head(), h, c.vocab_size, isa)?,
+            lm_head: mat(w.lm_head(), h, c.vocab_size)?,
             kv,
             inv_freq,
             local_inv_freq,
             max_ctx,
             threads,
             simd,
+            quantized_activations: q8,
         };
         Ok(CpuExecutor {
             model,
@@ -659,14 +672,31 @@ fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [
     }
 }
 
-fn batch<'a>(x: &'a [f32], sums: &'a mut [f32], tokens: usize, cols: usize) -> Batch<'a> {
+/// The matmul input of `tokens` rows of `cols` values from `x`: their block sums, and (when
+/// `quantize`, for few tokens, the only products that take them) their 8-bit form.
+fn batch<'a>(
+    x: &'a [f32],
+    sums: &'a mut [f32],
+    q8: &'a mut Q8Act,
+    quantize: bool,
+    tokens: usize,
+    cols: usize,
+) -> Batch<'a> {
     let x = &x[..tokens * cols];
     let ns = cols / 32;
     if cols.is_multiple_of(32) {
         block_sums(x, &mut sums[..tokens * ns]);
     }
+    let q8 = match quantize && tokens < DEQUANT_MIN_TOKENS && cols.is_multiple_of(32) {
+        true => {
+            q8.quantize(x, tokens, cols);
+            Some(&*q8)
+        }
+        false => None,
+    };
     Batch {
         x,
+        q8,
         sums: if cols.is_multiple_of(32) {
             &sums[..tokens * ns]
         } else {
@@ -927,7 +957,7 @@ fn forward(
                 &mut s.xn[t * h..(t + 1) * h],
             );
         }
-        let input = batch(&s.xn, &mut s.sums, n, h);
+        let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
         matmul(
             &mut [
                 MatJob {
@@ -1068,7 +1098,14 @@ fn forward(
             }
         }
 
-        let input = batch(&s.att, &mut s.sums, n, qd);
+        let input = batch(
+            &s.att,
+            &mut s.sums,
+            &mut s.q8,
+            m.quantized_activations,
+            n,
+            qd,
+        );
         matmul(
             &mut [MatJob {
                 m: &l.out,
@@ -1097,7 +1134,7 @@ fn forward(
                 );
             }
         }
-        let input = batch(&s.xn, &mut s.sums, n, h);
+        let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
         match &l.gate {
             Some(gate) => matmul(
                 &mut [
@@ -1137,7 +1174,14 @@ fn forward(
                 *u = act(*u);
             }
         }
-        let input = batch(&s.up, &mut s.sums, n, ffn);
+        let input = batch(
+            &s.up,
+            &mut s.sums,
+            &mut s.q8,
+            m.quantized_activations,
+            n,
+            ffn,
+        );
         matmul(
             &mut [MatJob {
                 m: &l.down,
@@ -1168,7 +1212,14 @@ fn forward(
             &mut s.xn[o * h..(o + 1) * h],
         );
     }
-    let input = batch(&s.xn, &mut s.sums, count, h);
+    let input = batch(
+        &s.xn,
+        &mut s.sums,
+        &mut s.q8,
+        m.quantized_activations,
+        count,
+        h,
+    );
     matmul(
         &mut [MatJob {
             m: &m.lm_head,

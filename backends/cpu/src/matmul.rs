@@ -10,6 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
+use crate::kernels::q8::{Q8Act, Q8Kernel};
 use crate::kernels::{dot4_f32, dot_f32, Act, Isa, Kernel, RowDot, Simd};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
@@ -21,7 +22,7 @@ pub const MAX_BATCH: usize = 64;
 /// `kiln bench --batch` (2026-11-30): from 4 tokens on as before, a batch of 4 decoded at
 /// 141 tok/s against 229 for 2; from 16 on, 4 → 234, 6 → 235, 8 → 241 tok/s (16 unchanged,
 /// pp512 unchanged, pp8 248 → 294).
-const DEQUANT_MIN_TOKENS: usize = 16;
+pub(crate) const DEQUANT_MIN_TOKENS: usize = 16;
 
 /// Values of a row dequantised at once on the many-token path (a multiple of every block).
 const SEGMENT: usize = 1024;
@@ -31,6 +32,9 @@ const SEGMENT: usize = 1024;
 pub struct QMatrix {
     pub view: TensorView,
     pub kernel: Kernel,
+    /// The integer kernel on 8-bit activations, when the executor was asked for them and
+    /// the type has one ([`crate::kernels::q8`]).
+    pub q8: Option<Q8Kernel>,
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
@@ -63,6 +67,7 @@ impl QMatrix {
         Ok(QMatrix {
             view: view.clone(),
             kernel,
+            q8: None,
             rows,
             cols,
             row_bytes: view.row_bytes(),
@@ -71,6 +76,13 @@ impl QMatrix {
 
     pub fn qtype(&self) -> QType {
         self.view.qtype()
+    }
+
+    /// Few-token products of this matrix then take 8-bit activations when its type has an
+    /// integer kernel (on the widest instruction set up to `isa`); others keep f32.
+    pub fn with_q8_activations(mut self, isa: Isa) -> QMatrix {
+        self.q8 = Q8Kernel::new(self.qtype(), isa);
+        self
     }
 
     /// Row `r` dequantised into `out` (length `cols`).
@@ -85,11 +97,14 @@ pub struct MatJob<'a> {
     pub out: &'a mut [f32],
 }
 
-/// Activations of several tokens: `x` is `tokens × cols`, `sums` is `tokens × cols/32`.
+/// Activations of several tokens: `x` is `tokens × cols`, `sums` is `tokens × cols/32`;
+/// `q8`, when present, the same tokens quantised to 8 bits, which the matrices with an
+/// integer kernel then multiply instead of `x` (few tokens only).
 #[derive(Clone, Copy)]
 pub struct Batch<'a> {
     pub x: &'a [f32],
     pub sums: &'a [f32],
+    pub q8: Option<&'a Q8Act>,
     pub tokens: usize,
     pub cols: usize,
 }
@@ -148,9 +163,18 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
         };
         let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
         if input.tokens < DEQUANT_MIN_TOKENS {
-            for t in 0..input.tokens {
-                m.kernel
-                    .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+            match (input.q8, m.q8) {
+                (Some(act), Some(k)) => {
+                    for t in 0..input.tokens {
+                        k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
+                    }
+                }
+                _ => {
+                    for t in 0..input.tokens {
+                        m.kernel
+                            .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+                    }
+                }
             }
         } else {
             many_tokens(m, bytes, r1 - r0, input, simd, write);

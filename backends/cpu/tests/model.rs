@@ -372,6 +372,81 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
     xs.iter().map(|x| mv(&head, &rms(x, &on, eps))).collect()
 }
 
+/// The opt-in 8-bit activations (`LoadOptions::quantized_activations`, `kernels::q8`):
+/// decoding stays within the activations' rounding of the f32 oracle, differs from it (so
+/// the integer kernels did run), and agrees across instruction sets; a prefill of the same
+/// twelve tokens (few enough for the integer kernels too) lands as close.
+#[test]
+fn quantized_activations_stay_close_to_the_oracle() {
+    for spec in [Spec::llama(), Spec::kquants(), Spec::qwen2()] {
+        let ir = spec.build(42);
+        let tokens = prompt(12, ir.config.vocab_size, 3);
+        let want = stepwise(load(&ir, 2, 1).as_mut(), &tokens);
+        let mut first: Option<Vec<Vec<f32>>> = None;
+        for isa in Isa::available() {
+            let opts = LoadOptions {
+                max_context: 128,
+                max_sequences: 2,
+                threads: Some(2),
+                quantized_activations: true,
+                ..Default::default()
+            };
+            let mut ex = CpuBackend.load_executor_on(&ir, &opts, isa).expect("load");
+            let got = stepwise(&mut ex, &tokens);
+            let mut widest = 0.0f32;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.iter().all(|v| v.is_finite()),
+                    "{:?} step {i}: non-finite",
+                    spec.arch
+                );
+                let err = rel_err(g, w);
+                widest = widest.max(err);
+                assert!(
+                    err < 0.03,
+                    "{:?} {} step {i}: 8-bit activations {err:e} from the oracle",
+                    spec.arch,
+                    isa.name()
+                );
+            }
+            assert!(
+                widest > 0.0,
+                "{:?}: 8-bit activations gave the oracle's logits bit for bit",
+                spec.arch
+            );
+            match &first {
+                None => first = Some(got),
+                Some(f) => {
+                    for (i, (g, w)) in got.iter().zip(f).enumerate() {
+                        let err = rel_err(g, w);
+                        assert!(
+                            err < 1e-4,
+                            "{:?} {} step {i}: {err:e} from the portable q8 kernels",
+                            spec.arch,
+                            isa.name()
+                        );
+                    }
+                }
+            }
+            let seq = ex.new_sequence().unwrap();
+            let mut logits = vec![0.0; ir.config.vocab_size];
+            ex.prefill(seq, &tokens, &mut logits).unwrap();
+            let err = rel_err(&logits, &want[tokens.len() - 1]);
+            assert!(
+                err < 0.03,
+                "{:?} {}: prefill {err:e} from the oracle",
+                spec.arch,
+                isa.name()
+            );
+            println!(
+                "{:?} {}: widest step {widest:.2e}, prefill {err:.2e}",
+                spec.arch,
+                isa.name()
+            );
+        }
+    }
+}
+
 fn check_against_reference(spec: &Spec) {
     let ir = spec.build(77);
     let tokens = prompt(9, ir.config.vocab_size, 2);

@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -32,7 +32,7 @@ pub(super) unsafe fn f16x2(p: *const u8) -> (f32, f32) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x1(p: *const u8) -> f32 {
+pub(super) unsafe fn f16x1(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees AVX2, FMA and F16C (the safe wrappers take an
     // `Avx2` token, which only detection makes) and the slice lengths this kernel
     // reads (checked by the wrappers); every pointer stays inside those slices.
@@ -140,7 +140,7 @@ unsafe fn apr_nibble_block(qs: *const u8, x: *const f32) -> __m256 {
 /// block's).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
+pub(super) unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
     // SAFETY: the caller guarantees the features and four readable bytes at `p + j·stride`
     // for j in 0..8.
     unsafe {
@@ -170,7 +170,7 @@ unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
 /// through the array, the compiler would keep the values in registers and spread them
 /// with shuffles instead, on the one port those kernels are short of.
 #[inline(always)]
-fn from_memory<T>(p: *const T) -> *const T {
+pub(super) fn from_memory<T>(p: *const T) -> *const T {
     std::hint::black_box(p)
 }
 

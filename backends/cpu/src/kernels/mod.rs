@@ -6,8 +6,9 @@
 //! Three implementations per hot type: AVX-512 (`avx512`, sixteen lanes, 4- and 5-bit
 //! values looked up by permutes), AVX2+FMA+F16C (`avx2`) and a portable one that
 //! dequantises a block into register-sized scratch and runs a plain f32 dot; the widest
-//! the CPU runs is picked at load. Activations are never quantised: this backend is the
-//! oracle.
+//! the CPU runs is picked at load. Activations are never quantised here: this backend is
+//! the oracle. [`q8`] holds the opt-in integer kernels on 8-bit activations (llama.cpp's
+//! arithmetic), which the executor uses only when the caller asks for them.
 
 use enum_dispatch::enum_dispatch;
 use kiln_core::QType;
@@ -19,6 +20,11 @@ mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_q8;
+
+pub mod q8;
 
 #[cfg(target_arch = "x86_64")]
 pub use avx2::Avx2;
@@ -359,7 +365,7 @@ const PREFETCH_DISTANCE: usize = 6144;
 /// Asks for the bytes `PREFETCH_DISTANCE` ahead of row `i` of `rows` while row `i` is
 /// dotted: one row's worth of cache lines per row, so the stream stays that far ahead.
 #[inline(always)]
-fn prefetch_ahead(rows: &[u8], row_bytes: usize, i: usize) {
+pub(crate) fn prefetch_ahead(rows: &[u8], row_bytes: usize, i: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

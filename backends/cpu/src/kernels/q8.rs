@@ -1,0 +1,306 @@
+//! Integer row dots on activations quantised to 8 bits: the fast path behind
+//! [`kiln_core::LoadOptions::quantized_activations`], not the oracle.
+//!
+//! The f32 kernels of this crate widen every weight to a float and multiply with FMA,
+//! about sixteen vector instructions per 32 weights; on cores whose vector units are 128
+//! bits wide (AMD Zen 1 and 2 split every 256-bit instruction in two) that arithmetic, not
+//! memory, bounds a decode step. llama.cpp's CPU build quantises each activation to int8
+//! blocks once per matrix and multiplies bytes with bytes (`vpmaddubsw`, 32 products and
+//! 16 pair sums in one instruction), half the instructions. This module does the same
+//! when asked to: an activation becomes [`Q8Act`] blocks (32 values, `d = amax / 127`,
+//! `q = round(x / d)`, and `s = d·Σq`, llama.cpp's Q8_1), and each weight type with a
+//! kernel here is multiplied block by block in exact integer arithmetic, its scales and
+//! offsets applied in f32 per block.
+//!
+//! The result differs from the oracle by the activation's rounding (a relative error of up
+//! to 1/254 of each block's largest value), as llama.cpp's CPU results do; the executor
+//! uses it only for the few-token (decode) matmuls and only when the caller opted in.
+//! Types without a kernel here keep the f32 dot. Each kernel has a portable form, which
+//! defines its result, and an AVX2 form ([`super::avx2_q8`]) that agrees with it to f32
+//! rounding.
+
+use half::f16;
+use kiln_core::{quant::kquants::scale_min_k4, QType};
+
+use super::{Avx2, Isa, Simd};
+
+#[cfg(target_arch = "x86_64")]
+use super::avx2_q8;
+
+/// Values per activation block.
+pub const Q8_BLOCK: usize = 32;
+
+/// An activation (one or more tokens of `cols` values each) quantised to int8 blocks of
+/// [`Q8_BLOCK`] values: block `b` holds `qs[32b..32b + 32]`, scale `d[b]` and `s[b] = d[b]·Σ
+/// qs` (which the types with an offset per block multiply by it). A buffer to reuse: it
+/// grows to the largest activation it was given and never shrinks.
+#[derive(Debug, Default, Clone)]
+pub struct Q8Act {
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+    cols: usize,
+    tokens: usize,
+}
+
+/// One token of a [`Q8Act`].
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Ref<'a> {
+    pub qs: &'a [i8],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+}
+
+impl<'a> Q8Ref<'a> {
+    /// Values in the activation.
+    pub fn len(&self) -> usize {
+        self.qs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.qs.is_empty()
+    }
+
+    /// Value `i` as the integer dots see it, `d·q`.
+    pub fn value(&self, i: usize) -> f32 {
+        self.d[i / Q8_BLOCK] * self.qs[i] as f32
+    }
+}
+
+impl Q8Act {
+    /// Quantises `tokens` activations of `cols` values each (`x` holds them one after
+    /// another; `cols` must be a multiple of 32).
+    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize) {
+        assert!(
+            cols.is_multiple_of(Q8_BLOCK) && x.len() >= tokens * cols,
+            "quantize: {tokens} × {cols} values from {} (rows must be whole 32-value blocks)",
+            x.len()
+        );
+        let (n, nb) = (tokens * cols, tokens * cols / Q8_BLOCK);
+        self.qs.resize(n, 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        self.cols = cols;
+        self.tokens = tokens;
+        for (b, xs) in x[..n].chunks_exact(Q8_BLOCK).enumerate() {
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            let mut sum = 0i32;
+            for (q, &v) in self.qs[b * Q8_BLOCK..][..Q8_BLOCK].iter_mut().zip(xs) {
+                // |v·inv| ≤ 127 up to rounding, so the cast never saturates a finite value;
+                // a NaN becomes 0 (`as` saturates), and the oracle path reports non-finite
+                // logits (the scale carries the NaN into every product of the block).
+                let r = (v * inv).round() as i32;
+                *q = r.clamp(-127, 127) as i8;
+                sum += *q as i32;
+            }
+            self.d[b] = d;
+            self.s[b] = d * sum as f32;
+        }
+    }
+
+    /// Token `t`'s blocks.
+    pub fn token(&self, t: usize) -> Q8Ref<'_> {
+        assert!(
+            t < self.tokens,
+            "token {t} of a {}-token activation",
+            self.tokens
+        );
+        let (c, nb) = (self.cols, self.cols / Q8_BLOCK);
+        Q8Ref {
+            qs: &self.qs[t * c..(t + 1) * c],
+            d: &self.d[t * nb..(t + 1) * nb],
+            s: &self.s[t * nb..(t + 1) * nb],
+        }
+    }
+
+    /// Tokens quantised by the last [`Q8Act::quantize`].
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+/// Weight types with an integer kernel here.
+pub const Q8_TYPES: [QType; 7] = [
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q8_0,
+    QType::Q4_K,
+    QType::Q6_K,
+];
+
+/// The integer row dot for one weight matrix: its type and, when the CPU has them, the
+/// AVX2 kernels (the AVX-512 hosts run these too: the byte products are the same width).
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Kernel {
+    qtype: QType,
+    simd: Option<Avx2>,
+}
+
+impl Q8Kernel {
+    /// The kernel for `qtype` on the widest instruction set up to `max` the CPU has, or
+    /// `None` for a type without one ([`Q8_TYPES`]).
+    pub fn new(qtype: QType, max: Isa) -> Option<Q8Kernel> {
+        Q8_TYPES.contains(&qtype).then(|| Q8Kernel {
+            qtype,
+            simd: Simd::detect(max).map(Simd::avx2),
+        })
+    }
+
+    pub fn qtype(&self) -> QType {
+        self.qtype
+    }
+
+    /// `out[r] = row r · x` for the `out.len()` rows packed in `rows` (`row_bytes` each, a
+    /// whole number of blocks holding `x.len()` values). Panics when the lengths disagree.
+    pub fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, out: &mut [f32]) {
+        let q = self.qtype;
+        assert!(
+            x.len().is_multiple_of(q.block_len())
+                && row_bytes == x.len() / q.block_len() * q.block_bytes()
+                && rows.len() >= out.len() * row_bytes
+                && x.d.len() * Q8_BLOCK == x.len()
+                && x.s.len() == x.d.len(),
+            "q8 dot: {} rows of {row_bytes} bytes ({q}) in {} bytes against {} values",
+            out.len(),
+            rows.len(),
+            x.len()
+        );
+        #[cfg(target_arch = "x86_64")]
+        if let Some(t) = self.simd {
+            for (i, (o, row)) in out.iter_mut().zip(rows.chunks_exact(row_bytes)).enumerate() {
+                super::prefetch_ahead(rows, row_bytes, i);
+                *o = avx2_q8::dot(t, q, row, x);
+            }
+            return;
+        }
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+            *o = dot_portable(q, row, x);
+        }
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// Weight `i` of a 4-bit block whose value `i` sits in the low nibble of byte `i` and
+/// value `16 + i` in its high nibble (Q4_0, Q4_1, Q5_0, Q5_1).
+fn nibble(qs: &[u8], i: usize) -> i32 {
+    ((qs[i % 16] >> (4 * (i / 16))) & 0x0F) as i32
+}
+
+/// A 32-value block of the legacy types as integers: its weights `w` (so that the block's
+/// values are `d·w + m`), `d`, and `m` (0 for the types without a min).
+fn legacy_block(q: QType, blk: &[u8]) -> ([i32; 32], f32, f32) {
+    let d = f16_at(blk, 0);
+    let fifth = |at: usize| u32::from_le_bytes(blk[at..at + 4].try_into().expect("4 bytes"));
+    let mut w = [0i32; 32];
+    let m = match q {
+        QType::Q4_0 => {
+            w.iter_mut()
+                .enumerate()
+                .for_each(|(i, w)| *w = nibble(&blk[2..], i) - 8);
+            0.0
+        }
+        QType::Q4_1 => {
+            w.iter_mut()
+                .enumerate()
+                .for_each(|(i, w)| *w = nibble(&blk[4..], i));
+            f16_at(blk, 2)
+        }
+        QType::Q5_0 => {
+            let qh = fifth(2);
+            for (i, w) in w.iter_mut().enumerate() {
+                *w = (nibble(&blk[6..], i) | (((qh >> i) & 1) << 4) as i32) - 16;
+            }
+            0.0
+        }
+        QType::Q5_1 => {
+            let qh = fifth(4);
+            for (i, w) in w.iter_mut().enumerate() {
+                *w = nibble(&blk[8..], i) | (((qh >> i) & 1) << 4) as i32;
+            }
+            f16_at(blk, 2)
+        }
+        QType::Q8_0 => {
+            w.iter_mut()
+                .zip(&blk[2..34])
+                .for_each(|(w, &b)| *w = b as i8 as i32);
+            0.0
+        }
+        _ => unreachable!("{q} is not a 32-value block type"),
+    };
+    (w, d, m)
+}
+
+/// Σ_i w_i·y_i in exact integer arithmetic.
+fn idot(w: impl IntoIterator<Item = i32>, y: &[i8]) -> i32 {
+    w.into_iter().zip(y).map(|(w, &y)| w * y as i32).sum()
+}
+
+/// The defining (portable) form of every kernel: one row of type `q` against `x`. Each
+/// block's integer dot is exact; its scales, and the min times the activation's block sum
+/// `s`, are applied in f32.
+pub fn dot_portable(q: QType, row: &[u8], x: Q8Ref<'_>) -> f32 {
+    let bb = q.block_bytes();
+    let mut sum = 0.0f32;
+    match q {
+        QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::Q8_0 => {
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let (w, d, m) = legacy_block(q, blk);
+                let dot = idot(w, &x.qs[b * 32..][..32]);
+                sum += d * x.d[b] * dot as f32 + m * x.s[b];
+            }
+        }
+        QType::Q4_K => {
+            for (sb, blk) in row.chunks_exact(bb).enumerate() {
+                let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                let scales = &blk[4..16];
+                let qs = &blk[16..144];
+                for j in 0..8 {
+                    let (sc, m) = scale_min_k4(scales, j);
+                    let b = sb * 8 + j;
+                    let bytes = &qs[32 * (j / 2)..][..32];
+                    let shift = 4 * (j % 2);
+                    let w = bytes.iter().map(|&v| ((v >> shift) & 0x0F) as i32);
+                    let dot = idot(w, &x.qs[b * 32..][..32]);
+                    sum += d * sc as f32 * x.d[b] * dot as f32 - dmin * m as f32 * x.s[b];
+                }
+            }
+        }
+        QType::Q6_K => {
+            for (sb, blk) in row.chunks_exact(bb).enumerate() {
+                let (ql, qh) = (&blk[..128], &blk[128..192]);
+                let scales = &blk[192..208];
+                let d = f16_at(blk, 208);
+                for half in 0..2 {
+                    for k in 0..4 {
+                        // Value 128·half + 32k + l (l < 32), in ggml's order: its low four
+                        // bits in ql[64·half + 32·(k % 2) + l] (the low nibble for k < 2,
+                        // the high one after), its top two bits at bit 2k of
+                        // qh[32·half + l], its scale the i8 at 8·half + 2k + l / 16.
+                        let lo = &ql[64 * half + 32 * (k % 2)..][..32];
+                        let hi = &qh[32 * half..][..32];
+                        let b = sb * 8 + 4 * half + k;
+                        let y = &x.qs[b * 32..][..32];
+                        let mut dot = 0i32;
+                        for l in 0..32 {
+                            let low = (lo[l] >> (4 * (k / 2))) & 0x0F;
+                            let high = (hi[l] >> (2 * k)) & 3;
+                            let w = (low | (high << 4)) as i32 - 32;
+                            let sc = scales[8 * half + 2 * k + l / 16] as i8 as i32;
+                            dot += sc * w * y[l] as i32;
+                        }
+                        sum += d * x.d[b] * dot as f32;
+                    }
+                }
+            }
+        }
+        _ => unreachable!("no q8 kernel for {q}: Q8Kernel::new refuses it"),
+    }
+    sum
+}
