@@ -94,11 +94,12 @@ pub struct LoadOptions {
     /// Worker threads for CPU work; `None` means all cores.
     pub threads: Option<usize>,
     pub progress: Option<ProgressFn>,
-    /// Let a GPU backend quantise activations to 8 bits (Q8_1) for integer dot products:
+    /// Let a backend quantise activations to 8 bits (Q8_1) for integer dot products:
     /// faster matrix-vector products, but logits drift from the f32 reference, on real
     /// models past what greedy decoding tolerates (see docs/architecture.md; cuda-q4k's
-    /// default keeps 15 bits and stays within the parity bar). Off by default; the CPU
-    /// reference never quantises activations and ignores it.
+    /// default keeps 15 bits and stays within the parity bar). Off by default. The CPU
+    /// backend then takes llama.cpp's arithmetic for its few-token (decode) matmuls; left
+    /// off, it is the f32 oracle the other backends are checked against.
     pub quantized_activations: bool,
     /// Make a GPU backend decode a batch of sequences one at a time (one graph replay per
     /// sequence) instead of in one batched step that reads every weight once for the whole

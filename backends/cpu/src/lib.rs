@@ -2,10 +2,13 @@
 //!
 //! The CPU reference backend: a rayon executor for the whole decoder (embeddings, norms,
 //! Q/K/V with bias and QK-norm, RoPE, f32 KV cache, GQA attention, SwiGLU/GELU FFN, LM
-//! head). It is the correctness oracle every other backend is checked against, so
-//! activations stay f32 throughout and are never quantised; weights stay quantised in the
-//! caller's memory map and are dequantised block by block inside fused dot kernels
-//! ([`kernels`]). Prefill runs a prompt's tokens as one batch, reading each weight row once
+//! head). It is the correctness oracle every other backend is checked against, so by
+//! default activations stay f32 throughout and are never quantised; weights stay quantised
+//! in the caller's memory map and are dequantised block by block inside fused dot kernels
+//! ([`kernels`]). A caller who wants speed over fidelity sets
+//! [`LoadOptions::quantized_activations`]: the few-token matmuls then quantise their input
+//! to 8 bits and multiply bytes with bytes, as llama.cpp's CPU build does
+//! ([`kernels::q8`]). Prefill runs a prompt's tokens as one batch, reading each weight row once
 //! for all of them.
 //!
 //! It knows no file format: a model arrives as a [`kiln_core::ModelIr`]. It registers
@@ -75,7 +78,7 @@ impl Backend for CpuBackend {
     }
 
     fn description(&self) -> &str {
-        "reference CPU executor (rayon, f32 activations, weights dequantised on the fly)"
+        "reference CPU executor (rayon, f32 activations unless asked for 8-bit ones, weights dequantised on the fly)"
     }
 
     fn qtypes(&self) -> Vec<QType> {
