@@ -148,20 +148,29 @@ pub(super) unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m
         for (j, w) in words.iter_mut().enumerate() {
             *w = (p.add(j * stride) as *const u32).read_unaligned();
         }
-        let low_halves_first = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-        let a = _mm_shuffle_epi8(
-            _mm_loadu_si128(words.as_ptr() as *const __m128i),
-            low_halves_first,
-        );
-        let b = _mm_shuffle_epi8(
-            _mm_loadu_si128(words.as_ptr().add(4) as *const __m128i),
-            low_halves_first,
-        );
-        (
-            _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b)),
-            _mm256_cvtph_ps(_mm_unpackhi_epi64(a, b)),
-        )
+        f16_pairs8(&words)
     }
+}
+
+/// Eight words of two f16 each (`d`, then `m` or anything) as two f32 vectors, lane j
+/// from word j: the conversion behind [`block_headers8`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn f16_pairs8(words: &[u32; 8]) -> (__m256, __m256) {
+    let low_halves_first = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    // SAFETY: both loads read four of the eight words.
+    let (a, b) = unsafe {
+        (
+            _mm_loadu_si128(words.as_ptr() as *const __m128i),
+            _mm_loadu_si128(words.as_ptr().add(4) as *const __m128i),
+        )
+    };
+    let a = _mm_shuffle_epi8(a, low_halves_first);
+    let b = _mm_shuffle_epi8(b, low_halves_first);
+    (
+        _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b)),
+        _mm256_cvtph_ps(_mm_unpackhi_epi64(a, b)),
+    )
 }
 
 /// `p`, laundered so the compiler must read what it points at from memory. The kernels
