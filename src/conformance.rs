@@ -54,7 +54,8 @@ pub struct ConformanceArgs {
     /// Threads for the backend and the oracle (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
-    /// Load the backend with `quantized_activations` (GPU backends: 8-bit activations).
+    /// Load the backend with `quantized_activations` (8-bit activations: on the GPU backends
+    /// instead of 15-bit ones, on the CPU backend instead of the oracle's f32).
     #[arg(long)]
     pub quantized_activations: bool,
     /// Print every rule and what it requires, then exit.
