@@ -15,7 +15,8 @@
 #                            a call's time limit cuts the build, run it again: ninja resumes.
 #                            GGML_CUDA=OFF builds for the CPU (AVX2+FMA+F16C; with GGML_CPU_NATIVE=1
 #                            for the build machine's own instruction set, AVX-512 included);
-#                            CUDA_ARCH=90 and JOBS=<nproc> are the defaults.
+#                            CUDA_ARCH=90 and JOBS=<nproc> are the defaults; TARGETS="llama-bench"
+#                            builds only that tool (what a CPU comparison needs).
 #   scripts/bench_vs_llamacpp.sh run MODEL...    on the GPU machine: for each GGUF file,
 #                            `llama-bench -m M -p 512 -n 128 -r 5 -ngl 99 -o json` and
 #                            `kiln bench -m M -p 512 -n 128 -r 5 --output json`, then one markdown
