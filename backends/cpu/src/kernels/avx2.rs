@@ -313,8 +313,9 @@ unsafe fn dot_f16_unchecked(row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Which f16 of a block's head multiplies the activation's block sum in [`offset_blocks`].
-mod offset {
+/// Which f16 of a block's head multiplies the activation's block sum in [`offset_blocks`]
+/// (and in the 8-bit kernels' `legacy_pair`).
+pub(super) mod offset {
     /// The scale d itself (Q4_0's −8·d, Q5_0's −16·d).
     pub const SCALE: u8 = 0;
     /// The second f16, the min m (Q4_1, Q5_1).

@@ -13,8 +13,9 @@ use std::arch::x86_64::*;
 
 use kiln_core::QType;
 
+use super::avx2::offset;
 use super::avx2::{f16_pairs8, f16x2, hsum, k_scales_mins, Avx2};
-use super::q8::{Q8Ref, Q8_BLOCK};
+use super::q8::{check_lengths, Q8Ref, Q8_BLOCK};
 
 /// Σ w·y of 32 unsigned weight bytes and 32 signed activation bytes, as eight i32 lane
 /// sums (each of four adjacent products).
@@ -75,16 +76,6 @@ fn fifth_bits32(bits: u32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
-/// How a legacy block's head enters the sum beside its scaled dot (see [`legacy_blocks`]).
-mod offset {
-    /// `factor · d · s` (Q4_0: −8, Q5_0: −16).
-    pub const SCALE: u8 = 0;
-    /// `m · s`, m the head's second f16 (Q4_1, Q5_1).
-    pub const MIN: u8 = 1;
-    /// Nothing (Q8_0).
-    pub const NONE: u8 = 2;
-}
-
 /// Lanes 0..4 of the result: the lane sums of `a[0..4]`; lanes 4..8 those of `b[0..4]`.
 /// Two rows' dots of four blocks each into one vector, as [`lane_sums8`] does for eight.
 #[inline]
@@ -99,7 +90,8 @@ fn lane_sums_2x4(a: [__m256i; 4], b: [__m256i; 4]) -> __m256i {
 }
 
 /// The loop of the 32-value types, two rows at a time: for each row, Σ_b d_b·dx_b·
-/// `block`(b) plus the offsets [`offset`] names. `block` gives the eight i32 lane sums of a
+/// `block`(b) plus the offset [`offset`] names (`factor·d·s` for SCALE: Q4_0's −8, Q5_0's
+/// −16; `m·s` for MIN; none for NONE). `block` gives the eight i32 lane sums of a
 /// block's weight bytes times its activation bytes. Four blocks of both rows a step: their
 /// dots gathered into one vector ([`lane_sums_2x4`]) that meets their eight scales in one
 /// FMA, their heads converted together. A row of 576 values is only 18 blocks, so what a row
@@ -134,10 +126,14 @@ unsafe fn legacy_pair<const STRIDE: usize, const OFFSET: u8>(
                 words[4 + k] = (w1 as *const u32).read_unaligned();
             }
             let (d, m) = f16_pairs8(&words);
-            let dx = _mm256_broadcast_ps(&*(x.d.as_ptr().add(b) as *const __m128));
+            // The four blocks' activation scales and sums, for both rows' lanes (loaded
+            // unaligned: `_mm256_broadcast_ps` would take a reference, which must be aligned).
+            let dx = _mm_loadu_ps(x.d.as_ptr().add(b));
+            let dx = _mm256_set_m128(dx, dx);
             let sums = _mm256_cvtepi32_ps(lane_sums_2x4(dots[0], dots[1]));
             acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), sums, acc);
-            let s = _mm256_broadcast_ps(&*(x.s.as_ptr().add(b) as *const __m128));
+            let s = _mm_loadu_ps(x.s.as_ptr().add(b));
+            let s = _mm256_set_m128(s, s);
             match OFFSET {
                 offset::SCALE => off = _mm256_fmadd_ps(d, s, off),
                 offset::MIN => off = _mm256_fmadd_ps(m, s, off),
@@ -363,17 +359,7 @@ unsafe fn dot_q6_k(row: &[u8], x: Q8Ref<'_>) -> f32 {
 /// runs inside the kernel's instruction set, so a row costs no call of its own: at 576
 /// values a row is about a hundred nanoseconds of arithmetic.
 pub fn dot_rows(_: Avx2, q: QType, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, out: &mut [f32]) {
-    assert!(
-        x.len().is_multiple_of(q.block_len())
-            && row_bytes == x.len() / q.block_len() * q.block_bytes()
-            && rows.len() >= out.len() * row_bytes
-            && x.d.len() * Q8_BLOCK == x.len()
-            && x.s.len() == x.d.len(),
-        "q8 dot ({q}): {} rows of {row_bytes} bytes in {} for {} values",
-        out.len(),
-        rows.len(),
-        x.len()
-    );
+    check_lengths(q, rows, row_bytes, x, out.len());
     // SAFETY: the token proves the features; the lengths were checked above, and each
     // kernel reads whole rows of `row_bytes` bytes and the activation.
     unsafe {

@@ -163,17 +163,7 @@ impl Q8Kernel {
     /// whole number of blocks holding `x.len()` values). Panics when the lengths disagree.
     pub fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, out: &mut [f32]) {
         let q = self.qtype;
-        assert!(
-            x.len().is_multiple_of(q.block_len())
-                && row_bytes == x.len() / q.block_len() * q.block_bytes()
-                && rows.len() >= out.len() * row_bytes
-                && x.d.len() * Q8_BLOCK == x.len()
-                && x.s.len() == x.d.len(),
-            "q8 dot: {} rows of {row_bytes} bytes ({q}) in {} bytes against {} values",
-            out.len(),
-            rows.len(),
-            x.len()
-        );
+        check_lengths(q, rows, row_bytes, x, out.len());
         #[cfg(target_arch = "x86_64")]
         if let Some(t) = self.simd {
             return avx2_q8::dot_rows(t, q, rows, row_bytes, x, out);
@@ -182,6 +172,22 @@ impl Q8Kernel {
             *o = dot_portable(q, row, x);
         }
     }
+}
+
+/// Panics unless `rows` holds `n` rows of `row_bytes` bytes, each exactly `x.len()` values
+/// of type `q` in whole blocks, and `x` one scale and one sum per 32 values: what every
+/// kernel here relies on to stay inside its slices.
+pub(super) fn check_lengths(q: QType, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, n: usize) {
+    assert!(
+        x.len().is_multiple_of(q.block_len())
+            && row_bytes == x.len() / q.block_len() * q.block_bytes()
+            && rows.len() >= n * row_bytes
+            && x.d.len() * Q8_BLOCK == x.len()
+            && x.s.len() == x.d.len(),
+        "q8 dot ({q}): {n} rows of {row_bytes} bytes in {} for {} values",
+        rows.len(),
+        x.len()
+    );
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
