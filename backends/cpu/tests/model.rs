@@ -12,10 +12,21 @@ use kiln_core::{
 };
 
 fn load(ir: &ModelIr, threads: usize, sequences: usize) -> Box<dyn LayerExecutor> {
+    load_with(ir, threads, sequences, false)
+}
+
+/// As [`load`], with 8-bit activations when `quantized` (`LoadOptions::quantized_activations`).
+fn load_with(
+    ir: &ModelIr,
+    threads: usize,
+    sequences: usize,
+    quantized: bool,
+) -> Box<dyn LayerExecutor> {
     let opts = LoadOptions {
         max_context: 128,
         max_sequences: sequences,
         threads: Some(threads),
+        quantized_activations: quantized,
         ..Default::default()
     };
     CpuBackend.load(ir, &opts).expect("load")
@@ -125,19 +136,27 @@ fn apr_q4_model_runs() {
 
 #[test]
 fn batched_decode_equals_each_sequence_alone() {
+    // Both arithmetics: with 8-bit activations each token's input is quantised on its own,
+    // so batching changes nothing there either.
+    for quantized in [false, true] {
+        batched_decode_equals_each_sequence_alone_with(quantized);
+    }
+}
+
+fn batched_decode_equals_each_sequence_alone_with(quantized: bool) {
     let ir = Spec::llama().build(5);
     let vocab = ir.config.vocab_size;
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(4 + 3 * i, vocab, i as u32)).collect();
     let follow: Vec<Vec<u32>> = (0..3).map(|i| prompt(3, vocab, 10 + i as u32)).collect();
 
     let mut alone = Vec::new();
-    let mut ex = load(&ir, 2, 1);
+    let mut ex = load_with(&ir, 2, 1, quantized);
     for (p, f) in prompts.iter().zip(&follow) {
         let all: Vec<u32> = p.iter().chain(f).copied().collect();
         alone.push(stepwise(ex.as_mut(), &all));
     }
 
-    let mut ex = load(&ir, 2, 3);
+    let mut ex = load_with(&ir, 2, 3, quantized);
     let seqs: Vec<_> = (0..3).map(|_| ex.new_sequence().unwrap()).collect();
     let mut logits = vec![0.0; vocab];
     for (s, p) in seqs.iter().zip(&prompts) {
@@ -155,7 +174,10 @@ fn batched_decode_equals_each_sequence_alone() {
         for i in 0..3 {
             let want = &alone[i][prompts[i].len() + step];
             let err = rel_err(&batch_logits[i * vocab..(i + 1) * vocab], want);
-            assert!(err < 1e-4, "sequence {i} step {step}: rel err {err:e}");
+            assert!(
+                err < 1e-4,
+                "sequence {i} step {step} (8-bit activations: {quantized}): rel err {err:e}"
+            );
         }
     }
 }
