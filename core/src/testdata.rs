@@ -41,8 +41,16 @@ pub fn gaussian_weights(
     Ok(out)
 }
 
-/// A seed that differs per run (printed by the tests so a failure can be replayed).
+/// A seed that differs per run (printed by the tests so a failure can be replayed), or the
+/// one in `KILN_TEST_SEED` when that is set: run the failing test alone with the seed it
+/// printed to draw the same inputs again.
 pub fn fresh_seed() -> u64 {
+    if let Some(seed) = std::env::var("KILN_TEST_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+    {
+        return seed;
+    }
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
