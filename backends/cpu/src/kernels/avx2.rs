@@ -140,7 +140,7 @@ unsafe fn apr_nibble_block(qs: *const u8, x: *const f32) -> __m256 {
 /// block's).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
+unsafe fn block_headers8(p: *const u8, stride: usize) -> (__m256, __m256) {
     // SAFETY: the caller guarantees the features and four readable bytes at `p + j·stride`
     // for j in 0..8.
     unsafe {
@@ -179,7 +179,7 @@ pub(super) fn f16_pairs8(words: &[u32; 8]) -> (__m256, __m256) {
 /// through the array, the compiler would keep the values in registers and spread them
 /// with shuffles instead, on the one port those kernels are short of.
 #[inline(always)]
-pub(super) fn from_memory<T>(p: *const T) -> *const T {
+fn from_memory<T>(p: *const T) -> *const T {
     std::hint::black_box(p)
 }
 
