@@ -177,6 +177,9 @@ pub struct GenRequest {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// llama-server's `cache_prompt` (default true): the prompt may continue a finished
+    /// sequence kept with its KV cache; false prefills every token afresh.
+    pub cache_prompt: bool,
 }
 
 /// Parses a body into JSON, refusing what is not a JSON object.
@@ -713,6 +716,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
             return Err(wrong_type("user", "a string", v));
         }
     }
+    let cache_prompt = opt_bool(obj, "cache_prompt")?.unwrap_or(true);
     Ok(GenRequest {
         endpoint,
         model,
@@ -727,6 +731,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
         logprobs,
         stream,
         include_usage,
+        cache_prompt,
     })
 }
 

@@ -79,6 +79,8 @@ pub struct Metrics {
     /// (endpoint, status code) → count.
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     pub prompt_tokens: AtomicU64,
+    /// Of the prompt tokens, those a kept sequence supplied (the prompt cache).
+    pub prompt_tokens_cached: AtomicU64,
     pub generated_tokens: AtomicU64,
     /// Sequences freed because their client went away (or the server shut down).
     pub cancelled: AtomicU64,
@@ -88,11 +90,15 @@ pub struct Metrics {
     /// Sequence slots of the executor (set once the model is loaded).
     pub slots_total: AtomicI64,
     pub slots_used: AtomicI64,
+    /// Finished sequences kept with their KV cache for prompts that continue them.
+    pub kept_sequences: AtomicI64,
     /// Blocks of the paged KV cache's pool, and those sequences hold; -1 until the model
     /// is loaded, and for an executor that does not page its cache (the series are left
     /// out then).
     pub kv_blocks_total: AtomicI64,
     pub kv_blocks_used: AtomicI64,
+    /// Of the used blocks, those kept sequences hold (the prompt cache).
+    pub kv_blocks_kept: AtomicI64,
     /// Bytes one KV block takes (-1 until a paging executor has loaded): for the startup line.
     pub kv_block_bytes: AtomicI64,
     /// Running sequences preempted because the KV cache ran out of blocks (freed, and
@@ -108,14 +114,17 @@ impl Default for Metrics {
         Metrics {
             requests: Mutex::new(BTreeMap::new()),
             prompt_tokens: AtomicU64::new(0),
+            prompt_tokens_cached: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             queue_depth: AtomicI64::new(0),
             running: AtomicI64::new(0),
             slots_total: AtomicI64::new(0),
             slots_used: AtomicI64::new(0),
+            kept_sequences: AtomicI64::new(0),
             kv_blocks_total: AtomicI64::new(-1),
             kv_blocks_used: AtomicI64::new(-1),
+            kv_blocks_kept: AtomicI64::new(-1),
             kv_block_bytes: AtomicI64::new(-1),
             preemptions: AtomicU64::new(0),
             model_loaded: AtomicBool::new(false),
@@ -179,8 +188,14 @@ impl Metrics {
         counter(
             &mut out,
             "kiln_prompt_tokens_total",
-            "Prompt tokens prefilled.",
+            "Prompt tokens of the requests started (those the prompt cache supplied included).",
             self.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "kiln_prompt_tokens_cached_total",
+            "Prompt tokens taken from a kept sequence's KV cache instead of prefilled.",
+            self.prompt_tokens_cached.load(Ordering::Relaxed),
         );
         counter(
             &mut out,
@@ -217,13 +232,13 @@ impl Metrics {
         gauge(
             &mut out,
             "kiln_kv_slots_used",
-            "KV-cache sequence slots holding a sequence.",
+            "KV-cache sequence slots holding a live sequence (running or being prefilled).",
             used,
         );
         gauge(
             &mut out,
             "kiln_kv_slots_free",
-            "KV-cache sequence slots free.",
+            "KV-cache sequence slots free for a new sequence (kept ones are given up on demand).",
             (total - used).max(0),
         );
         let blocks_total = self.kv_blocks_total.load(Ordering::Relaxed);
@@ -237,10 +252,22 @@ impl Metrics {
             gauge(
                 &mut out,
                 "kiln_kv_blocks_used",
-                "KV-cache blocks held by sequences.",
+                "KV-cache blocks held by sequences (kept ones included).",
                 load(&self.kv_blocks_used),
             );
+            gauge(
+                &mut out,
+                "kiln_kv_blocks_kept",
+                "KV-cache blocks held by kept sequences (the prompt cache; freed on demand).",
+                load(&self.kv_blocks_kept),
+            );
         }
+        gauge(
+            &mut out,
+            "kiln_prompt_cache_sequences",
+            "Finished sequences kept with their KV cache for prompts that continue them.",
+            load(&self.kept_sequences),
+        );
         counter(
             &mut out,
             "kiln_preemptions_total",

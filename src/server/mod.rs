@@ -126,6 +126,12 @@ pub struct ServeArgs {
     /// Seconds running sequences may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_grace: f64,
+    /// Free each sequence when it finishes instead of keeping its KV cache for a prompt
+    /// that continues it (a conversation's next turn). With the cache, such a prompt
+    /// prefills only its new tokens; its first token's logits then come from a shorter
+    /// batch, which can differ from a full prefill's in the last bits.
+    #[arg(long)]
+    pub no_prompt_cache: bool,
     /// Test hook: milliseconds to wait before loading the model.
     #[arg(long, default_value_t = 0, hide = true)]
     pub load_delay_ms: u64,
@@ -253,6 +259,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         },
         load_delay: Duration::from_millis(args.load_delay_ms),
         shutdown_grace: grace,
+        prompt_cache: !args.no_prompt_cache,
     };
     let engine = scheduler::spawn(config, job_rx, metrics.clone(), shutdown.clone(), ready_tx)?;
     let state = Arc::new(AppState {
@@ -719,6 +726,7 @@ async fn generate(
                 frequency_penalty: req.frequency_penalty,
                 stop: req.stop.clone(),
                 logprobs: req.logprobs,
+                cache_prompt: req.cache_prompt,
             },
             events: tx.clone(),
             received,

@@ -47,7 +47,16 @@
 //!
 //! Executors that do not page (plugins) are scheduled by slots alone.
 //!
-//! Not done yet: nothing is shared between sequences (no prefix cache).
+//! The prompt cache (llama-server's `cache_prompt`, on unless `--no-prompt-cache`): a
+//! sequence that finishes is not freed but kept, idle, with its KV cache and the tokens in
+//! it. A conversation's next turn resends the whole conversation, so its prompt starts with
+//! what the kept sequence holds: the new job takes that sequence, cuts it back to the
+//! shared prefix (`truncate_sequence`) and prefills only the rest. Which kept sequence a
+//! prompt continues: [`choose_reuse`]. Kept sequences give way to live work at once: the
+//! least recently used is freed whenever a slot or KV blocks are wanted (before any running
+//! sequence is preempted), so the cache never makes a request wait. Usage reports the
+//! reused tokens as `prompt_tokens_details.cached_tokens`. Nothing is shared between live
+//! sequences (no block-level prefix sharing as in vLLM).
 
 use crate::session::{find_stop, held_back};
 use std::collections::{HashMap, VecDeque};
@@ -79,6 +88,10 @@ pub struct JobParams {
     pub stop: Vec<String>,
     /// `Some(k)`: each token's logprob and its `k` most likely alternatives.
     pub logprobs: Option<usize>,
+    /// May continue a kept sequence whose tokens start its prompt (the request's
+    /// `cache_prompt`, default true). The prompt's last token is prefilled either way, but
+    /// its logits then come from a shorter batch, which can differ in the last bits.
+    pub cache_prompt: bool,
 }
 
 impl JobParams {
@@ -140,6 +153,8 @@ pub enum Event {
     Done {
         finish: Finish,
         prompt_tokens: usize,
+        /// Prompt tokens taken from the prompt cache instead of prefilled.
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     /// The job failed; `shutting_down` says it was refused because the server is stopping.
@@ -160,6 +175,8 @@ pub struct SchedulerConfig {
     /// After shutdown begins, running sequences may finish for this long; then the rest
     /// are cancelled.
     pub shutdown_grace: Duration,
+    /// Keep finished sequences for prompts that continue them (see the module doc).
+    pub prompt_cache: bool,
 }
 
 /// Starts the engine thread: it loads the model, reports through `ready`, then serves jobs
@@ -210,6 +227,7 @@ pub fn spawn(
                 model, executor, ..
             } = &mut engine;
             Scheduler::new(model, executor.as_mut(), &metrics, config.shutdown_grace)
+                .with_prompt_cache(config.prompt_cache)
                 .run(&jobs, &shutdown);
         })
 }
@@ -261,6 +279,14 @@ impl Work<'_> {
         }
     }
 
+    /// Whether it may continue a kept sequence (its request's `cache_prompt`).
+    fn may_reuse(&self) -> bool {
+        match self {
+            Work::New(job) => job.params.cache_prompt,
+            Work::Resume(s) => s.run.params.cache_prompt,
+        }
+    }
+
     fn events(&self) -> &UnboundedSender<(usize, Event)> {
         match self {
             Work::New(job) => &job.events,
@@ -284,7 +310,46 @@ struct Admitting<'t> {
     seq: SeqId,
     /// Tokens of `work.tokens()` already in the KV cache.
     done: usize,
+    /// Of those, the ones a kept sequence brought (the prompt cache).
+    cached: usize,
     work: Work<'t>,
+}
+
+/// A finished sequence kept, idle, with its KV cache, for a prompt that starts with its
+/// tokens (the prompt cache).
+struct KeptSeq {
+    seq: SeqId,
+    /// The tokens in its KV cache, in order.
+    tokens: Vec<u32>,
+    /// When it was last used (a counter): the least recently used is freed first.
+    last_used: u64,
+}
+
+/// Which kept sequence a prompt should continue, and how many of its tokens to keep: the
+/// one sharing the longest prefix with `prompt` (the most recently used of equals), cut so
+/// that at least the prompt's last token is prefilled again (its logits give the first
+/// token). Taken when the shared prefix is at least half of what that sequence holds (the
+/// same conversation one turn on, or the same prompt again) or when `slots_full` (a kept
+/// sequence gives up its slot anyway); a short match against a long kept conversation
+/// leaves it for its own next turn. `None`: start a fresh sequence.
+fn choose_reuse(kept: &[KeptSeq], prompt: &[u32], slots_full: bool) -> Option<(usize, usize)> {
+    let limit = prompt.len().saturating_sub(1);
+    let (i, shared) = kept
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let shared = k
+                .tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(limit);
+            (i, shared)
+        })
+        .max_by_key(|&(i, shared)| (shared, kept[i].last_used))?;
+    let worth = shared > 0 && (2 * shared >= kept[i].tokens.len() || slots_full);
+    worth.then_some((i, shared))
 }
 
 /// One running sequence.
@@ -296,6 +361,8 @@ struct Running<'t> {
     params: JobParams,
     seq: SeqId,
     prompt_tokens: usize,
+    /// Prompt tokens the prompt cache supplied.
+    cached_tokens: usize,
     /// The tokens in the KV cache, prompt first: what a preempted sequence recomputes.
     history: Vec<u32>,
     /// The last sampled token: the input of the next decode step.
@@ -344,6 +411,7 @@ impl Running<'_> {
         self.send(Event::Done {
             finish,
             prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
             completion_tokens: self.generated,
         });
     }
@@ -377,6 +445,12 @@ struct Scheduler<'e> {
     candidates: Vec<(u32, f32)>,
     /// Every token's text, decoded once, for logprobs.
     token_text: Vec<String>,
+    /// Keep finished sequences for the prompts that continue them.
+    prompt_cache: bool,
+    /// Finished sequences kept with their KV cache (the prompt cache).
+    kept: Vec<KeptSeq>,
+    /// The clock of [`KeptSeq::last_used`].
+    uses: u64,
 }
 
 impl<'e> Scheduler<'e> {
@@ -408,7 +482,15 @@ impl<'e> Scheduler<'e> {
             tokens: Vec::new(),
             candidates: Vec::new(),
             token_text: Vec::new(),
+            prompt_cache: true,
+            kept: Vec::new(),
+            uses: 0,
         }
+    }
+
+    fn with_prompt_cache(mut self, on: bool) -> Self {
+        self.prompt_cache = on;
+        self
     }
 
     fn run(mut self, jobs: &Receiver<Job>, shutdown: &Shutdown) {
@@ -490,6 +572,7 @@ impl<'e> Scheduler<'e> {
             }
             self.update_gauges();
         }
+        while self.evict_kept(None) {}
         self.update_gauges();
     }
 
@@ -502,11 +585,20 @@ impl<'e> Scheduler<'e> {
         let n = self.alive() as i64;
         self.metrics.running.store(n, Ordering::Relaxed);
         self.metrics.slots_used.store(n, Ordering::Relaxed);
+        self.metrics
+            .kept_sequences
+            .store(self.kept.len() as i64, Ordering::Relaxed);
         if let Some(kv) = self.exec.kv_blocks() {
             let m = self.metrics;
             m.kv_blocks_total.store(kv.total as i64, Ordering::Relaxed);
             m.kv_blocks_used
                 .store(kv.in_use() as i64, Ordering::Relaxed);
+            let kept: usize = self
+                .kept
+                .iter()
+                .map(|k| kv.blocks_for(k.tokens.len()))
+                .sum();
+            m.kv_blocks_kept.store(kept as i64, Ordering::Relaxed);
         }
     }
 
@@ -563,26 +655,110 @@ impl<'e> Scheduler<'e> {
     /// Admits the head of the waiting queue when the KV cache has room for it; `false` when
     /// it must wait. First come, first served: a head that does not fit holds back the
     /// rest, so a long prompt is not starved by short ones.
+    ///
+    /// With the prompt cache, the head may continue a kept sequence ([`choose_reuse`]),
+    /// which is cut back to the shared prefix first; kept sequences are freed, least
+    /// recently used first, while the head lacks blocks or a slot.
     fn admit_next(&mut self) -> bool {
         let Some(head) = self.waiting.front() else {
             return false;
         };
-        if !self.fits(head.work.tokens().len()) {
-            return false;
+        let tokens = head.work.tokens().len();
+        let slots_full = self.alive() + self.kept.len() >= self.max_seqs;
+        let reuse = match head.work.may_reuse() {
+            true => choose_reuse(&self.kept, head.work.tokens(), slots_full),
+            false => None,
+        };
+        let reuse = reuse.and_then(|(i, keep)| self.cut_kept(i, keep));
+        let reused_seq = reuse.map(|(seq, _)| seq);
+        while !self.fits(tokens, reuse) {
+            if !self.evict_kept(reused_seq) {
+                return false;
+            }
+        }
+        if reuse.is_none() {
+            while self.alive() + self.kept.len() >= self.max_seqs && self.evict_kept(None) {}
         }
         let w = self.waiting.pop_front().expect("a head");
         self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-        match self.exec.new_sequence() {
-            Ok(seq) => self.admitting.push(Admitting {
+        let taken = match reuse {
+            Some((seq, keep)) => {
+                self.kept.retain(|k| k.seq != seq);
+                Ok((seq, keep))
+            }
+            None => self.exec.new_sequence().map(|seq| (seq, 0)),
+        };
+        match taken {
+            Ok((seq, done)) => self.admitting.push(Admitting {
                 ticket: w.ticket,
                 seq,
-                done: 0,
+                done,
+                cached: done,
                 work: w.work,
             }),
             Err(e) => self.drop_work(w.work, Some(&format!("no sequence slot: {e}"))),
         }
         self.update_gauges();
         true
+    }
+
+    /// Cuts kept sequence `i` back to its first `keep` tokens for the work about to take
+    /// it: `Some((seq, keep))`, or `None` when the executor refused the cut (the sequence is
+    /// freed then, and the work starts afresh).
+    fn cut_kept(&mut self, i: usize, keep: usize) -> Option<(SeqId, usize)> {
+        self.uses += 1;
+        let k = &mut self.kept[i];
+        k.last_used = self.uses;
+        if keep < k.tokens.len() {
+            if let Err(e) = self.exec.truncate_sequence(k.seq, keep) {
+                tracing::warn!("prompt cache: cutting sequence {} failed: {e}", k.seq);
+                let k = self.kept.remove(i);
+                if let Err(e) = self.exec.free_sequence(k.seq) {
+                    tracing::error!("freeing kept sequence {}: {e}", k.seq);
+                }
+                return None;
+            }
+            k.tokens.truncate(keep);
+        }
+        Some((k.seq, keep))
+    }
+
+    /// Frees the least recently used kept sequence other than `spare`; `false` when there
+    /// is none.
+    fn evict_kept(&mut self, spare: Option<SeqId>) -> bool {
+        let Some(i) = (0..self.kept.len())
+            .filter(|&i| Some(self.kept[i].seq) != spare)
+            .min_by_key(|&i| self.kept[i].last_used)
+        else {
+            return false;
+        };
+        let k = self.kept.remove(i);
+        if let Err(e) = self.exec.free_sequence(k.seq) {
+            tracing::error!("freeing kept sequence {}: {e}", k.seq);
+        }
+        true
+    }
+
+    /// Keeps running sequence `i`, finished, with its KV cache for the prompts that
+    /// continue it — or frees it where the prompt cache is off or the executor's count of
+    /// its tokens disagrees with ours (a kept sequence is only as good as its token list).
+    fn keep_or_free(&mut self, i: usize) {
+        let r = &mut self.running[i];
+        if r.done {
+            return;
+        }
+        r.done = true;
+        let (seq, tokens) = (r.seq, std::mem::take(&mut r.history));
+        if self.prompt_cache && self.exec.sequence_len(seq).ok() == Some(tokens.len()) {
+            self.uses += 1;
+            self.kept.push(KeptSeq {
+                seq,
+                tokens,
+                last_used: self.uses,
+            });
+        } else if let Err(e) = self.exec.free_sequence(seq) {
+            tracing::error!("freeing sequence {seq}: {e}");
+        }
     }
 
     /// Blocks the running sequences take in their next decode step (one each whose next
@@ -600,20 +776,26 @@ impl<'e> Scheduler<'e> {
     /// one's next step, each admitting one's rest of its tokens and its first step). With
     /// nothing else alive the whole pool is free, and it holds any context, so the head of
     /// the queue always starts then. Executors that do not page: always.
-    fn fits(&self, tokens: usize) -> bool {
+    ///
+    /// `reuse`: the kept sequence it continues and the tokens it keeps (already cut), whose
+    /// blocks it holds already. Kept sequences hold blocks too; the caller frees them while
+    /// this says no, so "nothing else alive" also means nothing else kept.
+    fn fits(&self, tokens: usize, reuse: Option<(SeqId, usize)>) -> bool {
         let Some(kv) = self.exec.kv_blocks() else {
             return true;
         };
-        if self.alive() == 0 {
+        let other_kept = self.kept.len() - usize::from(reuse.is_some());
+        if self.alive() == 0 && other_kept == 0 {
             return true;
         }
+        let held = reuse.map_or(0, |(_, keep)| kv.blocks_for(keep));
         let running = self.next_step_need(&kv);
         let admitting: usize = self
             .admitting
             .iter()
             .map(|a| kv.blocks_for(a.work.tokens().len() + 1) - kv.blocks_for(a.done))
             .sum();
-        kv.blocks_for(tokens + 1) + running + admitting <= kv.free
+        kv.blocks_for(tokens + 1) - held + running + admitting <= kv.free
     }
 
     /// Waiting work whose client has gone leaves the queue (a preempted sequence holds no
@@ -692,8 +874,10 @@ impl<'e> Scheduler<'e> {
             .prefill(a.seq, &tokens[a.done..end], &mut self.logits[..self.vocab]);
         match result {
             Ok(()) => {}
-            Err(Error::KvCacheFull { .. }) if self.alive() > 1 => {
-                self.preempt_newest();
+            Err(Error::KvCacheFull { .. }) if !self.kept.is_empty() || self.alive() > 1 => {
+                if !self.evict_kept(None) {
+                    self.preempt_newest();
+                }
                 return;
             }
             Err(e) => {
@@ -705,7 +889,7 @@ impl<'e> Scheduler<'e> {
         if end == tokens.len() {
             let a = self.admitting.remove(0);
             match a.work {
-                Work::New(job) => self.start_running(a.ticket, job, a.seq),
+                Work::New(job) => self.start_running(a.ticket, job, a.seq, a.cached),
                 Work::Resume(s) => {
                     let Suspended { mut run, sampler } = *s;
                     run.seq = a.seq;
@@ -719,10 +903,14 @@ impl<'e> Scheduler<'e> {
 
     /// A fully prefilled job joins the running sequences; its first token comes from the
     /// logits of the prefill's last chunk (in `self.logits`).
-    fn start_running(&mut self, ticket: u64, job: Job, seq: SeqId) {
+    /// `cached`: the prompt's tokens a kept sequence supplied.
+    fn start_running(&mut self, ticket: u64, job: Job, seq: SeqId, cached: usize) {
         self.metrics
             .prompt_tokens
             .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .prompt_tokens_cached
+            .fetch_add(cached as u64, Ordering::Relaxed);
         let mut sampling = job.params.sampling.clone();
         // OpenAI's penalties replace llama.cpp's repetition penalty; the sampler needs no history.
         sampling.repeat_penalty = 1.0;
@@ -734,6 +922,7 @@ impl<'e> Scheduler<'e> {
             params: job.params,
             seq,
             prompt_tokens: job.prompt.len(),
+            cached_tokens: cached,
             history: job.prompt,
             last: 0,
             generated: 0,
@@ -799,13 +988,16 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Before a decode step: every running sequence whose next position starts a new KV
-    /// block needs one; while the free blocks do not cover them, the newest sequence is
-    /// preempted. A sequence alone always fits (the pool holds a whole context), so the
-    /// last one is never preempted here.
+    /// block needs one; while the free blocks do not cover them, a kept sequence is freed,
+    /// or when none is left the newest sequence is preempted. A sequence alone always fits
+    /// (the pool holds a whole context), so the last one is never preempted here.
     fn make_room(&mut self) {
         while let Some(kv) = self.exec.kv_blocks() {
             let need = self.next_step_need(&kv);
-            if need <= kv.free || self.alive() <= 1 || !self.preempt_newest() {
+            if need <= kv.free {
+                return;
+            }
+            if !self.evict_kept(None) && (self.alive() <= 1 || !self.preempt_newest()) {
                 return;
             }
         }
@@ -851,8 +1043,10 @@ impl<'e> Scheduler<'e> {
         };
         match outcome {
             Ok(()) => {}
-            Err(Error::KvCacheFull { .. }) if self.alive() > 1 => {
-                self.preempt_newest();
+            Err(Error::KvCacheFull { .. }) if !self.kept.is_empty() || self.alive() > 1 => {
+                if !self.evict_kept(None) {
+                    self.preempt_newest();
+                }
                 return;
             }
             Err(e) => return self.fail_all(&format!("decode step failed: {e}")),
@@ -1013,7 +1207,7 @@ impl<'e> Scheduler<'e> {
 
     fn finish_now(&mut self, i: usize, finish: Finish) {
         // Slot and gauges first: a client that has seen `Done` finds the metrics settled.
-        self.mark_finished(i);
+        self.keep_or_free(i);
         self.update_gauges();
         self.running[i].send_done(finish);
     }

@@ -35,6 +35,7 @@ struct Choice {
     logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
     prompt_tokens: usize,
+    cached_tokens: usize,
     completion_tokens: usize,
 }
 
@@ -46,8 +47,14 @@ fn event_error(message: String, shutting_down: bool) -> ApiError {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's `usage`; `cached` of the `prompt` tokens came from the prompt cache.
+fn usage(prompt: usize, cached: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 /// A token's `bytes` in logprobs: the UTF-8 of its decoded text (a token that holds only
@@ -111,10 +118,12 @@ pub async fn collect(
             Event::Done {
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             } => {
                 c.finish = Some(finish);
                 c.prompt_tokens = prompt_tokens;
+                c.cached_tokens = cached_tokens;
                 c.completion_tokens = completion_tokens;
                 open -= 1;
             }
@@ -125,6 +134,7 @@ pub async fn collect(
         }
     }
     let prompt: usize = choices.iter().map(|c| c.prompt_tokens).sum();
+    let cached: usize = choices.iter().map(|c| c.cached_tokens).sum();
     let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
     let list: Vec<Value> = choices
         .iter()
@@ -158,7 +168,7 @@ pub async fn collect(
         "model": meta.model,
         "system_fingerprint": meta.fingerprint,
         "choices": list,
-        "usage": usage(prompt, completion),
+        "usage": usage(prompt, cached, completion),
     }))
 }
 
@@ -169,6 +179,7 @@ struct StreamState {
     out: VecDeque<String>,
     open: usize,
     prompt_tokens: usize,
+    cached_tokens: usize,
     completion_tokens: usize,
     /// Bytes of text sent per choice (completions' `text_offset`).
     sent: Vec<usize>,
@@ -242,10 +253,12 @@ impl StreamState {
             Event::Done {
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             } => {
                 self.delta(i, String::new(), None, Some(finish));
                 self.prompt_tokens += prompt_tokens;
+                self.cached_tokens += cached_tokens;
                 self.completion_tokens += completion_tokens;
                 self.open -= 1;
                 if self.open == 0 {
@@ -273,7 +286,11 @@ impl StreamState {
                 "system_fingerprint": self.meta.fingerprint,
                 "choices": [],
             });
-            v["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+            v["usage"] = usage(
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.completion_tokens,
+            );
             self.out.push_back(v.to_string());
         }
         self.out.push_back("[DONE]".into());
@@ -291,6 +308,7 @@ pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) ->
         out: VecDeque::new(),
         open: choices,
         prompt_tokens: 0,
+        cached_tokens: 0,
         completion_tokens: 0,
         sent: vec![0; choices],
         finished: false,
