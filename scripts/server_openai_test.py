@@ -325,6 +325,23 @@ def inner(args):
     checks.run("errors: 400 / 404 / 413 / context_length_exceeded", errors)
 
     if kiln_checks:
+        def prompt_cache():
+            # A conversation's second turn continues the first turn's kept sequence: the
+            # client reads the reused tokens from usage.prompt_tokens_details.
+            conv = [{"role": "user", "content": "List three colours of the rainbow, then say why the sky is blue."}]
+            first = client.chat.completions.create(model=model, messages=conv, max_tokens=8, temperature=0)
+            conv += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And why are sunsets red?"}]
+            second = client.chat.completions.create(model=model, messages=conv, max_tokens=8, temperature=0)
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            expect(first.usage.prompt_tokens <= cached < second.usage.prompt_tokens,
+                   f"{cached} cached of {second.usage.prompt_tokens}; first turn {first.usage.prompt_tokens}")
+            fresh = client.chat.completions.create(model=model, messages=conv, max_tokens=8, temperature=0,
+                                                   extra_body={"cache_prompt": False})
+            expect(fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage)
+
+        checks.run("prompt cache: cached_tokens on a second turn", prompt_cache)
+
         def auth():
             bad = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
             expect_error(lambda: bad.models.list(), openai.AuthenticationError, 401, code="invalid_api_key")

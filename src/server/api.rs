@@ -770,12 +770,27 @@ mod tests {
         assert_eq!(r.max_tokens, Some(3));
         let r = parse(Endpoint::Completions, r#"{"prompt":[1,2,3]}"#).unwrap();
         assert!(matches!(&r.prompts[0], PromptInput::Tokens(t) if t == &[1, 2, 3]));
+        assert!(
+            r.cache_prompt,
+            "the prompt cache is on unless a request turns it off"
+        );
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"prompt":"x","cache_prompt":false}"#,
+        )
+        .unwrap();
+        assert!(!r.cache_prompt);
     }
 
     #[test]
     fn invalid_requests_name_their_param() {
         let cases = [
             (Endpoint::Chat, r#"{"messages":[]}"#, Some("messages")),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","cache_prompt":"yes"}"#,
+                Some("cache_prompt"),
+            ),
             (Endpoint::Chat, r#"{"messages":"hi"}"#, Some("messages")),
             (
                 Endpoint::Chat,

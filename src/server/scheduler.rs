@@ -332,8 +332,23 @@ struct KeptSeq {
 /// same conversation one turn on, or the same prompt again) or when `slots_full` (a kept
 /// sequence gives up its slot anyway); a short match against a long kept conversation
 /// leaves it for its own next turn. `None`: start a fresh sequence.
-fn choose_reuse(kept: &[KeptSeq], prompt: &[u32], slots_full: bool) -> Option<(usize, usize)> {
+///
+/// `window`: the model's sliding window, if it has one. Its layers keep a ring of rows, and
+/// cutting a sequence past the window back by more than a position may lose rows the next
+/// token reads, which the executor recomputes by running the whole kept prefix again, in
+/// one unchunked prefill that would stall every running stream: such cuts are not taken
+/// (a conversation's next turn cuts nothing; a regenerated answer would).
+fn choose_reuse(
+    kept: &[KeptSeq],
+    prompt: &[u32],
+    slots_full: bool,
+    window: Option<usize>,
+) -> Option<(usize, usize)> {
     let limit = prompt.len().saturating_sub(1);
+    let cheap_cut = |held: usize, keep: usize| match window {
+        Some(w) => held <= w || held - keep <= 1,
+        None => true,
+    };
     let (i, shared) = kept
         .iter()
         .enumerate()
@@ -347,6 +362,7 @@ fn choose_reuse(kept: &[KeptSeq], prompt: &[u32], slots_full: bool) -> Option<(u
                 .min(limit);
             (i, shared)
         })
+        .filter(|&(i, shared)| cheap_cut(kept[i].tokens.len(), shared))
         .max_by_key(|&(i, shared)| (shared, kept[i].last_used))?;
     let worth = shared > 0 && (2 * shared >= kept[i].tokens.len() || slots_full);
     worth.then_some((i, shared))
@@ -451,6 +467,8 @@ struct Scheduler<'e> {
     kept: Vec<KeptSeq>,
     /// The clock of [`KeptSeq::last_used`].
     uses: u64,
+    /// The model's sliding window (see [`choose_reuse`]).
+    window: Option<usize>,
 }
 
 impl<'e> Scheduler<'e> {
@@ -463,6 +481,7 @@ impl<'e> Scheduler<'e> {
         let vocab = exec.config().vocab_size;
         let max_context = exec.max_context();
         let max_seqs = exec.max_sequences().max(1);
+        let window = exec.config().sliding_window.map(|sw| sw.window);
         let tokenizer = &model.tokenizer;
         Scheduler {
             tokenizer,
@@ -485,6 +504,7 @@ impl<'e> Scheduler<'e> {
             prompt_cache: true,
             kept: Vec::new(),
             uses: 0,
+            window,
         }
     }
 
@@ -666,7 +686,7 @@ impl<'e> Scheduler<'e> {
         let tokens = head.work.tokens().len();
         let slots_full = self.alive() + self.kept.len() >= self.max_seqs;
         let reuse = match head.work.may_reuse() {
-            true => choose_reuse(&self.kept, head.work.tokens(), slots_full),
+            true => choose_reuse(&self.kept, head.work.tokens(), slots_full, self.window),
             false => None,
         };
         let reuse = reuse.and_then(|(i, keep)| self.cut_kept(i, keep));
@@ -1274,6 +1294,90 @@ mod tests {
         assert_eq!(find_stop("hello\n\nthere", &stops), Some(5));
         assert_eq!(held_back("say Use", &stops), 3);
         assert_eq!(held_back("plain", &stops), 0);
+    }
+
+    fn kept(tokens: &[u32], last_used: u64) -> KeptSeq {
+        KeptSeq {
+            seq: last_used as SeqId,
+            tokens: tokens.to_vec(),
+            last_used,
+        }
+    }
+
+    #[test]
+    fn reuse_takes_the_longest_shared_prefix_and_leaves_the_last_token() {
+        let cache = [
+            kept(&[1, 2, 3], 1),
+            kept(&[1, 2, 3, 4, 5, 6], 2),
+            kept(&[9], 3),
+        ];
+        // The next turn of conversation 1: all of it kept.
+        assert_eq!(
+            choose_reuse(&cache, &[1, 2, 3, 4, 5, 6, 7, 8], false, None),
+            Some((1, 6))
+        );
+        // The same prompt again: one token short, so its logits are computed.
+        assert_eq!(
+            choose_reuse(&cache, &[1, 2, 3, 4, 5, 6], false, None),
+            Some((1, 5))
+        );
+        // A one-token prompt has nothing to reuse.
+        assert_eq!(choose_reuse(&cache, &[9], false, None), None);
+        // Nothing shared.
+        assert_eq!(choose_reuse(&cache, &[7, 7, 7], true, None), None);
+        assert_eq!(choose_reuse(&[], &[1, 2], true, None), None);
+    }
+
+    #[test]
+    fn reuse_spares_a_long_conversation_for_a_short_match_unless_slots_are_full() {
+        let cache = [kept(&[1, 2, 3, 4, 5, 6, 7, 8], 1)];
+        // Two of eight tokens shared (say, a system prompt): start afresh while a slot is
+        // free, so the conversation stays for its own next turn.
+        assert_eq!(choose_reuse(&cache, &[1, 2, 9, 9], false, None), None);
+        // With every slot taken, some kept sequence gives way anyway: reuse what is shared.
+        assert_eq!(
+            choose_reuse(&cache, &[1, 2, 9, 9], true, None),
+            Some((0, 2))
+        );
+        // Half of it shared is worth taking.
+        assert_eq!(
+            choose_reuse(&cache, &[1, 2, 3, 4, 0], false, None),
+            Some((0, 4))
+        );
+    }
+
+    #[test]
+    fn reuse_with_a_sliding_window_cuts_long_sequences_by_one_position_at_most() {
+        let held: Vec<u32> = (0..10).collect();
+        let cache = [kept(&held, 1)];
+        let next_turn: Vec<u32> = (0..14).collect();
+        // The next turn cuts nothing; the same prompt again cuts one position.
+        assert_eq!(
+            choose_reuse(&cache, &next_turn, false, Some(4)),
+            Some((0, 10))
+        );
+        assert_eq!(choose_reuse(&cache, &held, false, Some(4)), Some((0, 9)));
+        // Back by two or more past the window: the ring may have lost rows, so afresh.
+        assert_eq!(choose_reuse(&cache, &held[..9], false, Some(4)), None);
+        // Within the window nothing has been overwritten yet.
+        assert_eq!(
+            choose_reuse(&cache, &held[..9], false, Some(16)),
+            Some((0, 8))
+        );
+        assert_eq!(choose_reuse(&cache, &held[..9], false, None), Some((0, 8)));
+    }
+
+    #[test]
+    fn reuse_prefers_the_most_recent_of_equal_matches() {
+        let cache = [
+            kept(&[5, 6, 7], 4),
+            kept(&[5, 6, 8], 9),
+            kept(&[5, 6, 9], 2),
+        ];
+        assert_eq!(
+            choose_reuse(&cache, &[5, 6, 1, 1], false, None),
+            Some((1, 2))
+        );
     }
 
     #[test]

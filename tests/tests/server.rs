@@ -1058,13 +1058,17 @@ fn serve_kv_pool_admits_by_blocks_and_preempts() {
     let got = serve_all(&tight);
     for (i, ((text, usage), (want_text, want_usage))) in got.iter().zip(&want).enumerate() {
         assert_eq!(text, want_text, "request {i}: preempted output differs");
-        assert_eq!(usage, want_usage, "request {i}");
+        // The tokens counted; how many the prompt cache supplied depends on the pool.
+        for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(usage[key], want_usage[key], "request {i}: {key}");
+        }
         assert_eq!(usage["completion_tokens"], 96, "request {i}");
     }
     let m = tight.metrics();
     assert_eq!(m["kiln_kv_blocks_total"], pool as f64, "{m:?}");
     assert!(m["kiln_preemptions_total"] > 0.0, "{m:?}\n{}", tight.log());
-    assert_eq!(m["kiln_kv_blocks_used"], 0.0, "{m:?}");
+    // Every block still held is a kept sequence's (the prompt cache), none a live one's.
+    assert_eq!(m["kiln_kv_blocks_used"], m["kiln_kv_blocks_kept"], "{m:?}");
     assert_eq!(m["kiln_running_sequences"], 0.0, "{m:?}");
     assert_eq!(m["kiln_queue_depth"], 0.0, "{m:?}");
     let _ = writeln!(
@@ -1081,6 +1085,192 @@ fn serve_kv_pool_admits_by_blocks_and_preempts() {
         log.contains("less than one sequence's context of 128") && log.contains("--kv-mem"),
         "{log}"
     );
+}
+
+/// The greedy tokens of one chat answer with their logprobs and top-2 alternatives.
+fn greedy_tokens(v: &Value) -> Vec<(String, f64, Vec<f64>)> {
+    v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs: {v}"))
+        .iter()
+        .map(|t| {
+            let top = t["top_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a["logprob"].as_f64().unwrap())
+                .collect();
+            (
+                t["token"].as_str().unwrap().to_string(),
+                t["logprob"].as_f64().unwrap(),
+                top,
+            )
+        })
+        .collect()
+}
+
+/// Two greedy answers to one prompt, one from a continued (kept) sequence and one
+/// prefilled afresh: the same tokens with logprobs within `1e-3`, up to a first difference
+/// that only a near-tie (top-2 gap below 0.01, where the last bits of the logits decide)
+/// may cause.
+fn assert_same_greedy(cached: &Value, fresh: &Value) {
+    let (a, b) = (greedy_tokens(cached), greedy_tokens(fresh));
+    assert!(!a.is_empty() && a.len() == b.len(), "{cached}\n{fresh}");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        if x.0 != y.0 {
+            let gap = (y.2[0] - y.2[1]).abs();
+            assert!(
+                gap < 0.01,
+                "token {i}: {x:?} vs {y:?} at a top-2 gap of {gap}"
+            );
+            return;
+        }
+        assert!(
+            (x.1 - y.1).abs() < 1e-3,
+            "token {i}: logprob {x:?} vs {y:?}"
+        );
+    }
+}
+
+/// The prompt cache: a conversation's next turn continues the sequence the previous turn
+/// left (its KV cache kept), so it prefills only the new tokens — `usage` says how many
+/// came from the cache — and answers as a fresh prefill does (`cache_prompt: false`).
+/// Kept sequences give way to new work: more conversations than slots all run, a pool
+/// too small to keep them still admits everything, and every block held is a kept one's.
+/// `--no-prompt-cache` keeps nothing.
+#[test]
+fn serve_prompt_cache_continues_a_conversation() {
+    let model = test_model();
+    let bias: Value = serde_json::from_str(NO_EOS).unwrap();
+    let document: String = (0..40)
+        .map(|i| format!("Item {i} of the list weighs {} grams. ", 7 * i + 3))
+        .collect();
+    let turn = |messages: &Value, extra: &[(&str, Value)]| {
+        let mut b = json!({
+            "messages": messages, "max_tokens": 8, "temperature": 0,
+            "logit_bias": bias, "logprobs": true, "top_logprobs": 2,
+        });
+        for (k, v) in extra {
+            b[*k] = v.clone();
+        }
+        b
+    };
+    let s = Server::start(&model, &["--max-seqs", "2", "-c", "1024"]);
+    s.wait_ready();
+    let mut messages =
+        json!([{"role": "user", "content": format!("{document}\nWhich item is heaviest?")}]);
+    let first = s.post("/v1/chat/completions", &turn(&messages, &[]));
+    assert_eq!(first.status, 200, "{}", first.text());
+    let first = first.json();
+    let first_prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = first["choices"][0]["message"]["content"].clone();
+    messages.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": answer}),
+        json!({"role": "user", "content": "And the lightest?"}),
+    ]);
+
+    // The second turn: everything the first turn's prompt held comes from the cache.
+    let cached = s.post("/v1/chat/completions", &turn(&messages, &[])).json();
+    let u = &cached["usage"];
+    let (prompt, hit) = (
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    );
+    assert!(
+        hit >= first_prompt && hit < prompt,
+        "{hit} of {prompt} prompt tokens cached; the first turn had {first_prompt}"
+    );
+    // The same turn prefilled afresh gives the same answer.
+    let fresh = s
+        .post(
+            "/v1/chat/completions",
+            &turn(&messages, &[("cache_prompt", json!(false))]),
+        )
+        .json();
+    assert_eq!(fresh["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(fresh["usage"]["prompt_tokens"], prompt);
+    assert_same_greedy(&cached, &fresh);
+    // The same prompt again continues the sequence the fresh run left, cut back to all but
+    // the prompt's last token (it holds the answer's tokens too), and answers the same.
+    let again = s.post("/v1/chat/completions", &turn(&messages, &[])).json();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt - 1
+    );
+    assert_same_greedy(&again, &fresh);
+    // Streaming reports the cached tokens in its usage chunk too.
+    let chunks = s
+        .stream(
+            "/v1/chat/completions",
+            &turn(
+                &messages,
+                &[
+                    ("stream", json!(true)),
+                    ("stream_options", json!({"include_usage": true})),
+                ],
+            ),
+        )
+        .all();
+    let (_, _, usage) = stream_text(&chunks);
+    let usage = usage.expect("a usage chunk");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        prompt - 1,
+        "{usage}"
+    );
+
+    let m = s.metrics();
+    assert_eq!(
+        m["kiln_prompt_tokens_cached_total"],
+        (hit + 2 * (prompt - 1)) as f64,
+        "{m:?}"
+    );
+    assert!(m["kiln_prompt_cache_sequences"] >= 1.0, "{m:?}");
+    assert_eq!(m["kiln_kv_slots_used"], 0.0, "{m:?}");
+    assert_eq!(m["kiln_kv_blocks_used"], m["kiln_kv_blocks_kept"], "{m:?}");
+    assert!(m["kiln_kv_blocks_kept"] > 0.0, "{m:?}");
+
+    // Three new conversations at once on two slots, both held by kept sequences: each is
+    // admitted (the kept ones give their slots up), none waits forever.
+    let handles: Vec<_> = (0..3)
+        .map(|i| {
+            let body = json!({"messages": user(&format!("Tell me about the number {i}.")), "max_tokens": 24, "temperature": 0, "logit_bias": bias, "stream": true});
+            let st = s.stream("/v1/chat/completions", &body);
+            std::thread::spawn(move || {
+                assert_eq!(st.status, 200);
+                let (_, finish, _) = stream_text(&st.all());
+                finish
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), vec!["length"]);
+    }
+    let m = s.metrics();
+    assert!(m["kiln_prompt_cache_sequences"] <= 2.0, "{m:?}");
+    assert_eq!(m["kiln_kv_blocks_used"], m["kiln_kv_blocks_kept"], "{m:?}");
+    drop(s);
+
+    // Without the cache nothing is kept and nothing is reused.
+    let s = Server::start(
+        &model,
+        &["--max-seqs", "2", "-c", "1024", "--no-prompt-cache"],
+    );
+    s.wait_ready();
+    for _ in 0..2 {
+        let v = s.post("/v1/chat/completions", &turn(&messages, &[])).json();
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{v}"
+        );
+    }
+    let m = s.metrics();
+    assert_eq!(m["kiln_prompt_cache_sequences"], 0.0, "{m:?}");
+    assert_eq!(m["kiln_kv_blocks_used"], 0.0, "{m:?}");
+    assert_eq!(m["kiln_prompt_tokens_cached_total"], 0.0, "{m:?}");
 }
 
 /// A deterministic generator (SplitMix64) for the hostile bodies.
