@@ -56,7 +56,8 @@ def must_fail_values():
         ("model", [42, "no-such-model", ["default"], {}]),
         ("logit_bias", [{"x": 1}, {"5": 1000}, [1], {"-3": 1}, 7]),
         ("tools", [[{"type": "function"}]]),
-        ("response_format", [{"type": "json_object"}, "json"]),
+        ("response_format", [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}},
+                             {"type": "json_object", "schema": {"type": "frobnicate"}}, "json"]),
         ("user", [5, ["u"]]),
     ]
 

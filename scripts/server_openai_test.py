@@ -324,6 +324,21 @@ def inner(args):
 
     checks.run("errors: 400 / 404 / 413 / context_length_exceeded", errors)
 
+    def structured_output():
+        schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+                  "properties": {"city": {"type": "string", "maxLength": 24},
+                                 "population": {"type": "integer", "minimum": 0, "maximum": 100000000}}}
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name a big city and its population."}],
+            max_tokens=64, temperature=0.7, seed=11,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+        c = r.choices[0]
+        expect(c.finish_reason == "stop", c)
+        value = json.loads(c.message.content)
+        expect(sorted(value) == ["city", "population"] and isinstance(value["population"], int), value)
+
+    checks.run("structured output: response_format json_schema", structured_output)
+
     if kiln_checks:
         def prompt_cache():
             # A conversation's second turn continues the first turn's kept sequence: the

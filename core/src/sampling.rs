@@ -206,6 +206,9 @@ impl Sampler {
                     .map(|(i, &l)| (i as u32, l)),
             );
         }
+        // A logit of −∞ is a token ruled out (a grammar's mask, a ban): never a candidate,
+        // not even the fallback pick when rounding leaves the draw past the last one.
+        c.retain(|x| x.1 > f32::NEG_INFINITY);
         if c.is_empty() {
             return 0;
         }
@@ -346,6 +349,27 @@ mod tests {
         let freq = |t| a.iter().filter(|&&x| x == t).count() as f32 / a.len() as f32;
         assert!((freq(0) - 0.125).abs() < 0.02, "{}", freq(0));
         assert!((freq(2) - 0.625).abs() < 0.02, "{}", freq(2));
+    }
+
+    #[test]
+    fn a_token_at_minus_infinity_is_never_drawn() {
+        // One allowed token among ruled-out ones, with every cut off and a hot temperature:
+        // only it may come out, whether top-k keeps the ruled-out ones or not.
+        let mut logits = vec![f32::NEG_INFINITY; 64];
+        logits[37] = -20.0;
+        for top_k in [0, 8, 40] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 2.0,
+                top_k,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 3,
+                ..Default::default()
+            });
+            for _ in 0..200 {
+                assert_eq!(s.sample(&mut logits.clone()), 37, "top_k {top_k}");
+            }
+        }
     }
 
     #[test]

@@ -635,6 +635,13 @@ impl Tokenizer {
         self.pieces.get(id as usize).map(String::as_str)
     }
 
+    /// The bytes token `id` adds to decoded text (a byte-level token's bytes, a
+    /// SentencePiece piece with `▁` as a space, a byte token's byte) — what a
+    /// constraint on the output text matches tokens by. `None` outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.bytes.get(id as usize).map(|b| &b[..])
+    }
+
     /// The id of a vocab string, if it is one token.
     pub fn token_id(&self, piece: &str) -> Option<u32> {
         self.pieces

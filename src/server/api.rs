@@ -180,6 +180,52 @@ pub struct GenRequest {
     /// llama-server's `cache_prompt` (default true): the prompt may continue a finished
     /// sequence kept with its KV cache; false prefills every token afresh.
     pub cache_prompt: bool,
+    /// `response_format` asks for JSON: the schema the output must match (`json_object`:
+    /// any object). `None`: free text.
+    pub json_schema: Option<Value>,
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` (any JSON object; with
+/// llama-server's `schema` beside it, that schema) or OpenAI's
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`. Whether the schema
+/// itself can be used is checked when it is compiled.
+fn parse_response_format(obj: &Map<String, Value>) -> Result<Option<Value>, ApiError> {
+    const P: &str = "response_format";
+    let Some(v) = field(obj, P) else {
+        return Ok(None);
+    };
+    let Value::Object(format) = v else {
+        return Err(wrong_type(P, "an object", v));
+    };
+    let schema_at = |o: &Map<String, Value>, param: &str| match o.get("schema") {
+        None | Some(Value::Null) => Ok(None),
+        Some(s @ (Value::Object(_) | Value::Bool(true))) => Ok(Some(s.clone())),
+        Some(s) => Err(wrong_type(param, "a JSON schema object", s)),
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(
+            schema_at(format, "response_format.schema")?
+                .unwrap_or_else(|| serde_json::json!({"type": "object"})),
+        )),
+        Some("json_schema") => {
+            let Some(Value::Object(spec)) = format.get("json_schema") else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema",
+                    "invalid_value",
+                    "'response_format' of type 'json_schema' needs a 'json_schema' object with its 'schema'",
+                ));
+            };
+            Ok(Some(
+                schema_at(spec, "response_format.json_schema.schema")?.unwrap_or(Value::Bool(true)),
+            ))
+        }
+        _ => Err(ApiError::invalid(
+            P,
+            "unsupported_value",
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+        )),
+    }
 }
 
 /// Parses a body into JSON, refusing what is not a JSON object.
@@ -646,17 +692,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
             }
         }
     }
-    if let Some(v) = field(obj, "response_format") {
-        let text =
-            matches!(v, Value::Object(m) if m.get("type").and_then(Value::as_str) == Some("text"));
-        if !text {
-            return Err(ApiError::invalid(
-                "response_format",
-                "unsupported_value",
-                "only {\"type\": \"text\"} is supported",
-            ));
-        }
-    }
+    let json_schema = parse_response_format(obj)?;
     let sampling = SamplingRequest {
         temperature: opt_f32(obj, "temperature", 0.0, 2.0, false)?,
         top_p: opt_f32(obj, "top_p", 0.0, 1.0, true)?,
@@ -732,6 +768,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
         stream,
         include_usage,
         cache_prompt,
+        json_schema,
     })
 }
 
@@ -780,6 +817,38 @@ mod tests {
         )
         .unwrap();
         assert!(!r.cache_prompt);
+        assert_eq!(r.json_schema, None);
+        // response_format: text, any object, llama-server's object with a schema, OpenAI's
+        // json_schema (no schema: any JSON value).
+        let format = |f: &str| {
+            parse(
+                Endpoint::Chat,
+                &format!(
+                    r#"{{"messages":[{{"role":"user","content":"x"}}],"response_format":{f}}}"#
+                ),
+            )
+            .unwrap()
+            .json_schema
+        };
+        assert_eq!(format(r#"{"type":"text"}"#), None);
+        assert_eq!(
+            format(r#"{"type":"json_object"}"#),
+            Some(serde_json::json!({"type": "object"}))
+        );
+        assert_eq!(
+            format(r#"{"type":"json_object","schema":{"type":"array"}}"#),
+            Some(serde_json::json!({"type": "array"}))
+        );
+        assert_eq!(
+            format(
+                r#"{"type":"json_schema","json_schema":{"name":"n","strict":true,"schema":{"enum":[1,2]}}}"#
+            ),
+            Some(serde_json::json!({"enum": [1, 2]}))
+        );
+        assert_eq!(
+            format(r#"{"type":"json_schema","json_schema":{"name":"n"}}"#),
+            Some(Value::Bool(true))
+        );
     }
 
     #[test]
@@ -790,6 +859,16 @@ mod tests {
                 Endpoint::Completions,
                 r#"{"prompt":"x","cache_prompt":"yes"}"#,
                 Some("cache_prompt"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","response_format":{"type":"yaml"}}"#,
+                Some("response_format"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"x","response_format":{"type":"json_schema","json_schema":{"schema":"s"}}}"#,
+                Some("response_format.json_schema.schema"),
             ),
             (Endpoint::Chat, r#"{"messages":"hi"}"#, Some("messages")),
             (

@@ -12,6 +12,7 @@ use kiln_formats::chat::ChatTemplate;
 use kiln_formats::tokenizer::Tokenizer;
 
 use super::api::{truncate_for_message, ApiError, PromptInput};
+use super::structured::{Constraint, Grammars};
 use crate::engine::Engine;
 
 pub struct Frontend {
@@ -28,6 +29,9 @@ pub struct Frontend {
     /// Bytes of text the longest token stands for: a text longer than
     /// `(context + 2) * max_token_bytes` bytes cannot fit the context, whatever its tokens.
     max_token_bytes: usize,
+    /// Structured outputs (`response_format`); `None` for a model without an
+    /// end-of-sequence token.
+    grammars: Option<Grammars>,
 }
 
 impl Frontend {
@@ -59,6 +63,8 @@ impl Frontend {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let grammars = Grammars::new(std::sync::Arc::new(Tokenizer::from_spec(spec.clone())?))
+            .map_err(|e| kiln_core::Error::Tokenizer(format!("structured outputs: {e}")))?;
         Ok(Frontend {
             id,
             created,
@@ -68,7 +74,28 @@ impl Frontend {
             tokenizer,
             chat,
             max_token_bytes,
+            grammars,
         })
+    }
+
+    /// The output constraint for a JSON schema (`response_format`), one per prompt of the
+    /// request; a 400 naming `response_format` when the schema cannot be used.
+    pub fn json_constraints(
+        &self,
+        schema: &serde_json::Value,
+        prompts: usize,
+    ) -> std::result::Result<Vec<Constraint>, ApiError> {
+        let invalid = |msg: String| ApiError::invalid("response_format", "invalid_value", msg);
+        let Some(grammars) = &self.grammars else {
+            return Err(invalid(
+                "this model has no end-of-sequence token, so a structured output could not end"
+                    .into(),
+            ));
+        };
+        let matcher = grammars.json(schema).map_err(invalid)?;
+        Ok((0..prompts)
+            .map(|_| Constraint::new(matcher.clone(), grammars))
+            .collect())
     }
 
     /// Whether a request's `model` names this model: its id, its file name, or `default`.

@@ -40,6 +40,7 @@ mod frontend;
 pub mod metrics;
 mod scheduler;
 mod stream;
+mod structured;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -713,12 +714,27 @@ async fn generate(
         seed: s.seed.unwrap_or_else(|| st.random()),
         logit_bias: req.logit_bias.clone(),
     };
+    let mut constraints = match req.json_schema.take() {
+        Some(schema) => {
+            let (front, n) = (front.clone(), jobs.len());
+            tokio::task::spawn_blocking(move || front.json_constraints(&schema, n))
+                .await
+                .map_err(|e| ApiError::internal(format!("compiling the JSON schema failed: {e}")))??
+                .into_iter()
+                .map(Some)
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    constraints.resize_with(jobs.len(), || None);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let choices = jobs.len();
-    for (index, (prompt, max_tokens)) in jobs.into_iter().enumerate() {
+    for ((index, (prompt, max_tokens)), constraint) in jobs.into_iter().enumerate().zip(constraints)
+    {
         let job = Job {
             index,
             prompt,
+            constraint,
             params: JobParams {
                 max_tokens,
                 sampling: sampling.clone(),

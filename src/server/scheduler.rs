@@ -75,6 +75,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::frontend::Frontend;
 use super::metrics::Metrics;
+use super::structured::Constraint;
 use super::Shutdown;
 use crate::engine::{Engine, Model};
 
@@ -106,6 +107,8 @@ pub struct Job {
     /// The choice index this job answers (several prompts in one completions request).
     pub index: usize,
     pub prompt: Vec<u32>,
+    /// What the output must match (`response_format`), if anything.
+    pub constraint: Option<Constraint>,
     pub params: JobParams,
     pub events: UnboundedSender<(usize, Event)>,
     /// When the HTTP request arrived (time-to-first-token counts from here).
@@ -376,6 +379,9 @@ struct Running<'t> {
     events: UnboundedSender<(usize, Event)>,
     params: JobParams,
     seq: SeqId,
+    /// The grammar its output must follow (`response_format`); its logits are then
+    /// sampled on the host, masked.
+    constraint: Option<Constraint>,
     prompt_tokens: usize,
     /// Prompt tokens the prompt cache supplied.
     cached_tokens: usize,
@@ -396,6 +402,11 @@ struct Running<'t> {
 }
 
 impl Running<'_> {
+    /// Whether its next token is drawn on the host from the step's logits.
+    fn needs_host_logits(&self) -> bool {
+        self.params.needs_host_logits() || self.constraint.is_some()
+    }
+
     fn send(&self, event: Event) {
         // A closed channel means the client left; the next turn frees the sequence.
         let _ = self.events.send((self.index, event));
@@ -941,6 +952,7 @@ impl<'e> Scheduler<'e> {
             events: job.events,
             params: job.params,
             seq,
+            constraint: job.constraint,
             prompt_tokens: job.prompt.len(),
             cached_tokens: cached,
             history: job.prompt,
@@ -1039,7 +1051,7 @@ impl<'e> Scheduler<'e> {
                 token: r.last,
             })
             .collect();
-        let host = self.running.iter().any(|r| r.params.needs_host_logits());
+        let host = self.running.iter().any(Running::needs_host_logits);
         let mut results: Vec<Result<(u32, Option<TokenLogprob>)>> = Vec::with_capacity(n);
         let outcome = if host {
             let mut logits = std::mem::take(&mut self.logits);
@@ -1118,11 +1130,22 @@ impl<'e> Scheduler<'e> {
                 }
             }
         }
+        if let Some(c) = &mut self.running[i].constraint {
+            c.mask(row, &self.stop_tokens)
+                .map_err(Error::InvalidArgument)?;
+        }
+        let r = &self.running[i];
+        let p = &r.params;
         let top_n = p.logprobs;
         let lse = top_n.map(|_| log_sum_exp(row));
-        // `row` is final (bias and penalties in): the logprobs above and the draw read the
-        // same distribution.
+        // `row` is final (bias, penalties and the output constraint in): the logprobs above
+        // and the draw read the same distribution.
         let token = self.samplers[i].pick(row);
+        if !self.stop_tokens.contains(&token) {
+            if let Some(c) = &mut self.running[i].constraint {
+                c.consume(token).map_err(Error::InvalidArgument)?;
+            }
+        }
         let logprob = match (top_n, lse) {
             (Some(k), Some(lse)) => {
                 if self.token_text.is_empty() {

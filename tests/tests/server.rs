@@ -1273,6 +1273,115 @@ fn serve_prompt_cache_continues_a_conversation() {
     assert_eq!(m["kiln_prompt_tokens_cached_total"], 0.0, "{m:?}");
 }
 
+/// Structured outputs: `response_format` with a JSON schema makes every answer a JSON
+/// value of that schema — required keys, types, bounds, enums, no other keys — at a hot
+/// temperature and across seeds, streamed or not; `json_object` gives a JSON object; a
+/// schema that cannot be used, or an unknown type, is a 400 naming `response_format`.
+#[test]
+fn serve_response_format_constrains_the_output() {
+    let model = test_model();
+    let s = Server::start(&model, &["--max-seqs", "4", "-c", "512"]);
+    s.wait_ready();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+            "colour": {"enum": ["black", "white", "ginger"]},
+            "indoor": {"type": "boolean"},
+        },
+        "required": ["name", "age", "colour", "indoor"],
+        "additionalProperties": false,
+    });
+    let format = json!({"type": "json_schema", "json_schema": {"name": "cat", "schema": schema, "strict": true}});
+    for seed in 0..4 {
+        let body = json!({
+            "messages": user("Describe a cat."), "max_tokens": 96, "temperature": 1.0,
+            "seed": seed, "response_format": format,
+        });
+        let r = s.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            v["choices"][0]["finish_reason"], "stop",
+            "seed {seed}: {text:?}"
+        );
+        let cat: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("seed {seed}: not JSON ({e}): {text:?}"));
+        let obj = cat
+            .as_object()
+            .unwrap_or_else(|| panic!("not an object: {cat}"));
+        let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["age", "colour", "indoor", "name"], "{cat}");
+        assert!(
+            obj["name"]
+                .as_str()
+                .is_some_and(|n| n.chars().count() <= 12),
+            "{cat}"
+        );
+        assert!(obj["age"].as_u64().is_some_and(|a| a <= 30), "{cat}");
+        assert!(
+            ["black", "white", "ginger"].contains(&obj["colour"].as_str().unwrap_or("")),
+            "{cat}"
+        );
+        assert!(obj["indoor"].is_boolean(), "{cat}");
+        // The same request streamed: the same text.
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (text_streamed, finish, _) =
+            stream_text(&s.stream("/v1/chat/completions", &streamed).all());
+        assert_eq!(
+            (text_streamed.as_str(), finish),
+            (text.as_str(), vec!["stop".to_string()])
+        );
+    }
+
+    // Any JSON object; a model may run out of tokens inside one, so only a finished answer
+    // must parse, and every answer starts as an object.
+    for seed in 0..2 {
+        let v = s
+            .post(
+                "/v1/chat/completions",
+                &json!({"messages": user("Give me a JSON object about Paris."), "max_tokens": 160, "temperature": 0.7, "seed": seed, "response_format": {"type": "json_object"}}),
+            )
+            .json();
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(text.trim_start().starts_with('{'), "{text:?}");
+        if v["choices"][0]["finish_reason"] == "stop" {
+            let parsed: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            assert!(parsed.is_object(), "{parsed}");
+        }
+    }
+
+    for (format, code) in [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}),
+            "invalid_value",
+        ),
+        (json!({"type": "json_schema"}), "invalid_value"),
+        (json!({"type": "xml"}), "unsupported_value"),
+        (json!("json"), "invalid_type"),
+    ] {
+        let r = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": user("x"), "response_format": format}),
+        );
+        assert_eq!(r.status, 400, "{format}: {}", r.text());
+        let e = r.error();
+        assert_eq!(e["code"], code, "{format}: {e}");
+        assert!(
+            e["param"].as_str().unwrap().starts_with("response_format"),
+            "{e}"
+        );
+    }
+}
+
 /// A deterministic generator (SplitMix64) for the hostile bodies.
 struct Rng(u64);
 
@@ -1388,7 +1497,16 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
             ],
         ),
         ("tools", &[json!([{"type": "function"}])]),
-        ("response_format", &[json!({"type": "json_object"})]),
+        (
+            "response_format",
+            &[
+                json!({"type": "xml"}),
+                json!({"type": "json_schema"}),
+                json!({"type": "json_schema", "json_schema": {"schema": 5}}),
+                json!({"type": "json_object", "schema": {"type": "frobnicate"}}),
+                json!("json"),
+            ],
+        ),
         ("user", &[json!(5)]),
     ];
     // Strings of 10 MB (over the 4 MiB limit): one body in 50.

@@ -1,0 +1,168 @@
+//! Structured outputs: `response_format` (`json_object`, `json_schema`) as a constraint on
+//! sampling, through llguidance — the constrained-decoding library llama.cpp and vLLM use
+//! too. Its matcher walks the schema's grammar over the bytes of the text generated so
+//! far and, before each token is drawn, says which tokens of the vocabulary can continue
+//! it; the others get a logit of −∞, so whatever the sampler draws keeps the output a
+//! prefix of a conforming JSON value, and end-of-sequence is allowed only once the value
+//! is complete.
+//!
+//! The vocabulary reaches llguidance as a trie of each token's bytes
+//! ([`Tokenizer::token_bytes`]); control tokens are entered under llguidance's special
+//! marker, so text never matches them. Whitespace between JSON tokens is bounded (at most
+//! one newline and a few spaces, as llama.cpp's JSON grammar allows) unless the schema's
+//! `x-guidance` options say otherwise: with unbounded whitespace a model can fill its
+//! whole budget with blanks.
+
+use std::sync::Arc;
+
+use kiln_formats::tokenizer::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value};
+use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+/// Whitespace allowed between JSON tokens when the schema does not choose: one space, or a
+/// newline and up to 20 spaces or tabs of indentation.
+const WHITESPACE: &str = r"[\x20]|\x0A[\x20\x09]{0,20}";
+
+/// The vocabulary as llguidance sees it.
+struct Vocabulary {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        // llguidance tokenizes grammar literals with this; lossy text only for bytes that
+        // are not UTF-8, which no JSON grammar holds.
+        self.tokenizer
+            .encode(&String::from_utf8_lossy(s), false, false)
+            .unwrap_or_default()
+    }
+}
+
+/// Builds the constraint of each request: one per server, made when the model loads.
+pub struct Grammars {
+    factory: ParserFactory,
+    /// The token llguidance allows when a value is complete; every stop token of the model
+    /// is allowed with it (a chat model ends its turn with its own end-of-turn token).
+    eos: TokenId,
+}
+
+impl Grammars {
+    /// The vocabulary trie and the parser factory for `tokenizer`; `None` for a model
+    /// with no end-of-sequence token (a constrained output could never end).
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Option<Grammars>, String> {
+        let Some(eos) = tokenizer
+            .eos()
+            .or_else(|| tokenizer.stop_tokens().first().copied())
+        else {
+            return Ok(None);
+        };
+        let words: Vec<Vec<u8>> = (0..tokenizer.vocab_size() as u32)
+            .map(|t| {
+                let bytes = tokenizer.token_bytes(t).unwrap_or_default();
+                if tokenizer.is_special(t) || tokenizer.stop_tokens().contains(&t) {
+                    // Control tokens are never text: llguidance keeps them behind its marker.
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(tokenizer.piece(t).unwrap_or_default().as_bytes());
+                    w
+                } else {
+                    bytes.to_vec()
+                }
+            })
+            .collect();
+        let info = TokRxInfo::new(words.len() as u32, eos);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(Vocabulary { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Some(Grammars { factory, eos }))
+    }
+
+    /// A fresh matcher for output that must be a JSON value conforming to `schema`, or the
+    /// reason the schema cannot be used (the request's error message).
+    pub fn json(&self, schema: &Value) -> Result<Matcher, String> {
+        let mut schema = match schema {
+            Value::Bool(true) => json!({}),
+            other => other.clone(),
+        };
+        if let Value::Object(o) = &mut schema {
+            if !o.contains_key("x-guidance") {
+                o.insert(
+                    "x-guidance".into(),
+                    json!({"whitespace_pattern": WHITESPACE}),
+                );
+            }
+        } else {
+            return Err("'response_format' needs a JSON schema that is an object".into());
+        }
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_json_schema(schema))
+            .map_err(|e| format!("the JSON schema cannot be used: {e}"))?;
+        let matcher = Matcher::new(Ok(parser));
+        match matcher.get_error() {
+            Some(e) => Err(format!("the JSON schema cannot be used: {e}")),
+            None => Ok(matcher),
+        }
+    }
+
+    /// The end-of-sequence token llguidance's masks speak of.
+    pub fn eos(&self) -> TokenId {
+        self.eos
+    }
+}
+
+/// One sequence's constraint in the scheduler.
+pub struct Constraint {
+    matcher: Matcher,
+    eos: TokenId,
+}
+
+impl Constraint {
+    pub fn new(matcher: Matcher, grammars: &Grammars) -> Constraint {
+        Constraint {
+            matcher,
+            eos: grammars.eos(),
+        }
+    }
+
+    /// Sets every logit the grammar does not allow next to −∞; the stop tokens are allowed
+    /// exactly when the value is complete.
+    pub fn mask(&mut self, logits: &mut [f32], stop_tokens: &[u32]) -> Result<(), String> {
+        let mask = self.matcher.compute_mask_or_eos().map_err(failure)?;
+        let may_end = mask.is_allowed(self.eos);
+        for (t, l) in logits.iter_mut().enumerate() {
+            let t = t as u32;
+            let allowed = if stop_tokens.contains(&t) {
+                may_end
+            } else {
+                // Logit rows may be longer than the tokenizer's vocabulary (padding).
+                (t as usize) < mask.len() && mask.is_allowed(t)
+            };
+            if !allowed {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances the grammar over a drawn token that is not a stop token.
+    pub fn consume(&mut self, token: u32) -> Result<(), String> {
+        self.matcher.consume_token(token).map_err(failure)
+    }
+}
+
+/// llguidance's error, first line only: the rest is a dump of the parser's state.
+fn failure(e: impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    format!(
+        "the output constraint failed: {}",
+        e.lines().next().unwrap_or_default()
+    )
+}
