@@ -1341,6 +1341,40 @@ fn serve_response_format_constrains_the_output() {
         );
     }
 
+    // Definitions and references, arrays with bounds.
+    let pets = json!({
+        "$defs": {"pet": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 20}},
+            "required": ["kind", "age"], "additionalProperties": false,
+        }},
+        "type": "object",
+        "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/pet"}, "minItems": 1, "maxItems": 3}},
+        "required": ["pets"], "additionalProperties": false,
+    });
+    let v = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("List my pets."), "max_tokens": 120, "temperature": 0.9, "seed": 2,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "pets", "schema": pets}}}),
+        )
+        .json();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text:?}");
+    let value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    let list = value["pets"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{value}"));
+    assert!((1..=3).contains(&list.len()), "{value}");
+    for p in list {
+        assert!(
+            ["cat", "dog"].contains(&p["kind"].as_str().unwrap_or("")),
+            "{value}"
+        );
+        assert!(p["age"].as_u64().is_some_and(|a| a <= 20), "{value}");
+        assert_eq!(p.as_object().unwrap().len(), 2, "{value}");
+    }
+
     // Any JSON object; a model may run out of tokens inside one, so only a finished answer
     // must parse, and every answer starts as an object.
     for seed in 0..2 {
