@@ -297,12 +297,22 @@ def inner(args):
 
     checks.run("logprobs", logprobs)
 
+    def several_choices():
+        r = client.chat.completions.create(model=model, messages=user, n=3, max_tokens=4, temperature=0.9, seed=5)
+        expect([c.index for c in r.choices] == [0, 1, 2], r.choices)
+        expect(0 < r.usage.completion_tokens <= 12, r.usage)
+        single = client.chat.completions.create(model=model, messages=user, max_tokens=4, temperature=0.9, seed=5)
+        expect(r.usage.prompt_tokens == single.usage.prompt_tokens, f"{r.usage} vs {single.usage}")
+        expect(r.choices[0].message.content == single.choices[0].message.content, "choice 0 is the request's seed")
+
+    checks.run("n: several choices", several_choices)
+
     def errors():
         expect_error(lambda: client.chat.completions.create(model=model, messages=user, temperature=5),
                      openai.BadRequestError, 400, param="temperature")
         expect_error(lambda: client.chat.completions.create(model=model, messages=user, max_tokens=-1),
                      openai.BadRequestError, 400, param="max_tokens")
-        expect_error(lambda: client.chat.completions.create(model=model, messages=user, n=2),
+        expect_error(lambda: client.chat.completions.create(model=model, messages=user, n=17),
                      openai.BadRequestError, 400, param="n")
         expect_error(lambda: client.chat.completions.create(model="gpt-4o", messages=user),
                      openai.NotFoundError, 404, code="model_not_found")

@@ -22,6 +22,9 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Most prompts in one `/v1/completions` request.
 pub const MAX_PROMPTS: usize = 16;
+/// Most choices (`n`) for one prompt, and in one request (prompts × `n`).
+pub const MAX_N: usize = 16;
+pub const MAX_CHOICES: usize = 64;
 /// Most `logit_bias` entries.
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
@@ -183,6 +186,8 @@ pub struct GenRequest {
     /// `response_format` asks for JSON: the schema the output must match (`json_object`:
     /// any object). `None`: free text.
     pub json_schema: Option<Value>,
+    /// Choices per prompt (`n`).
+    pub n: usize,
 }
 
 /// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` (any JSON object; with
@@ -645,14 +650,17 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
         (None, m) => (m, "max_tokens"),
     };
     let max_tokens = max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
-    if let Some(n) = opt_int(obj, "n", i64::MIN, i64::MAX)? {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                "n",
-                "unsupported_value",
-                format!("'n' must be 1 (kiln returns one choice per prompt); got {n}"),
-            ));
-        }
+    let n = opt_int(obj, "n", 1, MAX_N as i64)?.map_or(1, |n| n as usize);
+    if prompts.len() * n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            "invalid_value",
+            format!(
+                "{} prompts × n = {n} asks for {} choices; at most {MAX_CHOICES} in one request",
+                prompts.len(),
+                prompts.len() * n
+            ),
+        ));
     }
     if endpoint == Endpoint::Completions {
         if let Some(n) = opt_int(obj, "best_of", i64::MIN, i64::MAX)? {
@@ -769,6 +777,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
         include_usage,
         cache_prompt,
         json_schema,
+        n,
     })
 }
 
@@ -908,7 +917,7 @@ mod tests {
             ),
             (
                 Endpoint::Chat,
-                r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"n":17}"#,
                 Some("n"),
             ),
             (

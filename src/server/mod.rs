@@ -170,7 +170,8 @@ impl Shutdown {
 
 struct AppState {
     model: OnceLock<Arc<Frontend>>,
-    jobs: SyncSender<Job>,
+    /// One message per request: its jobs (a choice each). `--queue` bounds requests.
+    jobs: SyncSender<Vec<Job>>,
     metrics: Arc<Metrics>,
     shutdown: Arc<Shutdown>,
     api_key: Option<String>,
@@ -714,9 +715,13 @@ async fn generate(
         seed: s.seed.unwrap_or_else(|| st.random()),
         logit_bias: req.logit_bias.clone(),
     };
+    // `n` choices per prompt: choice `p·n + k` is prompt p's k-th, drawn with the seed + k
+    // (so a seeded request's choices differ from one another, and each is reproducible).
+    let n = req.n;
+    let choices = jobs.len() * n;
     let mut constraints = match req.json_schema.take() {
         Some(schema) => {
-            let (front, n) = (front.clone(), jobs.len());
+            let (front, n) = (front.clone(), choices);
             tokio::task::spawn_blocking(move || front.json_constraints(&schema, n))
                 .await
                 .map_err(|e| ApiError::internal(format!("compiling the JSON schema failed: {e}")))??
@@ -726,18 +731,24 @@ async fn generate(
         }
         None => Vec::new(),
     };
-    constraints.resize_with(jobs.len(), || None);
+    constraints.resize_with(choices, || None);
+    let mut constraints = constraints.into_iter();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let choices = jobs.len();
-    for ((index, (prompt, max_tokens)), constraint) in jobs.into_iter().enumerate().zip(constraints)
-    {
-        let job = Job {
+    let each_choice = jobs
+        .into_iter()
+        .flat_map(|job| std::iter::repeat_n(job, n).enumerate());
+    let mut batch = Vec::with_capacity(choices);
+    for (index, (k, (prompt, max_tokens))) in each_choice.enumerate() {
+        batch.push(Job {
             index,
             prompt,
-            constraint,
+            constraint: constraints.next().flatten(),
             params: JobParams {
                 max_tokens,
-                sampling: sampling.clone(),
+                sampling: SamplingParams {
+                    seed: sampling.seed.wrapping_add(k as u64),
+                    ..sampling.clone()
+                },
                 presence_penalty: req.presence_penalty,
                 frequency_penalty: req.frequency_penalty,
                 stop: req.stop.clone(),
@@ -746,31 +757,32 @@ async fn generate(
             },
             events: tx.clone(),
             received,
-        };
-        st.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-        // Jobs already queued for this request see their receiver dropped and are skipped.
-        match st.jobs.try_send(job) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                st.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                return Err(ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "rate_limit_error",
-                    Some("queue_full"),
-                    "the server's request queue is full; retry later",
-                )
-                .with_retry_after(1));
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                st.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                return Err(ApiError::unavailable(
-                    "shutting_down",
-                    "the server is shutting down",
-                ));
-            }
-        }
+        });
     }
     drop(tx);
+    // The queue-depth gauge counts jobs (choices), the queue's bound requests.
+    let queued = choices as i64;
+    st.metrics.queue_depth.fetch_add(queued, Ordering::Relaxed);
+    match st.jobs.try_send(batch) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            st.metrics.queue_depth.fetch_sub(queued, Ordering::Relaxed);
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("queue_full"),
+                "the server's request queue is full; retry later",
+            )
+            .with_retry_after(1));
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            st.metrics.queue_depth.fetch_sub(queued, Ordering::Relaxed);
+            return Err(ApiError::unavailable(
+                "shutting_down",
+                "the server is shutting down",
+            ));
+        }
+    }
 
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
@@ -785,6 +797,7 @@ async fn generate(
         fingerprint: format!("kiln-{}", front.backend),
         endpoint,
         choices,
+        n,
         include_usage: req.include_usage,
     };
     let logprobs = req.logprobs.is_some();

@@ -186,7 +186,7 @@ pub struct SchedulerConfig {
 /// until shutdown.
 pub fn spawn(
     config: SchedulerConfig,
-    jobs: Receiver<Job>,
+    jobs: Receiver<Vec<Job>>,
     metrics: Arc<Metrics>,
     shutdown: Arc<Shutdown>,
     ready: tokio::sync::oneshot::Sender<Result<Arc<Frontend>>>,
@@ -524,13 +524,15 @@ impl<'e> Scheduler<'e> {
         self
     }
 
-    fn run(mut self, jobs: &Receiver<Job>, shutdown: &Shutdown) {
+    /// Serves the requests arriving on `jobs` (each a batch of jobs, a choice each) until
+    /// shutdown.
+    fn run(mut self, jobs: &Receiver<Vec<Job>>, shutdown: &Shutdown) {
         let mut deadline: Option<Instant> = None;
         self.update_gauges();
         loop {
             if shutdown.is_set() {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.grace);
-                while let Ok(job) = jobs.try_recv() {
+                for job in jobs.try_iter().flatten() {
                     self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
                     refuse_for_shutdown(&job);
                 }
@@ -573,19 +575,21 @@ impl<'e> Scheduler<'e> {
                         }
                         continue;
                     }
-                    let job = if self.alive() == 0 {
+                    let request = if self.alive() == 0 {
                         match jobs.recv_timeout(Duration::from_millis(50)) {
-                            Ok(job) => job,
+                            Ok(request) => request,
                             Err(RecvTimeoutError::Timeout) => break,
                             Err(RecvTimeoutError::Disconnected) => return,
                         }
                     } else {
                         match jobs.try_recv() {
-                            Ok(job) => job,
+                            Ok(request) => request,
                             Err(_) => break,
                         }
                     };
-                    self.enqueue(job);
+                    for job in request {
+                        self.enqueue(job);
+                    }
                 }
             }
             // Clients that went away: free their slots before spending a step on them.

@@ -26,6 +26,8 @@ pub struct Meta {
     pub fingerprint: String,
     pub endpoint: Endpoint,
     pub choices: usize,
+    /// Choices per prompt: choice i answers prompt i / n, whose prompt tokens count once.
+    pub n: usize,
     pub include_usage: bool,
 }
 
@@ -133,8 +135,9 @@ pub async fn collect(
             } => return Err(event_error(message, shutting_down)),
         }
     }
-    let prompt: usize = choices.iter().map(|c| c.prompt_tokens).sum();
-    let cached: usize = choices.iter().map(|c| c.cached_tokens).sum();
+    let firsts = || choices.iter().step_by(meta.n.max(1));
+    let prompt: usize = firsts().map(|c| c.prompt_tokens).sum();
+    let cached: usize = firsts().map(|c| c.cached_tokens).sum();
     let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
     let list: Vec<Value> = choices
         .iter()
@@ -257,8 +260,11 @@ impl StreamState {
                 completion_tokens,
             } => {
                 self.delta(i, String::new(), None, Some(finish));
-                self.prompt_tokens += prompt_tokens;
-                self.cached_tokens += cached_tokens;
+                if i % self.meta.n.max(1) == 0 {
+                    // A prompt's tokens count once, however many choices it has.
+                    self.prompt_tokens += prompt_tokens;
+                    self.cached_tokens += cached_tokens;
+                }
                 self.completion_tokens += completion_tokens;
                 self.open -= 1;
                 if self.open == 0 {

@@ -755,9 +755,52 @@ fn serve_openai_api() {
     );
     let r = s.post(
         "/v1/chat/completions",
-        &json!({"messages": user("x"), "n": 2}),
+        &json!({"messages": user("x"), "n": 17}),
     );
     assert_eq!((r.status, r.error()["param"].clone()), (400, json!("n")));
+    // Several choices: `n` per prompt, indexed prompt-major; a prompt's tokens count once.
+    let sampled_n = json!({"prompt": ["Once upon a time", "The sea"], "n": 3, "max_tokens": 6, "temperature": 0.9, "seed": 77, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()});
+    let v = s.post("/v1/completions", &sampled_n).json();
+    let list = v["choices"].as_array().unwrap();
+    assert_eq!(list.len(), 6, "{v}");
+    for (i, c) in list.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+    }
+    let one = |p: &str, seed: u64| {
+        s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 6, "temperature": 0.9, "seed": seed, "logit_bias": serde_json::from_str::<Value>(NO_EOS).unwrap()}))
+            .json()
+    };
+    // Choice k of a prompt is that prompt drawn alone with the seed + k.
+    for (i, (p, k)) in [
+        ("Once upon a time", 0),
+        ("Once upon a time", 2),
+        ("The sea", 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let alone = one(p, 77 + k);
+        let at = if p == "The sea" { 3 + k } else { k };
+        assert_eq!(
+            list[at as usize]["text"], alone["choices"][0]["text"],
+            "case {i}: {v}"
+        );
+    }
+    let prompts: u64 = ["Once upon a time", "The sea"]
+        .iter()
+        .map(|p| one(p, 1)["usage"]["prompt_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        v["usage"]["prompt_tokens"], prompts,
+        "counted once per prompt: {v}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 36, "{v}");
+    // Streamed, every choice finishes under its own index.
+    let (_, finish, _) = stream_text(
+        &s.stream("/v1/chat/completions", &json!({"messages": user("Hi"), "n": 2, "max_tokens": 3, "temperature": 0, "stream": true}))
+            .all(),
+    );
+    assert_eq!(finish.len(), 2);
     let r = s.post(
         "/v1/chat/completions",
         &json!({"model": "gpt-4o", "messages": user("x")}),
@@ -1493,7 +1536,7 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
             "max_completion_tokens",
             &[json!(0), json!(-1), json!(u64::MAX)],
         ),
-        ("n", &[json!(0), json!(2), json!(-1), json!(1e10)]),
+        ("n", &[json!(0), json!(17), json!(-1), json!(1e10)]),
         ("presence_penalty", &[json!(2.5), json!(-2.5), json!("x")]),
         ("frequency_penalty", &[json!(9), json!(-1e30)]),
         ("seed", &[json!("seed"), json!(1.5), json!(1e30)]),
