@@ -10,8 +10,12 @@
 //!   ([`scheduler`]), which then owns the `Engine` for the life of the server: executors
 //!   are not `Sync`, and each of their calls is a blocking compute step. Handlers never
 //!   touch it; they validate the body ([`api`]), render and tokenize the prompt with their
-//!   own copy of the tokenizer ([`frontend`], on tokio's blocking pool), and send a job
-//!   over a bounded channel (`--queue`). A full queue answers 429 with `Retry-After`.
+//!   own copy of the tokenizer ([`frontend`], on tokio's blocking pool), compile a
+//!   `response_format` schema into a sampling constraint ([`structured`]), and send the
+//!   request's jobs (one per choice: prompts × `n`) as one message over a bounded channel
+//!   (`--queue` requests). A full queue answers 429 with `Retry-After`.
+//! - Finished sequences are kept with their KV cache for prompts that continue them (the
+//!   prompt cache, see [`scheduler`]); `--no-prompt-cache` frees them instead.
 //! - The engine thread runs up to `--max-seqs` sequences (the executor is loaded with that
 //!   many KV slots) with continuous batching: one batched decode step for all of them per
 //!   turn, sequences joining and leaving between steps. Where the executor pages its KV
