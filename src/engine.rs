@@ -14,6 +14,7 @@ use kiln_formats::gguf::GgufFile;
 use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 
 use crate::session::Session;
+use crate::structured::{Constraint, Grammars};
 
 /// The container a model came in.
 pub enum ModelFile {
@@ -135,6 +136,9 @@ pub struct Engine {
     /// Every backend's verdict, best first, as selection saw them.
     pub candidates: Vec<Candidate>,
     pub(crate) executor: Box<dyn LayerExecutor>,
+    /// Structured outputs' vocabulary and parser factory, built on first use (`None`
+    /// inside: the model has no end-of-sequence token).
+    grammars: Option<Option<Grammars>>,
 }
 
 impl Engine {
@@ -162,7 +166,27 @@ impl Engine {
             backend,
             candidates,
             executor,
+            grammars: None,
         })
+    }
+
+    /// A constraint that makes the output a JSON value matching `schema` (structured
+    /// output, [`crate::structured`]); `GenerateParams::json_schema` uses it.
+    pub fn json_constraint(&mut self, schema: &serde_json::Value) -> Result<Constraint> {
+        if self.grammars.is_none() {
+            let tokenizer = Tokenizer::from_spec(self.model.tokenizer_spec.clone())?;
+            let grammars = Grammars::new(Arc::new(tokenizer))
+                .map_err(|e| Error::Tokenizer(format!("structured outputs: {e}")))?;
+            self.grammars = Some(grammars);
+        }
+        let Some(Some(grammars)) = &self.grammars else {
+            return Err(Error::InvalidArgument(
+                "this model has no end-of-sequence token, so a structured output could not end"
+                    .into(),
+            ));
+        };
+        let matcher = grammars.json(schema).map_err(Error::InvalidArgument)?;
+        Ok(Constraint::new(matcher, grammars))
     }
 
     pub fn backend_name(&self) -> &str {

@@ -14,6 +14,7 @@ pub mod fetch;
 pub mod plugins;
 pub mod server;
 pub mod session;
+pub mod structured;
 pub mod toolkit;
 
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};

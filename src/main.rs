@@ -134,16 +134,45 @@ struct SamplingArgs {
     /// Stop when the output contains this string; repeatable.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// Constrain the output to JSON matching this JSON schema (e.g. '{"type": "object"}'
+    /// for any object), as llama.cpp's --json-schema does.
+    #[arg(
+        short = 'j',
+        long = "json-schema",
+        value_name = "SCHEMA",
+        conflicts_with = "json_schema_file"
+    )]
+    json_schema: Option<String>,
+    /// Like --json-schema, with the schema read from a file.
+    #[arg(long = "json-schema-file", value_name = "PATH")]
+    json_schema_file: Option<PathBuf>,
 }
 
 impl SamplingArgs {
-    fn params(&self, max_tokens: usize) -> GenerateParams {
+    /// The JSON schema of --json-schema / --json-schema-file, checked to be JSON.
+    fn json_schema(&self) -> Result<Option<serde_json::Value>> {
+        let (text, source) = match (&self.json_schema, &self.json_schema_file) {
+            (Some(s), _) => (s.clone(), "--json-schema".to_string()),
+            (None, Some(path)) => (
+                std::fs::read_to_string(path).map_err(|e| {
+                    Error::InvalidArgument(format!("--json-schema-file {}: {e}", path.display()))
+                })?,
+                format!("--json-schema-file {}", path.display()),
+            ),
+            (None, None) => return Ok(None),
+        };
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| Error::InvalidArgument(format!("{source} is not JSON: {e}")))
+    }
+
+    fn params(&self, max_tokens: usize) -> Result<GenerateParams> {
         let seed = self.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
         });
-        GenerateParams {
+        Ok(GenerateParams {
             max_tokens,
             sampling: SamplingParams {
                 temperature: self.temperature,
@@ -157,7 +186,8 @@ impl SamplingArgs {
             },
             stop_strings: self.stop.clone(),
             stop_on_eos: true,
-        }
+            json_schema: self.json_schema()?,
+        })
     }
 }
 
@@ -322,9 +352,14 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) 
 }
 
 fn cmd_run(args: RunArgs) -> Result<()> {
+    let params = args.sampling.params(args.n_predict)?;
     let load_start = std::time::Instant::now();
     let mut engine = load_engine(&args.model)?;
     let load_time = load_start.elapsed();
+    if let Some(schema) = &params.json_schema {
+        // A schema that cannot be used fails before anything is printed.
+        engine.json_constraint(schema)?;
+    }
     let model = &engine.model;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
@@ -341,7 +376,6 @@ fn cmd_run(args: RunArgs) -> Result<()> {
             .tokenizer
             .encode(&args.prompt, model.tokenizer.add_bos_default(), false)?
     };
-    let params = args.sampling.params(args.n_predict);
     let json = args.format == OutputFormat::Json;
     let backend = engine.backend_name().to_string();
     let mut session = engine.session()?;
@@ -397,6 +431,7 @@ fn print_summary(backend: &str, g: &Generation) {
 const MAX_CHAT_LINE: usize = 4 << 20;
 
 fn cmd_chat(args: ChatArgs) -> Result<()> {
+    let params = args.sampling.params(args.n_predict)?;
     let mut engine = load_engine(&args.model)?;
     let backend = engine.backend_name().to_string();
     let mut messages = Vec::new();
@@ -432,11 +467,10 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
             .tokenizer
             .encode(&text, model.tokenizer.add_bos_default(), true)?;
         let mut stdout = std::io::stdout();
-        let generation =
-            session.generate(&ids, &args.sampling.params(args.n_predict), |piece| {
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
-            })?;
+        let generation = session.generate(&ids, &params, |piece| {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        })?;
         println!();
         print_summary(&backend, &generation);
         messages.push(ChatMessage::new("assistant", generation.text.trim()));

@@ -19,6 +19,11 @@ pub struct GenerateParams {
     pub stop_strings: Vec<String>,
     /// Stop on the model's end-of-sequence / end-of-turn tokens.
     pub stop_on_eos: bool,
+    /// Structured output: the text must be a JSON value matching this schema (a JSON
+    /// schema; `{"type": "object"}` for any object). Tokens are then drawn on the host from
+    /// masked logits ([`crate::structured`]), and a stop token ends the turn only once the
+    /// value is complete.
+    pub json_schema: Option<serde_json::Value>,
 }
 
 impl Default for GenerateParams {
@@ -28,6 +33,7 @@ impl Default for GenerateParams {
             sampling: SamplingParams::default(),
             stop_strings: Vec::new(),
             stop_on_eos: true,
+            json_schema: None,
         }
     }
 }
@@ -140,6 +146,11 @@ impl<'e> Session<'e> {
             )));
         }
 
+        let mut constraint = match &params.json_schema {
+            Some(schema) => Some(self.engine.json_constraint(schema)?),
+            None => None,
+        };
+
         // Keep the longest cached prefix, but always prefill at least one token: its
         // logits start the generation.
         let mut keep = self
@@ -187,10 +198,28 @@ impl<'e> Session<'e> {
             });
         }
         kiln_core::check_finite(&self.logits)?;
-        let mut token = sampler.sample(&mut self.logits);
+        // A constrained draw: bias and penalties, the grammar's mask, the pick; the grammar
+        // then takes the token (a stop token only ever comes once the value is complete).
+        let draw = |sampler: &mut Sampler,
+                    constraint: &mut Option<crate::structured::Constraint>,
+                    logits: &mut [f32]|
+         -> Result<u32> {
+            let Some(c) = constraint else {
+                return Ok(sampler.sample(logits));
+            };
+            sampler.adjust(logits);
+            c.mask(logits, &stop_tokens)
+                .map_err(Error::InvalidArgument)?;
+            let token = sampler.pick(logits);
+            if !stop_tokens.contains(&token) {
+                c.consume(token).map_err(Error::InvalidArgument)?;
+            }
+            Ok(token)
+        };
+        let mut token = draw(&mut sampler, &mut constraint, &mut self.logits)?;
         let first_token_time = start.elapsed();
         loop {
-            if params.stop_on_eos && stop_tokens.contains(&token) {
+            if (params.stop_on_eos || constraint.is_some()) && stop_tokens.contains(&token) {
                 finish = FinishReason::Stop;
                 break;
             }
@@ -220,16 +249,24 @@ impl<'e> Session<'e> {
                 token,
             };
             let mut next = [0u32];
-            exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)
-                .map_err(|e| match e {
-                    Error::NonFiniteLogits { .. } => Error::NonFiniteLogits {
-                        step: decode_steps + 1,
-                    },
-                    other => other,
-                })?;
+            let step = if constraint.is_some() {
+                exec.decode(&[item], &mut self.logits)
+                    .and_then(|()| kiln_core::check_finite(&self.logits))
+            } else {
+                exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)
+            };
+            step.map_err(|e| match e {
+                Error::NonFiniteLogits { .. } => Error::NonFiniteLogits {
+                    step: decode_steps + 1,
+                },
+                other => other,
+            })?;
             self.cached.push(token);
             decode_steps += 1;
-            token = next[0];
+            token = match constraint {
+                Some(_) => draw(&mut sampler, &mut constraint, &mut self.logits)?,
+                None => next[0],
+            };
         }
         let decode_time = decode_start.elapsed();
         if let Some(rest) = stream.flush() {

@@ -12,8 +12,8 @@ use kiln_formats::chat::ChatTemplate;
 use kiln_formats::tokenizer::Tokenizer;
 
 use super::api::{truncate_for_message, ApiError, PromptInput};
-use super::structured::{Constraint, Grammars};
 use crate::engine::Engine;
+use crate::structured::{Constraint, Grammars};
 
 pub struct Frontend {
     /// The model's id in the API: the file name without its extension.

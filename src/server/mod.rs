@@ -11,7 +11,7 @@
 //!   are not `Sync`, and each of their calls is a blocking compute step. Handlers never
 //!   touch it; they validate the body ([`api`]), render and tokenize the prompt with their
 //!   own copy of the tokenizer ([`frontend`], on tokio's blocking pool), compile a
-//!   `response_format` schema into a sampling constraint ([`structured`]), and send the
+//!   `response_format` schema into a sampling constraint ([`crate::structured`]), and send the
 //!   request's jobs (one per choice: prompts × `n`) as one message over a bounded channel
 //!   (`--queue` requests). A full queue answers 429 with `Retry-After`.
 //! - Finished sequences are kept with their KV cache for prompts that continue them (the
@@ -44,7 +44,6 @@ mod frontend;
 pub mod metrics;
 mod scheduler;
 mod stream;
-mod structured;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -75,9 +75,9 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::frontend::Frontend;
 use super::metrics::Metrics;
-use super::structured::Constraint;
 use super::Shutdown;
 use crate::engine::{Engine, Model};
+use crate::structured::Constraint;
 
 /// How to generate for one job.
 #[derive(Debug, Clone)]

@@ -461,3 +461,87 @@ fn bench_at_a_depth_of_context_names_its_tests_like_llama_bench() {
         stderr(&out)
     );
 }
+
+#[test]
+fn json_schema_makes_the_output_json() {
+    let Some(model) = smollm2_or_skip("json_schema_makes_the_output_json") else {
+        return;
+    };
+    let model = model.to_str().unwrap();
+    let schema = r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}"#;
+    let out = kiln(&[
+        "run",
+        "Name a city.",
+        "--chat",
+        "-n",
+        "48",
+        "--temp",
+        "0.9",
+        "--seed",
+        "4",
+        "--json-schema",
+        schema,
+        "--format",
+        "json",
+        "-m",
+        model,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    assert_eq!(v["finish_reason"], "stop", "{v}");
+    let answer: serde_json::Value =
+        serde_json::from_str(v["text"].as_str().unwrap()).expect("the text is JSON");
+    assert!(
+        answer["city"].is_string() && answer.as_object().unwrap().len() == 1,
+        "{answer}"
+    );
+
+    // From a file, the same schema gives the same answer.
+    let file = std::env::temp_dir().join(format!("kiln-schema-{}.json", std::process::id()));
+    std::fs::write(&file, schema).unwrap();
+    let again = kiln(&[
+        "run",
+        "Name a city.",
+        "--chat",
+        "-n",
+        "48",
+        "--temp",
+        "0.9",
+        "--seed",
+        "4",
+        "--json-schema-file",
+        file.to_str().unwrap(),
+        "--format",
+        "json",
+        "-m",
+        model,
+    ]);
+    std::fs::remove_file(&file).ok();
+    let w: serde_json::Value =
+        serde_json::from_str(stdout(&again).trim()).expect("one JSON object");
+    assert_eq!(w["text"], v["text"]);
+
+    // Bad schemas fail before anything is printed, saying why.
+    for (bad, says) in [
+        ("{nope", "not JSON"),
+        (r#"{"type": "frob"}"#, "cannot be used"),
+    ] {
+        let out = kiln(&["run", "x", "-n", "4", "--json-schema", bad, "-m", model]);
+        assert!(!out.status.success());
+        assert!(stdout(&out).is_empty(), "{}", stdout(&out));
+        assert!(stderr(&out).contains(says), "{}", stderr(&out));
+    }
+    let out = kiln(&[
+        "run",
+        "x",
+        "--json-schema-file",
+        "/no/such/schema.json",
+        "-m",
+        model,
+    ]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("/no/such/schema.json"),
+        "{}",
+        stderr(&out)
+    );
+}

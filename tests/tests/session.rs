@@ -111,3 +111,85 @@ fn diverging_prompt_rolls_the_cache_back() {
         .unwrap();
     assert_eq!(fresh.ids, reused.ids);
 }
+
+/// Structured output through the library: with `json_schema` the text is a JSON value of
+/// that schema at a hot temperature, whatever the seed; a schema that cannot be used is an
+/// `InvalidArgument` that leaves the session's cache as it was.
+#[test]
+fn json_schema_constrains_the_generation() {
+    let Some(path) = smollm2_or_skip("json_schema_constrains_the_generation") else {
+        return;
+    };
+    let (registry, _) = registry_with_plugins(&[]);
+    let mut engine = Engine::load(
+        Model::open(&path).unwrap(),
+        &registry,
+        Some("cpu"),
+        &LoadOptions {
+            max_context: 512,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 1, "maximum": 99},
+        },
+        "required": ["colour", "count"],
+        "additionalProperties": false,
+    });
+    let m = &engine.model;
+    let prompt = m
+        .tokenizer
+        .encode(
+            &m.chat_template
+                .render(
+                    &[ChatMessage::new("user", "Pick a colour and a number.")],
+                    true,
+                )
+                .unwrap(),
+            false,
+            true,
+        )
+        .unwrap();
+    let mut session = engine.session().unwrap();
+    for seed in 0..3 {
+        let params = GenerateParams {
+            max_tokens: 64,
+            sampling: SamplingParams {
+                temperature: 1.2,
+                seed,
+                ..Default::default()
+            },
+            json_schema: Some(schema.clone()),
+            ..Default::default()
+        };
+        let g = session.generate(&prompt, &params, |_| {}).unwrap();
+        assert_eq!(g.finish, kiln::session::FinishReason::Stop, "{:?}", g.text);
+        let v: serde_json::Value =
+            serde_json::from_str(&g.text).unwrap_or_else(|e| panic!("{e}: {:?}", g.text));
+        assert!(
+            ["red", "green", "blue"].contains(&v["colour"].as_str().unwrap_or("")),
+            "{v}"
+        );
+        assert!(
+            v["count"].as_u64().is_some_and(|c| (1..=99).contains(&c)),
+            "{v}"
+        );
+        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+    }
+    let before = session.cached_tokens().to_vec();
+    let bad = GenerateParams {
+        json_schema: Some(serde_json::json!({"type": "frobnicate"})),
+        ..Default::default()
+    };
+    let e = session.generate(&prompt[..3], &bad, |_| {}).unwrap_err();
+    assert!(matches!(e, kiln_core::Error::InvalidArgument(_)), "{e}");
+    assert_eq!(
+        session.cached_tokens(),
+        before.as_slice(),
+        "a refused call changes nothing"
+    );
+}
