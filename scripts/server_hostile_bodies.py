@@ -57,7 +57,9 @@ def must_fail_values():
         ("logit_bias", [{"x": 1}, {"5": 1000}, [1], {"-3": 1}, 7]),
         ("tools", [[{"type": "function"}]]),
         ("response_format", [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}},
-                             {"type": "json_object", "schema": {"type": "frobnicate"}}, "json"]),
+                             {"type": "json_object", "schema": {"type": "frobnicate"}},
+                             {"type": "json_object", "schema": {"$ref": "#/$defs/nope"}},
+                             {"type": "json_object", "schema": {"$ref": "http://example.invalid/s.json"}}, "json"]),
         ("user", [5, ["u"]]),
     ]
 

@@ -1581,6 +1581,10 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
                 json!({"type": "json_schema"}),
                 json!({"type": "json_schema", "json_schema": {"schema": 5}}),
                 json!({"type": "json_object", "schema": {"type": "frobnicate"}}),
+                // A reference to nothing, and one that would need the network: refused,
+                // nothing fetched.
+                json!({"type": "json_object", "schema": {"$ref": "#/$defs/nope"}}),
+                json!({"type": "json_object", "schema": {"$ref": "http://example.invalid/s.json"}}),
                 json!("json"),
             ],
         ),
