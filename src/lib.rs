@@ -2,7 +2,9 @@
 //!
 //! The host-facing library: open a model file ([`Model::open`]), ask the registry which
 //! backend runs it ([`registry_with_plugins`], [`Engine::load`]), and generate text through
-//! sessions ([`Session::generate`]). The `kiln` binary (src/main.rs) is a thin CLI over it.
+//! sessions ([`Session::generate`]) or, for many generations at once, through the
+//! continuous batch `kiln serve` runs ([`Batcher`]). The `kiln` binary (src/main.rs) is a
+//! thin CLI over it.
 //!
 //! Built-in backends are linked in here and register themselves through `inventory`;
 //! third-party backends are loaded from `.so` plugins ([`plugins`]).
@@ -18,6 +20,7 @@ pub mod structured;
 pub mod toolkit;
 
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
+pub use server::batcher::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use session::{FinishReason, GenerateParams, Generation, Session};
 
 pub use kiln_core as core;

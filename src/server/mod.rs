@@ -40,6 +40,7 @@
 //! min_p 0.05); presence/frequency penalties count generated tokens, as OpenAI defines them.
 
 pub mod api;
+pub mod batcher;
 mod frontend;
 pub mod metrics;
 mod scheduler;

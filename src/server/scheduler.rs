@@ -208,31 +208,72 @@ pub fn spawn(
                     return;
                 }
             };
-            metrics
-                .slots_total
-                .store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
-            if let Some(kv) = engine.executor.kv_blocks() {
-                metrics
-                    .kv_blocks_total
-                    .store(kv.total as i64, Ordering::Relaxed);
-                metrics
-                    .kv_blocks_used
-                    .store(kv.in_use() as i64, Ordering::Relaxed);
-                metrics
-                    .kv_block_bytes
-                    .store(kv.block_bytes as i64, Ordering::Relaxed);
-            }
-            metrics.model_loaded.store(true, Ordering::Relaxed);
+            record_loaded(&mut engine, &metrics);
             if ready.send(Ok(frontend)).is_err() {
                 return;
             }
-            let Engine {
-                model, executor, ..
-            } = &mut engine;
-            Scheduler::new(model, executor.as_mut(), &metrics, config.shutdown_grace)
-                .with_prompt_cache(config.prompt_cache)
-                .run(&jobs, &shutdown);
+            serve(
+                &mut engine,
+                &jobs,
+                &metrics,
+                &shutdown,
+                config.shutdown_grace,
+                config.prompt_cache,
+            );
         })
+}
+
+/// Starts the engine thread on a model already loaded (the library's [`super::Batcher`]).
+pub fn spawn_loaded(
+    mut engine: Engine,
+    jobs: Receiver<Vec<Job>>,
+    metrics: Arc<Metrics>,
+    shutdown: Arc<Shutdown>,
+    grace: Duration,
+    prompt_cache: bool,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("kiln-engine".into())
+        .spawn(move || {
+            record_loaded(&mut engine, &metrics);
+            serve(&mut engine, &jobs, &metrics, &shutdown, grace, prompt_cache);
+        })
+}
+
+/// The gauges that a loaded model fixes: slots, the KV pool.
+fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
+    metrics
+        .slots_total
+        .store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
+    if let Some(kv) = engine.executor.kv_blocks() {
+        metrics
+            .kv_blocks_total
+            .store(kv.total as i64, Ordering::Relaxed);
+        metrics
+            .kv_blocks_used
+            .store(kv.in_use() as i64, Ordering::Relaxed);
+        metrics
+            .kv_block_bytes
+            .store(kv.block_bytes as i64, Ordering::Relaxed);
+    }
+    metrics.model_loaded.store(true, Ordering::Relaxed);
+}
+
+/// The engine thread's loop over `jobs` until shutdown.
+fn serve(
+    engine: &mut Engine,
+    jobs: &Receiver<Vec<Job>>,
+    metrics: &Metrics,
+    shutdown: &Shutdown,
+    grace: Duration,
+    prompt_cache: bool,
+) {
+    let Engine {
+        model, executor, ..
+    } = engine;
+    Scheduler::new(model, executor.as_mut(), metrics, grace)
+        .with_prompt_cache(prompt_cache)
+        .run(jobs, shutdown);
 }
 
 fn load(config: &SchedulerConfig) -> Result<Engine> {
@@ -946,10 +987,15 @@ impl<'e> Scheduler<'e> {
         self.metrics
             .prompt_tokens_cached
             .fetch_add(cached as u64, Ordering::Relaxed);
-        let mut sampling = job.params.sampling.clone();
-        // OpenAI's penalties replace llama.cpp's repetition penalty; the sampler needs no history.
-        sampling.repeat_penalty = 1.0;
-        sampling.repeat_last_n = 0;
+        let sampling = job.params.sampling.clone();
+        // A repetition penalty (the library's `Batcher`; the server's requests use OpenAI's
+        // penalties instead) counts the prompt, as a `Session` does.
+        let mut sampler = Sampler::new(sampling);
+        if job.params.sampling.repeat_penalty != 1.0 {
+            for &t in &job.prompt {
+                sampler.accept(t);
+            }
+        }
         self.running.push(Running {
             ticket,
             index: job.index,
@@ -969,7 +1015,7 @@ impl<'e> Scheduler<'e> {
             last_token_at: None,
             done: false,
         });
-        self.samplers.push(Sampler::new(sampling));
+        self.samplers.push(sampler);
         // The gauges count this sequence before its client can see a token.
         self.update_gauges();
         let i = self.running.len() - 1;

@@ -1,0 +1,168 @@
+//! The library's continuous batch (`kiln::Batcher`), as a host application drives it: more
+//! generations than slots at once, each the text a `Session` gives alone; cancellation by
+//! dropping a stream, from another thread; structured output; `finish` and drop.
+
+use std::time::{Duration, Instant};
+
+use kiln::{
+    registry_with_plugins, BatchEvent, BatchOptions, BatchStream, Batcher, Engine, GenerateParams,
+    Model,
+};
+use kiln_core::{LoadOptions, SamplingParams};
+use kiln_tests::smollm2_or_skip;
+
+fn engine(path: &std::path::Path, sequences: usize) -> Engine {
+    let (registry, errors) = registry_with_plugins(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    Engine::load(
+        Model::open(path).unwrap(),
+        &registry,
+        Some("cpu"),
+        &LoadOptions {
+            max_context: 512,
+            max_sequences: sequences,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// The stream's text and how it finished.
+fn collect(stream: BatchStream) -> (String, String) {
+    let mut text = String::new();
+    for event in stream {
+        match event {
+            BatchEvent::Delta { text: t, .. } => text.push_str(&t),
+            BatchEvent::Done { finish, .. } => return (text, finish.as_str().to_string()),
+            BatchEvent::Error { message, .. } => panic!("error event: {message}"),
+        }
+    }
+    panic!("the stream ended without Done")
+}
+
+fn gauge(batcher: &Batcher, name: &str) -> f64 {
+    let text = batcher.metrics().render();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("{name} not in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn more_generations_than_slots_each_as_a_session_gives_it() {
+    let Some(path) = smollm2_or_skip("more_generations_than_slots_each_as_a_session_gives_it")
+    else {
+        return;
+    };
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def fibonacci(n):",
+        "The three primary colours are",
+        "Water boils at",
+        "My favourite book is",
+    ];
+    let params = GenerateParams {
+        max_tokens: 20,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
+    // Alone, one after another.
+    let mut single = engine(&path, 1);
+    let tok = |e: &Engine, p: &str| e.model.tokenizer.encode(p, true, false).unwrap();
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| tok(&single, p)).collect();
+    let alone: Vec<(String, usize)> = ids
+        .iter()
+        .map(|p| {
+            let mut session = single.session().unwrap();
+            let g = session.generate(p, &params, |_| {}).unwrap();
+            (g.text, g.ids.len())
+        })
+        .collect();
+    drop(single);
+
+    // Six at once on three slots, each read on its own thread.
+    let batcher = Batcher::start(engine(&path, 3), BatchOptions::default()).unwrap();
+    let streams: Vec<BatchStream> = ids
+        .iter()
+        .map(|p| batcher.submit(p.clone(), &params).unwrap())
+        .collect();
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|s| std::thread::spawn(move || collect(s)))
+        .collect();
+    for (i, r) in readers.into_iter().enumerate() {
+        let (text, _) = r.join().unwrap();
+        assert_eq!(text, alone[i].0, "prompt {i} ({:?})", prompts[i]);
+    }
+    assert_eq!(gauge(&batcher, "kiln_running_sequences"), 0.0);
+    let generated: usize = alone.iter().map(|a| a.1).sum();
+    assert_eq!(
+        gauge(&batcher, "kiln_generation_tokens_total") as usize,
+        generated
+    );
+    batcher.finish();
+}
+
+#[test]
+fn dropping_a_stream_cancels_it_and_frees_its_slot() {
+    let Some(path) = smollm2_or_skip("dropping_a_stream_cancels_it_and_frees_its_slot") else {
+        return;
+    };
+    let batcher = Batcher::start(engine(&path, 1), BatchOptions::default()).unwrap();
+    let prompt = batcher
+        .tokenizer()
+        .encode("Tell me a very long story.", true, false)
+        .unwrap();
+    let long = GenerateParams {
+        max_tokens: 400,
+        sampling: SamplingParams {
+            logit_bias: vec![(0, -100.0), (1, -100.0), (2, -100.0)],
+            ..SamplingParams::greedy()
+        },
+        ..Default::default()
+    };
+    let mut stream = batcher.submit(prompt.clone(), &long).unwrap();
+    assert!(matches!(stream.next(), Some(BatchEvent::Delta { .. })));
+    // Cancelled from another thread; the one slot is free again for the next generation,
+    // which would otherwise wait for 400 tokens.
+    std::thread::spawn(move || drop(stream)).join().unwrap();
+    let start = Instant::now();
+    let short = GenerateParams {
+        max_tokens: 4,
+        ..long.clone()
+    };
+    let (_, finish) = collect(batcher.submit(prompt.clone(), &short).unwrap());
+    assert_eq!(finish, "length");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "waited {:?}",
+        start.elapsed()
+    );
+    assert!(gauge(&batcher, "kiln_sequences_cancelled_total") >= 1.0);
+
+    // A schema makes the output JSON; stop_on_eos false is refused.
+    let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+    let json = GenerateParams {
+        max_tokens: 32,
+        json_schema: Some(schema),
+        ..Default::default()
+    };
+    let (text, finish) = collect(batcher.submit(prompt.clone(), &json).unwrap());
+    assert_eq!(finish, "stop", "{text:?}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(v["ok"].is_boolean(), "{v}");
+    let no_eos = GenerateParams {
+        stop_on_eos: false,
+        ..Default::default()
+    };
+    assert!(batcher.submit(prompt.clone(), &no_eos).is_err());
+
+    // Dropping the batcher cancels what runs: the stream ends with `cancelled`.
+    let stream = batcher.submit(prompt, &long).unwrap();
+    let reader = std::thread::spawn(move || collect(stream));
+    std::thread::sleep(Duration::from_millis(200));
+    drop(batcher);
+    assert_eq!(reader.join().unwrap().1, "cancelled");
+}
