@@ -104,14 +104,14 @@ impl JobParams {
 
 /// One prompt to complete.
 pub struct Job {
-    /// The choice index this job answers (several prompts in one completions request).
+    /// The choice index this job answers (prompt-major over the request's prompts × `n`).
     pub index: usize,
     pub prompt: Vec<u32>,
     /// What the output must match (`response_format`), if anything.
     pub constraint: Option<Constraint>,
     pub params: JobParams,
     pub events: UnboundedSender<(usize, Event)>,
-    /// When the HTTP request arrived (time-to-first-token counts from here).
+    /// When the request arrived (time-to-first-token counts from here).
     pub received: Instant,
 }
 
@@ -212,7 +212,7 @@ pub fn spawn(
             if ready.send(Ok(frontend)).is_err() {
                 return;
             }
-            serve(
+            run_loop(
                 &mut engine,
                 &jobs,
                 &metrics,
@@ -223,7 +223,7 @@ pub fn spawn(
         })
 }
 
-/// Starts the engine thread on a model already loaded (the library's [`super::Batcher`]).
+/// Starts the engine thread on a model already loaded (the library's [`super::batcher::Batcher`]).
 pub fn spawn_loaded(
     mut engine: Engine,
     jobs: Receiver<Vec<Job>>,
@@ -236,7 +236,7 @@ pub fn spawn_loaded(
         .name("kiln-engine".into())
         .spawn(move || {
             record_loaded(&mut engine, &metrics);
-            serve(&mut engine, &jobs, &metrics, &shutdown, grace, prompt_cache);
+            run_loop(&mut engine, &jobs, &metrics, &shutdown, grace, prompt_cache);
         })
 }
 
@@ -260,7 +260,7 @@ fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
 }
 
 /// The engine thread's loop over `jobs` until shutdown.
-fn serve(
+fn run_loop(
     engine: &mut Engine,
     jobs: &Receiver<Vec<Job>>,
     metrics: &Metrics,
