@@ -14,7 +14,7 @@ use kiln_formats::gguf::GgufFile;
 use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 
 use crate::session::Session;
-use crate::structured::{Constraint, Grammars};
+use crate::structured::{json_constraint, Constraint, Grammars};
 
 /// The container a model came in.
 pub enum ModelFile {
@@ -174,19 +174,10 @@ impl Engine {
     /// output, [`crate::structured`]); `GenerateParams::json_schema` uses it.
     pub fn json_constraint(&mut self, schema: &serde_json::Value) -> Result<Constraint> {
         if self.grammars.is_none() {
-            let tokenizer = Tokenizer::from_spec(self.model.tokenizer_spec.clone())?;
-            let grammars = Grammars::new(Arc::new(tokenizer))
-                .map_err(|e| Error::Tokenizer(format!("structured outputs: {e}")))?;
-            self.grammars = Some(grammars);
+            self.grammars = Some(Grammars::from_spec(&self.model.tokenizer_spec)?);
         }
-        let Some(Some(grammars)) = &self.grammars else {
-            return Err(Error::InvalidArgument(
-                "this model has no end-of-sequence token, so a structured output could not end"
-                    .into(),
-            ));
-        };
-        let matcher = grammars.json(schema).map_err(Error::InvalidArgument)?;
-        Ok(Constraint::new(matcher, grammars))
+        let grammars = self.grammars.as_ref().and_then(Option::as_ref);
+        json_constraint(grammars, schema).map_err(Error::InvalidArgument)
     }
 
     pub fn backend_name(&self) -> &str {

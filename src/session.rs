@@ -211,9 +211,8 @@ impl<'e> Session<'e> {
             c.mask(logits, &stop_tokens)
                 .map_err(Error::InvalidArgument)?;
             let token = sampler.pick(logits);
-            if !stop_tokens.contains(&token) {
-                c.consume(token).map_err(Error::InvalidArgument)?;
-            }
+            c.advance(token, &stop_tokens)
+                .map_err(Error::InvalidArgument)?;
             Ok(token)
         };
         let mut token = draw(&mut sampler, &mut constraint, &mut self.logits)?;

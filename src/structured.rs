@@ -15,7 +15,8 @@
 
 use std::sync::Arc;
 
-use kiln_formats::tokenizer::Tokenizer;
+use kiln_core::Error;
+use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
@@ -54,6 +55,13 @@ pub struct Grammars {
 }
 
 impl Grammars {
+    /// [`Grammars::new`] for the tokenizer a model file describes.
+    pub fn from_spec(spec: &TokenizerSpec) -> kiln_core::Result<Option<Grammars>> {
+        let tokenizer = Tokenizer::from_spec(spec.clone())?;
+        Grammars::new(Arc::new(tokenizer))
+            .map_err(|e| Error::Tokenizer(format!("structured outputs: {e}")))
+    }
+
     /// The vocabulary trie and the parser factory for `tokenizer`; `None` for a model
     /// with no end-of-sequence token (a constrained output could never end).
     pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Option<Grammars>, String> {
@@ -84,9 +92,9 @@ impl Grammars {
         Ok(Some(Grammars { factory, eos }))
     }
 
-    /// A fresh matcher for output that must be a JSON value conforming to `schema`, or the
-    /// reason the schema cannot be used (the request's error message).
-    pub fn json(&self, schema: &Value) -> Result<Matcher, String> {
+    /// A fresh constraint for output that must be a JSON value conforming to `schema`, or
+    /// the reason the schema cannot be used (the request's error message).
+    pub fn json(&self, schema: &Value) -> Result<Constraint, String> {
         let mut schema = match schema {
             Value::Bool(true) => json!({}),
             other => other.clone(),
@@ -108,30 +116,34 @@ impl Grammars {
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(e) => Err(format!("the JSON schema cannot be used: {e}")),
-            None => Ok(matcher),
+            None => Ok(Constraint {
+                matcher,
+                eos: self.eos,
+            }),
         }
-    }
-
-    /// The end-of-sequence token llguidance's masks speak of.
-    pub fn eos(&self) -> TokenId {
-        self.eos
     }
 }
 
-/// One sequence's constraint in the scheduler.
+/// [`Grammars::json`] where the model may have none (no end-of-sequence token).
+pub fn json_constraint(grammars: Option<&Grammars>, schema: &Value) -> Result<Constraint, String> {
+    match grammars {
+        Some(g) => g.json(schema),
+        None => Err(
+            "this model has no end-of-sequence token, so a structured output could not end".into(),
+        ),
+    }
+}
+
+/// One sequence's constraint: its grammar's state over the tokens drawn so far. A clone
+/// starts from the same state and goes on independently.
+#[derive(Clone)]
 pub struct Constraint {
     matcher: Matcher,
+    /// The token llguidance's masks allow when a value is complete.
     eos: TokenId,
 }
 
 impl Constraint {
-    pub fn new(matcher: Matcher, grammars: &Grammars) -> Constraint {
-        Constraint {
-            matcher,
-            eos: grammars.eos(),
-        }
-    }
-
     /// Sets every logit the grammar does not allow next to −∞; the stop tokens are allowed
     /// exactly when the value is complete.
     pub fn mask(&mut self, logits: &mut [f32], stop_tokens: &[u32]) -> Result<(), String> {
@@ -152,8 +164,12 @@ impl Constraint {
         Ok(())
     }
 
-    /// Advances the grammar over a drawn token that is not a stop token.
-    pub fn consume(&mut self, token: u32) -> Result<(), String> {
+    /// Advances the grammar over a drawn token; a stop token (which [`Constraint::mask`]
+    /// allows only once the value is complete) ends the output instead.
+    pub fn advance(&mut self, token: u32, stop_tokens: &[u32]) -> Result<(), String> {
+        if stop_tokens.contains(&token) {
+            return Ok(());
+        }
         self.matcher.consume_token(token).map_err(failure)
     }
 }

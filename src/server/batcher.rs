@@ -45,7 +45,7 @@ use super::scheduler::{self, Job, JobParams};
 use super::Shutdown;
 use crate::engine::Engine;
 use crate::session::GenerateParams;
-use crate::structured::{Constraint, Grammars};
+use crate::structured::{json_constraint, Constraint, Grammars};
 
 /// How a [`Batcher`] runs.
 #[derive(Debug, Clone)]
@@ -78,8 +78,9 @@ pub struct Batcher {
     thread: Option<std::thread::JoinHandle<()>>,
     tokenizer: Arc<Tokenizer>,
     tokenizer_spec: TokenizerSpec,
-    /// Structured outputs, built at the first `json_schema` (`Err`: they cannot be).
-    grammars: OnceLock<std::result::Result<Option<Grammars>, String>>,
+    /// Structured outputs, built at the first `json_schema` (`None` inside: the model has
+    /// no end-of-sequence token).
+    grammars: OnceLock<Option<Grammars>>,
 }
 
 impl Batcher {
@@ -171,22 +172,14 @@ impl Batcher {
     }
 
     fn json_constraint(&self, schema: &serde_json::Value) -> Result<Constraint> {
-        let grammars = self.grammars.get_or_init(|| {
-            let tokenizer =
-                Tokenizer::from_spec(self.tokenizer_spec.clone()).map_err(|e| e.to_string())?;
-            Grammars::new(Arc::new(tokenizer))
-        });
-        match grammars {
-            Err(e) => Err(Error::Tokenizer(format!("structured outputs: {e}"))),
-            Ok(None) => Err(Error::InvalidArgument(
-                "this model has no end-of-sequence token, so a structured output could not end"
-                    .into(),
-            )),
-            Ok(Some(g)) => {
-                let matcher = g.json(schema).map_err(Error::InvalidArgument)?;
-                Ok(Constraint::new(matcher, g))
-            }
+        if self.grammars.get().is_none() {
+            // Two first submissions at once may both build them; one is kept.
+            let _ = self
+                .grammars
+                .set(Grammars::from_spec(&self.tokenizer_spec)?);
         }
+        let grammars = self.grammars.get().and_then(Option::as_ref);
+        json_constraint(grammars, schema).map_err(Error::InvalidArgument)
     }
 
     /// Stops taking work and waits until everything submitted has finished.

@@ -13,7 +13,7 @@ use kiln_formats::tokenizer::Tokenizer;
 
 use super::api::{truncate_for_message, ApiError, PromptInput};
 use crate::engine::Engine;
-use crate::structured::{Constraint, Grammars};
+use crate::structured::{json_constraint, Constraint, Grammars};
 
 pub struct Frontend {
     /// The model's id in the API: the file name without its extension.
@@ -63,8 +63,7 @@ impl Frontend {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let grammars = Grammars::new(std::sync::Arc::new(Tokenizer::from_spec(spec.clone())?))
-            .map_err(|e| kiln_core::Error::Tokenizer(format!("structured outputs: {e}")))?;
+        let grammars = Grammars::from_spec(spec)?;
         Ok(Frontend {
             id,
             created,
@@ -78,24 +77,16 @@ impl Frontend {
         })
     }
 
-    /// The output constraint for a JSON schema (`response_format`), one per prompt of the
+    /// The output constraint for a JSON schema (`response_format`), one per choice of the
     /// request; a 400 naming `response_format` when the schema cannot be used.
     pub fn json_constraints(
         &self,
         schema: &serde_json::Value,
-        prompts: usize,
+        choices: usize,
     ) -> std::result::Result<Vec<Constraint>, ApiError> {
-        let invalid = |msg: String| ApiError::invalid("response_format", "invalid_value", msg);
-        let Some(grammars) = &self.grammars else {
-            return Err(invalid(
-                "this model has no end-of-sequence token, so a structured output could not end"
-                    .into(),
-            ));
-        };
-        let matcher = grammars.json(schema).map_err(invalid)?;
-        Ok((0..prompts)
-            .map(|_| Constraint::new(matcher.clone(), grammars))
-            .collect())
+        let constraint = json_constraint(self.grammars.as_ref(), schema)
+            .map_err(|msg| ApiError::invalid("response_format", "invalid_value", msg))?;
+        Ok(vec![constraint; choices])
     }
 
     /// Whether a request's `model` names this model: its id, its file name, or `default`.

@@ -950,12 +950,8 @@ impl<'e> Scheduler<'e> {
             .prefill(a.seq, &tokens[a.done..end], &mut self.logits[..self.vocab]);
         match result {
             Ok(()) => {}
-            Err(Error::KvCacheFull { .. }) if !self.kept.is_empty() || self.alive() > 1 => {
-                if !self.evict_kept(None) {
-                    self.preempt_newest();
-                }
-                return;
-            }
+            // Blocks given back: the same work is tried again on the next turn.
+            Err(Error::KvCacheFull { .. }) if self.free_blocks() => return,
             Err(e) => {
                 let a = self.admitting.remove(0);
                 return self.drop_admitting(a, Some(&format!("prefill failed: {e}")));
@@ -1070,19 +1066,22 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Before a decode step: every running sequence whose next position starts a new KV
-    /// block needs one; while the free blocks do not cover them, a kept sequence is freed,
-    /// or when none is left the newest sequence is preempted. A sequence alone always fits
-    /// (the pool holds a whole context), so the last one is never preempted here.
+    /// block needs one; while the free blocks do not cover them, blocks are freed
+    /// ([`Scheduler::free_blocks`]).
     fn make_room(&mut self) {
         while let Some(kv) = self.exec.kv_blocks() {
-            let need = self.next_step_need(&kv);
-            if need <= kv.free {
-                return;
-            }
-            if !self.evict_kept(None) && (self.alive() <= 1 || !self.preempt_newest()) {
+            if self.next_step_need(&kv) <= kv.free || !self.free_blocks() {
                 return;
             }
         }
+    }
+
+    /// Gives KV blocks back for live work: a kept sequence is freed (least recently used
+    /// first), or when none is left the newest live sequence is preempted. A sequence alone
+    /// always fits (the pool holds a whole context), so the last one is never preempted.
+    /// `false` when nothing could be freed.
+    fn free_blocks(&mut self) -> bool {
+        self.evict_kept(None) || (self.alive() > 1 && self.preempt_newest())
     }
 
     /// One decode step for every running sequence, as one batch. A step refused for want of
@@ -1125,12 +1124,8 @@ impl<'e> Scheduler<'e> {
         };
         match outcome {
             Ok(()) => {}
-            Err(Error::KvCacheFull { .. }) if !self.kept.is_empty() || self.alive() > 1 => {
-                if !self.evict_kept(None) {
-                    self.preempt_newest();
-                }
-                return;
-            }
+            // Blocks given back: the same work is tried again on the next turn.
+            Err(Error::KvCacheFull { .. }) if self.free_blocks() => return,
             Err(e) => return self.fail_all(&format!("decode step failed: {e}")),
         }
         for (i, drawn) in results.into_iter().enumerate() {
@@ -1191,10 +1186,9 @@ impl<'e> Scheduler<'e> {
         // `row` is final (bias, penalties and the output constraint in): the logprobs above
         // and the draw read the same distribution.
         let token = self.samplers[i].pick(row);
-        if !self.stop_tokens.contains(&token) {
-            if let Some(c) = &mut self.running[i].constraint {
-                c.consume(token).map_err(Error::InvalidArgument)?;
-            }
+        if let Some(c) = &mut self.running[i].constraint {
+            c.advance(token, &self.stop_tokens)
+                .map_err(Error::InvalidArgument)?;
         }
         let logprob = match (top_n, lse) {
             (Some(k), Some(lse)) => {

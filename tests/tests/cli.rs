@@ -469,23 +469,27 @@ fn json_schema_makes_the_output_json() {
     };
     let model = model.to_str().unwrap();
     let schema = r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}"#;
-    let out = kiln(&[
-        "run",
-        "Name a city.",
-        "--chat",
-        "-n",
-        "48",
-        "--temp",
-        "0.9",
-        "--seed",
-        "4",
-        "--json-schema",
-        schema,
-        "--format",
-        "json",
-        "-m",
-        model,
-    ]);
+    // The same sampled run, the schema given as `flag value`.
+    let run = |flag: &str, value: &str| {
+        kiln(&[
+            "run",
+            "Name a city.",
+            "--chat",
+            "-n",
+            "48",
+            "--temp",
+            "0.9",
+            "--seed",
+            "4",
+            flag,
+            value,
+            "--format",
+            "json",
+            "-m",
+            model,
+        ])
+    };
+    let out = run("--json-schema", schema);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
     assert_eq!(v["finish_reason"], "stop", "{v}");
@@ -499,23 +503,7 @@ fn json_schema_makes_the_output_json() {
     // From a file, the same schema gives the same answer.
     let file = std::env::temp_dir().join(format!("kiln-schema-{}.json", std::process::id()));
     std::fs::write(&file, schema).unwrap();
-    let again = kiln(&[
-        "run",
-        "Name a city.",
-        "--chat",
-        "-n",
-        "48",
-        "--temp",
-        "0.9",
-        "--seed",
-        "4",
-        "--json-schema-file",
-        file.to_str().unwrap(),
-        "--format",
-        "json",
-        "-m",
-        model,
-    ]);
+    let again = run("--json-schema-file", file.to_str().unwrap());
     std::fs::remove_file(&file).ok();
     let w: serde_json::Value =
         serde_json::from_str(stdout(&again).trim()).expect("one JSON object");

@@ -6,18 +6,12 @@ use kiln_core::{LoadOptions, SamplingParams};
 use kiln_formats::chat::ChatMessage;
 use kiln_tests::smollm2_or_skip;
 
-#[test]
-fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
-    let Some(path) =
-        smollm2_or_skip("second_turn_prefills_only_new_tokens_and_matches_a_fresh_session")
-    else {
-        return;
-    };
+/// The model at `path` on the CPU backend with a 512-token context.
+fn cpu_engine(path: &std::path::Path) -> Engine {
     let (registry, errors) = registry_with_plugins(&[]);
     assert!(errors.is_empty(), "{errors:?}");
-    let model = Model::open(&path).unwrap();
-    let mut engine = Engine::load(
-        model,
+    Engine::load(
+        Model::open(path).unwrap(),
         &registry,
         Some("cpu"),
         &LoadOptions {
@@ -25,32 +19,44 @@ fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
             ..Default::default()
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// `messages` through the model's chat template, as token ids.
+fn chat_ids(engine: &Engine, messages: &[ChatMessage]) -> Vec<u32> {
+    let m = &engine.model;
+    m.tokenizer
+        .encode(
+            &m.chat_template.render(messages, true).unwrap(),
+            false,
+            true,
+        )
+        .unwrap()
+}
+
+#[test]
+fn second_turn_prefills_only_new_tokens_and_matches_a_fresh_session() {
+    let Some(path) =
+        smollm2_or_skip("second_turn_prefills_only_new_tokens_and_matches_a_fresh_session")
+    else {
+        return;
+    };
+    let mut engine = cpu_engine(&path);
     let params = GenerateParams {
         max_tokens: 24,
         sampling: SamplingParams::greedy(),
         ..Default::default()
     };
-    let encode = |engine: &Engine, messages: &[ChatMessage]| {
-        let m = &engine.model;
-        m.tokenizer
-            .encode(
-                &m.chat_template.render(messages, true).unwrap(),
-                false,
-                true,
-            )
-            .unwrap()
-    };
 
     let mut messages = vec![ChatMessage::new("user", "What is the capital of France?")];
-    let first_prompt = encode(&engine, &messages);
+    let first_prompt = chat_ids(&engine, &messages);
     let (first, second_prompt, second) = {
         let mut session = engine.session().unwrap();
         let first = session.generate(&first_prompt, &params, |_| {}).unwrap();
         assert_eq!(first.prefilled, first_prompt.len());
         messages.push(ChatMessage::new("assistant", first.text.trim()));
         messages.push(ChatMessage::new("user", "And of Germany?"));
-        let second_prompt = encode(session.engine(), &messages);
+        let second_prompt = chat_ids(session.engine(), &messages);
         let second = session.generate(&second_prompt, &params, |_| {}).unwrap();
         (first, second_prompt, second)
     };
@@ -120,17 +126,7 @@ fn json_schema_constrains_the_generation() {
     let Some(path) = smollm2_or_skip("json_schema_constrains_the_generation") else {
         return;
     };
-    let (registry, _) = registry_with_plugins(&[]);
-    let mut engine = Engine::load(
-        Model::open(&path).unwrap(),
-        &registry,
-        Some("cpu"),
-        &LoadOptions {
-            max_context: 512,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut engine = cpu_engine(&path);
     let schema = serde_json::json!({
         "type": "object",
         "properties": {
@@ -140,20 +136,10 @@ fn json_schema_constrains_the_generation() {
         "required": ["colour", "count"],
         "additionalProperties": false,
     });
-    let m = &engine.model;
-    let prompt = m
-        .tokenizer
-        .encode(
-            &m.chat_template
-                .render(
-                    &[ChatMessage::new("user", "Pick a colour and a number.")],
-                    true,
-                )
-                .unwrap(),
-            false,
-            true,
-        )
-        .unwrap();
+    let prompt = chat_ids(
+        &engine,
+        &[ChatMessage::new("user", "Pick a colour and a number.")],
+    );
     let mut session = engine.session().unwrap();
     for seed in 0..3 {
         let params = GenerateParams {
