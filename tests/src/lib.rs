@@ -103,6 +103,20 @@ pub fn kiln_binary() -> PathBuf {
     bin
 }
 
+/// The model at `path` loaded through the host library on the CPU backend, with no
+/// plugin failing to load.
+pub fn cpu_engine(path: &std::path::Path, options: &kiln_core::LoadOptions) -> kiln::Engine {
+    let (registry, errors) = kiln::registry_with_plugins(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    kiln::Engine::load(
+        kiln::Model::open(path).unwrap(),
+        &registry,
+        Some("cpu"),
+        options,
+    )
+    .unwrap()
+}
+
 /// The CPU oracle (the built-in `cpu` backend) loaded for `model` with room for
 /// `max_context` positions: what the reference tests compare against their fixtures.
 pub fn cpu_executor(

@@ -4,27 +4,19 @@
 
 use std::time::{Duration, Instant};
 
-use kiln::{
-    registry_with_plugins, BatchEvent, BatchOptions, BatchStream, Batcher, Engine, GenerateParams,
-    Model,
-};
+use kiln::{BatchEvent, BatchOptions, BatchStream, Batcher, Engine, GenerateParams};
 use kiln_core::{LoadOptions, SamplingParams};
 use kiln_tests::smollm2_or_skip;
 
 fn engine(path: &std::path::Path, sequences: usize) -> Engine {
-    let (registry, errors) = registry_with_plugins(&[]);
-    assert!(errors.is_empty(), "{errors:?}");
-    Engine::load(
-        Model::open(path).unwrap(),
-        &registry,
-        Some("cpu"),
+    kiln_tests::cpu_engine(
+        path,
         &LoadOptions {
             max_context: 512,
             max_sequences: sequences,
             ..Default::default()
         },
     )
-    .unwrap()
 }
 
 /// The stream's text and how it finished.

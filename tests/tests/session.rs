@@ -8,18 +8,13 @@ use kiln_tests::smollm2_or_skip;
 
 /// The model at `path` on the CPU backend with a 512-token context.
 fn cpu_engine(path: &std::path::Path) -> Engine {
-    let (registry, errors) = registry_with_plugins(&[]);
-    assert!(errors.is_empty(), "{errors:?}");
-    Engine::load(
-        Model::open(path).unwrap(),
-        &registry,
-        Some("cpu"),
+    kiln_tests::cpu_engine(
+        path,
         &LoadOptions {
             max_context: 512,
             ..Default::default()
         },
     )
-    .unwrap()
 }
 
 /// `messages` through the model's chat template, as token ids.
