@@ -148,15 +148,37 @@ struct SamplingArgs {
     json_schema_file: Option<PathBuf>,
 }
 
+/// A JSON schema is text of a few kilobytes; more than this (the server's request-body
+/// limit) is refused rather than read, so `/dev/zero` or a model file given by mistake
+/// ends in an error instead of filling memory.
+const MAX_SCHEMA_BYTES: u64 = 4 << 20;
+
+/// The text of `--json-schema-file PATH`, at most [`MAX_SCHEMA_BYTES`].
+fn read_schema_file(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let fail = |why: String| {
+        Error::InvalidArgument(format!("--json-schema-file {}: {why}", path.display()))
+    };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_SCHEMA_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| fail(e.to_string()))?;
+    if text.len() as u64 > MAX_SCHEMA_BYTES {
+        return Err(fail(format!(
+            "longer than {} MiB; a JSON schema is a few kilobytes",
+            MAX_SCHEMA_BYTES >> 20
+        )));
+    }
+    Ok(text)
+}
+
 impl SamplingArgs {
     /// The JSON schema of --json-schema / --json-schema-file, checked to be JSON.
     fn json_schema(&self) -> Result<Option<serde_json::Value>> {
         let (text, source) = match (&self.json_schema, &self.json_schema_file) {
             (Some(s), _) => (s.clone(), "--json-schema".to_string()),
             (None, Some(path)) => (
-                std::fs::read_to_string(path).map_err(|e| {
-                    Error::InvalidArgument(format!("--json-schema-file {}: {e}", path.display()))
-                })?,
+                read_schema_file(path)?,
                 format!("--json-schema-file {}", path.display()),
             ),
             (None, None) => return Ok(None),

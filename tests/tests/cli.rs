@@ -532,4 +532,13 @@ fn json_schema_makes_the_output_json() {
         "{}",
         stderr(&out)
     );
+    // An endless file is refused after a bounded read, not read into memory.
+    if std::path::Path::new("/dev/zero").exists() {
+        let out = kiln(&["run", "x", "--json-schema-file", "/dev/zero", "-m", model]);
+        assert!(
+            !out.status.success() && stderr(&out).contains("longer than"),
+            "{}",
+            stderr(&out)
+        );
+    }
 }
