@@ -1,6 +1,6 @@
 //! kiln_core::quant against an independent implementation of ggml's block formats (the
 //! `gguf` Python package), through the committed fixture `fixtures/dequant_reference.json`
-//! made by `scripts/make_dequant_fixture.py`, plus property tests of the quantisers.
+//! made by `scripts/fixtures/make_dequant_fixture.py`, plus property tests of the quantisers.
 //!
 //! Exactness: the `gguf` package, like ggml, widens the f16 scales to f32 and does every
 //! product in f32 without fused multiply-add, so dequantisation must match it bit for bit.

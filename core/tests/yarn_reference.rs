@@ -1,6 +1,6 @@
 //! YaRN rope scaling (`RopeScaling::Yarn`) against Hugging Face `transformers`, through
 //! the committed fixture `fixtures/yarn_reference.json` made by
-//! `scripts/make_yarn_fixture.py` (the inverse frequency of every rotary pair and the
+//! `scripts/fixtures/make_yarn_fixture.py` (the inverse frequency of every rotary pair and the
 //! attention factor, for Qwen's 128k setting, non-default betas and a partial rotary head).
 
 use kiln_core::{RopeConfig, RopeKind, RopeScaling};

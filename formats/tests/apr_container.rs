@@ -1418,7 +1418,7 @@ fn python_checker_agrees() {
         eprintln!("skipped: no python3");
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/apr_check.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/check/apr_check.py");
     let dir = TempDir::new("py");
     let run = |p: &Path| {
         let out = std::process::Command::new("python3")

@@ -3,7 +3,7 @@
 //! Rust: each target's committed seed corpus, then mutations of it (bit flips, boundary
 //! values written over 1/2/4/8 bytes, truncations, insertions, duplicated spans), every
 //! input under `catch_unwind` with a time bound. A panic saves the input under the temp
-//! directory and names it. Real coverage-guided fuzzing: `scripts/fuzz.sh` (nightly).
+//! directory and names it. Real coverage-guided fuzzing: `scripts/check/fuzz.sh` (nightly).
 //!
 //! The mutation seed is fresh each run and printed; `KILN_FUZZ_SEED` replays one,
 //! `KILN_FUZZ_CASES` changes the number of mutated inputs per target.

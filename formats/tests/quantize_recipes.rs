@@ -408,9 +408,9 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// Writes the files `scripts/make_quantize_fixture.py` reads with the `gguf` package.
+/// Writes the files `scripts/fixtures/make_quantize_fixture.py` reads with the `gguf` package.
 #[test]
-#[ignore = "run by scripts/make_quantize_fixture.py"]
+#[ignore = "run by scripts/fixtures/make_quantize_fixture.py"]
 fn write_python_fixture_inputs() {
     let dir = std::env::var("KILN_QUANTIZE_FIXTURE_DIR").expect("KILN_QUANTIZE_FIXTURE_DIR");
     for recipe in FIXTURE_RECIPES {

@@ -1,5 +1,5 @@
 //! SmolLM2's tokenizer read from the real GGUF against the committed reference ids of
-//! `fixtures/tokenizer_smollm2.json` (made by scripts/make_tokenizer_fixture.py from the
+//! `fixtures/tokenizer_smollm2.json` (made by scripts/fixtures/make_tokenizer_fixture.py from the
 //! original Hugging Face tokenizer), and its chat template against transformers' rendering.
 
 use std::io::Write as _;

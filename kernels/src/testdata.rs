@@ -129,7 +129,7 @@ pub fn gaussian_weights(
 }
 
 /// Name of the variable that makes a missing GPU a test failure instead of a skip. The GPU
-/// suite (scripts/gpu_suite.sh) sets it, so a broken driver on the GPU machine cannot pass
+/// suite (scripts/gpu/gpu_suite.sh) sets it, so a broken driver on the GPU machine cannot pass
 /// as "skipped".
 pub const REQUIRE_GPU_ENV: &str = "KILN_REQUIRE_GPU";
 

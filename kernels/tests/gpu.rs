@@ -1,6 +1,6 @@
 //! Kernel tests on a real GPU, each against a CPU reference on fresh random data, with
 //! every output poisoned (NaN) before the launch. They are `#[ignore]`d so a machine without
-//! a GPU (CI) lists them as ignored, never as passed; scripts/gpu_suite.sh runs them with
+//! a GPU (CI) lists them as ignored, never as passed; scripts/gpu/gpu_suite.sh runs them with
 //! `--include-ignored` and `KILN_REQUIRE_GPU=1`, which turns a missing device into a failure.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -134,7 +134,7 @@ fn shapes(q: QType) -> Vec<(usize, usize)> {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gemv_every_type_path_and_shape_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemv");
@@ -231,7 +231,7 @@ fn check_parts(got: &[f32], v: &[f32], what: &str) {
 /// times the next norm's weight while summing its squares — every quantising tiling, both
 /// integer paths, row counts that leave the last 32-row group partial.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn quantising_gemv_with_pending_norm_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("gemvq");
@@ -354,7 +354,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn swiglu_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("swiglu");
@@ -450,7 +450,7 @@ fn swiglu_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn rmsnorm_and_q8_1_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rmsnorm");
@@ -589,7 +589,7 @@ fn check_cached_row(format: KvFormat, got: &[f32], reference: &[f64], what: &str
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn rope_and_kv_write_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("rope");
@@ -721,7 +721,7 @@ fn fill_random_kv(g: &Gpu, rng: &mut Rng, kvs: &[KvPlanes]) -> (Vec<f64>, Vec<f6
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn attention_matches_reference_across_contexts_and_gqa() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("attention");
@@ -868,7 +868,7 @@ fn attention_matches_reference_across_contexts_and_gqa() {
 /// sizes 64 and 128) and the row kernel every head size has. Outputs poisoned first; the
 /// reference is checked on every fifth query row and the last ones.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn prefill_attention_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("prefill attention");
@@ -995,7 +995,7 @@ fn prefill_attention_matches_reference() {
 /// A q8_0 cache's rows expanded to f16 for the prefill attention: each value d · q rounded
 /// to f16, rows past the requested ones and other heads' unused rows left as they were.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q8_0_kv_rows_expand_to_f16() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("q8_0 expand");
@@ -1041,7 +1041,7 @@ fn q8_0_kv_rows_expand_to_f16() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn argmax_matches_host_with_ties_and_nan() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("argmax");
@@ -1068,7 +1068,7 @@ fn argmax_matches_host_with_ties_and_nan() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn device_sampling_follows_the_host_sampler() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("sample");
@@ -1123,7 +1123,7 @@ fn device_sampling_follows_the_host_sampler() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn captured_graph_replays_with_new_inputs() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("graph");
@@ -1174,7 +1174,7 @@ fn captured_graph_replays_with_new_inputs() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn embedding_lookup_matches_reference_dequantisation() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("embed");
@@ -1226,7 +1226,7 @@ fn embedding_lookup_matches_reference_dequantisation() {
 /// matrices to f16 (the GEMM operand) and gathered rows to f32 (the embedding of a chunk,
 /// an id out of range giving a NaN row), against the reference dequantiser.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn prefill_dequantisers_match_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("dequant");
@@ -1278,7 +1278,7 @@ fn prefill_dequantisers_match_reference() {
 /// the f64 reference GEMV of each row: packed input (RMSNorm + weight, as the batched step
 /// packs it), plain, bias + residual and SwiGLU epilogues.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_matmul_every_format_matches_reference() {
     use kiln_kernels::{BatchEpilogue, BmmPath, PackedActBuffers};
     let Some(g) = gpu() else { return };
@@ -1460,7 +1460,7 @@ fn batched_matmul_every_format_matches_reference() {
 /// 1,056 values leave the last finishing block part-empty. The planes are poisoned before
 /// each launch; NaN fails.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_matmul_packs_its_output_as_act_pack_does() {
     use kiln_kernels::{BatchEpilogue, PackedActBuffers};
     let Some(g) = gpu() else { return };
@@ -1532,7 +1532,7 @@ fn batched_matmul_packs_its_output_as_act_pack_does() {
 /// f16 one rounds weights and activations to f16: within 2e-3 (its bar against f64 in the
 /// reference test). NaN fails.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn pipelined_batched_matmul_matches_register_walk_at_depth() {
     use kiln_kernels::{BatchEpilogue, BmmPath, PackedActBuffers};
     let Some(g) = gpu() else { return };
@@ -1628,7 +1628,7 @@ fn pipelined_batched_matmul_matches_register_walk_at_depth() {
 /// The batched step's RoPE and attention: each row at its own position of its own cache
 /// slot (padding rows write nothing and attend to nothing) equal the one-sequence kernels.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_rope_and_attention_match_the_one_sequence_kernels() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("batched attention");
@@ -1690,7 +1690,7 @@ fn assert_packed_as_act_pack(
 /// zero, both outputs' packed planes are act_pack's of them, the split counters end at
 /// zero; NaN fails.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_group_attention_matches_the_head_kernels() {
     use kiln_kernels::{BatchAttention, BatchRows, KvLayerRows, PackedActBuffers};
     let Some(g) = gpu() else { return };
@@ -1974,7 +1974,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, heads
 /// contiguous cache: bit-identical, for f16 and q8_0 caches. Rows of the pool no sequence
 /// holds stay as poisoned (no kernel writes outside a sequence's blocks).
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn paged_cache_matches_a_contiguous_one() {
     use kiln_kernels::{BatchRows, KvLayerRows};
     let Some(g) = gpu() else { return };

@@ -9,7 +9,7 @@
 //! host sampler draws from the same batched logits.
 //!
 //! The CPU case runs in CI (a small synthetic model); the GPU cases are `#[ignore]`d like
-//! every GPU test and run by scripts/gpu_suite.sh with `--include-ignored`.
+//! every GPU test and run by scripts/gpu/gpu_suite.sh with `--include-ignored`.
 
 use std::sync::Arc;
 
@@ -389,7 +389,7 @@ fn gpu_case(backend_name: &str, preset: Preset, recipe: Recipe, file: &str) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gpu_batched_decode_llama32_1b_q4_k_m() {
     gpu_case(
         "cuda-q4k",
@@ -400,7 +400,7 @@ fn gpu_batched_decode_llama32_1b_q4_k_m() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gpu_batched_decode_llama32_1b_q4_0() {
     gpu_case(
         "cuda-q4_0",
@@ -413,7 +413,7 @@ fn gpu_batched_decode_llama32_1b_q4_0() {
 /// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at
 /// 1,100 tokens (past the window, around its ring) beside short ones.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gpu_batched_decode_gemma3_270m() {
     let Some(gpu) = backend("cuda-q4k") else {
         return;
@@ -437,7 +437,7 @@ fn gpu_batched_decode_gemma3_270m() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gpu_batched_decode_real_smollm2() {
     let Some(source) = kiln_tests::smollm2_or_skip("gpu_batched_decode_real_smollm2") else {
         assert!(
@@ -692,7 +692,7 @@ fn cpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gpu_random_admit_decode_truncate_finish_keeps_sequences_apart() {
     for name in ["cuda-q4k", "cuda-q4_0"] {
         let Some(gpu) = backend(name) else { return };

@@ -4,7 +4,7 @@
 //! tests/tests/plugins.rs.
 //!
 //! The CUDA cases are `#[ignore]`d, so CI lists them as ignored (never as passed);
-//! scripts/gpu_suite.sh runs this binary on the GPU machine with `--include-ignored` and
+//! scripts/gpu/gpu_suite.sh runs this binary on the GPU machine with `--include-ignored` and
 //! `KILN_REQUIRE_GPU=1`, where an unavailable backend fails.
 
 use kiln::conformance::{run, Options, Outcome, Report, RULES};
@@ -73,7 +73,7 @@ fn the_cpu_reference_passes_conformance() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn cuda_q4k_passes_conformance_on_a_gpu() {
     if let Some(report) = conformance_of("cuda-q4k") {
         assert_passes(&report);
@@ -81,7 +81,7 @@ fn cuda_q4k_passes_conformance_on_a_gpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn cuda_q4_0_passes_conformance_on_a_gpu() {
     if let Some(report) = conformance_of("cuda-q4_0") {
         assert_passes(&report);

@@ -1,7 +1,7 @@
 //! Gemma 3 on the CPU oracle against HuggingFace transformers (float32) and llama.cpp on the
 //! same real file (Gemma 3 270M Q4_K_M), from prompts kiln tokenised, one of them longer
-//! than the 512-position sliding window (fixtures: scripts/reference/gemma3_hf_reference.py
-//! and scripts/reference/gemma3_fixture.sh).
+//! than the 512-position sliding window (fixtures: scripts/fixtures/reference/gemma3_hf_reference.py
+//! and scripts/fixtures/reference/gemma3_fixture.sh).
 //!
 //! - the first step's logits at the fixture's probe ids (llama.cpp's 256 highest and every
 //!   1021st id): cosine ≥ 0.995. llama.cpp's CPU matmuls quantise activations to 8 bits
@@ -106,7 +106,7 @@ fn cpu_matches_llamacpp_on_gemma3_270m() {
 }
 
 /// The bar: HuggingFace transformers in float32 on the same file (fixture and its
-/// versions from scripts/reference/gemma3_hf_reference.py): cosine ≥ 0.9999, greedy equal
+/// versions from scripts/fixtures/reference/gemma3_hf_reference.py): cosine ≥ 0.9999, greedy equal
 /// except at near-ties (gap < 0.01).
 #[test]
 fn cpu_matches_transformers_on_gemma3_270m() {

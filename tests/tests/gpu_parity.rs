@@ -15,7 +15,7 @@
 //! llama.cpp's way) is measured and printed beside it:
 //! it is an opt-in trade of fidelity for speed, so its numbers are reported, not asserted.
 //!
-//! `#[ignore]`d: CI has no GPU and lists them as ignored. scripts/gpu_suite.sh runs them with
+//! `#[ignore]`d: CI has no GPU and lists them as ignored. scripts/gpu/gpu_suite.sh runs them with
 //! `--include-ignored` and `KILN_REQUIRE_GPU=1` (a missing device is then a failure).
 
 use std::path::{Path, PathBuf};
@@ -258,19 +258,19 @@ fn synth_parity(preset: Preset, name: &str) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn llama32_1b_synthetic_matches_cpu() {
     synth_parity(Preset::Llama32_1b, "llama3.2-1b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn qwen25_05b_synthetic_matches_cpu() {
     synth_parity(Preset::Qwen25_0_5b, "qwen2.5-0.5b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn qwen3_06b_synthetic_matches_cpu() {
     synth_parity(Preset::Qwen3_0_6b, "qwen3-0.6b");
 }
@@ -326,19 +326,19 @@ fn long_prompts_match_cpu(preset: Preset, name: &str) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn long_prompts_match_cpu_qwen25_05b() {
     long_prompts_match_cpu(Preset::Qwen25_0_5b, "qwen2.5-0.5b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn long_prompts_match_cpu_llama32_1b() {
     long_prompts_match_cpu(Preset::Llama32_1b, "llama3.2-1b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn real_smollm2_q4_k_m_matches_cpu() {
     if backends().is_none() {
         return;
@@ -389,25 +389,25 @@ fn synth_parity_q4_0(preset: Preset, name: &str) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_llama32_1b_synthetic_matches_cpu() {
     synth_parity_q4_0(Preset::Llama32_1b, "llama3.2-1b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_llama3_8b_synthetic_matches_cpu() {
     synth_parity_q4_0(Preset::Llama3_8b, "llama3-8b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_qwen25_05b_synthetic_matches_cpu() {
     synth_parity_q4_0(Preset::Qwen25_0_5b, "qwen2.5-0.5b");
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_real_smollm2_matches_cpu() {
     if backends_for("cuda-q4_0").is_none() {
         return;
@@ -466,7 +466,7 @@ fn greedy(exec: &mut dyn kiln_core::LayerExecutor, prompt: &[u32], steps: usize)
 /// alone (steps are bit-reproducible): neither sees the other's work, on its stream or in
 /// its captured graphs.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn two_executors_decode_at_once_without_seeing_each_other() {
     let Some((_, q4_0)) = backends_for("cuda-q4_0") else {
         return;
@@ -512,7 +512,7 @@ fn two_executors_decode_at_once_without_seeing_each_other() {
 /// written with `--quantize int4` (APR's 4-bit type, repacked to Q4_0 rows of four at
 /// upload) it is chosen by and runs on `cuda-q4_0` within the parity bar of the CPU oracle.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn apr_models_on_both_gpu_executors() {
     use kiln_formats::apr::Compression;
     use kiln_formats::apr_model::{write_model_apr, write_model_gguf, AprQuantize};
@@ -693,13 +693,13 @@ fn truncate_into_the_ring(gpu: &str, path: &Path, text: &str) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4k() {
     gemma3_parity("cuda-q4k", Recipe::Q4_K_M);
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
     gemma3_parity("cuda-q4_0", Recipe::Q4_0);
 }
@@ -707,7 +707,7 @@ fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
 /// The real Gemma 3 270M (when the device has it: KILN_GEMMA3_MODEL) on `cuda-q4k`, with a
 /// chat-length prompt and one past the window.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn real_gemma3_270m_matches_cpu() {
     if backends().is_none() {
         return;

@@ -1,4 +1,4 @@
-//! The hostile-input suite (scripts/hostile_inputs.py): ~130 generated cases — model files
+//! The hostile-input suite (scripts/check/hostile_inputs.py): ~130 generated cases — model files
 //! with one thing wrong (truncations, absurd counts and sizes, wrong metadata types,
 //! overlapping or out-of-range tensors, NaN weights, bad hyperparameters), chat templates
 //! that loop, recurse or build unbounded text, FIFOs, devices and directories as models and
@@ -15,7 +15,7 @@ fn every_hostile_input_ends_in_a_typed_error_or_a_result() {
         return;
     }
     let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/hostile_inputs.py");
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/check/hostile_inputs.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg("--kiln")

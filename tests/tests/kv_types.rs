@@ -7,7 +7,7 @@
 //!
 //! The GPU backends store f16 and q8_0 (f32 is refused by name): each is checked against the
 //! CPU cache of the same type and against f32, on a prompt of two prefill chunks (`#[ignore]`d:
-//! CI has no GPU; scripts/gpu_suite.sh runs them). Plugins refuse any explicit type (the
+//! CI has no GPU; scripts/gpu/gpu_suite.sh runs them). Plugins refuse any explicit type (the
 //! plugin ABI has no field for it).
 
 use kiln::conformance::top_gap;
@@ -307,7 +307,7 @@ fn gpu_kv_types_match_the_cpu(name: &str, recipe: Recipe, bar: f64, test: &str) 
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn cuda_q4k_kv_types_match_the_cpu() {
     gpu_kv_types_match_the_cpu(
         "cuda-q4k",
@@ -318,7 +318,7 @@ fn cuda_q4k_kv_types_match_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn cuda_q4_0_kv_types_match_the_cpu() {
     gpu_kv_types_match_the_cpu(
         "cuda-q4_0",

@@ -1,5 +1,5 @@
 //! The CPU oracle against an independent reference: HuggingFace transformers loading the
-//! same SmolLM2 GGUF in float32 (fixture made by scripts/make_reference_logits.py).
+//! same SmolLM2 GGUF in float32 (fixture made by scripts/fixtures/make_reference_logits.py).
 //!
 //! - the logits of the first decode step after each prompt: cosine ≥ 0.999;
 //! - greedy generation token for token for at least 32 steps; a divergence is allowed only

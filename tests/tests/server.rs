@@ -1843,7 +1843,7 @@ fn serve_hostile_bodies_get_4xx() {
     assert_eq!(m["kiln_queue_depth"], 0.0);
 }
 
-/// The official `openai` Python client against the server (scripts/server_openai_test.py
+/// The official `openai` Python client against the server (scripts/server/server_openai_test.py
 /// makes its own venv and installs the client; without python3, venv, or the package index
 /// this reports a skip).
 #[test]
@@ -1860,7 +1860,7 @@ fn serve_openai_python_client() {
     let model = test_model();
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-openai-venv");
     let out = Command::new("python3")
-        .arg(root.join("scripts/server_openai_test.py"))
+        .arg(root.join("scripts/server/server_openai_test.py"))
         .arg("--kiln")
         .arg(kiln_binary())
         .arg("--model")
@@ -1869,7 +1869,7 @@ fn serve_openai_python_client() {
         .arg(&venv)
         .args(["--backend", "cpu"])
         .output()
-        .expect("run scripts/server_openai_test.py");
+        .expect("run scripts/server/server_openai_test.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     match out.status.code() {

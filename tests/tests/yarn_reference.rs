@@ -1,6 +1,6 @@
 //! YaRN end to end: the CPU oracle against Hugging Face transformers on a tiny random Qwen2
 //! whose context is scaled by YaRN (32 positions × 8), through the committed fixture
-//! `fixtures/yarn_qwen2/` made by `scripts/make_yarn_logits_fixture.py` (the GGUF file the
+//! `fixtures/yarn_qwen2/` made by `scripts/fixtures/make_yarn_logits_fixture.py` (the GGUF file the
 //! `gguf` package wrote, and the float32 logits of a 200-token prompt at every fifth
 //! position). The prompt goes in as chunks of five tokens, each chunk's last logits compared
 //! (cosine ≥ 0.99999). The same file read without its scaling must disagree: the fixture

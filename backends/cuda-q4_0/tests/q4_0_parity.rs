@@ -2,7 +2,7 @@
 //! Q4_0 (repacked into rows of four on the GPU) beside the plain types Q4_0 files carry
 //! (Q6_K / Q8_0 / F16 heads): per-step logits over teacher-forced steps, on both integer
 //! activation paths and every quantising tiling the row-grouped layout allows. `#[ignore]`d
-//! GPU tests; scripts/gpu_suite.sh runs them with `--include-ignored`. The selection test
+//! GPU tests; scripts/gpu/gpu_suite.sh runs them with `--include-ignored`. The selection test
 //! at the bottom needs no GPU.
 
 use kiln_backend_cpu::CpuBackend;
@@ -80,7 +80,7 @@ fn q4_0_shapes() -> Vec<(&'static str, Shape)> {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_decode_logits_match_the_cpu_backend() {
     let Some(dev) = device() else { return };
     let seed = fresh_seed();

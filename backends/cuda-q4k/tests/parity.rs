@@ -1,6 +1,6 @@
 //! Decode parity with the CPU reference backend on small random models of each supported
 //! architecture shape: per-step logits must agree (cosine) over teacher-forced steps, on
-//! both integer activation paths (15-bit, the default, and Q8_1). `#[ignore]`d: CI lists them as ignored; scripts/gpu_suite.sh runs
+//! both integer activation paths (15-bit, the default, and Q8_1). `#[ignore]`d: CI lists them as ignored; scripts/gpu/gpu_suite.sh runs
 //! them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
 
 use kiln_backend_cpu::CpuBackend;
@@ -13,7 +13,7 @@ mod common;
 use common::{cosine, device, model, shapes};
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn decode_logits_match_the_cpu_backend() {
     let Some(dev) = device() else { return };
     let seed = fresh_seed();
@@ -124,7 +124,7 @@ fn decode_logits_match_the_cpu_backend() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn device_sampling_truncation_and_sequences() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(fresh_seed());

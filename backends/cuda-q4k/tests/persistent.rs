@@ -4,7 +4,7 @@
 //! the CPU, the same greedy tokens except at near-ties, and steps that are bit-reproducible
 //! (the same tokens replayed after a truncation give the same bits). A long prompt makes
 //! the attention run over many splits. `#[ignore]`d: CI lists them as ignored;
-//! scripts/gpu_suite.sh runs them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
+//! scripts/gpu/gpu_suite.sh runs them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
 
 use kiln_backend_cpu::CpuBackend;
 use kiln_backend_cuda_q4k::load_executor;
@@ -41,7 +41,7 @@ fn top2_gap(l: &[f32]) -> f32 {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn persistent_step_matches_the_cpu_and_replays_bit_for_bit() {
     let Some(dev) = device() else { return };
     let seed = fresh_seed();
@@ -137,7 +137,7 @@ fn persistent_step_matches_the_cpu_and_replays_bit_for_bit() {
 /// The persistent step and the graph step of one executor agree, and switching back to the
 /// graph path works mid-sequence.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn persistent_and_graph_steps_agree_and_switch() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(fresh_seed());

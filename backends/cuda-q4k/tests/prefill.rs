@@ -3,7 +3,7 @@
 //! qwen3 with QK-norm and head_dim 128): the last token's logits must agree (cosine) for
 //! prompts of 1 to 600 tokens (600 crosses a chunk), a prefill appended to a sequence must
 //! continue it, and greedy decode steps after a GPU prefill must match the CPU's (so the KV
-//! cache the prefill wrote is right). `#[ignore]`d: they need a GPU; scripts/gpu_suite.sh
+//! cache the prefill wrote is right). `#[ignore]`d: they need a GPU; scripts/gpu/gpu_suite.sh
 //! runs them with `--include-ignored`.
 
 use kiln_backend_cpu::CpuBackend;
@@ -58,7 +58,7 @@ fn decode_both(
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_prefill_matches_the_cpu_backend() {
     let Some(dev) = device() else { return };
     let seed = fresh_seed();
@@ -121,7 +121,7 @@ fn batched_prefill_matches_the_cpu_backend() {
 /// prompt, and decoding after it must match the CPU (the KV it wrote is right), at every
 /// length the short path takes, including one (a padded bucket) and its largest.
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
     let Some(dev) = device() else { return };
     let seed = fresh_seed();
@@ -186,7 +186,7 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU; run scripts/gpu_suite.sh on the device"]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn batched_prefill_rejects_bad_input() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(fresh_seed());

@@ -3,38 +3,38 @@
 # on 2026-12-02 (two calls of ~10 and ~2 minutes ran the GPU tests that matter, llama.cpp's
 # build, the A/B against the session's starting binary and the side-by-side tables).
 #
-#   scripts/device_calls.sh pack REV     here: builds .gpu/ (scripts/gpu_suite.sh build), the
+#   scripts/gpu/device_calls.sh pack REV     here: builds .gpu/ (scripts/gpu/gpu_suite.sh build), the
 #                                        kiln binary of REV (the session's starting commit)
 #                                        into .gpu/kiln_old through a git worktree, and packs
 #                                        .gpu/ into .gpu-pack/gpu.tar.xz (~16 MB; carry
 #                                        .gpu-pack and .llamacpp, from
-#                                        `scripts/bench_vs_llamacpp.sh prepare`).
-#   scripts/device_calls.sh start        call 1 on the GPU machine: unpacks .gpu/, starts the
+#                                        `scripts/bench/bench_vs_llamacpp.sh prepare`).
+#   scripts/gpu/device_calls.sh start    call 1 on the GPU machine: unpacks .gpu/, starts the
 #                                        llama.cpp build and `kiln synth` of the 1B and 8B
 #                                        q4_k_m files (/tmp/w) in the background, then runs
 #                                        the GPU tests named in TESTS (default "gpu_parity
 #                                        batched_decode") under a 540 s limit. Logs in $OUT.
 #                                        With CPU=1 it also builds llama.cpp for the CPU
 #                                        (/tmp/llamacpp-cpu) and synthesises SmolLM2 q4_1.
-#   scripts/device_calls.sh compare      call 2, within the machine's 30 s idle window: waits
+#   scripts/gpu/device_calls.sh compare  call 2, within the machine's 30 s idle window: waits
 #                                        for the build and the files, then kiln_old against
 #                                        kiln (tg128 at depth 0 and 4096) and both beside
 #                                        llama.cpp (pp512/tg128, batched S_TG, tg128 @ d4096,
 #                                        and tg128 @ d4096 with q8_0 KV caches in both).
-#   scripts/device_calls.sh cpu          the host's CPU (after start with CPU=1): kiln_old,
+#   scripts/gpu/device_calls.sh cpu      the host's CPU (after start with CPU=1): kiln_old,
 #                                        kiln and llama.cpp's CPU build alternating on the
 #                                        same two idle cores, SmolLM2 q4_1, tg128 and pp512.
 #
 # The background jobs survive between calls only while the machine stays warm.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 work=/tmp/w
 models() { echo "$work/llama3.2-1b.q4_k_m.gguf $work/llama3-8b.q4_k_m.gguf"; }
 
 case "${1:-}" in
 pack)
     rev=${2:?give the revision to compare against (e.g. the starting commit of the session)}
-    bash scripts/gpu_suite.sh build >/tmp/device-calls-build.log 2>&1 || { tail -20 /tmp/device-calls-build.log; exit 1; }
+    bash scripts/gpu/gpu_suite.sh build >/tmp/device-calls-build.log 2>&1 || { tail -20 /tmp/device-calls-build.log; exit 1; }
     tree=$(mktemp -d)/old
     git worktree add -f "$tree" "$rev" >/dev/null
     # The old tree builds in its own target directory, seeded from this one so only the
@@ -53,9 +53,9 @@ start)
     out=${OUT:-device-logs}
     mkdir -p "$work" "$out"
     tar -xJf .gpu-pack/gpu.tar.xz
-    JOBS=${JOBS:-10} setsid nohup bash scripts/bench_vs_llamacpp.sh build-llamacpp >/tmp/llamacpp-build.log 2>&1 </dev/null &
+    JOBS=${JOBS:-10} setsid nohup bash scripts/bench/bench_vs_llamacpp.sh build-llamacpp >/tmp/llamacpp-build.log 2>&1 </dev/null &
     if [ "${CPU:-0}" = 1 ]; then
-        GGML_CUDA=OFF LLAMACPP_DIR=/tmp/llamacpp-cpu JOBS=4 setsid nohup bash scripts/bench_vs_llamacpp.sh build-llamacpp \
+        GGML_CUDA=OFF LLAMACPP_DIR=/tmp/llamacpp-cpu JOBS=4 setsid nohup bash scripts/bench/bench_vs_llamacpp.sh build-llamacpp \
             >/tmp/llamacpp-cpu-build.log 2>&1 </dev/null &
         (.gpu/kiln synth "$work/smollm2-135m.q4_1.gguf" --shape smollm2-135m --type q4_1 --seed 0 >"$work/synth-smollm2.log" 2>&1 &&
             touch "$work/synth-cpu.done") >/dev/null 2>&1 &
@@ -66,7 +66,7 @@ start)
         done
         touch "$work/synth.done"
     ) >/dev/null 2>&1 &
-    OUT=$out/suite TESTS=${TESTS:-gpu_parity batched_decode} BENCH=0 timeout "${LIMIT:-540}" bash scripts/gpu_suite.sh run 2>&1 | tail -30
+    OUT=$out/suite TESTS=${TESTS:-gpu_parity batched_decode} BENCH=0 timeout "${LIMIT:-540}" bash scripts/gpu/gpu_suite.sh run 2>&1 | tail -30
     echo "suite rc ${PIPESTATUS[0]} (124: cut by the limit; the logs say how far it got)"
     ;;
 compare)
@@ -80,16 +80,16 @@ compare)
     done
     tail -2 /tmp/llamacpp-build.log
     # shellcheck disable=SC2046
-    DEPTHS="0 4096" bash scripts/ab_bench.sh tg "$out/ab" $(models)
+    DEPTHS="0 4096" bash scripts/gpu/ab_bench.sh tg "$out/ab" $(models)
     # shellcheck disable=SC2046
     KILN=.gpu/kiln OUT=$out/vs PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
-        bash scripts/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -22
+        bash scripts/bench/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -22
     # shellcheck disable=SC2046
     KILN=.gpu/kiln OUT=$out/d4k PP=0 TG=128 REPS=3 DEPTH=4096 LLAMA_BENCH_ARGS="-fa 1" \
-        bash scripts/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -6
+        bash scripts/bench/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -6
     # shellcheck disable=SC2046
     KILN=.gpu/kiln OUT=$out/d4k-q8 PP=0 TG=128 REPS=3 DEPTH=4096 KILN_BENCH_ARGS="--kv-type q8_0" \
-        LLAMA_BENCH_ARGS="-fa 1 -ctk q8_0 -ctv q8_0" bash scripts/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -6
+        LLAMA_BENCH_ARGS="-fa 1 -ctk q8_0 -ctv q8_0" bash scripts/bench/bench_vs_llamacpp.sh run $(models) 2>&1 | tail -6
     (cd "$out" && tar -czf compare.tgz ab vs d4k d4k-q8 && rm -rf ab vs d4k d4k-q8)
     ;;
 cpu)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token over a multi-turn conversation, as a chat client sees it.
 
-    python3 scripts/server_prompt_cache_bench.py [--base-url http://127.0.0.1:8080]
+    python3 scripts/server/server_prompt_cache_bench.py [--base-url http://127.0.0.1:8080]
         [--turns 6] [--document-items 120] [--max-tokens 32] [--api-key KEY] [--json]
 
 Standard library only. One conversation: a long first message (a generated document of
@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 
-from kiln_loopback import loopback_target  # scripts/kiln_loopback.py, beside this file
+from kiln_loopback import loopback_target  # scripts/server/kiln_loopback.py, beside this file
 
 FOLLOW_UPS = [
     "Which item is the heaviest?",

@@ -5,9 +5,9 @@
 # presets are also covered by `cargo test -p kiln-formats --test synth_presets`; this
 # script is for the large ones, which take minutes and gigabytes.
 #
-#   scripts/cpu_presets.sh [TYPE] [PRESET...]     (TYPE default q4_0: the cheapest to make)
+#   scripts/bench/cpu_presets.sh [TYPE] [PRESET...]     (TYPE default q4_0: the cheapest to make)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 type=${1:-q4_0}
 shift || true
 presets=${*:-smollm2-135m qwen2.5-0.5b qwen3-0.6b llama3.2-1b qwen2.5-1.5b qwen2.5-7b llama3-8b qwen3-8b}

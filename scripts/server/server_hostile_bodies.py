@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Send generated malformed or hostile request bodies to an OpenAI-compatible server.
 
-    python3 scripts/server_hostile_bodies.py [--base-url http://127.0.0.1:8080] [--count 1000]
+    python3 scripts/server/server_hostile_bodies.py [--base-url http://127.0.0.1:8080] [--count 1000]
                                              [--seed 1] [--api-key KEY]
 
 Standard library only. Every body is invalid by construction -- fuzzed or truncated JSON,
@@ -22,7 +22,7 @@ import random
 import sys
 import time
 
-from kiln_loopback import loopback_target  # scripts/kiln_loopback.py, beside this file
+from kiln_loopback import loopback_target  # scripts/server/kiln_loopback.py, beside this file
 
 NO_EOS = {"0": -100, "1": -100, "2": -100}
 

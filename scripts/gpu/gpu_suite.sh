@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # kiln's GPU test suite and benchmarks, in two halves because the GPU machine has no Rust:
 #
-#   scripts/gpu_suite.sh build   here (cargo, no GPU): builds the GPU test binaries, the
+#   scripts/gpu/gpu_suite.sh build   here (cargo, no GPU): builds the GPU test binaries, the
 #                                benchmarks and the kiln binary, strips them into .gpu/
 #                                (git-ignored; carry it to the GPU machine).
-#   scripts/gpu_suite.sh split   here: splits the real SmolLM2 file into .gpu-model/part-a and
+#   scripts/gpu/gpu_suite.sh split   here: splits the real SmolLM2 file into .gpu-model/part-a and
 #                                part-b (one call to the GPU machine carries at most 64 MiB).
-#   scripts/gpu_suite.sh run     on the GPU machine: joins .gpu-model/part-* into the real model
+#   scripts/gpu/gpu_suite.sh run     on the GPU machine: joins .gpu-model/part-* into the real model
 #                                if present (checking its sha256), runs every GPU test (and the
 #                                conformance suite on cuda-q4k / cuda-q4_0) with
 #                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
@@ -17,11 +17,11 @@
 #                                TESTS="gpu parity ..." runs a subset of the test binaries;
 #                                BENCH=0 skips the benchmarks (then `bench` may follow in a
 #                                second call: one call runs at most 10 minutes).
-#   scripts/gpu_suite.sh bench   on the GPU machine: the side-by-side benchmark against
-#                                llama.cpp (scripts/bench_vs_llamacpp.sh) on SmolLM2 q4_0 and
+#   scripts/gpu/gpu_suite.sh bench   on the GPU machine: the side-by-side benchmark against
+#                                llama.cpp (scripts/bench/bench_vs_llamacpp.sh) on SmolLM2 q4_0 and
 #                                q4_k_m and synthetic llama3.2-1b / llama3-8b in q4_0 and q4_k_m.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mode=${1:-}
 
@@ -159,8 +159,8 @@ bench)
             models+=("$f")
         done
     done
-    bash scripts/bench_vs_llamacpp.sh build-llamacpp
-    bash scripts/bench_vs_llamacpp.sh run "${models[@]}"
+    bash scripts/bench/bench_vs_llamacpp.sh build-llamacpp
+    bash scripts/bench/bench_vs_llamacpp.sh run "${models[@]}"
     ;;
 *)
     echo "usage: $0 build|split|run|bench" >&2

@@ -2,10 +2,10 @@
 # Where the batched decode step's time goes, per kernel, on the GPU machine: Nsight Compute
 # (`ncu`, which the GPU image carries) over the kernels of one batched step of
 # `kiln bench --batch B`, summarised per kernel name (launches, total and mean duration,
-# DRAM throughput, achieved occupancy, registers). Run after `scripts/gpu_suite.sh build`
+# DRAM throughput, achieved occupancy, registers). Run after `scripts/gpu/gpu_suite.sh build`
 # with .gpu carried:
 #
-#   SHAPES="llama3-8b" BATCHES="8 64" scripts/gpu_profile.sh
+#   SHAPES="llama3-8b" BATCHES="8 64" scripts/gpu/gpu_profile.sh
 #
 # SHAPES may also name decode_bench's in-memory models (smollm2, 1b, 8b): then each batch
 # size B runs `decode_bench --batch B --profile-steps 1` under `--profile-from-start off`, so
@@ -24,7 +24,7 @@
 #
 # Run on the H200 in the sixth session (docs/benchmarks.md, "Decode attention at depth").
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-prof-logs}
 mkdir -p "$out"
 work=${WORK:-$(mktemp -d)}

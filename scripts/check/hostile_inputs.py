@@ -5,7 +5,7 @@ bound, and checks that every case ends in a typed error (exit 1 with `kiln: erro
 stderr, or a usage error, exit 2) or a correct result (exit 0) - never a panic, an abort,
 a signal or a hang. Standard library only.
 
-    scripts/hostile_inputs.py --kiln target/release/kiln [--out DIR] [--keep] [-v]
+    scripts/check/hostile_inputs.py --kiln target/release/kiln [--out DIR] [--keep] [-v]
 
 Cases are generated fresh in DIR (a temporary directory by default) from a tiny valid
 llama model written here (one layer, hidden 32, byte-level BPE, f32 weights); each

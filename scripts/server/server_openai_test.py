@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drive `kiln serve` with the official `openai` Python client.
 
-    python3 scripts/server_openai_test.py [--kiln target/release/kiln] [--model PATH]
+    python3 scripts/server/server_openai_test.py [--kiln target/release/kiln] [--model PATH]
                                           [--backend NAME] [--venv DIR]
                                           [--base-url URL --api-key KEY]
 
@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NO_EOS = {"0": -100, "1": -100, "2": -100}  # <|endoftext|>, <|im_start|>, <|im_end|> in SmolLM2
 
 

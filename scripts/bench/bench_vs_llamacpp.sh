@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # kiln against llama.cpp, side by side on the same GGUF files in the same run. The GPU
 # machine has no network and no Rust, so a stripped llama.cpp source tarball travels with
-# kiln's binaries (.gpu/, from scripts/gpu_suite.sh build) and is built there:
+# kiln's binaries (.gpu/, from scripts/gpu/gpu_suite.sh build) and is built there:
 #
-#   scripts/bench_vs_llamacpp.sh prepare         here (pip, network): downloads the
+#   scripts/bench/bench_vs_llamacpp.sh prepare   here (pip, network): downloads the
 #                            llama-cpp-python 0.3.36 source distribution, keeps only what
 #                            vendor/llama.cpp needs to build llama-bench, llama-batched-bench and
 #                            llama-server (ggml CPU + CUDA backends, those tools, mtmd, no web UI)
 #                            and writes .llamacpp/llama.cpp.tar.xz (git-ignored through
 #                            .git/info/exclude; carry it to the GPU machine).
-#   scripts/bench_vs_llamacpp.sh build-llamacpp  on the GPU machine: unpacks the tarball into
+#   scripts/bench/bench_vs_llamacpp.sh build-llamacpp  on the GPU machine: unpacks the tarball into
 #                            $LLAMACPP_DIR (default /tmp/llamacpp) and builds the three tools with
 #                            CUDA (sm_90, Release, Ninja). Does nothing when all three are built; when
 #                            a call's time limit cuts the build, run it again: ninja resumes.
@@ -17,7 +17,7 @@
 #                            for the build machine's own instruction set, AVX-512 included);
 #                            CUDA_ARCH=90 and JOBS=<nproc> are the defaults; TARGETS="llama-bench"
 #                            builds only that tool (what a CPU comparison needs).
-#   scripts/bench_vs_llamacpp.sh run MODEL...    on the GPU machine: for each GGUF file,
+#   scripts/bench/bench_vs_llamacpp.sh run MODEL...    on the GPU machine: for each GGUF file,
 #                            `llama-bench -m M -p 512 -n 128 -r 5 -ngl 99 -o json` and
 #                            `kiln bench -m M -p 512 -n 128 -r 5 --output json`, then one markdown
 #                            table with the ratio kiln/llama.cpp per row (printed last). Raw
@@ -31,13 +31,13 @@
 #                            -npl 1,4,8,16,32,64 -c 16384` beside `kiln bench --batch
 #                            1,4,8,16,32,64 -p 128 -n 128` (S_PP and S_TG per batch size, with
 #                            the ratio); NPL= changes the batch sizes.
-#   scripts/bench_vs_llamacpp.sh table DIR       reprints the tables from a run's logs.
+#   scripts/bench/bench_vs_llamacpp.sh table DIR       reprints the tables from a run's logs.
 #
 # e.g. on the GPU machine:
-#   scripts/bench_vs_llamacpp.sh build-llamacpp &&
-#   KILN_BENCH_ARGS="--backend cuda-q4_0" scripts/bench_vs_llamacpp.sh run /tmp/m/llama3-8b.q4_0.gguf
+#   scripts/bench/bench_vs_llamacpp.sh build-llamacpp &&
+#   KILN_BENCH_ARGS="--backend cuda-q4_0" scripts/bench/bench_vs_llamacpp.sh run /tmp/m/llama3-8b.q4_0.gguf
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 TARBALL=.llamacpp/llama.cpp.tar.xz
 llamacpp_dir=${LLAMACPP_DIR:-/tmp/llamacpp}
@@ -241,7 +241,7 @@ prepare)
     commit=$(cat "$tmp/$top/.git/modules/vendor/llama.cpp/HEAD")
     {
         echo "llama.cpp $commit, vendored by llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (sdist sha256 $(sha256sum "$sdist" | cut -d' ' -f1))."
-        echo "Stripped by kiln's scripts/bench_vs_llamacpp.sh to build llama-bench, llama-batched-bench and"
+        echo "Stripped by kiln's scripts/bench/bench_vs_llamacpp.sh to build llama-bench, llama-batched-bench and"
         echo "llama-server (ggml CPU and CUDA backends only; tools/CMakeLists.txt rewritten to add just those"
         echo "tools and the libraries they link; no web UI assets)."
     } >"$dst/KILN_PROVENANCE.txt"

@@ -4,14 +4,14 @@
 # host's neighbours drift between calls). Build the old binary first, e.g.
 #   git stash && cargo build --release -p kiln --bin kiln && cp target/release/kiln .gpu/kiln_old && git stash pop
 #
-#   scripts/ab_bench.sh tg OUT MODEL...      tg128 at each of DEPTHS (default "0 4096"), two
+#   scripts/gpu/ab_bench.sh tg OUT MODEL...  tg128 at each of DEPTHS (default "0 4096"), two
 #                                           rounds of old then new; one line each in OUT/ab.txt
 #                                           (KILN_BENCH_ARGS adds flags, e.g. "--kv-type q8_0")
-#   scripts/ab_bench.sh batch OUT MODEL...   `kiln bench --batch $BATCH` (default 1,4,16,64;
+#   scripts/gpu/ab_bench.sh batch OUT MODEL...   `kiln bench --batch $BATCH` (default 1,4,16,64;
 #                                           -p 128 -n 128 -r 2) for each binary; OUT/abb.txt
 # BINS="kiln_old kiln" names the binaries under .gpu/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mode=${1:-}
 out=${2:-}
 shift 2 || { echo "usage: $0 tg|batch OUT MODEL..." >&2; exit 2; }

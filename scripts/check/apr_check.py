@@ -4,7 +4,7 @@
 Standard library only. Written from the format description in docs/formats.md §6.2, not
 from kiln's Rust reader, so the two can check each other.
 
-    python3 scripts/apr_check.py FILE [FILE ...] [-v]
+    python3 scripts/check/apr_check.py FILE [FILE ...] [-v]
 
 Checks, for each (uncompressed) file: magic ("APR\\0" or legacy "APR2"), version 2.x, the
 header CRC32 (bytes 0..40 and 44..64), the trailing CRC32 (every byte before the last four),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load test for an OpenAI-compatible server: N concurrent streaming clients.
 
-    python3 scripts/server_load_test.py [--base-url http://127.0.0.1:8080] [--clients 64]
+    python3 scripts/server/server_load_test.py [--base-url http://127.0.0.1:8080] [--clients 64]
         [--duration 300] [--warmup 20] [--max-tokens 128] [--endpoint chat|completions]
         [--pid PID] [--api-key KEY] [--model NAME] [--logit-bias JSON] [--json]
 
@@ -20,9 +20,9 @@ The same command works against llama-server (start it with --metrics to be thoro
 kiln-specific /metrics checks are skipped there), so both can be compared on one machine:
 
     kiln serve -m model.gguf --port 8080 --max-seqs 64 &
-    python3 scripts/server_load_test.py --base-url http://127.0.0.1:8080 --pid $!
+    python3 scripts/server/server_load_test.py --base-url http://127.0.0.1:8080 --pid $!
     llama-server -m model.gguf --port 8081 -np 64 -c $((64*4096)) --metrics &
-    python3 scripts/server_load_test.py --base-url http://127.0.0.1:8081 --pid $!
+    python3 scripts/server/server_load_test.py --base-url http://127.0.0.1:8081 --pid $!
 """
 
 import argparse
@@ -33,7 +33,7 @@ import sys
 import time
 import urllib.request
 
-from kiln_loopback import loopback_target  # scripts/kiln_loopback.py, beside this file
+from kiln_loopback import loopback_target  # scripts/server/kiln_loopback.py, beside this file
 
 
 def parse_args():

@@ -6,10 +6,10 @@
 # fuzz/artifacts/TARGET/ and makes the script exit 1. CI runs the same targets on stable
 # through formats/tests/fuzz_harness.rs and formats/tests/apr_container.rs.
 #
-#   scripts/fuzz.sh [TARGET...]          # default: gguf_reader gguf_model tokenizer chat_template apr_reader
-#   RUNS=1000000 scripts/fuzz.sh gguf_reader
+#   scripts/check/fuzz.sh [TARGET...]    # default: gguf_reader gguf_model tokenizer chat_template apr_reader
+#   RUNS=1000000 scripts/check/fuzz.sh gguf_reader
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(gguf_reader gguf_model tokenizer chat_template apr_reader)
 runs=${RUNS:-10000000}

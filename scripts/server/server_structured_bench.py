@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time per generated token with and without a `response_format` constraint.
 
-    python3 scripts/server_structured_bench.py [--base-url http://127.0.0.1:8080] [--rounds 5]
+    python3 scripts/server/server_structured_bench.py [--base-url http://127.0.0.1:8080] [--rounds 5]
 
 Standard library only; loopback only. Streams one 100-token chat completion per case
 (free text, `json_object`, an array of 30 short strings, an array of 40 digits) with the
@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.request
 
-from kiln_loopback import loopback_target  # scripts/kiln_loopback.py, beside this file
+from kiln_loopback import loopback_target  # scripts/server/kiln_loopback.py, beside this file
 
 BASE = None
 

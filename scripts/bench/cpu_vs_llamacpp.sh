@@ -5,12 +5,12 @@
 # --quantized-activations (8-bit activations, llama.cpp's arithmetic), one tg run each.
 # Prints every round, then the means and the ratios to llama.cpp.
 #
-#   scripts/cpu_vs_llamacpp.sh MODEL THREADS ROUNDS [N]
+#   scripts/bench/cpu_vs_llamacpp.sh MODEL THREADS ROUNDS [N]
 #
 # KILN (default target/release/kiln) and LLAMA_BENCH (default
 # /tmp/llamacpp-cpu-avx2/build/bin/llama-bench, built by
 # `GGML_CUDA=OFF TARGETS=llama-bench LLAMACPP_DIR=/tmp/llamacpp-cpu-avx2
-# scripts/bench_vs_llamacpp.sh build-llamacpp`) pick the binaries; CORES=2,3 pins every run
+# scripts/bench/bench_vs_llamacpp.sh build-llamacpp`) pick the binaries; CORES=2,3 pins every run
 # to those cores (taskset); F32=0 leaves the oracle out.
 set -euo pipefail
 model=$1 threads=$2 rounds=$3 n=${4:-128}
