@@ -14,7 +14,7 @@
 // against both queries and adds each V row into both sums, reading the cache once for the
 // two. It wins on long contexts only (the executor switches to it from 16,384 positions):
 // below, the launch is one block's latency, which a second head lengthens. Measured on an
-// H200 (llama3.2-1b, groups of 4; docs/benchmarks.md): pairs lose 5% at 8,192 positions,
+// H200 (llama3.2-1b, groups of 4; docs/log/2026-11-to-12.md): pairs lose 5% at 8,192 positions,
 // win 4% at 16,384 and 14% at 32,768; groups of 4 a block lose at every length. The
 // batched step's grid holds a block per row as well, so there pairs pay from 16 rows at any
 // context (the executor's batch_shape).

@@ -227,7 +227,7 @@ struct BAct {
 // Accumulates chunks c0..c1 reading the activation fragments straight from global memory
 // (L2): the faster walk up to 32 sequences on the H200. (Loading BMM_TILE chunks' weight
 // fragments before using any, as the staged walk does, measured 5-15% slower here: more
-// registers, fewer warps per SM; docs/benchmarks.md.)
+// registers, fewer warps per SM; docs/log/2026-11-to-12.md.)
 template <int T, int NT, bool SWIGLU>
 static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2, const BAct& a, size_t ra, size_t rb,
                                                          int g, int t, int K, int c0, int c1, float (&acc)[NT][4],
@@ -356,7 +356,7 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
 // activations of its 8 chunks for every sequence, all copied into shared memory by cp.async,
 // `stages` deep (2–4; the host runs 2): while the warps multiply one stage the next ones are in flight, and no
 // weight byte waits in a register (the walk above holds a stage's fragments in registers,
-// which caps the bytes in flight at a few hundred a warp: docs/benchmarks.md). Fragments are
+// which caps the bytes in flight at a few hundred a warp: docs/log/2026-11-to-12.md). Fragments are
 // read from shared memory with the same code as from global memory (kq_frag); a row stride
 // of 144, 176 or 208 bytes puts the eight rows a warp's lanes read in distinct banks.
 //

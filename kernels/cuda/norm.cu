@@ -119,7 +119,7 @@ extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits
 // block (bx, m) finishing values [1024·bx, 1024·bx + 1024) of row m, each warp packing its
 // own 32 (nrows a multiple of 32). A pack that normalises needs the whole row first; the
 // form that had the last block of each row do it measured slower than act_pack's launch
-// (docs/benchmarks.md, "Fewer launches between the batched matmuls").
+// (docs/log/2026-11-to-12.md, "Fewer launches between the batched matmuls").
 extern "C" __global__ void __launch_bounds__(1024)
     bmm_finish_pack(const float* __restrict__ part, int splits, int rows, int ldp, int nrows, int swiglu,
                     const float* __restrict__ bias, const float* residual, float* y, int ldy, uint4* __restrict__ out,

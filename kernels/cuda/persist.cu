@@ -12,7 +12,7 @@
 // L2 for the next instruction's first weights (gemv_prefetch) before waiting, so their
 // latency overlaps the slowest block of the current instruction.
 //
-// Measured on an H200 (docs/benchmarks.md, twelfth session) it is slower than the graph of
+// Measured on an H200 (docs/log/2026-11-to-12.md, twelfth session) it is slower than the graph of
 // launches with programmatic dependent launch: 1,053 against 1,349 tok/s on SmolLM2's shape,
 // 1,123 against 1,494 on Llama-3.2-1B's, 326 against 447 on Llama-3-8B's. A grid barrier
 // costs 1.3-1.6 µs, about what each instruction loses: with PDL a kernel boundary costs
@@ -43,7 +43,7 @@ struct PInstr {
 // visible to every read after it (release on arrival, acquire on the wait). `count` only
 // grows: a launch's k-th barrier completes when it reaches its next multiple of the grid,
 // so nothing is ever reset (each program has its own counter, zeroed at creation). A
-// barrier costs 1.3-1.6 µs on an H200 (400-800 blocks; docs/benchmarks.md); a tree of
+// barrier costs 1.3-1.6 µs on an H200 (400-800 blocks; docs/log/2026-11-to-12.md); a tree of
 // group counters measured the same.
 static __device__ __forceinline__ void grid_barrier(u64* count) {
     __syncthreads();

@@ -265,8 +265,8 @@ impl Kernels {
         let optin = self.device().shared_per_block_optin();
         // Two stages by default (`set_bmm_pipeline` measures others): one super-block in
         // flight while the other is used. Three (or four) measured the same or slower on
-        // the H200 (thirteenth and fifteenth sessions, benchmarks.md): a smaller footprint
-        // lets a second block onto each SM, whose warps cover the fragment loads' latency
+        // the H200 (thirteenth and fifteenth sessions, docs/log/2026-11-to-12.md): a smaller
+        // footprint lets a second block onto each SM, whose warps cover the fragment loads' latency
         // (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
         let walk = BmmWalk::Pipelined {
             f16,
@@ -286,7 +286,7 @@ impl Kernels {
     /// 32 values per part. A warp keeps only a few hundred bytes of weights in flight, so
     /// the memory latency is covered by warps: 8 blocks of 8 warps per SM for 8 and 16 rows,
     /// 4 for wider batches, whose kernels hold more accumulators (fewer blocks fit an SM)
-    /// and whose partial sums cost more to write. Measured on the H200 (docs/benchmarks.md):
+    /// and whose partial sums cost more to write. Measured on the H200 (docs/log/2026-11-to-12.md):
     /// llama3-8b q4_k_m at 4/8/16/32/64 rows, 2 waves → 8/8/8/4/4: 446 → 588, 862 → 1,128,
     /// 1,589 → 1,843, 2,429 → 2,468, 2,775 → 2,968 tok/s.
     ///

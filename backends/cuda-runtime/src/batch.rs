@@ -242,7 +242,7 @@ impl GpuExecutor {
     /// context `len`. From 16 rows its attention takes the heads of a GQA group in pairs,
     /// each K/V row read once for two queries: there the grid holds rows × heads × splits
     /// blocks and the K/V reads are what it costs. Below, as for one sequence, a second
-    /// head only lengthens each block's chain. Measured on the H200 (docs/benchmarks.md,
+    /// head only lengthens each block's chain. Measured on the H200 (docs/log/2026-11-to-12.md,
     /// "Batched decode at 64 rows"): 1B +2.3 / +1.6 / +3.3% at 16 / 32 / 64 rows, −2.9% at 4.
     fn batch_shape(&self, rows: usize, len: usize) -> StepShape {
         let split = self.split.max(BATCH_ATTENTION_SPLIT);
@@ -310,7 +310,7 @@ impl GpuExecutor {
         // `next` (the next matmul's norm) and packed for it. That pack stays a launch of its
         // own: packing in the launch that sums the splits needs the whole row's norm first,
         // and the last block of each row packing it measured slower than act_pack
-        // (docs/benchmarks.md, "Fewer launches between the batched matmuls").
+        // (docs/log/2026-11-to-12.md, "Fewer launches between the batched matmuls").
         let add_to_stream = |w: &kiln_kernels::DeviceWeight,
                              post: Option<&kiln_kernels::DeviceBuffer<f32>>,
                              next: &kiln_kernels::DeviceBuffer<f32>| {

@@ -274,7 +274,7 @@ struct Scratch {
 /// blocks of `warps` warps, and the quantising GEMV tiling whose blocks that size owns one
 /// 32-row group (every GEMV of the step takes it: a block runs its virtual blocks one after
 /// another, so fewer, larger ones keep more loads in flight; 1-2% faster than the policy's
-/// plain tilings, docs/benchmarks.md).
+/// plain tilings, docs/log/2026-11-to-12.md).
 struct Persistent {
     warps: usize,
     tiling: GemvTiling,
