@@ -22,7 +22,7 @@
 # ours to change). Logs under $OUT (or ./prof-logs), one CSV per shape and batch, and the
 # summaries printed last.
 #
-# Run on the H200 in the sixth session (docs/benchmarks.md, "Decode attention at depth").
+# Run on the H200 in the sixth session (docs/log/2026-11-to-12.md, "Decode attention at depth").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-prof-logs}
