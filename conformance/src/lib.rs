@@ -516,6 +516,7 @@ fn kind_of(e: &Error) -> &'static str {
         Error::OutOfMemory(_) => "OutOfMemory",
         Error::Plugin { .. } => "Plugin",
         Error::Tokenizer(_) => "Tokenizer",
+        Error::SavedLogits { .. } => "SavedLogits",
         Error::InvalidArgument(_) => "InvalidArgument",
         Error::NonFiniteLogits { .. } => "NonFiniteLogits",
         Error::KvCacheFull { .. } => "KvCacheFull",

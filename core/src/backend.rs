@@ -341,6 +341,38 @@ pub trait LayerExecutor: Send {
     /// a prompt that would pass `max_context` is refused whole. See [`check_prefill`].
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], logits: &mut [f32]) -> Result<()>;
 
+    /// Appends `tokens` like [`LayerExecutor::prefill`] and writes the logits after every
+    /// token from `tokens[first]` on: `logits` holds `(tokens.len() - first) * vocab` values,
+    /// row `j` the distribution of the token that follows `tokens[first + j]`. What a scorer
+    /// (perplexity, KL-divergence) reads. See [`check_prefill_logits`].
+    ///
+    /// The default prefills up to `tokens[first]` and then decodes the rest one token at a
+    /// time, so every executor (a plugin too) has it; executors that compute every position
+    /// of a prompt in one pass override it to run at prompt speed. On an error after the
+    /// prefill the sequence is cut back to its length before the call.
+    fn prefill_logits(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        let start = self.sequence_len(seq)?;
+        check_prefill_logits(tokens, first, logits, vocab, start, self.max_context())?;
+        let (head, rest) = tokens.split_at(first + 1);
+        let (row0, rows) = logits.split_at_mut(vocab);
+        self.prefill(seq, head, row0)?;
+        for (&token, out) in rest.iter().zip(rows.chunks_mut(vocab)) {
+            if let Err(e) = self.decode(&[DecodeItem { seq, token }], out) {
+                // Best effort: the error that stopped the run is the one to report.
+                let _ = self.truncate_sequence(seq, start);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// One decode step for every item; `logits` receives `batch.len() * vocab` values,
     /// row `i` for item `i`. Items must name distinct live sequences, each below
     /// `max_context`, at whatever position each one is; an empty batch is a no-op. The
@@ -452,6 +484,34 @@ pub fn check_prefill(
         )));
     }
     Ok(())
+}
+
+/// The checks of [`LayerExecutor::prefill_logits`]: those of [`check_prefill`] for the whole
+/// of `tokens`, `first` inside them, and a logits buffer of `(tokens.len() - first) * vocab`
+/// values. Every failure is `InvalidArgument`.
+pub fn check_prefill_logits(
+    tokens: &[u32],
+    first: usize,
+    logits: &[f32],
+    vocab: usize,
+    len: usize,
+    max_context: usize,
+) -> Result<()> {
+    if first >= tokens.len() {
+        return Err(Error::InvalidArgument(format!(
+            "the first scored token ({first}) is past the {} given",
+            tokens.len()
+        )));
+    }
+    let rows = tokens.len() - first;
+    if logits.len() != rows * vocab {
+        return Err(Error::InvalidArgument(format!(
+            "logits buffer holds {} values; {rows} rows of the vocabulary need {}",
+            logits.len(),
+            rows * vocab
+        )));
+    }
+    check_prefill(tokens, &logits[..vocab], vocab, len, max_context)
 }
 
 /// The checks of [`LayerExecutor::decode`]: [`check_decode_batch`] (the logits buffer fits,

@@ -30,6 +30,10 @@ pub enum Error {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     /// The caller passed something out of range (unknown sequence, context full ...).
+    /// A saved-logits file (`kiln perplexity --save-logits`) that cannot be used: not one,
+    /// another version, truncated, or corrupt.
+    #[error("saved logits {path}: {message}")]
+    SavedLogits { path: String, message: String },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// The paged KV cache has no free block for a sequence to grow into: the call changed

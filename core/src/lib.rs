@@ -21,8 +21,8 @@ pub mod testdata;
 
 pub use backend::{
     check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill,
-    check_sample_slots, check_tokens, decode_sample_on_host, score, Backend, DecodeItem, KvType,
-    LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
+    check_prefill_logits, check_sample_slots, check_tokens, decode_sample_on_host, score, Backend,
+    DecodeItem, KvType, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
 };
 pub use error::{Error, Result};
 pub use ir::{

@@ -15,8 +15,8 @@ use std::borrow::Cow;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
-    check_decode, check_prefill, Activation, DecodeItem, Error, KvBlockUsage, KvType,
-    LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot,
+    check_decode, check_prefill, check_prefill_logits, Activation, DecodeItem, Error, KvBlockUsage,
+    KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot,
     SequenceSlots, TensorView, KV_BLOCK_TOKENS,
 };
 use rayon::prelude::*;
@@ -629,14 +629,15 @@ impl CpuExecutor {
     }
 
     /// Runs positions `rows[i] = (slot, position)` for `tokens[i]` through the model.
-    /// Logits of every row go to `logits` (`rows × vocab`), or of the last row only when
-    /// `last_only`.
+    /// Logits of the rows from `logits_from` on go to `logits` (`(rows − logits_from) ×
+    /// vocab`): 0 for a decode batch, the last row for a prompt, any row between for a
+    /// scorer; the other rows skip the output norm and the LM head.
     fn forward(
         &mut self,
         rows: &[(usize, usize)],
         tokens: &[u32],
         logits: &mut [f32],
-        last_only: bool,
+        logits_from: usize,
     ) {
         let CpuExecutor {
             model,
@@ -654,7 +655,7 @@ impl CpuExecutor {
                 rows,
                 tokens,
                 logits,
-                last_only,
+                logits_from,
             )
         });
     }
@@ -890,7 +891,7 @@ fn forward(
     rows: &[(usize, usize)],
     tokens: &[u32],
     logits: &mut [f32],
-    last_only: bool,
+    logits_from: usize,
 ) {
     let c = &m.config;
     let n = rows.len();
@@ -1200,7 +1201,7 @@ fn forward(
         }
     }
 
-    let first = if last_only { n - 1 } else { 0 };
+    let first = logits_from.min(n - 1);
     let count = n - first;
     for t in first..n {
         let o = t - first;
@@ -1315,7 +1316,45 @@ impl LayerExecutor for CpuExecutor {
             for (j, r) in rows[..chunk.len()].iter_mut().enumerate() {
                 *r = (slot, pos0 + j);
             }
-            self.forward(&rows[..chunk.len()], chunk, logits, true);
+            self.forward(&rows[..chunk.len()], chunk, logits, chunk.len() - 1);
+            self.slots[slot].len = pos0 + chunk.len();
+            self.slots[slot].cache.tokens.extend_from_slice(chunk);
+        }
+        Ok(())
+    }
+
+    fn prefill_logits(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let start = self.slots[slot].len;
+        let vocab = self.model.config.vocab_size;
+        check_prefill_logits(tokens, first, logits, vocab, start, self.model.max_ctx)?;
+        self.slots.reserve(slot, start + tokens.len())?;
+        let mut rows = [(0usize, 0usize); MAX_BATCH];
+        let mut out = logits;
+        for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let at = ci * MAX_BATCH;
+            let pos0 = start + at;
+            for (j, r) in rows[..chunk.len()].iter_mut().enumerate() {
+                *r = (slot, pos0 + j);
+            }
+            // A chunk wholly before `first` still computes its last row's logits (the
+            // forward pass always writes at least one row): into a scratch row.
+            let from = first.saturating_sub(at);
+            if from >= chunk.len() {
+                let mut scratch = vec![0f32; vocab];
+                self.forward(&rows[..chunk.len()], chunk, &mut scratch, chunk.len() - 1);
+            } else {
+                let (now, rest) =
+                    std::mem::take(&mut out).split_at_mut((chunk.len() - from) * vocab);
+                self.forward(&rows[..chunk.len()], chunk, now, from);
+                out = rest;
+            }
             self.slots[slot].len = pos0 + chunk.len();
             self.slots[slot].cache.tokens.extend_from_slice(chunk);
         }
@@ -1350,7 +1389,7 @@ impl LayerExecutor for CpuExecutor {
                 rows[i] = (slot, self.slots[slot].len);
                 toks[i] = item.token;
             }
-            self.forward(&rows[..items.len()], &toks[..items.len()], out, false);
+            self.forward(&rows[..items.len()], &toks[..items.len()], out, 0);
             for (&(slot, _), &token) in rows[..items.len()].iter().zip(&toks) {
                 self.slots[slot].len += 1;
                 self.slots[slot].cache.tokens.push(token);
