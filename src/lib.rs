@@ -13,6 +13,7 @@ pub mod bench;
 pub mod conformance;
 pub mod engine;
 pub mod fetch;
+pub mod perplexity;
 pub mod plugins;
 pub mod server;
 pub mod session;

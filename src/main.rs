@@ -53,6 +53,9 @@ enum Command {
     },
     /// Measure prompt processing and generation speed (llama-bench style).
     Bench(BenchArgs),
+    /// Perplexity of a text, and KL-divergence from a reference's saved logits
+    /// (llama-perplexity's method and numbers).
+    Perplexity(PerplexityArgs),
     /// Prepare a model's first run ahead of time: load it on its backend, which compiles
     /// and caches the GPU kernels it needs, then exit (e.g. in a container build).
     Warmup {
@@ -220,6 +223,30 @@ enum OutputFormat {
 }
 
 #[derive(Args)]
+struct PerplexityArgs {
+    /// Model, backend and loading options; `-c` is the chunk length (default 512).
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text to score (UTF-8). Not needed with --kl-divergence-base, whose file holds
+    /// the tokens.
+    #[arg(short = 'f', long = "file")]
+    file: Option<PathBuf>,
+    /// Score at most this many chunks (default: every whole chunk of the text).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Save this run's token distributions as the reference for later KL-divergence runs.
+    #[arg(long, value_name = "FILE")]
+    save_logits: Option<PathBuf>,
+    /// Score against the distributions saved in FILE (by --save-logits): KL-divergence,
+    /// top-token agreement, Δp, and the perplexity ratio.
+    #[arg(long, value_name = "FILE", conflicts_with = "save_logits")]
+    kl_divergence_base: Option<PathBuf>,
+    /// Output as text (llama-perplexity's) or as one JSON object.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    format: OutputFormat,
+}
+
+#[derive(Args)]
 struct RunArgs {
     /// The prompt.
     prompt: String,
@@ -311,6 +338,7 @@ fn main() -> ExitCode {
         Command::Backends { model, backend } => cmd_backends(model, backend),
         Command::Tokenize { args, no_bos } => cmd_tokenize(args, no_bos),
         Command::Bench(args) => cmd_bench(args),
+        Command::Perplexity(args) => cmd_perplexity(args),
         Command::Warmup { model } => cmd_warmup(model),
         Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
         Command::Synth(args) => kiln::toolkit::cmd_synth(args),
@@ -371,6 +399,161 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) 
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
     tracing::info!(backend = engine.backend_name(), "model loaded");
     Ok(engine)
+}
+
+fn cmd_perplexity(mut args: PerplexityArgs) -> Result<()> {
+    use kiln::perplexity::{self, LogitsHeader, LogitsReader, LogitsWriter, Plan, Reference};
+    let mut reader = match &args.kl_divergence_base {
+        Some(path) => Some(LogitsReader::open(path)?),
+        None => None,
+    };
+    let ctx = match (&reader, args.model.ctx_size) {
+        (Some(r), 0) => r.header.ctx,
+        (Some(r), c) if c != r.header.ctx => {
+            return Err(kiln_core::Error::InvalidArgument(format!(
+                "the saved logits were made with -c {}; this run asks for -c {c}",
+                r.header.ctx
+            )))
+        }
+        (_, 0) => 512,
+        (_, c) => c,
+    };
+    args.model.ctx_size = ctx;
+    let text =
+        match (&args.file, &reader) {
+            (Some(path), _) => Some(std::fs::read(path).map_err(|e| {
+                kiln_core::Error::Io(std::io::Error::new(
+                    e.kind(),
+                    format!("{}: {e}", path.display()),
+                ))
+            })?),
+            (None, Some(_)) => None,
+            (None, None) => return Err(kiln_core::Error::InvalidArgument(
+                "give the text to score with -f FILE (or a reference with --kl-divergence-base)"
+                    .into(),
+            )),
+        };
+    let mut engine = load_engine(&args.model)?;
+    let tokenizer = &engine.model.tokenizer;
+    let fingerprint = perplexity::tokenizer_fingerprint(tokenizer);
+    let bos = tokenizer
+        .add_bos_default()
+        .then(|| tokenizer.bos())
+        .flatten();
+    let plan = match &reader {
+        Some(r) => {
+            if r.header.tokenizer != fingerprint {
+                return Err(kiln_core::Error::InvalidArgument(format!(
+                    "{}: the saved logits were made with another tokenizer than this model's",
+                    args.kl_divergence_base.as_ref().unwrap().display()
+                )));
+            }
+            let plan = Plan::from_saved(&r.header, bos);
+            if let Some(bytes) = &text {
+                // A text given beside the reference must be the one it was made from.
+                let tokens = perplexity::tokenize_text(tokenizer, bytes)?;
+                if !tokens.starts_with(&plan.tokens) {
+                    return Err(kiln_core::Error::InvalidArgument(
+                        "the text does not tokenise to the tokens the saved logits were made over"
+                            .into(),
+                    ));
+                }
+            }
+            plan
+        }
+        None => {
+            let tokens = perplexity::tokenize_text(tokenizer, text.as_deref().unwrap_or_default())?;
+            Plan::new(tokens, ctx, args.chunks, bos)?
+        }
+    };
+    let mut writer = match &args.save_logits {
+        Some(path) => Some(LogitsWriter::create(
+            path,
+            LogitsHeader {
+                vocab: engine.model.ir.config.vocab_size,
+                ctx: plan.ctx,
+                first: plan.first(),
+                chunks: plan.chunks,
+                tokenizer: fingerprint,
+                tokens: plan.tokens.clone(),
+            },
+        )?),
+        None => None,
+    };
+    let json = args.format == OutputFormat::Json;
+    let kl = reader.is_some();
+    eprintln!(
+        "kiln: scoring {} chunks of {} tokens ({} scored each) on {}",
+        plan.chunks,
+        plan.ctx,
+        plan.scored_per_chunk(),
+        engine.backend_name()
+    );
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(plan.chunks as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} chunks {elapsed}<{eta} {msg}",
+        )
+        .expect("a valid template"),
+    );
+    let started = std::time::Instant::now();
+    let mut line = String::new();
+    let reference = match (&mut writer, &mut reader) {
+        (Some(w), _) => Reference::Save(w),
+        (None, Some(r)) => Reference::Compare(r),
+        (None, None) => Reference::None,
+    };
+    let report = perplexity::score(engine.executor(), &plan, reference, |done| {
+        bar.inc(1);
+        bar.set_message(format!("PPL {:.4}", done.ppl));
+        if !json {
+            match (done.kld, done.same_top) {
+                (Some(kld), Some(top)) => bar.println(format!(
+                    "[{}] PPL {:.4}, mean KLD {kld:.6}, same top {:.3}%",
+                    done.chunk,
+                    done.ppl,
+                    100.0 * top
+                )),
+                _ => line.push_str(&format!("[{}]{:.4},", done.chunk, done.ppl)),
+            }
+        }
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    if let Some(w) = writer {
+        w.finish()?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if json {
+        let value = serde_json::json!({
+            "backend": engine.backend_name(),
+            "seconds": seconds,
+            "tokens_per_second": (plan.chunks * plan.ctx) as f64 / seconds,
+            "report": report,
+        });
+        println!("{value}");
+        return Ok(());
+    }
+    if !line.is_empty() {
+        println!("{line}");
+    }
+    match &report.kl {
+        Some(k) => print!("{}", perplexity::format_kl(&report, k)),
+        None => println!(
+            "Final estimate: PPL = {:.4} +/- {:.5}",
+            report.ppl.value, report.ppl.error
+        ),
+    }
+    eprintln!(
+        "kiln: {} tokens in {seconds:.1} s ({:.0} tokens/s){}",
+        plan.chunks * plan.ctx,
+        (plan.chunks * plan.ctx) as f64 / seconds,
+        if kl { "" } else { "" }
+    );
+    Ok(())
 }
 
 fn cmd_run(args: RunArgs) -> Result<()> {
