@@ -2,7 +2,14 @@
 //! mixed context lengths (one at 5 tokens, one at 1,500, the rest between) decode in one
 //! batch per step, and each must match its own unbatched run — per-step logits cosine ≥
 //! 0.99999 and the same greedy token except at near-ties (top-1/top-2 gap < 1e-3, counted
-//! and printed). Two executors of the same model run side by side: one decodes each
+//! and printed). Where a row falls under the cosine bar, the CPU oracle decides which of
+//! the two is off: the row passes only if the batched logits are within the bar of the
+//! oracle's and at least as close to them as the one-sequence logits are (the two GPU
+//! paths round activations differently — 15-bit blocks in the GEMVs, f16 in cuda-q4k's
+//! batched K-quant matmuls — and on the real SmolLM2 the one-sequence path is the one that
+//! strays: row 3 of M=16, cosine 0.9999877 between them, 0.9999992 batched-to-oracle,
+//! 0.9999910 one-sequence-to-oracle, on an H100 and an H200 alike). A wrong row, position
+//! or sequence is far from the oracle too, and still fails. Two executors of the same model run side by side: one decodes each
 //! sequence alone, the other the whole batch; both are fed the unbatched run's greedy
 //! tokens (teacher forcing), so every step's logits are compared. Seeded sampling through
 //! `decode_sample` (with logit biases on most rows) must draw on the device the tokens the
@@ -97,10 +104,16 @@ struct Report {
     mismatches: usize,
     /// The widest top-2 gap at which a pick differed.
     widest_tie: f32,
+    /// Rows under the cosine bar that the CPU oracle found the batched step closer to.
+    oracle_judged: usize,
 }
 
-/// Greedy: `m` sequences, `steps` steps, batched on `batched` vs one at a time on `alone`.
+/// Greedy: `m` sequences, `steps` steps, batched on `batched` vs one at a time on `alone`;
+/// rows under the cosine bar are judged against the CPU oracle of `ir` (see the module
+/// header).
+#[allow(clippy::too_many_arguments)]
 fn greedy_batched_vs_alone(
+    ir: &kiln_core::ModelIr,
     alone: &mut dyn LayerExecutor,
     batched: &mut dyn LayerExecutor,
     m: usize,
@@ -129,10 +142,17 @@ fn greedy_batched_vs_alone(
         min_cosine: 1.0,
         mismatches: 0,
         widest_tie: 0.0,
+        oracle_judged: 0,
     };
     let mut batch_logits = vec![f32::NAN; m * vocab];
+    // Each row's tokens so far (prompt, then the tokens fed), for the oracle's replays.
+    let mut history: Vec<Vec<u32>> = prompts.clone();
+    let mut oracle: Option<Box<dyn LayerExecutor>> = None;
     for step in 0..steps {
         let tokens: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
+        for (h, &t) in history.iter_mut().zip(&tokens) {
+            h.push(t);
+        }
         let items: Vec<DecodeItem> = sb
             .iter()
             .zip(&tokens)
@@ -158,11 +178,27 @@ fn greedy_batched_vs_alone(
             );
             let cos = cosine(&ref_logits[i], got);
             report.min_cosine = report.min_cosine.min(cos);
-            assert!(
-                cos >= MIN_COSINE,
-                "M={m} step {step} row {i} (prompt {}): cosine {cos}",
-                lens[i]
-            );
+            if cos < MIN_COSINE {
+                let cpu =
+                    oracle.get_or_insert_with(|| kiln_tests::cpu_executor(ir, alone.max_context()));
+                let seq = cpu.new_sequence().unwrap();
+                let mut want = vec![f32::NAN; vocab];
+                cpu.prefill(seq, &history[i], &mut want).unwrap();
+                cpu.free_sequence(seq).unwrap();
+                let (to_batched, to_alone) = (cosine(&want, got), cosine(&want, &ref_logits[i]));
+                println!(
+                    "M={m} step {step} row {i} (prompt {}): batched vs one-sequence cosine {cos:.7}; \
+                     to the CPU oracle: batched {to_batched:.7}, one-sequence {to_alone:.7}",
+                    lens[i]
+                );
+                assert!(
+                    to_batched >= MIN_COSINE && to_batched >= to_alone,
+                    "M={m} step {step} row {i} (prompt {}): cosine {cos} to the one-sequence step, \
+                     and the batched row is not the closer to the CPU oracle ({to_batched} against {to_alone})",
+                    lens[i]
+                );
+                report.oracle_judged += 1;
+            }
             let (want, have) = (argmax(&ref_logits[i]), argmax(got));
             if want != have {
                 report.mismatches += 1;
@@ -308,6 +344,7 @@ fn check_backend(
     let bar = tie_gap(backend);
     for &m in sizes {
         let r = greedy_batched_vs_alone(
+            &model.ir,
             alone.as_mut(),
             batched.as_mut(),
             m,
@@ -317,11 +354,13 @@ fn check_backend(
             bar,
         );
         println!(
-            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (widest top-2 gap {:.1e}, bar {bar})",
+            "{name:<28} {:<9} M={m:<2} {steps} steps: min cosine {:.7}, greedy mismatches {} (widest top-2 gap {:.1e}, bar {bar}), \
+             {} rows under the bar judged closer to the oracle",
             backend.name(),
             r.min_cosine,
             r.mismatches,
-            r.widest_tie
+            r.widest_tie,
+            r.oracle_judged
         );
     }
     let m = 16;
