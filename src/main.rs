@@ -481,7 +481,6 @@ fn cmd_perplexity(mut args: PerplexityArgs) -> Result<()> {
         None => None,
     };
     let json = args.format == OutputFormat::Json;
-    let kl = reader.is_some();
     eprintln!(
         "kiln: scoring {} chunks of {} tokens ({} scored each) on {}",
         plan.chunks,
@@ -548,10 +547,9 @@ fn cmd_perplexity(mut args: PerplexityArgs) -> Result<()> {
         ),
     }
     eprintln!(
-        "kiln: {} tokens in {seconds:.1} s ({:.0} tokens/s){}",
+        "kiln: {} tokens in {seconds:.1} s ({:.0} tokens/s)",
         plan.chunks * plan.ctx,
         (plan.chunks * plan.ctx) as f64 / seconds,
-        if kl { "" } else { "" }
     );
     Ok(())
 }

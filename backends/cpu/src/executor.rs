@@ -1337,6 +1337,7 @@ impl LayerExecutor for CpuExecutor {
         self.slots.reserve(slot, start + tokens.len())?;
         let mut rows = [(0usize, 0usize); MAX_BATCH];
         let mut out = logits;
+        let mut unscored: Option<Vec<f32>> = None;
         for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
             let at = ci * MAX_BATCH;
             let pos0 = start + at;
@@ -1347,8 +1348,8 @@ impl LayerExecutor for CpuExecutor {
             // forward pass always writes at least one row): into a scratch row.
             let from = first.saturating_sub(at);
             if from >= chunk.len() {
-                let mut scratch = vec![0f32; vocab];
-                self.forward(&rows[..chunk.len()], chunk, &mut scratch, chunk.len() - 1);
+                let scratch = unscored.get_or_insert_with(|| vec![0f32; vocab]);
+                self.forward(&rows[..chunk.len()], chunk, scratch, chunk.len() - 1);
             } else {
                 let (now, rest) =
                     std::mem::take(&mut out).split_at_mut((chunk.len() - from) * vocab);
