@@ -25,7 +25,7 @@ use rayon::ThreadPool;
 use crate::dequant::{block_fn, dequantize_into};
 use crate::kernels::q8::Q8Act;
 use crate::kernels::{self, block_sums, Isa, Simd};
-use crate::matmul::{matmul, Batch, MatJob, QMatrix, DEQUANT_MIN_TOKENS, MAX_BATCH};
+use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
 
 struct Layer {
@@ -674,7 +674,7 @@ fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [
 }
 
 /// The matmul input of `tokens` rows of `cols` values from `x`: their block sums, and (when
-/// `quantize`, for few tokens, the only products that take them) their 8-bit form.
+/// `quantize`) their 8-bit form, which the matrices with an integer kernel multiply.
 fn batch<'a>(
     x: &'a [f32],
     sums: &'a mut [f32],
@@ -688,7 +688,7 @@ fn batch<'a>(
     if cols.is_multiple_of(32) {
         block_sums(x, &mut sums[..tokens * ns]);
     }
-    let q8 = match quantize && tokens < DEQUANT_MIN_TOKENS && cols.is_multiple_of(32) {
+    let q8 = match quantize && cols.is_multiple_of(32) {
         true => {
             q8.quantize(x, tokens, cols);
             Some(&*q8)

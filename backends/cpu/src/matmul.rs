@@ -3,9 +3,9 @@
 //! Work is cut into chunks of rows (never single rows) so a task streams a contiguous run
 //! of weight bytes. With several tokens (prefill, batched decode) every task still reads
 //! its weight rows from memory once: either it runs the fused kernel per token while the
-//! rows sit in cache (few tokens), or it dequantises each row once, a segment at a time,
-//! and dots the segment with every token (many tokens — prefill), which is what makes
-//! prefill cheaper per token than decode.
+//! rows sit in cache (few tokens, or 8-bit activations at any count), or it dequantises each
+//! row once, a segment at a time, and dots the segment with every token (many tokens —
+//! prefill — in f32), which is what makes the oracle's prefill cheaper per token than decode.
 
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
@@ -99,7 +99,7 @@ pub struct MatJob<'a> {
 
 /// Activations of several tokens: `x` is `tokens × cols`, `sums` is `tokens × cols/32`;
 /// `q8`, when present, the same tokens quantised to 8 bits, which the matrices with an
-/// integer kernel then multiply instead of `x` (few tokens only).
+/// integer kernel then multiply instead of `x`.
 #[derive(Clone, Copy)]
 pub struct Batch<'a> {
     pub x: &'a [f32],
@@ -162,22 +162,21 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
             std::slice::from_raw_parts_mut(out.0.add(t * m.rows + r0), r1 - r0)
         };
         let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
-        if input.tokens < DEQUANT_MIN_TOKENS {
-            match (input.q8, m.q8) {
-                (Some(act), Some(k)) => {
-                    for t in 0..input.tokens {
-                        k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
-                    }
-                }
-                _ => {
-                    for t in 0..input.tokens {
-                        m.kernel
-                            .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
-                    }
+        match (input.q8, m.q8) {
+            // 8-bit activations: every token takes the integer kernel, prompts too, so the
+            // arithmetic is llama.cpp's at any batch size (the rows stay in cache).
+            (Some(act), Some(k)) => {
+                for t in 0..input.tokens {
+                    k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
                 }
             }
-        } else {
-            many_tokens(m, bytes, r1 - r0, input, simd, write);
+            _ if input.tokens < DEQUANT_MIN_TOKENS => {
+                for t in 0..input.tokens {
+                    m.kernel
+                        .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+                }
+            }
+            _ => many_tokens(m, bytes, r1 - r0, input, simd, write),
         }
     });
 }
