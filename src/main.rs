@@ -463,6 +463,7 @@ fn cmd_perplexity(mut args: PerplexityArgs) -> Result<()> {
         }
         None => {
             let tokens = perplexity::tokenize_text(tokenizer, text.as_deref().unwrap_or_default())?;
+            eprintln!("kiln: the text is {} tokens", tokens.len());
             Plan::new(tokens, ctx, args.chunks, bos)?
         }
     };

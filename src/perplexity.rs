@@ -15,7 +15,8 @@
 
 pub mod logits;
 
-use kiln_core::{Error, LayerExecutor, Result};
+use kiln_core::{Error, LayerExecutor, Result, TokenScore};
+use rayon::prelude::*;
 
 pub use logits::{tokenizer_fingerprint, LogitsHeader, LogitsReader, LogitsWriter, QuantRow};
 
@@ -260,6 +261,15 @@ pub enum Reference<'a> {
     Compare(&'a mut LogitsReader),
 }
 
+/// What one scored position contributes, computed on its own thread.
+struct RowScore {
+    nll: f64,
+    /// The row as the logits file stores it, when saving.
+    saved: Option<QuantRow>,
+    /// The comparison with the reference's row, when comparing.
+    kl: Option<KlRow>,
+}
+
 /// Max, log-sum-exp (f64 sum) and the first index of the max of one row of logits.
 fn softmax_stats(row: &[f32]) -> (f32, f64, usize) {
     let mut max = f32::NEG_INFINITY;
@@ -286,14 +296,21 @@ struct KlSums {
     dp_values: Vec<f32>,
 }
 
-impl KlSums {
-    /// One position: this model's logits `row`, the reference's `base`, the right token.
-    fn add(&mut self, row: &[f32], base: &QuantRow, target: usize, nll: f64) {
+/// One scored position compared with the reference: what [`KlSums`] adds up.
+struct KlRow {
+    nll: f64,
+    nll_base: f64,
+    kld: f64,
+    same_top: bool,
+}
+
+impl KlRow {
+    /// This model's logits `row` against the reference's `base`, the right token `target`
+    /// at `nll` in this model.
+    fn of(row: &[f32], base: &QuantRow, target: usize, nll: f64) -> KlRow {
         let (max, lse, top) = softmax_stats(row);
         let norm = max as f64 + lse;
         let nll_base = -(base.log_prob(target) as f64);
-        self.nll_base.add(nll_base);
-        self.cross += nll * nll_base;
         let mut kld = 0f64;
         let mut base_top = (f32::NEG_INFINITY, 0usize);
         for (i, &l) in row.iter().enumerate() {
@@ -307,12 +324,25 @@ impl KlSums {
                 kld += (lp as f64).exp() * (lp as f64 - (l as f64 - norm));
             }
         }
-        self.kld.add(kld);
-        self.kld_values.push(kld as f32);
-        if top == base_top.1 {
+        KlRow {
+            nll,
+            nll_base,
+            kld,
+            same_top: top == base_top.1,
+        }
+    }
+}
+
+impl KlSums {
+    fn add(&mut self, r: KlRow) {
+        self.nll_base.add(r.nll_base);
+        self.cross += r.nll * r.nll_base;
+        self.kld.add(r.kld);
+        self.kld_values.push(r.kld as f32);
+        if r.same_top {
             self.same_top += 1;
         }
-        let dp = (-nll).exp() - (-nll_base).exp();
+        let dp = (-r.nll).exp() - (-r.nll_base).exp();
         self.dp.add(dp);
         self.dp2.add(dp * dp);
         self.dp_values.push(dp as f32);
@@ -426,7 +456,17 @@ pub fn score(
     let rows = plan.scored_per_chunk();
     let seq = exec.new_sequence()?;
     let mut run = || -> Result<Report> {
-        let mut logits = vec![f32::NAN; rows * vocab];
+        let mut logits = match reference {
+            Reference::None => Vec::new(),
+            _ => vec![f32::NAN; rows * vocab],
+        };
+        let mut scores = vec![
+            TokenScore {
+                nll: f32::NAN,
+                top: 0
+            };
+            rows
+        ];
         let mut input = Vec::with_capacity(plan.ctx);
         let mut nll = Sums::default();
         let mut kl = KlSums::default();
@@ -440,25 +480,59 @@ pub fn score(
                 input[0] = bos;
             }
             exec.truncate_sequence(seq, 0)?;
-            logits.fill(f32::NAN);
-            exec.prefill_logits(seq, &input, first, &mut logits)?;
-            if let Reference::Compare(r) = &mut reference {
-                r.read_chunk(&mut base_rows)?;
-            }
-            for (j, row) in logits.chunks_exact(vocab).enumerate() {
-                if !row.iter().all(|l| l.is_finite()) {
-                    return Err(Error::NonFiniteLogits {
-                        step: c * plan.ctx + first + j,
-                    });
+            let non_finite = |j: usize| Error::NonFiniteLogits {
+                step: c * plan.ctx + first + j,
+            };
+            let (saving, comparing) = match &mut reference {
+                Reference::None => {
+                    // Perplexity alone needs a score a row, not the rows: the executor
+                    // reduces them where they are (on a GPU, without copying them back).
+                    exec.prefill_scores(seq, &input, first, &chunk[first + 1..], &mut scores)?;
+                    for (j, r) in scores.iter().enumerate() {
+                        if !r.nll.is_finite() {
+                            return Err(non_finite(j));
+                        }
+                        nll.add(r.nll as f64);
+                    }
+                    (false, false)
                 }
-                let target = chunk[first + j + 1] as usize;
-                let (max, lse, _) = softmax_stats(row);
-                let token_nll = max as f64 + lse - row[target] as f64;
-                nll.add(token_nll);
-                match &mut reference {
-                    Reference::None => {}
-                    Reference::Save(w) => w.push_row(row)?,
-                    Reference::Compare(_) => kl.add(row, &base_rows[j], target, token_nll),
+                Reference::Save(_) => (true, false),
+                Reference::Compare(r) => {
+                    r.read_chunk(&mut base_rows)?;
+                    (false, true)
+                }
+            };
+            if saving || comparing {
+                logits.fill(f32::NAN);
+                exec.prefill_logits(seq, &input, first, &mut logits)?;
+                // Rows are independent: each is scored on its own thread, then added up in
+                // order, so the sums do not depend on the thread count.
+                let rows_scored: Vec<Option<RowScore>> = logits
+                    .par_chunks_exact(vocab)
+                    .enumerate()
+                    .map(|(j, row)| {
+                        if !row.iter().all(|l| l.is_finite()) {
+                            return None;
+                        }
+                        let target = chunk[first + j + 1] as usize;
+                        let (max, lse, _) = softmax_stats(row);
+                        let nll = max as f64 + lse - row[target] as f64;
+                        Some(RowScore {
+                            nll,
+                            saved: saving.then(|| QuantRow::from_logits(row)),
+                            kl: comparing.then(|| KlRow::of(row, &base_rows[j], target, nll)),
+                        })
+                    })
+                    .collect();
+                for (j, r) in rows_scored.into_iter().enumerate() {
+                    let r = r.ok_or_else(|| non_finite(j))?;
+                    nll.add(r.nll);
+                    if let (Reference::Save(w), Some(q)) = (&mut reference, r.saved) {
+                        w.push_quantized(&q)?;
+                    }
+                    if let Some(k) = r.kl {
+                        kl.add(k);
+                    }
                 }
             }
             let ppl = (nll.sum / nll.n as f64).exp();

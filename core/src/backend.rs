@@ -346,10 +346,9 @@ pub trait LayerExecutor: Send {
     /// row `j` the distribution of the token that follows `tokens[first + j]`. What a scorer
     /// (perplexity, KL-divergence) reads. See [`check_prefill_logits`].
     ///
-    /// The default prefills up to `tokens[first]` and then decodes the rest one token at a
-    /// time, so every executor (a plugin too) has it; executors that compute every position
-    /// of a prompt in one pass override it to run at prompt speed. On an error after the
-    /// prefill the sequence is cut back to its length before the call.
+    /// The default is [`prefill_logits_stepwise`], so every executor (a plugin too) has it;
+    /// executors that compute every position of a prompt in one pass override it to run at
+    /// prompt speed.
     fn prefill_logits(
         &mut self,
         seq: SeqId,
@@ -357,20 +356,26 @@ pub trait LayerExecutor: Send {
         first: usize,
         logits: &mut [f32],
     ) -> Result<()> {
-        let vocab = self.config().vocab_size;
-        let start = self.sequence_len(seq)?;
-        check_prefill_logits(tokens, first, logits, vocab, start, self.max_context())?;
-        let (head, rest) = tokens.split_at(first + 1);
-        let (row0, rows) = logits.split_at_mut(vocab);
-        self.prefill(seq, head, row0)?;
-        for (&token, out) in rest.iter().zip(rows.chunks_mut(vocab)) {
-            if let Err(e) = self.decode(&[DecodeItem { seq, token }], out) {
-                // Best effort: the error that stopped the run is the one to report.
-                let _ = self.truncate_sequence(seq, start);
-                return Err(e);
-            }
-        }
-        Ok(())
+        prefill_logits_stepwise(self, seq, tokens, first, logits)
+    }
+
+    /// Appends `tokens` like [`LayerExecutor::prefill_logits`] but keeps of each row from
+    /// `tokens[first]` on only what a perplexity run reads: `scores[j]` for the row after
+    /// `tokens[first + j]`, scored against `targets[j]` (the token that really follows).
+    /// `targets` and `scores` hold `tokens.len() - first` entries.
+    ///
+    /// The default is [`prefill_scores_from_logits`] (the rows through `prefill_logits`,
+    /// reduced on the host); an executor whose rows live in device memory overrides it to
+    /// reduce them there and move a few bytes a row instead of the vocabulary.
+    fn prefill_scores(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        targets: &[u32],
+        scores: &mut [TokenScore],
+    ) -> Result<()> {
+        prefill_scores_from_logits(self, seq, tokens, first, targets, scores)
     }
 
     /// One decode step for every item; `logits` receives `batch.len() * vocab` values,
@@ -476,6 +481,134 @@ pub fn check_prefill(
             logits.len()
         )));
     }
+    check_tokens(tokens, vocab)?;
+    if len.saturating_add(tokens.len()) > max_context {
+        return Err(Error::InvalidArgument(format!(
+            "the sequence holds {len} tokens; {} more exceed the context of {max_context}",
+            tokens.len()
+        )));
+    }
+    Ok(())
+}
+
+/// [`LayerExecutor::prefill_logits`] from the other calls: prefills up to `tokens[first]`,
+/// then decodes the rest one token at a time. On an error after the prefill the sequence
+/// is cut back to its length before the call. (The default, and the fallback of an
+/// executor whose one-pass path is unavailable on a machine.)
+pub fn prefill_logits_stepwise<E: LayerExecutor + ?Sized>(
+    exec: &mut E,
+    seq: SeqId,
+    tokens: &[u32],
+    first: usize,
+    logits: &mut [f32],
+) -> Result<()> {
+    let vocab = exec.config().vocab_size;
+    let start = exec.sequence_len(seq)?;
+    check_prefill_logits(tokens, first, logits, vocab, start, exec.max_context())?;
+    let (head, rest) = tokens.split_at(first + 1);
+    let (row0, rows) = logits.split_at_mut(vocab);
+    exec.prefill(seq, head, row0)?;
+    for (&token, out) in rest.iter().zip(rows.chunks_mut(vocab)) {
+        if let Err(e) = exec.decode(&[DecodeItem { seq, token }], out) {
+            // Best effort: the error that stopped the run is the one to report.
+            let _ = exec.truncate_sequence(seq, start);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// What a perplexity run keeps of one scored row of logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenScore {
+    /// −log p(target) in nats: the row's log-sum-exp minus the target's logit. NaN when the
+    /// row held a non-finite logit.
+    pub nll: f32,
+    /// The row's most likely token (the first of equal maxima).
+    pub top: u32,
+}
+
+impl TokenScore {
+    /// The score of `row` (logits over the vocabulary) for the token `target`.
+    pub fn of(row: &[f32], target: u32) -> TokenScore {
+        let mut max = f32::NEG_INFINITY;
+        let mut top = 0;
+        let mut finite = true;
+        for (i, &l) in row.iter().enumerate() {
+            finite &= l.is_finite();
+            if l > max {
+                max = l;
+                top = i;
+            }
+        }
+        let sum: f64 = row.iter().map(|&l| ((l - max) as f64).exp()).sum();
+        let nll = match (finite, row.get(target as usize)) {
+            (true, Some(&t)) => (max as f64 + sum.ln() - t as f64) as f32,
+            _ => f32::NAN,
+        };
+        TokenScore {
+            nll,
+            top: top as u32,
+        }
+    }
+}
+
+/// [`LayerExecutor::prefill_scores`] from [`LayerExecutor::prefill_logits`]: the rows on
+/// the host, each reduced by [`TokenScore::of`].
+pub fn prefill_scores_from_logits<E: LayerExecutor + ?Sized>(
+    exec: &mut E,
+    seq: SeqId,
+    tokens: &[u32],
+    first: usize,
+    targets: &[u32],
+    scores: &mut [TokenScore],
+) -> Result<()> {
+    let vocab = exec.config().vocab_size;
+    let start = exec.sequence_len(seq)?;
+    check_prefill_scores(
+        tokens,
+        first,
+        targets,
+        scores,
+        vocab,
+        start,
+        exec.max_context(),
+    )?;
+    let mut logits = vec![0f32; scores.len() * vocab];
+    exec.prefill_logits(seq, tokens, first, &mut logits)?;
+    for ((row, &t), out) in logits.chunks_exact(vocab).zip(targets).zip(scores) {
+        *out = TokenScore::of(row, t);
+    }
+    Ok(())
+}
+
+/// The checks of [`LayerExecutor::prefill_scores`]: those of [`check_prefill`] for the whole
+/// of `tokens`, `first` inside them, `targets` and `scores` of `tokens.len() - first`
+/// entries, every target inside the vocabulary. Every failure is `InvalidArgument`.
+pub fn check_prefill_scores(
+    tokens: &[u32],
+    first: usize,
+    targets: &[u32],
+    scores: &[TokenScore],
+    vocab: usize,
+    len: usize,
+    max_context: usize,
+) -> Result<()> {
+    if first >= tokens.len() {
+        return Err(Error::InvalidArgument(format!(
+            "the first scored token ({first}) is past the {} given",
+            tokens.len()
+        )));
+    }
+    let rows = tokens.len() - first;
+    if targets.len() != rows || scores.len() != rows {
+        return Err(Error::InvalidArgument(format!(
+            "{rows} rows are scored; given {} targets and room for {} scores",
+            targets.len(),
+            scores.len()
+        )));
+    }
+    check_tokens(targets, vocab)?;
     check_tokens(tokens, vocab)?;
     if len.saturating_add(tokens.len()) > max_context {
         return Err(Error::InvalidArgument(format!(

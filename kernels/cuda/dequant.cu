@@ -100,13 +100,13 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
 }
 
 template <int T>
-static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids, int out_rows, int wrows, int K,
-                                               u16* __restrict__ out_h, float* __restrict__ out_f, float scale) {
+static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids, int row0, int out_rows, int wrows,
+                                               int K, u16* __restrict__ out_h, float* __restrict__ out_f, float scale) {
     const int nchunks = (K + 31) >> 5;
     const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (size_t)out_rows * nchunks) return;
     const int r = (int)(g / nchunks), c = (int)(g % nchunks);
-    const int src = ids ? ids[r] : r;
+    const int src = ids ? ids[r] : row0 + r;
     float v[32];
     if (src < 0 || src >= wrows) {
 #pragma unroll
@@ -142,14 +142,14 @@ static __device__ __forceinline__ void dequant(W w, const int* __restrict__ ids,
     }
 }
 
-// Entry point dequant_{type}: (layout arrays, ids or null, output rows, weight rows, row
-// length, f16 output or null, f32 output or null, scale of every value: 1 but for Gemma's
-// embedding lookup).
+// Entry point dequant_{type}: (layout arrays, ids or null, first row when ids is null (a
+// slice of the LM head at a time), output rows, weight rows, row length, f16 output or
+// null, f32 output or null, scale of every value: 1 but for Gemma's embedding lookup).
 #define DEQUANT_TYPE(NAME, T)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) dequant_##NAME(const u8* body, const u32* qh, const u8* sc,     \
-                                                                      const int* ids, int out_rows, int wrows, int K,  \
-                                                                      u16* out_h, float* out_f, float scale) {         \
+                                                                      const int* ids, int row0, int out_rows, int wrows,\
+                                                                      int K, u16* out_h, float* out_f, float scale) {  \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        dequant<T>(w, ids, out_rows, wrows, K, out_h, out_f, scale);                                                   \
+        dequant<T>(w, ids, row0, out_rows, wrows, K, out_h, out_f, scale);                                             \
     }

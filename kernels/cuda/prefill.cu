@@ -360,3 +360,76 @@ extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __
     y[g] = f2h(glu_act(a, gelu) * b);
 }
 
+
+// What a perplexity run needs of each scored row of logits, without copying the rows to the
+// host: nll[r] = log Σ exp(x) − x[target[r]] (NaN when the row holds a non-finite value or
+// the target is out of range) and top[r], the first index of the row's maximum. One block
+// per row: a pass for the maximum (and its first index), a pass for the sum of exp(x − max).
+extern "C" __global__ void score_rows(const float* __restrict__ logits, int vocab, const int* __restrict__ target,
+                                      float* __restrict__ nll, int* __restrict__ top) {
+    grid_dependency_wait();
+    __shared__ float sm[32];
+    __shared__ int si[32];
+    __shared__ int bad;
+    const size_t row = blockIdx.x;
+    const float* x = logits + row * (size_t)vocab;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    if (threadIdx.x == 0) bad = 0;
+    float m = -INFINITY;
+    int mi = 0x7fffffff;
+    bool finite = true;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        finite &= isfinite(v);
+        if (v > m) {
+            m = v;
+            mi = i;
+        }
+    }
+    // Block-wide maximum, ties to the lowest index.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float om = __shfl_xor_sync(FULL_MASK, m, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, mi, o);
+        if (om > m || (om == m && oi < mi)) {
+            m = om;
+            mi = oi;
+        }
+    }
+    __syncthreads();
+    if (!finite) bad = 1;
+    if (lane == 0) {
+        sm[warp] = m;
+        si[warp] = mi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < nwarps ? sm[lane] : -INFINITY;
+        mi = lane < nwarps ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float om = __shfl_xor_sync(FULL_MASK, m, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, mi, o);
+            if (om > m || (om == m && oi < mi)) {
+                m = om;
+                mi = oi;
+            }
+        }
+        if (lane == 0) {
+            sm[0] = m;
+            si[0] = mi;
+        }
+    }
+    __syncthreads();
+    const float max = sm[0];
+    const int arg = si[0];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(x[i] - max);
+    s = block_sum(s, sm);
+    if (threadIdx.x == 0) {
+        const int t = target[row];
+        const bool ok = !bad && t >= 0 && t < vocab;
+        nll[row] = ok ? max + logf(s) - x[t] : __int_as_float(0x7fffffff);
+        top[row] = arg;
+    }
+}

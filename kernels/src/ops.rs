@@ -1307,6 +1307,7 @@ impl Kernels {
         &self,
         w: &DeviceWeight,
         ids: Option<DevSlice<i32>>,
+        row0: usize,
         out_rows: usize,
         out_h: Option<DevSlice<u16>>,
         out_f: Option<DevSlice<f32>>,
@@ -1331,6 +1332,7 @@ impl Kernels {
             .ptr(qh)
             .ptr(sc)
             .ptr(opt(ids))
+            .i32(row0 as i32)
             .i32(out_rows as i32)
             .i32(w.rows as i32)
             .i32(w.row_len as i32)
@@ -1351,7 +1353,27 @@ impl Kernels {
     /// The whole of `w` dequantised to f16, row-major `[rows][row_len]` (a GEMM operand).
     pub fn dequant_f16(&self, w: &DeviceWeight, out: DevSlice<u16>) -> Result<()> {
         out.check_len(w.rows * w.row_len, "dequantised weight")?;
-        self.dequant_launch(w, None, w.rows, Some(out), None, 1.0)
+        self.dequant_launch(w, None, 0, w.rows, Some(out), None, 1.0)
+    }
+
+    /// Rows `row0..row0 + rows` of `w` dequantised to f16, row-major (a slice of a matrix
+    /// too large to expand at once: the LM head of a large vocabulary).
+    pub fn dequant_rows_f16(
+        &self,
+        w: &DeviceWeight,
+        row0: usize,
+        rows: usize,
+        out: DevSlice<u16>,
+    ) -> Result<()> {
+        if rows == 0 || row0.checked_add(rows).is_none_or(|end| end > w.rows) {
+            return Err(invalid(format!(
+                "rows {row0}..{} of a {}-row weight",
+                row0.saturating_add(rows),
+                w.rows
+            )));
+        }
+        out.check_len(rows * w.row_len, "dequantised rows")?;
+        self.dequant_launch(w, None, row0, rows, Some(out), None, 1.0)
     }
 
     /// Row `ids[r]` of `w` dequantised to f32 and times `scale` as row r of `out` (the
@@ -1364,7 +1386,7 @@ impl Kernels {
         out: DevSlice<f32>,
     ) -> Result<()> {
         out.check_len(ids.len() * w.row_len, "embedding rows")?;
-        self.dequant_launch(w, Some(ids), ids.len(), None, Some(out), scale)
+        self.dequant_launch(w, Some(ids), 0, ids.len(), None, Some(out), scale)
     }
 
     /// For each of `rows` rows of `n` values: y (f16) = x · rsqrt(mean(x²) + eps) · w.
@@ -1644,6 +1666,39 @@ impl Kernels {
         };
         // SAFETY: sizes checked; every position read is < start + rows ≤ max_ctx.
         unsafe { self.launch(f, cfg, &mut args) }
+    }
+
+    /// For each of `rows` rows of `vocab` logits: `nll[r]` = −log softmax at `target[r]`
+    /// (NaN for a row holding a non-finite value, or a target out of range) and `top[r]` =
+    /// the first index of the row's maximum — what a perplexity run keeps of a scored row,
+    /// so the rows never leave the device.
+    pub fn score_rows(
+        &self,
+        logits: DevSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        target: DevSlice<i32>,
+        nll: DevSlice<f32>,
+        top: DevSlice<i32>,
+    ) -> Result<()> {
+        if rows == 0 || vocab == 0 || vocab > i32::MAX as usize || rows > u32::MAX as usize {
+            return Err(invalid(format!("scoring {rows} rows of {vocab}")));
+        }
+        logits.check_len(rows * vocab, "scored logits")?;
+        target.check_len(rows, "score targets")?;
+        nll.check_len(rows, "score nll")?;
+        top.check_len(rows, "score top")?;
+        let f = self
+            .device
+            .function(&crate::compile::PREFILL, "score_rows")?;
+        let mut args = Args::new()
+            .ptr(logits.ptr())
+            .i32(vocab as i32)
+            .ptr(target.ptr())
+            .ptr(nll.ptr())
+            .ptr(top.ptr());
+        // SAFETY: sizes checked above; the kernel reads row r's target and writes r's outputs.
+        unsafe { self.launch(f, LaunchConfig::linear(rows as u32, 1024), &mut args) }
     }
 
     /// y[t][i] (f16) = act(gu[t][i]) · gu[t][ffn + i] for `rows` rows, act SiLU or (with

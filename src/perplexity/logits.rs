@@ -204,7 +204,12 @@ impl LogitsWriter {
 
     /// Appends the next row (the logits of one scored position).
     pub fn push_row(&mut self, logits: &[f32]) -> Result<()> {
-        let row = QuantRow::from_logits(logits);
+        self.push_quantized(&QuantRow::from_logits(logits))
+    }
+
+    /// Appends the next row, already quantised by [`QuantRow::from_logits`] (which a
+    /// scorer runs on its own threads).
+    pub fn push_quantized(&mut self, row: &QuantRow) -> Result<()> {
         let mut bytes = Vec::with_capacity(8 + 2 * row.q.len());
         bytes.extend_from_slice(&row.scale.to_le_bytes());
         bytes.extend_from_slice(&row.min_log_prob.to_le_bytes());

@@ -8,7 +8,7 @@ use kiln::perplexity::{
     score, tokenizer_fingerprint, LogitsHeader, LogitsReader, LogitsWriter, Plan, QuantRow,
     Reference,
 };
-use kiln_core::{DecodeItem, Error, LayerExecutor, Rng, SeqId};
+use kiln_core::{DecodeItem, Error, LayerExecutor, Rng, SeqId, TokenScore};
 use kiln_formats::quantize::Recipe;
 use kiln_formats::synth::Preset;
 use kiln_tests::{cpu_executor, kiln_binary, synthetic_model, tiny_llama};
@@ -121,6 +121,66 @@ fn prefill_logits_rows_are_each_prefix_s_last_logits() {
     ] {
         let mut buf = vec![0f32; len];
         let e = exec.prefill_logits(seq, toks, first, &mut buf).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert_eq!(exec.sequence_len(seq).unwrap(), before);
+    }
+}
+
+/// `prefill_scores` (what a plain perplexity run asks for) keeps of each row its nll of the
+/// next token and its argmax, as the textbook log-softmax of `prefill_logits`' rows gives
+/// them; a row with a non-finite value or a target outside it scores NaN; refused calls
+/// (targets or scores of the wrong length, a target outside the vocabulary) change nothing.
+#[test]
+fn prefill_scores_are_the_rows_nll_and_argmax() {
+    let ir = tiny_llama(32);
+    let vocab = ir.config.vocab_size;
+    let tokens = random_tokens(120, vocab, 21);
+    let first = 50;
+    let rows = tokens.len() - first;
+    let targets = random_tokens(rows, vocab, 22);
+    let mut exec = cpu_executor(&ir, 256);
+    let seq = exec.new_sequence().unwrap();
+    let mut logits = vec![f32::NAN; rows * vocab];
+    exec.prefill_logits(seq, &tokens, first, &mut logits)
+        .unwrap();
+    exec.truncate_sequence(seq, 0).unwrap();
+    let nan = TokenScore {
+        nll: f32::NAN,
+        top: u32::MAX,
+    };
+    let mut scores = vec![nan; rows];
+    exec.prefill_scores(seq, &tokens, first, &targets, &mut scores)
+        .unwrap();
+    assert_eq!(exec.sequence_len(seq).unwrap(), tokens.len());
+    for (j, (row, s)) in logits.chunks(vocab).zip(&scores).enumerate() {
+        let want = -log_softmax(row)[targets[j] as usize];
+        assert!(
+            (s.nll as f64 - want).abs() < 1e-4 * want.abs().max(1.0),
+            "row {j}: nll {} vs {want}",
+            s.nll
+        );
+        assert_eq!(s.top, kiln_core::argmax(row), "row {j}");
+    }
+    let mut bad_row = vec![0.5f32; 8];
+    assert_eq!(TokenScore::of(&bad_row, 3).top, 0);
+    assert!((TokenScore::of(&bad_row, 3).nll - 8f32.ln()).abs() < 1e-6);
+    bad_row[5] = f32::NAN;
+    assert!(TokenScore::of(&bad_row, 3).nll.is_nan());
+    assert!(TokenScore::of(&[0.0; 8], 8).nll.is_nan());
+
+    let before = exec.sequence_len(seq).unwrap();
+    let mut out_of_vocab = targets[..10].to_vec();
+    out_of_vocab[4] = vocab as u32;
+    for (toks, first, targets, len) in [
+        (&tokens[..20], 10usize, &targets[..9], 10usize),
+        (&tokens[..20], 10, &targets[..10], 11),
+        (&tokens[..20], 10, &out_of_vocab[..], 10),
+        (&tokens[..20], 20, &targets[..0], 0),
+    ] {
+        let mut buf = vec![nan; len];
+        let e = exec
+            .prefill_scores(seq, toks, first, targets, &mut buf)
+            .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         assert_eq!(exec.sequence_len(seq).unwrap(), before);
     }
@@ -486,6 +546,11 @@ fn cli_perplexity_save_and_kl_divergence() {
     assert!(
         self_kld.abs() < 1e-5,
         "the base against itself: KLD {self_kld}"
+    );
+    // A coarser quantisation of the same weights is measurably further away.
+    assert!(
+        q4_kld > 1e-4 && q4_kld > 100.0 * self_kld.abs(),
+        "q4 against the q8 base: KLD {q4_kld} (the base against itself {self_kld})"
     );
 
     // Bad input: each a clear error, exit status 1, and no logits file left.

@@ -3,7 +3,8 @@
 //! qwen3 with QK-norm and head_dim 128): the last token's logits must agree (cosine) for
 //! prompts of 1 to 600 tokens (600 crosses a chunk), a prefill appended to a sequence must
 //! continue it, and greedy decode steps after a GPU prefill must match the CPU's (so the KV
-//! cache the prefill wrote is right). `#[ignore]`d: they need a GPU; scripts/gpu/gpu_suite.sh
+//! cache the prefill wrote is right), and a scoring prefill's every row must agree with the
+//! CPU's. `#[ignore]`d: they need a GPU; scripts/gpu/gpu_suite.sh
 //! runs them with `--include-ignored`.
 
 use kiln_backend_cpu::CpuBackend;
@@ -218,4 +219,92 @@ fn batched_prefill_rejects_bad_input() {
     gpu.prefill(s, &vec![1; 64], &mut logits).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
     assert!(gpu.prefill(s, &[1], &mut logits).is_err(), "full sequence");
+}
+
+/// A scoring prefill (`prefill_logits`: the logits after every token from `first` on, what
+/// `kiln perplexity` reads) against the CPU's, row by row: prompts that cross a chunk,
+/// scored from inside the first chunk, from inside the second only and at the last token
+/// alone, appended to a sequence that already holds tokens; the qwen3 shape's vocabulary is
+/// wider than one slice of the LM head, so its rows are assembled from two GEMMs. The rows
+/// start as NaN; decoding after the scoring prefill must match the CPU (the KV is right).
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn prefill_logits_match_the_cpu_backend_row_by_row() {
+    let Some(dev) = device() else { return };
+    let seed = fresh_seed();
+    println!("seed {seed}");
+    let mut rng = Rng::new(seed);
+    let options = LoadOptions {
+        max_context: 1024,
+        max_sequences: 1,
+        ..Default::default()
+    };
+    let mut failures = Vec::new();
+    for (label, shape) in shapes() {
+        let ir = model(&mut rng, &shape, 1024);
+        let vocab = shape.vocab;
+        let mut cpu = CpuBackend.load_executor(&ir, &options).unwrap();
+        let mut gpu = load_executor(&dev, &ir, &options).unwrap();
+        for (held, n, first) in [
+            (0usize, 700usize, 100usize),
+            (0, 700, 600),
+            (9, 600, 599),
+            (3, 40, 0),
+        ] {
+            let before = prompt(&mut rng, held.max(1), vocab);
+            let p = prompt(&mut rng, n, vocab);
+            let cs = cpu.new_sequence().unwrap();
+            let gs = gpu.new_sequence().unwrap();
+            let mut scratch = vec![0f32; vocab];
+            if held > 0 {
+                cpu.prefill(cs, &before, &mut scratch).unwrap();
+                gpu.prefill(gs, &before, &mut scratch).unwrap();
+            }
+            let rows = n - first;
+            let mut lc = vec![0f32; rows * vocab];
+            let mut lg = vec![f32::NAN; rows * vocab];
+            cpu.prefill_logits(cs, &p, first, &mut lc).unwrap();
+            gpu.prefill_logits(gs, &p, first, &mut lg).unwrap();
+            assert_eq!(gpu.sequence_len(gs).unwrap(), held + n);
+            let mut worst = (f64::INFINITY, 0);
+            let mut argmax_differs = 0;
+            for (j, (rc, rg)) in lc.chunks(vocab).zip(lg.chunks(vocab)).enumerate() {
+                let c = cosine(rc, rg);
+                // Written so that a NaN cosine is the worst.
+                if !(c >= worst.0) {
+                    worst = (c, j);
+                }
+                if kiln_core::argmax(rc) != kiln_core::argmax(rg) {
+                    argmax_differs += 1;
+                }
+            }
+            let (mut tc, mut tg) = (
+                lc[(rows - 1) * vocab..].to_vec(),
+                lg[(rows - 1) * vocab..].to_vec(),
+            );
+            let dec = decode_both(&mut cpu, &mut gpu, (cs, gs), &mut tc, &mut tg, 3);
+            println!(
+                "{label}, {held} held + {n} tokens scored from {first}: worst row cosine {:.6} (row {}), {argmax_differs}/{rows} rows with another argmax, decode after {dec:.6}",
+                worst.0, worst.1
+            );
+            for (what, v) in [("scored row", worst.0), ("decode", dec)] {
+                if v.is_nan() || v < FLOOR {
+                    failures.push(format!(
+                        "{label}, {held} + {n} tokens from {first}, {what}: cosine {v} < {FLOOR}"
+                    ));
+                }
+            }
+            cpu.free_sequence(cs).unwrap();
+            gpu.free_sequence(gs).unwrap();
+        }
+        // Refused calls change nothing: `first` past the prompt, a buffer of the wrong size.
+        let gs = gpu.new_sequence().unwrap();
+        let p = prompt(&mut rng, 8, vocab);
+        let mut out = vec![0f32; 8 * vocab];
+        assert!(gpu.prefill_logits(gs, &p, 8, &mut out).is_err());
+        assert!(gpu.prefill_logits(gs, &p, 1, &mut out).is_err());
+        assert_eq!(gpu.sequence_len(gs).unwrap(), 0);
+        gpu.free_sequence(gs).unwrap();
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }

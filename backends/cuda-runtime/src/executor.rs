@@ -332,6 +332,10 @@ pub struct GpuExecutor {
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
+    /// One prefill chunk's rows of logits and their scores, for `prefill_logits` and
+    /// `prefill_scores` (allocated by the first such call: an executor that never scores a
+    /// prompt does not hold them).
+    scoring: Option<(prefill::ScoringBuffers, Workspace)>,
     // Owns the memory `s` points into; declared after it so it is dropped after.
     _workspace: Workspace,
 }
@@ -753,6 +757,7 @@ impl GpuExecutor {
             kv,
             s,
             prefill,
+            scoring: None,
             batch: Err(String::new()),
             sequential_decode: options.sequential_decode,
             short_prefill_max: 0,
@@ -1286,7 +1291,7 @@ impl GpuExecutor {
                 if n > self.max_ctx {
                     break;
                 }
-                self.prefill_batched(slot, &vec![0; n], false)?;
+                self.prefill_batched(slot, &vec![0; n], false, None)?;
                 self.slots[slot].len = 0;
             }
             self.slots.free(seq)?;
@@ -1345,6 +1350,40 @@ impl GpuExecutor {
     }
 
     /// The slot of `seq`, after checking a prefill of `tokens` into `logits` fits.
+    /// A checked scoring prefill through the batched prefill (which must be available):
+    /// blocks for the whole prompt first, the scoring buffers on first use.
+    fn prefill_scored(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        first: usize,
+        out: prefill::ScoredOut<'_>,
+    ) -> Result<()> {
+        let start = self.slots[slot].len;
+        self.reserve(slot, start + tokens.len())?;
+        let dev = match &self.scoring {
+            Some((b, _)) => *b,
+            None => {
+                let chunk = match &self.prefill {
+                    Ok(p) => p.chunk_len(),
+                    Err(why) => return Err(Error::Unsupported(format!("batched prefill: {why}"))),
+                };
+                let vocab = self.config.vocab_size;
+                let (ws, b) = Workspace::carve(&self.device, |a| prefill::ScoringBuffers {
+                    logits: a.take(chunk * vocab),
+                    targets: a.take(chunk),
+                    nll: a.take(chunk),
+                    top: a.take(chunk),
+                })
+                .map_err(err)?;
+                self.scoring.insert((b, ws)).0
+            }
+        };
+        let scored = prefill::ScoredRows { first, out, dev };
+        self.prefill_batched(slot, tokens, false, Some(scored))?;
+        Ok(())
+    }
+
     fn check_prefill(&self, seq: SeqId, tokens: &[u32], logits: &[f32]) -> Result<usize> {
         let slot = self.slot_of(seq)?;
         let len = self.slots[slot].len;
@@ -1414,7 +1453,7 @@ impl LayerExecutor for GpuExecutor {
             let tokens = self.slots[slot].tokens[..len].to_vec();
             self.slots[slot].len = 0;
             if self.prefill.is_ok() {
-                self.prefill_batched(slot, &tokens, false)?;
+                self.prefill_batched(slot, &tokens, false, None)?;
             } else {
                 for &t in &tokens {
                     self.step(slot, t, 0.0)?;
@@ -1431,7 +1470,7 @@ impl LayerExecutor for GpuExecutor {
         let out = if self.prefills_short(tokens.len()) {
             self.prefill_short(slot, tokens)?
         } else if self.prefill.is_ok() {
-            self.prefill_batched(slot, tokens, false)?;
+            self.prefill_batched(slot, tokens, false, None)?;
             self.s.logits
         } else {
             // No cuBLAS: token by token through the decode graph (correct, GEMV speed).
@@ -1441,6 +1480,52 @@ impl LayerExecutor for GpuExecutor {
             self.s.logits
         };
         out.copy_to_host(&self.device, logits).map_err(err)
+    }
+
+    fn prefill_logits(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let slot = self.slot_of(seq)?;
+        let start = self.slots[slot].len;
+        kiln_core::check_prefill_logits(tokens, first, logits, vocab, start, self.max_ctx)?;
+        if self.prefill.is_err() {
+            return kiln_core::prefill_logits_stepwise(self, seq, tokens, first, logits);
+        }
+        self.prefill_scored(slot, tokens, first, prefill::ScoredOut::Logits(logits))
+    }
+
+    fn prefill_scores(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        targets: &[u32],
+        scores: &mut [kiln_core::TokenScore],
+    ) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let slot = self.slot_of(seq)?;
+        let start = self.slots[slot].len;
+        kiln_core::check_prefill_scores(
+            tokens,
+            first,
+            targets,
+            scores,
+            vocab,
+            start,
+            self.max_ctx,
+        )?;
+        if self.prefill.is_err() {
+            return kiln_core::prefill_scores_from_logits(
+                self, seq, tokens, first, targets, scores,
+            );
+        }
+        let out = prefill::ScoredOut::Scores { targets, scores };
+        self.prefill_scored(slot, tokens, first, out)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {

@@ -8,8 +8,11 @@
 //! RMSNorm over the rows (to f16), bias + QK-norm + RoPE with the K/V cache write for the
 //! chunk's positions, causal GQA attention of the chunk's queries over the cache, SwiGLU.
 //! Only the last token goes through the final norm and the LM head (the decode step's own
-//! GEMV), since that is all prefill returns. Everything is allocated at load, sized for
-//! one chunk; a call allocates nothing.
+//! GEMV), since that is all prefill returns, unless the caller scores the prompt
+//! ([`ScoredRows`]): then every scored row of a chunk is normed and multiplied by the LM
+//! head as one more GEMM, the head dequantised a slice of the vocabulary at a time into
+//! the weight buffer. Everything is allocated at load, sized for one chunk, but for the
+//! scored rows' logits, which the first scoring call allocates (one chunk's worth).
 
 use std::sync::Arc;
 
@@ -96,6 +99,13 @@ impl PrefillState {
     }
 }
 
+impl PrefillState {
+    /// Tokens a chunk holds at most.
+    pub(super) fn chunk_len(&self) -> usize {
+        self.chunk
+    }
+}
+
 /// Where a profiled prefill's device time went, in milliseconds.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PrefillTimes {
@@ -150,6 +160,34 @@ impl Timer {
     }
 }
 
+/// What a scoring prefill returns of the rows after every token from `first` on (row `j`
+/// for token `first + j`): the logits themselves
+/// ([`kiln_core::LayerExecutor::prefill_logits`]) or their scores against the tokens that
+/// follow ([`kiln_core::LayerExecutor::prefill_scores`]), through `dev`, one chunk's rows.
+pub(super) struct ScoredRows<'a> {
+    pub first: usize,
+    pub out: ScoredOut<'a>,
+    pub dev: ScoringBuffers,
+}
+
+pub(super) enum ScoredOut<'a> {
+    Logits(&'a mut [f32]),
+    Scores {
+        targets: &'a [u32],
+        scores: &'a mut [kiln_core::TokenScore],
+    },
+}
+
+/// Device buffers of a scoring prefill, one chunk's rows each (allocated by the executor's
+/// first scoring call and kept).
+#[derive(Clone, Copy)]
+pub(super) struct ScoringBuffers {
+    pub logits: DevSlice<f32>,
+    pub targets: DevSlice<i32>,
+    pub nll: DevSlice<f32>,
+    pub top: DevSlice<i32>,
+}
+
 impl GpuExecutor {
     /// Why prompts are processed token by token instead of in batches, if they are (no
     /// cuBLAS on this machine).
@@ -166,19 +204,21 @@ impl GpuExecutor {
         logits: &mut [f32],
     ) -> Result<PrefillTimes> {
         let slot = self.check_prefill(seq, tokens, logits)?;
-        let times = self.prefill_batched(slot, tokens, true)?;
+        let times = self.prefill_batched(slot, tokens, true, None)?;
         self.s.logits.copy_to_host(&self.device, logits)?;
         times.ok_or_else(|| Error::Unsupported("batched prefill is unavailable".into()))
     }
 
     /// Runs `tokens` through the model at the slot's next positions, chunk by chunk,
-    /// leaving the last token's logits in the decode workspace. `None` times unless
-    /// `profile`; an error when batched prefill is unavailable.
+    /// leaving the last token's logits in the decode workspace, and with `scored` those
+    /// of every token from its `first` on in its `out`. `None` times unless `profile`; an
+    /// error when batched prefill is unavailable.
     pub(super) fn prefill_batched(
         &mut self,
         slot: usize,
         tokens: &[u32],
         profile: bool,
+        mut scored: Option<ScoredRows<'_>>,
     ) -> Result<Option<PrefillTimes>> {
         if self.prefill.is_ok() {
             let end = self.slots[slot].len + tokens.len();
@@ -208,6 +248,45 @@ impl GpuExecutor {
             k.embed_rows(&self.embd, ids_dev, self.config.embedding_scale, x)?;
             for (li, l) in self.layers.iter().enumerate() {
                 self.prefill_layer(p, l, li, slot, n, pos0, &mut timer)?;
+            }
+            if let Some(s) = scored.as_mut() {
+                // The chunk's rows from the first scored token on, if it has any.
+                let g0 = ci * p.chunk;
+                let r0 = s.first.saturating_sub(g0);
+                if r0 < n {
+                    let vocab = c.vocab_size;
+                    let rows = n - r0;
+                    let logits = s.dev.logits.sub(0, rows * vocab)?;
+                    self.logits_rows(p, r0, rows, logits, &mut timer)?;
+                    let j = g0 + r0 - s.first..g0 + n - s.first;
+                    match &mut s.out {
+                        ScoredOut::Logits(out) => logits
+                            .copy_to_host(&self.device, &mut out[j.start * vocab..j.end * vocab])?,
+                        ScoredOut::Scores { targets, scores } => {
+                            let ids: Vec<i32> =
+                                targets[j.clone()].iter().map(|&t| t as i32).collect();
+                            let (t, nll, top) = (
+                                s.dev.targets.sub(0, rows)?,
+                                s.dev.nll.sub(0, rows)?,
+                                s.dev.top.sub(0, rows)?,
+                            );
+                            t.copy_from_host(&self.device, &ids)?;
+                            k.score_rows(logits, rows, vocab, t, nll, top)?;
+                            let mut nll_host = vec![0f32; rows];
+                            let mut top_host = vec![0i32; rows];
+                            nll.copy_to_host(&self.device, &mut nll_host)?;
+                            top.copy_to_host(&self.device, &mut top_host)?;
+                            for ((out, nll), top) in
+                                scores[j].iter_mut().zip(nll_host).zip(top_host)
+                            {
+                                *out = kiln_core::TokenScore {
+                                    nll,
+                                    top: top as u32,
+                                };
+                            }
+                        }
+                    }
+                }
             }
             last_x = Some(p.b.x.sub((n - 1) * h, h)?);
         }
@@ -243,6 +322,47 @@ impl GpuExecutor {
         self.slots[slot].len = start + tokens.len();
         self.slots[slot].record(start, tokens);
         Ok(times)
+    }
+
+    /// The logits of the chunk's rows `r0..r0 + rows` (after its last layer) into `out`,
+    /// `[rows][vocab]`: final norm to f16, then the LM head a slice of the vocabulary at a
+    /// time, each slice dequantised into the weight buffer and multiplied by cuBLAS into
+    /// its columns of `out`.
+    fn logits_rows(
+        &self,
+        p: &PrefillState,
+        r0: usize,
+        rows: usize,
+        out: DevSlice<f32>,
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let k = &self.k;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        Timer::mark(timer, Part::Other)?;
+        let xn = p.b.act.sub(0, rows * h)?;
+        k.rmsnorm_rows_f16(
+            p.b.x.sub(r0 * h, rows * h)?,
+            rows,
+            h,
+            self.out_norm.slice(),
+            c.norm_eps,
+            xn,
+        )?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embd);
+        // The weight buffer holds the largest layer matrix: at least `hidden` rows of the
+        // head, and for a large model a good share of the vocabulary a slice.
+        let slice = (p.b.wbuf.len() / h).min(vocab);
+        for v0 in (0..vocab).step_by(slice) {
+            let vs = slice.min(vocab - v0);
+            let w = p.b.wbuf.sub(0, vs * h)?;
+            Timer::mark(timer, Part::Dequant)?;
+            k.dequant_rows_f16(head, v0, vs, w)?;
+            Timer::mark(timer, Part::Gemm)?;
+            let y = out.sub(v0, (rows - 1) * vocab + vs)?;
+            p.blas.gemm_f16_f32(w, vs, xn, rows, h, y, vocab, 0.0)?;
+        }
+        Ok(())
     }
 
     /// One layer over the `n` tokens of a chunk at positions `pos0..pos0 + n`.
