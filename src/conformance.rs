@@ -115,7 +115,8 @@ fn real_model(args: &ConformanceArgs) -> Result<Option<RealModel>> {
 }
 
 /// Opens `path` for the suite's real-model parity runs, with three prompts (prose, code,
-/// a story) encoded by the model's own tokenizer.
+/// a story) and the scoring rule's text (`kiln perplexity`'s built-in one) encoded by the
+/// model's own tokenizer.
 pub fn real_model_from(path: &std::path::Path) -> Result<RealModel> {
     let model = Model::open(path)?;
     let tok = &model.tokenizer;
@@ -123,6 +124,7 @@ pub fn real_model_from(path: &std::path::Path) -> Result<RealModel> {
         .iter()
         .map(|t| tok.encode(t, tok.add_bos_default(), false))
         .collect::<Result<Vec<_>>>()?;
+    let text = crate::perplexity::tokenize_text(tok, crate::perplexity::SHORT_TEXT.as_bytes())?;
     let name = path.file_name().map_or_else(
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -131,6 +133,7 @@ pub fn real_model_from(path: &std::path::Path) -> Result<RealModel> {
         label: format!("{name} (real model)"),
         ir: model.ir.clone(),
         prompts,
+        text,
     })
 }
 
