@@ -5,8 +5,9 @@
 #
 #   scripts/bench/bench_vs_llamacpp.sh prepare   here (pip, network): downloads the
 #                            llama-cpp-python 0.3.36 source distribution, keeps only what
-#                            vendor/llama.cpp needs to build llama-bench, llama-batched-bench and
-#                            llama-server (ggml CPU + CUDA backends, those tools, mtmd, no web UI)
+#                            vendor/llama.cpp needs to build llama-bench, llama-batched-bench,
+#                            llama-perplexity, llama-quantize and llama-server (ggml CPU + CUDA
+#                            backends, those tools, mtmd, no web UI)
 #                            and writes .llamacpp/llama.cpp.tar.xz (git-ignored through
 #                            .git/info/exclude; carry it to the GPU machine).
 #   scripts/bench/bench_vs_llamacpp.sh build-llamacpp  on the GPU machine: unpacks the tarball into
@@ -214,7 +215,7 @@ prepare)
     src=$tmp/$top/vendor/llama.cpp
     dst=$tmp/llama.cpp
     mkdir -p "$dst/ggml/src" "$dst/tools"
-    # What the two tools build from; everything else (docs, models, examples, tests, app,
+    # What the tools build from; everything else (docs, models, examples, tests, app,
     # the other tools, gguf-py, .github, media, the other ggml backends) stays behind.
     # The top-level CMake adds examples/, pocs/, tests/ and app/ only when their options are
     # on, and ggml adds a backend's directory only when GGML_<BACKEND> is on.
@@ -222,7 +223,7 @@ prepare)
     cp -a "$src"/ggml/{CMakeLists.txt,cmake,include} "$dst/ggml/"
     find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$dst/ggml/src/" \;
     cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda} "$dst/ggml/src/"
-    cp -a "$src"/tools/{llama-bench,batched-bench} "$dst/tools/"
+    cp -a "$src"/tools/{llama-bench,batched-bench,perplexity,quantize} "$dst/tools/"
     # llama-server: its sources (not its Python tests or benches), the multimodal library it
     # links (mtmd) and the UI target's CMake templates; the web UI itself stays behind
     # (built with LLAMA_USE_PREBUILT_UI=OFF the server embeds an empty asset table).
@@ -233,7 +234,7 @@ prepare)
     cp -a "$src"/scripts/ui-assets.cmake "$dst/scripts/"
     # tools/CMakeLists.txt adds every tool unconditionally: keep its preamble, add only ours.
     sed -n '1,/^# tools$/p' "$src/tools/CMakeLists.txt" >"$dst/tools/CMakeLists.txt"
-    printf '\nadd_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\nadd_subdirectory(mtmd)\nadd_subdirectory(ui)\nadd_subdirectory(server)\n' >>"$dst/tools/CMakeLists.txt"
+    printf '\nadd_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\nadd_subdirectory(perplexity)\nadd_subdirectory(quantize)\nadd_subdirectory(mtmd)\nadd_subdirectory(ui)\nadd_subdirectory(server)\n' >>"$dst/tools/CMakeLists.txt"
     grep -q 'llama_add_compile_flags' "$dst/tools/CMakeLists.txt" || {
         echo "tools/CMakeLists.txt changed shape; check the preamble" >&2
         exit 1
@@ -241,7 +242,7 @@ prepare)
     commit=$(cat "$tmp/$top/.git/modules/vendor/llama.cpp/HEAD")
     {
         echo "llama.cpp $commit, vendored by llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (sdist sha256 $(sha256sum "$sdist" | cut -d' ' -f1))."
-        echo "Stripped by kiln's scripts/bench/bench_vs_llamacpp.sh to build llama-bench, llama-batched-bench and"
+        echo "Stripped by kiln's scripts/bench/bench_vs_llamacpp.sh to build llama-bench, llama-batched-bench, llama-perplexity, llama-quantize and"
         echo "llama-server (ggml CPU and CUDA backends only; tools/CMakeLists.txt rewritten to add just those"
         echo "tools and the libraries they link; no web UI assets)."
     } >"$dst/KILN_PROVENANCE.txt"
