@@ -45,11 +45,9 @@ start)
     cp .gpu-model/part-a "$work/"
     TARGETS=llama-perplexity JOBS=${JOBS:-12} setsid nohup bash scripts/bench/bench_vs_llamacpp.sh build-llamacpp \
         >/tmp/llamacpp-build.log 2>&1 </dev/null &
-    (
-        "$work/.gpu/kiln" synth "$work/llama3-8b.q4_k_m.gguf" --shape llama3-8b --type q4_k_m --seed 0 \
-            >"$work/synth-8b.log" 2>&1
-        touch "$work/synth.done"
-    ) >/dev/null 2>&1 &
+    # setsid: a plain background job dies with the call that started it.
+    setsid nohup bash -c "'$work/.gpu/kiln' synth '$work/llama3-8b.q4_k_m.gguf' --shape llama3-8b --type q4_k_m \
+        --seed 0 >'$work/synth-8b.log' 2>&1 && touch '$work/synth.done'" >/dev/null 2>&1 </dev/null &
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR=$work/cache
     (cd "$work" && timeout 300 ./.gpu/prefill --include-ignored --test-threads=1 --nocapture) >"$out/prefill.log" 2>&1
     echo "prefill rc $?"; grep -E "^test |scoring|scored from|test result" "$out/prefill.log" | tail -30
@@ -82,6 +80,7 @@ speed)
         [ -x "$bin/llama-perplexity" ] && [ -f "$work/synth.done" ] && ! pgrep -f "cmake --build" >/dev/null && break
         sleep 3
     done
+    [ -f "$work/synth.done" ] || { echo "no 8B file: $(tail -2 "$work/synth-8b.log")"; exit 1; }
     tail -1 /tmp/llamacpp-build.log
     m=$work/llama3-8b.q4_k_m.gguf
     text=$work/.gpu-probe/kjv-120k.txt
