@@ -481,6 +481,12 @@ pub fn check_prefill(
             logits.len()
         )));
     }
+    check_prompt_fits(tokens, vocab, len, max_context)
+}
+
+/// Every token of a prompt inside the vocabulary, and room for all of them in a sequence of
+/// `len` tokens.
+fn check_prompt_fits(tokens: &[u32], vocab: usize, len: usize, max_context: usize) -> Result<()> {
     check_tokens(tokens, vocab)?;
     if len.saturating_add(tokens.len()) > max_context {
         return Err(Error::InvalidArgument(format!(
@@ -489,6 +495,18 @@ pub fn check_prefill(
         )));
     }
     Ok(())
+}
+
+/// The rows a scoring call over `tokens` from `first` on computes (`first` must lie inside
+/// them).
+fn scored_rows(tokens: &[u32], first: usize) -> Result<usize> {
+    if first >= tokens.len() {
+        return Err(Error::InvalidArgument(format!(
+            "the first scored token ({first}) is past the {} given",
+            tokens.len()
+        )));
+    }
+    Ok(tokens.len() - first)
 }
 
 /// [`LayerExecutor::prefill_logits`] from the other calls: prefills up to `tokens[first]`,
@@ -582,8 +600,8 @@ pub fn prefill_scores_from_logits<E: LayerExecutor + ?Sized>(
     Ok(())
 }
 
-/// The checks of [`LayerExecutor::prefill_scores`]: those of [`check_prefill`] for the whole
-/// of `tokens`, `first` inside them, `targets` and `scores` of `tokens.len() - first`
+/// The checks of [`LayerExecutor::prefill_scores`]: `first` inside `tokens`, every token in
+/// the vocabulary and room for all of them, `targets` and `scores` of `tokens.len() - first`
 /// entries, every target inside the vocabulary. Every failure is `InvalidArgument`.
 pub fn check_prefill_scores(
     tokens: &[u32],
@@ -594,13 +612,7 @@ pub fn check_prefill_scores(
     len: usize,
     max_context: usize,
 ) -> Result<()> {
-    if first >= tokens.len() {
-        return Err(Error::InvalidArgument(format!(
-            "the first scored token ({first}) is past the {} given",
-            tokens.len()
-        )));
-    }
-    let rows = tokens.len() - first;
+    let rows = scored_rows(tokens, first)?;
     if targets.len() != rows || scores.len() != rows {
         return Err(Error::InvalidArgument(format!(
             "{rows} rows are scored; given {} targets and room for {} scores",
@@ -609,18 +621,11 @@ pub fn check_prefill_scores(
         )));
     }
     check_tokens(targets, vocab)?;
-    check_tokens(tokens, vocab)?;
-    if len.saturating_add(tokens.len()) > max_context {
-        return Err(Error::InvalidArgument(format!(
-            "the sequence holds {len} tokens; {} more exceed the context of {max_context}",
-            tokens.len()
-        )));
-    }
-    Ok(())
+    check_prompt_fits(tokens, vocab, len, max_context)
 }
 
-/// The checks of [`LayerExecutor::prefill_logits`]: those of [`check_prefill`] for the whole
-/// of `tokens`, `first` inside them, and a logits buffer of `(tokens.len() - first) * vocab`
+/// The checks of [`LayerExecutor::prefill_logits`]: `first` inside `tokens`, every token in
+/// the vocabulary and room for all of them, and a logits buffer of `(tokens.len() - first) * vocab`
 /// values. Every failure is `InvalidArgument`.
 pub fn check_prefill_logits(
     tokens: &[u32],
@@ -630,13 +635,7 @@ pub fn check_prefill_logits(
     len: usize,
     max_context: usize,
 ) -> Result<()> {
-    if first >= tokens.len() {
-        return Err(Error::InvalidArgument(format!(
-            "the first scored token ({first}) is past the {} given",
-            tokens.len()
-        )));
-    }
-    let rows = tokens.len() - first;
+    let rows = scored_rows(tokens, first)?;
     if logits.len() != rows * vocab {
         return Err(Error::InvalidArgument(format!(
             "logits buffer holds {} values; {rows} rows of the vocabulary need {}",
@@ -644,7 +643,7 @@ pub fn check_prefill_logits(
             rows * vocab
         )));
     }
-    check_prefill(tokens, &logits[..vocab], vocab, len, max_context)
+    check_prompt_fits(tokens, vocab, len, max_context)
 }
 
 /// The checks of [`LayerExecutor::decode`]: [`check_decode_batch`] (the logits buffer fits,

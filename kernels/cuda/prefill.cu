@@ -361,6 +361,19 @@ extern "C" __global__ void swiglu_rows_f16(const float* __restrict__ gu, u16* __
 }
 
 
+// The largest (m, i) over the warp, ties to the lowest index; every lane gets it.
+static __device__ __forceinline__ void warp_argmax(float& m, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float om = __shfl_xor_sync(FULL_MASK, m, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
+        if (om > m || (om == m && oi < i)) {
+            m = om;
+            i = oi;
+        }
+    }
+}
+
 // What a perplexity run needs of each scored row of logits, without copying the rows to the
 // host: nll[r] = log Σ exp(x) − x[target[r]] (NaN when the row holds a non-finite value or
 // the target is out of range) and top[r], the first index of the row's maximum. One block
@@ -387,15 +400,7 @@ extern "C" __global__ void score_rows(const float* __restrict__ logits, int voca
         }
     }
     // Block-wide maximum, ties to the lowest index.
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float om = __shfl_xor_sync(FULL_MASK, m, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, mi, o);
-        if (om > m || (om == m && oi < mi)) {
-            m = om;
-            mi = oi;
-        }
-    }
+    warp_argmax(m, mi);
     __syncthreads();
     if (!finite) bad = 1;
     if (lane == 0) {
@@ -406,15 +411,7 @@ extern "C" __global__ void score_rows(const float* __restrict__ logits, int voca
     if (warp == 0) {
         m = lane < nwarps ? sm[lane] : -INFINITY;
         mi = lane < nwarps ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float om = __shfl_xor_sync(FULL_MASK, m, o);
-            const int oi = __shfl_xor_sync(FULL_MASK, mi, o);
-            if (om > m || (om == m && oi < mi)) {
-                m = om;
-                mi = oi;
-            }
-        }
+        warp_argmax(m, mi);
         if (lane == 0) {
             sm[0] = m;
             si[0] = mi;
