@@ -12,6 +12,7 @@ pub mod backend;
 pub mod error;
 pub mod ir;
 pub mod plugin_abi;
+pub mod program;
 pub mod qtype;
 pub mod quant;
 pub mod registry;
@@ -30,6 +31,7 @@ pub use ir::{
     Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights,
     NormKind, RopeConfig, RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
 };
+pub use program::ModelProgram;
 pub use qtype::QType;
 pub use registry::{BuiltinBackend, Candidate, Registry};
 pub use sampling::{argmax, Rng, Sampler, SamplingParams};

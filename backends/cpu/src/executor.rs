@@ -27,38 +27,16 @@ use crate::kernels::q8::Q8Act;
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
+use kiln_core::program::{self, Attention, FeedForward, Norm, Op};
+use kiln_core::ModelProgram;
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    attn_norm_bias: Option<Vec<f32>>,
-    q: QMatrix,
-    k: QMatrix,
-    v: QMatrix,
-    q_bias: Option<Vec<f32>>,
-    k_bias: Option<Vec<f32>>,
-    v_bias: Option<Vec<f32>>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    out: QMatrix,
-    out_bias: Option<Vec<f32>>,
-    ffn_norm: Option<Vec<f32>>,
-    ffn_norm_bias: Option<Vec<f32>>,
-    gate: Option<QMatrix>,
-    up: QMatrix,
-    down: QMatrix,
-    /// RMSNorm of the attention and MLP outputs before the residual (Gemma).
-    post_attn_norm: Option<Vec<f32>>,
-    post_ffn_norm: Option<Vec<f32>>,
-}
+/// The program with the CPU's weights: matrices with their row-dot kernels, vectors in f32.
+type CpuProgram = ModelProgram<QMatrix, Vec<f32>>;
 
 /// Immutable part of the executor: everything a forward pass reads.
 struct Model {
     config: ModelConfig,
-    layers: Vec<Layer>,
-    embd: QMatrix,
-    out_norm: Vec<f32>,
-    out_norm_bias: Option<Vec<f32>>,
-    lm_head: QMatrix,
+    program: CpuProgram,
     kv: KvLayout,
     /// Inverse frequency of each rotary pair.
     inv_freq: Vec<f32>,
@@ -401,8 +379,10 @@ struct Scratch {
     k: Vec<f32>,
     v: Vec<f32>,
     att: Vec<f32>,
-    proj: Vec<f32>,
-    ffn_out: Vec<f32>,
+    /// A branch's output (its operations' sum).
+    branch_out: Vec<f32>,
+    /// A second operation's output in a branch that sums several.
+    op_out: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
     cos: Vec<f32>,
@@ -426,17 +406,11 @@ pub struct CpuExecutor {
     scratch: Scratch,
 }
 
-fn vector(view: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
-    if view.elements() != len {
-        return Err(Error::InvalidShape(format!(
-            "{what} ({}) has {} values; the model config needs {len}",
-            view.name(),
-            view.elements()
-        )));
-    }
+/// A norm weight or bias in f32 (the program checked its length).
+fn vector(view: &TensorView, len: usize) -> Result<Vec<f32>> {
     if block_fn(view.qtype()).is_none() {
         return Err(Error::Unsupported(format!(
-            "{what} ({}) is stored as {}",
+            "{} is stored as {}",
             view.name(),
             view.qtype()
         )));
@@ -446,93 +420,30 @@ fn vector(view: &TensorView, len: usize, what: &str) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-fn opt_vector(view: &Option<TensorView>, len: usize, what: &str) -> Result<Option<Vec<f32>>> {
-    view.as_ref().map(|v| vector(v, len, what)).transpose()
-}
-
 /// Most worker threads per core `LoadOptions::threads` may ask for.
 pub const MAX_THREADS_PER_CORE: usize = 4;
 
 impl CpuExecutor {
     pub(crate) fn load(ir: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<CpuExecutor> {
         let c = &ir.config;
-        c.validate()?;
-        let w = &ir.weights;
-        if w.layers.len() != c.num_layers {
-            return Err(Error::Format(format!(
-                "config says {} layers, weights have {}",
-                c.num_layers,
-                w.layers.len()
-            )));
-        }
         let simd = Simd::detect(isa);
-        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
         // The matrices a forward pass multiplies, with their integer kernels when the caller
         // asked for 8-bit activations (`kernels::q8`; the oracle's f32 path otherwise).
         let q8 = options.quantized_activations;
-        let mat = |view: &TensorView, cols: usize, rows: usize| {
-            QMatrix::new(view, cols, rows, isa).map(|m| match q8 {
-                true => m.with_q8_activations(isa),
-                false => m,
-            })
-        };
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for (i, l) in w.layers.iter().enumerate() {
-            let need = |present: bool, want: bool, what: &str| -> Result<()> {
-                if present == want {
-                    Ok(())
-                } else if want {
-                    Err(Error::Format(format!(
-                        "layer {i}: the config needs {what}, the weights have none"
-                    )))
-                } else {
-                    Err(Error::Format(format!(
-                        "layer {i}: {what} is present but the config does not use it"
-                    )))
-                }
-            };
-            need(l.ffn_gate.is_some(), c.gated_ffn, "a gate projection")?;
-            need(
-                l.attn_q_norm.is_some() && l.attn_k_norm.is_some(),
-                c.qk_norm,
-                "Q/K norms",
-            )?;
-            need(
-                l.attn_post_norm.is_some() && l.ffn_post_norm.is_some(),
-                c.sandwich_norms,
-                "post-attention/MLP norms",
-            )?;
-            if l.ffn_norm.is_none() && !c.parallel_residual {
-                return Err(Error::Format(format!(
-                    "layer {i}: no FFN norm and no parallel residual"
-                )));
-            }
-            layers.push(Layer {
-                attn_norm: vector(&l.attn_norm, h, "attention norm")?,
-                attn_norm_bias: opt_vector(&l.attn_norm_bias, h, "attention norm bias")?,
-                q: mat(&l.attn_q, h, qd)?,
-                k: mat(&l.attn_k, h, kvd)?,
-                v: mat(&l.attn_v, h, kvd)?,
-                q_bias: opt_vector(&l.attn_q_bias, qd, "Q bias")?,
-                k_bias: opt_vector(&l.attn_k_bias, kvd, "K bias")?,
-                v_bias: opt_vector(&l.attn_v_bias, kvd, "V bias")?,
-                q_norm: opt_vector(&l.attn_q_norm, hd, "Q norm")?,
-                k_norm: opt_vector(&l.attn_k_norm, hd, "K norm")?,
-                out: mat(&l.attn_out, qd, h)?,
-                out_bias: opt_vector(&l.attn_out_bias, h, "attention output bias")?,
-                ffn_norm: opt_vector(&l.ffn_norm, h, "FFN norm")?,
-                ffn_norm_bias: opt_vector(&l.ffn_norm_bias, h, "FFN norm bias")?,
-                gate: l.ffn_gate.as_ref().map(|g| mat(g, h, ffn)).transpose()?,
-                up: mat(&l.ffn_up, h, ffn)?,
-                down: mat(&l.ffn_down, ffn, h)?,
-                post_attn_norm: opt_vector(&l.attn_post_norm, h, "post-attention norm")?,
-                post_ffn_norm: opt_vector(&l.ffn_post_norm, h, "post-MLP norm")?,
-            });
-        }
+        let program = program::build(ir)?.map(
+            c,
+            |view, shape| {
+                QMatrix::new(view, shape.inputs, shape.outputs, isa).map(|m| match q8 {
+                    true => m.with_q8_activations(isa),
+                    false => m,
+                })
+            },
+            vector,
+        )?;
         let half = c.rope.rotary_dims / 2;
-        let freq_factors = opt_vector(&w.rope_freqs, half, "rope frequency factors")?;
         let inv_freq = (0..half)
-            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
+            .map(|i| c.rope.inv_freq(i, program.rope_freqs.as_deref()))
             .collect();
         let local_inv_freq = c
             .local_rope()
@@ -584,8 +495,8 @@ impl CpuExecutor {
             k: vec![0.0; b * kvd],
             v: vec![0.0; b * kvd],
             att: vec![0.0; b * qd],
-            proj: vec![0.0; b * h],
-            ffn_out: vec![0.0; b * h],
+            branch_out: vec![0.0; b * h],
+            op_out: vec![0.0; b * h],
             gate: vec![0.0; b * ffn],
             up: vec![0.0; b * ffn],
             cos: vec![0.0; b * half.max(1)],
@@ -597,11 +508,7 @@ impl CpuExecutor {
         };
         let model = Model {
             config: c.clone(),
-            layers,
-            embd: QMatrix::new(&w.token_embd, h, c.vocab_size, isa)?,
-            out_norm: vector(&w.output_norm, h, "output norm")?,
-            out_norm_bias: opt_vector(&w.output_norm_bias, h, "output norm bias")?,
-            lm_head: mat(w.lm_head(), h, c.vocab_size)?,
+            program,
             kv,
             inv_freq,
             local_inv_freq,
@@ -661,15 +568,16 @@ impl CpuExecutor {
     }
 }
 
-fn norm(c: &ModelConfig, x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [f32]) {
-    match c.norm {
+/// `out` = `n` applied to `x`.
+fn norm(n: &Norm<Vec<f32>>, x: &[f32], out: &mut [f32]) {
+    match n.kind {
         NormKind::Rms => {
-            ops::rms_norm(x, w, c.norm_eps, out);
-            if let Some(b) = b {
+            ops::rms_norm(x, &n.weight, n.eps, out);
+            if let Some(b) = &n.bias {
                 ops::add_in_place(out, b);
             }
         }
-        NormKind::Layer => ops::layer_norm(x, w, b.map(|b| b.as_slice()), c.norm_eps, out),
+        NormKind::Layer => ops::layer_norm(x, &n.weight, n.bias.as_deref(), n.eps, out),
     }
 }
 
@@ -705,13 +613,6 @@ fn batch<'a>(
         },
         tokens,
         cols,
-    }
-}
-
-/// RMSNorm of each row of `buf` (rows as long as `w`) in place.
-fn norm_rows(buf: &mut [f32], w: &[f32], eps: f32) {
-    for row in buf.chunks_exact_mut(w.len()) {
-        ops::rms_norm_in_place(row, w, eps);
     }
 }
 
@@ -894,17 +795,16 @@ fn forward(
     logits_from: usize,
 ) {
     let c = &m.config;
+    let p = &m.program;
     let n = rows.len();
-    let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+    let h = c.hidden_size;
     let half = c.rope.rotary_dims / 2;
-    let (threads, simd) = (m.threads, m.simd);
-    let scale = c.attention_scale();
 
     for (t, &tok) in tokens.iter().enumerate() {
         let x = &mut s.x[t * h..(t + 1) * h];
-        m.embd.dequant_row(tok as usize, x);
-        if c.embedding_scale != 1.0 {
-            x.iter_mut().for_each(|v| *v *= c.embedding_scale);
+        p.embedding.table.dequant_row(tok as usize, x);
+        if p.embedding.scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= p.embedding.scale);
         }
     }
     // Each token's rows of the paged layers, from its sequence's block table (the same for
@@ -943,262 +843,46 @@ fn forward(
         }
     }
 
-    for (li, l) in m.layers.iter().enumerate() {
-        let attention = c.layer_attention(li);
-        let (cos_all, sin_all) = match attention.local_rope {
-            true => (&s.cos_local, &s.sin_local),
-            false => (&s.cos, &s.sin),
-        };
+    // Each branch: x += scale · post_norm(Σ op(norm(x))). The first operation writes
+    // `branch_out`, a second (a parallel block's) writes `op_out`, added to it.
+    for branch in &p.branches {
         for t in 0..n {
             norm(
-                c,
+                &branch.norm,
                 &s.x[t * h..(t + 1) * h],
-                &l.attn_norm,
-                l.attn_norm_bias.as_ref(),
                 &mut s.xn[t * h..(t + 1) * h],
             );
         }
-        let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
-        matmul(
-            &mut [
-                MatJob {
-                    m: &l.q,
-                    out: &mut s.q[..n * qd],
-                },
-                MatJob {
-                    m: &l.k,
-                    out: &mut s.k[..n * kvd],
-                },
-                MatJob {
-                    m: &l.v,
-                    out: &mut s.v[..n * kvd],
-                },
-            ],
-            input,
-            threads,
-            simd,
-        );
-        add_bias(&mut s.q[..n * qd], &l.q_bias);
-        add_bias(&mut s.k[..n * kvd], &l.k_bias);
-        add_bias(&mut s.v[..n * kvd], &l.v_bias);
-        for t in 0..n {
-            let (cos, sin) = (
-                &cos_all[t * half..(t + 1) * half],
-                &sin_all[t * half..(t + 1) * half],
-            );
-            for head in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
-                if let Some(w) = &l.q_norm {
-                    ops::rms_norm_in_place(head, w, c.norm_eps);
-                }
-                ops::rope(c.rope.kind, head, cos, sin);
+        let mut sum = std::mem::take(&mut s.branch_out);
+        for (j, op) in branch.ops.iter().enumerate() {
+            let mut out = match j {
+                0 => std::mem::take(&mut sum),
+                _ => std::mem::take(&mut s.op_out),
+            };
+            match op {
+                Op::Attention(a) => attention(m, a, slots, pool, s, rows, &mut out[..n * h]),
+                Op::FeedForward(f) => feed_forward(m, f, s, n, &mut out[..n * h]),
             }
-            for head in s.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
-                if let Some(w) = &l.k_norm {
-                    ops::rms_norm_in_place(head, w, c.norm_eps);
-                }
-                ops::rope(c.rope.kind, head, cos, sin);
-            }
-            let (slot, pos) = rows[t];
-            let (k, v) = (&s.k[t * kvd..(t + 1) * kvd], &s.v[t * kvd..(t + 1) * kvd]);
-            match m.kv.layers[li] {
-                LayerRows::Paged { index } => {
-                    let at = pool.at(kvd, index, pool_row(slots[slot].blocks(), pos));
-                    pool.k.write(at, k);
-                    pool.v.write(at, v);
-                }
-                LayerRows::Ring { rows, base } => {
-                    let at = base + (pos % rows) * kvd;
-                    slots[slot].k.write(at, k);
-                    slots[slot].v.write(at, v);
+            match j {
+                0 => sum = out,
+                _ => {
+                    ops::add_in_place(&mut sum[..n * h], &out[..n * h]);
+                    s.op_out = out;
                 }
             }
         }
-
-        // One task per token and KV head: the query heads of its GQA group (consecutive
-        // in q and in the output) go through the attention together, a few at a time, so
-        // each key and value row is read once for them. With fewer such tasks than twice
-        // the threads (a decode step), the heads go one a task instead, so every thread
-        // has work.
-        let kv_heads = c.num_kv_heads;
-        let group = c.gqa_ratio();
-        let heads_together = if n * kv_heads >= 2 * threads {
-            kernels::MULTI_QUERIES
-        } else {
-            1
-        };
-        let q = &s.q;
-        let cache: &[SeqSlot<Slot>] = slots;
-        let att = &mut s.att[..n * qd];
-        match m.kv.layers[li] {
-            LayerRows::Paged { index } => {
-                let paged = PagedRows::new(pool, index, kvd, hd, &s.runs, &s.run_spans);
-                if n.div_ceil(CAUSAL_BLOCK) * kv_heads >= 2 * threads {
-                    // A prefill: runs of consecutive tokens of one sequence go through a
-                    // full layer as causal blocks (one task per block and KV head), each key
-                    // and value tile read once for the block's tokens and heads (see
-                    // `ops::attend_causal`).
-                    attend_causal_blocks(m, &paged, rows, q, att, simd, scale);
-                } else {
-                    att.par_chunks_mut(group * hd)
-                        .enumerate()
-                        .for_each(|(i, out)| {
-                            let (t, kvh) = (i / kv_heads, i % kv_heads);
-                            let qg = &q[t * qd + kvh * group * hd..][..group * hd];
-                            paged.with_runs(t, kvh, |runs, stride, offset| {
-                                attend_pieces(
-                                    simd,
-                                    qg,
-                                    hd,
-                                    heads_together,
-                                    runs,
-                                    stride,
-                                    offset,
-                                    scale,
-                                    out,
-                                )
-                            });
-                        });
-                }
-            }
-            LayerRows::Ring { rows: ring, base } => {
-                att.par_chunks_mut(group * hd)
-                    .enumerate()
-                    .for_each(|(i, out)| {
-                        let (t, kvh) = (i / kv_heads, i % kv_heads);
-                        let (slot, pos) = rows[t];
-                        let kv = &cache[slot];
-                        // A windowed layer sees only the last `window` positions.
-                        let heads =
-                            m.kv.ring_runs(ring, base, attention.first_position(pos), pos)
-                                .map(|(at, n)| {
-                                    (
-                                        kv.k.head_rows(at, n, kvd, kvh * hd, hd),
-                                        kv.v.head_rows(at, n, kvd, kvh * hd, hd),
-                                        n,
-                                    )
-                                });
-                        let runs = heads.each_ref().map(|(k, v, n)| ops::KvRun {
-                            keys: &k.data,
-                            values: &v.data,
-                            len: *n,
-                        });
-                        let (stride, offset) = (heads[0].0.stride, heads[0].0.offset);
-                        let qg = &q[t * qd + kvh * group * hd..][..group * hd];
-                        attend_pieces(
-                            simd,
-                            qg,
-                            hd,
-                            heads_together,
-                            &runs,
-                            stride,
-                            offset,
-                            scale,
-                            out,
-                        );
-                    });
-            }
-        }
-
-        let input = batch(
-            &s.att,
-            &mut s.sums,
-            &mut s.q8,
-            m.quantized_activations,
-            n,
-            qd,
-        );
-        matmul(
-            &mut [MatJob {
-                m: &l.out,
-                out: &mut s.proj[..n * h],
-            }],
-            input,
-            threads,
-            simd,
-        );
-        add_bias(&mut s.proj[..n * h], &l.out_bias);
-        if let Some(w) = &l.post_attn_norm {
-            norm_rows(&mut s.proj[..n * h], w, c.norm_eps);
-        }
-
-        if !c.parallel_residual {
-            ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);
-        }
-        if let Some(w) = &l.ffn_norm {
+        if let Some(post) = &branch.post_norm {
             for t in 0..n {
-                norm(
-                    c,
-                    &s.x[t * h..(t + 1) * h],
-                    w,
-                    l.ffn_norm_bias.as_ref(),
-                    &mut s.xn[t * h..(t + 1) * h],
-                );
+                let row = &mut sum[t * h..(t + 1) * h];
+                norm(post, row, &mut s.xn[t * h..(t + 1) * h]);
+                row.copy_from_slice(&s.xn[t * h..(t + 1) * h]);
             }
         }
-        let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
-        match &l.gate {
-            Some(gate) => matmul(
-                &mut [
-                    MatJob {
-                        m: gate,
-                        out: &mut s.gate[..n * ffn],
-                    },
-                    MatJob {
-                        m: &l.up,
-                        out: &mut s.up[..n * ffn],
-                    },
-                ],
-                input,
-                threads,
-                simd,
-            ),
-            None => matmul(
-                &mut [MatJob {
-                    m: &l.up,
-                    out: &mut s.up[..n * ffn],
-                }],
-                input,
-                threads,
-                simd,
-            ),
+        if branch.scale != 1.0 {
+            sum[..n * h].iter_mut().for_each(|v| *v *= branch.scale);
         }
-        let act = match c.activation {
-            Activation::Silu => ops::silu,
-            Activation::Gelu => ops::gelu,
-        };
-        if l.gate.is_some() {
-            for (u, &g) in s.up[..n * ffn].iter_mut().zip(&s.gate[..n * ffn]) {
-                *u *= act(g);
-            }
-        } else {
-            for u in s.up[..n * ffn].iter_mut() {
-                *u = act(*u);
-            }
-        }
-        let input = batch(
-            &s.up,
-            &mut s.sums,
-            &mut s.q8,
-            m.quantized_activations,
-            n,
-            ffn,
-        );
-        matmul(
-            &mut [MatJob {
-                m: &l.down,
-                out: &mut s.ffn_out[..n * h],
-            }],
-            input,
-            threads,
-            simd,
-        );
-        if let Some(w) = &l.post_ffn_norm {
-            norm_rows(&mut s.ffn_out[..n * h], w, c.norm_eps);
-        }
-        ops::add_in_place(&mut s.x[..n * h], &s.ffn_out[..n * h]);
-        if c.parallel_residual {
-            ops::add_in_place(&mut s.x[..n * h], &s.proj[..n * h]);
-        }
+        ops::add_in_place(&mut s.x[..n * h], &sum[..n * h]);
+        s.branch_out = sum;
     }
 
     let first = logits_from.min(n - 1);
@@ -1206,10 +890,8 @@ fn forward(
     for t in first..n {
         let o = t - first;
         norm(
-            c,
+            &p.head.norm,
             &s.x[t * h..(t + 1) * h],
-            &m.out_norm,
-            m.out_norm_bias.as_ref(),
             &mut s.xn[o * h..(o + 1) * h],
         );
     }
@@ -1223,13 +905,255 @@ fn forward(
     );
     matmul(
         &mut [MatJob {
-            m: &m.lm_head,
-            out: logits,
+            m: &p.head.output,
+            out: &mut *logits,
+        }],
+        input,
+        m.threads,
+        m.simd,
+    );
+    if p.head.logit_scale != 1.0 {
+        logits.iter_mut().for_each(|v| *v *= p.head.logit_scale);
+    }
+}
+
+/// One layer's attention for the `n = rows.len()` normed rows in `s.xn`: Q/K/V, their
+/// head norms and RoPE, the rows' K/V into the cache, attention over each row's span,
+/// and the output projection into `out` (`n × hidden`).
+fn attention(
+    m: &Model,
+    a: &Attention<QMatrix, Vec<f32>>,
+    slots: &mut [SeqSlot<Slot>],
+    pool: &mut KvPool,
+    s: &mut Scratch,
+    rows: &[(usize, usize)],
+    out: &mut [f32],
+) {
+    let c = &m.config;
+    let n = rows.len();
+    let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+    let half = c.rope.rotary_dims / 2;
+    let (threads, simd) = (m.threads, m.simd);
+    let (li, span, scale) = (a.layer, a.span, a.scale);
+    let (cos_all, sin_all) = match span.local_rope {
+        true => (&s.cos_local, &s.sin_local),
+        false => (&s.cos, &s.sin),
+    };
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
+    matmul(
+        &mut [
+            MatJob {
+                m: &a.q.weight,
+                out: &mut s.q[..n * qd],
+            },
+            MatJob {
+                m: &a.k.weight,
+                out: &mut s.k[..n * kvd],
+            },
+            MatJob {
+                m: &a.v.weight,
+                out: &mut s.v[..n * kvd],
+            },
+        ],
+        input,
+        threads,
+        simd,
+    );
+    add_bias(&mut s.q[..n * qd], &a.q.bias);
+    add_bias(&mut s.k[..n * kvd], &a.k.bias);
+    add_bias(&mut s.v[..n * kvd], &a.v.bias);
+    for t in 0..n {
+        let (cos, sin) = (
+            &cos_all[t * half..(t + 1) * half],
+            &sin_all[t * half..(t + 1) * half],
+        );
+        for head in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+            if let Some(norms) = &a.head_norms {
+                ops::rms_norm_in_place(head, &norms.q, norms.eps);
+            }
+            ops::rope(c.rope.kind, head, cos, sin);
+        }
+        for head in s.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+            if let Some(norms) = &a.head_norms {
+                ops::rms_norm_in_place(head, &norms.k, norms.eps);
+            }
+            ops::rope(c.rope.kind, head, cos, sin);
+        }
+        let (slot, pos) = rows[t];
+        let (k, v) = (&s.k[t * kvd..(t + 1) * kvd], &s.v[t * kvd..(t + 1) * kvd]);
+        match m.kv.layers[li] {
+            LayerRows::Paged { index } => {
+                let at = pool.at(kvd, index, pool_row(slots[slot].blocks(), pos));
+                pool.k.write(at, k);
+                pool.v.write(at, v);
+            }
+            LayerRows::Ring { rows, base } => {
+                let at = base + (pos % rows) * kvd;
+                slots[slot].k.write(at, k);
+                slots[slot].v.write(at, v);
+            }
+        }
+    }
+
+    // One task per token and KV head: the query heads of its GQA group (consecutive
+    // in q and in the output) go through the attention together, a few at a time, so
+    // each key and value row is read once for them. With fewer such tasks than twice
+    // the threads (a decode step), the heads go one a task instead, so every thread
+    // has work.
+    let kv_heads = c.num_kv_heads;
+    let group = c.gqa_ratio();
+    let heads_together = if n * kv_heads >= 2 * threads {
+        kernels::MULTI_QUERIES
+    } else {
+        1
+    };
+    let q = &s.q;
+    let cache: &[SeqSlot<Slot>] = slots;
+    let att = &mut s.att[..n * qd];
+    match m.kv.layers[li] {
+        LayerRows::Paged { index } => {
+            let paged = PagedRows::new(pool, index, kvd, hd, &s.runs, &s.run_spans);
+            if n.div_ceil(CAUSAL_BLOCK) * kv_heads >= 2 * threads {
+                // A prefill: runs of consecutive tokens of one sequence go through a
+                // full layer as causal blocks (one task per block and KV head), each key
+                // and value tile read once for the block's tokens and heads (see
+                // `ops::attend_causal`).
+                attend_causal_blocks(m, &paged, rows, q, att, simd, scale);
+            } else {
+                att.par_chunks_mut(group * hd)
+                    .enumerate()
+                    .for_each(|(i, out)| {
+                        let (t, kvh) = (i / kv_heads, i % kv_heads);
+                        let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                        paged.with_runs(t, kvh, |runs, stride, offset| {
+                            attend_pieces(
+                                simd,
+                                qg,
+                                hd,
+                                heads_together,
+                                runs,
+                                stride,
+                                offset,
+                                scale,
+                                out,
+                            )
+                        });
+                    });
+            }
+        }
+        LayerRows::Ring { rows: ring, base } => {
+            att.par_chunks_mut(group * hd)
+                .enumerate()
+                .for_each(|(i, out)| {
+                    let (t, kvh) = (i / kv_heads, i % kv_heads);
+                    let (slot, pos) = rows[t];
+                    let kv = &cache[slot];
+                    // A windowed layer sees only the last `window` positions.
+                    let heads =
+                        m.kv.ring_runs(ring, base, span.first_position(pos), pos)
+                            .map(|(at, n)| {
+                                (
+                                    kv.k.head_rows(at, n, kvd, kvh * hd, hd),
+                                    kv.v.head_rows(at, n, kvd, kvh * hd, hd),
+                                    n,
+                                )
+                            });
+                    let runs = heads.each_ref().map(|(k, v, n)| ops::KvRun {
+                        keys: &k.data,
+                        values: &v.data,
+                        len: *n,
+                    });
+                    let (stride, offset) = (heads[0].0.stride, heads[0].0.offset);
+                    let qg = &q[t * qd + kvh * group * hd..][..group * hd];
+                    attend_pieces(
+                        simd,
+                        qg,
+                        hd,
+                        heads_together,
+                        &runs,
+                        stride,
+                        offset,
+                        scale,
+                        out,
+                    );
+                });
+        }
+    }
+
+    let input = batch(
+        &s.att,
+        &mut s.sums,
+        &mut s.q8,
+        m.quantized_activations,
+        n,
+        qd,
+    );
+    matmul(
+        &mut [MatJob {
+            m: &a.out.weight,
+            out: &mut *out,
         }],
         input,
         threads,
         simd,
     );
+    add_bias(out, &a.out.bias);
+}
+
+/// A feed-forward on the `n` normed rows in `s.xn`, into `out` (`n × hidden`).
+fn feed_forward(m: &Model, f: &FeedForward<QMatrix>, s: &mut Scratch, n: usize, out: &mut [f32]) {
+    let ffn = m.config.ffn_size;
+    let h = m.config.hidden_size;
+    let (threads, simd) = (m.threads, m.simd);
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
+    match &f.gate {
+        Some(gate) => matmul(
+            &mut [
+                MatJob {
+                    m: gate,
+                    out: &mut s.gate[..n * ffn],
+                },
+                MatJob {
+                    m: &f.up,
+                    out: &mut s.up[..n * ffn],
+                },
+            ],
+            input,
+            threads,
+            simd,
+        ),
+        None => matmul(
+            &mut [MatJob {
+                m: &f.up,
+                out: &mut s.up[..n * ffn],
+            }],
+            input,
+            threads,
+            simd,
+        ),
+    }
+    let act = match f.activation {
+        Activation::Silu => ops::silu,
+        Activation::Gelu => ops::gelu,
+    };
+    if f.gate.is_some() {
+        for (u, &g) in s.up[..n * ffn].iter_mut().zip(&s.gate[..n * ffn]) {
+            *u *= act(g);
+        }
+    } else {
+        for u in s.up[..n * ffn].iter_mut() {
+            *u = act(*u);
+        }
+    }
+    let input = batch(
+        &s.up,
+        &mut s.sums,
+        &mut s.q8,
+        m.quantized_activations,
+        n,
+        ffn,
+    );
+    matmul(&mut [MatJob { m: &f.down, out }], input, threads, simd);
 }
 
 impl LayerExecutor for CpuExecutor {

@@ -1,0 +1,580 @@
+//! The model program: each architecture's forward pass, described once.
+//!
+//! An architecture's builder turns a [`ModelIr`] into a [`ModelProgram`]: the token
+//! embedding, the residual branches in order, and the head. A branch reads the residual
+//! stream through a norm, runs its operations on the normed input (one for the usual
+//! sequential block; attention and feed-forward side by side for a parallel one), sums
+//! them, optionally norms the sum again (Gemma's sandwich norms), scales it and adds it to
+//! the stream:
+//!
+//! ```text
+//! x  = scale · embed(token)
+//! x += scale · post_norm(Σ op(norm(x)))        for each branch
+//! logits = logit_scale · output(norm(x))
+//! ```
+//!
+//! Every executor (the CPU forward, the GPU one-sequence step, the batched step and the
+//! prefill) walks this program and implements its operations; none of them reads the
+//! architecture or its switches. A new architecture is one builder made of the shared
+//! helpers below; a new kind of operation (a Mixture-of-Experts feed-forward) is one new
+//! [`Op`] variant that each executor implements once. An executor that cannot run some
+//! part says so from the program ([`ModelProgram::branches`] and friends), not from flags.
+//!
+//! The program is generic over how an executor holds weights: `M` for matrices, `V` for
+//! vectors (norm weights, biases). The builders make a `ModelProgram<TensorView>`, whose
+//! views are shared handles onto the file; an executor [`ModelProgram::map`]s it to its own
+//! forms (a CPU matrix with its kernel, a device buffer), getting each weight with the
+//! shape the builder checked it has.
+
+use crate::error::{Error, Result};
+use crate::ir::{
+    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, NormKind,
+    TensorView,
+};
+
+/// One architecture's forward pass (see the module doc).
+#[derive(Debug, Clone)]
+pub struct ModelProgram<M, V = M> {
+    pub embedding: Embedding<M>,
+    /// The residual branches in the order they run: two a layer for the sequential blocks
+    /// (attention, then feed-forward), one for a parallel block.
+    pub branches: Vec<Branch<M, V>>,
+    pub head: Head<M, V>,
+    /// Per-pair RoPE frequency factors (llama 3's long-context scaling), `rotary_dims / 2`
+    /// values; they divide each pair's frequency of the global RoPE base.
+    pub rope_freqs: Option<V>,
+}
+
+/// The token embedding: row `t` of `table` (vocabulary rows of hidden values) times `scale`.
+#[derive(Debug, Clone)]
+pub struct Embedding<M> {
+    pub table: M,
+    pub scale: f32,
+}
+
+/// A norm over the hidden vector (or, for [`HeadNorms`], over one head).
+#[derive(Debug, Clone)]
+pub struct Norm<V> {
+    pub kind: NormKind,
+    pub weight: V,
+    /// Added after the scaling (LayerNorm's β; RMSNorm models have none).
+    pub bias: Option<V>,
+    pub eps: f32,
+}
+
+/// `y = W·x + b`.
+#[derive(Debug, Clone)]
+pub struct Linear<M, V> {
+    pub weight: M,
+    pub bias: Option<V>,
+}
+
+/// RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3), weights of head_dim.
+#[derive(Debug, Clone)]
+pub struct HeadNorms<V> {
+    pub q: V,
+    pub k: V,
+    pub eps: f32,
+}
+
+/// Causal self-attention of one layer: its KV cache is the executor's layer `layer`.
+#[derive(Debug, Clone)]
+pub struct Attention<M, V> {
+    pub layer: usize,
+    pub q: Linear<M, V>,
+    pub k: Linear<M, V>,
+    pub v: Linear<M, V>,
+    pub head_norms: Option<HeadNorms<V>>,
+    /// Which positions a query sees and which RoPE base rotates it (sliding windows).
+    pub span: LayerAttention,
+    /// What q·k is multiplied by before the softmax.
+    pub scale: f32,
+    pub out: Linear<M, V>,
+}
+
+/// A dense feed-forward: `down(act(gate·x) ⊙ up·x)` when gated, `down(act(up·x))` when not.
+#[derive(Debug, Clone)]
+pub struct FeedForward<M> {
+    pub gate: Option<M>,
+    pub up: M,
+    pub down: M,
+    pub activation: Activation,
+}
+
+/// What a branch computes from its normed input.
+#[derive(Debug, Clone)]
+pub enum Op<M, V> {
+    Attention(Attention<M, V>),
+    FeedForward(FeedForward<M>),
+}
+
+/// `x += scale · post_norm(Σ op(norm(x)))`.
+#[derive(Debug, Clone)]
+pub struct Branch<M, V> {
+    pub norm: Norm<V>,
+    /// One operation, or several summed (a parallel block's attention and feed-forward).
+    pub ops: Vec<Op<M, V>>,
+    pub post_norm: Option<Norm<V>>,
+    pub scale: f32,
+}
+
+impl<M, V> Branch<M, V> {
+    /// The branch's one operation, or `None` when it sums several.
+    pub fn single_op(&self) -> Option<&Op<M, V>> {
+        match self.ops.as_slice() {
+            [op] => Some(op),
+            _ => None,
+        }
+    }
+}
+
+/// `logits = logit_scale · output(norm(x))`.
+#[derive(Debug, Clone)]
+pub struct Head<M, V> {
+    pub norm: Norm<V>,
+    /// Vocabulary rows of hidden values (the embedding table itself when tied).
+    pub output: M,
+    pub logit_scale: f32,
+}
+
+/// The shape of a matrix as a program multiplies it: `inputs` values in, `outputs` out
+/// (a [`TensorView`] of dims `[inputs, outputs]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixShape {
+    pub inputs: usize,
+    pub outputs: usize,
+}
+
+impl<M, V> ModelProgram<M, V> {
+    /// The same program over other weight forms: `matrix` turns each matrix (with the
+    /// shape it is multiplied as) into `M2`, `vector` each vector (with its length) into
+    /// `V2`; the first error stops the walk.
+    pub fn map<M2, V2, E>(
+        &self,
+        c: &ModelConfig,
+        mut matrix: impl FnMut(&M, MatrixShape) -> std::result::Result<M2, E>,
+        mut vector: impl FnMut(&V, usize) -> std::result::Result<V2, E>,
+    ) -> std::result::Result<ModelProgram<M2, V2>, E> {
+        let (h, qd, kvd, hd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_size);
+        let shape = |inputs, outputs| MatrixShape { inputs, outputs };
+        let embedding = Embedding {
+            table: matrix(&self.embedding.table, shape(h, c.vocab_size))?,
+            scale: self.embedding.scale,
+        };
+        let mut branches = Vec::with_capacity(self.branches.len());
+        for b in &self.branches {
+            let mut ops = Vec::with_capacity(b.ops.len());
+            for op in &b.ops {
+                ops.push(match op {
+                    Op::Attention(a) => Op::Attention(Attention {
+                        layer: a.layer,
+                        q: map_linear(&a.q, shape(h, qd), &mut matrix, &mut vector)?,
+                        k: map_linear(&a.k, shape(h, kvd), &mut matrix, &mut vector)?,
+                        v: map_linear(&a.v, shape(h, kvd), &mut matrix, &mut vector)?,
+                        head_norms: match &a.head_norms {
+                            Some(n) => Some(HeadNorms {
+                                q: vector(&n.q, hd)?,
+                                k: vector(&n.k, hd)?,
+                                eps: n.eps,
+                            }),
+                            None => None,
+                        },
+                        span: a.span,
+                        scale: a.scale,
+                        out: map_linear(&a.out, shape(qd, h), &mut matrix, &mut vector)?,
+                    }),
+                    Op::FeedForward(f) => Op::FeedForward(FeedForward {
+                        gate: match &f.gate {
+                            Some(g) => Some(matrix(g, shape(h, ffn))?),
+                            None => None,
+                        },
+                        up: matrix(&f.up, shape(h, ffn))?,
+                        down: matrix(&f.down, shape(ffn, h))?,
+                        activation: f.activation,
+                    }),
+                });
+            }
+            branches.push(Branch {
+                norm: map_norm(&b.norm, h, &mut vector)?,
+                ops,
+                post_norm: match &b.post_norm {
+                    Some(n) => Some(map_norm(n, h, &mut vector)?),
+                    None => None,
+                },
+                scale: b.scale,
+            });
+        }
+        Ok(ModelProgram {
+            embedding,
+            branches,
+            head: Head {
+                norm: map_norm(&self.head.norm, h, &mut vector)?,
+                output: matrix(&self.head.output, shape(h, c.vocab_size))?,
+                logit_scale: self.head.logit_scale,
+            },
+            rope_freqs: match &self.rope_freqs {
+                Some(f) => Some(vector(f, c.rope.rotary_dims / 2)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Every operation of the program, in order.
+    pub fn ops(&self) -> impl Iterator<Item = &Op<M, V>> {
+        self.branches.iter().flat_map(|b| b.ops.iter())
+    }
+
+    /// The norm that reads the residual stream after branch `i`: the next branch's, or the
+    /// head's after the last (what a fused executor folds into the launch that updates the
+    /// stream).
+    pub fn norm_after(&self, i: usize) -> &Norm<V> {
+        self.branches
+            .get(i + 1)
+            .map_or(&self.head.norm, |b| &b.norm)
+    }
+}
+
+fn map_norm<V, V2, E>(
+    n: &Norm<V>,
+    len: usize,
+    vector: &mut impl FnMut(&V, usize) -> std::result::Result<V2, E>,
+) -> std::result::Result<Norm<V2>, E> {
+    Ok(Norm {
+        kind: n.kind,
+        weight: vector(&n.weight, len)?,
+        bias: match &n.bias {
+            Some(b) => Some(vector(b, len)?),
+            None => None,
+        },
+        eps: n.eps,
+    })
+}
+
+fn map_linear<M, V, M2, V2, E>(
+    l: &Linear<M, V>,
+    shape: MatrixShape,
+    matrix: &mut impl FnMut(&M, MatrixShape) -> std::result::Result<M2, E>,
+    vector: &mut impl FnMut(&V, usize) -> std::result::Result<V2, E>,
+) -> std::result::Result<Linear<M2, V2>, E> {
+    Ok(Linear {
+        weight: matrix(&l.weight, shape)?,
+        bias: match &l.bias {
+            Some(b) => Some(vector(b, shape.outputs)?),
+            None => None,
+        },
+    })
+}
+
+/// The program of `ir`'s architecture, its weights checked against the config's shapes.
+pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let c = &ir.config;
+    c.validate()?;
+    if ir.weights.layers.len() != c.num_layers {
+        return Err(Error::Format(format!(
+            "config says {} layers, weights have {}",
+            c.num_layers,
+            ir.weights.layers.len()
+        )));
+    }
+    match c.arch {
+        Architecture::Llama | Architecture::Mistral => llama(ir),
+        Architecture::Qwen2 => qwen2(ir),
+        Architecture::Qwen3 => qwen3(ir),
+        Architecture::Gemma3 => gemma3(ir),
+    }
+}
+
+/// Llama 1-3, Mistral, SmolLM: pre-norm blocks, attention then a gated SiLU feed-forward.
+fn llama(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches =
+        b.layers(|i, l| b.pre_norm_block(i, l, b.attention(i, l)?, b.feed_forward(l)?))?;
+    b.program(branches)
+}
+
+/// Qwen2 / Qwen2.5: llama's blocks; their Q/K/V biases are the file's (the shared
+/// attention takes whatever biases there are, and the loader checks all three are).
+fn qwen2(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    llama(ir)
+}
+
+/// Qwen3: llama's blocks with an RMSNorm on each query and key head before RoPE.
+fn qwen3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches = b.layers(|i, l| {
+        let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
+        b.pre_norm_block(i, l, attention, b.feed_forward(l)?)
+    })?;
+    b.program(branches)
+}
+
+/// Gemma 3: embeddings scaled by √hidden (the config's scale), per-head Q/K norms, sliding
+/// windows on most layers (the config's spans), GeGLU (the config's activation), and each
+/// branch's output normed again before it joins the residual ("sandwich" norms).
+fn gemma3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches = b.layers(|i, l| {
+        let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
+        let block = b.pre_norm_block(i, l, attention, b.feed_forward(l)?)?;
+        if block.iter().any(|branch| branch.post_norm.is_none()) {
+            return Err(Error::Format(format!(
+                "layer {i}: a gemma3 model needs post-attention and post-MLP norms"
+            )));
+        }
+        Ok(block)
+    })?;
+    b.program(branches)
+}
+
+/// The shared helpers the architecture builders are made of (llama.cpp's `build_norm`,
+/// `build_attn`, `build_ffn`): each takes its weights from the IR and checks their shapes.
+struct Builder<'a> {
+    ir: &'a ModelIr,
+    c: &'a ModelConfig,
+}
+
+impl<'a> Builder<'a> {
+    fn new(ir: &'a ModelIr) -> Self {
+        Builder { ir, c: &ir.config }
+    }
+
+    /// One layer's branches from `block` for each layer, in order.
+    fn layers(
+        &self,
+        block: impl Fn(usize, &'a LayerWeights) -> Result<Vec<Branch<TensorView, TensorView>>>,
+    ) -> Result<Vec<Branch<TensorView, TensorView>>> {
+        let mut all = Vec::with_capacity(2 * self.c.num_layers);
+        for (i, l) in self.ir.weights.layers.iter().enumerate() {
+            all.extend(block(i, l)?);
+        }
+        Ok(all)
+    }
+
+    /// The embedding (scaled by the config's factor), `branches`, and the head.
+    fn program(
+        &self,
+        branches: Vec<Branch<TensorView, TensorView>>,
+    ) -> Result<ModelProgram<TensorView>> {
+        let (c, w) = (self.c, &self.ir.weights);
+        let h = c.hidden_size;
+        matrix(&w.token_embd, h, c.vocab_size, "the token embedding")?;
+        if let Some(out) = &w.output {
+            matrix(out, h, c.vocab_size, "the output projection")?;
+        }
+        let rope_freqs = w
+            .rope_freqs
+            .as_ref()
+            .map(|f| vector(f, c.rope.rotary_dims / 2, "the rope frequency factors"))
+            .transpose()?;
+        Ok(ModelProgram {
+            embedding: Embedding {
+                table: w.token_embd.clone(),
+                scale: c.embedding_scale,
+            },
+            branches,
+            head: Head {
+                norm: self.norm(
+                    &w.output_norm,
+                    w.output_norm_bias.as_ref(),
+                    "the output norm",
+                )?,
+                output: w.lm_head().clone(),
+                logit_scale: 1.0,
+            },
+            rope_freqs,
+        })
+    }
+
+    fn norm(
+        &self,
+        weight: &TensorView,
+        bias: Option<&TensorView>,
+        what: &str,
+    ) -> Result<Norm<TensorView>> {
+        let h = self.c.hidden_size;
+        Ok(Norm {
+            kind: self.c.norm,
+            weight: vector(weight, h, what)?,
+            bias: bias.map(|b| vector(b, h, what)).transpose()?,
+            eps: self.c.norm_eps,
+        })
+    }
+
+    /// Layer `i`'s attention: Q, K, V (with whatever biases the file has), per-head Q/K
+    /// norms if the file has them, the span and RoPE base of its layer, the output
+    /// projection.
+    fn attention(&self, i: usize, l: &LayerWeights) -> Result<Attention<TensorView, TensorView>> {
+        let c = self.c;
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+        let at = |what: &str| format!("layer {i}: {what}");
+        let linear = |w: &TensorView,
+                      b: &Option<TensorView>,
+                      inputs,
+                      outputs,
+                      what: &str|
+         -> Result<Linear<TensorView, TensorView>> {
+            Ok(Linear {
+                weight: matrix(w, inputs, outputs, &at(what))?,
+                bias: b
+                    .as_ref()
+                    .map(|b| vector(b, outputs, &at(what)))
+                    .transpose()?,
+            })
+        };
+        let head_norms = match (&l.attn_q_norm, &l.attn_k_norm) {
+            (Some(q), Some(k)) => Some(HeadNorms {
+                q: vector(q, hd, &at("the Q head norm"))?,
+                k: vector(k, hd, &at("the K head norm"))?,
+                eps: c.norm_eps,
+            }),
+            (None, None) => None,
+            _ => {
+                return Err(Error::Format(at(
+                    "one of the Q and K head norms is missing",
+                )))
+            }
+        };
+        Ok(Attention {
+            layer: i,
+            q: linear(&l.attn_q, &l.attn_q_bias, h, qd, "Q")?,
+            k: linear(&l.attn_k, &l.attn_k_bias, h, kvd, "K")?,
+            v: linear(&l.attn_v, &l.attn_v_bias, h, kvd, "V")?,
+            head_norms,
+            span: c.layer_attention(i),
+            scale: c.attention_scale(),
+            out: linear(&l.attn_out, &l.attn_out_bias, qd, h, "the attention output")?,
+        })
+    }
+
+    /// `attention`, refused without per-head Q and K norms (architectures defined with them).
+    fn requiring_head_norms(
+        &self,
+        i: usize,
+        attention: Attention<TensorView, TensorView>,
+    ) -> Result<Attention<TensorView, TensorView>> {
+        match attention.head_norms {
+            Some(_) => Ok(attention),
+            None => Err(Error::Format(format!(
+                "layer {i}: a {} model needs per-head Q and K norms",
+                self.c.arch.name()
+            ))),
+        }
+    }
+
+    /// The layer's feed-forward: gated when the config says so, with its activation.
+    fn feed_forward(&self, l: &LayerWeights) -> Result<FeedForward<TensorView>> {
+        let (h, ffn) = (self.c.hidden_size, self.c.ffn_size);
+        let gate = match (&l.ffn_gate, self.c.gated_ffn) {
+            (Some(g), true) => Some(matrix(g, h, ffn, "the FFN gate")?),
+            (None, false) => None,
+            (Some(_), false) => {
+                return Err(Error::Format(
+                    "an FFN gate is present but the config does not use it".into(),
+                ))
+            }
+            (None, true) => {
+                return Err(Error::Format(
+                    "the config needs an FFN gate, the weights have none".into(),
+                ))
+            }
+        };
+        Ok(FeedForward {
+            gate,
+            up: matrix(&l.ffn_up, h, ffn, "the FFN up projection")?,
+            down: matrix(&l.ffn_down, ffn, h, "the FFN down projection")?,
+            activation: self.c.activation,
+        })
+    }
+
+    /// A pre-norm block: attention and feed-forward, each reading the stream through its
+    /// own norm (one after the other), or both through the attention norm (a parallel
+    /// residual). Post-norms, if the file has them, norm each output again before it is
+    /// added (both or neither).
+    fn pre_norm_block(
+        &self,
+        i: usize,
+        l: &LayerWeights,
+        attention: Attention<TensorView, TensorView>,
+        ffn: FeedForward<TensorView>,
+    ) -> Result<Vec<Branch<TensorView, TensorView>>> {
+        let at = |what: &str| format!("layer {i}: {what}");
+        let attn_norm = self.norm(
+            &l.attn_norm,
+            l.attn_norm_bias.as_ref(),
+            &at("the attention norm"),
+        )?;
+        let post = |w: &TensorView, what: &str| -> Result<Norm<TensorView>> {
+            Ok(Norm {
+                kind: NormKind::Rms,
+                weight: vector(w, self.c.hidden_size, &at(what))?,
+                bias: None,
+                eps: self.c.norm_eps,
+            })
+        };
+        let (attn_post, ffn_post) = match (&l.attn_post_norm, &l.ffn_post_norm) {
+            (Some(a), Some(f)) => (
+                Some(post(a, "the post-attention norm")?),
+                Some(post(f, "the post-MLP norm")?),
+            ),
+            (None, None) => (None, None),
+            _ => {
+                return Err(Error::Format(at(
+                    "one of the post-attention and post-MLP norms is missing",
+                )))
+            }
+        };
+        if self.c.parallel_residual {
+            if attn_post.is_some() {
+                return Err(Error::Unsupported(at("post-norms on a parallel block")));
+            }
+            return Ok(vec![Branch {
+                norm: attn_norm,
+                ops: vec![Op::Attention(attention), Op::FeedForward(ffn)],
+                post_norm: None,
+                scale: 1.0,
+            }]);
+        }
+        let ffn_norm = match &l.ffn_norm {
+            Some(w) => self.norm(w, l.ffn_norm_bias.as_ref(), &at("the FFN norm"))?,
+            None => return Err(Error::Format(at("no FFN norm and no parallel residual"))),
+        };
+        Ok(vec![
+            Branch {
+                norm: attn_norm,
+                ops: vec![Op::Attention(attention)],
+                post_norm: attn_post,
+                scale: 1.0,
+            },
+            Branch {
+                norm: ffn_norm,
+                ops: vec![Op::FeedForward(ffn)],
+                post_norm: ffn_post,
+                scale: 1.0,
+            },
+        ])
+    }
+}
+
+/// `t`, checked to be a matrix of `outputs` rows of `inputs` values.
+fn matrix(t: &TensorView, inputs: usize, outputs: usize, what: &str) -> Result<TensorView> {
+    if t.dims() != [inputs, outputs] {
+        return Err(Error::InvalidShape(format!(
+            "{what} ({}) has dims {:?}; the model config needs [{inputs}, {outputs}]",
+            t.name(),
+            t.dims()
+        )));
+    }
+    Ok(t.clone())
+}
+
+/// `t`, checked to hold `len` values.
+fn vector(t: &TensorView, len: usize, what: &str) -> Result<TensorView> {
+    if t.elements() != len {
+        return Err(Error::InvalidShape(format!(
+            "{what} ({}) has {} values; the model config needs {len}",
+            t.name(),
+            t.elements()
+        )));
+    }
+    Ok(t.clone())
+}
