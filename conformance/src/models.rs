@@ -5,8 +5,8 @@
 
 use kiln_core::testdata::{gaussian_weights, random_vec};
 use kiln_core::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType,
-    Rng, RopeConfig, RopeKind, RopeScaling, TensorView,
+    Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, QType, Rng, RopeConfig,
+    RopeKind, TensorView,
 };
 
 /// The hyper-parameters and weight types of one synthetic model.
@@ -98,24 +98,16 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         num_kv_heads: s.kv_heads,
         head_dim: s.head_dim,
         ffn_size: s.ffn,
-        norm: NormKind::Rms,
-        norm_eps: 1e-5,
-        activation: Activation::Silu,
-        gated_ffn: true,
-        parallel_residual: false,
         qkv_bias: s.qkv_bias,
         qk_norm: s.qk_norm,
         rope: RopeConfig {
             kind: s.rope,
-            theta: 10000.0,
-            scaling: RopeScaling::None,
             rotary_dims: s.head_dim,
+            ..RopeConfig::default()
         },
         tied_embeddings: s.tied,
         context_length,
-        embedding_scale: 1.0,
-        sandwich_norms: false,
-        sliding_window: None,
+        ..ModelConfig::default()
     };
     ModelIr {
         config,

@@ -394,6 +394,52 @@ impl LayerAttention {
     }
 }
 
+/// A llama-shaped starting point without sizes: the sizes are 0 (a config left so fails
+/// [`ModelConfig::validate`]), RMSNorm with ε 1e-5, a SiLU-gated feed-forward, adjacent-pair
+/// RoPE at base 10,000 over 0 dimensions (set `rope.rotary_dims` to the head size; 0 fails
+/// `validate`), separate embedding and LM head, no biases, norms or windows beyond llama's.
+/// Literals name what differs and take the rest with `..ModelConfig::default()`, so a new
+/// field touches only its own readers.
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            arch: Architecture::Llama,
+            vocab_size: 0,
+            hidden_size: 0,
+            num_layers: 0,
+            num_heads: 0,
+            num_kv_heads: 0,
+            head_dim: 0,
+            ffn_size: 0,
+            norm: NormKind::Rms,
+            norm_eps: 1e-5,
+            activation: Activation::Silu,
+            gated_ffn: true,
+            parallel_residual: false,
+            qkv_bias: false,
+            qk_norm: false,
+            rope: RopeConfig::default(),
+            tied_embeddings: false,
+            context_length: 0,
+            embedding_scale: 1.0,
+            sandwich_norms: false,
+            sliding_window: None,
+        }
+    }
+}
+
+/// Adjacent pairs, base 10,000, no scaling, 0 rotary dimensions (set them).
+impl Default for RopeConfig {
+    fn default() -> Self {
+        RopeConfig {
+            kind: RopeKind::Norm,
+            theta: 10_000.0,
+            scaling: RopeScaling::None,
+            rotary_dims: 0,
+        }
+    }
+}
+
 impl ModelConfig {
     /// How layer `layer` attends (see [`SlidingWindow`]).
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
@@ -531,7 +577,10 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if self.rope.rotary_dims > self.head_dim || !self.rope.rotary_dims.is_multiple_of(2) {
+        if self.rope.rotary_dims == 0
+            || self.rope.rotary_dims > self.head_dim
+            || !self.rope.rotary_dims.is_multiple_of(2)
+        {
             return bad(format!(
                 "rotary dims {} do not fit head_dim {}",
                 self.rope.rotary_dims, self.head_dim
@@ -714,7 +763,6 @@ mod validate_tests {
 
     fn config() -> ModelConfig {
         ModelConfig {
-            arch: Architecture::Llama,
             vocab_size: 1000,
             hidden_size: 64,
             num_layers: 2,
@@ -722,24 +770,13 @@ mod validate_tests {
             num_kv_heads: 2,
             head_dim: 16,
             ffn_size: 128,
-            norm: NormKind::Rms,
-            norm_eps: 1e-5,
-            activation: Activation::Silu,
-            gated_ffn: true,
-            parallel_residual: false,
-            qkv_bias: false,
-            qk_norm: false,
             rope: RopeConfig {
-                kind: RopeKind::Norm,
-                theta: 10_000.0,
-                scaling: RopeScaling::None,
                 rotary_dims: 16,
+                ..RopeConfig::default()
             },
             tied_embeddings: true,
             context_length: 2048,
-            embedding_scale: 1.0,
-            sandwich_norms: false,
-            sliding_window: None,
+            ..ModelConfig::default()
         }
     }
 

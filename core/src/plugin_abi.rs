@@ -1269,24 +1269,17 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 8,
             ffn_size: 64,
-            norm: NormKind::Rms,
             norm_eps: 1e-6,
-            activation: Activation::Silu,
-            gated_ffn: true,
-            parallel_residual: false,
             qkv_bias: true,
-            qk_norm: false,
             rope: RopeConfig {
                 kind: RopeKind::Neox,
-                theta: 10000.0,
                 scaling: RopeScaling::Linear { factor: 2.0 },
                 rotary_dims: 8,
+                ..RopeConfig::default()
             },
             tied_embeddings: true,
             context_length: 128,
-            embedding_scale: 1.0,
-            sandwich_norms: false,
-            sliding_window: None,
+            ..ModelConfig::default()
         };
         let m = |name: &str, dims: Vec<usize>| {
             let n: usize = dims.iter().product();

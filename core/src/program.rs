@@ -578,3 +578,189 @@ fn vector(t: &TensorView, len: usize, what: &str) -> Result<TensorView> {
     }
     Ok(t.clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{ModelWeights, RopeConfig, SlidingWindow};
+
+    const H: usize = 32;
+    const HD: usize = 8;
+    const FFN: usize = 48;
+    const VOCAB: usize = 40;
+
+    fn config(arch: Architecture) -> ModelConfig {
+        ModelConfig {
+            arch,
+            vocab_size: VOCAB,
+            hidden_size: H,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: HD,
+            ffn_size: FFN,
+            rope: RopeConfig {
+                rotary_dims: HD,
+                ..RopeConfig::default()
+            },
+            context_length: 64,
+            ..ModelConfig::default()
+        }
+    }
+
+    fn t(name: &str, dims: Vec<usize>) -> TensorView {
+        let n = dims.iter().product();
+        TensorView::from_f32(name, dims, &vec![0.5; n]).unwrap()
+    }
+
+    /// A model of `c` whose layers carry head norms and post-norms as asked.
+    fn model(c: ModelConfig, head_norms: bool, post_norms: bool) -> ModelIr {
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let layers = (0..c.num_layers)
+            .map(|i| {
+                let n = |r: &str| format!("blk.{i}.{r}");
+                LayerWeights {
+                    attn_norm: t(&n("attn_norm"), vec![H]),
+                    attn_norm_bias: None,
+                    attn_q: t(&n("q"), vec![H, qd]),
+                    attn_k: t(&n("k"), vec![H, kvd]),
+                    attn_v: t(&n("v"), vec![H, kvd]),
+                    attn_q_bias: None,
+                    attn_k_bias: None,
+                    attn_v_bias: None,
+                    attn_q_norm: head_norms.then(|| t(&n("q_norm"), vec![HD])),
+                    attn_k_norm: head_norms.then(|| t(&n("k_norm"), vec![HD])),
+                    attn_out: t(&n("o"), vec![qd, H]),
+                    attn_out_bias: None,
+                    ffn_norm: Some(t(&n("ffn_norm"), vec![H])),
+                    ffn_norm_bias: None,
+                    ffn_gate: Some(t(&n("gate"), vec![H, FFN])),
+                    ffn_up: t(&n("up"), vec![H, FFN]),
+                    ffn_down: t(&n("down"), vec![FFN, H]),
+                    attn_post_norm: post_norms.then(|| t(&n("post_attn"), vec![H])),
+                    ffn_post_norm: post_norms.then(|| t(&n("post_ffn"), vec![H])),
+                }
+            })
+            .collect();
+        ModelIr {
+            config: c,
+            weights: ModelWeights {
+                token_embd: t("token_embd", vec![H, VOCAB]),
+                layers,
+                output_norm: t("output_norm", vec![H]),
+                output_norm_bias: None,
+                output: None,
+                rope_freqs: None,
+            },
+            source: "test".into(),
+        }
+    }
+
+    fn error(ir: &ModelIr) -> String {
+        build(ir).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_llama_is_attention_then_feed_forward_a_layer_then_the_tied_head() {
+        let p = build(&model(config(Architecture::Llama), false, false)).unwrap();
+        assert_eq!(p.branches.len(), 4);
+        for (i, b) in p.branches.iter().enumerate() {
+            match (i % 2, b.single_op()) {
+                (0, Some(Op::Attention(a))) => {
+                    assert_eq!(a.layer, i / 2);
+                    assert!(a.head_norms.is_none() && a.span.window.is_none());
+                }
+                (1, Some(Op::FeedForward(f))) => {
+                    assert!(f.gate.is_some());
+                    assert_eq!(f.activation, Activation::Silu);
+                }
+                other => panic!("branch {i}: {other:?}"),
+            }
+            assert!(b.post_norm.is_none());
+            assert_eq!(b.scale, 1.0);
+        }
+        assert_eq!(p.head.output.name(), "token_embd");
+        assert_eq!(p.norm_after(0).weight.name(), "blk.0.ffn_norm");
+        assert_eq!(p.norm_after(1).weight.name(), "blk.1.attn_norm");
+        assert_eq!(p.norm_after(3).weight.name(), "output_norm");
+    }
+
+    #[test]
+    fn qwen3_and_gemma3_require_what_defines_them() {
+        assert!(error(&model(config(Architecture::Qwen3), false, false))
+            .contains("a qwen3 model needs per-head Q and K norms"));
+        assert!(build(&model(config(Architecture::Qwen3), true, false)).is_ok());
+        let gemma = || ModelConfig {
+            sliding_window: Some(SlidingWindow {
+                window: 16,
+                global_every: 2,
+                local_theta: 10_000.0,
+            }),
+            ..config(Architecture::Gemma3)
+        };
+        assert!(error(&model(gemma(), true, false)).contains("post-attention and post-MLP norms"));
+        let p = build(&model(gemma(), true, true)).unwrap();
+        assert!(p.branches.iter().all(|b| b.post_norm.is_some()));
+        let spans: Vec<_> = p
+            .ops()
+            .filter_map(|op| match op {
+                Op::Attention(a) => Some(a.span.window),
+                Op::FeedForward(_) => None,
+            })
+            .collect();
+        assert_eq!(spans, [Some(16), None]);
+    }
+
+    #[test]
+    fn a_parallel_block_is_one_branch_summing_both_operations() {
+        let c = ModelConfig {
+            parallel_residual: true,
+            ..config(Architecture::Llama)
+        };
+        let p = build(&model(c, false, false)).unwrap();
+        assert_eq!(p.branches.len(), 2);
+        assert!(p
+            .branches
+            .iter()
+            .all(|b| b.ops.len() == 2 && b.single_op().is_none()));
+    }
+
+    #[test]
+    fn a_weight_of_the_wrong_shape_is_named() {
+        let mut ir = model(config(Architecture::Llama), false, false);
+        ir.weights.layers[1].ffn_down = t("blk.1.down", vec![H, FFN]);
+        let e = error(&ir);
+        assert!(e.contains("blk.1.down") && e.contains("[48, 32]"), "{e}");
+        let mut ir = model(config(Architecture::Llama), false, false);
+        ir.weights.layers[0].attn_k_norm = None;
+        ir.weights.layers[0].attn_q_norm = Some(t("q_norm", vec![HD]));
+        assert!(error(&ir).contains("layer 0: one of the Q and K head norms is missing"));
+    }
+
+    #[test]
+    fn map_hands_each_weight_its_shape() {
+        let p = build(&model(config(Architecture::Qwen3), true, false)).unwrap();
+        let c = config(Architecture::Qwen3);
+        let mapped = p
+            .map(
+                &c,
+                |w, shape| -> std::result::Result<_, ()> {
+                    assert_eq!(w.dims(), [shape.inputs, shape.outputs], "{}", w.name());
+                    Ok(w.name().to_string())
+                },
+                |w, len| {
+                    assert_eq!(w.elements(), len, "{}", w.name());
+                    Ok(len)
+                },
+            )
+            .unwrap();
+        assert_eq!(mapped.head.output, "token_embd");
+        match &mapped.branches[2].ops[0] {
+            Op::Attention(a) => {
+                assert_eq!(a.q.weight, "blk.1.q");
+                assert_eq!(a.head_norms.as_ref().map(|n| n.q), Some(HD));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -391,8 +391,6 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
             .opt_f32("rms_norm_eps")?
             .ok_or_else(|| Error::Format("APR metadata 'rms_norm_eps' is missing".into()))?,
         activation: kiln_core::Activation::Silu,
-        gated_ffn: true,
-        parallel_residual: false,
         qkv_bias: has("blk.0.attn_q.bias"),
         qk_norm: has("blk.0.attn_q_norm.weight"),
         rope: kiln_core::RopeConfig {
@@ -403,9 +401,7 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
         },
         tied_embeddings: !has("output.weight"),
         context_length: meta.usize("max_position_embeddings")?,
-        embedding_scale: 1.0,
-        sandwich_norms: false,
-        sliding_window: None,
+        ..ModelConfig::default()
     };
     config.validate()?;
     Ok(config)

@@ -12,8 +12,7 @@ use std::sync::Arc;
 
 use kiln_core::{
     Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr,
-    ModelWeights, NormKind, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow,
-    TensorView,
+    ModelWeights, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
 
 use crate::gguf::GgufFile;
@@ -190,7 +189,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         num_kv_heads,
         head_dim,
         ffn_size,
-        norm: NormKind::Rms,
         norm_eps,
         // Gemma's GeGLU uses the tanh-approximated GELU (`gelu_pytorch_tanh`).
         activation: if is_gemma3 {
@@ -198,8 +196,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         } else {
             Activation::Silu
         },
-        gated_ffn: true,
-        parallel_residual: false,
         qkv_bias: has("blk.0.attn_q.bias") || has("blk.0.attn_qkv.bias"),
         qk_norm: has("blk.0.attn_q_norm.weight"),
         rope: RopeConfig {
@@ -220,6 +216,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         // RMSNorm weights here, like every other norm.
         sandwich_norms: has("blk.0.post_attention_norm.weight"),
         sliding_window,
+        ..ModelConfig::default()
     };
     config.validate()?;
     if config.arch == Architecture::Qwen3 && !config.qk_norm {

@@ -17,9 +17,9 @@ use kiln::plugins::{
 };
 use kiln_core::plugin_abi::{self, KilnPluginApi, UNWRITTEN_LOGITS};
 use kiln_core::{
-    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
-    ModelConfig, ModelIr, ModelWeights, NormKind, QType, Registry, RopeConfig, RopeKind,
-    RopeScaling, Sampler, SamplingParams, Support, TensorView,
+    Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
+    ModelConfig, ModelIr, ModelWeights, QType, Registry, RopeConfig, Sampler, SamplingParams,
+    Support, TensorView,
 };
 
 // ---- building fixtures -------------------------------------------------------------
@@ -178,7 +178,6 @@ fn ones_ish(name: &str, n: usize, seed: u64) -> TensorView {
 fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
     let (hidden, heads, kv_heads, head_dim, ffn, vocab, layers) = (64, 4, 2, 16, 128, 96, 2);
     let config = ModelConfig {
-        arch: Architecture::Llama,
         vocab_size: vocab,
         hidden_size: hidden,
         num_layers: layers,
@@ -186,24 +185,12 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
         num_kv_heads: kv_heads,
         head_dim,
         ffn_size: ffn,
-        norm: NormKind::Rms,
-        norm_eps: 1e-5,
-        activation: Activation::Silu,
-        gated_ffn: true,
-        parallel_residual: false,
-        qkv_bias: false,
-        qk_norm: false,
         rope: RopeConfig {
-            kind: RopeKind::Norm,
-            theta: 10000.0,
-            scaling: RopeScaling::None,
             rotary_dims: head_dim,
+            ..RopeConfig::default()
         },
-        tied_embeddings: false,
         context_length: 64,
-        embedding_scale: 1.0,
-        sandwich_norms: false,
-        sliding_window: None,
+        ..ModelConfig::default()
     };
     let layer = |i: usize| {
         let s = 100 * (i as u64 + 1);

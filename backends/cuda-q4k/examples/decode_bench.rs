@@ -28,9 +28,8 @@ use std::time::Instant;
 
 use kiln_backend_cuda_q4k::{load_executor, GpuExecutor};
 use kiln_core::{
-    Activation, Architecture, DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig,
-    ModelIr, ModelWeights, NormKind, QType, Rng, RopeConfig, RopeKind, RopeScaling, Sampler,
-    SamplingParams, TensorView,
+    DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig, ModelIr, ModelWeights,
+    QType, Rng, RopeConfig, Sampler, SamplingParams, TensorView,
 };
 use kiln_kernels::testdata::random_weights_scaled;
 use kiln_kernels::{BatchAttention, BmmPath, Device, GemvPath, GemvTiling};
@@ -135,7 +134,6 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
         rope_freqs: None,
     };
     let config = ModelConfig {
-        arch: Architecture::Llama,
         vocab_size: s.vocab,
         hidden_size: s.hidden,
         num_layers: s.layers,
@@ -143,24 +141,14 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
         num_kv_heads: s.kv,
         head_dim: hd,
         ffn_size: s.ffn,
-        norm: NormKind::Rms,
-        norm_eps: 1e-5,
-        activation: Activation::Silu,
-        gated_ffn: true,
-        parallel_residual: false,
-        qkv_bias: false,
-        qk_norm: false,
         rope: RopeConfig {
-            kind: RopeKind::Norm,
             theta: 500000.0,
-            scaling: RopeScaling::None,
             rotary_dims: hd,
+            ..RopeConfig::default()
         },
         tied_embeddings: true,
         context_length: 4096,
-        embedding_scale: 1.0,
-        sandwich_norms: false,
-        sliding_window: None,
+        ..ModelConfig::default()
     };
     ModelIr {
         config,

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use kiln_plugin_sdk::abi::*;
 use kiln_plugin_sdk::kiln_core::{
-    Activation, Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
-    ModelConfig, ModelIr, ModelWeights, NormKind, ProgressFn, QType, Result, RopeConfig, RopeKind,
-    RopeScaling, SeqId, Support, TensorView,
+    Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
+    ModelConfig, ModelIr, ModelWeights, ProgressFn, QType, Result, RopeConfig, SeqId, Support,
+    TensorView,
 };
 
 kiln_plugin_sdk::export_backend!(
@@ -109,7 +109,6 @@ fn tiny_model() -> ModelIr {
     };
     ModelIr {
         config: ModelConfig {
-            arch: Architecture::Llama,
             vocab_size: 4,
             hidden_size: 8,
             num_layers: 1,
@@ -117,24 +116,15 @@ fn tiny_model() -> ModelIr {
             num_kv_heads: 1,
             head_dim: 4,
             ffn_size: 16,
-            norm: NormKind::Rms,
-            norm_eps: 1e-5,
-            activation: Activation::Silu,
             gated_ffn: false,
-            parallel_residual: false,
-            qkv_bias: false,
-            qk_norm: false,
             rope: RopeConfig {
-                kind: RopeKind::Norm,
                 theta: 1e4,
-                scaling: RopeScaling::None,
                 rotary_dims: 4,
+                ..RopeConfig::default()
             },
             tied_embeddings: true,
             context_length: 8,
-            embedding_scale: 1.0,
-            sandwich_norms: false,
-            sliding_window: None,
+            ..ModelConfig::default()
         },
         weights: ModelWeights {
             token_embd: f("tok", vec![8, 4]),

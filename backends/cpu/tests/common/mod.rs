@@ -4,7 +4,7 @@
 use half::f16;
 use kiln_core::{
     Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, QType,
-    Rng, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
+    Rng, RopeConfig, RopeKind, SlidingWindow, TensorView,
 };
 
 /// Uniform in [lo, hi).
@@ -262,23 +262,21 @@ impl Spec {
             head_dim: self.head_dim,
             ffn_size: self.ffn,
             norm: self.norm,
-            norm_eps: 1e-5,
             activation: self.activation,
             gated_ffn: self.gated,
-            parallel_residual: false,
             qkv_bias: self.qkv_bias,
             qk_norm: self.qk_norm,
             rope: RopeConfig {
                 kind: self.rope,
-                theta: 10000.0,
-                scaling: RopeScaling::None,
                 rotary_dims: self.head_dim,
+                ..RopeConfig::default()
             },
             tied_embeddings: self.tied,
             context_length: 256,
             embedding_scale: self.embedding_scale,
             sandwich_norms: self.sandwich_norms,
             sliding_window: self.sliding_window,
+            ..ModelConfig::default()
         }
     }
 
