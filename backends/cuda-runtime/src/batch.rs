@@ -28,7 +28,7 @@ use kiln_kernels::{
     WeightFormat, Workspace,
 };
 
-use super::{err, GpuExecutor, StepShape};
+use super::{err, DeviceOp, GpuExecutor, StepShape};
 
 /// Batch-size buckets, one graph each per attention grid.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
@@ -122,14 +122,17 @@ impl BatchState {
         // batch of 64 flipped a greedy pick at a top-2 gap of 1.3e-3 against one sequence at
         // a time (H200, 2026-12-04), over issue 10's 1e-3 near-tie bar; the same batch on
         // the head kernels stays under it.
-        let f16_matmuls = exec.layers.iter().all(|l| {
-            l.qkv.iter().all(|p| exec.k.bmm_rounds_to_f16(&p.w, false))
-                && [&l.o, &l.down]
-                    .iter()
-                    .all(|w| exec.k.bmm_rounds_to_f16(w, false))
-                && [&l.gate, &l.up]
-                    .iter()
-                    .all(|w| exec.k.bmm_rounds_to_f16(w, true))
+        let f16_matmuls = exec.branches.iter().all(|b| match &b.op {
+            DeviceOp::Attention(a) => {
+                a.qkv.iter().all(|p| exec.k.bmm_rounds_to_f16(&p.w, false))
+                    && exec.k.bmm_rounds_to_f16(&a.o, false)
+            }
+            DeviceOp::FeedForward(f) => {
+                exec.k.bmm_rounds_to_f16(&f.down, false)
+                    && [&f.gate, &f.up]
+                        .iter()
+                        .all(|w| exec.k.bmm_rounds_to_f16(w, true))
+            }
         });
         if !f16_matmuls {
             exec.k.set_batch_attention(BatchAttention::Heads);
@@ -151,14 +154,18 @@ impl BatchState {
             .filter(|&b| b <= rows)
         {
             part = part.max(k.bmm_part_len(head, bucket, false));
-            for l in &exec.layers {
-                for p in &l.qkv {
-                    part = part.max(k.bmm_part_len(&p.w, bucket, false));
-                }
-                part = part
-                    .max(k.bmm_part_len(&l.o, bucket, false))
-                    .max(k.bmm_part_len(&l.gate, bucket, true))
-                    .max(k.bmm_part_len(&l.down, bucket, false));
+            for b in &exec.branches {
+                part = match &b.op {
+                    DeviceOp::Attention(a) => a
+                        .qkv
+                        .iter()
+                        .map(|p| k.bmm_part_len(&p.w, bucket, false))
+                        .fold(part, usize::max)
+                        .max(k.bmm_part_len(&a.o, bucket, false)),
+                    DeviceOp::FeedForward(f) => part
+                        .max(k.bmm_part_len(&f.gate, bucket, true))
+                        .max(k.bmm_part_len(&f.down, bucket, false)),
+                };
             }
         }
         let (act_x, act_s) = PackedAct::lens(rows, widest);
@@ -302,10 +309,6 @@ impl GpuExecutor {
         };
         let x = b.x.sub(0, bm * h)?;
         let none = BatchEpilogue::default();
-        let gated = BatchEpilogue {
-            gelu: c.activation == kiln_core::Activation::Gelu,
-            ..Default::default()
-        };
         // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma); then x normalised with
         // `next` (the next matmul's norm) and packed for it. That pack stays a launch of its
         // own: packing in the launch that sums the splits needs the whole row's norm first,
@@ -330,60 +333,67 @@ impl GpuExecutor {
             }
             k.act_pack(x, bm, h, Some(next.slice()), Some(c.norm_eps), b.act)
         };
-        // The norm before layer i's first matmul (past the last layer, the LM head's).
-        let norm_before = |i: usize| self.layers.get(i).map_or(&self.out_norm, |l| &l.attn_norm);
-        k.embed_rows(&self.embd, meta(0, bm)?, c.embedding_scale, x)?;
+        k.embed_rows(&self.embd, meta(0, bm)?, self.embedding_scale, x)?;
         // The first matmul's input; every later one is packed after the launch before it
         // (or by it: the attention's output and the gated product).
         k.act_pack(
             x,
             bm,
             h,
-            Some(norm_before(0).slice()),
+            Some(self.branches[0].norm.slice()),
             Some(c.norm_eps),
             b.act,
         )?;
-        for (li, l) in self.layers.iter().enumerate() {
-            for p in &l.qkv {
-                let epi = BatchEpilogue {
-                    bias: match &l.qkv_bias {
-                        Some(bias) => Some(bias.slice().sub(p.offset, p.w.rows)?),
-                        None => None,
-                    },
-                    ..Default::default()
-                };
-                let y = b.qkv.sub(p.offset, (bm - 1) * width + p.w.rows)?;
-                k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
+        for (bi, branch) in self.branches.iter().enumerate() {
+            let next = self.norm_after(bi);
+            match &branch.op {
+                DeviceOp::Attention(a) => {
+                    for p in &a.qkv {
+                        let epi = BatchEpilogue {
+                            bias: match &a.qkv_bias {
+                                Some(bias) => Some(bias.slice().sub(p.offset, p.w.rows)?),
+                                None => None,
+                            },
+                            ..Default::default()
+                        };
+                        let y = b.qkv.sub(p.offset, (bm - 1) * width + p.w.rows)?;
+                        k.batched_matmul(&p.w, None, &b.act, bm, b.part, y, width, &epi)?;
+                    }
+                    let li = a.layer;
+                    let kv = self.kv.layer_all(li)?;
+                    let stride = self.kv.slot_stride(li);
+                    let rope = self.rope_args(a);
+                    k.rope_kv_batch(&rope, b.qkv, b.q, kv, stride, &br, self.kv.rows(li))?;
+                    let attn = self.attn_args(a, shape);
+                    let q = b.q.sub(0, rows * qd)?;
+                    let out = b.attn.sub(0, rows * qd)?;
+                    // The output packed for the O matmul by the attention's merge.
+                    k.attention_batch(
+                        &attn,
+                        q,
+                        kv,
+                        stride,
+                        &br,
+                        b.part_o,
+                        b.part_ml,
+                        b.counters,
+                        out,
+                        Some(b.act),
+                    )?;
+                    add_to_stream(&a.o, branch.post_norm.as_ref(), next)?;
+                }
+                DeviceOp::FeedForward(f) => {
+                    let y = b.ffn.sub(0, bm * ffn)?;
+                    // The gated product packed for the down matmul by the launch that sums it.
+                    let gated = BatchEpilogue {
+                        gelu: f.gelu,
+                        pack: Some(b.act),
+                        ..Default::default()
+                    };
+                    k.batched_matmul(&f.gate, Some(&f.up), &b.act, bm, b.part, y, ffn, &gated)?;
+                    add_to_stream(&f.down, branch.post_norm.as_ref(), next)?;
+                }
             }
-            let kv = self.kv.layer_all(li)?;
-            let stride = self.kv.slot_stride(li);
-            let rope = self.rope_args(l);
-            k.rope_kv_batch(&rope, b.qkv, b.q, kv, stride, &br, self.kv.rows(li))?;
-            let attn = self.attn_args(li, shape);
-            let q = b.q.sub(0, rows * qd)?;
-            let out = b.attn.sub(0, rows * qd)?;
-            // The output packed for the O matmul by the attention's merge.
-            k.attention_batch(
-                &attn,
-                q,
-                kv,
-                stride,
-                &br,
-                b.part_o,
-                b.part_ml,
-                b.counters,
-                out,
-                Some(b.act),
-            )?;
-            add_to_stream(&l.o, l.attn_post_norm.as_ref(), &l.ffn_norm)?;
-            let f = b.ffn.sub(0, bm * ffn)?;
-            // The gated product packed for the down matmul by the launch that sums it.
-            let gated = BatchEpilogue {
-                pack: Some(b.act),
-                ..gated
-            };
-            k.batched_matmul(&l.gate, Some(&l.up), &b.act, bm, b.part, f, ffn, &gated)?;
-            add_to_stream(&l.down, l.ffn_post_norm.as_ref(), norm_before(li + 1))?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let vocab = c.vocab_size;

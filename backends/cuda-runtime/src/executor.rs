@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use kiln_core::program::{self, Op};
 use kiln_core::{
     check_decode, check_decode_items, Activation, DecodeItem, Error, KvType, LayerExecutor,
     LoadOptions, ModelConfig, ModelIr, NormKind, Result, RopeKind, Sampler, SeqId, SequenceSlots,
@@ -29,45 +30,57 @@ use crate::GpuPolicy;
 /// Why the GPU runtime, with `policy`'s weight formats, cannot run `model`, if it cannot.
 pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String> {
     let name = policy.backend_name();
+    let program = program::build(model).map_err(|e| e.to_string())?;
     let c = &model.config;
-    c.validate().map_err(|e| e.to_string())?;
-    if c.norm != NormKind::Rms {
-        return Err(format!("{name} runs RMSNorm models only"));
-    }
-    if !c.gated_ffn || !matches!(c.activation, Activation::Silu | Activation::Gelu) {
-        return Err(format!(
-            "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
-        ));
-    }
-    if c.parallel_residual {
-        return Err(format!("{name} does not run parallel-residual blocks"));
-    }
     if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(format!(
             "head_dim {} ({name} needs a multiple of 32 up to 256)",
             c.head_dim
         ));
     }
-    let w = &model.weights;
-    if w.output_norm_bias.is_some() {
-        return Err(format!("norm biases are not supported by {name}"));
+    // The kernels that update the residual stream fold the next RMSNorm into it (see
+    // `queue_step`): every norm must be an RMSNorm without a bias.
+    let rms = |n: &program::Norm<TensorView>| n.kind == NormKind::Rms && n.bias.is_none();
+    if !rms(&program.head.norm) {
+        return Err(format!(
+            "{name} runs RMSNorm models (without norm biases) only"
+        ));
     }
-    for (i, l) in w.layers.iter().enumerate() {
-        if l.attn_norm_bias.is_some() || l.ffn_norm_bias.is_some() || l.attn_out_bias.is_some() {
+    if program.head.logit_scale != 1.0 {
+        return Err(format!("{name} does not scale logits"));
+    }
+    for (i, b) in program.branches.iter().enumerate() {
+        let Some(op) = b.single_op() else {
             return Err(format!(
-                "layer {i}: norm or output biases are not supported by {name}"
+                "{name} does not run parallel blocks (branch {i} sums {} operations)",
+                b.ops.len()
+            ));
+        };
+        if !rms(&b.norm) || b.post_norm.as_ref().is_some_and(|n| !rms(n)) {
+            return Err(format!(
+                "{name} runs RMSNorm models (without norm biases) only"
             ));
         }
-        if l.ffn_gate.is_none() || l.ffn_norm.is_none() {
-            return Err(format!(
-                "layer {i}: {name} needs a gated FFN with its own norm"
-            ));
+        if b.scale != 1.0 {
+            return Err(format!("{name} does not scale residual branches"));
         }
-        if c.sandwich_norms != (l.attn_post_norm.is_some() && l.ffn_post_norm.is_some()) {
-            return Err(format!(
-                "layer {i}: the post-attention and post-MLP norms must both be there exactly when \
-                 the model has sandwich norms"
-            ));
+        match op {
+            Op::Attention(a) => {
+                if a.out.bias.is_some() {
+                    return Err(format!(
+                        "layer {}: attention output biases are not supported by {name}",
+                        a.layer
+                    ));
+                }
+            }
+            Op::FeedForward(f) => {
+                if f.gate.is_none() || !matches!(f.activation, Activation::Silu | Activation::Gelu)
+                {
+                    return Err(format!(
+                        "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
+                    ));
+                }
+            }
         }
     }
     let mut unsupported: Vec<String> = model
@@ -194,8 +207,10 @@ struct Proj {
     offset: usize,
 }
 
-struct Layer {
-    attn_norm: DeviceBuffer<f32>,
+/// A program's attention on the device (see [`program::Attention`]).
+struct DeviceAttention {
+    /// The layer of the KV cache it reads and writes.
+    layer: usize,
     /// Q, K and V: one stacked weight per run of neighbours of one type (one when all
     /// three agree).
     qkv: Vec<Proj>,
@@ -203,18 +218,33 @@ struct Layer {
     q_norm: Option<DeviceBuffer<f32>>,
     k_norm: Option<DeviceBuffer<f32>>,
     o: DeviceWeight,
-    /// Gemma's sandwich norm on the attention output before it joins the residual.
-    attn_post_norm: Option<DeviceBuffer<f32>>,
-    ffn_norm: DeviceBuffer<f32>,
-    gate: DeviceWeight,
-    up: DeviceWeight,
-    down: DeviceWeight,
-    /// Gemma's sandwich norm on the MLP output before it joins the residual.
-    ffn_post_norm: Option<DeviceBuffer<f32>>,
     /// Positions a query attends to (0: all; a sliding-window layer's window).
     window: usize,
     /// A sliding-window layer rotates with the local RoPE base.
     local_rope: bool,
+    scale: f32,
+}
+
+/// A program's gated feed-forward on the device (see [`program::FeedForward`]).
+struct DeviceFeedForward {
+    gate: DeviceWeight,
+    up: DeviceWeight,
+    down: DeviceWeight,
+    gelu: bool,
+}
+
+enum DeviceOp {
+    Attention(DeviceAttention),
+    FeedForward(DeviceFeedForward),
+}
+
+/// A program's branch on the device: `x += post_norm(op(norm(x)))` (every norm an
+/// RMSNorm, checked by `check_model`).
+struct DeviceBranch {
+    norm: DeviceBuffer<f32>,
+    op: DeviceOp,
+    /// Gemma's sandwich norm on the op's output before it joins the residual.
+    post_norm: Option<DeviceBuffer<f32>>,
 }
 
 /// One sequence's step state (its KV cache is slot `i` of the executor's pool, `i` its
@@ -312,7 +342,12 @@ pub struct GpuExecutor {
     inv_freq: DeviceBuffer<f32>,
     /// The sliding-window layers' inverse frequencies (their own RoPE base), if any.
     local_inv_freq: Option<DeviceBuffer<f32>>,
-    layers: Vec<Layer>,
+    /// What the token embedding is multiplied by.
+    embedding_scale: f32,
+    /// The model program's branches, in order.
+    branches: Vec<DeviceBranch>,
+    /// Each KV layer's window (0: the whole context).
+    windows: Vec<usize>,
     slots: SequenceSlots<Slot>,
     /// Keys and values of every slot, `[slot][kv_head][position][head_dim]` per layer.
     kv: KvCache,
@@ -442,6 +477,7 @@ impl GpuExecutor {
         let device = &device.new_stream().map_err(err)?;
         let c = model.config.clone();
         let w = &model.weights;
+        let program = program::build(model)?;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let (max_ctx, kv_blocks) = fitted_context(device, &c, options, kv_format, total)?;
@@ -529,8 +565,8 @@ impl GpuExecutor {
             Some(t) => Some(upload(t, &mut progress)?),
             None => None,
         };
-        let out_norm = upload_vec(&vector(&w.output_norm, h, "output norm")?)?;
-        let freq_factors = match &w.rope_freqs {
+        let out_norm = upload_vec(&vector(&program.head.norm.weight, h, "output norm")?)?;
+        let freq_factors = match &program.rope_freqs {
             Some(t) => Some(t.to_f32()?),
             None => None,
         };
@@ -549,93 +585,90 @@ impl GpuExecutor {
             None => None,
         };
 
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for (i, l) in w.layers.iter().enumerate() {
-            // Q, K and V in as few GEMVs as their types allow: neighbours of one type are
-            // stacked into one matrix (all three when they agree; Q and K when only V
-            // differs, as in the layers where q4_k_m files keep V in q6_k).
-            let parts = [(&l.attn_q, 0), (&l.attn_k, qd), (&l.attn_v, qd + kvd)];
-            let mut qkv = Vec::with_capacity(3);
-            let mut first = 0;
-            while first < parts.len() {
-                let qtype = parts[first].0.qtype();
-                let end = (first + 1..parts.len())
-                    .find(|&i| parts[i].0.qtype() != qtype)
-                    .unwrap_or(parts.len());
-                let run: Vec<&TensorView> = parts[first..end].iter().map(|p| p.0).collect();
-                qkv.push(Proj {
-                    w: upload_stacked(&run, &mut progress)?,
-                    offset: parts[first].1,
-                });
-                first = end;
-            }
-            let rows: usize = qkv.iter().map(|p| p.w.rows).sum();
-            if rows != qd + 2 * kvd || qkv.iter().any(|p| p.w.row_len != h) {
-                return Err(Error::InvalidShape(format!(
-                    "layer {i}: Q/K/V shapes do not match the config"
-                )));
-            }
-            let qkv_bias =
-                if l.attn_q_bias.is_some() || l.attn_k_bias.is_some() || l.attn_v_bias.is_some() {
-                    let mut b = vec![0f32; qd + 2 * kvd];
-                    for (t, off, len, what) in [
-                        (&l.attn_q_bias, 0, qd, "Q bias"),
-                        (&l.attn_k_bias, qd, kvd, "K bias"),
-                        (&l.attn_v_bias, qd + kvd, kvd, "V bias"),
-                    ] {
-                        if let Some(t) = t {
-                            b[off..off + len].copy_from_slice(&vector(t, len, what)?);
-                        }
+        let mut branches = Vec::with_capacity(program.branches.len());
+        let mut windows = vec![0; c.num_layers];
+        for b in &program.branches {
+            let norm = |t: &TensorView, len: usize, what| -> Result<DeviceBuffer<f32>> {
+                upload_vec(&vector(t, len, what)?)
+            };
+            let op = match b.single_op().expect("checked by check_model") {
+                Op::Attention(a) => {
+                    // Q, K and V in as few GEMVs as their types allow: neighbours of one
+                    // type are stacked into one matrix (all three when they agree; Q and K
+                    // when only V differs, as in the layers where q4_k_m files keep V in
+                    // q6_k).
+                    let parts = [(&a.q, 0), (&a.k, qd), (&a.v, qd + kvd)];
+                    let mut qkv = Vec::with_capacity(3);
+                    let mut first = 0;
+                    while first < parts.len() {
+                        let qtype = parts[first].0.weight.qtype();
+                        let end = (first + 1..parts.len())
+                            .find(|&i| parts[i].0.weight.qtype() != qtype)
+                            .unwrap_or(parts.len());
+                        let run: Vec<&TensorView> =
+                            parts[first..end].iter().map(|p| &p.0.weight).collect();
+                        qkv.push(Proj {
+                            w: upload_stacked(&run, &mut progress)?,
+                            offset: parts[first].1,
+                        });
+                        first = end;
                     }
-                    Some(upload_vec(&b)?)
-                } else {
-                    None
-                };
-            let head_norm = |t: &Option<TensorView>, what| -> Result<Option<DeviceBuffer<f32>>> {
-                match t {
-                    Some(t) => Ok(Some(upload_vec(&vector(t, hd, what)?)?)),
-                    None => Ok(None),
+                    let qkv_bias = if parts.iter().any(|p| p.0.bias.is_some()) {
+                        let mut all = vec![0f32; qd + 2 * kvd];
+                        for (linear, offset) in parts {
+                            if let Some(t) = &linear.bias {
+                                let len = t.elements();
+                                all[offset..offset + len].copy_from_slice(&vector(
+                                    t,
+                                    len,
+                                    "Q/K/V bias",
+                                )?);
+                            }
+                        }
+                        Some(upload_vec(&all)?)
+                    } else {
+                        None
+                    };
+                    let (q_norm, k_norm) = match &a.head_norms {
+                        Some(n) => (
+                            Some(norm(&n.q, hd, "Q norm")?),
+                            Some(norm(&n.k, hd, "K norm")?),
+                        ),
+                        None => (None, None),
+                    };
+                    // A window as long as the context never binds: a full layer.
+                    let window = a.span.window.filter(|&w| w < max_ctx).unwrap_or(0);
+                    windows[a.layer] = window;
+                    DeviceOp::Attention(DeviceAttention {
+                        layer: a.layer,
+                        qkv,
+                        qkv_bias,
+                        q_norm,
+                        k_norm,
+                        o: upload(&a.out.weight, &mut progress)?,
+                        window,
+                        local_rope: a.span.local_rope,
+                        scale: a.scale,
+                    })
                 }
+                Op::FeedForward(f) => DeviceOp::FeedForward(DeviceFeedForward {
+                    gate: upload(
+                        f.gate.as_ref().expect("checked by check_model"),
+                        &mut progress,
+                    )?,
+                    up: upload(&f.up, &mut progress)?,
+                    down: upload(&f.down, &mut progress)?,
+                    gelu: f.activation == Activation::Gelu,
+                }),
             };
-            let gate = l.ffn_gate.as_ref().expect("checked by check_model");
-            let ffn_norm = l.ffn_norm.as_ref().expect("checked by check_model");
-            let post_norm = |t: &Option<TensorView>, what| -> Result<Option<DeviceBuffer<f32>>> {
-                match t {
-                    Some(t) => Ok(Some(upload_vec(&vector(t, h, what)?)?)),
-                    None => Ok(None),
-                }
-            };
-            let attention = c.layer_attention(i);
-            let layer = Layer {
-                attn_norm: upload_vec(&vector(&l.attn_norm, h, "attention norm")?)?,
-                qkv,
-                qkv_bias,
-                q_norm: head_norm(&l.attn_q_norm, "Q norm")?,
-                k_norm: head_norm(&l.attn_k_norm, "K norm")?,
-                o: upload(&l.attn_out, &mut progress)?,
-                attn_post_norm: post_norm(&l.attn_post_norm, "post-attention norm")?,
-                ffn_norm: upload_vec(&vector(ffn_norm, h, "FFN norm")?)?,
-                gate: upload(gate, &mut progress)?,
-                up: upload(&l.ffn_up, &mut progress)?,
-                down: upload(&l.ffn_down, &mut progress)?,
-                ffn_post_norm: post_norm(&l.ffn_post_norm, "post-MLP norm")?,
-                // A window as long as the context never binds: a full layer.
-                window: attention.window.filter(|&w| w < max_ctx).unwrap_or(0),
-                local_rope: attention.local_rope,
-            };
-            let shapes_ok = layer.o.row_len == qd
-                && layer.o.rows == h
-                && layer.gate.row_len == h
-                && layer.gate.rows == ffn
-                && layer.up.rows == ffn
-                && layer.down.row_len == ffn
-                && layer.down.rows == h;
-            if !shapes_ok {
-                return Err(Error::InvalidShape(format!(
-                    "layer {i}: output or FFN shapes do not match the config"
-                )));
-            }
-            layers.push(layer);
+            branches.push(DeviceBranch {
+                norm: norm(&b.norm.weight, h, "norm")?,
+                op,
+                post_norm: match &b.post_norm {
+                    Some(n) => Some(norm(&n.weight, h, "post-norm")?),
+                    None => None,
+                },
+            });
         }
         let head_rows = lm_head.as_ref().unwrap_or(&embd).rows;
         if head_rows != c.vocab_size {
@@ -652,7 +685,8 @@ impl GpuExecutor {
         let nsplit = Kernels::attention_splits(max_ctx, split);
         let vocab = c.vocab_size;
         let sample_keys = Kernels::sample_scratch(vocab, Kernels::MAX_TOP_K);
-        let norms = 2 * c.num_layers + 1;
+        // One norm a branch, then the head's.
+        let norms = branches.len() + 1;
         let groups = h.div_ceil(32);
         // Quantised planes: int8 values and residuals padded to whole 32-blocks, a scale
         // pair per block.
@@ -713,9 +747,9 @@ impl GpuExecutor {
         }
         // A sliding-window layer keeps a ring of its window plus one prefill chunk (the
         // chunk's queries need the window before each of them); the others page.
-        let kv_layout: Vec<KvLayerRows> = layers
+        let kv_layout: Vec<KvLayerRows> = windows
             .iter()
-            .map(|l| match l.window {
+            .map(|&window| match window {
                 0 => KvLayerRows::Paged,
                 w => KvLayerRows::Ring((w + prefill::CHUNK - 1).min(max_ctx)),
             })
@@ -752,7 +786,9 @@ impl GpuExecutor {
             out_norm,
             inv_freq,
             local_inv_freq,
-            layers,
+            embedding_scale: program.embedding.scale,
+            branches,
+            windows,
             slots: SequenceSlots::new(slots, kv_blocks, max_ctx),
             kv,
             s,
@@ -934,19 +970,19 @@ impl GpuExecutor {
         }
     }
 
-    /// Decode attention's arguments for layer `li` in a step of `shape`, shared by the
+    /// Decode attention's arguments for `a` in a step of `shape`, shared by the
     /// one-sequence and the batched step.
-    fn attn_args(&self, li: usize, shape: StepShape) -> AttnArgs {
+    fn attn_args(&self, a: &DeviceAttention, shape: StepShape) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
-            max_ctx: self.layer_context(li),
+            max_ctx: self.layer_context(a.layer),
             split: shape.split,
-            scale: c.attention_scale(),
-            window: self.layers[li].window,
-            heads: match self.layers[li].window {
+            scale: a.scale,
+            window: a.window,
+            heads: match a.window {
                 0 => shape.heads,
                 _ => AttnHeads::One,
             },
@@ -1001,11 +1037,11 @@ impl GpuExecutor {
     /// layer's span is its window), rounded up to a power of two.
     fn attention_grid(&self, len: usize, split: usize) -> usize {
         let working = self
-            .layers
+            .windows
             .iter()
             .enumerate()
-            .map(|(li, l)| {
-                let span = if l.window > 0 { len.min(l.window) } else { len };
+            .map(|(li, &window)| {
+                let span = if window > 0 { len.min(window) } else { len };
                 Kernels::attention_working_splits(span, self.layer_context(li), split)
             })
             .max()
@@ -1013,8 +1049,8 @@ impl GpuExecutor {
         Kernels::attention_grid_splits(working, Kernels::attention_splits(self.max_ctx, split))
     }
 
-    /// RoPE (+ QK-norm) arguments of layer `l`, shared by decode and the batched prefill.
-    fn rope_args(&self, l: &Layer) -> RopeArgs {
+    /// RoPE (+ QK-norm) arguments of `l`, shared by decode and the batched prefill.
+    fn rope_args(&self, l: &DeviceAttention) -> RopeArgs {
         let c = &self.config;
         let inv_freq = match (&self.local_inv_freq, l.local_rope) {
             (Some(local), true) => local,
@@ -1061,8 +1097,9 @@ impl GpuExecutor {
         }
     }
 
-    /// Queues one decode step for `slot` (what the graph holds): per layer, QKV, RoPE+KV,
-    /// attention (one launch), O (+ residual), gate/up+SwiGLU, down (+ residual). No launch normalises:
+    /// Queues one decode step for `slot` (what the graph holds): the program's branches in
+    /// order, an attention as QKV, RoPE+KV, attention (one launch), O (+ residual), a
+    /// feed-forward as gate/up+SwiGLU, down (+ residual). No launch normalises:
     /// the kernels that update the residual stream quantise it times the next norm's weight
     /// and sum its squares per group, and the GEMVs reading it finish the norm (see
     /// PendingNorm). Nothing is accumulated with atomics: every step is bit-reproducible.
@@ -1092,91 +1129,83 @@ impl GpuExecutor {
             q8: Some(q),
             norm,
         };
-        let gelu = c.activation == Activation::Gelu;
         k.embed(
             &self.embd,
             token,
-            c.embedding_scale,
+            self.embedding_scale,
             s.x,
-            Some(stream_out(&self.layers[0].attn_norm, 0)?),
+            Some(stream_out(&self.branches[0].norm, 0)?),
         )?;
-        for (li, l) in self.layers.iter().enumerate() {
-            let attn_input = from(s.xq, Some(norm(2 * li)?));
-            for p in &l.qkv {
-                let bias = match &l.qkv_bias {
-                    Some(b) => Some(b.slice().sub(p.offset, p.w.rows)?),
-                    None => None,
-                };
-                let epi = Epilogue {
-                    bias,
-                    ..Default::default()
-                };
-                k.gemv(
-                    &p.w,
-                    &attn_input,
-                    self.path,
-                    self.tiling(&p.w),
-                    s.qkv.sub(p.offset, p.w.rows)?,
-                    &epi,
-                )?;
+        for (bi, b) in self.branches.iter().enumerate() {
+            let input = from(s.xq, Some(norm(bi)?));
+            // The kernel that adds this branch to the stream quantises it for the next.
+            let next = stream_out(self.norm_after(bi), bi + 1)?;
+            match &b.op {
+                DeviceOp::Attention(a) => {
+                    for p in &a.qkv {
+                        let bias = match &a.qkv_bias {
+                            Some(b) => Some(b.slice().sub(p.offset, p.w.rows)?),
+                            None => None,
+                        };
+                        let epi = Epilogue {
+                            bias,
+                            ..Default::default()
+                        };
+                        k.gemv(
+                            &p.w,
+                            &input,
+                            self.path,
+                            self.tiling(&p.w),
+                            s.qkv.sub(p.offset, p.w.rows)?,
+                            &epi,
+                        )?;
+                    }
+                    let kv = self.kv.layer(a.layer, slot_index)?;
+                    let rope = self.rope_args(a);
+                    let attn = self.attn_args(a, shape);
+                    k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(a.layer))?;
+                    k.attention(
+                        &attn,
+                        s.q,
+                        kv,
+                        len,
+                        s.part_o,
+                        s.part_ml,
+                        s.attn_counters,
+                        s.attn,
+                        Some(s.aq),
+                    )?;
+                    self.residual_gemv(&a.o, s.aq, b.post_norm.as_ref(), next)?;
+                }
+                DeviceOp::FeedForward(f) => {
+                    let hq = QuantOut {
+                        q: s.hq,
+                        norm_w: None,
+                        norm_parts: None,
+                    };
+                    if f.gate.bytes() + f.up.bytes() <= self.fuse_limit {
+                        let t = self.quant_tiling_of(&f.gate);
+                        k.swiglu(
+                            &f.gate,
+                            &f.up,
+                            &input,
+                            self.path,
+                            t,
+                            s.ffn,
+                            Some(hq),
+                            f.gelu,
+                        )?;
+                    } else {
+                        let t = self.tiling(&f.gate);
+                        k.swiglu(&f.gate, &f.up, &input, self.path, t, s.ffn, None, f.gelu)?;
+                        k.quantize(s.ffn, c.ffn_size, &hq)?;
+                    }
+                    self.residual_gemv(&f.down, s.hq, b.post_norm.as_ref(), next)?;
+                }
             }
-            let kv = self.kv.layer(li, slot_index)?;
-            let rope = self.rope_args(l);
-            let attn = self.attn_args(li, shape);
-            k.rope_kv(&rope, s.qkv, s.q, kv, pos, self.kv.rows(li))?;
-            k.attention(
-                &attn,
-                s.q,
-                kv,
-                len,
-                s.part_o,
-                s.part_ml,
-                s.attn_counters,
-                s.attn,
-                Some(s.aq),
-            )?;
-            self.residual_gemv(
-                &l.o,
-                s.aq,
-                l.attn_post_norm.as_ref(),
-                stream_out(&l.ffn_norm, 2 * li + 1)?,
-            )?;
-            let hq = QuantOut {
-                q: s.hq,
-                norm_w: None,
-                norm_parts: None,
-            };
-            let ffn_input = from(s.xq, Some(norm(2 * li + 1)?));
-            if l.gate.bytes() + l.up.bytes() <= self.fuse_limit {
-                let t = self.quant_tiling_of(&l.gate);
-                k.swiglu(
-                    &l.gate,
-                    &l.up,
-                    &ffn_input,
-                    self.path,
-                    t,
-                    s.ffn,
-                    Some(hq),
-                    gelu,
-                )?;
-            } else {
-                let t = self.tiling(&l.gate);
-                k.swiglu(&l.gate, &l.up, &ffn_input, self.path, t, s.ffn, None, gelu)?;
-                k.quantize(s.ffn, c.ffn_size, &hq)?;
-            }
-            let next_norm = match self.layers.get(li + 1) {
-                Some(next) => &next.attn_norm,
-                None => &self.out_norm,
-            };
-            self.residual_gemv(
-                &l.down,
-                s.hq,
-                l.ffn_post_norm.as_ref(),
-                stream_out(next_norm, 2 * li + 2)?,
-            )?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
-        let head_input = from(s.xq, Some(norm(2 * c.num_layers)?));
+        let head_input = from(s.xq, Some(norm(self.branches.len())?));
         k.gemv(
             head,
             &head_input,
@@ -1185,6 +1214,12 @@ impl GpuExecutor {
             s.logits,
             &Epilogue::default(),
         )
+    }
+
+    /// The norm that reads the residual stream after branch `i`: the next branch's, or the
+    /// head's after the last.
+    pub(super) fn norm_after(&self, i: usize) -> &DeviceBuffer<f32> {
+        self.branches.get(i + 1).map_or(&self.out_norm, |b| &b.norm)
     }
 
     /// x += W·a for the residual stream `x` (x += norm(W·a) with a sandwich norm
@@ -1445,7 +1480,7 @@ impl LayerExecutor for GpuExecutor {
         let old = self.slots[slot].len;
         self.slots.truncate(seq, len)?;
         let c = &self.config;
-        let lost = (0..self.layers.len()).any(|li| {
+        let lost = (0..self.windows.len()).any(|li| {
             c.layer_attention(li)
                 .truncation_loses_rows(self.kv.rows(li), old, len)
         });

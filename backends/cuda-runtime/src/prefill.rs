@@ -16,12 +16,12 @@
 
 use std::sync::Arc;
 
-use kiln_core::{Activation, Error, ModelConfig, Result};
+use kiln_core::{Error, ModelConfig, Result};
 use kiln_kernels::{
     Blas, DevSlice, Device, Event, GemvInput, KvFormat, PrefillAttnArgs, Workspace,
 };
 
-use super::{GpuExecutor, Layer};
+use super::{DeviceAttention, DeviceBranch, DeviceFeedForward, DeviceOp, GpuExecutor};
 
 /// Tokens per chunk: bounds the workspace (the activations of a chunk) while keeping the
 /// GEMMs wide enough to run at tensor-core speed.
@@ -245,9 +245,9 @@ impl GpuExecutor {
             ids_dev.copy_from_host(&self.device, &ids)?;
             Timer::mark(&mut timer, Part::Other)?;
             let x = p.b.x.sub(0, n * h)?;
-            k.embed_rows(&self.embd, ids_dev, self.config.embedding_scale, x)?;
-            for (li, l) in self.layers.iter().enumerate() {
-                self.prefill_layer(p, l, li, slot, n, pos0, &mut timer)?;
+            k.embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
+            for b in &self.branches {
+                self.prefill_branch(p, b, slot, n, pos0, &mut timer)?;
             }
             if let Some(s) = scored.as_mut() {
                 // The chunk's rows from the first scored token on, if it has any.
@@ -365,13 +365,40 @@ impl GpuExecutor {
         Ok(())
     }
 
-    /// One layer over the `n` tokens of a chunk at positions `pos0..pos0 + n`.
+    /// One branch over the `n` tokens of a chunk at positions `pos0..pos0 + n`: the rows
+    /// normed to f16, its operation, and its output added to the stream.
     #[allow(clippy::too_many_arguments)]
-    fn prefill_layer(
+    fn prefill_branch(
         &self,
         p: &PrefillState,
-        l: &Layer,
-        li: usize,
+        b: &DeviceBranch,
+        slot: usize,
+        n: usize,
+        pos0: usize,
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let x = p.b.x.sub(0, n * h)?;
+        Timer::mark(timer, Part::Other)?;
+        let xn = p.b.act.sub(0, n * h)?;
+        self.k
+            .rmsnorm_rows_f16(x, n, h, b.norm.slice(), c.norm_eps, xn)?;
+        let post = b.post_norm.as_ref();
+        match &b.op {
+            DeviceOp::Attention(a) => self.prefill_attention(p, a, post, slot, n, pos0, timer),
+            DeviceOp::FeedForward(f) => self.prefill_feed_forward(p, f, post, n, timer),
+        }
+    }
+
+    /// An attention over the chunk's normed rows (in `act`): QKV, RoPE and the rows into the
+    /// cache, causal attention, and O added to the stream.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_attention(
+        &self,
+        p: &PrefillState,
+        l: &DeviceAttention,
+        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
         slot: usize,
         n: usize,
         pos0: usize,
@@ -379,14 +406,10 @@ impl GpuExecutor {
     ) -> Result<()> {
         let c = &self.config;
         let k = &self.k;
-        let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let width = qd + 2 * kvd;
-        let x = p.b.x.sub(0, n * h)?;
-
-        // Attention block.
-        Timer::mark(timer, Part::Other)?;
+        let li = l.layer;
         let xn = p.b.act.sub(0, n * h)?;
-        k.rmsnorm_rows_f16(x, n, h, l.attn_norm.slice(), c.norm_eps, xn)?;
         Timer::mark(timer, Part::Dequant)?;
         for proj in &l.qkv {
             k.dequant_f16(&proj.w, p.b.wbuf.sub(proj.offset * h, proj.w.rows * h)?)?;
@@ -432,21 +455,32 @@ impl GpuExecutor {
             head_dim: hd,
             max_ctx: cache_rows,
             start: pos0,
-            scale: c.attention_scale(),
+            scale: l.scale,
             window: l.window,
         };
         k.attention_prefill(&args, n, q, kc, vc, table, attn)?;
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, l.attn_post_norm.as_ref(), attn, n, qd, timer)?;
+        self.residual_gemm(p, post_norm, attn, n, qd, timer)
+    }
 
-        // Feed-forward block.
-        Timer::mark(timer, Part::Other)?;
-        k.rmsnorm_rows_f16(x, n, h, l.ffn_norm.slice(), c.norm_eps, xn)?;
+    /// A gated feed-forward over the chunk's normed rows (in `act`), added to the stream.
+    fn prefill_feed_forward(
+        &self,
+        p: &PrefillState,
+        f: &DeviceFeedForward,
+        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
+        n: usize,
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let k = &self.k;
+        let (h, ffn) = (c.hidden_size, c.ffn_size);
+        let xn = p.b.act.sub(0, n * h)?;
         Timer::mark(timer, Part::Dequant)?;
-        k.dequant_f16(&l.gate, p.b.wbuf.sub(0, ffn * h)?)?;
-        k.dequant_f16(&l.up, p.b.wbuf.sub(ffn * h, ffn * h)?)?;
+        k.dequant_f16(&f.gate, p.b.wbuf.sub(0, ffn * h)?)?;
+        k.dequant_f16(&f.up, p.b.wbuf.sub(ffn * h, ffn * h)?)?;
         Timer::mark(timer, Part::Gemm)?;
         let gu = p.b.gu.sub(0, n * 2 * ffn)?;
         p.blas.gemm_f16_f32(
@@ -461,11 +495,11 @@ impl GpuExecutor {
         )?;
         Timer::mark(timer, Part::Other)?;
         let act = p.b.act.sub(0, n * ffn)?;
-        k.swiglu_rows_f16(gu, n, ffn, act, c.activation == Activation::Gelu)?;
+        k.swiglu_rows_f16(gu, n, ffn, act, f.gelu)?;
         Timer::mark(timer, Part::Dequant)?;
-        k.dequant_f16(&l.down, p.b.wbuf.sub(0, h * ffn)?)?;
+        k.dequant_f16(&f.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, l.ffn_post_norm.as_ref(), act, n, ffn, timer)
+        self.residual_gemm(p, post_norm, act, n, ffn, timer)
     }
 
     /// x += W·a for the chunk's `n` rows (W the f16 weight in the weight buffer, `k` values
