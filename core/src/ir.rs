@@ -177,8 +177,9 @@ impl std::fmt::Debug for TensorView {
     }
 }
 
-/// Model family. Decides defaults that the file does not spell out (rope layout ...).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Model family. Decides defaults that the file does not spell out (rope layout ...), and
+/// carries the hyper-parameters only its family has.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Architecture {
     /// Llama 1/2/3, SmolLM, and other llama-shaped models.
     Llama,
@@ -190,6 +191,22 @@ pub enum Architecture {
     /// Gemma 3: embeddings scaled by √hidden, RMSNorm before and after attention and the
     /// MLP, per-head Q/K norms, GeGLU, sliding-window attention on most layers.
     Gemma3,
+    /// Phi-3: llama's blocks with NEOX rope, Q/K/V and gate/up each stored as one fused
+    /// tensor (split at load), and a sliding window on every layer in some files.
+    Phi3,
+    /// IBM Granite 3: llama's blocks with the multipliers of its `GraniteConfig`.
+    Granite(GraniteScales),
+}
+
+/// Granite's multipliers (the embedding's is [`ModelConfig::embedding_scale`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraniteScales {
+    /// Multiplies each attention and MLP output before it joins the residual.
+    pub residual: f32,
+    /// Multiplies q·k (in place of 1/√head_dim).
+    pub attention: f32,
+    /// Divides the logits.
+    pub logits: f32,
 }
 
 impl Architecture {
@@ -200,6 +217,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Phi3 => "phi3",
+            Architecture::Granite(_) => "granite",
         }
     }
 }
@@ -585,6 +604,15 @@ impl ModelConfig {
                 "rotary dims {} do not fit head_dim {}",
                 self.rope.rotary_dims, self.head_dim
             ));
+        }
+        if let Architecture::Granite(g) = self.arch {
+            let positive = |v: f32| v.is_finite() && v > 0.0;
+            if !(positive(g.residual) && positive(g.attention) && positive(g.logits)) {
+                return bad(format!(
+                    "granite multipliers must be positive numbers: residual {}, attention {}, logits {}",
+                    g.residual, g.attention, g.logits
+                ));
+            }
         }
         if !self.embedding_scale.is_finite() || self.embedding_scale <= 0.0 {
             return bad(format!(

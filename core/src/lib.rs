@@ -28,8 +28,8 @@ pub use backend::{
 };
 pub use error::{Error, Result};
 pub use ir::{
-    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights,
-    NormKind, RopeConfig, RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
+    Activation, Architecture, GraniteScales, LayerAttention, LayerWeights, ModelConfig, ModelIr,
+    ModelWeights, NormKind, RopeConfig, RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
 };
 pub use program::ModelProgram;
 pub use qtype::QType;

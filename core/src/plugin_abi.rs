@@ -735,6 +735,9 @@ pub fn arch_id(a: &Architecture) -> u32 {
         // (`check_describable`), and Gemma 3's sandwich norms, embedding scale and sliding
         // window are not in `KilnModelConfig`.
         Architecture::Gemma3 => 4,
+        Architecture::Phi3 => 5,
+        // Never sent: its multipliers are not in `KilnModelConfig` (`check_describable`).
+        Architecture::Granite(_) => 6,
     }
 }
 
@@ -743,6 +746,8 @@ pub fn arch_id(a: &Architecture) -> u32 {
 pub fn check_describable(c: &ModelConfig) -> Result<()> {
     let lacks = if c.arch == Architecture::Gemma3 {
         Some("the gemma3 architecture")
+    } else if matches!(c.arch, Architecture::Granite(_)) {
+        Some("granite's residual, attention and logit multipliers")
     } else if c.embedding_scale != 1.0 {
         Some("a scaled embedding")
     } else if c.sandwich_norms {
@@ -766,6 +771,7 @@ pub fn arch_from_id(id: u32) -> Option<Architecture> {
         Architecture::Mistral,
         Architecture::Qwen2,
         Architecture::Qwen3,
+        Architecture::Phi3,
     ]
     .into_iter()
     .find(|a| arch_id(a) == id)

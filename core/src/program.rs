@@ -28,8 +28,8 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{
-    Activation, Architecture, LayerAttention, LayerWeights, ModelConfig, ModelIr, NormKind,
-    TensorView,
+    Activation, Architecture, GraniteScales, LayerAttention, LayerWeights, ModelConfig, ModelIr,
+    NormKind, TensorView,
 };
 
 /// One architecture's forward pass (see the module doc).
@@ -281,6 +281,8 @@ pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
         Architecture::Qwen2 => qwen2(ir),
         Architecture::Qwen3 => qwen3(ir),
         Architecture::Gemma3 => gemma3(ir),
+        Architecture::Phi3 => phi3(ir),
+        Architecture::Granite(scales) => granite(ir, scales),
     }
 }
 
@@ -324,6 +326,33 @@ fn gemma3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
         Ok(block)
     })?;
     b.program(branches)
+}
+
+/// Phi-3: llama's blocks. Its fused Q/K/V and gate/up tensors are split into their parts
+/// at load, its NEOX rope and its sliding window (every layer) are the config's.
+fn phi3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    llama(ir)
+}
+
+/// Granite 3: llama's blocks, each attention scaled by its own multiplier instead of
+/// 1/√head_dim, each branch's output scaled before it joins the residual, the logits
+/// divided by the logit scale (the embedding's multiplier is the config's scale).
+fn granite(ir: &ModelIr, scales: GraniteScales) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches = b.layers(|i, l| {
+        let attention = Attention {
+            scale: scales.attention,
+            ..b.attention(i, l)?
+        };
+        let mut block = b.pre_norm_block(i, l, attention, b.feed_forward(l)?)?;
+        for branch in &mut block {
+            branch.scale = scales.residual;
+        }
+        Ok(block)
+    })?;
+    let mut program = b.program(branches)?;
+    program.head.logit_scale = 1.0 / scales.logits;
+    Ok(program)
 }
 
 /// The shared helpers the architecture builders are made of (llama.cpp's `build_norm`,

@@ -307,8 +307,10 @@ fn architecture(name: &str) -> Result<Architecture> {
 /// mistral Q/K rows into adjacent pairs).
 fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
     match arch {
-        Architecture::Llama | Architecture::Mistral => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeKind::Neox,
+        Architecture::Llama | Architecture::Mistral | Architecture::Granite(_) => RopeKind::Norm,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Phi3 => {
+            RopeKind::Neox
+        }
     }
 }
 

@@ -11,14 +11,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    Activation, Architecture, Backend, Candidate, Error, LayerWeights, ModelConfig, ModelIr,
-    ModelWeights, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
+    Activation, Architecture, Backend, Candidate, Error, GraniteScales, LayerWeights, ModelConfig,
+    ModelIr, ModelWeights, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow,
+    TensorView,
 };
 
 use crate::gguf::GgufFile;
 
 /// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
-pub const SUPPORTED_ARCHITECTURES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+pub const SUPPORTED_ARCHITECTURES: [&str; 7] = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "granite",
+];
 
 /// Opens a GGUF file and maps it. The file is returned too: the tokenizer and chat
 /// template live in its metadata.
@@ -72,22 +75,30 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     let arch_name = file
         .get_str("general.architecture")
         .ok_or_else(|| Error::Format("metadata has no string 'general.architecture'".into()))?;
+    let meta = Meta {
+        file,
+        arch: arch_name,
+    };
     let arch = match arch_name {
         "llama" => Architecture::Llama,
         "mistral" => Architecture::Mistral,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
         "gemma3" => Architecture::Gemma3,
+        "phi3" => Architecture::Phi3,
+        // llama.cpp's keys; an absent one leaves its part unscaled (q·k by 1/√head_dim,
+        // filled in below once the head size is known).
+        "granite" => Architecture::Granite(GraniteScales {
+            residual: meta.opt_f32("residual_scale")?.unwrap_or(1.0),
+            attention: meta.opt_f32("attention.scale")?.unwrap_or(0.0),
+            logits: meta.opt_f32("logit_scale")?.unwrap_or(1.0),
+        }),
         other => {
             return Err(Error::Unsupported(format!(
                 "architecture '{other}' (kiln runs {})",
                 SUPPORTED_ARCHITECTURES.join(", ")
             )))
         }
-    };
-    let meta = Meta {
-        file,
-        arch: arch_name,
     };
 
     let num_layers = meta.usize("block_count")?;
@@ -150,8 +161,19 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     // llama.cpp's converter permutes Q/K of llama-family models into adjacent-pair order;
     // Qwen's are left in the HF split-halves order.
     let rope_kind = match arch {
-        Architecture::Llama | Architecture::Mistral => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeKind::Neox,
+        Architecture::Llama | Architecture::Mistral | Architecture::Granite(_) => RopeKind::Norm,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Phi3 => {
+            RopeKind::Neox
+        }
+    };
+    let arch = match arch {
+        Architecture::Granite(scales) if scales.attention == 0.0 => {
+            Architecture::Granite(GraniteScales {
+                attention: 1.0 / (head_dim as f32).sqrt(),
+                ..scales
+            })
+        }
+        arch => arch,
     };
     // Gemma 3 as llama.cpp reads it: five windowed layers (local RoPE base 10,000, unscaled)
     // to one global; the window is in the file, the rest is the family's definition.
@@ -161,6 +183,16 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             global_every: 6,
             local_theta: 10_000.0,
         }),
+        // Phi-3 files of models trained with a window say so; it binds every layer (as
+        // transformers runs them: no layer is global, and all rotate with the one base).
+        Architecture::Phi3 => meta
+            .opt_usize("attention.sliding_window")?
+            .filter(|&w| w > 0)
+            .map(|window| SlidingWindow {
+                window,
+                global_every: num_layers + 1,
+                local_theta: theta,
+            }),
         _ => None,
     };
 
@@ -207,10 +239,10 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         tied_embeddings: !has("output.weight"),
         context_length,
         // The scale in f32, as HF and llama.cpp compute it.
-        embedding_scale: if is_gemma3 {
-            (hidden_size as f32).sqrt()
-        } else {
-            1.0
+        embedding_scale: match arch {
+            Architecture::Gemma3 => (hidden_size as f32).sqrt(),
+            Architecture::Granite(_) => meta.opt_f32("embedding_scale")?.unwrap_or(1.0),
+            _ => 1.0,
         },
         // llama.cpp's converter stores Gemma's `1 + weight` norms with the 1 added: plain
         // RMSNorm weights here, like every other norm.
@@ -473,6 +505,25 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
         } else {
             (None, None)
         };
+        // A gate/up pair stored as one tensor of twice the rows (Phi-3), gate first, is
+        // split into its halves without copying.
+        let (ffn_gate, ffn_up) = match t.info(&n("ffn_gate.weight")) {
+            None if t
+                .info(&n("ffn_up.weight"))
+                .is_some_and(|u| u.dims() == [hidden, 2 * c.ffn_size]) =>
+            {
+                let name = n("ffn_up.weight");
+                let fused = t.req(&name, &[hidden, 2 * c.ffn_size])?;
+                (
+                    fused.slice_rows(&n("ffn_gate.weight"), 0, c.ffn_size)?,
+                    fused.slice_rows(&name, c.ffn_size, c.ffn_size)?,
+                )
+            }
+            _ => (
+                t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?,
+                t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
+            ),
+        };
         layers.push(LayerWeights {
             attn_norm: t.req(&n("attn_norm.weight"), &[hidden])?,
             attn_norm_bias: t.opt(&n("attn_norm.bias"), &[hidden])?,
@@ -488,8 +539,8 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             attn_out_bias: t.opt(&n("attn_output.bias"), &[hidden])?,
             ffn_norm: Some(t.req(&n("ffn_norm.weight"), &[hidden])?),
             ffn_norm_bias: t.opt(&n("ffn_norm.bias"), &[hidden])?,
-            ffn_gate: Some(t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?),
-            ffn_up: t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
+            ffn_gate: Some(ffn_gate),
+            ffn_up,
             ffn_down: t.req(&n("ffn_down.weight"), &[c.ffn_size, hidden])?,
             attn_post_norm,
             ffn_post_norm,

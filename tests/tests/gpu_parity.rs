@@ -704,6 +704,86 @@ fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
     gemma3_parity("cuda-q4_0", Recipe::Q4_0);
 }
 
+/// Phi-3 (fused Q/K/V and gate/up tensors split at load, a sliding window shorter than the
+/// prompt) from the transformers fixture of tests/tests/phi3_granite.rs, f16 weights, on
+/// both GPU backends: the prompt in chunks through each backend's prefill, then 32 greedy
+/// steps, every logit row against the CPU oracle's (cosine ≥ 0.99999, equal greedy tokens).
+fn phi3_parity(gpu: &str) {
+    let Some((cpu_backend, cuda_backend)) = backends_for(gpu) else {
+        return;
+    };
+    let file =
+        kiln_formats::gguf::GgufFile::open(kiln_tests::fixture("phi3_granite/phi3.gguf")).unwrap();
+    let ir = kiln_formats::model::model_from_gguf(&file, "phi3").unwrap();
+    let options = LoadOptions {
+        max_context: 256,
+        ..Default::default()
+    };
+    let mut cpu = cpu_backend.load(&ir, &options).unwrap();
+    let mut gpu_exec = cuda_backend.load(&ir, &options).unwrap();
+    let vocab = ir.config.vocab_size;
+    let (mut lc, mut lg) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
+    let (sc, sg) = (
+        cpu.new_sequence().unwrap(),
+        gpu_exec.new_sequence().unwrap(),
+    );
+    // 40 tokens: a 3-token chunk, then 37 (the window is 16).
+    let prompt: Vec<u32> = (0..40u32).map(|i| 3 + (i * 37) % 150).collect();
+    let mut worst = 1.0f64;
+    for chunk in [&prompt[..3], &prompt[3..]] {
+        cpu.prefill(sc, chunk, &mut lc).unwrap();
+        gpu_exec.prefill(sg, chunk, &mut lg).unwrap();
+        worst = worst.min(cosine(&lc, &lg));
+    }
+    for step in 0..32 {
+        let token = argmax(&lc);
+        assert_eq!(
+            argmax(&lg),
+            token,
+            "{gpu}: phi3 greedy token at step {step}"
+        );
+        lg.fill(f32::NAN);
+        cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc)
+            .unwrap();
+        gpu_exec
+            .decode(&[DecodeItem { seq: sg, token }], &mut lg)
+            .unwrap();
+        worst = worst.min(cosine(&lc, &lg));
+    }
+    println!("{gpu}: phi3 fixture, prompt 40 tokens, 32 steps: min cosine {worst:.7}");
+    assert!(worst >= 0.99999, "{gpu}: phi3 min cosine {worst}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn phi3_fixture_matches_cpu_on_both_gpu_backends() {
+    phi3_parity("cuda-q4k");
+    phi3_parity("cuda-q4_0");
+}
+
+/// Granite's branch and logit multipliers have no GPU kernels yet: both GPU backends refuse
+/// the model with a typed error that says so, rather than run it without them.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn granite_is_refused_by_the_gpu_backends_with_the_reason() {
+    let file = kiln_formats::gguf::GgufFile::open(kiln_tests::fixture("phi3_granite/granite.gguf"))
+        .unwrap();
+    let ir = kiln_formats::model::model_from_gguf(&file, "granite").unwrap();
+    for gpu in ["cuda-q4k", "cuda-q4_0"] {
+        let Some((_, cuda)) = backends_for(gpu) else {
+            return;
+        };
+        let err = cuda
+            .load(&ir, &LoadOptions::default())
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(err, kiln_core::Error::Unsupported(_)) && err.to_string().contains("scale"),
+            "{gpu}: {err}"
+        );
+    }
+}
+
 /// The real Gemma 3 270M (when the device has it: KILN_GEMMA3_MODEL) on `cuda-q4k`, with a
 /// chat-length prompt and one past the window.
 #[test]
