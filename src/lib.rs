@@ -13,6 +13,7 @@ pub mod bench;
 pub mod conformance;
 pub mod engine;
 pub mod fetch;
+pub mod generation;
 pub mod perplexity;
 pub mod plugins;
 pub mod server;
@@ -21,8 +22,9 @@ pub mod structured;
 pub mod toolkit;
 
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
+pub use generation::Finish;
 pub use server::batcher::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
-pub use session::{FinishReason, GenerateParams, Generation, Session};
+pub use session::{GenerateParams, Generation, Session};
 
 pub use kiln_core as core;
 

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use kiln_core::{DecodeItem, Error, Result, Sampler, SamplingParams, SeqId};
 
 use crate::engine::Engine;
+pub use crate::generation::Finish;
+use crate::generation::TextOutput;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -38,26 +40,6 @@ impl Default for GenerateParams {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-    /// The sequence reached the executor's context limit.
-    ContextFull,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::ContextFull => "context_full",
-        }
-    }
-}
-
 /// The result of one [`Session::generate`] call.
 #[derive(Debug, Clone)]
 pub struct Generation {
@@ -66,7 +48,7 @@ pub struct Generation {
     pub prefilled: usize,
     pub ids: Vec<u32>,
     pub text: String,
-    pub finish: FinishReason,
+    pub finish: Finish,
     pub prefill_time: Duration,
     /// From the call to the first generated token (prefill, then its draw): what a user
     /// waits before text starts. Zero when nothing was generated.
@@ -176,11 +158,10 @@ impl<'e> Session<'e> {
         }
         let tokenizer = &self.engine.model.tokenizer;
         let stop_tokens = tokenizer.stop_tokens().to_vec();
-        let mut stream = tokenizer.decode_stream(false);
+        let mut output = TextOutput::new(tokenizer, params.stop_strings.clone(), false);
         let mut text = String::new();
-        let mut emitted = 0usize;
         let mut ids = Vec::new();
-        let mut finish = FinishReason::Length;
+        let mut finish = Finish::Length;
         let decode_start = Instant::now();
         let mut decode_steps = 0usize;
         if params.max_tokens == 0 {
@@ -190,7 +171,7 @@ impl<'e> Session<'e> {
                 prefilled: new.len(),
                 ids: Vec::new(),
                 text: String::new(),
-                finish: FinishReason::Length,
+                finish: Finish::Length,
                 prefill_time,
                 first_token_time: Duration::ZERO,
                 decode_time: decode_start.elapsed(),
@@ -219,28 +200,24 @@ impl<'e> Session<'e> {
         let first_token_time = start.elapsed();
         loop {
             if (params.stop_on_eos || constraint.is_some()) && stop_tokens.contains(&token) {
-                finish = FinishReason::Stop;
+                finish = Finish::Stop;
                 break;
             }
             ids.push(token);
-            if let Some(piece) = stream.push(token) {
-                text.push_str(&piece);
+            let released = output.push(token);
+            if !released.text.is_empty() {
+                on_text(&released.text);
+                text.push_str(&released.text);
             }
-            if let Some(cut) = find_stop(&text, &params.stop_strings) {
-                text.truncate(cut);
-                finish = FinishReason::Stop;
+            if released.stopped {
+                finish = Finish::Stop;
                 break;
-            }
-            let safe = text.len() - held_back(&text, &params.stop_strings);
-            if safe > emitted {
-                on_text(&text[emitted..safe]);
-                emitted = safe;
             }
             if ids.len() >= params.max_tokens {
                 break;
             }
             if self.cached.len() + 1 >= max_context {
-                finish = FinishReason::ContextFull;
+                finish = Finish::ContextFull;
                 break;
             }
             let item = DecodeItem {
@@ -268,17 +245,13 @@ impl<'e> Session<'e> {
             };
         }
         let decode_time = decode_start.elapsed();
-        if let Some(rest) = stream.flush() {
-            if finish != FinishReason::Stop || find_stop(&rest, &params.stop_strings).is_none() {
-                text.push_str(&rest);
-            }
+        let rest = output.finish();
+        if rest.stopped {
+            finish = Finish::Stop;
         }
-        if let Some(cut) = find_stop(&text, &params.stop_strings) {
-            text.truncate(cut);
-            finish = FinishReason::Stop;
-        }
-        if text.len() > emitted {
-            on_text(&text[emitted..]);
+        if !rest.text.is_empty() {
+            on_text(&rest.text);
+            text.push_str(&rest.text);
         }
         Ok(Generation {
             prompt_ids: prompt.to_vec(),
@@ -298,44 +271,5 @@ impl Drop for Session<'_> {
     fn drop(&mut self) {
         // Freeing can only fail for an unknown sequence, which this session owns.
         let _ = self.engine.executor.free_sequence(self.seq);
-    }
-}
-
-/// Byte offset where the first stop string starts, if any is in `text`.
-pub(crate) fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
-}
-
-/// Length of the longest suffix of `text` that could begin a stop string: it is withheld
-/// from streaming until the next token decides.
-pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut hold = 0;
-    for stop in stops {
-        for (i, _) in stop.char_indices().skip(1) {
-            if text.ends_with(&stop[..i]) {
-                hold = hold.max(i);
-            }
-        }
-    }
-    hold
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stop_strings_are_found_and_partial_ones_held_back() {
-        let stops = vec!["\n\n".to_string(), "User:".to_string()];
-        assert_eq!(find_stop("hello\n\nthere", &stops), Some(5));
-        assert_eq!(find_stop("hello", &stops), None);
-        assert_eq!(held_back("hello\n", &stops), 1);
-        assert_eq!(held_back("say Use", &stops), 3);
-        assert_eq!(held_back("plain", &stops), 0);
-        assert_eq!(held_back("héllo", &["é!".to_string()]), 0);
     }
 }

@@ -58,7 +58,7 @@
 //! reused tokens as `prompt_tokens_details.cached_tokens`. Nothing is shared between live
 //! sequences (no block-level prefix sharing as in vLLM).
 
-use crate::session::{find_stop, held_back};
+use crate::generation::TextOutput;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -70,7 +70,7 @@ use kiln_core::{
     DecodeItem, Error, KvBlockUsage, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams,
     SeqId,
 };
-use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
+use kiln_formats::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::frontend::Frontend;
@@ -115,26 +115,7 @@ pub struct Job {
     pub received: Instant,
 }
 
-/// Why a sequence ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens`, or the context is full.
-    Length,
-    /// The server is shutting down and the grace period ran out (not an OpenAI value).
-    Cancelled,
-}
-
-impl Finish {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::Cancelled => "cancelled",
-        }
-    }
-}
+pub use crate::generation::Finish;
 
 /// A token's log-probability and its most likely alternatives.
 #[derive(Debug, Clone)]
@@ -433,9 +414,7 @@ struct Running<'t> {
     generated: usize,
     /// Generated-token counts, for presence/frequency penalties.
     counts: HashMap<u32, u32>,
-    stream: DecodeStream<'t>,
-    /// Decoded text not sent yet (a possible start of a stop string).
-    pending: String,
+    output: TextOutput<'t>,
     received: Instant,
     last_token_at: Option<Instant>,
     /// Its slot is freed; the entry goes at the next `remove_finished`.
@@ -456,19 +435,13 @@ impl Running<'_> {
     /// Sends the text still held back, cut at a stop string; the finish reason to report
     /// (`Stop` where a stop string turned up in it).
     fn flush_held(&mut self, mut finish: Finish) -> Finish {
-        if let Some(rest) = self.stream.flush() {
-            self.pending.push_str(&rest);
+        let rest = self.output.finish();
+        if rest.stopped && finish != Finish::Cancelled {
+            finish = Finish::Stop;
         }
-        if let Some(cut) = find_stop(&self.pending, &self.params.stop) {
-            self.pending.truncate(cut);
-            if finish != Finish::Cancelled {
-                finish = Finish::Stop;
-            }
-        }
-        if !self.pending.is_empty() {
-            let text = std::mem::take(&mut self.pending);
+        if !rest.text.is_empty() {
             self.send(Event::Delta {
-                text,
+                text: rest.text,
                 logprob: None,
             });
         }
@@ -992,6 +965,7 @@ impl<'e> Scheduler<'e> {
                 sampler.accept(t);
             }
         }
+        let output = TextOutput::new(self.tokenizer, job.params.stop.clone(), true);
         self.running.push(Running {
             ticket,
             index: job.index,
@@ -1005,8 +979,7 @@ impl<'e> Scheduler<'e> {
             last: 0,
             generated: 0,
             counts: HashMap::new(),
-            stream: self.tokenizer.decode_stream(true),
-            pending: String::new(),
+            output,
             received: job.received,
             last_token_at: None,
             done: false,
@@ -1269,20 +1242,18 @@ impl<'e> Scheduler<'e> {
             *r.counts.entry(token).or_insert(0) += 1;
         }
         r.last = token;
-        if let Some(piece) = r.stream.push(token) {
-            r.pending.push_str(&piece);
-        }
-        if let Some(cut) = find_stop(&r.pending, &r.params.stop) {
-            r.pending.truncate(cut);
-            let text = std::mem::take(&mut r.pending);
-            r.send(Event::Delta { text, logprob });
+        let released = r.output.push(token);
+        r.send(Event::Delta {
+            text: released.text,
+            logprob,
+        });
+        if released.stopped {
             return self.finish_now(i, Finish::Stop);
         }
-        let hold = held_back(&r.pending, &r.params.stop);
-        let text: String = r.pending.drain(..r.pending.len() - hold).collect();
-        r.send(Event::Delta { text, logprob });
-        if r.generated >= r.params.max_tokens || r.history.len() >= self.max_context {
+        if r.generated >= r.params.max_tokens {
             self.finish(i, Finish::Length);
+        } else if r.history.len() >= self.max_context {
+            self.finish(i, Finish::ContextFull);
         }
     }
 
@@ -1354,14 +1325,6 @@ fn log_sum_exp(row: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stop_helpers() {
-        let stops = vec!["\n\n".to_string(), "User:".to_string()];
-        assert_eq!(find_stop("hello\n\nthere", &stops), Some(5));
-        assert_eq!(held_back("say Use", &stops), 3);
-        assert_eq!(held_back("plain", &stops), 0);
-    }
 
     fn kept(tokens: &[u32], last_used: u64) -> KeptSeq {
         KeptSeq {

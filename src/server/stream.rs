@@ -143,7 +143,7 @@ pub async fn collect(
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let finish = c.finish.map(Finish::as_str);
+            let finish = c.finish.map(Finish::api_reason);
             match meta.endpoint {
                 Endpoint::Chat => json!({
                     "index": i,
@@ -216,7 +216,7 @@ impl StreamState {
         logprob: Option<TokenLogprob>,
         finish: Option<Finish>,
     ) {
-        let finish = finish.map(Finish::as_str);
+        let finish = finish.map(Finish::api_reason);
         let entries: Vec<TokenLogprob> = logprob.into_iter().collect();
         let choice = match self.meta.endpoint {
             Endpoint::Chat => {

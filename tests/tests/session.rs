@@ -148,7 +148,7 @@ fn json_schema_constrains_the_generation() {
             ..Default::default()
         };
         let g = session.generate(&prompt, &params, |_| {}).unwrap();
-        assert_eq!(g.finish, kiln::session::FinishReason::Stop, "{:?}", g.text);
+        assert_eq!(g.finish, kiln::Finish::Stop, "{:?}", g.text);
         let v: serde_json::Value =
             serde_json::from_str(&g.text).unwrap_or_else(|e| panic!("{e}: {:?}", g.text));
         assert!(
