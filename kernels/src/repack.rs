@@ -238,7 +238,7 @@ mod tests {
                     ggml.extend((0..16u8).map(|i| i ^ row as u8 ^ (c as u8).rotate_left(3)));
                 }
             }
-            let p = PackedWeight::pack_as(Q4_0_X4, k, rows, &ggml).unwrap();
+            let p = PackedWeight::pack_as(&Q4_0_X4, k, rows, &ggml).unwrap();
             let groups = rows.div_ceil(4);
             assert_eq!(p.body.len(), groups * 4 * nchunks * 16);
             assert_eq!(p.sc.len(), groups * 4 * nchunks * 2);

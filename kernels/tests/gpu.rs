@@ -246,7 +246,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
     ]
     .map(|q| WeightFormat::plain(q).unwrap())
     .into_iter()
-    .chain([Q4_0_X4]);
+    .chain([&Q4_0_X4]);
     for f in formats {
         let q = f.qtype;
         let (k, n) = if q.block_len() == 256 {
@@ -367,7 +367,7 @@ fn swiglu_matches_reference() {
     ]
     .map(|q| WeightFormat::plain(q).unwrap())
     .into_iter()
-    .chain([Q4_0_X4]);
+    .chain([&Q4_0_X4]);
     for f in formats {
         let q = f.qtype;
         let (k, n) = if q.block_len() == 256 {

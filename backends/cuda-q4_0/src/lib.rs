@@ -58,8 +58,8 @@ impl GpuPolicy for Q40Policy {
 
     fn format_for(&self, qtype: QType, row_len: usize) -> Option<&'static WeightFormat> {
         match qtype {
-            QType::Q4_0 if row_len >= self.grouped_from => Some(Q4_0_X4),
-            QType::AprQ4 if row_len >= self.grouped_from => Some(APR_Q4_X4),
+            QType::Q4_0 if row_len >= self.grouped_from => Some(&Q4_0_X4),
+            QType::AprQ4 if row_len >= self.grouped_from => Some(&APR_Q4_X4),
             q => WeightFormat::plain(q),
         }
     }
