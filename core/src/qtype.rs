@@ -5,6 +5,7 @@
 //! collide: [`QType::from_ggml_id`] accepts only the former, [`QType::from_id`] both.
 
 use crate::error::{Error, Result};
+use crate::quant::{TypeRecord, RECORDS};
 
 /// A tensor's storage type. Discriminants are kiln's type ids: ggml's type id for every
 /// ggml type (which GGUF stores on disk), 128 and up for types ggml does not have.
@@ -92,26 +93,33 @@ impl QType {
         self as u32
     }
 
+    /// Everything core knows about this type: its one record ([`crate::quant::TypeRecord`]).
+    pub fn record(self) -> &'static TypeRecord {
+        // Records are in `ALL`'s order (a test holds them to it).
+        let i = match self {
+            QType::F32 => 0,
+            QType::F16 => 1,
+            QType::Q4_0 => 2,
+            QType::Q4_1 => 3,
+            QType::Q5_0 => 4,
+            QType::Q5_1 => 5,
+            QType::Q8_0 => 6,
+            QType::Q8_1 => 7,
+            QType::Q2_K => 8,
+            QType::Q3_K => 9,
+            QType::Q4_K => 10,
+            QType::Q5_K => 11,
+            QType::Q6_K => 12,
+            QType::Q8_K => 13,
+            QType::BF16 => 14,
+            QType::AprQ4 => 15,
+        };
+        &RECORDS[i]
+    }
+
     /// Lower-case name as llama.cpp prints it (`q4_k`, `f16`, ...); `apr_q4` for APR's Q4.
     pub fn name(self) -> &'static str {
-        match self {
-            QType::F32 => "f32",
-            QType::F16 => "f16",
-            QType::Q4_0 => "q4_0",
-            QType::Q4_1 => "q4_1",
-            QType::Q5_0 => "q5_0",
-            QType::Q5_1 => "q5_1",
-            QType::Q8_0 => "q8_0",
-            QType::Q8_1 => "q8_1",
-            QType::Q2_K => "q2_k",
-            QType::Q3_K => "q3_k",
-            QType::Q4_K => "q4_k",
-            QType::Q5_K => "q5_k",
-            QType::Q6_K => "q6_k",
-            QType::Q8_K => "q8_k",
-            QType::BF16 => "bf16",
-            QType::AprQ4 => "apr_q4",
-        }
+        self.record().name
     }
 
     pub fn from_name(name: &str) -> Option<QType> {
@@ -121,39 +129,12 @@ impl QType {
 
     /// Number of values in one block.
     pub fn block_len(self) -> usize {
-        match self {
-            QType::F32 | QType::F16 | QType::BF16 => 1,
-            QType::Q4_0
-            | QType::Q4_1
-            | QType::Q5_0
-            | QType::Q5_1
-            | QType::Q8_0
-            | QType::Q8_1
-            | QType::AprQ4 => 32,
-            QType::Q2_K | QType::Q3_K | QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q8_K => {
-                256
-            }
-        }
+        self.record().block_len
     }
 
     /// Bytes in one block.
     pub fn block_bytes(self) -> usize {
-        match self {
-            QType::F32 => 4,
-            QType::F16 | QType::BF16 => 2,
-            QType::Q4_0 | QType::AprQ4 => 18,
-            QType::Q4_1 => 20,
-            QType::Q5_0 => 22,
-            QType::Q5_1 => 24,
-            QType::Q8_0 => 34,
-            QType::Q8_1 => 36,
-            QType::Q2_K => 84,
-            QType::Q3_K => 110,
-            QType::Q4_K => 144,
-            QType::Q5_K => 176,
-            QType::Q6_K => 210,
-            QType::Q8_K => 292,
-        }
+        self.record().block_bytes
     }
 
     pub fn is_quantized(self) -> bool {
@@ -198,6 +179,16 @@ impl std::fmt::Display for QType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_type_finds_its_own_record() {
+        assert_eq!(RECORDS.len(), QType::ALL.len());
+        for (q, r) in QType::ALL.into_iter().zip(&RECORDS) {
+            assert_eq!(r.qtype, q);
+            assert_eq!(q.record().qtype, q);
+            assert_eq!(q.is_quantized(), r.block_len > 1);
+        }
+    }
 
     #[test]
     fn ids_round_trip_and_names_are_unique() {

@@ -24,6 +24,206 @@ pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
 
+/// Everything core knows about one weight type: its name, block geometry, and ggml's
+/// reference decoding and encoding. One record per type, found by type
+/// ([`QType::record`]); [`QType`]'s geometry, [`dequantize`], [`quantize`] and
+/// [`can_quantize`] all read it, so a new type is one record here.
+#[derive(Debug)]
+pub struct TypeRecord {
+    pub qtype: QType,
+    /// Lower-case name as llama.cpp prints it (`q4_k`, `f16`, ...).
+    pub name: &'static str,
+    /// Values in one block.
+    pub block_len: usize,
+    /// Bytes in one block.
+    pub block_bytes: usize,
+    /// Whole blocks into one f32 per value, as ggml's `dequantize_row_*` computes them.
+    pub dequantize: fn(&[u8], &mut [f32]),
+    /// Whole blocks of values into bytes with ggml's reference quantiser; `None` where
+    /// kiln has none.
+    pub quantize: Option<fn(&[f32], &mut [u8])>,
+}
+
+macro_rules! blocks {
+    (dequant $f:path) => {
+        |src: &[u8], dst: &mut [f32]| for_each_block(src, dst, $f)
+    };
+    (quant $f:path) => {
+        Some(|src: &[f32], dst: &mut [u8]| for_each_block_mut(src, dst, $f))
+    };
+}
+
+macro_rules! record {
+    ($q:ident, $name:literal, $len:literal, $bytes:literal, $deq:expr, $quant:expr) => {
+        TypeRecord {
+            qtype: QType::$q,
+            name: $name,
+            block_len: $len,
+            block_bytes: $bytes,
+            dequantize: $deq,
+            quantize: $quant,
+        }
+    };
+}
+
+pub(crate) static RECORDS: [TypeRecord; 16] = [
+    record!(
+        F32,
+        "f32",
+        1,
+        4,
+        |src, dst| {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        },
+        Some(|src, dst| {
+            for (b, x) in dst.chunks_exact_mut(4).zip(src) {
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+        })
+    ),
+    record!(
+        F16,
+        "f16",
+        1,
+        2,
+        |src, dst| {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f16_le(b, 0);
+            }
+        },
+        Some(|src, dst| {
+            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
+                put_f16_le(b, 0, *x);
+            }
+        })
+    ),
+    record!(
+        Q4_0,
+        "q4_0",
+        32,
+        18,
+        blocks!(dequant legacy::dequantize_q4_0),
+        blocks!(quant legacy::quantize_q4_0)
+    ),
+    record!(
+        Q4_1,
+        "q4_1",
+        32,
+        20,
+        blocks!(dequant legacy::dequantize_q4_1),
+        blocks!(quant legacy::quantize_q4_1)
+    ),
+    record!(
+        Q5_0,
+        "q5_0",
+        32,
+        22,
+        blocks!(dequant legacy::dequantize_q5_0),
+        blocks!(quant legacy::quantize_q5_0)
+    ),
+    record!(
+        Q5_1,
+        "q5_1",
+        32,
+        24,
+        blocks!(dequant legacy::dequantize_q5_1),
+        blocks!(quant legacy::quantize_q5_1)
+    ),
+    record!(
+        Q8_0,
+        "q8_0",
+        32,
+        34,
+        blocks!(dequant legacy::dequantize_q8_0),
+        blocks!(quant legacy::quantize_q8_0)
+    ),
+    record!(
+        Q8_1,
+        "q8_1",
+        32,
+        36,
+        blocks!(dequant legacy::dequantize_q8_1),
+        blocks!(quant legacy::quantize_q8_1)
+    ),
+    record!(
+        Q2_K,
+        "q2_k",
+        256,
+        84,
+        blocks!(dequant kquants::dequantize_q2_k),
+        None
+    ),
+    record!(
+        Q3_K,
+        "q3_k",
+        256,
+        110,
+        blocks!(dequant kquants::dequantize_q3_k),
+        None
+    ),
+    record!(
+        Q4_K,
+        "q4_k",
+        256,
+        144,
+        blocks!(dequant kquants::dequantize_q4_k),
+        blocks!(quant kquant_search::quantize_q4_k)
+    ),
+    record!(
+        Q5_K,
+        "q5_k",
+        256,
+        176,
+        blocks!(dequant kquants::dequantize_q5_k),
+        blocks!(quant kquant_search::quantize_q5_k)
+    ),
+    record!(
+        Q6_K,
+        "q6_k",
+        256,
+        210,
+        blocks!(dequant kquants::dequantize_q6_k),
+        blocks!(quant kquant_search::quantize_q6_k)
+    ),
+    record!(
+        Q8_K,
+        "q8_k",
+        256,
+        292,
+        blocks!(dequant kquants::dequantize_q8_k),
+        None
+    ),
+    // bf16 is the top half of an f32, so widening is a shift and exact for every pattern,
+    // NaN payloads included.
+    record!(
+        BF16,
+        "bf16",
+        1,
+        2,
+        |src, dst| {
+            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            }
+        },
+        Some(|src, dst| {
+            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
+                b.copy_from_slice(&f32_to_bf16_bits(*x).to_le_bytes());
+            }
+        })
+    ),
+    // APR's Q4, defined and quantised as aprender does (see [`apr`]).
+    record!(
+        AprQ4,
+        "apr_q4",
+        32,
+        18,
+        blocks!(dequant apr::dequantize_apr_q4),
+        blocks!(quant apr::quantize_apr_q4)
+    ),
+];
+
 /// Dequantises `src` (whole blocks of `qtype`) into `dst` (one f32 per value).
 ///
 /// `dst.len()` must be a whole number of blocks and `src` exactly that many blocks' bytes;
@@ -38,55 +238,23 @@ pub fn dequantize(qtype: QType, src: &[u8], dst: &mut [f32]) -> Result<()> {
             src.len()
         )));
     }
-    match qtype {
-        QType::F32 => {
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        QType::F16 => {
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *y = f16_le(b, 0);
-            }
-        }
-        QType::BF16 => {
-            // bf16 is the top half of an f32, so widening is a shift and exact for every
-            // pattern, NaN payloads included.
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *y = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-            }
-        }
-        QType::Q4_0 => for_each_block(src, dst, legacy::dequantize_q4_0),
-        QType::Q4_1 => for_each_block(src, dst, legacy::dequantize_q4_1),
-        QType::Q5_0 => for_each_block(src, dst, legacy::dequantize_q5_0),
-        QType::Q5_1 => for_each_block(src, dst, legacy::dequantize_q5_1),
-        QType::Q8_0 => for_each_block(src, dst, legacy::dequantize_q8_0),
-        QType::Q8_1 => for_each_block(src, dst, legacy::dequantize_q8_1),
-        QType::Q2_K => for_each_block(src, dst, kquants::dequantize_q2_k),
-        QType::Q3_K => for_each_block(src, dst, kquants::dequantize_q3_k),
-        QType::Q4_K => for_each_block(src, dst, kquants::dequantize_q4_k),
-        QType::Q5_K => for_each_block(src, dst, kquants::dequantize_q5_k),
-        QType::Q6_K => for_each_block(src, dst, kquants::dequantize_q6_k),
-        QType::Q8_K => for_each_block(src, dst, kquants::dequantize_q8_k),
-        QType::AprQ4 => for_each_block(src, dst, apr::dequantize_apr_q4),
-    }
+    (qtype.record().dequantize)(src, dst);
     Ok(())
 }
 
 /// Quantises `src` (a whole number of blocks of values) into `dst` (exactly that many
 /// blocks' bytes), with ggml's reference quantiser for `qtype`.
 ///
-/// Supported: F32, F16, BF16, the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
-/// the K-quants Q4_K, Q5_K, Q6_K (with ggml's scale search, see [`kquant_search`]), and
-/// APR's Q4 (with aprender's rule, see [`apr`]).
-/// Q2_K, Q3_K and Q8_K are [`Error::Unsupported`]. Shape mismatches are
-/// [`Error::InvalidShape`].
+/// Supported: every type whose record has a quantiser ([`can_quantize`]): F32, F16, BF16,
+/// the 32-value block types, the K-quants Q4_K, Q5_K, Q6_K (with ggml's scale search, see
+/// [`kquant_search`]), and APR's Q4 (with aprender's rule, see [`apr`]). The others are
+/// [`Error::Unsupported`]; shape mismatches are [`Error::InvalidShape`].
 pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
-    if !can_quantize(qtype) {
+    let Some(quantize) = qtype.record().quantize else {
         return Err(Error::Unsupported(format!(
             "quantising to {qtype} is not supported"
         )));
-    }
+    };
     let expected = qtype.row_bytes(src.len())?;
     if dst.len() != expected {
         return Err(Error::InvalidShape(format!(
@@ -95,57 +263,13 @@ pub fn quantize(qtype: QType, src: &[f32], dst: &mut [u8]) -> Result<()> {
             dst.len()
         )));
     }
-    match qtype {
-        QType::F32 => {
-            for (b, x) in dst.chunks_exact_mut(4).zip(src) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        QType::F16 => {
-            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
-                put_f16_le(b, 0, *x);
-            }
-        }
-        QType::BF16 => {
-            for (b, x) in dst.chunks_exact_mut(2).zip(src) {
-                b.copy_from_slice(&f32_to_bf16_bits(*x).to_le_bytes());
-            }
-        }
-        QType::Q4_0 => for_each_block_mut(src, dst, legacy::quantize_q4_0),
-        QType::Q4_1 => for_each_block_mut(src, dst, legacy::quantize_q4_1),
-        QType::Q5_0 => for_each_block_mut(src, dst, legacy::quantize_q5_0),
-        QType::Q5_1 => for_each_block_mut(src, dst, legacy::quantize_q5_1),
-        QType::Q8_0 => for_each_block_mut(src, dst, legacy::quantize_q8_0),
-        QType::Q8_1 => for_each_block_mut(src, dst, legacy::quantize_q8_1),
-        QType::Q4_K => for_each_block_mut(src, dst, kquant_search::quantize_q4_k),
-        QType::Q5_K => for_each_block_mut(src, dst, kquant_search::quantize_q5_k),
-        QType::Q6_K => for_each_block_mut(src, dst, kquant_search::quantize_q6_k),
-        QType::AprQ4 => for_each_block_mut(src, dst, apr::quantize_apr_q4),
-        QType::Q2_K | QType::Q3_K | QType::Q8_K => {
-            unreachable!("can_quantize refused {qtype} above")
-        }
-    }
+    quantize(src, dst);
     Ok(())
 }
 
 /// Whether [`quantize`] accepts `qtype`.
 pub fn can_quantize(qtype: QType) -> bool {
-    matches!(
-        qtype,
-        QType::F32
-            | QType::F16
-            | QType::BF16
-            | QType::Q4_0
-            | QType::Q4_1
-            | QType::Q5_0
-            | QType::Q5_1
-            | QType::Q8_0
-            | QType::Q8_1
-            | QType::Q4_K
-            | QType::Q5_K
-            | QType::Q6_K
-            | QType::AprQ4
-    )
+    qtype.record().quantize.is_some()
 }
 
 /// ggml's `quantize_row_q4_0_ref`: symmetric 4-bit, `d = max / -8` where `max` is the
