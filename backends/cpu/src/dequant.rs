@@ -90,3 +90,15 @@ pub(crate) fn dequantize_into(qtype: QType, src: &[u8], out: &mut [f32]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every type the backend claims (it has a row-dot kernel) also has the block decoder
+    /// its norms, biases and embeddings are read with.
+    #[test]
+    fn every_claimed_type_has_a_block_decoder() {
+        for q in crate::kernels::supported() {
+            assert!(super::block_fn(q).is_some(), "{q}");
+        }
+    }
+}

@@ -82,7 +82,7 @@ impl Backend for CpuBackend {
     }
 
     fn qtypes(&self) -> Vec<QType> {
-        kernels::SUPPORTED.to_vec()
+        kernels::supported()
     }
 
     fn probe(&self) -> Result<String, String> {
@@ -91,12 +91,13 @@ impl Backend for CpuBackend {
     }
 
     fn supports(&self, model: &ModelIr) -> Support {
+        let supported = kernels::supported();
         let unsupported: Vec<String> = model
             .weights
             .tensors()
             .into_iter()
             .map(|t| t.qtype())
-            .filter(|q| !kernels::SUPPORTED.contains(q))
+            .filter(|q| !supported.contains(q))
             .map(|q| q.name().to_string())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()

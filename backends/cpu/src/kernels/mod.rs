@@ -617,23 +617,14 @@ pub enum Kernel {
     AprQ4(AprQ4Kernel),
 }
 
-/// Weight types this backend multiplies with.
-pub const SUPPORTED: [QType; 14] = [
-    QType::F32,
-    QType::F16,
-    QType::BF16,
-    QType::Q4_0,
-    QType::Q4_1,
-    QType::Q5_0,
-    QType::Q5_1,
-    QType::Q8_0,
-    QType::Q2_K,
-    QType::Q3_K,
-    QType::Q4_K,
-    QType::Q5_K,
-    QType::Q6_K,
-    QType::AprQ4,
-];
+/// Weight types this backend multiplies with: those [`Kernel::new`] has a kernel for (the
+/// backend's claims come from its kernels, so they cannot drift apart).
+pub fn supported() -> Vec<QType> {
+    QType::ALL
+        .into_iter()
+        .filter(|&q| Kernel::new(q, Isa::Portable).is_some())
+        .collect()
+}
 
 impl Kernel {
     /// The kernel for `qtype` on the widest instruction set up to `max` that the CPU has
