@@ -99,10 +99,10 @@ struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(short, long)]
     threads: Option<usize>,
-    /// Quantise activations to 8 bits for integer dot products, as llama.cpp does (in
-    /// 32-value blocks; llama.cpp takes 256 for K-quant weights): on a GPU instead of the
-    /// default 15 bits, on the CPU instead of the f32 reference (decode about 1.5–2× faster
-    /// there, prompts slower). The output drifts from the f32 reference.
+    /// Quantise activations to 8 bits for integer dot products: on a GPU (32-value blocks)
+    /// instead of the default 15 bits, on the CPU instead of the f32 reference, as llama.cpp
+    /// does (32-value blocks, 256 for K-quant weights; decode about 1.5–2× faster there,
+    /// prompts slower). The output drifts from the f32 reference.
     #[arg(long)]
     quantized_activations: bool,
     /// How the KV cache stores keys and values: f32, f16 or q8_0 (default: the backend's,
@@ -921,7 +921,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
     }
     let mut engine = load_engine(&args.model)?;
     let backend = match args.model.quantized_activations {
-        true => format!("{} (Q8_1 activations)", engine.backend_name()),
+        true => format!("{} (8-bit activations)", engine.backend_name()),
         false => engine.backend_name().to_string(),
     };
     let bytes = bytes_per_decode_step(&engine.model.ir);

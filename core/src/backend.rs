@@ -94,7 +94,8 @@ pub struct LoadOptions {
     /// Worker threads for CPU work; `None` means all cores.
     pub threads: Option<usize>,
     pub progress: Option<ProgressFn>,
-    /// Let a backend quantise activations to 8 bits (Q8_1) for integer dot products:
+    /// Let a backend quantise activations to 8 bits (Q8_1; the CPU takes Q8_K, 256-value
+    /// blocks, for K-quant weights, as llama.cpp does) for integer dot products:
     /// faster matrix-vector products, but logits drift from the f32 reference, on real
     /// models past what greedy decoding tolerates (see docs/architecture.md; cuda-q4k's
     /// default keeps 15 bits and stays within the parity bar). Off by default. The CPU

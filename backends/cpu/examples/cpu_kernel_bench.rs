@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use kiln_backend_cpu::kernels::q8::{Q8Act, Q8Kernel};
+use kiln_backend_cpu::kernels::q8::{Q8Input, Q8Kernel};
 use kiln_backend_cpu::kernels::{block_sums, Act, Kernel, RowDot};
 use kiln_backend_cpu::Isa;
 use kiln_core::{QType, Rng};
@@ -30,7 +30,7 @@ fn main() {
     let x: Vec<f32> = (0..cols).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
     let mut sums = vec![0.0; cols / 32];
     block_sums(&x, &mut sums);
-    let mut x8 = Q8Act::default();
+    let mut x8 = Q8Input::default();
     x8.quantize(&x, 1, cols);
     let isas = Isa::available();
     println!(
@@ -87,7 +87,8 @@ fn main() {
             report(isa.name(), &mut |out| {
                 kernel.dot_rows(&bytes, row_bytes, act, out)
             });
-            if let Some(k8) = Q8Kernel::new(q, isa) {
+            let k8 = Q8Kernel::new(q, isa);
+            if let Some((k8, x8)) = k8.and_then(|k| Some((k, x8.form(k.span())?))) {
                 let name = format!("{} q8", isa.name());
                 report(&name, &mut |out| {
                     k8.dot_rows(&bytes, row_bytes, x8.token(0), out)

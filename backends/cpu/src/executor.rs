@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::q8::Q8Act;
+use crate::kernels::q8::Q8Input;
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
@@ -374,7 +374,7 @@ struct Scratch {
     xn: Vec<f32>,
     sums: Vec<f32>,
     /// The current matmul input quantised to 8 bits (with `quantized_activations`).
-    q8: Q8Act,
+    q8: Q8Input,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -490,7 +490,7 @@ impl CpuExecutor {
             x: vec![0.0; b * h],
             xn: vec![0.0; b * widest],
             sums: vec![0.0; b * widest.div_ceil(32)],
-            q8: Q8Act::default(),
+            q8: Q8Input::default(),
             q: vec![0.0; b * qd],
             k: vec![0.0; b * kvd],
             v: vec![0.0; b * kvd],
@@ -586,7 +586,7 @@ fn norm(n: &Norm<Vec<f32>>, x: &[f32], out: &mut [f32]) {
 fn batch<'a>(
     x: &'a [f32],
     sums: &'a mut [f32],
-    q8: &'a mut Q8Act,
+    q8: &'a mut Q8Input,
     quantize: bool,
     tokens: usize,
     cols: usize,

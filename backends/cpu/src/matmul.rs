@@ -10,7 +10,7 @@
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
-use crate::kernels::q8::{Q8Act, Q8Kernel};
+use crate::kernels::q8::{Q8Input, Q8Kernel};
 use crate::kernels::{dot4_f32, dot_f32, Act, Isa, Kernel, RowDot, Simd};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
@@ -104,7 +104,7 @@ pub struct MatJob<'a> {
 pub struct Batch<'a> {
     pub x: &'a [f32],
     pub sums: &'a [f32],
-    pub q8: Option<&'a Q8Act>,
+    pub q8: Option<&'a Q8Input>,
     pub tokens: usize,
     pub cols: usize,
 }
@@ -162,10 +162,11 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
             std::slice::from_raw_parts_mut(out.0.add(t * m.rows + r0), r1 - r0)
         };
         let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
-        match (input.q8, m.q8) {
+        let q8 = m.q8.and_then(|k| Some((k, input.q8?.form(k.span())?)));
+        match q8 {
             // 8-bit activations: every token takes the integer kernel, prompts too, so the
             // arithmetic is llama.cpp's at any batch size (the rows stay in cache).
-            (Some(act), Some(k)) => {
+            Some((k, act)) => {
                 for t in 0..input.tokens {
                     k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
                 }

@@ -7,17 +7,16 @@
 //! memory, bounds a decode step. llama.cpp's CPU build quantises each activation to int8
 //! blocks once per matrix and multiplies bytes with bytes (`vpmaddubsw`, 32 products and
 //! 16 pair sums in one instruction), half the instructions. This module does the same
-//! when asked to: an activation becomes [`Q8Act`] blocks (32 values, `d = amax / 127`,
-//! `q = round(x / d)`, and `s = d·Σq`, llama.cpp's Q8_1), and each weight type with a
-//! kernel here is multiplied block by block in exact integer arithmetic, its scales and
-//! offsets applied in f32 per block.
+//! when asked to, with llama.cpp's activation formats ([`ScaleSpan`]): for the 32-value
+//! weight types one scale per 32 values (its Q8_0/Q8_1), for the K-quants one per 256
+//! (its Q8_K). Each weight type with a kernel here is multiplied block by block in exact
+//! integer arithmetic, its scales and offsets applied in f32 per block.
 //!
 //! The result differs from the oracle by the activation's rounding (a relative error of up
 //! to 1/254 of each block's largest value), as llama.cpp's CPU results do; the executor
-//! uses it only for the few-token (decode) matmuls and only when the caller opted in.
-//! Types without a kernel here keep the f32 dot. Each kernel has a portable form, which
-//! defines its result, and an AVX2 form ([`super::avx2_q8`]) that agrees with it to f32
-//! rounding.
+//! uses it only when the caller opted in. Types without a kernel here keep the f32 dot.
+//! Each kernel has a portable form, which defines its result, and an AVX2 form
+//! ([`super::avx2_q8`]) that agrees with it to f32 rounding.
 
 use half::f16;
 use kiln_core::{quant::kquants::scale_min_k4, QType};
@@ -34,10 +33,39 @@ pub const Q8_BLOCK: usize = 32;
 /// nearest integer (ties to even) in two exact-or-rounded additions.
 const ROUNDER: f32 = 12_582_912.0;
 
+/// How many activation values share one 8-bit scale, as llama.cpp's CPU build quantises a
+/// matrix's input for the weight type (its `vec_dot_type`). A 256-value scale is a
+/// coarser grid than a 32-value one wherever a super-block mixes large and small values,
+/// so the choice moves results by far more than rounding: to compute what llama.cpp
+/// computes, a K-quant matrix must see the K form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleSpan {
+    /// 32 values a scale (Q8_0, Q8_1): `q = round(x·127/amax)` (ties to even, as ggml's AVX2
+    /// quantiser rounds), `d = amax/127` rounded to f16, and `s = d·Σq`. (Q8_1 rounds `s`
+    /// to f16 as well; here it stays the product in f32, which the types whose offset is a
+    /// multiple of the scale, Q4_0 and Q5_0, need exact.)
+    Block,
+    /// 256 values a scale (Q8_K): `q = round(x·127/amax)`, `d = 1/(127/amax)` in f32, and
+    /// per 32 values `s = d·Σq`; the kernels read one scale per 32 values, so each
+    /// super-block's scale is stored eight times.
+    SuperBlock,
+}
+
+impl ScaleSpan {
+    /// Values one scale covers.
+    pub const fn values(self) -> usize {
+        match self {
+            ScaleSpan::Block => Q8_BLOCK,
+            ScaleSpan::SuperBlock => 256,
+        }
+    }
+}
+
 /// An activation (one or more tokens of `cols` values each) quantised to int8 blocks of
 /// [`Q8_BLOCK`] values: block `b` holds `qs[32b..32b + 32]`, scale `d[b]` and `s[b] = d[b]·Σ
-/// qs` (which the types with an offset per block multiply by it). A buffer to reuse: it
-/// grows to the largest activation it was given and never shrinks.
+/// qs` (which the types with an offset per block multiply by it); with
+/// [`ScaleSpan::SuperBlock`] eight consecutive blocks share their scale. A buffer to
+/// reuse: it grows to the largest activation it was given and never shrinks.
 #[derive(Debug, Default, Clone)]
 pub struct Q8Act {
     qs: Vec<i8>,
@@ -73,11 +101,12 @@ impl<'a> Q8Ref<'a> {
 
 impl Q8Act {
     /// Quantises `tokens` activations of `cols` values each (`x` holds them one after
-    /// another; `cols` must be a multiple of 32).
-    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize) {
+    /// another; `cols` must be a multiple of `span`'s values).
+    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize, span: ScaleSpan) {
+        let group = span.values();
         assert!(
-            cols.is_multiple_of(Q8_BLOCK) && x.len() >= tokens * cols,
-            "quantize: {tokens} × {cols} values from {} (rows must be whole 32-value blocks)",
+            cols.is_multiple_of(group) && x.len() >= tokens * cols,
+            "quantize: {tokens} × {cols} values from {} (rows must be whole {group}-value groups)",
             x.len()
         );
         let (n, nb) = (tokens * cols, tokens * cols / Q8_BLOCK);
@@ -86,22 +115,36 @@ impl Q8Act {
         self.s.resize(nb, 0.0);
         self.cols = cols;
         self.tokens = tokens;
-        for (b, xs) in x[..n].chunks_exact(Q8_BLOCK).enumerate() {
-            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
-            let mut sum = 0i32;
-            for (q, &v) in self.qs[b * Q8_BLOCK..][..Q8_BLOCK].iter_mut().zip(xs) {
+        for (g, xs) in x[..n].chunks_exact(group).enumerate() {
+            // The largest magnitude, NaN if any value is NaN: the scale then carries it
+            // into every product of the group, so non-finite logits still show.
+            let amax = xs.iter().fold(0.0f32, |m, v| {
+                if v.abs() > m || v.is_nan() {
+                    v.abs()
+                } else {
+                    m
+                }
+            });
+            let inv = if amax == 0.0 { 0.0 } else { 127.0 / amax };
+            let d = match span {
+                ScaleSpan::Block => f16::from_f32(amax / 127.0).to_f32(),
+                ScaleSpan::SuperBlock if amax == 0.0 => 0.0,
+                ScaleSpan::SuperBlock => 1.0 / inv,
+            };
+            let qs = &mut self.qs[g * group..][..group];
+            for (q, &v) in qs.iter_mut().zip(xs) {
                 // Round to nearest, ties to even, by adding and taking away 1.5·2²³ (exact
                 // for |v·inv| ≤ 127; `f32::round` is a libm call here, 1.5% of a decode
-                // step). A NaN becomes 0 (`as` saturates); the block's scale carries it into
-                // every product, so non-finite logits still show.
+                // step). A NaN becomes 0 (`as` saturates).
                 let r = ((v * inv + ROUNDER) - ROUNDER) as i32;
                 *q = r.clamp(-127, 127) as i8;
-                sum += *q as i32;
             }
-            self.d[b] = d;
-            self.s[b] = d * sum as f32;
+            let first = g * group / Q8_BLOCK;
+            for (b, block) in qs.chunks_exact(Q8_BLOCK).enumerate() {
+                let sum: i32 = block.iter().map(|&q| q as i32).sum();
+                self.d[first + b] = d;
+                self.s[first + b] = d * sum as f32;
+            }
         }
     }
 
@@ -123,6 +166,37 @@ impl Q8Act {
     /// Tokens quantised by the last [`Q8Act::quantize`].
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+}
+
+/// One matmul input in each form a matrix may ask for ([`ScaleSpan`]): the executor
+/// quantises an activation once and every matrix reads the form its type multiplies. The
+/// super-block form exists only when rows are whole 256-value groups, as every K-quant
+/// matrix's are.
+#[derive(Debug, Default, Clone)]
+pub struct Q8Input {
+    block: Q8Act,
+    super_block: Q8Act,
+    has_super_block: bool,
+}
+
+impl Q8Input {
+    /// Quantises `tokens` activations of `cols` values each (`cols` a multiple of 32).
+    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize) {
+        self.block.quantize(x, tokens, cols, ScaleSpan::Block);
+        self.has_super_block = cols.is_multiple_of(ScaleSpan::SuperBlock.values());
+        if self.has_super_block {
+            self.super_block
+                .quantize(x, tokens, cols, ScaleSpan::SuperBlock);
+        }
+    }
+
+    /// The form `span` of the last activation, if its rows allow it.
+    pub fn form(&self, span: ScaleSpan) -> Option<&Q8Act> {
+        match span {
+            ScaleSpan::Block => Some(&self.block),
+            ScaleSpan::SuperBlock => self.has_super_block.then_some(&self.super_block),
+        }
     }
 }
 
@@ -157,6 +231,15 @@ impl Q8Kernel {
 
     pub fn qtype(&self) -> QType {
         self.qtype
+    }
+
+    /// The activation form this kernel multiplies: llama.cpp's for the weight type, one
+    /// scale per super-block for the K-quants, one per block for the others.
+    pub fn span(&self) -> ScaleSpan {
+        match self.qtype.block_len() {
+            256 => ScaleSpan::SuperBlock,
+            _ => ScaleSpan::Block,
+        }
     }
 
     /// `out[r] = row r · x` for the `out.len()` rows packed in `rows` (`row_bytes` each, a
