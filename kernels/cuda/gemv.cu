@@ -456,7 +456,7 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, int c, 
     }
 }
 
-// What a GEMV does with its outputs: y = (W·x) (+ bias) (+ residual), or in SwiGLU mode
+// What a GEMV does with its outputs: y = scale·(W·x (+ bias)) (+ residual), or in SwiGLU mode
 // y = act(gate·x) * (up·x), act SiLU or (with `gelu`) GELU. With `q` (QOUT kernels, whose blocks own whole 32-row groups)
 // it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and writes the
 // group's sum(y²) to norm_parts[group]: the next RMSNorm, left for the consumer to finish
@@ -472,6 +472,7 @@ struct GemvOut {
     float2* __restrict__ ds;
     float* __restrict__ norm_parts;
     int gelu;
+    float scale;  // 1 but for models that scale a branch or the logits (Granite)
 };
 
 // A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
@@ -603,6 +604,7 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
             v = glu_act(v, out.gelu) * v2;
         } else {
             if (out.bias) v += out.bias[row];
+            v *= out.scale;
             if (out.residual) v += out.residual[row];
         }
         out.y[row] = v;
@@ -684,7 +686,7 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
                                             float* norm_parts, float scale) {                                          \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
-        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts, 0};                                       \
+        GemvOut out = {nullptr, nullptr, y, norm_w, yq, yr, yds, norm_parts, 0, 1.0f};                                 \
         embed<T>(w, token, out, nrows, K, scale, blockIdx.x);                                                                      \
     }
 
@@ -696,12 +698,12 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts, int gelu
+        float *out_parts, int gelu, float scale
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
-    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu};                                           \
+    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu, scale};                                    \
     gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K);
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \

@@ -83,10 +83,10 @@ extern "C" __global__ void act_pack(const float* __restrict__ x, const float* __
 }
 
 // Value r of row m of a batched matmul's result: its split sums added in split order, then
-// bias and residual, or the gated activation (see bmm_finish).
+// bias, scale and residual, or the gated activation (see bmm_finish).
 static __device__ __forceinline__ float finish_value(const float* __restrict__ part, int splits, int rows, int ldp,
                                                      int nrows, int swiglu, const float* __restrict__ bias,
-                                                     const float* residual, int ldy, int m, int r) {
+                                                     const float* residual, float scale, int ldy, int m, int r) {
     float a = 0.0f, b = 0.0f;
     for (int sp = 0; sp < splits; ++sp) {
         const float* p = part + ((size_t)sp * rows + m) * ldp;
@@ -96,22 +96,23 @@ static __device__ __forceinline__ float finish_value(const float* __restrict__ p
     if (swiglu) return glu_act(a, swiglu == 2) * b;
     float v = a;
     if (bias) v += bias[r];
+    v *= scale;
     if (residual) v += residual[(size_t)m * ldy + r];
     return v;
 }
 
-// The batched matmuls' epilogue: y[m][r] = Σ over splits of part[split][m][r] (in split
-// order), + bias[r], + residual[m][r] (which may be y itself); in SwiGLU mode the parts
+// The batched matmuls' epilogue: y[m][r] = scale·(Σ over splits of part[split][m][r] (in
+// split order) + bias[r]) + residual[m][r] (which may be y itself); in SwiGLU mode the parts
 // hold gate rows [0, nrows) and up rows [nrows, 2·nrows) and y = act(gate) · up, act SiLU
 // (swiglu 1) or tanh-approximated GELU (swiglu 2: GeGLU).
 extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits, int rows, int ldp, int nrows,
-                                      int swiglu, const float* __restrict__ bias, const float* residual, float* y,
-                                      int ldy) {
+                                      int swiglu, const float* __restrict__ bias, const float* residual, float scale,
+                                      float* y, int ldy) {
     grid_dependency_wait();
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)rows * nrows) return;
     const int m = (int)(idx / nrows), r = (int)(idx % nrows);
-    y[(size_t)m * ldy + r] = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, ldy, m, r);
+    y[(size_t)m * ldy + r] = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, scale, ldy, m, r);
 }
 
 // bmm_finish, with y also packed for the next batched matmul as act_pack packs it without a
@@ -122,13 +123,14 @@ extern "C" __global__ void bmm_finish(const float* __restrict__ part, int splits
 // (docs/log/2026-11-to-12.md, "Fewer launches between the batched matmuls").
 extern "C" __global__ void __launch_bounds__(1024)
     bmm_finish_pack(const float* __restrict__ part, int splits, int rows, int ldp, int nrows, int swiglu,
-                    const float* __restrict__ bias, const float* residual, float* y, int ldy, uint4* __restrict__ out,
+                    const float* __restrict__ bias, const float* residual, float scale, float* y, int ldy,
+                    uint4* __restrict__ out,
                     float2* __restrict__ s, u16* __restrict__ out_h) {
     grid_dependency_wait();
     const int m = blockIdx.y, r = blockIdx.x * blockDim.x + threadIdx.x;
     float v = 0.0f;
     if (r < nrows) {
-        v = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, ldy, m, r);
+        v = finish_value(part, splits, rows, ldp, nrows, swiglu, bias, residual, scale, ldy, m, r);
         y[(size_t)m * ldy + r] = v;
     }
     if ((r >> 5) < (nrows >> 5)) pack_chunk_warp(v, threadIdx.x & 31, m, rows, nrows >> 5, r >> 5, out, s, out_h);

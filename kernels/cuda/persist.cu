@@ -79,7 +79,7 @@ static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* sr
             const XIn in = {(const float*)a[6], (const i8*)a[7], (const i8*)a[8], (const float2*)a[9],                 \
                             (const float*)a[10], P_F32(11)};                                                           \
             const GemvOut out = {(const float*)a[12], (const float*)a[13], (float*)a[14], (const float*)a[17],         \
-                                 (i8*)a[18], (i8*)a[19], (float2*)a[20], (float*)a[21], P_INT(22)};                    \
+                                 (i8*)a[18], (i8*)a[19], (float2*)a[20], (float*)a[21], P_INT(22), P_F32(23)};         \
             gemv_compute<T, A, R, S, P_NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, vb);                                \
         }                                                                                                              \
     }
@@ -89,7 +89,7 @@ static __device__ __forceinline__ void stage_instr(PInstr* dst, const PInstr* sr
     if (!prefetch) {                                                                                                   \
         const W w = {(const u8*)a[0], (const u32*)a[1], (const u8*)a[2]};                                              \
         const GemvOut out = {nullptr,     nullptr,     (float*)a[4],  (const float*)a[7], (i8*)a[8],                   \
-                             (i8*)a[9], (float2*)a[10], (float*)a[11], 0};                                              \
+                             (i8*)a[9], (float2*)a[10], (float*)a[11], 0, 1.0f};                                        \
         embed<T>(w, (const int*)a[3], out, P_INT(5), P_INT(6), P_F32(12), vb);                                         \
     }
 

@@ -211,12 +211,14 @@ impl BatchRows {
     }
 }
 
-/// The epilogue of a batched matmul: y = W·x (+ bias) (+ residual, which may be y), and
-/// optionally y packed for the next batched matmul by the same launch.
+/// The epilogue of a batched matmul: y = scale·(W·x (+ bias)) (+ residual, which may be y),
+/// and optionally y packed for the next batched matmul by the same launch.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BatchEpilogue {
     pub bias: Option<DevSlice<f32>>,
     pub residual: Option<DevSlice<f32>>,
+    /// Not for gated matmuls: `None` is 1 (Granite scales its branches and logits).
+    pub scale: Option<f32>,
     /// Gated (gate/up) matmuls only: GELU instead of SiLU as the gate activation.
     pub gelu: bool,
     /// Also pack y here as [`Kernels::act_pack`] packs it without a norm (the launch that
@@ -416,8 +418,10 @@ impl Kernels {
         if let Some(r) = epi.residual {
             r.check_len((rows - 1) * ldy + nrows, "batched matmul residual")?;
         }
-        if up.is_some() && (epi.bias.is_some() || epi.residual.is_some()) {
-            return Err(invalid("a SwiGLU matmul takes no bias or residual".into()));
+        if up.is_some() && (epi.bias.is_some() || epi.residual.is_some() || epi.scale.is_some()) {
+            return Err(invalid(
+                "a SwiGLU matmul takes no bias, residual or scale".into(),
+            ));
         }
         let walk = self.bmm_walk(w, rows, up.is_some());
         let splits = self.bmm_splits_of(w, rows, walk);
@@ -492,6 +496,7 @@ impl Kernels {
             })
             .ptr(opt(epi.bias))
             .ptr(opt(epi.residual))
+            .f32(epi.scale.unwrap_or(1.0))
             .ptr(y.ptr())
             .i32(ldy as i32);
         match &epi.pack {

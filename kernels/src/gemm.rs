@@ -44,8 +44,9 @@ impl Blas {
         Ok(this)
     }
 
-    /// y[N][ldy] (first R columns) = x[N][K] · w[R][K]ᵀ + beta · y, f16 inputs, f32
-    /// accumulation. `beta = 1` adds the product to y (a fused residual add).
+    /// y[N][ldy] (first R columns) = alpha · x[N][K] · w[R][K]ᵀ + beta · y, f16 inputs, f32
+    /// accumulation. `beta = 1` adds the product to y (a fused residual add); `alpha` is 1
+    /// but for models that scale a branch or the logits.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_f16_f32(
         &self,
@@ -56,6 +57,7 @@ impl Blas {
         k: usize,
         y: DevSlice<f32>,
         ldy: usize,
+        alpha: f32,
         beta: f32,
     ) -> Result<()> {
         if rows == 0 || n == 0 || k == 0 || ldy < rows {
@@ -73,7 +75,6 @@ impl Blas {
         x.check_len(n * k, "GEMM input")?;
         y.check_len((n - 1) * ldy + rows, "GEMM output")?;
         self.device.bind()?;
-        let (alpha, beta) = (1.0f32, beta);
         // SAFETY: every operand's extent was checked above; alpha and beta are host
         // scalars (the handle's default pointer mode); all pointers are on this device.
         unsafe {

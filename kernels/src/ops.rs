@@ -139,7 +139,7 @@ impl QuantBuffers {
     }
 }
 
-/// What a GEMV adds to W·x, and whether it quantises its output (then its blocks own whole
+/// What a GEMV does to W·x (scale, bias, residual), and whether it quantises its output (then its blocks own whole
 /// 32-row groups: the tiling must be one of `GemvTiling::quantising()`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Epilogue {
@@ -150,6 +150,9 @@ pub struct Epilogue {
     /// SwiGLU mode only: GELU (tanh approximation) as the gate activation instead of SiLU
     /// (GeGLU, Gemma's feed-forward).
     pub gelu: bool,
+    /// Not in SwiGLU mode: y = scale·(W·x + bias) + residual (a scaled residual branch or
+    /// scaled logits, Granite's multipliers); `None` is 1.
+    pub scale: Option<f32>,
 }
 
 /// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
@@ -603,7 +606,8 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.lo.ptr()))
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
             .ptr(q.map_or(0, |q| opt(q.norm_parts)))
-            .i32(epi.gelu as i32);
+            .i32(epi.gelu as i32)
+            .f32(epi.scale.unwrap_or(1.0));
         let persist = PersistGemv {
             cuda_type: w.format.cuda_type,
             path,

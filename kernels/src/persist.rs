@@ -233,6 +233,13 @@ impl StepProgram {
                 bytes.extend_from_slice(&word.to_le_bytes());
             }
             let slots = op.args.slots();
+            if slots.len() > INSTR_ARGS {
+                return Err(KernelError::InvalidArgument(format!(
+                    "{}: {} arguments, more than an instruction holds ({INSTR_ARGS})",
+                    op.call,
+                    slots.len()
+                )));
+            }
             for i in 0..INSTR_ARGS {
                 bytes.extend_from_slice(&slots.get(i).copied().unwrap_or(0).to_le_bytes());
             }

@@ -176,14 +176,16 @@ fn gemv_every_type_path_and_shape_matches_reference() {
                     }
                 }
             }
-            // Epilogue: bias and residual.
+            // Epilogue: bias, a scale (Granite's branches) and residual.
             let y = poisoned(&g.dev, n);
             let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
+            let scale = 0.3f32;
             let epi = Epilogue {
                 bias: Some(bd.slice()),
                 residual: Some(rd.slice()),
                 quant: None,
                 gelu: false,
+                scale: Some(scale),
             };
             g.k.gemv(
                 &w,
@@ -195,7 +197,7 @@ fn gemv_every_type_path_and_shape_matches_reference() {
             )
             .unwrap();
             for (i, r) in reference.iter_mut().enumerate() {
-                *r += bias[i] as f64 + resid[i] as f64;
+                *r = scale as f64 * (*r + bias[i] as f64) + resid[i] as f64;
             }
             let err = rel_err(&y.to_host().unwrap(), &reference);
             assert!(
@@ -314,6 +316,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                         norm_parts: Some(parts_out.slice()),
                     }),
                     gelu: false,
+                    scale: None,
                 };
                 g.k.gemv(&w, &input, path, t, y.slice(), &epi).unwrap();
                 let got = y.to_host().unwrap();
@@ -333,6 +336,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 residual: Some(rd.slice()),
                 quant: None,
                 gelu: false,
+                scale: None,
             };
             g.k.gemv(&w, &input, path, GemvTiling::new(4, 2), y.slice(), &plain)
                 .unwrap();
@@ -1335,7 +1339,7 @@ fn batched_matmul_every_format_matches_reference() {
                     .unwrap();
                 let part = poisoned(&g.dev, g.k.bmm_part_len(&w, rows, true));
                 let (bd, rd) = (buf(&g.dev, &bias), buf(&g.dev, &resid));
-                // Plain, then bias + residual (in place), then SwiGLU.
+                // Plain, then bias, scale and residual (in place), then SwiGLU.
                 let y = poisoned(&g.dev, rows * n);
                 g.k.batched_matmul(
                     &w,
@@ -1348,9 +1352,11 @@ fn batched_matmul_every_format_matches_reference() {
                     &BatchEpilogue::default(),
                 )
                 .unwrap();
+                let epi_scale = 1.7f32;
                 let epi = BatchEpilogue {
                     bias: Some(bd.slice()),
                     residual: Some(rd.slice()),
+                    scale: Some(epi_scale),
                     ..Default::default()
                 };
                 g.k.batched_matmul(&w, None, &act, rows, part.slice(), rd.slice(), n, &epi)
@@ -1393,7 +1399,9 @@ fn batched_matmul_every_format_matches_reference() {
                     let row = |v: &[f32]| v[m * n..(m + 1) * n].to_vec();
                     let err = rel_err(&row(&got), &want);
                     let with_epi: Vec<f64> = (0..n)
-                        .map(|i| want[i] + bias[i] as f64 + resid[m * n + i] as f64)
+                        .map(|i| {
+                            epi_scale as f64 * (want[i] + bias[i] as f64) + resid[m * n + i] as f64
+                        })
                         .collect();
                     let err_epi = rel_err(&row(&got_epi), &with_epi);
                     let err_up = rel_err(&row(&got_up), &want_up);

@@ -704,19 +704,21 @@ fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
     gemma3_parity("cuda-q4_0", Recipe::Q4_0);
 }
 
-/// Phi-3 (fused Q/K/V and gate/up tensors split at load, a sliding window shorter than the
-/// prompt) from the transformers fixture of tests/tests/phi3_granite.rs, f16 weights, on
-/// both GPU backends: the prompt in chunks through each backend's prefill, then 32 greedy
-/// steps, every logit row against the CPU oracle's (cosine ≥ 0.99999, equal greedy tokens).
-fn phi3_parity(gpu: &str) {
+/// A transformers fixture of tests/tests/phi3_granite.rs (f16 weights) on a GPU backend: the
+/// prompt in chunks through the backend's prefill, then 32 greedy steps, every logit row
+/// against the CPU oracle's (cosine ≥ 0.99999, equal greedy tokens).
+fn fixture_parity(gpu: &str, arch: &str) {
     let Some((cpu_backend, cuda_backend)) = backends_for(gpu) else {
         return;
     };
-    let file =
-        kiln_formats::gguf::GgufFile::open(kiln_tests::fixture("phi3_granite/phi3.gguf")).unwrap();
-    let ir = kiln_formats::model::model_from_gguf(&file, "phi3").unwrap();
+    let file = kiln_formats::gguf::GgufFile::open(kiln_tests::fixture(&format!(
+        "phi3_granite/{arch}.gguf"
+    )))
+    .unwrap();
+    let ir = kiln_formats::model::model_from_gguf(&file, arch).unwrap();
     let options = LoadOptions {
         max_context: 256,
+        max_sequences: 4,
         ..Default::default()
     };
     let mut cpu = cpu_backend.load(&ir, &options).unwrap();
@@ -727,7 +729,7 @@ fn phi3_parity(gpu: &str) {
         cpu.new_sequence().unwrap(),
         gpu_exec.new_sequence().unwrap(),
     );
-    // 40 tokens: a 3-token chunk, then 37 (the window is 16).
+    // 40 tokens: a 3-token chunk, then 37 (Phi-3's window is 16).
     let prompt: Vec<u32> = (0..40u32).map(|i| 3 + (i * 37) % 150).collect();
     let mut worst = 1.0f64;
     for chunk in [&prompt[..3], &prompt[3..]] {
@@ -740,7 +742,7 @@ fn phi3_parity(gpu: &str) {
         assert_eq!(
             argmax(&lg),
             token,
-            "{gpu}: phi3 greedy token at step {step}"
+            "{gpu}: {arch} greedy token at step {step}"
         );
         lg.fill(f32::NAN);
         cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc)
@@ -750,38 +752,68 @@ fn phi3_parity(gpu: &str) {
             .unwrap();
         worst = worst.min(cosine(&lc, &lg));
     }
-    println!("{gpu}: phi3 fixture, prompt 40 tokens, 32 steps: min cosine {worst:.7}");
-    assert!(worst >= 0.99999, "{gpu}: phi3 min cosine {worst}");
+    println!("{gpu}: {arch} fixture, prompt 40 tokens, 32 steps: min cosine {worst:.7}");
+    // Three sequences of different lengths decoding together: the batched step.
+    let seqs: Vec<_> = (0..3)
+        .map(|_| {
+            (
+                cpu.new_sequence().unwrap(),
+                gpu_exec.new_sequence().unwrap(),
+            )
+        })
+        .collect();
+    let mut tokens = Vec::new();
+    for (i, &(c, g)) in seqs.iter().enumerate() {
+        let p = &prompt[..10 + 12 * i];
+        cpu.prefill(c, p, &mut lc).unwrap();
+        gpu_exec.prefill(g, p, &mut lg).unwrap();
+        tokens.push(argmax(&lc));
+    }
+    let (mut bc, mut bg) = (vec![f32::NAN; 3 * vocab], vec![f32::NAN; 3 * vocab]);
+    for step in 0..8 {
+        let items = |gpu_side: bool| -> Vec<DecodeItem> {
+            seqs.iter()
+                .zip(&tokens)
+                .map(|(&(c, g), &token)| DecodeItem {
+                    seq: if gpu_side { g } else { c },
+                    token,
+                })
+                .collect()
+        };
+        bg.fill(f32::NAN);
+        cpu.decode(&items(false), &mut bc).unwrap();
+        gpu_exec.decode(&items(true), &mut bg).unwrap();
+        for (r, token) in tokens.iter_mut().enumerate() {
+            let (rc, rg) = (&bc[r * vocab..][..vocab], &bg[r * vocab..][..vocab]);
+            worst = worst.min(cosine(rc, rg));
+            *token = argmax(rc);
+            assert_eq!(
+                argmax(rg),
+                *token,
+                "{gpu}: {arch} batched row {r} step {step}"
+            );
+        }
+    }
+    println!("{gpu}: {arch} fixture, and 8 batched steps of 3 sequences: min cosine {worst:.7}");
+    assert!(worst >= 0.99999, "{gpu}: {arch} min cosine {worst}");
 }
 
+/// Phi-3: fused Q/K/V and gate/up tensors split at load, a sliding window shorter than the
+/// prompt.
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn phi3_fixture_matches_cpu_on_both_gpu_backends() {
-    phi3_parity("cuda-q4k");
-    phi3_parity("cuda-q4_0");
+    fixture_parity("cuda-q4k", "phi3");
+    fixture_parity("cuda-q4_0", "phi3");
 }
 
-/// Granite's branch and logit multipliers have no GPU kernels yet: both GPU backends refuse
-/// the model with a typed error that says so, rather than run it without them.
+/// Granite: its embedding, residual-branch, attention and logit multipliers (the branch
+/// and logit scales in the GEMV, batched-matmul and GEMM epilogues).
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
-fn granite_is_refused_by_the_gpu_backends_with_the_reason() {
-    let file = kiln_formats::gguf::GgufFile::open(kiln_tests::fixture("phi3_granite/granite.gguf"))
-        .unwrap();
-    let ir = kiln_formats::model::model_from_gguf(&file, "granite").unwrap();
-    for gpu in ["cuda-q4k", "cuda-q4_0"] {
-        let Some((_, cuda)) = backends_for(gpu) else {
-            return;
-        };
-        let err = cuda
-            .load(&ir, &LoadOptions::default())
-            .err()
-            .expect("refused");
-        assert!(
-            matches!(err, kiln_core::Error::Unsupported(_)) && err.to_string().contains("scale"),
-            "{gpu}: {err}"
-        );
-    }
+fn granite_fixture_matches_cpu_on_both_gpu_backends() {
+    fixture_parity("cuda-q4k", "granite");
+    fixture_parity("cuda-q4_0", "granite");
 }
 
 /// The real Gemma 3 270M (when the device has it: KILN_GEMMA3_MODEL) on `cuda-q4k`, with a

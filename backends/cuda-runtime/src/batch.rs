@@ -28,7 +28,7 @@ use kiln_kernels::{
     WeightFormat, Workspace,
 };
 
-use super::{err, DeviceOp, GpuExecutor, StepShape};
+use super::{err, DeviceBranch, DeviceOp, GpuExecutor, StepShape};
 
 /// Batch-size buckets, one graph each per attention grid.
 const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
@@ -315,12 +315,13 @@ impl GpuExecutor {
         // and the last block of each row packing it measured slower than act_pack
         // (docs/log/2026-11-to-12.md, "Fewer launches between the batched matmuls").
         let add_to_stream = |w: &kiln_kernels::DeviceWeight,
-                             post: Option<&kiln_kernels::DeviceBuffer<f32>>,
+                             branch: &DeviceBranch,
                              next: &kiln_kernels::DeviceBuffer<f32>| {
-            match post {
+            match &branch.post_norm {
                 None => {
                     let residual = BatchEpilogue {
                         residual: Some(x),
+                        scale: branch.scale,
                         ..Default::default()
                     };
                     k.batched_matmul(w, None, &b.act, bm, b.part, x, h, &residual)?;
@@ -380,7 +381,7 @@ impl GpuExecutor {
                         out,
                         Some(b.act),
                     )?;
-                    add_to_stream(&a.o, branch.post_norm.as_ref(), next)?;
+                    add_to_stream(&a.o, branch, next)?;
                 }
                 DeviceOp::FeedForward(f) => {
                     let y = b.ffn.sub(0, bm * ffn)?;
@@ -391,14 +392,27 @@ impl GpuExecutor {
                         ..Default::default()
                     };
                     k.batched_matmul(&f.gate, Some(&f.up), &b.act, bm, b.part, y, ffn, &gated)?;
-                    add_to_stream(&f.down, branch.post_norm.as_ref(), next)?;
+                    add_to_stream(&f.down, branch, next)?;
                 }
             }
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
         let vocab = c.vocab_size;
         let logits = b.logits.sub(0, bm * vocab)?;
-        k.batched_matmul(head, None, &b.act, bm, b.part, logits, vocab, &none)
+        let head_epilogue = BatchEpilogue {
+            scale: self.logit_scale,
+            ..Default::default()
+        };
+        k.batched_matmul(
+            head,
+            None,
+            &b.act,
+            bm,
+            b.part,
+            logits,
+            vocab,
+            &head_epilogue,
+        )
     }
 
     /// Runs one batched step for `items` (already checked: ≤ `batch_rows`, distinct live

@@ -46,9 +46,6 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
             "{name} runs RMSNorm models (without norm biases) only"
         ));
     }
-    if program.head.logit_scale != 1.0 {
-        return Err(format!("{name} does not scale logits"));
-    }
     for (i, b) in program.branches.iter().enumerate() {
         let Some(op) = b.single_op() else {
             return Err(format!(
@@ -61,8 +58,10 @@ pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String
                 "{name} runs RMSNorm models (without norm biases) only"
             ));
         }
-        if b.scale != 1.0 {
-            return Err(format!("{name} does not scale residual branches"));
+        if b.scale != 1.0 && b.post_norm.is_some() {
+            return Err(format!(
+                "{name} does not scale branches with a post-norm (branch {i})"
+            ));
         }
         match op {
             Op::Attention(a) => {
@@ -238,13 +237,15 @@ enum DeviceOp {
     FeedForward(DeviceFeedForward),
 }
 
-/// A program's branch on the device: `x += post_norm(op(norm(x)))` (every norm an
+/// A program's branch on the device: `x += scale · post_norm(op(norm(x)))` (every norm an
 /// RMSNorm, checked by `check_model`).
 struct DeviceBranch {
     norm: DeviceBuffer<f32>,
     op: DeviceOp,
     /// Gemma's sandwich norm on the op's output before it joins the residual.
     post_norm: Option<DeviceBuffer<f32>>,
+    /// Granite's residual multiplier (`None`: 1); never beside a post-norm (`check_model`).
+    scale: Option<f32>,
 }
 
 /// One sequence's step state (its KV cache is slot `i` of the executor's pool, `i` its
@@ -344,6 +345,8 @@ pub struct GpuExecutor {
     local_inv_freq: Option<DeviceBuffer<f32>>,
     /// What the token embedding is multiplied by.
     embedding_scale: f32,
+    /// What the logits are multiplied by (`None`: 1; Granite divides them).
+    logit_scale: Option<f32>,
     /// The model program's branches, in order.
     branches: Vec<DeviceBranch>,
     /// Each KV layer's window (0: the whole context).
@@ -668,6 +671,7 @@ impl GpuExecutor {
                     Some(n) => Some(norm(&n.weight, h, "post-norm")?),
                     None => None,
                 },
+                scale: (b.scale != 1.0).then_some(b.scale),
             });
         }
         let head_rows = lm_head.as_ref().unwrap_or(&embd).rows;
@@ -787,6 +791,7 @@ impl GpuExecutor {
             inv_freq,
             local_inv_freq,
             embedding_scale: program.embedding.scale,
+            logit_scale: (program.head.logit_scale != 1.0).then_some(program.head.logit_scale),
             branches,
             windows,
             slots: SequenceSlots::new(slots, kv_blocks, max_ctx),
@@ -1175,7 +1180,7 @@ impl GpuExecutor {
                         s.attn,
                         Some(s.aq),
                     )?;
-                    self.residual_gemv(&a.o, s.aq, b.post_norm.as_ref(), next)?;
+                    self.residual_gemv(&a.o, s.aq, b, next)?;
                 }
                 DeviceOp::FeedForward(f) => {
                     let hq = QuantOut {
@@ -1200,7 +1205,7 @@ impl GpuExecutor {
                         k.swiglu(&f.gate, &f.up, &input, self.path, t, s.ffn, None, f.gelu)?;
                         k.quantize(s.ffn, c.ffn_size, &hq)?;
                     }
-                    self.residual_gemv(&f.down, s.hq, b.post_norm.as_ref(), next)?;
+                    self.residual_gemv(&f.down, s.hq, b, next)?;
                 }
             }
         }
@@ -1212,8 +1217,16 @@ impl GpuExecutor {
             self.path,
             self.tiling(head),
             s.logits,
-            &Epilogue::default(),
+            &self.head_epilogue(),
         )
+    }
+
+    /// The LM head GEMV's epilogue: the logit scale, if the model has one.
+    pub(super) fn head_epilogue(&self) -> Epilogue {
+        Epilogue {
+            scale: self.logit_scale,
+            ..Default::default()
+        }
     }
 
     /// The norm that reads the residual stream after branch `i`: the next branch's, or the
@@ -1222,14 +1235,15 @@ impl GpuExecutor {
         self.branches.get(i + 1).map_or(&self.out_norm, |b| &b.norm)
     }
 
-    /// x += W·a for the residual stream `x` (x += norm(W·a) with a sandwich norm
-    /// `post_norm`), then `out` gets x quantised for the next GEMV: in the GEMV's epilogue,
-    /// or by a launch of its own for large weights (`fuse_limit`) and after a post-norm.
+    /// x += W·a for the residual stream `x` as branch `b` joins it (x += norm(W·a) with a
+    /// sandwich norm, x += scale·W·a with a branch scale), then `out` gets x quantised for
+    /// the next GEMV: in the GEMV's epilogue, or by a launch of its own for large weights
+    /// (`fuse_limit`) and after a post-norm.
     fn residual_gemv(
         &self,
         w: &DeviceWeight,
         a: Q8Act,
-        post_norm: Option<&DeviceBuffer<f32>>,
+        b: &DeviceBranch,
         out: QuantOut,
     ) -> kiln_kernels::Result<()> {
         let (k, s) = (&self.k, &self.s);
@@ -1238,7 +1252,7 @@ impl GpuExecutor {
             q8: Some(a),
             norm: None,
         };
-        if let Some(post) = post_norm {
+        if let Some(post) = &b.post_norm {
             let h = self.config.hidden_size;
             k.gemv(
                 w,
@@ -1255,6 +1269,7 @@ impl GpuExecutor {
         let epi = Epilogue {
             residual: Some(s.x),
             quant: fused.then_some(out),
+            scale: b.scale,
             ..Default::default()
         };
         let tiling = if fused {

@@ -313,7 +313,7 @@ impl GpuExecutor {
             self.path,
             self.tiling(head),
             s.logits,
-            &kiln_kernels::Epilogue::default(),
+            &self.head_epilogue(),
         )?;
         let times = match timer {
             Some(t) => Some(t.finish()?),
@@ -360,7 +360,9 @@ impl GpuExecutor {
             k.dequant_rows_f16(head, v0, vs, w)?;
             Timer::mark(timer, Part::Gemm)?;
             let y = out.sub(v0, (rows - 1) * vocab + vs)?;
-            p.blas.gemm_f16_f32(w, vs, xn, rows, h, y, vocab, 0.0)?;
+            let alpha = self.logit_scale.unwrap_or(1.0);
+            p.blas
+                .gemm_f16_f32(w, vs, xn, rows, h, y, vocab, alpha, 0.0)?;
         }
         Ok(())
     }
@@ -384,10 +386,9 @@ impl GpuExecutor {
         let xn = p.b.act.sub(0, n * h)?;
         self.k
             .rmsnorm_rows_f16(x, n, h, b.norm.slice(), c.norm_eps, xn)?;
-        let post = b.post_norm.as_ref();
         match &b.op {
-            DeviceOp::Attention(a) => self.prefill_attention(p, a, post, slot, n, pos0, timer),
-            DeviceOp::FeedForward(f) => self.prefill_feed_forward(p, f, post, n, timer),
+            DeviceOp::Attention(a) => self.prefill_attention(p, a, b, slot, n, pos0, timer),
+            DeviceOp::FeedForward(f) => self.prefill_feed_forward(p, f, b, n, timer),
         }
     }
 
@@ -398,7 +399,7 @@ impl GpuExecutor {
         &self,
         p: &PrefillState,
         l: &DeviceAttention,
-        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
+        branch: &DeviceBranch,
         slot: usize,
         n: usize,
         pos0: usize,
@@ -424,6 +425,7 @@ impl GpuExecutor {
             h,
             qkv,
             width,
+            1.0,
             0.0,
         )?;
         Timer::mark(timer, Part::Other)?;
@@ -462,7 +464,7 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, post_norm, attn, n, qd, timer)
+        self.residual_gemm(p, branch, attn, n, qd, timer)
     }
 
     /// A gated feed-forward over the chunk's normed rows (in `act`), added to the stream.
@@ -470,7 +472,7 @@ impl GpuExecutor {
         &self,
         p: &PrefillState,
         f: &DeviceFeedForward,
-        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
+        branch: &DeviceBranch,
         n: usize,
         timer: &mut Option<Timer>,
     ) -> Result<()> {
@@ -491,6 +493,7 @@ impl GpuExecutor {
             h,
             gu,
             2 * ffn,
+            1.0,
             0.0,
         )?;
         Timer::mark(timer, Part::Other)?;
@@ -499,16 +502,17 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&f.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, post_norm, act, n, ffn, timer)
+        self.residual_gemm(p, branch, act, n, ffn, timer)
     }
 
-    /// x += W·a for the chunk's `n` rows (W the f16 weight in the weight buffer, `k` values
-    /// per row, one row per hidden unit): straight into the residual stream with β = 1, or,
-    /// with a sandwich norm `post_norm`, into a scratch buffer that is normed and then added.
+    /// x += W·a for the chunk's `n` rows as `branch` joins the stream (W the f16 weight in
+    /// the weight buffer, `k` values per row, one row per hidden unit): straight into the
+    /// residual stream with β = 1 (and α the branch's scale), or, with a sandwich norm,
+    /// into a scratch buffer that is normed and then added.
     fn residual_gemm(
         &self,
         p: &PrefillState,
-        post_norm: Option<&kiln_kernels::DeviceBuffer<f32>>,
+        branch: &DeviceBranch,
         a: DevSlice<u16>,
         n: usize,
         k: usize,
@@ -517,11 +521,14 @@ impl GpuExecutor {
         let h = self.config.hidden_size;
         let x = p.b.x.sub(0, n * h)?;
         let w = p.b.wbuf.sub(0, h * k)?;
-        match post_norm {
-            None => p.blas.gemm_f16_f32(w, h, a, n, k, x, h, 1.0)?,
+        match &branch.post_norm {
+            None => {
+                let alpha = branch.scale.unwrap_or(1.0);
+                p.blas.gemm_f16_f32(w, h, a, n, k, x, h, alpha, 1.0)?
+            }
             Some(post) => {
                 let y = p.b.proj.sub(0, n * h)?;
-                p.blas.gemm_f16_f32(w, h, a, n, k, y, h, 0.0)?;
+                p.blas.gemm_f16_f32(w, h, a, n, k, y, h, 1.0, 0.0)?;
                 Timer::mark(timer, Part::Other)?;
                 self.k
                     .add_rmsnorm_rows(y, n, h, post.slice(), self.config.norm_eps, x)?;
