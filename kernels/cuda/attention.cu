@@ -95,8 +95,7 @@ static __device__ __forceinline__ void attn_merge_splits(const float* __restrict
 
 // KV is the cache's format (KvF16 or KvQ8, common.cuh). The block is query head `bx`'s
 // (`bx` the first of a pair with GM = 2), split `s` of `nsplit`: blockIdx.x, blockIdx.y and
-// gridDim.y in a launch of its own, a virtual block's in the persistent decode kernel
-// (persist.cu). Blocks have at most NWMAX warps.
+// gridDim.y of the launch. Blocks have at most NWMAX warps.
 template <int E, int GM, class KV, int NWMAX = 4>
 static __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const KV kc, const KV vc,
                                                          const int* __restrict__ len_ptr, const int* __restrict__ table,

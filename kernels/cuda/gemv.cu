@@ -477,8 +477,8 @@ struct GemvOut {
 
 // A block is NW warps. S warps share R rows, each taking every S-th chunk (split-K inside
 // the block, so short rows still put many loads in flight); NW / S such groups per block.
-// `bx` is the block's index in the grid: blockIdx.x for a launch of its own, or the
-// virtual block a persistent decode kernel runs (persist.cu).
+// `bx` is the block's index in the grid (blockIdx.x), passed in so a caller may run the
+// tile as another block.
 template <int R, int S, int NW>
 struct GemvTile {
     static constexpr int RB = NW / S * R;  // rows per block

@@ -13,7 +13,7 @@
 
 // One head of one token: `pos` its position; K and V go to the cache only when `write_kv`.
 // Uniform over the block: every thread reaches the cache write. `head` is the block's
-// (blockIdx.x, or a persistent decode kernel's virtual block, persist.cu).
+// (blockIdx.x).
 template <bool Q8>
 static __device__ __forceinline__ void rope_kv_head(const float* __restrict__ qkv, float* __restrict__ q_out,
                                                     void* __restrict__ kc, void* __restrict__ vc, u16* __restrict__ kd,

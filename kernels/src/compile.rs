@@ -23,8 +23,6 @@ const COMMON: &str = include_str!("../cuda/common.cuh");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KernelModule {
     pub name: &'static str,
-    /// Before common.cuh (a generated module's definitions that must reach every file).
-    prelude: &'static str,
     source: &'static str,
     /// Appended to `source`: the instantiation lines of a per-type module.
     suffix: &'static str,
@@ -36,32 +34,16 @@ impl KernelModule {
     pub fn for_test(name: &'static str, source: &'static str) -> Self {
         KernelModule {
             name,
-            prelude: "",
             source,
             suffix: "",
-        }
-    }
-
-    /// A module made at run time (the persistent decode kernel of one model's operations).
-    pub(crate) fn generated(
-        name: &'static str,
-        prelude: &'static str,
-        source: &'static str,
-        suffix: &'static str,
-    ) -> Self {
-        KernelModule {
-            name,
-            prelude,
-            source,
-            suffix,
         }
     }
 
     /// The full text NVRTC compiles.
     pub fn source(&self) -> String {
         format!(
-            "{}#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}.cu\"\n{}\n{}\n",
-            self.prelude, self.name, self.source, self.suffix
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}.cu\"\n{}\n{}\n",
+            self.name, self.source, self.suffix
         )
     }
 }
@@ -69,7 +51,6 @@ impl KernelModule {
 const fn module(name: &'static str, source: &'static str) -> KernelModule {
     KernelModule {
         name,
-        prelude: "",
         source,
         suffix: "",
     }
@@ -85,7 +66,6 @@ macro_rules! attention_modules {
     ($prefix:literal, $entry:literal, $batch:literal: $($e:literal)*) => {
         [$(KernelModule {
             name: concat!($prefix, $e),
-            prelude: "",
             source: ATTENTION_SRC,
             suffix: concat!($entry, "(", $e, ")\n", $batch, "(", $e, ")"),
         }),*]
@@ -128,7 +108,6 @@ impl KernelModule {
     ) -> Self {
         KernelModule {
             name,
-            prelude: "",
             source,
             suffix,
         }
@@ -146,7 +125,6 @@ pub fn all_modules() -> Vec<KernelModule> {
         v.push(f.dequant);
         v.extend(f.batched);
     }
-    v.extend(crate::persist::check_modules());
     v
 }
 

@@ -21,7 +21,6 @@ pub mod gemm;
 pub mod kv;
 pub mod libs;
 pub mod ops;
-pub mod persist;
 pub mod repack;
 pub mod roofline;
 pub mod testdata;
@@ -39,7 +38,6 @@ pub use ops::{
     AttnArgs, AttnHeads, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm,
     PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs,
 };
-pub use persist::{PersistOp, StepProgram};
 pub use repack::{DeviceWeight, PackedWeight};
 
 /// Why CUDA cannot run here, or `None` when a driver and at least one device are present.

@@ -3,7 +3,7 @@
 //! graph); nothing here synchronises.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::batch::{BatchAttention, BmmPath};
 use crate::buffer::{DevSlice, DeviceBuffer};
@@ -12,7 +12,6 @@ use crate::device::{Args, Device, Function, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::format::WeightFormat;
 use crate::kv::{KvFormat, KvPlanes};
-use crate::persist::{OpKind, PersistOp, Recording};
 use crate::repack::DeviceWeight;
 
 fn opt<T>(s: Option<DevSlice<T>>) -> u64 {
@@ -214,59 +213,11 @@ impl GemvTiling {
     }
 }
 
-/// How a recorded GEMV runs in the persistent kernel (see [`Kernels::record_step`]).
-struct PersistGemv {
-    cuda_type: &'static str,
-    path: GemvPath,
-    tiling: GemvTiling,
-    swiglu: bool,
-    quantising: bool,
-    rows: usize,
-    /// The activation it reads (its address), which tells GEMVs of one input apart.
-    input: u64,
-}
-
-impl PersistGemv {
-    /// The instruction at blocks of `warps` warps: the same tiling, each block holding
-    /// `warps / S × R` rows (a quantising one must still own one 32-row group).
-    fn op(&self, warps: usize) -> Result<PersistOp> {
-        let t = self.tiling;
-        let rows_per_block = warps / t.warps_per_row * t.rows_per_warp;
-        if self.quantising && rows_per_block != 32 {
-            return Err(KernelError::Unsupported(format!(
-                "a quantising GEMV tiled {t:?} in persistent blocks of {warps} warps (its blocks own 32 rows)"
-            )));
-        }
-        let a = match self.path {
-            GemvPath::Float => "A_F32",
-            GemvPath::Q8 => "A_Q8",
-            GemvPath::Q16 => "A_Q16",
-        };
-        let call = format!(
-            "P_GEMV({}, {a}, {}, {}, {}, {})",
-            self.cuda_type, t.rows_per_warp, t.warps_per_row, self.swiglu, self.quantising
-        );
-        let kind = if self.swiglu || self.quantising {
-            OpKind::Other
-        } else {
-            OpKind::Gemv { input: self.input }
-        };
-        Ok(PersistOp::new(
-            call,
-            kind,
-            self.rows.div_ceil(rows_per_block),
-            1,
-        ))
-    }
-}
-
 /// Warps per GEMV block (`__launch_bounds__(128)` in gemv.cu).
 const GEMV_WARPS: u32 = 4;
 
 pub struct Kernels {
     device: Arc<Device>,
-    /// A decode step being recorded for the persistent kernel ([`Kernels::record_step`]).
-    pub(crate) recording: Mutex<Option<Recording>>,
     /// Which kernels the batched matmuls over K-quant weights run (a [`BmmPath`] as u8).
     bmm_path: AtomicU8,
     /// The pipelined walks' stages in flight and the blocks per SM their splits aim at
@@ -281,7 +232,6 @@ impl Kernels {
     pub fn new(device: &Arc<Device>) -> Self {
         Kernels {
             device: device.clone(),
-            recording: Mutex::new(None),
             bmm_path: AtomicU8::new(BmmPath::PipelinedF16 as u8),
             bmm_stages: AtomicU8::new(2),
             bmm_blocks_per_sm: AtomicU8::new(2),
@@ -335,9 +285,7 @@ impl Kernels {
         }
     }
 
-    /// Launches `f` now. While a step is recorded for the persistent kernel only the
-    /// launches it runs are taken (recorded by their wrappers); any other refuses, so the
-    /// step keeps its graph form.
+    /// Launches `f` now.
     ///
     /// # Safety
     /// As for [`Device::launch`].
@@ -347,17 +295,11 @@ impl Kernels {
         cfg: LaunchConfig,
         args: &mut Args,
     ) -> Result<()> {
-        if self.recording_warps().is_some() {
-            return Err(KernelError::Unsupported(
-                "the persistent decode step runs the embedding, GEMV, SwiGLU, RoPE and attention kernels only".into(),
-            ));
-        }
         // SAFETY: this fn's contract is the device launch's.
         unsafe { self.device.launch(f, cfg, args) }
     }
 
-    /// Launches kernel `name` of `module`, or, while a step is recorded for the persistent
-    /// kernel, records it: `persist(warps)` says how it runs there (see [`PersistOp`]).
+    /// Launches kernel `name` of `module`.
     ///
     /// # Safety
     /// As for [`Device::launch`].
@@ -367,14 +309,7 @@ impl Kernels {
         name: &str,
         cfg: LaunchConfig,
         mut args: Args,
-        persist: impl FnOnce(usize) -> Result<PersistOp>,
     ) -> Result<()> {
-        if let Some(warps) = self.recording_warps() {
-            let mut op = persist(warps)?;
-            op.args = args;
-            self.record(op);
-            return Ok(());
-        }
         let f = self.device.function(module, name)?;
         // SAFETY: this fn's contract is the device launch's.
         unsafe { self.device.launch(f, cfg, &mut args) }
@@ -520,7 +455,7 @@ impl Kernels {
         t: GemvTiling,
         y: DevSlice<f32>,
         epi: &Epilogue,
-    ) -> Result<(KernelModule, String, LaunchConfig, Args, PersistGemv)> {
+    ) -> Result<(KernelModule, String, LaunchConfig, Args)> {
         let quantising = epi.quant.is_some();
         t.check(quantising)?;
         if !t.rows_per_warp.is_multiple_of(w.format.row_group) {
@@ -608,16 +543,7 @@ impl Kernels {
             .ptr(q.map_or(0, |q| opt(q.norm_parts)))
             .i32(epi.gelu as i32)
             .f32(epi.scale.unwrap_or(1.0));
-        let persist = PersistGemv {
-            cuda_type: w.format.cuda_type,
-            path,
-            tiling: t,
-            swiglu: w2.is_some(),
-            quantising,
-            rows: w.rows,
-            input: input.q8.map_or(opt(input.x), |q| q.q.ptr()),
-        };
-        Ok((module, name, t.grid(w.rows, quantising), args, persist))
+        Ok((module, name, t.grid(w.rows, quantising), args))
     }
 
     /// y = W·x, with the epilogue's bias, residual and quantised copy.
@@ -630,10 +556,10 @@ impl Kernels {
         y: DevSlice<f32>,
         epi: &Epilogue,
     ) -> Result<()> {
-        let (module, name, cfg, args, persist) =
+        let (module, name, cfg, args) =
             self.gemv_launch("gemv", w, None, input, path, tiling, y, epi)?;
         // SAFETY: every array's length was checked against the weight's shape.
-        unsafe { self.submit(&module, &name, cfg, args, |warps| persist.op(warps)) }
+        unsafe { self.submit(&module, &name, cfg, args) }
     }
 
     /// y = row `*token` of `w`, dequantised and times `scale` (the embedding lookup; an id
@@ -666,7 +592,6 @@ impl Kernels {
             .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
             .ptr(quant.map_or(0, |q| opt(q.norm_parts)))
             .f32(scale);
-        let (cuda_type, k) = (w.format.cuda_type, w.row_len);
         // SAFETY: the kernel reads one row (id checked on the device) and writes row_len values.
         unsafe {
             self.submit(
@@ -674,14 +599,6 @@ impl Kernels {
                 &format!("embed_{}", w.format.tag),
                 LaunchConfig::linear(w.row_len.div_ceil(128) as u32, 128),
                 args,
-                |warps| {
-                    Ok(PersistOp::new(
-                        format!("P_EMBED({cuda_type})"),
-                        OpKind::Embed,
-                        k.div_ceil(32 * warps),
-                        1,
-                    ))
-                },
             )
         }
     }
@@ -712,10 +629,10 @@ impl Kernels {
             gelu,
             ..Default::default()
         };
-        let (module, name, cfg, args, persist) =
+        let (module, name, cfg, args) =
             self.gemv_launch("swiglu", gate, Some(up), input, path, tiling, y, &epi)?;
         // SAFETY: as for gemv; `up` has gate's shape.
-        unsafe { self.submit(&module, &name, cfg, args, |warps| persist.op(warps)) }
+        unsafe { self.submit(&module, &name, cfg, args) }
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`: in
@@ -745,7 +662,6 @@ impl Kernels {
             .i32(max_ctx as i32)
             .ptr(kv.table_ptr());
         let heads = a.n_heads + a.n_kv;
-        let q8 = kv.format == KvFormat::Q8_0;
         // SAFETY: sizes checked; the position must be < max_ctx (and, paged, below what the
         // table holds, its entries blocks of the pool), which the executor owns.
         unsafe {
@@ -754,14 +670,6 @@ impl Kernels {
                 &format!("rope_kv{}", kv.format.kernel_suffix()),
                 LaunchConfig::linear(heads as u32, threads),
                 args,
-                |_| {
-                    Ok(PersistOp::new(
-                        format!("P_ROPE({q8})"),
-                        OpKind::Other,
-                        heads,
-                        1,
-                    ))
-                },
             )
         }
     }
@@ -845,9 +753,8 @@ impl Kernels {
         };
         let rows = io.check(a, &kv)?;
         let module = attention_module(hd, kv.format)?;
-        let recording = self.recording_warps().is_some();
         let heads = match a.heads {
-            AttnHeads::Group if recording || !a.group_kernel_fits(kv.format) => AttnHeads::One,
+            AttnHeads::Group if !a.group_kernel_fits(kv.format) => AttnHeads::One,
             h => h,
         };
         let args = io.push(kv.push(Args::new().ptr(q.ptr())), a, &kv, rows);
@@ -876,25 +783,8 @@ impl Kernels {
             block: (128, 1, 1),
             shared_bytes: 0,
         };
-        let call = match kv.format {
-            KvFormat::F16 => format!(
-                "P_ATTN({}, {}, KvF16, KV_F16_K, KV_F16_V)",
-                hd / 32,
-                1 + pairs as usize
-            ),
-            KvFormat::Q8_0 => format!(
-                "P_ATTN({}, {}, KvQ8, KV_Q8_K, KV_Q8_V)",
-                hd / 32,
-                1 + pairs as usize
-            ),
-        };
-        let heads = a.n_heads;
         // SAFETY: sizes checked; `*len` must be ≤ max_ctx, which the executor owns.
-        unsafe {
-            self.submit(&module, &name, cfg, args, |_| {
-                Ok(PersistOp::new(call, OpKind::Other, heads * nsplit, nsplit))
-            })
-        }
+        unsafe { self.submit(&module, &name, cfg, args) }
     }
 
     /// Logits per argmax block.
@@ -1172,8 +1062,7 @@ pub enum AttnHeads {
     /// The whole group a block on tensor cores (`attn_decode_group_E`: the group's queries
     /// as the rows of m16n8k16 tiles, queries and weights rounded to f16), each K/V row
     /// read once for the group. f16 caches, heads of at most 128 values, groups of at most
-    /// 16 ([`AttnArgs::group_kernel_fits`]); other shapes take [`AttnHeads::One`], as does
-    /// the persistent step's program (its blocks have no dynamic shared memory).
+    /// 16 ([`AttnArgs::group_kernel_fits`]); other shapes take [`AttnHeads::One`].
     Group,
 }
 

@@ -39,7 +39,7 @@ build)
     # Only the test binaries that touch the GPU; the rest run in CI.
     echo "$log" | grep -oE '\(target/release/deps/[A-Za-z0-9_]+-[0-9a-f]+\)' | tr -d '()' | while read -r bin; do
         name=$(basename "$bin" | sed -E 's/-[0-9a-f]+$//')
-        case "$name" in gpu | parity | prefill | persistent | q4_0_parity | gpu_parity | conformance | batched_decode | kv_types) cp "$bin" ".gpu/$name" ;; esac
+        case "$name" in gpu | parity | prefill | q4_0_parity | gpu_parity | conformance | batched_decode | kv_types) cp "$bin" ".gpu/$name" ;; esac
     done
     cargo build --release -p kiln --bin kiln
     cargo build --release -p kiln-kernels --example kernel_bench

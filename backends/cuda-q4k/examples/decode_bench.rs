@@ -14,14 +14,11 @@
 //! inside a profiler range and nothing else: `ncu --profile-from-start off` then sees only
 //! the batched step's kernels, at llama-batched-bench's context (prompts of 128).
 //!
-//! With `--persistent`, the default step as a CUDA graph of launches against the persistent
-//! kernel (one launch a token) at 8 and 16 warps a block.
-//!
 //! With `--depth D,D2,..`, the one-sequence rows decode after prompts of D tokens instead
 //! of 4. With `--group-ab`, only the default step, alternating (two rounds) with the group
 //! attention on tensor cores off (`GpuExecutor::set_group_attention_from(usize::MAX)`).
 //!
-//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--persistent] [--depth D,..] [--group-ab]`
+//! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--depth D,..] [--group-ab]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -196,7 +193,6 @@ fn main() {
     // `--short-prefill`: short prompts through the batched step against the cuBLAS prefill
     // (where one should hand over to the other).
     let short_prefill = args.iter().any(|a| a == "--short-prefill");
-    let persistent = args.iter().any(|a| a == "--persistent");
     // `--depth D,D2,..`: decode after prompts of D tokens instead of 4.
     let depths: Vec<usize> = value_of::<String>(&args, "--depth")
         .map(|v| v.split(',').filter_map(|d| d.parse().ok()).collect())
@@ -213,9 +209,6 @@ fn main() {
         }
         None => Device::new(0).expect("device"),
     };
-    if persistent {
-        barrier_bench(&dev);
-    }
     let mut rng = Rng::new(7);
     println!("| model | activations, quantising tiling | step bytes | kernels/step | load s | tg{n} tok/s | ms/token | GB/s | % of 3950 GB/s | graph ms | graph GB/s |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
@@ -255,49 +248,33 @@ fn main() {
         // Every O/SwiGLU/down GEMV quantising its output (the default), with the policy's
         // tiling per weight (`None`) and with each tiling forced; none doing so (a separate
         // launch after each); and Q8_1.
-        // (persistent: warps a block; the context from which attention takes a GQA group
-        // a block on tensor cores)
-        type Variant = (GemvPath, Option<GemvTiling>, usize, Option<usize>, usize);
+        // (the context from which attention takes a GQA group a block on tensor cores)
+        type Variant = (GemvPath, Option<GemvTiling>, usize, usize);
         let group = ex.group_attention_from();
-        let variants: Vec<Variant> = if persistent {
-            [
-                (GemvPath::Q16, None, usize::MAX, None),
-                (GemvPath::Q16, None, usize::MAX, Some(8)),
-                (GemvPath::Q16, None, usize::MAX, Some(16)),
-            ]
-            .map(|(p, t, l, w)| (p, t, l, w, group))
-            .to_vec()
-        } else if group_ab {
+        let variants: Vec<Variant> = if group_ab {
             [group, usize::MAX, group, usize::MAX]
-                .map(|from| (GemvPath::Q16, None, usize::MAX, None, from))
+                .map(|from| (GemvPath::Q16, None, usize::MAX, from))
                 .to_vec()
         } else {
             [
-                (GemvPath::Q16, None, usize::MAX, None),
-                (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX, None),
-                (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX, None),
-                (GemvPath::Q16, Some(GemvTiling::new(4, 1)), usize::MAX, None),
-                (GemvPath::Q16, None, 0, None),
-                (GemvPath::Q8, None, usize::MAX, None),
+                (GemvPath::Q16, None, usize::MAX),
+                (GemvPath::Q16, Some(GemvTiling::new(2, 1)), usize::MAX),
+                (GemvPath::Q16, Some(GemvTiling::new(4, 2)), usize::MAX),
+                (GemvPath::Q16, Some(GemvTiling::new(4, 1)), usize::MAX),
+                (GemvPath::Q16, None, 0),
+                (GemvPath::Q8, None, usize::MAX),
             ]
-            .map(|(p, t, l, w)| (p, t, l, w, group))
+            .map(|(p, t, l)| (p, t, l, group))
             .to_vec()
         };
         let runs = depths
             .iter()
             .flat_map(|&d| variants.iter().map(move |v| (d, *v)));
-        for (depth, (path, tiling, limit, warps, group_from)) in runs {
+        for (depth, (path, tiling, limit, group_from)) in runs {
             ex.set_gemv_path(path).unwrap();
             ex.set_quant_tiling(tiling).unwrap();
             ex.set_fuse_limit(limit);
             ex.set_group_attention_from(group_from);
-            if let Err(e) = ex.set_persistent_decode(warps) {
-                println!(
-                    "| {} | persistent, {warps:?} warps | refused: {e} |",
-                    s.name
-                );
-                continue;
-            }
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
             let prompt: Vec<u32> = (0..depth as u32).map(|i| 1 + i % 1000).collect();
@@ -320,11 +297,8 @@ fn main() {
             let graph_ms = ex.step_device_ms(seq, 21).unwrap();
             let bytes = step_bytes(&ir);
             let gbps = bytes as f64 * n as f64 / dt / 1e9;
-            // The step's graph (or its one persistent launch), plus the two argmax launches.
-            let kernels = match warps {
-                Some(_) => 1,
-                None => ex.step_graph_nodes(seq).unwrap(),
-            } + 2;
+            // The step's graph, plus the two argmax launches.
+            let kernels = ex.step_graph_nodes(seq).unwrap() + 2;
             let fused = match limit {
                 0 => "none fused".to_string(),
                 usize::MAX => "all fused".to_string(),
@@ -339,15 +313,12 @@ fn main() {
                 4 => String::new(),
                 d => format!(" @ d{d}"),
             };
-            let variant = match (warps, tiling) {
-                (Some(w), _) => format!("{path:?}, persistent, {w} warps a block"),
-                (None, tiling) => match tiling {
-                    Some(t) => format!(
-                        "{path:?}, {fused}, R{}S{}",
-                        t.rows_per_warp, t.warps_per_row
-                    ),
-                    None => format!("{path:?}, {fused}, per weight"),
-                },
+            let variant = match tiling {
+                Some(t) => format!(
+                    "{path:?}, {fused}, R{}S{}",
+                    t.rows_per_warp, t.warps_per_row
+                ),
+                None => format!("{path:?}, {fused}, per weight"),
             } + &group_note
                 + &depth_note;
             println!(
@@ -361,36 +332,6 @@ fn main() {
         );
             ex.free_sequence(seq).unwrap();
         }
-    }
-}
-
-/// What one grid barrier of the persistent kernel costs: a program of 2,000 instructions
-/// that only wait, at both block sizes (median of 7 launches).
-fn barrier_bench(dev: &Arc<Device>) {
-    let k = kiln_kernels::Kernels::new(dev);
-    let n = 2000;
-    println!("| warps a block | blocks | µs a barrier |");
-    println!("|---|---|---|");
-    for warps in [8, 16] {
-        let p = kiln_kernels::StepProgram::barrier_chain(&k, warps, n).expect("program");
-        let (a, b) = (
-            kiln_kernels::Event::new(dev).unwrap(),
-            kiln_kernels::Event::new(dev).unwrap(),
-        );
-        let mut times: Vec<f32> = (0..7)
-            .map(|_| {
-                a.record().unwrap();
-                p.launch().unwrap();
-                b.record().unwrap();
-                a.elapsed_ms(&b).unwrap()
-            })
-            .collect();
-        times.sort_by(|x, y| x.total_cmp(y));
-        println!(
-            "| {warps} | {} | {:.3} |",
-            p.grid(),
-            times[3] as f64 * 1e3 / n as f64
-        );
     }
 }
 

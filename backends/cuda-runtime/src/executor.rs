@@ -22,7 +22,7 @@ pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 use kiln_kernels::{
     AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
     GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act,
-    QuantOut, RopeArgs, StepProgram, WeightFormat, Workspace,
+    QuantOut, RopeArgs, WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -255,8 +255,6 @@ struct Slot {
     state: DeviceBuffer<i32>,
     /// The step's graph for each [`StepShape`] (by [`StepShape::index`]) it has needed.
     graphs: [Option<Graph>; StepShape::COUNT],
-    /// The same steps as persistent-kernel programs, when the executor decodes that way.
-    programs: [Option<StepProgram>; StepShape::COUNT],
     /// The tokens at positions 0..len (what a truncation recomputes sliding-window rings
     /// from; see `truncate_sequence`).
     tokens: Vec<u32>,
@@ -299,16 +297,6 @@ struct Scratch {
     cand: DevSlice<u64>,
     rng: DevSlice<u64>,
     token_out: DevSlice<i32>,
-}
-
-/// How one-sequence steps run as a persistent kernel (see kernels' `persist` module):
-/// blocks of `warps` warps, and the quantising GEMV tiling whose blocks that size owns one
-/// 32-row group (every GEMV of the step takes it: a block runs its virtual blocks one after
-/// another, so fewer, larger ones keep more loads in flight; 1-2% faster than the policy's
-/// plain tilings, docs/log/2026-11-to-12.md).
-struct Persistent {
-    warps: usize,
-    tiling: GemvTiling,
 }
 
 pub struct GpuExecutor {
@@ -364,9 +352,6 @@ pub struct GpuExecutor {
     sequential_decode: bool,
     /// Prompts up to this long prefill through the batched step.
     short_prefill_max: usize,
-    /// One-sequence steps run as one persistent kernel instead of a graph of launches
-    /// (`set_persistent_decode`).
-    persistent: Option<Persistent>,
     /// The batched prefill's cuBLAS handle and workspace, or why there is none (then
     /// prompts go through the decode graph token by token).
     prefill: std::result::Result<prefill::PrefillState, String>,
@@ -745,7 +730,6 @@ impl GpuExecutor {
             slots.push(Slot {
                 state: DeviceBuffer::zeros(device, 4).map_err(err)?,
                 graphs: Default::default(),
-                programs: Default::default(),
                 tokens: Vec::new(),
             });
         }
@@ -802,7 +786,6 @@ impl GpuExecutor {
             batch: Err(String::new()),
             sequential_decode: options.sequential_decode,
             short_prefill_max: 0,
-            persistent: None,
             _workspace: ws,
         })
         .and_then(|mut exec| {
@@ -887,66 +870,8 @@ impl GpuExecutor {
         self.group_attention_from = positions;
     }
 
-    /// Runs one-sequence decode steps as one persistent kernel each, of blocks of `warps`
-    /// warps (8 or 16; `None`: the CUDA graph of launches, the default). The quantising
-    /// GEMVs take the tiling those blocks own 32-row groups with (R4S1 at 8 warps, R4S2 at
-    /// 16). Fails, leaving the graph path, when a step launches a kernel the persistent
-    /// step does not run (a sandwich norm, an unfused quantisation).
-    pub fn set_persistent_decode(&mut self, warps: Option<usize>) -> Result<()> {
-        self.drop_graphs();
-        let Some(warps) = warps else {
-            self.persistent = None;
-            return Ok(());
-        };
-        let tiling = match warps {
-            8 => GemvTiling::new(4, 1),
-            16 => GemvTiling::new(4, 2),
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "a persistent decode step runs blocks of 8 or 16 warps, not {warps}"
-                )))
-            }
-        };
-        self.persistent = Some(Persistent { warps, tiling });
-        // A step must record whole (and its module compile) before the executor relies on it.
-        let shape = self.step_shape(1);
-        if let Err(e) = self.step_program(0, shape) {
-            self.persistent = None;
-            self.drop_graphs();
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Whether one-sequence steps run as a persistent kernel, and of how many warps a block.
-    pub fn persistent_decode(&self) -> Option<usize> {
-        self.persistent.as_ref().map(|p| p.warps)
-    }
-
-    /// `slot`'s persistent program for `shape`, recorded and uploaded when first needed.
-    fn step_program(&mut self, slot: usize, shape: StepShape) -> Result<&StepProgram> {
-        let p = self
-            .persistent
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("persistent decode is off".into()))?;
-        if self.slots[slot].programs[shape.index()].is_none() {
-            let ops = self
-                .k
-                .record_step(p.warps, || self.queue_step(slot, shape))
-                .map_err(err)?;
-            let program = StepProgram::new(&self.k, p.warps, &ops).map_err(err)?;
-            self.slots[slot].programs[shape.index()] = Some(program);
-        }
-        Ok(self.slots[slot].programs[shape.index()]
-            .as_ref()
-            .expect("made above"))
-    }
-
     /// The tiling of a GEMV over `w` that quantises its output.
     fn quant_tiling_of(&self, w: &DeviceWeight) -> GemvTiling {
-        if let Some(p) = &self.persistent {
-            return p.tiling;
-        }
         match self.quant_tiling {
             Some(t) if t.rows_per_warp.is_multiple_of(w.format.row_group) => t,
             _ => self.policy.quant_tiling(w, self.config.hidden_size),
@@ -968,7 +893,6 @@ impl GpuExecutor {
     fn drop_graphs(&mut self) {
         for s in self.slots.as_mut_slice() {
             s.graphs = Default::default();
-            s.programs = Default::default();
         }
         if let Ok(b) = &mut self.batch {
             b.drop_graphs();
@@ -1096,10 +1020,7 @@ impl GpuExecutor {
     }
 
     fn tiling(&self, w: &DeviceWeight) -> GemvTiling {
-        match &self.persistent {
-            Some(p) => p.tiling,
-            None => self.policy.gemv_tiling(w),
-        }
+        self.policy.gemv_tiling(w)
     }
 
     /// Queues one decode step for `slot` (what the graph holds): the program's branches in
@@ -1288,13 +1209,6 @@ impl GpuExecutor {
     /// back to back (re-running its last step) and returns the median milliseconds per
     /// replay, timed with events — the step without the host's per-token round trip.
     pub fn step_device_ms(&mut self, seq: SeqId, replays: usize) -> Result<f64> {
-        if self.persistent.is_some() {
-            let slot = self.slot_of(seq)?;
-            let shape = self.step_shape(self.slots[slot].len);
-            let device = self.device.clone();
-            let program = self.step_program(slot, shape)?;
-            return median_ms(&device, replays, || program.launch().map_err(err));
-        }
         median_replay_ms(&self.device, self.last_step_graph(seq)?, replays)
     }
 
@@ -1378,22 +1292,18 @@ impl GpuExecutor {
             .copy_from_host(&self.device, &state)
             .map_err(err)?;
         let shape = self.step_shape(pos + 1);
-        if self.persistent.is_some() {
-            self.step_program(slot, shape)?.launch().map_err(err)?;
-        } else {
-            if self.slots[slot].graphs[shape.index()].is_none() {
-                let graph = self
-                    .device
-                    .capture(|| self.queue_step(slot, shape))
-                    .map_err(err)?;
-                self.slots[slot].graphs[shape.index()] = Some(graph);
-            }
-            self.slots[slot].graphs[shape.index()]
-                .as_ref()
-                .expect("captured above")
-                .launch()
+        if self.slots[slot].graphs[shape.index()].is_none() {
+            let graph = self
+                .device
+                .capture(|| self.queue_step(slot, shape))
                 .map_err(err)?;
+            self.slots[slot].graphs[shape.index()] = Some(graph);
         }
+        self.slots[slot].graphs[shape.index()]
+            .as_ref()
+            .expect("captured above")
+            .launch()
+            .map_err(err)?;
         self.slots[slot].len = pos + 1;
         self.slots[slot].record(pos, &[token]);
         Ok(())
