@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use kiln::Model;
-use kiln_backend_cuda_q4k::{load_executor, GpuExecutor};
+use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, StepVariants};
 use kiln_core::{argmax, DecodeItem, LayerExecutor, LoadOptions};
 use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
 use kiln_kernels::{BatchAttention, BmmPath, Device};
@@ -181,12 +181,14 @@ fn main() {
     ];
     for (name, path, attention) in variants {
         let mut batched: GpuExecutor = load_executor(&dev, ir, &options).expect("load");
-        if let Some(p) = path {
-            batched.set_bmm_path(p);
-        }
-        if let Some(a) = attention {
-            batched.set_batch_attention(a);
-        }
+        let defaults = batched.variants();
+        batched
+            .set_variants(StepVariants {
+                bmm_path: path.unwrap_or(defaults.bmm_path),
+                batch_attention: attention.unwrap_or(defaults.batch_attention),
+                ..defaults
+            })
+            .expect("variants");
         let mut scratch = vec![0f32; vocab];
         let bseqs: Vec<_> = prompts
             .iter()

@@ -18,7 +18,7 @@ use kiln_kernels::{
     gemv_qtypes, Device, DeviceWeight, GemvTiling, WeightFormat, APR_Q4_X4, Q4_0_X4,
 };
 
-pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, PREFILL_CHUNK};
+pub use kiln_cuda_runtime::{GpuExecutor, PrefillTimes, StepVariants, PREFILL_CHUNK};
 
 /// The backend's name.
 pub const NAME: &str = "cuda-q4_0";

@@ -8,7 +8,7 @@
 use kiln_backend_cpu::CpuBackend;
 use std::sync::Arc;
 
-use kiln_backend_cuda_q4_0::{CudaQ40Backend, GpuExecutor, Q40Policy};
+use kiln_backend_cuda_q4_0::{CudaQ40Backend, GpuExecutor, Q40Policy, StepVariants};
 use kiln_core::{
     score, Architecture, Backend, DecodeItem, LayerExecutor, LoadOptions, QType, Rng, RopeKind,
 };
@@ -143,10 +143,13 @@ fn q4_0_decode_logits_match_the_cpu_backend() {
         ];
         for (name, policy, path, tiling, floor) in variants {
             let mut gpu = GpuExecutor::load(&dev, &ir, &options, Arc::new(policy)).unwrap();
-            gpu.set_gemv_path(path).unwrap();
-            if let Some(t) = tiling {
-                gpu.set_quant_tiling(Some(t)).unwrap();
-            }
+            let defaults = gpu.variants();
+            gpu.set_variants(StepVariants {
+                gemv_path: path,
+                quant_tiling: tiling.or(defaults.quant_tiling),
+                ..defaults
+            })
+            .unwrap();
             let (cs, gs) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
             let vocab = shape.vocab;
             let (mut lc, mut lg) = (vec![0f32; vocab], vec![f32::NAN; vocab]);

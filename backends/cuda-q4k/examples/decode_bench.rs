@@ -16,14 +16,14 @@
 //!
 //! With `--depth D,D2,..`, the one-sequence rows decode after prompts of D tokens instead
 //! of 4. With `--group-ab`, only the default step, alternating (two rounds) with the group
-//! attention on tensor cores off (`GpuExecutor::set_group_attention_from(usize::MAX)`).
+//! attention on tensor cores off (`StepVariants::group_attention_from: usize::MAX`).
 //!
 //! `decode_bench [-n 128] [--model smollm2|1b|8b]... [--batch 16,64 [--profile-steps K]] [--depth D,..] [--group-ab]`
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_backend_cuda_q4k::{load_executor, GpuExecutor};
+use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, StepVariants};
 use kiln_core::{
     DecodeItem, LayerExecutor, LayerWeights, LoadOptions, ModelConfig, ModelIr, ModelWeights,
     QType, Rng, RopeConfig, Sampler, SamplingParams, TensorView,
@@ -250,7 +250,8 @@ fn main() {
         // launch after each); and Q8_1.
         // (the context from which attention takes a GQA group a block on tensor cores)
         type Variant = (GemvPath, Option<GemvTiling>, usize, usize);
-        let group = ex.group_attention_from();
+        let defaults = ex.variants();
+        let group = defaults.group_attention_from;
         let variants: Vec<Variant> = if group_ab {
             [group, usize::MAX, group, usize::MAX]
                 .map(|from| (GemvPath::Q16, None, usize::MAX, from))
@@ -271,10 +272,14 @@ fn main() {
             .iter()
             .flat_map(|&d| variants.iter().map(move |v| (d, *v)));
         for (depth, (path, tiling, limit, group_from)) in runs {
-            ex.set_gemv_path(path).unwrap();
-            ex.set_quant_tiling(tiling).unwrap();
-            ex.set_fuse_limit(limit);
-            ex.set_group_attention_from(group_from);
+            ex.set_variants(StepVariants {
+                gemv_path: path,
+                quant_tiling: tiling,
+                fuse_limit: limit,
+                group_attention_from: group_from,
+                ..defaults
+            })
+            .unwrap();
             let seq = ex.new_sequence().unwrap();
             let mut logits = vec![0f32; s.vocab];
             let prompt: Vec<u32> = (0..depth as u32).map(|i| 1 + i % 1000).collect();
@@ -353,6 +358,7 @@ fn batch_bench(
         ..Default::default()
     };
     let mut ex = load_executor(dev, ir, &options).expect("load");
+    let defaults = ex.variants();
     let mut rng = Rng::new(13);
     let mut logits = vec![0f32; s.vocab];
     for &b in sizes {
@@ -401,8 +407,12 @@ fn batch_bench(
                 (BmmPath::PipelinedF16, BatchAttention::GroupMma),
                 (BmmPath::PipelinedInt8, BatchAttention::Auto),
             ] {
-                ex.set_bmm_path(path);
-                ex.set_batch_attention(attention);
+                ex.set_variants(StepVariants {
+                    bmm_path: path,
+                    batch_attention: attention,
+                    ..defaults
+                })
+                .unwrap();
                 for _ in 0..4 {
                     step(&mut ex, &mut toks);
                 }
@@ -420,8 +430,7 @@ fn batch_bench(
                 );
             }
         }
-        ex.set_bmm_path(BmmPath::PipelinedF16);
-        ex.set_batch_attention(BatchAttention::Auto);
+        ex.set_variants(defaults).unwrap();
         for seq in seqs {
             ex.free_sequence(seq).unwrap();
         }
@@ -494,12 +503,17 @@ fn short_prefill_bench(ex: &mut GpuExecutor, s: &Spec) {
     let mut rng = Rng::new(13);
     println!("| model | prompt tokens | batched step ms | cuBLAS prefill ms |");
     println!("|---|---|---|---|");
+    let defaults = ex.variants();
+    let short_prefill = |max| StepVariants {
+        short_prefill_max: max,
+        ..defaults
+    };
     for n in [1usize, 2, 5, 8, 16, 32, 64] {
-        ex.set_short_prefill_max(64);
+        ex.set_variants(short_prefill(64)).unwrap();
         let short = prefill_ms(ex, s.vocab, n, &mut rng);
-        ex.set_short_prefill_max(0);
+        ex.set_variants(short_prefill(0)).unwrap();
         let long = prefill_ms(ex, s.vocab, n, &mut rng);
         println!("| {} | {n} | {short:.3} | {long:.3} |", s.name);
     }
-    ex.set_short_prefill_max(kiln_backend_cuda_q4k::SHORT_PREFILL);
+    ex.set_variants(defaults).unwrap();
 }

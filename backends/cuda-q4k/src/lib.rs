@@ -16,7 +16,7 @@ use kiln_cuda_runtime::{check_model, shared_device, GpuPolicy};
 use kiln_kernels::{gemv_qtypes, Device, DeviceWeight, GemvTiling};
 
 pub use kiln_cuda_runtime::{
-    group_attention_from, GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL,
+    group_attention_from, GpuExecutor, PrefillTimes, StepVariants, PREFILL_CHUNK, SHORT_PREFILL,
 };
 
 /// The backend's name.

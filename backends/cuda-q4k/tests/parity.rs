@@ -4,7 +4,7 @@
 //! them with `--include-ignored` and `KILN_REQUIRE_GPU=1`.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4k::load_executor;
+use kiln_backend_cuda_q4k::{load_executor, StepVariants};
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::fresh_seed;
 use kiln_kernels::{GemvPath, GemvTiling};
@@ -72,9 +72,13 @@ fn decode_logits_match_the_cpu_backend() {
         ];
         for (name, path, tiling, fuse_limit, floor) in variants {
             let mut gpu = load_executor(&dev, &ir, &options).unwrap();
-            gpu.set_gemv_path(path).unwrap();
-            gpu.set_quant_tiling(Some(tiling)).unwrap();
-            gpu.set_fuse_limit(fuse_limit);
+            gpu.set_variants(StepVariants {
+                gemv_path: path,
+                quant_tiling: Some(tiling),
+                fuse_limit,
+                ..gpu.variants()
+            })
+            .unwrap();
             let cs = cpu.new_sequence().unwrap();
             let gs = gpu.new_sequence().unwrap();
             let vocab = shape.vocab;

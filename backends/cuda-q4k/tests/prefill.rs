@@ -8,7 +8,9 @@
 //! runs them with `--include-ignored`.
 
 use kiln_backend_cpu::CpuBackend;
-use kiln_backend_cuda_q4k::{load_executor, GpuExecutor, PREFILL_CHUNK, SHORT_PREFILL};
+use kiln_backend_cuda_q4k::{
+    load_executor, GpuExecutor, StepVariants, PREFILL_CHUNK, SHORT_PREFILL,
+};
 use kiln_core::{DecodeItem, LayerExecutor, LoadOptions, Rng};
 use kiln_kernels::testdata::fresh_seed;
 
@@ -155,11 +157,16 @@ fn short_prefill_matches_the_cublas_prefill_and_the_cpu() {
             );
             let cs = cpu.new_sequence().unwrap();
             cpu.prefill(cs, &p, &mut lc).unwrap();
-            gpu.set_short_prefill_max(0);
+            let defaults = gpu.variants();
+            let short_prefill = |max| StepVariants {
+                short_prefill_max: max,
+                ..defaults
+            };
+            gpu.set_variants(short_prefill(0)).unwrap();
             let gs = gpu.new_sequence().unwrap();
             gpu.prefill(gs, &p, &mut long).unwrap();
             gpu.free_sequence(gs).unwrap();
-            gpu.set_short_prefill_max(SHORT_PREFILL);
+            gpu.set_variants(short_prefill(SHORT_PREFILL)).unwrap();
             let gs = gpu.new_sequence().unwrap();
             gpu.prefill(gs, &p, &mut short).unwrap();
             assert_eq!(gpu.sequence_len(gs).unwrap(), n);

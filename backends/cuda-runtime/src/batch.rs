@@ -40,7 +40,7 @@ const BUCKETS: [usize; 6] = [2, 4, 8, 16, 32, 64];
 const BATCH_ATTENTION_SPLIT: usize = 128;
 
 /// Prompts up to this many tokens prefill through the batched step (one step, the
-/// prompt's tokens its rows) unless [`GpuExecutor::set_short_prefill_max`] says otherwise.
+/// prompt's tokens its rows) unless [`GpuExecutor::set_variants`] says otherwise.
 /// Longer ones take the cuBLAS prefill, whose GEMMs win once the dequantisation is shared
 /// by enough tokens (crossover measured with `decode_bench --short-prefill`,
 /// docs/benchmarks.md).
@@ -268,17 +268,16 @@ impl GpuExecutor {
         n > 1 && !self.sequential_decode && self.batch.is_ok()
     }
 
-    /// Prompts up to `tokens` long prefill through the batched step (0: none; at most the
-    /// rows its buffers hold). A benchmark knob: the default is [`SHORT_PREFILL`].
-    pub fn set_short_prefill_max(&mut self, tokens: usize) {
-        let rows = self.batch.as_ref().map_or(0, |b| b.rows);
-        self.short_prefill_max = tokens.min(rows);
-    }
-
     /// Whether a prompt of `n` tokens prefills through the batched step.
     pub(super) fn prefills_short(&self, n: usize) -> bool {
-        // `set_short_prefill_max` leaves 0 without a batched step.
+        // 0 without a batched step (see `GpuExecutor::set_variants`).
         n <= self.short_prefill_max
+    }
+
+    /// Prompt rows the batched step's buffers hold (0 without a batched step): the most
+    /// `StepVariants::short_prefill_max` can be.
+    pub(super) fn short_prefill_capacity(&self) -> usize {
+        self.batch.as_ref().map_or(0, |b| b.rows)
     }
 
     /// Rows one batched step takes at most (the rest of a larger batch goes in further

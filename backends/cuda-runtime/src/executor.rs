@@ -299,6 +299,34 @@ struct Scratch {
     token_out: DevSlice<i32>,
 }
 
+/// The kernels a GPU step chooses between, as one value ([`GpuExecutor::variants`],
+/// [`GpuExecutor::set_variants`]). The executor's own choice is the fastest measured
+/// (docs/benchmarks.md); the others stay to measure and check beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepVariants {
+    /// How the GEMVs read activations: `Q16` (15 bits) by default, `Q8` (llama.cpp's Q8_1)
+    /// with `LoadOptions::quantized_activations`.
+    pub gemv_path: GemvPath,
+    /// A tiling forced on the GEMVs that quantise their output (one of
+    /// `GemvTiling::quantising()`, on every weight whose format allows it); `None`: the
+    /// policy's per weight.
+    pub quant_tiling: Option<GemvTiling>,
+    /// O / SwiGLU / down weights up to this many bytes quantise their own output; larger
+    /// ones take a separate launch. Unlimited by default.
+    pub fuse_limit: usize,
+    /// Context from which one-sequence attention takes a GQA group a block on tensor cores
+    /// ([`group_attention_from`](crate::group_attention_from) of the head size by default;
+    /// `usize::MAX`: never).
+    pub group_attention_from: usize,
+    /// The batched matmuls' kernels over K-quant weights.
+    pub bmm_path: kiln_kernels::BmmPath,
+    /// The batched step's decode attention kernels.
+    pub batch_attention: kiln_kernels::BatchAttention,
+    /// Prompts up to this long prefill through the batched step ([`SHORT_PREFILL`] by
+    /// default; 0: none; at most the rows the batched step's buffers hold).
+    pub short_prefill_max: usize,
+}
+
 pub struct GpuExecutor {
     /// The GPU with this executor's own stream.
     device: Arc<Device>,
@@ -308,8 +336,7 @@ pub struct GpuExecutor {
     max_ctx: usize,
     split: usize,
     /// Context from which one-sequence steps take a GQA group a block on tensor cores
-    /// ([`group_attention_from`](crate::group_attention_from) of the head size unless
-    /// set), and whether this model's cache and heads allow that kernel at all.
+    /// (`StepVariants`), and whether this model's cache and heads allow that kernel at all.
     group_attention_from: usize,
     group_kernel_fits: bool,
     /// How every GEMV reads its activation: `GemvPath::Q16` unless the caller accepted
@@ -317,7 +344,7 @@ pub struct GpuExecutor {
     path: GemvPath,
     /// The device formats of the model's matrices (the modules a path change loads).
     formats: Vec<&'static WeightFormat>,
-    /// A tiling forced on the GEMVs that quantise their output (a benchmark knob; `None`:
+    /// A tiling forced on the GEMVs that quantise their output (`StepVariants`; `None`:
     /// the policy's, per weight).
     quant_tiling: Option<GemvTiling>,
     /// O, SwiGLU and down weights up to this many bytes quantise their output in their own
@@ -790,84 +817,63 @@ impl GpuExecutor {
         })
         .and_then(|mut exec| {
             exec.batch = batch::BatchState::new(&exec, &formats, nsplit)?;
-            exec.set_short_prefill_max(batch::SHORT_PREFILL);
+            exec.short_prefill_max = exec.short_prefill_capacity().min(SHORT_PREFILL);
             exec.warm_up()?;
             Ok(exec)
         })
     }
 
-    /// Chooses how the GEMVs read activations (`GemvPath::Q16` by default; `Q8` is
-    /// llama.cpp's trade). The float path needs a finished f32 activation, which this
-    /// decode step does not make, so it is refused. Graphs are re-captured at the next step.
-    pub fn set_gemv_path(&mut self, path: GemvPath) -> Result<()> {
-        if path == GemvPath::Float {
-            return Err(Error::Unsupported(
-                "cuda-q4k decodes from quantised activations (GemvPath::Q8 or Q16)".into(),
-            ));
+    /// The kernels this executor's steps run now: what it chose at load, or what
+    /// [`GpuExecutor::set_variants`] forced.
+    pub fn variants(&self) -> StepVariants {
+        StepVariants {
+            gemv_path: self.path,
+            quant_tiling: self.quant_tiling,
+            fuse_limit: self.fuse_limit,
+            group_attention_from: self.group_attention_from,
+            bmm_path: self.k.bmm_path(),
+            batch_attention: self.k.batch_attention(),
+            short_prefill_max: self.short_prefill_max,
         }
-        // The other path's GEMVs load now: a graph capture cannot load modules.
-        let modules = Kernels::modules_for(
-            &self.formats,
-            path,
-            self.config.head_dim,
-            self.kv.format,
-            false,
-            false,
-        )
-        .map_err(err)?;
-        self.k.preload_modules(&modules).map_err(err)?;
-        self.path = path;
-        self.drop_graphs();
-        Ok(())
     }
 
-    /// Forces the tiling of the GEMVs that quantise their output (one of
-    /// `GemvTiling::quantising()`; a benchmark knob) on every weight whose format allows it
-    /// (rows per warp a multiple of its row group); the others keep the policy's. Graphs
-    /// are re-captured at the next step.
-    pub fn set_quant_tiling(&mut self, tiling: Option<GemvTiling>) -> Result<()> {
-        if let Some(t) = tiling {
+    /// Runs the steps with other kernels than the executor chose (the benchmarks and
+    /// parity tests measure or check each beside the default). Captured graphs are dropped;
+    /// the modules a new GEMV path needs load now (a graph capture cannot load them).
+    pub fn set_variants(&mut self, v: StepVariants) -> Result<()> {
+        if v.gemv_path == GemvPath::Float {
+            return Err(Error::Unsupported(
+                "the GPU step decodes from quantised activations (GemvPath::Q8 or Q16)".into(),
+            ));
+        }
+        if let Some(t) = v.quant_tiling {
             if !GemvTiling::quantising().any(|q| q == t) {
                 return Err(Error::InvalidArgument(format!(
                     "{t:?} is not a quantising GEMV tiling"
                 )));
             }
         }
-        self.quant_tiling = tiling;
+        if v.gemv_path != self.path {
+            let modules = Kernels::modules_for(
+                &self.formats,
+                v.gemv_path,
+                self.config.head_dim,
+                self.kv.format,
+                false,
+                false,
+            )
+            .map_err(err)?;
+            self.k.preload_modules(&modules).map_err(err)?;
+        }
         self.drop_graphs();
+        self.path = v.gemv_path;
+        self.quant_tiling = v.quant_tiling;
+        self.fuse_limit = v.fuse_limit;
+        self.group_attention_from = v.group_attention_from;
+        self.k.set_bmm_path(v.bmm_path);
+        self.k.set_batch_attention(v.batch_attention);
+        self.short_prefill_max = v.short_prefill_max.min(self.short_prefill_capacity());
         Ok(())
-    }
-
-    /// Chooses the kernels of the batched matmuls over K-quant weights
-    /// ([`kiln_kernels::BmmPath`]; the default is the fastest, the others are there to
-    /// measure beside it). Captured graphs are dropped.
-    pub fn set_bmm_path(&mut self, path: kiln_kernels::BmmPath) {
-        self.drop_graphs();
-        self.k.set_bmm_path(path);
-    }
-
-    /// Chooses the batched step's decode attention kernels
-    /// ([`kiln_kernels::BatchAttention`]; by default a GQA group a block on tensor cores
-    /// from 8 rows when the batched matmuls round to f16, else a block per head; either
-    /// forced, to measure). Captured graphs are dropped.
-    pub fn set_batch_attention(&mut self, kind: kiln_kernels::BatchAttention) {
-        self.drop_graphs();
-        self.k.set_batch_attention(kind);
-    }
-
-    /// The context length from which one-sequence attention takes a GQA group a block
-    /// (see [`GpuExecutor::set_group_attention_from`]).
-    pub fn group_attention_from(&self) -> usize {
-        self.group_attention_from
-    }
-
-    /// One-sequence steps take a GQA group's heads a block on tensor cores from contexts
-    /// of `positions` on ([`group_attention_from`](crate::group_attention_from) of the
-    /// head size by default; `usize::MAX`: never, the head kernels at every length, to
-    /// measure beside it). Captured graphs are dropped.
-    pub fn set_group_attention_from(&mut self, positions: usize) {
-        self.drop_graphs();
-        self.group_attention_from = positions;
     }
 
     /// The tiling of a GEMV over `w` that quantises its output.
@@ -881,13 +887,6 @@ impl GpuExecutor {
     /// The policy behind this executor.
     pub fn policy(&self) -> &dyn GpuPolicy {
         self.policy.as_ref()
-    }
-
-    /// Sets the largest O / SwiGLU / down weight (bytes) that quantises its own output (a
-    /// benchmark knob; unlimited by default). Graphs are re-captured at the next step.
-    pub fn set_fuse_limit(&mut self, bytes: usize) {
-        self.fuse_limit = bytes;
-        self.drop_graphs();
     }
 
     fn drop_graphs(&mut self) {
@@ -1000,7 +999,7 @@ impl GpuExecutor {
 
     /// The shape of a one-sequence step reaching context `len`: its attention grid, and
     /// for GQA models the heads of a group on tensor cores from
-    /// [`GpuExecutor::set_group_attention_from`] positions on ([`crate::group_attention_from`] by
+    /// [`StepVariants::group_attention_from`] positions on ([`crate::group_attention_from`] by
     /// default) where the cache and heads allow it, else in pairs from
     /// [`PAIRED_ATTENTION_FROM`].
     fn step_shape(&self, len: usize) -> StepShape {

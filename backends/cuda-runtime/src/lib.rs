@@ -21,7 +21,8 @@ use kiln_kernels::{Device, DeviceWeight, GemvTiling, WeightFormat};
 mod executor;
 
 pub use executor::{
-    check_model, group_attention_from, GpuExecutor, PrefillTimes, PREFILL_CHUNK, SHORT_PREFILL,
+    check_model, group_attention_from, GpuExecutor, PrefillTimes, StepVariants, PREFILL_CHUNK,
+    SHORT_PREFILL,
 };
 
 /// What a GPU backend decides; the runtime does the rest.
