@@ -29,8 +29,17 @@ use crate::GpuPolicy;
 
 /// Why the GPU runtime, with `policy`'s weight formats, cannot run `model`, if it cannot.
 pub fn check_model(model: &ModelIr, policy: &dyn GpuPolicy) -> Result<(), String> {
-    let name = policy.backend_name();
     let program = program::build(model).map_err(|e| e.to_string())?;
+    check_program(model, &program, policy)
+}
+
+/// [`check_model`] of a model whose program is built.
+fn check_program(
+    model: &ModelIr,
+    program: &program::ModelProgram<TensorView>,
+    policy: &dyn GpuPolicy,
+) -> Result<(), String> {
+    let name = policy.backend_name();
     let c = &model.config;
     if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(format!(
@@ -478,7 +487,8 @@ impl GpuExecutor {
         options: &LoadOptions,
         policy: Arc<dyn GpuPolicy>,
     ) -> Result<GpuExecutor> {
-        check_model(model, policy.as_ref()).map_err(Error::Unsupported)?;
+        let program = program::build(model)?;
+        check_program(model, &program, policy.as_ref()).map_err(Error::Unsupported)?;
         let kv_format = match options.kv_type.map(|t| (t, KvFormat::of(t))) {
             None => KvFormat::F16,
             Some((_, Some(format))) => format,
@@ -492,7 +502,6 @@ impl GpuExecutor {
         let device = &device.new_stream().map_err(err)?;
         let c = model.config.clone();
         let w = &model.weights;
-        let program = program::build(model)?;
         let (h, qd, kvd, ffn, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size, c.head_dim);
         let total: u64 = w.tensors().iter().map(|t| t.bytes().len() as u64).sum();
         let (max_ctx, kv_blocks) = fitted_context(device, &c, options, kv_format, total)?;
