@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use kiln_backend_cpu::kernels::q8::{Q8Input, Q8Kernel};
+use kiln_backend_cpu::kernels::q8::{Q8Forms, Q8Input, Q8Kernel};
 use kiln_backend_cpu::kernels::{block_sums, Act, Kernel, RowDot};
 use kiln_backend_cpu::Isa;
 use kiln_core::{QType, Rng};
@@ -31,7 +31,15 @@ fn main() {
     let mut sums = vec![0.0; cols / 32];
     block_sums(&x, &mut sums);
     let mut x8 = Q8Input::default();
-    x8.quantize(&x, 1, cols);
+    x8.quantize(
+        &x,
+        1,
+        cols,
+        Q8Forms {
+            block: true,
+            super_block: true,
+        },
+    );
     let isas = Isa::available();
     println!(
         "{rows} × {cols}, one thread; weights/ns per instruction set ({})",

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::dequant::{block_fn, dequantize_into};
-use crate::kernels::q8::Q8Input;
+use crate::kernels::q8::{Q8Forms, Q8Input};
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
@@ -45,9 +45,9 @@ struct Model {
     max_ctx: usize,
     threads: usize,
     simd: Option<Simd>,
-    /// Few-token matmuls take 8-bit activations where the weight type has an integer
-    /// kernel (`LoadOptions::quantized_activations`; never in the oracle's default).
-    quantized_activations: bool,
+    /// The 8-bit activation forms the matrices with an integer kernel multiply
+    /// (`LoadOptions::quantized_activations`; none in the oracle's default).
+    q8_forms: Q8Forms,
 }
 
 /// One sequence slot: its windowed layers' rings (see [`KvLayout`]; its other rows live in
@@ -430,14 +430,19 @@ impl CpuExecutor {
         let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
         // The matrices a forward pass multiplies, with their integer kernels when the caller
         // asked for 8-bit activations (`kernels::q8`; the oracle's f32 path otherwise).
-        let q8 = options.quantized_activations;
+        let mut q8_forms = Q8Forms::default();
         let program = program::build(ir)?.map(
             c,
             |view, shape| {
-                QMatrix::new(view, shape.inputs, shape.outputs, isa).map(|m| match q8 {
-                    true => m.with_q8_activations(isa),
-                    false => m,
-                })
+                let m = QMatrix::new(view, shape.inputs, shape.outputs, isa)?;
+                if !options.quantized_activations {
+                    return Ok(m);
+                }
+                let m = m.with_q8_activations(isa);
+                if let Some(k) = m.q8 {
+                    q8_forms.add(k);
+                }
+                Ok(m)
             },
             vector,
         )?;
@@ -515,7 +520,7 @@ impl CpuExecutor {
             max_ctx,
             threads,
             simd,
-            quantized_activations: q8,
+            q8_forms,
         };
         Ok(CpuExecutor {
             model,
@@ -587,7 +592,7 @@ fn batch<'a>(
     x: &'a [f32],
     sums: &'a mut [f32],
     q8: &'a mut Q8Input,
-    quantize: bool,
+    forms: Q8Forms,
     tokens: usize,
     cols: usize,
 ) -> Batch<'a> {
@@ -596,9 +601,9 @@ fn batch<'a>(
     if cols.is_multiple_of(32) {
         block_sums(x, &mut sums[..tokens * ns]);
     }
-    let q8 = match quantize && cols.is_multiple_of(32) {
+    let q8 = match forms.any() && cols.is_multiple_of(32) {
         true => {
-            q8.quantize(x, tokens, cols);
+            q8.quantize(x, tokens, cols, forms);
             Some(&*q8)
         }
         false => None,
@@ -895,14 +900,7 @@ fn forward(
             &mut s.xn[o * h..(o + 1) * h],
         );
     }
-    let input = batch(
-        &s.xn,
-        &mut s.sums,
-        &mut s.q8,
-        m.quantized_activations,
-        count,
-        h,
-    );
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, count, h);
     matmul(
         &mut [MatJob {
             m: &p.head.output,
@@ -939,7 +937,7 @@ fn attention(
         true => (&s.cos_local, &s.sin_local),
         false => (&s.cos, &s.sin),
     };
-    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, n, h);
     matmul(
         &mut [
             MatJob {
@@ -1080,14 +1078,7 @@ fn attention(
         }
     }
 
-    let input = batch(
-        &s.att,
-        &mut s.sums,
-        &mut s.q8,
-        m.quantized_activations,
-        n,
-        qd,
-    );
+    let input = batch(&s.att, &mut s.sums, &mut s.q8, m.q8_forms, n, qd);
     matmul(
         &mut [MatJob {
             m: &a.out.weight,
@@ -1105,7 +1096,7 @@ fn feed_forward(m: &Model, f: &FeedForward<QMatrix>, s: &mut Scratch, n: usize, 
     let ffn = m.config.ffn_size;
     let h = m.config.hidden_size;
     let (threads, simd) = (m.threads, m.simd);
-    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.quantized_activations, n, h);
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, n, h);
     match &f.gate {
         Some(gate) => matmul(
             &mut [
@@ -1145,14 +1136,7 @@ fn feed_forward(m: &Model, f: &FeedForward<QMatrix>, s: &mut Scratch, n: usize, 
             *u = act(*u);
         }
     }
-    let input = batch(
-        &s.up,
-        &mut s.sums,
-        &mut s.q8,
-        m.quantized_activations,
-        n,
-        ffn,
-    );
+    let input = batch(&s.up, &mut s.sums, &mut s.q8, m.q8_forms, n, ffn);
     matmul(&mut [MatJob { m: &f.down, out }], input, threads, simd);
 }
 

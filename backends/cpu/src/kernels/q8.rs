@@ -169,7 +169,31 @@ impl Q8Act {
     }
 }
 
-/// One matmul input in each form a matrix may ask for ([`ScaleSpan`]): the executor
+/// Which activation forms a model's matrices multiply ([`Q8Kernel::span`]): the forms
+/// [`Q8Input::quantize`] makes, so a model without K-quant kernels never pays for the
+/// super-block one (and one of only K-quants never for the block one).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Q8Forms {
+    pub block: bool,
+    pub super_block: bool,
+}
+
+impl Q8Forms {
+    /// Adds the form `kernel` multiplies.
+    pub fn add(&mut self, kernel: Q8Kernel) {
+        match kernel.span() {
+            ScaleSpan::Block => self.block = true,
+            ScaleSpan::SuperBlock => self.super_block = true,
+        }
+    }
+
+    /// Whether any matrix takes 8-bit activations.
+    pub fn any(self) -> bool {
+        self.block || self.super_block
+    }
+}
+
+/// One matmul input in each form its matrices may ask for ([`ScaleSpan`]): the executor
 /// quantises an activation once and every matrix reads the form its type multiplies. The
 /// super-block form exists only when rows are whole 256-value groups, as every K-quant
 /// matrix's are.
@@ -177,25 +201,31 @@ impl Q8Act {
 pub struct Q8Input {
     block: Q8Act,
     super_block: Q8Act,
-    has_super_block: bool,
+    made: Q8Forms,
 }
 
 impl Q8Input {
-    /// Quantises `tokens` activations of `cols` values each (`cols` a multiple of 32).
-    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize) {
-        self.block.quantize(x, tokens, cols, ScaleSpan::Block);
-        self.has_super_block = cols.is_multiple_of(ScaleSpan::SuperBlock.values());
-        if self.has_super_block {
+    /// Quantises `tokens` activations of `cols` values each (`cols` a multiple of 32) in
+    /// the forms `forms` names.
+    pub fn quantize(&mut self, x: &[f32], tokens: usize, cols: usize, forms: Q8Forms) {
+        self.made = Q8Forms {
+            block: forms.block,
+            super_block: forms.super_block && cols.is_multiple_of(ScaleSpan::SuperBlock.values()),
+        };
+        if self.made.block {
+            self.block.quantize(x, tokens, cols, ScaleSpan::Block);
+        }
+        if self.made.super_block {
             self.super_block
                 .quantize(x, tokens, cols, ScaleSpan::SuperBlock);
         }
     }
 
-    /// The form `span` of the last activation, if its rows allow it.
+    /// The form `span` of the last activation, if it was made.
     pub fn form(&self, span: ScaleSpan) -> Option<&Q8Act> {
         match span {
-            ScaleSpan::Block => Some(&self.block),
-            ScaleSpan::SuperBlock => self.has_super_block.then_some(&self.super_block),
+            ScaleSpan::Block => self.made.block.then_some(&self.block),
+            ScaleSpan::SuperBlock => self.made.super_block.then_some(&self.super_block),
         }
     }
 }
