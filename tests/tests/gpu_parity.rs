@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use kiln::conformance::top_gap as top2_gap;
 use kiln::Model;
-use kiln_core::{argmax, Backend, DecodeItem, LoadOptions};
+use kiln_core::{argmax, Backend, DecodeItem, LayerExecutor, LoadOptions, SeqId};
 use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
 use kiln_formats::synth::{synth_file, Preset, SynthOptions};
 use kiln_tests::{cosine, skip};
@@ -228,11 +228,7 @@ fn compare_tokens_on(
         if step == steps {
             break;
         }
-        lg.fill(f32::NAN);
-        cpu.decode(&[DecodeItem { seq: sc, token: tc }], &mut lc)
-            .unwrap();
-        gpu.decode(&[DecodeItem { seq: sg, token: tc }], &mut lg)
-            .unwrap();
+        decode_both(&mut *cpu, &mut *gpu, (sc, sg), tc, &mut lc, &mut lg);
     }
     println!(
         "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {steps} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
@@ -674,13 +670,7 @@ fn truncate_into_the_ring(gpu: &str, path: &Path, text: &str) {
         gpu_exec.truncate_sequence(sg, cut).unwrap();
         let mut token = prompt[cut];
         for step in 0..8 {
-            lg.fill(f32::NAN);
-            cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc)
-                .unwrap();
-            gpu_exec
-                .decode(&[DecodeItem { seq: sg, token }], &mut lg)
-                .unwrap();
-            let cos = cosine(&lc, &lg);
+            let cos = decode_both(&mut *cpu, &mut *gpu_exec, (sc, sg), token, &mut lc, &mut lg);
             worst = worst.min(cos);
             assert!(
                 cos >= GEMMA3_BAR.min_cosine,
@@ -744,13 +734,8 @@ fn fixture_parity(gpu: &str, arch: &str) {
             token,
             "{gpu}: {arch} greedy token at step {step}"
         );
-        lg.fill(f32::NAN);
-        cpu.decode(&[DecodeItem { seq: sc, token }], &mut lc)
-            .unwrap();
-        gpu_exec
-            .decode(&[DecodeItem { seq: sg, token }], &mut lg)
-            .unwrap();
-        worst = worst.min(cosine(&lc, &lg));
+        let cos = decode_both(&mut *cpu, &mut *gpu_exec, (sc, sg), token, &mut lc, &mut lg);
+        worst = worst.min(cos);
     }
     println!("{gpu}: {arch} fixture, prompt 40 tokens, 32 steps: min cosine {worst:.7}");
     // Three sequences of different lengths decoding together: the batched step.
@@ -835,4 +820,22 @@ fn real_gemma3_270m_matches_cpu() {
     ] {
         compare_on("cuda-q4k", GEMMA3_BAR, &path, prompt, true, false, true);
     }
+}
+
+/// `token` through the CPU's sequence `seqs.0` and the GPU's `seqs.1` (the GPU's logits
+/// poisoned first, so a row it leaves unwritten fails); the cosine of the two rows.
+fn decode_both(
+    cpu: &mut dyn LayerExecutor,
+    gpu: &mut dyn LayerExecutor,
+    seqs: (SeqId, SeqId),
+    token: u32,
+    lc: &mut [f32],
+    lg: &mut [f32],
+) -> f64 {
+    lg.fill(f32::NAN);
+    cpu.decode(&[DecodeItem { seq: seqs.0, token }], lc)
+        .unwrap();
+    gpu.decode(&[DecodeItem { seq: seqs.1, token }], lg)
+        .unwrap();
+    cosine(lc, lg)
 }
