@@ -500,7 +500,9 @@ impl PluginBackend {
 
     /// Loads `model` as a concrete [`PluginExecutor`] (what [`Backend::load`] boxes).
     pub fn load_executor(&self, model: &ModelIr, options: &LoadOptions) -> Result<PluginExecutor> {
-        kiln_core::plugin_abi::check_describable(&model.config)?;
+        // The descriptors first: a model the plugin's ABI cannot describe is refused
+        // before anything else is asked of it.
+        let desc = ModelDescBuf::new(model, self.plugin.abi_version)?;
         if let Some(kind) = options.kv_type {
             // The 1.x load options have no field for it: a plugin keeps the cache it has.
             return Err(Error::Unsupported(format!(
@@ -509,7 +511,6 @@ impl PluginBackend {
             )));
         }
         let p = &self.plugin;
-        let desc = ModelDescBuf::new(model);
         let mut progress: Option<ProgressFn> = options.progress.clone();
         let opts = KilnLoadOptions {
             struct_size: std::mem::size_of::<KilnLoadOptions>() as u32,
@@ -632,12 +633,14 @@ impl Backend for PluginBackend {
                 ),
             };
         }
-        if let Err(e) = kiln_core::plugin_abi::check_describable(&model.config) {
-            return Support::No {
-                reason: e.to_string(),
-            };
-        }
-        let desc = ModelDescBuf::new(model);
+        let desc = match ModelDescBuf::new(model, p.abi_version) {
+            Ok(desc) => desc,
+            Err(e) => {
+                return Support::No {
+                    reason: e.to_string(),
+                }
+            }
+        };
         let d = desc.desc();
         let mut out = KilnSupport {
             supported: 0,

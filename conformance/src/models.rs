@@ -5,8 +5,8 @@
 
 use kiln_core::testdata::{gaussian_weights, random_vec};
 use kiln_core::{
-    Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, QType, Rng, RopeConfig,
-    RopeKind, TensorView,
+    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, QType, Rng,
+    RopeConfig, RopeKind, SlidingWindow, TensorView,
 };
 
 /// The hyper-parameters and weight types of one synthetic model.
@@ -40,8 +40,16 @@ pub fn norm(rng: &mut Rng, name: &str, n: usize) -> TensorView {
     TensorView::from_f32(name, vec![n], &v).expect("f32 vector")
 }
 
-/// A random model of shape `s` that claims a context of `context_length`.
+/// The window of a Gemma 3 shape's local layers: short, so a suite's few dozen tokens
+/// cross it.
+pub const GEMMA3_WINDOW: usize = 8;
+
+/// A random model of shape `s` that claims a context of `context_length`. A Gemma 3 shape
+/// (which needs `qk_norm`) also gets the rest of Gemma 3: norms after attention and the
+/// MLP, a window of [`GEMMA3_WINDOW`] positions on all but every second layer (those rotate
+/// with their own base), GELU, and an embedding scaled by √hidden.
 pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
+    let gemma3 = s.arch == Architecture::Gemma3;
     let (h, qd, kvd) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let [tq, tv, tg, td, te] = s.types;
     let mut layers = Vec::new();
@@ -69,8 +77,8 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             ffn_gate: Some(matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
             ffn_up: matrix(rng, &format!("{i}.up"), tg, h, s.ffn),
             ffn_down: matrix(rng, &format!("{i}.down"), td, s.ffn, h),
-            attn_post_norm: None,
-            ffn_post_norm: None,
+            attn_post_norm: gemma3.then(|| norm(rng, "post_attention_norm", h)),
+            ffn_post_norm: gemma3.then(|| norm(rng, "post_ffw_norm", h)),
         });
     }
     let token_embd = {
@@ -109,10 +117,29 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         context_length,
         ..ModelConfig::default()
     };
+    let config = match gemma3 {
+        false => config,
+        true => ModelConfig {
+            activation: Activation::Gelu,
+            embedding_scale: (h as f32).sqrt(),
+            sandwich_norms: true,
+            sliding_window: Some(SlidingWindow {
+                window: GEMMA3_WINDOW,
+                global_every: 2,
+                local_theta: 1e4,
+            }),
+            rope: RopeConfig {
+                theta: 1e6,
+                ..config.rope
+            },
+            ..config
+        },
+    };
     ModelIr {
         config,
         weights,
         source: "random test model".into(),
+        program: None,
     }
 }
 
@@ -187,11 +214,36 @@ pub fn shapes() -> Vec<(&'static str, Shape)> {
     ]
 }
 
-/// What the conformance suite runs: [`shapes`], then a small llama of the plainest types
-/// (Q8_0 matrices, F16 embedding and untied head) that a backend with only a few kernels
-/// can still take.
+/// What the conformance suite runs: [`shapes`], a small Gemma 3 (sliding windows, sandwich
+/// norms, QK-norm, GELU, a scaled embedding: the shape that reaches a plugin only as a
+/// program), then a small llama of the plainest types (Q8_0 matrices, F16 embedding and
+/// untied head) that a backend with only a few kernels can still take.
 pub fn suite_shapes() -> Vec<(&'static str, Shape)> {
     let mut all = shapes();
+    all.push((
+        "gemma3, windows and sandwich norms, small",
+        Shape {
+            arch: Architecture::Gemma3,
+            hidden: 256,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 64,
+            ffn: 512,
+            vocab: 1024,
+            layers: 2,
+            rope: RopeKind::Neox,
+            qkv_bias: false,
+            qk_norm: true,
+            tied: true,
+            types: [
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q8_0,
+            ],
+        },
+    ));
     all.push((
         "llama, Q8_0 with an F16 head, small",
         Shape {
@@ -235,5 +287,9 @@ pub fn describe(s: &Shape) -> String {
         types.join("/"),
         if s.qkv_bias { ", QKV bias" } else { "" },
         if s.qk_norm { ", QK-norm" } else { "" },
-    )
+    ) + if s.arch == Architecture::Gemma3 {
+        ", sliding window, sandwich norms, GELU"
+    } else {
+        ""
+    }
 }

@@ -733,6 +733,11 @@ pub struct ModelIr {
     pub weights: ModelWeights,
     /// Human-readable origin ("GGUF file /path/x.gguf") for messages.
     pub source: String,
+    /// The forward pass the model came with, if it came with one: a model a host described
+    /// to a plugin carries the host's program (ABI 1.4), which [`crate::program::build`]
+    /// checks and returns instead of running an architecture builder. `None` for a model
+    /// read from a file.
+    pub program: Option<std::sync::Arc<crate::program::ModelProgram<TensorView>>>,
 }
 
 impl ModelIr {

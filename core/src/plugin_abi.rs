@@ -31,8 +31,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ir::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
-    RopeConfig, RopeKind, RopeScaling, TensorView,
+    Activation, Architecture, GraniteScales, LayerAttention, LayerWeights, ModelConfig, ModelIr,
+    ModelWeights, NormKind, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
+};
+use crate::program::{
+    Attention, Branch, Embedding, FeedForward, Head, HeadNorms, Linear, ModelProgram, Norm, Op,
 };
 use crate::qtype::QType;
 
@@ -40,8 +43,11 @@ use crate::qtype::QType;
 pub const ABI_MAJOR: u16 = 1;
 /// Minor version: bumped by purely additive changes (see the module docs). 1.2 added qtype
 /// id 128 (APR Q4): ids from 128 up are kiln's own types, outside ggml's id space. 1.3
-/// appended [`KilnPluginApi::decode_sample`] (a plugin draws tokens itself).
-pub const ABI_MINOR: u16 = 3;
+/// appended [`KilnPluginApi::decode_sample`] (a plugin draws tokens itself). 1.4 appended
+/// [`KilnModelDesc::program`]: the model's forward pass as the host's architecture builder
+/// made it ([`KilnProgramDesc`]), so an architecture made of known operations reaches a
+/// plugin with no new field.
+pub const ABI_MINOR: u16 = 4;
 /// `ABI_MAJOR << 16 | ABI_MINOR`, the value in [`KilnPluginApi::abi_version`].
 pub const ABI_VERSION: u32 = pack_version(ABI_MAJOR, ABI_MINOR);
 /// Name of the symbol every plugin exports.
@@ -550,10 +556,13 @@ pub enum TensorRole {
     FfnGate = 30,
     FfnUp = 31,
     FfnDown = 32,
+    /// (1.4) A tensor only the program names (a post-norm, or any tensor of an
+    /// architecture the roles above do not cover); only sent with a program.
+    Other = 63,
 }
 
 impl TensorRole {
-    const ALL: [TensorRole; 22] = [
+    const ALL: [TensorRole; 23] = [
         TensorRole::TokenEmbd,
         TensorRole::OutputNorm,
         TensorRole::OutputNormBias,
@@ -576,6 +585,7 @@ impl TensorRole {
         TensorRole::FfnGate,
         TensorRole::FfnUp,
         TensorRole::FfnDown,
+        TensorRole::Other,
     ];
 
     pub fn from_id(id: u32) -> Option<TensorRole> {
@@ -584,7 +594,7 @@ impl TensorRole {
 
     /// Roles that exist once per layer.
     pub fn per_layer(self) -> bool {
-        self as u32 >= 16
+        self as u32 >= 16 && self != TensorRole::Other
     }
 }
 
@@ -623,6 +633,164 @@ pub struct KilnModelDesc {
     pub n_tensors: usize,
     /// Human-readable origin for messages.
     pub source: KilnStr,
+    // ---- ABI 1.4 ----
+    /// The forward pass, or null. A 1.4 host sends it to a plugin of 1.4 or later, and
+    /// then may describe models `KilnModelConfig` alone cannot (Gemma 3, Granite); an older
+    /// plugin is never sent such a model. It lies past a 1.3 host's `struct_size`:
+    /// [`KilnModelDesc::read`] then gives null.
+    pub program: *const KilnProgramDesc,
+}
+
+/// `struct_size` of ABI 1.0's [`KilnModelDesc`] (everything before `program`): the least a
+/// 1.x plugin accepts.
+pub const MODEL_DESC_SIZE_V1_0: u32 = std::mem::offset_of!(KilnModelDesc, program) as u32;
+
+impl KilnModelDesc {
+    /// Reads the descriptor a host of any 1.x minor passed: refuses a `struct_size` short
+    /// of ABI 1.0's fields and copies only the bytes the host declared, so fields a newer
+    /// minor appended read as zero (null).
+    ///
+    /// # Safety
+    /// `desc` must be null or point to `struct_size` readable bytes (the ABI's promise).
+    pub unsafe fn read(desc: *const KilnModelDesc) -> std::result::Result<KilnModelDesc, String> {
+        if desc.is_null() {
+            return Err("null model descriptor".into());
+        }
+        // SAFETY: non-null (checked); every minor's struct starts with this u32.
+        let struct_size = unsafe { std::ptr::read(desc as *const u32) };
+        if struct_size < MODEL_DESC_SIZE_V1_0 {
+            return Err(format!(
+                "struct_size {struct_size} is smaller than ABI 1.0's {MODEL_DESC_SIZE_V1_0} bytes"
+            ));
+        }
+        // SAFETY: all-zero is a valid KilnModelDesc (null pointers, empty string).
+        let mut out: KilnModelDesc = unsafe { std::mem::zeroed() };
+        let n = (struct_size as usize).min(std::mem::size_of::<KilnModelDesc>());
+        // SAFETY: the caller promises `struct_size` readable bytes; at most that many, and
+        // no more than `out` holds, are copied.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                desc as *const u8,
+                &mut out as *mut KilnModelDesc as *mut u8,
+                n,
+            )
+        };
+        Ok(out)
+    }
+}
+
+// ---- the model program (ABI 1.4) ---------------------------------------------------
+//
+// [`crate::program::ModelProgram`] as plain data. Weights are indices into the model
+// descriptor's tensor array ([`NO_TENSOR`] where a slot is empty); operations are
+// [`KilnOpDesc`]s whose `kind` says what their slots mean, the way a ggml node's `op`
+// gives meaning to its `src` and `op_params`. A new kind of operation is a new
+// [`op_kind`] value (a minor version); a plugin refuses kinds it does not know, so it never
+// runs a model it would misread.
+
+/// An empty tensor slot of a program.
+pub const NO_TENSOR: u32 = u32::MAX;
+/// Tensor slots, numbers and integers of one [`KilnOpDesc`].
+pub const OP_TENSORS: usize = 12;
+pub const OP_VALUES: usize = 4;
+pub const OP_INTS: usize = 4;
+/// Most branches or operations a program may have (far above any model's).
+pub const MAX_PROGRAM_LEN: usize = 1 << 16;
+
+/// A norm of a program: `kind` a [`norm_id`], `weight` and `bias` tensor indices (`bias`
+/// [`NO_TENSOR`] for none), and ε. As a branch's `post_norm`, `weight` [`NO_TENSOR`] means
+/// the branch has none.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KilnNormDesc {
+    pub kind: u32,
+    pub weight: u32,
+    pub bias: u32,
+    pub eps: f32,
+}
+
+/// The kinds of [`KilnOpDesc`] and what their slots hold.
+pub mod op_kind {
+    /// Causal self-attention whose KV cache is the op's `layer`.
+    /// - tensors: `[q, q bias, k, k bias, v, v bias, out, out bias, q head norm, k head norm]`
+    ///   (biases and head norms [`super::NO_TENSOR`] when absent; head norms both or neither)
+    /// - values: `[score scale, head-norm ε]`
+    /// - ints: `[window, local rope]`: the positions a query sees, its own included (0: the
+    ///   whole context); 1 when the layer rotates with the windowed layers' base
+    ///   ([`super::KilnProgramDesc::local_rope_theta`], unscaled), 0 with the config's rope.
+    pub const ATTENTION: u32 = 0;
+    /// A dense feed-forward: `down(act(gate·x) ⊙ up·x)`, or `down(act(up·x))` ungated.
+    /// - tensors: `[gate (NO_TENSOR: ungated), up, down]`
+    /// - ints: `[activation id]` ([`super::activation_id`])
+    pub const FEED_FORWARD: u32 = 1;
+}
+
+/// One operation of a branch (see [`op_kind`]). Unused slots are [`NO_TENSOR`] and 0.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KilnOpDesc {
+    pub kind: u32,
+    /// The layer whose KV cache an attention uses; [`NO_LAYER`] for other kinds.
+    pub layer: u32,
+    pub tensors: [u32; OP_TENSORS],
+    pub values: [f32; OP_VALUES],
+    pub ints: [u64; OP_INTS],
+}
+
+impl KilnOpDesc {
+    fn empty(kind: u32, layer: u32) -> KilnOpDesc {
+        KilnOpDesc {
+            kind,
+            layer,
+            tensors: [NO_TENSOR; OP_TENSORS],
+            values: [0.0; OP_VALUES],
+            ints: [0; OP_INTS],
+        }
+    }
+}
+
+/// `x += scale · post_norm(Σ ops(norm(x)))` over the ops `first_op .. first_op + n_ops`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KilnBranchDesc {
+    pub norm: KilnNormDesc,
+    pub post_norm: KilnNormDesc,
+    pub scale: f32,
+    pub first_op: u32,
+    pub n_ops: u32,
+}
+
+/// The forward pass (see [`crate::program`]):
+/// ```text
+/// x  = embedding_scale · embedding[token]
+/// x += branch.scale · post_norm(Σ op(norm(x)))      for each branch, in order
+/// logits = logit_scale · output(head_norm(x))
+/// ```
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KilnProgramDesc {
+    pub struct_size: u32,
+    pub _reserved: u32,
+    /// Tensor index of the token embedding (vocabulary rows of hidden values).
+    pub embedding: u32,
+    pub embedding_scale: f32,
+    pub head_norm: KilnNormDesc,
+    /// Tensor index of the LM head (the embedding's own when tied).
+    pub output: u32,
+    pub logit_scale: f32,
+    /// Tensor index of the per-pair RoPE frequency factors, or [`NO_TENSOR`].
+    pub rope_freqs: u32,
+    /// RoPE base of the attentions marked local (0 when none is).
+    pub local_rope_theta: f32,
+    /// The config's sliding window: positions a windowed layer sees (0: no window) and the
+    /// period of the layers that see everything (layers `global_every - 1`,
+    /// `2·global_every - 1`, …). Each attention's own window must agree.
+    pub sliding_window: u64,
+    pub sliding_global_every: u64,
+    pub branches: *const KilnBranchDesc,
+    pub n_branches: usize,
+    pub ops: *const KilnOpDesc,
+    pub n_ops: usize,
 }
 
 /// [`crate::LoadOptions`] as plain data.
@@ -731,19 +899,23 @@ pub fn arch_id(a: &Architecture) -> u32 {
         Architecture::Mistral => 1,
         Architecture::Qwen2 => 2,
         Architecture::Qwen3 => 3,
-        // Never sent under ABI 1.3: the host refuses models the ABI cannot describe
-        // (`check_describable`), and Gemma 3's sandwich norms, embedding scale and sliding
-        // window are not in `KilnModelConfig`.
+        // Gemma 3 and Granite are sent only with a program (ABI 1.4), which carries what
+        // `KilnModelConfig` lacks: sandwich norms, scales, sliding windows
+        // (`check_describable`).
         Architecture::Gemma3 => 4,
         Architecture::Phi3 => 5,
-        // Never sent: its multipliers are not in `KilnModelConfig` (`check_describable`).
         Architecture::Granite(_) => 6,
     }
 }
 
-/// Whether `KilnModelConfig` can describe `c`: an `Unsupported` error naming what it lacks
-/// otherwise (a plugin must never run a model it would misread).
-pub fn check_describable(c: &ModelConfig) -> Result<()> {
+/// Whether a plugin of ABI `peer` can be given a model of config `c`: from 1.4 every model
+/// crosses with its program; an older plugin has only `KilnModelConfig`, and gets an
+/// `Unsupported` error naming what that lacks (a plugin must never run a model it would
+/// misread).
+pub fn check_describable(c: &ModelConfig, peer: u32) -> Result<()> {
+    if version_minor(peer) >= 4 {
+        return Ok(());
+    }
     let lacks = if c.arch == Architecture::Gemma3 {
         Some("the gemma3 architecture")
     } else if matches!(c.arch, Architecture::Granite(_)) {
@@ -759,12 +931,14 @@ pub fn check_describable(c: &ModelConfig) -> Result<()> {
     };
     match lacks {
         Some(what) => Err(Error::Unsupported(format!(
-            "plugin ABI {} cannot describe {what} to a plugin",
-            version_string(ABI_VERSION)
+            "plugin ABI {} cannot describe {what} to a plugin (1.4 can: rebuild the plugin against it)",
+            version_string(peer)
         ))),
         None => Ok(()),
     }
 }
+
+/// The architectures `KilnModelConfig` describes on its own (without a program).
 pub fn arch_from_id(id: u32) -> Option<Architecture> {
     [
         Architecture::Llama,
@@ -775,6 +949,33 @@ pub fn arch_from_id(id: u32) -> Option<Architecture> {
     ]
     .into_iter()
     .find(|a| arch_id(a) == id)
+}
+
+/// The architecture of id `id` given the model's `program`: Gemma 3 needs nothing more;
+/// Granite's multipliers are read back from the program (its first attention's scale, its
+/// first branch's scale, the inverse of its logit scale).
+fn arch_with_program(id: u32, program: &ModelProgram<TensorView>) -> Option<Architecture> {
+    if id == arch_id(&Architecture::Gemma3) {
+        return Some(Architecture::Gemma3);
+    }
+    if id
+        == arch_id(&Architecture::Granite(GraniteScales {
+            residual: 1.0,
+            attention: 1.0,
+            logits: 1.0,
+        }))
+    {
+        let attention = program.ops().find_map(|op| match op {
+            Op::Attention(a) => Some(a.scale),
+            _ => None,
+        })?;
+        return Some(Architecture::Granite(GraniteScales {
+            residual: program.branches.first()?.scale,
+            attention,
+            logits: 1.0 / program.head.logit_scale,
+        }));
+    }
+    arch_from_id(id)
 }
 pub fn norm_id(n: NormKind) -> u32 {
     match n {
@@ -863,6 +1064,16 @@ pub fn config_to_abi(c: &ModelConfig) -> KilnModelConfig {
 /// Rebuilds a [`ModelConfig`], refusing unknown enum ids, unknown flag bits, sizes that do
 /// not fit `usize` and inconsistent shapes.
 pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
+    config_with_program(c, None)
+}
+
+/// [`config_from_abi`], completed from the program the host sent with it: the architectures
+/// only a program describes, the embedding scale, the sandwich norms and the sliding window
+/// (`desc`'s, which [`crate::program::build`] then checks each attention against).
+fn config_with_program(
+    c: &KilnModelConfig,
+    program: Option<(&KilnProgramDesc, &ModelProgram<TensorView>)>,
+) -> Result<ModelConfig> {
     let bad = |m: String| Error::Format(format!("model config from host: {m}"));
     if (c.struct_size as usize) < std::mem::size_of::<KilnModelConfig>() {
         return Err(bad(format!(
@@ -882,9 +1093,12 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
     let size = |v: u64, what: &str| {
         usize::try_from(v).map_err(|_| bad(format!("{what} {v} does not fit usize")))
     };
-    let arch = arch_from_id(c.arch)
-        .ok_or_else(|| Error::Unsupported(format!("unknown architecture id {}", c.arch)))?;
-    let config = ModelConfig {
+    let arch = match program {
+        Some((_, p)) => arch_with_program(c.arch, p),
+        None => arch_from_id(c.arch),
+    }
+    .ok_or_else(|| Error::Unsupported(format!("unknown architecture id {}", c.arch)))?;
+    let mut config = ModelConfig {
         arch,
         vocab_size: size(c.vocab_size, "vocab_size")?,
         hidden_size: size(c.hidden_size, "hidden_size")?,
@@ -915,6 +1129,17 @@ pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
         sandwich_norms: false,
         sliding_window: None,
     };
+    if let Some((desc, p)) = program {
+        config.embedding_scale = p.embedding.scale;
+        config.sandwich_norms = p.branches.iter().any(|b| b.post_norm.is_some());
+        if desc.sliding_window != 0 {
+            config.sliding_window = Some(SlidingWindow {
+                window: size(desc.sliding_window, "sliding window")?,
+                global_every: size(desc.sliding_global_every, "sliding window period")?,
+                local_theta: desc.local_rope_theta,
+            });
+        }
+    }
     config.validate()?;
     Ok(config)
 }
@@ -994,52 +1219,77 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
     out
 }
 
+/// The descriptor of `t` in `role` of `layer`, pointing at `t`'s name and bytes.
+fn tensor_desc(role: TensorRole, layer: u32, t: &TensorView) -> KilnTensorDesc {
+    let mut dims = [0u64; MAX_DIMS];
+    for (d, &v) in dims.iter_mut().zip(t.dims()) {
+        *d = v as u64;
+    }
+    let bytes = t.bytes();
+    KilnTensorDesc {
+        name: KilnStr::new(t.name()),
+        role: role as u32,
+        layer,
+        qtype: t.qtype().id(),
+        n_dims: t.dims().len() as u32,
+        dims,
+        data: bytes.as_ptr(),
+        len: bytes.len() as u64,
+    }
+}
+
 /// The descriptors of one model, owned by the host for the duration of a call (or, for
-/// `load`, alongside the executor). Holds a clone of the [`ModelIr`] so the bytes the
-/// descriptors point to cannot be unmapped while the buffer lives.
+/// `load`, alongside the executor). Holds a clone of the [`ModelIr`] (and of its program)
+/// so the bytes the descriptors point to cannot be unmapped while the buffer lives.
 pub struct ModelDescBuf {
     model: ModelIr,
     config: Box<KilnModelConfig>,
     tensors: Vec<KilnTensorDesc>,
+    program: Option<ProgramDescBuf>,
 }
 
-// SAFETY: the raw pointers inside point into `model` (immutable, itself Send + Sync) and
-// into `config`/`tensors`, which this struct owns and never mutates after construction.
+/// A [`KilnProgramDesc`] and the arrays it points to.
+struct ProgramDescBuf {
+    /// The program described: keeps every tensor it names alive.
+    _program: ModelProgram<TensorView>,
+    desc: Box<KilnProgramDesc>,
+    _branches: Vec<KilnBranchDesc>,
+    _ops: Vec<KilnOpDesc>,
+}
+
+// SAFETY: the raw pointers inside point into `model` and the program (immutable, themselves
+// Send + Sync) and into the boxes and vectors this struct owns and never mutates after
+// construction.
 unsafe impl Send for ModelDescBuf {}
 // SAFETY: as for Send: the struct is never mutated after construction, so shared access only reads.
 unsafe impl Sync for ModelDescBuf {}
 
 impl ModelDescBuf {
-    pub fn new(model: &ModelIr) -> ModelDescBuf {
+    /// The descriptors of `model` for a plugin of ABI `peer`: with its program from 1.4;
+    /// before, only a model `KilnModelConfig` describes ([`check_describable`]).
+    pub fn new(model: &ModelIr, peer: u32) -> Result<ModelDescBuf> {
+        check_describable(&model.config, peer)?;
         let model = model.clone();
         let config = Box::new(config_to_abi(&model.config));
-        let tensors = tensors_with_roles(&model.weights)
+        // `KilnStr::new(t.name())` and `bytes()` borrow from the TensorViews inside `model`
+        // (and its program), whose `Arc`-held names and storage do not move when `model`
+        // itself moves.
+        let mut tensors: Vec<KilnTensorDesc> = tensors_with_roles(&model.weights)
             .into_iter()
-            .map(|(role, layer, t)| {
-                let mut dims = [0u64; MAX_DIMS];
-                for (d, &v) in dims.iter_mut().zip(t.dims()) {
-                    *d = v as u64;
-                }
-                let bytes = t.bytes();
-                KilnTensorDesc {
-                    name: KilnStr::new(t.name()),
-                    role: role as u32,
-                    layer,
-                    qtype: t.qtype().id(),
-                    n_dims: t.dims().len() as u32,
-                    dims,
-                    data: bytes.as_ptr(),
-                    len: bytes.len() as u64,
-                }
-            })
+            .map(|(role, layer, t)| tensor_desc(role, layer, t))
             .collect();
-        // `KilnStr::new(t.name())` and `bytes()` borrow from the TensorViews inside `model`,
-        // whose `Arc`-held names and storage do not move when `model` itself moves.
-        ModelDescBuf {
+        let program = if version_minor(peer) >= 4 {
+            let program = crate::program::build(&model)?;
+            Some(ProgramDescBuf::new(program, &model.config, &mut tensors))
+        } else {
+            None
+        };
+        Ok(ModelDescBuf {
             model,
             config,
             tensors,
-        }
+            program,
+        })
     }
 
     /// The descriptor, valid while `self` lives.
@@ -1051,11 +1301,148 @@ impl ModelDescBuf {
             tensors: self.tensors.as_ptr(),
             n_tensors: self.tensors.len(),
             source: KilnStr::new(&self.model.source),
+            program: self
+                .program
+                .as_ref()
+                .map_or(std::ptr::null(), |p| &*p.desc as *const KilnProgramDesc),
         }
     }
 
     pub fn model(&self) -> &ModelIr {
         &self.model
+    }
+}
+
+/// Tensor indices for a program's descriptor: a view is known by the bytes it reads (so the
+/// tied head gets the embedding's index); one the roles did not list (a post-norm) is
+/// appended as [`TensorRole::Other`].
+struct TensorSlots<'a> {
+    tensors: &'a mut Vec<KilnTensorDesc>,
+    index: std::collections::HashMap<(usize, usize), u32>,
+}
+
+impl TensorSlots<'_> {
+    fn of(&mut self, t: &TensorView) -> u32 {
+        let key = (t.bytes().as_ptr() as usize, t.bytes().len());
+        if let Some(&i) = self.index.get(&key) {
+            return i;
+        }
+        self.tensors
+            .push(tensor_desc(TensorRole::Other, NO_LAYER, t));
+        let i = (self.tensors.len() - 1) as u32;
+        self.index.insert(key, i);
+        i
+    }
+
+    fn optional(&mut self, t: Option<&TensorView>) -> u32 {
+        t.map_or(NO_TENSOR, |t| self.of(t))
+    }
+
+    fn norm(&mut self, n: Option<&Norm<TensorView>>) -> KilnNormDesc {
+        match n {
+            Some(n) => KilnNormDesc {
+                kind: norm_id(n.kind),
+                weight: self.of(&n.weight),
+                bias: self.optional(n.bias.as_ref()),
+                eps: n.eps,
+            },
+            None => KilnNormDesc {
+                kind: 0,
+                weight: NO_TENSOR,
+                bias: NO_TENSOR,
+                eps: 0.0,
+            },
+        }
+    }
+
+    fn op(&mut self, op: &Op<TensorView, TensorView>) -> KilnOpDesc {
+        match op {
+            Op::Attention(a) => {
+                let mut d = KilnOpDesc::empty(op_kind::ATTENTION, a.layer as u32);
+                let heads = a.head_norms.as_ref();
+                let slots = [
+                    Some(&a.q.weight),
+                    a.q.bias.as_ref(),
+                    Some(&a.k.weight),
+                    a.k.bias.as_ref(),
+                    Some(&a.v.weight),
+                    a.v.bias.as_ref(),
+                    Some(&a.out.weight),
+                    a.out.bias.as_ref(),
+                    heads.map(|h| &h.q),
+                    heads.map(|h| &h.k),
+                ];
+                for (d, t) in d.tensors.iter_mut().zip(slots) {
+                    *d = self.optional(t);
+                }
+                d.values[0] = a.scale;
+                d.values[1] = heads.map_or(0.0, |h| h.eps);
+                d.ints[0] = a.span.window.map_or(0, |w| w as u64);
+                d.ints[1] = a.span.local_rope as u64;
+                d
+            }
+            Op::FeedForward(f) => {
+                let mut d = KilnOpDesc::empty(op_kind::FEED_FORWARD, NO_LAYER);
+                d.tensors[0] = self.optional(f.gate.as_ref());
+                d.tensors[1] = self.of(&f.up);
+                d.tensors[2] = self.of(&f.down);
+                d.ints[0] = activation_id(f.activation) as u64;
+                d
+            }
+        }
+    }
+}
+
+impl ProgramDescBuf {
+    /// Describes `program` over `tensors` (appending the tensors only it names).
+    fn new(
+        program: ModelProgram<TensorView>,
+        c: &ModelConfig,
+        tensors: &mut Vec<KilnTensorDesc>,
+    ) -> ProgramDescBuf {
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| ((t.data as usize, t.len as usize), i as u32))
+            .collect();
+        let mut slots = TensorSlots { tensors, index };
+        let mut branches = Vec::with_capacity(program.branches.len());
+        let mut ops = Vec::new();
+        for b in &program.branches {
+            let first_op = ops.len() as u32;
+            ops.extend(b.ops.iter().map(|op| slots.op(op)));
+            branches.push(KilnBranchDesc {
+                norm: slots.norm(Some(&b.norm)),
+                post_norm: slots.norm(b.post_norm.as_ref()),
+                scale: b.scale,
+                first_op,
+                n_ops: b.ops.len() as u32,
+            });
+        }
+        let window = c.sliding_window;
+        let desc = Box::new(KilnProgramDesc {
+            struct_size: std::mem::size_of::<KilnProgramDesc>() as u32,
+            _reserved: 0,
+            embedding: slots.of(&program.embedding.table),
+            embedding_scale: program.embedding.scale,
+            head_norm: slots.norm(Some(&program.head.norm)),
+            output: slots.of(&program.head.output),
+            logit_scale: program.head.logit_scale,
+            rope_freqs: slots.optional(program.rope_freqs.as_ref()),
+            local_rope_theta: window.map_or(0.0, |w| w.local_theta),
+            sliding_window: window.map_or(0, |w| w.window as u64),
+            sliding_global_every: window.map_or(0, |w| w.global_every as u64),
+            branches: branches.as_ptr(),
+            n_branches: branches.len(),
+            ops: ops.as_ptr(),
+            n_ops: ops.len(),
+        });
+        ProgramDescBuf {
+            _program: program,
+            desc,
+            _branches: branches,
+            _ops: ops,
+        }
     }
 }
 
@@ -1086,9 +1473,10 @@ impl Deref for HostBytes {
 }
 
 /// Rebuilds the [`ModelIr`] a host described, its tensors viewing the host's bytes
-/// without copying. Every field is checked: unknown roles or qtypes, null pointers,
-/// lengths that disagree with the dims, layers out of range, missing or duplicate roles
-/// are [`Error::Format`].
+/// without copying, with the host's program when it sent one (ABI 1.4). Every field is
+/// checked: unknown roles, qtypes or operation kinds, null pointers, lengths that disagree
+/// with the dims, layers or tensor indices out of range, missing or duplicate roles, and a
+/// program whose weights do not fit the config are [`Error::Format`] (or `Unsupported`).
 ///
 /// # Safety
 /// `desc` must be a valid descriptor whose pointers are readable, and the tensor bytes must
@@ -1096,74 +1484,42 @@ impl Deref for HostBytes {
 /// freed; a `supports` call must drop the model before it returns).
 pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
     let bad = |m: String| Error::Format(format!("model descriptor from host: {m}"));
-    // SAFETY: the caller promises a valid descriptor (or null, refused here).
-    let desc = unsafe { desc.as_ref() }.ok_or_else(|| bad("null model descriptor".into()))?;
-    if (desc.struct_size as usize) < std::mem::size_of::<KilnModelDesc>() {
-        return Err(bad(format!(
-            "struct_size {} is too small",
-            desc.struct_size
-        )));
-    }
+    // SAFETY: the caller promises a valid descriptor (or null, refused by `read`).
+    let desc = unsafe { KilnModelDesc::read(desc) }.map_err(bad)?;
     // SAFETY: the descriptor's pointers are readable (the caller's promise) or null.
-    let config = unsafe { desc.config.as_ref() }.ok_or_else(|| bad("null config".into()))?;
-    let config = config_from_abi(config)?;
+    let raw_config = unsafe { desc.config.as_ref() }.ok_or_else(|| bad("null config".into()))?;
     // SAFETY: as above, for the source string.
     let source = unsafe { desc.source.to_str("source", MAX_MESSAGE) }
         .map_err(bad)?
         .to_string();
-    if desc.n_tensors > 0 && desc.tensors.is_null() {
-        return Err(bad(format!(
-            "null tensor array of length {}",
-            desc.n_tensors
-        )));
+    // SAFETY: `tensors` is readable for `n_tensors` entries (the caller's promise).
+    let descs = unsafe { host_array(desc.tensors, desc.n_tensors, "tensor") }.map_err(bad)?;
+
+    let mut views = Vec::with_capacity(descs.len());
+    for (i, t) in descs.iter().enumerate() {
+        // SAFETY: each descriptor's name and bytes are readable (the caller's promise).
+        views.push(unsafe { tensor_from_desc(i, t) }.map_err(bad)?);
     }
-    let descs: &[KilnTensorDesc] =
-        // SAFETY: non-null (checked) and `n_tensors` entries long (the caller's promise).
-        if desc.n_tensors == 0 { &[] } else { unsafe { std::slice::from_raw_parts(desc.tensors, desc.n_tensors) } };
+    let program = if desc.program.is_null() {
+        None
+    } else {
+        // SAFETY: non-null, and readable for its `struct_size` (the caller's promise).
+        let program_desc = unsafe { read_program_desc(desc.program) }.map_err(bad)?;
+        // SAFETY: its arrays are readable (the caller's promise).
+        let program = unsafe { program_from_desc(&program_desc, &views) }?;
+        Some((program_desc, program))
+    };
+    let config = config_with_program(raw_config, program.as_ref().map(|(d, p)| (d, p)))?;
 
     let layers = config.num_layers;
     let mut global: Vec<(TensorRole, TensorView)> = Vec::new();
     let mut per_layer: Vec<Vec<(TensorRole, TensorView)>> = vec![Vec::new(); layers];
-    for (i, t) in descs.iter().enumerate() {
-        // SAFETY: each descriptor's name is readable (the caller's promise).
-        let name = unsafe { t.name.to_str("tensor name", MAX_MESSAGE) }
-            .map_err(|m| bad(format!("tensor {i}: {m}")))?;
-        let role = TensorRole::from_id(t.role)
-            .ok_or_else(|| bad(format!("tensor {name}: unknown role id {}", t.role)))?;
-        let qtype = QType::from_id(t.qtype)
-            .ok_or_else(|| bad(format!("tensor {name}: unknown qtype id {}", t.qtype)))?;
-        let n_dims = t.n_dims as usize;
-        if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(bad(format!(
-                "tensor {name}: {n_dims} dims (1..={MAX_DIMS} allowed)"
-            )));
+    for ((role, view), t) in views.into_iter().zip(descs) {
+        let name = view.name().to_string();
+        if role == TensorRole::Other {
+            // Named by the program alone.
+            continue;
         }
-        let dims = t.dims[..n_dims]
-            .iter()
-            .map(|&d| {
-                usize::try_from(d)
-                    .map_err(|_| bad(format!("tensor {name}: dim {d} does not fit usize")))
-            })
-            .collect::<Result<Vec<usize>>>()?;
-        let len = usize::try_from(t.len).map_err(|_| {
-            bad(format!(
-                "tensor {name}: length {} does not fit usize",
-                t.len
-            ))
-        })?;
-        let expected = qtype
-            .tensor_bytes(&dims)
-            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
-        if len != expected {
-            return Err(bad(format!(
-                "tensor {name}: {len} bytes, but {qtype} {dims:?} needs {expected}"
-            )));
-        }
-        if len > 0 && t.data.is_null() {
-            return Err(bad(format!("tensor {name}: null data pointer")));
-        }
-        let storage = Arc::new(HostBytes { ptr: t.data, len });
-        let view = TensorView::new(name, qtype, dims, storage, 0)?;
         if role.per_layer() {
             let layer = t.layer as usize;
             if layer >= layers {
@@ -1240,6 +1596,7 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
             ffn_gate: take(l, TensorRole::FfnGate, &ctx)?,
             ffn_up: need(l, TensorRole::FfnUp, &ctx)?,
             ffn_down: need(l, TensorRole::FfnDown, &ctx)?,
+            // Only a program names them; executors take them from it.
             attn_post_norm: None,
             ffn_post_norm: None,
         });
@@ -1253,10 +1610,243 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         output: take(g, TensorRole::Output, "")?,
         rope_freqs: take(g, TensorRole::RopeFreqs, "")?,
     };
-    Ok(ModelIr {
+    let model = ModelIr {
         config,
         weights,
         source,
+        program: program.map(|(_, p)| Arc::new(p)),
+    };
+    if model.program.is_some() {
+        // The checks a builder's output passes: shapes, KV layers, spans.
+        crate::program::build(&model)?;
+    }
+    Ok(model)
+}
+
+/// The `n` entries of a host array of `what`s; null is allowed only when `n` is 0.
+///
+/// # Safety
+/// `ptr` must be readable for `n` entries, and stay so for `'a`.
+unsafe fn host_array<'a, T>(
+    ptr: *const T,
+    n: usize,
+    what: &str,
+) -> std::result::Result<&'a [T], String> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(format!("null {what} array of length {n}"));
+    }
+    // SAFETY: non-null (checked) and `n` entries long (the caller's promise).
+    Ok(unsafe { std::slice::from_raw_parts(ptr, n) })
+}
+
+/// Tensor `i` of a descriptor, checked and viewed in place.
+///
+/// # Safety
+/// `t`'s name and data must be readable, the data for as long as the view lives.
+unsafe fn tensor_from_desc(
+    i: usize,
+    t: &KilnTensorDesc,
+) -> std::result::Result<(TensorRole, TensorView), String> {
+    // SAFETY: the name is readable (the caller's promise).
+    let name = unsafe { t.name.to_str("tensor name", MAX_MESSAGE) }
+        .map_err(|m| format!("tensor {i}: {m}"))?;
+    let role = TensorRole::from_id(t.role)
+        .ok_or_else(|| format!("tensor {name}: unknown role id {}", t.role))?;
+    let qtype = QType::from_id(t.qtype)
+        .ok_or_else(|| format!("tensor {name}: unknown qtype id {}", t.qtype))?;
+    let n_dims = t.n_dims as usize;
+    if n_dims == 0 || n_dims > MAX_DIMS {
+        return Err(format!(
+            "tensor {name}: {n_dims} dims (1..={MAX_DIMS} allowed)"
+        ));
+    }
+    let dims = t.dims[..n_dims]
+        .iter()
+        .map(|&d| {
+            usize::try_from(d).map_err(|_| format!("tensor {name}: dim {d} does not fit usize"))
+        })
+        .collect::<std::result::Result<Vec<usize>, String>>()?;
+    let len = usize::try_from(t.len)
+        .map_err(|_| format!("tensor {name}: length {} does not fit usize", t.len))?;
+    let expected = qtype
+        .tensor_bytes(&dims)
+        .map_err(|e| format!("tensor {name}: {e}"))?;
+    if len != expected {
+        return Err(format!(
+            "tensor {name}: {len} bytes, but {qtype} {dims:?} needs {expected}"
+        ));
+    }
+    if len > 0 && t.data.is_null() {
+        return Err(format!("tensor {name}: null data pointer"));
+    }
+    let storage = Arc::new(HostBytes { ptr: t.data, len });
+    let view = TensorView::new(name, qtype, dims, storage, 0).map_err(|e| e.to_string())?;
+    Ok((role, view))
+}
+
+/// Reads a program descriptor of any 1.x minor from 1.4 on (the fields a newer minor
+/// appends read as zero).
+///
+/// # Safety
+/// `p` must be non-null and readable for its `struct_size` bytes.
+unsafe fn read_program_desc(
+    p: *const KilnProgramDesc,
+) -> std::result::Result<KilnProgramDesc, String> {
+    // SAFETY: non-null (the caller's promise); every minor's struct starts with this u32.
+    let struct_size = unsafe { std::ptr::read(p as *const u32) } as usize;
+    let full = std::mem::size_of::<KilnProgramDesc>();
+    if struct_size < full {
+        return Err(format!(
+            "program struct_size {struct_size} is smaller than ABI 1.4's {full} bytes"
+        ));
+    }
+    // SAFETY: at least `full` bytes are readable (checked against the caller's promise).
+    Ok(unsafe { std::ptr::read(p) })
+}
+
+/// The [`ModelProgram`] a descriptor describes over `views` (the model's tensors in
+/// descriptor order).
+///
+/// # Safety
+/// `d`'s branch and op arrays must be readable for their lengths.
+unsafe fn program_from_desc(
+    d: &KilnProgramDesc,
+    views: &[(TensorRole, TensorView)],
+) -> Result<ModelProgram<TensorView>> {
+    let bad = |m: String| Error::Format(format!("program from host: {m}"));
+    for (n, what) in [(d.n_branches, "branches"), (d.n_ops, "operations")] {
+        if n > MAX_PROGRAM_LEN {
+            return Err(bad(format!(
+                "{n} {what}; at most {MAX_PROGRAM_LEN} are allowed"
+            )));
+        }
+    }
+    // SAFETY: readable for their lengths (the caller's promise).
+    let branches = unsafe { host_array(d.branches, d.n_branches, "branch") }.map_err(bad)?;
+    // SAFETY: as above.
+    let ops = unsafe { host_array(d.ops, d.n_ops, "operation") }.map_err(bad)?;
+    let tensor = |i: u32, what: &str| -> Result<TensorView> {
+        views
+            .get(i as usize)
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| bad(format!("{what}: tensor index {i} of {}", views.len())))
+    };
+    let optional = |i: u32, what: &str| -> Result<Option<TensorView>> {
+        match i {
+            NO_TENSOR => Ok(None),
+            i => tensor(i, what).map(Some),
+        }
+    };
+    let norm = |n: &KilnNormDesc, what: &str| -> Result<Norm<TensorView>> {
+        Ok(Norm {
+            kind: norm_from_id(n.kind)
+                .ok_or_else(|| bad(format!("{what}: unknown norm id {}", n.kind)))?,
+            weight: tensor(n.weight, what)?,
+            bias: optional(n.bias, what)?,
+            eps: n.eps,
+        })
+    };
+    let op = |o: &KilnOpDesc, at: &str| -> Result<Op<TensorView, TensorView>> {
+        let t = |slot: usize| tensor(o.tensors[slot], at);
+        let opt = |slot: usize| optional(o.tensors[slot], at);
+        let linear = |w: usize| -> Result<Linear<TensorView, TensorView>> {
+            Ok(Linear {
+                weight: t(w)?,
+                bias: opt(w + 1)?,
+            })
+        };
+        match o.kind {
+            op_kind::ATTENTION => {
+                let head_norms = match (opt(8)?, opt(9)?) {
+                    (Some(q), Some(k)) => Some(HeadNorms {
+                        q,
+                        k,
+                        eps: o.values[1],
+                    }),
+                    (None, None) => None,
+                    _ => return Err(bad(format!("{at}: one of the head norms is missing"))),
+                };
+                let window = match o.ints[0] {
+                    0 => None,
+                    w => Some(
+                        usize::try_from(w)
+                            .map_err(|_| bad(format!("{at}: window {w} does not fit usize")))?,
+                    ),
+                };
+                let local_rope = match o.ints[1] {
+                    0 => false,
+                    1 => true,
+                    v => return Err(bad(format!("{at}: local rope flag {v}"))),
+                };
+                Ok(Op::Attention(Attention {
+                    layer: o.layer as usize,
+                    q: linear(0)?,
+                    k: linear(2)?,
+                    v: linear(4)?,
+                    head_norms,
+                    span: LayerAttention { window, local_rope },
+                    scale: o.values[0],
+                    out: linear(6)?,
+                }))
+            }
+            op_kind::FEED_FORWARD => Ok(Op::FeedForward(FeedForward {
+                gate: opt(0)?,
+                up: t(1)?,
+                down: t(2)?,
+                activation: u32::try_from(o.ints[0])
+                    .ok()
+                    .and_then(activation_from_id)
+                    .ok_or_else(|| bad(format!("{at}: unknown activation id {}", o.ints[0])))?,
+            })),
+            k => Err(Error::Unsupported(format!(
+                "{at}: operation kind {k} is newer than plugin ABI {}",
+                version_string(ABI_VERSION)
+            ))),
+        }
+    };
+    let mut program_branches = Vec::with_capacity(branches.len());
+    for (i, b) in branches.iter().enumerate() {
+        let at = format!("branch {i}");
+        let first = b.first_op as usize;
+        let list = ops
+            .get(first..first.saturating_add(b.n_ops as usize))
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| {
+                bad(format!(
+                    "{at}: operations {first}+{} of {}",
+                    b.n_ops,
+                    ops.len()
+                ))
+            })?;
+        program_branches.push(Branch {
+            norm: norm(&b.norm, &at)?,
+            ops: list
+                .iter()
+                .enumerate()
+                .map(|(j, o)| op(o, &format!("{at}, operation {j}")))
+                .collect::<Result<_>>()?,
+            post_norm: match b.post_norm.weight {
+                NO_TENSOR => None,
+                _ => Some(norm(&b.post_norm, &at)?),
+            },
+            scale: b.scale,
+        });
+    }
+    Ok(ModelProgram {
+        embedding: Embedding {
+            table: tensor(d.embedding, "the embedding")?,
+            scale: d.embedding_scale,
+        },
+        branches: program_branches,
+        head: Head {
+            norm: norm(&d.head_norm, "the head norm")?,
+            output: tensor(d.output, "the output")?,
+            logit_scale: d.logit_scale,
+        },
+        rope_freqs: optional(d.rope_freqs, "the rope frequency factors")?,
     })
 }
 
@@ -1324,6 +1914,7 @@ mod tests {
                 rope_freqs: None,
             },
             source: "synthetic".into(),
+            program: None,
         }
     }
 
@@ -1434,7 +2025,7 @@ mod tests {
     #[test]
     fn model_round_trips_without_copying() {
         let model = tiny_model();
-        let buf = ModelDescBuf::new(&model);
+        let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
         let desc = buf.desc();
         // SAFETY: `desc` points into `buf`, which outlives the rebuilt model's use here.
         let back = unsafe { model_from_desc(&desc) }.unwrap();
@@ -1468,7 +2059,7 @@ mod tests {
             .collect();
         model.weights.layers[1].ffn_up =
             TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
-        let buf = ModelDescBuf::new(&model);
+        let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
         // SAFETY: the names point into `buf`'s owned strings.
         let desc = buf
             .tensors
@@ -1489,10 +2080,156 @@ mod tests {
         );
     }
 
+    /// `tiny_model` made Gemma-shaped: per-head Q/K norms, sandwich norms, a sliding window
+    /// on every other layer, a scaled embedding and GELU.
+    fn tiny_gemma() -> ModelIr {
+        let mut model = tiny_model();
+        let c = &mut model.config;
+        c.arch = Architecture::Gemma3;
+        c.activation = Activation::Gelu;
+        c.embedding_scale = (c.hidden_size as f32).sqrt();
+        c.sandwich_norms = true;
+        c.sliding_window = Some(SlidingWindow {
+            window: 4,
+            global_every: 2,
+            local_theta: 1e4,
+        });
+        let (hd, h) = (c.head_dim, c.hidden_size);
+        for (i, l) in model.weights.layers.iter_mut().enumerate() {
+            let v = |name: &str, n: usize| {
+                let values: Vec<f32> = (0..n).map(|j| 1.0 + j as f32 * 0.01).collect();
+                TensorView::from_f32(&format!("l{i}.{name}"), vec![n], &values).unwrap()
+            };
+            l.attn_q_norm = Some(v("q_norm", hd));
+            l.attn_k_norm = Some(v("k_norm", hd));
+            l.attn_post_norm = Some(v("post_attn", h));
+            l.ffn_post_norm = Some(v("post_ffn", h));
+        }
+        model
+    }
+
+    /// A program with every weight replaced by its name: what two programs are compared by.
+    fn named(model: &ModelIr) -> String {
+        let program = crate::program::build(model).unwrap();
+        let named = program
+            .map(
+                &model.config,
+                |m, _| Ok::<_, ()>(m.name().to_string()),
+                |v, _| Ok(v.name().to_string()),
+            )
+            .unwrap();
+        format!("{named:?}")
+    }
+
+    #[test]
+    fn a_program_carries_what_the_config_cannot() {
+        for model in [tiny_model(), tiny_gemma()] {
+            let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
+            // SAFETY: `buf` outlives `back`'s use here.
+            let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
+            assert!(back.program.is_some());
+            assert_eq!(back.config, model.config);
+            assert_eq!(named(&back), named(&model));
+        }
+
+        // Granite's multipliers are read back from the program.
+        let mut granite = tiny_model();
+        let scales = GraniteScales {
+            residual: 0.22,
+            attention: 0.0078125,
+            logits: 8.0,
+        };
+        granite.config.arch = Architecture::Granite(scales);
+        granite.config.embedding_scale = 12.0;
+        let buf = ModelDescBuf::new(&granite, ABI_VERSION).unwrap();
+        // SAFETY: as above.
+        let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
+        assert_eq!(back.config, granite.config);
+        assert_eq!(named(&back), named(&granite));
+    }
+
+    #[test]
+    fn an_older_plugin_gets_no_program_and_no_model_it_would_misread() {
+        let v1_3 = pack_version(1, 3);
+        let buf = ModelDescBuf::new(&tiny_model(), v1_3).unwrap();
+        assert!(buf.desc().program.is_null());
+        // SAFETY: `buf` outlives `back`.
+        let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
+        assert!(back.program.is_none());
+
+        let err = ModelDescBuf::new(&tiny_gemma(), v1_3).err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("plugin ABI 1.3 cannot describe the gemma3"),
+            "{err}"
+        );
+
+        // A 1.3 host's descriptor ends before `program`: a 1.4 plugin reads it as absent,
+        // whatever lies in memory after it.
+        let buf = ModelDescBuf::new(&tiny_model(), ABI_VERSION).unwrap();
+        let mut desc = buf.desc();
+        desc.struct_size = MODEL_DESC_SIZE_V1_0;
+        // SAFETY: `desc` is a live descriptor; struct_size only shortens what is read.
+        let read = unsafe { KilnModelDesc::read(&desc) }.unwrap();
+        assert!(read.program.is_null());
+        desc.struct_size = MODEL_DESC_SIZE_V1_0 - 8;
+        // SAFETY: refused before reading past struct_size.
+        assert!(unsafe { model_from_desc(&desc) }.is_err());
+    }
+
+    #[test]
+    fn malformed_programs_are_refused() {
+        let model = tiny_gemma();
+        let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
+        // SAFETY: the program descriptor lives in `buf`.
+        let program = unsafe { *buf.desc().program };
+        // SAFETY: as above, for its arrays.
+        let ops = unsafe { std::slice::from_raw_parts(program.ops, program.n_ops) }.to_vec();
+        // SAFETY: as above.
+        let branches =
+            unsafe { std::slice::from_raw_parts(program.branches, program.n_branches) }.to_vec();
+        type Edit = dyn Fn(&mut KilnProgramDesc, &mut Vec<KilnBranchDesc>, &mut Vec<KilnOpDesc>);
+        let check = |edit: &Edit, needle: &str| {
+            let (mut p, mut b, mut o) = (program, branches.clone(), ops.clone());
+            p.branches = b.as_ptr();
+            p.n_branches = b.len();
+            p.ops = o.as_ptr();
+            p.n_ops = o.len();
+            // In place: the pointers above stay valid.
+            edit(&mut p, &mut b, &mut o);
+            let mut desc = buf.desc();
+            desc.program = &p;
+            // SAFETY: everything `desc` points to outlives the call; malformed on purpose.
+            let err = unsafe { model_from_desc(&desc) }.unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        };
+        check(&|_, _, o| o[0].kind = 9, "operation kind 9 is newer");
+        check(&|_, _, o| o[0].tensors[0] = 100_000, "tensor index 100000");
+        check(
+            &|_, _, o| o[0].tensors[8] = NO_TENSOR,
+            "one of the head norms",
+        );
+        check(&|_, _, o| o[1].ints[0] = 77, "unknown activation id 77");
+        check(&|_, b, _| b[0].n_ops = 0, "operations 0+0");
+        check(&|_, b, _| b[1].first_op = 1_000, "operations 1000+1");
+        check(&|p, _, _| p.n_ops = MAX_PROGRAM_LEN + 1, "at most");
+        check(&|p, _, _| p.head_norm.kind = 5, "unknown norm id 5");
+        // Shapes and spans are checked as a builder's output is.
+        check(
+            &|_, _, o| o[0].tensors[2] = o[0].tensors[0],
+            "the model config needs",
+        );
+        check(&|_, _, o| o[0].ints[0] = 9, "attends over");
+        check(&|_, _, o| o[2].layer = 0, "attends twice in layer 0");
+        check(&|_, _, o| o[0].layer = 2, "layer 2 of a 2-layer model");
+        check(&|p, _, _| p.sliding_global_every = 0, "sliding window");
+    }
+
     #[test]
     fn malformed_descriptors_are_refused() {
+        // Without a program (a 1.3 plugin's descriptor), so the roles alone name tensors.
         let model = tiny_model();
-        let buf = ModelDescBuf::new(&model);
+        let buf = ModelDescBuf::new(&model, pack_version(1, 3)).unwrap();
         let check = |edit: &dyn Fn(&mut Vec<KilnTensorDesc>), needle: &str| {
             let mut tensors = buf.tensors.clone();
             edit(&mut tensors);

@@ -276,6 +276,9 @@ pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
             ir.weights.layers.len()
         )));
     }
+    if let Some(given) = &ir.program {
+        return checked(given, c);
+    }
     match c.arch {
         Architecture::Llama | Architecture::Mistral => llama(ir),
         Architecture::Qwen2 => qwen2(ir),
@@ -284,6 +287,46 @@ pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
         Architecture::Phi3 => phi3(ir),
         Architecture::Granite(scales) => granite(ir, scales),
     }
+}
+
+/// A program given with the model (one a host described over the plugin ABI), checked as
+/// a builder's output is: every weight has the shape the config gives its place, each
+/// attention has its own KV layer, and each attends with the span the config gives that
+/// layer (the executors size their caches and RoPE tables from the config).
+fn checked(given: &ModelProgram<TensorView>, c: &ModelConfig) -> Result<ModelProgram<TensorView>> {
+    let program = given.map(
+        c,
+        |m, s| matrix(m, s.inputs, s.outputs, "a matrix of the given program"),
+        |v, len| vector(v, len, "a vector of the given program"),
+    )?;
+    let mut seen = vec![false; c.num_layers];
+    for op in program.ops() {
+        let Op::Attention(a) = op else { continue };
+        match seen.get_mut(a.layer) {
+            None => {
+                return Err(Error::Format(format!(
+                    "the given program attends in layer {} of a {}-layer model",
+                    a.layer, c.num_layers
+                )))
+            }
+            Some(true) => {
+                return Err(Error::Format(format!(
+                    "the given program attends twice in layer {}",
+                    a.layer
+                )))
+            }
+            Some(s) => *s = true,
+        }
+        if a.span != c.layer_attention(a.layer) {
+            return Err(Error::Format(format!(
+                "the given program's layer {} attends over {:?}; the config says {:?}",
+                a.layer,
+                a.span,
+                c.layer_attention(a.layer)
+            )));
+        }
+    }
+    Ok(program)
 }
 
 /// Llama 1-3, Mistral, SmolLM: pre-norm blocks, attention then a gated SiLU feed-forward.
@@ -682,6 +725,7 @@ mod tests {
                 rope_freqs: None,
             },
             source: "test".into(),
+            program: None,
         }
     }
 

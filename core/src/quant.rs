@@ -41,8 +41,11 @@ pub struct TypeRecord {
     pub dequantize: fn(&[u8], &mut [f32]),
     /// Whole blocks of values into bytes with ggml's reference quantiser; `None` where
     /// kiln has none.
-    pub quantize: Option<fn(&[f32], &mut [u8])>,
+    pub quantize: Option<QuantizeBlocks>,
 }
+
+/// Whole blocks of f32 values into a type's bytes (a reference quantiser).
+pub type QuantizeBlocks = fn(&[f32], &mut [u8]);
 
 macro_rules! blocks {
     (dequant $f:path) => {

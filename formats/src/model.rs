@@ -65,6 +65,7 @@ pub(crate) fn model_from_table(
         config,
         weights,
         source: source.to_string(),
+        program: None,
     })
 }
 

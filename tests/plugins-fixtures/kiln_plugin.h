@@ -1,4 +1,4 @@
-/* kiln plugin ABI 1.3 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
+/* kiln plugin ABI 1.4 in C: the same layout as kiln_core::plugin_abi (docs/plugins.md).
  * For plugins written without the Rust SDK. The tests compile their deliberately broken
  * plugins against it and check that every struct here has the size Rust gives it. */
 #ifndef KILN_PLUGIN_H
@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define KILN_ABI_MAJOR 1
-#define KILN_ABI_MINOR 3
+#define KILN_ABI_MINOR 4
 #define KILN_ABI_VERSION ((uint32_t)KILN_ABI_MAJOR << 16 | KILN_ABI_MINOR)
 
 typedef int32_t kiln_status;
@@ -56,11 +56,57 @@ typedef struct {
     uint64_t len;
 } kiln_tensor_desc;
 
+/* (1.4) The model program: the forward pass as the host's architecture builder made it.
+ * Weights are indices into kiln_model_desc.tensors; KILN_NO_TENSOR marks an empty slot.
+ *   x  = embedding_scale * embedding[token]
+ *   x += branch.scale * post_norm(sum of op(norm(x)))   for each branch, in order
+ *   logits = logit_scale * output(head_norm(x))
+ * A plugin refuses an op kind it does not know. */
+#define KILN_NO_TENSOR UINT32_MAX
+#define KILN_ROLE_OTHER 63 /* (1.4) a tensor only the program names */
+
+typedef struct { uint32_t kind, weight, bias; float eps; } kiln_norm_desc; /* post_norm.weight NO_TENSOR: none */
+
+enum {
+    /* tensors: q, q bias, k, k bias, v, v bias, out, out bias, q head norm, k head norm;
+     * values: score scale, head-norm eps; ints: window (0: whole context), local rope (0/1). */
+    KILN_OP_ATTENTION = 0,
+    /* tensors: gate (NO_TENSOR: ungated), up, down; ints: activation id. */
+    KILN_OP_FEED_FORWARD = 1,
+};
+
+typedef struct {
+    uint32_t kind, layer;
+    uint32_t tensors[12];
+    float values[4];
+    uint64_t ints[4];
+} kiln_op_desc;
+
+typedef struct {
+    kiln_norm_desc norm, post_norm;
+    float scale;
+    uint32_t first_op, n_ops;
+} kiln_branch_desc;
+
+typedef struct {
+    uint32_t struct_size, _reserved;
+    uint32_t embedding; float embedding_scale;
+    kiln_norm_desc head_norm;
+    uint32_t output; float logit_scale;
+    uint32_t rope_freqs; float local_rope_theta;
+    uint64_t sliding_window, sliding_global_every;
+    const kiln_branch_desc *branches; size_t n_branches;
+    const kiln_op_desc *ops; size_t n_ops;
+} kiln_program_desc;
+
 typedef struct {
     uint32_t struct_size, _reserved;
     const kiln_model_config *config;
     const kiln_tensor_desc *tensors; size_t n_tensors;
     kiln_str source;
+    /* 1.4: absent when struct_size < offsetof(kiln_model_desc, program) + sizeof(void *), i.e.
+     * from a 1.3 host; NULL from a 1.4 host only to a plugin older than 1.4. */
+    const kiln_program_desc *program;
 } kiln_model_desc;
 
 typedef void (*kiln_progress_fn)(void *user, uint64_t done, uint64_t total);

@@ -18,8 +18,8 @@ use kiln::plugins::{
 use kiln_core::plugin_abi::{self, KilnPluginApi, UNWRITTEN_LOGITS};
 use kiln_core::{
     Architecture, Backend, DecodeItem, Error, LayerExecutor, LayerWeights, LoadOptions,
-    ModelConfig, ModelIr, ModelWeights, QType, Registry, RopeConfig, Sampler, SamplingParams,
-    Support, TensorView,
+    ModelConfig, ModelIr, ModelWeights, QType, Registry, RopeConfig, RopeKind, Sampler,
+    SamplingParams, Support, TensorView,
 };
 
 // ---- building fixtures -------------------------------------------------------------
@@ -269,7 +269,48 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
             rope_freqs: None,
         },
         source: source.into(),
+        program: None,
     }
+}
+
+/// `tiny_llama` shaped as Gemma 3: per-head Q/K norms, sandwich norms, a window of 4
+/// positions on layer 0 (layer 1 global) with its own RoPE base, NEOX RoPE, a scaled
+/// embedding and GELU. Only a program describes it to a plugin.
+fn tiny_gemma3(matrix: QType) -> ModelIr {
+    let mut model = tiny_llama("synthetic gemma3", matrix);
+    let c = &mut model.config;
+    c.arch = Architecture::Gemma3;
+    c.activation = kiln_core::Activation::Gelu;
+    c.rope.kind = RopeKind::Neox;
+    c.rope.theta = 1e6;
+    c.embedding_scale = (c.hidden_size as f32).sqrt();
+    c.sandwich_norms = true;
+    c.sliding_window = Some(kiln_core::SlidingWindow {
+        window: 4,
+        global_every: 2,
+        local_theta: 1e4,
+    });
+    let (hd, h) = (c.head_dim, c.hidden_size);
+    for (i, l) in model.weights.layers.iter_mut().enumerate() {
+        let s = 1000 + 10 * i as u64;
+        l.attn_q_norm = Some(ones_ish(&format!("blk.{i}.attn_q_norm"), hd, s));
+        l.attn_k_norm = Some(ones_ish(&format!("blk.{i}.attn_k_norm"), hd, s + 1));
+        l.attn_post_norm = Some(ones_ish(&format!("blk.{i}.post_attention_norm"), h, s + 2));
+        l.ffn_post_norm = Some(ones_ish(&format!("blk.{i}.post_ffw_norm"), h, s + 3));
+    }
+    model
+}
+
+/// `tiny_llama` shaped as Granite 3: every multiplier away from 1.
+fn tiny_granite(matrix: QType) -> ModelIr {
+    let mut model = tiny_llama("synthetic granite", matrix);
+    model.config.arch = Architecture::Granite(kiln_core::GraniteScales {
+        residual: 0.5,
+        attention: 0.09,
+        logits: 4.0,
+    });
+    model.config.embedding_scale = 3.0;
+    model
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -319,10 +360,11 @@ fn c_header_matches_the_rust_layout() {
     let main = dir.join("sizes.c");
     std::fs::write(
         &main,
-        "#include <stdio.h>\n#include \"kiln_plugin.h\"\nint main(void){printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\",\
+        "#include <stdio.h>\n#include \"kiln_plugin.h\"\nint main(void){printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\",\
          sizeof(kiln_plugin_api),sizeof(kiln_backend_info),sizeof(kiln_support),sizeof(kiln_model_config),\
          sizeof(kiln_tensor_desc),sizeof(kiln_model_desc),sizeof(kiln_load_options),sizeof(kiln_executor_info),\
-         sizeof(kiln_decode_item),sizeof(kiln_sampler_state));return 0;}\n",
+         sizeof(kiln_decode_item),sizeof(kiln_sampler_state),sizeof(kiln_norm_desc),sizeof(kiln_op_desc),\
+         sizeof(kiln_branch_desc),sizeof(kiln_program_desc));return 0;}\n",
     )
     .unwrap();
     let exe = dir.join("sizes");
@@ -349,6 +391,10 @@ fn c_header_matches_the_rust_layout() {
         size_of::<plugin_abi::KilnExecutorInfo>(),
         size_of::<plugin_abi::KilnDecodeItem>(),
         size_of::<plugin_abi::KilnSamplerState>(),
+        size_of::<plugin_abi::KilnNormDesc>(),
+        size_of::<plugin_abi::KilnOpDesc>(),
+        size_of::<plugin_abi::KilnBranchDesc>(),
+        size_of::<plugin_abi::KilnProgramDesc>(),
     ]
     .map(|s| s.to_string())
     .join(" ");
@@ -403,32 +449,29 @@ fn example_plugin_loads_by_path_and_joins_selection() {
     let (named, _) = registry.select(&model, Some("naive-cpu")).unwrap();
     assert_eq!(named.name(), "naive-cpu");
 
-    // A model the ABI cannot describe (a sliding window, as Gemma 3's) is neither offered
-    // to the plugin nor loadable into it; the CPU backend still takes it.
+    // A model only a program describes (a sliding window, as Gemma 3's) is offered to the
+    // plugin, which gets the program with it (ABI 1.4); a plugin built before 1.4 is
+    // neither offered it nor can load it, and says so by name.
     let mut windowed = model.clone();
     windowed.config.sliding_window = Some(kiln_core::SlidingWindow {
         window: 4,
         global_every: 2,
         local_theta: 1e4,
     });
-    match plugin.supports(&windowed) {
+    assert_eq!(plugin.supports(&windowed).score(), Some(5));
+    let old = load_plugin(&c_plugin("V1_2")).unwrap();
+    match old.supports(&windowed) {
         Support::No { reason } => assert!(
-            reason.contains("cannot describe sliding-window attention"),
+            reason.contains("plugin ABI 1.2 cannot describe sliding-window attention"),
             "{reason}"
         ),
-        other => panic!("the plugin was offered a model its ABI cannot describe: {other:?}"),
+        other => panic!("a 1.2 plugin was offered a model its ABI cannot describe: {other:?}"),
     }
-    let err = plugin
+    let err = old
         .load(&windowed, &LoadOptions::default())
         .err()
         .expect("refused");
     assert!(err.to_string().contains("cannot describe"), "{err}");
-    assert!(registry
-        .get("cpu")
-        .unwrap()
-        .supports(&windowed)
-        .score()
-        .is_some());
 
     // The ABI has no field for a KV cache type: asking for one is refused by name rather
     // than silently ignored.
@@ -445,9 +488,22 @@ fn example_plugin_loads_by_path_and_joins_selection() {
 
 #[test]
 fn example_plugin_matches_the_builtin_cpu_backend() {
+    // The architectures beyond llama reach the plugin only as the host's program (ABI 1.4):
+    // the plugin's code names none of them.
     let plugin = load_plugin(&naive_plugin()).unwrap();
-    for qtype in [QType::Q4_1, QType::Q8_0, QType::F16] {
-        let model = tiny_llama("synthetic llama", qtype);
+    let models = [
+        tiny_llama("synthetic llama", QType::Q4_1),
+        tiny_llama("synthetic llama", QType::Q8_0),
+        tiny_llama("synthetic llama", QType::F16),
+        tiny_gemma3(QType::Q8_0),
+        tiny_granite(QType::Q4_1),
+    ];
+    for model in models {
+        let qtype = format!(
+            "{} {}",
+            model.config.arch.name(),
+            model.weights.layers[0].attn_q.qtype()
+        );
         let options = LoadOptions {
             max_sequences: 2,
             ..Default::default()

@@ -151,6 +151,7 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
         config,
         weights,
         source: format!("random {} shape", s.name),
+        program: None,
     }
 }
 

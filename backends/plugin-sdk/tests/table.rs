@@ -155,6 +155,7 @@ fn tiny_model() -> ModelIr {
             rope_freqs: None,
         },
         source: "tiny".into(),
+        program: None,
     }
 }
 
@@ -261,7 +262,7 @@ fn describe_probe_supports() {
     assert_eq!(take(err), "no tiny device here");
 
     let model = tiny_model();
-    let buf = ModelDescBuf::new(&model);
+    let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
     let desc = buf.desc();
     let mut out = KilnSupport {
         supported: 7,
@@ -299,7 +300,7 @@ unsafe extern "C" fn count_progress(user: *mut c_void, done: u64, total: u64) {
 fn executor_calls_check_arguments_and_poison_after_a_panic() {
     let (api, b) = (api(), backend());
     let model = tiny_model();
-    let buf = Arc::new(ModelDescBuf::new(&model));
+    let buf = Arc::new(ModelDescBuf::new(&model, ABI_VERSION).unwrap());
     let desc = buf.desc();
     let options = KilnLoadOptions {
         struct_size: std::mem::size_of::<KilnLoadOptions>() as u32,
@@ -405,7 +406,7 @@ fn load_with(
 ) -> std::result::Result<(usize, bool), (KilnStatus, String)> {
     let (api, b) = (api(), backend());
     let model = tiny_model();
-    let buf = ModelDescBuf::new(&model);
+    let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
     let desc = buf.desc();
     let mut info = KilnExecutorInfo {
         struct_size: 24,

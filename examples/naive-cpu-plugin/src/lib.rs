@@ -7,15 +7,18 @@
 //! product done row by row — dequantise the row into a scratch buffer with the reference
 //! `kiln_core::quant::dequantize`, then take an f32 dot product. Weights stay quantised in
 //! the host's memory map (the plugin never copies a matrix); only norms and biases, a few KB,
-//! are expanded to f32 at load. It runs every architecture the IR describes and every weight
-//! type core can dequantise.
+//! are expanded to f32 at load. It runs the model's program (`kiln_core::program`): the host
+//! sends the forward pass its architecture builder made, so every architecture kiln runs
+//! reaches this plugin as the same few operations (norms, attention, feed-forward), and it
+//! takes every weight type core can dequantise.
 //!
 //! It scores 5, below the built-in `cpu` backend's 10, so automatic selection keeps the
 //! built-in one; run it with `--backend naive-cpu`.
 
+use kiln_plugin_sdk::kiln_core::program::{self, Attention, FeedForward, ModelProgram, Norm, Op};
 use kiln_plugin_sdk::kiln_core::{
     self, quant, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
-    ModelIr, ModelWeights, NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
+    ModelIr, NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
 };
 
 kiln_plugin_sdk::export_backend!(NaiveCpu::new);
@@ -48,10 +51,11 @@ impl Backend for NaiveCpu {
     }
 
     fn supports(&self, model: &ModelIr) -> Support {
-        // Every qtype core dequantises is runnable; the IR's features are all implemented
-        // below, so the only refusal is a model that fails its own consistency check.
-        match model.config.validate() {
-            Ok(()) => Support::Yes {
+        // Every qtype core dequantises is runnable and every operation a program has is
+        // implemented below, so the only refusal is a model whose program cannot be made
+        // (or whose program does not fit its config).
+        match program::build(model) {
+            Ok(_) => Support::Yes {
                 score: 5,
                 note: "naive reference loop; slow but independent".into(),
             },
@@ -66,29 +70,15 @@ impl Backend for NaiveCpu {
     }
 }
 
-/// Per-layer vectors small enough to keep as f32.
-struct SmallLayer {
-    attn_norm: Vec<f32>,
-    attn_norm_bias: Option<Vec<f32>>,
-    q_bias: Option<Vec<f32>>,
-    k_bias: Option<Vec<f32>>,
-    v_bias: Option<Vec<f32>>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    out_bias: Option<Vec<f32>>,
-    ffn_norm: Option<Vec<f32>>,
-    ffn_norm_bias: Option<Vec<f32>>,
-}
-
-/// The read-only model: quantised matrices (views into the host's mapping) plus f32 vectors.
+/// The read-only model: the program with its matrices as views into the host's mapping
+/// (quantised) and its vectors (norms, biases) as f32.
 struct Model {
     config: ModelConfig,
-    weights: ModelWeights,
-    small: Vec<SmallLayer>,
-    output_norm: Vec<f32>,
-    output_norm_bias: Option<Vec<f32>>,
-    /// Inverse rotary frequency per pair, frequency factors and scaling applied.
+    program: ModelProgram<TensorView, Vec<f32>>,
+    /// Inverse rotary frequency per pair: the config's rope (frequency factors and scaling
+    /// applied), and the windowed layers' own base (unscaled) for attentions marked local.
     inv_freq: Vec<f32>,
+    local_inv_freq: Vec<f32>,
 }
 
 /// One sequence's KV cache: `len` positions of `kv_dim` floats per layer, grown as tokens
@@ -111,9 +101,10 @@ struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    ffn_out: Vec<f32>,
     scores: Vec<f32>,
     row: Vec<f32>,
+    /// A branch's summed operations.
+    branch: Vec<f32>,
 }
 
 /// The loaded model plus its sequences.
@@ -124,119 +115,29 @@ pub struct NaiveExecutor {
     scratch: Scratch,
 }
 
-fn small(t: &TensorView) -> Result<Vec<f32>> {
-    t.to_f32()
-}
-
-fn small_opt(t: &Option<TensorView>) -> Result<Option<Vec<f32>>> {
-    t.as_ref().map(small).transpose()
-}
-
-/// Checks that `t` multiplies an input of `k` values into `n` outputs.
-fn check_matrix(t: &TensorView, k: usize, n: usize) -> Result<()> {
-    if t.dims().len() != 2 || t.row_len() != k || t.rows() != n {
-        return Err(Error::InvalidShape(format!(
-            "{} has dims {:?}; expected [{k}, {n}]",
-            t.name(),
-            t.dims()
-        )));
-    }
-    Ok(())
-}
-
-fn check_vector(t: &Option<Vec<f32>>, n: usize, what: &str) -> Result<()> {
-    match t {
-        Some(v) if v.len() != n => Err(Error::InvalidShape(format!(
-            "{what} has {} values; expected {n}",
-            v.len()
-        ))),
-        _ => Ok(()),
-    }
-}
-
 impl NaiveExecutor {
     pub fn load(model: &ModelIr, options: &LoadOptions) -> Result<NaiveExecutor> {
         let c = &model.config;
-        c.validate()?;
-        let w = &model.weights;
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
-        check_matrix(&w.token_embd, h, c.vocab_size)?;
-        check_matrix(w.lm_head(), h, c.vocab_size)?;
-        if w.layers.len() != c.num_layers {
-            return Err(Error::InvalidShape(format!(
-                "{} layers of weights for {} layers",
-                w.layers.len(),
-                c.num_layers
-            )));
-        }
-        let mut small_layers = Vec::with_capacity(c.num_layers);
-        for l in &w.layers {
-            check_matrix(&l.attn_q, h, qd)?;
-            check_matrix(&l.attn_k, h, kvd)?;
-            check_matrix(&l.attn_v, h, kvd)?;
-            check_matrix(&l.attn_out, qd, h)?;
-            check_matrix(&l.ffn_up, h, f)?;
-            check_matrix(&l.ffn_down, f, h)?;
-            if let Some(g) = &l.ffn_gate {
-                check_matrix(g, h, f)?;
-            } else if c.gated_ffn {
-                return Err(Error::Format(format!(
-                    "gated FFN without a gate in {}",
-                    l.ffn_up.name()
-                )));
-            }
-            if l.ffn_norm.is_none() && !c.parallel_residual {
-                return Err(Error::Format(format!(
-                    "no FFN norm beside {}",
-                    l.ffn_up.name()
-                )));
-            }
-            let s = SmallLayer {
-                attn_norm: small(&l.attn_norm)?,
-                attn_norm_bias: small_opt(&l.attn_norm_bias)?,
-                q_bias: small_opt(&l.attn_q_bias)?,
-                k_bias: small_opt(&l.attn_k_bias)?,
-                v_bias: small_opt(&l.attn_v_bias)?,
-                q_norm: small_opt(&l.attn_q_norm)?,
-                k_norm: small_opt(&l.attn_k_norm)?,
-                out_bias: small_opt(&l.attn_out_bias)?,
-                ffn_norm: small_opt(&l.ffn_norm)?,
-                ffn_norm_bias: small_opt(&l.ffn_norm_bias)?,
-            };
-            for (v, n, what) in [
-                (&Some(s.attn_norm.clone()), h, "attention norm"),
-                (&s.attn_norm_bias, h, "attention norm bias"),
-                (&s.q_bias, qd, "Q bias"),
-                (&s.k_bias, kvd, "K bias"),
-                (&s.v_bias, kvd, "V bias"),
-                (&s.q_norm, c.head_dim, "Q norm"),
-                (&s.k_norm, c.head_dim, "K norm"),
-                (&s.out_bias, h, "output bias"),
-                (&s.ffn_norm, h, "FFN norm"),
-                (&s.ffn_norm_bias, h, "FFN norm bias"),
-            ] {
-                check_vector(v, n, what)?;
-            }
-            small_layers.push(s);
-        }
-        let freq_factors = w.rope_freqs.as_ref().map(|t| t.to_f32()).transpose()?;
-        let inv_freq = (0..c.rope.rotary_dims / 2)
-            .map(|i| c.rope.inv_freq(i, freq_factors.as_deref()))
-            .collect();
-        let output_norm = small(&w.output_norm)?;
-        let output_norm_bias = small_opt(&w.output_norm_bias)?;
-        check_vector(&Some(output_norm.clone()), h, "output norm")?;
-        check_vector(&output_norm_bias, h, "output norm bias")?;
+        // The builder (or, across the ABI, the check of the host's program) has checked
+        // every weight's shape against the config.
+        let program = program::build(model)?.map(c, |m, _| Ok(m.clone()), |v, _| v.to_f32())?;
+        let rope_table = |rope: &kiln_core::RopeConfig, factors: Option<&[f32]>| {
+            (0..rope.rotary_dims / 2)
+                .map(|i| rope.inv_freq(i, factors))
+                .collect::<Vec<f32>>()
+        };
+        let inv_freq = rope_table(&c.rope, program.rope_freqs.as_deref());
+        let local_inv_freq = c
+            .local_rope()
+            .map_or_else(Vec::new, |rope| rope_table(&rope, None));
         let max_context = options.context_for(c);
         let seqs = (0..options.sequences()).map(|_| None).collect();
         Ok(NaiveExecutor {
             model: Model {
                 config: c.clone(),
-                weights: w.clone(),
-                small: small_layers,
-                output_norm,
-                output_norm_bias,
+                program,
                 inv_freq,
+                local_inv_freq,
             },
             max_context,
             seqs,
@@ -293,29 +194,31 @@ fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
     }
 }
 
-fn norm(kind: NormKind, x: &[f32], w: &[f32], b: &Option<Vec<f32>>, eps: f32, out: &mut Vec<f32>) {
+/// `out = norm(x)`.
+fn norm(n: &Norm<Vec<f32>>, x: &[f32], out: &mut Vec<f32>) {
+    let (w, eps) = (&n.weight, n.eps);
     out.resize(x.len(), 0.0);
-    let n = x.len() as f32;
-    match kind {
+    let len = x.len() as f32;
+    match n.kind {
         NormKind::Rms => {
-            let scale = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / n + eps).sqrt();
+            let scale = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / len + eps).sqrt();
             for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
                 *o = v * scale * g;
             }
         }
         NormKind::Layer => {
-            let mean = x.iter().sum::<f32>() / n;
+            let mean = x.iter().sum::<f32>() / len;
             let scale =
-                1.0 / (x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n + eps).sqrt();
+                1.0 / (x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / len + eps).sqrt();
             for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
                 *o = (v - mean) * scale * g;
             }
         }
     }
-    add_bias(out, b);
+    add_bias(out, &n.bias);
 }
 
-/// Per-head RMSNorm in place (Qwen3's QK norm).
+/// Per-head RMSNorm in place (Qwen3's and Gemma 3's Q/K norms).
 fn head_norm(x: &mut [f32], head_dim: usize, w: &[f32], eps: f32) {
     for head in x.chunks_exact_mut(head_dim) {
         let scale = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() / head_dim as f32 + eps).sqrt();
@@ -380,125 +283,131 @@ impl Model {
         token: u32,
         logits: Option<&mut [f32]>,
     ) -> Result<()> {
-        let c = &self.config;
-        let w = &self.weights;
+        let (c, p) = (&self.config, &self.program);
         if token as usize >= c.vocab_size {
             return Err(Error::InvalidArgument(format!(
                 "token {token} is outside the vocabulary of {}",
                 c.vocab_size
             )));
         }
-        let (hd, kvd) = (c.head_dim, c.kv_dim());
-        let pos = seq.len;
+        let table = &p.embedding.table;
         s.x.resize(c.hidden_size, 0.0);
-        quant::dequantize(
-            w.token_embd.qtype(),
-            w.token_embd.row(token as usize),
-            &mut s.x,
-        )?;
+        quant::dequantize(table.qtype(), table.row(token as usize), &mut s.x)?;
+        s.x.iter_mut().for_each(|x| *x *= p.embedding.scale);
 
-        for (li, (lw, sl)) in w.layers.iter().zip(&self.small).enumerate() {
-            norm(
-                c.norm,
-                &s.x,
-                &sl.attn_norm,
-                &sl.attn_norm_bias,
-                c.norm_eps,
-                &mut s.normed,
-            );
-            matvec(&lw.attn_q, &s.normed, &mut s.q, &mut s.row)?;
-            matvec(&lw.attn_k, &s.normed, &mut s.k, &mut s.row)?;
-            matvec(&lw.attn_v, &s.normed, &mut s.v, &mut s.row)?;
-            add_bias(&mut s.q, &sl.q_bias);
-            add_bias(&mut s.k, &sl.k_bias);
-            add_bias(&mut s.v, &sl.v_bias);
-            if let (Some(qn), Some(kn)) = (&sl.q_norm, &sl.k_norm) {
-                head_norm(&mut s.q, hd, qn, c.norm_eps);
-                head_norm(&mut s.k, hd, kn, c.norm_eps);
-            }
-            rope(c.rope.kind, &mut s.q, hd, &self.inv_freq, pos);
-            rope(c.rope.kind, &mut s.k, hd, &self.inv_freq, pos);
-            seq.keys[li].extend_from_slice(&s.k);
-            seq.values[li].extend_from_slice(&s.v);
-
-            // Attention over positions 0..=pos, two passes (scores, then weighted values).
-            let (keys, values) = (&seq.keys[li], &seq.values[li]);
-            let scale = 1.0 / (hd as f32).sqrt();
-            let group = c.gqa_ratio();
-            s.attn.resize(c.q_dim(), 0.0);
-            s.scores.resize(pos + 1, 0.0);
-            for (head, out) in s.attn.chunks_exact_mut(hd).enumerate() {
-                let q = &s.q[head * hd..][..hd];
-                let off = (head / group) * hd;
-                let mut max = f32::NEG_INFINITY;
-                for (t, score) in s.scores.iter_mut().enumerate() {
-                    *score = dot(q, &keys[t * kvd + off..][..hd]) * scale;
-                    max = max.max(*score);
+        // x += scale · post_norm(Σ op(norm(x))) for each branch.
+        for branch in &p.branches {
+            norm(&branch.norm, &s.x, &mut s.normed);
+            s.branch.clear();
+            s.branch.resize(c.hidden_size, 0.0);
+            for op in &branch.ops {
+                match op {
+                    Op::Attention(a) => self.attention(a, s, seq)?,
+                    Op::FeedForward(f) => self.feed_forward(f, s)?,
                 }
-                let mut sum = 0.0f32;
-                for score in s.scores.iter_mut() {
-                    *score = (*score - max).exp();
-                    sum += *score;
+                s.branch.iter_mut().zip(&s.proj).for_each(|(b, p)| *b += p);
+            }
+            let out = match &branch.post_norm {
+                Some(n) => {
+                    norm(n, &s.branch, &mut s.proj);
+                    &s.proj
                 }
-                out.fill(0.0);
-                for (t, &p) in s.scores.iter().enumerate() {
-                    for (o, &v) in out.iter_mut().zip(&values[t * kvd + off..][..hd]) {
-                        *o += p * v;
-                    }
-                }
-                let inv = 1.0 / sum;
-                out.iter_mut().for_each(|o| *o *= inv);
-            }
-            matvec(&lw.attn_out, &s.attn, &mut s.proj, &mut s.row)?;
-            add_bias(&mut s.proj, &sl.out_bias);
-
-            // The FFN reads the attention norm's output under a parallel residual, or a
-            // fresh norm of the updated residual otherwise.
-            if !c.parallel_residual {
-                s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-                let fw = sl.ffn_norm.as_deref().expect("checked at load");
-                norm(
-                    c.norm,
-                    &s.x,
-                    fw,
-                    &sl.ffn_norm_bias,
-                    c.norm_eps,
-                    &mut s.normed,
-                );
-            }
-            matvec(&lw.ffn_up, &s.normed, &mut s.up, &mut s.row)?;
-            if let Some(gate) = &lw.ffn_gate {
-                matvec(gate, &s.normed, &mut s.gate, &mut s.row)?;
-                s.up.iter_mut()
-                    .zip(&s.gate)
-                    .for_each(|(u, &g)| *u *= activate(c.activation, g));
-            } else {
-                s.up.iter_mut()
-                    .for_each(|u| *u = activate(c.activation, *u));
-            }
-            matvec(&lw.ffn_down, &s.up, &mut s.ffn_out, &mut s.row)?;
-            s.x.iter_mut().zip(&s.ffn_out).for_each(|(x, f)| *x += f);
-            if c.parallel_residual {
-                s.x.iter_mut().zip(&s.proj).for_each(|(x, p)| *x += p);
-            }
+                None => &s.branch,
+            };
+            s.x.iter_mut()
+                .zip(out)
+                .for_each(|(x, o)| *x += branch.scale * o);
         }
         seq.len += 1;
 
         if let Some(logits) = logits {
-            norm(
-                c.norm,
-                &s.x,
-                &self.output_norm,
-                &self.output_norm_bias,
-                c.norm_eps,
-                &mut s.normed,
-            );
+            norm(&p.head.norm, &s.x, &mut s.normed);
             let mut out = std::mem::take(&mut s.proj);
-            matvec(w.lm_head(), &s.normed, &mut out, &mut s.row)?;
-            logits.copy_from_slice(&out);
+            matvec(&p.head.output, &s.normed, &mut out, &mut s.row)?;
+            for (l, o) in logits.iter_mut().zip(&out) {
+                *l = o * p.head.logit_scale;
+            }
             s.proj = out;
         }
         Ok(())
+    }
+
+    /// `s.proj = attention(s.normed)` at the sequence's next position, whose key and value
+    /// join the layer's cache.
+    fn attention(
+        &self,
+        a: &Attention<TensorView, Vec<f32>>,
+        s: &mut Scratch,
+        seq: &mut Sequence,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (hd, kvd, pos) = (c.head_dim, c.kv_dim(), seq.len);
+        matvec(&a.q.weight, &s.normed, &mut s.q, &mut s.row)?;
+        matvec(&a.k.weight, &s.normed, &mut s.k, &mut s.row)?;
+        matvec(&a.v.weight, &s.normed, &mut s.v, &mut s.row)?;
+        add_bias(&mut s.q, &a.q.bias);
+        add_bias(&mut s.k, &a.k.bias);
+        add_bias(&mut s.v, &a.v.bias);
+        if let Some(n) = &a.head_norms {
+            head_norm(&mut s.q, hd, &n.q, n.eps);
+            head_norm(&mut s.k, hd, &n.k, n.eps);
+        }
+        let inv_freq = match a.span.local_rope {
+            true => &self.local_inv_freq,
+            false => &self.inv_freq,
+        };
+        rope(c.rope.kind, &mut s.q, hd, inv_freq, pos);
+        rope(c.rope.kind, &mut s.k, hd, inv_freq, pos);
+        seq.keys[a.layer].extend_from_slice(&s.k);
+        seq.values[a.layer].extend_from_slice(&s.v);
+
+        // Over the positions the span lets `pos` see, two passes (scores, then weighted
+        // values).
+        let (keys, values) = (&seq.keys[a.layer], &seq.values[a.layer]);
+        let first = a.span.first_position(pos);
+        let group = c.gqa_ratio();
+        s.attn.resize(c.q_dim(), 0.0);
+        s.scores.resize(pos + 1 - first, 0.0);
+        for (head, out) in s.attn.chunks_exact_mut(hd).enumerate() {
+            let q = &s.q[head * hd..][..hd];
+            let off = (head / group) * hd;
+            let mut max = f32::NEG_INFINITY;
+            for (t, score) in (first..).zip(s.scores.iter_mut()) {
+                *score = dot(q, &keys[t * kvd + off..][..hd]) * a.scale;
+                max = max.max(*score);
+            }
+            let mut sum = 0.0f32;
+            for score in s.scores.iter_mut() {
+                *score = (*score - max).exp();
+                sum += *score;
+            }
+            out.fill(0.0);
+            for (t, &p) in (first..).zip(&s.scores) {
+                for (o, &v) in out.iter_mut().zip(&values[t * kvd + off..][..hd]) {
+                    *o += p * v;
+                }
+            }
+            let inv = 1.0 / sum;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+        matvec(&a.out.weight, &s.attn, &mut s.proj, &mut s.row)?;
+        add_bias(&mut s.proj, &a.out.bias);
+        Ok(())
+    }
+
+    /// `s.proj = feed_forward(s.normed)`.
+    fn feed_forward(&self, f: &FeedForward<TensorView>, s: &mut Scratch) -> Result<()> {
+        matvec(&f.up, &s.normed, &mut s.up, &mut s.row)?;
+        if let Some(gate) = &f.gate {
+            matvec(gate, &s.normed, &mut s.gate, &mut s.row)?;
+            s.up.iter_mut()
+                .zip(&s.gate)
+                .for_each(|(u, &g)| *u *= activate(f.activation, g));
+        } else {
+            s.up.iter_mut()
+                .for_each(|u| *u = activate(f.activation, *u));
+        }
+        matvec(&f.down, &s.up, &mut s.proj, &mut s.row)
     }
 }
 

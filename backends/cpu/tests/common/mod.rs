@@ -363,6 +363,7 @@ impl Spec {
             config: c,
             weights,
             source: format!("random {:?} model", self.arch),
+            program: None,
         }
     }
 }
