@@ -22,7 +22,6 @@ use kiln_core::{
 use rayon::prelude::*;
 use rayon::ThreadPool;
 
-use crate::dequant::{block_fn, dequantize_into};
 use crate::kernels::q8::{Q8Forms, Q8Input};
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
@@ -406,18 +405,9 @@ pub struct CpuExecutor {
     scratch: Scratch,
 }
 
-/// A norm weight or bias in f32 (the program checked its length).
-fn vector(view: &TensorView, len: usize) -> Result<Vec<f32>> {
-    if block_fn(view.qtype()).is_none() {
-        return Err(Error::Unsupported(format!(
-            "{} is stored as {}",
-            view.name(),
-            view.qtype()
-        )));
-    }
-    let mut out = vec![0.0f32; len];
-    dequantize_into(view.qtype(), view.bytes(), &mut out);
-    Ok(out)
+/// A norm weight or bias in f32 (the program checked its length), decoded by core.
+fn vector(view: &TensorView, _len: usize) -> Result<Vec<f32>> {
+    view.to_f32()
 }
 
 /// Most worker threads per core `LoadOptions::threads` may ask for.
