@@ -1,10 +1,185 @@
-//! What every generation loop shares, per sequence: why it ended ([`Finish`]), and the text
-//! its tokens make ([`TextOutput`]): decoded through the tokenizer's `DecodeStream` (never
-//! half a UTF-8 character), cut before the first stop string, and streamed without the tail
-//! that could still become one. [`crate::Session`] and the server's scheduler (and so the
-//! [`crate::Batcher`]) both use them, so a stop string ends text the same way everywhere.
+//! One sequence's generation, whichever loop drives it ([`crate::Session`] one token at a
+//! time, the batching scheduler behind `kiln serve` and the [`crate::Batcher`] many at once):
+//! [`SequenceGeneration`] shapes the logits a token is drawn from on the host (logit bias
+//! and repetition penalty, presence and frequency penalties, the output grammar) and decides
+//! what each drawn token does — an end-of-sequence token, text through [`TextOutput`]
+//! (decoded through the tokenizer's `DecodeStream`, never half a UTF-8 character, cut
+//! before the first stop string, streamed without the tail that could still become one),
+//! the length and context limits — ending with one [`Finish`]. The loops only move tokens
+//! between it and an executor.
 
+use std::collections::HashMap;
+
+use kiln_core::{Error, Result, Sampler};
 use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
+
+use crate::structured::Constraint;
+
+/// The rules one sequence generates under (besides its sampler's own settings).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SequenceRules {
+    pub max_tokens: usize,
+    /// Text ends before the first of these.
+    pub stop_strings: Vec<String>,
+    /// The model's end-of-sequence tokens end the sequence (always with a grammar: it
+    /// allows them only once the value is complete).
+    pub stop_on_eos: bool,
+    /// OpenAI's penalties: subtracted from a token's logit once it was generated
+    /// (`presence`) and per time it was (`frequency`).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Special tokens (end of turn, ...) make no text.
+    pub skip_special: bool,
+}
+
+/// What a drawn token did.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Accepted {
+    /// The token is part of the output (an end-of-sequence token is not).
+    pub kept: bool,
+    /// Text it made final (maybe empty).
+    pub text: String,
+    /// `Some` when the sequence ended with it: the token is part of the output unless it
+    /// was an end-of-sequence token (then `text` is what was held back).
+    pub finish: Option<Finish>,
+}
+
+/// One sequence's generation state (see the module doc). Its [`Sampler`] lives with the
+/// loop, which may hand a batch of them to an executor's own sampling.
+pub(crate) struct SequenceGeneration<'t> {
+    rules: SequenceRules,
+    stop_tokens: &'t [u32],
+    constraint: Option<Constraint>,
+    output: TextOutput<'t>,
+    generated: usize,
+    /// Times each token was generated, for the presence and frequency penalties.
+    counts: HashMap<u32, u32>,
+}
+
+impl<'t> SequenceGeneration<'t> {
+    pub fn new(
+        tokenizer: &'t Tokenizer,
+        rules: SequenceRules,
+        constraint: Option<Constraint>,
+    ) -> Self {
+        let output = TextOutput::new(tokenizer, rules.stop_strings.clone(), rules.skip_special);
+        SequenceGeneration {
+            rules,
+            stop_tokens: tokenizer.stop_tokens(),
+            constraint,
+            output,
+            generated: 0,
+            counts: HashMap::new(),
+        }
+    }
+
+    /// Tokens generated so far (an end-of-sequence token not counted).
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+
+    fn penalised(&self) -> bool {
+        self.rules.presence_penalty != 0.0 || self.rules.frequency_penalty != 0.0
+    }
+
+    /// Whether its tokens must be drawn on the host from logits: an executor's own sampling
+    /// applies the sampler's settings but not a grammar or OpenAI's penalties.
+    pub fn needs_host_logits(&self) -> bool {
+        self.constraint.is_some() || self.penalised()
+    }
+
+    /// Everything before the pick of a host-side draw: `row` checked finite (before any
+    /// bias, which may be large), then the sampler's bias and repetition penalty, the
+    /// presence and frequency penalties, and the grammar's mask.
+    pub fn shape(&mut self, sampler: &Sampler, row: &mut [f32]) -> Result<()> {
+        kiln_core::check_finite(row)?;
+        sampler.adjust(row);
+        if self.penalised() {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l -= self.rules.frequency_penalty * c as f32 + self.rules.presence_penalty;
+                }
+            }
+        }
+        if let Some(c) = &mut self.constraint {
+            c.mask(row, self.stop_tokens)
+                .map_err(Error::InvalidArgument)?;
+        }
+        Ok(())
+    }
+
+    /// After the pick: the grammar takes the token.
+    pub fn picked(&mut self, token: u32) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => c
+                .advance(token, self.stop_tokens)
+                .map_err(Error::InvalidArgument),
+            None => Ok(()),
+        }
+    }
+
+    /// A whole host-side draw from `row`: [`Self::shape`], the sampler's pick, [`Self::picked`].
+    pub fn draw(&mut self, sampler: &mut Sampler, row: &mut [f32]) -> Result<u32> {
+        self.shape(sampler, row)?;
+        let token = sampler.pick(row);
+        self.picked(token)?;
+        Ok(token)
+    }
+
+    /// What `token`, just drawn, does when the sequence's cache holds `cached` tokens of a
+    /// context of `max_context` (the token itself not yet among them).
+    pub fn accept(&mut self, token: u32, cached: usize, max_context: usize) -> Accepted {
+        let eos = self.stop_tokens.contains(&token);
+        if eos && (self.rules.stop_on_eos || self.constraint.is_some()) {
+            return self.end(Finish::Stop);
+        }
+        self.generated += 1;
+        if self.penalised() {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+        let released = self.output.push(token);
+        let mut text = released.text;
+        let finish = if released.stopped {
+            // Nothing is held back after a stop string.
+            Some(Finish::Stop)
+        } else if self.generated >= self.rules.max_tokens {
+            Some(self.finish_held(Finish::Length, &mut text))
+        } else if cached + 1 > max_context {
+            // No room to decode it: the sequence ends with it.
+            Some(self.finish_held(Finish::ContextFull, &mut text))
+        } else {
+            None
+        };
+        Accepted {
+            kept: true,
+            text,
+            finish,
+        }
+    }
+
+    /// Ends the sequence for `finish` (a stop token, cancellation): the text still held
+    /// back, and the finish to report.
+    pub fn end(&mut self, finish: Finish) -> Accepted {
+        let mut text = String::new();
+        let finish = self.finish_held(finish, &mut text);
+        Accepted {
+            kept: false,
+            text,
+            finish: Some(finish),
+        }
+    }
+
+    /// Appends the text still held back to `text`, cut at a stop string; `finish`, or
+    /// `Stop` where a stop string turned up in that text (a cancellation stays one).
+    fn finish_held(&mut self, finish: Finish, text: &mut String) -> Finish {
+        let rest = self.output.finish();
+        text.push_str(&rest.text);
+        match rest.stopped && finish != Finish::Cancelled {
+            true => Finish::Stop,
+            false => finish,
+        }
+    }
+}
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

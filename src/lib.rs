@@ -9,6 +9,7 @@
 //! Built-in backends are linked in here and register themselves through `inventory`;
 //! third-party backends are loaded from `.so` plugins ([`plugins`]).
 
+pub mod batching;
 pub mod bench;
 pub mod conformance;
 pub mod engine;
@@ -21,9 +22,9 @@ pub mod session;
 pub mod structured;
 pub mod toolkit;
 
+pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
 pub use generation::Finish;
-pub use server::batcher::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use session::{GenerateParams, Generation, Session};
 
 pub use kiln_core as core;

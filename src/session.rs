@@ -10,7 +10,7 @@ use kiln_core::{DecodeItem, Error, Result, Sampler, SamplingParams, SeqId};
 
 use crate::engine::Engine;
 pub use crate::generation::Finish;
-use crate::generation::TextOutput;
+use crate::generation::{SequenceGeneration, SequenceRules};
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -128,7 +128,8 @@ impl<'e> Session<'e> {
             )));
         }
 
-        let mut constraint = match &params.json_schema {
+        // Made before anything changes: a schema it refuses leaves the session as it was.
+        let constraint = match &params.json_schema {
             Some(schema) => Some(self.engine.json_constraint(schema)?),
             None => None,
         };
@@ -156,12 +157,17 @@ impl<'e> Session<'e> {
         for &t in prompt {
             sampler.accept(t);
         }
-        let tokenizer = &self.engine.model.tokenizer;
-        let stop_tokens = tokenizer.stop_tokens().to_vec();
-        let mut output = TextOutput::new(tokenizer, params.stop_strings.clone(), false);
+        let rules = SequenceRules {
+            max_tokens: params.max_tokens,
+            stop_strings: params.stop_strings.clone(),
+            stop_on_eos: params.stop_on_eos,
+            ..SequenceRules::default()
+        };
+        let mut generation =
+            SequenceGeneration::new(&self.engine.model.tokenizer, rules, constraint);
+        let exec = &mut self.engine.executor;
         let mut text = String::new();
         let mut ids = Vec::new();
-        let mut finish = Finish::Length;
         let decode_start = Instant::now();
         let mut decode_steps = 0usize;
         if params.max_tokens == 0 {
@@ -178,81 +184,48 @@ impl<'e> Session<'e> {
                 decode_steps: 0,
             });
         }
-        kiln_core::check_finite(&self.logits)?;
-        // A constrained draw: bias and penalties, the grammar's mask, the pick; the grammar
-        // then takes the token (a stop token only ever comes once the value is complete).
-        let draw = |sampler: &mut Sampler,
-                    constraint: &mut Option<crate::structured::Constraint>,
-                    logits: &mut [f32]|
-         -> Result<u32> {
-            let Some(c) = constraint else {
-                return Ok(sampler.sample(logits));
-            };
-            sampler.adjust(logits);
-            c.mask(logits, &stop_tokens)
-                .map_err(Error::InvalidArgument)?;
-            let token = sampler.pick(logits);
-            c.advance(token, &stop_tokens)
-                .map_err(Error::InvalidArgument)?;
-            Ok(token)
-        };
-        let mut token = draw(&mut sampler, &mut constraint, &mut self.logits)?;
+        let mut token = generation.draw(&mut sampler, &mut self.logits)?;
         let first_token_time = start.elapsed();
-        loop {
-            if (params.stop_on_eos || constraint.is_some()) && stop_tokens.contains(&token) {
-                finish = Finish::Stop;
-                break;
+        let finish = loop {
+            let accepted = generation.accept(token, self.cached.len(), max_context);
+            if accepted.kept {
+                ids.push(token);
             }
-            ids.push(token);
-            let released = output.push(token);
-            if !released.text.is_empty() {
-                on_text(&released.text);
-                text.push_str(&released.text);
+            if !accepted.text.is_empty() {
+                on_text(&accepted.text);
+                text.push_str(&accepted.text);
             }
-            if released.stopped {
-                finish = Finish::Stop;
-                break;
+            if let Some(finish) = accepted.finish {
+                break finish;
             }
-            if ids.len() >= params.max_tokens {
-                break;
-            }
-            if self.cached.len() + 1 >= max_context {
-                finish = Finish::ContextFull;
-                break;
-            }
+            let step = decode_steps + 1;
+            let at_step = move |e: Error| match e {
+                Error::NonFiniteLogits { .. } => Error::NonFiniteLogits { step },
+                other => other,
+            };
             let item = DecodeItem {
                 seq: self.seq,
                 token,
             };
+            // The executor draws the next token itself unless the host must shape the
+            // logits first (a grammar).
+            let host = generation.needs_host_logits();
             let mut next = [0u32];
-            let step = if constraint.is_some() {
-                exec.decode(&[item], &mut self.logits)
-                    .and_then(|()| kiln_core::check_finite(&self.logits))
-            } else {
-                exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next)
-            };
-            step.map_err(|e| match e {
-                Error::NonFiniteLogits { .. } => Error::NonFiniteLogits {
-                    step: decode_steps + 1,
-                },
-                other => other,
-            })?;
+            match host {
+                true => exec.decode(&[item], &mut self.logits),
+                false => exec.decode_sample(&[item], std::slice::from_mut(&mut sampler), &mut next),
+            }
+            .map_err(at_step)?;
             self.cached.push(token);
             decode_steps += 1;
-            token = match constraint {
-                Some(_) => draw(&mut sampler, &mut constraint, &mut self.logits)?,
-                None => next[0],
+            token = match host {
+                true => generation
+                    .draw(&mut sampler, &mut self.logits)
+                    .map_err(at_step)?,
+                false => next[0],
             };
-        }
+        };
         let decode_time = decode_start.elapsed();
-        let rest = output.finish();
-        if rest.stopped {
-            finish = Finish::Stop;
-        }
-        if !rest.text.is_empty() {
-            on_text(&rest.text);
-            text.push_str(&rest.text);
-        }
         Ok(Generation {
             prompt_ids: prompt.to_vec(),
             prefilled: new.len(),

@@ -40,10 +40,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 pub use super::scheduler::{Event, Finish, TokenLogprob};
 
-use super::metrics::Metrics;
 use super::scheduler::{self, Job, JobParams};
 use super::Shutdown;
 use crate::engine::Engine;
+use crate::server::metrics::Metrics;
 use crate::session::GenerateParams;
 use crate::structured::{json_constraint, Constraint, Grammars};
 

@@ -58,25 +58,22 @@
 //! reused tokens as `prompt_tokens_details.cached_tokens`. Nothing is shared between live
 //! sequences (no block-level prefix sharing as in vLLM).
 
-use crate::generation::TextOutput;
-use std::collections::{HashMap, VecDeque};
-use std::path::PathBuf;
+use crate::generation::{SequenceGeneration, SequenceRules};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kiln_core::{
-    DecodeItem, Error, KvBlockUsage, LayerExecutor, LoadOptions, Result, Sampler, SamplingParams,
-    SeqId,
+    DecodeItem, Error, KvBlockUsage, LayerExecutor, Result, Sampler, SamplingParams, SeqId,
 };
 use kiln_formats::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::frontend::Frontend;
-use super::metrics::Metrics;
 use super::Shutdown;
 use crate::engine::{Engine, Model};
+use crate::server::metrics::Metrics;
 use crate::structured::Constraint;
 
 /// How to generate for one job.
@@ -96,9 +93,17 @@ pub struct JobParams {
 }
 
 impl JobParams {
-    fn needs_host_logits(&self) -> bool {
-        // A logit bias is part of the sampling settings: device samplers apply it too.
-        self.logprobs.is_some() || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    /// The rules its sequence generates under: a server's sequence always ends at the
+    /// model's end-of-sequence tokens, and special tokens make no text.
+    fn rules(&self) -> SequenceRules {
+        SequenceRules {
+            max_tokens: self.max_tokens,
+            stop_strings: self.stop.clone(),
+            stop_on_eos: true,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            skip_special: true,
+        }
     }
 }
 
@@ -148,63 +153,8 @@ pub enum Event {
     },
 }
 
-/// What to load, and how the loop behaves.
-pub struct SchedulerConfig {
-    pub model: Option<PathBuf>,
-    pub backend: Option<String>,
-    pub plugins: Vec<PathBuf>,
-    pub options: LoadOptions,
-    /// Test hook: wait this long before loading (so `/health` can be seen answering 503).
-    pub load_delay: Duration,
-    /// After shutdown begins, running sequences may finish for this long; then the rest
-    /// are cancelled.
-    pub shutdown_grace: Duration,
-    /// Keep finished sequences for prompts that continue them (see the module doc).
-    pub prompt_cache: bool,
-}
-
-/// Starts the engine thread: it loads the model, reports through `ready`, then serves jobs
-/// until shutdown.
-pub fn spawn(
-    config: SchedulerConfig,
-    jobs: Receiver<Vec<Job>>,
-    metrics: Arc<Metrics>,
-    shutdown: Arc<Shutdown>,
-    ready: tokio::sync::oneshot::Sender<Result<Arc<Frontend>>>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("kiln-engine".into())
-        .spawn(move || {
-            let mut engine = match load(&config) {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    return;
-                }
-            };
-            let frontend = match Frontend::new(&engine) {
-                Ok(f) => Arc::new(f),
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    return;
-                }
-            };
-            record_loaded(&mut engine, &metrics);
-            if ready.send(Ok(frontend)).is_err() {
-                return;
-            }
-            run_loop(
-                &mut engine,
-                &jobs,
-                &metrics,
-                &shutdown,
-                config.shutdown_grace,
-                config.prompt_cache,
-            );
-        })
-}
-
-/// Starts the engine thread on a model already loaded (the library's [`super::batcher::Batcher`]).
+/// Starts the engine thread on a loaded model (the library's [`super::batcher::Batcher`]
+/// and `kiln serve` both run it).
 pub fn spawn_loaded(
     mut engine: Engine,
     jobs: Receiver<Vec<Job>>,
@@ -222,7 +172,7 @@ pub fn spawn_loaded(
 }
 
 /// The gauges that a loaded model fixes: slots, the KV pool.
-fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
+pub(crate) fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
     metrics
         .slots_total
         .store(engine.executor.max_sequences() as i64, Ordering::Relaxed);
@@ -241,7 +191,7 @@ fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
 }
 
 /// The engine thread's loop over `jobs` until shutdown.
-fn run_loop(
+pub(crate) fn run_loop(
     engine: &mut Engine,
     jobs: &Receiver<Vec<Job>>,
     metrics: &Metrics,
@@ -255,22 +205,6 @@ fn run_loop(
     Scheduler::new(model, executor.as_mut(), metrics, grace)
         .with_prompt_cache(prompt_cache)
         .run(jobs, shutdown);
-}
-
-fn load(config: &SchedulerConfig) -> Result<Engine> {
-    if !config.load_delay.is_zero() {
-        std::thread::sleep(config.load_delay);
-    }
-    let path = match &config.model {
-        Some(p) => p.clone(),
-        None => crate::fetch::ensure_default_model(false)?,
-    };
-    let model = Model::open(&path)?;
-    let (registry, errors) = crate::registry_with_plugins(&config.plugins);
-    for e in errors {
-        tracing::warn!("plugin: {e}");
-    }
-    Engine::load(model, &registry, config.backend.as_deref(), &config.options)
 }
 
 /// Prompt tokens one turn of the loop prefills at most: one chunk of the GPU executors'
@@ -401,9 +335,8 @@ struct Running<'t> {
     events: UnboundedSender<(usize, Event)>,
     params: JobParams,
     seq: SeqId,
-    /// The grammar its output must follow (`response_format`); its logits are then
-    /// sampled on the host, masked.
-    constraint: Option<Constraint>,
+    /// Its output's grammar and penalties, text, stop strings and limits.
+    generation: SequenceGeneration<'t>,
     prompt_tokens: usize,
     /// Prompt tokens the prompt cache supplied.
     cached_tokens: usize,
@@ -411,10 +344,6 @@ struct Running<'t> {
     history: Vec<u32>,
     /// The last sampled token: the input of the next decode step.
     last: u32,
-    generated: usize,
-    /// Generated-token counts, for presence/frequency penalties.
-    counts: HashMap<u32, u32>,
-    output: TextOutput<'t>,
     received: Instant,
     last_token_at: Option<Instant>,
     /// Its slot is freed; the entry goes at the next `remove_finished`.
@@ -422,9 +351,10 @@ struct Running<'t> {
 }
 
 impl Running<'_> {
-    /// Whether its next token is drawn on the host from the step's logits.
+    /// Whether its next token is drawn on the host from the step's logits (logprobs are
+    /// read from them too).
     fn needs_host_logits(&self) -> bool {
-        self.params.needs_host_logits() || self.constraint.is_some()
+        self.params.logprobs.is_some() || self.generation.needs_host_logits()
     }
 
     fn send(&self, event: Event) {
@@ -434,18 +364,15 @@ impl Running<'_> {
 
     /// Sends the text still held back, cut at a stop string; the finish reason to report
     /// (`Stop` where a stop string turned up in it).
-    fn flush_held(&mut self, mut finish: Finish) -> Finish {
-        let rest = self.output.finish();
-        if rest.stopped && finish != Finish::Cancelled {
-            finish = Finish::Stop;
-        }
-        if !rest.text.is_empty() {
+    fn flush_held(&mut self, finish: Finish) -> Finish {
+        let ended = self.generation.end(finish);
+        if !ended.text.is_empty() {
             self.send(Event::Delta {
-                text: rest.text,
+                text: ended.text,
                 logprob: None,
             });
         }
-        finish
+        ended.finish.unwrap_or(finish)
     }
 
     fn send_done(&self, finish: Finish) {
@@ -453,7 +380,7 @@ impl Running<'_> {
             finish,
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
-            completion_tokens: self.generated,
+            completion_tokens: self.generation.generated(),
         });
     }
 }
@@ -471,7 +398,6 @@ struct Scheduler<'e> {
     vocab: usize,
     max_context: usize,
     max_seqs: usize,
-    stop_tokens: Vec<u32>,
     /// Taken from the job channel (or preempted) and not admitted yet, by ticket.
     waiting: VecDeque<Waiting<'e>>,
     next_ticket: u64,
@@ -516,7 +442,6 @@ impl<'e> Scheduler<'e> {
             vocab,
             max_context,
             max_seqs,
-            stop_tokens: tokenizer.stop_tokens().to_vec(),
             waiting: VecDeque::new(),
             next_ticket: 0,
             admitting: Vec::new(),
@@ -965,21 +890,19 @@ impl<'e> Scheduler<'e> {
                 sampler.accept(t);
             }
         }
-        let output = TextOutput::new(self.tokenizer, job.params.stop.clone(), true);
+        let generation =
+            SequenceGeneration::new(self.tokenizer, job.params.rules(), job.constraint);
         self.running.push(Running {
             ticket,
             index: job.index,
             events: job.events,
             params: job.params,
             seq,
-            constraint: job.constraint,
+            generation,
             prompt_tokens: job.prompt.len(),
             cached_tokens: cached,
             history: job.prompt,
             last: 0,
-            generated: 0,
-            counts: HashMap::new(),
-            output,
             received: job.received,
             last_token_at: None,
             done: false,
@@ -1137,21 +1060,7 @@ impl<'e> Scheduler<'e> {
     /// distribution, then the sequence's sampler draws. `NonFiniteLogits` when the model's
     /// row holds a NaN or an infinity (checked before the bias, which may be large).
     fn sample_host(&mut self, i: usize, row: &mut [f32]) -> Result<(u32, Option<TokenLogprob>)> {
-        kiln_core::check_finite(row)?;
-        let r = &self.running[i];
-        let p = &r.params;
-        self.samplers[i].adjust(row);
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for (&t, &c) in &r.counts {
-                if let Some(l) = row.get_mut(t as usize) {
-                    *l -= p.frequency_penalty * c as f32 + p.presence_penalty;
-                }
-            }
-        }
-        if let Some(c) = &mut self.running[i].constraint {
-            c.mask(row, &self.stop_tokens)
-                .map_err(Error::InvalidArgument)?;
-        }
+        self.running[i].generation.shape(&self.samplers[i], row)?;
         let r = &self.running[i];
         let p = &r.params;
         let top_n = p.logprobs;
@@ -1159,10 +1068,7 @@ impl<'e> Scheduler<'e> {
         // `row` is final (bias, penalties and the output constraint in): the logprobs above
         // and the draw read the same distribution.
         let token = self.samplers[i].pick(row);
-        if let Some(c) = &mut self.running[i].constraint {
-            c.advance(token, &self.stop_tokens)
-                .map_err(Error::InvalidArgument)?;
-        }
+        self.running[i].generation.picked(token)?;
         let logprob = match (top_n, lse) {
             (Some(k), Some(lse)) => {
                 if self.token_text.is_empty() {
@@ -1216,44 +1122,39 @@ impl<'e> Scheduler<'e> {
         Ok((token, logprob))
     }
 
-    /// Handles a sampled token: end-of-sequence, text, stop strings, limits.
+    /// Handles a sampled token: what its generation makes of it (end-of-sequence, text,
+    /// stop strings, limits) goes to the client.
     fn accept_token(&mut self, i: usize, token: u32, logprob: Option<TokenLogprob>) {
-        if self.stop_tokens.contains(&token) {
-            return self.finish(i, Finish::Stop);
-        }
-        let now = Instant::now();
         let r = &mut self.running[i];
-        match r.last_token_at {
-            None => self
-                .metrics
-                .ttft
-                .observe(now.duration_since(r.received).as_secs_f64()),
-            Some(t) => self
-                .metrics
-                .itl
-                .observe(now.duration_since(t).as_secs_f64()),
+        let accepted = r
+            .generation
+            .accept(token, r.history.len(), self.max_context);
+        if accepted.kept {
+            let now = Instant::now();
+            match r.last_token_at {
+                None => self
+                    .metrics
+                    .ttft
+                    .observe(now.duration_since(r.received).as_secs_f64()),
+                Some(t) => self
+                    .metrics
+                    .itl
+                    .observe(now.duration_since(t).as_secs_f64()),
+            }
+            r.last_token_at = Some(now);
+            self.metrics
+                .generated_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            r.last = token;
         }
-        r.last_token_at = Some(now);
-        r.generated += 1;
-        self.metrics
-            .generated_tokens
-            .fetch_add(1, Ordering::Relaxed);
-        if r.params.presence_penalty != 0.0 || r.params.frequency_penalty != 0.0 {
-            *r.counts.entry(token).or_insert(0) += 1;
+        if accepted.kept || !accepted.text.is_empty() {
+            r.send(Event::Delta {
+                text: accepted.text,
+                logprob: logprob.filter(|_| accepted.kept),
+            });
         }
-        r.last = token;
-        let released = r.output.push(token);
-        r.send(Event::Delta {
-            text: released.text,
-            logprob,
-        });
-        if released.stopped {
-            return self.finish_now(i, Finish::Stop);
-        }
-        if r.generated >= r.params.max_tokens {
-            self.finish(i, Finish::Length);
-        } else if r.history.len() >= self.max_context {
-            self.finish(i, Finish::ContextFull);
+        if let Some(finish) = accepted.finish {
+            self.finish_now(i, finish);
         }
     }
 

@@ -40,15 +40,14 @@
 //! min_p 0.05); presence/frequency penalties count generated tokens, as OpenAI defines them.
 
 pub mod api;
-pub mod batcher;
+mod engine_thread;
 mod frontend;
 pub mod metrics;
-mod scheduler;
 mod stream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -63,12 +62,12 @@ use axum::{Json, Router};
 use futures_util::StreamExt;
 use kiln_core::{Error, LoadOptions, Result, SamplingParams};
 use serde_json::json;
-use tokio::sync::Notify;
 
+use crate::batching::{Job, JobParams, Shutdown};
 use api::{ApiError, Endpoint};
+use engine_thread::EngineConfig;
 use frontend::Frontend;
 use metrics::Metrics;
-use scheduler::{Job, JobParams, SchedulerConfig};
 
 /// Bodies up to this size are read (and discarded) past `--body-limit` so the 413 reaches
 /// the client; a declared `Content-Length` above it is refused at once.
@@ -140,36 +139,6 @@ pub struct ServeArgs {
     /// Test hook: milliseconds to wait before loading the model.
     #[arg(long, default_value_t = 0, hide = true)]
     pub load_delay_ms: u64,
-}
-
-/// Set once when the server starts to stop.
-#[derive(Default)]
-pub(crate) struct Shutdown {
-    flag: AtomicBool,
-    notify: Notify,
-}
-
-impl Shutdown {
-    pub(crate) fn begin(&self) {
-        if !self.flag.swap(true, Ordering::SeqCst) {
-            self.notify.notify_waiters();
-        }
-    }
-
-    pub(crate) fn is_set(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-    }
-
-    async fn wait(&self) {
-        loop {
-            // A `Notified` receives `notify_waiters` from its creation on.
-            let notified = self.notify.notified();
-            if self.is_set() {
-                return;
-            }
-            notified.await;
-        }
-    }
 }
 
 struct AppState {
@@ -249,7 +218,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let (job_tx, job_rx) = std::sync::mpsc::sync_channel(args.queue);
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
     let grace = Duration::from_secs_f64(args.shutdown_grace);
-    let config = SchedulerConfig {
+    let config = EngineConfig {
         model: args.model.clone(),
         backend: args.backend.clone(),
         plugins: args.plugins.clone(),
@@ -267,7 +236,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         shutdown_grace: grace,
         prompt_cache: !args.no_prompt_cache,
     };
-    let engine = scheduler::spawn(config, job_rx, metrics.clone(), shutdown.clone(), ready_tx)?;
+    let engine = engine_thread::spawn(config, job_rx, metrics.clone(), shutdown.clone(), ready_tx)?;
     let state = Arc::new(AppState {
         model: OnceLock::new(),
         jobs: job_tx,

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::api::{ApiError, Endpoint};
-use super::scheduler::{Event, Finish, TokenLogprob};
+use crate::batching::{Event, Finish, TokenLogprob};
 
 /// What every response of one request shares.
 #[derive(Debug, Clone)]
