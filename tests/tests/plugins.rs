@@ -1484,6 +1484,42 @@ fn smollm2_greedy_tokens_match_the_builtin_cpu_backend() {
     }
 }
 
+/// The real Gemma 3 270M reaches the example plugin as the host's program (ABI 1.4): the
+/// plugin names no architecture, yet its greedy tokens are the built-in CPU backend's on
+/// the first prompt of the transformers fixture (tests/fixtures/gemma3).
+#[test]
+fn gemma3_runs_through_the_example_plugin() {
+    let Some(path) = kiln_tests::gemma3_or_skip("gemma3_runs_through_the_example_plugin") else {
+        return;
+    };
+    let gguf = kiln_formats::gguf::GgufFile::open(&path).unwrap();
+    let model = kiln_formats::model::model_from_gguf(&gguf, "Gemma 3 270M").unwrap();
+    let first = std::fs::read_to_string(kiln_tests::fixture("gemma3/hf_greedy.jsonl")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    let prompt: Vec<u32> = line["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let plugin = load_plugin(&naive_plugin()).unwrap();
+    assert!(plugin.supports(&model).score().is_some());
+    let options = LoadOptions {
+        max_context: 64,
+        ..Default::default()
+    };
+    let mut builtin = kiln_backend_cpu::CpuBackend.load(&model, &options).unwrap();
+    let mut through_abi = plugin.load(&model, &options).unwrap();
+    const STEPS: usize = 8;
+    let (a, _) = greedy(builtin.as_mut(), &prompt, STEPS);
+    let (b, _) = greedy(through_abi.as_mut(), &prompt, STEPS);
+    assert_eq!(
+        a, b,
+        "greedy tokens of cpu (left) and the naive-cpu plugin (right) differ"
+    );
+    println!("gemma3: {STEPS} greedy tokens identical through the plugin: {a:?}");
+}
+
 /// Decode speed of the same executor linked in and behind the plugin boundary, on the tiny
 /// synthetic model (a step takes microseconds, so per-call overhead would show) and on
 /// SmolLM2 when present. Run with
