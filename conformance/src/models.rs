@@ -106,8 +106,6 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         num_kv_heads: s.kv_heads,
         head_dim: s.head_dim,
         ffn_size: s.ffn,
-        qkv_bias: s.qkv_bias,
-        qk_norm: s.qk_norm,
         rope: RopeConfig {
             kind: s.rope,
             rotary_dims: s.head_dim,
@@ -122,7 +120,6 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         true => ModelConfig {
             activation: Activation::Gelu,
             embedding_scale: (h as f32).sqrt(),
-            sandwich_norms: true,
             sliding_window: Some(SlidingWindow {
                 window: GEMMA3_WINDOW,
                 global_every: 2,

@@ -335,6 +335,10 @@ impl RopeConfig {
 }
 
 /// Every hyper-parameter a decoder needs. Nothing here is derived at run time from names.
+///
+/// Sizes and numbers only: which optional weights a layer has (Q/K/V biases, per-head Q/K
+/// norms, post-norms, a gate) is the weights' to say, and how the blocks are wired is the
+/// architecture's builder's ([`crate::program`]), so no switch here describes structure.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub arch: Architecture,
@@ -349,13 +353,6 @@ pub struct ModelConfig {
     pub norm: NormKind,
     pub norm_eps: f32,
     pub activation: Activation,
-    /// gate/up/down (SwiGLU) when true, up/down when false.
-    pub gated_ffn: bool,
-    /// Attention and FFN read the same normed input and add into one residual (phi-2).
-    pub parallel_residual: bool,
-    pub qkv_bias: bool,
-    /// Per-head RMSNorm on Q and K before rope (Qwen3).
-    pub qk_norm: bool,
     pub rope: RopeConfig,
     /// The LM head reuses the token embedding.
     pub tied_embeddings: bool,
@@ -363,9 +360,6 @@ pub struct ModelConfig {
     pub context_length: usize,
     /// Multiplies the token embedding before the first layer (Gemma: √hidden; else 1).
     pub embedding_scale: f32,
-    /// RMSNorm also on each attention and MLP output before it joins the residual (Gemma's
-    /// "sandwich" norms: `post_attention_norm`, `post_ffw_norm`).
-    pub sandwich_norms: bool,
     /// Sliding-window attention on some layers, if the model has it.
     pub sliding_window: Option<SlidingWindow>,
 }
@@ -414,9 +408,9 @@ impl LayerAttention {
 }
 
 /// A llama-shaped starting point without sizes: the sizes are 0 (a config left so fails
-/// [`ModelConfig::validate`]), RMSNorm with ε 1e-5, a SiLU-gated feed-forward, adjacent-pair
+/// [`ModelConfig::validate`]), RMSNorm with ε 1e-5, SiLU, adjacent-pair
 /// RoPE at base 10,000 over 0 dimensions (set `rope.rotary_dims` to the head size; 0 fails
-/// `validate`), separate embedding and LM head, no biases, norms or windows beyond llama's.
+/// `validate`), separate embedding and LM head, no window and an unscaled embedding.
 /// Literals name what differs and take the rest with `..ModelConfig::default()`, so a new
 /// field touches only its own readers.
 impl Default for ModelConfig {
@@ -433,15 +427,10 @@ impl Default for ModelConfig {
             norm: NormKind::Rms,
             norm_eps: 1e-5,
             activation: Activation::Silu,
-            gated_ffn: true,
-            parallel_residual: false,
-            qkv_bias: false,
-            qk_norm: false,
             rope: RopeConfig::default(),
             tied_embeddings: false,
             context_length: 0,
             embedding_scale: 1.0,
-            sandwich_norms: false,
             sliding_window: None,
         }
     }
@@ -659,14 +648,15 @@ pub struct LayerWeights {
     pub attn_k_norm: Option<TensorView>,
     pub attn_out: TensorView,
     pub attn_out_bias: Option<TensorView>,
-    /// Absent with a parallel residual, where the FFN reads the attention norm's output.
+    /// Absent only where attention and FFN read one norm (a parallel block, which a host
+    /// may describe in a program over the plugin ABI; no built-in architecture has one).
     pub ffn_norm: Option<TensorView>,
     pub ffn_norm_bias: Option<TensorView>,
     /// Absent when the FFN is not gated.
     pub ffn_gate: Option<TensorView>,
     pub ffn_up: TensorView,
     pub ffn_down: TensorView,
-    /// RMSNorm weights of the attention and MLP outputs ([`ModelConfig::sandwich_norms`]).
+    /// RMSNorm weights of the attention and MLP outputs (Gemma's "sandwich" norms).
     pub attn_post_norm: Option<TensorView>,
     pub ffn_post_norm: Option<TensorView>,
 }

@@ -908,24 +908,31 @@ pub fn arch_id(a: &Architecture) -> u32 {
     }
 }
 
-/// Whether a plugin of ABI `peer` can be given a model of config `c`: from 1.4 every model
-/// crosses with its program; an older plugin has only `KilnModelConfig`, and gets an
-/// `Unsupported` error naming what that lacks (a plugin must never run a model it would
-/// misread).
-pub fn check_describable(c: &ModelConfig, peer: u32) -> Result<()> {
+/// Whether a plugin of ABI `peer` can be given the model of config `c` and `program`: from
+/// 1.4 every model crosses with its program; an older plugin has only `KilnModelConfig`,
+/// and gets an `Unsupported` error naming what that lacks (a plugin must never run a model
+/// it would misread).
+pub fn check_describable(
+    c: &ModelConfig,
+    program: &ModelProgram<TensorView>,
+    peer: u32,
+) -> Result<()> {
     if version_minor(peer) >= 4 {
         return Ok(());
     }
+    let parts = LayerParts::of(program);
     let lacks = if c.arch == Architecture::Gemma3 {
         Some("the gemma3 architecture")
     } else if matches!(c.arch, Architecture::Granite(_)) {
         Some("granite's residual, attention and logit multipliers")
     } else if c.embedding_scale != 1.0 {
         Some("a scaled embedding")
-    } else if c.sandwich_norms {
+    } else if program.branches.iter().any(|b| b.post_norm.is_some()) {
         Some("norms after attention and the MLP")
     } else if c.sliding_window.is_some() {
         Some("sliding-window attention")
+    } else if parts.every != parts.some {
+        Some("layers that differ in their Q/K/V biases, head norms or gates")
     } else {
         None
     };
@@ -936,6 +943,64 @@ pub fn check_describable(c: &ModelConfig, peer: u32) -> Result<()> {
         ))),
         None => Ok(()),
     }
+}
+
+/// The `KilnModelConfig::flags` bits of a program's layers: those every layer has, and
+/// those some layer has (the flags describe a model whose layers all agree).
+struct LayerParts {
+    every: u32,
+    some: u32,
+}
+
+impl LayerParts {
+    fn of(program: &ModelProgram<TensorView>) -> LayerParts {
+        let mut parts = LayerParts {
+            every: flags::GATED_FFN | flags::QKV_BIAS | flags::QK_NORM,
+            some: 0,
+        };
+        let mut note = |bit: u32, every: bool, some: bool| {
+            if !every {
+                parts.every &= !bit;
+            }
+            if some {
+                parts.some |= bit;
+            }
+        };
+        for op in program.ops() {
+            match op {
+                Op::Attention(a) => {
+                    let biases = [&a.q.bias, &a.k.bias, &a.v.bias].map(Option::is_some);
+                    note(
+                        flags::QKV_BIAS,
+                        biases.iter().all(|&b| b),
+                        biases.iter().any(|&b| b),
+                    );
+                    let norms = a.head_norms.is_some();
+                    note(flags::QK_NORM, norms, norms);
+                }
+                Op::FeedForward(f) => {
+                    let gated = f.gate.is_some();
+                    note(flags::GATED_FFN, gated, gated);
+                }
+            }
+        }
+        if program.branches.iter().any(|b| b.ops.len() > 1) {
+            parts.every |= flags::PARALLEL_RESIDUAL;
+            parts.some |= flags::PARALLEL_RESIDUAL;
+        }
+        parts
+    }
+}
+
+/// The `flags` a host sends with the model of `program`: its layers' parts (when all agree)
+/// and a tied head. A plugin rebuilds the program and checks the host's flags against it.
+fn structure_flags(program: &ModelProgram<TensorView>, tied_embeddings: bool) -> u32 {
+    LayerParts::of(program).every
+        | if tied_embeddings {
+            flags::TIED_EMBEDDINGS
+        } else {
+            0
+        }
 }
 
 /// The architectures `KilnModelConfig` describes on its own (without a program).
@@ -1030,10 +1095,9 @@ pub fn rope_scaling_from_id(id: u32, factor: f32) -> Option<RopeScaling> {
 
 // ---- config ------------------------------------------------------------------------
 
-/// The plain-data form of `c`.
-pub fn config_to_abi(c: &ModelConfig) -> KilnModelConfig {
+/// The plain-data form of `c`, with the flags of its model's `program`.
+pub fn config_to_abi(c: &ModelConfig, program: &ModelProgram<TensorView>) -> KilnModelConfig {
     let (rope_scaling, rope_scaling_factor) = rope_scaling_id(c.rope.scaling);
-    let flag = |on: bool, bit: u32| if on { bit } else { 0 };
     KilnModelConfig {
         struct_size: std::mem::size_of::<KilnModelConfig>() as u32,
         arch: arch_id(&c.arch),
@@ -1053,22 +1117,19 @@ pub fn config_to_abi(c: &ModelConfig) -> KilnModelConfig {
         norm_eps: c.norm_eps,
         rope_theta: c.rope.theta,
         rope_scaling_factor,
-        flags: flag(c.gated_ffn, flags::GATED_FFN)
-            | flag(c.parallel_residual, flags::PARALLEL_RESIDUAL)
-            | flag(c.qkv_bias, flags::QKV_BIAS)
-            | flag(c.qk_norm, flags::QK_NORM)
-            | flag(c.tied_embeddings, flags::TIED_EMBEDDINGS),
+        flags: structure_flags(program, c.tied_embeddings),
     }
 }
 
 /// Rebuilds a [`ModelConfig`], refusing unknown enum ids, unknown flag bits, sizes that do
-/// not fit `usize` and inconsistent shapes.
+/// not fit `usize` and inconsistent shapes. The flags describe the weights, not the config:
+/// [`model_from_desc`] checks them against the rebuilt model.
 pub fn config_from_abi(c: &KilnModelConfig) -> Result<ModelConfig> {
     config_with_program(c, None)
 }
 
 /// [`config_from_abi`], completed from the program the host sent with it: the architectures
-/// only a program describes, the embedding scale, the sandwich norms and the sliding window
+/// only a program describes, the embedding scale and the sliding window
 /// (`desc`'s, which [`crate::program::build`] then checks each attention against).
 fn config_with_program(
     c: &KilnModelConfig,
@@ -1111,10 +1172,6 @@ fn config_with_program(
         norm_eps: c.norm_eps,
         activation: activation_from_id(c.activation)
             .ok_or_else(|| bad(format!("unknown activation id {}", c.activation)))?,
-        gated_ffn: c.flags & flags::GATED_FFN != 0,
-        parallel_residual: c.flags & flags::PARALLEL_RESIDUAL != 0,
-        qkv_bias: c.flags & flags::QKV_BIAS != 0,
-        qk_norm: c.flags & flags::QK_NORM != 0,
         rope: RopeConfig {
             kind: rope_kind_from_id(c.rope_kind)
                 .ok_or_else(|| bad(format!("unknown rope kind id {}", c.rope_kind)))?,
@@ -1126,12 +1183,10 @@ fn config_with_program(
         tied_embeddings: c.flags & flags::TIED_EMBEDDINGS != 0,
         context_length: size(c.context_length, "context_length")?,
         embedding_scale: 1.0,
-        sandwich_norms: false,
         sliding_window: None,
     };
     if let Some((desc, p)) = program {
         config.embedding_scale = p.embedding.scale;
-        config.sandwich_norms = p.branches.iter().any(|b| b.post_norm.is_some());
         if desc.sliding_window != 0 {
             config.sliding_window = Some(SlidingWindow {
                 window: size(desc.sliding_window, "sliding window")?,
@@ -1268,9 +1323,10 @@ impl ModelDescBuf {
     /// The descriptors of `model` for a plugin of ABI `peer`: with its program from 1.4;
     /// before, only a model `KilnModelConfig` describes ([`check_describable`]).
     pub fn new(model: &ModelIr, peer: u32) -> Result<ModelDescBuf> {
-        check_describable(&model.config, peer)?;
+        let program = crate::program::build(model)?;
+        check_describable(&model.config, &program, peer)?;
         let model = model.clone();
-        let config = Box::new(config_to_abi(&model.config));
+        let config = Box::new(config_to_abi(&model.config, &program));
         // `KilnStr::new(t.name())` and `bytes()` borrow from the TensorViews inside `model`
         // (and its program), whose `Arc`-held names and storage do not move when `model`
         // itself moves.
@@ -1279,7 +1335,6 @@ impl ModelDescBuf {
             .map(|(role, layer, t)| tensor_desc(role, layer, t))
             .collect();
         let program = if version_minor(peer) >= 4 {
-            let program = crate::program::build(&model)?;
             Some(ProgramDescBuf::new(program, &model.config, &mut tensors))
         } else {
             None
@@ -1616,9 +1671,16 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
         source,
         program: program.map(|(_, p)| Arc::new(p)),
     };
-    if model.program.is_some() {
-        // The checks a builder's output passes: shapes, KV layers, spans.
-        crate::program::build(&model)?;
+    // The checks a builder's output passes (shapes, KV layers, spans), and the host's flags
+    // against the program: a plugin reading only `KilnModelConfig` must see the model the
+    // weights make.
+    let program = crate::program::build(&model)?;
+    let made = structure_flags(&program, model.weights.output.is_none());
+    if made != raw_config.flags {
+        return Err(bad(format!(
+            "the flags say {:#x}, the tensors and program make {made:#x}",
+            raw_config.flags
+        )));
     }
     Ok(model)
 }
@@ -1866,7 +1928,6 @@ mod tests {
             head_dim: 8,
             ffn_size: 64,
             norm_eps: 1e-6,
-            qkv_bias: true,
             rope: RopeConfig {
                 kind: RopeKind::Neox,
                 scaling: RopeScaling::Linear { factor: 2.0 },
@@ -1982,11 +2043,64 @@ mod tests {
         assert!(unsafe { KilnLoadOptions::read(std::ptr::null()) }.is_err());
     }
 
+    /// `model`'s config as a host sends it.
+    fn abi_config(model: &ModelIr) -> KilnModelConfig {
+        config_to_abi(&model.config, &crate::program::build(model).unwrap())
+    }
+
     #[test]
     fn config_round_trips() {
         let model = tiny_model();
-        let back = config_from_abi(&config_to_abi(&model.config)).unwrap();
+        let back = config_from_abi(&abi_config(&model)).unwrap();
         assert_eq!(back, model.config);
+    }
+
+    #[test]
+    fn the_flags_are_the_weights_and_are_checked_by_the_plugin() {
+        let model = tiny_model();
+        assert_eq!(
+            abi_config(&model).flags,
+            flags::GATED_FFN | flags::QKV_BIAS | flags::TIED_EMBEDDINGS
+        );
+        let mut no_bias = tiny_model();
+        no_bias.config.arch = Architecture::Llama;
+        for l in &mut no_bias.weights.layers {
+            (l.attn_q_bias, l.attn_k_bias, l.attn_v_bias) = (None, None, None);
+        }
+        assert_eq!(
+            abi_config(&no_bias).flags,
+            flags::GATED_FFN | flags::TIED_EMBEDDINGS
+        );
+        assert_eq!(
+            abi_config(&tiny_gemma()).flags,
+            flags::GATED_FFN | flags::QKV_BIAS | flags::QK_NORM | flags::TIED_EMBEDDINGS
+        );
+
+        // A host whose flags disagree with its tensors is refused, with and without a program.
+        for peer in [pack_version(1, 3), ABI_VERSION] {
+            let buf = ModelDescBuf::new(&model, peer).unwrap();
+            let mut config = abi_config(&model);
+            config.flags &= !flags::QKV_BIAS;
+            let mut desc = buf.desc();
+            desc.config = &config;
+            // SAFETY: `desc` points into `buf` and at `config`, both alive here.
+            let err = unsafe { model_from_desc(&desc) }.unwrap_err().to_string();
+            assert!(err.contains("the flags say 0x11"), "{err}");
+        }
+
+        // Layers that differ (a bias on one of them) cannot be told by flags: an older
+        // plugin is refused the model, a 1.4 one gets its program.
+        let mut mixed = no_bias;
+        let biased = tiny_model().weights.layers[1].clone();
+        let l = &mut mixed.weights.layers[1];
+        (l.attn_q_bias, l.attn_k_bias, l.attn_v_bias) =
+            (biased.attn_q_bias, biased.attn_k_bias, biased.attn_v_bias);
+        let err = ModelDescBuf::new(&mixed, pack_version(1, 3)).err().unwrap();
+        assert!(err.to_string().contains("layers that differ"), "{err}");
+        let buf = ModelDescBuf::new(&mixed, ABI_VERSION).unwrap();
+        // SAFETY: `buf` outlives `back`.
+        let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
+        assert_eq!(named(&back), named(&mixed));
     }
 
     #[test]
@@ -2001,7 +2115,8 @@ mod tests {
             beta_slow: 1.0,
             attn_factor: RopeScaling::yarn_mscale(4.0),
         };
-        let r = config_from_abi(&config_to_abi(&config));
+        let program = crate::program::build(&tiny_model()).unwrap();
+        let r = config_from_abi(&config_to_abi(&config, &program));
         assert!(
             matches!(r, Err(Error::Format(ref m)) if m.contains("rope scaling id 2")),
             "{r:?}"
@@ -2011,13 +2126,13 @@ mod tests {
     #[test]
     fn unknown_flags_and_ids_are_refused() {
         let model = tiny_model();
-        let mut c = config_to_abi(&model.config);
+        let mut c = abi_config(&model);
         c.flags |= 1 << 20;
         assert!(matches!(config_from_abi(&c), Err(Error::Unsupported(_))));
-        let mut c = config_to_abi(&model.config);
+        let mut c = abi_config(&model);
         c.arch = 77;
         assert!(matches!(config_from_abi(&c), Err(Error::Unsupported(_))));
-        let mut c = config_to_abi(&model.config);
+        let mut c = abi_config(&model);
         c.norm = 9;
         assert!(matches!(config_from_abi(&c), Err(Error::Format(_))));
     }
@@ -2088,7 +2203,6 @@ mod tests {
         c.arch = Architecture::Gemma3;
         c.activation = Activation::Gelu;
         c.embedding_scale = (c.hidden_size as f32).sqrt();
-        c.sandwich_norms = true;
         c.sliding_window = Some(SlidingWindow {
             window: 4,
             global_every: 2,

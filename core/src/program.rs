@@ -533,34 +533,24 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// The layer's feed-forward: gated when the config says so, with its activation.
+    /// The layer's feed-forward: gated when the layer has a gate, with the config's
+    /// activation.
     fn feed_forward(&self, l: &LayerWeights) -> Result<FeedForward<TensorView>> {
         let (h, ffn) = (self.c.hidden_size, self.c.ffn_size);
-        let gate = match (&l.ffn_gate, self.c.gated_ffn) {
-            (Some(g), true) => Some(matrix(g, h, ffn, "the FFN gate")?),
-            (None, false) => None,
-            (Some(_), false) => {
-                return Err(Error::Format(
-                    "an FFN gate is present but the config does not use it".into(),
-                ))
-            }
-            (None, true) => {
-                return Err(Error::Format(
-                    "the config needs an FFN gate, the weights have none".into(),
-                ))
-            }
-        };
         Ok(FeedForward {
-            gate,
+            gate: l
+                .ffn_gate
+                .as_ref()
+                .map(|g| matrix(g, h, ffn, "the FFN gate"))
+                .transpose()?,
             up: matrix(&l.ffn_up, h, ffn, "the FFN up projection")?,
             down: matrix(&l.ffn_down, ffn, h, "the FFN down projection")?,
             activation: self.c.activation,
         })
     }
 
-    /// A pre-norm block: attention and feed-forward, each reading the stream through its
-    /// own norm (one after the other), or both through the attention norm (a parallel
-    /// residual). Post-norms, if the file has them, norm each output again before it is
+    /// A pre-norm block: attention, then the feed-forward, each reading the stream through
+    /// its own norm. Post-norms, if the file has them, norm each output again before it is
     /// added (both or neither).
     fn pre_norm_block(
         &self,
@@ -595,20 +585,9 @@ impl<'a> Builder<'a> {
                 )))
             }
         };
-        if self.c.parallel_residual {
-            if attn_post.is_some() {
-                return Err(Error::Unsupported(at("post-norms on a parallel block")));
-            }
-            return Ok(vec![Branch {
-                norm: attn_norm,
-                ops: vec![Op::Attention(attention), Op::FeedForward(ffn)],
-                post_norm: None,
-                scale: 1.0,
-            }]);
-        }
         let ffn_norm = match &l.ffn_norm {
             Some(w) => self.norm(w, l.ffn_norm_bias.as_ref(), &at("the FFN norm"))?,
-            None => return Err(Error::Format(at("no FFN norm and no parallel residual"))),
+            None => return Err(Error::Format(at("the FFN norm is missing"))),
         };
         Ok(vec![
             Branch {
@@ -785,12 +764,36 @@ mod tests {
     }
 
     #[test]
-    fn a_parallel_block_is_one_branch_summing_both_operations() {
-        let c = ModelConfig {
-            parallel_residual: true,
-            ..config(Architecture::Llama)
-        };
-        let p = build(&model(c, false, false)).unwrap();
+    fn a_layer_without_a_gate_has_an_ungated_feed_forward() {
+        let mut ir = model(config(Architecture::Llama), false, false);
+        ir.weights.layers[1].ffn_gate = None;
+        let p = build(&ir).unwrap();
+        let gated: Vec<bool> = p
+            .ops()
+            .filter_map(|op| match op {
+                Op::FeedForward(f) => Some(f.gate.is_some()),
+                Op::Attention(_) => None,
+            })
+            .collect();
+        assert_eq!(gated, [true, false]);
+        ir.weights.layers[0].ffn_norm = None;
+        assert!(error(&ir).contains("layer 0: the FFN norm is missing"));
+    }
+
+    #[test]
+    fn a_given_program_may_run_a_parallel_block() {
+        // No builder makes one; a host may describe one over the plugin ABI, and each
+        // layer's two operations then read one norm and add into one branch.
+        let mut ir = model(config(Architecture::Llama), false, false);
+        let mut p = build(&ir).unwrap();
+        let branches = std::mem::take(&mut p.branches);
+        for pair in branches.chunks(2) {
+            let mut block = pair[0].clone();
+            block.ops.extend(pair[1].ops.iter().cloned());
+            p.branches.push(block);
+        }
+        ir.program = Some(std::sync::Arc::new(p));
+        let p = build(&ir).unwrap();
         assert_eq!(p.branches.len(), 2);
         assert!(p
             .branches

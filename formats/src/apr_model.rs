@@ -393,8 +393,6 @@ fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Resu
             .opt_f32("rms_norm_eps")?
             .ok_or_else(|| Error::Format("APR metadata 'rms_norm_eps' is missing".into()))?,
         activation: kiln_core::Activation::Silu,
-        qkv_bias: has("blk.0.attn_q.bias"),
-        qk_norm: has("blk.0.attn_q_norm.weight"),
         rope: kiln_core::RopeConfig {
             kind: rope_kind,
             theta: meta.opt_f32("rope_theta")?.unwrap_or(10_000.0),

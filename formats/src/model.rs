@@ -61,12 +61,17 @@ pub(crate) fn model_from_table(
             config.arch.name()
         )));
     }
-    Ok(ModelIr {
+    let model = ModelIr {
         config,
         weights,
         source: source.to_string(),
         program: None,
-    })
+    };
+    // What the architecture requires of its weights (Qwen3's head norms, Gemma 3's
+    // post-norms) is its builder's to check: a file without them is refused here, at open,
+    // rather than by whichever backend builds the program first.
+    kiln_core::program::build(&model)?;
+    Ok(model)
 }
 
 /// The hyper-parameters of a GGUF model (what `kiln inspect` shows), without the weights.
@@ -229,8 +234,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         } else {
             Activation::Silu
         },
-        qkv_bias: has("blk.0.attn_q.bias") || has("blk.0.attn_qkv.bias"),
-        qk_norm: has("blk.0.attn_q_norm.weight"),
         rope: RopeConfig {
             kind: rope_kind,
             theta,
@@ -245,23 +248,10 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             Architecture::Granite(_) => meta.opt_f32("embedding_scale")?.unwrap_or(1.0),
             _ => 1.0,
         },
-        // llama.cpp's converter stores Gemma's `1 + weight` norms with the 1 added: plain
-        // RMSNorm weights here, like every other norm.
-        sandwich_norms: has("blk.0.post_attention_norm.weight"),
         sliding_window,
         ..ModelConfig::default()
     };
     config.validate()?;
-    if config.arch == Architecture::Qwen3 && !config.qk_norm {
-        return Err(Error::Format(
-            "a qwen3 model needs blk.N.attn_q_norm / attn_k_norm".into(),
-        ));
-    }
-    if config.arch == Architecture::Gemma3 && !(config.qk_norm && config.sandwich_norms) {
-        return Err(Error::Format(
-            "a gemma3 model needs blk.N.attn_q_norm / attn_k_norm and post_attention_norm / post_ffw_norm".into(),
-        ));
-    }
     Ok(config)
 }
 
@@ -438,6 +428,33 @@ fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The optional parts a model's layers have: a part any layer has, every layer must have
+/// (a layer missing one is an error naming the tensor, never a layer run without it).
+/// Which architectures need which parts is their builders' to check
+/// ([`kiln_core::program`]).
+struct LayerParts {
+    qkv_bias: bool,
+    head_norms: bool,
+    post_norms: bool,
+}
+
+impl LayerParts {
+    fn of(t: &Tensors, layers: usize) -> LayerParts {
+        let any = |roles: &[&str]| {
+            (0..layers).any(|i| {
+                roles
+                    .iter()
+                    .any(|r| t.table.get(&format!("blk.{i}.{r}")).is_some())
+            })
+        };
+        LayerParts {
+            qkv_bias: any(&["attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias"]),
+            head_norms: any(&["attn_q_norm.weight", "attn_k_norm.weight"]),
+            post_norms: any(&["post_attention_norm.weight", "post_ffw_norm.weight"]),
+        }
+    }
+}
+
 fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
     let (hidden, vocab, q_dim, kv_dim) = (c.hidden_size, c.vocab_size, c.q_dim(), c.kv_dim());
     let token_embd = t.req("token_embd.weight", &[hidden, vocab])?;
@@ -446,6 +463,7 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
     let output = t.opt("output.weight", &[hidden, vocab])?;
     let rope_freqs = t.opt("rope_freqs.weight", &[c.rope.rotary_dims / 2])?;
 
+    let parts = LayerParts::of(t, c.num_layers);
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let n = |role: &str| format!("blk.{i}.{role}");
@@ -484,28 +502,30 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             .iter()
             .filter(|b| b.is_some())
             .count();
-        if biases != if c.qkv_bias { 3 } else { 0 } {
+        if biases != if parts.qkv_bias { 3 } else { 0 } {
             return Err(Error::Format(format!(
-                "layer {i} has {biases} of the 3 Q/K/V biases; the model {} them",
-                if c.qkv_bias { "has" } else { "has none of" }
+                "layer {i} has {biases} of the 3 Q/K/V biases; a model with any has all 3 in every layer"
             )));
         }
-        let mut post_norm = |role: &str| match c.sandwich_norms {
-            true => t.req(&n(role), &[hidden]).map(Some),
-            false => Ok(None),
+        let mut optional_pair = |present: bool, roles: [&str; 2], dim: usize| match present {
+            true => Ok::<_, Error>((
+                Some(t.req(&n(roles[0]), &[dim])?),
+                Some(t.req(&n(roles[1]), &[dim])?),
+            )),
+            false => Ok((None, None)),
         };
-        let (attn_post_norm, ffn_post_norm) = (
-            post_norm("post_attention_norm.weight")?,
-            post_norm("post_ffw_norm.weight")?,
-        );
-        let (attn_q_norm, attn_k_norm) = if c.qk_norm {
-            (
-                Some(t.req(&n("attn_q_norm.weight"), &[c.head_dim])?),
-                Some(t.req(&n("attn_k_norm.weight"), &[c.head_dim])?),
-            )
-        } else {
-            (None, None)
-        };
+        // llama.cpp's converter stores Gemma's `1 + weight` norms with the 1 added: plain
+        // RMSNorm weights here, like every other norm.
+        let (attn_post_norm, ffn_post_norm) = optional_pair(
+            parts.post_norms,
+            ["post_attention_norm.weight", "post_ffw_norm.weight"],
+            hidden,
+        )?;
+        let (attn_q_norm, attn_k_norm) = optional_pair(
+            parts.head_norms,
+            ["attn_q_norm.weight", "attn_k_norm.weight"],
+            c.head_dim,
+        )?;
         // A gate/up pair stored as one tensor of twice the rows (Phi-3), gate first, is
         // split into its halves without copying.
         let (ffn_gate, ffn_up) = match t.info(&n("ffn_gate.weight")) {

@@ -114,7 +114,12 @@ fn smollm2_maps_into_the_ir() {
     assert_eq!(c.ffn_size, 1536);
     assert_eq!(c.context_length, 8192);
     assert_eq!(c.norm_eps, 1e-5);
-    assert!(c.tied_embeddings && !c.qkv_bias && !c.qk_norm && c.gated_ffn);
+    assert!(c.tied_embeddings);
+    assert!(ir
+        .weights
+        .layers
+        .iter()
+        .all(|l| l.attn_q_bias.is_none() && l.attn_q_norm.is_none() && l.ffn_gate.is_some()));
     assert_eq!(c.rope.kind, RopeKind::Norm);
     assert_eq!(c.rope.theta, 100_000.0);
     assert_eq!(c.rope.rotary_dims, 64);

@@ -210,7 +210,12 @@ fn qwen3_has_explicit_head_dim_and_qk_norm() {
     );
     assert_ne!(c.head_dim, c.hidden_size / c.num_heads);
     assert_eq!((c.q_dim(), c.kv_dim()), (128, 64));
-    assert!(c.qk_norm && !c.qkv_bias && !c.tied_embeddings);
+    assert!(!c.tied_embeddings);
+    assert!(ir
+        .weights
+        .layers
+        .iter()
+        .all(|l| l.attn_q_norm.is_some() && l.attn_q_bias.is_none()));
     assert_eq!(
         c.vocab_size, 40,
         "taken from token_embd when the key is absent"
@@ -243,7 +248,8 @@ fn qwen2_maps_qkv_biases() {
     let f = Spec::qwen2().write();
     let ir = model_from_gguf(&f, "qwen2 test").unwrap();
     assert_eq!(ir.config.arch, Architecture::Qwen2);
-    assert!(ir.config.qkv_bias && !ir.config.qk_norm && ir.config.tied_embeddings);
+    assert!(ir.config.tied_embeddings);
+    assert!(ir.weights.layers.iter().all(|l| l.attn_q_norm.is_none()));
     assert_eq!(ir.config.rope.kind, RopeKind::Neox);
     assert_eq!(ir.config.head_dim, 16);
     for (i, l) in ir.weights.layers.iter().enumerate() {
@@ -277,7 +283,6 @@ fn fused_qkv_and_fused_bias_split_without_copying() {
     };
     let f = spec.write();
     let ir = model_from_gguf(&f, "fused").unwrap();
-    assert!(ir.config.qkv_bias);
     let fused = f.view_by_name("blk.0.attn_qkv.weight").unwrap().unwrap();
     let fused_bias = f.view_by_name("blk.0.attn_qkv.bias").unwrap().unwrap();
     let l = &ir.weights.layers[0];
@@ -521,6 +526,30 @@ fn missing_and_surplus_pieces_are_refused() {
         .map(),
     );
     assert!(m.contains("attn_q_norm"), "{m}");
+    // What an architecture needs is its builder's to say, and is said at open.
+    let m = format_err(
+        Spec {
+            qk_norm: false,
+            ..Spec::qwen3()
+        }
+        .map(),
+    );
+    assert!(
+        m.contains("layer 0: a qwen3 model needs per-head Q and K norms"),
+        "{m}"
+    );
+    let m = format_err(
+        Spec {
+            omit: vec![
+                "blk.0.attn_q.bias".into(),
+                "blk.0.attn_k.bias".into(),
+                "blk.0.attn_v.bias".into(),
+            ],
+            ..Spec::qwen2()
+        }
+        .map(),
+    );
+    assert!(m.contains("layer 0 has 0 of the 3 Q/K/V biases"), "{m}");
     // A tensor kiln would ignore would change the model: refused by name.
     let r = Spec {
         extra_tensors: vec![("blk.0.ffn_up.bias".into(), vec![96])],

@@ -89,7 +89,7 @@ fn every_preset_maps_to_the_real_models_config() {
         let gguf = GgufFile::open(&path).unwrap();
         let ir = model_from_gguf(&gguf, preset.name())
             .unwrap_or_else(|e| panic!("{}: {e}", preset.name()));
-        let (s, c) = (preset.shape(), &ir.config);
+        let (s, c, l0) = (preset.shape(), &ir.config, &ir.weights.layers[0]);
         assert_eq!(c.arch, s.arch, "{}", preset.name());
         assert_eq!(
             (
@@ -114,7 +114,11 @@ fn every_preset_maps_to_the_real_models_config() {
             preset.name()
         );
         assert_eq!(
-            (c.tied_embeddings, c.qkv_bias, c.qk_norm),
+            (
+                c.tied_embeddings,
+                l0.attn_q_bias.is_some(),
+                l0.attn_q_norm.is_some()
+            ),
             (s.tied_embeddings, s.qkv_bias, s.qk_norm),
             "{}",
             preset.name()

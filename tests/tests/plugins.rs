@@ -284,7 +284,6 @@ fn tiny_gemma3(matrix: QType) -> ModelIr {
     c.rope.kind = RopeKind::Neox;
     c.rope.theta = 1e6;
     c.embedding_scale = (c.hidden_size as f32).sqrt();
-    c.sandwich_norms = true;
     c.sliding_window = Some(kiln_core::SlidingWindow {
         window: 4,
         global_every: 2,

@@ -116,7 +116,6 @@ fn tiny_model() -> ModelIr {
             num_kv_heads: 1,
             head_dim: 4,
             ffn_size: 16,
-            gated_ffn: false,
             rope: RopeConfig {
                 theta: 1e4,
                 rotary_dims: 4,

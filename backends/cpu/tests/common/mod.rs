@@ -263,9 +263,6 @@ impl Spec {
             ffn_size: self.ffn,
             norm: self.norm,
             activation: self.activation,
-            gated_ffn: self.gated,
-            qkv_bias: self.qkv_bias,
-            qk_norm: self.qk_norm,
             rope: RopeConfig {
                 kind: self.rope,
                 rotary_dims: self.head_dim,
@@ -274,7 +271,6 @@ impl Spec {
             tied_embeddings: self.tied,
             context_length: 256,
             embedding_scale: self.embedding_scale,
-            sandwich_norms: self.sandwich_norms,
             sliding_window: self.sliding_window,
             ..ModelConfig::default()
         }
