@@ -350,39 +350,36 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
     bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
 }
 
-// The pipelined walk, for K-quant weights (bmmp_*). A block owns 128 rows as above and a
+// The pipelined walk, for K-quant weights (bmmh_*). A block owns 128 rows as above and a
 // split of the row length in 256-value super-blocks. A stage is one super-block column: the
-// block's 128 rows of it (and SwiGLU's second weight's), Q6_K's scales, and the packed
-// activations of its 8 chunks for every sequence, all copied into shared memory by cp.async,
-// `stages` deep (2–4; the host runs 2): while the warps multiply one stage the next ones are in flight, and no
-// weight byte waits in a register (the walk above holds a stage's fragments in registers,
-// which caps the bytes in flight at a few hundred a warp: docs/log/2026-11-to-12.md). Fragments are
-// read from shared memory with the same code as from global memory (kq_frag); a row stride
-// of 144, 176 or 208 bytes puts the eight rows a warp's lanes read in distinct banks.
-//
-// F16 (`bmmh_*`): the same pipeline with the activations in f16 (the packed f16 plane, 64
-// bytes a chunk and sequence as the int8 one) and each weight dequantised once to f16
-// (`kq_hfrag`) for m16n8k16 f16 mma with f32 accumulators that run over the whole split:
-// no per-chunk scale epilogue for every 8 sequences, which is what the int8 walk spends its
-// instructions on from 16 sequences up.
+// block's 128 rows of it (and SwiGLU's second weight's), Q6_K's scales, and the packed f16
+// activations of its 8 chunks for every sequence (64 bytes a chunk and sequence), all copied
+// into shared memory by cp.async, `stages` deep (2–4; the host runs 2): while the warps
+// multiply one stage the next ones are in flight, and no weight byte waits in a register
+// (the register walk above holds a stage's fragments in registers, which caps the bytes in
+// flight at a few hundred a warp: docs/log/2026-11-to-12.md). Each weight is dequantised
+// once to f16 (`kq_hfrag`) for m16n8k16 f16 mma with f32 accumulators that run over the
+// whole split: no per-chunk scale epilogue for every 8 sequences, which is what an int8
+// form of this walk spent its instructions on from 16 sequences up (it measured slower and
+// left main: docs/architecture.md). A row stride of 144, 176 or 208 bytes puts the eight
+// rows a warp's lanes read in distinct banks.
 #define BMMP_ROWS (BMM_WARPS * 16)
 
-template <int T, int NT, bool SWIGLU, bool F16>
+template <int T, int NT, bool SWIGLU>
 struct BmmpStage {
     static constexpr int B = NT * 8, NW = SWIGLU ? 2 : 1, BODY = Traits<T>::BODY;
     static constexpr int WBYTES = NW * BMMP_ROWS * BODY;              // [weight][row][BODY]
     static constexpr int DBYTES = T == T_Q6_K ? NW * BMMP_ROWS * 4 : 0;  // [weight][row] u32
     static constexpr int XBYTES = 8 * B * 64;                          // [chunk][seq][4 × 16 B]
-    static constexpr int SBYTES = F16 ? 0 : 8 * B * 8;                 // [chunk][seq] (dx, sx)
-    static constexpr int BYTES = WBYTES + DBYTES + XBYTES + SBYTES;    // kernels/src/batch.rs
-    // After the stages, f16 only: each warp's scale words of one stage [weight][row][chunk].
-    static constexpr int HBYTES = F16 ? BMM_WARPS * NW * 16 * 8 * 4 : 0;
+    static constexpr int BYTES = WBYTES + DBYTES + XBYTES;             // kernels/src/batch.rs
+    // After the stages: each warp's scale words of one stage [weight][row][chunk].
+    static constexpr int HBYTES = BMM_WARPS * NW * 16 * 8 * 4;
 };
 
-template <int T, int NT, bool SWIGLU, bool F16>
+template <int T, int NT, bool SWIGLU>
 static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __restrict__ part, int ldp, int nrows,
                                             int K, int sb_per_split, int stages) {
-    typedef BmmpStage<T, NT, SWIGLU, F16> St;
+    typedef BmmpStage<T, NT, SWIGLU> St;
     constexpr int B = St::B, BODY = St::BODY, THREADS = BMM_WARPS * 32;
     extern __shared__ __align__(16) u8 bmmp_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -425,9 +422,6 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
             const int q = i & 3, j = (i >> 2) & 7, m = i >> 5;
             cp_async16(dst + ((j * B + m) * 4 + q) * 16, a.x + ((size_t)m * nchunks + c0 + j) * 4 + q);
         }
-        if constexpr (!F16)
-            for (int i = threadIdx.x; i < 4 * B; i += THREADS)
-                cp_async16(dst + St::XBYTES + 16 * i, (const uint4*)(a.s + (size_t)c0 * B) + i);
     };
 
     // The weights do not depend on the previous kernel: the first stages' are asked for
@@ -469,74 +463,45 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
             const size_t row = min(row0 + r, nrows - 1);
             return h2f((u16)(dw[which * BMMP_ROWS + warp * 16 + r] >> (16 * (int)((row * nsb + sb0 + s) & 1))));
         };
-        if constexpr (F16) {
-            // The warp's 16 rows' scale words for the 8 chunks (and the second weight's),
-            // decoded once a stage instead of by each quad at every chunk: lane L takes row
-            // L % 16, chunks 4·(L / 16)..+3.
-            u32* words = hscale_smem + warp * (St::NW * 16 * 8);
-            {
-                const int r = lane & 15, j0 = 4 * (lane >> 4);
+        // The warp's 16 rows' scale words for the 8 chunks (and the second weight's),
+        // decoded once a stage instead of by each quad at every chunk: lane L takes row
+        // L % 16, chunks 4·(L / 16)..+3.
+        u32* words = hscale_smem + warp * (St::NW * 16 * 8);
+        {
+            const int r = lane & 15, j0 = 4 * (lane >> 4);
 #pragma unroll
-                for (int which = 0; which < St::NW; ++which) {
-                    const float d = T == T_Q6_K ? q6_scale(which, r) : 0.0f;
-                    const u8* blk = st + (which * BMMP_ROWS + warp * 16 + r) * BODY;
+            for (int which = 0; which < St::NW; ++which) {
+                const float d = T == T_Q6_K ? q6_scale(which, r) : 0.0f;
+                const u8* blk = st + (which * BMMP_ROWS + warp * 16 + r) * BODY;
 #pragma unroll
-                    for (int j = j0; j < j0 + 4; ++j) words[(which * 16 + r) * 8 + j] = kq_hscale<T>(blk, d, j);
-                }
-                __syncwarp();
+                for (int j = j0; j < j0 + 4; ++j) words[(which * 16 + r) * 8 + j] = kq_hscale<T>(blk, d, j);
             }
+            __syncwarp();
+        }
 #pragma unroll 2
-            for (int j = 0; j < 8; ++j) {
-                u32 f0[4], f8[4], u0[4], u8[4];
-                kq_hfrag<T>(st + r0 * BODY, words[g * 8 + j], j, t, f0);
-                kq_hfrag<T>(st + r8 * BODY, words[(g + 8) * 8 + j], j, t, f8);
-                if constexpr (SWIGLU) {
-                    kq_hfrag<T>(st + (BMMP_ROWS + r0) * BODY, words[(16 + g) * 8 + j], j, t, u0);
-                    kq_hfrag<T>(st + (BMMP_ROWS + r8) * BODY, words[(24 + g) * 8 + j], j, t, u8);
-                }
-                // Rows g and g + 8 for k = 4t.. (the first mma) and 16 + 4t.. (the second).
-                const u32 a_lo[4] = {f0[0], f8[0], f0[1], f8[1]}, a_hi[4] = {f0[2], f8[2], f0[3], f8[3]};
-                const u32 b_lo[4] = {u0[0], u8[0], u0[1], u8[1]}, b_hi[4] = {u0[2], u8[2], u0[3], u8[3]};
-#pragma unroll
-                for (int n_ = 0; n_ < NT; ++n_) {
-                    const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
-                    mma_f16(acc[n_], a_lo, x.x, x.y);
-                    mma_f16(acc[n_], a_hi, x.z, x.w);
-                    if constexpr (SWIGLU) {
-                        mma_f16(acc2[n_], b_lo, x.x, x.y);
-                        mma_f16(acc2[n_], b_hi, x.z, x.w);
-                    }
-                }
+        for (int j = 0; j < 8; ++j) {
+            u32 f0[4], f8[4], u0[4], u8[4];
+            kq_hfrag<T>(st + r0 * BODY, words[g * 8 + j], j, t, f0);
+            kq_hfrag<T>(st + r8 * BODY, words[(g + 8) * 8 + j], j, t, f8);
+            if constexpr (SWIGLU) {
+                kq_hfrag<T>(st + (BMMP_ROWS + r0) * BODY, words[(16 + g) * 8 + j], j, t, u0);
+                kq_hfrag<T>(st + (BMMP_ROWS + r8) * BODY, words[(24 + g) * 8 + j], j, t, u8);
             }
-            __syncwarp();  // the words are rewritten for the next stage
-        } else {
-            const float2* ss = (const float2*)(st + St::WBYTES + St::DBYTES + St::XBYTES);
-            float d0 = 0.0f, d8 = 0.0f, e0 = 0.0f, e8 = 0.0f;
-            if constexpr (T == T_Q6_K) {
-                d0 = q6_scale(0, g);
-                d8 = q6_scale(0, g + 8);
-                if constexpr (SWIGLU) {
-                    e0 = q6_scale(1, g);
-                    e8 = q6_scale(1, g + 8);
-                }
-            }
-#pragma unroll 2
-            for (int j = 0; j < 8; ++j) {
-                const BFrag f0 = kq_frag<T>(st + r0 * BODY, d0, j, t), f8 = kq_frag<T>(st + r8 * BODY, d8, j, t);
-                BFrag u0, u8;
-                if constexpr (SWIGLU) {
-                    u0 = kq_frag<T>(st + (BMMP_ROWS + r0) * BODY, e0, j, t);
-                    u8 = kq_frag<T>(st + (BMMP_ROWS + r8) * BODY, e8, j, t);
-                }
+            // Rows g and g + 8 for k = 4t.. (the first mma) and 16 + 4t.. (the second).
+            const u32 a_lo[4] = {f0[0], f8[0], f0[1], f8[1]}, a_hi[4] = {f0[2], f8[2], f0[3], f8[3]};
+            const u32 b_lo[4] = {u0[0], u8[0], u0[1], u8[1]}, b_hi[4] = {u0[2], u8[2], u0[3], u8[3]};
 #pragma unroll
-                for (int n_ = 0; n_ < NT; ++n_) {
-                    const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
-                    const float4 sc = *(const float4*)&ss[j * B + n_ * 8 + 2 * t];
-                    bmm_tile<T>(f0, f8, x, sc, acc[n_]);
-                    if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, sc, acc2[n_]);
+            for (int n_ = 0; n_ < NT; ++n_) {
+                const uint4 x = sx[(j * B + n_ * 8 + g) * 4 + t];
+                mma_f16(acc[n_], a_lo, x.x, x.y);
+                mma_f16(acc[n_], a_hi, x.z, x.w);
+                if constexpr (SWIGLU) {
+                    mma_f16(acc2[n_], b_lo, x.x, x.y);
+                    mma_f16(acc2[n_], b_hi, x.z, x.w);
                 }
             }
         }
+        __syncwarp();  // the words are rewritten for the next stage
     }
     if (!active) return;
     bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
@@ -560,31 +525,27 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         bmm<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split);                                                    \
     }
 
-#define BMMP_ENTRY(PREFIX, F16, NAME, T, NT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) PREFIX##_##NAME##_##NT(                              \
+#define BMMP_ENTRY(NAME, T, NT)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmh_##NAME##_##NT(                                  \
         const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
         int nrows, int K, int per_split, int stages) {                                                                 \
         W w = {body, qh, sc};                                                                                          \
         BAct a = {x, s};                                                                                               \
-        bmmp<T, NT, false, F16>(w, w, a, part, ldp, nrows, K, per_split, stages);                                      \
+        bmmp<T, NT, false>(w, w, a, part, ldp, nrows, K, per_split, stages);                                           \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) PREFIX##_swiglu_##NAME##_##NT(                        \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmh_swiglu_##NAME##_##NT(                           \
         const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
         const float2* s, float* part, int ldp, int nrows, int K, int per_split, int stages) {                          \
         W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
         BAct a = {x, s};                                                                                               \
-        bmmp<T, NT, true, F16>(w, w2, a, part, ldp, nrows, K, per_split, stages);                                      \
+        bmmp<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split, stages);                                           \
     }
 
-#define BMMP_TYPE(NAME, T)               \
-    BMMP_ENTRY(bmmp, false, NAME, T, 1) \
-    BMMP_ENTRY(bmmp, false, NAME, T, 2) \
-    BMMP_ENTRY(bmmp, false, NAME, T, 4) \
-    BMMP_ENTRY(bmmp, false, NAME, T, 8) \
-    BMMP_ENTRY(bmmh, true, NAME, T, 1)  \
-    BMMP_ENTRY(bmmh, true, NAME, T, 2)  \
-    BMMP_ENTRY(bmmh, true, NAME, T, 4)  \
-    BMMP_ENTRY(bmmh, true, NAME, T, 8)
+#define BMMP_TYPE(NAME, T) \
+    BMMP_ENTRY(NAME, T, 1)    \
+    BMMP_ENTRY(NAME, T, 2)    \
+    BMMP_ENTRY(NAME, T, 4)    \
+    BMMP_ENTRY(NAME, T, 8)
 
 // The pipelined entries exist for the K-quants only (chosen by the type's token: `##`
 // keeps it from expanding to its number).
@@ -599,7 +560,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_Q4_0X4(NAME, T)
 
 // Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, and for the
-// K-quants bmmp_{tag}_{NT} and bmmp_swiglu_{tag}_{NT}.
+// K-quants bmmh_{tag}_{NT} and bmmh_swiglu_{tag}_{NT}.
 #define BMM_TYPE(NAME, T)     \
     BMM_ENTRY(NAME, T, 1)     \
     BMM_ENTRY(NAME, T, 2)     \

@@ -564,14 +564,10 @@ fn batched_matmuls(
             let shape = BmmShape::new(dev, rng, f, kk, n, swiglu)?;
             for rows in [8usize, 16, 32, 64] {
                 let (act, y) = shape.input(dev, k, rng, rows)?;
-                // The K-quants' three paths; the register walk every format has.
+                // The K-quants' two paths; the register walk every format has.
                 let paths: &[BmmPath] =
                     if matches!(f.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) {
-                        &[
-                            BmmPath::PipelinedF16,
-                            BmmPath::PipelinedInt8,
-                            BmmPath::Registers,
-                        ]
+                        &[BmmPath::PipelinedF16, BmmPath::Registers]
                     } else {
                         &[BmmPath::Registers]
                     };

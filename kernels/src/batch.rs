@@ -30,12 +30,11 @@ const BMM_ROWS_PER_BLOCK: usize = 128;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BmmPath {
     /// Each warp loads its rows' fragments into registers a few chunks ahead; int8 mma on
-    /// the 15-bit activations (`bmm_*`).
+    /// the 15-bit activations (`bmm_*`). The walk of every other format, and of a K-quant
+    /// whose stages would not fit shared memory.
     Registers,
-    /// Super-block columns through shared memory by cp.async; int8 mma (`bmmp_*`).
-    PipelinedInt8,
-    /// The same pipeline with weights dequantised to f16 and f16 activations, f32
-    /// accumulators over the whole split (`bmmh_*`).
+    /// Super-block columns through shared memory by cp.async, weights dequantised to f16,
+    /// f16 activations, f32 accumulators over the whole split (`bmmh_*`).
     PipelinedF16,
 }
 
@@ -70,9 +69,8 @@ pub(crate) fn attn_group_smem(hd: usize) -> usize {
 enum BmmWalk {
     Registers,
     /// `stages` super-block columns of `stage` bytes each in flight through shared memory
-    /// (and, f16, `BmmpStage::HBYTES` of scale words after them).
+    /// (and `BmmpStage::HBYTES` of scale words after them).
     Pipelined {
-        f16: bool,
         stages: usize,
         stage: usize,
     },
@@ -83,13 +81,9 @@ impl BmmWalk {
     fn shared_bytes(self, swiglu: bool) -> usize {
         match self {
             BmmWalk::Registers => 0,
-            BmmWalk::Pipelined { f16, stages, stage } => {
+            BmmWalk::Pipelined { stages, stage } => {
                 // `BmmpStage::HBYTES`: 8 warps × 16 rows × 8 chunks of u32 per weight.
-                let words = if f16 {
-                    8 * 16 * 8 * 4 * if swiglu { 2 } else { 1 }
-                } else {
-                    0
-                };
+                let words = 8 * 16 * 8 * 4 * if swiglu { 2 } else { 1 };
                 stages * stage + words
             }
         }
@@ -97,15 +91,14 @@ impl BmmWalk {
 }
 
 /// Bytes of one stage of the pipelined walk (`BmmpStage` in cuda/bmm.cu): the block's rows
-/// of one super-block column of each weight, Q6_K's scale words, and 8 chunks of packed
-/// activations (and, int8 only, their (dx, sx) pairs) for every row of the batch.
-fn bmmp_stage_bytes(w: &DeviceWeight, rows: usize, swiglu: bool, f16: bool) -> usize {
+/// of one super-block column of each weight, Q6_K's scale words, and 8 chunks of packed f16
+/// activations for every row of the batch.
+fn bmmp_stage_bytes(w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
     let weights = if swiglu { 2 } else { 1 };
     let body = w.format.body.bytes;
     let scales = if w.qtype == QType::Q6_K { 4 } else { 0 };
     let b = Kernels::bmm_rows(rows);
-    let pairs = if f16 { 0 } else { 8 * b * 8 };
-    weights * BMM_ROWS_PER_BLOCK * (body + scales) + 8 * b * 64 + pairs
+    weights * BMM_ROWS_PER_BLOCK * (body + scales) + 8 * b * 64
 }
 
 /// Activations of a batch packed for the batched matmuls (see `cuda/bmm.cu`): `rows` rows
@@ -240,12 +233,9 @@ impl Kernels {
     /// and activations to f16 (the default f16 walk), at whatever batch size. Executors
     /// use it to match the precision of the rest of their batched step to the matmuls'.
     pub fn bmm_rounds_to_f16(&self, w: &DeviceWeight, swiglu: bool) -> bool {
-        [8, Self::MAX_BATCH].into_iter().all(|rows| {
-            matches!(
-                self.bmm_walk(w, rows, swiglu),
-                BmmWalk::Pipelined { f16: true, .. }
-            )
-        })
+        [8, Self::MAX_BATCH]
+            .into_iter()
+            .all(|rows| matches!(self.bmm_walk(w, rows, swiglu), BmmWalk::Pipelined { .. }))
     }
 
     /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
@@ -257,13 +247,10 @@ impl Kernels {
 
     fn bmm_walk_if(&self, w: &DeviceWeight, rows: usize, swiglu: bool, path: BmmPath) -> BmmWalk {
         let kquant = matches!(w.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K);
-        let f16 = match path {
-            _ if !kquant || !w.row_len.is_multiple_of(256) => return BmmWalk::Registers,
-            BmmPath::Registers => return BmmWalk::Registers,
-            BmmPath::PipelinedInt8 => false,
-            BmmPath::PipelinedF16 => true,
-        };
-        let stage = bmmp_stage_bytes(w, rows, swiglu, f16);
+        if !kquant || !w.row_len.is_multiple_of(256) || path == BmmPath::Registers {
+            return BmmWalk::Registers;
+        }
+        let stage = bmmp_stage_bytes(w, rows, swiglu);
         let optin = self.device().shared_per_block_optin();
         // Two stages by default (`set_bmm_pipeline` measures others): one super-block in
         // flight while the other is used. Three (or four) measured the same or slower on
@@ -271,7 +258,6 @@ impl Kernels {
         // footprint lets a second block onto each SM, whose warps cover the fragment loads' latency
         // (8B SwiGLU at 8 rows: 53.3 µs with three, 47.3 with two).
         let walk = BmmWalk::Pipelined {
-            f16,
             stages: self.bmm_pipeline().0,
             stage,
         };
@@ -318,15 +304,11 @@ impl Kernels {
     /// its shape) for `rows` rows take, whichever walk it takes.
     pub fn bmm_part_len(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> usize {
         // Every path's count, so a buffer sized before `set_bmm_path` still fits.
-        let splits = [
-            BmmPath::Registers,
-            BmmPath::PipelinedInt8,
-            BmmPath::PipelinedF16,
-        ]
-        .into_iter()
-        .map(|p| self.bmm_splits_of(w, rows, self.bmm_walk_if(w, rows, swiglu, p)))
-        .max()
-        .expect("three paths");
+        let splits = [BmmPath::Registers, BmmPath::PipelinedF16]
+            .into_iter()
+            .map(|p| self.bmm_splits_of(w, rows, self.bmm_walk_if(w, rows, swiglu, p)))
+            .max()
+            .expect("two paths");
         splits * Self::bmm_rows(rows) * w.rows * if swiglu { 2 } else { 1 }
     }
 
@@ -439,10 +421,7 @@ impl Kernels {
         }
         let (prefix, per_split) = match walk {
             BmmWalk::Registers => ("bmm", (k / 32).div_ceil(splits)),
-            BmmWalk::Pipelined { f16, .. } => (
-                if f16 { "bmmh" } else { "bmmp" },
-                (k / 256).div_ceil(splits),
-            ),
+            BmmWalk::Pipelined { .. } => ("bmmh", (k / 256).div_ceil(splits)),
         };
         let shared_bytes = walk.shared_bytes(up.is_some());
         let name = match up {
@@ -460,8 +439,8 @@ impl Kernels {
             args = args.ptr(b2).ptr(qh2).ptr(sc2);
         }
         let activations = match walk {
-            BmmWalk::Pipelined { f16: true, .. } => x.h,
-            _ => x.x,
+            BmmWalk::Pipelined { .. } => x.h,
+            BmmWalk::Registers => x.x,
         };
         let mut args = args
             .ptr(activations.ptr())

@@ -240,7 +240,7 @@ impl Kernels {
     }
 
     /// Chooses the kernels of the batched matmuls over K-quant weights (`cuda/bmm.cu`;
-    /// [`BmmPath::PipelinedF16`] by default, the others to measure or check beside it).
+    /// [`BmmPath::PipelinedF16`] by default; the register walk to check beside it).
     /// Graphs captured before keep the kernels they were captured with.
     pub fn set_bmm_path(&self, path: BmmPath) {
         self.bmm_path.store(path as u8, Ordering::Relaxed);
@@ -280,7 +280,6 @@ impl Kernels {
     pub fn bmm_path(&self) -> BmmPath {
         match self.bmm_path.load(Ordering::Relaxed) {
             0 => BmmPath::Registers,
-            1 => BmmPath::PipelinedInt8,
             _ => BmmPath::PipelinedF16,
         }
     }

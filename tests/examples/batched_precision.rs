@@ -169,11 +169,6 @@ fn main() {
             Some(BatchAttention::GroupMma),
         ),
         (
-            "int8 pipelined walk",
-            Some(BmmPath::PipelinedInt8),
-            Some(BatchAttention::Heads),
-        ),
-        (
             "register walk",
             Some(BmmPath::Registers),
             Some(BatchAttention::Heads),

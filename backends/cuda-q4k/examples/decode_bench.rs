@@ -7,8 +7,8 @@
 //!
 //! With `--batch B,B2,..`, instead: B sequences (prompts of 128 random tokens) decoding
 //! together through the batched step, aggregate tok/s (`-n` steps after 4 of warm-up): the
-//! default step, each batched attention forced, and the int8 pipelined walk, alternating
-//! over two rounds.
+//! default step, each batched attention forced, and the register walk for the K-quants,
+//! alternating over two rounds.
 //!
 //! With `--profile-steps K` as well, each batch size first runs K steps of the default path
 //! inside a profiler range and nothing else: `ncu --profile-from-start off` then sees only
@@ -399,14 +399,14 @@ fn batch_bench(
             }
             continue;
         }
-        // The default step, then each batched attention forced, then the int8 walk,
+        // The default step, then each batched attention forced, then the register walk,
         // alternating, two rounds.
         for round in 0..2 {
             for (path, attention) in [
                 (BmmPath::PipelinedF16, BatchAttention::Auto),
                 (BmmPath::PipelinedF16, BatchAttention::Heads),
                 (BmmPath::PipelinedF16, BatchAttention::GroupMma),
-                (BmmPath::PipelinedInt8, BatchAttention::Auto),
+                (BmmPath::Registers, BatchAttention::Auto),
             ] {
                 ex.set_variants(StepVariants {
                     bmm_path: path,
