@@ -42,8 +42,8 @@ pub use super::scheduler::{Event, Finish, TokenLogprob};
 
 use super::scheduler::{self, Job, JobParams};
 use super::Shutdown;
+use crate::batching::metrics::Metrics;
 use crate::engine::Engine;
-use crate::server::metrics::Metrics;
 use crate::session::GenerateParams;
 use crate::structured::{json_constraint, Constraint, Grammars};
 

@@ -4,6 +4,7 @@
 //! limits, text) is [`crate::generation`]'s, the same as a [`crate::Session`]'s.
 
 pub mod batcher;
+pub mod metrics;
 pub(crate) mod scheduler;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 
 pub use batcher::{BatchOptions, BatchStream, Batcher};
+pub use metrics::Metrics;
 pub use scheduler::{Event, Finish, TokenLogprob};
 pub(crate) use scheduler::{Job, JobParams};
 

@@ -72,8 +72,8 @@ use kiln_formats::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::Shutdown;
+use crate::batching::metrics::Metrics;
 use crate::engine::{Engine, Model};
-use crate::server::metrics::Metrics;
 use crate::structured::Constraint;
 
 /// How to generate for one job.

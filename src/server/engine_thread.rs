@@ -10,7 +10,7 @@ use std::time::Duration;
 use kiln_core::{LoadOptions, Result};
 
 use super::frontend::Frontend;
-use super::metrics::Metrics;
+use crate::batching::Metrics;
 use crate::batching::{scheduler, Job, Shutdown};
 use crate::engine::{Engine, Model};
 

@@ -63,11 +63,12 @@ use futures_util::StreamExt;
 use kiln_core::{Error, LoadOptions, Result, SamplingParams};
 use serde_json::json;
 
+use crate::batching::Metrics;
 use crate::batching::{Job, JobParams, Shutdown};
 use api::{ApiError, Endpoint};
 use engine_thread::EngineConfig;
 use frontend::Frontend;
-use metrics::Metrics;
+use metrics::RequestCounts;
 
 /// Bodies up to this size are read (and discarded) past `--body-limit` so the 413 reaches
 /// the client; a declared `Content-Length` above it is refused at once.
@@ -146,6 +147,7 @@ struct AppState {
     /// One message per request: its jobs (a choice each). `--queue` bounds requests.
     jobs: SyncSender<Vec<Job>>,
     metrics: Arc<Metrics>,
+    requests: RequestCounts,
     shutdown: Arc<Shutdown>,
     api_key: Option<String>,
     body_limit: usize,
@@ -241,6 +243,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         model: OnceLock::new(),
         jobs: job_tx,
         metrics: metrics.clone(),
+        requests: RequestCounts::default(),
         shutdown: shutdown.clone(),
         api_key: args.api_key.clone(),
         body_limit: args.body_limit,
@@ -363,7 +366,7 @@ async fn track(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Res
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
     let endpoint = metrics::endpoint_label(&path);
-    st.metrics.count_request(endpoint, status);
+    st.requests.count(endpoint, status);
     let shown = if endpoint == "other" {
         api::truncate_for_message(&path)
     } else {
@@ -503,7 +506,7 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        st.metrics.render(),
+        st.requests.render() + &st.metrics.render(),
     )
         .into_response()
 }
