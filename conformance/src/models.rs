@@ -75,8 +75,9 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             ffn_norm: Some(norm(rng, "ffn_norm", h)),
             ffn_norm_bias: None,
             ffn_gate: Some(matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
-            ffn_up: matrix(rng, &format!("{i}.up"), tg, h, s.ffn),
-            ffn_down: matrix(rng, &format!("{i}.down"), td, s.ffn, h),
+            ffn_up: Some(matrix(rng, &format!("{i}.up"), tg, h, s.ffn)),
+            ffn_down: Some(matrix(rng, &format!("{i}.down"), td, s.ffn, h)),
+            experts: None,
             attn_post_norm: gemma3.then(|| norm(rng, "post_attention_norm", h)),
             ffn_post_norm: gemma3.then(|| norm(rng, "post_ffw_norm", h)),
         });

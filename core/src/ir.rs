@@ -134,6 +134,27 @@ impl TensorView {
         )
     }
 
+    /// Matrix `i` of a stack of matrices (dims `[row_len, rows, n]`: Mixture-of-Experts
+    /// weights, one matrix per expert) as its own 2-D view (zero-copy).
+    pub fn matrix(&self, i: usize) -> Result<TensorView> {
+        match self.dims[..] {
+            [row_len, rows, n] if i < n => {
+                let bytes = rows * self.row_bytes();
+                TensorView::new(
+                    format!("{}[{i}]", self.name).as_str(),
+                    self.qtype,
+                    vec![row_len, rows],
+                    self.storage.clone(),
+                    self.offset + i * bytes,
+                )
+            }
+            _ => Err(Error::InvalidShape(format!(
+                "cannot take matrix {i} of {} with dims {:?}",
+                self.name, self.dims
+            ))),
+        }
+    }
+
     /// Elements `start..start + count` of a 1-D tensor as their own view (zero-copy): a
     /// fused Q/K/V bias split into its parts. `start` must fall on a block boundary.
     pub fn slice_vector(&self, name: &str, start: usize, count: usize) -> Result<TensorView> {
@@ -196,6 +217,9 @@ pub enum Architecture {
     Phi3,
     /// IBM Granite 3: llama's blocks with the multipliers of its `GraniteConfig`.
     Granite(GraniteScales),
+    /// Qwen3-MoE (Qwen3-30B-A3B): Qwen3's attention, a Mixture-of-Experts feed-forward in
+    /// every layer (no shared expert).
+    Qwen3Moe,
 }
 
 /// Granite's multipliers (the embedding's is [`ModelConfig::embedding_scale`]).
@@ -219,6 +243,7 @@ impl Architecture {
             Architecture::Gemma3 => "gemma3",
             Architecture::Phi3 => "phi3",
             Architecture::Granite(_) => "granite",
+            Architecture::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -362,6 +387,29 @@ pub struct ModelConfig {
     pub embedding_scale: f32,
     /// Sliding-window attention on some layers, if the model has it.
     pub sliding_window: Option<SlidingWindow>,
+    /// The Mixture-of-Experts feed-forward's sizes, if the model has one.
+    pub experts: Option<ExpertConfig>,
+}
+
+/// A Mixture-of-Experts feed-forward (Mixtral, Qwen3-MoE): a router scores every expert for
+/// each token, the `used` best run (each a gated FFN of `ffn_size`), and their outputs are
+/// summed weighted by the router's softmax probabilities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertConfig {
+    /// Experts in each layer.
+    pub count: usize,
+    /// Experts each token runs.
+    pub used: usize,
+    /// Each expert's feed-forward width.
+    pub ffn_size: usize,
+    /// Whether the chosen experts' probabilities are divided by their sum (Mixtral and
+    /// Qwen3-MoE: yes) or used as the softmax over all experts left them.
+    pub normalize_weights: bool,
+}
+
+impl ExpertConfig {
+    /// Most experts a layer may have (DeepSeek-V3 has 256).
+    pub const MAX_EXPERTS: usize = 1024;
 }
 
 /// Attention over a window of recent positions on most layers and over the whole context on
@@ -432,6 +480,7 @@ impl Default for ModelConfig {
             context_length: 0,
             embedding_scale: 1.0,
             sliding_window: None,
+            experts: None,
         }
     }
 }
@@ -627,6 +676,28 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(e) = self.experts {
+            if e.count == 0 || e.count > ExpertConfig::MAX_EXPERTS {
+                return bad(format!(
+                    "expert count {} is not in 1..={}",
+                    e.count,
+                    ExpertConfig::MAX_EXPERTS
+                ));
+            }
+            if e.used == 0 || e.used > e.count {
+                return bad(format!(
+                    "{} experts used of {}: must be at least 1 and at most the count",
+                    e.used, e.count
+                ));
+            }
+            if e.ffn_size == 0 || e.ffn_size > Self::MAX_WIDTH {
+                return bad(format!(
+                    "expert feed-forward size {} is not in 1..={}",
+                    e.ffn_size,
+                    Self::MAX_WIDTH
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -652,13 +723,29 @@ pub struct LayerWeights {
     /// may describe in a program over the plugin ABI; no built-in architecture has one).
     pub ffn_norm: Option<TensorView>,
     pub ffn_norm_bias: Option<TensorView>,
-    /// Absent when the FFN is not gated.
+    /// The dense feed-forward (absent in a Mixture-of-Experts layer without a shared
+    /// expert); the gate is absent when it is not gated.
     pub ffn_gate: Option<TensorView>,
-    pub ffn_up: TensorView,
-    pub ffn_down: TensorView,
+    pub ffn_up: Option<TensorView>,
+    pub ffn_down: Option<TensorView>,
+    /// The Mixture-of-Experts feed-forward, if the layer has one.
+    pub experts: Option<ExpertWeights>,
     /// RMSNorm weights of the attention and MLP outputs (Gemma's "sandwich" norms).
     pub attn_post_norm: Option<TensorView>,
     pub ffn_post_norm: Option<TensorView>,
+}
+
+/// A layer's Mixture-of-Experts weights, as GGUF stores them: the router and each
+/// projection of every expert stacked into one tensor (matrix `e` is expert `e`'s).
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    /// `[hidden, count]` (`ffn_gate_inp`).
+    pub router: TensorView,
+    /// `[hidden, ffn, count]` (`ffn_gate_exps`, `ffn_up_exps`).
+    pub gate: TensorView,
+    pub up: TensorView,
+    /// `[ffn, hidden, count]` (`ffn_down_exps`).
+    pub down: TensorView,
 }
 
 #[derive(Debug, Clone)]
@@ -686,15 +773,10 @@ impl ModelWeights {
         all.extend(self.output.iter());
         all.extend(self.rope_freqs.iter());
         for l in &self.layers {
-            all.extend([
-                &l.attn_norm,
-                &l.attn_q,
-                &l.attn_k,
-                &l.attn_v,
-                &l.attn_out,
-                &l.ffn_up,
-                &l.ffn_down,
-            ]);
+            all.extend([&l.attn_norm, &l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out]);
+            if let Some(e) = &l.experts {
+                all.extend([&e.router, &e.gate, &e.up, &e.down]);
+            }
             for t in [
                 &l.attn_norm_bias,
                 &l.attn_q_bias,
@@ -706,6 +788,8 @@ impl ModelWeights {
                 &l.ffn_norm,
                 &l.ffn_norm_bias,
                 &l.ffn_gate,
+                &l.ffn_up,
+                &l.ffn_down,
                 &l.attn_post_norm,
                 &l.ffn_post_norm,
             ] {
@@ -745,20 +829,24 @@ impl ModelIr {
         q
     }
 
-    /// Share of the layers' matmul bytes (Q/K/V/O, gate/up/down) held in types for which
+    /// Share of the layers' matmul bytes (Q/K/V/O, gate/up/down, experts') held in types for which
     /// `family` is true: what backend selection keys on ("mostly Q4_0", "mostly K-quants";
     /// see [`crate::score`]).
     pub fn matmul_share(&self, family: impl Fn(QType) -> bool) -> f64 {
         let (mut hit, mut all) = (0usize, 0usize);
         for l in &self.weights.layers {
+            let experts = l.experts.as_ref();
             let mats = [
                 Some(&l.attn_q),
                 Some(&l.attn_k),
                 Some(&l.attn_v),
                 Some(&l.attn_out),
                 l.ffn_gate.as_ref(),
-                Some(&l.ffn_up),
-                Some(&l.ffn_down),
+                l.ffn_up.as_ref(),
+                l.ffn_down.as_ref(),
+                experts.map(|e| &e.gate),
+                experts.map(|e| &e.up),
+                experts.map(|e| &e.down),
             ];
             for t in mats.into_iter().flatten() {
                 all += t.bytes().len();

@@ -905,6 +905,8 @@ pub fn arch_id(a: &Architecture) -> u32 {
         Architecture::Gemma3 => 4,
         Architecture::Phi3 => 5,
         Architecture::Granite(_) => 6,
+        // Never sent: no ABI op describes its experts (`check_describable`).
+        Architecture::Qwen3Moe => 7,
     }
 }
 
@@ -917,6 +919,9 @@ pub fn check_describable(
     program: &ModelProgram<TensorView>,
     peer: u32,
 ) -> Result<()> {
+    if program.ops().any(|op| matches!(op, Op::Experts(_))) {
+        return Err(experts_undescribable(peer));
+    }
     if version_minor(peer) >= 4 {
         return Ok(());
     }
@@ -982,6 +987,8 @@ impl LayerParts {
                     let gated = f.gate.is_some();
                     note(flags::GATED_FFN, gated, gated);
                 }
+                // Refused before a model reaches a plugin (`check_describable`).
+                Op::Experts(_) => {}
             }
         }
         if program.branches.iter().any(|b| b.ops.len() > 1) {
@@ -1184,6 +1191,7 @@ fn config_with_program(
         context_length: size(c.context_length, "context_length")?,
         embedding_scale: 1.0,
         sliding_window: None,
+        experts: None,
     };
     if let Some((desc, p)) = program {
         config.embedding_scale = p.embedding.scale;
@@ -1244,6 +1252,7 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
             ffn_up,
             ffn_down,
             // Refused before a model reaches a plugin (`check_describable`).
+            experts: _,
             attn_post_norm: _,
             ffn_post_norm: _,
         } = l;
@@ -1253,8 +1262,6 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
             (TensorRole::AttnK, i, attn_k),
             (TensorRole::AttnV, i, attn_v),
             (TensorRole::AttnOut, i, attn_out),
-            (TensorRole::FfnUp, i, ffn_up),
-            (TensorRole::FfnDown, i, ffn_down),
         ]);
         for (role, t) in [
             (TensorRole::AttnNormBias, attn_norm_bias),
@@ -1267,6 +1274,8 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
             (TensorRole::FfnNorm, ffn_norm),
             (TensorRole::FfnNormBias, ffn_norm_bias),
             (TensorRole::FfnGate, ffn_gate),
+            (TensorRole::FfnUp, ffn_up),
+            (TensorRole::FfnDown, ffn_down),
         ] {
             out.extend(t.as_ref().map(|t| (role, i, t)));
         }
@@ -1335,7 +1344,7 @@ impl ModelDescBuf {
             .map(|(role, layer, t)| tensor_desc(role, layer, t))
             .collect();
         let program = if version_minor(peer) >= 4 {
-            Some(ProgramDescBuf::new(program, &model.config, &mut tensors))
+            Some(ProgramDescBuf::new(program, &model.config, &mut tensors)?)
         } else {
             None
         };
@@ -1410,8 +1419,8 @@ impl TensorSlots<'_> {
         }
     }
 
-    fn op(&mut self, op: &Op<TensorView, TensorView>) -> KilnOpDesc {
-        match op {
+    fn op(&mut self, op: &Op<TensorView, TensorView>) -> Result<KilnOpDesc> {
+        Ok(match op {
             Op::Attention(a) => {
                 let mut d = KilnOpDesc::empty(op_kind::ATTENTION, a.layer as u32);
                 let heads = a.head_norms.as_ref();
@@ -1444,8 +1453,17 @@ impl TensorSlots<'_> {
                 d.ints[0] = activation_id(f.activation) as u64;
                 d
             }
-        }
+            Op::Experts(_) => return Err(experts_undescribable(ABI_VERSION)),
+        })
     }
+}
+
+/// The error for a Mixture-of-Experts model offered to a plugin: no ABI op describes one.
+fn experts_undescribable(peer: u32) -> Error {
+    Error::Unsupported(format!(
+        "plugin ABI {} cannot describe a Mixture-of-Experts feed-forward to a plugin",
+        version_string(peer)
+    ))
 }
 
 impl ProgramDescBuf {
@@ -1454,7 +1472,7 @@ impl ProgramDescBuf {
         program: ModelProgram<TensorView>,
         c: &ModelConfig,
         tensors: &mut Vec<KilnTensorDesc>,
-    ) -> ProgramDescBuf {
+    ) -> Result<ProgramDescBuf> {
         let index = tensors
             .iter()
             .enumerate()
@@ -1465,7 +1483,9 @@ impl ProgramDescBuf {
         let mut ops = Vec::new();
         for b in &program.branches {
             let first_op = ops.len() as u32;
-            ops.extend(b.ops.iter().map(|op| slots.op(op)));
+            for op in &b.ops {
+                ops.push(slots.op(op)?);
+            }
             branches.push(KilnBranchDesc {
                 norm: slots.norm(Some(&b.norm)),
                 post_norm: slots.norm(b.post_norm.as_ref()),
@@ -1492,12 +1512,12 @@ impl ProgramDescBuf {
             ops: ops.as_ptr(),
             n_ops: ops.len(),
         });
-        ProgramDescBuf {
+        Ok(ProgramDescBuf {
             _program: program,
             desc,
             _branches: branches,
             _ops: ops,
-        }
+        })
     }
 }
 
@@ -1649,8 +1669,9 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
             ffn_norm: take(l, TensorRole::FfnNorm, &ctx)?,
             ffn_norm_bias: take(l, TensorRole::FfnNormBias, &ctx)?,
             ffn_gate: take(l, TensorRole::FfnGate, &ctx)?,
-            ffn_up: need(l, TensorRole::FfnUp, &ctx)?,
-            ffn_down: need(l, TensorRole::FfnDown, &ctx)?,
+            ffn_up: Some(need(l, TensorRole::FfnUp, &ctx)?),
+            ffn_down: Some(need(l, TensorRole::FfnDown, &ctx)?),
+            experts: None,
             // Only a program names them; executors take them from it.
             attn_post_norm: None,
             ffn_post_norm: None,
@@ -1959,8 +1980,9 @@ mod tests {
             ffn_norm: Some(m(&format!("l{i}.ffn_norm"), vec![hidden])),
             ffn_norm_bias: None,
             ffn_gate: Some(m(&format!("l{i}.gate"), vec![hidden, 64])),
-            ffn_up: m(&format!("l{i}.up"), vec![hidden, 64]),
-            ffn_down: m(&format!("l{i}.down"), vec![64, hidden]),
+            ffn_up: Some(m(&format!("l{i}.up"), vec![hidden, 64])),
+            ffn_down: Some(m(&format!("l{i}.down"), vec![64, hidden])),
+            experts: None,
             attn_post_norm: None,
             ffn_post_norm: None,
         };
@@ -2168,12 +2190,17 @@ mod tests {
     #[test]
     fn kiln_qtype_ids_cross_the_abi() {
         let mut model = tiny_model();
-        let dims = model.weights.layers[1].ffn_up.dims().to_vec();
+        let dims = model.weights.layers[1]
+            .ffn_up
+            .as_ref()
+            .unwrap()
+            .dims()
+            .to_vec();
         let bytes: Vec<u8> = (0..QType::AprQ4.tensor_bytes(&dims).unwrap())
             .map(|i| i as u8)
             .collect();
         model.weights.layers[1].ffn_up =
-            TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap();
+            Some(TensorView::from_bytes("l1.up", QType::AprQ4, dims.clone(), bytes).unwrap());
         let buf = ModelDescBuf::new(&model, ABI_VERSION).unwrap();
         // SAFETY: the names point into `buf`'s owned strings.
         let desc = buf
@@ -2184,13 +2211,13 @@ mod tests {
         assert_eq!(desc.qtype, 128);
         // SAFETY: `buf` outlives `back`'s use in this test.
         let back = unsafe { model_from_desc(&buf.desc()) }.unwrap();
-        let t = &back.weights.layers[1].ffn_up;
+        let t = back.weights.layers[1].ffn_up.as_ref().unwrap();
         assert_eq!(
             (t.qtype(), t.dims(), t.bytes()),
             (
                 QType::AprQ4,
                 &dims[..],
-                model.weights.layers[1].ffn_up.bytes()
+                model.weights.layers[1].ffn_up.as_ref().unwrap().bytes()
             )
         );
     }

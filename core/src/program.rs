@@ -101,11 +101,26 @@ pub struct FeedForward<M> {
     pub activation: Activation,
 }
 
+/// A Mixture-of-Experts feed-forward: the router's logits (one per expert) go through a
+/// softmax; the `used` most probable experts run (ties to the lower index, as
+/// `torch.topk` picks), and their outputs are summed weighted by their probabilities
+/// (divided by the chosen ones' sum when `normalize`).
+#[derive(Debug, Clone)]
+pub struct Experts<M> {
+    /// `[hidden, count]`: a row of hidden values per expert.
+    pub router: M,
+    /// Each expert's gated feed-forward (widths of the config's `experts.ffn_size`).
+    pub experts: Vec<FeedForward<M>>,
+    pub used: usize,
+    pub normalize: bool,
+}
+
 /// What a branch computes from its normed input.
 #[derive(Debug, Clone)]
 pub enum Op<M, V> {
     Attention(Attention<M, V>),
     FeedForward(FeedForward<M>),
+    Experts(Experts<M>),
 }
 
 /// `x += scale · post_norm(Σ op(norm(x)))`.
@@ -183,15 +198,20 @@ impl<M, V> ModelProgram<M, V> {
                         scale: a.scale,
                         out: map_linear(&a.out, shape(qd, h), &mut matrix, &mut vector)?,
                     }),
-                    Op::FeedForward(f) => Op::FeedForward(FeedForward {
-                        gate: match &f.gate {
-                            Some(g) => Some(matrix(g, shape(h, ffn))?),
-                            None => None,
-                        },
-                        up: matrix(&f.up, shape(h, ffn))?,
-                        down: matrix(&f.down, shape(ffn, h))?,
-                        activation: f.activation,
-                    }),
+                    Op::FeedForward(f) => Op::FeedForward(map_ffn(f, h, ffn, &mut matrix)?),
+                    Op::Experts(e) => {
+                        let width = c.experts.map_or(0, |x| x.ffn_size);
+                        let mut experts = Vec::with_capacity(e.experts.len());
+                        for f in &e.experts {
+                            experts.push(map_ffn(f, h, width, &mut matrix)?);
+                        }
+                        Op::Experts(Experts {
+                            router: matrix(&e.router, shape(h, e.experts.len()))?,
+                            experts,
+                            used: e.used,
+                            normalize: e.normalize,
+                        })
+                    }
                 });
             }
             branches.push(Branch {
@@ -232,6 +252,24 @@ impl<M, V> ModelProgram<M, V> {
             .get(i + 1)
             .map_or(&self.head.norm, |b| &b.norm)
     }
+}
+
+fn map_ffn<M, M2, E>(
+    f: &FeedForward<M>,
+    h: usize,
+    width: usize,
+    matrix: &mut impl FnMut(&M, MatrixShape) -> std::result::Result<M2, E>,
+) -> std::result::Result<FeedForward<M2>, E> {
+    let shape = |inputs, outputs| MatrixShape { inputs, outputs };
+    Ok(FeedForward {
+        gate: match &f.gate {
+            Some(g) => Some(matrix(g, shape(h, width))?),
+            None => None,
+        },
+        up: matrix(&f.up, shape(h, width))?,
+        down: matrix(&f.down, shape(width, h))?,
+        activation: f.activation,
+    })
 }
 
 fn map_norm<V, V2, E>(
@@ -286,6 +324,7 @@ pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
         Architecture::Gemma3 => gemma3(ir),
         Architecture::Phi3 => phi3(ir),
         Architecture::Granite(scales) => granite(ir, scales),
+        Architecture::Qwen3Moe => qwen3moe(ir),
     }
 }
 
@@ -329,11 +368,28 @@ fn checked(given: &ModelProgram<TensorView>, c: &ModelConfig) -> Result<ModelPro
     Ok(program)
 }
 
-/// Llama 1-3, Mistral, SmolLM: pre-norm blocks, attention then a gated SiLU feed-forward.
+/// Llama 1-3, Mistral, SmolLM: pre-norm blocks, attention then a gated SiLU feed-forward,
+/// dense or (Mixtral: a llama file with experts) a Mixture of Experts.
 fn llama(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
     let b = Builder::new(ir);
-    let branches =
-        b.layers(|i, l| b.pre_norm_block(i, l, b.attention(i, l)?, b.feed_forward(l)?))?;
+    let branches = b.layers(|i, l| {
+        let ffn = match l.experts {
+            Some(_) => b.experts(i, l)?,
+            None => Op::FeedForward(b.feed_forward(l)?),
+        };
+        b.pre_norm_block(i, l, b.attention(i, l)?, ffn)
+    })?;
+    b.program(branches)
+}
+
+/// Qwen3-MoE: Qwen3's attention (per-head Q/K norms) and a Mixture of Experts in every
+/// layer.
+fn qwen3moe(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches = b.layers(|i, l| {
+        let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
+        b.pre_norm_block(i, l, attention, b.experts(i, l)?)
+    })?;
     b.program(branches)
 }
 
@@ -348,7 +404,7 @@ fn qwen3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
     let b = Builder::new(ir);
     let branches = b.layers(|i, l| {
         let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
-        b.pre_norm_block(i, l, attention, b.feed_forward(l)?)
+        b.pre_norm_block(i, l, attention, Op::FeedForward(b.feed_forward(l)?))
     })?;
     b.program(branches)
 }
@@ -360,7 +416,7 @@ fn gemma3(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
     let b = Builder::new(ir);
     let branches = b.layers(|i, l| {
         let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
-        let block = b.pre_norm_block(i, l, attention, b.feed_forward(l)?)?;
+        let block = b.pre_norm_block(i, l, attention, Op::FeedForward(b.feed_forward(l)?))?;
         if block.iter().any(|branch| branch.post_norm.is_none()) {
             return Err(Error::Format(format!(
                 "layer {i}: a gemma3 model needs post-attention and post-MLP norms"
@@ -387,7 +443,7 @@ fn granite(ir: &ModelIr, scales: GraniteScales) -> Result<ModelProgram<TensorVie
             scale: scales.attention,
             ..b.attention(i, l)?
         };
-        let mut block = b.pre_norm_block(i, l, attention, b.feed_forward(l)?)?;
+        let mut block = b.pre_norm_block(i, l, attention, Op::FeedForward(b.feed_forward(l)?))?;
         for branch in &mut block {
             branch.scale = scales.residual;
         }
@@ -533,20 +589,74 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// The layer's feed-forward: gated when the layer has a gate, with the config's
-    /// activation.
+    /// The layer's dense feed-forward: gated when the layer has a gate, with the config's
+    /// activation. Refused in a layer with experts (no supported architecture has a shared
+    /// expert beside them).
     fn feed_forward(&self, l: &LayerWeights) -> Result<FeedForward<TensorView>> {
         let (h, ffn) = (self.c.hidden_size, self.c.ffn_size);
+        let (Some(up), Some(down), None) = (&l.ffn_up, &l.ffn_down, &l.experts) else {
+            return Err(Error::Format(
+                "a dense feed-forward needs up and down projections and no experts".into(),
+            ));
+        };
         Ok(FeedForward {
             gate: l
                 .ffn_gate
                 .as_ref()
                 .map(|g| matrix(g, h, ffn, "the FFN gate"))
                 .transpose()?,
-            up: matrix(&l.ffn_up, h, ffn, "the FFN up projection")?,
-            down: matrix(&l.ffn_down, ffn, h, "the FFN down projection")?,
+            up: matrix(up, h, ffn, "the FFN up projection")?,
+            down: matrix(down, ffn, h, "the FFN down projection")?,
             activation: self.c.activation,
         })
+    }
+
+    /// Layer `i`'s Mixture of Experts: the router and each expert's gated feed-forward (a
+    /// view of its matrix in each stacked tensor), with the config's counts.
+    fn experts(&self, i: usize, l: &LayerWeights) -> Result<Op<TensorView, TensorView>> {
+        let at = |what: &str| format!("layer {i}: {what}");
+        let (Some(cfg), Some(w)) = (self.c.experts, &l.experts) else {
+            return Err(Error::Format(at(
+                "a Mixture-of-Experts layer needs the experts' weights and counts",
+            )));
+        };
+        if l.ffn_gate.is_some() || l.ffn_up.is_some() || l.ffn_down.is_some() {
+            return Err(Error::Unsupported(at(
+                "a dense feed-forward beside the experts (a shared expert)",
+            )));
+        }
+        let (h, width, n) = (self.c.hidden_size, cfg.ffn_size, cfg.count);
+        matrix(&w.router, h, n, &at("the expert router"))?;
+        for (t, dims, what) in [
+            (&w.gate, [h, width, n], "the experts' gate projections"),
+            (&w.up, [h, width, n], "the experts' up projections"),
+            (&w.down, [width, h, n], "the experts' down projections"),
+        ] {
+            if t.dims() != dims {
+                return Err(Error::Format(format!(
+                    "{}: {} has dims {:?}, expected {dims:?}",
+                    at(what),
+                    t.name(),
+                    t.dims()
+                )));
+            }
+        }
+        let experts = (0..n)
+            .map(|e| {
+                Ok(FeedForward {
+                    gate: Some(w.gate.matrix(e)?),
+                    up: w.up.matrix(e)?,
+                    down: w.down.matrix(e)?,
+                    activation: self.c.activation,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Op::Experts(Experts {
+            router: w.router.clone(),
+            experts,
+            used: cfg.used,
+            normalize: cfg.normalize_weights,
+        }))
     }
 
     /// A pre-norm block: attention, then the feed-forward, each reading the stream through
@@ -557,7 +667,7 @@ impl<'a> Builder<'a> {
         i: usize,
         l: &LayerWeights,
         attention: Attention<TensorView, TensorView>,
-        ffn: FeedForward<TensorView>,
+        ffn: Op<TensorView, TensorView>,
     ) -> Result<Vec<Branch<TensorView, TensorView>>> {
         let at = |what: &str| format!("layer {i}: {what}");
         let attn_norm = self.norm(
@@ -598,7 +708,7 @@ impl<'a> Builder<'a> {
             },
             Branch {
                 norm: ffn_norm,
-                ops: vec![Op::FeedForward(ffn)],
+                ops: vec![ffn],
                 post_norm: ffn_post,
                 scale: 1.0,
             },
@@ -686,8 +796,9 @@ mod tests {
                     ffn_norm: Some(t(&n("ffn_norm"), vec![H])),
                     ffn_norm_bias: None,
                     ffn_gate: Some(t(&n("gate"), vec![H, FFN])),
-                    ffn_up: t(&n("up"), vec![H, FFN]),
-                    ffn_down: t(&n("down"), vec![FFN, H]),
+                    ffn_up: Some(t(&n("up"), vec![H, FFN])),
+                    ffn_down: Some(t(&n("down"), vec![FFN, H])),
+                    experts: None,
                     attn_post_norm: post_norms.then(|| t(&n("post_attn"), vec![H])),
                     ffn_post_norm: post_norms.then(|| t(&n("post_ffn"), vec![H])),
                 }
@@ -757,7 +868,7 @@ mod tests {
             .ops()
             .filter_map(|op| match op {
                 Op::Attention(a) => Some(a.span.window),
-                Op::FeedForward(_) => None,
+                _ => None,
             })
             .collect();
         assert_eq!(spans, [Some(16), None]);
@@ -772,7 +883,7 @@ mod tests {
             .ops()
             .filter_map(|op| match op {
                 Op::FeedForward(f) => Some(f.gate.is_some()),
-                Op::Attention(_) => None,
+                _ => None,
             })
             .collect();
         assert_eq!(gated, [true, false]);
@@ -804,7 +915,7 @@ mod tests {
     #[test]
     fn a_weight_of_the_wrong_shape_is_named() {
         let mut ir = model(config(Architecture::Llama), false, false);
-        ir.weights.layers[1].ffn_down = t("blk.1.down", vec![H, FFN]);
+        ir.weights.layers[1].ffn_down = Some(t("blk.1.down", vec![H, FFN]));
         let e = error(&ir);
         assert!(e.contains("blk.1.down") && e.contains("[48, 32]"), "{e}");
         let mut ir = model(config(Architecture::Llama), false, false);

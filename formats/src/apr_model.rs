@@ -26,7 +26,7 @@ use serde_json::{json, Map, Value};
 
 use crate::apr::{json_kind, write_apr, AprDtype, AprFile, AprTensorSpec, Compression};
 use crate::gguf::{GgufValue, GgufWriter};
-use crate::model::{model_from_table, TensorTable};
+use crate::model::{gguf_rope_kind, model_from_table, TensorTable};
 use crate::quantize::{Progress, ProgressEvent};
 use crate::tokenizer::TokenizerSpec;
 
@@ -301,17 +301,6 @@ fn architecture(name: &str) -> Result<Architecture> {
         )))
         }
     })
-}
-
-/// The GGUF convention for an architecture's rotary layout (llama.cpp permutes llama and
-/// mistral Q/K rows into adjacent pairs).
-fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
-    match arch {
-        Architecture::Llama | Architecture::Mistral | Architecture::Granite(_) => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Phi3 => {
-            RopeKind::Neox
-        }
-    }
 }
 
 fn config_from_apr(meta: &Meta<'_>, table: &TensorTable, hf_names: bool) -> Result<ModelConfig> {

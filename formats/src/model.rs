@@ -11,16 +11,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    Activation, Architecture, Backend, Candidate, Error, GraniteScales, LayerWeights, ModelConfig,
-    ModelIr, ModelWeights, Registry, Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow,
-    TensorView,
+    Activation, Architecture, Backend, Candidate, Error, ExpertConfig, ExpertWeights,
+    GraniteScales, LayerWeights, ModelConfig, ModelIr, ModelWeights, Registry, Result, RopeConfig,
+    RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
 
 use crate::gguf::GgufFile;
 
 /// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
-pub const SUPPORTED_ARCHITECTURES: [&str; 7] = [
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "granite",
+pub const SUPPORTED_ARCHITECTURES: [&str; 8] = [
+    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "granite",
 ];
 
 /// Opens a GGUF file and maps it. The file is returned too: the tokenizer and chat
@@ -90,6 +90,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         "mistral" => Architecture::Mistral,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
+        "qwen3moe" => Architecture::Qwen3Moe,
         "gemma3" => Architecture::Gemma3,
         "phi3" => Architecture::Phi3,
         // llama.cpp's keys; an absent one leaves its part unscaled (q·k by 1/√head_dim,
@@ -164,14 +165,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         (Some("yarn"), factor) => yarn_scaling(&meta, factor)?,
         (Some(other), _) => return Err(Error::Unsupported(format!("rope scaling '{other}'"))),
     };
-    // llama.cpp's converter permutes Q/K of llama-family models into adjacent-pair order;
-    // Qwen's are left in the HF split-halves order.
-    let rope_kind = match arch {
-        Architecture::Llama | Architecture::Mistral | Architecture::Granite(_) => RopeKind::Norm,
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Phi3 => {
-            RopeKind::Neox
-        }
-    };
+    let rope_kind = gguf_rope_kind(&arch);
     let arch = match arch {
         Architecture::Granite(scales) if scales.attention == 0.0 => {
             Architecture::Granite(GraniteScales {
@@ -201,6 +195,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             }),
         _ => None,
     };
+    let experts = expert_config(&meta, arch, ffn_size)?;
 
     let token_embd = file
         .tensor("token_embd.weight")
@@ -249,6 +244,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             _ => 1.0,
         },
         sliding_window,
+        experts,
         ..ModelConfig::default()
     };
     config.validate()?;
@@ -305,6 +301,64 @@ fn yarn_scaling(meta: &Meta<'_>, factor: Option<f32>) -> Result<RopeScaling> {
         beta_slow: meta.opt_f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
         attn_factor: attn * RopeScaling::yarn_mscale(factor),
     })
+}
+
+/// The Mixture-of-Experts sizes of a file with `{arch}.expert_count` above 0, as llama.cpp
+/// reads them: `expert_used_count` experts a token, each of `expert_feed_forward_length`
+/// (Mixtral's files give only `feed_forward_length`), probabilities renormalised over the
+/// chosen unless `expert_weights_norm` says otherwise (llama.cpp renormalises for both
+/// Mixtral and Qwen3-MoE). Bounded by [`ModelConfig::validate`] before anything is sized
+/// by them.
+fn expert_config(
+    meta: &Meta<'_>,
+    arch: Architecture,
+    ffn_size: usize,
+) -> Result<Option<ExpertConfig>> {
+    let count = meta.opt_usize("expert_count")?.filter(|&n| n > 0);
+    match (count, arch) {
+        (None, Architecture::Qwen3Moe) => Err(Error::Format(format!(
+            "a qwen3moe model needs metadata '{}' above 0",
+            meta.key("expert_count")
+        ))),
+        (None, _) => Ok(None),
+        (Some(count), Architecture::Llama | Architecture::Mistral | Architecture::Qwen3Moe) => {
+            let normalize_weights = match meta.file.get(&meta.key("expert_weights_norm")) {
+                None => true,
+                Some(v) => v.as_bool().ok_or_else(|| {
+                    Error::Format(format!(
+                        "metadata '{}' should be a boolean, found {v}",
+                        meta.key("expert_weights_norm")
+                    ))
+                })?,
+            };
+            Ok(Some(ExpertConfig {
+                count,
+                used: meta.usize("expert_used_count")?,
+                ffn_size: meta
+                    .opt_usize("expert_feed_forward_length")?
+                    .unwrap_or(ffn_size),
+                normalize_weights,
+            }))
+        }
+        (Some(_), other) => Err(Error::Unsupported(format!(
+            "experts in a {} model (kiln runs them in llama, mistral and qwen3moe files)",
+            other.name()
+        ))),
+    }
+}
+
+/// The rotary layout of an architecture's GGUF files: llama.cpp's converter permutes Q/K
+/// of llama-family models into adjacent-pair order; Qwen's, Gemma's and Phi's are left in
+/// the HF split-halves order.
+pub(crate) fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
+    match arch {
+        Architecture::Llama | Architecture::Mistral | Architecture::Granite(_) => RopeKind::Norm,
+        Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe
+        | Architecture::Gemma3
+        | Architecture::Phi3 => RopeKind::Neox,
+    }
 }
 
 /// Typed metadata lookups under the `{arch}.` prefix, with errors naming the key.
@@ -428,6 +482,36 @@ fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// Layer `i`'s dense feed-forward (gate, up, down). A gate/up pair stored as one tensor of
+/// twice the rows (Phi-3), gate first, is split into its halves without copying.
+fn dense_feed_forward(
+    t: &mut Tensors,
+    i: usize,
+    c: &ModelConfig,
+) -> Result<(TensorView, TensorView, TensorView)> {
+    let n = |role: &str| format!("blk.{i}.{role}");
+    let hidden = c.hidden_size;
+    let (gate, up) = match t.info(&n("ffn_gate.weight")) {
+        None if t
+            .info(&n("ffn_up.weight"))
+            .is_some_and(|u| u.dims() == [hidden, 2 * c.ffn_size]) =>
+        {
+            let name = n("ffn_up.weight");
+            let fused = t.req(&name, &[hidden, 2 * c.ffn_size])?;
+            (
+                fused.slice_rows(&n("ffn_gate.weight"), 0, c.ffn_size)?,
+                fused.slice_rows(&name, c.ffn_size, c.ffn_size)?,
+            )
+        }
+        _ => (
+            t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?,
+            t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
+        ),
+    };
+    let down = t.req(&n("ffn_down.weight"), &[c.ffn_size, hidden])?;
+    Ok((gate, up, down))
+}
+
 /// The optional parts a model's layers have: a part any layer has, every layer must have
 /// (a layer missing one is an error naming the tensor, never a layer run without it).
 /// Which architectures need which parts is their builders' to check
@@ -526,24 +610,27 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             ["attn_q_norm.weight", "attn_k_norm.weight"],
             c.head_dim,
         )?;
-        // A gate/up pair stored as one tensor of twice the rows (Phi-3), gate first, is
-        // split into its halves without copying.
-        let (ffn_gate, ffn_up) = match t.info(&n("ffn_gate.weight")) {
-            None if t
-                .info(&n("ffn_up.weight"))
-                .is_some_and(|u| u.dims() == [hidden, 2 * c.ffn_size]) =>
-            {
-                let name = n("ffn_up.weight");
-                let fused = t.req(&name, &[hidden, 2 * c.ffn_size])?;
-                (
-                    fused.slice_rows(&n("ffn_gate.weight"), 0, c.ffn_size)?,
-                    fused.slice_rows(&name, c.ffn_size, c.ffn_size)?,
-                )
+        let (ffn_gate, ffn_up, ffn_down, experts) = match c.experts {
+            None => {
+                let (gate, up, down) = dense_feed_forward(t, i, c)?;
+                (Some(gate), Some(up), Some(down), None)
             }
-            _ => (
-                t.req(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?,
-                t.req(&n("ffn_up.weight"), &[hidden, c.ffn_size])?,
-            ),
+            Some(e) => {
+                let width = e.ffn_size;
+                let experts = ExpertWeights {
+                    router: t.req(&n("ffn_gate_inp.weight"), &[hidden, e.count])?,
+                    gate: t.req(&n("ffn_gate_exps.weight"), &[hidden, width, e.count])?,
+                    up: t.req(&n("ffn_up_exps.weight"), &[hidden, width, e.count])?,
+                    down: t.req(&n("ffn_down_exps.weight"), &[width, hidden, e.count])?,
+                };
+                // A dense feed-forward beside the experts (a shared expert) is read so that
+                // the builder can refuse it by name rather than the file being refused for
+                // a leftover tensor.
+                let gate = t.opt(&n("ffn_gate.weight"), &[hidden, c.ffn_size])?;
+                let up = t.opt(&n("ffn_up.weight"), &[hidden, c.ffn_size])?;
+                let down = t.opt(&n("ffn_down.weight"), &[c.ffn_size, hidden])?;
+                (gate, up, down, Some(experts))
+            }
         };
         layers.push(LayerWeights {
             attn_norm: t.req(&n("attn_norm.weight"), &[hidden])?,
@@ -560,9 +647,10 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             attn_out_bias: t.opt(&n("attn_output.bias"), &[hidden])?,
             ffn_norm: Some(t.req(&n("ffn_norm.weight"), &[hidden])?),
             ffn_norm_bias: t.opt(&n("ffn_norm.bias"), &[hidden])?,
-            ffn_gate: Some(ffn_gate),
+            ffn_gate,
             ffn_up,
-            ffn_down: t.req(&n("ffn_down.weight"), &[c.ffn_size, hidden])?,
+            ffn_down,
+            experts,
             attn_post_norm,
             ffn_post_norm,
         });

@@ -134,7 +134,7 @@ fn smollm2_maps_into_the_ir() {
     let l = &w.layers[29];
     assert_eq!(l.attn_q.dims(), [576, 576]);
     assert_eq!(l.attn_k.dims(), [576, 192]);
-    assert_eq!(l.ffn_down.dims(), [1536, 576]);
+    assert_eq!(l.ffn_down.as_ref().unwrap().dims(), [1536, 576]);
     assert_eq!(l.attn_q.qtype(), QType::Q4_1);
     assert_eq!(l.attn_norm.qtype(), QType::F32);
     assert_eq!(ir.matrix_qtypes(), vec![QType::Q4_1, QType::Q8_0]);

@@ -7,6 +7,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+pub mod transformers_reference;
+
 /// File name of the default model in kiln's cache.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 

@@ -240,20 +240,21 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
                 s + 6,
                 0.2,
             )),
-            ffn_up: tensor(
+            ffn_up: Some(tensor(
                 &format!("blk.{i}.ffn_up"),
                 matrix,
                 vec![hidden, ffn],
                 s + 7,
                 0.2,
-            ),
-            ffn_down: tensor(
+            )),
+            ffn_down: Some(tensor(
                 &format!("blk.{i}.ffn_down"),
                 matrix,
                 vec![ffn, hidden],
                 s + 8,
                 0.2,
-            ),
+            )),
+            experts: None,
             attn_post_norm: None,
             ffn_post_norm: None,
         }

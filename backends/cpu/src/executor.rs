@@ -26,7 +26,7 @@ use crate::kernels::q8::{Q8Forms, Q8Input};
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
-use kiln_core::program::{self, Attention, FeedForward, Norm, Op};
+use kiln_core::program::{self, Attention, Experts, FeedForward, Norm, Op};
 use kiln_core::ModelProgram;
 
 /// The program with the CPU's weights: matrices with their row-dot kernels, vectors in f32.
@@ -384,6 +384,14 @@ struct Scratch {
     op_out: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// A Mixture of Experts' router logits (rows × experts), each row's chosen experts
+    /// with their weights, the normed input while the experts' groups fill `xn`, and one
+    /// group's output.
+    router: Vec<f32>,
+    routes: Vec<Route>,
+    expert_order: Vec<usize>,
+    moe_x: Vec<f32>,
+    moe_out: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     cos_local: Vec<f32>,
@@ -479,6 +487,10 @@ impl CpuExecutor {
             blocks,
             max_ctx,
         );
+        // An expert's feed-forward may be wider than the dense one (and a MoE model's dense
+        // width may be unused).
+        let (expert_count, expert_width) = c.experts.map_or((0, 0), |e| (e.count, e.ffn_size));
+        let ffn = ffn.max(expert_width);
         let widest = h.max(qd).max(ffn);
         let b = MAX_BATCH;
         let scratch = Scratch {
@@ -494,6 +506,11 @@ impl CpuExecutor {
             op_out: vec![0.0; b * h],
             gate: vec![0.0; b * ffn],
             up: vec![0.0; b * ffn],
+            router: vec![0.0; b * expert_count],
+            routes: Vec::with_capacity(b * c.experts.map_or(0, |e| e.used)),
+            expert_order: Vec::with_capacity(expert_count),
+            moe_x: vec![0.0; if expert_count > 0 { b * widest } else { 0 }],
+            moe_out: vec![0.0; if expert_count > 0 { b * h } else { 0 }],
             cos: vec![0.0; b * half.max(1)],
             sin: vec![0.0; b * half.max(1)],
             cos_local: vec![0.0; b * half.max(1)],
@@ -856,7 +873,10 @@ fn forward(
             };
             match op {
                 Op::Attention(a) => attention(m, a, slots, pool, s, rows, &mut out[..n * h]),
-                Op::FeedForward(f) => feed_forward(m, f, s, n, &mut out[..n * h]),
+                Op::FeedForward(f) => {
+                    feed_forward(m, f, s, n, m.config.ffn_size, &mut out[..n * h])
+                }
+                Op::Experts(e) => experts(m, e, s, n, &mut out[..n * h]),
             }
             match j {
                 0 => sum = out,
@@ -1082,8 +1102,15 @@ fn attention(
 }
 
 /// A feed-forward on the `n` normed rows in `s.xn`, into `out` (`n × hidden`).
-fn feed_forward(m: &Model, f: &FeedForward<QMatrix>, s: &mut Scratch, n: usize, out: &mut [f32]) {
-    let ffn = m.config.ffn_size;
+/// The feed-forward `f` of width `ffn` over the first `n` rows of `s.xn`.
+fn feed_forward(
+    m: &Model,
+    f: &FeedForward<QMatrix>,
+    s: &mut Scratch,
+    n: usize,
+    ffn: usize,
+    out: &mut [f32],
+) {
     let h = m.config.hidden_size;
     let (threads, simd) = (m.threads, m.simd);
     let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, n, h);
@@ -1128,6 +1155,114 @@ fn feed_forward(m: &Model, f: &FeedForward<QMatrix>, s: &mut Scratch, n: usize, 
     }
     let input = batch(&s.up, &mut s.sums, &mut s.q8, m.q8_forms, n, ffn);
     matmul(&mut [MatJob { m: &f.down, out }], input, threads, simd);
+}
+
+/// One row's use of one expert: the expert's output for that row joins the row's sum
+/// multiplied by `weight`.
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    expert: usize,
+    row: usize,
+    weight: f32,
+}
+
+/// Row `row`'s routes from its router logits: the softmax over every expert, the `used`
+/// most probable (equal probabilities to the lower index, as `torch.topk` returns them),
+/// their probabilities divided by their sum when `normalize`. A NaN logit makes every
+/// weight NaN, so it reaches the output rather than being routed around.
+fn route(
+    logits: &[f32],
+    used: usize,
+    normalize: bool,
+    row: usize,
+    order: &mut Vec<usize>,
+    routes: &mut Vec<Route>,
+) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, |a, b| {
+        if a.is_nan() || b.is_nan() {
+            f32::NAN
+        } else {
+            a.max(b)
+        }
+    });
+    let total: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    order.clear();
+    order.extend(0..logits.len());
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let chosen = &order[..used];
+    let probability = |e: usize| (logits[e] - max).exp() / total;
+    let norm = match normalize {
+        true => chosen.iter().map(|&e| probability(e)).sum::<f32>(),
+        false => 1.0,
+    };
+    routes.extend(chosen.iter().map(|&expert| Route {
+        expert,
+        row,
+        weight: probability(expert) / norm,
+    }));
+}
+
+/// A Mixture of Experts over the first `n` rows of `s.xn`: the router picks each row's
+/// experts, then each expert runs once on all the rows that chose it (its matrices read
+/// once for the batch), and its outputs join those rows weighted. Each row sums its
+/// experts in expert order, as transformers' loop over experts does.
+fn experts(m: &Model, e: &Experts<QMatrix>, s: &mut Scratch, n: usize, out: &mut [f32]) {
+    let h = m.config.hidden_size;
+    let count = e.experts.len();
+    let width = m.config.experts.map_or(0, |x| x.ffn_size);
+    let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, n, h);
+    matmul(
+        &mut [MatJob {
+            m: &e.router,
+            out: &mut s.router[..n * count],
+        }],
+        input,
+        m.threads,
+        m.simd,
+    );
+    let mut routes = std::mem::take(&mut s.routes);
+    routes.clear();
+    for row in 0..n {
+        let logits = &s.router[row * count..(row + 1) * count];
+        route(
+            logits,
+            e.used,
+            e.normalize,
+            row,
+            &mut s.expert_order,
+            &mut routes,
+        );
+    }
+    routes.sort_by_key(|r| (r.expert, r.row));
+
+    out[..n * h].fill(0.0);
+    // The experts' groups take `xn`'s place as the feed-forward's input; the normed rows
+    // wait in `moe_x`.
+    std::mem::swap(&mut s.xn, &mut s.moe_x);
+    let mut group_out = std::mem::take(&mut s.moe_out);
+    for group in routes.chunk_by(|a, b| a.expert == b.expert) {
+        let k = group.len();
+        for (j, r) in group.iter().enumerate() {
+            s.xn[j * h..(j + 1) * h].copy_from_slice(&s.moe_x[r.row * h..(r.row + 1) * h]);
+        }
+        feed_forward(
+            m,
+            &e.experts[group[0].expert],
+            s,
+            k,
+            width,
+            &mut group_out[..k * h],
+        );
+        for (j, r) in group.iter().enumerate() {
+            let dst = &mut out[r.row * h..(r.row + 1) * h];
+            for (d, &v) in dst.iter_mut().zip(&group_out[j * h..(j + 1) * h]) {
+                *d += r.weight * v;
+            }
+        }
+    }
+    std::mem::swap(&mut s.xn, &mut s.moe_x);
+    s.moe_out = group_out;
+    s.routes = routes;
 }
 
 impl LayerExecutor for CpuExecutor {

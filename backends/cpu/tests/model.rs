@@ -337,8 +337,8 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
         }
         let (fg, fu, fd, fnw) = (
             deq(l.ffn_gate.as_ref().unwrap()),
-            deq(&l.ffn_up),
-            deq(&l.ffn_down),
+            deq(l.ffn_up.as_ref().unwrap()),
+            deq(l.ffn_down.as_ref().unwrap()),
             deq(l.ffn_norm.as_ref().unwrap()),
         );
         for pos in 0..xs.len() {

@@ -116,8 +116,9 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
             ffn_norm: Some(ones(s.hidden)),
             ffn_norm_bias: None,
             ffn_gate: Some(mat(rng, "gate", q4, s.hidden, s.ffn)),
-            ffn_up: mat(rng, "up", q4, s.hidden, s.ffn),
-            ffn_down: mat(rng, "down", td, s.ffn, s.hidden),
+            ffn_up: Some(mat(rng, "up", q4, s.hidden, s.ffn)),
+            ffn_down: Some(mat(rng, "down", td, s.ffn, s.hidden)),
+            experts: None,
             attn_post_norm: None,
             ffn_post_norm: None,
         });
@@ -159,17 +160,12 @@ fn step_bytes(ir: &ModelIr) -> u64 {
     let w = &ir.weights;
     let mut total = w.lm_head().bytes().len() as u64;
     for l in &w.layers {
-        for t in [
-            &l.attn_q,
-            &l.attn_k,
-            &l.attn_v,
-            &l.attn_out,
-            &l.ffn_up,
-            &l.ffn_down,
-        ] {
+        for t in [&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out] {
             total += t.bytes().len() as u64;
         }
-        total += l.ffn_gate.as_ref().map_or(0, |t| t.bytes().len() as u64);
+        for t in [&l.ffn_gate, &l.ffn_up, &l.ffn_down].into_iter().flatten() {
+            total += t.bytes().len() as u64;
+        }
     }
     total
 }

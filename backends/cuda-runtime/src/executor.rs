@@ -89,6 +89,11 @@ fn check_program(
                     ));
                 }
             }
+            Op::Experts(_) => {
+                return Err(format!(
+                "{name} does not run Mixture-of-Experts feed-forwards yet (the cpu backend does)"
+            ))
+            }
         }
     }
     let mut unsupported: Vec<String> = model
@@ -684,6 +689,11 @@ impl GpuExecutor {
                     down: upload(&f.down, &mut progress)?,
                     gelu: f.activation == Activation::Gelu,
                 }),
+                Op::Experts(_) => {
+                    return Err(Error::Unsupported(
+                        "a Mixture-of-Experts feed-forward (refused by check_model)".into(),
+                    ))
+                }
             };
             branches.push(DeviceBranch {
                 norm: norm(&b.norm.weight, h, "norm")?,

@@ -304,6 +304,12 @@ impl Model {
                 match op {
                     Op::Attention(a) => self.attention(a, s, seq)?,
                     Op::FeedForward(f) => self.feed_forward(f, s)?,
+                    // The plugin ABI describes no experts: a host never sends them.
+                    Op::Experts(_) => {
+                        return Err(Error::Unsupported(
+                            "Mixture-of-Experts feed-forwards".into(),
+                        ))
+                    }
                 }
                 s.branch.iter_mut().zip(&s.proj).for_each(|(b, p)| *b += p);
             }

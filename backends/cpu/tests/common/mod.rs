@@ -322,15 +322,16 @@ impl Spec {
                 ffn_gate: self
                     .gated
                     .then(|| matrix(&mut rng, &p("ffn_gate"), next_q(), h, f, w_scale)),
-                ffn_up: matrix(&mut rng, &p("ffn_up"), next_q(), h, f, w_scale),
-                ffn_down: matrix(
+                ffn_up: Some(matrix(&mut rng, &p("ffn_up"), next_q(), h, f, w_scale)),
+                ffn_down: Some(matrix(
                     &mut rng,
                     &p("ffn_down"),
                     next_q(),
                     f,
                     h,
                     1.0 / (f as f32).sqrt(),
-                ),
+                )),
+                experts: None,
                 attn_post_norm: self
                     .sandwich_norms
                     .then(|| norm_weights(&mut rng, &p("post_attention_norm"), h)),

@@ -1,0 +1,185 @@
+//! Mixture-of-Experts models on the CPU oracle against Hugging Face transformers: a tiny
+//! random Qwen3-MoE (8 experts, 3 used, renormalised) and a tiny random Mixtral (a llama
+//! file with 4 experts, 2 used), laid out as llama.cpp's converter writes them (router
+//! `ffn_gate_inp`, stacked `ffn_{gate,up,down}_exps`), from `fixtures/moe/`, made by
+//! `scripts/fixtures/make_moe_fixture.py`. The prompt goes in as chunks (a batch's tokens
+//! grouped by expert), each chunk's last logits compared (cosine ≥ 0.9999), then 32 greedy
+//! steps (one token: its own experts) must give transformers' tokens.
+
+use kiln_core::{Architecture, ExpertConfig};
+use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
+use kiln_formats::model::model_from_gguf;
+use kiln_tests::transformers_reference::Fixtures;
+
+#[test]
+fn qwen3moe_matches_transformers_on_the_cpu() {
+    let f = Fixtures::open("moe");
+    let ir = f.model("qwen3moe");
+    assert_eq!(ir.config.arch, Architecture::Qwen3Moe);
+    assert_eq!(
+        ir.config.experts,
+        Some(ExpertConfig {
+            count: 8,
+            used: 3,
+            ffn_size: 64,
+            normalize_weights: true,
+        })
+    );
+    // Without renormalising, each chosen expert's weight is its share of all 8.
+    f.check_cpu("qwen3moe", |ir| {
+        if let Some(e) = &mut ir.config.experts {
+            e.normalize_weights = false;
+        }
+    });
+}
+
+#[test]
+fn mixtral_matches_transformers_on_the_cpu() {
+    let f = Fixtures::open("moe");
+    let ir = f.model("mixtral");
+    assert_eq!(ir.config.arch, Architecture::Llama);
+    assert_eq!(
+        ir.config.experts.map(|e| (e.count, e.used, e.ffn_size)),
+        Some((4, 2, 96))
+    );
+    // One expert a token instead of two.
+    f.check_cpu("mixtral", |ir| {
+        if let Some(e) = &mut ir.config.experts {
+            e.used = 1;
+        }
+    });
+}
+
+/// The Qwen3-MoE fixture rewritten with metadata `set` (a `None` value drops the key) and
+/// the tensors of `reshape` given other dims (bytes to match) or, with `None`, dropped.
+fn edited(
+    set: &[(&str, Option<GgufValue>)],
+    reshape: &[(&str, Option<Vec<usize>>)],
+) -> Result<kiln_core::ModelIr, kiln_core::Error> {
+    let file = GgufFile::open(kiln_tests::fixture("moe/qwen3moe.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        match set.iter().find(|(key, _)| key == k) {
+            Some((_, Some(v))) => w.add_kv(k.clone(), v.clone()),
+            Some((_, None)) => continue,
+            None => w.add_kv(k.clone(), v.clone()),
+        }
+        .unwrap();
+    }
+    for (k, v) in set {
+        if file.get(k).is_none() {
+            if let Some(v) = v {
+                w.add_kv(*k, v.clone()).unwrap();
+            }
+        }
+    }
+    for t in file.tensors() {
+        let dims = match reshape.iter().find(|(n, _)| *n == t.name) {
+            Some((_, None)) => continue,
+            Some((_, Some(d))) => d.clone(),
+            None => t.dims.clone(),
+        };
+        let n = t.qtype.tensor_bytes(&dims).unwrap();
+        let bytes = file
+            .view(t)
+            .unwrap()
+            .bytes()
+            .iter()
+            .copied()
+            .cycle()
+            .take(n)
+            .collect();
+        w.add_tensor(t.name.clone(), t.qtype, dims, bytes).unwrap();
+    }
+    let bytes = w.write_to(Vec::new()).unwrap();
+    let file = GgufFile::from_storage(std::sync::Arc::new(bytes)).unwrap();
+    model_from_gguf(&file, "edited qwen3moe")
+}
+
+/// Expert counts and shapes that disagree are typed errors at open, before anything is
+/// sized by them.
+#[test]
+fn bad_expert_metadata_and_tensors_are_refused() {
+    let u = |v: u32| Some(GgufValue::U32(v));
+    let cases: Vec<(
+        Vec<(&str, Option<GgufValue>)>,
+        Vec<(&str, Option<Vec<usize>>)>,
+        &str,
+    )> = vec![
+        (
+            vec![("qwen3moe.expert_count", u(0))],
+            vec![],
+            "expert_count' above 0",
+        ),
+        (
+            vec![("qwen3moe.expert_count", None)],
+            vec![],
+            "expert_count' above 0",
+        ),
+        (
+            vec![("qwen3moe.expert_count", u(1 << 30))],
+            vec![],
+            "expert count 1073741824",
+        ),
+        (
+            vec![("qwen3moe.expert_used_count", u(9))],
+            vec![],
+            "9 experts used of 8",
+        ),
+        (
+            vec![("qwen3moe.expert_used_count", u(0))],
+            vec![],
+            "0 experts used of 8",
+        ),
+        (
+            vec![("qwen3moe.expert_used_count", None)],
+            vec![],
+            "expert_used_count' is missing",
+        ),
+        (
+            vec![("qwen3moe.expert_feed_forward_length", u(1 << 30))],
+            vec![],
+            "expert feed-forward size",
+        ),
+        (
+            vec![("qwen3moe.expert_feed_forward_length", u(32))],
+            vec![],
+            "blk.0.ffn_gate_exps.weight",
+        ),
+        (
+            vec![],
+            vec![("blk.1.ffn_gate_inp.weight", None)],
+            "blk.1.ffn_gate_inp.weight' is missing",
+        ),
+        (
+            vec![],
+            vec![("blk.0.ffn_down_exps.weight", Some(vec![128, 64, 8]))],
+            "blk.0.ffn_down_exps.weight",
+        ),
+        (
+            vec![],
+            vec![("blk.0.ffn_up_exps.weight", Some(vec![128, 64, 7]))],
+            "blk.0.ffn_up_exps.weight",
+        ),
+        (
+            vec![(
+                "qwen3moe.expert_weights_norm",
+                Some(GgufValue::String("yes".into())),
+            )],
+            vec![],
+            "should be a boolean",
+        ),
+    ];
+    for (set, reshape, needle) in cases {
+        let err = edited(&set, &reshape).expect_err(needle).to_string();
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    // The file as made, and with the weights left as the softmax gave them.
+    assert!(edited(&[], &[]).is_ok());
+    let ir = edited(
+        &[("qwen3moe.expert_weights_norm", Some(GgufValue::Bool(false)))],
+        &[],
+    )
+    .unwrap();
+    assert!(!ir.config.experts.unwrap().normalize_weights);
+}
