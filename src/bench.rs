@@ -224,7 +224,8 @@ pub fn bench_first_token(
     })
 }
 
-/// Weight bytes one decode step reads: every matrix once, plus one embedding row.
+/// Weight bytes one decode step of one sequence reads: every matrix once, plus one
+/// embedding row; of a Mixture of Experts only the experts a token uses.
 pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
     let w = &model.weights;
     let embd_row = w.token_embd.row_bytes() as u64;
@@ -234,7 +235,19 @@ pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
     } else {
         0
     };
-    all - embd
+    let idle_experts: u64 = match model.config.experts {
+        None => 0,
+        Some(e) => w
+            .layers
+            .iter()
+            .filter_map(|l| l.experts.as_ref())
+            .map(|x| {
+                let stacked = [&x.gate, &x.up, &x.down].map(|t| t.bytes().len() as u64);
+                stacked.iter().sum::<u64>() / e.count as u64 * (e.count - e.used) as u64
+            })
+            .sum(),
+    };
+    all - embd - idle_experts
 }
 
 /// One row of a `llama-batched-bench`-style table: `b` sequences each prefilled with `pp`

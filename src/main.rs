@@ -781,6 +781,31 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
         c.rope.kind, c.rope.theta, c.rope.rotary_dims, c.tied_embeddings
     );
     println!("parameters:   {:.1} M", ir.parameters() as f64 / 1e6);
+    if let Some(e) = c.experts {
+        // What a token reads: the whole model but the experts it does not choose.
+        let idle: usize = ir
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| l.experts.as_ref())
+            .map(|x| {
+                (x.gate.elements() + x.up.elements() + x.down.elements()) / e.count
+                    * (e.count - e.used)
+            })
+            .sum();
+        println!(
+            "experts:      {} a layer, {} used a token, feed-forward {} each; weights {}; {:.1} M parameters active a token",
+            e.count,
+            e.used,
+            e.ffn_size,
+            if e.normalize_weights {
+                "renormalised over the chosen"
+            } else {
+                "as the softmax over all gives them"
+            },
+            (ir.parameters() - idle) as f64 / 1e6
+        );
+    }
     if let Ok(kv) = kiln_backend_cpu::kv_cache_size(c, c.context_length, kiln_core::KvType::F32) {
         let windowed: Vec<usize> = (0..c.num_layers)
             .filter(|&l| c.layer_attention(l).window.is_some())

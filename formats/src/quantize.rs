@@ -174,12 +174,21 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
         .count();
     let mut i_attention_wv = 0;
     let mut i_ffn_down = 0;
+    // Experts a layer, from the router's shape (0 for a dense model).
+    let n_expert = tensors
+        .iter()
+        .find(|t| t.name.ends_with("ffn_gate_inp.weight"))
+        .and_then(|t| t.dims.get(1).copied())
+        .unwrap_or(0);
     let mut types: Vec<QType> = tensors.iter().map(|t| t.qtype).collect();
     for i in llama_cpp_order(tensors) {
         let t = &tensors[i];
         types[i] = (|| {
-            // llama_model_quantize_impl: only 2-D+ tensors that are not norms are quantised.
-            let quantize = n_dims(&t.dims) >= 2 && !t.name.contains("_norm.weight");
+            // llama_model_quantize_impl: only 2-D+ tensors that are not norms (nor a Mixture
+            // of Experts' router) are quantised.
+            let quantize = n_dims(&t.dims) >= 2
+                && !t.name.contains("_norm.weight")
+                && !t.name.contains("ffn_gate_inp.weight");
             if !quantize {
                 return t.qtype;
             }
@@ -205,7 +214,15 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                     Recipe::Q4_K_S if i_attention_wv < 4 => new_type = QType::Q5_K,
                     _ => {}
                 }
+                // llama.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB".
+                if n_expert == 8 {
+                    new_type = QType::Q8_0;
+                }
                 i_attention_wv += 1;
+            } else if name.contains("attn_k.weight") {
+                if n_expert == 8 {
+                    new_type = QType::Q8_0;
+                }
             } else if name.contains("ffn_down") {
                 let (i, n) = (i_ffn_down, n_layers);
                 match recipe {

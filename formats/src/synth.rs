@@ -39,6 +39,9 @@ pub enum Preset {
     Qwen3_0_6b,
     Qwen3_8b,
     Gemma3_270m,
+    Qwen3_30bA3b,
+    Mixtral8x7b,
+    Qwen3Moe6bA1b,
 }
 
 /// Which tokenizer family a preset imitates (special tokens, pre-tokenizer, template).
@@ -73,10 +76,21 @@ pub struct SynthShape {
     /// Gemma 3: the sliding window of its local layers (they also get post-attention and
     /// post-MLP norms, GeGLU and the scaled embedding from the architecture).
     pub sliding_window: Option<usize>,
+    /// A Mixture of Experts in place of every layer's dense feed-forward.
+    pub experts: Option<SynthExperts>,
+}
+
+/// A preset's Mixture of Experts: `count` experts a layer, `used` a token, each a gated
+/// feed-forward of `ffn_size`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthExperts {
+    pub count: usize,
+    pub used: usize,
+    pub ffn_size: usize,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 10] = [
+    pub const ALL: [Preset; 13] = [
         Preset::SmolLm2_135m,
         Preset::Llama32_1b,
         Preset::Llama3_8b,
@@ -87,6 +101,9 @@ impl Preset {
         Preset::Qwen3_0_6b,
         Preset::Qwen3_8b,
         Preset::Gemma3_270m,
+        Preset::Qwen3_30bA3b,
+        Preset::Mixtral8x7b,
+        Preset::Qwen3Moe6bA1b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -101,6 +118,9 @@ impl Preset {
             Preset::Qwen3_0_6b => "qwen3-0.6b",
             Preset::Qwen3_8b => "qwen3-8b",
             Preset::Gemma3_270m => "gemma3-270m",
+            Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
+            Preset::Mixtral8x7b => "mixtral-8x7b",
+            Preset::Qwen3Moe6bA1b => "qwen3moe-6b-a1b",
         }
     }
 
@@ -125,6 +145,9 @@ impl Preset {
             Preset::SmolLm2_135m => TokenizerKind::SmolLm,
             Preset::Llama32_1b | Preset::Llama3_8b | Preset::Llama31_8b => TokenizerKind::Llama3,
             Preset::Gemma3_270m => TokenizerKind::Gemma,
+            // Mixtral's 32,000-token SentencePiece vocabulary has its specials at 0-2, where
+            // the SmolLM family's are.
+            Preset::Mixtral8x7b => TokenizerKind::SmolLm,
             _ => TokenizerKind::Qwen,
         }
     }
@@ -148,6 +171,7 @@ impl Preset {
             qk_norm: false,
             llama3_rope: None,
             sliding_window: None,
+            experts: None,
         };
         let qwen2 = |vocab, hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen2,
@@ -166,6 +190,7 @@ impl Preset {
             qk_norm: false,
             llama3_rope: None,
             sliding_window: None,
+            experts: None,
         };
         let qwen3 = |hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen3,
@@ -184,6 +209,7 @@ impl Preset {
             qk_norm: true,
             llama3_rope: None,
             sliding_window: None,
+            experts: None,
         };
         match self {
             Preset::SmolLm2_135m => llama(49_152, 576, 30, 9, 3, 1536, 8192, 100_000.0, true),
@@ -223,6 +249,38 @@ impl Preset {
                 qk_norm: true,
                 llama3_rope: None,
                 sliding_window: Some(512),
+                experts: None,
+            },
+            // Qwen/Qwen3-30B-A3B: Qwen3's attention, 128 experts of 768 (8 a token) in every
+            // layer.
+            Preset::Qwen3_30bA3b => SynthShape {
+                arch: Architecture::Qwen3Moe,
+                experts: Some(SynthExperts {
+                    count: 128,
+                    used: 8,
+                    ffn_size: 768,
+                }),
+                ..qwen3(2048, 48, 32, 4, 6144, false)
+            },
+            // mistralai/Mixtral-8x7B-v0.1: a llama file with 8 experts of 14,336 (2 a token).
+            Preset::Mixtral8x7b => SynthShape {
+                experts: Some(SynthExperts {
+                    count: 8,
+                    used: 2,
+                    ffn_size: 14_336,
+                }),
+                ..llama(32_000, 4096, 32, 32, 8, 14_336, 32_768, 1_000_000.0, false)
+            },
+            // Not a released model: Qwen3-MoE's layout at ~4 GB in q4_k_m (6.4 B parameters,
+            // ~1 B of them a token), for CPU work beside llama.cpp.
+            Preset::Qwen3Moe6bA1b => SynthShape {
+                arch: Architecture::Qwen3Moe,
+                experts: Some(SynthExperts {
+                    count: 64,
+                    used: 8,
+                    ffn_size: 1024,
+                }),
+                ..qwen3(2048, 16, 16, 4, 6144, false)
             },
         }
     }
@@ -310,9 +368,31 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
             push(n("post_attention_norm.weight"), vec![h], norm);
         }
         push(n("ffn_norm.weight"), vec![h], norm);
-        push(n("ffn_gate.weight"), vec![h, ffn], proj(h));
-        push(n("ffn_up.weight"), vec![h, ffn], proj(h));
-        push(n("ffn_down.weight"), vec![ffn, h], proj(ffn));
+        match s.experts {
+            None => {
+                push(n("ffn_gate.weight"), vec![h, ffn], proj(h));
+                push(n("ffn_up.weight"), vec![h, ffn], proj(h));
+                push(n("ffn_down.weight"), vec![ffn, h], proj(ffn));
+            }
+            Some(e) => {
+                push(n("ffn_gate_inp.weight"), vec![h, e.count], proj(h));
+                push(
+                    n("ffn_gate_exps.weight"),
+                    vec![h, e.ffn_size, e.count],
+                    proj(h),
+                );
+                push(
+                    n("ffn_up_exps.weight"),
+                    vec![h, e.ffn_size, e.count],
+                    proj(h),
+                );
+                push(
+                    n("ffn_down_exps.weight"),
+                    vec![e.ffn_size, h, e.count],
+                    proj(e.ffn_size),
+                );
+            }
+        }
         if s.sliding_window.is_some() {
             push(n("post_ffw_norm.weight"), vec![h], norm);
         }
@@ -438,6 +518,18 @@ pub fn metadata(preset: Preset, recipe: Recipe, seed: u64) -> Vec<(String, GgufV
     );
     if let Some(w) = s.sliding_window {
         put(&a("attention.sliding_window"), GgufValue::U32(w as u32));
+    }
+    if let Some(e) = s.experts {
+        put(&a("expert_count"), GgufValue::U32(e.count as u32));
+        put(&a("expert_used_count"), GgufValue::U32(e.used as u32));
+        // llama.cpp's converter writes the expert width for Qwen3-MoE; Mixtral's is its
+        // `feed_forward_length`.
+        if s.arch == Architecture::Qwen3Moe {
+            put(
+                &a("expert_feed_forward_length"),
+                GgufValue::U32(e.ffn_size as u32),
+            );
+        }
     }
     tokenizer_metadata(preset.tokenizer(), s.vocab_size, &mut put);
     kv

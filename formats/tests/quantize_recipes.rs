@@ -8,6 +8,7 @@ use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use kiln_formats::quantize::{
     no_progress, plan_types, quantize_gguf, QuantizeOptions, Recipe, TensorDesc,
 };
+use kiln_formats::synth::{self, Preset};
 
 use QType::*;
 
@@ -481,5 +482,47 @@ fn python_gguf_reads_kiln_output_and_agrees_on_values() {
                 );
             }
         }
+    }
+}
+
+/// Mixture-of-Experts files as llama.cpp's recipes type them: the router stays f32, the
+/// stacked experts take the dense roles' rules (`ffn_down_exps` the more-bits layers of
+/// `ffn_down`), and an 8-expert model (Mixtral) keeps attn_k and attn_v in Q8_0.
+#[test]
+fn moe_shapes_follow_llama_cpp() {
+    for (preset, experts) in [(Preset::Mixtral8x7b, 8), (Preset::Qwen3_30bA3b, 128)] {
+        let plan = synth::plan(preset, Recipe::Q4_K_M);
+        let layers = preset.shape().num_layers;
+        let more = match layers {
+            32 => &MORE_BITS_32[..],
+            _ => &[][..],
+        };
+        let ty = |name: &str| {
+            plan.iter()
+                .find(|t| t.name == name)
+                .unwrap_or_else(|| panic!("no tensor {name}"))
+                .qtype
+        };
+        let mut downs_q6 = 0;
+        for l in 0..layers {
+            let n = |r: &str| format!("blk.{l}.{r}.weight");
+            assert_eq!(ty(&n("ffn_gate_inp")), F32, "{preset:?} router");
+            assert_eq!(ty(&n("ffn_gate_exps")), Q4_K);
+            assert_eq!(ty(&n("ffn_up_exps")), Q4_K);
+            let down = ty(&n("ffn_down_exps"));
+            downs_q6 += usize::from(down == Q6_K);
+            if !more.is_empty() {
+                assert_eq!(down == Q6_K, more.contains(&l), "{preset:?} down {l}");
+            }
+            let attn_k = if experts == 8 { Q8_0 } else { Q4_K };
+            assert_eq!(ty(&n("attn_k")), attn_k, "{preset:?} attn_k {l}");
+            if experts == 8 {
+                assert_eq!(ty(&n("attn_v")), Q8_0, "{preset:?} attn_v {l}");
+            }
+        }
+        assert!(
+            downs_q6 > 0 && downs_q6 < layers,
+            "{preset:?}: {downs_q6} of {layers}"
+        );
     }
 }

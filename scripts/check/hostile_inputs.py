@@ -233,6 +233,29 @@ def gemma3():
     return m
 
 
+def qwen3moe(experts=4, used=2):
+    """The tiny model as a qwen3moe: its keys, QK norms, and a router with stacked experts
+    (ffn 16 each) in place of the dense feed-forward."""
+    m = Model()
+    m.kv = [(k.replace("llama.", "qwen3moe.", 1), t, v) for k, t, v in m.kv]
+    m.set("general.architecture", STR, "qwen3moe")
+    m.set("qwen3moe.expert_count", U32, experts)
+    m.set("qwen3moe.expert_used_count", U32, used)
+    m.set("qwen3moe.expert_feed_forward_length", U32, 16)
+    hd, h, ffn = m.hidden // m.heads, m.hidden, 16
+    dense = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    m.tensors = [t for t in m.tensors if not t["name"].endswith(dense)]
+    for i in range(m.layers):
+        for name, dims in [("attn_q_norm", [hd]), ("attn_k_norm", [hd]), ("ffn_gate_inp", [h, experts]),
+                           ("ffn_gate_exps", [h, ffn, experts]), ("ffn_up_exps", [h, ffn, experts]),
+                           ("ffn_down_exps", [ffn, h, experts])]:
+            n = math.prod(dims)
+            vals = [1.0] * n if len(dims) == 1 else [((j * 37) % 23 - 11) / 100.0 for j in range(n)]
+            m.tensors.append({"name": f"blk.{i}.{name}.weight", "dims": dims, "type": GGML_F32,
+                              "data": struct.pack(f"<{n}f", *vals)})
+    return m
+
+
 def model_cases(s, base):
     """Model files with one thing wrong, each opened by `kiln run` and `kiln inspect`."""
     cases = []
@@ -291,6 +314,17 @@ def model_cases(s, base):
     case("gemma3-window-missing", gemma3().drop("gemma3.attention.sliding_window"), contains="sliding_window")
     m = gemma3(); m.tensors = [t for t in m.tensors if "post_ffw_norm" not in t["name"]]
     case("gemma3-no-post-norms", m)
+    # Mixture of Experts: a well-formed one runs; counts and shapes that disagree are refused
+    # before anything is sized by them.
+    case("qwen3moe-well-formed", qwen3moe(), expect="ok")
+    case("qwen3moe-experts-0", qwen3moe().set("qwen3moe.expert_count", U32, 0), contains="expert_count")
+    case("qwen3moe-experts-2^40", qwen3moe().set("qwen3moe.expert_count", U64, 2**40), contains="expert count")
+    case("qwen3moe-used-above-count", qwen3moe().set("qwen3moe.expert_used_count", U32, 5), contains="experts used")
+    case("qwen3moe-expert-ffn-2^62", qwen3moe().set("qwen3moe.expert_feed_forward_length", U64, 2**62))
+    m = qwen3moe(); m.tensors = [t for t in m.tensors if "ffn_gate_inp" not in t["name"]]
+    case("qwen3moe-no-router", m, contains="ffn_gate_inp")
+    m = qwen3moe(); m.tensor("blk.0.ffn_down_exps.weight")["dims"] = [16, 32, 3]
+    case("qwen3moe-expert-shapes-disagree", m)
     for name, path, expect, contains, extra in cases:
         s.run(f"run {name}", ["run", "Hello", "-n", "3", "-m", path] + extra, expect, contains=contains)
         s.run(f"inspect {name}", ["inspect", path] + extra[:0], "any" if expect != "error" else "any")
