@@ -41,7 +41,7 @@ pub enum Preset {
     Gemma3_270m,
     Qwen3_30bA3b,
     Mixtral8x7b,
-    Qwen3Moe6bA1b,
+    Qwen3Moe7bA2b,
 }
 
 /// Which tokenizer family a preset imitates (special tokens, pre-tokenizer, template).
@@ -103,7 +103,7 @@ impl Preset {
         Preset::Gemma3_270m,
         Preset::Qwen3_30bA3b,
         Preset::Mixtral8x7b,
-        Preset::Qwen3Moe6bA1b,
+        Preset::Qwen3Moe7bA2b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -120,7 +120,7 @@ impl Preset {
             Preset::Gemma3_270m => "gemma3-270m",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::Mixtral8x7b => "mixtral-8x7b",
-            Preset::Qwen3Moe6bA1b => "qwen3moe-6b-a1b",
+            Preset::Qwen3Moe7bA2b => "qwen3moe-7b-a2b",
         }
     }
 
@@ -271,9 +271,9 @@ impl Preset {
                 }),
                 ..llama(32_000, 4096, 32, 32, 8, 14_336, 32_768, 1_000_000.0, false)
             },
-            // Not a released model: Qwen3-MoE's layout at ~4 GB in q4_k_m (6.4 B parameters,
-            // ~1 B of them a token), for CPU work beside llama.cpp.
-            Preset::Qwen3Moe6bA1b => SynthShape {
+            // Not a released model: Qwen3-MoE's layout at 4.4 GB in q4_k_m (7.2 B parameters,
+            // 1.6 B of them a token), for CPU work beside llama.cpp.
+            Preset::Qwen3Moe7bA2b => SynthShape {
                 arch: Architecture::Qwen3Moe,
                 experts: Some(SynthExperts {
                     count: 64,
