@@ -242,8 +242,8 @@ pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
             .iter()
             .filter_map(|l| l.experts.as_ref())
             .map(|x| {
-                let stacked = [&x.gate, &x.up, &x.down].map(|t| t.bytes().len() as u64);
-                stacked.iter().sum::<u64>() / e.count as u64 * (e.count - e.used) as u64
+                let all = (x.gate.bytes() + x.up.bytes() + x.down.bytes()) as u64;
+                all / e.count as u64 * (e.count - e.used) as u64
             })
             .sum(),
     };

@@ -735,17 +735,78 @@ pub struct LayerWeights {
     pub ffn_post_norm: Option<TensorView>,
 }
 
-/// A layer's Mixture-of-Experts weights, as GGUF stores them: the router and each
-/// projection of every expert stacked into one tensor (matrix `e` is expert `e`'s).
+/// A layer's Mixture-of-Experts weights: the router and each projection of every expert.
 #[derive(Debug, Clone)]
 pub struct ExpertWeights {
     /// `[hidden, count]` (`ffn_gate_inp`).
     pub router: TensorView,
-    /// `[hidden, ffn, count]` (`ffn_gate_exps`, `ffn_up_exps`).
-    pub gate: TensorView,
-    pub up: TensorView,
-    /// `[ffn, hidden, count]` (`ffn_down_exps`).
-    pub down: TensorView,
+    /// Each expert's `[hidden, ffn]` gate and up projections (`ffn_gate_exps`, `ffn_up_exps`).
+    pub gate: ExpertTensors,
+    pub up: ExpertTensors,
+    /// Each expert's `[ffn, hidden]` down projection (`ffn_down_exps`).
+    pub down: ExpertTensors,
+}
+
+/// One projection of every expert, as the file stores it.
+#[derive(Debug, Clone)]
+pub enum ExpertTensors {
+    /// One tensor of dims `[row_len, rows, count]` (matrix `e` is expert `e`'s): what
+    /// llama.cpp's converter writes.
+    Stacked(TensorView),
+    /// A tensor per expert (`blk.N.ffn_gate.E.weight`): older Mixtral files.
+    PerExpert(Vec<TensorView>),
+}
+
+impl ExpertTensors {
+    /// Expert `e`'s matrix (a zero-copy view).
+    pub fn expert(&self, e: usize) -> Result<TensorView> {
+        match self {
+            ExpertTensors::Stacked(t) => t.matrix(e),
+            ExpertTensors::PerExpert(v) => v
+                .get(e)
+                .cloned()
+                .ok_or_else(|| Error::InvalidShape(format!("expert {e} of {} experts", v.len()))),
+        }
+    }
+
+    /// The tensors as the file has them.
+    pub fn tensors(&self) -> Vec<&TensorView> {
+        match self {
+            ExpertTensors::Stacked(t) => vec![t],
+            ExpertTensors::PerExpert(v) => v.iter().collect(),
+        }
+    }
+
+    /// Every expert's matrix dims `[row_len, rows]` and the expert count, or `None` if the
+    /// experts' matrices differ in shape or type.
+    pub fn shape(&self) -> Option<([usize; 2], usize)> {
+        match self {
+            ExpertTensors::Stacked(t) => match t.dims() {
+                &[a, b, n] => Some(([a, b], n)),
+                _ => None,
+            },
+            ExpertTensors::PerExpert(v) => {
+                let first = v.first()?;
+                let same = v
+                    .iter()
+                    .all(|t| t.dims() == first.dims() && t.qtype() == first.qtype());
+                match (first.dims(), same) {
+                    (&[a, b], true) => Some(([a, b], v.len())),
+                    _ => None,
+                }
+            }
+        }
+    }
+
+    /// Bytes of all the experts' matrices.
+    pub fn bytes(&self) -> usize {
+        self.tensors().iter().map(|t| t.bytes().len()).sum()
+    }
+
+    /// Values of all the experts' matrices.
+    pub fn elements(&self) -> usize {
+        self.tensors().iter().map(|t| t.elements()).sum()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -775,7 +836,10 @@ impl ModelWeights {
         for l in &self.layers {
             all.extend([&l.attn_norm, &l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out]);
             if let Some(e) = &l.experts {
-                all.extend([&e.router, &e.gate, &e.up, &e.down]);
+                all.push(&e.router);
+                for p in [&e.gate, &e.up, &e.down] {
+                    all.extend(p.tensors());
+                }
             }
             for t in [
                 &l.attn_norm_bias,
@@ -835,8 +899,7 @@ impl ModelIr {
     pub fn matmul_share(&self, family: impl Fn(QType) -> bool) -> f64 {
         let (mut hit, mut all) = (0usize, 0usize);
         for l in &self.weights.layers {
-            let experts = l.experts.as_ref();
-            let mats = [
+            let mut mats: Vec<&TensorView> = [
                 Some(&l.attn_q),
                 Some(&l.attn_k),
                 Some(&l.attn_v),
@@ -844,11 +907,16 @@ impl ModelIr {
                 l.ffn_gate.as_ref(),
                 l.ffn_up.as_ref(),
                 l.ffn_down.as_ref(),
-                experts.map(|e| &e.gate),
-                experts.map(|e| &e.up),
-                experts.map(|e| &e.down),
-            ];
-            for t in mats.into_iter().flatten() {
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            if let Some(e) = &l.experts {
+                for p in [&e.gate, &e.up, &e.down] {
+                    mats.extend(p.tensors());
+                }
+            }
+            for t in mats {
                 all += t.bytes().len();
                 if family(t.qtype()) {
                     hit += t.bytes().len();

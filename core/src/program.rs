@@ -628,25 +628,28 @@ impl<'a> Builder<'a> {
         let (h, width, n) = (self.c.hidden_size, cfg.ffn_size, cfg.count);
         matrix(&w.router, h, n, &at("the expert router"))?;
         for (t, dims, what) in [
-            (&w.gate, [h, width, n], "the experts' gate projections"),
-            (&w.up, [h, width, n], "the experts' up projections"),
-            (&w.down, [width, h, n], "the experts' down projections"),
+            (&w.gate, [h, width], "the experts' gate projections"),
+            (&w.up, [h, width], "the experts' up projections"),
+            (&w.down, [width, h], "the experts' down projections"),
         ] {
-            if t.dims() != dims {
+            if t.shape() != Some((dims, n)) {
                 return Err(Error::Format(format!(
-                    "{}: {} has dims {:?}, expected {dims:?}",
+                    "{}: expected {n} experts' matrices of dims {dims:?} and one type, found {}",
                     at(what),
-                    t.name(),
-                    t.dims()
+                    t.tensors()
+                        .iter()
+                        .map(|t| format!("{} {:?} {}", t.name(), t.dims(), t.qtype().name()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )));
             }
         }
         let experts = (0..n)
             .map(|e| {
                 Ok(FeedForward {
-                    gate: Some(w.gate.matrix(e)?),
-                    up: w.up.matrix(e)?,
-                    down: w.down.matrix(e)?,
+                    gate: Some(w.gate.expert(e)?),
+                    up: w.up.expert(e)?,
+                    down: w.down.expert(e)?,
                     activation: self.c.activation,
                 })
             })

@@ -11,9 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    Activation, Architecture, Backend, Candidate, Error, ExpertConfig, ExpertWeights,
-    GraniteScales, LayerWeights, ModelConfig, ModelIr, ModelWeights, Registry, Result, RopeConfig,
-    RopeKind, RopeScaling, SlidingWindow, TensorView,
+    Activation, Architecture, Backend, Candidate, Error, ExpertConfig, ExpertTensors,
+    ExpertWeights, GraniteScales, LayerWeights, ModelConfig, ModelIr, ModelWeights, Registry,
+    Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
 
 use crate::gguf::GgufFile;
@@ -482,6 +482,28 @@ fn check_dims(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// Layer `i`'s `role` projection of every expert: the stacked `ffn_{role}_exps` tensor, or,
+/// in older Mixtral files, one `ffn_{role}.E.weight` a expert (each of `dims`).
+fn expert_tensors(
+    t: &mut Tensors,
+    i: usize,
+    role: &str,
+    dims: [usize; 2],
+    count: usize,
+) -> Result<ExpertTensors> {
+    let stacked = format!("blk.{i}.ffn_{role}_exps.weight");
+    let per_expert = |e: usize| format!("blk.{i}.ffn_{role}.{e}.weight");
+    if t.table.get(&stacked).is_some() || t.table.get(&per_expert(0)).is_none() {
+        return Ok(ExpertTensors::Stacked(
+            t.req(&stacked, &[dims[0], dims[1], count])?,
+        ));
+    }
+    (0..count)
+        .map(|e| t.req(&per_expert(e), &dims))
+        .collect::<Result<_>>()
+        .map(ExpertTensors::PerExpert)
+}
+
 /// Layer `i`'s dense feed-forward (gate, up, down). A gate/up pair stored as one tensor of
 /// twice the rows (Phi-3), gate first, is split into its halves without copying.
 fn dense_feed_forward(
@@ -619,9 +641,9 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
                 let width = e.ffn_size;
                 let experts = ExpertWeights {
                     router: t.req(&n("ffn_gate_inp.weight"), &[hidden, e.count])?,
-                    gate: t.req(&n("ffn_gate_exps.weight"), &[hidden, width, e.count])?,
-                    up: t.req(&n("ffn_up_exps.weight"), &[hidden, width, e.count])?,
-                    down: t.req(&n("ffn_down_exps.weight"), &[width, hidden, e.count])?,
+                    gate: expert_tensors(t, i, "gate", [hidden, width], e.count)?,
+                    up: expert_tensors(t, i, "up", [hidden, width], e.count)?,
+                    down: expert_tensors(t, i, "down", [width, hidden], e.count)?,
                 };
                 // A dense feed-forward beside the experts (a shared expert) is read so that
                 // the builder can refuse it by name rather than the file being refused for

@@ -224,7 +224,10 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                     new_type = QType::Q8_0;
                 }
             } else if name.contains("ffn_down") {
-                let (i, n) = (i_ffn_down, n_layers);
+                // llama.cpp's `layer_info`: a tensor per expert (`blk.L.ffn_down.E.weight`)
+                // counts as its layer L, not as the next of a running count.
+                let i = per_expert_layer(name).unwrap_or(i_ffn_down);
+                let n = n_layers;
                 match recipe {
                     Recipe::Q4_K_M | Recipe::Q5_K_M if use_more_bits(i, n) => {
                         new_type = QType::Q6_K
@@ -244,6 +247,15 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
         })();
     }
     types
+}
+
+/// Layer L of a per-expert tensor's name `blk.L.ffn_down.E.weight`.
+fn per_expert_layer(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, role) = rest.split_once('.')?;
+    let expert = role.strip_prefix("ffn_down.")?.strip_suffix(".weight")?;
+    expert.parse::<usize>().ok()?;
+    layer.parse().ok()
 }
 
 /// llama.cpp's `convert_incompatible_tensor`: a K-quant that cannot tile the row becomes

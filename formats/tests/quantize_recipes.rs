@@ -526,3 +526,36 @@ fn moe_shapes_follow_llama_cpp() {
         );
     }
 }
+
+/// An older Mixtral file's per-expert tensors (`blk.L.ffn_down.E.weight`) take their
+/// layer's type, as llama.cpp's `layer_info` reads the layer from the name.
+#[test]
+fn per_expert_tensors_count_by_their_layer() {
+    let stacked = synth::plan(Preset::Mixtral8x7b, Recipe::Q4_K_M);
+    let mut table = Vec::new();
+    for t in &stacked {
+        match t.name.strip_suffix("_exps.weight") {
+            Some(stem) => table.extend((0..8).map(|e| TensorDesc {
+                name: format!("{stem}.{e}.weight"),
+                dims: t.dims[..2].to_vec(),
+                qtype: F16,
+            })),
+            None => table.push(TensorDesc {
+                qtype: if t.dims.len() == 1 { F32 } else { F16 },
+                ..t.clone()
+            }),
+        }
+    }
+    let types = plan_types(Recipe::Q4_K_M, &table, 32);
+    for l in 0..32 {
+        let want = if MORE_BITS_32.contains(&l) {
+            Q6_K
+        } else {
+            Q4_K
+        };
+        for e in 0..8 {
+            let name = format!("blk.{l}.ffn_down.{e}.weight");
+            assert_eq!(type_of(&table, &types, &name), want, "{name}");
+        }
+    }
+}

@@ -183,3 +183,61 @@ fn bad_expert_metadata_and_tensors_are_refused() {
     .unwrap();
     assert!(!ir.config.experts.unwrap().normalize_weights);
 }
+
+/// An older Mixtral file stores each expert's projections as their own tensors
+/// (`blk.N.ffn_gate.E.weight`): the Mixtral fixture rewritten that way runs to the very
+/// logits of the stacked file.
+#[test]
+fn per_expert_tensors_run_as_the_stacked_ones() {
+    let file = GgufFile::open(kiln_tests::fixture("moe/mixtral.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        w.add_kv(k.clone(), v.clone()).unwrap();
+    }
+    let mut split = 0;
+    for t in file.tensors() {
+        let view = file.view(t).unwrap();
+        match t.name.strip_suffix("_exps.weight") {
+            Some(stem) => {
+                for e in 0..t.dims[2] {
+                    let m = view.matrix(e).unwrap();
+                    let name = format!("{stem}.{e}.weight");
+                    w.add_tensor(name, t.qtype, m.dims().to_vec(), m.bytes().to_vec())
+                        .unwrap();
+                }
+                split += 1;
+            }
+            None => {
+                w.add_tensor(
+                    t.name.clone(),
+                    t.qtype,
+                    t.dims.clone(),
+                    view.bytes().to_vec(),
+                )
+                .unwrap();
+            }
+        }
+    }
+    assert_eq!(
+        split,
+        3 * 2,
+        "three stacked projections in each of two layers"
+    );
+    let bytes = w.write_to(Vec::new()).unwrap();
+    let per_expert = GgufFile::from_storage(std::sync::Arc::new(bytes)).unwrap();
+    let per_expert = model_from_gguf(&per_expert, "per-expert mixtral").unwrap();
+    assert!(matches!(
+        per_expert.weights.layers[0].experts.as_ref().unwrap().gate,
+        kiln_core::ExpertTensors::PerExpert(ref v) if v.len() == 4
+    ));
+    let stacked = Fixtures::open("moe").model("mixtral");
+    let prompt = Fixtures::open("moe").prompt().to_vec();
+    let logits = |ir: &kiln_core::ModelIr| {
+        let mut exec = kiln_tests::cpu_executor(ir, 256);
+        let seq = exec.new_sequence().unwrap();
+        let mut out = vec![f32::NAN; ir.config.vocab_size];
+        exec.prefill(seq, &prompt, &mut out).unwrap();
+        out
+    };
+    assert_eq!(logits(&per_expert), logits(&stacked));
+}
