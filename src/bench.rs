@@ -241,10 +241,7 @@ pub fn bytes_per_decode_step(model: &kiln_core::ModelIr) -> u64 {
             .layers
             .iter()
             .filter_map(|l| l.experts.as_ref())
-            .map(|x| {
-                let all = (x.gate.bytes() + x.up.bytes() + x.down.bytes()) as u64;
-                all / e.count as u64 * (e.count - e.used) as u64
-            })
+            .map(|x| x.unread_by_a_token(e.used).1 as u64)
             .sum(),
     };
     all - embd - idle_experts

@@ -788,10 +788,7 @@ fn cmd_inspect(model: Option<PathBuf>, backend: BackendArgs) -> Result<()> {
             .layers
             .iter()
             .filter_map(|l| l.experts.as_ref())
-            .map(|x| {
-                (x.gate.elements() + x.up.elements() + x.down.elements()) / e.count
-                    * (e.count - e.used)
-            })
+            .map(|x| x.unread_by_a_token(e.used).0)
             .sum();
         println!(
             "experts:      {} a layer, {} used a token, feed-forward {} each; weights {}; {:.1} M parameters active a token",

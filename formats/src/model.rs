@@ -322,22 +322,13 @@ fn expert_config(
         ))),
         (None, _) => Ok(None),
         (Some(count), Architecture::Llama | Architecture::Mistral | Architecture::Qwen3Moe) => {
-            let normalize_weights = match meta.file.get(&meta.key("expert_weights_norm")) {
-                None => true,
-                Some(v) => v.as_bool().ok_or_else(|| {
-                    Error::Format(format!(
-                        "metadata '{}' should be a boolean, found {v}",
-                        meta.key("expert_weights_norm")
-                    ))
-                })?,
-            };
             Ok(Some(ExpertConfig {
                 count,
                 used: meta.usize("expert_used_count")?,
                 ffn_size: meta
                     .opt_usize("expert_feed_forward_length")?
                     .unwrap_or(ffn_size),
-                normalize_weights,
+                normalize_weights: meta.opt_bool("expert_weights_norm")?.unwrap_or(true),
             }))
         }
         (Some(_), other) => Err(Error::Unsupported(format!(
@@ -396,6 +387,15 @@ impl Meta<'_> {
                     "metadata '{key}' should be a finite number, found {v}"
                 ))),
             },
+        }
+    }
+    fn opt_bool(&self, k: &str) -> Result<Option<bool>> {
+        let key = self.key(k);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+                Error::Format(format!("metadata '{key}' should be a boolean, found {v}"))
+            }),
         }
     }
     fn f32(&self, k: &str) -> Result<f32> {
