@@ -7,7 +7,8 @@
 //! For each model it can run — synthetic ones of several shapes built in memory
 //! ([`models::suite_shapes`]: llama with an untied head, qwen2 with QKV biases at hidden 576,
 //! qwen3 with QK-norm, tied heads, a small Gemma 3 with sliding windows and sandwich norms, a
-//! small plain-type llama) and, when given, a real model —
+//! small Qwen3-MoE whose tokens each route to two of eight experts, a small plain-type llama)
+//! and, when given, a real model —
 //! it loads the model on the backend and on the CPU oracle (`kiln-backend-cpu`) and checks:
 //!
 //! - the executor contract of `kiln_core::LayerExecutor`: sequence lifecycle, capacity,

@@ -5,8 +5,9 @@
 
 use kiln_core::testdata::{gaussian_weights, random_vec};
 use kiln_core::{
-    Activation, Architecture, LayerWeights, ModelConfig, ModelIr, ModelWeights, QType, Rng,
-    RopeConfig, RopeKind, SlidingWindow, TensorView,
+    Activation, Architecture, ExpertConfig, ExpertTensors, ExpertWeights, LayerWeights,
+    ModelConfig, ModelIr, ModelWeights, QType, Rng, RopeConfig, RopeKind, SlidingWindow,
+    TensorView,
 };
 
 /// The hyper-parameters and weight types of one synthetic model.
@@ -25,6 +26,9 @@ pub struct Shape {
     pub tied: bool,
     /// (attention Q/K/O, V, FFN gate/up, down, LM head / embedding)
     pub types: [QType; 5],
+    /// A Mixture of Experts in place of every layer's feed-forward (its experts' gate/up
+    /// and down in the FFN types, the router in f32).
+    pub experts: Option<ExpertConfig>,
 }
 
 /// A `[k, n]` matrix (n rows of k values) ~ N(0, 1/k), quantised to `q`.
@@ -32,6 +36,16 @@ pub fn matrix(rng: &mut Rng, name: &str, q: QType, k: usize, n: usize) -> Tensor
     let bytes = gaussian_weights(rng, q, k, n, 1.0 / (k as f32).sqrt())
         .expect("a quantisable type and row length");
     TensorView::from_bytes(name, q, vec![k, n], bytes).expect("sized by the quantiser")
+}
+
+/// `count` experts' `[k, n]` matrices stacked into one `[k, n, count]` tensor, each
+/// ~ N(0, 1/k) in `q`.
+fn stacked(rng: &mut Rng, name: &str, q: QType, k: usize, n: usize, count: usize) -> ExpertTensors {
+    let bytes = gaussian_weights(rng, q, k, n * count, 1.0 / (k as f32).sqrt())
+        .expect("a quantisable type and row length");
+    ExpertTensors::Stacked(
+        TensorView::from_bytes(name, q, vec![k, n, count], bytes).expect("sized by the quantiser"),
+    )
 }
 
 /// A norm weight vector of `n` values near 1.
@@ -52,6 +66,7 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
     let gemma3 = s.arch == Architecture::Gemma3;
     let (h, qd, kvd) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let [tq, tv, tg, td, te] = s.types;
+    let dense = s.experts.is_none();
     let mut layers = Vec::new();
     for i in 0..s.layers {
         let bias = |rng: &mut Rng, n: usize| {
@@ -74,10 +89,15 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             attn_out_bias: None,
             ffn_norm: Some(norm(rng, "ffn_norm", h)),
             ffn_norm_bias: None,
-            ffn_gate: Some(matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
-            ffn_up: Some(matrix(rng, &format!("{i}.up"), tg, h, s.ffn)),
-            ffn_down: Some(matrix(rng, &format!("{i}.down"), td, s.ffn, h)),
-            experts: None,
+            ffn_gate: dense.then(|| matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
+            ffn_up: dense.then(|| matrix(rng, &format!("{i}.up"), tg, h, s.ffn)),
+            ffn_down: dense.then(|| matrix(rng, &format!("{i}.down"), td, s.ffn, h)),
+            experts: s.experts.map(|e| ExpertWeights {
+                router: matrix(rng, &format!("{i}.router"), QType::F32, h, e.count),
+                gate: stacked(rng, &format!("{i}.gate_exps"), tg, h, e.ffn_size, e.count),
+                up: stacked(rng, &format!("{i}.up_exps"), tg, h, e.ffn_size, e.count),
+                down: stacked(rng, &format!("{i}.down_exps"), td, e.ffn_size, h, e.count),
+            }),
             attn_post_norm: gemma3.then(|| norm(rng, "post_attention_norm", h)),
             ffn_post_norm: gemma3.then(|| norm(rng, "post_ffw_norm", h)),
         });
@@ -114,6 +134,7 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
         },
         tied_embeddings: s.tied,
         context_length,
+        experts: s.experts,
         ..ModelConfig::default()
     };
     let config = match gemma3 {
@@ -171,6 +192,7 @@ pub fn shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: false,
                 tied: false,
                 types: [Q4_K, Q6_K, Q4_K, Q6_K, Q6_K],
+                experts: None,
             },
         ),
         (
@@ -189,6 +211,7 @@ pub fn shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: false,
                 tied: true,
                 types: [Q5_0, Q8_0, Q4_1, Q5_1, Q8_0],
+                experts: None,
             },
         ),
         (
@@ -207,6 +230,7 @@ pub fn shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: true,
                 tied: true,
                 types: [Q5_K, Q8_0, Q4_0, Q6_K, F16],
+                experts: None,
             },
         ),
     ]
@@ -214,7 +238,7 @@ pub fn shapes() -> Vec<(&'static str, Shape)> {
 
 /// What the conformance suite runs: [`shapes`], a small Gemma 3 (sliding windows, sandwich
 /// norms, QK-norm, GELU, a scaled embedding: the shape that reaches a plugin only as a
-/// program), then a small llama of the plainest types (Q8_0 matrices, F16 embedding and
+/// program), a small Qwen3-MoE (eight experts, two a token, K-quant experts), then a small llama of the plainest types (Q8_0 matrices, F16 embedding and
 /// untied head) that a backend with only a few kernels can still take.
 pub fn suite_shapes() -> Vec<(&'static str, Shape)> {
     let mut all = shapes();
@@ -240,6 +264,37 @@ pub fn suite_shapes() -> Vec<(&'static str, Shape)> {
                 QType::Q8_0,
                 QType::Q8_0,
             ],
+            experts: None,
+        },
+    ));
+    all.push((
+        "qwen3moe, 8 experts (2 a token), small",
+        Shape {
+            arch: Architecture::Qwen3Moe,
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            ffn: 256,
+            vocab: 1024,
+            layers: 2,
+            rope: RopeKind::Neox,
+            qkv_bias: false,
+            qk_norm: true,
+            tied: true,
+            types: [
+                QType::Q8_0,
+                QType::Q8_0,
+                QType::Q4_K,
+                QType::Q6_K,
+                QType::Q8_0,
+            ],
+            experts: Some(ExpertConfig {
+                count: 8,
+                used: 2,
+                ffn_size: 256,
+                normalize_weights: true,
+            }),
         },
     ));
     all.push((
@@ -264,6 +319,7 @@ pub fn suite_shapes() -> Vec<(&'static str, Shape)> {
                 QType::Q8_0,
                 QType::F16,
             ],
+            experts: None,
         },
     ));
     all
@@ -289,5 +345,10 @@ pub fn describe(s: &Shape) -> String {
         ", sliding window, sandwich norms, GELU"
     } else {
         ""
-    }
+    } + &s.experts.map_or(String::new(), |e| {
+        format!(
+            ", {} experts of {} ({} a token)",
+            e.count, e.ffn_size, e.used
+        )
+    })
 }

@@ -159,6 +159,7 @@ pub fn tiny_llama(head_dim: usize) -> kiln_core::ModelIr {
         qk_norm: false,
         tied: true,
         types: [QType::Q8_0; 5],
+        experts: None,
     };
     kiln::conformance::models::model(&mut kiln_core::Rng::new(3), &shape, 128)
 }

@@ -38,6 +38,7 @@ fn q4_0_shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: false,
                 tied: false,
                 types: [Q4_0, Q4_0, Q4_0, Q4_0, Q6_K],
+                experts: None,
             },
         ),
         (
@@ -56,6 +57,7 @@ fn q4_0_shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: false,
                 tied: true,
                 types: [Q4_0, Q4_0, Q4_0, Q4_0, Q8_0],
+                experts: None,
             },
         ),
         (
@@ -74,6 +76,7 @@ fn q4_0_shapes() -> Vec<(&'static str, Shape)> {
                 qk_norm: true,
                 tied: true,
                 types: [Q4_0, Q8_0, Q4_0, Q4_0, Q4_0],
+                experts: None,
             },
         ),
     ]
