@@ -37,9 +37,11 @@ pack)
     bash scripts/gpu/gpu_suite.sh build >/tmp/device-calls-build.log 2>&1 || { tail -20 /tmp/device-calls-build.log; exit 1; }
     tree=$(mktemp -d)/old
     git worktree add -f "$tree" "$rev" >/dev/null
-    # The old tree builds in its own target directory, seeded from this one so only the
-    # workspace's crates compile again.
-    cp -r target "$tree/target"
+    # The old tree builds in its own target directory, seeded from this one's release
+    # profile (the debug one is large and unused here) so only the workspace's crates
+    # compile again.
+    mkdir -p "$tree/target"
+    cp -r target/release "$tree/target/release"
     (cd "$tree" && cargo build --release -p kiln --bin kiln) >/tmp/device-calls-old.log 2>&1 || { tail -20 /tmp/device-calls-old.log; exit 1; }
     cp "$tree/target/release/kiln" .gpu/kiln_old
     strip .gpu/kiln_old
