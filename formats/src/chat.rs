@@ -211,6 +211,84 @@ impl ChatTemplate {
     }
 }
 
+/// A rendered chat prompt and where in it each message's content lies (byte ranges, in
+/// order): what [`Tokenizer::encode_chat`](crate::tokenizer::Tokenizer::encode_chat) reads
+/// as text whatever control-token spellings it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    pub text: String,
+    pub content: Vec<std::ops::Range<usize>>,
+}
+
+/// A stand-in for message `i`'s content while finding where the template puts it: private-
+/// use characters no template filter changes (no case, no whitespace) around the index.
+fn placeholder(i: usize) -> String {
+    format!("\u{F0000}{i}\u{F0001}")
+}
+
+impl ChatTemplate {
+    /// [`ChatTemplate::render`], and where the messages' contents lie in the text, so that
+    /// only the template's own markup becomes control tokens. Found by rendering again
+    /// with a placeholder per content and putting the contents back in: when that gives
+    /// the text the template renders (as given, or trimmed, as Llama 3's template trims
+    /// them), the placeholders' places are the contents'. A template that changes content
+    /// otherwise, or branches on it, gets that second text (the template's markup with the
+    /// contents as given): content never becomes markup.
+    pub fn render_prompt(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<ChatPrompt> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let stand_ins: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage::new(m.role.clone(), placeholder(i)))
+            .collect();
+        let marked = self.render(&stand_ins, add_generation_prompt)?;
+        let fill = |content: &dyn Fn(&ChatMessage) -> &str| -> ChatPrompt {
+            let mut out = ChatPrompt {
+                text: String::with_capacity(text.len()),
+                content: Vec::new(),
+            };
+            let (open, close) = ('\u{F0000}', '\u{F0001}');
+            let mut rest = marked.as_str();
+            while let Some(start) = rest.find(open) {
+                let after = &rest[start + open.len_utf8()..];
+                let Some(end) = after.find(close) else {
+                    break;
+                };
+                out.text.push_str(&rest[..start]);
+                let whole = start + open.len_utf8() + end + close.len_utf8();
+                match after[..end]
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|i| messages.get(i))
+                {
+                    Some(m) => {
+                        let c = content(m);
+                        out.content.push(out.text.len()..out.text.len() + c.len());
+                        out.text.push_str(c);
+                    }
+                    None => out.text.push_str(&rest[start..whole]),
+                }
+                rest = &rest[whole..];
+            }
+            out.text.push_str(rest);
+            out
+        };
+        let as_given = fill(&|m| m.content.as_str());
+        if as_given.text == text {
+            return Ok(as_given);
+        }
+        let trimmed = fill(&|m| m.content.trim());
+        if trimmed.text == text {
+            return Ok(trimmed);
+        }
+        Ok(as_given)
+    }
+}
+
 fn render_with(
     env: &Environment<'static>,
     messages: &[ChatMessage],

@@ -21,6 +21,7 @@
 mod spm;
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use kiln_core::{Error, Result};
@@ -545,25 +546,65 @@ impl Tokenizer {
     /// `parse_special` lets control tokens written in the text (`<|im_start|>`) become
     /// their ids instead of being spelled out.
     pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>> {
+        let matcher = if parse_special {
+            &self.specials_all
+        } else {
+            &self.specials_user
+        };
+        self.encode_cut(text, add_bos, matcher.as_ref(), &[])
+    }
+
+    /// Token ids for a chat prompt: control tokens written in `text` become their ids,
+    /// except inside the byte ranges `plain` (the messages' content), where only
+    /// user-defined tokens do, as in [`Tokenizer::encode`] without `parse_special`. So a
+    /// message that spells `<|im_end|>` stays text and cannot close its turn; the text
+    /// around it is encoded in one run, exactly as without the ranges.
+    pub fn encode_chat(
+        &self,
+        text: &str,
+        add_bos: bool,
+        plain: &[Range<usize>],
+    ) -> Result<Vec<u32>> {
+        self.encode_cut(text, add_bos, self.specials_all.as_ref(), plain)
+    }
+
+    /// Encodes `text`, cutting out as whole ids the tokens `matcher` finds, but for those
+    /// that reach into a `plain` range and are not user-defined (each such is skipped and
+    /// the search goes on from its next byte, so a token it overlapped may still match).
+    fn encode_cut(
+        &self,
+        text: &str,
+        add_bos: bool,
+        matcher: Option<&SpecialMatcher>,
+        plain: &[Range<usize>],
+    ) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_bos {
             out.push(self.bos.ok_or_else(|| {
                 Error::Tokenizer("BOS requested but the model defines no BOS token".into())
             })?);
         }
-        let matcher = if parse_special {
-            &self.specials_all
-        } else {
-            &self.specials_user
-        };
         let mut last = 0;
         let mut after_special = true;
         if let Some(m) = matcher {
-            for hit in m.automaton.find_iter(text) {
+            let mut from = 0;
+            while let Some(hit) = m
+                .automaton
+                .find(aho_corasick::Input::new(text).span(from..text.len()))
+            {
+                let id = m.ids[hit.pattern().as_usize()];
+                let in_plain = plain
+                    .iter()
+                    .any(|r| hit.start() < r.end && r.start < hit.end());
+                if in_plain && self.kinds.get(id as usize) != Some(&TokenKind::UserDefined) {
+                    from = hit.start() + 1;
+                    continue;
+                }
                 self.encode_text(&text[last..hit.start()], after_special, &mut out)?;
-                out.push(m.ids[hit.pattern().as_usize()]);
+                out.push(id);
                 after_special = true;
                 last = hit.end();
+                from = hit.end();
             }
         }
         self.encode_text(&text[last..], after_special, &mut out)?;
