@@ -572,10 +572,12 @@ fn cmd_run(args: RunArgs) -> Result<()> {
             messages.push(ChatMessage::new("system", system));
         }
         messages.push(ChatMessage::new("user", &args.prompt));
-        let text = model.chat_template.render(&messages, true)?;
-        model
-            .tokenizer
-            .encode(&text, model.tokenizer.add_bos_default(), true)?
+        let prompt = model.chat_template.render_prompt(&messages, true)?;
+        model.tokenizer.encode_chat(
+            &prompt.text,
+            model.tokenizer.add_bos_default(),
+            &prompt.content,
+        )?
     } else {
         model
             .tokenizer
@@ -667,10 +669,12 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", line.trim_end()));
         let model = &session.engine().model;
-        let text = model.chat_template.render(&messages, true)?;
-        let ids = model
-            .tokenizer
-            .encode(&text, model.tokenizer.add_bos_default(), true)?;
+        let prompt = model.chat_template.render_prompt(&messages, true)?;
+        let ids = model.tokenizer.encode_chat(
+            &prompt.text,
+            model.tokenizer.add_bos_default(),
+            &prompt.content,
+        )?;
         let mut stdout = std::io::stdout();
         let generation = session.generate(&ids, &params, |piece| {
             let _ = write!(stdout, "{piece}");

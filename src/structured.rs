@@ -46,6 +46,10 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
+/// The longest a schema's grammar may take to prepare (its lexer, built at the first
+/// mask); one that takes longer is refused as too costly.
+pub const COMPILE_BUDGET: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Builds the constraint of each request: one per server, made when the model loads.
 pub struct Grammars {
     factory: ParserFactory,
@@ -113,14 +117,41 @@ impl Grammars {
             .factory
             .create_parser(TopLevelGrammar::from_json_schema(schema))
             .map_err(|e| format!("the JSON schema cannot be used: {e}"))?;
-        let matcher = Matcher::new(Ok(parser));
-        match matcher.get_error() {
-            Some(e) => Err(format!("the JSON schema cannot be used: {e}")),
-            None => Ok(Constraint {
-                matcher,
-                eos: self.eos,
-            }),
+        let mut matcher = Matcher::new(Ok(parser)).into_cancellable();
+        if let Some(e) = matcher.get_error() {
+            return Err(format!("the JSON schema cannot be used: {e}"));
         }
+        // llguidance builds its lexer lazily, at the first mask: build it here, where the
+        // caller compiles (the server's blocking pool), not on the engine thread at the
+        // first step, and within COMPILE_BUDGET (a pattern like `^(a{1000}){1000}$` would
+        // take a second; a `$ref` cycle fails only here).
+        let cancel = matcher.cancellation_handle();
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let watchdog = std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                finished.recv_timeout(COMPILE_BUDGET)
+            {
+                if let Some(c) = cancel {
+                    c.cancel();
+                }
+            }
+        });
+        let first = matcher.compute_mask();
+        let _ = done.send(());
+        let _ = watchdog.join();
+        if matcher.is_cancelled() {
+            return Err(format!(
+                "the JSON schema is too costly to use: preparing its grammar took more than {} ms",
+                COMPILE_BUDGET.as_millis()
+            ));
+        }
+        if let Err(e) = first {
+            return Err(format!("the JSON schema cannot be used: {}", first_line(e)));
+        }
+        Ok(Constraint {
+            matcher,
+            eos: self.eos,
+        })
     }
 }
 
@@ -176,9 +207,9 @@ impl Constraint {
 
 /// llguidance's error, first line only: the rest is a dump of the parser's state.
 fn failure(e: impl std::fmt::Display) -> String {
-    let e = e.to_string();
-    format!(
-        "the output constraint failed: {}",
-        e.lines().next().unwrap_or_default()
-    )
+    format!("the output constraint failed: {}", first_line(e))
+}
+
+fn first_line(e: impl std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
 }

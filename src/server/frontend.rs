@@ -5,6 +5,8 @@
 //! The copies are rebuilt from the model's `TokenizerSpec` and template source: the
 //! `Engine` (and the `Model` in it) belongs to the engine thread.
 
+use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kiln_core::Result;
@@ -32,7 +34,13 @@ pub struct Frontend {
     /// Structured outputs (`response_format`); `None` for a model without an
     /// end-of-sequence token.
     grammars: Option<Grammars>,
+    /// The last [`SCHEMAS_KEPT`] schemas' constraints, or why each cannot be used, by the
+    /// schema's text: a client repeating a schema (or a costly one) compiles it once.
+    schemas: Mutex<VecDeque<(String, std::result::Result<Constraint, String>)>>,
 }
+
+/// Schemas whose compiled constraint (or refusal) a server keeps.
+const SCHEMAS_KEPT: usize = 32;
 
 impl Frontend {
     pub fn new(engine: &Engine) -> Result<Frontend> {
@@ -74,6 +82,7 @@ impl Frontend {
             chat,
             max_token_bytes,
             grammars,
+            schemas: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -84,8 +93,34 @@ impl Frontend {
         schema: &serde_json::Value,
         choices: usize,
     ) -> std::result::Result<Vec<Constraint>, ApiError> {
-        let constraint = json_constraint(self.grammars.as_ref(), schema)
-            .map_err(|msg| ApiError::invalid("response_format", "invalid_value", msg))?;
+        let key = schema.to_string();
+        type Compiled = std::result::Result<Constraint, String>;
+        let kept = |schemas: &VecDeque<(String, Compiled)>| -> Option<Compiled> {
+            schemas
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, c)| c.clone())
+        };
+        let lock = || self.schemas.lock().unwrap_or_else(|p| p.into_inner());
+        // (The guard is a temporary of this statement: released before the match.)
+        let cached = kept(&lock());
+        let compiled = match cached {
+            Some(c) => c,
+            None => {
+                // Compiled outside the lock: another schema need not wait for this one.
+                let c = json_constraint(self.grammars.as_ref(), schema);
+                let mut schemas = lock();
+                if kept(&schemas).is_none() {
+                    if schemas.len() == SCHEMAS_KEPT {
+                        schemas.pop_front();
+                    }
+                    schemas.push_back((key.clone(), c.clone()));
+                }
+                c
+            }
+        };
+        let constraint =
+            compiled.map_err(|msg| ApiError::invalid("response_format", "invalid_value", msg))?;
         Ok(vec![constraint; choices])
     }
 
@@ -102,6 +137,8 @@ impl Frontend {
         prompt: &PromptInput,
         param: &str,
     ) -> std::result::Result<Vec<u32>, ApiError> {
+        // The chat's message contents, which stay text (see `Tokenizer::encode_chat`).
+        let mut content = Vec::new();
         let text: std::borrow::Cow<'_, str> = match prompt {
             PromptInput::Tokens(ids) => {
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
@@ -115,23 +152,25 @@ impl Frontend {
             }
             PromptInput::Text(text) => text.into(),
             PromptInput::Chat(messages) => {
-                let text = self.chat.render(messages, true).map_err(|e| {
+                let prompt = self.chat.render_prompt(messages, true).map_err(|e| {
                     ApiError::invalid(
                         param,
                         "invalid_value",
                         format!("the chat template refused the messages: {e}"),
                     )
                 })?;
-                text.into()
+                content = prompt.content;
+                prompt.text.into()
             }
         };
         let floor = text.len() / self.max_token_bytes;
         if floor > self.context + 2 {
             return Err(self.context_exceeded(param, format!("at least {floor}")));
         }
-        // Special-token text in a prompt is read as the special token, as llama-server does.
+        // Special-token text in a prompt is read as the special token, as llama-server does,
+        // but never inside a chat message's content: a user cannot close their turn.
         self.tokenizer
-            .encode(&text, self.tokenizer.add_bos_default(), true)
+            .encode_chat(&text, self.tokenizer.add_bos_default(), &content)
             .map_err(|e| {
                 ApiError::invalid(
                     param,

@@ -26,13 +26,18 @@
 //!   engine thread frees its sequence before the next step.
 //! - Errors are OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), also
 //!   for 404/405 and anything else the router answers itself.
+//! - Connections ([`connections`]): hyper's HTTP/1 server with a timer, so a client has
+//!   `--timeout` (default 30 s) to send each request's head — idle and keep-alive
+//!   connections and slowloris clients are closed after it — and at most
+//!   `--max-connections` are held open (more get one request each, so `/health` answers).
 //! - Request bodies are read by hand up to `--body-limit` (default 4 MiB); a larger one is
-//!   read on and discarded (up to 64 MiB, 30 s) before the 413 goes out, so the client,
-//!   still sending, sees the answer instead of a reset connection.
+//!   read on and discarded (up to 64 MiB, within `--timeout`) before the 413 goes out, so
+//!   the client, still sending, sees the answer instead of a reset connection.
 //! - Prompt + `max_tokens` beyond the context is refused with 400
 //!   `context_length_exceeded`, as OpenAI does (llama-server truncates instead); without
 //!   `max_tokens` a completion may run to the end of the context.
-//! - SIGINT/SIGTERM: stop accepting, refuse queued jobs (503), let running sequences go on
+//! - SIGINT/SIGTERM: stop accepting, close every connection not serving a request (idle,
+//!   or still sending its first head), refuse queued jobs (503), let running sequences go on
 //!   for `--shutdown-grace` seconds, then end the rest with a final chunk whose
 //!   `finish_reason` is `"cancelled"`, join the engine thread and exit 0.
 //!
@@ -40,6 +45,7 @@
 //! min_p 0.05); presence/frequency penalties count generated tokens, as OpenAI defines them.
 
 pub mod api;
+mod connections;
 mod engine_thread;
 mod frontend;
 pub mod metrics;
@@ -73,8 +79,6 @@ use metrics::RequestCounts;
 /// Bodies up to this size are read (and discarded) past `--body-limit` so the 413 reaches
 /// the client; a declared `Content-Length` above it is refused at once.
 const DRAIN_LIMIT: usize = 64 << 20;
-/// Longest time a request body may take to arrive.
-const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `kiln serve` options.
 #[derive(clap::Args, Debug, Clone)]
@@ -128,6 +132,15 @@ pub struct ServeArgs {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub body_limit: usize,
+    /// Seconds a client has to send a request's head (from connecting, or from the end of
+    /// its last response: idle connections close after it) and, after that, its body.
+    #[arg(long, default_value_t = 30.0)]
+    pub timeout: f64,
+    /// Connections held open at once; more still get one request each, with 0.5 s to send
+    /// its head (so /health always answers). Default: three quarters of what the
+    /// file-descriptor limit allows.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
     /// Seconds running sequences may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_grace: f64,
@@ -151,6 +164,8 @@ struct AppState {
     shutdown: Arc<Shutdown>,
     api_key: Option<String>,
     body_limit: usize,
+    /// Longest a request body may take to arrive (`--timeout`).
+    body_timeout: Duration,
     ids: AtomicU64,
 }
 
@@ -189,6 +204,26 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     if args.queue == 0 {
         return Err(Error::InvalidArgument("--queue must be at least 1".into()));
+    }
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(Error::InvalidArgument(
+            "--api-key is empty: give the key clients must send, or leave the flag out".into(),
+        ));
+    }
+    if !(args.timeout > 0.0 && args.timeout <= 86_400.0) {
+        return Err(Error::InvalidArgument(
+            "--timeout must be more than 0 and at most 86400 seconds".into(),
+        ));
+    }
+    if args.max_connections == Some(0) {
+        return Err(Error::InvalidArgument(
+            "--max-connections must be at least 1".into(),
+        ));
+    }
+    if args.body_limit == 0 {
+        return Err(Error::InvalidArgument(
+            "--body-limit must be at least 1 byte".into(),
+        ));
     }
     if !(args.shutdown_grace >= 0.0 && args.shutdown_grace < 86_400.0) {
         return Err(Error::InvalidArgument(
@@ -247,6 +282,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         shutdown: shutdown.clone(),
         api_key: args.api_key.clone(),
         body_limit: args.body_limit,
+        body_timeout: Duration::from_secs_f64(args.timeout),
         ids: AtomicU64::new(0),
     });
 
@@ -301,10 +337,13 @@ async fn serve(args: ServeArgs) -> Result<()> {
     });
 
     let app = router(state.clone());
-    let server = axum::serve(listener, app).with_graceful_shutdown({
-        let shutdown = shutdown.clone();
-        async move { shutdown.wait().await }
-    });
+    let limits = connections::ConnectionLimits {
+        timeout: Duration::from_secs_f64(args.timeout),
+        max_connections: args
+            .max_connections
+            .unwrap_or_else(connections::default_max_connections),
+    };
+    let server = connections::serve(listener, app, limits, shutdown.clone());
     let hard_stop = {
         let shutdown = shutdown.clone();
         async move {
@@ -313,7 +352,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
     };
     tokio::select! {
-        r = server => r?,
+        _ = server => {}
         _ = hard_stop => tracing::warn!("connections still open after the grace period; exiting"),
     }
     shutdown.begin();
@@ -528,6 +567,7 @@ async fn read_body(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
+    timeout: Duration,
 ) -> std::result::Result<Bytes, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -539,7 +579,7 @@ async fn read_body(
     let mut stream = body.into_data_stream();
     let mut buf = Vec::new();
     let mut total = 0usize;
-    let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let next = tokio::time::timeout_at(deadline, stream.next())
             .await
@@ -578,7 +618,7 @@ async fn generate(
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let received = Instant::now();
-    let bytes = read_body(&headers, body, st.body_limit).await?;
+    let bytes = read_body(&headers, body, st.body_limit, st.body_timeout).await?;
     let mut req = {
         let obj = api::parse_json(&bytes)?;
         api::parse_request(endpoint, &obj)?

@@ -542,3 +542,25 @@ fn json_schema_makes_the_output_json() {
         );
     }
 }
+
+/// `kiln serve` refuses flags that cannot mean anything before it listens or loads: an
+/// empty API key (every request would get 401) and the zero limits.
+#[test]
+fn serve_refuses_meaningless_flags_at_start() {
+    for (args, names) in [
+        (&["serve", "--api-key", ""][..], "--api-key"),
+        (&["serve", "--api-key", "  "], "--api-key"),
+        (&["serve", "--body-limit", "0"], "--body-limit"),
+        (&["serve", "--queue", "0"], "--queue"),
+        (&["serve", "--max-seqs", "0"], "--max-seqs"),
+    ] {
+        let out = kiln(&[args, &["--port", "0"]].concat());
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr(&out).contains(names), "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("listening"),
+            "{args:?} listened first: {}",
+            stderr(&out)
+        );
+    }
+}
