@@ -967,3 +967,56 @@ mod tests {
         );
     }
 }
+
+/// llama-server's `POST /tokenize`: `content`, `add_special` (BOS; default false),
+/// `parse_special` (special-token spellings become their tokens; default true) and
+/// `with_pieces` (each token's text beside its id; default false).
+#[derive(Debug, Clone)]
+pub struct TokenizeRequest {
+    pub content: String,
+    pub add_special: bool,
+    pub parse_special: bool,
+    pub with_pieces: bool,
+}
+
+pub fn parse_tokenize(obj: &Map<String, Value>) -> Result<TokenizeRequest, ApiError> {
+    let content = match field(obj, "content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(v) => return Err(wrong_type("content", "a string", v)),
+        None => {
+            return Err(ApiError::invalid(
+                "content",
+                "missing_required_parameter",
+                "'content' is required",
+            ))
+        }
+    };
+    Ok(TokenizeRequest {
+        content,
+        add_special: opt_bool(obj, "add_special")?.unwrap_or(false),
+        parse_special: opt_bool(obj, "parse_special")?.unwrap_or(true),
+        with_pieces: opt_bool(obj, "with_pieces")?.unwrap_or(false),
+    })
+}
+
+/// llama-server's `POST /detokenize`: the token ids in `tokens`.
+pub fn parse_detokenize(obj: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+    match field(obj, "tokens") {
+        Some(Value::Array(ids)) => ids
+            .iter()
+            .enumerate()
+            .map(|(i, v)| token_id(v, &format!("tokens[{i}]")))
+            .collect(),
+        Some(v) => Err(wrong_type("tokens", "an array of token ids", v)),
+        None => Err(ApiError::invalid(
+            "tokens",
+            "missing_required_parameter",
+            "'tokens' is required",
+        )),
+    }
+}
+
+/// llama-server's `POST /apply-template`: the chat in `messages`, as chat completions take it.
+pub fn parse_apply_template(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    parse_messages(obj)
+}

@@ -124,6 +124,73 @@ impl Frontend {
         Ok(vec![constraint; choices])
     }
 
+    /// `/tokenize`: the ids of `req.content`, with each token's text when asked (its bytes
+    /// as a string where they are UTF-8, else as an array of bytes, as llama-server does).
+    pub fn tokenize_text(
+        &self,
+        req: &super::api::TokenizeRequest,
+    ) -> std::result::Result<serde_json::Value, ApiError> {
+        let ids = self
+            .tokenizer
+            .encode(&req.content, req.add_special, req.parse_special)
+            .map_err(|e| {
+                ApiError::invalid(
+                    "content",
+                    "invalid_value",
+                    format!(
+                        "the text could not be tokenized: {}",
+                        truncate_for_message(&e.to_string())
+                    ),
+                )
+            })?;
+        if !req.with_pieces {
+            return Ok(serde_json::json!({ "tokens": ids }));
+        }
+        let tokens: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|&id| {
+                let bytes = self.tokenizer.token_bytes(id).unwrap_or_default();
+                let piece = match std::str::from_utf8(bytes) {
+                    Ok(s) => serde_json::Value::from(s),
+                    Err(_) => serde_json::Value::from(bytes.to_vec()),
+                };
+                serde_json::json!({ "id": id, "piece": piece })
+            })
+            .collect();
+        Ok(serde_json::json!({ "tokens": tokens }))
+    }
+
+    /// `/detokenize`: the text of `ids` (special tokens spelled out), each id checked.
+    pub fn detokenize(&self, ids: &[u32]) -> std::result::Result<serde_json::Value, ApiError> {
+        if let Some((i, bad)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab)
+        {
+            return Err(ApiError::invalid(
+                format!("tokens[{i}]"),
+                "invalid_value",
+                format!("token id {bad} is outside the vocabulary ({})", self.vocab),
+            ));
+        }
+        Ok(serde_json::json!({ "content": self.tokenizer.decode(ids, false) }))
+    }
+
+    /// `/apply-template`: the chat rendered by the model's template, ready for generation.
+    pub fn apply_template(
+        &self,
+        messages: &[kiln_formats::chat::ChatMessage],
+    ) -> std::result::Result<serde_json::Value, ApiError> {
+        let prompt = self.chat.render(messages, true).map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                "invalid_value",
+                format!("the chat template refused the messages: {e}"),
+            )
+        })?;
+        Ok(serde_json::json!({ "prompt": prompt }))
+    }
+
     /// Whether a request's `model` names this model: its id, its file name, or `default`.
     pub fn accepts_model(&self, name: &str) -> bool {
         name == self.id

@@ -19,6 +19,9 @@ pub fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/apply-template" => "/apply-template",
         _ => "other",
     }
 }

@@ -1,8 +1,9 @@
 //! `kiln serve`: an OpenAI-compatible HTTP server.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-//! `GET /health` (503 `{"status":"loading"}` until the model is loaded, then 200) and
-//! `GET /metrics` (Prometheus text). Built on axum and tokio; binds 127.0.0.1 by default.
+//! `GET /health` (503 `{"status":"loading"}` until the model is loaded, then 200),
+//! `GET /metrics` (Prometheus text) and llama-server's `POST /tokenize`, `/detokenize` and
+//! `/apply-template`. Built on axum and tokio; binds 127.0.0.1 by default.
 //!
 //! How it is put together:
 //!
@@ -104,7 +105,7 @@ pub struct ServeArgs {
     /// Requests that may wait for a slot; more are answered 429.
     #[arg(long, default_value_t = 256)]
     pub queue: usize,
-    /// Require `Authorization: Bearer KEY` on /v1/* (not on /health and /metrics).
+    /// Require `Authorization: Bearer KEY` on /v1/* and the tokenizer helpers (not on /health and /metrics).
     #[arg(long)]
     pub api_key: Option<String>,
     /// Context length per sequence (default: the model's; on a GPU capped to what its KV cache fits in free memory, on the CPU backend at 4096).
@@ -388,6 +389,9 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/apply-template", post(apply_template))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -395,6 +399,12 @@ fn router(state: Arc<AppState>) -> Router {
         .layer(middleware::from_fn(openai_errors))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state)
+}
+
+/// Whether `--api-key` guards `path`: the API and the tokenizer helpers, not the
+/// health check and the metrics.
+fn needs_key(path: &str) -> bool {
+    path.starts_with("/v1/") || matches!(path, "/tokenize" | "/detokenize" | "/apply-template")
 }
 
 /// One log line and one count per request.
@@ -460,7 +470,7 @@ async fn openai_errors(req: Request, next: Next) -> Response {
 /// `--api-key`: `Authorization: Bearer KEY` on /v1/*.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        if req.uri().path().starts_with("/v1/") {
+        if needs_key(req.uri().path()) {
             let given = req
                 .headers()
                 .get(header::AUTHORIZATION)
@@ -554,6 +564,59 @@ async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
     generate(st, Endpoint::Chat, headers, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    helper(st, headers, body, |front, obj| {
+        front.tokenize_text(&api::parse_tokenize(&obj)?)
+    })
+    .await
+}
+
+async fn detokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    helper(st, headers, body, |front, obj| {
+        front.detokenize(&api::parse_detokenize(&obj)?)
+    })
+    .await
+}
+
+async fn apply_template(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    helper(st, headers, body, |front, obj| {
+        front.apply_template(&api::parse_apply_template(&obj)?)
+    })
+    .await
+}
+
+/// One of llama-server's tokenizer helpers: the body read and parsed as the API's are,
+/// then `answer` on the blocking pool (tokenizing a 4 MiB text takes a while) with the
+/// handlers' copy of the tokenizer and template.
+async fn helper(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    body: Body,
+    answer: impl FnOnce(
+            &Frontend,
+            serde_json::Map<String, serde_json::Value>,
+        ) -> std::result::Result<serde_json::Value, ApiError>
+        + Send
+        + 'static,
+) -> Response {
+    let run = async {
+        let bytes = read_body(&headers, body, st.body_limit, st.body_timeout).await?;
+        let obj = api::parse_json(&bytes)?;
+        let front = st.frontend()?;
+        tokio::task::spawn_blocking(move || answer(&front, obj))
+            .await
+            .map_err(|e| ApiError::internal(format!("the helper failed: {e}")))?
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {

@@ -2193,3 +2193,69 @@ fn serve_costly_schemas_are_refused_without_stalling_streams() {
     assert!(chunks >= 300, "{chunks}");
     assert!(worst < Duration::from_millis(300), "a gap of {worst:?}");
 }
+
+/// llama-server's tokenizer helpers: `/tokenize` (with pieces), `/detokenize` and
+/// `/apply-template` agree with the model's tokenizer and template, refuse bad ids by
+/// field, and sit behind `--api-key` like the API.
+#[test]
+fn serve_tokenizer_helpers() {
+    let model = test_model();
+    let m = kiln::Model::open(&model).expect("the model opens");
+    let s = Server::start(&model, &["--max-seqs", "1", "-c", "256", "--api-key", "k"]);
+    s.wait_ready();
+    let text = "Hello world, ünïcode and <|im_end|>!";
+    let r = s.post("/tokenize", &json!({"content": text}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ids: Vec<u32> = serde_json::from_value(r.json()["tokens"].clone()).unwrap();
+    assert_eq!(ids, m.tokenizer.encode(text, false, true).unwrap());
+    let r = s.post(
+        "/tokenize",
+        &json!({"content": text, "with_pieces": true, "add_special": m.tokenizer.add_bos_default(), "parse_special": false}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let pieces = r.json()["tokens"].as_array().unwrap().clone();
+    let plain = m
+        .tokenizer
+        .encode(text, m.tokenizer.add_bos_default(), false)
+        .unwrap();
+    assert_eq!(pieces.len(), plain.len());
+    let mut bytes = Vec::new();
+    for (p, &id) in pieces.iter().zip(&plain) {
+        assert_eq!(p["id"], id);
+        match &p["piece"] {
+            Value::String(t) => bytes.extend_from_slice(t.as_bytes()),
+            Value::Array(b) => bytes.extend(b.iter().map(|x| x.as_u64().unwrap() as u8)),
+            other => panic!("piece {other}"),
+        }
+    }
+    assert!(String::from_utf8_lossy(&bytes).contains("ünïcode and <|im_end|>!"));
+    let r = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["content"], text);
+    let r = s.post("/detokenize", &json!({"tokens": [1, 99999999]}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.error()["param"], "tokens[1]");
+    let r = s.post("/detokenize", &json!({"tokens": [1, -2]}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = s.post("/tokenize", &json!({"content": 5}));
+    assert_eq!(r.error()["param"], "content");
+    let messages =
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let r = s.post("/apply-template", &json!({"messages": messages}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let expected = m
+        .chat_template
+        .render(
+            &[
+                kiln_formats::chat::ChatMessage::new("system", "Be brief."),
+                kiln_formats::chat::ChatMessage::new("user", "Hi"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(r.json()["prompt"], expected);
+    // Without the key: 401, as on the API.
+    let r = request(s.addr, "POST", "/tokenize", &[], br#"{"content": "x"}"#);
+    assert_eq!(r.status, 401, "{}", r.text());
+    assert_eq!(request(s.addr, "GET", "/health", &[], b"").status, 200);
+}
