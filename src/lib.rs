@@ -25,6 +25,7 @@ pub mod toolkit;
 pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
 pub use generation::Finish;
+pub use kiln_formats::chat::ChatMessage;
 pub use session::{GenerateParams, Generation, Session};
 
 pub use kiln_core as core;

@@ -572,12 +572,7 @@ fn cmd_run(args: RunArgs) -> Result<()> {
             messages.push(ChatMessage::new("system", system));
         }
         messages.push(ChatMessage::new("user", &args.prompt));
-        let prompt = model.chat_template.render_prompt(&messages, true)?;
-        model.tokenizer.encode_chat(
-            &prompt.text,
-            model.tokenizer.add_bos_default(),
-            &prompt.content,
-        )?
+        model.chat_prompt(&messages)?
     } else {
         model
             .tokenizer
@@ -669,12 +664,7 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", line.trim_end()));
         let model = &session.engine().model;
-        let prompt = model.chat_template.render_prompt(&messages, true)?;
-        let ids = model.tokenizer.encode_chat(
-            &prompt.text,
-            model.tokenizer.add_bos_default(),
-            &prompt.content,
-        )?;
+        let ids = model.chat_prompt(&messages)?;
         let mut stdout = std::io::stdout();
         let generation = session.generate(&ids, &params, |piece| {
             let _ = write!(stdout, "{piece}");
