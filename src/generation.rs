@@ -190,7 +190,8 @@ pub enum Finish {
     Length,
     /// The sequence reached the executor's context limit.
     ContextFull,
-    /// The server is shutting down and the grace period ran out (not an OpenAI value).
+    /// Cancelled: by the host ([`crate::CancelToken`]), or by the server's shutdown once
+    /// its grace period ran out (not an OpenAI value).
     Cancelled,
 }
 

@@ -26,7 +26,7 @@ pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
 pub use generation::Finish;
 pub use kiln_formats::chat::ChatMessage;
-pub use session::{GenerateParams, Generation, Session};
+pub use session::{CancelToken, GenerateParams, Generation, Session};
 
 pub use kiln_core as core;
 

@@ -213,6 +213,7 @@ impl SamplingArgs {
             stop_strings: self.stop.clone(),
             stop_on_eos: true,
             json_schema: self.json_schema()?,
+            cancel: None,
         })
     }
 }
@@ -350,7 +351,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kiln: error: {e}");
+            // The library's messages speak to any host; the CLI adds its flags.
+            let hint = match &e {
+                kiln::core::Error::ContextExceeded { .. } => " (raise -c/--ctx-size)",
+                _ => "",
+            };
+            eprintln!("kiln: error: {e}{hint}");
             ExitCode::FAILURE
         }
     }

@@ -26,6 +26,9 @@ pub struct GenerateParams {
     /// masked logits ([`crate::structured`]), and a stop token ends the turn only once the
     /// value is complete.
     pub json_schema: Option<serde_json::Value>,
+    /// Ends the generation from any thread: checked before each token is decoded, it
+    /// stops with [`Finish::Cancelled`] and what was generated so far.
+    pub cancel: Option<CancelToken>,
 }
 
 impl Default for GenerateParams {
@@ -36,7 +39,28 @@ impl Default for GenerateParams {
             stop_strings: Vec::new(),
             stop_on_eos: true,
             json_schema: None,
+            cancel: None,
         }
+    }
+}
+
+/// A request to stop a generation, shared between the thread that runs it and any other:
+/// clones are the same token. Once cancelled it stays so (make a new one for the next
+/// generation).
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> CancelToken {
+        CancelToken::default()
+    }
+
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -122,10 +146,10 @@ impl<'e> Session<'e> {
         }
         let max_context = self.engine.executor.max_context();
         if prompt.len() >= max_context {
-            return Err(Error::InvalidArgument(format!(
-                "the prompt has {} tokens; the context holds {max_context} (raise --ctx-size)",
-                prompt.len()
-            )));
+            return Err(Error::ContextExceeded {
+                tokens: prompt.len(),
+                context: max_context,
+            });
         }
 
         // Made before anything changes: a schema it refuses leaves the session as it was.
@@ -197,6 +221,18 @@ impl<'e> Session<'e> {
             }
             if let Some(finish) = accepted.finish {
                 break finish;
+            }
+            if params
+                .cancel
+                .as_ref()
+                .is_some_and(CancelToken::is_cancelled)
+            {
+                let ended = generation.end(Finish::Cancelled);
+                if !ended.text.is_empty() {
+                    on_text(&ended.text);
+                    text.push_str(&ended.text);
+                }
+                break Finish::Cancelled;
             }
             let step = decode_steps + 1;
             let at_step = move |e: Error| match e {

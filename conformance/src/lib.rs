@@ -539,6 +539,8 @@ fn kind_of(e: &Error) -> &'static str {
         Error::InvalidArgument(_) => "InvalidArgument",
         Error::NonFiniteLogits { .. } => "NonFiniteLogits",
         Error::KvCacheFull { .. } => "KvCacheFull",
+        Error::ContextExceeded { .. } => "ContextExceeded",
+        _ => "another kind",
     }
 }
 

@@ -1,8 +1,10 @@
 //! The error type shared by kiln's crates.
 
 /// Everything that can go wrong between opening a model and producing a token. Each variant
-/// carries a message a user can act on.
+/// carries a message a user can act on. Hosts match on the variants they handle and keep a
+/// wildcard arm: new variants may come (`#[non_exhaustive]`).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
@@ -47,6 +49,10 @@ pub enum Error {
         free: usize,
         total: usize,
     },
+    /// A prompt as long as the context or longer: nothing was run. `tokens` is the prompt's
+    /// length, `context` what one sequence holds (a longer context is a load option).
+    #[error("the prompt has {tokens} tokens; the context holds {context}")]
+    ContextExceeded { tokens: usize, context: usize },
     /// The model computed NaN or infinite logits: a weight or activation is not finite.
     /// `step` 0 is the prompt's logits, n the n-th generated token's.
     #[error("the model produced non-finite logits (NaN or infinity) at step {step}: a weight or activation is not finite")]

@@ -19,14 +19,7 @@ fn cpu_engine(path: &std::path::Path) -> Engine {
 
 /// `messages` through the model's chat template, as token ids.
 fn chat_ids(engine: &Engine, messages: &[ChatMessage]) -> Vec<u32> {
-    let m = &engine.model;
-    m.tokenizer
-        .encode(
-            &m.chat_template.render(messages, true).unwrap(),
-            false,
-            true,
-        )
-        .unwrap()
+    engine.model.chat_prompt(messages).unwrap()
 }
 
 #[test]
@@ -173,4 +166,70 @@ fn json_schema_constrains_the_generation() {
         before.as_slice(),
         "a refused call changes nothing"
     );
+}
+
+/// A generation stops from another thread through its `CancelToken` (with the text so far
+/// and `Finish::Cancelled`), the session goes on afterwards, and an over-long prompt is the
+/// typed `ContextExceeded` with its numbers.
+#[test]
+fn a_generation_is_cancelled_from_another_thread_and_a_long_prompt_is_typed() {
+    let Some(path) = smollm2_or_skip("a_generation_is_cancelled_from_another_thread") else {
+        return;
+    };
+    let mut engine = cpu_engine(&path);
+    let prompt = chat_ids(
+        &engine,
+        &[ChatMessage::new("user", "Tell me a long story.")],
+    );
+    let cancel = kiln::CancelToken::new();
+    let params = GenerateParams {
+        max_tokens: 400,
+        sampling: SamplingParams::greedy(),
+        stop_on_eos: false,
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let mut session = engine.session().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let controller = std::thread::spawn(move || {
+        // Cancel once the generation has produced its first pieces.
+        rx.recv().unwrap();
+        cancel.cancel();
+    });
+    let mut pieces = 0;
+    let mut tx = Some(tx);
+    let g = session
+        .generate(&prompt, &params, |_| {
+            pieces += 1;
+            if pieces == 5 {
+                if let Some(tx) = tx.take() {
+                    tx.send(()).unwrap();
+                }
+            }
+        })
+        .unwrap();
+    controller.join().unwrap();
+    assert_eq!(g.finish, kiln::Finish::Cancelled, "{:?}", g.text);
+    assert!(
+        g.ids.len() >= 5 && g.ids.len() < 400,
+        "{} tokens before the cancel took",
+        g.ids.len()
+    );
+    // The session is usable afterwards, and a fresh token runs to its length.
+    let again = GenerateParams {
+        max_tokens: 3,
+        sampling: SamplingParams::greedy(),
+        stop_on_eos: false,
+        cancel: Some(kiln::CancelToken::new()),
+        ..Default::default()
+    };
+    let g = session.generate(&prompt, &again, |_| {}).unwrap();
+    assert_eq!((g.finish, g.ids.len()), (kiln::Finish::Length, 3));
+    let long = vec![prompt[0]; 600];
+    match session.generate(&long, &again, |_| {}) {
+        Err(kiln_core::Error::ContextExceeded { tokens, context }) => {
+            assert_eq!((tokens, context), (600, 512));
+        }
+        other => panic!("{other:?}"),
+    }
 }
