@@ -156,6 +156,7 @@ impl Batcher {
                 stop: params.stop_strings.clone(),
                 logprobs: None,
                 cache_prompt: true,
+                cancel: params.cancel.clone(),
             },
             events,
             received: Instant::now(),

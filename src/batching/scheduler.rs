@@ -90,6 +90,9 @@ pub struct JobParams {
     /// `cache_prompt`, default true). The prompt's last token is prefilled either way, but
     /// its logits then come from a shorter batch, which can differ in the last bits.
     pub cache_prompt: bool,
+    /// A host's stop request ([`crate::Batcher`]): checked before each step, it ends the
+    /// running sequence with `Finish::Cancelled` and the text so far.
+    pub cancel: Option<crate::CancelToken>,
 }
 
 impl JobParams {
@@ -533,9 +536,13 @@ impl<'e> Scheduler<'e> {
             }
             // Clients that went away: free their slots before spending a step on them.
             for i in (0..self.running.len()).rev() {
-                if self.running[i].events.is_closed() {
+                let r = &self.running[i];
+                if r.events.is_closed() {
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     self.mark_finished(i);
+                } else if !r.done && r.params.cancel.as_ref().is_some_and(|c| c.is_cancelled()) {
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    self.finish(i, Finish::Cancelled);
                 }
             }
             self.remove_finished();

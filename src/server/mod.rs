@@ -833,6 +833,8 @@ async fn generate(
                 stop: req.stop.clone(),
                 logprobs: req.logprobs,
                 cache_prompt: req.cache_prompt,
+                // A client cancels by disconnecting.
+                cancel: None,
             },
             events: tx.clone(),
             received,

@@ -158,3 +158,42 @@ fn dropping_a_stream_cancels_it_and_frees_its_slot() {
     drop(batcher);
     assert_eq!(reader.join().unwrap().1, "cancelled");
 }
+
+/// A controller thread stops a batch stream it does not hold through the `CancelToken` in
+/// its `GenerateParams`: the stream, still read by its owner, ends with `Done` and finish
+/// `cancelled` after the text so far, and the slot serves the next generation.
+#[test]
+fn a_cancel_token_ends_a_stream_read_elsewhere() {
+    let Some(path) = smollm2_or_skip("a_cancel_token_ends_a_stream_read_elsewhere") else {
+        return;
+    };
+    let batcher = Batcher::start(engine(&path, 1), BatchOptions::default()).unwrap();
+    let prompt = batcher
+        .tokenizer()
+        .encode("Tell me a very long story.", true, false)
+        .unwrap();
+    let cancel = kiln::CancelToken::new();
+    let long = GenerateParams {
+        max_tokens: 400,
+        sampling: SamplingParams {
+            logit_bias: vec![(0, -100.0), (1, -100.0), (2, -100.0)],
+            ..SamplingParams::greedy()
+        },
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let mut stream = batcher.submit(prompt.clone(), &long).unwrap();
+    assert!(matches!(stream.next(), Some(BatchEvent::Delta { .. })));
+    std::thread::spawn(move || cancel.cancel()).join().unwrap();
+    let (text, finish) = collect(stream);
+    assert_eq!(finish, "cancelled", "{text:?}");
+    let short = GenerateParams {
+        max_tokens: 4,
+        cancel: None,
+        ..long.clone()
+    };
+    let (_, finish) = collect(batcher.submit(prompt, &short).unwrap());
+    assert_eq!(finish, "length");
+    assert!(gauge(&batcher, "kiln_sequences_cancelled_total") >= 1.0);
+    batcher.finish();
+}
