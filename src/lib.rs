@@ -12,6 +12,7 @@
 pub mod batching;
 pub mod bench;
 pub mod conformance;
+pub mod embedding;
 pub mod engine;
 pub mod fetch;
 pub mod generation;
@@ -23,6 +24,7 @@ pub mod structured;
 pub mod toolkit;
 
 pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
+pub use embedding::Pooling;
 pub use engine::{registry_with_plugins, Engine, Model, ModelFile};
 pub use generation::Finish;
 pub use kiln_formats::chat::ChatMessage;

@@ -51,6 +51,9 @@ enum Command {
         #[arg(long)]
         no_bos: bool,
     },
+    /// The embedding of each text (one JSON array of floats a line): its final hidden
+    /// states pooled and L2-normalised.
+    Embed(EmbedArgs),
     /// Measure prompt processing and generation speed (llama-bench style).
     Bench(BenchArgs),
     /// Perplexity of a text, and KL-divergence from a reference's saved logits
@@ -83,6 +86,22 @@ struct BackendArgs {
     /// Load a backend plugin (.so); repeatable.
     #[arg(long = "plugin")]
     plugins: Vec<PathBuf>,
+}
+
+#[derive(Args)]
+struct EmbedArgs {
+    /// The texts to embed, one vector each.
+    #[arg(required = true)]
+    texts: Vec<String>,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// mean, cls or last (default: the file's `pooling_type`, else last: under causal
+    /// attention the last token is the one that has seen the whole text).
+    #[arg(long)]
+    pooling: Option<String>,
+    /// Leave the vectors as pooled instead of scaling them to unit length.
+    #[arg(long)]
+    no_normalize: bool,
 }
 
 #[derive(Args, Clone)]
@@ -342,6 +361,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd_bench(args),
         Command::Perplexity(args) => cmd_perplexity(args),
         Command::Warmup { model } => cmd_warmup(model),
+        Command::Embed(args) => cmd_embed(args),
         Command::Quantize(args) => kiln::toolkit::cmd_quantize(args),
         Command::Synth(args) => kiln::toolkit::cmd_synth(args),
         Command::Convert(args) => kiln::toolkit::cmd_convert(args),
@@ -1206,6 +1226,23 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
 
 /// `kiln warmup`: the model loaded once on its backend (GPU kernels compiled into the
 /// on-disk cache on a first run), one token generated, the times printed.
+fn cmd_embed(args: EmbedArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let pooling = match &args.pooling {
+        Some(name) => kiln::Pooling::parse(name)?,
+        None => kiln::Pooling::of_model(&engine.model)?.unwrap_or(kiln::Pooling::Last),
+    };
+    let mut stdout = std::io::stdout().lock();
+    for text in &args.texts {
+        let tokenizer = &engine.model.tokenizer;
+        let ids = tokenizer.encode(text, tokenizer.add_bos_default(), false)?;
+        let v = engine.embed(&ids, pooling, !args.no_normalize)?;
+        let line = serde_json::to_string(&v).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        writeln!(stdout, "{line}")?;
+    }
+    Ok(())
+}
+
 fn cmd_warmup(args: ModelArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let mut engine = load_engine(&args)?;

@@ -360,6 +360,25 @@ pub trait LayerExecutor: Send {
         prefill_logits_stepwise(self, seq, tokens, first, logits)
     }
 
+    /// Appends `tokens` like [`LayerExecutor::prefill_logits`] but writes each row's final
+    /// hidden state instead of its logits: the residual stream after the last layer and the
+    /// output norm (what transformers calls the last hidden state), `hidden_size` values a
+    /// row from `tokens[first]` on. What embeddings pool. See [`check_prefill_hidden`].
+    ///
+    /// The default refuses (`Unsupported`): an executor offers it where it can.
+    fn prefill_hidden(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let _ = (seq, tokens, first, hidden);
+        Err(Error::Unsupported(
+            "this backend does not give hidden states (embeddings); the cpu backend does".into(),
+        ))
+    }
+
     /// Appends `tokens` like [`LayerExecutor::prefill_logits`] but keeps of each row from
     /// `tokens[first]` on only what a perplexity run reads: `scores[j]` for the row after
     /// `tokens[first + j]`, scored against `targets[j]` (the token that really follows).
@@ -642,6 +661,29 @@ pub fn check_prefill_logits(
             "logits buffer holds {} values; {rows} rows of the vocabulary need {}",
             logits.len(),
             rows * vocab
+        )));
+    }
+    check_prompt_fits(tokens, vocab, len, max_context)
+}
+
+/// The checks of [`LayerExecutor::prefill_hidden`]: the rows from `first` on fit `hidden`
+/// (`hidden_size` values each), and the prompt fits as [`check_prefill_logits`] says.
+#[allow(clippy::too_many_arguments)]
+pub fn check_prefill_hidden(
+    tokens: &[u32],
+    first: usize,
+    hidden: &[f32],
+    hidden_size: usize,
+    vocab: usize,
+    len: usize,
+    max_context: usize,
+) -> Result<()> {
+    let rows = scored_rows(tokens, first)?;
+    if hidden.len() != rows * hidden_size {
+        return Err(Error::InvalidArgument(format!(
+            "hidden-state buffer holds {} values; {rows} rows of {hidden_size} need {}",
+            hidden.len(),
+            rows * hidden_size
         )));
     }
     check_prompt_fits(tokens, vocab, len, max_context)

@@ -564,3 +564,49 @@ fn serve_refuses_meaningless_flags_at_start() {
         );
     }
 }
+
+/// `kiln embed`: one JSON vector a text on stdout (unit length by default), the pooling by
+/// name; an unknown pooling is an error naming the choices.
+#[test]
+fn embed_prints_one_vector_a_text() {
+    let Some(model) = smollm2_or_skip("embed_prints_one_vector_a_text") else {
+        return;
+    };
+    let model = model.to_str().unwrap();
+    let out = kiln(&[
+        "embed",
+        "-m",
+        model,
+        "--backend",
+        "cpu",
+        "one text",
+        "another",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let vectors: Vec<Vec<f64>> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON array a line"))
+        .collect();
+    assert_eq!(vectors.len(), 2);
+    for v in &vectors {
+        assert_eq!(v.len(), 576);
+        let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    }
+    let out = kiln(&[
+        "embed",
+        "-m",
+        model,
+        "--backend",
+        "cpu",
+        "--pooling",
+        "max",
+        "x",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("mean, cls or last"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -15,9 +15,9 @@ use std::borrow::Cow;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
-    check_decode, check_prefill, check_prefill_logits, Activation, DecodeItem, Error, KvBlockUsage,
-    KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot,
-    SequenceSlots, TensorView, KV_BLOCK_TOKENS,
+    check_decode, check_prefill, check_prefill_hidden, check_prefill_logits, Activation,
+    DecodeItem, Error, KvBlockUsage, KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
+    NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView, KV_BLOCK_TOKENS,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -548,15 +548,26 @@ impl CpuExecutor {
     }
 
     /// Runs positions `rows[i] = (slot, position)` for `tokens[i]` through the model.
-    /// Logits of the rows from `logits_from` on go to `logits` (`(rows − logits_from) ×
-    /// vocab`): 0 for a decode batch, the last row for a prompt, any row between for a
-    /// scorer; the other rows skip the output norm and the LM head.
+    /// The rows from `logits_from` on go to `out` (`(rows − logits_from) × width`, the
+    /// width the [`Head`] says): 0 for a decode batch, the last row for a prompt, any row
+    /// between for a scorer; the other rows skip the output norm and the LM head.
     fn forward(
         &mut self,
         rows: &[(usize, usize)],
         tokens: &[u32],
         logits: &mut [f32],
         logits_from: usize,
+    ) {
+        self.forward_to(rows, tokens, logits, logits_from, Head::Logits)
+    }
+
+    fn forward_to(
+        &mut self,
+        rows: &[(usize, usize)],
+        tokens: &[u32],
+        logits: &mut [f32],
+        logits_from: usize,
+        head: Head,
     ) {
         let CpuExecutor {
             model,
@@ -575,9 +586,61 @@ impl CpuExecutor {
                 tokens,
                 logits,
                 logits_from,
+                head,
             )
         });
     }
+
+    /// `prefill_logits` and `prefill_hidden` after their checks: `tokens` appended to the
+    /// sequence in `slot`, the rows from `tokens[first]` on written to `out` as `head` says.
+    fn prefill_rows(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        first: usize,
+        out: &mut [f32],
+        head: Head,
+    ) -> Result<()> {
+        let start = self.slots[slot].len;
+        let width = match head {
+            Head::Logits => self.model.config.vocab_size,
+            Head::Hidden => self.model.config.hidden_size,
+        };
+        self.slots.reserve(slot, start + tokens.len())?;
+        let mut rows = [(0usize, 0usize); MAX_BATCH];
+        let mut out = out;
+        let mut unscored: Option<Vec<f32>> = None;
+        for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let at = ci * MAX_BATCH;
+            let pos0 = start + at;
+            for (j, r) in rows[..chunk.len()].iter_mut().enumerate() {
+                *r = (slot, pos0 + j);
+            }
+            // A chunk wholly before `first` still computes its last row's logits (the
+            // forward pass always writes at least one row): into a scratch row.
+            let from = first.saturating_sub(at);
+            if from >= chunk.len() {
+                let scratch = unscored.get_or_insert_with(|| vec![0f32; width]);
+                self.forward_to(&rows[..chunk.len()], chunk, scratch, chunk.len() - 1, head);
+            } else {
+                let (now, rest) =
+                    std::mem::take(&mut out).split_at_mut((chunk.len() - from) * width);
+                self.forward_to(&rows[..chunk.len()], chunk, now, from, head);
+                out = rest;
+            }
+            self.slots[slot].len = pos0 + chunk.len();
+            self.slots[slot].cache.tokens.extend_from_slice(chunk);
+        }
+        Ok(())
+    }
+}
+
+/// What a forward pass writes of its last rows: the logits (the LM head's output), or the
+/// final hidden states (after the output norm: what embeddings pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Head {
+    Logits,
+    Hidden,
 }
 
 /// `out` = `n` applied to `x`.
@@ -805,6 +868,7 @@ fn forward(
     tokens: &[u32],
     logits: &mut [f32],
     logits_from: usize,
+    head: Head,
 ) {
     let c = &m.config;
     let p = &m.program;
@@ -909,6 +973,10 @@ fn forward(
             &s.x[t * h..(t + 1) * h],
             &mut s.xn[o * h..(o + 1) * h],
         );
+    }
+    if head == Head::Hidden {
+        logits[..count * h].copy_from_slice(&s.xn[..count * h]);
+        return;
     }
     let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, count, h);
     matmul(
@@ -1367,32 +1435,29 @@ impl LayerExecutor for CpuExecutor {
         let start = self.slots[slot].len;
         let vocab = self.model.config.vocab_size;
         check_prefill_logits(tokens, first, logits, vocab, start, self.model.max_ctx)?;
-        self.slots.reserve(slot, start + tokens.len())?;
-        let mut rows = [(0usize, 0usize); MAX_BATCH];
-        let mut out = logits;
-        let mut unscored: Option<Vec<f32>> = None;
-        for (ci, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
-            let at = ci * MAX_BATCH;
-            let pos0 = start + at;
-            for (j, r) in rows[..chunk.len()].iter_mut().enumerate() {
-                *r = (slot, pos0 + j);
-            }
-            // A chunk wholly before `first` still computes its last row's logits (the
-            // forward pass always writes at least one row): into a scratch row.
-            let from = first.saturating_sub(at);
-            if from >= chunk.len() {
-                let scratch = unscored.get_or_insert_with(|| vec![0f32; vocab]);
-                self.forward(&rows[..chunk.len()], chunk, scratch, chunk.len() - 1);
-            } else {
-                let (now, rest) =
-                    std::mem::take(&mut out).split_at_mut((chunk.len() - from) * vocab);
-                self.forward(&rows[..chunk.len()], chunk, now, from);
-                out = rest;
-            }
-            self.slots[slot].len = pos0 + chunk.len();
-            self.slots[slot].cache.tokens.extend_from_slice(chunk);
-        }
-        Ok(())
+        self.prefill_rows(slot, tokens, first, logits, Head::Logits)
+    }
+
+    fn prefill_hidden(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let slot = self.slot_of(seq)?;
+        let start = self.slots[slot].len;
+        let c = &self.model.config;
+        check_prefill_hidden(
+            tokens,
+            first,
+            hidden,
+            c.hidden_size,
+            c.vocab_size,
+            start,
+            self.model.max_ctx,
+        )?;
+        self.prefill_rows(slot, tokens, first, hidden, Head::Hidden)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
