@@ -3,7 +3,7 @@
 //! one vector, L2-normalised unless asked otherwise — what a retrieval pipeline stores and
 //! compares by cosine.
 
-use kiln_core::{Error, Result};
+use kiln_core::{Error, LayerExecutor, Result};
 
 use crate::engine::{Engine, Model, ModelFile};
 
@@ -112,35 +112,45 @@ impl Engine {
     /// for a text as long as the context, `Unsupported` from a backend that gives no
     /// hidden states (the GPU backends, for now), and what the executor reports.
     pub fn embed(&mut self, tokens: &[u32], pooling: Pooling, normalize: bool) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument(
-                "an embedding needs at least one token".into(),
-            ));
-        }
-        let exec = self.executor();
-        let context = exec.max_context();
-        if tokens.len() >= context {
-            return Err(Error::ContextExceeded {
-                tokens: tokens.len(),
-                context,
-            });
-        }
-        let width = exec.config().hidden_size;
-        let first = pooling.first_row(tokens.len());
-        let mut hidden = vec![0f32; (tokens.len() - first) * width];
-        let seq = exec.new_sequence()?;
-        let run = exec.prefill_hidden(seq, tokens, first, &mut hidden);
-        exec.free_sequence(seq)?;
-        run?;
-        if hidden.iter().any(|v| !v.is_finite()) {
-            return Err(Error::NonFiniteLogits { step: 0 });
-        }
-        let mut v = pool(&hidden, width, pooling);
-        if normalize {
-            l2_normalize(&mut v);
-        }
-        Ok(v)
+        embed_on(self.executor(), tokens, pooling, normalize)
     }
+}
+
+/// [`Engine::embed`] on an executor (the engine thread's scheduler calls it between steps;
+/// it needs one free sequence slot).
+pub fn embed_on(
+    exec: &mut dyn LayerExecutor,
+    tokens: &[u32],
+    pooling: Pooling,
+    normalize: bool,
+) -> Result<Vec<f32>> {
+    if tokens.is_empty() {
+        return Err(Error::InvalidArgument(
+            "an embedding needs at least one token".into(),
+        ));
+    }
+    let context = exec.max_context();
+    if tokens.len() >= context {
+        return Err(Error::ContextExceeded {
+            tokens: tokens.len(),
+            context,
+        });
+    }
+    let width = exec.config().hidden_size;
+    let first = pooling.first_row(tokens.len());
+    let mut hidden = vec![0f32; (tokens.len() - first) * width];
+    let seq = exec.new_sequence()?;
+    let run = exec.prefill_hidden(seq, tokens, first, &mut hidden);
+    exec.free_sequence(seq)?;
+    run?;
+    if hidden.iter().any(|v| !v.is_finite()) {
+        return Err(Error::NonFiniteLogits { step: 0 });
+    }
+    let mut v = pool(&hidden, width, pooling);
+    if normalize {
+        l2_normalize(&mut v);
+    }
+    Ok(v)
 }
 
 #[cfg(test)]

@@ -297,6 +297,18 @@ def inner(args):
 
     checks.run("logprobs", logprobs)
 
+    def embeddings():
+        r = client.embeddings.create(model=model, input=["The cat sat on the mat.", "Stock markets fell."])
+        expect(len(r.data) == 2 and r.usage.prompt_tokens > 0, r)
+        for d in r.data:
+            norm = sum(x * x for x in d.embedding) ** 0.5
+            expect(abs(norm - 1.0) < 1e-4, f"unit length: {norm}")
+        # The client asks for base64 by default and decodes it; floats on request agree.
+        f = client.embeddings.create(model=model, input="The cat sat on the mat.", encoding_format="float")
+        expect(max(abs(a - b) for a, b in zip(f.data[0].embedding, r.data[0].embedding)) < 1e-6, "float = base64")
+
+    checks.run("embeddings", embeddings)
+
     def several_choices():
         r = client.chat.completions.create(model=model, messages=user, n=3, max_tokens=4, temperature=0.9, seed=5)
         expect([c.index for c in r.choices] == [0, 1, 2], r.choices)

@@ -40,7 +40,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 pub use super::scheduler::{Event, Finish, TokenLogprob};
 
-use super::scheduler::{self, Job, JobParams};
+use super::scheduler::{self, Job, JobParams, Request};
 use super::Shutdown;
 use crate::batching::metrics::Metrics;
 use crate::engine::Engine;
@@ -72,7 +72,7 @@ impl Default for BatchOptions {
 
 /// A loaded model serving many generations at once on its engine thread.
 pub struct Batcher {
-    jobs: Option<SyncSender<Vec<Job>>>,
+    jobs: Option<SyncSender<Request>>,
     shutdown: Arc<Shutdown>,
     metrics: Arc<Metrics>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -163,7 +163,7 @@ impl Batcher {
         };
         let jobs = self.jobs.as_ref().expect("present until drop");
         self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-        if jobs.send(vec![job]).is_err() {
+        if jobs.send(Request::Generate(vec![job])).is_err() {
             self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
             return Err(Error::InvalidArgument(
                 "the batcher's engine thread has stopped".into(),

@@ -13,8 +13,8 @@ use tokio::sync::Notify;
 
 pub use batcher::{BatchOptions, BatchStream, Batcher};
 pub use metrics::Metrics;
+pub(crate) use scheduler::{EmbedJob, Job, JobParams, Request};
 pub use scheduler::{Event, Finish, TokenLogprob};
-pub(crate) use scheduler::{Job, JobParams};
 
 /// Set once when the engine starts to stop (the server's signal, a dropped `Batcher`).
 #[derive(Default)]

@@ -125,6 +125,23 @@ pub struct Job {
 
 pub use crate::generation::Finish;
 
+/// What a client sends the engine thread: a request's generations (a job a choice), or
+/// its texts to embed.
+pub enum Request {
+    Generate(Vec<Job>),
+    Embed(EmbedJob),
+}
+
+/// A request's texts to embed (token ids each), answered all at once on `reply`. The
+/// engine thread runs them between decode steps, a prompt chunk's worth of tokens a turn,
+/// each in a free sequence slot (kept sequences give theirs up as for new work).
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub pooling: crate::Pooling,
+    pub normalize: bool,
+    pub reply: tokio::sync::oneshot::Sender<kiln_core::Result<Vec<Vec<f32>>>>,
+}
+
 /// A token's log-probability and its most likely alternatives.
 #[derive(Debug, Clone)]
 pub struct TokenLogprob {
@@ -156,11 +173,18 @@ pub enum Event {
     },
 }
 
+/// Answers an embedding request the engine thread will not run: it is shutting down.
+fn refuse_embed_for_shutdown(e: EmbedJob) {
+    let _ = e.reply.send(Err(Error::InvalidArgument(
+        "the server is shutting down".into(),
+    )));
+}
+
 /// Starts the engine thread on a loaded model (the library's [`super::batcher::Batcher`]
 /// and `kiln serve` both run it).
 pub fn spawn_loaded(
     mut engine: Engine,
-    jobs: Receiver<Vec<Job>>,
+    jobs: Receiver<Request>,
     metrics: Arc<Metrics>,
     shutdown: Arc<Shutdown>,
     grace: Duration,
@@ -196,7 +220,7 @@ pub(crate) fn record_loaded(engine: &mut Engine, metrics: &Metrics) {
 /// The engine thread's loop over `jobs` until shutdown.
 pub(crate) fn run_loop(
     engine: &mut Engine,
-    jobs: &Receiver<Vec<Job>>,
+    jobs: &Receiver<Request>,
     metrics: &Metrics,
     shutdown: &Shutdown,
     grace: Duration,
@@ -423,6 +447,8 @@ struct Scheduler<'e> {
     uses: u64,
     /// The model's sliding window (see [`choose_reuse`]).
     window: Option<usize>,
+    /// Embedding requests, oldest first, with the vectors of their inputs done so far.
+    embeds: VecDeque<(EmbedJob, Vec<Vec<f32>>)>,
 }
 
 impl<'e> Scheduler<'e> {
@@ -456,6 +482,7 @@ impl<'e> Scheduler<'e> {
             token_text: Vec::new(),
             prompt_cache: true,
             kept: Vec::new(),
+            embeds: VecDeque::new(),
             uses: 0,
             window,
         }
@@ -468,15 +495,25 @@ impl<'e> Scheduler<'e> {
 
     /// Serves the requests arriving on `jobs` (each a batch of jobs, a choice each) until
     /// shutdown.
-    fn run(mut self, jobs: &Receiver<Vec<Job>>, shutdown: &Shutdown) {
+    fn run(mut self, jobs: &Receiver<Request>, shutdown: &Shutdown) {
         let mut deadline: Option<Instant> = None;
         self.update_gauges();
         loop {
             if shutdown.is_set() {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.grace);
-                for job in jobs.try_iter().flatten() {
-                    self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                    refuse_for_shutdown(&job);
+                for request in jobs.try_iter() {
+                    match request {
+                        Request::Generate(request) => {
+                            for job in request {
+                                self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                                refuse_for_shutdown(&job);
+                            }
+                        }
+                        Request::Embed(e) => refuse_embed_for_shutdown(e),
+                    }
+                }
+                for (e, _) in std::mem::take(&mut self.embeds) {
+                    refuse_embed_for_shutdown(e);
                 }
                 // Jobs not started are refused as the queued ones are; preempted sequences
                 // have streamed already and go on like the running ones.
@@ -517,7 +554,7 @@ impl<'e> Scheduler<'e> {
                         }
                         continue;
                     }
-                    let request = if self.alive() == 0 {
+                    let request = if self.alive() == 0 && self.embeds.is_empty() {
                         match jobs.recv_timeout(Duration::from_millis(50)) {
                             Ok(request) => request,
                             Err(RecvTimeoutError::Timeout) => break,
@@ -529,8 +566,13 @@ impl<'e> Scheduler<'e> {
                             Err(_) => break,
                         }
                     };
-                    for job in request {
-                        self.enqueue(job);
+                    match request {
+                        Request::Generate(request) => {
+                            for job in request {
+                                self.enqueue(job);
+                            }
+                        }
+                        Request::Embed(e) => self.embeds.push_back((e, Vec::new())),
                     }
                 }
             }
@@ -547,6 +589,7 @@ impl<'e> Scheduler<'e> {
             }
             self.remove_finished();
             self.drop_closed_waiting();
+            self.embed_turn();
             self.prefill_chunk();
             if !self.running.is_empty() {
                 self.step();
@@ -555,6 +598,50 @@ impl<'e> Scheduler<'e> {
         }
         while self.evict_kept(None) {}
         self.update_gauges();
+    }
+
+    /// Embeds inputs of the oldest embedding requests, up to a prompt chunk's worth of
+    /// tokens, each in a sequence of its own taken and freed at once; waits (for a later
+    /// turn) while no slot or no KV blocks are free. A request is answered when all its
+    /// inputs are done, or with the first error.
+    fn embed_turn(&mut self) {
+        let mut budget = PREFILL_CHUNK;
+        while budget > 0 {
+            let Some((job, done)) = self.embeds.front() else {
+                return;
+            };
+            if job.reply.is_closed() {
+                self.embeds.pop_front();
+                continue;
+            }
+            if done.len() == job.inputs.len() {
+                let (job, done) = self.embeds.pop_front().expect("a front");
+                let _ = job.reply.send(Ok(done));
+                continue;
+            }
+            let tokens = job.inputs[done.len()].len();
+            while !self.fits(tokens, None) {
+                if !self.evict_kept(None) {
+                    return;
+                }
+            }
+            while self.alive() + self.kept.len() >= self.max_seqs && self.evict_kept(None) {}
+            if self.alive() >= self.max_seqs {
+                return;
+            }
+            let (job, done) = self.embeds.front_mut().expect("a front");
+            let input = &job.inputs[done.len()];
+            match crate::embedding::embed_on(&mut *self.exec, input, job.pooling, job.normalize) {
+                Ok(v) => done.push(v),
+                // Blocks taken since `fits` (cannot happen between steps): a later turn.
+                Err(Error::KvCacheFull { .. }) => return,
+                Err(e) => {
+                    let (job, _) = self.embeds.pop_front().expect("a front");
+                    let _ = job.reply.send(Err(e));
+                }
+            }
+            budget = budget.saturating_sub(tokens);
+        }
     }
 
     /// Sequences holding a slot: running or being prefilled.

@@ -1020,3 +1020,129 @@ pub fn parse_detokenize(obj: &Map<String, Value>) -> Result<Vec<u32>, ApiError> 
 pub fn parse_apply_template(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     parse_messages(obj)
 }
+
+/// What `/v1/embeddings` embeds: texts, or token ids.
+#[derive(Debug, Clone)]
+pub enum EmbeddingInput {
+    Texts(Vec<String>),
+    Tokens(Vec<Vec<u32>>),
+}
+
+/// A `/v1/embeddings` request.
+#[derive(Debug, Clone)]
+pub struct EmbeddingsRequest {
+    pub model: Option<String>,
+    pub input: EmbeddingInput,
+    /// `encoding_format: "base64"` (little-endian f32 bytes) rather than `"float"`.
+    pub base64: bool,
+}
+
+/// Most inputs one embeddings request may hold (OpenAI's limit).
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
+/// `input` is a string, an array of strings, an array of token ids, or an array of such
+/// arrays (OpenAI's four forms); `encoding_format` `float` (default) or `base64`;
+/// `dimensions` is refused (the model's width is what it is); `user` is ignored.
+pub fn parse_embeddings(obj: &Map<String, Value>) -> Result<EmbeddingsRequest, ApiError> {
+    let model = match field(obj, "model") {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => return Err(wrong_type("model", "a string", v)),
+        None => None,
+    };
+    if field(obj, "dimensions").is_some() {
+        return Err(ApiError::invalid(
+            "dimensions",
+            "unsupported_parameter",
+            "'dimensions' is not supported: the embeddings have the model's width",
+        ));
+    }
+    let base64 = match field(obj, "encoding_format") {
+        None => false,
+        Some(Value::String(f)) if f == "float" => false,
+        Some(Value::String(f)) if f == "base64" => true,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                "invalid_value",
+                format!(
+                    "'encoding_format' must be \"float\" or \"base64\", not {}",
+                    truncate_for_message(&v.to_string())
+                ),
+            ))
+        }
+    };
+    let Some(v) = field(obj, "input") else {
+        return Err(ApiError::invalid(
+            "input",
+            "missing_required_parameter",
+            "'input' is required",
+        ));
+    };
+    let empty = || ApiError::invalid("input", "invalid_value", "'input' holds nothing to embed");
+    let too_many = |n: usize| {
+        ApiError::invalid(
+            "input",
+            "invalid_value",
+            format!("'input' holds {n} inputs; at most {MAX_EMBEDDING_INPUTS}"),
+        )
+    };
+    let input = match v {
+        Value::String(s) => EmbeddingInput::Texts(vec![s.clone()]),
+        Value::Array(list) if list.is_empty() => return Err(empty()),
+        Value::Array(list) if list.len() > MAX_EMBEDDING_INPUTS && !list[0].is_number() => {
+            return Err(too_many(list.len()))
+        }
+        Value::Array(list) => match &list[0] {
+            Value::String(_) => EmbeddingInput::Texts(
+                list.iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::String(s) => Ok(s.clone()),
+                        other => Err(wrong_type(&format!("input[{i}]"), "a string", other)),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            Value::Number(_) => EmbeddingInput::Tokens(vec![list
+                .iter()
+                .enumerate()
+                .map(|(i, v)| token_id(v, &format!("input[{i}]")))
+                .collect::<Result<_, _>>()?]),
+            Value::Array(_) => EmbeddingInput::Tokens(
+                list.iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::Array(ids) => ids
+                            .iter()
+                            .enumerate()
+                            .map(|(j, t)| token_id(t, &format!("input[{i}][{j}]")))
+                            .collect::<Result<Vec<u32>, _>>(),
+                        other => Err(wrong_type(
+                            &format!("input[{i}]"),
+                            "an array of token ids",
+                            other,
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            other => {
+                return Err(wrong_type(
+                    "input",
+                    "a string, strings, token ids or arrays of them",
+                    other,
+                ))
+            }
+        },
+        other => {
+            return Err(wrong_type(
+                "input",
+                "a string, strings, token ids or arrays of them",
+                other,
+            ))
+        }
+    };
+    Ok(EmbeddingsRequest {
+        model,
+        input,
+        base64,
+    })
+}

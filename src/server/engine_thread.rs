@@ -11,7 +11,7 @@ use kiln_core::{LoadOptions, Result};
 
 use super::frontend::Frontend;
 use crate::batching::Metrics;
-use crate::batching::{scheduler, Job, Shutdown};
+use crate::batching::{scheduler, Request, Shutdown};
 use crate::engine::{Engine, Model};
 
 /// What to load, and how the loop behaves.
@@ -33,7 +33,7 @@ pub struct EngineConfig {
 /// until shutdown.
 pub fn spawn(
     config: EngineConfig,
-    jobs: Receiver<Vec<Job>>,
+    jobs: Receiver<Request>,
     metrics: Arc<Metrics>,
     shutdown: Arc<Shutdown>,
     ready: tokio::sync::oneshot::Sender<Result<Arc<Frontend>>>,

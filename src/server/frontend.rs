@@ -34,6 +34,8 @@ pub struct Frontend {
     /// Structured outputs (`response_format`); `None` for a model without an
     /// end-of-sequence token.
     grammars: Option<Grammars>,
+    /// How `/v1/embeddings` pools: the file's `pooling_type`, else the last token's.
+    pub pooling: crate::Pooling,
     /// The last [`SCHEMAS_KEPT`] schemas' constraints, or why each cannot be used, by the
     /// schema's text: a client repeating a schema (or a costly one) compiles it once.
     schemas: Mutex<VecDeque<(String, std::result::Result<Constraint, String>)>>,
@@ -72,6 +74,11 @@ impl Frontend {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let grammars = Grammars::from_spec(spec)?;
+        // A rank head (or an unknown pooling) refuses embeddings, not the model.
+        let pooling = crate::Pooling::of_model(model)
+            .ok()
+            .flatten()
+            .unwrap_or(crate::Pooling::Last);
         Ok(Frontend {
             id,
             created,
@@ -82,6 +89,7 @@ impl Frontend {
             chat,
             max_token_bytes,
             grammars,
+            pooling,
             schemas: Mutex::new(VecDeque::new()),
         })
     }
@@ -158,6 +166,63 @@ impl Frontend {
             })
             .collect();
         Ok(serde_json::json!({ "tokens": tokens }))
+    }
+
+    /// `/v1/embeddings`' inputs as token ids (texts with BOS as the model asks, special-token
+    /// spellings as text), each between 1 token and the context, checked before any runs.
+    pub fn embedding_inputs(
+        &self,
+        input: &super::api::EmbeddingInput,
+    ) -> std::result::Result<Vec<Vec<u32>>, ApiError> {
+        use super::api::EmbeddingInput;
+        let ids: Vec<Vec<u32>> = match input {
+            EmbeddingInput::Tokens(t) => t.clone(),
+            EmbeddingInput::Texts(texts) => texts
+                .iter()
+                .enumerate()
+                .map(|(i, text)| {
+                    if text.len() / self.max_token_bytes > self.context + 2 {
+                        return Err(self.context_exceeded(
+                            &format!("input[{i}]"),
+                            format!("at least {}", text.len() / self.max_token_bytes),
+                        ));
+                    }
+                    self.tokenizer
+                        .encode(text, self.tokenizer.add_bos_default(), false)
+                        .map_err(|e| {
+                            ApiError::invalid(
+                                format!("input[{i}]"),
+                                "invalid_value",
+                                format!(
+                                    "the text could not be tokenized: {}",
+                                    truncate_for_message(&e.to_string())
+                                ),
+                            )
+                        })
+                })
+                .collect::<std::result::Result<_, _>>()?,
+        };
+        for (i, t) in ids.iter().enumerate() {
+            let param = format!("input[{i}]");
+            if t.is_empty() {
+                return Err(ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    "an input with no tokens",
+                ));
+            }
+            if t.len() >= self.context {
+                return Err(self.context_exceeded(&param, t.len().to_string()));
+            }
+            if let Some(&bad) = t.iter().find(|&&x| x as usize >= self.vocab) {
+                return Err(ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!("token id {bad} is outside the vocabulary ({})", self.vocab),
+                ));
+            }
+        }
+        Ok(ids)
     }
 
     /// `/detokenize`: the text of `ids` (special tokens spelled out), each id checked.

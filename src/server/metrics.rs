@@ -17,6 +17,7 @@ pub fn endpoint_label(path: &str) -> &'static str {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
         "/v1/models" => "/v1/models",
+        "/v1/embeddings" => "/v1/embeddings",
         "/health" => "/health",
         "/metrics" => "/metrics",
         "/tokenize" => "/tokenize",

@@ -1,6 +1,7 @@
 //! `kiln serve`: an OpenAI-compatible HTTP server.
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/embeddings`
+//! (run by the engine thread between decode steps), `GET /v1/models`,
 //! `GET /health` (503 `{"status":"loading"}` until the model is loaded, then 200),
 //! `GET /metrics` (Prometheus text) and llama-server's `POST /tokenize`, `/detokenize` and
 //! `/apply-template`. Built on axum and tokio; binds 127.0.0.1 by default.
@@ -71,7 +72,7 @@ use kiln_core::{Error, LoadOptions, Result, SamplingParams};
 use serde_json::json;
 
 use crate::batching::Metrics;
-use crate::batching::{Job, JobParams, Shutdown};
+use crate::batching::{EmbedJob, Job, JobParams, Request as EngineRequest, Shutdown};
 use api::{ApiError, Endpoint};
 use engine_thread::EngineConfig;
 use frontend::Frontend;
@@ -159,7 +160,7 @@ pub struct ServeArgs {
 struct AppState {
     model: OnceLock<Arc<Frontend>>,
     /// One message per request: its jobs (a choice each). `--queue` bounds requests.
-    jobs: SyncSender<Vec<Job>>,
+    jobs: SyncSender<EngineRequest>,
     metrics: Arc<Metrics>,
     requests: RequestCounts,
     shutdown: Arc<Shutdown>,
@@ -389,6 +390,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
@@ -564,6 +566,111 @@ async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
     generate(st, Endpoint::Chat, headers, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/embeddings` (OpenAI's): the inputs tokenised on the blocking pool, embedded
+/// by the engine thread between decode steps, answered in order as float arrays or
+/// base64 (little-endian f32, as OpenAI's `encoding_format: "base64"`).
+async fn embeddings(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let run = async {
+        let bytes = read_body(&headers, body, st.body_limit, st.body_timeout).await?;
+        let obj = api::parse_json(&bytes)?;
+        let req = api::parse_embeddings(&obj)?;
+        let front = st.frontend()?;
+        if let Some(name) = &req.model {
+            if !front.accepts_model(name) {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    Some("model_not_found"),
+                    format!(
+                        "the model '{}' does not exist",
+                        api::truncate_for_message(name)
+                    ),
+                ));
+            }
+        }
+        let inputs = {
+            let (front, input) = (front.clone(), req.input.clone());
+            tokio::task::spawn_blocking(move || front.embedding_inputs(&input))
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??
+        };
+        let prompt_tokens: usize = inputs.iter().map(Vec::len).sum();
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = EmbedJob {
+            inputs,
+            pooling: front.pooling,
+            normalize: true,
+            reply,
+        };
+        match st.jobs.try_send(EngineRequest::Embed(job)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                return Err(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    Some("queue_full"),
+                    "the server's request queue is full; retry later",
+                )
+                .with_retry_after(1))
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                return Err(ApiError::unavailable(
+                    "shutting_down",
+                    "the server is shutting down",
+                ))
+            }
+        }
+        let vectors = match answer.await {
+            Ok(Ok(v)) => v,
+            Err(_) => {
+                return Err(ApiError::unavailable(
+                    "shutting_down",
+                    "the server is shutting down",
+                ))
+            }
+            Ok(Err(_)) if st.shutdown.is_set() => {
+                return Err(ApiError::unavailable(
+                    "shutting_down",
+                    "the server is shutting down",
+                ))
+            }
+            Ok(Err(Error::Unsupported(m))) => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "invalid_request_error",
+                    Some("embeddings_unsupported"),
+                    m,
+                ))
+            }
+            Ok(Err(e)) => return Err(ApiError::internal(format!("embedding failed: {e}"))),
+        };
+        let data: Vec<serde_json::Value> = vectors
+            .iter()
+            .enumerate()
+            .map(|(index, v)| {
+                let embedding = match req.base64 {
+                    true => {
+                        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        json!(base64::encode(bytes))
+                    }
+                    false => json!(v),
+                };
+                json!({"object": "embedding", "index": index, "embedding": embedding})
+            })
+            .collect();
+        Ok(json!({
+            "object": "list",
+            "data": data,
+            "model": front.id,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -844,7 +951,7 @@ async fn generate(
     // The queue-depth gauge counts jobs (choices), the queue's bound requests.
     let queued = choices as i64;
     st.metrics.queue_depth.fetch_add(queued, Ordering::Relaxed);
-    match st.jobs.try_send(batch) {
+    match st.jobs.try_send(EngineRequest::Generate(batch)) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => {
             st.metrics.queue_depth.fetch_sub(queued, Ordering::Relaxed);

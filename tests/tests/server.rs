@@ -2259,3 +2259,97 @@ fn serve_tokenizer_helpers() {
     assert_eq!(r.status, 401, "{}", r.text());
     assert_eq!(request(s.addr, "GET", "/health", &[], b"").status, 200);
 }
+
+/// `/v1/embeddings`: texts and token ids in OpenAI's four input forms, floats or base64,
+/// each vector the library's `Engine::embed` of the same ids (last-token pooling for
+/// SmolLM2, which names none; unit length), usage counted; bad inputs are 400s naming the
+/// field; generation keeps working beside it.
+#[test]
+fn serve_embeddings() {
+    let model = test_model();
+    let m = kiln::Model::open(&model).expect("the model opens");
+    let s = Server::start(&model, &["--max-seqs", "2", "-c", "256"]);
+    s.wait_ready();
+    let texts = ["The cat sat on the mat.", "Stock markets fell."];
+    let r = s.post(
+        "/v1/embeddings",
+        &json!({"input": texts, "model": "default"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| {
+            m.tokenizer
+                .encode(t, m.tokenizer.add_bos_default(), false)
+                .unwrap()
+        })
+        .collect();
+    let mut engine = kiln_tests::cpu_engine(
+        &model,
+        &kiln_core::LoadOptions {
+            max_context: 256,
+            ..Default::default()
+        },
+    );
+    let mut floats = Vec::new();
+    for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(d["index"], i);
+        let got: Vec<f32> = serde_json::from_value(d["embedding"].clone()).unwrap();
+        let want = engine.embed(&ids[i], kiln::Pooling::Last, true).unwrap();
+        assert!(kiln_tests::cosine(&got, &want) > 0.999_999, "input {i}");
+        floats.push(got);
+    }
+    let total: usize = ids.iter().map(Vec::len).sum();
+    assert_eq!(v["usage"]["prompt_tokens"], total);
+    // Token ids, one input and several; base64 gives the same floats.
+    let r = s.post(
+        "/v1/embeddings",
+        &json!({"input": ids[0], "encoding_format": "base64"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let b64 = r.json()["data"][0]["embedding"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let bytes = base64::decode(&b64).expect("base64");
+    let from_b64: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(from_b64, floats[0]);
+    let r = s.post("/v1/embeddings", &json!({"input": ids}));
+    assert_eq!(
+        r.json()["data"].as_array().unwrap().len(),
+        2,
+        "{}",
+        r.text()
+    );
+    // Bad input, by field.
+    for (body, param) in [
+        (json!({"input": ""}), "input[0]"),
+        (json!({"input": []}), "input"),
+        (json!({"input": "x", "dimensions": 8}), "dimensions"),
+        (
+            json!({"input": "x", "encoding_format": "int8"}),
+            "encoding_format",
+        ),
+        (json!({"input": [1, 99999999]}), "input[0]"),
+        (json!({"input": [[1], "x"]}), "input[1]"),
+        (json!({"input": vec!["a"; 2049]}), "input"),
+        (json!({"input": "word ".repeat(400)}), "input[0]"),
+        (json!({"input": 5}), "input"),
+    ] {
+        let r = s.post("/v1/embeddings", &body);
+        assert_eq!(r.status, 400, "{param}: {}", r.text());
+        assert_eq!(r.error()["param"], param, "{}", r.text());
+    }
+    let r = s.post("/v1/embeddings", &json!({"input": "x", "model": "nope"}));
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+}
