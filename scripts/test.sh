@@ -33,4 +33,7 @@ else
   echo "warning: clippy is not installed; the SAFETY-comment check is skipped"
 fi
 
+# A host's minimal kiln (no CLI, server or CUDA; Cargo.toml's [features]) must keep building.
+cargo build --release -p kiln --lib --no-default-features
+
 cargo test --workspace --release "$@"

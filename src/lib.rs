@@ -11,6 +11,7 @@
 
 pub mod batching;
 pub mod bench;
+#[cfg(feature = "cli")]
 pub mod conformance;
 pub mod embedding;
 pub mod engine;
@@ -18,9 +19,11 @@ pub mod fetch;
 pub mod generation;
 pub mod perplexity;
 pub mod plugins;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod session;
 pub mod structured;
+#[cfg(feature = "cli")]
 pub mod toolkit;
 
 pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
@@ -82,8 +85,11 @@ pub use kiln_formats as formats;
 /// linker together with its registration.)
 pub fn link_builtin_backends() {
     std::hint::black_box(std::any::type_name::<kiln_backend_cpu::CpuBackend>());
-    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4k::CudaQ4kBackend>());
-    std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4_0::CudaQ40Backend>());
+    #[cfg(feature = "cuda")]
+    {
+        std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4k::CudaQ4kBackend>());
+        std::hint::black_box(std::any::type_name::<kiln_backend_cuda_q4_0::CudaQ40Backend>());
+    }
 }
 
 #[cfg(test)]

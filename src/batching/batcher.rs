@@ -172,6 +172,32 @@ impl Batcher {
         Ok(BatchStream { rx, ended: false })
     }
 
+    /// The embeddings of `inputs` (token ids each), computed by the engine thread between
+    /// the running generations' decode steps, in order; blocks until they are done.
+    ///
+    /// # Errors
+    /// The first input's error: no tokens or ids outside the vocabulary
+    /// (`InvalidArgument`), as long as the context (`ContextExceeded`), a backend without
+    /// hidden states (`Unsupported`), or a stopped engine thread.
+    pub fn embed(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        pooling: crate::Pooling,
+        normalize: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = scheduler::EmbedJob {
+            inputs,
+            pooling,
+            normalize,
+            reply,
+        };
+        let stopped = || Error::InvalidArgument("the batcher's engine thread has stopped".into());
+        let jobs = self.jobs.as_ref().expect("present until drop");
+        jobs.send(Request::Embed(job)).map_err(|_| stopped())?;
+        answer.blocking_recv().map_err(|_| stopped())?
+    }
+
     fn json_constraint(&self, schema: &serde_json::Value) -> Result<Constraint> {
         if self.grammars.get().is_none() {
             // Two first submissions at once may both build them; one is kept.

@@ -13,6 +13,7 @@ use tokio::sync::Notify;
 
 pub use batcher::{BatchOptions, BatchStream, Batcher};
 pub use metrics::Metrics;
+#[cfg(feature = "server")]
 pub(crate) use scheduler::{EmbedJob, Job, JobParams, Request};
 pub use scheduler::{Event, Finish, TokenLogprob};
 
@@ -34,6 +35,7 @@ impl Shutdown {
         self.flag.load(Ordering::SeqCst)
     }
 
+    #[cfg(feature = "server")]
     pub(crate) async fn wait(&self) {
         loop {
             // A `Notified` receives `notify_waiters` from its creation on.

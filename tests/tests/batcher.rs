@@ -197,3 +197,44 @@ fn a_cancel_token_ends_a_stream_read_elsewhere() {
     assert!(gauge(&batcher, "kiln_sequences_cancelled_total") >= 1.0);
     batcher.finish();
 }
+
+/// `Batcher::embed` runs between a running generation's steps and gives what
+/// `Engine::embed` gives alone; a bad input is the typed error.
+#[test]
+fn the_batcher_embeds_beside_a_running_generation() {
+    let Some(path) = smollm2_or_skip("the_batcher_embeds_beside_a_running_generation") else {
+        return;
+    };
+    let mut alone = engine(&path, 1);
+    let ids = alone
+        .model
+        .tokenizer
+        .encode("The cat sat on the mat.", false, false)
+        .unwrap();
+    let want = alone.embed(&ids, kiln::Pooling::Mean, true).unwrap();
+    drop(alone);
+    let batcher = Batcher::start(engine(&path, 2), BatchOptions::default()).unwrap();
+    let long = GenerateParams {
+        max_tokens: 64,
+        sampling: SamplingParams {
+            logit_bias: vec![(0, -100.0), (1, -100.0), (2, -100.0)],
+            ..SamplingParams::greedy()
+        },
+        ..Default::default()
+    };
+    let mut stream = batcher.submit(ids.clone(), &long).unwrap();
+    assert!(matches!(stream.next(), Some(BatchEvent::Delta { .. })));
+    let got = batcher
+        .embed(vec![ids.clone(), ids.clone()], kiln::Pooling::Mean, true)
+        .unwrap();
+    assert_eq!(got.len(), 2);
+    assert!(kiln_tests::cosine(&got[0], &want) > 0.999_999);
+    assert_eq!(got[0], got[1]);
+    let (_, finish) = collect(stream);
+    assert_eq!(finish, "length");
+    assert!(matches!(
+        batcher.embed(vec![vec![]], kiln::Pooling::Mean, true),
+        Err(kiln_core::Error::InvalidArgument(_))
+    ));
+    batcher.finish();
+}
