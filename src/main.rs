@@ -151,6 +151,13 @@ struct SamplingArgs {
     repeat_penalty: f32,
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// OpenAI's presence penalty (−2 to 2): less likely, once a token has been generated.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// OpenAI's frequency penalty (−2 to 2): less likely for each time a token has been
+    /// generated.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
@@ -232,6 +239,8 @@ impl SamplingArgs {
             stop_strings: self.stop.clone(),
             stop_on_eos: true,
             json_schema: self.json_schema()?,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             cancel: None,
         })
     }

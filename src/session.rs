@@ -26,9 +26,32 @@ pub struct GenerateParams {
     /// masked logits ([`crate::structured`]), and a stop token ends the turn only once the
     /// value is complete.
     pub json_schema: Option<serde_json::Value>,
+    /// OpenAI's penalties (−2 to 2): a generated token's logit less `presence_penalty` once
+    /// it has appeared in the output and `frequency_penalty` for each time it has.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
     /// Ends the generation from any thread: checked before each token is decoded, it
     /// stops with [`Finish::Cancelled`] and what was generated so far.
     pub cancel: Option<CancelToken>,
+}
+
+impl GenerateParams {
+    /// Checks what a generation would otherwise fail on late: the sampling parameters and
+    /// the penalties' range.
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()?;
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be between -2 and 2, not {v}"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for GenerateParams {
@@ -39,6 +62,8 @@ impl Default for GenerateParams {
             stop_strings: Vec::new(),
             stop_on_eos: true,
             json_schema: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             cancel: None,
         }
     }
@@ -137,7 +162,7 @@ impl<'e> Session<'e> {
         if prompt.is_empty() {
             return Err(Error::InvalidArgument("the prompt has no tokens".into()));
         }
-        params.sampling.validate()?;
+        params.validate()?;
         let vocab = self.engine.executor.config().vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidArgument(format!(
@@ -185,6 +210,8 @@ impl<'e> Session<'e> {
             max_tokens: params.max_tokens,
             stop_strings: params.stop_strings.clone(),
             stop_on_eos: params.stop_on_eos,
+            presence_penalty: params.presence_penalty,
+            frequency_penalty: params.frequency_penalty,
             ..SequenceRules::default()
         };
         let mut generation =

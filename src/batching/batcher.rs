@@ -132,7 +132,7 @@ impl Batcher {
     /// end-of-sequence tokens); a prompt that does not fit the context, or tokens outside the
     /// vocabulary, come back as an [`Event::Error`] on the stream.
     pub fn submit(&self, prompt: Vec<u32>, params: &GenerateParams) -> Result<BatchStream> {
-        params.sampling.validate()?;
+        params.validate()?;
         if !params.stop_on_eos {
             return Err(Error::InvalidArgument(
                 "a Batcher always stops at end-of-sequence tokens (stop_on_eos must be true)"
@@ -151,8 +151,8 @@ impl Batcher {
             params: JobParams {
                 max_tokens: params.max_tokens,
                 sampling: params.sampling.clone(),
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
+                presence_penalty: params.presence_penalty,
+                frequency_penalty: params.frequency_penalty,
                 stop: params.stop_strings.clone(),
                 logprobs: None,
                 cache_prompt: true,

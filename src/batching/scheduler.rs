@@ -153,10 +153,12 @@ pub struct TokenLogprob {
 /// What the scheduler tells a job's handler.
 #[derive(Debug)]
 pub enum Event {
-    /// Text that became final (may be empty while a stop string is undecided) and the
-    /// logprob of the token sampled at this step, when asked for.
+    /// Text that became final (may be empty while a stop string is undecided), the token
+    /// sampled at this step (`None` for text released at the end: what a stop string held
+    /// back) and its logprob, when asked for.
     Delta {
         text: String,
+        token: Option<u32>,
         logprob: Option<TokenLogprob>,
     },
     Done {
@@ -396,6 +398,7 @@ impl Running<'_> {
         if !ended.text.is_empty() {
             self.send(Event::Delta {
                 text: ended.text,
+                token: None,
                 logprob: None,
             });
         }
@@ -1244,6 +1247,7 @@ impl<'e> Scheduler<'e> {
         if accepted.kept || !accepted.text.is_empty() {
             r.send(Event::Delta {
                 text: accepted.text,
+                token: accepted.kept.then_some(token),
                 logprob: logprob.filter(|_| accepted.kept),
             });
         }

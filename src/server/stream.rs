@@ -113,7 +113,7 @@ pub async fn collect(
         };
         let c = &mut choices[i];
         match event {
-            Event::Delta { text, logprob } => {
+            Event::Delta { text, logprob, .. } => {
                 c.text.push_str(&text);
                 c.logprobs.extend(logprob);
             }
@@ -248,7 +248,7 @@ impl StreamState {
 
     fn handle(&mut self, i: usize, event: Event) {
         match event {
-            Event::Delta { text, logprob } => {
+            Event::Delta { text, logprob, .. } => {
                 if !text.is_empty() || (self.logprobs && logprob.is_some()) {
                     self.delta(i, text, logprob, None);
                 }

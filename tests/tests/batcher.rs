@@ -238,3 +238,62 @@ fn the_batcher_embeds_beside_a_running_generation() {
     ));
     batcher.finish();
 }
+
+/// Penalties reach both APIs alike: a Batcher stream with a frequency penalty gives the
+/// session's text and token ids (each `Delta` names its token), and the penalty changes
+/// the greedy text; an out-of-range penalty is refused up front.
+#[test]
+fn penalties_and_token_ids_match_a_session() {
+    let Some(path) = smollm2_or_skip("penalties_and_token_ids_match_a_session") else {
+        return;
+    };
+    let params = GenerateParams {
+        max_tokens: 48,
+        sampling: SamplingParams::greedy(),
+        frequency_penalty: 1.5,
+        presence_penalty: 0.5,
+        ..Default::default()
+    };
+    let mut alone = engine(&path, 1);
+    let ids = alone
+        .model
+        .tokenizer
+        .encode("Repeat after me: la la la la la", false, false)
+        .unwrap();
+    let (penalised, plain) = {
+        let mut session = alone.session().unwrap();
+        let penalised = session.generate(&ids, &params, |_| {}).unwrap();
+        let plain_params = GenerateParams {
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            ..params.clone()
+        };
+        let plain = session.generate(&ids, &plain_params, |_| {}).unwrap();
+        (penalised, plain)
+    };
+    assert_ne!(penalised.text, plain.text, "the penalty changed nothing");
+    drop(alone);
+    let batcher = Batcher::start(engine(&path, 1), BatchOptions::default()).unwrap();
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    for event in batcher.submit(ids.clone(), &params).unwrap() {
+        match event {
+            BatchEvent::Delta { text: t, token, .. } => {
+                text.push_str(&t);
+                tokens.extend(token);
+            }
+            BatchEvent::Done { .. } => break,
+            BatchEvent::Error { message, .. } => panic!("{message}"),
+        }
+    }
+    assert_eq!(text, penalised.text);
+    assert_eq!(tokens, penalised.ids);
+    let bad = GenerateParams {
+        presence_penalty: 3.0,
+        ..params.clone()
+    };
+    assert!(matches!(
+        batcher.submit(ids, &bad),
+        Err(kiln_core::Error::InvalidArgument(_))
+    ));
+    batcher.finish();
+}
