@@ -28,6 +28,9 @@ pub enum QType {
     Q6_K = 14,
     Q8_K = 15,
     BF16 = 30,
+    /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and an E8M0 exponent a
+    /// block. See [`crate::quant::mxfp4`].
+    MXFP4 = 39,
     /// APR's 4-bit block type (APR v2 dtype id 128; not ggml's Q4_0). Per 32 values: an f16
     /// scale `d`, then 16 bytes of nibbles; value `i` is the low nibble of byte `i / 2` when
     /// `i` is even and the high nibble when odd; `x = d·(q − 8)`. Not a ggml type: GGUF
@@ -37,7 +40,7 @@ pub enum QType {
 
 impl QType {
     /// Every type kiln knows, in id order.
-    pub const ALL: [QType; 16] = [
+    pub const ALL: [QType; 17] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -53,6 +56,7 @@ impl QType {
         QType::Q6_K,
         QType::Q8_K,
         QType::BF16,
+        QType::MXFP4,
         QType::AprQ4,
     ];
 
@@ -112,7 +116,8 @@ impl QType {
             QType::Q6_K => 12,
             QType::Q8_K => 13,
             QType::BF16 => 14,
-            QType::AprQ4 => 15,
+            QType::MXFP4 => 15,
+            QType::AprQ4 => 16,
         };
         &RECORDS[i]
     }

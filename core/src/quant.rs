@@ -23,6 +23,7 @@ pub mod apr;
 pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
+pub mod mxfp4;
 
 /// Everything core knows about one weight type: its name, block geometry, and ggml's
 /// reference decoding and encoding. One record per type, found by type
@@ -69,7 +70,7 @@ macro_rules! record {
     };
 }
 
-pub(crate) static RECORDS: [TypeRecord; 16] = [
+pub(crate) static RECORDS: [TypeRecord; 17] = [
     record!(
         F32,
         "f32",
@@ -217,6 +218,14 @@ pub(crate) static RECORDS: [TypeRecord; 16] = [
         })
     ),
     // APR's Q4, defined and quantised as aprender does (see [`apr`]).
+    record!(
+        MXFP4,
+        "mxfp4",
+        32,
+        17,
+        blocks!(dequant mxfp4::dequantize_mxfp4),
+        blocks!(quant mxfp4::quantize_mxfp4)
+    ),
     record!(
         AprQ4,
         "apr_q4",

@@ -103,6 +103,7 @@ fn dequantize_matches_gguf_bit_for_bit() {
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::MXFP4,
     ] {
         assert!(seen.contains(&q), "fixture has no {q} case");
     }

@@ -520,6 +520,14 @@ block_kernel!(
 );
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
+portable_kernel!(
+    /// MXFP4 (gpt-oss's experts): each block decoded (an exponent and a table lookup a
+    /// value) and dotted in f32.
+    Mxfp4Kernel,
+    QType::MXFP4,
+    32,
+    dequant::block_mxfp4
+);
 
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
@@ -615,6 +623,7 @@ pub enum Kernel {
     Q5K(Q5KKernel),
     Q6K(Q6KKernel),
     AprQ4(AprQ4Kernel),
+    Mxfp4(Mxfp4Kernel),
 }
 
 /// Weight types this backend multiplies with: those [`Kernel::new`] has a kernel for (the
@@ -647,6 +656,7 @@ impl Kernel {
             QType::Q5_K => Q5KKernel { simd }.into(),
             QType::Q6_K => Q6KKernel { simd }.into(),
             QType::AprQ4 => AprQ4Kernel { simd }.into(),
+            QType::MXFP4 => Mxfp4Kernel.into(),
             _ => return None,
         })
     }

@@ -68,6 +68,11 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
                 _ => 1.0,
             };
             for block in out.chunks_exact_mut(q.block_bytes()) {
+                if q == QType::MXFP4 {
+                    // The E8M0 exponent: scales 2^-9 .. 2^-2 (codes up to 6), values up
+                    // to about ±1.5.
+                    block[0] = 118 + (rng.next_u64() % 8) as u8;
+                }
                 for &(at, is_min) in scale_fields(q) {
                     let v = if is_min {
                         uniform(rng, 0.0, scale / span)
