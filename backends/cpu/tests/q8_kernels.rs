@@ -96,6 +96,8 @@ fn q8_dots_hold_at_the_extremes() {
                 QType::Q8_0 => 2..34,
                 QType::Q4_K => 16..144,
                 QType::Q6_K => 0..192,
+                // Code 0x7 / 0xF is ±6 (±12 doubled), MXFP4's largest.
+                QType::MXFP4 => 1..17,
                 _ => unreachable!(),
             };
             for blk in bytes.chunks_exact_mut(q.block_bytes()) {

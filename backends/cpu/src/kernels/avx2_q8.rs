@@ -11,6 +11,7 @@
 
 use std::arch::x86_64::*;
 
+use kiln_core::quant::mxfp4;
 use kiln_core::QType;
 
 use super::avx2::offset;
@@ -243,6 +244,35 @@ unsafe fn dot_q8_0(rows: [&[u8]; 2], x: Q8Ref<'_>) -> [f32; 2] {
     }
 }
 
+/// MXFP4: a block's codes become their E2M1 values (doubled: signed integers) in one byte
+/// shuffle of the table, then multiply the activation bytes as Q8_0's signed quants do
+/// (`|w|·sign(y, w)`), the eight lane sums scaled by the block's e8m0_half(e)·dx.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_mxfp4(row: &[u8], x: Q8Ref<'_>) -> f32 {
+    // SAFETY: the caller guarantees the features, `x.len() / 32` blocks of 17 bytes in
+    // `row` (an exponent byte, then 16 bytes of codes) and one `d` per 32 values of `x`.
+    unsafe {
+        let (p, y) = (row.as_ptr(), x.qs.as_ptr());
+        let k = mxfp4::KVALUES;
+        let table = _mm256_setr_epi8(
+            k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11], k[12], k[13],
+            k[14], k[15], k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11],
+            k[12], k[13], k[14], k[15],
+        );
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..x.len() / Q8_BLOCK {
+            let blk = p.add(b * 17);
+            let w = _mm256_shuffle_epi8(table, nibbles32(blk.add(1)));
+            let yv = _mm256_loadu_si256(y.add(b * Q8_BLOCK) as *const __m256i);
+            let dots = pair_sums(_mm256_abs_epi8(w), _mm256_sign_epi8(yv, w));
+            let scale = _mm256_set1_ps(mxfp4::e8m0_half(*blk) * x.d[b]);
+            acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
+        }
+        hsum(acc)
+    }
+}
+
 /// Q4_K: per 256-value super-block, eight 32-value sub-blocks, each d·scale_j·dx_j times
 /// its nibbles' dot, minus dmin·min_j·s_j (the activation blocks line up with the
 /// sub-blocks). The 32 bytes of each 64-value run hold one sub-block in their low nibbles
@@ -371,6 +401,7 @@ pub fn dot_rows(_: Avx2, q: QType, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, 
             QType::Q8_0 => row_pairs(rows, row_bytes, x, out, |r, x| dot_q8_0(r, x)),
             QType::Q4_K => each_row(rows, row_bytes, x, out, |r, x| dot_q4_k(r, x)),
             QType::Q6_K => each_row(rows, row_bytes, x, out, |r, x| dot_q6_k(r, x)),
+            QType::MXFP4 => each_row(rows, row_bytes, x, out, |r, x| dot_mxfp4(r, x)),
             _ => panic!("no q8 kernel for {q}"),
         }
     }

@@ -19,7 +19,8 @@
 //! ([`super::avx2_q8`]) that agrees with it to f32 rounding.
 
 use half::f16;
-use kiln_core::{quant::kquants::scale_min_k4, QType};
+use kiln_core::quant::{kquants::scale_min_k4, mxfp4};
+use kiln_core::QType;
 
 use super::{Avx2, Isa, Simd};
 
@@ -231,7 +232,7 @@ impl Q8Input {
 }
 
 /// Weight types with an integer kernel here.
-pub const Q8_TYPES: [QType; 7] = [
+pub const Q8_TYPES: [QType; 8] = [
     QType::Q4_0,
     QType::Q4_1,
     QType::Q5_0,
@@ -239,6 +240,7 @@ pub const Q8_TYPES: [QType; 7] = [
     QType::Q8_0,
     QType::Q4_K,
     QType::Q6_K,
+    QType::MXFP4,
 ];
 
 /// The integer row dot for one weight matrix: its type and, when the CPU has them, the
@@ -418,6 +420,13 @@ pub fn dot_portable(q: QType, row: &[u8], x: Q8Ref<'_>) -> f32 {
                         sum += d * x.d[b] * dot as f32;
                     }
                 }
+            }
+        }
+        QType::MXFP4 => {
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let w = (0..32).map(|i| mxfp4::KVALUES[nibble(&blk[1..], i) as usize] as i32);
+                let dot = idot(w, &x.qs[b * 32..][..32]);
+                sum += mxfp4::e8m0_half(blk[0]) * x.d[b] * dot as f32;
             }
         }
         _ => unreachable!("no q8 kernel for {q}: Q8Kernel::new refuses it"),
