@@ -27,6 +27,11 @@ pub enum QType {
     Q5_K = 13,
     Q6_K = 14,
     Q8_K = 15,
+    /// Non-linear 4-bit levels, 32 values and an f16 scale a block. See
+    /// [`crate::quant::iquants`].
+    IQ4_NL = 20,
+    /// IQ4_NL's levels in 256-value super-blocks with 6-bit sub-block scales.
+    IQ4_XS = 23,
     BF16 = 30,
     /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and an E8M0 exponent a
     /// block. See [`crate::quant::mxfp4`].
@@ -40,7 +45,7 @@ pub enum QType {
 
 impl QType {
     /// Every type kiln knows, in id order.
-    pub const ALL: [QType; 17] = [
+    pub const ALL: [QType; 19] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -55,6 +60,8 @@ impl QType {
         QType::Q5_K,
         QType::Q6_K,
         QType::Q8_K,
+        QType::IQ4_NL,
+        QType::IQ4_XS,
         QType::BF16,
         QType::MXFP4,
         QType::AprQ4,
@@ -115,9 +122,11 @@ impl QType {
             QType::Q5_K => 11,
             QType::Q6_K => 12,
             QType::Q8_K => 13,
-            QType::BF16 => 14,
-            QType::MXFP4 => 15,
-            QType::AprQ4 => 16,
+            QType::IQ4_NL => 14,
+            QType::IQ4_XS => 15,
+            QType::BF16 => 16,
+            QType::MXFP4 => 17,
+            QType::AprQ4 => 18,
         };
         &RECORDS[i]
     }

@@ -20,6 +20,7 @@ use crate::qtype::QType;
 pub use apr::{apr_q4_block_to_q4_0, q4_0_block_to_apr_q4};
 
 pub mod apr;
+pub mod iquants;
 pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
@@ -70,7 +71,7 @@ macro_rules! record {
     };
 }
 
-pub(crate) static RECORDS: [TypeRecord; 17] = [
+pub(crate) static RECORDS: [TypeRecord; 19] = [
     record!(
         F32,
         "f32",
@@ -201,6 +202,22 @@ pub(crate) static RECORDS: [TypeRecord; 17] = [
     ),
     // bf16 is the top half of an f32, so widening is a shift and exact for every pattern,
     // NaN payloads included.
+    record!(
+        IQ4_NL,
+        "iq4_nl",
+        32,
+        18,
+        blocks!(dequant iquants::dequantize_iq4_nl),
+        None
+    ),
+    record!(
+        IQ4_XS,
+        "iq4_xs",
+        256,
+        136,
+        blocks!(dequant iquants::dequantize_iq4_xs),
+        None
+    ),
     record!(
         BF16,
         "bf16",

@@ -104,6 +104,8 @@ fn dequantize_matches_gguf_bit_for_bit() {
         QType::Q5_K,
         QType::Q6_K,
         QType::MXFP4,
+        QType::IQ4_NL,
+        QType::IQ4_XS,
     ] {
         assert!(seen.contains(&q), "fixture has no {q} case");
     }

@@ -31,6 +31,8 @@ from_core!(block_q4_k, quant::kquants::dequantize_q4_k, 144, 256);
 from_core!(block_q5_k, quant::kquants::dequantize_q5_k, 176, 256);
 from_core!(block_q6_k, quant::kquants::dequantize_q6_k, 210, 256);
 from_core!(block_mxfp4, quant::mxfp4::dequantize_mxfp4, 17, 32);
+from_core!(block_iq4_nl, quant::iquants::dequantize_iq4_nl, 18, 32);
+from_core!(block_iq4_xs, quant::iquants::dequantize_iq4_xs, 136, 256);
 
 /// Dequantises whole rows/tensors: `src` holds `out.len()` values of `qtype`. Callers have
 /// checked the lengths agree (core's `quant::dequantize` checks them; the kernels' rows

@@ -98,6 +98,8 @@ fn q8_dots_hold_at_the_extremes() {
                 QType::Q6_K => 0..192,
                 // Code 0x7 / 0xF is ±6 (±12 doubled), MXFP4's largest.
                 QType::MXFP4 => 1..17,
+                QType::IQ4_NL => 2..18,
+                QType::IQ4_XS => 8..136,
                 _ => unreachable!(),
             };
             for blk in bytes.chunks_exact_mut(q.block_bytes()) {

@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use kiln_core::quant::mxfp4;
+use kiln_core::quant::{iquants, mxfp4};
 use kiln_core::QType;
 
 use super::avx2::offset;
@@ -260,14 +260,52 @@ unsafe fn dot_mxfp4(row: &[u8], x: Q8Ref<'_>) -> f32 {
             k[14], k[15], k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11],
             k[12], k[13], k[14], k[15],
         );
+        table_blocks::<17, 1>(table, p, y, x, |blk| mxfp4::e8m0_half(*blk))
+    }
+}
+
+/// IQ4_NL: [`dot_mxfp4`]'s loop over its own levels, each block scaled by its f16 `d`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq4_nl(row: &[u8], x: Q8Ref<'_>) -> f32 {
+    // SAFETY: as for `dot_mxfp4`, with blocks of 18 bytes (an f16, then 16 of codes).
+    unsafe {
+        let (p, y) = (row.as_ptr(), x.qs.as_ptr());
+        let k = iquants::KVALUES_IQ4NL;
+        let table = _mm256_setr_epi8(
+            k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11], k[12], k[13],
+            k[14], k[15], k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11],
+            k[12], k[13], k[14], k[15],
+        );
+        table_blocks::<18, 2>(table, p, y, x, |blk| {
+            half::f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32()
+        })
+    }
+}
+
+/// The loop of the 32-value table types: each block of `BYTES` bytes has its 16 bytes of
+/// codes at `CODES`, looked up in `table` (signed levels), multiplied with the activation
+/// bytes as signed quants are, and scaled by `scale(block)`·dx.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn table_blocks<const BYTES: usize, const CODES: usize>(
+    table: __m256i,
+    p: *const u8,
+    y: *const i8,
+    x: Q8Ref<'_>,
+    scale: impl Fn(*const u8) -> f32,
+) -> f32 {
+    // SAFETY: the caller guarantees the features, `x.len() / 32` blocks of BYTES bytes at
+    // `p` and 32 activation bytes a block at `y`.
+    unsafe {
         let mut acc = _mm256_setzero_ps();
         for b in 0..x.len() / Q8_BLOCK {
-            let blk = p.add(b * 17);
-            let w = _mm256_shuffle_epi8(table, nibbles32(blk.add(1)));
+            let blk = p.add(b * BYTES);
+            let w = _mm256_shuffle_epi8(table, nibbles32(blk.add(CODES)));
             let yv = _mm256_loadu_si256(y.add(b * Q8_BLOCK) as *const __m256i);
             let dots = pair_sums(_mm256_abs_epi8(w), _mm256_sign_epi8(yv, w));
-            let scale = _mm256_set1_ps(mxfp4::e8m0_half(*blk) * x.d[b]);
-            acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
+            let s = _mm256_set1_ps(scale(blk) * x.d[b]);
+            acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dots), acc);
         }
         hsum(acc)
     }
@@ -402,6 +440,13 @@ pub fn dot_rows(_: Avx2, q: QType, rows: &[u8], row_bytes: usize, x: Q8Ref<'_>, 
             QType::Q4_K => each_row(rows, row_bytes, x, out, |r, x| dot_q4_k(r, x)),
             QType::Q6_K => each_row(rows, row_bytes, x, out, |r, x| dot_q6_k(r, x)),
             QType::MXFP4 => each_row(rows, row_bytes, x, out, |r, x| dot_mxfp4(r, x)),
+            QType::IQ4_NL => each_row(rows, row_bytes, x, out, |r, x| dot_iq4_nl(r, x)),
+            // No AVX2 form yet: the portable integer dot.
+            QType::IQ4_XS => {
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = super::q8::dot_portable(q, row, x);
+                }
+            }
             _ => panic!("no q8 kernel for {q}"),
         }
     }

@@ -528,6 +528,21 @@ portable_kernel!(
     32,
     dequant::block_mxfp4
 );
+portable_kernel!(
+    /// IQ4_NL: each block decoded (a table lookup a value) and dotted in f32.
+    Iq4NlKernel,
+    QType::IQ4_NL,
+    32,
+    dequant::block_iq4_nl
+);
+portable_kernel!(
+    /// IQ4_XS: each super-block decoded (sub-block scales, a table lookup a value) and
+    /// dotted in f32.
+    Iq4XsKernel,
+    QType::IQ4_XS,
+    256,
+    dequant::block_iq4_xs
+);
 
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
@@ -624,6 +639,8 @@ pub enum Kernel {
     Q6K(Q6KKernel),
     AprQ4(AprQ4Kernel),
     Mxfp4(Mxfp4Kernel),
+    Iq4Nl(Iq4NlKernel),
+    Iq4Xs(Iq4XsKernel),
 }
 
 /// Weight types this backend multiplies with: those [`Kernel::new`] has a kernel for (the
@@ -657,6 +674,8 @@ impl Kernel {
             QType::Q6_K => Q6KKernel { simd }.into(),
             QType::AprQ4 => AprQ4Kernel { simd }.into(),
             QType::MXFP4 => Mxfp4Kernel.into(),
+            QType::IQ4_NL => Iq4NlKernel.into(),
+            QType::IQ4_XS => Iq4XsKernel.into(),
             _ => return None,
         })
     }

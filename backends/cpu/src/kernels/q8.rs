@@ -19,7 +19,7 @@
 //! ([`super::avx2_q8`]) that agrees with it to f32 rounding.
 
 use half::f16;
-use kiln_core::quant::{kquants::scale_min_k4, mxfp4};
+use kiln_core::quant::{iquants, kquants::scale_min_k4, mxfp4};
 use kiln_core::QType;
 
 use super::{Avx2, Isa, Simd};
@@ -232,7 +232,7 @@ impl Q8Input {
 }
 
 /// Weight types with an integer kernel here.
-pub const Q8_TYPES: [QType; 8] = [
+pub const Q8_TYPES: [QType; 10] = [
     QType::Q4_0,
     QType::Q4_1,
     QType::Q5_0,
@@ -241,6 +241,8 @@ pub const Q8_TYPES: [QType; 8] = [
     QType::Q4_K,
     QType::Q6_K,
     QType::MXFP4,
+    QType::IQ4_NL,
+    QType::IQ4_XS,
 ];
 
 /// The integer row dot for one weight matrix: its type and, when the CPU has them, the
@@ -427,6 +429,27 @@ pub fn dot_portable(q: QType, row: &[u8], x: Q8Ref<'_>) -> f32 {
                 let w = (0..32).map(|i| mxfp4::KVALUES[nibble(&blk[1..], i) as usize] as i32);
                 let dot = idot(w, &x.qs[b * 32..][..32]);
                 sum += mxfp4::e8m0_half(blk[0]) * x.d[b] * dot as f32;
+            }
+        }
+        QType::IQ4_NL => {
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let w =
+                    (0..32).map(|i| iquants::KVALUES_IQ4NL[nibble(&blk[2..], i) as usize] as i32);
+                let dot = idot(w, &x.qs[b * 32..][..32]);
+                sum += f16_at(blk, 0) * x.d[b] * dot as f32;
+            }
+        }
+        QType::IQ4_XS => {
+            for (sb, blk) in row.chunks_exact(bb).enumerate() {
+                let d = f16_at(blk, 0);
+                for i in 0..8 {
+                    let b = sb * 8 + i;
+                    let qs = &blk[8 + 16 * i..][..16];
+                    let w = (0..32).map(|j| iquants::KVALUES_IQ4NL[nibble(qs, j) as usize] as i32);
+                    let dot = idot(w, &x.qs[b * 32..][..32]);
+                    let scale = iquants::iq4_xs_scale(blk, i) as f32;
+                    sum += d * scale * x.d[b] * dot as f32;
+                }
             }
         }
         _ => unreachable!("no q8 kernel for {q}: Q8Kernel::new refuses it"),

@@ -30,6 +30,7 @@ fn scale_fields(q: QType) -> &'static [(usize, bool)] {
         QType::Q3_K => &[(108, false)],
         QType::Q4_K | QType::Q5_K => &[(0, false), (2, true)],
         QType::Q6_K => &[(208, false)],
+        QType::IQ4_NL | QType::IQ4_XS => &[(0, false)],
         _ => &[],
     }
 }
@@ -65,6 +66,8 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
                 QType::Q4_K => 15.0 * 63.0,
                 QType::Q5_K => 31.0 * 63.0,
                 QType::Q6_K => 32.0 * 128.0,
+                QType::IQ4_NL => 127.0,
+                QType::IQ4_XS => 32.0 * 127.0,
                 _ => 1.0,
             };
             for block in out.chunks_exact_mut(q.block_bytes()) {
