@@ -2353,3 +2353,70 @@ fn serve_embeddings() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+/// The newer endpoints under hostile bodies: `/v1/embeddings` and the tokenizer helpers
+/// get their required field replaced by wrong types, out-of-range ids, empty and nested
+/// values, or a body that is not JSON — each a 4xx in OpenAI's error shape, and the
+/// server keeps serving.
+#[test]
+fn serve_hostile_bodies_to_embeddings_and_helpers_get_4xx() {
+    let model = test_model();
+    let s = Server::start(&model, &["--max-seqs", "2", "-c", "256"]);
+    s.wait_ready();
+    let endpoints: [(&str, &str); 4] = [
+        ("/v1/embeddings", "input"),
+        ("/tokenize", "content"),
+        ("/detokenize", "tokens"),
+        ("/apply-template", "messages"),
+    ];
+    let bad = [
+        json!(null),
+        json!(5),
+        json!(-1),
+        json!(1e308),
+        json!(true),
+        json!({}),
+        json!([[[1]]]),
+        json!([1, -2]),
+        json!([99999999]),
+        json!([null]),
+        json!([{"role": "wizard", "content": "x"}]),
+        json!(""),
+        json!([]),
+    ];
+    let mut rng = Rng(0x6b69_6c6f);
+    let mut by_status: HashMap<u16, usize> = HashMap::new();
+    for i in 0..300 {
+        let (path, field) = *rng.pick(&endpoints);
+        let body = match i % 10 {
+            0 => b"{\"input\": [1, 2".to_vec(),
+            1 => vec![0xff, 0xfe, 0x00, 0x7b],
+            _ => {
+                let value = rng.pick(&bad).clone();
+                // Values that are valid for the field (an empty text to tokenize, no ids to
+                // detokenize) are made invalid.
+                let value = match (path, &value) {
+                    ("/tokenize", Value::String(_)) => json!(["not", "a", "string"]),
+                    ("/detokenize", Value::Array(a)) if a.is_empty() => json!("text"),
+                    _ => value,
+                };
+                json!({ field: value }).to_string().into_bytes()
+            }
+        };
+        let r = s.post_raw(path, &body);
+        assert!(
+            (400..500).contains(&r.status),
+            "{path} body {}: {} {}",
+            String::from_utf8_lossy(&body),
+            r.status,
+            r.text()
+        );
+        let e = r.error();
+        assert!(!e["message"].as_str().unwrap().is_empty());
+        *by_status.entry(r.status).or_insert(0) += 1;
+    }
+    println!("300 hostile bodies to the newer endpoints, by status {by_status:?}");
+    assert_eq!(s.get("/health").status, 200);
+    let r = s.post("/v1/embeddings", &json!({"input": "still serving"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
