@@ -118,14 +118,6 @@ impl<'t> SequenceGeneration<'t> {
         }
     }
 
-    /// A whole host-side draw from `row`: [`Self::shape`], the sampler's pick, [`Self::picked`].
-    pub fn draw(&mut self, sampler: &mut Sampler, row: &mut [f32]) -> Result<u32> {
-        self.shape(sampler, row)?;
-        let token = sampler.pick(row);
-        self.picked(token)?;
-        Ok(token)
-    }
-
     /// What `token`, just drawn, does when the sequence's cache holds `cached` tokens of a
     /// context of `max_context` (the token itself not yet among them).
     pub fn accept(&mut self, token: u32, cached: usize, max_context: usize) -> Accepted {
@@ -334,5 +326,76 @@ mod tests {
         for f in [Finish::Stop, Finish::Length, Finish::Cancelled] {
             assert_eq!(f.api_reason(), f.as_str());
         }
+    }
+}
+
+/// A token's log-probability and its most likely alternatives.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// log Σ exp(row), NaNs left out, stable for large values.
+pub(crate) fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f64 = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - max) as f64).exp())
+        .sum();
+    max + sum.ln() as f32
+}
+
+/// The drawn `token`'s log-probability under the shaped `row` (whose log-sum-exp is `lse`)
+/// and the `k` most likely tokens with theirs (equal logits to the lower id), each named
+/// by `name`; −9999 stands for minus infinity, as OpenAI's API reports it. `candidates` is
+/// scratch.
+pub(crate) fn token_logprob(
+    row: &[f32],
+    token: u32,
+    k: usize,
+    lse: f32,
+    candidates: &mut Vec<(u32, f32)>,
+    name: impl Fn(u32) -> String,
+) -> TokenLogprob {
+    let lp = |x: f32| {
+        if x.is_finite() {
+            (x - lse).max(-9999.0)
+        } else {
+            -9999.0
+        }
+    };
+    let mut top = Vec::new();
+    if k > 0 {
+        let c = candidates;
+        c.clear();
+        c.extend(
+            row.iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan())
+                .map(|(t, &l)| (t as u32, l)),
+        );
+        let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = k.min(c.len());
+        if k > 0 && k < c.len() {
+            c.select_nth_unstable_by(k - 1, by_desc);
+        }
+        c.truncate(k);
+        c.sort_unstable_by(by_desc);
+        top = c.iter().map(|&(t, l)| (name(t), lp(l))).collect();
+    }
+    TokenLogprob {
+        token: name(token),
+        logprob: lp(row.get(token as usize).copied().unwrap_or(f32::NAN)),
+        top,
     }
 }

@@ -241,6 +241,7 @@ impl SamplingArgs {
             json_schema: self.json_schema()?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logprobs: None,
             cancel: None,
         })
     }

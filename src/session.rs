@@ -10,7 +10,9 @@ use kiln_core::{DecodeItem, Error, Result, Sampler, SamplingParams, SeqId};
 
 use crate::engine::Engine;
 pub use crate::generation::Finish;
-use crate::generation::{SequenceGeneration, SequenceRules};
+use crate::generation::{
+    log_sum_exp, token_logprob, SequenceGeneration, SequenceRules, TokenLogprob,
+};
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -30,6 +32,11 @@ pub struct GenerateParams {
     /// it has appeared in the output and `frequency_penalty` for each time it has.
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// `Some(k)`: each generated token's log-probability and the `k` (at most 20) most
+    /// likely tokens' at its step, under the distribution it was drawn from (after bias,
+    /// penalties and the output constraint, before temperature): `Generation::logprobs`,
+    /// and each Batcher `Delta`'s `logprob`.
+    pub logprobs: Option<usize>,
     /// Ends the generation from any thread: checked before each token is decoded, it
     /// stops with [`Finish::Cancelled`] and what was generated so far.
     pub cancel: Option<CancelToken>,
@@ -40,6 +47,11 @@ impl GenerateParams {
     /// the penalties' range.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate()?;
+        if self.logprobs.is_some_and(|k| k > 20) {
+            return Err(Error::InvalidArgument(
+                "logprobs asks for at most 20 alternatives".into(),
+            ));
+        }
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
@@ -64,6 +76,7 @@ impl Default for GenerateParams {
             json_schema: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logprobs: None,
             cancel: None,
         }
     }
@@ -105,6 +118,8 @@ pub struct Generation {
     /// Time of the decode steps after the first token (which comes from the prefill).
     pub decode_time: Duration,
     pub decode_steps: usize,
+    /// One a generated token, when `GenerateParams::logprobs` asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Generation {
@@ -233,14 +248,35 @@ impl<'e> Session<'e> {
                 first_token_time: Duration::ZERO,
                 decode_time: decode_start.elapsed(),
                 decode_steps: 0,
+                logprobs: Vec::new(),
             });
         }
-        let mut token = generation.draw(&mut sampler, &mut self.logits)?;
+        let tokenizer = &self.engine.model.tokenizer;
+        let mut candidates = Vec::new();
+        // A host-side draw, with the token's logprob when asked for.
+        let mut draw = |generation: &mut SequenceGeneration,
+                        sampler: &mut Sampler,
+                        row: &mut [f32]|
+         -> Result<(u32, Option<TokenLogprob>)> {
+            generation.shape(sampler, row)?;
+            let lse = params.logprobs.map(|_| log_sum_exp(row));
+            let token = sampler.pick(row);
+            generation.picked(token)?;
+            let logprob = params.logprobs.zip(lse).map(|(k, lse)| {
+                token_logprob(row, token, k, lse, &mut candidates, |t| {
+                    tokenizer.decode(&[t], false)
+                })
+            });
+            Ok((token, logprob))
+        };
+        let mut logprobs = Vec::new();
+        let (mut token, mut logprob) = draw(&mut generation, &mut sampler, &mut self.logits)?;
         let first_token_time = start.elapsed();
         let finish = loop {
             let accepted = generation.accept(token, self.cached.len(), max_context);
             if accepted.kept {
                 ids.push(token);
+                logprobs.extend(logprob.take());
             }
             if !accepted.text.is_empty() {
                 on_text(&accepted.text);
@@ -272,7 +308,7 @@ impl<'e> Session<'e> {
             };
             // The executor draws the next token itself unless the host must shape the
             // logits first (a grammar).
-            let host = generation.needs_host_logits();
+            let host = generation.needs_host_logits() || params.logprobs.is_some();
             let mut next = [0u32];
             match host {
                 true => exec.decode(&[item], &mut self.logits),
@@ -281,11 +317,9 @@ impl<'e> Session<'e> {
             .map_err(at_step)?;
             self.cached.push(token);
             decode_steps += 1;
-            token = match host {
-                true => generation
-                    .draw(&mut sampler, &mut self.logits)
-                    .map_err(at_step)?,
-                false => next[0],
+            (token, logprob) = match host {
+                true => draw(&mut generation, &mut sampler, &mut self.logits).map_err(at_step)?,
+                false => (next[0], None),
             };
         };
         let decode_time = decode_start.elapsed();
@@ -299,6 +333,7 @@ impl<'e> Session<'e> {
             first_token_time,
             decode_time,
             decode_steps,
+            logprobs,
         })
     }
 }

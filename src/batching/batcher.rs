@@ -154,7 +154,7 @@ impl Batcher {
                 presence_penalty: params.presence_penalty,
                 frequency_penalty: params.frequency_penalty,
                 stop: params.stop_strings.clone(),
-                logprobs: None,
+                logprobs: params.logprobs,
                 cache_prompt: true,
                 cancel: params.cancel.clone(),
             },

@@ -142,13 +142,7 @@ pub struct EmbedJob {
     pub reply: tokio::sync::oneshot::Sender<kiln_core::Result<Vec<Vec<f32>>>>,
 }
 
-/// A token's log-probability and its most likely alternatives.
-#[derive(Debug, Clone)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<(String, f32)>,
-}
+pub use crate::generation::TokenLogprob;
 
 /// What the scheduler tells a job's handler.
 #[derive(Debug)]
@@ -1161,7 +1155,7 @@ impl<'e> Scheduler<'e> {
         let r = &self.running[i];
         let p = &r.params;
         let top_n = p.logprobs;
-        let lse = top_n.map(|_| log_sum_exp(row));
+        let lse = top_n.map(|_| crate::generation::log_sum_exp(row));
         // `row` is final (bias, penalties and the output constraint in): the logprobs above
         // and the draw read the same distribution.
         let token = self.samplers[i].pick(row);
@@ -1173,46 +1167,15 @@ impl<'e> Scheduler<'e> {
                         .map(|t| self.tokenizer.decode(&[t], false))
                         .collect();
                 }
-                let lp = |x: f32| {
-                    if x.is_finite() {
-                        (x - lse).max(-9999.0)
-                    } else {
-                        -9999.0
-                    }
-                };
-                let mut top = Vec::new();
-                if k > 0 {
-                    let c = &mut self.candidates;
-                    c.clear();
-                    c.extend(
-                        row.iter()
-                            .enumerate()
-                            .filter(|(_, l)| !l.is_nan())
-                            .map(|(t, &l)| (t as u32, l)),
-                    );
-                    let by_desc =
-                        |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-                    let k = k.min(c.len());
-                    if k > 0 && k < c.len() {
-                        c.select_nth_unstable_by(k - 1, by_desc);
-                    }
-                    c.truncate(k);
-                    c.sort_unstable_by(by_desc);
-                    top = c
-                        .iter()
-                        .map(|&(t, l)| (self.token_text[t as usize].clone(), lp(l)))
-                        .collect();
-                }
-                let text = self
-                    .token_text
-                    .get(token as usize)
-                    .cloned()
-                    .unwrap_or_default();
-                Some(TokenLogprob {
-                    token: text,
-                    logprob: lp(row.get(token as usize).copied().unwrap_or(f32::NAN)),
-                    top,
-                })
+                let names = &self.token_text;
+                Some(crate::generation::token_logprob(
+                    row,
+                    token,
+                    k,
+                    lse,
+                    &mut self.candidates,
+                    |t| names.get(t as usize).cloned().unwrap_or_default(),
+                ))
             }
             _ => None,
         };
@@ -1302,23 +1265,6 @@ fn refuse_for_shutdown(job: &Job) {
             shutting_down: true,
         },
     ));
-}
-
-fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row
-        .iter()
-        .copied()
-        .filter(|x| !x.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return max;
-    }
-    let sum: f64 = row
-        .iter()
-        .filter(|x| !x.is_nan())
-        .map(|&x| ((x - max) as f64).exp())
-        .sum();
-    max + sum.ln() as f32
 }
 
 #[cfg(test)]
@@ -1411,8 +1357,11 @@ mod tests {
 
     #[test]
     fn log_sum_exp_is_stable() {
-        let l = log_sum_exp(&[1000.0, 1000.0]);
+        let l = crate::generation::log_sum_exp(&[1000.0, 1000.0]);
         assert!((l - (1000.0 + 2f32.ln())).abs() < 1e-3);
-        assert_eq!(log_sum_exp(&[f32::NEG_INFINITY]), f32::NEG_INFINITY);
+        assert_eq!(
+            crate::generation::log_sum_exp(&[f32::NEG_INFINITY]),
+            f32::NEG_INFINITY
+        );
     }
 }

@@ -239,9 +239,9 @@ fn the_batcher_embeds_beside_a_running_generation() {
     batcher.finish();
 }
 
-/// Penalties reach both APIs alike: a Batcher stream with a frequency penalty gives the
-/// session's text and token ids (each `Delta` names its token), and the penalty changes
-/// the greedy text; an out-of-range penalty is refused up front.
+/// Penalties and logprobs reach both APIs alike: a Batcher stream with a frequency penalty
+/// gives the session's text, token ids (each `Delta` names its token) and logprobs, and the
+/// penalty changes the greedy text; an out-of-range penalty is refused up front.
 #[test]
 fn penalties_and_token_ids_match_a_session() {
     let Some(path) = smollm2_or_skip("penalties_and_token_ids_match_a_session") else {
@@ -252,6 +252,7 @@ fn penalties_and_token_ids_match_a_session() {
         sampling: SamplingParams::greedy(),
         frequency_penalty: 1.5,
         presence_penalty: 0.5,
+        logprobs: Some(3),
         ..Default::default()
     };
     let mut alone = engine(&path, 1);
@@ -274,12 +275,27 @@ fn penalties_and_token_ids_match_a_session() {
     assert_ne!(penalised.text, plain.text, "the penalty changed nothing");
     drop(alone);
     let batcher = Batcher::start(engine(&path, 1), BatchOptions::default()).unwrap();
-    let (mut text, mut tokens) = (String::new(), Vec::new());
+    // Greedy: each token is its step's most likely, and its logprob the top one's.
+    assert_eq!(penalised.logprobs.len(), penalised.ids.len());
+    for lp in &penalised.logprobs {
+        assert_eq!(lp.top.len(), 3);
+        assert_eq!(lp.top[0].0, lp.token);
+        assert!(
+            (lp.top[0].1 - lp.logprob).abs() < 1e-6 && lp.logprob <= 0.0,
+            "{lp:?}"
+        );
+    }
+    let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), Vec::new());
     for event in batcher.submit(ids.clone(), &params).unwrap() {
         match event {
-            BatchEvent::Delta { text: t, token, .. } => {
+            BatchEvent::Delta {
+                text: t,
+                token,
+                logprob,
+            } => {
                 text.push_str(&t);
                 tokens.extend(token);
+                logprobs.extend(logprob);
             }
             BatchEvent::Done { .. } => break,
             BatchEvent::Error { message, .. } => panic!("{message}"),
@@ -287,6 +303,11 @@ fn penalties_and_token_ids_match_a_session() {
     }
     assert_eq!(text, penalised.text);
     assert_eq!(tokens, penalised.ids);
+    assert_eq!(logprobs.len(), penalised.logprobs.len());
+    for (b, s) in logprobs.iter().zip(&penalised.logprobs) {
+        assert_eq!(b.token, s.token);
+        assert!((b.logprob - s.logprob).abs() < 1e-4, "{b:?} {s:?}");
+    }
     let bad = GenerateParams {
         presence_penalty: 3.0,
         ..params.clone()
