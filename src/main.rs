@@ -90,7 +90,8 @@ struct BackendArgs {
 
 #[derive(Args)]
 struct EmbedArgs {
-    /// The texts to embed, one vector each.
+    /// The texts to embed, one vector each (on the cpu backend unless --backend names
+    /// another).
     #[arg(required = true)]
     texts: Vec<String>,
     #[command(flatten)]
@@ -1236,7 +1237,12 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
 
 /// `kiln warmup`: the model loaded once on its backend (GPU kernels compiled into the
 /// on-disk cache on a first run), one token generated, the times printed.
-fn cmd_embed(args: EmbedArgs) -> Result<()> {
+fn cmd_embed(mut args: EmbedArgs) -> Result<()> {
+    // Hidden states come from the CPU backend for now: it is the default here rather than
+    // the best-scoring backend (a GPU one would refuse).
+    if args.model.backend.backend.is_none() && args.model.backend.plugins.is_empty() {
+        args.model.backend.backend = Some("cpu".into());
+    }
     let mut engine = load_engine(&args.model)?;
     let pooling = match &args.pooling {
         Some(name) => kiln::Pooling::parse(name)?,
