@@ -44,10 +44,13 @@ pub enum Recipe {
     Q5_K_M,
     Q6_K,
     F16,
+    /// llama.cpp's `MXFP4_MOE` (gpt-oss's own mix): every Mixture-of-Experts tensor (a
+    /// stacked 3-D expert matrix) in MXFP4, every other quantised tensor in Q8_0.
+    MXFP4_MOE,
 }
 
 impl Recipe {
-    pub const ALL: [Recipe; 8] = [
+    pub const ALL: [Recipe; 9] = [
         Recipe::Q4_0,
         Recipe::Q4_1,
         Recipe::Q8_0,
@@ -56,6 +59,7 @@ impl Recipe {
         Recipe::Q5_K_M,
         Recipe::Q6_K,
         Recipe::F16,
+        Recipe::MXFP4_MOE,
     ];
 
     /// The lower-case name (`q4_k_m`), as `--type` takes it.
@@ -69,6 +73,7 @@ impl Recipe {
             Recipe::Q5_K_M => "q5_k_m",
             Recipe::Q6_K => "q6_k",
             Recipe::F16 => "f16",
+            Recipe::MXFP4_MOE => "mxfp4_moe",
         }
     }
 
@@ -98,6 +103,7 @@ impl Recipe {
             Recipe::Q5_K_M => QType::Q5_K,
             Recipe::Q6_K => QType::Q6_K,
             Recipe::F16 => QType::F16,
+            Recipe::MXFP4_MOE => QType::MXFP4,
         }
     }
 
@@ -112,6 +118,7 @@ impl Recipe {
             Recipe::Q4_K_M => 15,
             Recipe::Q5_K_M => 17,
             Recipe::Q6_K => 18,
+            Recipe::MXFP4_MOE => 38,
         }
     }
 }
@@ -198,7 +205,18 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
             let mut new_type = default;
             let name = t.name.as_str();
             let row_len = t.dims[0];
-            if name == "output.weight" || (!has_output && name == "token_embd.weight") {
+            if recipe == Recipe::MXFP4_MOE {
+                // llama.cpp: the LM head and everything 2-D in Q8_0, the stacked experts
+                // (a third dimension over 1) in MXFP4 — per-expert 2-D tensors of older
+                // files are not experts to this rule.
+                let stacked = t.dims.get(2).is_some_and(|&e| e > 1);
+                let lm_head =
+                    name == "output.weight" || (!has_output && name == "token_embd.weight");
+                new_type = match stacked && !lm_head {
+                    true => QType::MXFP4,
+                    false => QType::Q8_0,
+                };
+            } else if name == "output.weight" || (!has_output && name == "token_embd.weight") {
                 // The LM head (or the tied embedding that is it).
                 if !row_len.is_multiple_of(default.block_len()) {
                     new_type = QType::Q8_0;

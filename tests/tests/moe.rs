@@ -241,3 +241,55 @@ fn per_expert_tensors_run_as_the_stacked_ones() {
     };
     assert_eq!(logits(&per_expert), logits(&stacked));
 }
+
+/// `kiln quantize --type mxfp4_moe` (llama.cpp's mix for gpt-oss): the stacked experts in
+/// MXFP4, every other quantised tensor in Q8_0, the router and norms as they were; the
+/// file runs on the CPU (f32 and 8-bit paths) near transformers' float32 logits, as far
+/// from them as MXFP4's rounding puts it.
+#[test]
+fn mxfp4_moe_recipe_types_the_experts_and_runs() {
+    use kiln_formats::quantize::{no_progress, quantize_file, QuantizeOptions, Recipe};
+    let dir = std::env::temp_dir().join(format!("kiln-mxfp4-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("qwen3moe.mxfp4_moe.gguf");
+    quantize_file(
+        &kiln_tests::fixture("moe/qwen3moe.gguf"),
+        &out,
+        QuantizeOptions {
+            recipe: Recipe::MXFP4_MOE,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    let file = GgufFile::open(&out).unwrap();
+    for t in file.tensors() {
+        let want = if t.name.contains("_exps") {
+            kiln_core::QType::MXFP4
+        } else if t.dims.len() == 1 || t.name.contains("ffn_gate_inp") {
+            kiln_core::QType::F32
+        } else {
+            kiln_core::QType::Q8_0
+        };
+        assert_eq!(t.qtype, want, "{}", t.name);
+    }
+    assert_eq!(file.get_u64("general.file_type"), Some(38));
+    let ir = model_from_gguf(&file, "qwen3moe").unwrap();
+    let f = Fixtures::open("moe");
+    for quantized_activations in [false, true] {
+        kiln::link_builtin_backends();
+        let cpu = kiln_core::Registry::with_builtins().get("cpu").unwrap();
+        let options = kiln_core::LoadOptions {
+            max_context: 256,
+            quantized_activations,
+            ..Default::default()
+        };
+        let mut exec = cpu.load(&ir, &options).unwrap();
+        let (worst, _) = f.run(exec.as_mut(), "qwen3moe");
+        println!("mxfp4_moe, 8-bit activations {quantized_activations}: worst cosine {worst:.5} to transformers");
+        // MXFP4's relative RMSE on these N(0, σ²) experts is 0.115 (Q8_0's 0.005): the
+        // logits stay near transformers' (a broken kernel or layout falls far below).
+        assert!(worst > 0.9, "{worst}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
