@@ -155,6 +155,6 @@ fn run() -> Result<()> {
             });
         }
     });
-    batcher.finish();
+    batcher.finish()?;
     Ok(())
 }

@@ -75,7 +75,7 @@ pub struct Batcher {
     jobs: Option<SyncSender<Request>>,
     shutdown: Arc<Shutdown>,
     metrics: Arc<Metrics>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<Engine>>,
     tokenizer: Arc<Tokenizer>,
     tokenizer_spec: TokenizerSpec,
     /// Structured outputs, built at the first `json_schema` (`None` inside: the model has
@@ -210,12 +210,19 @@ impl Batcher {
     }
 
     /// Stops taking work and waits until everything submitted has finished.
-    pub fn finish(mut self) {
+    /// and hands the engine back (its sequences all freed) for sessions, embeddings or
+    /// another Batcher.
+    ///
+    /// # Errors
+    /// `Backend` when the engine thread panicked (the engine is lost with it).
+    pub fn finish(mut self) -> Result<Engine> {
         // Without a sender the engine thread ends once nothing is left to run.
         self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        let thread = self.thread.take().expect("present until finish or drop");
+        thread.join().map_err(|_| Error::Backend {
+            backend: "batcher".into(),
+            message: "the engine thread panicked".into(),
+        })
     }
 }
 

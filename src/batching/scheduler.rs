@@ -185,12 +185,15 @@ pub fn spawn_loaded(
     shutdown: Arc<Shutdown>,
     grace: Duration,
     prompt_cache: bool,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
+) -> std::io::Result<std::thread::JoinHandle<Engine>> {
     std::thread::Builder::new()
         .name("kiln-engine".into())
         .spawn(move || {
             record_loaded(&mut engine, &metrics);
             run_loop(&mut engine, &jobs, &metrics, &shutdown, grace, prompt_cache);
+            // Every sequence of the loop is freed or kept for the prompt cache; `run`
+            // evicts the kept ones at the end, so the engine comes back empty.
+            engine
         })
 }
 
@@ -495,7 +498,9 @@ impl<'e> Scheduler<'e> {
     fn run(mut self, jobs: &Receiver<Request>, shutdown: &Shutdown) {
         let mut deadline: Option<Instant> = None;
         self.update_gauges();
-        loop {
+        // Ends when shutdown has drained everything, or when every sender is gone and
+        // nothing runs; the kept sequences are freed after it either way.
+        'serve: loop {
             if shutdown.is_set() {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.grace);
                 for request in jobs.try_iter() {
@@ -555,7 +560,7 @@ impl<'e> Scheduler<'e> {
                         match jobs.recv_timeout(Duration::from_millis(50)) {
                             Ok(request) => request,
                             Err(RecvTimeoutError::Timeout) => break,
-                            Err(RecvTimeoutError::Disconnected) => return,
+                            Err(RecvTimeoutError::Disconnected) => break 'serve,
                         }
                     } else {
                         match jobs.try_recv() {

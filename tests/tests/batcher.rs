@@ -94,7 +94,7 @@ fn more_generations_than_slots_each_as_a_session_gives_it() {
         gauge(&batcher, "kiln_generation_tokens_total") as usize,
         generated
     );
-    batcher.finish();
+    batcher.finish().unwrap();
 }
 
 #[test]
@@ -195,11 +195,12 @@ fn a_cancel_token_ends_a_stream_read_elsewhere() {
     let (_, finish) = collect(batcher.submit(prompt, &short).unwrap());
     assert_eq!(finish, "length");
     assert!(gauge(&batcher, "kiln_sequences_cancelled_total") >= 1.0);
-    batcher.finish();
+    batcher.finish().unwrap();
 }
 
 /// `Batcher::embed` runs between a running generation's steps and gives what
-/// `Engine::embed` gives alone; a bad input is the typed error.
+/// `Engine::embed` gives alone; a bad input is the typed error; `finish` gives the engine
+/// back, every sequence freed.
 #[test]
 fn the_batcher_embeds_beside_a_running_generation() {
     let Some(path) = smollm2_or_skip("the_batcher_embeds_beside_a_running_generation") else {
@@ -236,7 +237,13 @@ fn the_batcher_embeds_beside_a_running_generation() {
         batcher.embed(vec![vec![]], kiln::Pooling::Mean, true),
         Err(kiln_core::Error::InvalidArgument(_))
     ));
-    batcher.finish();
+    // `finish` hands the engine back with every sequence freed, ready for a session.
+    let mut engine = batcher.finish().unwrap();
+    if let Some(kv) = engine.executor().kv_blocks() {
+        assert_eq!(kv.in_use(), 0, "{kv:?}");
+    }
+    let again = engine.embed(&ids, kiln::Pooling::Mean, true).unwrap();
+    assert!(kiln_tests::cosine(&again, &want) > 0.999_999);
 }
 
 /// Penalties and logprobs reach both APIs alike: a Batcher stream with a frequency penalty
@@ -316,5 +323,5 @@ fn penalties_and_token_ids_match_a_session() {
         batcher.submit(ids, &bad),
         Err(kiln_core::Error::InvalidArgument(_))
     ));
-    batcher.finish();
+    batcher.finish().unwrap();
 }
