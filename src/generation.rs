@@ -118,6 +118,29 @@ impl<'t> SequenceGeneration<'t> {
         }
     }
 
+    /// A whole host-side draw from `row`: [`Self::shape`], the sampler's pick,
+    /// [`Self::picked`]; with `logprobs` `Some(k)`, also the drawn token's log-probability
+    /// and the `k` likeliest tokens' under the distribution it was drawn from (bias,
+    /// penalties and the output constraint in, temperature not), named by `name`.
+    /// `candidates` is scratch.
+    pub fn draw(
+        &mut self,
+        sampler: &mut Sampler,
+        row: &mut [f32],
+        logprobs: Option<usize>,
+        candidates: &mut Vec<(u32, f32)>,
+        name: impl Fn(u32) -> String,
+    ) -> Result<(u32, Option<TokenLogprob>)> {
+        self.shape(sampler, row)?;
+        let lse = logprobs.map(|_| log_sum_exp(row));
+        let token = sampler.pick(row);
+        self.picked(token)?;
+        let logprob = logprobs
+            .zip(lse)
+            .map(|(k, lse)| token_logprob(row, token, k, lse, candidates, name));
+        Ok((token, logprob))
+    }
+
     /// What `token`, just drawn, does when the sequence's cache holds `cached` tokens of a
     /// context of `max_context` (the token itself not yet among them).
     pub fn accept(&mut self, token: u32, cached: usize, max_context: usize) -> Accepted {

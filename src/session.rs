@@ -10,9 +10,7 @@ use kiln_core::{DecodeItem, Error, Result, Sampler, SamplingParams, SeqId};
 
 use crate::engine::Engine;
 pub use crate::generation::Finish;
-use crate::generation::{
-    log_sum_exp, token_logprob, SequenceGeneration, SequenceRules, TokenLogprob,
-};
+use crate::generation::{SequenceGeneration, SequenceRules, TokenLogprob};
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -253,24 +251,15 @@ impl<'e> Session<'e> {
         }
         let tokenizer = &self.engine.model.tokenizer;
         let mut candidates = Vec::new();
-        // A host-side draw, with the token's logprob when asked for.
-        let mut draw = |generation: &mut SequenceGeneration,
-                        sampler: &mut Sampler,
-                        row: &mut [f32]|
-         -> Result<(u32, Option<TokenLogprob>)> {
-            generation.shape(sampler, row)?;
-            let lse = params.logprobs.map(|_| log_sum_exp(row));
-            let token = sampler.pick(row);
-            generation.picked(token)?;
-            let logprob = params.logprobs.zip(lse).map(|(k, lse)| {
-                token_logprob(row, token, k, lse, &mut candidates, |t| {
-                    tokenizer.decode(&[t], false)
-                })
-            });
-            Ok((token, logprob))
-        };
+        let name = |t: u32| tokenizer.decode(&[t], false);
         let mut logprobs = Vec::new();
-        let (mut token, mut logprob) = draw(&mut generation, &mut sampler, &mut self.logits)?;
+        let (mut token, mut logprob) = generation.draw(
+            &mut sampler,
+            &mut self.logits,
+            params.logprobs,
+            &mut candidates,
+            name,
+        )?;
         let first_token_time = start.elapsed();
         let finish = loop {
             let accepted = generation.accept(token, self.cached.len(), max_context);
@@ -318,7 +307,15 @@ impl<'e> Session<'e> {
             self.cached.push(token);
             decode_steps += 1;
             (token, logprob) = match host {
-                true => draw(&mut generation, &mut sampler, &mut self.logits).map_err(at_step)?,
+                true => generation
+                    .draw(
+                        &mut sampler,
+                        &mut self.logits,
+                        params.logprobs,
+                        &mut candidates,
+                        name,
+                    )
+                    .map_err(at_step)?,
                 false => (next[0], None),
             };
         };

@@ -655,15 +655,35 @@ pub fn check_prefill_logits(
     len: usize,
     max_context: usize,
 ) -> Result<()> {
+    check_rows_fit(
+        tokens,
+        first,
+        logits.len(),
+        vocab,
+        "logits",
+        "the vocabulary",
+    )?;
+    check_prompt_fits(tokens, vocab, len, max_context)
+}
+
+/// The rows from `first` on, `width` values each, fill a buffer of `held` values exactly;
+/// `InvalidArgument` naming the buffer and the row width otherwise.
+fn check_rows_fit(
+    tokens: &[u32],
+    first: usize,
+    held: usize,
+    width: usize,
+    buffer: &str,
+    row: &str,
+) -> Result<()> {
     let rows = scored_rows(tokens, first)?;
-    if logits.len() != rows * vocab {
+    if held != rows * width {
         return Err(Error::InvalidArgument(format!(
-            "logits buffer holds {} values; {rows} rows of the vocabulary need {}",
-            logits.len(),
-            rows * vocab
+            "{buffer} buffer holds {held} values; {rows} rows of {row} need {}",
+            rows * width
         )));
     }
-    check_prompt_fits(tokens, vocab, len, max_context)
+    Ok(())
 }
 
 /// The checks of [`LayerExecutor::prefill_hidden`]: the rows from `first` on fit `hidden`
@@ -678,14 +698,15 @@ pub fn check_prefill_hidden(
     len: usize,
     max_context: usize,
 ) -> Result<()> {
-    let rows = scored_rows(tokens, first)?;
-    if hidden.len() != rows * hidden_size {
-        return Err(Error::InvalidArgument(format!(
-            "hidden-state buffer holds {} values; {rows} rows of {hidden_size} need {}",
-            hidden.len(),
-            rows * hidden_size
-        )));
-    }
+    let row = hidden_size.to_string();
+    check_rows_fit(
+        tokens,
+        first,
+        hidden.len(),
+        hidden_size,
+        "hidden-state",
+        &row,
+    )?;
     check_prompt_fits(tokens, vocab, len, max_context)
 }
 

@@ -1156,35 +1156,20 @@ impl<'e> Scheduler<'e> {
     /// distribution, then the sequence's sampler draws. `NonFiniteLogits` when the model's
     /// row holds a NaN or an infinity (checked before the bias, which may be large).
     fn sample_host(&mut self, i: usize, row: &mut [f32]) -> Result<(u32, Option<TokenLogprob>)> {
-        self.running[i].generation.shape(&self.samplers[i], row)?;
-        let r = &self.running[i];
-        let p = &r.params;
-        let top_n = p.logprobs;
-        let lse = top_n.map(|_| crate::generation::log_sum_exp(row));
-        // `row` is final (bias, penalties and the output constraint in): the logprobs above
-        // and the draw read the same distribution.
-        let token = self.samplers[i].pick(row);
-        self.running[i].generation.picked(token)?;
-        let logprob = match (top_n, lse) {
-            (Some(k), Some(lse)) => {
-                if self.token_text.is_empty() {
-                    self.token_text = (0..self.vocab as u32)
-                        .map(|t| self.tokenizer.decode(&[t], false))
-                        .collect();
-                }
-                let names = &self.token_text;
-                Some(crate::generation::token_logprob(
-                    row,
-                    token,
-                    k,
-                    lse,
-                    &mut self.candidates,
-                    |t| names.get(t as usize).cloned().unwrap_or_default(),
-                ))
-            }
-            _ => None,
-        };
-        Ok((token, logprob))
+        let logprobs = self.running[i].params.logprobs;
+        if logprobs.is_some() && self.token_text.is_empty() {
+            self.token_text = (0..self.vocab as u32)
+                .map(|t| self.tokenizer.decode(&[t], false))
+                .collect();
+        }
+        let names = &self.token_text;
+        self.running[i].generation.draw(
+            &mut self.samplers[i],
+            row,
+            logprobs,
+            &mut self.candidates,
+            |t| names.get(t as usize).cloned().unwrap_or_default(),
+        )
     }
 
     /// Handles a sampled token: what its generation makes of it (end-of-sequence, text,

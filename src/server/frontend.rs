@@ -256,6 +256,24 @@ impl Frontend {
         Ok(serde_json::json!({ "prompt": prompt }))
     }
 
+    /// A request's `model`, if it names one, must name this model: 404 `model_not_found`.
+    pub fn check_model(&self, name: Option<&str>) -> std::result::Result<(), ApiError> {
+        match name {
+            Some(name) if !self.accepts_model(name) => Err(ApiError::new(
+                axum::http::StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!(
+                    "The model '{}' does not exist; this server runs '{}'.",
+                    truncate_for_message(name),
+                    self.id
+                ),
+            )
+            .with_param("model")),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether a request's `model` names this model: its id, its file name, or `default`.
     pub fn accepts_model(&self, name: &str) -> bool {
         name == self.id

@@ -577,19 +577,7 @@ async fn embeddings(State(st): State<Arc<AppState>>, headers: HeaderMap, body: B
         let obj = api::parse_json(&bytes)?;
         let req = api::parse_embeddings(&obj)?;
         let front = st.frontend()?;
-        if let Some(name) = &req.model {
-            if !front.accepts_model(name) {
-                return Err(ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    Some("model_not_found"),
-                    format!(
-                        "the model '{}' does not exist",
-                        api::truncate_for_message(name)
-                    ),
-                ));
-            }
-        }
+        front.check_model(req.model.as_deref())?;
         let inputs = {
             let (front, input) = (front.clone(), req.input.clone());
             tokio::task::spawn_blocking(move || front.embedding_inputs(&input))
@@ -795,21 +783,7 @@ async fn generate(
     };
     drop(bytes);
     let front = st.frontend()?;
-    if let Some(name) = &req.model {
-        if !front.accepts_model(name) {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!(
-                    "The model '{}' does not exist; this server runs '{}'.",
-                    api::truncate_for_message(name),
-                    front.id
-                ),
-            )
-            .with_param("model"));
-        }
-    }
+    front.check_model(req.model.as_deref())?;
 
     if let Some(&(bad, _)) = req
         .logit_bias

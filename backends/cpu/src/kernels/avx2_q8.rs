@@ -254,13 +254,9 @@ unsafe fn dot_mxfp4(row: &[u8], x: Q8Ref<'_>) -> f32 {
     // `row` (an exponent byte, then 16 bytes of codes) and one `d` per 32 values of `x`.
     unsafe {
         let (p, y) = (row.as_ptr(), x.qs.as_ptr());
-        let k = mxfp4::KVALUES;
-        let table = _mm256_setr_epi8(
-            k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11], k[12], k[13],
-            k[14], k[15], k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11],
-            k[12], k[13], k[14], k[15],
-        );
-        table_blocks::<17, 1>(table, p, y, x, |blk| mxfp4::e8m0_half(*blk))
+        table_blocks::<17, 1>(levels(mxfp4::KVALUES), p, y, x, |blk| {
+            mxfp4::e8m0_half(*blk)
+        })
     }
 }
 
@@ -271,16 +267,19 @@ unsafe fn dot_iq4_nl(row: &[u8], x: Q8Ref<'_>) -> f32 {
     // SAFETY: as for `dot_mxfp4`, with blocks of 18 bytes (an f16, then 16 of codes).
     unsafe {
         let (p, y) = (row.as_ptr(), x.qs.as_ptr());
-        let k = iquants::KVALUES_IQ4NL;
-        let table = _mm256_setr_epi8(
-            k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11], k[12], k[13],
-            k[14], k[15], k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], k[10], k[11],
-            k[12], k[13], k[14], k[15],
-        );
-        table_blocks::<18, 2>(table, p, y, x, |blk| {
+        table_blocks::<18, 2>(levels(iquants::KVALUES_IQ4NL), p, y, x, |blk| {
             half::f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32()
         })
     }
+}
+
+/// A type's 16 levels in both 128-bit halves: what a byte shuffle by 4-bit codes reads.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn levels(k: [i8; 16]) -> __m256i {
+    // SAFETY: a 16-byte load from a 16-byte array.
+    let half = unsafe { _mm_loadu_si128(k.as_ptr() as *const __m128i) };
+    _mm256_set_m128i(half, half)
 }
 
 /// The loop of the 32-value table types: each block of `BYTES` bytes has its 16 bytes of
