@@ -87,6 +87,7 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             attn_k_norm: s.qk_norm.then(|| norm(rng, "k_norm", s.head_dim)),
             attn_out: matrix(rng, &format!("{i}.o"), tq, qd, h),
             attn_out_bias: None,
+            attn_sinks: None,
             ffn_norm: Some(norm(rng, "ffn_norm", h)),
             ffn_norm_bias: None,
             ffn_gate: dense.then(|| matrix(rng, &format!("{i}.gate"), tg, h, s.ffn)),
@@ -97,6 +98,7 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
                 gate: stacked(rng, &format!("{i}.gate_exps"), tg, h, e.ffn_size, e.count),
                 up: stacked(rng, &format!("{i}.up_exps"), tg, h, e.ffn_size, e.count),
                 down: stacked(rng, &format!("{i}.down_exps"), td, e.ffn_size, h, e.count),
+                biases: None,
             }),
             attn_post_norm: gemma3.then(|| norm(rng, "post_attention_norm", h)),
             ffn_post_norm: gemma3.then(|| norm(rng, "post_ffw_norm", h)),
@@ -145,7 +147,7 @@ pub fn model(rng: &mut Rng, s: &Shape, context_length: usize) -> ModelIr {
             sliding_window: Some(SlidingWindow {
                 window: GEMMA3_WINDOW,
                 global_every: 2,
-                local_theta: 1e4,
+                local_theta: Some(1e4),
             }),
             rope: RopeConfig {
                 theta: 1e6,

@@ -220,6 +220,11 @@ pub enum Architecture {
     /// Qwen3-MoE (Qwen3-30B-A3B): Qwen3's attention, a Mixture-of-Experts feed-forward in
     /// every layer (no shared expert).
     Qwen3Moe,
+    /// OpenAI's gpt-oss: attention with biases and a learned sink logit per head, windowed
+    /// on every other layer (the first of each pair) with the same YaRN rotation as the
+    /// rest, and a Mixture of Experts whose router and experts have biases and whose gated
+    /// activation is clamped ([`Activation::SwigluOai`]).
+    GptOss,
 }
 
 /// Granite's multipliers (the embedding's is [`ModelConfig::embedding_scale`]).
@@ -244,6 +249,7 @@ impl Architecture {
             Architecture::Phi3 => "phi3",
             Architecture::Granite(_) => "granite",
             Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::GptOss => "gpt-oss",
         }
     }
 }
@@ -254,10 +260,72 @@ pub enum NormKind {
     Layer,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The activation of a feed-forward. A gated feed-forward multiplies `act(gate)` by `up`
+/// (gpt-oss's variant takes both, see [`Activation::gated`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Activation {
     Silu,
     Gelu,
+    /// gpt-oss's SwiGLU: the gate clamped to at most `limit` and the up projection to
+    /// ±`limit`, then `gate · σ(alpha · gate) · (up + 1)`.
+    SwigluOai {
+        alpha: f32,
+        limit: f32,
+    },
+}
+
+impl Activation {
+    /// gpt-oss's constants, which its files do not carry (transformers' `swiglu_alpha`
+    /// and `swiglu_limit`; llama.cpp fixes them too).
+    pub const GPT_OSS: Activation = Activation::SwigluOai {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+
+    /// A gated feed-forward's value for one gate and up pair.
+    #[inline]
+    pub fn gated(self, gate: f32, up: f32) -> f32 {
+        match self {
+            Activation::Silu => up * silu(gate),
+            Activation::Gelu => up * gelu_tanh(gate),
+            Activation::SwigluOai { alpha, limit } => {
+                // `min`/`clamp` would turn a NaN into the limit; it must reach the output.
+                let g = if gate > limit { limit } else { gate };
+                let u = if up > limit {
+                    limit
+                } else if up < -limit {
+                    -limit
+                } else {
+                    up
+                };
+                g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
+            }
+        }
+    }
+
+    /// An ungated feed-forward's activation of one value.
+    #[inline]
+    pub fn ungated(self, x: f32) -> f32 {
+        match self {
+            Activation::Silu => silu(x),
+            Activation::Gelu => gelu_tanh(x),
+            // Defined gated only; the builders never make it ungated.
+            Activation::SwigluOai { .. } => Activation::gated(self, x, 0.0),
+        }
+    }
+}
+
+/// `x · σ(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU with the tanh approximation (`gelu_pytorch_tanh`, what Gemma uses).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 /// How rotary embeddings pair up dimensions.
@@ -288,6 +356,10 @@ pub enum RopeScaling {
         beta_fast: f32,
         beta_slow: f32,
         attn_factor: f32,
+        /// Whether the ramp's ends are rounded outwards to whole pairs (llama.cpp and
+        /// transformers' default); gpt-oss's reference leaves them where they fall
+        /// (transformers' `truncate: false`).
+        truncate: bool,
     },
 }
 
@@ -326,6 +398,7 @@ impl RopeConfig {
                 original_context,
                 beta_fast,
                 beta_slow,
+                truncate,
                 ..
             } => {
                 // The pair index at which a frequency turns `rotations` times over the
@@ -340,8 +413,11 @@ impl RopeConfig {
                         .ln()
                         / (2.0 * ln_base)
                 };
-                let low = pair_at(beta_fast).floor().max(0.0);
-                let high = pair_at(beta_slow).ceil().min(dims - 1.0);
+                let (low, high) = match truncate {
+                    true => (pair_at(beta_fast).floor(), pair_at(beta_slow).ceil()),
+                    false => (pair_at(beta_fast), pair_at(beta_slow)),
+                };
+                let (low, high) = (low.max(0.0), high.min(dims - 1.0));
                 let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
                 let extrapolated = 1.0 - ramp;
                 (extrapolated + (1.0 - extrapolated) / yarn as f64) as f32
@@ -420,8 +496,9 @@ pub struct SlidingWindow {
     pub window: usize,
     /// Layers `global_every - 1`, `2·global_every - 1`, … attend to the whole context.
     pub global_every: usize,
-    /// RoPE base of the windowed layers (unscaled); `rope.theta` is the global layers'.
-    pub local_theta: f32,
+    /// RoPE base of the windowed layers (unscaled; `rope.theta` is the global layers'), or
+    /// `None` where they rotate as the global ones do (gpt-oss, Phi-3).
+    pub local_theta: Option<f32>,
 }
 
 /// How one layer attends: over the last `window` positions (or all of them) with its
@@ -503,7 +580,7 @@ impl ModelConfig {
         match self.sliding_window {
             Some(sw) if !(layer + 1).is_multiple_of(sw.global_every) => LayerAttention {
                 window: Some(sw.window),
-                local_rope: true,
+                local_rope: sw.local_theta.is_some(),
             },
             _ => LayerAttention {
                 window: None,
@@ -512,10 +589,12 @@ impl ModelConfig {
         }
     }
 
-    /// The RoPE settings of the windowed layers: the local base, no scaling.
+    /// The RoPE settings of the windowed layers that have their own: the local base, no
+    /// scaling.
     pub fn local_rope(&self) -> Option<RopeConfig> {
-        self.sliding_window.map(|sw| RopeConfig {
-            theta: sw.local_theta,
+        let theta = self.sliding_window?.local_theta?;
+        Some(RopeConfig {
+            theta,
             scaling: RopeScaling::None,
             ..self.rope
         })
@@ -593,6 +672,7 @@ impl ModelConfig {
                 beta_fast,
                 beta_slow,
                 attn_factor,
+                truncate: _,
             } => {
                 let positive = |v: f32| v.is_finite() && v > 0.0;
                 if !positive(factor)
@@ -669,11 +749,8 @@ impl ModelConfig {
                     sw.window, sw.global_every
                 ));
             }
-            if !sw.local_theta.is_finite() || sw.local_theta <= 0.0 {
-                return bad(format!(
-                    "local rope base {} must be a positive number",
-                    sw.local_theta
-                ));
+            if let Some(theta) = sw.local_theta.filter(|t| !t.is_finite() || *t <= 0.0) {
+                return bad(format!("local rope base {theta} must be a positive number"));
             }
         }
         if let Some(e) = self.experts {
@@ -719,6 +796,9 @@ pub struct LayerWeights {
     pub attn_k_norm: Option<TensorView>,
     pub attn_out: TensorView,
     pub attn_out_bias: Option<TensorView>,
+    /// A learned logit per query head that joins the softmax's denominator and attends
+    /// to nothing (gpt-oss's `attn_sinks`).
+    pub attn_sinks: Option<TensorView>,
     /// Absent only where attention and FFN read one norm (a parallel block, which a host
     /// may describe in a program over the plugin ABI; no built-in architecture has one).
     pub ffn_norm: Option<TensorView>,
@@ -745,6 +825,19 @@ pub struct ExpertWeights {
     pub up: ExpertTensors,
     /// Each expert's `[ffn, hidden]` down projection (`ffn_down_exps`).
     pub down: ExpertTensors,
+    /// The router's and the experts' biases, if the model has them (gpt-oss).
+    pub biases: Option<ExpertBiases>,
+}
+
+/// A layer's Mixture-of-Experts biases, each stacked a row per expert as llama.cpp's
+/// converter writes them: the router's `[count]` (`ffn_gate_inp.bias`), the gate and up
+/// projections' `[ffn, count]` and the down projection's `[hidden, count]`.
+#[derive(Debug, Clone)]
+pub struct ExpertBiases {
+    pub router: TensorView,
+    pub gate: TensorView,
+    pub up: TensorView,
+    pub down: TensorView,
 }
 
 impl ExpertWeights {
@@ -853,6 +946,9 @@ impl ModelWeights {
                 for p in [&e.gate, &e.up, &e.down] {
                     all.extend(p.tensors());
                 }
+                if let Some(b) = &e.biases {
+                    all.extend([&b.router, &b.gate, &b.up, &b.down]);
+                }
             }
             for t in [
                 &l.attn_norm_bias,
@@ -862,6 +958,7 @@ impl ModelWeights {
                 &l.attn_q_norm,
                 &l.attn_k_norm,
                 &l.attn_out_bias,
+                &l.attn_sinks,
                 &l.ffn_norm,
                 &l.ffn_norm_bias,
                 &l.ffn_gate,
@@ -1105,7 +1202,7 @@ mod validate_tests {
                     sliding_window: Some(SlidingWindow {
                         window: usize::MAX,
                         global_every: 6,
-                        local_theta: 1e4,
+                        local_theta: Some(1e4),
                     }),
                     ..config()
                 },
@@ -1116,7 +1213,7 @@ mod validate_tests {
                     sliding_window: Some(SlidingWindow {
                         window: 512,
                         global_every: 0,
-                        local_theta: 1e4,
+                        local_theta: Some(1e4),
                     }),
                     ..config()
                 },
@@ -1127,7 +1224,7 @@ mod validate_tests {
                     sliding_window: Some(SlidingWindow {
                         window: 512,
                         global_every: 6,
-                        local_theta: f32::NAN,
+                        local_theta: Some(f32::NAN),
                     }),
                     ..config()
                 },

@@ -29,9 +29,9 @@ pub use backend::{
 };
 pub use error::{Error, Result};
 pub use ir::{
-    Activation, Architecture, ExpertConfig, ExpertTensors, ExpertWeights, GraniteScales,
-    LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind, RopeConfig,
-    RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
+    Activation, Architecture, ExpertBiases, ExpertConfig, ExpertTensors, ExpertWeights,
+    GraniteScales, LayerAttention, LayerWeights, ModelConfig, ModelIr, ModelWeights, NormKind,
+    RopeConfig, RopeKind, RopeScaling, SlidingWindow, Storage, TensorView,
 };
 pub use program::ModelProgram;
 pub use qtype::QType;

@@ -905,8 +905,9 @@ pub fn arch_id(a: &Architecture) -> u32 {
         Architecture::Gemma3 => 4,
         Architecture::Phi3 => 5,
         Architecture::Granite(_) => 6,
-        // Never sent: no ABI op describes its experts (`check_describable`).
+        // Never sent: no ABI op describes their experts (`check_describable`).
         Architecture::Qwen3Moe => 7,
+        Architecture::GptOss => 8,
     }
 }
 
@@ -921,6 +922,12 @@ pub fn check_describable(
 ) -> Result<()> {
     if program.ops().any(|op| matches!(op, Op::Experts(_))) {
         return Err(experts_undescribable(peer));
+    }
+    if let Some(what) = program.ops().find_map(undescribable_part) {
+        return Err(Error::Unsupported(format!(
+            "plugin ABI {} cannot describe {what} to a plugin",
+            version_string(peer)
+        )));
     }
     if version_minor(peer) >= 4 {
         return Ok(());
@@ -1064,6 +1071,9 @@ pub fn activation_id(a: Activation) -> u32 {
     match a {
         Activation::Silu => 0,
         Activation::Gelu => 1,
+        // Never sent: only gpt-oss's experts use it (`check_describable`), and its constants
+        // would not cross with an id.
+        Activation::SwigluOai { .. } => 2,
     }
 }
 pub fn activation_from_id(id: u32) -> Option<Activation> {
@@ -1199,7 +1209,7 @@ fn config_with_program(
             config.sliding_window = Some(SlidingWindow {
                 window: size(desc.sliding_window, "sliding window")?,
                 global_every: size(desc.sliding_global_every, "sliding window period")?,
-                local_theta: desc.local_rope_theta,
+                local_theta: (desc.local_rope_theta != 0.0).then_some(desc.local_rope_theta),
             });
         }
     }
@@ -1252,6 +1262,7 @@ pub fn tensors_with_roles(w: &ModelWeights) -> Vec<(TensorRole, u32, &TensorView
             ffn_up,
             ffn_down,
             // Refused before a model reaches a plugin (`check_describable`).
+            attn_sinks: _,
             experts: _,
             attn_post_norm: _,
             ffn_post_norm: _,
@@ -1420,6 +1431,12 @@ impl TensorSlots<'_> {
     }
 
     fn op(&mut self, op: &Op<TensorView, TensorView>) -> Result<KilnOpDesc> {
+        if let Some(what) = undescribable_part(op) {
+            return Err(Error::Unsupported(format!(
+                "plugin ABI {} cannot describe {what} to a plugin",
+                version_string(ABI_VERSION)
+            )));
+        }
         Ok(match op {
             Op::Attention(a) => {
                 let mut d = KilnOpDesc::empty(op_kind::ATTENTION, a.layer as u32);
@@ -1455,6 +1472,18 @@ impl TensorSlots<'_> {
             }
             Op::Experts(_) => return Err(experts_undescribable(ABI_VERSION)),
         })
+    }
+}
+
+/// What no ABI op can carry of `op` (attention sinks, feed-forward biases), if anything.
+fn undescribable_part<M, V>(op: &Op<M, V>) -> Option<&'static str> {
+    match op {
+        Op::Attention(a) if a.sinks.is_some() => Some("attention sinks"),
+        Op::FeedForward(f) if f.biases.is_some() => Some("feed-forward biases"),
+        Op::FeedForward(f) if matches!(f.activation, Activation::SwigluOai { .. }) => {
+            Some("gpt-oss's clamped SwiGLU")
+        }
+        _ => None,
     }
 }
 
@@ -1504,7 +1533,7 @@ impl ProgramDescBuf {
             output: slots.of(&program.head.output),
             logit_scale: program.head.logit_scale,
             rope_freqs: slots.optional(program.rope_freqs.as_ref()),
-            local_rope_theta: window.map_or(0.0, |w| w.local_theta),
+            local_rope_theta: window.and_then(|w| w.local_theta).unwrap_or(0.0),
             sliding_window: window.map_or(0, |w| w.window as u64),
             sliding_global_every: window.map_or(0, |w| w.global_every as u64),
             branches: branches.as_ptr(),
@@ -1666,6 +1695,7 @@ pub unsafe fn model_from_desc(desc: *const KilnModelDesc) -> Result<ModelIr> {
             attn_k_norm: take(l, TensorRole::AttnKNorm, &ctx)?,
             attn_out: need(l, TensorRole::AttnOut, &ctx)?,
             attn_out_bias: take(l, TensorRole::AttnOutBias, &ctx)?,
+            attn_sinks: None,
             ffn_norm: take(l, TensorRole::FfnNorm, &ctx)?,
             ffn_norm_bias: take(l, TensorRole::FfnNormBias, &ctx)?,
             ffn_gate: take(l, TensorRole::FfnGate, &ctx)?,
@@ -1872,6 +1902,7 @@ unsafe fn program_from_desc(
                     head_norms,
                     span: LayerAttention { window, local_rope },
                     scale: o.values[0],
+                    sinks: None,
                     out: linear(6)?,
                 }))
             }
@@ -1883,6 +1914,7 @@ unsafe fn program_from_desc(
                     .ok()
                     .and_then(activation_from_id)
                     .ok_or_else(|| bad(format!("{at}: unknown activation id {}", o.ints[0])))?,
+                biases: None,
             })),
             k => Err(Error::Unsupported(format!(
                 "{at}: operation kind {k} is newer than plugin ABI {}",
@@ -1977,6 +2009,7 @@ mod tests {
             attn_k_norm: None,
             attn_out: m(&format!("l{i}.o"), vec![32, hidden]),
             attn_out_bias: None,
+            attn_sinks: None,
             ffn_norm: Some(m(&format!("l{i}.ffn_norm"), vec![hidden])),
             ffn_norm_bias: None,
             ffn_gate: Some(m(&format!("l{i}.gate"), vec![hidden, 64])),
@@ -2136,6 +2169,7 @@ mod tests {
             beta_fast: 32.0,
             beta_slow: 1.0,
             attn_factor: RopeScaling::yarn_mscale(4.0),
+            truncate: true,
         };
         let program = crate::program::build(&tiny_model()).unwrap();
         let r = config_from_abi(&config_to_abi(&config, &program));
@@ -2233,7 +2267,7 @@ mod tests {
         c.sliding_window = Some(SlidingWindow {
             window: 4,
             global_every: 2,
-            local_theta: 1e4,
+            local_theta: Some(1e4),
         });
         let (hd, h) = (c.head_dim, c.hidden_size);
         for (i, l) in model.weights.layers.iter_mut().enumerate() {

@@ -89,16 +89,30 @@ pub struct Attention<M, V> {
     pub span: LayerAttention,
     /// What q·k is multiplied by before the softmax.
     pub scale: f32,
+    /// A logit per query head that joins each softmax's denominator with no value
+    /// (gpt-oss's attention sinks): the head may attend to nothing.
+    pub sinks: Option<V>,
     pub out: Linear<M, V>,
 }
 
-/// A dense feed-forward: `down(act(gate·x) ⊙ up·x)` when gated, `down(act(up·x))` when not.
+/// A dense feed-forward: `down(act(gate·x, up·x))` when gated (for most activations
+/// `act(gate·x) ⊙ up·x`, see [`Activation::gated`]), `down(act(up·x))` when not; each
+/// projection plus its bias where it has one.
 #[derive(Debug, Clone)]
-pub struct FeedForward<M> {
+pub struct FeedForward<M, V = M> {
     pub gate: Option<M>,
     pub up: M,
     pub down: M,
     pub activation: Activation,
+    pub biases: Option<FeedForwardBiases<V>>,
+}
+
+/// The biases of a feed-forward's projections (gpt-oss's experts have them).
+#[derive(Debug, Clone)]
+pub struct FeedForwardBiases<V> {
+    pub gate: Option<V>,
+    pub up: V,
+    pub down: V,
 }
 
 /// A Mixture-of-Experts feed-forward: the router's logits (one per expert) go through a
@@ -106,11 +120,12 @@ pub struct FeedForward<M> {
 /// `torch.topk` picks), and their outputs are summed weighted by their probabilities
 /// (divided by the chosen ones' sum when `normalize`).
 #[derive(Debug, Clone)]
-pub struct Experts<M> {
-    /// `[hidden, count]`: a row of hidden values per expert.
-    pub router: M,
+pub struct Experts<M, V = M> {
+    /// `[hidden, count]`: a row of hidden values per expert (and a bias per expert where
+    /// the model has one).
+    pub router: Linear<M, V>,
     /// Each expert's gated feed-forward (widths of the config's `experts.ffn_size`).
-    pub experts: Vec<FeedForward<M>>,
+    pub experts: Vec<FeedForward<M, V>>,
     pub used: usize,
     pub normalize: bool,
 }
@@ -119,8 +134,8 @@ pub struct Experts<M> {
 #[derive(Debug, Clone)]
 pub enum Op<M, V> {
     Attention(Attention<M, V>),
-    FeedForward(FeedForward<M>),
-    Experts(Experts<M>),
+    FeedForward(FeedForward<M, V>),
+    Experts(Experts<M, V>),
 }
 
 /// `x += scale · post_norm(Σ op(norm(x)))`.
@@ -196,17 +211,28 @@ impl<M, V> ModelProgram<M, V> {
                         },
                         span: a.span,
                         scale: a.scale,
+                        sinks: match &a.sinks {
+                            Some(s) => Some(vector(s, c.num_heads)?),
+                            None => None,
+                        },
                         out: map_linear(&a.out, shape(qd, h), &mut matrix, &mut vector)?,
                     }),
-                    Op::FeedForward(f) => Op::FeedForward(map_ffn(f, h, ffn, &mut matrix)?),
+                    Op::FeedForward(f) => {
+                        Op::FeedForward(map_ffn(f, h, ffn, &mut matrix, &mut vector)?)
+                    }
                     Op::Experts(e) => {
                         let width = c.experts.map_or(0, |x| x.ffn_size);
                         let mut experts = Vec::with_capacity(e.experts.len());
                         for f in &e.experts {
-                            experts.push(map_ffn(f, h, width, &mut matrix)?);
+                            experts.push(map_ffn(f, h, width, &mut matrix, &mut vector)?);
                         }
                         Op::Experts(Experts {
-                            router: matrix(&e.router, shape(h, e.experts.len()))?,
+                            router: map_linear(
+                                &e.router,
+                                shape(h, e.experts.len()),
+                                &mut matrix,
+                                &mut vector,
+                            )?,
                             experts,
                             used: e.used,
                             normalize: e.normalize,
@@ -254,12 +280,13 @@ impl<M, V> ModelProgram<M, V> {
     }
 }
 
-fn map_ffn<M, M2, E>(
-    f: &FeedForward<M>,
+fn map_ffn<M, V, M2, V2, E>(
+    f: &FeedForward<M, V>,
     h: usize,
     width: usize,
     matrix: &mut impl FnMut(&M, MatrixShape) -> std::result::Result<M2, E>,
-) -> std::result::Result<FeedForward<M2>, E> {
+    vector: &mut impl FnMut(&V, usize) -> std::result::Result<V2, E>,
+) -> std::result::Result<FeedForward<M2, V2>, E> {
     let shape = |inputs, outputs| MatrixShape { inputs, outputs };
     Ok(FeedForward {
         gate: match &f.gate {
@@ -269,6 +296,17 @@ fn map_ffn<M, M2, E>(
         up: matrix(&f.up, shape(h, width))?,
         down: matrix(&f.down, shape(width, h))?,
         activation: f.activation,
+        biases: match &f.biases {
+            Some(b) => Some(FeedForwardBiases {
+                gate: match &b.gate {
+                    Some(g) => Some(vector(g, width)?),
+                    None => None,
+                },
+                up: vector(&b.up, width)?,
+                down: vector(&b.down, h)?,
+            }),
+            None => None,
+        },
     })
 }
 
@@ -325,6 +363,7 @@ pub fn build(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
         Architecture::Phi3 => phi3(ir),
         Architecture::Granite(scales) => granite(ir, scales),
         Architecture::Qwen3Moe => qwen3moe(ir),
+        Architecture::GptOss => gpt_oss(ir),
     }
 }
 
@@ -388,6 +427,23 @@ fn qwen3moe(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
     let b = Builder::new(ir);
     let branches = b.layers(|i, l| {
         let attention = b.requiring_head_norms(i, b.attention(i, l)?)?;
+        b.pre_norm_block(i, l, attention, b.experts(i, l)?)
+    })?;
+    b.program(branches)
+}
+
+/// gpt-oss: pre-norm blocks of attention with biases and a sink logit per head (windowed
+/// on every other layer: the config's spans), then a Mixture of Experts whose router and
+/// experts have biases, gated by the config's clamped SwiGLU.
+fn gpt_oss(ir: &ModelIr) -> Result<ModelProgram<TensorView>> {
+    let b = Builder::new(ir);
+    let branches = b.layers(|i, l| {
+        let attention = b.attention(i, l)?;
+        if attention.sinks.is_none() {
+            return Err(Error::Format(format!(
+                "layer {i}: a gpt-oss model needs attention sinks"
+            )));
+        }
         b.pre_norm_block(i, l, attention, b.experts(i, l)?)
     })?;
     b.program(branches)
@@ -570,6 +626,11 @@ impl<'a> Builder<'a> {
             head_norms,
             span: c.layer_attention(i),
             scale: c.attention_scale(),
+            sinks: l
+                .attn_sinks
+                .as_ref()
+                .map(|s| vector(s, c.num_heads, &at("the attention sinks")))
+                .transpose()?,
             out: linear(&l.attn_out, &l.attn_out_bias, qd, h, "the attention output")?,
         })
     }
@@ -608,6 +669,7 @@ impl<'a> Builder<'a> {
             up: matrix(up, h, ffn, "the FFN up projection")?,
             down: matrix(down, ffn, h, "the FFN down projection")?,
             activation: self.c.activation,
+            biases: None,
         })
     }
 
@@ -644,6 +706,27 @@ impl<'a> Builder<'a> {
                 )));
             }
         }
+        // Expert e's bias of each projection: row e of its stacked biases.
+        let bias_row = |t: &TensorView, len: usize, e: usize, what: &str| {
+            let row = t.slice_rows(&format!("{}[{e}]", t.name()), e, 1)?;
+            vector(&row, len, &at(what))
+        };
+        if let Some(b) = &w.biases {
+            for (t, dims, what) in [
+                (&b.gate, [width, n], "the experts' gate biases"),
+                (&b.up, [width, n], "the experts' up biases"),
+                (&b.down, [h, n], "the experts' down biases"),
+            ] {
+                if t.dims() != dims {
+                    return Err(Error::InvalidShape(format!(
+                        "{} ({}) has dims {:?}; the model config needs {dims:?}",
+                        at(what),
+                        t.name(),
+                        t.dims()
+                    )));
+                }
+            }
+        }
         let experts = (0..n)
             .map(|e| {
                 Ok(FeedForward {
@@ -651,11 +734,26 @@ impl<'a> Builder<'a> {
                     up: w.up.expert(e)?,
                     down: w.down.expert(e)?,
                     activation: self.c.activation,
+                    biases: match &w.biases {
+                        Some(b) => Some(FeedForwardBiases {
+                            gate: Some(bias_row(&b.gate, width, e, "an expert's gate bias")?),
+                            up: bias_row(&b.up, width, e, "an expert's up bias")?,
+                            down: bias_row(&b.down, h, e, "an expert's down bias")?,
+                        }),
+                        None => None,
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Op::Experts(Experts {
-            router: w.router.clone(),
+            router: Linear {
+                weight: w.router.clone(),
+                bias: w
+                    .biases
+                    .as_ref()
+                    .map(|b| vector(&b.router, n, &at("the expert router's bias")))
+                    .transpose()?,
+            },
             experts,
             used: cfg.used,
             normalize: cfg.normalize_weights,
@@ -796,6 +894,7 @@ mod tests {
                     attn_k_norm: head_norms.then(|| t(&n("k_norm"), vec![HD])),
                     attn_out: t(&n("o"), vec![qd, H]),
                     attn_out_bias: None,
+                    attn_sinks: None,
                     ffn_norm: Some(t(&n("ffn_norm"), vec![H])),
                     ffn_norm_bias: None,
                     ffn_gate: Some(t(&n("gate"), vec![H, FFN])),
@@ -860,7 +959,7 @@ mod tests {
             sliding_window: Some(SlidingWindow {
                 window: 16,
                 global_every: 2,
-                local_theta: 10_000.0,
+                local_theta: Some(10_000.0),
             }),
             ..config(Architecture::Gemma3)
         };

@@ -1,7 +1,8 @@
 //! YaRN rope scaling (`RopeScaling::Yarn`) against Hugging Face `transformers`, through
 //! the committed fixture `fixtures/yarn_reference.json` made by
 //! `scripts/fixtures/make_yarn_fixture.py` (the inverse frequency of every rotary pair and the
-//! attention factor, for Qwen's 128k setting, non-default betas and a partial rotary head).
+//! attention factor, for Qwen's 128k setting, non-default betas, a partial rotary head and
+//! gpt-oss's unrounded ramp).
 
 use kiln_core::{RopeConfig, RopeKind, RopeScaling};
 use serde_json::Value;
@@ -15,7 +16,7 @@ fn yarn_matches_transformers() {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     let fixture: Value = serde_json::from_str(&text).expect("fixture is valid JSON");
     let cases = fixture["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 3);
+    assert!(cases.len() >= 4);
     for case in cases {
         let num = |k: &str| case[k].as_f64().unwrap_or_else(|| panic!("{k}"));
         let factor = num("factor") as f32;
@@ -29,6 +30,7 @@ fn yarn_matches_transformers() {
                 beta_fast: num("beta_fast") as f32,
                 beta_slow: num("beta_slow") as f32,
                 attn_factor: RopeScaling::yarn_mscale(factor),
+                truncate: case["truncate"].as_bool().expect("truncate"),
             },
         };
         let expected: Vec<f64> = case["inv_freq"]

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    Activation, Architecture, Backend, Candidate, Error, ExpertConfig, ExpertTensors,
+    Activation, Architecture, Backend, Candidate, Error, ExpertBiases, ExpertConfig, ExpertTensors,
     ExpertWeights, GraniteScales, LayerWeights, ModelConfig, ModelIr, ModelWeights, Registry,
     Result, RopeConfig, RopeKind, RopeScaling, SlidingWindow, TensorView,
 };
@@ -19,8 +19,8 @@ use kiln_core::{
 use crate::gguf::GgufFile;
 
 /// The architectures [`model_from_gguf`] maps, by their `general.architecture` name.
-pub const SUPPORTED_ARCHITECTURES: [&str; 8] = [
-    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "granite",
+pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
+    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "granite", "gpt-oss",
 ];
 
 /// Opens a GGUF file and maps it. The file is returned too: the tokenizer and chat
@@ -93,6 +93,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         "qwen3moe" => Architecture::Qwen3Moe,
         "gemma3" => Architecture::Gemma3,
         "phi3" => Architecture::Phi3,
+        "gpt-oss" => Architecture::GptOss,
         // llama.cpp's keys; an absent one leaves its part unscaled (q·k by 1/√head_dim,
         // filled in below once the head size is known).
         "granite" => Architecture::Granite(GraniteScales {
@@ -162,7 +163,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 "linear rope scaling with factor {f:?}"
             )))
         }
-        (Some("yarn"), factor) => yarn_scaling(&meta, factor)?,
+        // gpt-oss's reference leaves YaRN's ramp unrounded (transformers' `truncate: false`
+        // in its config); the file does not say so, the family does.
+        (Some("yarn"), factor) => yarn_scaling(&meta, factor, arch != Architecture::GptOss)?,
         (Some(other), _) => return Err(Error::Unsupported(format!("rope scaling '{other}'"))),
     };
     let rope_kind = gguf_rope_kind(&arch);
@@ -181,7 +184,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         Architecture::Gemma3 => Some(SlidingWindow {
             window: meta.usize("attention.sliding_window")?,
             global_every: 6,
-            local_theta: 10_000.0,
+            local_theta: Some(10_000.0),
         }),
         // Phi-3 files of models trained with a window say so; it binds every layer (as
         // transformers runs them: no layer is global, and all rotate with the one base).
@@ -191,8 +194,15 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .map(|window| SlidingWindow {
                 window,
                 global_every: num_layers + 1,
-                local_theta: theta,
+                local_theta: None,
             }),
+        // gpt-oss as llama.cpp and transformers run it: the first layer of each pair
+        // windowed, rotating as the global ones do.
+        Architecture::GptOss => Some(SlidingWindow {
+            window: meta.usize("attention.sliding_window")?,
+            global_every: 2,
+            local_theta: None,
+        }),
         _ => None,
     };
     let experts = expert_config(&meta, arch, ffn_size)?;
@@ -212,7 +222,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
 
     let has = |name: &str| file.tensor(name).is_some();
-    let is_gemma3 = arch == Architecture::Gemma3;
     let config = ModelConfig {
         arch,
         vocab_size,
@@ -224,10 +233,10 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         ffn_size,
         norm_eps,
         // Gemma's GeGLU uses the tanh-approximated GELU (`gelu_pytorch_tanh`).
-        activation: if is_gemma3 {
-            Activation::Gelu
-        } else {
-            Activation::Silu
+        activation: match arch {
+            Architecture::Gemma3 => Activation::Gelu,
+            Architecture::GptOss => Activation::GPT_OSS,
+            _ => Activation::Silu,
         },
         rope: RopeConfig {
             kind: rope_kind,
@@ -268,7 +277,7 @@ pub fn dispatch(
 /// (1), which multiplies YaRN's own 1 + 0.1·ln(factor). The variants kiln does not run —
 /// a partial extrapolation mix (`yarn_ext_factor` other than 1) and DeepSeek's
 /// `yarn_log_multiplier` — are refused by name rather than run with other positions.
-fn yarn_scaling(meta: &Meta<'_>, factor: Option<f32>) -> Result<RopeScaling> {
+fn yarn_scaling(meta: &Meta<'_>, factor: Option<f32>, truncate: bool) -> Result<RopeScaling> {
     let factor = match factor {
         Some(f) if f >= 1.0 => f,
         f => {
@@ -300,6 +309,7 @@ fn yarn_scaling(meta: &Meta<'_>, factor: Option<f32>) -> Result<RopeScaling> {
         beta_fast: meta.opt_f32("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
         beta_slow: meta.opt_f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
         attn_factor: attn * RopeScaling::yarn_mscale(factor),
+        truncate,
     })
 }
 
@@ -316,23 +326,28 @@ fn expert_config(
 ) -> Result<Option<ExpertConfig>> {
     let count = meta.opt_usize("expert_count")?.filter(|&n| n > 0);
     match (count, arch) {
-        (None, Architecture::Qwen3Moe) => Err(Error::Format(format!(
-            "a qwen3moe model needs metadata '{}' above 0",
+        (None, Architecture::Qwen3Moe | Architecture::GptOss) => Err(Error::Format(format!(
+            "a {} model needs metadata '{}' above 0",
+            arch.name(),
             meta.key("expert_count")
         ))),
         (None, _) => Ok(None),
-        (Some(count), Architecture::Llama | Architecture::Mistral | Architecture::Qwen3Moe) => {
-            Ok(Some(ExpertConfig {
-                count,
-                used: meta.usize("expert_used_count")?,
-                ffn_size: meta
-                    .opt_usize("expert_feed_forward_length")?
-                    .unwrap_or(ffn_size),
-                normalize_weights: meta.opt_bool("expert_weights_norm")?.unwrap_or(true),
-            }))
-        }
+        (
+            Some(count),
+            Architecture::Llama
+            | Architecture::Mistral
+            | Architecture::Qwen3Moe
+            | Architecture::GptOss,
+        ) => Ok(Some(ExpertConfig {
+            count,
+            used: meta.usize("expert_used_count")?,
+            ffn_size: meta
+                .opt_usize("expert_feed_forward_length")?
+                .unwrap_or(ffn_size),
+            normalize_weights: meta.opt_bool("expert_weights_norm")?.unwrap_or(true),
+        })),
         (Some(_), other) => Err(Error::Unsupported(format!(
-            "experts in a {} model (kiln runs them in llama, mistral and qwen3moe files)",
+            "experts in a {} model (kiln runs them in llama, mistral, qwen3moe and gpt-oss files)",
             other.name()
         ))),
     }
@@ -348,7 +363,8 @@ pub(crate) fn gguf_rope_kind(arch: &Architecture) -> RopeKind {
         | Architecture::Qwen3
         | Architecture::Qwen3Moe
         | Architecture::Gemma3
-        | Architecture::Phi3 => RopeKind::Neox,
+        | Architecture::Phi3
+        | Architecture::GptOss => RopeKind::Neox,
     }
 }
 
@@ -545,7 +561,8 @@ struct LayerParts {
 }
 
 impl LayerParts {
-    fn of(t: &Tensors, layers: usize) -> LayerParts {
+    fn of(t: &Tensors, c: &ModelConfig) -> LayerParts {
+        let layers = c.num_layers;
         let any = |roles: &[&str]| {
             (0..layers).any(|i| {
                 roles
@@ -556,7 +573,10 @@ impl LayerParts {
         LayerParts {
             qkv_bias: any(&["attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias"]),
             head_norms: any(&["attn_q_norm.weight", "attn_k_norm.weight"]),
-            post_norms: any(&["post_attention_norm.weight", "post_ffw_norm.weight"]),
+            // gpt-oss's `post_attention_norm` is its feed-forward's pre-norm (llama.cpp's
+            // name for the norm after attention's residual add), not a post-norm.
+            post_norms: c.arch != Architecture::GptOss
+                && any(&["post_attention_norm.weight", "post_ffw_norm.weight"]),
         }
     }
 }
@@ -569,7 +589,11 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
     let output = t.opt("output.weight", &[hidden, vocab])?;
     let rope_freqs = t.opt("rope_freqs.weight", &[c.rope.rotary_dims / 2])?;
 
-    let parts = LayerParts::of(t, c.num_layers);
+    let parts = LayerParts::of(t, c);
+    let ffn_norm_name = match c.arch {
+        Architecture::GptOss => "post_attention_norm",
+        _ => "ffn_norm",
+    };
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let n = |role: &str| format!("blk.{i}.{role}");
@@ -639,11 +663,22 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             }
             Some(e) => {
                 let width = e.ffn_size;
+                // Biases, where the router has one, on the router and every projection.
+                let biases = match t.opt(&n("ffn_gate_inp.bias"), &[e.count])? {
+                    Some(router) => Some(ExpertBiases {
+                        router,
+                        gate: t.req(&n("ffn_gate_exps.bias"), &[width, e.count])?,
+                        up: t.req(&n("ffn_up_exps.bias"), &[width, e.count])?,
+                        down: t.req(&n("ffn_down_exps.bias"), &[hidden, e.count])?,
+                    }),
+                    None => None,
+                };
                 let experts = ExpertWeights {
                     router: t.req(&n("ffn_gate_inp.weight"), &[hidden, e.count])?,
                     gate: expert_tensors(t, i, "gate", [hidden, width], e.count)?,
                     up: expert_tensors(t, i, "up", [hidden, width], e.count)?,
                     down: expert_tensors(t, i, "down", [width, hidden], e.count)?,
+                    biases,
                 };
                 // A dense feed-forward beside the experts (a shared expert) is read so that
                 // the builder can refuse it by name rather than the file being refused for
@@ -667,8 +702,9 @@ fn weights(t: &mut Tensors, c: &ModelConfig) -> Result<ModelWeights> {
             attn_k_norm,
             attn_out: t.req(&n("attn_output.weight"), &[q_dim, hidden])?,
             attn_out_bias: t.opt(&n("attn_output.bias"), &[hidden])?,
-            ffn_norm: Some(t.req(&n("ffn_norm.weight"), &[hidden])?),
-            ffn_norm_bias: t.opt(&n("ffn_norm.bias"), &[hidden])?,
+            attn_sinks: t.opt(&n("attn_sinks.weight"), &[c.num_heads])?,
+            ffn_norm: Some(t.req(&n(&format!("{ffn_norm_name}.weight")), &[hidden])?),
+            ffn_norm_bias: t.opt(&n(&format!("{ffn_norm_name}.bias")), &[hidden])?,
             ffn_gate,
             ffn_up,
             ffn_down,

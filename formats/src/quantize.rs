@@ -191,9 +191,11 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
     for i in llama_cpp_order(tensors) {
         let t = &tensors[i];
         types[i] = (|| {
-            // llama_model_quantize_impl: only 2-D+ tensors that are not norms (nor a Mixture
-            // of Experts' router) are quantised.
+            // llama_model_quantize_impl: only 2-D+ weights (no bias: gpt-oss's stacked
+            // expert biases are 2-D) that are not norms (nor a Mixture of Experts' router)
+            // are quantised.
             let quantize = n_dims(&t.dims) >= 2
+                && t.name.ends_with("weight")
                 && !t.name.contains("_norm.weight")
                 && !t.name.contains("ffn_gate_inp.weight");
             if !quantize {

@@ -396,6 +396,7 @@ fn rope_scaling_and_freq_factors() {
             beta_fast: 32.0,
             beta_slow: 1.0,
             attn_factor: 1.0 + 0.1 * 4.0f32.ln(),
+            truncate: true,
         }
     );
     let scale = ir.config.attention_scale() * (ir.config.head_dim as f32).sqrt();

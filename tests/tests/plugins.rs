@@ -231,6 +231,7 @@ fn tiny_llama(source: &str, matrix: QType) -> ModelIr {
                 0.2,
             ),
             attn_out_bias: None,
+            attn_sinks: None,
             ffn_norm: Some(ones_ish(&format!("blk.{i}.ffn_norm"), hidden, s + 5)),
             ffn_norm_bias: None,
             ffn_gate: Some(tensor(
@@ -288,7 +289,7 @@ fn tiny_gemma3(matrix: QType) -> ModelIr {
     c.sliding_window = Some(kiln_core::SlidingWindow {
         window: 4,
         global_every: 2,
-        local_theta: 1e4,
+        local_theta: Some(1e4),
     });
     let (hd, h) = (c.head_dim, c.hidden_size);
     for (i, l) in model.weights.layers.iter_mut().enumerate() {
@@ -456,7 +457,7 @@ fn example_plugin_loads_by_path_and_joins_selection() {
     windowed.config.sliding_window = Some(kiln_core::SlidingWindow {
         window: 4,
         global_every: 2,
-        local_theta: 1e4,
+        local_theta: Some(1e4),
     });
     assert_eq!(plugin.supports(&windowed).score(), Some(5));
     let old = load_plugin(&c_plugin("V1_2")).unwrap();

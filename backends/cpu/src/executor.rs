@@ -15,9 +15,9 @@ use std::borrow::Cow;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
-    check_decode, check_prefill, check_prefill_hidden, check_prefill_logits, Activation,
-    DecodeItem, Error, KvBlockUsage, KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
-    NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView, KV_BLOCK_TOKENS,
+    check_decode, check_prefill, check_prefill_hidden, check_prefill_logits, DecodeItem, Error,
+    KvBlockUsage, KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result,
+    SeqId, SeqSlot, SequenceSlots, TensorView, KV_BLOCK_TOKENS,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -693,13 +693,19 @@ fn batch<'a>(
 
 fn add_bias(buf: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
-        for row in buf.chunks_exact_mut(b.len()) {
-            ops::add_in_place(row, b);
-        }
+        add_row_bias(buf, b);
     }
 }
 
-/// The query heads `qg` of one GQA group against `runs`, `heads_together` heads a task.
+/// Adds `bias` to each of `buf`'s rows (rows of `bias.len()` values).
+fn add_row_bias(buf: &mut [f32], bias: &[f32]) {
+    for row in buf.chunks_exact_mut(bias.len()) {
+        ops::add_in_place(row, bias);
+    }
+}
+
+/// The query heads `qg` of one GQA group against `runs`, `heads_together` heads a task;
+/// `sinks`: the group's heads' sink logits, if the layer has them.
 #[allow(clippy::too_many_arguments)]
 fn attend_pieces(
     simd: Option<Simd>,
@@ -710,12 +716,18 @@ fn attend_pieces(
     stride: usize,
     offset: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     let piece = heads_together * hd;
     qg.par_chunks(piece)
         .zip(out.par_chunks_mut(piece))
-        .for_each(|(qp, op)| ops::attend_group(simd, qp, hd, runs, stride, offset, scale, op));
+        .enumerate()
+        .for_each(|(i, (qp, op))| {
+            let heads = i * heads_together..i * heads_together + qp.len() / hd;
+            let sinks = sinks.map(|s| &s[heads]);
+            ops::attend_group(simd, qp, hd, runs, stride, offset, scale, sinks, op)
+        });
 }
 
 /// Tokens of one sequence a causal attention block takes: each key and value tile is read
@@ -811,6 +823,7 @@ fn attend_causal_blocks(
     att: &mut [f32],
     simd: Option<Simd>,
     scale: f32,
+    sinks: Option<&[f32]>,
 ) {
     let c = &m.config;
     let (qd, hd) = (c.q_dim(), c.head_dim);
@@ -843,14 +856,30 @@ fn attend_causal_blocks(
         let block = blocks[b].clone();
         let mut qs = Vec::with_capacity(block.len() * group * hd);
         let mut lens = Vec::with_capacity(block.len() * group);
+        let mut query_sinks = Vec::new();
         for t in block.clone() {
             qs.extend_from_slice(&q[t * qd + g * group * hd..][..group * hd]);
             lens.extend(std::iter::repeat_n(rows[t].1 + 1, group));
+            if let Some(s) = sinks {
+                query_sinks.extend_from_slice(&s[g * group..(g + 1) * group]);
+            }
         }
+        let query_sinks = sinks.map(|_| query_sinks.as_slice());
         let mut out = vec![0.0f32; qs.len()];
         // The block's last token sees the rows of all the others.
         paged.with_runs(block.end - 1, g, |runs, stride, offset| {
-            ops::attend_causal(simd, &qs, hd, &lens, runs, stride, offset, scale, &mut out)
+            ops::attend_causal(
+                simd,
+                &qs,
+                hd,
+                &lens,
+                runs,
+                stride,
+                offset,
+                scale,
+                query_sinks,
+                &mut out,
+            )
         });
         for (piece, o) in outs.into_iter().zip(out.chunks_exact(group * hd)) {
             piece.copy_from_slice(o);
@@ -1086,6 +1115,9 @@ fn attention(
     let q = &s.q;
     let cache: &[SeqSlot<Slot>] = slots;
     let att = &mut s.att[..n * qd];
+    let sinks = a.sinks.as_deref();
+    // KV head g's query heads' sinks.
+    let group_sinks = |g: usize| sinks.map(|s| &s[g * group..(g + 1) * group]);
     match m.kv.layers[li] {
         LayerRows::Paged { index } => {
             let paged = PagedRows::new(pool, index, kvd, hd, &s.runs, &s.run_spans);
@@ -1094,7 +1126,7 @@ fn attention(
                 // full layer as causal blocks (one task per block and KV head), each key
                 // and value tile read once for the block's tokens and heads (see
                 // `ops::attend_causal`).
-                attend_causal_blocks(m, &paged, rows, q, att, simd, scale);
+                attend_causal_blocks(m, &paged, rows, q, att, simd, scale, sinks);
             } else {
                 att.par_chunks_mut(group * hd)
                     .enumerate()
@@ -1111,6 +1143,7 @@ fn attention(
                                 stride,
                                 offset,
                                 scale,
+                                group_sinks(kvh),
                                 out,
                             )
                         });
@@ -1150,6 +1183,7 @@ fn attention(
                         stride,
                         offset,
                         scale,
+                        group_sinks(kvh),
                         out,
                     );
                 });
@@ -1169,11 +1203,11 @@ fn attention(
     add_bias(out, &a.out.bias);
 }
 
-/// A feed-forward on the `n` normed rows in `s.xn`, into `out` (`n × hidden`).
-/// The feed-forward `f` of width `ffn` over the first `n` rows of `s.xn`.
+/// The feed-forward `f` of width `ffn` over the first `n` rows of `s.xn`, into `out`
+/// (`n × hidden`).
 fn feed_forward(
     m: &Model,
-    f: &FeedForward<QMatrix>,
+    f: &FeedForward<QMatrix, Vec<f32>>,
     s: &mut Scratch,
     n: usize,
     ffn: usize,
@@ -1208,21 +1242,36 @@ fn feed_forward(
             simd,
         ),
     }
-    let act = match f.activation {
-        Activation::Silu => ops::silu,
-        Activation::Gelu => ops::gelu,
-    };
+    let biases = f.biases.as_ref();
+    if let Some(b) = biases {
+        add_row_bias(&mut s.up[..n * ffn], &b.up);
+    }
+    let act = f.activation;
     if f.gate.is_some() {
+        if let Some(gate_bias) = biases.and_then(|b| b.gate.as_ref()) {
+            add_row_bias(&mut s.gate[..n * ffn], gate_bias);
+        }
         for (u, &g) in s.up[..n * ffn].iter_mut().zip(&s.gate[..n * ffn]) {
-            *u *= act(g);
+            *u = act.gated(g, *u);
         }
     } else {
         for u in s.up[..n * ffn].iter_mut() {
-            *u = act(*u);
+            *u = act.ungated(*u);
         }
     }
     let input = batch(&s.up, &mut s.sums, &mut s.q8, m.q8_forms, n, ffn);
-    matmul(&mut [MatJob { m: &f.down, out }], input, threads, simd);
+    matmul(
+        &mut [MatJob {
+            m: &f.down,
+            out: &mut *out,
+        }],
+        input,
+        threads,
+        simd,
+    );
+    if let Some(b) = biases {
+        add_row_bias(&mut out[..n * m.config.hidden_size], &b.down);
+    }
 }
 
 /// One row's use of one expert: the expert's output for that row joins the row's sum
@@ -1274,20 +1323,21 @@ fn route(
 /// experts, then each expert runs once on all the rows that chose it (its matrices read
 /// once for the batch), and its outputs join those rows weighted. Each row sums its
 /// experts in expert order, as transformers' loop over experts does.
-fn experts(m: &Model, e: &Experts<QMatrix>, s: &mut Scratch, n: usize, out: &mut [f32]) {
+fn experts(m: &Model, e: &Experts<QMatrix, Vec<f32>>, s: &mut Scratch, n: usize, out: &mut [f32]) {
     let h = m.config.hidden_size;
     let count = e.experts.len();
     let width = m.config.experts.map_or(0, |x| x.ffn_size);
     let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, n, h);
     matmul(
         &mut [MatJob {
-            m: &e.router,
+            m: &e.router.weight,
             out: &mut s.router[..n * count],
         }],
         input,
         m.threads,
         m.simd,
     );
+    add_bias(&mut s.router[..n * count], &e.router.bias);
     let mut routes = std::mem::take(&mut s.routes);
     routes.clear();
     for row in 0..n {

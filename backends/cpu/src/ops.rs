@@ -39,16 +39,6 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     }
 }
 
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// GELU, tanh approximation (what ggml and `gelu_pytorch_tanh` compute).
-pub fn gelu(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
-}
-
 /// Rotates the first `2·cos.len()` dims of one head by the angles whose cosines and sines
 /// are given (one per rotary pair).
 pub fn rope(kind: RopeKind, head: &mut [f32], cos: &[f32], sin: &[f32]) {
@@ -110,7 +100,8 @@ fn softmax_tile(
 /// Up to [`kernels::MULTI_QUERIES`] query heads of one GQA group (`q`: their `hd` values
 /// each, side by side) against the positions in `runs` of their shared KV head, as
 /// [`attend`] does for one, with each key and value row read once for all of them; `out`
-/// gets their outputs side by side.
+/// gets their outputs side by side. `sinks` (a logit per query head, or none) join each
+/// softmax's denominator with no value (see [`softmax_start`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     simd: Option<Simd>,
@@ -120,6 +111,7 @@ pub fn attend_group(
     stride: usize,
     offset: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     const MQ: usize = kernels::MULTI_QUERIES;
@@ -133,6 +125,7 @@ pub fn attend_group(
     let mut scores = [0.0f32; MQ * TILE];
     let mut max = [f32::NEG_INFINITY; MQ];
     let mut denom = [0.0f32; MQ];
+    softmax_start(sinks, &mut max[..heads], &mut denom[..heads]);
     out.fill(0.0);
     for run in runs {
         let (keys, values, len) = (run.keys, run.values, run.len);
@@ -162,6 +155,17 @@ pub fn attend_group(
     }
 }
 
+/// The online softmax's state before the first tile: nothing seen, or each query's sink
+/// logit seen as a key whose value is zero (maximum the sink, denominator e⁰ = 1), which is
+/// the softmax over the scores and the sink with the sink's share dropped.
+fn softmax_start(sinks: Option<&[f32]>, max: &mut [f32], denom: &mut [f32]) {
+    if let Some(sinks) = sinks {
+        assert_eq!(sinks.len(), max.len(), "a sink logit per query");
+        max.copy_from_slice(sinks);
+        denom.fill(1.0);
+    }
+}
+
 /// Queries of consecutive tokens of one sequence (`q`: `lens.len()` vectors of `hd`
 /// values side by side) against one KV head's rows from position 0, query k seeing rows
 /// `0..lens[k]` (a causal prefill: each token its own position and those before it). The
@@ -170,7 +174,8 @@ pub fn attend_group(
 /// once for all the queries, where one [`attend_group`] per token streams the whole prefix
 /// from memory again for every token. Every query's result has the bits [`attend_group`]
 /// gives it alone over the same runs: the tiles are the same, and the rows a query does
-/// not see weigh exactly 0 in the tiles it shares with later tokens.
+/// not see weigh exactly 0 in the tiles it shares with later tokens. `sinks`: a logit per
+/// query, as [`attend_group`] takes them.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_causal(
     simd: Option<Simd>,
@@ -181,6 +186,7 @@ pub fn attend_causal(
     stride: usize,
     offset: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     const MQ: usize = kernels::MULTI_QUERIES;
@@ -202,6 +208,7 @@ pub fn attend_causal(
     let mut scores = [0.0f32; MQ * TILE];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut denom = vec![0.0f32; nq];
+    softmax_start(sinks, &mut max, &mut denom);
     out.fill(0.0);
     // Position of the run's first row.
     let mut first = 0;
@@ -265,5 +272,5 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_group(simd, q, q.len(), runs, stride, offset, scale, out);
+    attend_group(simd, q, q.len(), runs, stride, offset, scale, None, out);
 }

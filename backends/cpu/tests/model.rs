@@ -298,7 +298,9 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
         // Gemma 3's pattern from its definition: every `global_every`-th layer global, the
         // others over the last `window` positions with the local RoPE base.
         let (window, theta) = match c.sliding_window {
-            Some(sw) if (li + 1) % sw.global_every != 0 => (sw.window, sw.local_theta as f64),
+            Some(sw) if (li + 1) % sw.global_every != 0 => {
+                (sw.window, sw.local_theta.unwrap_or(c.rope.theta) as f64)
+            }
             _ => (usize::MAX, c.rope.theta as f64),
         };
         let (wq, wk, wv, wo) = (
@@ -383,6 +385,7 @@ fn reference_logits(ir: &ModelIr, tokens: &[u32]) -> Vec<Vec<f64>> {
                             + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3)))
                                 .tanh())
                 }
+                Activation::SwigluOai { .. } => panic!("this reference runs dense models"),
             };
             let gated: Vec<f64> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
             let d = post(mv(&fd, &gated), &l.ffn_post_norm);

@@ -79,6 +79,8 @@ fn rope_frequency_factors_and_linear_scaling_divide_the_frequency() {
     }
 }
 
+/// Every head against an f64 softmax, without sink logits and with them (gpt-oss: a logit
+/// per head in the denominator, with no value).
 #[test]
 fn streaming_attention_equals_full_softmax() {
     let mut rng = Rng::new(2);
@@ -97,9 +99,14 @@ fn streaming_attention_equals_full_softmax() {
         let scale = 1.0 / (hd as f32).sqrt();
         // Groups of one to four query heads sharing KV head g (attend_group; attend is the
         // group of one), each against its own f64 reference.
-        for (g, heads) in (0..kv_heads).flat_map(|g| (1..=4).map(move |h| (g, h))) {
+        for (g, heads, with_sinks) in (0..kv_heads)
+            .flat_map(|g| (1..=4).map(move |h| (g, h)))
+            .flat_map(|(g, h)| [(g, h, false), (g, h, true)])
+        {
             let q = random_vec(&mut rng, heads * hd, 3.0);
             let off = g * hd;
+            let sinks = with_sinks.then(|| random_vec(&mut rng, heads, 4.0));
+            let sinks = sinks.as_deref();
             let want: Vec<Vec<f64>> = (0..heads)
                 .map(|k| {
                     let qk = &q[k * hd..(k + 1) * hd];
@@ -111,8 +118,13 @@ fn streaming_attention_equals_full_softmax() {
                                 * scale as f64
                         })
                         .collect();
-                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                    let sink = sinks.map(|s| s[k] as f64);
+                    let max = scores
+                        .iter()
+                        .cloned()
+                        .chain(sink)
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = scores.iter().chain(&sink).map(|s| (s - max).exp()).sum();
                     (0..hd)
                         .map(|d| {
                             (0..len)
@@ -146,9 +158,9 @@ fn streaming_attention_equals_full_softmax() {
                     values: &values,
                     len,
                 }];
-                attend_group(simd, &q, hd, &runs, stride, off, scale, &mut got);
+                attend_group(simd, &q, hd, &runs, stride, off, scale, sinks, &mut got);
                 check(&got, "one run");
-                if heads == 1 {
+                if heads == 1 && sinks.is_none() {
                     got.fill(f32::NAN);
                     attend(simd, &q, &runs, stride, off, scale, &mut got);
                     check(&got, "attend");
@@ -168,7 +180,7 @@ fn streaming_attention_equals_full_softmax() {
                     },
                 ];
                 got.fill(f32::NAN);
-                attend_group(simd, &q, hd, &runs, stride, off, scale, &mut got);
+                attend_group(simd, &q, hd, &runs, stride, off, scale, sinks, &mut got);
                 check(&got, "two runs");
             }
         }
@@ -198,6 +210,10 @@ fn causal_blocks_equal_each_token_alone() {
             let lens: Vec<usize> = (0..tokens)
                 .flat_map(|i| std::iter::repeat_n(first + i, heads))
                 .collect();
+            // Sink logits (a query's own) in every other case.
+            let sinks = (tokens % 2 == 0).then(|| random_vec(&mut rng, lens.len(), 4.0));
+            let sinks = sinks.as_deref();
+            let own_sink = |k: usize| sinks.map(|s| &s[k..k + 1]);
             for simd in kiln_backend_cpu::kernels::Isa::available()
                 .into_iter()
                 .map(kiln_backend_cpu::kernels::Simd::detect)
@@ -209,7 +225,7 @@ fn causal_blocks_equal_each_token_alone() {
                     len: rows,
                 }];
                 kiln_backend_cpu::ops::attend_causal(
-                    simd, &q, hd, &lens, &whole, stride, off, scale, &mut got,
+                    simd, &q, hd, &lens, &whole, stride, off, scale, sinks, &mut got,
                 );
                 // The same rows as a paged cache's blocks of 32 in the reverse order in
                 // memory (as runs): each query gets the bits attend_group gives it over the
@@ -229,6 +245,7 @@ fn causal_blocks_equal_each_token_alone() {
                     stride,
                     off,
                     scale,
+                    sinks,
                     &mut got_paged,
                 );
                 for (k, &len) in lens.iter().enumerate() {
@@ -241,6 +258,7 @@ fn causal_blocks_equal_each_token_alone() {
                         stride,
                         off,
                         scale,
+                        own_sink(k),
                         &mut alone_paged,
                     );
                     assert!(
@@ -264,6 +282,7 @@ fn causal_blocks_equal_each_token_alone() {
                         stride,
                         off,
                         scale,
+                        own_sink(k),
                         &mut alone,
                     );
                     let same = got[k * hd..(k + 1) * hd]

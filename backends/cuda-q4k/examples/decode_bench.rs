@@ -113,6 +113,7 @@ fn build(s: &Spec, rng: &mut Rng) -> ModelIr {
             attn_k_norm: None,
             attn_out: mat(rng, "o", q4, qd, s.hidden),
             attn_out_bias: None,
+            attn_sinks: None,
             ffn_norm: Some(ones(s.hidden)),
             ffn_norm_bias: None,
             ffn_gate: Some(mat(rng, "gate", q4, s.hidden, s.ffn)),

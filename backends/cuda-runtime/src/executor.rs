@@ -80,6 +80,12 @@ fn check_program(
                         a.layer
                     ));
                 }
+                if a.sinks.is_some() {
+                    return Err(format!(
+                        "layer {}: attention sinks are not supported by {name} yet (the cpu backend runs them)",
+                        a.layer
+                    ));
+                }
             }
             Op::FeedForward(f) => {
                 if f.gate.is_none() || !matches!(f.activation, Activation::Silu | Activation::Gelu)
@@ -87,6 +93,9 @@ fn check_program(
                     return Err(format!(
                         "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
                     ));
+                }
+                if f.biases.is_some() {
+                    return Err(format!("{name} runs feed-forwards without biases only"));
                 }
             }
             Op::Experts(_) => {

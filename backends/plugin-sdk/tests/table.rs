@@ -140,6 +140,7 @@ fn tiny_model() -> ModelIr {
                 attn_k_norm: None,
                 attn_out: f("o", vec![8, 8]),
                 attn_out_bias: None,
+                attn_sinks: None,
                 ffn_norm: Some(f("fn", vec![8])),
                 ffn_norm_bias: None,
                 ffn_gate: None,

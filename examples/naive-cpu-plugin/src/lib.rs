@@ -17,8 +17,8 @@
 
 use kiln_plugin_sdk::kiln_core::program::{self, Attention, FeedForward, ModelProgram, Norm, Op};
 use kiln_plugin_sdk::kiln_core::{
-    self, quant, Activation, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig,
-    ModelIr, NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
+    self, quant, Backend, DecodeItem, Error, LayerExecutor, LoadOptions, ModelConfig, ModelIr,
+    NormKind, QType, Result, RopeKind, SeqId, Support, TensorView,
 };
 
 kiln_plugin_sdk::export_backend!(NaiveCpu::new);
@@ -244,16 +244,6 @@ fn rope(kind: RopeKind, x: &mut [f32], head_dim: usize, inv_freq: &[f32], pos: u
     }
 }
 
-fn activate(kind: Activation, x: f32) -> f32 {
-    match kind {
-        Activation::Silu => x / (1.0 + (-x).exp()),
-        Activation::Gelu => {
-            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-            0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
-        }
-    }
-}
-
 impl Model {
     /// Runs one token at the sequence's next position; writes logits when asked. On error
     /// the sequence is left as it was.
@@ -402,18 +392,22 @@ impl Model {
     }
 
     /// `s.proj = feed_forward(s.normed)`.
-    fn feed_forward(&self, f: &FeedForward<TensorView>, s: &mut Scratch) -> Result<()> {
+    fn feed_forward(&self, f: &FeedForward<TensorView, Vec<f32>>, s: &mut Scratch) -> Result<()> {
+        let biases = f.biases.as_ref();
         matvec(&f.up, &s.normed, &mut s.up, &mut s.row)?;
+        add_bias(&mut s.up, &biases.map(|b| b.up.clone()));
         if let Some(gate) = &f.gate {
             matvec(gate, &s.normed, &mut s.gate, &mut s.row)?;
+            add_bias(&mut s.gate, &biases.and_then(|b| b.gate.clone()));
             s.up.iter_mut()
                 .zip(&s.gate)
-                .for_each(|(u, &g)| *u *= activate(f.activation, g));
+                .for_each(|(u, &g)| *u = f.activation.gated(g, *u));
         } else {
-            s.up.iter_mut()
-                .for_each(|u| *u = activate(f.activation, *u));
+            s.up.iter_mut().for_each(|u| *u = f.activation.ungated(*u));
         }
-        matvec(&f.down, &s.up, &mut s.proj, &mut s.row)
+        matvec(&f.down, &s.up, &mut s.proj, &mut s.row)?;
+        add_bias(&mut s.proj, &biases.map(|b| b.down.clone()));
+        Ok(())
     }
 }
 

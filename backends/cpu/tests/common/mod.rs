@@ -195,7 +195,7 @@ impl Spec {
             sliding_window: Some(SlidingWindow {
                 window: 4,
                 global_every: 3,
-                local_theta: 100.0,
+                local_theta: Some(100.0),
             }),
             ..Spec::llama()
         }
@@ -325,6 +325,7 @@ impl Spec {
                     1.0 / (qd as f32).sqrt(),
                 ),
                 attn_out_bias: None,
+                attn_sinks: None,
                 ffn_norm: Some(norm_weights(&mut rng, &p("ffn_norm"), h)),
                 ffn_norm_bias: None,
                 ffn_gate: self
