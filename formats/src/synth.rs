@@ -42,6 +42,8 @@ pub enum Preset {
     Qwen3_30bA3b,
     Mixtral8x7b,
     Qwen3Moe7bA2b,
+    GptOss20b,
+    GptOss120b,
 }
 
 /// Which tokenizer family a preset imitates (special tokens, pre-tokenizer, template).
@@ -51,6 +53,8 @@ enum TokenizerKind {
     Llama3,
     Qwen,
     Gemma,
+    /// gpt-oss's o200k "harmony" tokenizer.
+    Harmony,
 }
 
 /// The hyper-parameters of a preset, as written to the GGUF metadata.
@@ -78,6 +82,8 @@ pub struct SynthShape {
     pub sliding_window: Option<usize>,
     /// A Mixture of Experts in place of every layer's dense feed-forward.
     pub experts: Option<SynthExperts>,
+    /// YaRN rope scaling `(factor, original_context)`.
+    pub yarn: Option<(f32, usize)>,
 }
 
 /// A preset's Mixture of Experts: `count` experts a layer, `used` a token, each a gated
@@ -90,7 +96,7 @@ pub struct SynthExperts {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 13] = [
+    pub const ALL: [Preset; 15] = [
         Preset::SmolLm2_135m,
         Preset::Llama32_1b,
         Preset::Llama3_8b,
@@ -104,6 +110,8 @@ impl Preset {
         Preset::Qwen3_30bA3b,
         Preset::Mixtral8x7b,
         Preset::Qwen3Moe7bA2b,
+        Preset::GptOss20b,
+        Preset::GptOss120b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -121,6 +129,8 @@ impl Preset {
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::Mixtral8x7b => "mixtral-8x7b",
             Preset::Qwen3Moe7bA2b => "qwen3moe-7b-a2b",
+            Preset::GptOss20b => "gpt-oss-20b",
+            Preset::GptOss120b => "gpt-oss-120b",
         }
     }
 
@@ -148,6 +158,7 @@ impl Preset {
             // Mixtral's 32,000-token SentencePiece vocabulary has its specials at 0-2, where
             // the SmolLM family's are.
             Preset::Mixtral8x7b => TokenizerKind::SmolLm,
+            Preset::GptOss20b | Preset::GptOss120b => TokenizerKind::Harmony,
             _ => TokenizerKind::Qwen,
         }
     }
@@ -172,6 +183,7 @@ impl Preset {
             llama3_rope: None,
             sliding_window: None,
             experts: None,
+            yarn: None,
         };
         let qwen2 = |vocab, hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen2,
@@ -191,6 +203,7 @@ impl Preset {
             llama3_rope: None,
             sliding_window: None,
             experts: None,
+            yarn: None,
         };
         let qwen3 = |hidden, layers, heads, kv, ffn, tied| SynthShape {
             arch: Architecture::Qwen3,
@@ -210,6 +223,33 @@ impl Preset {
             llama3_rope: None,
             sliding_window: None,
             experts: None,
+            yarn: None,
+        };
+        // gpt-oss (its config.json): 64 query heads and 8 KV heads of 64 over hidden 2,880,
+        // biases, a window of 128 on every other layer, YaRN ×32 over 4,096 positions.
+        let gpt_oss = |layers, experts| SynthShape {
+            arch: Architecture::GptOss,
+            vocab_size: 201_088,
+            hidden_size: 2880,
+            num_layers: layers,
+            num_heads: 64,
+            num_kv_heads: 8,
+            head_dim: 64,
+            ffn_size: 2880,
+            context_length: 131_072,
+            rope_theta: 150_000.0,
+            norm_eps: 1e-5,
+            tied_embeddings: false,
+            qkv_bias: true,
+            qk_norm: false,
+            llama3_rope: None,
+            sliding_window: Some(128),
+            experts: Some(SynthExperts {
+                count: experts,
+                used: 4,
+                ffn_size: 2880,
+            }),
+            yarn: Some((32.0, 4096)),
         };
         match self {
             Preset::SmolLm2_135m => llama(49_152, 576, 30, 9, 3, 1536, 8192, 100_000.0, true),
@@ -250,6 +290,7 @@ impl Preset {
                 llama3_rope: None,
                 sliding_window: Some(512),
                 experts: None,
+                yarn: None,
             },
             // Qwen/Qwen3-30B-A3B: Qwen3's attention, 128 experts of 768 (8 a token) in every
             // layer.
@@ -282,6 +323,10 @@ impl Preset {
                 }),
                 ..qwen3(2048, 16, 16, 4, 6144, false)
             },
+            // openai/gpt-oss-20b: 24 layers, 32 experts of 2,880 (4 a token).
+            Preset::GptOss20b => gpt_oss(24, 32),
+            // openai/gpt-oss-120b: 36 layers, 128 experts.
+            Preset::GptOss120b => gpt_oss(36, 128),
         }
     }
 }
@@ -364,10 +409,27 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
             push(n("attn_k_norm.weight"), vec![s.head_dim], norm);
         }
         push(n("attn_output.weight"), vec![q_dim, h], proj(q_dim));
-        if s.sliding_window.is_some() {
+        let gemma3 = s.arch == Architecture::Gemma3;
+        let gpt_oss = s.arch == Architecture::GptOss;
+        if gpt_oss {
+            push(n("attn_output.bias"), vec![h], bias);
+            push(
+                n("attn_sinks.weight"),
+                vec![s.num_heads],
+                Init::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+            );
+        }
+        if gemma3 {
             push(n("post_attention_norm.weight"), vec![h], norm);
         }
-        push(n("ffn_norm.weight"), vec![h], norm);
+        // gpt-oss's feed-forward norm has llama.cpp's post-attention name.
+        match gpt_oss {
+            true => push(n("post_attention_norm.weight"), vec![h], norm),
+            false => push(n("ffn_norm.weight"), vec![h], norm),
+        }
         match s.experts {
             None => {
                 push(n("ffn_gate.weight"), vec![h, ffn], proj(h));
@@ -391,9 +453,15 @@ fn tensors(shape: &SynthShape) -> Vec<SynthTensor> {
                     vec![e.ffn_size, h, e.count],
                     proj(e.ffn_size),
                 );
+                if gpt_oss {
+                    push(n("ffn_gate_inp.bias"), vec![e.count], bias);
+                    push(n("ffn_gate_exps.bias"), vec![e.ffn_size, e.count], bias);
+                    push(n("ffn_up_exps.bias"), vec![e.ffn_size, e.count], bias);
+                    push(n("ffn_down_exps.bias"), vec![h, e.count], bias);
+                }
             }
         }
-        if s.sliding_window.is_some() {
+        if gemma3 {
             push(n("post_ffw_norm.weight"), vec![h], norm);
         }
     }
@@ -519,12 +587,20 @@ pub fn metadata(preset: Preset, recipe: Recipe, seed: u64) -> Vec<(String, GgufV
     if let Some(w) = s.sliding_window {
         put(&a("attention.sliding_window"), GgufValue::U32(w as u32));
     }
+    if let Some((factor, original)) = s.yarn {
+        put(&a("rope.scaling.type"), "yarn".into());
+        put(&a("rope.scaling.factor"), GgufValue::F32(factor));
+        put(
+            &a("rope.scaling.original_context_length"),
+            GgufValue::U32(original as u32),
+        );
+    }
     if let Some(e) = s.experts {
         put(&a("expert_count"), GgufValue::U32(e.count as u32));
         put(&a("expert_used_count"), GgufValue::U32(e.used as u32));
-        // llama.cpp's converter writes the expert width for Qwen3-MoE; Mixtral's is its
-        // `feed_forward_length`.
-        if s.arch == Architecture::Qwen3Moe {
+        // llama.cpp's converter writes the expert width for Qwen3-MoE and gpt-oss;
+        // Mixtral's is its `feed_forward_length`.
+        if matches!(s.arch, Architecture::Qwen3Moe | Architecture::GptOss) {
             put(
                 &a("expert_feed_forward_length"),
                 GgufValue::U32(e.ffn_size as u32),
@@ -547,6 +623,9 @@ fn byte_level_char(b: u8) -> char {
 
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
+/// Harmony's message framing without its system preamble or channels (a benchmark file's
+/// prompts need only the tokens).
+const HARMONY_TEMPLATE: &str = "{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}";
 const LLAMA3_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
 /// A tokenizer family's special tokens `(id, piece)` at the ids the real tokenizer uses,
@@ -624,6 +703,27 @@ fn tokenizer_metadata(kind: TokenizerKind, vocab: usize, put: &mut impl FnMut(&s
             ];
             let specials = named.iter().map(|&(id, n)| (id, n.to_string())).collect();
             (specials, "default", 2, 1, Some(106), GEMMA_TEMPLATE)
+        }
+        TokenizerKind::Harmony => {
+            // o200k_harmony's specials at their ids; the rest of 199,998.. reserved.
+            let named = [
+                (199_998, "<|startoftext|>"),
+                (199_999, "<|endoftext|>"),
+                (200_002, "<|return|>"),
+                (200_003, "<|constrain|>"),
+                (200_005, "<|channel|>"),
+                (200_006, "<|start|>"),
+                (200_007, "<|end|>"),
+                (200_008, "<|message|>"),
+                (200_012, "<|call|>"),
+            ];
+            let specials = (199_998..vocab)
+                .map(|id| match named.iter().find(|(i, _)| *i == id) {
+                    Some((_, n)) => (id, n.to_string()),
+                    None => (id, format!("<|reserved_{id}|>")),
+                })
+                .collect();
+            (specials, "gpt-4o", 199_998, 200_002, None, HARMONY_TEMPLATE)
         }
     };
     let mut tokens: Vec<Option<String>> = vec![None; vocab];

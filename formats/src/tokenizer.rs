@@ -40,6 +40,10 @@ use crate::gguf::{GgufFile, GgufValue};
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's: Llama 3's with every digit on its own.
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's (o200k, gpt-oss's tokenizer): words split where a run of capitals meets a
+/// lowercase one, contractions kept on their word, digits in threes, and `/` kept with the
+/// punctuation run before it.
+const GPT4O_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Piece names of end-of-turn tokens used by common chat formats; any of them present in
 /// the vocab as a special token stops generation alongside EOS/EOT.
@@ -297,9 +301,12 @@ fn bpe_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
         "qwen2" | "deepseek-r1-qwen" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]))
         }
+        "gpt-4o" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(GPT4O_PATTERN)?, byte_level(false)]))
+        }
         other => {
             return Err(Error::Unsupported(format!(
-                "pre-tokenizer '{other}' (known: gpt2/default, smollm/starcoder, llama-bpe/llama3, qwen2)"
+                "pre-tokenizer '{other}' (known: gpt2/default, smollm/starcoder, llama-bpe/llama3, qwen2, gpt-4o)"
             )))
         }
     })
@@ -798,5 +805,56 @@ impl DecodeStream<'_> {
         let len = self.pending.len();
         self.pending.drain(..len - keep);
         (!out.is_empty()).then_some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    /// GPT-4o's split of a string that exercises each alternative, against what Python's
+    /// `regex` module gives for tiktoken's o200k pattern (written out below).
+    #[test]
+    fn gpt4o_pattern_splits_as_tiktoken_does() {
+        let split = Split::new(
+            SplitPattern::Regex(GPT4O_PATTERN.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .unwrap();
+        let text =
+            "Hello WORLD's camelCase 12345 don't!!\n\n  x/y\r\npath/to  end ÀÉclair naïve 東京 ";
+        let mut pre = PreTokenizedString::from(text);
+        split.pre_tokenize(&mut pre).unwrap();
+        let pieces: Vec<String> = pre
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(p, _, _)| p.to_string())
+            .collect();
+        let want = [
+            "Hello",
+            " WORLD's",
+            " camel",
+            "Case",
+            " ",
+            "123",
+            "45",
+            " don't",
+            "!!\n\n",
+            " ",
+            " x",
+            "/y",
+            "\r\n",
+            "path",
+            "/to",
+            " ",
+            " end",
+            " ÀÉclair",
+            " naïve",
+            " 東京",
+            " ",
+        ];
+        assert_eq!(pieces, want);
     }
 }

@@ -184,6 +184,14 @@ fn real_sizes_and_shapes() {
     assert_eq!(Preset::Qwen25_0_5b.shape().hidden_size, 896);
     assert!(Preset::Qwen25_0_5b.shape().qkv_bias);
     assert_eq!(Preset::from_name("Qwen3-8B").unwrap(), Preset::Qwen3_8b);
+    // gpt-oss: the safetensors' counts; in llama.cpp's MXFP4_MOE mix the 20b's data is
+    // the 12.1 GB of its published GGUF.
+    assert_eq!(params(Preset::GptOss20b), 20_914_757_184);
+    assert_eq!(params(Preset::GptOss120b), 116_829_156_672);
+    assert_eq!(
+        data_bytes(Preset::GptOss20b, Recipe::MXFP4_MOE).unwrap(),
+        12_096_558_336
+    );
     assert!(Preset::from_name("gpt-5").is_err());
 }
 
