@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use kiln_core::{Error, Result, Sampler};
 use kiln_formats::tokenizer::{DecodeStream, Tokenizer};
 
+use crate::harmony::{Channels, Destination, HarmonyTokens};
 use crate::structured::Constraint;
 
 /// The rules one sequence generates under (besides its sampler's own settings).
@@ -30,6 +31,9 @@ pub(crate) struct SequenceRules {
     pub frequency_penalty: f32,
     /// Special tokens (end of turn, ...) make no text.
     pub skip_special: bool,
+    /// A chat answer: a model that writes its reasoning on a channel of its own (gpt-oss's
+    /// harmony) has it kept apart from the answer ([`Accepted::reasoning`]).
+    pub split_reasoning: bool,
 }
 
 /// What a drawn token did.
@@ -39,6 +43,8 @@ pub(crate) struct Accepted {
     pub kept: bool,
     /// Text it made final (maybe empty).
     pub text: String,
+    /// Reasoning it made final (with [`SequenceRules::split_reasoning`]; maybe empty).
+    pub reasoning: String,
     /// `Some` when the sequence ended with it: the token is part of the output unless it
     /// was an end-of-sequence token (then `text` is what was held back).
     pub finish: Option<Finish>,
@@ -48,9 +54,12 @@ pub(crate) struct Accepted {
 /// loop, which may hand a batch of them to an executor's own sampling.
 pub(crate) struct SequenceGeneration<'t> {
     rules: SequenceRules,
+    tokenizer: &'t Tokenizer,
     stop_tokens: &'t [u32],
     constraint: Option<Constraint>,
     output: TextOutput<'t>,
+    /// The model's channels, when its reasoning is kept apart, and the reasoning's text.
+    channels: Option<(Channels, TextOutput<'t>)>,
     generated: usize,
     /// Times each token was generated, for the presence and frequency penalties.
     counts: HashMap<u32, u32>,
@@ -63,11 +72,21 @@ impl<'t> SequenceGeneration<'t> {
         constraint: Option<Constraint>,
     ) -> Self {
         let output = TextOutput::new(tokenizer, rules.stop_strings.clone(), rules.skip_special);
+        let channels = HarmonyTokens::of(tokenizer)
+            .filter(|_| rules.split_reasoning)
+            .map(|t| {
+                (
+                    Channels::new(t),
+                    TextOutput::new(tokenizer, Vec::new(), true),
+                )
+            });
         SequenceGeneration {
             rules,
+            tokenizer,
             stop_tokens: tokenizer.stop_tokens(),
             constraint,
             output,
+            channels,
             generated: 0,
             counts: HashMap::new(),
         }
@@ -152,22 +171,37 @@ impl<'t> SequenceGeneration<'t> {
         if self.penalised() {
             *self.counts.entry(token).or_insert(0) += 1;
         }
-        let released = self.output.push(token);
+        let mut reasoning = String::new();
+        let released = match &mut self.channels {
+            None => self.output.push(token),
+            Some((channels, thoughts)) => {
+                let tokenizer = self.tokenizer;
+                match channels.route(token, || tokenizer.decode(&[token], false)) {
+                    Destination::Content => self.output.push(token),
+                    Destination::Reasoning => {
+                        reasoning = thoughts.push(token).text;
+                        Released::default()
+                    }
+                    Destination::Nowhere => Released::default(),
+                }
+            }
+        };
         let mut text = released.text;
         let finish = if released.stopped {
             // Nothing is held back after a stop string.
             Some(Finish::Stop)
         } else if self.generated >= self.rules.max_tokens {
-            Some(self.finish_held(Finish::Length, &mut text))
+            Some(self.finish_held(Finish::Length, &mut text, &mut reasoning))
         } else if cached + 1 > max_context {
             // No room to decode it: the sequence ends with it.
-            Some(self.finish_held(Finish::ContextFull, &mut text))
+            Some(self.finish_held(Finish::ContextFull, &mut text, &mut reasoning))
         } else {
             None
         };
         Accepted {
             kept: true,
             text,
+            reasoning,
             finish,
         }
     }
@@ -175,18 +209,23 @@ impl<'t> SequenceGeneration<'t> {
     /// Ends the sequence for `finish` (a stop token, cancellation): the text still held
     /// back, and the finish to report.
     pub fn end(&mut self, finish: Finish) -> Accepted {
-        let mut text = String::new();
-        let finish = self.finish_held(finish, &mut text);
+        let (mut text, mut reasoning) = (String::new(), String::new());
+        let finish = self.finish_held(finish, &mut text, &mut reasoning);
         Accepted {
             kept: false,
             text,
+            reasoning,
             finish: Some(finish),
         }
     }
 
-    /// Appends the text still held back to `text`, cut at a stop string; `finish`, or
-    /// `Stop` where a stop string turned up in that text (a cancellation stays one).
-    fn finish_held(&mut self, finish: Finish, text: &mut String) -> Finish {
+    /// Appends the text still held back to `text` (and the reasoning to `reasoning`), cut
+    /// at a stop string; `finish`, or `Stop` where a stop string turned up in that text (a
+    /// cancellation stays one).
+    fn finish_held(&mut self, finish: Finish, text: &mut String, reasoning: &mut String) -> Finish {
+        if let Some((_, thoughts)) = &mut self.channels {
+            reasoning.push_str(&thoughts.finish().text);
+        }
         let rest = self.output.finish();
         text.push_str(&rest.text);
         match rest.stopped && finish != Finish::Cancelled {
@@ -341,6 +380,96 @@ mod tests {
         assert_eq!(held_back("say Use", &stops), 3);
         assert_eq!(held_back("plain", &stops), 0);
         assert_eq!(held_back("héllo", &["é!".to_string()]), 0);
+    }
+
+    /// gpt-oss's vocabulary as `kiln synth` writes it (o200k's specials at their ids).
+    fn harmony_tokenizer() -> Tokenizer {
+        use kiln_formats::gguf::{GgufFile, GgufWriter};
+        use kiln_formats::quantize::Recipe;
+        use kiln_formats::synth::{metadata, Preset};
+        let mut w = GgufWriter::new();
+        for (k, v) in metadata(Preset::GptOss20b, Recipe::MXFP4_MOE, 0) {
+            w.add_kv(k, v).unwrap();
+        }
+        let bytes = w.write_to(Vec::new()).unwrap();
+        let file = GgufFile::from_storage(std::sync::Arc::new(bytes)).unwrap();
+        Tokenizer::from_gguf(&file).unwrap()
+    }
+
+    /// A harmony answer (reasoning, then the final message) through a chat generation:
+    /// `<|end|>` closes the analysis without ending the turn, `<|return|>` ends it; the
+    /// reasoning and the answer come apart, markers and headers in neither. The same
+    /// tokens outside a chat are one text.
+    #[test]
+    fn harmony_channels_split_reasoning_from_the_answer() {
+        let tok = harmony_tokenizer();
+        let stops = tok.stop_tokens().to_vec();
+        let id = |p: &str| tok.token_id(p).unwrap();
+        assert!(stops.contains(&id("<|return|>")) && stops.contains(&id("<|call|>")));
+        assert!(!stops.contains(&id("<|end|>")));
+        let answer = "<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>";
+        let ids = tok.encode(answer, false, true).unwrap();
+        let run = |split_reasoning: bool| {
+            let rules = SequenceRules {
+                max_tokens: 1000,
+                stop_on_eos: true,
+                skip_special: true,
+                split_reasoning,
+                ..SequenceRules::default()
+            };
+            let mut g = SequenceGeneration::new(&tok, rules, None);
+            let (mut text, mut reasoning, mut finish) = (String::new(), String::new(), None);
+            for (i, &t) in ids.iter().enumerate() {
+                let a = g.accept(t, i, 4096);
+                text.push_str(&a.text);
+                reasoning.push_str(&a.reasoning);
+                if a.finish.is_some() {
+                    finish = a.finish.map(|f| (f, i));
+                    break;
+                }
+            }
+            (text, reasoning, finish)
+        };
+        let last = ids.len() - 1;
+        assert_eq!(
+            run(true),
+            (
+                "It is 4.".to_string(),
+                "Two and two.".to_string(),
+                Some((Finish::Stop, last))
+            )
+        );
+        let (text, reasoning, finish) = run(false);
+        assert_eq!(
+            (text.as_str(), reasoning.as_str(), finish),
+            (
+                "analysisTwo and two.assistantfinalIt is 4.",
+                "",
+                Some((Finish::Stop, last))
+            )
+        );
+        // Cut off by the length limit inside the analysis (four tokens into its body): the
+        // reasoning so far, no answer.
+        let body = ids.iter().position(|&t| t == id("<|message|>")).unwrap() + 1;
+        let rules = SequenceRules {
+            max_tokens: body + 4,
+            stop_on_eos: true,
+            skip_special: true,
+            split_reasoning: true,
+            ..SequenceRules::default()
+        };
+        let mut g = SequenceGeneration::new(&tok, rules, None);
+        let (mut text, mut reasoning) = (String::new(), String::new());
+        for (i, &t) in ids.iter().take(body + 4).enumerate() {
+            let a = g.accept(t, i, 4096);
+            text.push_str(&a.text);
+            reasoning.push_str(&a.reasoning);
+        }
+        assert_eq!(text, "");
+        assert!(
+            "Two and two.".starts_with(&reasoning) && !reasoning.is_empty(),
+            "{reasoning:?}"
+        );
     }
 
     #[test]

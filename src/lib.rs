@@ -17,6 +17,7 @@ pub mod embedding;
 pub mod engine;
 pub mod fetch;
 pub mod generation;
+pub mod harmony;
 pub mod perplexity;
 pub mod plugins;
 #[cfg(feature = "server")]

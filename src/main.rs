@@ -244,7 +244,15 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             logprobs: None,
             cancel: None,
+            split_reasoning: false,
         })
+    }
+}
+
+/// The reasoning of a reply, on stderr (`--show-reasoning`).
+fn show_reasoning(g: &Generation) {
+    if !g.reasoning.is_empty() {
+        eprintln!("[reasoning] {}", g.reasoning.trim());
     }
 }
 
@@ -293,6 +301,10 @@ struct RunArgs {
     /// System message for --chat.
     #[arg(long)]
     system: Option<String>,
+    /// With --chat: also show the reasoning a model writes apart from its answer (gpt-oss's
+    /// analysis channel), on stderr; in `--format json` it is the `reasoning` field either way.
+    #[arg(long)]
+    show_reasoning: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// `json` prints one object with prompt ids, generated ids, text and timings.
@@ -309,6 +321,10 @@ struct ChatArgs {
     /// Tokens per reply at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
     n_predict: usize,
+    /// Also show the reasoning a model writes apart from its answer (gpt-oss's analysis
+    /// channel), on stderr after each reply.
+    #[arg(long)]
+    show_reasoning: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
 }
@@ -594,7 +610,10 @@ fn cmd_perplexity(mut args: PerplexityArgs) -> Result<()> {
 }
 
 fn cmd_run(args: RunArgs) -> Result<()> {
-    let params = args.sampling.params(args.n_predict)?;
+    let params = GenerateParams {
+        split_reasoning: args.chat,
+        ..args.sampling.params(args.n_predict)?
+    };
     let load_start = std::time::Instant::now();
     let mut engine = load_engine(&args.model)?;
     let load_time = load_start.elapsed();
@@ -634,6 +653,7 @@ fn cmd_run(args: RunArgs) -> Result<()> {
             "prompt_ids": generation.prompt_ids,
             "generated_ids": generation.ids,
             "text": generation.text,
+            "reasoning": generation.reasoning,
             "finish_reason": generation.finish.as_str(),
             "timings": {
                 "load_ms": load_time.as_secs_f64() * 1e3,
@@ -650,6 +670,9 @@ fn cmd_run(args: RunArgs) -> Result<()> {
         println!("{value}");
     } else {
         println!();
+        if args.show_reasoning {
+            show_reasoning(&generation);
+        }
         print_summary(&backend, &generation);
     }
     Ok(())
@@ -670,7 +693,10 @@ fn print_summary(backend: &str, g: &Generation) {
 const MAX_CHAT_LINE: usize = 4 << 20;
 
 fn cmd_chat(args: ChatArgs) -> Result<()> {
-    let params = args.sampling.params(args.n_predict)?;
+    let params = GenerateParams {
+        split_reasoning: true,
+        ..args.sampling.params(args.n_predict)?
+    };
     let mut engine = load_engine(&args.model)?;
     let backend = engine.backend_name().to_string();
     let mut messages = Vec::new();
@@ -708,6 +734,9 @@ fn cmd_chat(args: ChatArgs) -> Result<()> {
             let _ = stdout.flush();
         })?;
         println!();
+        if args.show_reasoning {
+            show_reasoning(&generation);
+        }
         print_summary(&backend, &generation);
         messages.push(ChatMessage::new("assistant", generation.text.trim()));
     }

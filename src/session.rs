@@ -38,6 +38,11 @@ pub struct GenerateParams {
     /// Ends the generation from any thread: checked before each token is decoded, it
     /// stops with [`Finish::Cancelled`] and what was generated so far.
     pub cancel: Option<CancelToken>,
+    /// The prompt is a chat turn: a model that writes its reasoning on a channel of its own
+    /// (gpt-oss's harmony `analysis`) has it kept apart, in [`Generation::reasoning`] (or
+    /// each Batcher `Delta`'s `reasoning`), and its answer alone is the text. No effect on
+    /// other models.
+    pub split_reasoning: bool,
 }
 
 impl GenerateParams {
@@ -76,6 +81,7 @@ impl Default for GenerateParams {
             frequency_penalty: 0.0,
             logprobs: None,
             cancel: None,
+            split_reasoning: false,
         }
     }
 }
@@ -108,6 +114,8 @@ pub struct Generation {
     pub prefilled: usize,
     pub ids: Vec<u32>,
     pub text: String,
+    /// The reasoning written apart from the text ([`GenerateParams::split_reasoning`]).
+    pub reasoning: String,
     pub finish: Finish,
     pub prefill_time: Duration,
     /// From the call to the first generated token (prefill, then its draw): what a user
@@ -225,12 +233,13 @@ impl<'e> Session<'e> {
             stop_on_eos: params.stop_on_eos,
             presence_penalty: params.presence_penalty,
             frequency_penalty: params.frequency_penalty,
+            split_reasoning: params.split_reasoning,
             ..SequenceRules::default()
         };
         let mut generation =
             SequenceGeneration::new(&self.engine.model.tokenizer, rules, constraint);
         let exec = &mut self.engine.executor;
-        let mut text = String::new();
+        let (mut text, mut reasoning) = (String::new(), String::new());
         let mut ids = Vec::new();
         let decode_start = Instant::now();
         let mut decode_steps = 0usize;
@@ -241,6 +250,7 @@ impl<'e> Session<'e> {
                 prefilled: new.len(),
                 ids: Vec::new(),
                 text: String::new(),
+                reasoning: String::new(),
                 finish: Finish::Length,
                 prefill_time,
                 first_token_time: Duration::ZERO,
@@ -271,6 +281,7 @@ impl<'e> Session<'e> {
                 on_text(&accepted.text);
                 text.push_str(&accepted.text);
             }
+            reasoning.push_str(&accepted.reasoning);
             if let Some(finish) = accepted.finish {
                 break finish;
             }
@@ -284,6 +295,7 @@ impl<'e> Session<'e> {
                     on_text(&ended.text);
                     text.push_str(&ended.text);
                 }
+                reasoning.push_str(&ended.reasoning);
                 break Finish::Cancelled;
             }
             let step = decode_steps + 1;
@@ -325,6 +337,7 @@ impl<'e> Session<'e> {
             prefilled: new.len(),
             ids,
             text,
+            reasoning,
             finish,
             prefill_time,
             first_token_time,

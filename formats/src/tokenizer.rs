@@ -57,6 +57,9 @@ const END_OF_TURN_PIECES: &[&str] = &[
     "</s>",
 ];
 
+/// A harmony vocabulary's end-of-turn tokens (see [`END_OF_TURN_PIECES`]).
+const HARMONY_END_OF_TURN_PIECES: &[&str] = &["<|return|>", "<|call|>", "<|endoftext|>"];
+
 /// Everything needed to build a [`Tokenizer`]; what a GGUF file's `tokenizer.ggml.*` keys
 /// hold, already resolved to their defaults.
 #[derive(Debug, Clone, Default)]
@@ -505,9 +508,18 @@ impl Tokenizer {
                 stop.push(id);
             }
         }
+        // Harmony (gpt-oss) ends a turn with `<|return|>` or a tool call with `<|call|>`;
+        // its `<|end|>` closes one message of several (the reasoning before the answer).
+        let harmony = ["<|channel|>", "<|message|>"]
+            .iter()
+            .all(|m| spec.tokens.iter().any(|t| t == m));
         for (i, piece) in spec.tokens.iter().enumerate() {
             let id = i as u32;
-            if END_OF_TURN_PIECES.contains(&piece.as_str())
+            let ends_turn = match harmony {
+                true => HARMONY_END_OF_TURN_PIECES.contains(&piece.as_str()),
+                false => END_OF_TURN_PIECES.contains(&piece.as_str()),
+            };
+            if ends_turn
                 && matches!(kinds[i], TokenKind::Control | TokenKind::UserDefined)
                 && !stop.contains(&id)
             {

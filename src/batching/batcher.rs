@@ -157,6 +157,7 @@ impl Batcher {
                 logprobs: params.logprobs,
                 cache_prompt: true,
                 cancel: params.cancel.clone(),
+                split_reasoning: params.split_reasoning,
             },
             events,
             received: Instant::now(),

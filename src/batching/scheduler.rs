@@ -93,6 +93,9 @@ pub struct JobParams {
     /// A host's stop request ([`crate::Batcher`]): checked before each step, it ends the
     /// running sequence with `Finish::Cancelled` and the text so far.
     pub cancel: Option<crate::CancelToken>,
+    /// A chat answer: reasoning the model writes on its own channel comes apart from the
+    /// text (`Event::Delta::reasoning`).
+    pub split_reasoning: bool,
 }
 
 impl JobParams {
@@ -106,6 +109,7 @@ impl JobParams {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             skip_special: true,
+            split_reasoning: self.split_reasoning,
         }
     }
 }
@@ -152,6 +156,8 @@ pub enum Event {
     /// back) and its logprob, when asked for.
     Delta {
         text: String,
+        /// Reasoning that became final (a chat answer of a model that writes it apart).
+        reasoning: String,
         token: Option<u32>,
         logprob: Option<TokenLogprob>,
     },
@@ -392,9 +398,10 @@ impl Running<'_> {
     /// (`Stop` where a stop string turned up in it).
     fn flush_held(&mut self, finish: Finish) -> Finish {
         let ended = self.generation.end(finish);
-        if !ended.text.is_empty() {
+        if !ended.text.is_empty() || !ended.reasoning.is_empty() {
             self.send(Event::Delta {
                 text: ended.text,
+                reasoning: ended.reasoning,
                 token: None,
                 logprob: None,
             });
@@ -1197,9 +1204,10 @@ impl<'e> Scheduler<'e> {
                 .fetch_add(1, Ordering::Relaxed);
             r.last = token;
         }
-        if accepted.kept || !accepted.text.is_empty() {
+        if accepted.kept || !accepted.text.is_empty() || !accepted.reasoning.is_empty() {
             r.send(Event::Delta {
                 text: accepted.text,
+                reasoning: accepted.reasoning,
                 token: accepted.kept.then_some(token),
                 logprob: logprob.filter(|_| accepted.kept),
             });

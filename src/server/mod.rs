@@ -916,6 +916,7 @@ async fn generate(
                 cache_prompt: req.cache_prompt,
                 // A client cancels by disconnecting.
                 cancel: None,
+                split_reasoning: req.endpoint == Endpoint::Chat,
             },
             events: tx.clone(),
             received,

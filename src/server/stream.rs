@@ -34,11 +34,22 @@ pub struct Meta {
 #[derive(Default)]
 struct Choice {
     text: String,
+    reasoning: String,
     logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
     prompt_tokens: usize,
     cached_tokens: usize,
     completion_tokens: usize,
+}
+
+/// A chat choice's message: its content, and its reasoning as `reasoning_content` where
+/// the model wrote some apart (llama-server's and vLLM's field).
+fn assistant_message(c: &Choice) -> Value {
+    let mut m = json!({"role": "assistant", "content": c.text});
+    if !c.reasoning.is_empty() {
+        m["reasoning_content"] = json!(c.reasoning);
+    }
+    m
 }
 
 fn event_error(message: String, shutting_down: bool) -> ApiError {
@@ -113,8 +124,14 @@ pub async fn collect(
         };
         let c = &mut choices[i];
         match event {
-            Event::Delta { text, logprob, .. } => {
+            Event::Delta {
+                text,
+                reasoning,
+                logprob,
+                ..
+            } => {
                 c.text.push_str(&text);
+                c.reasoning.push_str(&reasoning);
                 c.logprobs.extend(logprob);
             }
             Event::Done {
@@ -147,7 +164,7 @@ pub async fn collect(
             match meta.endpoint {
                 Endpoint::Chat => json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": assistant_message(c),
                     "logprobs": if logprobs { chat_logprobs(&c.logprobs) } else { Value::Null },
                     "finish_reason": finish,
                 }),
@@ -209,6 +226,19 @@ impl StreamState {
         v.to_string()
     }
 
+    /// A chat chunk of reasoning (`delta.reasoning_content`, as llama-server and vLLM
+    /// stream it).
+    fn reasoning_delta(&mut self, i: usize, reasoning: String) {
+        let choice = json!({
+            "index": i,
+            "delta": {"reasoning_content": reasoning},
+            "logprobs": Value::Null,
+            "finish_reason": Value::Null,
+        });
+        let chunk = self.chunk(choice);
+        self.out.push_back(chunk);
+    }
+
     fn delta(
         &mut self,
         i: usize,
@@ -248,7 +278,15 @@ impl StreamState {
 
     fn handle(&mut self, i: usize, event: Event) {
         match event {
-            Event::Delta { text, logprob, .. } => {
+            Event::Delta {
+                text,
+                reasoning,
+                logprob,
+                ..
+            } => {
+                if !reasoning.is_empty() && self.meta.endpoint == Endpoint::Chat {
+                    self.reasoning_delta(i, reasoning);
+                }
                 if !text.is_empty() || (self.logprobs && logprob.is_some()) {
                     self.delta(i, text, logprob, None);
                 }
@@ -351,4 +389,92 @@ pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) ->
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> Meta {
+        Meta {
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            fingerprint: "fp".into(),
+            endpoint: Endpoint::Chat,
+            choices: 1,
+            n: 1,
+            include_usage: false,
+        }
+    }
+
+    fn delta(text: &str, reasoning: &str) -> Event {
+        Event::Delta {
+            text: text.into(),
+            reasoning: reasoning.into(),
+            token: Some(0),
+            logprob: None,
+        }
+    }
+
+    fn done() -> Event {
+        Event::Done {
+            finish: Finish::Stop,
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 4,
+        }
+    }
+
+    /// Reasoning written apart is the message's `reasoning_content` and its own stream
+    /// deltas; an answer without any has no such field.
+    #[tokio::test]
+    async fn reasoning_is_reasoning_content_whole_and_streamed() {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for e in [
+            delta("", "Two"),
+            delta("", " and two."),
+            delta("It is 4.", ""),
+            done(),
+        ] {
+            tx.send((0, e)).unwrap();
+        }
+        let body = collect(meta(), rx, false).await.unwrap();
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], "It is 4.");
+        assert_eq!(message["reasoning_content"], "Two and two.");
+
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send((0, delta("Hi", ""))).unwrap();
+        tx.send((0, done())).unwrap();
+        let body = collect(meta(), rx, false).await.unwrap();
+        assert!(body["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none());
+
+        let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut st = StreamState {
+            meta: meta(),
+            logprobs: false,
+            rx,
+            out: VecDeque::new(),
+            open: 1,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            sent: vec![0],
+            finished: false,
+        };
+        for e in [delta("", "Two and two."), delta("It is 4.", ""), done()] {
+            st.handle(0, e);
+        }
+        let deltas: Vec<Value> = st
+            .out
+            .iter()
+            .filter(|c| c.starts_with('{'))
+            .map(|c| serde_json::from_str::<Value>(c).unwrap()["choices"][0]["delta"].clone())
+            .collect();
+        assert_eq!(deltas[0], json!({"reasoning_content": "Two and two."}));
+        assert_eq!(deltas[1], json!({"content": "It is 4."}));
+    }
 }
