@@ -26,6 +26,7 @@ pub mod session;
 pub mod structured;
 #[cfg(feature = "cli")]
 pub mod toolkit;
+pub mod tools;
 
 pub use batching::{BatchOptions, BatchStream, Batcher, Event as BatchEvent};
 pub use embedding::Pooling;

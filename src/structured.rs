@@ -113,13 +113,25 @@ impl Grammars {
         } else {
             return Err("'response_format' needs a JSON schema that is an object".into());
         }
+        self.compile(TopLevelGrammar::from_json_schema(schema), "the JSON schema")
+    }
+
+    /// A fresh constraint for output of the Lark grammar `lark` (llguidance's dialect,
+    /// whose `%json {…}` rules are JSON schemas: [`crate::tools::grammar`]'s calls), or
+    /// why it cannot be used; `what` names it in messages.
+    pub fn lark(&self, lark: &str, what: &str) -> Result<Constraint, String> {
+        self.compile(TopLevelGrammar::from_lark(lark.to_string()), what)
+    }
+
+    /// The grammar's constraint, its first mask computed here under [`COMPILE_BUDGET`].
+    fn compile(&self, grammar: TopLevelGrammar, what: &str) -> Result<Constraint, String> {
         let parser = self
             .factory
-            .create_parser(TopLevelGrammar::from_json_schema(schema))
-            .map_err(|e| format!("the JSON schema cannot be used: {e}"))?;
+            .create_parser(grammar)
+            .map_err(|e| format!("{what} cannot be used: {e}"))?;
         let mut matcher = Matcher::new(Ok(parser)).into_cancellable();
         if let Some(e) = matcher.get_error() {
-            return Err(format!("the JSON schema cannot be used: {e}"));
+            return Err(format!("{what} cannot be used: {e}"));
         }
         // llguidance builds its lexer lazily, at the first mask: build it here, where the
         // caller compiles (the server's blocking pool), not on the engine thread at the
@@ -141,12 +153,12 @@ impl Grammars {
         let _ = watchdog.join();
         if matcher.is_cancelled() {
             return Err(format!(
-                "the JSON schema is too costly to use: preparing its grammar took more than {} ms",
+                "{what} is too costly to use: preparing its grammar took more than {} ms",
                 COMPILE_BUDGET.as_millis()
             ));
         }
         if let Err(e) = first {
-            return Err(format!("the JSON schema cannot be used: {}", first_line(e)));
+            return Err(format!("{what} cannot be used: {}", first_line(e)));
         }
         Ok(Constraint {
             matcher,

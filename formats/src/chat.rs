@@ -25,9 +25,15 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant` (whatever roles the template knows).
+    /// `system`, `user`, `assistant`, `tool` (whatever roles the template knows).
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls (templates read `message.tool_calls`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` turn's answer is to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -35,7 +41,30 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
+    }
+}
+
+/// A call of a function tool, as chat templates read it: `{"id", "type": "function",
+/// "function": {"name", "arguments"}}` with the arguments an object (templates write them
+/// with `tojson`), as transformers and llama.cpp hand them over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: serde_json::Value,
+}
+
+impl Serialize for ToolCall {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        serde_json::json!({
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        })
+        .serialize(s)
     }
 }
 
@@ -190,8 +219,26 @@ impl ChatTemplate {
     /// Rendering is bounded ([`limits`]): a template that runs out of instructions, nests
     /// too deep or writes too much text is an error naming the limit, never a hang.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// Whether the template reads the `tools` it is given (a template that does not ignores
+    /// them: the caller describes its tools in a message instead).
+    pub fn reads_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// [`ChatTemplate::render`] with function `tools` (OpenAI's `tools` entries) in the
+    /// template's `tools` variable; none leaves it undefined.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let env = self.env.clone();
         let messages = messages.to_vec();
+        let tools = tools.to_vec();
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
         if let Some(why) = &*self.exhausted.lock().unwrap_or_else(|p| p.into_inner()) {
             return Err(Error::Tokenizer(format!(
@@ -199,7 +246,7 @@ impl ChatTemplate {
             )));
         }
         let bounded = memory::bounded(limits::MEMORY_BYTES, limits::RENDER_TIME, move || {
-            render_with(&env, &messages, add_generation_prompt, &bos, &eos)
+            render_with(&env, &messages, &tools, add_generation_prompt, &bos, &eos)
         });
         match bounded {
             Ok(result) => result,
@@ -239,13 +286,28 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<ChatPrompt> {
-        let text = self.render(messages, add_generation_prompt)?;
+        self.render_prompt_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_prompt`] with function `tools` (see
+    /// [`ChatTemplate::render_with_tools`]). Tool calls and tool descriptions are the
+    /// template's markup; only the messages' contents are read as text.
+    pub fn render_prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<ChatPrompt> {
+        let text = self.render_with_tools(messages, tools, add_generation_prompt)?;
         let stand_ins: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| ChatMessage::new(m.role.clone(), placeholder(i)))
+            .map(|(i, m)| ChatMessage {
+                content: placeholder(i),
+                ..m.clone()
+            })
             .collect();
-        let marked = self.render(&stand_ins, add_generation_prompt)?;
+        let marked = self.render_with_tools(&stand_ins, tools, add_generation_prompt)?;
         let fill = |content: &dyn Fn(&ChatMessage) -> &str| -> ChatPrompt {
             let mut out = ChatPrompt {
                 text: String::with_capacity(text.len()),
@@ -292,6 +354,7 @@ impl ChatTemplate {
 fn render_with(
     env: &Environment<'static>,
     messages: &[ChatMessage],
+    tools: &[serde_json::Value],
     add_generation_prompt: bool,
     bos_token: &str,
     eos_token: &str,
@@ -302,8 +365,13 @@ fn render_with(
             out: Vec::new(),
             limit: limits::OUTPUT_BYTES,
         };
+        let tools = match tools {
+            [] => Value::UNDEFINED,
+            some => Value::from_serialize(some),
+        };
         let ctx = context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,

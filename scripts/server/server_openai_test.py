@@ -61,10 +61,10 @@ def outer(args):
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
             print(f"skip: python3 -m venv failed ({last[-300:]})")
             return 3
-    has = subprocess.run([py, "-c", "import openai"], capture_output=True).returncode == 0
+    has = subprocess.run([py, "-c", "import openai, jsonschema"], capture_output=True).returncode == 0
     if not has:
         r = subprocess.run(
-            [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--retries", "2", "--timeout", "30", "openai>=1.40"],
+            [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--retries", "2", "--timeout", "30", "openai>=1.40", "jsonschema"],
             capture_output=True,
             text=True,
         )
@@ -360,6 +360,103 @@ def inner(args):
         expect(sorted(value) == ["city", "population"] and isinstance(value["population"], int), value)
 
     checks.run("structured output: response_format json_schema", structured_output)
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                       "properties": {"city": {"type": "string", "maxLength": 40},
+                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+    add = {"type": "function", "function": {
+        "name": "add", "description": "Adds two integers",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                       "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    offered = [weather, add]
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+    def valid_call(call, name=None):
+        schema = next(t["function"]["parameters"] for t in offered if t["function"]["name"] == call.function.name)
+        expect(name is None or call.function.name == name, call)
+        args = json.loads(call.function.arguments)
+        try:
+            import jsonschema
+            jsonschema.validate(args, schema)
+        except ImportError:
+            expect(sorted(args) == sorted(schema["required"]), args)
+        return args
+
+    def tools_required():
+        for seed in range(4):
+            r = client.chat.completions.create(model=model, messages=ask, tools=offered, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=seed)
+            c = r.choices[0]
+            expect(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c)
+            valid_call(c.message.tool_calls[0])
+
+    checks.run("tools: tool_choice required gives schema-valid calls (4 seeds, temperature 1)", tools_required)
+
+    def tools_named():
+        for seed in range(3):
+            r = client.chat.completions.create(model=model, messages=ask, tools=offered, max_tokens=96, seed=seed,
+                                               tool_choice={"type": "function", "function": {"name": "add"}},
+                                               temperature=1.0)
+            for call in r.choices[0].message.tool_calls:
+                valid_call(call, "add")
+
+    checks.run("tools: a named tool_choice calls that function", tools_named)
+
+    def tools_streamed():
+        kw = dict(model=model, messages=ask, tools=offered, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=96, temperature=0.7, seed=21)
+        whole = client.chat.completions.create(**kw).choices[0]
+        calls, content, finish = {}, "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                d = c.delta
+                content += d.content or ""
+                for tc in d.tool_calls or []:
+                    e = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                    e["id"] += tc.id or ""
+                    e["name"] += (tc.function.name or "") if tc.function else ""
+                    e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                finish = c.finish_reason or finish
+        expect(finish == whole.finish_reason == "tool_calls", (finish, whole.finish_reason))
+        expect((content or None) == whole.message.content, (content, whole.message.content))
+        got = [(calls[k]["name"], json.loads(calls[k]["arguments"])) for k in sorted(calls)]
+        want = [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+        expect(got == want, (got, want))
+
+    checks.run("tools: streamed deltas reassemble to the unstreamed answer", tools_streamed)
+
+    def tools_loop():
+        first = client.chat.completions.create(model=model, messages=ask, tools=offered, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=96, temperature=0.0)
+        call = first.choices[0].message.tool_calls[0]
+        history = ask + [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+        answer = client.chat.completions.create(model=model, messages=history, tools=offered, tool_choice="none",
+                                                max_tokens=32, temperature=0.0)
+        c = answer.choices[0]
+        expect(c.finish_reason in ("stop", "length") and c.message.content and not c.message.tool_calls, c)
+        # A tool result without the call it answers is refused.
+        expect_error(lambda: client.chat.completions.create(
+            model=model, messages=ask + [{"role": "tool", "tool_call_id": "call_nope", "content": "18"}], tools=offered),
+            openai.BadRequestError, 400, param="messages[1].tool_call_id")
+
+    checks.run("tools: call, tool result, answer", tools_loop)
+
+    def tools_errors():
+        many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
+        expect_error(lambda: client.chat.completions.create(model=model, messages=ask, tools=many),
+                     openai.BadRequestError, 400, param="tools")
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+               "properties": {"x": {"type": "no-such-type"}}}}}
+        expect_error(lambda: client.chat.completions.create(model=model, messages=ask, tools=[bad], tool_choice="required"),
+                     openai.BadRequestError, 400, param="tools")
+        expect_error(lambda: client.chat.completions.create(model=model, messages=ask, tools=offered,
+                                                            tool_choice={"type": "function", "function": {"name": "nope"}}),
+                     openai.BadRequestError, 400, param="tool_choice")
+
+    checks.run("tools: bad tools are 400s", tools_errors)
 
     if kiln_checks:
         def prompt_cache():

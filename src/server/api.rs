@@ -5,14 +5,16 @@
 //! Bodies are parsed into a `serde_json::Value` first (serde_json refuses nesting deeper
 //! than 128 levels, invalid UTF-8 and numbers out of f64 range) and every field is then
 //! read by hand, so each refusal can name its parameter. Unknown fields are ignored, as
-//! OpenAI-compatible servers commonly do; fields kiln knows but cannot honour (`n` > 1,
-//! `echo`, `suffix`, `tools`, non-text `response_format`, non-text content parts) are
+//! OpenAI-compatible servers commonly do; fields kiln knows but cannot honour (`echo`,
+//! `suffix`, the legacy `functions`, tools on `/v1/completions`, non-text content parts) are
 //! refused rather than silently dropped.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use kiln_formats::chat::ChatMessage;
+use kiln_formats::chat::{ChatMessage, ToolCall};
 use serde_json::{json, Map, Value};
+
+use crate::tools::{Tool, ToolChoice};
 
 /// Most stop strings one request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -27,6 +29,10 @@ pub const MAX_N: usize = 16;
 pub const MAX_CHOICES: usize = 64;
 /// Most `logit_bias` entries.
 pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most tools one request may offer (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
+/// Most tool calls in one assistant message of the history.
+pub const MAX_TOOL_CALLS: usize = 128;
 
 /// An error as OpenAI's API returns it.
 #[derive(Debug, Clone)]
@@ -188,6 +194,266 @@ pub struct GenRequest {
     pub json_schema: Option<Value>,
     /// Choices per prompt (`n`).
     pub n: usize,
+    /// The functions a chat request offers, if any (an empty `tools` is none).
+    pub tools: Option<ToolRequest>,
+}
+
+/// A chat request's `tools`, `tool_choice` and `parallel_tool_calls`.
+#[derive(Debug, Clone)]
+pub struct ToolRequest {
+    pub tools: Vec<Tool>,
+    pub choice: ToolChoice,
+    /// Several calls in one answer (default true).
+    pub parallel: bool,
+}
+
+/// A function name as OpenAI allows it: 1 to 64 of `a-z A-Z 0-9 _ -`.
+fn function_name(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
+    let Some(v) = v else {
+        return Err(ApiError::invalid(
+            param,
+            "missing_required_parameter",
+            format!("'{param}' is required"),
+        ));
+    };
+    let Value::String(name) = v else {
+        return Err(wrong_type(param, "a string", v));
+    };
+    let ok = (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !ok {
+        return Err(ApiError::invalid(
+            param,
+            "invalid_value",
+            format!(
+                "'{}' is not a function name (1 to 64 letters, digits, '_' or '-')",
+                truncate_for_message(name)
+            ),
+        ));
+    }
+    Ok(name.clone())
+}
+
+/// `tools` (function tools), `tool_choice` and `parallel_tool_calls` of a chat body.
+fn parse_tools(obj: &Map<String, Value>) -> Result<Option<ToolRequest>, ApiError> {
+    let list = match field(obj, "tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(v) => return Err(wrong_type("tools", "an array of tools", v)),
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(out_of_range(
+            "tools",
+            &format!("at most {MAX_TOOLS} tools"),
+            list.len(),
+        ));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let Value::Object(t) = t else {
+            return Err(wrong_type(&p, "an object", t));
+        };
+        match t.get("type") {
+            Some(Value::String(s)) if s == "function" => {}
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.type"),
+                    "invalid_value",
+                    format!(
+                        "only 'function' tools are supported, not {}",
+                        truncate_for_message(&v.to_string())
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{p}.type"),
+                    "missing_required_parameter",
+                    "a tool needs 'type': 'function'",
+                ))
+            }
+        }
+        let f = match t.get("function") {
+            Some(Value::Object(f)) => f,
+            Some(v) => return Err(wrong_type(&format!("{p}.function"), "an object", v)),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{p}.function"),
+                    "missing_required_parameter",
+                    "a tool needs its 'function'",
+                ))
+            }
+        };
+        let name = function_name(f.get("name"), &format!("{p}.function.name"))?;
+        if tools.iter().any(|t| t.name == name) {
+            return Err(ApiError::invalid(
+                format!("{p}.function.name"),
+                "invalid_value",
+                format!("two tools are named '{name}'"),
+            ));
+        }
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(v) => {
+                return Err(wrong_type(
+                    &format!("{p}.function.description"),
+                    "a string",
+                    v,
+                ))
+            }
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(v) => {
+                return Err(wrong_type(
+                    &format!("{p}.function.parameters"),
+                    "a JSON schema object",
+                    v,
+                ))
+            }
+        };
+        let strict = match f.get("strict") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => return Err(wrong_type(&format!("{p}.function.strict"), "a boolean", v)),
+        };
+        tools.push(Tool {
+            name,
+            description,
+            parameters,
+            strict,
+        });
+    }
+    let choice = match field(obj, "tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "invalid_value",
+                    format!(
+                        "'tool_choice' is 'auto', 'none', 'required' or a function, not '{}'",
+                        truncate_for_message(other)
+                    ),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let name = match o.get("function") {
+                Some(Value::Object(f)) => {
+                    function_name(f.get("name"), "tool_choice.function.name")?
+                }
+                Some(v) => return Err(wrong_type("tool_choice.function", "an object", v)),
+                None => {
+                    return Err(ApiError::invalid(
+                        "tool_choice.function",
+                        "missing_required_parameter",
+                        "a named 'tool_choice' needs its 'function'",
+                    ))
+                }
+            };
+            if !tools.iter().any(|t| t.name == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "invalid_value",
+                    format!("'tool_choice' names '{name}', which is not among the tools"),
+                ));
+            }
+            ToolChoice::Function(name)
+        }
+        Some(v) => return Err(wrong_type("tool_choice", "a string or an object", v)),
+    };
+    let parallel = opt_bool(obj, "parallel_tool_calls")?.unwrap_or(true);
+    if tools.is_empty() {
+        if choice == ToolChoice::Required {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "invalid_value",
+                "'tool_choice': 'required' needs 'tools'",
+            ));
+        }
+        return Ok(None);
+    }
+    Ok(Some(ToolRequest {
+        tools,
+        choice,
+        parallel,
+    }))
+}
+
+/// An assistant message's `tool_calls` (OpenAI's shape: arguments a string of JSON).
+fn parse_tool_calls(v: &Value, p: &str) -> Result<Vec<ToolCall>, ApiError> {
+    let Value::Array(calls) = v else {
+        return Err(wrong_type(p, "an array of tool calls", v));
+    };
+    if calls.len() > MAX_TOOL_CALLS {
+        return Err(out_of_range(
+            p,
+            &format!("at most {MAX_TOOL_CALLS} calls"),
+            calls.len(),
+        ));
+    }
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let q = format!("{p}[{j}]");
+        let Value::Object(c) = c else {
+            return Err(wrong_type(&q, "an object", c));
+        };
+        let id = match c.get("id") {
+            Some(Value::String(id)) if !id.is_empty() => id.clone(),
+            Some(v) => return Err(wrong_type(&format!("{q}.id"), "a non-empty string", v)),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{q}.id"),
+                    "missing_required_parameter",
+                    "a tool call needs its 'id'",
+                ))
+            }
+        };
+        let Some(Value::Object(f)) = c.get("function") else {
+            return Err(ApiError::invalid(
+                format!("{q}.function"),
+                "missing_required_parameter",
+                "a tool call needs its 'function' object",
+            ));
+        };
+        let name = function_name(f.get("name"), &format!("{q}.function.name"))?;
+        let arguments = match f.get("arguments") {
+            None | Some(Value::Null) => json!({}),
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                .ok()
+                .filter(Value::is_object)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("{q}.function.arguments"),
+                        "invalid_value",
+                        "a tool call's 'arguments' must be a JSON object, as a string",
+                    )
+                })?,
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(v) => {
+                return Err(wrong_type(
+                    &format!("{q}.function.arguments"),
+                    "a string of JSON",
+                    v,
+                ))
+            }
+        };
+        out.push(ToolCall {
+            id,
+            name,
+            arguments,
+        });
+    }
+    Ok(out)
 }
 
 /// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` (any JSON object; with
@@ -487,18 +753,62 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
+            "tool" => "tool",
             other => {
                 return Err(ApiError::invalid(
                     format!("{p}.role"),
                     "invalid_value",
                     format!(
-                        "role '{}' is not supported; use system, user or assistant",
+                        "role '{}' is not supported; use system, user, assistant or tool",
                         truncate_for_message(other)
                     ),
                 ))
             }
         };
+        let tool_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) if role == "assistant" => parse_tool_calls(v, &format!("{p}.tool_calls"))?,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.tool_calls"),
+                    "invalid_value",
+                    "only an assistant message has 'tool_calls'",
+                ))
+            }
+        };
+        let tool_call_id = match (role, m.get("tool_call_id")) {
+            ("tool", Some(Value::String(id))) => {
+                // A tool's answer is to a call an earlier assistant message made.
+                let made = out
+                    .iter()
+                    .flat_map(|m: &ChatMessage| &m.tool_calls)
+                    .any(|c| &c.id == id);
+                if !made {
+                    return Err(ApiError::invalid(
+                        format!("{p}.tool_call_id"),
+                        "invalid_value",
+                        format!(
+                            "no earlier assistant message made the tool call '{}'",
+                            truncate_for_message(id)
+                        ),
+                    ));
+                }
+                Some(id.clone())
+            }
+            ("tool", Some(v)) => {
+                return Err(wrong_type(&format!("{p}.tool_call_id"), "a string", v))
+            }
+            ("tool", None) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.tool_call_id"),
+                    "missing_required_parameter",
+                    "a 'tool' message needs the 'tool_call_id' it answers",
+                ))
+            }
+            _ => None,
+        };
         let content = match m.get("content") {
+            Some(Value::Null) if role == "assistant" => String::new(),
             Some(c) => parse_content(c, &format!("{p}.content"), role)?,
             None if role == "assistant" => String::new(),
             None => {
@@ -509,7 +819,11 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
                 ))
             }
         };
-        out.push(ChatMessage::new(role, content));
+        out.push(ChatMessage {
+            tool_calls,
+            tool_call_id,
+            ..ChatMessage::new(role, content)
+        });
     }
     Ok(out)
 }
@@ -689,18 +1003,41 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
             }
         }
     }
-    for name in ["tools", "functions"] {
-        if let Some(v) = field(obj, name) {
-            if !matches!(v, Value::Array(a) if a.is_empty()) {
-                return Err(ApiError::invalid(
-                    name,
-                    "unsupported_value",
-                    format!("'{name}' (tool calling) is not supported"),
-                ));
-            }
+    if let Some(v) = field(obj, "functions") {
+        if !matches!(v, Value::Array(a) if a.is_empty()) {
+            return Err(ApiError::invalid(
+                "functions",
+                "unsupported_value",
+                "the legacy 'functions' are not supported; use 'tools'",
+            ));
         }
     }
+    let tools = match endpoint {
+        Endpoint::Chat => parse_tools(obj)?,
+        Endpoint::Completions => match field(obj, "tools") {
+            None => None,
+            Some(Value::Array(a)) if a.is_empty() => None,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "tools",
+                    "unsupported_value",
+                    "'tools' are for /v1/chat/completions",
+                ))
+            }
+        },
+    };
     let json_schema = parse_response_format(obj)?;
+    if json_schema.is_some()
+        && tools
+            .as_ref()
+            .is_some_and(|t| matches!(t.choice, ToolChoice::Required | ToolChoice::Function(_)))
+    {
+        return Err(ApiError::invalid(
+            "response_format",
+            "invalid_value",
+            "a JSON 'response_format' and a required tool call cannot both shape the answer",
+        ));
+    }
     let sampling = SamplingRequest {
         temperature: opt_f32(obj, "temperature", 0.0, 2.0, false)?,
         top_p: opt_f32(obj, "top_p", 0.0, 1.0, true)?,
@@ -778,6 +1115,7 @@ pub fn parse_request(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Gen
         cache_prompt,
         json_schema,
         n,
+        tools,
     })
 }
 

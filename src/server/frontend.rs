@@ -13,9 +13,10 @@ use kiln_core::Result;
 use kiln_formats::chat::ChatTemplate;
 use kiln_formats::tokenizer::Tokenizer;
 
-use super::api::{truncate_for_message, ApiError, PromptInput};
+use super::api::{truncate_for_message, ApiError, PromptInput, ToolRequest};
 use crate::engine::Engine;
 use crate::structured::{json_constraint, Constraint, Grammars};
+use crate::tools::{self, CallFormat, Tool};
 
 pub struct Frontend {
     /// The model's id in the API: the file name without its extension.
@@ -101,7 +102,51 @@ impl Frontend {
         schema: &serde_json::Value,
         choices: usize,
     ) -> std::result::Result<Vec<Constraint>, ApiError> {
-        let key = schema.to_string();
+        self.constraints(
+            schema.to_string(),
+            || json_constraint(self.grammars.as_ref(), schema),
+            "response_format",
+            choices,
+        )
+    }
+
+    /// `choices` constraints that make the answer the calls `tools` requires (`tool_choice`
+    /// `required` or a function), or none where it requires none.
+    pub fn tool_constraints(
+        &self,
+        tools: &ToolRequest,
+        choices: usize,
+    ) -> std::result::Result<Option<Vec<Constraint>>, ApiError> {
+        let lark = tools::grammar(
+            &tools.tools,
+            &tools.choice,
+            tools.parallel,
+            self.tool_format(),
+        )
+        .map_err(|msg| ApiError::invalid("tool_choice", "invalid_value", msg))?;
+        let Some(lark) = lark else {
+            return Ok(None);
+        };
+        let compile = || match self.grammars.as_ref() {
+            Some(g) => g.lark(&lark, "the tools' parameter schemas"),
+            None => Err(
+                "this model has no end-of-sequence token, so a required tool call could not end"
+                    .into(),
+            ),
+        };
+        self.constraints(format!("lark:{lark}"), compile, "tools", choices)
+            .map(Some)
+    }
+
+    /// `choices` copies of the constraint compiled from `key`'s grammar (the last
+    /// [`SCHEMAS_KEPT`] kept), or a 400 naming `param`.
+    fn constraints(
+        &self,
+        key: String,
+        compile: impl FnOnce() -> std::result::Result<Constraint, String>,
+        param: &str,
+        choices: usize,
+    ) -> std::result::Result<Vec<Constraint>, ApiError> {
         type Compiled = std::result::Result<Constraint, String>;
         let kept = |schemas: &VecDeque<(String, Compiled)>| -> Option<Compiled> {
             schemas
@@ -116,7 +161,7 @@ impl Frontend {
             Some(c) => c,
             None => {
                 // Compiled outside the lock: another schema need not wait for this one.
-                let c = json_constraint(self.grammars.as_ref(), schema);
+                let c = compile();
                 let mut schemas = lock();
                 if kept(&schemas).is_none() {
                     if schemas.len() == SCHEMAS_KEPT {
@@ -127,8 +172,7 @@ impl Frontend {
                 c
             }
         };
-        let constraint =
-            compiled.map_err(|msg| ApiError::invalid("response_format", "invalid_value", msg))?;
+        let constraint = compiled.map_err(|msg| ApiError::invalid(param, "invalid_value", msg))?;
         Ok(vec![constraint; choices])
     }
 
@@ -281,10 +325,59 @@ impl Frontend {
             || name.strip_suffix(".gguf").or(name.strip_suffix(".apr")) == Some(self.id.as_str())
     }
 
-    /// The prompt's token ids. `param` names the request field for errors.
+    /// How this model writes tool calls (its chat template's format).
+    pub fn tool_format(&self) -> CallFormat {
+        CallFormat::of(self.chat.source())
+    }
+
+    /// The chat prompt with `tools` offered: in the template's `tools` where it reads
+    /// them, else described at the end of the system message (one is added first if the
+    /// conversation has none).
+    fn render_chat(
+        &self,
+        messages: &[kiln_formats::chat::ChatMessage],
+        tools: Option<&ToolRequest>,
+    ) -> kiln_core::Result<kiln_formats::chat::ChatPrompt> {
+        let Some(t) = tools else {
+            return self.chat.render_prompt(messages, true);
+        };
+        if self.chat.reads_tools() {
+            let described: Vec<serde_json::Value> = t.tools.iter().map(Tool::to_openai).collect();
+            return self
+                .chat
+                .render_prompt_with_tools(messages, &described, true);
+        }
+        let text = tools::instructions(&t.tools);
+        // The history's calls and results in the form the instructions teach.
+        let mut with: Vec<kiln_formats::chat::ChatMessage> = messages
+            .iter()
+            .map(|m| {
+                let mut m = m.clone();
+                for call in std::mem::take(&mut m.tool_calls) {
+                    let json = serde_json::json!({"name": call.name, "arguments": call.arguments});
+                    m.content
+                        .push_str(&format!("\n<tool_call>\n{json}\n</tool_call>"));
+                }
+                if m.tool_call_id.take().is_some() {
+                    m.role = "user".into();
+                    m.content = format!("<tool_response>\n{}\n</tool_response>", m.content);
+                }
+                m
+            })
+            .collect();
+        match with.first_mut() {
+            Some(m) if m.role == "system" => m.content = format!("{}\n\n{text}", m.content),
+            _ => with.insert(0, kiln_formats::chat::ChatMessage::new("system", text)),
+        }
+        self.chat.render_prompt(&with, true)
+    }
+
+    /// The prompt's token ids, the chat's with `tools` offered. `param` names the request
+    /// field for errors.
     pub fn tokenize(
         &self,
         prompt: &PromptInput,
+        tools: Option<&ToolRequest>,
         param: &str,
     ) -> std::result::Result<Vec<u32>, ApiError> {
         // The chat's message contents, which stay text (see `Tokenizer::encode_chat`).
@@ -302,7 +395,7 @@ impl Frontend {
             }
             PromptInput::Text(text) => text.into(),
             PromptInput::Chat(messages) => {
-                let prompt = self.chat.render_prompt(messages, true).map_err(|e| {
+                let prompt = self.render_chat(messages, tools).map_err(|e| {
                     ApiError::invalid(
                         param,
                         "invalid_value",

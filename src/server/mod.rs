@@ -73,6 +73,7 @@ use serde_json::json;
 
 use crate::batching::Metrics;
 use crate::batching::{EmbedJob, Job, JobParams, Request as EngineRequest, Shutdown};
+use crate::tools;
 use api::{ApiError, Endpoint};
 use engine_thread::EngineConfig;
 use frontend::Frontend;
@@ -808,15 +809,16 @@ async fn generate(
     let several = prompts.len() > 1;
     let tokenized = {
         let front = front.clone();
+        let tools = req.tools.clone();
         tokio::task::spawn_blocking(move || {
             prompts
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
                     if several {
-                        front.tokenize(p, &format!("{param}[{i}]"))
+                        front.tokenize(p, tools.as_ref(), &format!("{param}[{i}]"))
                     } else {
-                        front.tokenize(p, param)
+                        front.tokenize(p, tools.as_ref(), param)
                     }
                 })
                 .collect::<std::result::Result<Vec<_>, _>>()
@@ -891,6 +893,17 @@ async fn generate(
         }
         None => Vec::new(),
     };
+    if let Some(tools) = req.tools.clone() {
+        let front = front.clone();
+        let required = tokio::task::spawn_blocking(move || front.tool_constraints(&tools, choices))
+            .await
+            .map_err(|e| {
+                ApiError::internal(format!("compiling the tools' grammar failed: {e}"))
+            })??;
+        if let Some(required) = required {
+            constraints = required.into_iter().map(Some).collect();
+        }
+    }
     constraints.resize_with(choices, || None);
     let mut constraints = constraints.into_iter();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -962,6 +975,15 @@ async fn generate(
         choices,
         n,
         include_usage: req.include_usage,
+        // With `tool_choice: none` the answer is only content.
+        tools: req
+            .tools
+            .take()
+            .filter(|t| t.choice != tools::ToolChoice::None)
+            .map(|t| stream::OfferedTools {
+                tools: t.tools,
+                format: front.tool_format(),
+            }),
     };
     let logprobs = req.logprobs.is_some();
     if req.stream {

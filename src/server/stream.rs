@@ -16,6 +16,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::api::{ApiError, Endpoint};
 use crate::batching::{Event, Finish, TokenLogprob};
+use crate::tools::{self, CallFormat, CallStream, ParsedCall, Tool};
 
 /// What every response of one request shares.
 #[derive(Debug, Clone)]
@@ -29,6 +30,39 @@ pub struct Meta {
     /// Choices per prompt: choice i answers prompt i / n, whose prompt tokens count once.
     pub n: usize,
     pub include_usage: bool,
+    /// The tools whose calls the answers are read for (a chat with tools, unless
+    /// `tool_choice` is `none`).
+    pub tools: Option<OfferedTools>,
+}
+
+/// The tools a chat answer may call, and how the model writes a call.
+#[derive(Debug, Clone)]
+pub struct OfferedTools {
+    pub tools: Vec<Tool>,
+    pub format: CallFormat,
+}
+
+/// The id of call `k` of choice `i` (unique in the request, whose id is random).
+fn call_id(meta: &Meta, i: usize, k: usize) -> String {
+    let tail = meta.id.rsplit('-').next().unwrap_or_default();
+    format!("call_{tail}{i:02x}{k:02x}")
+}
+
+/// OpenAI's `tool_calls` entries for `calls` (arguments as a string of JSON); `index`es
+/// for a streamed delta.
+fn tool_calls_json(meta: &Meta, i: usize, calls: &[ParsedCall], streamed: bool) -> Value {
+    let entries = calls.iter().enumerate().map(|(k, c)| {
+        let mut e = json!({
+            "id": call_id(meta, i, k),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments.to_string()},
+        });
+        if streamed {
+            e["index"] = json!(k);
+        }
+        e
+    });
+    Value::Array(entries.collect())
 }
 
 #[derive(Default)]
@@ -42,10 +76,23 @@ struct Choice {
     completion_tokens: usize,
 }
 
-/// A chat choice's message: its content, and its reasoning as `reasoning_content` where
-/// the model wrote some apart (llama-server's and vLLM's field).
-fn assistant_message(c: &Choice) -> Value {
-    let mut m = json!({"role": "assistant", "content": c.text});
+/// A chat choice's message: its content, its reasoning as `reasoning_content` where the
+/// model wrote some apart (llama-server's and vLLM's field), and the calls of offered
+/// tools read from its text (content `null` when there is nothing else).
+fn assistant_message(
+    meta: &Meta,
+    i: usize,
+    c: &Choice,
+    calls: &[ParsedCall],
+    content: &str,
+) -> Value {
+    let mut m = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        if content.is_empty() {
+            m["content"] = Value::Null;
+        }
+        m["tool_calls"] = tool_calls_json(meta, i, calls, false);
+    }
     if !c.reasoning.is_empty() {
         m["reasoning_content"] = json!(c.reasoning);
     }
@@ -162,12 +209,25 @@ pub async fn collect(
         .map(|(i, c)| {
             let finish = c.finish.map(Finish::api_reason);
             match meta.endpoint {
-                Endpoint::Chat => json!({
-                    "index": i,
-                    "message": assistant_message(c),
-                    "logprobs": if logprobs { chat_logprobs(&c.logprobs) } else { Value::Null },
-                    "finish_reason": finish,
-                }),
+                Endpoint::Chat => {
+                    let parsed = match &meta.tools {
+                        Some(t) => tools::parse(&c.text, t.format, &t.tools),
+                        None => tools::ParsedOutput {
+                            content: c.text.clone(),
+                            calls: Vec::new(),
+                        },
+                    };
+                    let finish = match parsed.calls.is_empty() {
+                        true => finish,
+                        false => Some("tool_calls"),
+                    };
+                    json!({
+                        "index": i,
+                        "message": assistant_message(&meta, i, c, &parsed.calls, &parsed.content),
+                        "logprobs": if logprobs { chat_logprobs(&c.logprobs) } else { Value::Null },
+                        "finish_reason": finish,
+                    })
+                }
                 Endpoint::Completions => json!({
                     "index": i,
                     "text": c.text,
@@ -203,6 +263,8 @@ struct StreamState {
     completion_tokens: usize,
     /// Bytes of text sent per choice (completions' `text_offset`).
     sent: Vec<usize>,
+    /// Per choice, the text held while it may be a tool call (a chat with tools).
+    calls: Vec<Option<CallStream>>,
     finished: bool,
 }
 
@@ -224,6 +286,14 @@ impl StreamState {
             v["usage"] = Value::Null;
         }
         v.to_string()
+    }
+
+    /// The last chunk of choice `i`: no delta, its `finish_reason`.
+    fn finish_with(&mut self, i: usize, reason: &str) {
+        let choice =
+            json!({"index": i, "delta": {}, "logprobs": Value::Null, "finish_reason": reason});
+        let chunk = self.chunk(choice);
+        self.out.push_back(chunk);
     }
 
     /// A chat chunk of reasoning (`delta.reasoning_content`, as llama-server and vLLM
@@ -287,6 +357,10 @@ impl StreamState {
                 if !reasoning.is_empty() && self.meta.endpoint == Endpoint::Chat {
                     self.reasoning_delta(i, reasoning);
                 }
+                let text = match &mut self.calls[i] {
+                    Some(calls) => calls.push(&text),
+                    None => text,
+                };
                 if !text.is_empty() || (self.logprobs && logprob.is_some()) {
                     self.delta(i, text, logprob, None);
                 }
@@ -297,7 +371,28 @@ impl StreamState {
                 cached_tokens,
                 completion_tokens,
             } => {
-                self.delta(i, String::new(), None, Some(finish));
+                let mut called = false;
+                if let (Some(calls), Some(offered)) = (self.calls[i].take(), &self.meta.tools) {
+                    let end = calls.finish(&offered.tools);
+                    if !end.content.is_empty() {
+                        self.delta(i, end.content, None, None);
+                    }
+                    if !end.calls.is_empty() {
+                        called = true;
+                        let delta = json!({
+                            "index": i,
+                            "delta": {"tool_calls": tool_calls_json(&self.meta, i, &end.calls, true)},
+                            "logprobs": Value::Null,
+                            "finish_reason": Value::Null,
+                        });
+                        let chunk = self.chunk(delta);
+                        self.out.push_back(chunk);
+                    }
+                }
+                match called {
+                    true => self.finish_with(i, "tool_calls"),
+                    false => self.delta(i, String::new(), None, Some(finish)),
+                }
                 if i % self.meta.n.max(1) == 0 {
                     // A prompt's tokens count once, however many choices it has.
                     self.prompt_tokens += prompt_tokens;
@@ -345,6 +440,7 @@ impl StreamState {
 /// The SSE response of a streaming request.
 pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) -> Response {
     let choices = meta.choices;
+    let format = meta.tools.as_ref().map(|t| t.format);
     let mut state = StreamState {
         meta,
         logprobs,
@@ -355,6 +451,7 @@ pub fn sse(meta: Meta, rx: UnboundedReceiver<(usize, Event)>, logprobs: bool) ->
         cached_tokens: 0,
         completion_tokens: 0,
         sent: vec![0; choices],
+        calls: (0..choices).map(|_| format.map(CallStream::new)).collect(),
         finished: false,
     };
     if state.meta.endpoint == Endpoint::Chat {
@@ -405,6 +502,7 @@ mod tests {
             choices: 1,
             n: 1,
             include_usage: false,
+            tools: None,
         }
     }
 
@@ -424,6 +522,80 @@ mod tests {
             cached_tokens: 0,
             completion_tokens: 4,
         }
+    }
+
+    fn with_tools() -> Meta {
+        Meta {
+            tools: Some(OfferedTools {
+                tools: vec![Tool {
+                    name: "add".into(),
+                    description: None,
+                    parameters: json!({"type": "object"}),
+                    strict: false,
+                }],
+                format: CallFormat::Hermes,
+            }),
+            ..meta()
+        }
+    }
+
+    /// A Hermes call in the text: `tool_calls` with the arguments as a string, `content`
+    /// null, `finish_reason` `tool_calls`, whole and streamed (where the call's text is
+    /// held and sent as one `tool_calls` delta after the content before it).
+    #[tokio::test]
+    async fn calls_in_the_text_are_tool_calls_whole_and_streamed() {
+        let pieces = [
+            "<tool_",
+            "call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>",
+        ];
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for p in pieces {
+            tx.send((0, delta(p, ""))).unwrap();
+        }
+        tx.send((0, done())).unwrap();
+        let body = collect(with_tools(), rx, false).await.unwrap();
+        let c = &body["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls");
+        assert_eq!(c["message"]["content"], Value::Null);
+        let call = &c["message"]["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "add");
+        assert_eq!(call["function"]["arguments"], "{\"a\":1}");
+        assert_eq!(call["type"], "function");
+
+        let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut st = StreamState {
+            meta: with_tools(),
+            logprobs: false,
+            rx,
+            out: VecDeque::new(),
+            open: 1,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            sent: vec![0],
+            calls: vec![Some(CallStream::new(CallFormat::Hermes))],
+            finished: false,
+        };
+        st.handle(0, delta("Sure. ", ""));
+        for p in pieces {
+            st.handle(0, delta(p, ""));
+        }
+        st.handle(0, done());
+        let chunks: Vec<Value> = st
+            .out
+            .iter()
+            .filter(|c| c.starts_with('{'))
+            .map(|c| serde_json::from_str::<Value>(c).unwrap()["choices"][0].clone())
+            .collect();
+        assert_eq!(chunks[0]["delta"], json!({"content": "Sure. "}));
+        let streamed = &chunks[1]["delta"]["tool_calls"][0];
+        assert_eq!(
+            (streamed["index"].clone(), streamed["id"].clone()),
+            (json!(0), call["id"].clone())
+        );
+        assert_eq!(streamed["function"], call["function"]);
+        assert_eq!(chunks[2]["finish_reason"], "tool_calls");
+        assert_eq!(chunks.len(), 3);
     }
 
     /// Reasoning written apart is the message's `reasoning_content` and its own stream
@@ -463,6 +635,7 @@ mod tests {
             cached_tokens: 0,
             completion_tokens: 0,
             sent: vec![0],
+            calls: vec![None],
             finished: false,
         };
         for e in [delta("", "Two and two."), delta("It is 4.", ""), done()] {

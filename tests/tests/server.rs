@@ -1605,8 +1605,63 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         ("user", &[json!(5)]),
     ];
     // Strings of 10 MB (over the 4 MiB limit): one body in 50.
-    let kind = if i % 50 == 7 { 100 } else { rng.below(14) };
+    let kind = if i % 50 == 7 { 100 } else { rng.below(15) };
     let body: Vec<u8> = match kind {
+        // Tools that cannot be offered, choices that name none, tool messages without
+        // their call (on /v1/completions any tools are refused).
+        14 => {
+            let mut v = valid.clone();
+            let f = |name: Value| json!({"type": "function", "function": {"name": name}});
+            let good = f(json!("get_weather"));
+            match if chat { rng.below(11) } else { 3 } {
+                0 => {
+                    v["tools"] = Value::Array(
+                        (0..129 + rng.below(300))
+                            .map(|k| f(json!(format!("f{k}"))))
+                            .collect(),
+                    )
+                }
+                1 => v["tools"] = json!([{"type": "retrieval"}]),
+                2 => {
+                    v["tools"] = json!([f(json!(*rng.pick(&[
+                        "",
+                        "has space",
+                        "é",
+                        "x".repeat(65).as_str()
+                    ])))])
+                }
+                3 => v["tools"] = json!([good, good]),
+                4 => {
+                    v["tools"] =
+                        json!([{"type": "function", "function": {"name": "f", "parameters": [1]}}])
+                }
+                5 => {
+                    v["tools"] = json!([good]);
+                    v["tool_choice"] = json!({"type": "function", "function": {"name": "other"}});
+                }
+                6 => v["tool_choice"] = json!("required"),
+                7 => {
+                    v["messages"] = json!([{"role": "user", "content": "hi"},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "18"}]);
+                }
+                8 => {
+                    v["messages"] = json!([{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": "{not json"}}]}]);
+                }
+                9 => {
+                    v["tools"] = json!([{"type": "function", "function": {"name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}}]);
+                    v["tool_choice"] = json!("required");
+                }
+                _ => {
+                    v["tools"] = json!([good]);
+                    v["tool_choice"] = json!("required");
+                    v["response_format"] = json!({"type": "json_object"});
+                }
+            }
+            v.to_string().into_bytes()
+        }
         // Random bytes.
         0 => (0..1 + rng.below(512)).map(|_| rng.next() as u8).collect(),
         // Valid JSON cut short.
@@ -1784,7 +1839,8 @@ fn hostile_body(rng: &mut Rng, i: usize) -> (&'static str, Vec<u8>) {
         12 => {
             let mut v = valid.clone();
             let mut nested = json!("x");
-            for _ in 0..(1 + rng.below(100)) {
+            // At least [["x"]]: one level (["x"]) would be a valid stop list.
+            for _ in 0..(2 + rng.below(100)) {
                 nested = json!([nested]);
             }
             v["stop"] = nested;
