@@ -37,3 +37,15 @@ fi
 cargo build --release -p kiln --lib --no-default-features
 
 cargo test --workspace --release "$@"
+
+# The Python module (python/, PyO3): the workspace's cdylib imported from target/python, its
+# tests run by the standard library's unittest (pytest runs them as well). `pip install
+# ./python` builds the same module through maturin.
+if command -v python3 >/dev/null 2>&1; then
+  cargo build --release -p kiln-py
+  mkdir -p target/python
+  cp target/release/libkiln_py.so target/python/kiln.abi3.so
+  PYTHONPATH=target/python python3 -m unittest discover -s python/tests -v
+else
+  echo "warning: python3 is not installed; the Python module's tests are skipped"
+fi

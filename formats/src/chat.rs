@@ -70,7 +70,9 @@ impl Serialize for ToolCall {
 
 pub mod memory;
 
-/// A compiled chat template plus the special-token strings it may reference.
+/// A compiled chat template plus the special-token strings it may reference. Clones share
+/// the compiled template (and whether a render of it was stopped at its bounds).
+#[derive(Clone)]
 pub struct ChatTemplate {
     /// Shared with render threads (see [`memory::bounded`]).
     env: Arc<Environment<'static>>,

@@ -78,6 +78,8 @@ pub struct Batcher {
     thread: Option<std::thread::JoinHandle<Engine>>,
     tokenizer: Arc<Tokenizer>,
     tokenizer_spec: TokenizerSpec,
+    /// Tokens a sequence may hold (the engine's context).
+    max_context: usize,
     /// Structured outputs, built at the first `json_schema` (`None` inside: the model has
     /// no end-of-sequence token).
     grammars: OnceLock<Option<Grammars>>,
@@ -93,6 +95,7 @@ impl Batcher {
             ));
         }
         let tokenizer_spec = engine.model.tokenizer_spec.clone();
+        let max_context = engine.executor.max_context();
         let tokenizer = Arc::new(Tokenizer::from_spec(tokenizer_spec.clone())?);
         let (jobs, receiver) = std::sync::mpsc::sync_channel(options.queue);
         let (shutdown, metrics) = (Arc::new(Shutdown::default()), Arc::new(Metrics::default()));
@@ -111,6 +114,7 @@ impl Batcher {
             thread: Some(thread),
             tokenizer,
             tokenizer_spec,
+            max_context,
             grammars: OnceLock::new(),
         })
     }
@@ -129,10 +133,24 @@ impl Batcher {
 
     /// Queues one generation and returns its stream of events. Blocks while the queue is
     /// full. `params.stop_on_eos` must be true (the batch always ends a sequence at its
-    /// end-of-sequence tokens); a prompt that does not fit the context, or tokens outside the
-    /// vocabulary, come back as an [`Event::Error`] on the stream.
+    /// end-of-sequence tokens).
+    ///
+    /// # Errors
+    /// `ContextExceeded` for a prompt that leaves no room in the context to generate,
+    /// `InvalidArgument` for an empty prompt or bad parameters; tokens outside the
+    /// vocabulary come back as an [`Event::Error`] on the stream.
     pub fn submit(&self, prompt: Vec<u32>, params: &GenerateParams) -> Result<BatchStream> {
         params.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument("the prompt has no tokens".into()));
+        }
+        // The prompt and at least one generated token must fit.
+        if prompt.len() >= self.max_context {
+            return Err(Error::ContextExceeded {
+                tokens: prompt.len() + 1,
+                context: self.max_context,
+            });
+        }
         if !params.stop_on_eos {
             return Err(Error::InvalidArgument(
                 "a Batcher always stops at end-of-sequence tokens (stop_on_eos must be true)"

@@ -299,6 +299,7 @@ fn penalties_and_token_ids_match_a_session() {
                 text: t,
                 token,
                 logprob,
+                ..
             } => {
                 text.push_str(&t);
                 tokens.extend(token);
