@@ -43,9 +43,10 @@ cargo test --workspace --release "$@"
 # ./python` builds the same module through maturin.
 if command -v python3 >/dev/null 2>&1; then
   cargo build --release -p kiln-py
-  mkdir -p target/python
-  cp target/release/libkiln_py.so target/python/kiln.abi3.so
-  PYTHONPATH=target/python python3 -m unittest discover -s python/tests -v
+  target=${CARGO_TARGET_DIR:-target}
+  mkdir -p "$target/python"
+  cp "$target/release/libkiln_py.so" "$target/python/kiln.abi3.so"
+  PYTHONPATH="$target/python" python3 -m unittest discover -s python/tests -v
 else
   echo "warning: python3 is not installed; the Python module's tests are skipped"
 fi
