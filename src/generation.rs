@@ -60,6 +60,8 @@ pub(crate) struct SequenceGeneration<'t> {
     output: TextOutput<'t>,
     /// The model's channels, when its reasoning is kept apart, and the reasoning's text.
     channels: Option<(Channels, TextOutput<'t>)>,
+    /// A harmony call's arguments are being written (its opening is in the text).
+    in_call: bool,
     generated: usize,
     /// Times each token was generated, for the presence and frequency penalties.
     counts: HashMap<u32, u32>,
@@ -87,6 +89,7 @@ impl<'t> SequenceGeneration<'t> {
             constraint,
             output,
             channels,
+            in_call: false,
             generated: 0,
             counts: HashMap::new(),
         }
@@ -176,14 +179,36 @@ impl<'t> SequenceGeneration<'t> {
             None => self.output.push(token),
             Some((channels, thoughts)) => {
                 let tokenizer = self.tokenizer;
-                match channels.route(token, || tokenizer.decode(&[token], false)) {
-                    Destination::Content => self.output.push(token),
+                let to = channels.route(token, || tokenizer.decode(&[token], false));
+                // A harmony call goes into the text in the form kiln's call parser reads
+                // (`crate::tools`, Hermes): its opening before the arguments' first token,
+                // its closing once the body ends.
+                let mut released = match (to, self.in_call) {
+                    (Destination::Call, false) => {
+                        self.in_call = true;
+                        let name = channels.recipient().unwrap_or_default();
+                        let name = serde_json::Value::from(name);
+                        self.output
+                            .push_str(&format!("<tool_call>\n{{\"name\": {name}, \"arguments\": "))
+                    }
+                    (Destination::Call, true) => Released::default(),
+                    (_, true) => {
+                        self.in_call = false;
+                        self.output.push_str(CALL_CLOSE)
+                    }
+                    (_, false) => Released::default(),
+                };
+                let next = match to {
+                    Destination::Content | Destination::Call => self.output.push(token),
                     Destination::Reasoning => {
                         reasoning = thoughts.push(token).text;
                         Released::default()
                     }
                     Destination::Nowhere => Released::default(),
-                }
+                };
+                released.text.push_str(&next.text);
+                released.stopped |= next.stopped;
+                released
             }
         };
         let mut text = released.text;
@@ -225,6 +250,10 @@ impl<'t> SequenceGeneration<'t> {
     fn finish_held(&mut self, finish: Finish, text: &mut String, reasoning: &mut String) -> Finish {
         if let Some((_, thoughts)) = &mut self.channels {
             reasoning.push_str(&thoughts.finish().text);
+        }
+        if std::mem::take(&mut self.in_call) {
+            // The call's end (`<|call|>`, a stop token) closes it.
+            text.push_str(&self.output.push_str(CALL_CLOSE).text);
         }
         let rest = self.output.finish();
         text.push_str(&rest.text);
@@ -268,6 +297,9 @@ impl Finish {
     }
 }
 
+/// The end of a harmony call written in the call parser's form (see `accept`).
+const CALL_CLOSE: &str = "}\n</tool_call>";
+
 /// One sequence's text (see the module doc).
 pub(crate) struct TextOutput<'t> {
     stream: DecodeStream<'t>,
@@ -299,12 +331,18 @@ impl<'t> TextOutput<'t> {
     /// Decodes `token`: the text it makes final (up to a stop string, if one is now
     /// complete: then `stopped`, and later tokens release nothing).
     pub fn push(&mut self, token: u32) -> Released {
+        match self.stream.push(token) {
+            Some(piece) => self.push_str(&piece),
+            None => self.push_str(""),
+        }
+    }
+
+    /// Text that joins the output as a token's would (a call's framing, written by kiln).
+    pub fn push_str(&mut self, piece: &str) -> Released {
         if self.stopped {
             return Released::default();
         }
-        if let Some(piece) = self.stream.push(token) {
-            self.pending.push_str(&piece);
-        }
+        self.pending.push_str(piece);
         if let Some(cut) = find_stop(&self.pending, &self.stops) {
             self.pending.truncate(cut);
             self.stopped = true;
@@ -469,6 +507,48 @@ mod tests {
         assert!(
             "Two and two.".starts_with(&reasoning) && !reasoning.is_empty(),
             "{reasoning:?}"
+        );
+    }
+
+    /// A harmony tool call (reasoning, then a commentary body to a function, ended by
+    /// `<|call|>`) comes out as text the call parser reads: the server's `tool_calls`.
+    #[test]
+    fn a_harmony_call_reaches_the_call_parser() {
+        let tok = harmony_tokenizer();
+        let answer = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Oslo\"}<|call|>";
+        let ids = tok.encode(answer, false, true).unwrap();
+        let rules = SequenceRules {
+            max_tokens: 1000,
+            stop_on_eos: true,
+            skip_special: true,
+            split_reasoning: true,
+            ..SequenceRules::default()
+        };
+        let mut g = SequenceGeneration::new(&tok, rules, None);
+        let (mut text, mut reasoning, mut finish) = (String::new(), String::new(), None);
+        for (i, &t) in ids.iter().enumerate() {
+            let a = g.accept(t, i, 4096);
+            text.push_str(&a.text);
+            reasoning.push_str(&a.reasoning);
+            if a.finish.is_some() {
+                finish = a.finish;
+                break;
+            }
+        }
+        assert_eq!(finish, Some(Finish::Stop));
+        assert_eq!(reasoning, "Need weather.");
+        let tools = [crate::tools::Tool {
+            name: "get_weather".into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object"}),
+            strict: false,
+        }];
+        let parsed = crate::tools::parse(&text, crate::tools::CallFormat::Hermes, &tools);
+        assert_eq!(parsed.content, "", "{text:?}");
+        assert_eq!(parsed.calls.len(), 1, "{text:?}");
+        assert_eq!(
+            parsed.calls[0].arguments,
+            serde_json::json!({"city": "Oslo"})
         );
     }
 

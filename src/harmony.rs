@@ -11,8 +11,9 @@
 //! the body is text. [`Channels`] follows the markers token by token and says where each
 //! generated token's text belongs: the `analysis` channel is reasoning, `final` and
 //! `commentary` are the answer (commentary without a recipient is what the model says
-//! to the user between tool calls), headers are neither. A marker split across tokens
-//! cannot happen: each is one special token, matched by id.
+//! to the user between tool calls), a body addressed to a function (`to=functions.NAME`)
+//! is a call whose text is its arguments, headers are neither. A marker split across
+//! tokens cannot happen: each is one special token, matched by id.
 
 use kiln_formats::tokenizer::Tokenizer;
 
@@ -51,6 +52,8 @@ pub enum Destination {
     Reasoning,
     /// The answer.
     Content,
+    /// The arguments of a call of the function [`Channels::recipient`] names.
+    Call,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -69,6 +72,8 @@ enum State {
 pub struct Channels {
     tokens: HarmonyTokens,
     state: State,
+    /// The function the current body is addressed to, if any.
+    recipient: Option<String>,
 }
 
 impl Channels {
@@ -78,7 +83,13 @@ impl Channels {
         Channels {
             tokens,
             state: State::Header(String::new()),
+            recipient: None,
         }
+    }
+
+    /// The function the body being written calls (`to=functions.NAME` in its header).
+    pub fn recipient(&self) -> Option<&str> {
+        self.recipient.as_deref()
     }
 
     /// Where the text of `token` goes: markers move the state and make no text; a
@@ -96,7 +107,11 @@ impl Channels {
         }
         match &mut self.state {
             State::Header(header) if token == t.message => {
-                let destination = destination_of(header);
+                self.recipient = recipient_of(header);
+                let destination = match self.recipient {
+                    Some(_) => Destination::Call,
+                    None => destination_of(header),
+                };
                 self.state = State::Body(destination);
                 Destination::Nowhere
             }
@@ -111,6 +126,17 @@ impl Channels {
             State::Between => Destination::Nowhere,
         }
     }
+}
+
+/// The function a header addresses its body to: `to=functions.NAME` anywhere in it (after
+/// the role or after the channel, as harmony allows both).
+fn recipient_of(header: &str) -> Option<String> {
+    let (_, after) = header.split_once("to=functions.")?;
+    let name: String = after
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        .collect();
+    (!name.is_empty()).then_some(name)
 }
 
 /// The destination a header (`<|channel|>analysis`, `assistant<|channel|>final`,
@@ -157,7 +183,7 @@ mod tests {
         for &(t, piece) in stream {
             match c.route(t, || piece.to_string()) {
                 Destination::Reasoning => reasoning.push_str(piece),
-                Destination::Content => content.push_str(piece),
+                Destination::Content | Destination::Call => content.push_str(piece),
                 Destination::Nowhere => {}
             }
         }
@@ -208,9 +234,32 @@ mod tests {
     }
 
     #[test]
+    fn a_body_addressed_to_a_function_is_a_call() {
+        let mut c = Channels::new(tokens());
+        for (t, piece) in [
+            (CHANNEL, "<|channel|>"),
+            (100, "commentary to=functions.get_weather"),
+            (101, " <|constrain|>json"),
+        ] {
+            assert_eq!(c.route(t, || piece.to_string()), Destination::Nowhere);
+        }
+        assert_eq!(c.route(MESSAGE, String::new), Destination::Nowhere);
+        assert_eq!(c.recipient(), Some("get_weather"));
+        assert_eq!(c.route(102, || "{}".into()), Destination::Call);
+        // The recipient may follow the role instead.
+        let mut c = Channels::new(tokens());
+        c.route(START, String::new);
+        c.route(100, || "assistant to=functions.add".into());
+        c.route(CHANNEL, || "<|channel|>".into());
+        c.route(101, || "commentary json".into());
+        c.route(MESSAGE, String::new);
+        assert_eq!(c.recipient(), Some("add"));
+    }
+
+    #[test]
     fn commentary_and_headers_with_recipients() {
         // A preamble in commentary is the answer; the recipient and constraint in a header
-        // do not change the channel.
+        // make its body a call (here read as text).
         let stream = [
             (CHANNEL, "<|channel|>"),
             (100, "commentary"),
