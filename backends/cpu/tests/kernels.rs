@@ -145,7 +145,11 @@ fn simd_kernels_are_selected_when_available() {
         QType::Q5_K,
         QType::Q6_K,
         QType::AprQ4,
+        QType::MXFP4,
+        QType::IQ4_NL,
     ];
+    // The table types' AVX2 kernels (a byte shuffle a block) are what AVX-512 hosts run too.
+    let avx2_only = [QType::F16, QType::MXFP4, QType::IQ4_NL];
     let wide = Isa::available().contains(&Isa::Avx512);
     for q in simd_types {
         let off = format!("{:?}", Kernel::new(q, Isa::Portable).unwrap());
@@ -154,12 +158,12 @@ fn simd_kernels_are_selected_when_available() {
             on.contains("Avx2(") && off.contains("simd: None"),
             "{q}: {on} / {off}"
         );
-        // Every type but f16 (whose AVX2 kernel already streams at memory speed) has
-        // AVX-512 kernels.
+        // Every type but f16 (whose AVX2 kernel already streams at memory speed) and the
+        // table types has AVX-512 kernels.
         let widest = format!("{:?}", Kernel::new(q, Isa::Avx512).unwrap());
         assert_eq!(
             widest.contains("Avx512("),
-            wide && q != QType::F16,
+            wide && !avx2_only.contains(&q),
             "{q}: {widest}"
         );
     }

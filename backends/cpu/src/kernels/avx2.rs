@@ -8,6 +8,8 @@
 
 use std::arch::x86_64::*;
 
+use kiln_core::quant::{iquants, mxfp4};
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn hsum(v: __m256) -> f32 {
@@ -803,6 +805,82 @@ pub fn dot_f16(_: Avx2, row: &[u8], x: &[f32]) -> f32 {
     unsafe { dot_f16_unchecked(row, x) }
 }
 
+/// Eight signed bytes widened to eight f32s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen8(v: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+}
+
+/// Σ level[code]·x over one 4-bit table block — 16 code bytes at `q`, value `j` the low
+/// nibble of byte `j` and value `16 + j` its high nibble (MXFP4's and IQ4_NL's layout) —
+/// and `x[0..32]`, as eight lane sums; `levels` holds the 16 signed levels.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn table_block(q: *const u8, levels: __m128i, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees 16 bytes at `q` and 32 values at `x`.
+    unsafe {
+        let codes = _mm_loadu_si128(q as *const __m128i);
+        let low = _mm_set1_epi8(0x0F);
+        let lo = _mm_shuffle_epi8(levels, _mm_and_si128(codes, low));
+        let hi = _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(codes, 4), low));
+        let mut acc = _mm256_mul_ps(widen8(lo), _mm256_loadu_ps(x));
+        acc = _mm256_fmadd_ps(
+            widen8(_mm_srli_si128(lo, 8)),
+            _mm256_loadu_ps(x.add(8)),
+            acc,
+        );
+        acc = _mm256_fmadd_ps(widen8(hi), _mm256_loadu_ps(x.add(16)), acc);
+        _mm256_fmadd_ps(
+            widen8(_mm_srli_si128(hi, 8)),
+            _mm256_loadu_ps(x.add(24)),
+            acc,
+        )
+    }
+}
+
+/// Σ over a row of `BYTES`-byte table blocks (`HEAD` bytes of scale, then 16 of codes) of
+/// scale·Σ level·x, the scale read by `scale`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn table_blocks<const BYTES: usize, const HEAD: usize>(
+    row: &[u8],
+    levels: &[i8; 16],
+    x: &[f32],
+    scale: impl Fn(&[u8]) -> f32,
+) -> f32 {
+    // SAFETY: the caller guarantees whole blocks in `row` and 32 values of `x` for each;
+    // `levels` is 16 bytes.
+    unsafe {
+        let levels = _mm_loadu_si128(levels.as_ptr() as *const __m128i);
+        let mut acc = _mm256_setzero_ps();
+        for (b, blk) in row.chunks_exact(BYTES).enumerate() {
+            let sum = table_block(blk.as_ptr().add(HEAD), levels, x.as_ptr().add(32 * b));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(blk)), sum, acc);
+        }
+        hsum(acc)
+    }
+}
+
+/// MXFP4: 17-byte blocks, an E8M0 exponent then the codes of E2M1 values (doubled to
+/// integers: the scale is half the exponent's power of two).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_mxfp4_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: the safe wrapper checked whole blocks and the values they need.
+    unsafe { table_blocks::<17, 1>(row, &mxfp4::KVALUES, x, |b| mxfp4::e8m0_half(b[0])) }
+}
+
+/// IQ4_NL: 18-byte blocks, an f16 scale then the codes of its non-linear levels.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq4_nl_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `dot_mxfp4_unchecked`, with 18-byte blocks.
+    unsafe {
+        table_blocks::<18, 2>(row, &iquants::KVALUES_IQ4NL, x, |b| {
+            half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+        })
+    }
+}
+
 /// Safe entry points for the block types: the row must hold exactly `x.len()` values of
 /// the type (whole blocks), and `sums` one sum per 32 values for the types that use them —
 /// checked on every call (a panic on misuse, never an out-of-bounds read).
@@ -834,4 +912,6 @@ block_dot! {
     dot_q4_k => dot_q4_k_unchecked, 256, 144, true;
     dot_q5_k => dot_q5_k_unchecked, 256, 176, true;
     dot_q6_k => dot_q6_k_unchecked, 256, 210, false;
+    dot_mxfp4 => dot_mxfp4_unchecked, 32, 17, false;
+    dot_iq4_nl => dot_iq4_nl_unchecked, 32, 18, false;
 }

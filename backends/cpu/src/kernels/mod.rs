@@ -520,20 +520,52 @@ block_kernel!(
 );
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
-portable_kernel!(
-    /// MXFP4 (gpt-oss's experts): each block decoded (an exponent and a table lookup a
-    /// value) and dotted in f32.
+/// A 4-bit table type with an AVX2 row dot (its 16 levels looked up by a byte shuffle)
+/// and the portable block-by-block one elsewhere.
+macro_rules! table_kernel {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $avx2_fn:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name {
+            simd: Option<Avx2>,
+        }
+        impl RowDot for $name {
+            fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(t) = self.simd {
+                    for (i, (o, row)) in out.iter_mut().zip(rows.chunks_exact(row_bytes)).enumerate() {
+                        prefetch_ahead(rows, row_bytes, i);
+                        *o = avx2::$avx2_fn(t, row, x.x, x.sums);
+                    }
+                    return;
+                }
+                let bb = $qtype.block_bytes();
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = blockwise_dot::<$block>(row, bb, x.x, $deq);
+                }
+            }
+            fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+                dequant::dequantize_into($qtype, row, out);
+            }
+        }
+    };
+}
+
+table_kernel!(
+    /// MXFP4 (gpt-oss's experts): E2M1 levels times each block's power of two.
     Mxfp4Kernel,
     QType::MXFP4,
     32,
-    dequant::block_mxfp4
+    dequant::block_mxfp4,
+    dot_mxfp4
 );
-portable_kernel!(
-    /// IQ4_NL: each block decoded (a table lookup a value) and dotted in f32.
+table_kernel!(
+    /// IQ4_NL: non-linear levels times each block's f16 scale.
     Iq4NlKernel,
     QType::IQ4_NL,
     32,
-    dequant::block_iq4_nl
+    dequant::block_iq4_nl,
+    dot_iq4_nl
 );
 portable_kernel!(
     /// IQ4_XS: each super-block decoded (sub-block scales, a table lookup a value) and
@@ -673,8 +705,8 @@ impl Kernel {
             QType::Q5_K => Q5KKernel { simd }.into(),
             QType::Q6_K => Q6KKernel { simd }.into(),
             QType::AprQ4 => AprQ4Kernel { simd }.into(),
-            QType::MXFP4 => Mxfp4Kernel.into(),
-            QType::IQ4_NL => Iq4NlKernel.into(),
+            QType::MXFP4 => Mxfp4Kernel { simd: avx2 }.into(),
+            QType::IQ4_NL => Iq4NlKernel { simd: avx2 }.into(),
             QType::IQ4_XS => Iq4XsKernel.into(),
             _ => return None,
         })
