@@ -27,11 +27,26 @@ pub enum QType {
     Q5_K = 13,
     Q6_K = 14,
     Q8_K = 15,
+    /// 2.06 bits a value: groups of 8 from a 256-row lattice with 7-bit signs, a 4-bit scale
+    /// a 32-value sub-block. The grid I-quants are in [`crate::quant::iquants_grid`].
+    IQ2_XXS = 16,
+    /// 2.31 bits: 9-bit lattice indices, a scale per 16 values.
+    IQ2_XS = 17,
+    /// 3.06 bits: groups of 4 from a 256-row lattice.
+    IQ3_XXS = 18,
+    /// 1.56 bits: groups of 8 of −1, 0, 1 (plus a shared ±1/8) from a 2,048-row lattice.
+    IQ1_S = 19,
     /// Non-linear 4-bit levels, 32 values and an f16 scale a block. See
     /// [`crate::quant::iquants`].
     IQ4_NL = 20,
+    /// 3.44 bits: 9-bit lattice indices of groups of 4, explicit signs.
+    IQ3_S = 21,
+    /// 2.56 bits: 10-bit lattice indices, explicit signs.
+    IQ2_S = 22,
     /// IQ4_NL's levels in 256-value super-blocks with 6-bit sub-block scales.
     IQ4_XS = 23,
+    /// 1.75 bits: IQ1_S's lattice with a scale per 16 values.
+    IQ1_M = 29,
     BF16 = 30,
     /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and an E8M0 exponent a
     /// block. See [`crate::quant::mxfp4`].
@@ -45,7 +60,7 @@ pub enum QType {
 
 impl QType {
     /// Every type kiln knows, in id order.
-    pub const ALL: [QType; 19] = [
+    pub const ALL: [QType; 26] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -60,8 +75,15 @@ impl QType {
         QType::Q5_K,
         QType::Q6_K,
         QType::Q8_K,
+        QType::IQ2_XXS,
+        QType::IQ2_XS,
+        QType::IQ3_XXS,
+        QType::IQ1_S,
         QType::IQ4_NL,
+        QType::IQ3_S,
+        QType::IQ2_S,
         QType::IQ4_XS,
+        QType::IQ1_M,
         QType::BF16,
         QType::MXFP4,
         QType::AprQ4,
@@ -122,11 +144,18 @@ impl QType {
             QType::Q5_K => 11,
             QType::Q6_K => 12,
             QType::Q8_K => 13,
-            QType::IQ4_NL => 14,
-            QType::IQ4_XS => 15,
-            QType::BF16 => 16,
-            QType::MXFP4 => 17,
-            QType::AprQ4 => 18,
+            QType::IQ2_XXS => 14,
+            QType::IQ2_XS => 15,
+            QType::IQ3_XXS => 16,
+            QType::IQ1_S => 17,
+            QType::IQ4_NL => 18,
+            QType::IQ3_S => 19,
+            QType::IQ2_S => 20,
+            QType::IQ4_XS => 21,
+            QType::IQ1_M => 22,
+            QType::BF16 => 23,
+            QType::MXFP4 => 24,
+            QType::AprQ4 => 25,
         };
         &RECORDS[i]
     }

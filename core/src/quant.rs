@@ -20,7 +20,9 @@ use crate::qtype::QType;
 pub use apr::{apr_q4_block_to_q4_0, q4_0_block_to_apr_q4};
 
 pub mod apr;
+pub mod iquant_grids;
 pub mod iquants;
+pub mod iquants_grid;
 pub mod kquant_search;
 pub mod kquants;
 pub mod legacy;
@@ -71,7 +73,7 @@ macro_rules! record {
     };
 }
 
-pub(crate) static RECORDS: [TypeRecord; 19] = [
+pub(crate) static RECORDS: [TypeRecord; 26] = [
     record!(
         F32,
         "f32",
@@ -203,6 +205,38 @@ pub(crate) static RECORDS: [TypeRecord; 19] = [
     // bf16 is the top half of an f32, so widening is a shift and exact for every pattern,
     // NaN payloads included.
     record!(
+        IQ2_XXS,
+        "iq2_xxs",
+        256,
+        66,
+        blocks!(dequant iquants_grid::dequantize_iq2_xxs),
+        None
+    ),
+    record!(
+        IQ2_XS,
+        "iq2_xs",
+        256,
+        74,
+        blocks!(dequant iquants_grid::dequantize_iq2_xs),
+        None
+    ),
+    record!(
+        IQ3_XXS,
+        "iq3_xxs",
+        256,
+        98,
+        blocks!(dequant iquants_grid::dequantize_iq3_xxs),
+        None
+    ),
+    record!(
+        IQ1_S,
+        "iq1_s",
+        256,
+        50,
+        blocks!(dequant iquants_grid::dequantize_iq1_s),
+        None
+    ),
+    record!(
         IQ4_NL,
         "iq4_nl",
         32,
@@ -211,11 +245,35 @@ pub(crate) static RECORDS: [TypeRecord; 19] = [
         None
     ),
     record!(
+        IQ3_S,
+        "iq3_s",
+        256,
+        110,
+        blocks!(dequant iquants_grid::dequantize_iq3_s),
+        None
+    ),
+    record!(
+        IQ2_S,
+        "iq2_s",
+        256,
+        82,
+        blocks!(dequant iquants_grid::dequantize_iq2_s),
+        None
+    ),
+    record!(
         IQ4_XS,
         "iq4_xs",
         256,
         136,
         blocks!(dequant iquants::dequantize_iq4_xs),
+        None
+    ),
+    record!(
+        IQ1_M,
+        "iq1_m",
+        256,
+        56,
+        blocks!(dequant iquants_grid::dequantize_iq1_m),
         None
     ),
     record!(

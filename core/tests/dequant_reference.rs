@@ -106,6 +106,13 @@ fn dequantize_matches_gguf_bit_for_bit() {
         QType::MXFP4,
         QType::IQ4_NL,
         QType::IQ4_XS,
+        QType::IQ2_XXS,
+        QType::IQ2_XS,
+        QType::IQ2_S,
+        QType::IQ3_XXS,
+        QType::IQ3_S,
+        QType::IQ1_S,
+        QType::IQ1_M,
     ] {
         assert!(seen.contains(&q), "fixture has no {q} case");
     }

@@ -33,6 +33,28 @@ from_core!(block_q6_k, quant::kquants::dequantize_q6_k, 210, 256);
 from_core!(block_mxfp4, quant::mxfp4::dequantize_mxfp4, 17, 32);
 from_core!(block_iq4_nl, quant::iquants::dequantize_iq4_nl, 18, 32);
 from_core!(block_iq4_xs, quant::iquants::dequantize_iq4_xs, 136, 256);
+from_core!(
+    block_iq2_xxs,
+    quant::iquants_grid::dequantize_iq2_xxs,
+    66,
+    256
+);
+from_core!(
+    block_iq2_xs,
+    quant::iquants_grid::dequantize_iq2_xs,
+    74,
+    256
+);
+from_core!(block_iq2_s, quant::iquants_grid::dequantize_iq2_s, 82, 256);
+from_core!(
+    block_iq3_xxs,
+    quant::iquants_grid::dequantize_iq3_xxs,
+    98,
+    256
+);
+from_core!(block_iq3_s, quant::iquants_grid::dequantize_iq3_s, 110, 256);
+from_core!(block_iq1_s, quant::iquants_grid::dequantize_iq1_s, 50, 256);
+from_core!(block_iq1_m, quant::iquants_grid::dequantize_iq1_m, 56, 256);
 
 /// Dequantises whole rows/tensors: `src` holds `out.len()` values of `qtype`. Callers have
 /// checked the lengths agree (core's `quant::dequantize` checks them; the kernels' rows

@@ -576,6 +576,20 @@ portable_kernel!(
     dequant::block_iq4_xs
 );
 
+portable_kernel!(
+    /// IQ2_XXS: each super-block decoded from its lattice and dotted in f32.
+    Iq2XxsKernel,
+    QType::IQ2_XXS,
+    256,
+    dequant::block_iq2_xxs
+);
+portable_kernel!(Iq2XsKernel, QType::IQ2_XS, 256, dequant::block_iq2_xs);
+portable_kernel!(Iq2SKernel, QType::IQ2_S, 256, dequant::block_iq2_s);
+portable_kernel!(Iq3XxsKernel, QType::IQ3_XXS, 256, dequant::block_iq3_xxs);
+portable_kernel!(Iq3SKernel, QType::IQ3_S, 256, dequant::block_iq3_s);
+portable_kernel!(Iq1SKernel, QType::IQ1_S, 256, dequant::block_iq1_s);
+portable_kernel!(Iq1MKernel, QType::IQ1_M, 256, dequant::block_iq1_m);
+
 /// f32 weights.
 #[derive(Debug, Clone, Copy)]
 pub struct F32Kernel {
@@ -673,6 +687,13 @@ pub enum Kernel {
     Mxfp4(Mxfp4Kernel),
     Iq4Nl(Iq4NlKernel),
     Iq4Xs(Iq4XsKernel),
+    Iq2Xxs(Iq2XxsKernel),
+    Iq2Xs(Iq2XsKernel),
+    Iq2S(Iq2SKernel),
+    Iq3Xxs(Iq3XxsKernel),
+    Iq3S(Iq3SKernel),
+    Iq1S(Iq1SKernel),
+    Iq1M(Iq1MKernel),
 }
 
 /// Weight types this backend multiplies with: those [`Kernel::new`] has a kernel for (the
@@ -708,6 +729,13 @@ impl Kernel {
             QType::MXFP4 => Mxfp4Kernel { simd: avx2 }.into(),
             QType::IQ4_NL => Iq4NlKernel { simd: avx2 }.into(),
             QType::IQ4_XS => Iq4XsKernel.into(),
+            QType::IQ2_XXS => Iq2XxsKernel.into(),
+            QType::IQ2_XS => Iq2XsKernel.into(),
+            QType::IQ2_S => Iq2SKernel.into(),
+            QType::IQ3_XXS => Iq3XxsKernel.into(),
+            QType::IQ3_S => Iq3SKernel.into(),
+            QType::IQ1_S => Iq1SKernel.into(),
+            QType::IQ1_M => Iq1MKernel.into(),
             _ => return None,
         })
     }

@@ -31,6 +31,12 @@ fn scale_fields(q: QType) -> &'static [(usize, bool)] {
         QType::Q4_K | QType::Q5_K => &[(0, false), (2, true)],
         QType::Q6_K => &[(208, false)],
         QType::IQ4_NL | QType::IQ4_XS => &[(0, false)],
+        QType::IQ2_XXS
+        | QType::IQ2_XS
+        | QType::IQ2_S
+        | QType::IQ3_XXS
+        | QType::IQ3_S
+        | QType::IQ1_S => &[(0, false)],
         _ => &[],
     }
 }
@@ -68,6 +74,10 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
                 QType::Q6_K => 32.0 * 128.0,
                 QType::IQ4_NL => 127.0,
                 QType::IQ4_XS => 32.0 * 127.0,
+                QType::IQ2_XXS | QType::IQ2_XS | QType::IQ2_S => 15.5 * 0.25 * 43.0,
+                QType::IQ3_XXS => 15.5 * 0.5 * 62.0,
+                QType::IQ3_S => 31.0 * 15.0,
+                QType::IQ1_S | QType::IQ1_M => 15.0 * 1.125,
                 _ => 1.0,
             };
             for block in out.chunks_exact_mut(q.block_bytes()) {
@@ -75,6 +85,16 @@ pub fn random_bytes(rng: &mut Rng, qtype: QType, rows: usize, cols: usize, scale
                     // The E8M0 exponent: scales 2^-9 .. 2^-2 (codes up to 6), values up
                     // to about ±1.5.
                     block[0] = 118 + (rng.next_u64() % 8) as u8;
+                }
+                if q == QType::IQ1_M {
+                    // Its f16 scale is the top nibbles of the four scale words at 48.
+                    let d = f16::from_f32(uniform(rng, -scale / span, scale / span)).to_bits();
+                    for k in 0..4 {
+                        let at = 48 + 2 * k;
+                        let w = u16::from_le_bytes([block[at], block[at + 1]]);
+                        let w = (w & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12);
+                        block[at..at + 2].copy_from_slice(&w.to_le_bytes());
+                    }
                 }
                 for &(at, is_min) in scale_fields(q) {
                     let v = if is_min {
