@@ -242,7 +242,7 @@ pub(crate) static RECORDS: [TypeRecord; 26] = [
         32,
         18,
         blocks!(dequant iquants::dequantize_iq4_nl),
-        None
+        blocks!(quant iquants::quantize_iq4_nl)
     ),
     record!(
         IQ3_S,
@@ -266,7 +266,7 @@ pub(crate) static RECORDS: [TypeRecord; 26] = [
         256,
         136,
         blocks!(dequant iquants::dequantize_iq4_xs),
-        None
+        blocks!(quant iquants::quantize_iq4_xs)
     ),
     record!(
         IQ1_M,

@@ -47,10 +47,13 @@ pub enum Recipe {
     /// llama.cpp's `MXFP4_MOE` (gpt-oss's own mix): every Mixture-of-Experts tensor (a
     /// stacked 3-D expert matrix) in MXFP4, every other quantised tensor in Q8_0.
     MXFP4_MOE,
+    /// llama.cpp's `IQ4_NL` and `IQ4_XS` mixes without an importance matrix.
+    IQ4_NL,
+    IQ4_XS,
 }
 
 impl Recipe {
-    pub const ALL: [Recipe; 9] = [
+    pub const ALL: [Recipe; 11] = [
         Recipe::Q4_0,
         Recipe::Q4_1,
         Recipe::Q8_0,
@@ -60,6 +63,8 @@ impl Recipe {
         Recipe::Q6_K,
         Recipe::F16,
         Recipe::MXFP4_MOE,
+        Recipe::IQ4_NL,
+        Recipe::IQ4_XS,
     ];
 
     /// The lower-case name (`q4_k_m`), as `--type` takes it.
@@ -74,6 +79,8 @@ impl Recipe {
             Recipe::Q6_K => "q6_k",
             Recipe::F16 => "f16",
             Recipe::MXFP4_MOE => "mxfp4_moe",
+            Recipe::IQ4_NL => "iq4_nl",
+            Recipe::IQ4_XS => "iq4_xs",
         }
     }
 
@@ -104,6 +111,8 @@ impl Recipe {
             Recipe::Q6_K => QType::Q6_K,
             Recipe::F16 => QType::F16,
             Recipe::MXFP4_MOE => QType::MXFP4,
+            Recipe::IQ4_NL => QType::IQ4_NL,
+            Recipe::IQ4_XS => QType::IQ4_XS,
         }
     }
 
@@ -119,6 +128,8 @@ impl Recipe {
             Recipe::Q5_K_M => 17,
             Recipe::Q6_K => 18,
             Recipe::MXFP4_MOE => 38,
+            Recipe::IQ4_NL => 25,
+            Recipe::IQ4_XS => 30,
         }
     }
 }
@@ -187,6 +198,18 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
         .find(|t| t.name.ends_with("ffn_gate_inp.weight"))
         .and_then(|t| t.dims.get(1).copied())
         .unwrap_or(0);
+    // Query heads per KV head, from the first layer's Q and K shapes (head sizes equal).
+    let rows_of = |role: &str| {
+        tensors
+            .iter()
+            .find(|t| t.name.ends_with(role))
+            .and_then(|t| t.dims.get(1).copied())
+    };
+    let n_gqa = match (rows_of("attn_q.weight"), rows_of("attn_k.weight")) {
+        (Some(q), Some(k)) if k > 0 => q / k,
+        _ => 1,
+    };
+    let iq4 = matches!(recipe, Recipe::IQ4_NL | Recipe::IQ4_XS);
     let mut types: Vec<QType> = tensors.iter().map(|t| t.qtype).collect();
     for i in llama_cpp_order(tensors) {
         let t = &tensors[i];
@@ -232,6 +255,7 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                 match recipe {
                     Recipe::Q4_K_M | Recipe::Q5_K_M if more => new_type = QType::Q6_K,
                     Recipe::Q4_K_S if i_attention_wv < 4 => new_type = QType::Q5_K,
+                    Recipe::IQ4_NL | Recipe::IQ4_XS if n_gqa >= 4 => new_type = QType::Q5_K,
                     _ => {}
                 }
                 // llama.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB".
@@ -253,9 +277,18 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                         new_type = QType::Q6_K
                     }
                     Recipe::Q4_K_S if i < n / 8 => new_type = QType::Q5_K,
+                    // Without an importance matrix (kiln reads none).
+                    Recipe::IQ4_NL | Recipe::IQ4_XS if i < n / 8 => new_type = QType::Q5_K,
                     _ => {}
                 }
                 i_ffn_down += 1;
+            } else if name.contains("attn_output.weight") {
+                // llama.cpp: the 8-expert models' attention output in Q5_K for these mixes.
+                if n_expert == 8 && matches!(recipe, Recipe::Q4_K_S | Recipe::Q4_K_M)
+                    || (n_expert == 8 && iq4)
+                {
+                    new_type = QType::Q5_K;
+                }
             } else if name.contains("attn_qkv.weight") {
                 match recipe {
                     Recipe::Q4_K_M => new_type = QType::Q5_K,
@@ -288,6 +321,14 @@ pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
         QType::Q2_K | QType::Q3_K | QType::Q4_K => QType::Q5_0,
         QType::Q5_K => QType::Q5_1,
         QType::Q6_K => QType::Q8_0,
+        QType::IQ4_XS
+        | QType::IQ2_XXS
+        | QType::IQ2_XS
+        | QType::IQ2_S
+        | QType::IQ3_XXS
+        | QType::IQ3_S
+        | QType::IQ1_S
+        | QType::IQ1_M => QType::IQ4_NL,
         _ => QType::F16,
     };
     if row_len.is_multiple_of(fallback.block_len()) {

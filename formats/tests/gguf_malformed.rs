@@ -200,7 +200,7 @@ fn unknown_type_ids() {
         matches!(raw.parse(), Err(GgufError::UnknownValueType { key, id: 99 }) if key == "arr")
     );
     // ggml ids 4 and 5 (removed Q4_2/Q4_3) and ones past the end.
-    for id in [4u32, 5, 16, 31, u32::MAX] {
+    for id in [4u32, 5, 24, 31, u32::MAX] {
         let mut raw = Raw::header(3, 1, 0);
         raw.tensor("t", &[32], id, 0).data(128);
         assert!(

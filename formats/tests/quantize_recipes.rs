@@ -320,7 +320,7 @@ fn quantizing_a_small_model_writes_the_planned_types() {
                 F16 => 0.001,
                 Q6_K => 0.03,
                 Q5_0 | Q5_1 | Q5_K => 0.06,
-                Q4_0 | Q4_1 | Q4_K => 0.12,
+                Q4_0 | Q4_1 | Q4_K | IQ4_NL | IQ4_XS => 0.12,
                 other => panic!("{recipe}: unexpected type {other} for {}", t.name),
             };
             let e = r.rel_rmse.unwrap();
