@@ -48,8 +48,15 @@ typedef enum KilnFinish {
   KILN_FINISH_CANCELLED = 3,
 } KilnFinish;
 
+// A model serving many generations at once on its own thread (kiln's continuous batch):
+// any number of host threads submit to it at the same time (opaque).
+typedef struct KilnBatcher KilnBatcher;
+
 // A model loaded on a backend (opaque).
 typedef struct KilnModel KilnModel;
+
+// One submitted generation's text, read piece by piece by one host thread (opaque).
+typedef struct KilnStream KilnStream;
 
 // One chat message: `role` is `system`, `user`, `assistant` (whatever the model's
 // template knows); `content` is read as text, never as control tokens.
@@ -196,6 +203,81 @@ enum KilnStatus kiln_generate(struct KilnModel *model,
                               KilnTextCallback callback,
                               void *user,
                               struct KilnGenerationResult *result);
+
+// Opens the model at `path` on `backend` (null: the best) for `max_sequences` generations
+// at once (more wait in a queue), each of up to `context` tokens (0: the backend's
+// default).
+//
+// # Safety
+// `path` NUL-terminated; `backend` null or NUL-terminated; `out` writable.
+enum KilnStatus kiln_batcher_open(const char *path,
+                                  const char *backend,
+                                  uint32_t context,
+                                  uint32_t max_sequences,
+                                  struct KilnBatcher **out);
+
+// Stops a batcher (queued work refused, running generations cancelled) and frees it.
+// Free its streams first. Null is allowed.
+//
+// # Safety
+// `batcher` null or from [`kiln_batcher_open`], not freed before, no call on it running.
+void kiln_batcher_free(struct KilnBatcher *batcher);
+
+// [`kiln_tokenize`] with the batcher's model.
+//
+// # Safety
+// `batcher` from [`kiln_batcher_open`]; the rest as for [`kiln_tokenize`].
+enum KilnStatus kiln_batcher_tokenize(const struct KilnBatcher *batcher,
+                                      const char *text,
+                                      bool add_special,
+                                      uint32_t *ids,
+                                      size_t cap,
+                                      size_t *n_out);
+
+// [`kiln_chat_prompt`] with the batcher's model.
+//
+// # Safety
+// `batcher` from [`kiln_batcher_open`]; the rest as for [`kiln_chat_prompt`].
+enum KilnStatus kiln_batcher_chat_prompt(const struct KilnBatcher *batcher,
+                                         const struct KilnChatMessage *messages,
+                                         size_t n,
+                                         uint32_t *ids,
+                                         size_t cap,
+                                         size_t *n_out);
+
+// Queues a generation from `prompt` (`n` ids) with `params` (null: the defaults; its
+// `stop_on_eos` must be true) and gives its stream. Callable from any number of threads
+// at once; blocks while the queue is full. A prompt that leaves no room in the context is
+// `KILN_STATUS_CONTEXT_EXCEEDED`.
+//
+// # Safety
+// `batcher` from [`kiln_batcher_open`]; `prompt` holds `n` ids; `params` null or a
+// [`KilnGenerateParams`]; `out` writable.
+enum KilnStatus kiln_batcher_submit(const struct KilnBatcher *batcher,
+                                    const uint32_t *prompt,
+                                    size_t n,
+                                    const struct KilnGenerateParams *params,
+                                    struct KilnStream **out);
+
+// Waits for the stream's next piece of text: `*text` and `*len` (NUL-terminated, valid
+// until the next call on this stream; never half a character) with `*done` false; at the
+// end `*done` true, `*text` null, and `result` (may be null) gets the token counts and the
+// finish (no speeds: the batch's steps are shared).
+//
+// # Safety
+// `stream` from [`kiln_batcher_submit`], used by one thread at a time; `text`, `len`,
+// `done` writable; `result` null or writable.
+enum KilnStatus kiln_stream_next(struct KilnStream *stream,
+                                 const char **text,
+                                 size_t *len,
+                                 bool *done,
+                                 struct KilnGenerationResult *result);
+
+// Frees a stream; a generation not at its end is cancelled. Null is allowed.
+//
+// # Safety
+// `stream` null or from [`kiln_batcher_submit`], not freed before.
+void kiln_stream_free(struct KilnStream *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -23,7 +23,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use kiln::core::{Error, LoadOptions, SamplingParams};
-use kiln::{ChatMessage, Engine, Finish, GenerateParams, Model};
+use kiln::formats::chat::ChatTemplate;
+use kiln::formats::tokenizer::Tokenizer;
+use kiln::{BatchEvent, BatchOptions, Batcher, ChatMessage, Engine, Finish, GenerateParams, Model};
 
 /// `major << 16 | minor` of this API (see [`kiln_c_api_version`]).
 pub const KILN_C_API_VERSION: u32 = 1 << 16;
@@ -227,6 +229,63 @@ unsafe fn write_ids(
     Ok(())
 }
 
+/// Tokenizes the host's `text` into its buffer (see [`kiln_tokenize`]).
+///
+/// # Safety
+/// As [`kiln_tokenize`]'s arguments.
+unsafe fn tokenize_into(
+    tokenizer: &Tokenizer,
+    text: *const c_char,
+    add_special: bool,
+    ids: *mut u32,
+    cap: usize,
+    n_out: *mut usize,
+) -> Result<(), (KilnStatus, String)> {
+    // SAFETY: the caller's promise.
+    let text = unsafe { string(text, "text") }?;
+    let bos = add_special && tokenizer.add_bos_default();
+    let tokens = tokenizer.encode(text, bos, add_special).map_err(kiln_err)?;
+    // SAFETY: the caller's promise about `ids`, `cap` and `n_out`.
+    unsafe { write_ids(&tokens, ids, cap, n_out) }
+}
+
+/// A chat prompt of the host's `messages` into its buffer (see [`kiln_chat_prompt`]).
+///
+/// # Safety
+/// As [`kiln_chat_prompt`]'s arguments.
+unsafe fn chat_into(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: *const KilnChatMessage,
+    n: usize,
+    ids: *mut u32,
+    cap: usize,
+    n_out: *mut usize,
+) -> Result<(), (KilnStatus, String)> {
+    if messages.is_null() && n > 0 {
+        return Err(invalid("messages is null"));
+    }
+    let list = match n {
+        0 => &[][..],
+        // SAFETY: `n` readable messages at `messages` (the caller's promise).
+        _ => unsafe { std::slice::from_raw_parts(messages, n) },
+    };
+    let mut chat = Vec::with_capacity(n);
+    for (i, msg) in list.iter().enumerate() {
+        // SAFETY: the caller's promise about each message's strings.
+        let role = unsafe { string(msg.role, &format!("messages[{i}].role")) }?;
+        // SAFETY: as above.
+        let content = unsafe { string(msg.content, &format!("messages[{i}].content")) }?;
+        chat.push(ChatMessage::new(role, content));
+    }
+    let prompt = template.render_prompt(&chat, true).map_err(kiln_err)?;
+    let tokens = tokenizer
+        .encode_chat(&prompt.text, tokenizer.add_bos_default(), &prompt.content)
+        .map_err(kiln_err)?;
+    // SAFETY: the caller's promise about `ids`, `cap` and `n_out`.
+    unsafe { write_ids(&tokens, ids, cap, n_out) }
+}
+
 /// This API's version, `major << 16 | minor`: a host built against another major must not
 /// call the others.
 #[no_mangle]
@@ -395,15 +454,8 @@ pub unsafe extern "C" fn kiln_tokenize(
         }
         // SAFETY: a live model (the caller's promise).
         let m = &unsafe { &*model }.engine.model;
-        // SAFETY: the caller's promise.
-        let text = unsafe { string(text, "text") }?;
-        let bos = add_special && m.tokenizer.add_bos_default();
-        let tokens = m
-            .tokenizer
-            .encode(text, bos, add_special)
-            .map_err(kiln_err)?;
-        // SAFETY: the caller's promise about `ids`, `cap` and `n_out`.
-        unsafe { write_ids(&tokens, ids, cap, n_out) }
+        // SAFETY: the caller's promise about `text`, `ids`, `cap` and `n_out`.
+        unsafe { tokenize_into(&m.tokenizer, text, add_special, ids, cap, n_out) }
     })
 }
 
@@ -429,22 +481,8 @@ pub unsafe extern "C" fn kiln_chat_prompt(
         }
         // SAFETY: a live model (the caller's promise).
         let m = &unsafe { &*model }.engine.model;
-        let list = match n {
-            0 => &[][..],
-            // SAFETY: `n` readable messages at `messages` (the caller's promise).
-            _ => unsafe { std::slice::from_raw_parts(messages, n) },
-        };
-        let mut chat = Vec::with_capacity(n);
-        for (i, msg) in list.iter().enumerate() {
-            // SAFETY: the caller's promise about each message's strings.
-            let role = unsafe { string(msg.role, &format!("messages[{i}].role")) }?;
-            // SAFETY: as above.
-            let content = unsafe { string(msg.content, &format!("messages[{i}].content")) }?;
-            chat.push(ChatMessage::new(role, content));
-        }
-        let tokens = m.chat_prompt(&chat).map_err(kiln_err)?;
-        // SAFETY: the caller's promise about `ids`, `cap` and `n_out`.
-        unsafe { write_ids(&tokens, ids, cap, n_out) }
+        // SAFETY: the caller's promise about `messages`, `ids`, `cap` and `n_out`.
+        unsafe { chat_into(&m.tokenizer, &m.chat_template, messages, n, ids, cap, n_out) }
     })
 }
 
@@ -489,21 +527,8 @@ pub unsafe extern "C" fn kiln_generate(
         if model.is_null() || (prompt.is_null() && n > 0) {
             return Err(invalid("model or prompt is null"));
         }
-        let p = match params.is_null() {
-            true => kiln_generate_params_default(),
-            false => {
-                // SAFETY: non-null; the host's struct, at least its `struct_size` field.
-                let size = unsafe { (*params).struct_size } as usize;
-                if size < std::mem::size_of::<KilnGenerateParams>() {
-                    return Err(invalid(format!(
-                        "KilnGenerateParams of {size} bytes; this kiln needs {} (rebuild against its kiln.h)",
-                        std::mem::size_of::<KilnGenerateParams>()
-                    )));
-                }
-                // SAFETY: as large as this version's struct, by the check above.
-                unsafe { *params }
-            }
-        };
+        // SAFETY: the caller's promise about `params`.
+        let mut params = unsafe { generate_params(params) }?;
         // SAFETY: a live model, used by this thread alone (the caller's promise).
         let model = unsafe { &mut *model };
         let ids = match n {
@@ -512,22 +537,7 @@ pub unsafe extern "C" fn kiln_generate(
             _ => unsafe { std::slice::from_raw_parts(prompt, n) },
         };
         let cancel = kiln::CancelToken::new();
-        let params = GenerateParams {
-            max_tokens: p.max_tokens as usize,
-            sampling: SamplingParams {
-                temperature: p.temperature,
-                top_k: p.top_k as usize,
-                top_p: p.top_p,
-                min_p: p.min_p,
-                repeat_penalty: p.repeat_penalty,
-                seed: p.seed,
-                ..SamplingParams::default()
-            },
-            stop_on_eos: p.stop_on_eos,
-            cancel: Some(cancel.clone()),
-            ..GenerateParams::default()
-        };
-        params.validate().map_err(kiln_err)?;
+        params.cancel = Some(cancel.clone());
         let mut session = model.engine.session().map_err(kiln_err)?;
         let g = session
             .generate(ids, &params, |text| {
@@ -546,12 +556,7 @@ pub unsafe extern "C" fn kiln_generate(
                 prompt_tokens: g.prompt_ids.len() as u32,
                 prefilled_tokens: g.prefilled as u32,
                 generated_tokens: g.ids.len() as u32,
-                finish: match g.finish {
-                    Finish::Stop => KilnFinish::Stop,
-                    Finish::Length => KilnFinish::Length,
-                    Finish::ContextFull => KilnFinish::ContextFull,
-                    Finish::Cancelled => KilnFinish::Cancelled,
-                },
+                finish: finish_of(g.finish),
                 prompt_tokens_per_second: g.prompt_tokens_per_sec(),
                 generated_tokens_per_second: g.decode_tokens_per_sec(),
             };
@@ -561,3 +566,315 @@ pub unsafe extern "C" fn kiln_generate(
         Ok(())
     })
 }
+
+fn finish_of(f: Finish) -> KilnFinish {
+    match f {
+        Finish::Stop => KilnFinish::Stop,
+        Finish::Length => KilnFinish::Length,
+        Finish::ContextFull => KilnFinish::ContextFull,
+        Finish::Cancelled => KilnFinish::Cancelled,
+    }
+}
+
+/// The host's parameters (null: the defaults), checked.
+///
+/// # Safety
+/// `params` is null or points to a `KilnGenerateParams` of at least its `struct_size`.
+unsafe fn generate_params(
+    params: *const KilnGenerateParams,
+) -> Result<GenerateParams, (KilnStatus, String)> {
+    let p = match params.is_null() {
+        true => kiln_generate_params_default(),
+        false => {
+            // SAFETY: non-null; the host's struct, at least its `struct_size` field.
+            let size = unsafe { (*params).struct_size } as usize;
+            if size < std::mem::size_of::<KilnGenerateParams>() {
+                return Err(invalid(format!(
+                    "KilnGenerateParams of {size} bytes; this kiln needs {} (rebuild against its kiln.h)",
+                    std::mem::size_of::<KilnGenerateParams>()
+                )));
+            }
+            // SAFETY: as large as this version's struct, by the check above.
+            unsafe { *params }
+        }
+    };
+    let params = GenerateParams {
+        max_tokens: p.max_tokens as usize,
+        sampling: SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repeat_penalty: p.repeat_penalty,
+            seed: p.seed,
+            ..SamplingParams::default()
+        },
+        stop_on_eos: p.stop_on_eos,
+        ..GenerateParams::default()
+    };
+    params.validate().map_err(kiln_err)?;
+    Ok(params)
+}
+
+/// A model serving many generations at once on its own thread (kiln's continuous batch):
+/// any number of host threads submit to it at the same time (opaque).
+pub struct KilnBatcher {
+    batcher: Batcher,
+    template: ChatTemplate,
+}
+
+/// One submitted generation's text, read piece by piece by one host thread (opaque).
+pub struct KilnStream {
+    stream: kiln::BatchStream,
+    /// The piece [`kiln_stream_next`] handed out last (valid until the next call).
+    piece: CString,
+}
+
+/// Opens the model at `path` on `backend` (null: the best) for `max_sequences` generations
+/// at once (more wait in a queue), each of up to `context` tokens (0: the backend's
+/// default).
+///
+/// # Safety
+/// `path` NUL-terminated; `backend` null or NUL-terminated; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_batcher_open(
+    path: *const c_char,
+    backend: *const c_char,
+    context: u32,
+    max_sequences: u32,
+    out: *mut *mut KilnBatcher,
+) -> KilnStatus {
+    guard(|| {
+        // SAFETY: the caller's promise.
+        let path = unsafe { string(path, "path") }?;
+        let backend = match backend.is_null() {
+            true => None,
+            // SAFETY: non-null; the caller's promise.
+            false => Some(unsafe { string(backend, "backend") }?),
+        };
+        if out.is_null() {
+            return Err(invalid("out is null"));
+        }
+        let model = Model::open(Path::new(path)).map_err(kiln_err)?;
+        let template = model.chat_template.clone();
+        let (registry, _) = kiln::registry_with_plugins(&[]);
+        let options = LoadOptions {
+            max_context: context as usize,
+            max_sequences: max_sequences.max(1) as usize,
+            ..LoadOptions::default()
+        };
+        let engine = Engine::load(model, &registry, backend, &options).map_err(kiln_err)?;
+        let batcher = Batcher::start(engine, BatchOptions::default()).map_err(kiln_err)?;
+        let boxed = Box::new(KilnBatcher { batcher, template });
+        // SAFETY: checked non-null; writable by the caller's promise.
+        unsafe { *out = Box::into_raw(boxed) };
+        Ok(())
+    })
+}
+
+/// Stops a batcher (queued work refused, running generations cancelled) and frees it.
+/// Free its streams first. Null is allowed.
+///
+/// # Safety
+/// `batcher` null or from [`kiln_batcher_open`], not freed before, no call on it running.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_batcher_free(batcher: *mut KilnBatcher) {
+    if !batcher.is_null() {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: from `Box::into_raw` in `kiln_batcher_open` (the caller's promise).
+            drop(unsafe { Box::from_raw(batcher) })
+        }));
+    }
+}
+
+/// [`kiln_tokenize`] with the batcher's model.
+///
+/// # Safety
+/// `batcher` from [`kiln_batcher_open`]; the rest as for [`kiln_tokenize`].
+#[no_mangle]
+pub unsafe extern "C" fn kiln_batcher_tokenize(
+    batcher: *const KilnBatcher,
+    text: *const c_char,
+    add_special: bool,
+    ids: *mut u32,
+    cap: usize,
+    n_out: *mut usize,
+) -> KilnStatus {
+    guard(|| {
+        if batcher.is_null() {
+            return Err(invalid("batcher is null"));
+        }
+        // SAFETY: a live batcher (the caller's promise); it is shared across threads.
+        let b = unsafe { &*batcher };
+        // SAFETY: the caller's promise about the rest.
+        unsafe { tokenize_into(b.batcher.tokenizer(), text, add_special, ids, cap, n_out) }
+    })
+}
+
+/// [`kiln_chat_prompt`] with the batcher's model.
+///
+/// # Safety
+/// `batcher` from [`kiln_batcher_open`]; the rest as for [`kiln_chat_prompt`].
+#[no_mangle]
+pub unsafe extern "C" fn kiln_batcher_chat_prompt(
+    batcher: *const KilnBatcher,
+    messages: *const KilnChatMessage,
+    n: usize,
+    ids: *mut u32,
+    cap: usize,
+    n_out: *mut usize,
+) -> KilnStatus {
+    guard(|| {
+        if batcher.is_null() {
+            return Err(invalid("batcher is null"));
+        }
+        // SAFETY: a live batcher (the caller's promise).
+        let b = unsafe { &*batcher };
+        // SAFETY: the caller's promise about the rest.
+        unsafe {
+            chat_into(
+                b.batcher.tokenizer(),
+                &b.template,
+                messages,
+                n,
+                ids,
+                cap,
+                n_out,
+            )
+        }
+    })
+}
+
+/// Queues a generation from `prompt` (`n` ids) with `params` (null: the defaults; its
+/// `stop_on_eos` must be true) and gives its stream. Callable from any number of threads
+/// at once; blocks while the queue is full. A prompt that leaves no room in the context is
+/// `KILN_STATUS_CONTEXT_EXCEEDED`.
+///
+/// # Safety
+/// `batcher` from [`kiln_batcher_open`]; `prompt` holds `n` ids; `params` null or a
+/// [`KilnGenerateParams`]; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_batcher_submit(
+    batcher: *const KilnBatcher,
+    prompt: *const u32,
+    n: usize,
+    params: *const KilnGenerateParams,
+    out: *mut *mut KilnStream,
+) -> KilnStatus {
+    guard(|| {
+        if batcher.is_null() || out.is_null() || (prompt.is_null() && n > 0) {
+            return Err(invalid("batcher, prompt or out is null"));
+        }
+        // SAFETY: the caller's promise about `params`.
+        let params = unsafe { generate_params(params) }?;
+        // SAFETY: a live batcher (the caller's promise).
+        let b = unsafe { &*batcher };
+        let ids = match n {
+            0 => Vec::new(),
+            // SAFETY: `n` readable ids (the caller's promise).
+            _ => unsafe { std::slice::from_raw_parts(prompt, n) }.to_vec(),
+        };
+        let stream = b.batcher.submit(ids, &params).map_err(kiln_err)?;
+        let boxed = Box::new(KilnStream {
+            stream,
+            piece: CString::default(),
+        });
+        // SAFETY: checked non-null; writable by the caller's promise.
+        unsafe { *out = Box::into_raw(boxed) };
+        Ok(())
+    })
+}
+
+/// Waits for the stream's next piece of text: `*text` and `*len` (NUL-terminated, valid
+/// until the next call on this stream; never half a character) with `*done` false; at the
+/// end `*done` true, `*text` null, and `result` (may be null) gets the token counts and the
+/// finish (no speeds: the batch's steps are shared).
+///
+/// # Safety
+/// `stream` from [`kiln_batcher_submit`], used by one thread at a time; `text`, `len`,
+/// `done` writable; `result` null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_stream_next(
+    stream: *mut KilnStream,
+    text: *mut *const c_char,
+    len: *mut usize,
+    done: *mut bool,
+    result: *mut KilnGenerationResult,
+) -> KilnStatus {
+    guard(|| {
+        if stream.is_null() || text.is_null() || len.is_null() || done.is_null() {
+            return Err(invalid("stream, text, len or done is null"));
+        }
+        // SAFETY: a live stream of this thread (the caller's promise).
+        let s = unsafe { &mut *stream };
+        let end = |finish: Option<(KilnFinish, usize, usize)>| {
+            // SAFETY: all three checked non-null and writable (the caller's promise).
+            unsafe {
+                *text = std::ptr::null();
+                *len = 0;
+                *done = true;
+            }
+            if let (Some((finish, prompt, generated)), false) = (finish, result.is_null()) {
+                let r = KilnGenerationResult {
+                    prompt_tokens: prompt as u32,
+                    prefilled_tokens: prompt as u32,
+                    generated_tokens: generated as u32,
+                    finish,
+                    prompt_tokens_per_second: 0.0,
+                    generated_tokens_per_second: 0.0,
+                };
+                // SAFETY: non-null and writable (the caller's promise).
+                unsafe { *result = r };
+            }
+        };
+        loop {
+            match s.stream.next_event() {
+                Some(BatchEvent::Delta { text: t, .. }) if t.is_empty() => continue,
+                Some(BatchEvent::Delta { text: t, .. }) => {
+                    s.piece = CString::new(t.replace('\0', " ")).unwrap_or_default();
+                    // SAFETY: checked non-null and writable (the caller's promise).
+                    unsafe {
+                        *text = s.piece.as_ptr();
+                        *len = s.piece.as_bytes().len();
+                        *done = false;
+                    }
+                    return Ok(());
+                }
+                Some(BatchEvent::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                }) => {
+                    end(Some((finish_of(finish), prompt_tokens, completion_tokens)));
+                    return Ok(());
+                }
+                Some(BatchEvent::Error { message, .. }) => return Err(invalid(message)),
+                None => {
+                    end(None);
+                    return Ok(());
+                }
+            }
+        }
+    })
+}
+
+/// Frees a stream; a generation not at its end is cancelled. Null is allowed.
+///
+/// # Safety
+/// `stream` null or from [`kiln_batcher_submit`], not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn kiln_stream_free(stream: *mut KilnStream) {
+    if !stream.is_null() {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: from `Box::into_raw` in `kiln_batcher_submit` (the caller's promise).
+            drop(unsafe { Box::from_raw(stream) })
+        }));
+    }
+}
+
+// A `KilnBatcher` is shared by the host's threads: what it holds must be `Sync`.
+const _: fn() = || {
+    fn shared<T: Sync + Send>() {}
+    shared::<KilnBatcher>();
+};

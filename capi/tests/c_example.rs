@@ -1,7 +1,8 @@
 //! examples/generate.c, compiled with the system's C compiler against include/kiln.h and
 //! the shared library, runs on a synthetic SmolLM2 (kiln synth's, so no download): it
 //! lists the backends, loads the model on the CPU, builds a chat prompt, streams a reply
-//! that its callback stops after 4 pieces, and reads errors as status codes.
+//! that its callback stops after 4 pieces, and reads errors as status codes; then
+//! examples/batch.c runs four threads on one batcher.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -67,6 +68,8 @@ fn the_c_example_builds_and_runs() {
         .arg("Say hello.")
         .arg("4")
         .env("KILN_PLUGIN_PATH", "")
+        // cargo's own library path for tests may hold an older copy of the library.
+        .env("LD_LIBRARY_PATH", &lib)
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&run.stdout);
@@ -85,5 +88,36 @@ fn the_c_example_builds_and_runs() {
         "{finish}"
     );
     assert!(out.contains("null prompt: status 1"), "{out}");
+
+    // The batcher: four threads at once, and a prompt the context cannot hold.
+    let exe = dir.join("batch");
+    let built = Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pthread"])
+        .arg(format!("{root}/examples/batch.c"))
+        .arg(format!("-I{root}/include"))
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lkiln_capi")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{cc} failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let run = Command::new(&exe)
+        .arg(&model)
+        .env("KILN_PLUGIN_PATH", "")
+        // cargo's own library path for tests may hold an older copy of the library.
+        .env("LD_LIBRARY_PATH", &lib)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&run.stdout);
+    println!("{out}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "the batch example failed");
+    assert!(out.contains("4 of 4 threads answered"), "{out}");
+    assert!(out.contains("long prompt: status 4"), "{out}");
     std::fs::remove_dir_all(&dir).ok();
 }
