@@ -55,6 +55,22 @@ class KilnTest(unittest.TestCase):
         self.assertEqual(answer.finish_reason, "stop")
         self.assertEqual(answer.reasoning, "")
 
+    def test_greedy_ids_equal_kiln_run(self):
+        # The CLI's greedy continuation (`kiln run --format json`), when the binary is built.
+        import subprocess
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(root, "target")
+        cli = os.path.join(target, "release", "kiln")
+        if not os.path.exists(cli):
+            self.skipTest(f"no kiln binary at {cli}")
+        prompt = "The capital of France is"
+        out = subprocess.run([cli, "run", prompt, "-m", MODEL, "--backend", "cpu", "-n", "16", "--temp", "0",
+                              "--format", "json"], capture_output=True, text=True, check=True)
+        want = json.loads(out.stdout.strip().splitlines()[-1])
+        got = self.model.generate(prompt, max_tokens=16, temperature=0)
+        self.assertEqual(want["prompt_ids"], self.model.tokenize(prompt))
+        self.assertEqual(got.token_ids, want["generated_ids"])
+
     def test_threads_and_asyncio_share_one_model(self):
         prompts = ["Once upon a time", "The sky is", "Water boils at", "My favourite food is"]
         alone = [self.model.generate(p, max_tokens=10, temperature=0).text for p in prompts]
