@@ -148,7 +148,7 @@ void kiln_model_free(struct KilnModel *model);
 // `model` is from [`kiln_model_open`].
 const char *kiln_model_backend(const struct KilnModel *model);
 
-// The model's vocabulary size and its context as loaded (0 for a null model).
+// The model's vocabulary size (0 for a null model).
 //
 // # Safety
 // `model` is null or from [`kiln_model_open`].

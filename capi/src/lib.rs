@@ -418,7 +418,7 @@ pub unsafe extern "C" fn kiln_model_backend(model: *const KilnModel) -> *const c
     }
 }
 
-/// The model's vocabulary size and its context as loaded (0 for a null model).
+/// The model's vocabulary size (0 for a null model).
 ///
 /// # Safety
 /// `model` is null or from [`kiln_model_open`].
