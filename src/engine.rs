@@ -188,6 +188,15 @@ impl Engine {
         })
     }
 
+    /// Opens the model file at `path` and loads it on the backend named `preferred` (or the
+    /// best-scoring one), among the built-in backends and the plugins `KILN_PLUGIN_PATH`
+    /// names: [`Model::open`], [`registry_with_plugins`] and [`Engine::load`] in one call.
+    pub fn open(path: &Path, preferred: Option<&str>, options: &LoadOptions) -> Result<Engine> {
+        let model = Model::open(path)?;
+        let (registry, _) = registry_with_plugins(&[]);
+        Engine::load(model, &registry, preferred, options)
+    }
+
     /// A constraint that makes the output a JSON value matching `schema` (structured
     /// output, [`crate::structured`]); `GenerateParams::json_schema` uses it.
     pub fn json_constraint(&mut self, schema: &serde_json::Value) -> Result<Constraint> {

@@ -373,13 +373,11 @@ pub unsafe extern "C" fn kiln_model_open(
         if out.is_null() {
             return Err(invalid("out is null"));
         }
-        let model = Model::open(Path::new(path)).map_err(kiln_err)?;
-        let (registry, _) = kiln::registry_with_plugins(&[]);
         let options = LoadOptions {
             max_context: context as usize,
             ..LoadOptions::default()
         };
-        let engine = Engine::load(model, &registry, backend, &options).map_err(kiln_err)?;
+        let engine = Engine::open(Path::new(path), backend, &options).map_err(kiln_err)?;
         let name = CString::new(engine.backend_name()).unwrap_or_default();
         let boxed = Box::new(KilnModel {
             engine,
@@ -655,15 +653,13 @@ pub unsafe extern "C" fn kiln_batcher_open(
         if out.is_null() {
             return Err(invalid("out is null"));
         }
-        let model = Model::open(Path::new(path)).map_err(kiln_err)?;
-        let template = model.chat_template.clone();
-        let (registry, _) = kiln::registry_with_plugins(&[]);
         let options = LoadOptions {
             max_context: context as usize,
             max_sequences: max_sequences.max(1) as usize,
             ..LoadOptions::default()
         };
-        let engine = Engine::load(model, &registry, backend, &options).map_err(kiln_err)?;
+        let engine = Engine::open(Path::new(path), backend, &options).map_err(kiln_err)?;
+        let template = engine.model.chat_template.clone();
         let batcher = Batcher::start(engine, BatchOptions::default()).map_err(kiln_err)?;
         let boxed = Box::new(KilnBatcher { batcher, template });
         // SAFETY: checked non-null; writable by the caller's promise.

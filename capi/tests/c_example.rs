@@ -43,38 +43,12 @@ fn the_c_example_builds_and_runs() {
     )
     .unwrap();
 
-    let root = env!("CARGO_MANIFEST_DIR");
-    let exe = dir.join("generate");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let built = Command::new(&cc)
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror"])
-        .arg(format!("{root}/examples/generate.c"))
-        .arg(format!("-I{root}/include"))
-        .arg(format!("-L{}", lib.display()))
-        .arg("-lkiln_capi")
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("running the C compiler '{cc}' (set CC to another): {e}"));
-    assert!(
-        built.status.success(),
-        "{cc} failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
+    let exe = build_example(&lib, &dir, "generate", &[]);
+    let out = run_example(
+        &exe,
+        &lib,
+        &[model.as_os_str(), "Say hello.".as_ref(), "4".as_ref()],
     );
-
-    let run = Command::new(&exe)
-        .arg(&model)
-        .arg("Say hello.")
-        .arg("4")
-        .env("KILN_PLUGIN_PATH", "")
-        // cargo's own library path for tests may hold an older copy of the library.
-        .env("LD_LIBRARY_PATH", &lib)
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&run.stdout);
-    println!("{out}{}", String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "the example failed");
     assert!(out.contains("open a missing file: status 8 (io)"), "{out}");
     assert!(out.contains("\"name\":\"cpu\",\"score\""), "{out}");
     assert!(out.contains("loaded on cpu, vocabulary of 49152"), "{out}");
@@ -90,10 +64,28 @@ fn the_c_example_builds_and_runs() {
     assert!(out.contains("null prompt: status 1"), "{out}");
 
     // The batcher: four threads at once, and a prompt the context cannot hold.
-    let exe = dir.join("batch");
+    let exe = build_example(&lib, &dir, "batch", &["-pthread"]);
+    let out = run_example(&exe, &lib, &[model.as_os_str()]);
+    assert!(out.contains("4 of 4 threads answered"), "{out}");
+    assert!(out.contains("long prompt: status 4"), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Compiles examples/NAME.c with the system's C compiler (`CC`, default `cc`) against
+/// kiln.h and the shared library in `lib`, into `dir`.
+fn build_example(
+    lib: &std::path::Path,
+    dir: &std::path::Path,
+    name: &str,
+    extra: &[&str],
+) -> PathBuf {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let exe = dir.join(name);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let built = Command::new(&cc)
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pthread"])
-        .arg(format!("{root}/examples/batch.c"))
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror"])
+        .args(extra)
+        .arg(format!("{root}/examples/{name}.c"))
         .arg(format!("-I{root}/include"))
         .arg(format!("-L{}", lib.display()))
         .arg("-lkiln_capi")
@@ -101,23 +93,26 @@ fn the_c_example_builds_and_runs() {
         .arg("-o")
         .arg(&exe)
         .output()
-        .unwrap();
+        .unwrap_or_else(|e| panic!("running the C compiler '{cc}' (set CC to another): {e}"));
     assert!(
         built.status.success(),
-        "{cc} failed:\n{}",
+        "{cc} failed on {name}.c:\n{}",
         String::from_utf8_lossy(&built.stderr)
     );
-    let run = Command::new(&exe)
-        .arg(&model)
+    exe
+}
+
+/// Runs a built example with `args`; its stdout, the run asserted successful.
+fn run_example(exe: &std::path::Path, lib: &std::path::Path, args: &[&std::ffi::OsStr]) -> String {
+    let run = Command::new(exe)
+        .args(args)
         .env("KILN_PLUGIN_PATH", "")
         // cargo's own library path for tests may hold an older copy of the library.
-        .env("LD_LIBRARY_PATH", &lib)
+        .env("LD_LIBRARY_PATH", lib)
         .output()
         .unwrap();
-    let out = String::from_utf8_lossy(&run.stdout);
+    let out = String::from_utf8_lossy(&run.stdout).into_owned();
     println!("{out}{}", String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "the batch example failed");
-    assert!(out.contains("4 of 4 threads answered"), "{out}");
-    assert!(out.contains("long prompt: status 4"), "{out}");
-    std::fs::remove_dir_all(&dir).ok();
+    assert!(run.status.success(), "{} failed", exe.display());
+    out
 }

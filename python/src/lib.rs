@@ -226,18 +226,15 @@ impl PyModel {
                             prompt_tokens,
                         })
                     }
-                    Some(BatchEvent::Error { message, .. }) => return Err(event_error(message)),
+                    Some(BatchEvent::Error { message, .. }) => {
+                        return Err(Error::InvalidArgument(message))
+                    }
                     None => return Err(Error::InvalidArgument("the engine stopped".into())),
                 }
             }
         });
         done.map_err(py_err)
     }
-}
-
-/// A job the engine refused once queued (its `submit` has already checked the context).
-fn event_error(message: String) -> Error {
-    Error::InvalidArgument(message)
 }
 
 #[pymethods]
@@ -464,7 +461,7 @@ impl TextStream {
                     return Ok(None);
                 }
                 Some(BatchEvent::Error { message, .. }) => {
-                    return Err(py_err(event_error(message)))
+                    return Err(py_err(Error::InvalidArgument(message)))
                 }
                 None => return Ok(None),
             }
