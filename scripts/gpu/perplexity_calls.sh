@@ -11,13 +11,15 @@
 #                                           llama-perplexity build and `kiln synth` of llama3-8b
 #                                           q4_k_m in the background, runs the scoring GPU tests
 #                                           (prefill, conformance). Logs in $OUT.
-#   scripts/gpu/perplexity_calls.sh oracle      call 2 (carry .gpu-model/part-b): the real
+#   scripts/gpu/perplexity_calls.sh stash       call 2 (carry .gpu-model/part-b): keeps the part
+#                                           in /tmp/w for the next call (every call does this).
+#   scripts/gpu/perplexity_calls.sh oracle      call 3 (carry .gpu-model/part-c): the real
 #                                           SmolLM2 put together; the CPU oracle's logits over
 #                                           the built-in text (-c 256) saved, then every GPU
 #                                           backend that runs the file (and kiln's q4_k_m and
 #                                           q4_0 requantisations of it, each against its own
 #                                           oracle) scored against them: KLD and top-token.
-#   scripts/gpu/perplexity_calls.sh speed       call 3: waits for the build and the 8B file, then
+#   scripts/gpu/perplexity_calls.sh speed       call 4: waits for the build and the 8B file, then
 #                                           `kiln perplexity` and `llama-perplexity` over the
 #                                           same ≥100k tokens (-c 512), and `kiln bench` pp512
 #                                           on the same file, alternating twice.
@@ -29,6 +31,9 @@ work=/tmp/w
 out=${OUT:-device-logs}
 mkdir -p "$out"
 bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
+# The real SmolLM2 comes a third per call (each call carries at most 64 MiB).
+mkdir -p "$work"
+cp .gpu-model/part-* "$work/" 2>/dev/null
 
 case "${1:-}" in
 pack)
@@ -42,7 +47,6 @@ pack)
 start)
     mkdir -p "$work"
     tar -xJf .gpu-probe/ppl.tar.xz -C "$work"
-    cp .gpu-model/part-a "$work/"
     TARGETS=llama-perplexity JOBS=${JOBS:-12} setsid nohup bash scripts/bench/bench_vs_llamacpp.sh build-llamacpp \
         >/tmp/llamacpp-build.log 2>&1 </dev/null &
     # setsid: a plain background job dies with the call that started it.
@@ -54,8 +58,11 @@ start)
     (cd "$work" && timeout 200 ./.gpu/conformance --include-ignored --test-threads=1 --nocapture) >"$out/conformance.log" 2>&1
     echo "conformance rc $?"; grep -E "scoring|^test |test result" "$out/conformance.log" | tail -20
     ;;
+stash)
+    ls "$work"/part-*
+    ;;
 oracle)
-    cat "$work/part-a" .gpu-model/part-b >"$work/smol.gguf"
+    cat "$work"/part-a "$work"/part-b "$work"/part-c >"$work/smol.gguf" || exit 1
     sha256sum "$work/smol.gguf" | cut -c1-16
     k=$work/.gpu/kiln
     text=src/data/kjv_genesis_1-4.txt
