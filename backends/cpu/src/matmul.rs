@@ -2,26 +2,28 @@
 //!
 //! Work is cut into chunks of rows (never single rows) so a task streams a contiguous run
 //! of weight bytes. With several tokens (prefill, batched decode) every task still reads
-//! its weight rows from memory once: either it runs the fused kernel per token while the
-//! rows sit in cache (few tokens, or 8-bit activations at any count), or it dequantises each
-//! row once, a segment at a time, and dots the segment with every token (many tokens —
-//! prefill — in f32), which is what makes the oracle's prefill cheaper per token than decode.
+//! its weight rows from memory once: a few tokens share each decoded weight group in
+//! registers (or, for types without such a kernel, take the fused kernel per token while
+//! the rows sit in cache; 8-bit activations take the integer kernel per token at any
+//! count), and many tokens — prefill — dequantise each row once, a segment at a time, and
+//! dot the segment with every token, which is what makes the oracle's prefill cheaper per
+//! token than decode.
 
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
 
 use crate::kernels::q8::{Q8Input, Q8Kernel};
-use crate::kernels::{dot4_f32, dot_f32, Act, Isa, Kernel, RowDot, Simd};
+use crate::kernels::{dot4_f32, dot_f32, Act, Isa, Kernel, RowDot, Simd, TOKENS_AT_ONCE};
 
 /// Most tokens one forward pass carries; longer prompts are cut into batches of this.
 pub const MAX_BATCH: usize = 64;
 
-/// From this many tokens on, rows are dequantised once and dotted in f32 per token; below
-/// it each token takes the fused AVX2 dot, which decodes the blocks again per token but in
-/// SIMD (the dequantiser is scalar). Measured on SmolLM2 Q4_1, 2-core AMD EPYC,
-/// `kiln bench --batch` (2026-11-30): from 4 tokens on as before, a batch of 4 decoded at
-/// 141 tok/s against 229 for 2; from 16 on, 4 → 234, 6 → 235, 8 → 241 tok/s (16 unchanged,
-/// pp512 unchanged, pp8 248 → 294).
+/// From this many tokens on, rows are dequantised once into memory and dotted in f32 per
+/// token (a register-blocked GEMM); below it, from two tokens, the kernels decode each
+/// weight group into registers and multiply it with up to [`TOKENS_AT_ONCE`] tokens
+/// ([`RowDot::dot_rows_tokens`]), and a single token takes the fused row dot. The store and
+/// reload of the dequantised row cost as much as the FMAs at four tokens, and are repaid
+/// only over many.
 pub(crate) const DEQUANT_MIN_TOKENS: usize = 16;
 
 /// Values of a row dequantised at once on the many-token path (a multiple of every block).
@@ -171,10 +173,23 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
                     k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
                 }
             }
+            _ if input.tokens == 1 => m
+                .kernel
+                .dot_rows(bytes, m.row_bytes, input.act(0), write(0)),
             _ if input.tokens < DEQUANT_MIN_TOKENS => {
-                for t in 0..input.tokens {
+                let mut t = 0;
+                while t < input.tokens {
+                    let n = TOKENS_AT_ONCE.min(input.tokens - t);
+                    let xs: [Act<'_>; TOKENS_AT_ONCE] =
+                        std::array::from_fn(|i| input.act(t + i.min(n - 1)));
+                    let mut outs: [&mut [f32]; TOKENS_AT_ONCE] =
+                        std::array::from_fn(|_| <&mut [f32]>::default());
+                    for (i, o) in outs.iter_mut().enumerate().take(n) {
+                        *o = write(t + i);
+                    }
                     m.kernel
-                        .dot_rows(bytes, m.row_bytes, input.act(t), write(t));
+                        .dot_rows_tokens(bytes, m.row_bytes, &xs[..n], &mut outs[..n]);
+                    t += n;
                 }
             }
             _ => many_tokens(m, bytes, r1 - r0, input, simd, write),
@@ -218,6 +233,9 @@ fn many_tokens<'o>(
             let c0 = s * SEGMENT;
             let n = (m.cols - c0).min(SEGMENT);
             for (j, b) in buf.iter_mut().enumerate().take(nr) {
+                if s == 0 {
+                    crate::kernels::prefetch_ahead(bytes, m.row_bytes, r0 + j);
+                }
                 let row = &bytes[(r0 + j) * m.row_bytes..(r0 + j + 1) * m.row_bytes];
                 let seg = &row[s * seg_bytes..(s * seg_bytes + seg_bytes).min(row.len())];
                 m.kernel.dequant_row(seg, &mut b[..n]);

@@ -6,6 +6,7 @@ mod common;
 use common::{random_bytes, random_vec};
 use kiln_backend_cpu::kernels::{
     block_sums, dot4_f32, dot_f32, simd_available, supported, Act, Isa, Kernel, RowDot,
+    TOKENS_AT_ONCE,
 };
 use kiln_core::{quant::dequantize, QType, Rng};
 
@@ -86,6 +87,75 @@ fn fused_dots_match_reference_dequantisation() {
             let bytes = random_bytes(&mut rng, q, rows, cols, 1.0);
             let x = random_vec(&mut rng, cols, 2.0);
             assert_dots_match_reference(q, &bytes, rows, cols, &x, "random");
+        }
+    }
+}
+
+/// The few-token product of batched decode (each weight decoded once for up to four
+/// activations): every type, every path, one to four tokens, row counts that do and do not
+/// fill the kernels' row groups, each result against the reference dequantiser and an f64
+/// dot. Outputs start as NaN, so a row or token left unwritten fails.
+#[test]
+fn few_token_dots_match_reference_dequantisation() {
+    let mut rng = Rng::new(11);
+    for q in supported() {
+        let cols = *row_lengths(q).last().unwrap();
+        for rows in [1, 2, 5, 7] {
+            let bytes = random_bytes(&mut rng, q, rows, cols, 1.0);
+            let row_bytes = q.row_bytes(cols).unwrap();
+            let xs: Vec<Vec<f32>> = (0..TOKENS_AT_ONCE)
+                .map(|_| random_vec(&mut rng, cols, 2.0))
+                .collect();
+            let sums: Vec<Vec<f32>> = xs
+                .iter()
+                .map(|x| {
+                    let mut s = vec![0.0; cols / 32];
+                    block_sums(x, &mut s);
+                    s
+                })
+                .collect();
+            let mut w = vec![0.0f32; cols];
+            // expect[r][t], magnitude[r][t]
+            let mut expect = vec![[0.0f64; TOKENS_AT_ONCE]; rows];
+            let mut magnitude = vec![[0.0f64; TOKENS_AT_ONCE]; rows];
+            for r in 0..rows {
+                dequantize(q, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+                for (t, x) in xs.iter().enumerate() {
+                    expect[r][t] = w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    magnitude[r][t] = w
+                        .iter()
+                        .zip(x)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                }
+            }
+            for isa in paths() {
+                let kernel = Kernel::new(q, isa).unwrap();
+                for tokens in 1..=TOKENS_AT_ONCE {
+                    let acts: Vec<Act<'_>> = (0..tokens)
+                        .map(|t| Act {
+                            x: &xs[t],
+                            sums: &sums[t],
+                        })
+                        .collect();
+                    let mut out = vec![vec![f32::NAN; rows]; tokens];
+                    let mut outs: Vec<&mut [f32]> =
+                        out.iter_mut().map(|o| o.as_mut_slice()).collect();
+                    kernel.dot_rows_tokens(&bytes, row_bytes, &acts, &mut outs);
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            let err = (out[t][r] as f64 - expect[r][t]).abs();
+                            assert!(
+                                err <= 1e-5 * magnitude[r][t] + 1e-6,
+                                "{q} {} rows {rows} tokens {tokens}: row {r} token {t} got {} want {} (err {err:e})",
+                                isa.name(),
+                                out[t][r],
+                                expect[r][t]
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }

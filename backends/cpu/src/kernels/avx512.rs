@@ -14,9 +14,8 @@
 
 use std::arch::x86_64::*;
 
-use kiln_core::QType;
-
 use super::avx2::{f16x2, k_scales_mins};
+use super::avx512_groups as groups;
 use super::Avx2;
 
 /// Proof that this CPU runs AVX-512F, BW and VL as well as AVX2, FMA and F16C: only
@@ -43,7 +42,7 @@ impl Avx512 {
 /// 0, 1, …, 15 as f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn iota16() -> __m512 {
+pub(super) fn iota16() -> __m512 {
     _mm512_setr_ps(
         0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
     )
@@ -55,7 +54,7 @@ fn iota16() -> __m512 {
 /// the previous block's FMA (seen: Q4_0 at half the speed of Q4_1).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn f16_splat(p: *const u8) -> __m512 {
+pub(super) unsafe fn f16_splat(p: *const u8) -> __m512 {
     // SAFETY: the caller guarantees the features and two readable bytes at `p`.
     unsafe { _mm512_cvtph_ps(_mm256_set1_epi16((p as *const u16).read_unaligned() as i16)) }
 }
@@ -629,232 +628,35 @@ pub fn dot4x4_f32(_: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     unsafe { dot4x4_f32_unchecked(w, x) }
 }
 
-/// Defines `pub fn $name(Avx512, src, out)`: dequantises the whole blocks of `$qtype` that
-/// both `src` and `out` hold, as the reference `dequantize_into` does, `$body` writing the
-/// block at `$p` to the values at `$y`. The values equal the reference dequantiser's bit
-/// for bit (the same products and sums in the same order): the many-token path dequantises
-/// every weight row once per batch, and the scalar loops took an eighth of a prefill.
-macro_rules! dequantiser {
-    ($name:ident, $qtype:expr, |$p:ident, $y:ident| $body:block) => {
-        pub fn $name(_: Avx512, src: &[u8], out: &mut [f32]) {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            unsafe fn blocks(src: &[u8], out: &mut [f32]) {
-                // SAFETY: the caller guarantees the features; block b's bytes and values lie
-                // inside `src` and `out` for every b below the count both hold.
-                unsafe {
-                    let (bytes, len) = ($qtype.block_bytes(), $qtype.block_len());
-                    for b in 0..(out.len() / len).min(src.len() / bytes) {
-                        let ($p, $y) = (src.as_ptr().add(b * bytes), out.as_mut_ptr().add(b * len));
-                        $body
-                    }
-                }
-            }
-            // SAFETY: the token proves the features; `blocks` stays inside both slices.
-            unsafe { blocks(src, out) }
+/// Defines, for a type with a [`groups::Groups`] decoder, `pub fn $dequant(Avx512, src,
+/// out)`, which dequantises the whole blocks both `src` and `out` hold (bit for bit the
+/// reference dequantiser's values: the many-token path dequantises every weight row once
+/// per batch, and the scalar loops took an eighth of a prefill), and `pub fn $tokens(Avx512,
+/// rows, row_bytes, xs, outs)`, the few-token row dot ([`groups::dot_tokens`]).
+macro_rules! group_kernels {
+    ($($dequant:ident, $tokens:ident => $groups:ty;)*) => {$(
+        pub fn $dequant(_: Avx512, src: &[u8], out: &mut [f32]) {
+            // SAFETY: the token proves the features; `dequantize` stays inside both slices.
+            unsafe { groups::dequantize::<$groups>(src, out) }
         }
-    };
-}
-
-/// The 16 bytes at `p`, each widened to a 32-bit lane.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn widen_u8(p: *const u8) -> __m512i {
-    // SAFETY: the caller guarantees the features and 16 readable bytes at `p`.
-    unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)) }
-}
-
-/// Writes `d·(q − 8)` for the 32 four-bit values of a Q4_0-style block (scale at `p`,
-/// nibbles at `p + 2`) to `y`; `interleaved`: APR's order (value 2k in the low nibble of
-/// byte k), else ggml's (value k low, k + 16 high).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequant_q4_symmetric(p: *const u8, y: *mut f32, interleaved: bool) {
-    // SAFETY: the caller guarantees the features, 18 readable bytes at `p` and 32 writable
-    // values at `y`.
-    unsafe {
-        let table = _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0)), f16_splat(p));
-        let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
-        let (first, second) = if interleaved {
-            let mask = _mm_set1_epi8(0x0F);
-            let (lo, hi) = (
-                _mm_and_si128(qs, mask),
-                _mm_and_si128(_mm_srli_epi16(qs, 4), mask),
-            );
-            (
-                _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)),
-                _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)),
-            )
-        } else {
-            // The permute reads only the low four bits of each index.
-            let idx = _mm512_cvtepu8_epi32(qs);
-            (idx, _mm512_srli_epi32(idx, 4))
-        };
-        _mm512_storeu_ps(y, _mm512_permutexvar_ps(first, table));
-        _mm512_storeu_ps(y.add(16), _mm512_permutexvar_ps(second, table));
-    }
-}
-
-/// The 5-bit values `(q | fifth << 4) − offset` of a Q5_0/Q5_1 block as f32: `qh` holds the
-/// fifth bits, `qs` points at the 16 nibble bytes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn q5_values(qh: u32, qs: *const u8, offset: i32) -> [__m512; 2] {
-    // SAFETY: the caller guarantees the features and 16 readable bytes at `qs`.
-    unsafe {
-        let (bit4, off) = (_mm512_set1_epi32(16), _mm512_set1_epi32(offset));
-        let idx = widen_u8(qs);
-        let mut out = [_mm512_setzero_ps(); 2];
-        for (h, nibble) in [
-            _mm512_and_si512(idx, _mm512_set1_epi32(15)),
-            _mm512_srli_epi32(idx, 4),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let fifth = (qh >> (16 * h)) as __mmask16;
-            let q = _mm512_sub_epi32(_mm512_mask_or_epi32(nibble, fifth, nibble, bit4), off);
-            out[h] = _mm512_cvtepi32_ps(q);
+        pub fn $tokens(_: Avx512, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+            // SAFETY: the token proves the features; `dot_tokens` checks the lengths.
+            unsafe { groups::dot_tokens::<$groups>(rows, row_bytes, xs, outs) }
         }
-        out
-    }
+    )*};
 }
 
-/// Writes a Q4_K or Q5_K block (`qh` null for Q4_K) as `d·sc·q − dmin·m` per sub-block.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequant_k4(p: *const u8, qh: *const u8, qs: *const u8, y: *mut f32) {
-    // SAFETY: the caller guarantees the features, a whole block at `p` (its 32 fifth-bit
-    // bytes at `qh` when not null, its 128 nibble bytes at `qs`) and 256 values at `y`.
-    unsafe {
-        let (d, dmin) = f16x2(p);
-        let scales = std::slice::from_raw_parts(p.add(4), 12);
-        for i in 0..4 {
-            let (sc1, m1) = kiln_core::quant::kquants::scale_min_k4(scales, 2 * i);
-            let (sc2, m2) = kiln_core::quant::kquants::scale_min_k4(scales, 2 * i + 1);
-            let (d1, m1) = (
-                _mm512_set1_ps(d * sc1 as f32),
-                _mm512_set1_ps(dmin * m1 as f32),
-            );
-            let (d2, m2) = (
-                _mm512_set1_ps(d * sc2 as f32),
-                _mm512_set1_ps(dmin * m2 as f32),
-            );
-            for h in 0..2 {
-                let q = widen_u8(qs.add(32 * i + 16 * h));
-                let (mut lo, mut hi) = (
-                    _mm512_and_si512(q, _mm512_set1_epi32(15)),
-                    _mm512_srli_epi32(q, 4),
-                );
-                if !qh.is_null() {
-                    // Bit 2i (2i + 1) of qh byte l is the fifth bit of value l of sub-block 2i (2i + 1).
-                    let bits = widen_u8(qh.add(16 * h));
-                    let first = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(1 << (2 * i)));
-                    let second = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(2 << (2 * i)));
-                    let sixteen = _mm512_set1_epi32(16);
-                    lo = _mm512_mask_add_epi32(lo, first, lo, sixteen);
-                    hi = _mm512_mask_add_epi32(hi, second, hi, sixteen);
-                }
-                let (lo, hi) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
-                _mm512_storeu_ps(
-                    y.add(64 * i + 16 * h),
-                    _mm512_sub_ps(_mm512_mul_ps(d1, lo), m1),
-                );
-                _mm512_storeu_ps(
-                    y.add(64 * i + 32 + 16 * h),
-                    _mm512_sub_ps(_mm512_mul_ps(d2, hi), m2),
-                );
-            }
-        }
-    }
+group_kernels! {
+    dequant_q4_0, tokens_q4_0 => groups::Q4_0;
+    dequant_apr_q4, tokens_apr_q4 => groups::AprQ4;
+    dequant_q4_1, tokens_q4_1 => groups::Q4_1;
+    dequant_q5_0, tokens_q5_0 => groups::Q5_0;
+    dequant_q5_1, tokens_q5_1 => groups::Q5_1;
+    dequant_q8_0, tokens_q8_0 => groups::Q8_0;
+    dequant_q4_k, tokens_q4_k => groups::Q4K;
+    dequant_q5_k, tokens_q5_k => groups::Q5K;
+    dequant_q6_k, tokens_q6_k => groups::Q6K;
 }
-
-dequantiser!(dequant_q4_0, QType::Q4_0, |p, y| {
-    dequant_q4_symmetric(p, y, false)
-});
-dequantiser!(dequant_apr_q4, QType::AprQ4, |p, y| {
-    dequant_q4_symmetric(p, y, true)
-});
-dequantiser!(dequant_q4_1, QType::Q4_1, |p, y| {
-    let (d, m) = f16x2(p);
-    let (table, m) = (
-        _mm512_mul_ps(iota16(), _mm512_set1_ps(d)),
-        _mm512_set1_ps(m),
-    );
-    let idx = widen_u8(p.add(4));
-    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_permutexvar_ps(idx, table), m));
-    _mm512_storeu_ps(
-        y.add(16),
-        _mm512_add_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table), m),
-    );
-});
-dequantiser!(dequant_q5_0, QType::Q5_0, |p, y| {
-    let d = f16_splat(p);
-    let q = q5_values((p.add(2) as *const u32).read_unaligned(), p.add(6), 16);
-    _mm512_storeu_ps(y, _mm512_mul_ps(d, q[0]));
-    _mm512_storeu_ps(y.add(16), _mm512_mul_ps(d, q[1]));
-});
-dequantiser!(dequant_q5_1, QType::Q5_1, |p, y| {
-    let (d, m) = f16x2(p);
-    let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
-    let q = q5_values((p.add(4) as *const u32).read_unaligned(), p.add(8), 0);
-    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(d, q[0]), m));
-    _mm512_storeu_ps(y.add(16), _mm512_add_ps(_mm512_mul_ps(d, q[1]), m));
-});
-dequantiser!(dequant_q8_0, QType::Q8_0, |p, y| {
-    let d = f16_splat(p);
-    for h in 0..2 {
-        let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
-        _mm512_storeu_ps(
-            y.add(16 * h),
-            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))),
-        );
-    }
-});
-dequantiser!(dequant_q4_k, QType::Q4_K, |p, y| {
-    dequant_k4(p, std::ptr::null(), p.add(16), y)
-});
-dequantiser!(dequant_q5_k, QType::Q5_K, |p, y| {
-    dequant_k4(p, p.add(16), p.add(48), y)
-});
-dequantiser!(dequant_q6_k, QType::Q6_K, |p, y| {
-    let (low4, low2, off) = (
-        _mm512_set1_epi32(15),
-        _mm512_set1_epi32(3),
-        _mm512_set1_epi32(32),
-    );
-    let d = half::f16::from_bits((p.add(208) as *const u16).read_unaligned()).to_f32();
-    let sc = p.add(192) as *const i8;
-    for n in 0..2 {
-        let y = y.add(128 * n);
-        for half in 0..2 {
-            let (a, c) = (
-                widen_u8(p.add(64 * n + 16 * half)),
-                widen_u8(p.add(64 * n + 32 + 16 * half)),
-            );
-            let h = widen_u8(p.add(128 + 32 * n + 16 * half));
-            // Value k of the four 32-value groups: a low nibble (a, c) or a high one, and
-            // two bits of h, minus 32.
-            let parts = [
-                (_mm512_and_si512(a, low4), 0),
-                (_mm512_and_si512(c, low4), 2),
-                (_mm512_srli_epi32(a, 4), 4),
-                (_mm512_srli_epi32(c, 4), 6),
-            ];
-            for (k, (nib, shift)) in parts.into_iter().enumerate() {
-                let top = _mm512_slli_epi32(
-                    _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(shift)), low2),
-                    4,
-                );
-                let q = _mm512_sub_epi32(_mm512_or_si512(nib, top), off);
-                let scale = _mm512_set1_ps(d * *sc.add(8 * n + half + 2 * k) as f32);
-                _mm512_storeu_ps(
-                    y.add(32 * k + 16 * half),
-                    _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)),
-                );
-            }
-        }
-    }
-});
 
 /// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

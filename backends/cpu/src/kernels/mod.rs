@@ -24,6 +24,9 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx2_q8;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512_groups;
+
 pub mod q8;
 
 #[cfg(target_arch = "x86_64")]
@@ -153,7 +156,24 @@ pub trait RowDot {
     fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]);
     /// One row, dequantised into `out` (its length is the row length).
     fn dequant_row(&self, row: &[u8], out: &mut [f32]);
+    /// `outs[t][r] = row r · xs[t]` for one to [`TOKENS_AT_ONCE`] activations (a batched
+    /// decode's tokens). Kernels that can decode a weight once for all of them do;
+    /// the others dot token by token.
+    fn dot_rows_tokens(
+        &self,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[Act<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        for (x, out) in xs.iter().zip(outs.iter_mut()) {
+            self.dot_rows(rows, row_bytes, *x, out);
+        }
+    }
 }
+
+/// Activations [`RowDot::dot_rows_tokens`] takes at most.
+pub const TOKENS_AT_ONCE: usize = 4;
 
 /// f32 dot product, vectorised when given a SIMD token.
 #[inline]
@@ -384,7 +404,7 @@ pub(crate) fn prefetch_ahead(rows: &[u8], row_bytes: usize, i: usize) {
 }
 
 macro_rules! block_kernel {
-    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident) => {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident, $simd_tokens:ident) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
@@ -422,6 +442,19 @@ macro_rules! block_kernel {
                 }
                 dequant::dequantize_into($qtype, row, out);
             }
+            fn dot_rows_tokens(&self, rows: &[u8], row_bytes: usize, xs: &[Act<'_>], outs: &mut [&mut [f32]]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(Simd::Avx512(t)) = self.simd {
+                    let mut x: [&[f32]; TOKENS_AT_ONCE] = [&[]; TOKENS_AT_ONCE];
+                    for (x, a) in x.iter_mut().zip(xs) {
+                        *x = a.x;
+                    }
+                    return avx512::$simd_tokens(t, rows, row_bytes, &x[..xs.len()], outs);
+                }
+                for (x, out) in xs.iter().zip(outs.iter_mut()) {
+                    self.dot_rows(rows, row_bytes, *x, out);
+                }
+            }
         }
     };
 }
@@ -451,7 +484,8 @@ block_kernel!(
     32,
     dequant::block_q4_0,
     dot_q4_0,
-    dequant_q4_0
+    dequant_q4_0,
+    tokens_q4_0
 );
 block_kernel!(
     Q4_1Kernel,
@@ -459,7 +493,8 @@ block_kernel!(
     32,
     dequant::block_q4_1,
     dot_q4_1,
-    dequant_q4_1
+    dequant_q4_1,
+    tokens_q4_1
 );
 block_kernel!(
     Q5_0Kernel,
@@ -467,7 +502,8 @@ block_kernel!(
     32,
     dequant::block_q5_0,
     dot_q5_0,
-    dequant_q5_0
+    dequant_q5_0,
+    tokens_q5_0
 );
 block_kernel!(
     Q5_1Kernel,
@@ -475,7 +511,8 @@ block_kernel!(
     32,
     dequant::block_q5_1,
     dot_q5_1,
-    dequant_q5_1
+    dequant_q5_1,
+    tokens_q5_1
 );
 block_kernel!(
     Q8_0Kernel,
@@ -483,7 +520,8 @@ block_kernel!(
     32,
     dequant::block_q8_0,
     dot_q8_0,
-    dequant_q8_0
+    dequant_q8_0,
+    tokens_q8_0
 );
 block_kernel!(
     Q4KKernel,
@@ -491,7 +529,8 @@ block_kernel!(
     256,
     dequant::block_q4_k,
     dot_q4_k,
-    dequant_q4_k
+    dequant_q4_k,
+    tokens_q4_k
 );
 block_kernel!(
     Q5KKernel,
@@ -499,7 +538,8 @@ block_kernel!(
     256,
     dequant::block_q5_k,
     dot_q5_k,
-    dequant_q5_k
+    dequant_q5_k,
+    tokens_q5_k
 );
 block_kernel!(
     Q6KKernel,
@@ -507,7 +547,8 @@ block_kernel!(
     256,
     dequant::block_q6_k,
     dot_q6_k,
-    dequant_q6_k
+    dequant_q6_k,
+    tokens_q6_k
 );
 block_kernel!(
     /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
@@ -516,7 +557,8 @@ block_kernel!(
     32,
     dequant::block_apr_q4,
     dot_apr_q4,
-    dequant_apr_q4
+    dequant_apr_q4,
+    tokens_apr_q4
 );
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
