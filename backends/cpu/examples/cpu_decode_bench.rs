@@ -1,5 +1,6 @@
 //! Prompt and decode speed of the CPU backend on a real GGUF model, with 1 and 2 threads
-//! (and every core, when there are more), on each SIMD instruction set the CPU runs.
+//! (and every core, when there are more), on each SIMD instruction set the CPU runs: one
+//! sequence, then a batch of [`BATCH`] decoding together (tokens a second over the batch).
 //!
 //! ```text
 //! cargo run --release -p kiln-backend-cpu --example cpu_decode_bench [-- MODEL.gguf [ISA [THREADS]]]
@@ -16,6 +17,8 @@ use kiln_core::{argmax, DecodeItem, LoadOptions};
 
 const PROMPT_TOKENS: usize = 64;
 const DECODE_TOKENS: usize = 64;
+/// Sequences in the batched decode.
+const BATCH: usize = 4;
 
 fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::args_os().nth(1) {
@@ -75,7 +78,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         let opts = LoadOptions {
             max_context: 512,
-            max_sequences: 1,
+            max_sequences: BATCH,
             threads: Some(threads),
             ..Default::default()
         };
@@ -96,12 +99,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             token = argmax(&logits);
         }
         let decode_s = t.elapsed().as_secs_f64();
+        // The batch: the first sequence as it stands and BATCH − 1 more after short prompts.
+        let mut items = vec![DecodeItem { seq, token }];
+        for b in 1..BATCH {
+            let s = kiln_core::LayerExecutor::new_sequence(&mut ex)?;
+            kiln_core::LayerExecutor::prefill(&mut ex, s, &prompt[b..b + 8], &mut logits)?;
+            items.push(DecodeItem {
+                seq: s,
+                token: argmax(&logits),
+            });
+        }
+        let mut batch_logits = vec![0.0f32; vocab * BATCH];
+        let t = Instant::now();
+        for _ in 0..DECODE_TOKENS {
+            kiln_core::LayerExecutor::decode(&mut ex, &items, &mut batch_logits)?;
+            for (item, l) in items.iter_mut().zip(batch_logits.chunks_exact(vocab)) {
+                item.token = argmax(l);
+            }
+        }
+        let batch_s = t.elapsed().as_secs_f64();
         println!(
-            "{:>8} threads {threads}: prompt {PROMPT_TOKENS} tokens {:.1} tok/s, decode {DECODE_TOKENS} tokens {:.1} tok/s ({:.2} ms/token)",
+            "{:>8} threads {threads}: prompt {PROMPT_TOKENS} tokens {:.1} tok/s, decode {DECODE_TOKENS} tokens {:.1} tok/s ({:.2} ms/token), {BATCH} sequences {:.1} tok/s",
             isa.name(),
             PROMPT_TOKENS as f64 / prefill_s,
             DECODE_TOKENS as f64 / decode_s,
-            decode_s * 1e3 / DECODE_TOKENS as f64
+            decode_s * 1e3 / DECODE_TOKENS as f64,
+            (BATCH * DECODE_TOKENS) as f64 / batch_s
         );
     }
     Ok(())

@@ -8,6 +8,8 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2_groups as groups;
+
 use kiln_core::quant::{iquants, mxfp4};
 
 #[inline]
@@ -914,4 +916,33 @@ block_dot! {
     dot_q6_k => dot_q6_k_unchecked, 256, 210, false;
     dot_mxfp4 => dot_mxfp4_unchecked, 32, 17, false;
     dot_iq4_nl => dot_iq4_nl_unchecked, 32, 18, false;
+}
+
+/// Defines, for a type with a [`groups::Groups`] decoder, `pub fn $dequant(Avx2, src, out)`
+/// (the whole blocks both hold, bit for bit the reference dequantiser's values) and
+/// `pub fn $tokens(Avx2, rows, row_bytes, xs, outs)`, the few-token row dot
+/// ([`groups::dot_tokens`]).
+macro_rules! group_kernels {
+    ($($dequant:ident, $tokens:ident => $groups:ty;)*) => {$(
+        pub fn $dequant(_: Avx2, src: &[u8], out: &mut [f32]) {
+            // SAFETY: the token proves the features; `dequantize` stays inside both slices.
+            unsafe { groups::dequantize::<$groups>(src, out) }
+        }
+        pub fn $tokens(_: Avx2, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+            // SAFETY: the token proves the features; `dot_tokens` checks the lengths.
+            unsafe { groups::dot_tokens::<$groups>(rows, row_bytes, xs, outs) }
+        }
+    )*};
+}
+
+group_kernels! {
+    dequant_q4_0, tokens_q4_0 => groups::Q4_0;
+    dequant_apr_q4, tokens_apr_q4 => groups::AprQ4;
+    dequant_q4_1, tokens_q4_1 => groups::Q4_1;
+    dequant_q5_0, tokens_q5_0 => groups::Q5_0;
+    dequant_q5_1, tokens_q5_1 => groups::Q5_1;
+    dequant_q8_0, tokens_q8_0 => groups::Q8_0;
+    dequant_q4_k, tokens_q4_k => groups::Q4K;
+    dequant_q5_k, tokens_q5_k => groups::Q5K;
+    dequant_q6_k, tokens_q6_k => groups::Q6K;
 }

@@ -6,8 +6,9 @@
 //! Three implementations per hot type: AVX-512 (`avx512`, sixteen lanes, 4- and 5-bit
 //! values looked up by permutes), AVX2+FMA+F16C (`avx2`) and a portable one that
 //! dequantises a block into register-sized scratch and runs a plain f32 dot; the widest
-//! the CPU runs is picked at load. Activations are never quantised here: this backend is
-//! the oracle. [`q8`] holds the opt-in integer kernels on 8-bit activations (llama.cpp's
+//! the CPU runs is picked at load. `avx512_groups` and `avx2_groups` decode blocks 32
+//! values at a time into registers for the dequantisers and the few-token products of
+//! batched decode. Activations are never quantised here: this backend is the oracle. [`q8`] holds the opt-in integer kernels on 8-bit activations (llama.cpp's
 //! arithmetic), which the executor uses only when the caller asks for them.
 
 use enum_dispatch::enum_dispatch;
@@ -26,6 +27,9 @@ mod avx2_q8;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_groups;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_groups;
 
 pub mod q8;
 
@@ -404,7 +408,7 @@ pub(crate) fn prefetch_ahead(rows: &[u8], row_bytes: usize, i: usize) {
 }
 
 macro_rules! block_kernel {
-    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident, $simd_tokens:ident) => {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident, $simd_tokens:ident, avx2_batches: $avx2_batches:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
@@ -437,19 +441,28 @@ macro_rules! block_kernel {
             }
             fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(Simd::Avx512(t)) = self.simd {
-                    return avx512::$simd_deq(t, row, out);
+                match self.simd {
+                    Some(Simd::Avx512(t)) => return avx512::$simd_deq(t, row, out),
+                    Some(Simd::Avx2(t)) => return avx2::$simd_deq(t, row, out),
+                    None => {}
                 }
                 dequant::dequantize_into($qtype, row, out);
             }
             fn dot_rows_tokens(&self, rows: &[u8], row_bytes: usize, xs: &[Act<'_>], outs: &mut [&mut [f32]]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(Simd::Avx512(t)) = self.simd {
+                if let Some(simd) = self.simd {
                     let mut x: [&[f32]; TOKENS_AT_ONCE] = [&[]; TOKENS_AT_ONCE];
                     for (x, a) in x.iter_mut().zip(xs) {
                         *x = a.x;
                     }
-                    return avx512::$simd_tokens(t, rows, row_bytes, &x[..xs.len()], outs);
+                    let x = &x[..xs.len()];
+                    match simd {
+                        Simd::Avx512(t) => return avx512::$simd_tokens(t, rows, row_bytes, x, outs),
+                        Simd::Avx2(t) if $avx2_batches => {
+                            return avx2::$simd_tokens(t, rows, row_bytes, x, outs)
+                        }
+                        Simd::Avx2(_) => {}
+                    }
                 }
                 for (x, out) in xs.iter().zip(outs.iter_mut()) {
                     self.dot_rows(rows, row_bytes, *x, out);
@@ -485,7 +498,8 @@ block_kernel!(
     dequant::block_q4_0,
     dot_q4_0,
     dequant_q4_0,
-    tokens_q4_0
+    tokens_q4_0,
+    avx2_batches: true
 );
 block_kernel!(
     Q4_1Kernel,
@@ -494,7 +508,8 @@ block_kernel!(
     dequant::block_q4_1,
     dot_q4_1,
     dequant_q4_1,
-    tokens_q4_1
+    tokens_q4_1,
+    avx2_batches: true
 );
 block_kernel!(
     Q5_0Kernel,
@@ -503,7 +518,8 @@ block_kernel!(
     dequant::block_q5_0,
     dot_q5_0,
     dequant_q5_0,
-    tokens_q5_0
+    tokens_q5_0,
+    avx2_batches: true
 );
 block_kernel!(
     Q5_1Kernel,
@@ -512,7 +528,8 @@ block_kernel!(
     dequant::block_q5_1,
     dot_q5_1,
     dequant_q5_1,
-    tokens_q5_1
+    tokens_q5_1,
+    avx2_batches: true
 );
 block_kernel!(
     Q8_0Kernel,
@@ -521,7 +538,8 @@ block_kernel!(
     dequant::block_q8_0,
     dot_q8_0,
     dequant_q8_0,
-    tokens_q8_0
+    tokens_q8_0,
+    avx2_batches: true
 );
 block_kernel!(
     Q4KKernel,
@@ -530,7 +548,11 @@ block_kernel!(
     dequant::block_q4_k,
     dot_q4_k,
     dequant_q4_k,
-    tokens_q4_k
+    tokens_q4_k,
+    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
+    // decodes less per value: decoding the weights once for four tokens measured no faster
+    // on a q4_k_m file.
+    avx2_batches: false
 );
 block_kernel!(
     Q5KKernel,
@@ -539,7 +561,11 @@ block_kernel!(
     dequant::block_q5_k,
     dot_q5_k,
     dequant_q5_k,
-    tokens_q5_k
+    tokens_q5_k,
+    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
+    // decodes less per value: decoding the weights once for four tokens measured no faster
+    // on a q4_k_m file.
+    avx2_batches: false
 );
 block_kernel!(
     Q6KKernel,
@@ -548,7 +574,11 @@ block_kernel!(
     dequant::block_q6_k,
     dot_q6_k,
     dequant_q6_k,
-    tokens_q6_k
+    tokens_q6_k,
+    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
+    // decodes less per value: decoding the weights once for four tokens measured no faster
+    // on a q4_k_m file.
+    avx2_batches: false
 );
 block_kernel!(
     /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
@@ -558,7 +588,8 @@ block_kernel!(
     dequant::block_apr_q4,
     dot_apr_q4,
     dequant_apr_q4,
-    tokens_apr_q4
+    tokens_apr_q4,
+    avx2_batches: true
 );
 portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
 portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
