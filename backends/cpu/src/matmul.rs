@@ -4,10 +4,10 @@
 //! of weight bytes. With several tokens (prefill, batched decode) every task still reads
 //! its weight rows from memory once: a few tokens share each decoded weight group in
 //! registers (or, for types without such a kernel, take the fused kernel per token while
-//! the rows sit in cache; 8-bit activations take the integer kernel per token at any
-//! count), and many tokens — prefill — dequantise each row once, a segment at a time, and
-//! dot the segment with every token, which is what makes the oracle's prefill cheaper per
-//! token than decode.
+//! the rows sit in cache), and many tokens — prefill — dequantise each row once, a segment
+//! at a time, and dot the segment with every token, which is what makes the oracle's
+//! prefill cheaper per token than decode. 8-bit activations take the integer kernels at any
+//! count, four tokens at a time sharing each row's decoded weights.
 
 use kiln_core::{Error, QType, Result, TensorView};
 use rayon::prelude::*;
@@ -166,11 +166,22 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
         let bytes = &m.view.bytes()[r0 * m.row_bytes..r1 * m.row_bytes];
         let q8 = m.q8.and_then(|k| Some((k, input.q8?.form(k.span())?)));
         match q8 {
-            // 8-bit activations: every token takes the integer kernel, prompts too, so the
-            // arithmetic is llama.cpp's at any batch size (the rows stay in cache).
+            // 8-bit activations: every token takes the integer kernels, prompts too, so the
+            // arithmetic is llama.cpp's at any batch size; up to four tokens share each
+            // row's decoded weights.
             Some((k, act)) => {
-                for t in 0..input.tokens {
-                    k.dot_rows(bytes, m.row_bytes, act.token(t), write(t));
+                let mut t = 0;
+                while t < input.tokens {
+                    let n = TOKENS_AT_ONCE.min(input.tokens - t);
+                    let xs: [_; TOKENS_AT_ONCE] =
+                        std::array::from_fn(|i| act.token(t + i.min(n - 1)));
+                    let mut outs: [&mut [f32]; TOKENS_AT_ONCE] =
+                        std::array::from_fn(|_| <&mut [f32]>::default());
+                    for (i, o) in outs.iter_mut().enumerate().take(n) {
+                        *o = write(t + i);
+                    }
+                    k.dot_rows_tokens(bytes, m.row_bytes, &xs[..n], &mut outs[..n]);
+                    t += n;
                 }
             }
             _ if input.tokens == 1 => m

@@ -75,6 +75,60 @@ fn q8_dots_match_reference_dequantisation() {
     }
 }
 
+/// The few-token form (a batch's tokens sharing each row's decoded weights): every type,
+/// one to four activations, row lengths with and without a tail of blocks past the last
+/// eight, against the f64 reference on each token's own quantised activation. Outputs start
+/// as NaN, so a row or token left unwritten fails.
+#[test]
+fn q8_few_token_dots_match_reference_dequantisation() {
+    let mut rng = Rng::new(0x5eed_0009);
+    for q in Q8_TYPES {
+        for cols in row_lengths(q) {
+            let rows = 5;
+            let bytes = random_bytes(&mut rng, q, rows, cols, 1.0);
+            let row_bytes = q.row_bytes(cols).unwrap();
+            let span = Q8Kernel::new(q, Isa::Portable).unwrap().span();
+            let x = random_vec(&mut rng, 4 * cols, 3.0);
+            let mut act = Q8Act::default();
+            act.quantize(&x, 4, cols, span);
+            let mut w = vec![0.0f32; cols];
+            let mut expect = vec![[0.0f64; 4]; rows];
+            let mut magnitude = vec![[0.0f64; 4]; rows];
+            for r in 0..rows {
+                dequantize(q, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+                for t in 0..4 {
+                    let a = act.token(t);
+                    let terms = (0..cols).map(|i| w[i] as f64 * a.value(i) as f64);
+                    expect[r][t] = terms.clone().sum::<f64>();
+                    magnitude[r][t] = terms.map(f64::abs).sum::<f64>();
+                }
+            }
+            for isa in paths() {
+                let kernel = Q8Kernel::new(q, isa).unwrap();
+                for tokens in 1..=4 {
+                    let xs: Vec<_> = (0..tokens).map(|t| act.token(t)).collect();
+                    let mut out = vec![vec![f32::NAN; rows]; tokens];
+                    let mut outs: Vec<&mut [f32]> =
+                        out.iter_mut().map(|o| o.as_mut_slice()).collect();
+                    kernel.dot_rows_tokens(&bytes, row_bytes, &xs, &mut outs);
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            let err = (out[t][r] as f64 - expect[r][t]).abs();
+                            assert!(
+                                err <= 2e-6 * magnitude[r][t] + 1e-6,
+                                "{q} cols {cols} on {} with {tokens} tokens: row {r} token {t} got {} want {} (err {err:e})",
+                                isa.name(),
+                                out[t][r],
+                                expect[r][t]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Patterns random bytes make unlikely: every quant at its largest or smallest (the pair
 /// sums' extremes, where a saturating instruction would show), the fifth-bit fields of the
 /// Q5 types all clear, all set or alternating, and activations at ±their block's largest

@@ -183,7 +183,7 @@ pub(super) fn f16_pairs8(words: &[u32; 8]) -> (__m256, __m256) {
 /// through the array, the compiler would keep the values in registers and spread them
 /// with shuffles instead, on the one port those kernels are short of.
 #[inline(always)]
-fn from_memory<T>(p: *const T) -> *const T {
+pub(super) fn from_memory<T>(p: *const T) -> *const T {
     std::hint::black_box(p)
 }
 

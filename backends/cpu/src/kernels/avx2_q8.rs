@@ -15,7 +15,7 @@ use kiln_core::quant::{iquants, mxfp4};
 use kiln_core::QType;
 
 use super::avx2::offset;
-use super::avx2::{f16_pairs8, f16x2, hsum, k_scales_mins, Avx2};
+use super::avx2::{f16_pairs8, f16x2, from_memory, hsum, k_scales_mins, Avx2};
 use super::q8::{check_lengths, Q8Ref, Q8_BLOCK};
 
 /// Σ w·y of 32 unsigned weight bytes and 32 signed activation bytes, as eight i32 lane
@@ -491,5 +491,363 @@ unsafe fn each_row(
     for (i, (o, row)) in out.iter_mut().zip(rows.chunks_exact(row_bytes)).enumerate() {
         super::prefetch_ahead(rows, row_bytes, i);
         *o = kernel(row, x);
+    }
+}
+
+/// The few-token loop of the 32-value types: `T` activations against one row, eight blocks
+/// a step. Each block's weight bytes are decoded once (`weights`) and parked in a stack
+/// copy; each token then takes its eight products (`product`: the eight i32 lane sums of a
+/// block's weights with its activation bytes), gathers them into one vector
+/// ([`lane_sums8`]) that meets the blocks' d·dx in one FMA, and adds the offset as
+/// [`legacy_pair`] does. Blocks past the last eight go one at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_tokens<const STRIDE: usize, const OFFSET: u8, const T: usize>(
+    row: &[u8],
+    xs: [Q8Ref<'_>; T],
+    factor: f32,
+    weights: impl Fn(*const u8) -> __m256i,
+    product: impl Fn(__m256i, __m256i) -> __m256i,
+) -> [f32; T] {
+    // SAFETY: the caller guarantees the features, `xs[t].len() / 32` blocks of STRIDE
+    // bytes in `row` for every t (all the same length) and one `d` and `s` per block of
+    // each activation; every pointer stays inside them.
+    unsafe {
+        let nb = xs[0].len() / Q8_BLOCK;
+        let p = row.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut off = [_mm256_setzero_ps(); T];
+        let mut w = [_mm256_setzero_si256(); 8];
+        let mut b = 0;
+        while b + 8 <= nb {
+            let mut words = [0u32; 8];
+            for k in 0..8 {
+                let blk = p.add((b + k) * STRIDE);
+                w[k] = weights(blk);
+                words[k] = (blk as *const u32).read_unaligned();
+            }
+            let (d, m) = f16_pairs8(&words);
+            let w = from_memory(w.as_ptr());
+            for t in 0..T {
+                let y = xs[t].qs.as_ptr().add(b * Q8_BLOCK);
+                let mut dots = [_mm256_setzero_si256(); 8];
+                for k in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(k * Q8_BLOCK) as *const __m256i);
+                    dots[k] = product(*w.add(k), yv);
+                }
+                let dx = _mm256_loadu_ps(xs[t].d.as_ptr().add(b));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(d, dx),
+                    _mm256_cvtepi32_ps(lane_sums8(dots)),
+                    acc[t],
+                );
+                let s = _mm256_loadu_ps(xs[t].s.as_ptr().add(b));
+                match OFFSET {
+                    offset::SCALE => off[t] = _mm256_fmadd_ps(d, s, off[t]),
+                    offset::MIN => off[t] = _mm256_fmadd_ps(m, s, off[t]),
+                    _ => {}
+                }
+            }
+            b += 8;
+        }
+        let mut out = [0.0f32; T];
+        for t in 0..T {
+            let total = match OFFSET {
+                offset::SCALE => _mm256_fmadd_ps(_mm256_set1_ps(factor), off[t], acc[t]),
+                offset::MIN => _mm256_add_ps(acc[t], off[t]),
+                _ => acc[t],
+            };
+            out[t] = hsum(total);
+        }
+        while b < nb {
+            let blk = p.add(b * STRIDE);
+            let wb = weights(blk);
+            let (d, m) = f16x2(blk);
+            for t in 0..T {
+                let yv = _mm256_loadu_si256(xs[t].qs.as_ptr().add(b * Q8_BLOCK) as *const __m256i);
+                let dot = hsum(_mm256_cvtepi32_ps(product(wb, yv)));
+                out[t] += d * xs[t].d[b] * dot;
+                match OFFSET {
+                    offset::SCALE => out[t] += factor * d * xs[t].s[b],
+                    offset::MIN => out[t] += m * xs[t].s[b],
+                    _ => {}
+                }
+            }
+            b += 1;
+        }
+        out
+    }
+}
+
+/// Unsigned weight bytes times activation bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unsigned_product(w: __m256i, y: __m256i) -> __m256i {
+    pair_sums(w, y)
+}
+
+/// Signed weight bytes times activation bytes (the sign moved onto the activation).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_product(w: __m256i, y: __m256i) -> __m256i {
+    pair_sums(_mm256_abs_epi8(w), _mm256_sign_epi8(y, w))
+}
+
+/// Q4_K for `T` activations: each super-block's nibbles split once, then per token the
+/// eight sub-blocks' dots, scales and mins as [`dot_q4_k`] takes them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_tokens<const T: usize>(row: &[u8], xs: [Q8Ref<'_>; T]) -> [f32; T] {
+    // SAFETY: as for `dot_q4_k`, for every activation.
+    unsafe {
+        let p = row.as_ptr();
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut off = [_mm256_setzero_ps(); T];
+        let mut w = [_mm256_setzero_si256(); 8];
+        for sb in 0..xs[0].len() / 256 {
+            let blk = p.add(sb * 144);
+            let (d, dmin) = f16x2(blk);
+            let (sc, mn) = k_scales_mins(blk.add(4));
+            let (dsc, mins) = (
+                _mm256_mul_ps(_mm256_set1_ps(d), sc),
+                _mm256_mul_ps(_mm256_set1_ps(dmin), mn),
+            );
+            for j in 0..4 {
+                let bytes = _mm256_loadu_si256(blk.add(16 + 32 * j) as *const __m256i);
+                w[2 * j] = _mm256_and_si256(bytes, low);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            }
+            let w = from_memory(w.as_ptr());
+            for t in 0..T {
+                let y = xs[t].qs.as_ptr().add(256 * sb);
+                let mut dots = [_mm256_setzero_si256(); 8];
+                for k in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * k) as *const __m256i);
+                    dots[k] = pair_sums(*w.add(k), yv);
+                }
+                let dx = _mm256_loadu_ps(xs[t].d.as_ptr().add(8 * sb));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(dsc, dx),
+                    _mm256_cvtepi32_ps(lane_sums8(dots)),
+                    acc[t],
+                );
+                let s = _mm256_loadu_ps(xs[t].s.as_ptr().add(8 * sb));
+                off[t] = _mm256_fmadd_ps(mins, s, off[t]);
+            }
+        }
+        let mut out = [0.0f32; T];
+        for t in 0..T {
+            out[t] = hsum(_mm256_sub_ps(acc[t], off[t]));
+        }
+        out
+    }
+}
+
+/// Q6_K for `T` activations: each super-block's quants assembled once (and its sub-block
+/// scales spread once), then per token the eight blocks' scaled dots as [`dot_q6_k`] takes
+/// them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_tokens<const T: usize>(row: &[u8], xs: [Q8Ref<'_>; T]) -> [f32; T] {
+    // SAFETY: as for `dot_q6_k`, for every activation.
+    unsafe {
+        let p = row.as_ptr();
+        let (low4, low2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+        let thirty_two = _mm256_set1_epi8(32);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut quants = [_mm256_setzero_si256(); 8];
+        let mut scales = [_mm256_setzero_si256(); 8];
+        for sb in 0..xs[0].len() / 256 {
+            let blk = p.add(sb * 210);
+            let sub_scales = _mm_loadu_si128(blk.add(192) as *const __m128i);
+            for half in 0..2 {
+                let ql0 = _mm256_loadu_si256(blk.add(64 * half) as *const __m256i);
+                let ql1 = _mm256_loadu_si256(blk.add(64 * half + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(blk.add(128 + 32 * half) as *const __m256i);
+                let top = |bits: __m256i| _mm256_slli_epi16(_mm256_and_si256(bits, low2), 4);
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, low4), top(qh)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low4), top(_mm256_srli_epi16(qh, 2))),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                        top(_mm256_srli_epi16(qh, 4)),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                        top(_mm256_srli_epi16(qh, 6)),
+                    ),
+                ];
+                for (k, q) in q.into_iter().enumerate() {
+                    let b = 4 * half + k;
+                    quants[b] = q;
+                    let first = (8 * half + 2 * k) as i8;
+                    let second = first + 1;
+                    #[rustfmt::skip]
+                    let pick = _mm_setr_epi8(
+                        first, first, first, first, first, first, first, first,
+                        second, second, second, second, second, second, second, second,
+                    );
+                    scales[b] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sub_scales, pick));
+                }
+            }
+            let (q, sc) = (from_memory(quants.as_ptr()), from_memory(scales.as_ptr()));
+            let d = _mm256_set1_ps(super::avx2::f16x1(blk.add(208)));
+            for t in 0..T {
+                let y = xs[t].qs.as_ptr().add(256 * sb);
+                let mut dots = [_mm256_setzero_si256(); 8];
+                for b in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * b) as *const __m256i);
+                    let pairs = _mm256_sub_epi16(
+                        _mm256_maddubs_epi16(*q.add(b), yv),
+                        _mm256_maddubs_epi16(thirty_two, yv),
+                    );
+                    dots[b] = _mm256_madd_epi16(pairs, *sc.add(b));
+                }
+                let dx = _mm256_loadu_ps(xs[t].d.as_ptr().add(8 * sb));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(d, dx),
+                    _mm256_cvtepi32_ps(lane_sums8(dots)),
+                    acc[t],
+                );
+            }
+        }
+        let mut out = [0.0f32; T];
+        for t in 0..T {
+            out[t] = hsum(acc[t]);
+        }
+        out
+    }
+}
+
+/// `outs[t][r] = row r · xs[t]` for two to four activations (`xs.len()` must be one of
+/// them) and the rows of type `q` packed in `rows`, each row's weights decoded once for all
+/// of them, when `q` has such a kernel; `false` (nothing written) when it has not. Lengths
+/// as for [`dot_rows`] (checked here for every activation).
+pub fn dot_rows_tokens(
+    _: Avx2,
+    q: QType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[Q8Ref<'_>],
+    outs: &mut [&mut [f32]],
+) -> bool {
+    if !matches!(
+        q,
+        QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::Q8_0
+            | QType::Q4_K
+            | QType::Q6_K
+    ) {
+        return false;
+    }
+    assert!(
+        (2..=4).contains(&xs.len()) && outs.len() == xs.len(),
+        "q8 dot_rows_tokens: {} activations for {} outputs",
+        xs.len(),
+        outs.len()
+    );
+    let n = outs[0].len();
+    for (x, out) in xs.iter().zip(outs.iter()) {
+        check_lengths(q, rows, row_bytes, *x, n);
+        assert_eq!(
+            out.len(),
+            n,
+            "q8 dot_rows_tokens: outputs of different lengths"
+        );
+    }
+    // SAFETY: the token proves the features; the lengths were checked above.
+    unsafe {
+        match *xs {
+            [a, b] => tokens_rows(q, rows, row_bytes, [a, b], outs),
+            [a, b, c] => tokens_rows(q, rows, row_bytes, [a, b, c], outs),
+            [a, b, c, d] => tokens_rows(q, rows, row_bytes, [a, b, c, d], outs),
+            _ => unreachable!("two to four activations (checked above)"),
+        }
+    }
+    true
+}
+
+/// The row loop of [`dot_rows_tokens`] for `T` activations, each row's bytes asked for
+/// a few rows ahead.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tokens_rows<const T: usize>(
+    q: QType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: [Q8Ref<'_>; T],
+    outs: &mut [&mut [f32]],
+) {
+    let each = |outs: &mut [&mut [f32]], kernel: &dyn Fn(&[u8]) -> [f32; T]| {
+        for r in 0..outs[0].len() {
+            super::prefetch_ahead(rows, row_bytes, r);
+            let sums = kernel(&rows[r * row_bytes..(r + 1) * row_bytes]);
+            for (out, s) in outs.iter_mut().zip(sums) {
+                out[r] = s;
+            }
+        }
+    };
+    // SAFETY: every kernel called in the closures below gets whole rows of `row_bytes`
+    // bytes, against which the caller checked every activation; the features are its promise.
+    unsafe {
+        match q {
+            QType::Q4_0 => each(outs, &|r| {
+                legacy_tokens::<18, { offset::SCALE }, T>(
+                    r,
+                    xs,
+                    -8.0,
+                    |b| nibbles32(b.add(2)),
+                    |w, y| unsigned_product(w, y),
+                )
+            }),
+            QType::Q4_1 => each(outs, &|r| {
+                legacy_tokens::<20, { offset::MIN }, T>(
+                    r,
+                    xs,
+                    1.0,
+                    |b| nibbles32(b.add(4)),
+                    |w, y| unsigned_product(w, y),
+                )
+            }),
+            QType::Q5_0 => each(outs, &|r| {
+                legacy_tokens::<22, { offset::SCALE }, T>(
+                    r,
+                    xs,
+                    -16.0,
+                    |b| {
+                        let bits = (b.add(2) as *const u32).read_unaligned().to_le();
+                        _mm256_or_si256(nibbles32(b.add(6)), fifth_bits32(bits))
+                    },
+                    |w, y| unsigned_product(w, y),
+                )
+            }),
+            QType::Q5_1 => each(outs, &|r| {
+                legacy_tokens::<24, { offset::MIN }, T>(
+                    r,
+                    xs,
+                    1.0,
+                    |b| {
+                        let bits = (b.add(4) as *const u32).read_unaligned().to_le();
+                        _mm256_or_si256(nibbles32(b.add(8)), fifth_bits32(bits))
+                    },
+                    |w, y| unsigned_product(w, y),
+                )
+            }),
+            QType::Q8_0 => each(outs, &|r| {
+                legacy_tokens::<34, { offset::NONE }, T>(
+                    r,
+                    xs,
+                    0.0,
+                    |b| _mm256_loadu_si256(b.add(2) as *const __m256i),
+                    |w, y| signed_product(w, y),
+                )
+            }),
+            QType::Q4_K => each(outs, &|r| q4_k_tokens::<T>(r, xs)),
+            QType::Q6_K => each(outs, &|r| q6_k_tokens::<T>(r, xs)),
+            _ => unreachable!("{q}: dot_rows_tokens checked the type"),
+        }
     }
 }

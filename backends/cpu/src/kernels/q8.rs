@@ -289,6 +289,27 @@ impl Q8Kernel {
             *o = dot_portable(q, row, x);
         }
     }
+
+    /// `outs[t][r] = row r · xs[t]` for one to four activations: on AVX2, the legacy
+    /// 32-value types, Q4_K and Q6_K decode each row's weights once for all of them; other
+    /// types and the portable path dot token by token. Panics when the lengths disagree.
+    pub fn dot_rows_tokens(
+        &self,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[Q8Ref<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(t) = self.simd {
+            if xs.len() > 1 && avx2_q8::dot_rows_tokens(t, self.qtype, rows, row_bytes, xs, outs) {
+                return;
+            }
+        }
+        for (x, out) in xs.iter().zip(outs.iter_mut()) {
+            self.dot_rows(rows, row_bytes, *x, out);
+        }
+    }
 }
 
 /// Panics unless `rows` holds `n` rows of `row_bytes` bytes, each exactly `x.len()` values
