@@ -50,10 +50,24 @@ pub enum Recipe {
     /// llama.cpp's `IQ4_NL` and `IQ4_XS` mixes without an importance matrix.
     IQ4_NL,
     IQ4_XS,
+    /// llama.cpp's 2- and 3-bit K-quant mixes (`Q2_K`, `Q3_K_M`) and its grid I-quant mixes
+    /// (`IQ2_XXS` … `IQ1_M`, as it chooses them without an importance matrix). kiln runs
+    /// these files and `kiln synth` writes them (random valid blocks, for speed tests); `kiln
+    /// quantize` does not make them ([`Recipe::can_quantize`]).
+    Q2_K,
+    Q3_K_M,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ2_S,
+    IQ2_M,
+    IQ3_XXS,
+    IQ3_S,
+    IQ1_S,
+    IQ1_M,
 }
 
 impl Recipe {
-    pub const ALL: [Recipe; 11] = [
+    pub const ALL: [Recipe; 21] = [
         Recipe::Q4_0,
         Recipe::Q4_1,
         Recipe::Q8_0,
@@ -65,6 +79,16 @@ impl Recipe {
         Recipe::MXFP4_MOE,
         Recipe::IQ4_NL,
         Recipe::IQ4_XS,
+        Recipe::Q2_K,
+        Recipe::Q3_K_M,
+        Recipe::IQ2_XXS,
+        Recipe::IQ2_XS,
+        Recipe::IQ2_S,
+        Recipe::IQ2_M,
+        Recipe::IQ3_XXS,
+        Recipe::IQ3_S,
+        Recipe::IQ1_S,
+        Recipe::IQ1_M,
     ];
 
     /// The lower-case name (`q4_k_m`), as `--type` takes it.
@@ -81,7 +105,24 @@ impl Recipe {
             Recipe::MXFP4_MOE => "mxfp4_moe",
             Recipe::IQ4_NL => "iq4_nl",
             Recipe::IQ4_XS => "iq4_xs",
+            Recipe::Q2_K => "q2_k",
+            Recipe::Q3_K_M => "q3_k_m",
+            Recipe::IQ2_XXS => "iq2_xxs",
+            Recipe::IQ2_XS => "iq2_xs",
+            Recipe::IQ2_S => "iq2_s",
+            Recipe::IQ2_M => "iq2_m",
+            Recipe::IQ3_XXS => "iq3_xxs",
+            Recipe::IQ3_S => "iq3_s",
+            Recipe::IQ1_S => "iq1_s",
+            Recipe::IQ1_M => "iq1_m",
         }
+    }
+
+    /// Whether `kiln quantize` makes this mix: not the 2- and 3-bit K mixes (no Q2_K or Q3_K
+    /// quantiser yet) nor the grid I-quants, which need an importance matrix to quantise
+    /// well (kiln reads none). `kiln synth` writes every mix.
+    pub fn can_quantize(self) -> bool {
+        quant::can_quantize(self.default_type())
     }
 
     /// Parses a recipe name (case-insensitive); an unknown name lists the known ones.
@@ -113,6 +154,16 @@ impl Recipe {
             Recipe::MXFP4_MOE => QType::MXFP4,
             Recipe::IQ4_NL => QType::IQ4_NL,
             Recipe::IQ4_XS => QType::IQ4_XS,
+            Recipe::Q2_K => QType::Q2_K,
+            Recipe::Q3_K_M => QType::Q3_K,
+            Recipe::IQ2_XXS => QType::IQ2_XXS,
+            // llama.cpp's IQ2_S mix is mostly IQ2_XS; its IQ2_M mix is IQ2_S.
+            Recipe::IQ2_XS | Recipe::IQ2_S => QType::IQ2_XS,
+            Recipe::IQ2_M => QType::IQ2_S,
+            Recipe::IQ3_XXS => QType::IQ3_XXS,
+            Recipe::IQ3_S => QType::IQ3_S,
+            Recipe::IQ1_S => QType::IQ1_S,
+            Recipe::IQ1_M => QType::IQ1_M,
         }
     }
 
@@ -130,6 +181,16 @@ impl Recipe {
             Recipe::MXFP4_MOE => 38,
             Recipe::IQ4_NL => 25,
             Recipe::IQ4_XS => 30,
+            Recipe::Q2_K => 10,
+            Recipe::Q3_K_M => 12,
+            Recipe::IQ2_XXS => 19,
+            Recipe::IQ2_XS => 20,
+            Recipe::IQ2_S => 28,
+            Recipe::IQ2_M => 29,
+            Recipe::IQ3_XXS => 23,
+            Recipe::IQ3_S => 26,
+            Recipe::IQ1_S => 24,
+            Recipe::IQ1_M => 31,
         }
     }
 }
@@ -210,6 +271,21 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
         _ => 1,
     };
     let iq4 = matches!(recipe, Recipe::IQ4_NL | Recipe::IQ4_XS);
+    // llama.cpp's lowest-bit grid mixes share one set of rules; IQ2_S and IQ2_M lean on
+    // IQ3_S where the others take Q2_K.
+    let grid_low = matches!(
+        recipe,
+        Recipe::IQ2_XXS
+            | Recipe::IQ2_XS
+            | Recipe::IQ2_S
+            | Recipe::IQ2_M
+            | Recipe::IQ1_S
+            | Recipe::IQ1_M
+    );
+    let grid_step_up = match recipe {
+        Recipe::IQ2_S | Recipe::IQ2_M => QType::IQ3_S,
+        _ => QType::Q2_K,
+    };
     let mut types: Vec<QType> = tensors.iter().map(|t| t.qtype).collect();
     for i in llama_cpp_order(tensors) {
         let t = &tensors[i];
@@ -245,14 +321,53 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                 // The LM head (or the tied embedding that is it).
                 if !row_len.is_multiple_of(default.block_len()) {
                     new_type = QType::Q8_0;
+                } else if grid_low || recipe == Recipe::IQ3_XXS {
+                    new_type = QType::Q5_K;
                 } else if new_type != QType::Q8_0 {
                     new_type = QType::Q6_K;
                 }
             } else if name == "token_embd.weight" {
-                // No rule for the recipes kiln offers: the default type.
+                match recipe {
+                    Recipe::IQ2_XXS | Recipe::IQ2_XS | Recipe::IQ1_S | Recipe::IQ1_M => {
+                        new_type = QType::Q2_K
+                    }
+                    Recipe::IQ2_S | Recipe::IQ2_M | Recipe::IQ3_XXS => new_type = QType::IQ3_S,
+                    _ => {}
+                }
+            } else if grid_low {
+                if name.contains("attn_v.weight") {
+                    new_type = if n_gqa >= 4 || n_expert >= 4 {
+                        QType::Q4_K
+                    } else {
+                        grid_step_up
+                    };
+                    i_attention_wv += 1;
+                } else if n_expert == 8 && name.contains("attn_k.weight") {
+                    new_type = QType::Q4_K;
+                } else if name.contains("ffn_down") {
+                    if i_ffn_down < n_layers / 8 {
+                        new_type = grid_step_up;
+                    }
+                    i_ffn_down += 1;
+                } else if name.contains("attn_output.weight") {
+                    new_type = match recipe {
+                        _ if n_expert == 8 => QType::Q5_K,
+                        Recipe::IQ1_S | Recipe::IQ1_M => QType::IQ2_XXS,
+                        Recipe::IQ2_S | Recipe::IQ2_M => QType::IQ3_S,
+                        _ => new_type,
+                    };
+                }
             } else if name.contains("attn_v.weight") {
                 let more = use_more_bits(i_attention_wv, n_attention_wv);
                 match recipe {
+                    Recipe::Q2_K | Recipe::IQ3_S | Recipe::IQ3_XXS if n_gqa >= 4 => {
+                        new_type = QType::Q4_K
+                    }
+                    Recipe::Q2_K => new_type = QType::Q3_K,
+                    // Without an importance matrix (kiln reads none).
+                    Recipe::IQ3_XXS => new_type = QType::IQ3_S,
+                    Recipe::Q3_K_M if i_attention_wv < 2 => new_type = QType::Q5_K,
+                    Recipe::Q3_K_M => new_type = QType::Q4_K,
                     Recipe::Q4_K_M | Recipe::Q5_K_M if more => new_type = QType::Q6_K,
                     Recipe::Q4_K_S if i_attention_wv < 4 => new_type = QType::Q5_K,
                     Recipe::IQ4_NL | Recipe::IQ4_XS if n_gqa >= 4 => new_type = QType::Q5_K,
@@ -266,6 +381,12 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
             } else if name.contains("attn_k.weight") {
                 if n_expert == 8 {
                     new_type = QType::Q8_0;
+                } else if recipe == Recipe::IQ3_XXS {
+                    new_type = QType::IQ2_S;
+                }
+            } else if name.contains("attn_q.weight") {
+                if recipe == Recipe::IQ3_XXS {
+                    new_type = QType::IQ2_S;
                 }
             } else if name.contains("ffn_down") {
                 // llama.cpp's `layer_info`: a tensor per expert (`blk.L.ffn_down.E.weight`)
@@ -273,6 +394,12 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                 let i = per_expert_layer(name).unwrap_or(i_ffn_down);
                 let n = n_layers;
                 match recipe {
+                    Recipe::Q2_K => new_type = QType::Q3_K,
+                    // Without an importance matrix.
+                    Recipe::IQ3_XXS if i < n / 8 => new_type = QType::Q4_K,
+                    Recipe::IQ3_XXS => new_type = QType::Q3_K,
+                    Recipe::Q3_K_M if i < n / 16 => new_type = QType::Q5_K,
+                    Recipe::Q3_K_M => new_type = QType::Q4_K,
                     Recipe::Q4_K_M | Recipe::Q5_K_M if use_more_bits(i, n) => {
                         new_type = QType::Q6_K
                     }
@@ -284,13 +411,22 @@ pub fn plan_types(recipe: Recipe, tensors: &[TensorDesc], n_layers: usize) -> Ve
                 i_ffn_down += 1;
             } else if name.contains("attn_output.weight") {
                 // llama.cpp: the 8-expert models' attention output in Q5_K for these mixes.
-                if n_expert == 8 && matches!(recipe, Recipe::Q4_K_S | Recipe::Q4_K_M)
-                    || (n_expert == 8 && iq4)
-                {
-                    new_type = QType::Q5_K;
-                }
+                let three_or_four_bit = matches!(
+                    recipe,
+                    Recipe::Q2_K | Recipe::IQ3_XXS | Recipe::Q3_K_M | Recipe::IQ3_S
+                ) || matches!(recipe, Recipe::Q4_K_S | Recipe::Q4_K_M)
+                    || iq4;
+                new_type = match recipe {
+                    _ if n_expert == 8 && three_or_four_bit => QType::Q5_K,
+                    _ if n_expert == 8 => new_type,
+                    Recipe::Q2_K => QType::Q3_K,
+                    Recipe::IQ3_XXS => QType::IQ3_S,
+                    Recipe::Q3_K_M => QType::Q4_K,
+                    _ => new_type,
+                };
             } else if name.contains("attn_qkv.weight") {
                 match recipe {
+                    Recipe::Q3_K_M => new_type = QType::Q4_K,
                     Recipe::Q4_K_M => new_type = QType::Q5_K,
                     Recipe::Q5_K_M => new_type = QType::Q6_K,
                     _ => {}
@@ -318,7 +454,8 @@ pub fn fallback_for_row(qtype: QType, row_len: usize) -> QType {
         return qtype;
     }
     let fallback = match qtype {
-        QType::Q2_K | QType::Q3_K | QType::Q4_K => QType::Q5_0,
+        QType::Q2_K | QType::Q3_K => QType::Q4_0,
+        QType::Q4_K => QType::Q5_0,
         QType::Q5_K => QType::Q5_1,
         QType::Q6_K => QType::Q8_0,
         QType::IQ4_XS
@@ -478,8 +615,11 @@ pub fn quantize_gguf<W: Write + Send>(
         let (t, to) = (&descs[i], types[i]);
         if to != t.qtype && !quant::can_quantize(to) {
             return Err(Error::Unsupported(format!(
-                "tensor {}: quantising to {to}",
-                t.name
+                "tensor {}: kiln runs {to} weights but does not make them (no quantiser for \
+                 Q2_K or Q3_K yet; the grid I-quants need an importance matrix, which kiln does \
+                 not read); `kiln synth --type {}` writes random blocks of these types for speed \
+                 tests",
+                t.name, options.recipe
             )));
         }
         writer.declare_tensor(t.name.clone(), to, t.dims.clone())?;
@@ -516,7 +656,7 @@ pub fn quantize_gguf<W: Write + Send>(
                 view.row_len(),
                 view.rows(),
                 to,
-                &source,
+                RowSource::Values(&source),
                 options.measure_error,
                 progress,
             )?;
@@ -568,6 +708,15 @@ const CHUNK_VALUES: usize = 1 << 22;
 /// Encodes tensors into a [`GgufStreamWriter`] a chunk of rows at a time: rows are
 /// produced and quantised in parallel, and a writer thread takes each finished chunk so
 /// encoding the next overlaps the disk write.
+/// Where [`TensorEncoder::encode`] gets a row.
+#[derive(Clone, Copy)]
+pub(crate) enum RowSource<'a> {
+    /// Its f32 values, quantised to the tensor's type.
+    Values(&'a (dyn Fn(usize, &mut [f32]) -> Result<()> + Sync)),
+    /// Its bytes, already in the tensor's type.
+    Bytes(&'a (dyn Fn(usize, &mut [u8]) -> Result<()> + Sync)),
+}
+
 pub(crate) struct TensorEncoder<W: Write + Send> {
     writer: GgufStreamWriter<W>,
 }
@@ -590,13 +739,14 @@ impl<W: Write + Send> TensorEncoder<W> {
     }
 
     /// Encodes a tensor of `rows` rows of `row_len` values as `qtype`, asking `source` for
-    /// each row's f32 values. Returns the error sums when `measure` is set.
+    /// each row (its f32 values, quantised here, or its bytes). Returns the error sums when
+    /// `measure` is set (for values only).
     pub(crate) fn encode(
         &mut self,
         row_len: usize,
         rows: usize,
         qtype: QType,
-        source: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
+        source: RowSource<'_>,
         measure: bool,
         progress: Progress,
     ) -> Result<Option<ErrorSums>> {
@@ -637,6 +787,13 @@ impl<W: Write + Send> TensorEncoder<W> {
                                 )
                             },
                             |(values, check), (i, out)| -> Result<ErrorSums> {
+                                let source = match source {
+                                    RowSource::Values(f) => f,
+                                    RowSource::Bytes(f) => {
+                                        f(start + i, out)?;
+                                        return Ok(ErrorSums::default());
+                                    }
+                                };
                                 source(start + i, values)?;
                                 quant::quantize(qtype, values, out)?;
                                 if !measure {

@@ -284,7 +284,15 @@ fn quantizing_a_small_model_writes_the_planned_types() {
             measure_error: true,
         };
         let mut out = Vec::new();
-        let reports = quantize_gguf(&input, &mut out, options, &no_progress).unwrap();
+        // A mix kiln cannot make is refused with where to turn, unless every tensor of this
+        // small file falls back to a type it can make (rows of 320 values tile no K-quant).
+        let reports = match quantize_gguf(&input, &mut out, options, &no_progress) {
+            Err(e) if !recipe.can_quantize() => {
+                assert!(e.to_string().contains("kiln synth --type"), "{recipe}: {e}");
+                continue;
+            }
+            result => result.unwrap(),
+        };
         let output = open(out);
         assert_eq!(
             output.get_u64("general.file_type"),
@@ -558,4 +566,136 @@ fn per_expert_tensors_count_by_their_layer() {
             assert_eq!(type_of(&table, &types, &name), want, "{name}");
         }
     }
+}
+
+/// The 2- and 3-bit mixes and the grid I-quant mixes on a llama3-8b table (32 layers, 4
+/// query heads per KV head, untied head), and attention V with one query head per KV head;
+/// each expectation written out from llama.cpp's rules without an importance matrix.
+#[test]
+fn low_bit_mixes_follow_llama_cpp() {
+    let table = llama_table(32, 4096, 1024, 14336, 128256, false, F16);
+    let check = |recipe: Recipe, expect: &dyn Fn(&str, usize) -> QType| {
+        let types = plan_types(recipe, &table, 32);
+        for (t, &q) in table.iter().zip(&types) {
+            let layer = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .map_or(usize::MAX, |l| l.parse().unwrap());
+            let role = t
+                .name
+                .rsplit_once(".weight")
+                .map_or(t.name.as_str(), |(a, _)| a.rsplit('.').next().unwrap());
+            let want = if role.ends_with("norm") {
+                F32
+            } else {
+                expect(role, layer)
+            };
+            assert_eq!(q, want, "{recipe}: {}", t.name);
+        }
+    };
+    check(Recipe::Q2_K, &|role, _| match role {
+        "output" => Q6_K,
+        "attn_v" => Q4_K,
+        "ffn_down" | "attn_output" => Q3_K,
+        _ => Q2_K,
+    });
+    check(Recipe::Q3_K_M, &|role, l| match role {
+        "output" => Q6_K,
+        "attn_v" if l < 2 => Q5_K,
+        "ffn_down" if l < 32 / 16 => Q5_K,
+        "attn_v" | "ffn_down" | "attn_output" => Q4_K,
+        _ => Q3_K,
+    });
+    for (recipe, base) in [
+        (Recipe::IQ2_XXS, IQ2_XXS),
+        (Recipe::IQ2_XS, IQ2_XS),
+        (Recipe::IQ1_S, IQ1_S),
+        (Recipe::IQ1_M, IQ1_M),
+    ] {
+        let one_bit = matches!(recipe, Recipe::IQ1_S | Recipe::IQ1_M);
+        check(recipe, &|role, l| match role {
+            "output" => Q5_K,
+            "token_embd" => Q2_K,
+            "attn_v" => Q4_K,
+            "ffn_down" if l < 32 / 8 => Q2_K,
+            "attn_output" if one_bit => IQ2_XXS,
+            _ => base,
+        });
+    }
+    for (recipe, base) in [(Recipe::IQ2_S, IQ2_XS), (Recipe::IQ2_M, IQ2_S)] {
+        check(recipe, &|role, l| match role {
+            "output" => Q5_K,
+            "token_embd" | "attn_output" => IQ3_S,
+            "attn_v" => Q4_K,
+            "ffn_down" if l < 32 / 8 => IQ3_S,
+            _ => base,
+        });
+    }
+    check(Recipe::IQ3_XXS, &|role, l| match role {
+        "output" => Q5_K,
+        "token_embd" | "attn_output" => IQ3_S,
+        "attn_v" => Q4_K,
+        "attn_q" | "attn_k" => IQ2_S,
+        "ffn_down" if l < 32 / 8 => Q4_K,
+        "ffn_down" => Q3_K,
+        _ => IQ3_XXS,
+    });
+    check(Recipe::IQ3_S, &|role, _| match role {
+        "output" => Q6_K,
+        "attn_v" => Q4_K,
+        _ => IQ3_S,
+    });
+
+    // One query head per KV head: attention V without the n_gqa ≥ 4 step.
+    let mha = llama_table(32, 4096, 4096, 11008, 32000, false, F16);
+    let v = |recipe: Recipe| {
+        let types = plan_types(recipe, &mha, 32);
+        type_of(&mha, &types, "blk.5.attn_v.weight")
+    };
+    assert_eq!(v(Recipe::Q2_K), Q3_K);
+    assert_eq!(v(Recipe::IQ2_XXS), Q2_K);
+    assert_eq!(v(Recipe::IQ2_M), IQ3_S);
+    assert_eq!(v(Recipe::IQ3_XXS), IQ3_S);
+    assert_eq!(v(Recipe::IQ3_S), IQ3_S);
+}
+
+/// `kiln quantize` refuses the mixes it cannot make with the reason and where to turn;
+/// `kiln synth` writes them as random blocks whose values have the spread asked for.
+#[test]
+fn low_bit_mixes_are_synthesised_not_quantised() {
+    for recipe in [Recipe::Q2_K, Recipe::IQ2_XXS, Recipe::IQ3_S, Recipe::IQ1_M] {
+        assert!(!recipe.can_quantize(), "{recipe}");
+    }
+    let mut bytes = Vec::new();
+    synth::synth_gguf(
+        &mut bytes,
+        synth::SynthOptions {
+            preset: Preset::Llama32_1b,
+            recipe: Recipe::IQ2_XXS,
+            seed: 3,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    let file = GgufFile::from_storage(std::sync::Arc::new(bytes)).unwrap();
+    let info = file
+        .tensors()
+        .iter()
+        .find(|t| t.name == "blk.3.ffn_gate.weight")
+        .unwrap();
+    assert_eq!(info.qtype, IQ2_XXS);
+    let view = file.view(info).unwrap();
+    // Projections are drawn ~ N(0, 1/fan_in): the blocks' spread should match.
+    let mut row = vec![0.0f32; view.row_len()];
+    let (mut sum_sq, mut n) = (0.0f64, 0usize);
+    for r in 0..64 {
+        kiln_core::quant::dequantize(IQ2_XXS, view.row(r), &mut row).unwrap();
+        assert!(row.iter().all(|v| v.is_finite()));
+        sum_sq += row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>();
+        n += row.len();
+    }
+    let rms = (sum_sq / n as f64).sqrt();
+    let want = 1.0 / (view.row_len() as f64).sqrt();
+    assert!((rms / want - 1.0).abs() < 0.05, "rms {rms} want {want}");
 }
