@@ -48,7 +48,7 @@ pub fn dequantize_q2_k(b: &[u8; 84], y: &mut [f32; QK_K]) {
 /// Scale `k` (0..16) of a Q3_K block: 6 bits, stored biased by 32. The low 4 bits are the
 /// nibbles of bytes 0..8 (low nibbles for scales 0..8, high nibbles for 8..16); the high 2
 /// bits are the 2-bit fields of bytes 8..12, byte `8 + k % 4`, field `k / 4`.
-fn q3_k_scale(scales: &[u8], k: usize) -> i32 {
+pub fn q3_k_scale(scales: &[u8], k: usize) -> i32 {
     let low = if k < 8 {
         scales[k] & 0x0f
     } else {

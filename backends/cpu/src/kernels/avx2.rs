@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 use super::avx2_groups as groups;
 
-use kiln_core::quant::{iquants, mxfp4};
+use kiln_core::quant::{iquant_grids, iquants, mxfp4};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -883,6 +883,119 @@ unsafe fn dot_iq4_nl_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
     }
 }
 
+/// The eight values of a grid group as f32: `grid` holds eight unsigned levels (bytes, all
+/// below 128), negated where bit j of `signs` is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_group8(grid: u64, signs: u8) -> __m256 {
+    let levels = _mm_cvtsi64_si128(grid as i64);
+    let bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
+    // 0xFF in byte j where bit j is set: x ^ m − m negates those bytes.
+    let m = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8(signs as i8), bit), bit);
+    let v = _mm_sub_epi8(_mm_xor_si128(levels, m), m);
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+}
+
+/// The loop of the grid I-quants: for each 256-value super-block of BYTES bytes (its f16
+/// `d` first), `group(block, g)` gives group g's eight levels, their signs and the group's
+/// scale in units of `d`; the levels meet the activation in one FMA and the group's sum its
+/// scale in another.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grid_blocks<const BYTES: usize>(
+    row: &[u8],
+    x: &[f32],
+    group: impl Fn(*const u8, usize) -> (u64, u8, f32),
+) -> f32 {
+    // SAFETY: the caller guarantees the features and `x.len() / 256` blocks of BYTES bytes
+    // in `row`; every pointer stays inside them.
+    unsafe {
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..x.len() / 256 {
+            let blk = row.as_ptr().add(b * BYTES);
+            let d = f16x1(blk);
+            let px = x.as_ptr().add(256 * b);
+            for g in 0..32 {
+                let (grid, signs, scale) = group(blk, g);
+                let dot = _mm256_mul_ps(signed_group8(grid, signs), _mm256_loadu_ps(px.add(8 * g)));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * scale), dot, acc);
+            }
+        }
+        hsum(acc)
+    }
+}
+
+/// IQ2_XXS: per 32 values two words, four grid indices (bytes) and four 7-bit sign indices
+/// under a 4-bit scale; values `d·(0.5 + s)·0.25·grid·sign`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 66-byte blocks.
+    unsafe {
+        grid_blocks::<66>(row, x, |blk, g| {
+            let q = blk.add(2 + 8 * (g / 4));
+            let aux = (q.add(4) as *const u32).read_unaligned().to_le();
+            let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
+            let grid = iquant_grids::IQ2XXS_GRID[*q.add(g % 4) as usize];
+            (grid, signs, (0.5 + (aux >> 28) as f32) * 0.25)
+        })
+    }
+}
+
+/// IQ2_XS: a u16 a group (9-bit grid index, 7-bit sign index), a 4-bit scale per 16
+/// values; values `d·(0.5 + s)·0.25·grid·sign`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 74-byte blocks.
+    unsafe {
+        grid_blocks::<74>(row, x, |blk, g| {
+            let q = (blk.add(2 + 2 * g) as *const u16).read_unaligned().to_le();
+            let s = (*blk.add(66 + g / 4) >> (4 * ((g / 2) % 2))) & 0x0F;
+            let grid = iquant_grids::IQ2XS_GRID[(q & 511) as usize];
+            (
+                grid,
+                iquant_grids::KSIGNS[(q >> 9) as usize],
+                (0.5 + s as f32) * 0.25,
+            )
+        })
+    }
+}
+
+/// IQ3_XXS: 64 grid-index bytes (four values each), then a word a 32 values as IQ2_XXS's
+/// second; values `d·(0.5 + s)·0.5·grid·sign`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq3_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 98-byte blocks.
+    unsafe {
+        grid_blocks::<98>(row, x, |blk, g| {
+            let aux = (blk.add(66 + 4 * (g / 4)) as *const u32)
+                .read_unaligned()
+                .to_le();
+            let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
+            let lo = iquant_grids::IQ3XXS_GRID[*blk.add(2 + 2 * g) as usize] as u64;
+            let hi = iquant_grids::IQ3XXS_GRID[*blk.add(3 + 2 * g) as usize] as u64;
+            (lo | hi << 32, signs, (0.5 + (aux >> 28) as f32) * 0.5)
+        })
+    }
+}
+
+/// IQ3_S: 9-bit grid indices (64 low bytes, 8 bytes of top bits), explicit sign bytes, a
+/// 4-bit scale per 32 values; values `d·(1 + 2s)·grid·sign`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq3_s_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 110-byte blocks.
+    unsafe {
+        grid_blocks::<110>(row, x, |blk, g| {
+            let top = *blk.add(66 + g / 4);
+            let index =
+                |i: usize| *blk.add(2 + i) as usize | (((top >> (i % 8)) & 1) as usize) << 8;
+            let lo = iquant_grids::IQ3S_GRID[index(2 * g)] as u64;
+            let hi = iquant_grids::IQ3S_GRID[index(2 * g + 1)] as u64;
+            let s = (*blk.add(106 + g / 8) >> (4 * ((g / 4) % 2))) & 0x0F;
+            (lo | hi << 32, *blk.add(74 + g), (1 + 2 * s as u32) as f32)
+        })
+    }
+}
+
 /// Safe entry points for the block types: the row must hold exactly `x.len()` values of
 /// the type (whole blocks), and `sums` one sum per 32 values for the types that use them —
 /// checked on every call (a panic on misuse, never an out-of-bounds read).
@@ -916,6 +1029,10 @@ block_dot! {
     dot_q6_k => dot_q6_k_unchecked, 256, 210, false;
     dot_mxfp4 => dot_mxfp4_unchecked, 32, 17, false;
     dot_iq4_nl => dot_iq4_nl_unchecked, 32, 18, false;
+    dot_iq2_xxs => dot_iq2_xxs_unchecked, 256, 66, false;
+    dot_iq2_xs => dot_iq2_xs_unchecked, 256, 74, false;
+    dot_iq3_xxs => dot_iq3_xxs_unchecked, 256, 98, false;
+    dot_iq3_s => dot_iq3_s_unchecked, 256, 110, false;
 }
 
 /// Defines, for a type with a [`groups::Groups`] decoder, `pub fn $dequant(Avx2, src, out)`

@@ -656,6 +656,8 @@ group_kernels! {
     dequant_q4_k, tokens_q4_k => groups::Q4K;
     dequant_q5_k, tokens_q5_k => groups::Q5K;
     dequant_q6_k, tokens_q6_k => groups::Q6K;
+    dequant_q2_k, tokens_q2_k => groups::Q2K;
+    dequant_q3_k, tokens_q3_k => groups::Q3K;
 }
 
 /// `out[j] = scale · (q · row j)` for `out.len()` rows, row j starting at `rows[j·stride]`.

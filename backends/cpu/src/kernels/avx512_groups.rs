@@ -223,6 +223,62 @@ unsafe fn q6_k_group(p: *const u8, scales: &[f32; 16], g: usize) -> [__m512; 2] 
     }
 }
 
+/// Group `g` of a Q2_K block: 2-bit quants (bits 2·(g % 4) of the 32 bytes at
+/// 16 + 32·(g / 4)), a 4-bit scale and min per 16 values: `d·sc·q − dmin·m`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q2_k_group(p: *const u8, g: usize) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the features and a whole block at `p`.
+    unsafe {
+        let (d, dmin) = f16x2(p.add(80));
+        let bytes = p.add(16 + 32 * (g / 4));
+        let shift = _mm_cvtsi32_si128(2 * (g % 4) as i32);
+        let half = |h: usize| {
+            let sc = *p.add(2 * g + h);
+            let (dl, ml) = (d * (sc & 0x0F) as f32, dmin * (sc >> 4) as f32);
+            let q = _mm512_and_si512(
+                _mm512_srl_epi32(widen_u8(bytes.add(16 * h)), shift),
+                _mm512_set1_epi32(3),
+            );
+            _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_cvtepi32_ps(q)),
+                _mm512_set1_ps(ml),
+            )
+        };
+        [half(0), half(1)]
+    }
+}
+
+/// Group `g` of a Q3_K block: 2-bit quants as Q2_K's (at 32 + 32·(g / 4)), less 4 where bit
+/// g of the value's `hmask` byte is clear, a signed 6-bit scale per 16 values.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q3_k_group(p: *const u8, g: usize) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the features and a whole block at `p`.
+    unsafe {
+        let d = half::f16::from_bits((p.add(108) as *const u16).read_unaligned()).to_f32();
+        let scales = std::slice::from_raw_parts(p.add(96), 12);
+        let bytes = p.add(32 + 32 * (g / 4));
+        let shift = _mm_cvtsi32_si128(2 * (g % 4) as i32);
+        let half = |h: usize| {
+            let dl = d * kiln_core::quant::kquants::q3_k_scale(scales, 2 * g + h) as f32;
+            let low = _mm512_and_si512(
+                _mm512_srl_epi32(widen_u8(bytes.add(16 * h)), shift),
+                _mm512_set1_epi32(3),
+            );
+            let high = _mm512_test_epi32_mask(widen_u8(p.add(16 * h)), _mm512_set1_epi32(1 << g));
+            let q = _mm512_mask_sub_epi32(
+                _mm512_sub_epi32(low, _mm512_set1_epi32(4)),
+                high,
+                low,
+                _mm512_setzero_si512(),
+            );
+            _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_cvtepi32_ps(q))
+        };
+        [half(0), half(1)]
+    }
+}
+
 macro_rules! groups {
     ($($(#[$doc:meta])* $name:ident, $qtype:expr, $groups:expr, $head_ty:ty = |$hp:ident| $head:expr,
         |$p:ident, $h:ident, $g:ident| $body:expr;)*) => {$(
@@ -285,6 +341,8 @@ groups! {
     Q4K, QType::Q4_K, 8, KScales = |p| k_scales(p), |p, h, g| k4_group(h, std::ptr::null(), p.add(16), g);
     Q5K, QType::Q5_K, 8, KScales = |p| k_scales(p), |p, h, g| k4_group(h, p.add(16), p.add(48), g);
     Q6K, QType::Q6_K, 8, [f32; 16] = |p| q6_k_scales(p), |p, h, g| q6_k_group(p, h, g);
+    Q2K, QType::Q2_K, 8, () = |_p| (), |p, _h, g| q2_k_group(p, g);
+    Q3K, QType::Q3_K, 8, () = |_p| (), |p, _h, g| q3_k_group(p, g);
 }
 
 /// Dequantises the whole blocks both `src` and `out` hold.

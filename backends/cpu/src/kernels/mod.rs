@@ -591,10 +591,71 @@ block_kernel!(
     tokens_apr_q4,
     avx2_batches: true
 );
-portable_kernel!(Q2KKernel, QType::Q2_K, 256, dequant::block_q2_k);
-portable_kernel!(Q3KKernel, QType::Q3_K, 256, dequant::block_q3_k);
-/// A 4-bit table type with an AVX2 row dot (its 16 levels looked up by a byte shuffle)
-/// and the portable block-by-block one elsewhere.
+/// A block type whose only SIMD form is its AVX-512 group decoder: one token takes the
+/// few-token product with a single activation, and the rest is portable.
+macro_rules! group_only_kernel {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_deq:ident, $simd_tokens:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name {
+            simd: Option<Simd>,
+        }
+        impl RowDot for $name {
+            fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(Simd::Avx512(t)) = self.simd {
+                    return avx512::$simd_tokens(t, rows, row_bytes, &[x.x], &mut [out]);
+                }
+                let bb = $qtype.block_bytes();
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = blockwise_dot::<$block>(row, bb, x.x, $deq);
+                }
+            }
+            fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(Simd::Avx512(t)) = self.simd {
+                    return avx512::$simd_deq(t, row, out);
+                }
+                dequant::dequantize_into($qtype, row, out);
+            }
+            fn dot_rows_tokens(&self, rows: &[u8], row_bytes: usize, xs: &[Act<'_>], outs: &mut [&mut [f32]]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(Simd::Avx512(t)) = self.simd {
+                    let mut x: [&[f32]; TOKENS_AT_ONCE] = [&[]; TOKENS_AT_ONCE];
+                    for (x, a) in x.iter_mut().zip(xs) {
+                        *x = a.x;
+                    }
+                    return avx512::$simd_tokens(t, rows, row_bytes, &x[..xs.len()], outs);
+                }
+                for (x, out) in xs.iter().zip(outs.iter_mut()) {
+                    self.dot_rows(rows, row_bytes, *x, out);
+                }
+            }
+        }
+    };
+}
+
+group_only_kernel!(
+    /// Q2_K: 2-bit quants, a 4-bit scale and min per 16 values.
+    Q2KKernel,
+    QType::Q2_K,
+    256,
+    dequant::block_q2_k,
+    dequant_q2_k,
+    tokens_q2_k
+);
+group_only_kernel!(
+    /// Q3_K: 3-bit quants (two low bits and a bit plane), a 6-bit scale per 16 values.
+    Q3KKernel,
+    QType::Q3_K,
+    256,
+    dequant::block_q3_k,
+    dequant_q3_k,
+    tokens_q3_k
+);
+/// A type with an AVX2 row dot (the 4-bit table types look their 16 levels up by a byte
+/// shuffle, the grid I-quants read their groups from the lattice) and the portable
+/// block-by-block one elsewhere.
 macro_rules! table_kernel {
     ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $avx2_fn:ident) => {
         $(#[$doc])*
@@ -649,17 +710,42 @@ portable_kernel!(
     dequant::block_iq4_xs
 );
 
-portable_kernel!(
-    /// IQ2_XXS: each super-block decoded from its lattice and dotted in f32.
+table_kernel!(
+    /// IQ2_XXS: groups of eight lattice values with their signs, a scale a 32 values.
     Iq2XxsKernel,
     QType::IQ2_XXS,
     256,
-    dequant::block_iq2_xxs
+    dequant::block_iq2_xxs,
+    dot_iq2_xxs
 );
-portable_kernel!(Iq2XsKernel, QType::IQ2_XS, 256, dequant::block_iq2_xs);
-portable_kernel!(Iq2SKernel, QType::IQ2_S, 256, dequant::block_iq2_s);
-portable_kernel!(Iq3XxsKernel, QType::IQ3_XXS, 256, dequant::block_iq3_xxs);
-portable_kernel!(Iq3SKernel, QType::IQ3_S, 256, dequant::block_iq3_s);
+table_kernel!(
+    Iq2XsKernel,
+    QType::IQ2_XS,
+    256,
+    dequant::block_iq2_xs,
+    dot_iq2_xs
+);
+portable_kernel!(
+    /// IQ2_S: each super-block decoded from its lattice and dotted in f32.
+    Iq2SKernel,
+    QType::IQ2_S,
+    256,
+    dequant::block_iq2_s
+);
+table_kernel!(
+    Iq3XxsKernel,
+    QType::IQ3_XXS,
+    256,
+    dequant::block_iq3_xxs,
+    dot_iq3_xxs
+);
+table_kernel!(
+    Iq3SKernel,
+    QType::IQ3_S,
+    256,
+    dequant::block_iq3_s,
+    dot_iq3_s
+);
 portable_kernel!(Iq1SKernel, QType::IQ1_S, 256, dequant::block_iq1_s);
 portable_kernel!(Iq1MKernel, QType::IQ1_M, 256, dequant::block_iq1_m);
 
@@ -793,8 +879,8 @@ impl Kernel {
             QType::Q5_0 => Q5_0Kernel { simd }.into(),
             QType::Q5_1 => Q5_1Kernel { simd }.into(),
             QType::Q8_0 => Q8_0Kernel { simd }.into(),
-            QType::Q2_K => Q2KKernel.into(),
-            QType::Q3_K => Q3KKernel.into(),
+            QType::Q2_K => Q2KKernel { simd }.into(),
+            QType::Q3_K => Q3KKernel { simd }.into(),
             QType::Q4_K => Q4KKernel { simd }.into(),
             QType::Q5_K => Q5KKernel { simd }.into(),
             QType::Q6_K => Q6KKernel { simd }.into(),
@@ -802,11 +888,11 @@ impl Kernel {
             QType::MXFP4 => Mxfp4Kernel { simd: avx2 }.into(),
             QType::IQ4_NL => Iq4NlKernel { simd: avx2 }.into(),
             QType::IQ4_XS => Iq4XsKernel.into(),
-            QType::IQ2_XXS => Iq2XxsKernel.into(),
-            QType::IQ2_XS => Iq2XsKernel.into(),
+            QType::IQ2_XXS => Iq2XxsKernel { simd: avx2 }.into(),
+            QType::IQ2_XS => Iq2XsKernel { simd: avx2 }.into(),
             QType::IQ2_S => Iq2SKernel.into(),
-            QType::IQ3_XXS => Iq3XxsKernel.into(),
-            QType::IQ3_S => Iq3SKernel.into(),
+            QType::IQ3_XXS => Iq3XxsKernel { simd: avx2 }.into(),
+            QType::IQ3_S => Iq3SKernel { simd: avx2 }.into(),
             QType::IQ1_S => Iq1SKernel.into(),
             QType::IQ1_M => Iq1MKernel.into(),
             _ => return None,
