@@ -925,75 +925,131 @@ unsafe fn grid_blocks<const BYTES: usize>(
     }
 }
 
+/// A grid I-quant's group `g` of the super-block at `blk`: its eight levels, their signs
+/// and its scale in units of the block's `d`.
+type GridGroup = unsafe fn(*const u8, usize) -> (u64, u8, f32);
+
 /// IQ2_XXS: per 32 values two words, four grid indices (bytes) and four 7-bit sign indices
 /// under a 4-bit scale; values `d·(0.5 + s)·0.25·grid·sign`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_iq2_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
-    // SAFETY: as for `grid_blocks`, with 66-byte blocks.
+#[inline]
+unsafe fn iq2_xxs_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
+    // SAFETY: the caller guarantees a whole 66-byte block at `blk` and g < 32.
     unsafe {
-        grid_blocks::<66>(row, x, |blk, g| {
-            let q = blk.add(2 + 8 * (g / 4));
-            let aux = (q.add(4) as *const u32).read_unaligned().to_le();
-            let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
-            let grid = iquant_grids::IQ2XXS_GRID[*q.add(g % 4) as usize];
-            (grid, signs, (0.5 + (aux >> 28) as f32) * 0.25)
-        })
+        let q = blk.add(2 + 8 * (g / 4));
+        let aux = (q.add(4) as *const u32).read_unaligned().to_le();
+        let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
+        let grid = iquant_grids::IQ2XXS_GRID[*q.add(g % 4) as usize];
+        (grid, signs, (0.5 + (aux >> 28) as f32) * 0.25)
     }
 }
 
 /// IQ2_XS: a u16 a group (9-bit grid index, 7-bit sign index), a 4-bit scale per 16
 /// values; values `d·(0.5 + s)·0.25·grid·sign`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_iq2_xs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
-    // SAFETY: as for `grid_blocks`, with 74-byte blocks.
+#[inline]
+unsafe fn iq2_xs_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
+    // SAFETY: the caller guarantees a whole 74-byte block at `blk` and g < 32.
     unsafe {
-        grid_blocks::<74>(row, x, |blk, g| {
-            let q = (blk.add(2 + 2 * g) as *const u16).read_unaligned().to_le();
-            let s = (*blk.add(66 + g / 4) >> (4 * ((g / 2) % 2))) & 0x0F;
-            let grid = iquant_grids::IQ2XS_GRID[(q & 511) as usize];
-            (
-                grid,
-                iquant_grids::KSIGNS[(q >> 9) as usize],
-                (0.5 + s as f32) * 0.25,
-            )
-        })
+        let q = (blk.add(2 + 2 * g) as *const u16).read_unaligned().to_le();
+        let s = (*blk.add(66 + g / 4) >> (4 * ((g / 2) % 2))) & 0x0F;
+        let grid = iquant_grids::IQ2XS_GRID[(q & 511) as usize];
+        (
+            grid,
+            iquant_grids::KSIGNS[(q >> 9) as usize],
+            (0.5 + s as f32) * 0.25,
+        )
     }
 }
 
 /// IQ3_XXS: 64 grid-index bytes (four values each), then a word a 32 values as IQ2_XXS's
 /// second; values `d·(0.5 + s)·0.5·grid·sign`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_iq3_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
-    // SAFETY: as for `grid_blocks`, with 98-byte blocks.
+#[inline]
+unsafe fn iq3_xxs_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
+    // SAFETY: the caller guarantees a whole 98-byte block at `blk` and g < 32.
     unsafe {
-        grid_blocks::<98>(row, x, |blk, g| {
-            let aux = (blk.add(66 + 4 * (g / 4)) as *const u32)
-                .read_unaligned()
-                .to_le();
-            let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
-            let lo = iquant_grids::IQ3XXS_GRID[*blk.add(2 + 2 * g) as usize] as u64;
-            let hi = iquant_grids::IQ3XXS_GRID[*blk.add(3 + 2 * g) as usize] as u64;
-            (lo | hi << 32, signs, (0.5 + (aux >> 28) as f32) * 0.5)
-        })
+        let aux = (blk.add(66 + 4 * (g / 4)) as *const u32)
+            .read_unaligned()
+            .to_le();
+        let signs = iquant_grids::KSIGNS[((aux >> (7 * (g % 4))) & 127) as usize];
+        let lo = iquant_grids::IQ3XXS_GRID[*blk.add(2 + 2 * g) as usize] as u64;
+        let hi = iquant_grids::IQ3XXS_GRID[*blk.add(3 + 2 * g) as usize] as u64;
+        (lo | hi << 32, signs, (0.5 + (aux >> 28) as f32) * 0.5)
     }
 }
 
 /// IQ3_S: 9-bit grid indices (64 low bytes, 8 bytes of top bits), explicit sign bytes, a
 /// 4-bit scale per 32 values; values `d·(1 + 2s)·grid·sign`.
+#[inline]
+unsafe fn iq3_s_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
+    // SAFETY: the caller guarantees a whole 110-byte block at `blk` and g < 32.
+    unsafe {
+        let top = *blk.add(66 + g / 4);
+        let index = |i: usize| *blk.add(2 + i) as usize | (((top >> (i % 8)) & 1) as usize) << 8;
+        let lo = iquant_grids::IQ3S_GRID[index(2 * g)] as u64;
+        let hi = iquant_grids::IQ3S_GRID[index(2 * g + 1)] as u64;
+        let s = (*blk.add(106 + g / 8) >> (4 * ((g / 4) % 2))) & 0x0F;
+        (lo | hi << 32, *blk.add(74 + g), (1 + 2 * s as u32) as f32)
+    }
+}
+
+/// Writes the whole super-blocks of a grid I-quant (BYTES a block) that both `src` and
+/// `out` hold, each value `d·scale` times its signed level: the reference's products in its
+/// order (a sign is exact either side of the rounding), so bit for bit its values.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grid_dequant<const BYTES: usize>(src: &[u8], out: &mut [f32], group: GridGroup) {
+    // SAFETY: the caller guarantees the features; block b's bytes and values lie inside
+    // `src` and `out` for every b below the count both hold.
+    unsafe {
+        for b in 0..(out.len() / 256).min(src.len() / BYTES) {
+            let blk = src.as_ptr().add(b * BYTES);
+            let d = f16x1(blk);
+            for g in 0..32 {
+                let (grid, signs, scale) = group(blk, g);
+                let v = _mm256_mul_ps(_mm256_set1_ps(d * scale), signed_group8(grid, signs));
+                _mm256_storeu_ps(out.as_mut_ptr().add(256 * b + 8 * g), v);
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 66-byte blocks.
+    unsafe { grid_blocks::<66>(row, x, |blk, g| iq2_xxs_group(blk, g)) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 74-byte blocks.
+    unsafe { grid_blocks::<74>(row, x, |blk, g| iq2_xs_group(blk, g)) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq3_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 98-byte blocks.
+    unsafe { grid_blocks::<98>(row, x, |blk, g| iq3_xxs_group(blk, g)) }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_iq3_s_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
     // SAFETY: as for `grid_blocks`, with 110-byte blocks.
-    unsafe {
-        grid_blocks::<110>(row, x, |blk, g| {
-            let top = *blk.add(66 + g / 4);
-            let index =
-                |i: usize| *blk.add(2 + i) as usize | (((top >> (i % 8)) & 1) as usize) << 8;
-            let lo = iquant_grids::IQ3S_GRID[index(2 * g)] as u64;
-            let hi = iquant_grids::IQ3S_GRID[index(2 * g + 1)] as u64;
-            let s = (*blk.add(106 + g / 8) >> (4 * ((g / 4) % 2))) & 0x0F;
-            (lo | hi << 32, *blk.add(74 + g), (1 + 2 * s as u32) as f32)
-        })
-    }
+    unsafe { grid_blocks::<110>(row, x, |blk, g| iq3_s_group(blk, g)) }
+}
+
+/// Safe dequantisers of the grid I-quants with AVX2 row dots.
+macro_rules! grid_dequantiser {
+    ($($name:ident => $group:ident, $bytes:expr;)*) => {$(
+        pub fn $name(_: Avx2, src: &[u8], out: &mut [f32]) {
+            // SAFETY: the token proves the features; `grid_dequant` stays inside both slices.
+            unsafe { grid_dequant::<$bytes>(src, out, $group) }
+        }
+    )*};
+}
+
+grid_dequantiser! {
+    dequant_iq2_xxs => iq2_xxs_group, 66;
+    dequant_iq2_xs => iq2_xs_group, 74;
+    dequant_iq3_xxs => iq3_xxs_group, 98;
+    dequant_iq3_s => iq3_s_group, 110;
 }
 
 /// Safe entry points for the block types: the row must hold exactly `x.len()` values of

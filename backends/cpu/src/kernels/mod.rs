@@ -658,6 +658,16 @@ group_only_kernel!(
 /// block-by-block one elsewhere.
 macro_rules! table_kernel {
     ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $avx2_fn:ident) => {
+        table_kernel!($(#[$doc])* $name, $qtype, $block, $deq, $avx2_fn, |_t, row, out| {
+            dequant::dequantize_into($qtype, row, out)
+        });
+    };
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $avx2_fn:ident, $avx2_deq:ident) => {
+        table_kernel!($(#[$doc])* $name, $qtype, $block, $deq, $avx2_fn, |t, row, out| {
+            avx2::$avx2_deq(t, row, out)
+        });
+    };
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $avx2_fn:ident, |$t:ident, $row:ident, $out:ident| $avx2_deq:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
@@ -678,8 +688,12 @@ macro_rules! table_kernel {
                     *o = blockwise_dot::<$block>(row, bb, x.x, $deq);
                 }
             }
-            fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
-                dequant::dequantize_into($qtype, row, out);
+            fn dequant_row(&self, $row: &[u8], $out: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some($t) = self.simd {
+                    return $avx2_deq;
+                }
+                dequant::dequantize_into($qtype, $row, $out);
             }
         }
     };
@@ -716,14 +730,16 @@ table_kernel!(
     QType::IQ2_XXS,
     256,
     dequant::block_iq2_xxs,
-    dot_iq2_xxs
+    dot_iq2_xxs,
+    dequant_iq2_xxs
 );
 table_kernel!(
     Iq2XsKernel,
     QType::IQ2_XS,
     256,
     dequant::block_iq2_xs,
-    dot_iq2_xs
+    dot_iq2_xs,
+    dequant_iq2_xs
 );
 portable_kernel!(
     /// IQ2_S: each super-block decoded from its lattice and dotted in f32.
@@ -737,14 +753,16 @@ table_kernel!(
     QType::IQ3_XXS,
     256,
     dequant::block_iq3_xxs,
-    dot_iq3_xxs
+    dot_iq3_xxs,
+    dequant_iq3_xxs
 );
 table_kernel!(
     Iq3SKernel,
     QType::IQ3_S,
     256,
     dequant::block_iq3_s,
-    dot_iq3_s
+    dot_iq3_s,
+    dequant_iq3_s
 );
 portable_kernel!(Iq1SKernel, QType::IQ1_S, 256, dequant::block_iq1_s);
 portable_kernel!(Iq1MKernel, QType::IQ1_M, 256, dequant::block_iq1_m);
