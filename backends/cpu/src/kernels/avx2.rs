@@ -960,6 +960,19 @@ unsafe fn iq2_xs_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
     }
 }
 
+/// IQ2_S: 10-bit grid indices (32 low bytes, 2-bit tops four a byte), explicit sign bytes,
+/// scales as IQ2_XS's; values `d·(0.5 + s)·0.25·grid·sign`.
+#[inline]
+unsafe fn iq2_s_group(blk: *const u8, g: usize) -> (u64, u8, f32) {
+    // SAFETY: the caller guarantees a whole 82-byte block at `blk` and g < 32.
+    unsafe {
+        let top = ((*blk.add(66 + g / 4) >> (2 * (g % 4))) & 3) as usize;
+        let grid = iquant_grids::IQ2S_GRID[*blk.add(2 + g) as usize | (top << 8)];
+        let s = (*blk.add(74 + g / 4) >> (4 * ((g / 2) % 2))) & 0x0F;
+        (grid, *blk.add(34 + g), (0.5 + s as f32) * 0.25)
+    }
+}
+
 /// IQ3_XXS: 64 grid-index bytes (four values each), then a word a 32 values as IQ2_XXS's
 /// second; values `d·(0.5 + s)·0.5·grid·sign`.
 #[inline]
@@ -1024,6 +1037,12 @@ unsafe fn dot_iq2_xs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_s_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
+    // SAFETY: as for `grid_blocks`, with 82-byte blocks.
+    unsafe { grid_blocks::<82>(row, x, |blk, g| iq2_s_group(blk, g)) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_iq3_xxs_unchecked(row: &[u8], x: &[f32], _: &[f32]) -> f32 {
     // SAFETY: as for `grid_blocks`, with 98-byte blocks.
     unsafe { grid_blocks::<98>(row, x, |blk, g| iq3_xxs_group(blk, g)) }
@@ -1048,6 +1067,7 @@ macro_rules! grid_dequantiser {
 grid_dequantiser! {
     dequant_iq2_xxs => iq2_xxs_group, 66;
     dequant_iq2_xs => iq2_xs_group, 74;
+    dequant_iq2_s => iq2_s_group, 82;
     dequant_iq3_xxs => iq3_xxs_group, 98;
     dequant_iq3_s => iq3_s_group, 110;
 }
@@ -1087,6 +1107,7 @@ block_dot! {
     dot_iq4_nl => dot_iq4_nl_unchecked, 32, 18, false;
     dot_iq2_xxs => dot_iq2_xxs_unchecked, 256, 66, false;
     dot_iq2_xs => dot_iq2_xs_unchecked, 256, 74, false;
+    dot_iq2_s => dot_iq2_s_unchecked, 256, 82, false;
     dot_iq3_xxs => dot_iq3_xxs_unchecked, 256, 98, false;
     dot_iq3_s => dot_iq3_s_unchecked, 256, 110, false;
 }
@@ -1118,4 +1139,6 @@ group_kernels! {
     dequant_q4_k, tokens_q4_k => groups::Q4K;
     dequant_q5_k, tokens_q5_k => groups::Q5K;
     dequant_q6_k, tokens_q6_k => groups::Q6K;
+    dequant_q2_k, tokens_q2_k => groups::Q2K;
+    dequant_q3_k, tokens_q3_k => groups::Q3K;
 }

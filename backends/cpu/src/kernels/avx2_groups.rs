@@ -244,6 +244,65 @@ unsafe fn q6_k_group(p: *const u8, scales: &[f32; 16], g: usize) -> [__m256; 4] 
     }
 }
 
+/// Group `g` of a Q2_K block: 2-bit quants (bits 2·(g % 4) of the 32 bytes at
+/// 16 + 32·(g / 4)), a 4-bit scale and min per 16 values: `d·sc·q − dmin·m`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k_group(p: *const u8, g: usize) -> [__m256; 4] {
+    // SAFETY: the caller guarantees the features and a whole block at `p`.
+    unsafe {
+        let (d, dmin) = f16x2(p.add(80));
+        let bytes = p.add(16 + 32 * (g / 4));
+        let shift = _mm_cvtsi32_si128(2 * (g % 4) as i32);
+        let value = |k: usize| {
+            let sc = *p.add(2 * g + k / 2);
+            let (dl, ml) = (d * (sc & 0x0F) as f32, dmin * (sc >> 4) as f32);
+            let q = _mm256_and_si256(
+                _mm256_srl_epi32(widen_u8(bytes.add(8 * k)), shift),
+                _mm256_set1_epi32(3),
+            );
+            _mm256_sub_ps(
+                _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(q)),
+                _mm256_set1_ps(ml),
+            )
+        };
+        [value(0), value(1), value(2), value(3)]
+    }
+}
+
+/// Group `g` of a Q3_K block: 2-bit quants as Q2_K's (at 32 + 32·(g / 4)), less 4 where bit
+/// g of the value's `hmask` byte is clear, a signed 6-bit scale per 16 values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k_group(p: *const u8, g: usize) -> [__m256; 4] {
+    // SAFETY: the caller guarantees the features and a whole block at `p`.
+    unsafe {
+        let d = half::f16::from_bits((p.add(108) as *const u16).read_unaligned()).to_f32();
+        let scales = std::slice::from_raw_parts(p.add(96), 12);
+        let bytes = p.add(32 + 32 * (g / 4));
+        let (shift, plane) = (
+            _mm_cvtsi32_si128(2 * (g % 4) as i32),
+            _mm_cvtsi32_si128(g as i32),
+        );
+        let one = _mm256_set1_epi32(1);
+        let value = |k: usize| {
+            let dl = d * kiln_core::quant::kquants::q3_k_scale(scales, 2 * g + k / 2) as f32;
+            let low = _mm256_and_si256(
+                _mm256_srl_epi32(widen_u8(bytes.add(8 * k)), shift),
+                _mm256_set1_epi32(3),
+            );
+            let high = _mm256_and_si256(_mm256_srl_epi32(widen_u8(p.add(8 * k)), plane), one);
+            // low − 4 where the plane's bit is clear: low − 4 + 4·bit.
+            let q = _mm256_add_epi32(
+                _mm256_sub_epi32(low, _mm256_set1_epi32(4)),
+                _mm256_slli_epi32(high, 2),
+            );
+            _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(q))
+        };
+        [value(0), value(1), value(2), value(3)]
+    }
+}
+
 macro_rules! groups {
     ($($(#[$doc:meta])* $name:ident, $qtype:expr, $groups:expr, $head_ty:ty = |$hp:ident| $head:expr,
         |$p:ident, $h:ident, $g:ident| $body:expr;)*) => {$(
@@ -312,6 +371,8 @@ groups! {
     Q4K, QType::Q4_K, 8, KScales = |p| k_scales(p), |p, h, g| k4_group(h, std::ptr::null(), p.add(16), g);
     Q5K, QType::Q5_K, 8, KScales = |p| k_scales(p), |p, h, g| k4_group(h, p.add(16), p.add(48), g);
     Q6K, QType::Q6_K, 8, [f32; 16] = |p| q6_k_scales(p), |p, h, g| q6_k_group(p, h, g);
+    Q2K, QType::Q2_K, 8, () = |_p| (), |p, _h, g| q2_k_group(p, g);
+    Q3K, QType::Q3_K, 8, () = |_p| (), |p, _h, g| q3_k_group(p, g);
 }
 
 /// Dequantises the whole blocks both `src` and `out` hold.

@@ -591,8 +591,8 @@ block_kernel!(
     tokens_apr_q4,
     avx2_batches: true
 );
-/// A block type whose only SIMD form is its AVX-512 group decoder: one token takes the
-/// few-token product with a single activation, and the rest is portable.
+/// A block type whose only SIMD forms are its group decoders (AVX-512, AVX2): one token
+/// takes the few-token product with a single activation.
 macro_rules! group_only_kernel {
     ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_deq:ident, $simd_tokens:ident) => {
         $(#[$doc])*
@@ -603,8 +603,10 @@ macro_rules! group_only_kernel {
         impl RowDot for $name {
             fn dot_rows(&self, rows: &[u8], row_bytes: usize, x: Act<'_>, out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(Simd::Avx512(t)) = self.simd {
-                    return avx512::$simd_tokens(t, rows, row_bytes, &[x.x], &mut [out]);
+                match self.simd {
+                    Some(Simd::Avx512(t)) => return avx512::$simd_tokens(t, rows, row_bytes, &[x.x], &mut [out]),
+                    Some(Simd::Avx2(t)) => return avx2::$simd_tokens(t, rows, row_bytes, &[x.x], &mut [out]),
+                    None => {}
                 }
                 let bb = $qtype.block_bytes();
                 for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
@@ -613,19 +615,25 @@ macro_rules! group_only_kernel {
             }
             fn dequant_row(&self, row: &[u8], out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(Simd::Avx512(t)) = self.simd {
-                    return avx512::$simd_deq(t, row, out);
+                match self.simd {
+                    Some(Simd::Avx512(t)) => return avx512::$simd_deq(t, row, out),
+                    Some(Simd::Avx2(t)) => return avx2::$simd_deq(t, row, out),
+                    None => {}
                 }
                 dequant::dequantize_into($qtype, row, out);
             }
             fn dot_rows_tokens(&self, rows: &[u8], row_bytes: usize, xs: &[Act<'_>], outs: &mut [&mut [f32]]) {
                 #[cfg(target_arch = "x86_64")]
-                if let Some(Simd::Avx512(t)) = self.simd {
+                if let Some(simd) = self.simd {
                     let mut x: [&[f32]; TOKENS_AT_ONCE] = [&[]; TOKENS_AT_ONCE];
                     for (x, a) in x.iter_mut().zip(xs) {
                         *x = a.x;
                     }
-                    return avx512::$simd_tokens(t, rows, row_bytes, &x[..xs.len()], outs);
+                    let x = &x[..xs.len()];
+                    return match simd {
+                        Simd::Avx512(t) => avx512::$simd_tokens(t, rows, row_bytes, x, outs),
+                        Simd::Avx2(t) => avx2::$simd_tokens(t, rows, row_bytes, x, outs),
+                    };
                 }
                 for (x, out) in xs.iter().zip(outs.iter_mut()) {
                     self.dot_rows(rows, row_bytes, *x, out);
@@ -741,12 +749,13 @@ table_kernel!(
     dot_iq2_xs,
     dequant_iq2_xs
 );
-portable_kernel!(
-    /// IQ2_S: each super-block decoded from its lattice and dotted in f32.
+table_kernel!(
     Iq2SKernel,
     QType::IQ2_S,
     256,
-    dequant::block_iq2_s
+    dequant::block_iq2_s,
+    dot_iq2_s,
+    dequant_iq2_s
 );
 table_kernel!(
     Iq3XxsKernel,
@@ -908,7 +917,7 @@ impl Kernel {
             QType::IQ4_XS => Iq4XsKernel.into(),
             QType::IQ2_XXS => Iq2XxsKernel { simd: avx2 }.into(),
             QType::IQ2_XS => Iq2XsKernel { simd: avx2 }.into(),
-            QType::IQ2_S => Iq2SKernel.into(),
+            QType::IQ2_S => Iq2SKernel { simd: avx2 }.into(),
             QType::IQ3_XXS => Iq3XxsKernel { simd: avx2 }.into(),
             QType::IQ3_S => Iq3SKernel { simd: avx2 }.into(),
             QType::IQ1_S => Iq1SKernel.into(),
