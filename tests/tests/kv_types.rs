@@ -114,7 +114,9 @@ fn cost(reference: &[Vec<f32>], other: &[Vec<f32>]) -> Cost {
 /// `len` random ordinary ids (past the first hundred, where special tokens sit).
 fn random_prompt(model: &Model, len: usize) -> Vec<u32> {
     let vocab = model.ir.config.vocab_size as u32;
-    let mut rng = kiln_core::Rng::new(kiln_core::testdata::fresh_seed());
+    let seed = kiln_core::testdata::fresh_seed();
+    println!("prompt seed {seed} (KILN_TEST_SEED={seed} draws it again)");
+    let mut rng = kiln_core::Rng::new(seed);
     (0..len)
         .map(|_| 100 + (rng.next_u64() % u64::from(vocab - 100)) as u32)
         .collect()
