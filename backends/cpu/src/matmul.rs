@@ -169,43 +169,45 @@ pub fn matmul(jobs: &mut [MatJob<'_>], input: Batch<'_>, threads: usize, simd: O
             // 8-bit activations: every token takes the integer kernels, prompts too, so the
             // arithmetic is llama.cpp's at any batch size; up to four tokens share each
             // row's decoded weights.
-            Some((k, act)) => {
-                let mut t = 0;
-                while t < input.tokens {
-                    let n = TOKENS_AT_ONCE.min(input.tokens - t);
-                    let xs: [_; TOKENS_AT_ONCE] =
-                        std::array::from_fn(|i| act.token(t + i.min(n - 1)));
-                    let mut outs: [&mut [f32]; TOKENS_AT_ONCE] =
-                        std::array::from_fn(|_| <&mut [f32]>::default());
-                    for (i, o) in outs.iter_mut().enumerate().take(n) {
-                        *o = write(t + i);
-                    }
-                    k.dot_rows_tokens(bytes, m.row_bytes, &xs[..n], &mut outs[..n]);
-                    t += n;
-                }
-            }
+            Some((k, act)) => token_groups(input.tokens, write, |t0, outs| {
+                let xs: [_; TOKENS_AT_ONCE] =
+                    std::array::from_fn(|i| act.token(t0 + i.min(outs.len() - 1)));
+                k.dot_rows_tokens(bytes, m.row_bytes, &xs[..outs.len()], outs)
+            }),
             _ if input.tokens == 1 => m
                 .kernel
                 .dot_rows(bytes, m.row_bytes, input.act(0), write(0)),
             _ if input.tokens < DEQUANT_MIN_TOKENS => {
-                let mut t = 0;
-                while t < input.tokens {
-                    let n = TOKENS_AT_ONCE.min(input.tokens - t);
+                token_groups(input.tokens, write, |t0, outs| {
                     let xs: [Act<'_>; TOKENS_AT_ONCE] =
-                        std::array::from_fn(|i| input.act(t + i.min(n - 1)));
-                    let mut outs: [&mut [f32]; TOKENS_AT_ONCE] =
-                        std::array::from_fn(|_| <&mut [f32]>::default());
-                    for (i, o) in outs.iter_mut().enumerate().take(n) {
-                        *o = write(t + i);
-                    }
+                        std::array::from_fn(|i| input.act(t0 + i.min(outs.len() - 1)));
                     m.kernel
-                        .dot_rows_tokens(bytes, m.row_bytes, &xs[..n], &mut outs[..n]);
-                    t += n;
-                }
+                        .dot_rows_tokens(bytes, m.row_bytes, &xs[..outs.len()], outs)
+                })
             }
             _ => many_tokens(m, bytes, r1 - r0, input, simd, write),
         }
     });
+}
+
+/// Calls `f(t0, outs)` for each run of up to [`TOKENS_AT_ONCE`] consecutive tokens from
+/// `t0`, `outs` holding their outputs (`write(t)` for each).
+fn token_groups<'o>(
+    tokens: usize,
+    write: impl Fn(usize) -> &'o mut [f32],
+    mut f: impl FnMut(usize, &mut [&'o mut [f32]]),
+) {
+    let mut t0 = 0;
+    while t0 < tokens {
+        let n = TOKENS_AT_ONCE.min(tokens - t0);
+        let mut outs: [&mut [f32]; TOKENS_AT_ONCE] =
+            std::array::from_fn(|_| <&mut [f32]>::default());
+        for (i, o) in outs.iter_mut().enumerate().take(n) {
+            *o = write(t0 + i);
+        }
+        f(t0, &mut outs[..n]);
+        t0 += n;
+    }
 }
 
 /// Dequantise each row once, a segment at a time, and dot it with every token. Rows go

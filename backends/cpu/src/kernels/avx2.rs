@@ -246,7 +246,7 @@ pub(super) unsafe fn k_scales_mins(q: *const u8) -> (__m256, __m256) {
 /// That is the fifth bit of a Q5 quant, ready to OR onto its low nibble.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits16(bits: u32) -> __m128i {
+pub(super) fn fifth_bits16(bits: u32) -> __m128i {
     // Byte 0 of `bits` to lanes 0..8, byte 1 to lanes 8..16; lane i then tests bit i % 8.
     let spread = _mm_shuffle_epi8(
         _mm_cvtsi32_si128(bits as i32),
@@ -1112,33 +1112,17 @@ block_dot! {
     dot_iq3_s => dot_iq3_s_unchecked, 256, 110, false;
 }
 
-/// Defines, for a type with a [`groups::Groups`] decoder, `pub fn $dequant(Avx2, src, out)`
-/// (the whole blocks both hold, bit for bit the reference dequantiser's values) and
-/// `pub fn $tokens(Avx2, rows, row_bytes, xs, outs)`, the few-token row dot
-/// ([`groups::dot_tokens`]).
-macro_rules! group_kernels {
-    ($($dequant:ident, $tokens:ident => $groups:ty;)*) => {$(
-        pub fn $dequant(_: Avx2, src: &[u8], out: &mut [f32]) {
-            // SAFETY: the token proves the features; `dequantize` stays inside both slices.
-            unsafe { groups::dequantize::<$groups>(src, out) }
-        }
-        pub fn $tokens(_: Avx2, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-            // SAFETY: the token proves the features; `dot_tokens` checks the lengths.
-            unsafe { groups::dot_tokens::<$groups>(rows, row_bytes, xs, outs) }
-        }
-    )*};
-}
-
 group_kernels! {
+    Avx2;
     dequant_q4_0, tokens_q4_0 => groups::Q4_0;
     dequant_apr_q4, tokens_apr_q4 => groups::AprQ4;
     dequant_q4_1, tokens_q4_1 => groups::Q4_1;
     dequant_q5_0, tokens_q5_0 => groups::Q5_0;
     dequant_q5_1, tokens_q5_1 => groups::Q5_1;
     dequant_q8_0, tokens_q8_0 => groups::Q8_0;
-    dequant_q4_k, tokens_q4_k => groups::Q4K;
-    dequant_q5_k, tokens_q5_k => groups::Q5K;
-    dequant_q6_k, tokens_q6_k => groups::Q6K;
+    dequant_q4_k => groups::Q4K;
+    dequant_q5_k => groups::Q5K;
+    dequant_q6_k => groups::Q6K;
     dequant_q2_k, tokens_q2_k => groups::Q2K;
     dequant_q3_k, tokens_q3_k => groups::Q3K;
 }

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use kiln_core::QType;
 
-use super::avx2::{f16_splat, f16x2, k_scales_mins};
+use super::avx2::{f16_splat, f16x2, fifth_bits16, k_scales_mins};
 
 /// A block weight type seen as groups of 32 values.
 pub(super) trait Groups {
@@ -66,20 +66,6 @@ unsafe fn nibbles32(p: *const u8) -> [__m256; 4] {
     }
 }
 
-/// Bit `i` of the 16 bits in `bits` as byte `i`: 0x10 where the bit is set (a Q5 quant's
-/// fifth bit, ready to OR onto its nibble).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits16(bits: u32) -> __m128i {
-    let spread = _mm_shuffle_epi8(
-        _mm_cvtsi32_si128(bits as i32),
-        _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-    );
-    let lane_bit = _mm_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let set = _mm_cmpeq_epi8(_mm_and_si128(spread, lane_bit), lane_bit);
-    _mm_and_si128(set, _mm_set1_epi8(0x10))
-}
-
 /// The 5-bit quants of a Q5_0/Q5_1 block (fifth bits `qh`, nibbles at `qs`) as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -132,14 +118,14 @@ macro_rules! each {
 /// A K-quant super-block's eight sub-block scales `d·sc` and mins `dmin·m`.
 #[derive(Clone, Copy)]
 pub(super) struct KScales {
-    scale: [f32; 8],
-    min: [f32; 8],
+    pub(super) scale: [f32; 8],
+    pub(super) min: [f32; 8],
 }
 
 /// The scales and mins of the Q4_K/Q5_K block at `p`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_scales(p: *const u8) -> KScales {
+pub(super) unsafe fn k_scales(p: *const u8) -> KScales {
     // SAFETY: the caller guarantees the features and a whole block at `p`.
     unsafe {
         let (d, dmin) = f16x2(p);
@@ -491,20 +477,7 @@ pub(super) unsafe fn dot_tokens<G: Groups>(
     xs: &[&[f32]],
     outs: &mut [&mut [f32]],
 ) {
-    let q = G::QTYPE;
-    let n = outs.first().map_or(0, |o| o.len());
-    let cols = row_bytes / q.block_bytes() * q.block_len();
-    assert!(
-        (1..=4).contains(&xs.len())
-            && xs.len() == outs.len()
-            && row_bytes.is_multiple_of(q.block_bytes())
-            && rows.len() >= n * row_bytes
-            && xs.iter().all(|x| x.len() == cols)
-            && outs.iter().all(|o| o.len() == n),
-        "dot_tokens ({q}): {} activations of {:?} values for rows of {row_bytes} bytes",
-        xs.len(),
-        xs.iter().map(|x| x.len()).collect::<Vec<_>>()
-    );
+    super::check_token_rows(G::QTYPE, rows, row_bytes, xs, outs);
     // SAFETY: the features are the caller's promise; the lengths were checked above.
     unsafe {
         match *xs {

@@ -628,25 +628,8 @@ pub fn dot4x4_f32(_: Avx512, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     unsafe { dot4x4_f32_unchecked(w, x) }
 }
 
-/// Defines, for a type with a [`groups::Groups`] decoder, `pub fn $dequant(Avx512, src,
-/// out)`, which dequantises the whole blocks both `src` and `out` hold (bit for bit the
-/// reference dequantiser's values: the many-token path dequantises every weight row once
-/// per batch, and the scalar loops took an eighth of a prefill), and `pub fn $tokens(Avx512,
-/// rows, row_bytes, xs, outs)`, the few-token row dot ([`groups::dot_tokens`]).
-macro_rules! group_kernels {
-    ($($dequant:ident, $tokens:ident => $groups:ty;)*) => {$(
-        pub fn $dequant(_: Avx512, src: &[u8], out: &mut [f32]) {
-            // SAFETY: the token proves the features; `dequantize` stays inside both slices.
-            unsafe { groups::dequantize::<$groups>(src, out) }
-        }
-        pub fn $tokens(_: Avx512, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-            // SAFETY: the token proves the features; `dot_tokens` checks the lengths.
-            unsafe { groups::dot_tokens::<$groups>(rows, row_bytes, xs, outs) }
-        }
-    )*};
-}
-
 group_kernels! {
+    Avx512;
     dequant_q4_0, tokens_q4_0 => groups::Q4_0;
     dequant_apr_q4, tokens_apr_q4 => groups::AprQ4;
     dequant_q4_1, tokens_q4_1 => groups::Q4_1;

@@ -17,7 +17,9 @@ use std::arch::x86_64::*;
 
 use kiln_core::QType;
 
-use super::avx2::{f16x2, k_scales_mins};
+use super::avx2::f16x2;
+// The scales are eight lanes' work: the AVX2 form serves both.
+use super::avx2_groups::{k_scales, KScales};
 use super::avx512::{f16_splat, iota16};
 
 /// A block weight type seen as groups of 32 values.
@@ -37,31 +39,6 @@ pub(super) trait Groups {
     /// # Safety
     /// As for [`Groups::head`]; `g < GROUPS`.
     unsafe fn group(p: *const u8, head: &Self::Head, g: usize) -> [__m512; 2];
-}
-
-/// A K-quant super-block's eight sub-block scales `d·sc` and mins `dmin·m`.
-#[derive(Clone, Copy)]
-pub(super) struct KScales {
-    scale: [f32; 8],
-    min: [f32; 8],
-}
-
-/// The scales and mins of the Q4_K/Q5_K block at `p`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn k_scales(p: *const u8) -> KScales {
-    // SAFETY: the caller guarantees the features and a whole block at `p`.
-    unsafe {
-        let (d, dmin) = f16x2(p);
-        let (sc, m) = k_scales_mins(p.add(4));
-        let mut out = KScales {
-            scale: [0.0; 8],
-            min: [0.0; 8],
-        };
-        _mm256_storeu_ps(out.scale.as_mut_ptr(), _mm256_mul_ps(sc, _mm256_set1_ps(d)));
-        _mm256_storeu_ps(out.min.as_mut_ptr(), _mm256_mul_ps(m, _mm256_set1_ps(dmin)));
-        out
-    }
 }
 
 /// A Q6_K block's sixteen scales `d·sc`.
@@ -459,20 +436,7 @@ pub(super) unsafe fn dot_tokens<G: Groups>(
     xs: &[&[f32]],
     outs: &mut [&mut [f32]],
 ) {
-    let q = G::QTYPE;
-    let n = outs.first().map_or(0, |o| o.len());
-    let cols = row_bytes / q.block_bytes() * q.block_len();
-    assert!(
-        (1..=4).contains(&xs.len())
-            && xs.len() == outs.len()
-            && row_bytes.is_multiple_of(q.block_bytes())
-            && rows.len() >= n * row_bytes
-            && xs.iter().all(|x| x.len() == cols)
-            && outs.iter().all(|o| o.len() == n),
-        "dot_tokens ({q}): {} activations of {:?} values for rows of {row_bytes} bytes",
-        xs.len(),
-        xs.iter().map(|x| x.len()).collect::<Vec<_>>()
-    );
+    super::check_token_rows(G::QTYPE, rows, row_bytes, xs, outs);
     // SAFETY: the features are the caller's promise; the lengths were checked above.
     unsafe {
         match *xs {

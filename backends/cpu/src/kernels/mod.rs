@@ -16,6 +16,25 @@ use kiln_core::QType;
 
 use crate::dequant;
 
+/// Defines, in an instruction set's module, for each type with a `Groups` decoder in its
+/// `groups` module: `pub fn $dequant(token, src, out)`, which dequantises the whole blocks
+/// both `src` and `out` hold (bit for bit the reference dequantiser's values), and, where
+/// named, `pub fn $tokens(token, rows, row_bytes, xs, outs)`, the few-token row dot.
+macro_rules! group_kernels {
+    ($token:ty; $($dequant:ident $(, $tokens:ident)? => $groups:ty;)*) => {$(
+        pub fn $dequant(_: $token, src: &[u8], out: &mut [f32]) {
+            // SAFETY: the token proves the features; `dequantize` stays inside both slices.
+            unsafe { groups::dequantize::<$groups>(src, out) }
+        }
+        $(
+            pub fn $tokens(_: $token, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+                // SAFETY: the token proves the features; `dot_tokens` checks the lengths.
+                unsafe { groups::dot_tokens::<$groups>(rows, row_bytes, xs, outs) }
+            }
+        )?
+    )*};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
@@ -174,6 +193,26 @@ pub trait RowDot {
             self.dot_rows(rows, row_bytes, *x, out);
         }
     }
+}
+
+/// Panics unless `rows` holds `outs[t].len()` whole rows of `row_bytes` bytes of `q` (the
+/// same count for every t) and `xs` one to [`TOKENS_AT_ONCE`] activations of a row's values,
+/// one per output: what the few-token kernels rely on to stay inside their slices.
+#[cfg(target_arch = "x86_64")]
+fn check_token_rows(q: QType, rows: &[u8], row_bytes: usize, xs: &[&[f32]], outs: &[&mut [f32]]) {
+    let n = outs.first().map_or(0, |o| o.len());
+    let cols = row_bytes / q.block_bytes() * q.block_len();
+    assert!(
+        (1..=TOKENS_AT_ONCE).contains(&xs.len())
+            && xs.len() == outs.len()
+            && row_bytes.is_multiple_of(q.block_bytes())
+            && rows.len() >= n * row_bytes
+            && xs.iter().all(|x| x.len() == cols)
+            && outs.iter().all(|o| o.len() == n),
+        "dot_tokens ({q}): {} activations of {:?} values for rows of {row_bytes} bytes",
+        xs.len(),
+        xs.iter().map(|x| x.len()).collect::<Vec<_>>()
+    );
 }
 
 /// Activations [`RowDot::dot_rows_tokens`] takes at most.
@@ -408,7 +447,7 @@ pub(crate) fn prefetch_ahead(rows: &[u8], row_bytes: usize, i: usize) {
 }
 
 macro_rules! block_kernel {
-    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident, $simd_tokens:ident, avx2_batches: $avx2_batches:expr) => {
+    ($(#[$doc:meta])* $name:ident, $qtype:expr, $block:expr, $deq:path, $simd_fn:ident, $simd_deq:ident, $simd_tokens:ident, avx2_tokens: [$($avx2_tokens:ident)?]) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy)]
         pub struct $name {
@@ -458,9 +497,8 @@ macro_rules! block_kernel {
                     let x = &x[..xs.len()];
                     match simd {
                         Simd::Avx512(t) => return avx512::$simd_tokens(t, rows, row_bytes, x, outs),
-                        Simd::Avx2(t) if $avx2_batches => {
-                            return avx2::$simd_tokens(t, rows, row_bytes, x, outs)
-                        }
+                        $(Simd::Avx2(t) => return avx2::$avx2_tokens(t, rows, row_bytes, x, outs),)?
+                        #[allow(unreachable_patterns)]
                         Simd::Avx2(_) => {}
                     }
                 }
@@ -499,7 +537,7 @@ block_kernel!(
     dot_q4_0,
     dequant_q4_0,
     tokens_q4_0,
-    avx2_batches: true
+    avx2_tokens: [tokens_q4_0]
 );
 block_kernel!(
     Q4_1Kernel,
@@ -509,7 +547,7 @@ block_kernel!(
     dot_q4_1,
     dequant_q4_1,
     tokens_q4_1,
-    avx2_batches: true
+    avx2_tokens: [tokens_q4_1]
 );
 block_kernel!(
     Q5_0Kernel,
@@ -519,7 +557,7 @@ block_kernel!(
     dot_q5_0,
     dequant_q5_0,
     tokens_q5_0,
-    avx2_batches: true
+    avx2_tokens: [tokens_q5_0]
 );
 block_kernel!(
     Q5_1Kernel,
@@ -529,7 +567,7 @@ block_kernel!(
     dot_q5_1,
     dequant_q5_1,
     tokens_q5_1,
-    avx2_batches: true
+    avx2_tokens: [tokens_q5_1]
 );
 block_kernel!(
     Q8_0Kernel,
@@ -539,7 +577,7 @@ block_kernel!(
     dot_q8_0,
     dequant_q8_0,
     tokens_q8_0,
-    avx2_batches: true
+    avx2_tokens: [tokens_q8_0]
 );
 block_kernel!(
     Q4KKernel,
@@ -549,10 +587,10 @@ block_kernel!(
     dot_q4_k,
     dequant_q4_k,
     tokens_q4_k,
-    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
-    // decodes less per value: decoding the weights once for four tokens measured no faster
-    // on a q4_k_m file.
-    avx2_batches: false
+    // None with AVX2: its fused dot folds the scales and mins in through the activation's
+    // sums and so decodes less per value, which measured as fast as decoding once for four
+    // tokens on a q4_k_m file.
+    avx2_tokens: []
 );
 block_kernel!(
     Q5KKernel,
@@ -562,10 +600,10 @@ block_kernel!(
     dot_q5_k,
     dequant_q5_k,
     tokens_q5_k,
-    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
-    // decodes less per value: decoding the weights once for four tokens measured no faster
-    // on a q4_k_m file.
-    avx2_batches: false
+    // None with AVX2: its fused dot folds the scales and mins in through the activation's
+    // sums and so decodes less per value, which measured as fast as decoding once for four
+    // tokens on a q4_k_m file.
+    avx2_tokens: []
 );
 block_kernel!(
     Q6KKernel,
@@ -575,10 +613,10 @@ block_kernel!(
     dot_q6_k,
     dequant_q6_k,
     tokens_q6_k,
-    // The fused AVX2 dot folds the scales and mins in through the activation's sums and so
-    // decodes less per value: decoding the weights once for four tokens measured no faster
-    // on a q4_k_m file.
-    avx2_batches: false
+    // None with AVX2: its fused dot folds the scales and mins in through the activation's
+    // sums and so decodes less per value, which measured as fast as decoding once for four
+    // tokens on a q4_k_m file.
+    avx2_tokens: []
 );
 block_kernel!(
     /// APR's Q4 (Q4_0's arithmetic, nibbles in value order).
@@ -589,7 +627,7 @@ block_kernel!(
     dot_apr_q4,
     dequant_apr_q4,
     tokens_apr_q4,
-    avx2_batches: true
+    avx2_tokens: [tokens_apr_q4]
 );
 /// A block type whose only SIMD forms are its group decoders (AVX-512, AVX2): one token
 /// takes the few-token product with a single activation.
