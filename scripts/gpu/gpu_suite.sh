@@ -8,7 +8,7 @@
 #                                and -c (one call to the GPU machine carries at most 64 MiB,
 #                                the repository's tracked files included: carry one part a call).
 #   scripts/gpu/gpu_suite.sh run     on the GPU machine: joins .gpu-model/part-* (in name order) into the real model
-#                                if present (checking its sha256), runs every GPU test (and the
+#                                once all three are present (checking its sha256), runs every GPU test (and the
 #                                conformance suite on cuda-q4k / cuda-q4_0) with
 #                                --include-ignored and KILN_REQUIRE_GPU=1 (no silent skips),
 #                                then `kiln bench` on SmolLM2 q4_k_m and synthetic llama3.2-1b /
@@ -61,7 +61,9 @@ run)
     mkdir -p "$out"
     work=$(mktemp -d)
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/nvidia-smi.txt" || true
-    if [ -f .gpu-model/part-a ]; then
+    # The parts arrive one call each; until the last one (part-c) is here, the tests that
+    # need the real model skip visibly rather than failing on a half file.
+    if [ -f .gpu-model/part-c ]; then
         cat .gpu-model/part-* >"$work/SmolLM2-135M-Instruct.Q4_1.gguf"
         if echo "$SMOLLM2_SHA256  $work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet; then
             export KILN_TEST_MODEL="$work/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -143,7 +145,9 @@ bench)
     mkdir -p "$work"
     kiln=.gpu/kiln
     models=()
-    if [ -f .gpu-model/part-a ]; then
+    # The parts arrive one call each; until the last one (part-c) is here, the tests that
+    # need the real model skip visibly rather than failing on a half file.
+    if [ -f .gpu-model/part-c ]; then
         cat .gpu-model/part-* >"$work/SmolLM2-135M-Instruct.Q4_1.gguf"
         echo "$SMOLLM2_SHA256  $work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet
         for t in q4_0 q4_k_m; do
