@@ -835,6 +835,7 @@ fn run_model(
         sequential_decode: false,
         kv_type: None,
         kv_memory: None,
+        tensor_parallel: 0,
     };
     let oracle_options = LoadOptions {
         max_sequences: 1,

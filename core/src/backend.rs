@@ -119,6 +119,11 @@ pub struct LoadOptions {
     /// blocks as it grows and fails with [`Error::KvCacheFull`] when none is left. It must
     /// hold at least one sequence's whole context ([`LoadOptions::kv_pool_blocks`]).
     pub kv_memory: Option<u64>,
+    /// Ranks the model's matrices are split over (tensor parallelism, see
+    /// [`crate::parallel`]); 0 or 1: none. The CPU backend runs the ranks as threads of one
+    /// process; a backend that cannot split a model refuses to load with
+    /// [`Error::Unsupported`].
+    pub tensor_parallel: usize,
 }
 
 impl LoadOptions {

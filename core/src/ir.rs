@@ -134,6 +134,29 @@ impl TensorView {
         )
     }
 
+    /// Columns (input values) `start..start + count` of every row of a 2-D tensor, copied
+    /// into a tensor of their own (a tensor-parallel rank's share of a matrix it multiplies
+    /// a slice of the input with). Both must fall on block boundaries.
+    pub fn slice_columns(&self, name: &str, start: usize, count: usize) -> Result<TensorView> {
+        let block = self.qtype.block_len();
+        let fits = start
+            .checked_add(count)
+            .is_some_and(|end| end <= self.row_len());
+        if self.dims.len() != 2 || !fits || start % block != 0 || count % block != 0 {
+            return Err(Error::InvalidShape(format!(
+                "cannot take columns {start}+{count} of {} with dims {:?} in {}-value blocks",
+                self.name, self.dims, block
+            )));
+        }
+        let skip = self.qtype.row_bytes(start)?;
+        let take = self.qtype.row_bytes(count)?;
+        let mut bytes = Vec::with_capacity(take * self.rows());
+        for r in 0..self.rows() {
+            bytes.extend_from_slice(&self.row(r)[skip..skip + take]);
+        }
+        TensorView::from_bytes(name, self.qtype, vec![count, self.rows()], bytes)
+    }
+
     /// Matrix `i` of a stack of matrices (dims `[row_len, rows, n]`: Mixture-of-Experts
     /// weights, one matrix per expert) as its own 2-D view (zero-copy).
     pub fn matrix(&self, i: usize) -> Result<TensorView> {

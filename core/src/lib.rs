@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod error;
 pub mod ir;
+pub mod parallel;
 pub mod plugin_abi;
 pub mod program;
 pub mod qtype;

@@ -1960,6 +1960,7 @@ unsafe fn program_from_desc(
             norm: norm(&d.head_norm, "the head norm")?,
             output: tensor(d.output, "the output")?,
             logit_scale: d.logit_scale,
+            vocab_rows: None,
         },
         rope_freqs: optional(d.rope_freqs, "the rope frequency factors")?,
     })

@@ -165,6 +165,9 @@ pub struct Head<M, V> {
     /// Vocabulary rows of hidden values (the embedding table itself when tied).
     pub output: M,
     pub logit_scale: f32,
+    /// The vocabulary rows `output` holds when they are a share of the whole (a
+    /// tensor-parallel rank's, see [`crate::parallel`]); `None`: every row.
+    pub vocab_rows: Option<std::ops::Range<usize>>,
 }
 
 /// The shape of a matrix as a program multiplies it: `inputs` values in, `outputs` out
@@ -255,8 +258,18 @@ impl<M, V> ModelProgram<M, V> {
             branches,
             head: Head {
                 norm: map_norm(&self.head.norm, h, &mut vector)?,
-                output: matrix(&self.head.output, shape(h, c.vocab_size))?,
+                output: matrix(
+                    &self.head.output,
+                    shape(
+                        h,
+                        self.head
+                            .vocab_rows
+                            .as_ref()
+                            .map_or(c.vocab_size, |r| r.len()),
+                    ),
+                )?,
                 logit_scale: self.head.logit_scale,
+                vocab_rows: self.head.vocab_rows.clone(),
             },
             rope_freqs: match &self.rope_freqs {
                 Some(f) => Some(vector(f, c.rope.rotary_dims / 2)?),
@@ -564,6 +577,7 @@ impl<'a> Builder<'a> {
                 )?,
                 output: w.lm_head().clone(),
                 logit_scale: 1.0,
+                vocab_rows: None,
             },
             rope_freqs,
         })

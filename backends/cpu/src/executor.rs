@@ -12,6 +12,7 @@
 //! by the window, whatever the length.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
@@ -26,6 +27,7 @@ use crate::kernels::q8::{Q8Forms, Q8Input};
 use crate::kernels::{self, block_sums, Isa, Simd};
 use crate::matmul::{matmul, Batch, MatJob, QMatrix, MAX_BATCH};
 use crate::ops;
+use kiln_core::parallel::Collective;
 use kiln_core::program::{self, Attention, Experts, FeedForward, Norm, Op};
 use kiln_core::ModelProgram;
 
@@ -47,6 +49,9 @@ struct Model {
     /// The 8-bit activation forms the matrices with an integer kernel multiply
     /// (`LoadOptions::quantized_activations`; none in the oracle's default).
     q8_forms: Q8Forms,
+    /// A tensor-parallel rank's group: each branch's partial output is summed over it
+    /// (see `kiln_core::parallel`). `None`: the whole model is here.
+    collective: Option<Arc<dyn Collective>>,
 }
 
 /// One sequence slot: its windowed layers' rings (see [`KvLayout`]; its other rows live in
@@ -423,13 +428,24 @@ pub const MAX_THREADS_PER_CORE: usize = 4;
 
 impl CpuExecutor {
     pub(crate) fn load(ir: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<CpuExecutor> {
-        let c = &ir.config;
+        Self::load_program(&ir.config, &program::build(ir)?, options, isa, None)
+    }
+
+    /// Loads `program` (the model `c` describes, or a tensor-parallel rank's share of one,
+    /// which sums its branches over `collective`).
+    pub(crate) fn load_program(
+        c: &ModelConfig,
+        program: &ModelProgram<TensorView>,
+        options: &LoadOptions,
+        isa: Isa,
+        collective: Option<Arc<dyn Collective>>,
+    ) -> Result<CpuExecutor> {
         let simd = Simd::detect(isa);
         let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.ffn_size);
         // The matrices a forward pass multiplies, with their integer kernels when the caller
         // asked for 8-bit activations (`kernels::q8`; the oracle's f32 path otherwise).
         let mut q8_forms = Q8Forms::default();
-        let program = program::build(ir)?.map(
+        let program = program.map(
             c,
             |view, shape| {
                 let m = QMatrix::new(view, shape.inputs, shape.outputs, isa)?;
@@ -528,6 +544,7 @@ impl CpuExecutor {
             threads,
             simd,
             q8_forms,
+            collective,
         };
         Ok(CpuExecutor {
             model,
@@ -979,6 +996,13 @@ fn forward(
                 }
             }
         }
+        if let Some(group) = &m.collective {
+            // A rank's failure ends the whole step: the driver catches the panic and
+            // reports the group's error.
+            if let Err(e) = group.all_reduce_sum(&mut sum[..n * h]) {
+                panic!("{e}");
+            }
+        }
         if let Some(post) = &branch.post_norm {
             for t in 0..n {
                 let row = &mut sum[t * h..(t + 1) * h];
@@ -1008,17 +1032,41 @@ fn forward(
         return;
     }
     let input = batch(&s.xn, &mut s.sums, &mut s.q8, m.q8_forms, count, h);
+    let Some(vocab) = &p.head.vocab_rows else {
+        matmul(
+            &mut [MatJob {
+                m: &p.head.output,
+                out: &mut *logits,
+            }],
+            input,
+            m.threads,
+            m.simd,
+        );
+        if p.head.logit_scale != 1.0 {
+            logits.iter_mut().for_each(|v| *v *= p.head.logit_scale);
+        }
+        return;
+    };
+    // A tensor-parallel rank's rows of the vocabulary: their logits into their columns of
+    // each row (the driver gathers the ranks' columns).
+    let share = vocab.len();
+    let mut local = vec![0f32; count * share];
     matmul(
         &mut [MatJob {
             m: &p.head.output,
-            out: &mut *logits,
+            out: &mut local,
         }],
         input,
         m.threads,
         m.simd,
     );
-    if p.head.logit_scale != 1.0 {
-        logits.iter_mut().for_each(|v| *v *= p.head.logit_scale);
+    for (row, part) in logits
+        .chunks_exact_mut(c.vocab_size)
+        .zip(local.chunks_exact(share))
+    {
+        for (v, &l) in row[vocab.clone()].iter_mut().zip(part) {
+            *v = l * p.head.logit_scale;
+        }
     }
 }
 

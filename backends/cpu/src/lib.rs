@@ -23,10 +23,12 @@ mod executor;
 pub mod kernels;
 mod matmul;
 pub mod ops;
+mod tensor_parallel;
 
 pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize};
 pub use kernels::Isa;
 pub use matmul::MAX_BATCH;
+pub use tensor_parallel::TensorParallelExecutor;
 
 /// The `cpu` backend: always available, score 10 for every model whose weight types it
 /// can multiply with.
@@ -115,6 +117,13 @@ impl Backend for CpuBackend {
     }
 
     fn load(&self, model: &ModelIr, options: &LoadOptions) -> Result<Box<dyn LayerExecutor>> {
+        if options.tensor_parallel > 1 {
+            return Ok(Box::new(TensorParallelExecutor::load(
+                model,
+                options,
+                Isa::best(),
+            )?));
+        }
         Ok(Box::new(self.load_executor(model, options)?))
     }
 }
