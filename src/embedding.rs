@@ -110,7 +110,7 @@ impl Engine {
     /// # Errors
     /// `InvalidArgument` for no tokens or ids outside the vocabulary, `ContextExceeded`
     /// for a text as long as the context, `Unsupported` from a backend that gives no
-    /// hidden states (the GPU backends, for now), and what the executor reports.
+    /// hidden states (a GPU backend without cuBLAS), and what the executor reports.
     pub fn embed(&mut self, tokens: &[u32], pooling: Pooling, normalize: bool) -> Result<Vec<f32>> {
         embed_on(self.executor(), tokens, pooling, normalize)
     }

@@ -90,8 +90,7 @@ struct BackendArgs {
 
 #[derive(Args)]
 struct EmbedArgs {
-    /// The texts to embed, one vector each (on the cpu backend unless --backend names
-    /// another).
+    /// The texts to embed, one vector each.
     #[arg(required = true)]
     texts: Vec<String>,
     #[command(flatten)]
@@ -135,6 +134,11 @@ struct ModelArgs {
     /// full context.
     #[arg(long = "kv-mem", value_name = "SIZE", value_parser = kiln::parse_size)]
     kv_mem: Option<u64>,
+    /// Split the model's matrices over N ranks (tensor parallelism: attention by heads, the
+    /// feed-forward by columns, the LM head by vocabulary). The cpu backend runs the ranks
+    /// as threads; the GPU backends and plugins refuse N > 1.
+    #[arg(long = "tensor-parallel", value_name = "N", default_value_t = 1)]
+    tensor_parallel: usize,
 }
 
 #[derive(Args, Clone)]
@@ -448,6 +452,7 @@ fn load_engine_for(args: &ModelArgs, sequences: usize, sequential_decode: bool) 
         sequential_decode,
         kv_type: args.kv_type,
         kv_memory: args.kv_mem,
+        tensor_parallel: args.tensor_parallel,
         ..LoadOptions::default()
     };
     let engine = Engine::load(model, &registry, args.backend.backend.as_deref(), &options)?;
@@ -1264,14 +1269,8 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `kiln warmup`: the model loaded once on its backend (GPU kernels compiled into the
-/// on-disk cache on a first run), one token generated, the times printed.
-fn cmd_embed(mut args: EmbedArgs) -> Result<()> {
-    // Hidden states come from the CPU backend for now: it is the default here rather than
-    // the best-scoring backend (a GPU one would refuse).
-    if args.model.backend.backend.is_none() && args.model.backend.plugins.is_empty() {
-        args.model.backend.backend = Some("cpu".into());
-    }
+/// `kiln embed`: each text's final hidden states pooled into one vector, a JSON line each.
+fn cmd_embed(args: EmbedArgs) -> Result<()> {
     let mut engine = load_engine(&args.model)?;
     let pooling = match &args.pooling {
         Some(name) => kiln::Pooling::parse(name)?,
@@ -1288,6 +1287,8 @@ fn cmd_embed(mut args: EmbedArgs) -> Result<()> {
     Ok(())
 }
 
+/// `kiln warmup`: the model loaded once on its backend (GPU kernels compiled into the
+/// on-disk cache on a first run), one token generated, the times printed.
 fn cmd_warmup(args: ModelArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let mut engine = load_engine(&args)?;

@@ -510,6 +510,12 @@ impl PluginBackend {
                 self.plugin.name
             )));
         }
+        if options.tensor_parallel > 1 {
+            return Err(Error::Unsupported(format!(
+                "plugin {}: the plugin ABI has no way to split a model over ranks, so --tensor-parallel {} cannot be honoured",
+                self.plugin.name, options.tensor_parallel
+            )));
+        }
         let p = &self.plugin;
         let mut progress: Option<ProgressFn> = options.progress.clone();
         let opts = KilnLoadOptions {

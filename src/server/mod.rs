@@ -128,6 +128,10 @@ pub struct ServeArgs {
     /// it must hold one sequence's whole context. Default: every sequence at full context.
     #[arg(long = "kv-mem", value_name = "SIZE", value_parser = crate::parse_size)]
     pub kv_mem: Option<u64>,
+    /// Split the model's matrices over N ranks (tensor parallelism); the cpu backend runs
+    /// the ranks as threads, the GPU backends and plugins refuse N > 1.
+    #[arg(long = "tensor-parallel", value_name = "N", default_value_t = 1)]
+    pub tensor_parallel: usize,
     /// GPU backends: decode the running sequences one at a time instead of in one batched
     /// step (int8 tensor-core matmuls, every weight read once for all of them).
     #[arg(long)]
@@ -270,6 +274,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             sequential_decode: args.sequential_decode,
             kv_type: args.kv_type,
             kv_memory: args.kv_mem,
+            tensor_parallel: args.tensor_parallel,
             ..LoadOptions::default()
         },
         load_delay: Duration::from_millis(args.load_delay_ms),

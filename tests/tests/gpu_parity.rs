@@ -839,3 +839,70 @@ fn decode_both(
         .unwrap();
     cosine(lc, lg)
 }
+
+/// Hidden states (what embeddings pool) from both GPU backends' batched prefill against the
+/// CPU oracle: a random 700-token prompt (two chunks) on a synthetic qwen2.5-0.5b, the rows
+/// from 100 on, each at cosine ≥ 0.9999 and the output poisoned first; then the pooled,
+/// normalised embeddings through `embed_on` (mean and last) at cosine ≥ 0.9999.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn hidden_states_and_embeddings_match_cpu_on_both_gpu_backends() {
+    if backends().is_none() {
+        return;
+    }
+    let dir = scratch_dir();
+    let seed = kiln_core::testdata::fresh_seed();
+    println!("hidden states: prompt seed {seed}");
+    for (gpu_name, recipe) in [("cuda-q4k", Recipe::Q4_K_M), ("cuda-q4_0", Recipe::Q4_0)] {
+        let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked above");
+        let path = synth_into(&dir, "qwen2.5-0.5b", Preset::Qwen25_0_5b, recipe, 3);
+        let model = Model::open(&path).unwrap();
+        let c = &model.ir.config;
+        let (vocab, width) = (c.vocab_size as u64, c.hidden_size);
+        let mut rng = kiln_core::Rng::new(seed);
+        let prompt: Vec<u32> = (0..700).map(|_| (rng.next_u64() % vocab) as u32).collect();
+        let options = LoadOptions {
+            max_context: 1024,
+            ..Default::default()
+        };
+        let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
+        let mut gpu = cuda_backend.load(&model.ir, &options).unwrap();
+        let first = 100;
+        let rows = prompt.len() - first;
+        let (mut hc, mut hg) = (vec![0f32; rows * width], vec![f32::NAN; rows * width]);
+        let (sc, sg) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
+        cpu.prefill_hidden(sc, &prompt, first, &mut hc).unwrap();
+        gpu.prefill_hidden(sg, &prompt, first, &mut hg).unwrap();
+        assert!(
+            hg.iter().all(|v| v.is_finite()),
+            "{gpu_name}: non-finite hidden states"
+        );
+        let worst = hc
+            .chunks(width)
+            .zip(hg.chunks(width))
+            .map(|(a, b)| cosine(a, b))
+            .fold(1.0f64, f64::min);
+        println!("{gpu_name}: hidden states, {rows} rows: min cosine {worst:.7}");
+        assert!(worst >= 0.9999, "{gpu_name}: hidden-state cosine {worst}");
+        // The sequence goes on after a hidden-state prefill like after any other.
+        let (mut lc, mut lg) = (vec![0f32; vocab as usize], vec![f32::NAN; vocab as usize]);
+        let t = prompt[0];
+        cpu.decode(&[DecodeItem { seq: sc, token: t }], &mut lc)
+            .unwrap();
+        gpu.decode(&[DecodeItem { seq: sg, token: t }], &mut lg)
+            .unwrap();
+        let cos = cosine(&lc, &lg);
+        assert!(cos >= 0.9999, "{gpu_name}: decode after it: cosine {cos}");
+        for pooling in [kiln::Pooling::Mean, kiln::Pooling::Last] {
+            let a = kiln::embedding::embed_on(&mut *cpu, &prompt[..300], pooling, true).unwrap();
+            let b = kiln::embedding::embed_on(&mut *gpu, &prompt[..300], pooling, true).unwrap();
+            let cos = cosine(&a, &b);
+            println!("{gpu_name}: {pooling:?} embedding cosine {cos:.7}");
+            assert!(
+                cos >= 0.9999,
+                "{gpu_name}: {pooling:?} embedding cosine {cos}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

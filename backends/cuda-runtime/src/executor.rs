@@ -501,6 +501,15 @@ impl GpuExecutor {
         options: &LoadOptions,
         policy: Arc<dyn GpuPolicy>,
     ) -> Result<GpuExecutor> {
+        if options.tensor_parallel > 1 {
+            // The sharded program exists (kiln_core::parallel, run by the cpu backend); the
+            // GPU executors have no collective to join their ranks.
+            return Err(Error::Unsupported(format!(
+                "{} runs a model on one GPU: splitting it over {} (tensor parallelism) is not built for the GPU executors; the cpu backend runs the split",
+                policy.backend_name(),
+                options.tensor_parallel
+            )));
+        }
         let program = program::build(model)?;
         check_program(model, &program, policy.as_ref()).map_err(Error::Unsupported)?;
         let kv_format = match options.kv_type.map(|t| (t, KvFormat::of(t))) {
@@ -1356,8 +1365,10 @@ impl GpuExecutor {
                     Err(why) => return Err(Error::Unsupported(format!("batched prefill: {why}"))),
                 };
                 let vocab = self.config.vocab_size;
+                let hidden = self.config.hidden_size;
                 let (ws, b) = Workspace::carve(&self.device, |a| prefill::ScoringBuffers {
                     logits: a.take(chunk * vocab),
+                    hidden: a.take(chunk * hidden),
                     targets: a.take(chunk),
                     nll: a.take(chunk),
                     top: a.take(chunk),
@@ -1513,6 +1524,33 @@ impl LayerExecutor for GpuExecutor {
         }
         let out = prefill::ScoredOut::Scores { targets, scores };
         self.prefill_scored(slot, tokens, first, out)
+    }
+
+    fn prefill_hidden(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        first: usize,
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let slot = self.slot_of(seq)?;
+        let start = self.slots[slot].len;
+        kiln_core::check_prefill_hidden(
+            tokens,
+            first,
+            hidden,
+            c.hidden_size,
+            c.vocab_size,
+            start,
+            self.max_ctx,
+        )?;
+        if let Err(why) = &self.prefill {
+            return Err(Error::Unsupported(format!(
+                "hidden states need the batched prefill: {why}"
+            )));
+        }
+        self.prefill_scored(slot, tokens, first, prefill::ScoredOut::Hidden(hidden))
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {

@@ -172,6 +172,9 @@ pub(super) struct ScoredRows<'a> {
 
 pub(super) enum ScoredOut<'a> {
     Logits(&'a mut [f32]),
+    /// The final hidden states (after the output norm), `hidden_size` values a row
+    /// ([`kiln_core::LayerExecutor::prefill_hidden`]): no LM head.
+    Hidden(&'a mut [f32]),
     Scores {
         targets: &'a [u32],
         scores: &'a mut [kiln_core::TokenScore],
@@ -183,6 +186,8 @@ pub(super) enum ScoredOut<'a> {
 #[derive(Clone, Copy)]
 pub(super) struct ScoringBuffers {
     pub logits: DevSlice<f32>,
+    /// One chunk's normed hidden states, `[chunk][hidden]`.
+    pub hidden: DevSlice<f32>,
     pub targets: DevSlice<i32>,
     pub nll: DevSlice<f32>,
     pub top: DevSlice<i32>,
@@ -256,13 +261,32 @@ impl GpuExecutor {
                 if r0 < n {
                     let vocab = c.vocab_size;
                     let rows = n - r0;
-                    let logits = s.dev.logits.sub(0, rows * vocab)?;
-                    self.logits_rows(p, r0, rows, logits, &mut timer)?;
                     let j = g0 + r0 - s.first..g0 + n - s.first;
                     match &mut s.out {
-                        ScoredOut::Logits(out) => logits
-                            .copy_to_host(&self.device, &mut out[j.start * vocab..j.end * vocab])?,
+                        ScoredOut::Hidden(out) => {
+                            let y = s.dev.hidden.sub(0, rows * h)?;
+                            k.rmsnorm_q8_1(
+                                p.b.x.sub(r0 * h, rows * h)?,
+                                rows,
+                                h,
+                                Some(self.out_norm.slice()),
+                                Some(c.norm_eps),
+                                Some(y),
+                                None,
+                            )?;
+                            y.copy_to_host(&self.device, &mut out[j.start * h..j.end * h])?;
+                        }
+                        ScoredOut::Logits(out) => {
+                            let logits = s.dev.logits.sub(0, rows * vocab)?;
+                            self.logits_rows(p, r0, rows, logits, &mut timer)?;
+                            logits.copy_to_host(
+                                &self.device,
+                                &mut out[j.start * vocab..j.end * vocab],
+                            )?
+                        }
                         ScoredOut::Scores { targets, scores } => {
+                            let logits = s.dev.logits.sub(0, rows * vocab)?;
+                            self.logits_rows(p, r0, rows, logits, &mut timer)?;
                             let ids: Vec<i32> =
                                 targets[j.clone()].iter().map(|&t| t as i32).collect();
                             let (t, nll, top) = (
