@@ -893,6 +893,9 @@ fn hidden_states_and_embeddings_match_cpu_on_both_gpu_backends() {
             .unwrap();
         let cos = cosine(&lc, &lg);
         assert!(cos >= 0.9999, "{gpu_name}: decode after it: cosine {cos}");
+        // `embed_on` takes a sequence of its own.
+        cpu.free_sequence(sc).unwrap();
+        gpu.free_sequence(sg).unwrap();
         for pooling in [kiln::Pooling::Mean, kiln::Pooling::Last] {
             let a = kiln::embedding::embed_on(&mut *cpu, &prompt[..300], pooling, true).unwrap();
             let b = kiln::embedding::embed_on(&mut *gpu, &prompt[..300], pooling, true).unwrap();
