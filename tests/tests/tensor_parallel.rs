@@ -26,7 +26,7 @@ fn shape(arch: Architecture, experts: Option<ExpertConfig>) -> Shape {
         heads: 8,
         kv_heads: 4,
         head_dim: 32,
-        ffn: 768,
+        ffn: 1024,
         vocab: 1000,
         layers: 2,
         rope: if arch == Architecture::Llama {
@@ -61,7 +61,7 @@ fn shapes() -> Vec<(&'static str, Shape)> {
     let moe = ExpertConfig {
         count: 8,
         used: 2,
-        ffn_size: 512,
+        ffn_size: 1024,
         normalize_weights: true,
     };
     vec![
@@ -83,7 +83,20 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (diff / norm).sqrt()
 }
 
-fn assert_close(what: &str, whole: &[f32], split: &[f32], vocab: usize) -> f64 {
+/// The bar a split model's rows must meet against the whole model's. In f32 the ranks only
+/// sum the same products in another order (rounding, ~1e-7). With 8-bit activations such
+/// a rounding difference can move a value across a quantisation step in the next layer,
+/// so a row may drift by up to about what the 8-bit path costs against f32 (~2e-2 here);
+/// a wrong share (a missing head, a transposed split) costs ~1.
+fn bar(quantized: bool) -> f64 {
+    if quantized {
+        3e-2
+    } else {
+        1e-5
+    }
+}
+
+fn assert_close(what: &str, whole: &[f32], split: &[f32], vocab: usize, bar: f64) -> f64 {
     assert!(
         split.iter().all(|v| v.is_finite()),
         "{what}: non-finite logits"
@@ -92,7 +105,7 @@ fn assert_close(what: &str, whole: &[f32], split: &[f32], vocab: usize) -> f64 {
     for (a, b) in whole.chunks(vocab).zip(split.chunks(vocab)) {
         worst = worst.max(rel_err(a, b));
     }
-    assert!(worst <= 1e-5, "{what}: relative error {worst:e}");
+    assert!(worst <= bar, "{what}: relative error {worst:e}");
     worst
 }
 
@@ -129,14 +142,14 @@ fn compare(ir: &ModelIr, world: usize, quantized: bool, name: &str) -> f64 {
     assert_eq!(sa, sb);
     whole.prefill(sa, &prompt, &mut a).unwrap();
     split.prefill(sb, &prompt, &mut b).unwrap();
-    let mut worst = assert_close(&what, &a, &b, vocab);
+    let mut worst = assert_close(&what, &a, &b, vocab, bar(quantized));
     for _ in 0..6 {
         let next = kiln_core::argmax(&a) as u32;
         let item = |seq| DecodeItem { seq, token: next };
         b.fill(f32::NAN);
         whole.decode(&[item(sa)], &mut a).unwrap();
         split.decode(&[item(sb)], &mut b).unwrap();
-        worst = worst.max(assert_close(&what, &a, &b, vocab));
+        worst = worst.max(assert_close(&what, &a, &b, vocab, bar(quantized)));
     }
     // Two more sequences (one scored over every position), then all three in one step.
     let mut seqs = vec![sa];
@@ -147,7 +160,7 @@ fn compare(ir: &ModelIr, world: usize, quantized: bool, name: &str) -> f64 {
         assert_eq!(x, y);
         whole.prefill_logits(x, p, 0, &mut ra).unwrap();
         split.prefill_logits(y, p, 0, &mut rb).unwrap();
-        worst = worst.max(assert_close(&what, &ra, &rb, vocab));
+        worst = worst.max(assert_close(&what, &ra, &rb, vocab, bar(quantized)));
         seqs.push(x);
     }
     let batch: Vec<DecodeItem> = seqs
@@ -161,7 +174,7 @@ fn compare(ir: &ModelIr, world: usize, quantized: bool, name: &str) -> f64 {
     let (mut ba, mut bb) = (vec![0f32; 3 * vocab], vec![f32::NAN; 3 * vocab]);
     whole.decode(&batch, &mut ba).unwrap();
     split.decode(&batch, &mut bb).unwrap();
-    worst = worst.max(assert_close(&what, &ba, &bb, vocab));
+    worst = worst.max(assert_close(&what, &ba, &bb, vocab, bar(quantized)));
     // Hidden states (embeddings) are whole on every rank.
     let (mut ha, mut hb) = (vec![0f32; 4 * 256], vec![f32::NAN; 4 * 256]);
     let (x, y) = (whole.new_sequence().unwrap(), split.new_sequence().unwrap());
@@ -180,7 +193,13 @@ fn compare(ir: &ModelIr, world: usize, quantized: bool, name: &str) -> f64 {
     let (x, y) = (whole.new_sequence().unwrap(), split.new_sequence().unwrap());
     whole.prefill_hidden(x, &prompt[..4], 0, &mut ha).unwrap();
     split.prefill_hidden(y, &prompt[..4], 0, &mut hb).unwrap();
-    worst = worst.max(assert_close(&format!("{what}, hidden"), &ha, &hb, 256));
+    worst = worst.max(assert_close(
+        &format!("{what}, hidden"),
+        &ha,
+        &hb,
+        256,
+        bar(quantized),
+    ));
     println!("{what}: worst relative error {worst:.2e}");
     worst
 }
