@@ -3,7 +3,7 @@
 //! one vector, L2-normalised unless asked otherwise — what a retrieval pipeline stores and
 //! compares by cosine.
 
-use kiln_core::{Error, LayerExecutor, Result};
+use kiln_core::{Error, HiddenRequest, LayerExecutor, Result, SeqId};
 
 use crate::engine::{Engine, Model, ModelFile};
 
@@ -116,6 +116,67 @@ impl Engine {
     }
 }
 
+/// The embeddings of several texts, in order, through shared passes
+/// ([`LayerExecutor::prefill_hidden_batch`]): `seqs` free sequences, one a text (the
+/// caller takes them and frees them after, whatever happens).
+pub fn embed_batch_on(
+    exec: &mut dyn LayerExecutor,
+    seqs: &[SeqId],
+    inputs: &[&[u32]],
+    pooling: Pooling,
+    normalize: bool,
+) -> Result<Vec<Vec<f32>>> {
+    let context = exec.max_context();
+    for tokens in inputs {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument(
+                "an embedding needs at least one token".into(),
+            ));
+        }
+        if tokens.len() >= context {
+            return Err(Error::ContextExceeded {
+                tokens: tokens.len(),
+                context,
+            });
+        }
+    }
+    if seqs.len() != inputs.len() {
+        return Err(Error::InvalidArgument(format!(
+            "{} sequences for {} texts to embed",
+            seqs.len(),
+            inputs.len()
+        )));
+    }
+    let width = exec.config().hidden_size;
+    let items: Vec<HiddenRequest<'_>> = seqs
+        .iter()
+        .zip(inputs)
+        .map(|(&seq, tokens)| HiddenRequest {
+            seq,
+            tokens,
+            first: pooling.first_row(tokens.len()),
+        })
+        .collect();
+    let rows: usize = items.iter().map(|i| i.tokens.len() - i.first).sum();
+    let mut hidden = vec![0f32; rows * width];
+    exec.prefill_hidden_batch(&items, &mut hidden)?;
+    if hidden.iter().any(|v| !v.is_finite()) {
+        return Err(Error::NonFiniteLogits { step: 0 });
+    }
+    let mut out = Vec::with_capacity(items.len());
+    let mut at = 0;
+    for item in &items {
+        let n = (item.tokens.len() - item.first) * width;
+        let mut v = pool(&hidden[at..at + n], width, pooling);
+        at += n;
+        if normalize {
+            l2_normalize(&mut v);
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
 /// [`Engine::embed`] on an executor (the engine thread's scheduler calls it between steps;
 /// it needs one free sequence slot).
 pub fn embed_on(
@@ -124,33 +185,10 @@ pub fn embed_on(
     pooling: Pooling,
     normalize: bool,
 ) -> Result<Vec<f32>> {
-    if tokens.is_empty() {
-        return Err(Error::InvalidArgument(
-            "an embedding needs at least one token".into(),
-        ));
-    }
-    let context = exec.max_context();
-    if tokens.len() >= context {
-        return Err(Error::ContextExceeded {
-            tokens: tokens.len(),
-            context,
-        });
-    }
-    let width = exec.config().hidden_size;
-    let first = pooling.first_row(tokens.len());
-    let mut hidden = vec![0f32; (tokens.len() - first) * width];
     let seq = exec.new_sequence()?;
-    let run = exec.prefill_hidden(seq, tokens, first, &mut hidden);
+    let run = embed_batch_on(exec, &[seq], &[tokens], pooling, normalize);
     exec.free_sequence(seq)?;
-    run?;
-    if hidden.iter().any(|v| !v.is_finite()) {
-        return Err(Error::NonFiniteLogits { step: 0 });
-    }
-    let mut v = pool(&hidden, width, pooling);
-    if normalize {
-        l2_normalize(&mut v);
-    }
-    Ok(v)
+    Ok(run?.pop().expect("one embedding for one text"))
 }
 
 #[cfg(test)]

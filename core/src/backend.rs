@@ -384,6 +384,30 @@ pub trait LayerExecutor: Send {
         ))
     }
 
+    /// [`LayerExecutor::prefill_hidden`] for several sequences: each item's rows from its
+    /// `first` on, item after item, in `hidden`. Many short texts (an embeddings request)
+    /// cost what one text of their total length does where an executor packs the
+    /// sequences' rows into shared passes, as the CPU's does; the default runs the items
+    /// one after another. See [`check_hidden_batch`]. An item's error stops the batch: the
+    /// items before it stay appended.
+    fn prefill_hidden_batch(
+        &mut self,
+        items: &[HiddenRequest<'_>],
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let width = self.config().hidden_size;
+        let mut out = hidden;
+        for (item, len) in items
+            .iter()
+            .zip(check_hidden_batch(items, out.len(), width)?)
+        {
+            let (now, rest) = std::mem::take(&mut out).split_at_mut(len);
+            self.prefill_hidden(item.seq, item.tokens, item.first, now)?;
+            out = rest;
+        }
+        Ok(())
+    }
+
     /// Appends `tokens` like [`LayerExecutor::prefill_logits`] but keeps of each row from
     /// `tokens[first]` on only what a perplexity run reads: `scores[j]` for the row after
     /// `tokens[first + j]`, scored against `targets[j]` (the token that really follows).
@@ -689,6 +713,61 @@ fn check_rows_fit(
         )));
     }
     Ok(())
+}
+
+/// One sequence's part of [`LayerExecutor::prefill_hidden_batch`]: `tokens` appended to
+/// `seq`, the hidden states of its rows from `tokens[first]` on wanted.
+#[derive(Debug, Clone, Copy)]
+pub struct HiddenRequest<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub first: usize,
+}
+
+/// The batch-wide checks of [`LayerExecutor::prefill_hidden_batch`]: at least one item,
+/// no sequence twice, each item with a row to give (`first` inside its tokens), and
+/// `hidden_len` exactly the items' rows of `width` values. Returns each item's share of
+/// `hidden`, in values (each item's own checks are [`check_prefill_hidden`]'s).
+pub fn check_hidden_batch(
+    items: &[HiddenRequest<'_>],
+    hidden_len: usize,
+    width: usize,
+) -> Result<Vec<usize>> {
+    if items.is_empty() {
+        return Err(Error::InvalidArgument(
+            "a hidden-state batch needs at least one sequence".into(),
+        ));
+    }
+    let mut shares = Vec::with_capacity(items.len());
+    let mut total = 0usize;
+    for (i, item) in items.iter().enumerate() {
+        if items[..i].iter().any(|o| o.seq == item.seq) {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {} appears twice in one hidden-state batch",
+                item.seq
+            )));
+        }
+        if item.first >= item.tokens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "item {i}: first row {} of {} tokens leaves no hidden state to give",
+                item.first,
+                item.tokens.len()
+            )));
+        }
+        let share = (item.tokens.len() - item.first)
+            .checked_mul(width)
+            .ok_or_else(|| Error::InvalidArgument("hidden-state batch too large".into()))?;
+        total = total
+            .checked_add(share)
+            .ok_or_else(|| Error::InvalidArgument("hidden-state batch too large".into()))?;
+        shares.push(share);
+    }
+    if total != hidden_len {
+        return Err(Error::InvalidArgument(format!(
+            "the batch's rows need {total} hidden values; the buffer holds {hidden_len}"
+        )));
+    }
+    Ok(shares)
 }
 
 /// The checks of [`LayerExecutor::prefill_hidden`]: the rows from `first` on fit `hidden`

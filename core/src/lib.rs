@@ -22,11 +22,11 @@ pub mod sequences;
 pub mod testdata;
 
 pub use backend::{
-    check_decode, check_decode_batch, check_decode_items, check_finite, check_prefill,
-    check_prefill_hidden, check_prefill_logits, check_prefill_scores, check_sample_slots,
-    check_tokens, decode_sample_on_host, prefill_logits_stepwise, prefill_scores_from_logits,
-    score, Backend, DecodeItem, KvType, LayerExecutor, LoadOptions, ProgressFn, SeqId, Support,
-    TokenScore,
+    check_decode, check_decode_batch, check_decode_items, check_finite, check_hidden_batch,
+    check_prefill, check_prefill_hidden, check_prefill_logits, check_prefill_scores,
+    check_sample_slots, check_tokens, decode_sample_on_host, prefill_logits_stepwise,
+    prefill_scores_from_logits, score, Backend, DecodeItem, HiddenRequest, KvType, LayerExecutor,
+    LoadOptions, ProgressFn, SeqId, Support, TokenScore,
 };
 pub use error::{Error, Result};
 pub use ir::{

@@ -610,9 +610,11 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Embeds inputs of the oldest embedding requests, up to a prompt chunk's worth of
-    /// tokens, each in a sequence of its own taken and freed at once; waits (for a later
-    /// turn) while no slot or no KV blocks are free. A request is answered when all its
-    /// inputs are done, or with the first error.
+    /// tokens a turn. A request's inputs go together through shared passes
+    /// ([`crate::embedding::embed_batch_on`]), as many at once as free slots, free KV
+    /// blocks and the turn's budget allow, each in a sequence of its own taken and freed at
+    /// once; waits (for a later turn) while no slot or no KV blocks are free. A request is
+    /// answered when all its inputs are done, or with the first error.
     fn embed_turn(&mut self) {
         let mut budget = PREFILL_CHUNK;
         while budget > 0 {
@@ -638,10 +640,56 @@ impl<'e> Scheduler<'e> {
             if self.alive() >= self.max_seqs {
                 return;
             }
+            // The first input fits (above); the next ones join while they fit too.
+            let slots = self.max_seqs - self.alive() - self.kept.len();
+            let spare = self
+                .exec
+                .kv_blocks()
+                .map(|kv| (kv, kv.free.saturating_sub(self.committed_blocks(&kv))));
+            let (job, done) = self.embeds.front().expect("a front");
+            let mut count = 1;
+            let (mut used, mut blocks) =
+                (tokens, spare.map_or(0, |(kv, _)| kv.blocks_for(tokens + 1)));
+            for input in &job.inputs[done.len() + 1..] {
+                let need = spare.map_or(0, |(kv, _)| kv.blocks_for(input.len() + 1));
+                let blocks_left = spare.is_none_or(|(_, spare)| blocks + need <= spare);
+                if count == slots || used + input.len() > budget || !blocks_left {
+                    break;
+                }
+                count += 1;
+                used += input.len();
+                blocks += need;
+            }
+            let mut seqs = Vec::with_capacity(count);
+            let mut taken = Ok(());
+            for _ in 0..count {
+                match self.exec.new_sequence() {
+                    Ok(seq) => seqs.push(seq),
+                    Err(e) => {
+                        taken = Err(e);
+                        break;
+                    }
+                }
+            }
             let (job, done) = self.embeds.front_mut().expect("a front");
-            let input = &job.inputs[done.len()];
-            match crate::embedding::embed_on(&mut *self.exec, input, job.pooling, job.normalize) {
-                Ok(v) => done.push(v),
+            let inputs: Vec<&[u32]> = job.inputs[done.len()..done.len() + count]
+                .iter()
+                .map(|t| t.as_slice())
+                .collect();
+            let run = taken.and_then(|()| {
+                crate::embedding::embed_batch_on(
+                    &mut *self.exec,
+                    &seqs,
+                    &inputs,
+                    job.pooling,
+                    job.normalize,
+                )
+            });
+            let freed = seqs
+                .iter()
+                .try_for_each(|&seq| self.exec.free_sequence(seq));
+            match run.and_then(|v| freed.map(|()| v)) {
+                Ok(v) => done.extend(v),
                 // Blocks taken since `fits` (cannot happen between steps): a later turn.
                 Err(Error::KvCacheFull { .. }) => return,
                 Err(e) => {
@@ -649,7 +697,7 @@ impl<'e> Scheduler<'e> {
                     let _ = job.reply.send(Err(e));
                 }
             }
-            budget = budget.saturating_sub(tokens);
+            budget = budget.saturating_sub(used);
         }
     }
 
@@ -866,13 +914,19 @@ impl<'e> Scheduler<'e> {
             return true;
         }
         let held = reuse.map_or(0, |(_, keep)| kv.blocks_for(keep));
-        let running = self.next_step_need(&kv);
+        kv.blocks_for(tokens + 1) - held + self.committed_blocks(&kv) <= kv.free
+    }
+
+    /// KV blocks the running sequences' next step and the admitted prompts' remaining
+    /// chunks will take.
+    fn committed_blocks(&self, kv: &kiln_core::KvBlockUsage) -> usize {
+        let running = self.next_step_need(kv);
         let admitting: usize = self
             .admitting
             .iter()
             .map(|a| kv.blocks_for(a.work.tokens().len() + 1) - kv.blocks_for(a.done))
             .sum();
-        kv.blocks_for(tokens + 1) - held + running + admitting <= kv.free
+        running + admitting
     }
 
     /// Waiting work whose client has gone leaves the queue (a preempted sequence holds no

@@ -16,9 +16,10 @@ use std::sync::Arc;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
-    check_decode, check_prefill, check_prefill_hidden, check_prefill_logits, DecodeItem, Error,
-    KvBlockUsage, KvType, LayerExecutor, LoadOptions, ModelConfig, ModelIr, NormKind, Result,
-    SeqId, SeqSlot, SequenceSlots, TensorView, KV_BLOCK_TOKENS,
+    check_decode, check_hidden_batch, check_prefill, check_prefill_hidden, check_prefill_logits,
+    DecodeItem, Error, HiddenRequest, KvBlockUsage, KvType, LayerExecutor, LoadOptions,
+    ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
+    KV_BLOCK_TOKENS,
 };
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -1556,6 +1557,75 @@ impl LayerExecutor for CpuExecutor {
             self.model.max_ctx,
         )?;
         self.prefill_rows(slot, tokens, first, hidden, Head::Hidden)
+    }
+
+    fn prefill_hidden_batch(
+        &mut self,
+        items: &[HiddenRequest<'_>],
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.model.config;
+        let width = c.hidden_size;
+        let shares = check_hidden_batch(items, hidden.len(), width)?;
+        // Every item checked and its blocks taken before any row runs: a refused batch
+        // changes nothing.
+        let mut wants = Vec::with_capacity(items.len());
+        let mut outs = Vec::with_capacity(items.len());
+        let mut rest = &mut *hidden;
+        for (item, share) in items.iter().zip(shares) {
+            let slot = self.slot_of(item.seq)?;
+            let start = self.slots[slot].len;
+            let (out, after) = std::mem::take(&mut rest).split_at_mut(share);
+            check_prefill_hidden(
+                item.tokens,
+                item.first,
+                out,
+                width,
+                c.vocab_size,
+                start,
+                self.model.max_ctx,
+            )?;
+            wants.push((slot, start + item.tokens.len()));
+            outs.push(out);
+            rest = after;
+        }
+        self.slots.reserve_all(&wants)?;
+        // The items' rows one after another, cut into passes of up to MAX_BATCH rows
+        // whatever sequence they belong to (each row attends within its own sequence).
+        let rows: Vec<(usize, usize, usize)> = items
+            .iter()
+            .zip(&wants)
+            .enumerate()
+            .flat_map(|(i, (item, &(slot, end)))| {
+                let start = end - item.tokens.len();
+                (0..item.tokens.len()).map(move |j| (i, slot, start + j))
+            })
+            .collect();
+        let mut states = vec![0f32; MAX_BATCH * width];
+        for pass in rows.chunks(MAX_BATCH) {
+            let at: Vec<(usize, usize)> = pass.iter().map(|&(_, slot, pos)| (slot, pos)).collect();
+            let tokens: Vec<u32> = pass
+                .iter()
+                .map(|&(i, _, pos)| items[i].tokens[pos - (wants[i].1 - items[i].tokens.len())])
+                .collect();
+            self.forward_to(
+                &at,
+                &tokens,
+                &mut states[..pass.len() * width],
+                0,
+                Head::Hidden,
+            );
+            for (r, &(i, slot, pos)) in pass.iter().enumerate() {
+                let j = pos - (wants[i].1 - items[i].tokens.len());
+                if j >= items[i].first {
+                    let o = (j - items[i].first) * width;
+                    outs[i][o..o + width].copy_from_slice(&states[r * width..(r + 1) * width]);
+                }
+                self.slots[slot].len = pos + 1;
+                self.slots[slot].cache.tokens.push(tokens[r]);
+            }
+        }
+        Ok(())
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {
