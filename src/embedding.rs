@@ -104,6 +104,41 @@ pub fn l2_normalize(v: &mut [f32]) {
 }
 
 impl Engine {
+    /// The embeddings of several texts, in order, through shared passes: as many texts at
+    /// once as the executor has free sequences (`LoadOptions::max_sequences`), each
+    /// sequence freed after its pass, whatever happens.
+    ///
+    /// # Errors
+    /// As [`Engine::embed`], for the first text that has one.
+    pub fn embed_many(
+        &mut self,
+        inputs: &[&[u32]],
+        pooling: Pooling,
+        normalize: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let exec = self.executor();
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut rest = inputs;
+        while !rest.is_empty() {
+            let mut seqs = Vec::new();
+            while seqs.len() < rest.len() {
+                match exec.new_sequence() {
+                    Ok(seq) => seqs.push(seq),
+                    Err(e) if seqs.is_empty() => return Err(e),
+                    Err(_) => break,
+                }
+            }
+            let n = seqs.len();
+            let run = embed_batch_on(exec, &seqs, &rest[..n], pooling, normalize);
+            for seq in seqs {
+                exec.free_sequence(seq)?;
+            }
+            out.extend(run?);
+            rest = &rest[n..];
+        }
+        Ok(out)
+    }
+
     /// The embedding of `tokens`: run in a sequence of its own (freed afterwards, whatever
     /// happens), its final hidden states pooled, then L2-normalised when `normalize`.
     ///

@@ -102,6 +102,9 @@ struct EmbedArgs {
     /// Leave the vectors as pooled instead of scaling them to unit length.
     #[arg(long)]
     no_normalize: bool,
+    /// Texts embedded together, their rows packed into shared passes.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
 }
 
 #[derive(Args, Clone)]
@@ -1271,16 +1274,32 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
 
 /// `kiln embed`: each text's final hidden states pooled into one vector, a JSON line each.
 fn cmd_embed(args: EmbedArgs) -> Result<()> {
-    let mut engine = load_engine(&args.model)?;
+    if args.batch == 0 {
+        return Err(Error::InvalidArgument("--batch must be at least 1".into()));
+    }
+    let mut engine = load_engine_for(&args.model, args.batch.min(args.texts.len()), false)?;
     let pooling = match &args.pooling {
         Some(name) => kiln::Pooling::parse(name)?,
         None => kiln::Pooling::of_model(&engine.model)?.unwrap_or(kiln::Pooling::Last),
     };
+    let ids = args
+        .texts
+        .iter()
+        .map(|text| {
+            let tokenizer = &engine.model.tokenizer;
+            tokenizer.encode(text, tokenizer.add_bos_default(), false)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let start = std::time::Instant::now();
+    let vectors = engine.embed_many(&inputs, pooling, !args.no_normalize)?;
+    tracing::info!(
+        texts = inputs.len(),
+        ms = start.elapsed().as_millis() as u64,
+        "embedded"
+    );
     let mut stdout = std::io::stdout().lock();
-    for text in &args.texts {
-        let tokenizer = &engine.model.tokenizer;
-        let ids = tokenizer.encode(text, tokenizer.add_bos_default(), false)?;
-        let v = engine.embed(&ids, pooling, !args.no_normalize)?;
+    for v in vectors {
         let line = serde_json::to_string(&v).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         writeln!(stdout, "{line}")?;
     }
