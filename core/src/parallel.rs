@@ -192,6 +192,24 @@ fn share(n: usize, unit: usize, rank: usize, world: usize) -> Range<usize> {
     at(rank)..at(rank + 1)
 }
 
+/// Whether `config`'s attention splits over `world` ranks: both its heads and its KV heads
+/// divide by it (so `world` is at most the KV heads, which bounds what a caller allocates
+/// per rank before [`shard`] looks at the weights).
+pub fn check_heads_split(config: &ModelConfig, world: usize) -> Result<()> {
+    if world == 0 {
+        return Err(Error::InvalidArgument(
+            "a tensor-parallel group of no ranks".into(),
+        ));
+    }
+    if config.num_heads % world != 0 || config.num_kv_heads % world != 0 {
+        return Err(Error::Unsupported(format!(
+            "tensor parallel {world}: the model's {} attention heads and {} KV heads must both divide by {world}",
+            config.num_heads, config.num_kv_heads
+        )));
+    }
+    Ok(())
+}
+
 /// Rank `rank`'s share of `program` (the whole model's, for `config`) split over `world`
 /// ranks, as the module doc says. Refused with the reason when the model does not split
 /// that way: heads or KV heads that do not divide by `world`, or a split matrix's columns
@@ -202,18 +220,13 @@ pub fn shard(
     rank: usize,
     world: usize,
 ) -> Result<Shard> {
-    if world == 0 || rank >= world {
+    if rank >= world {
         return Err(Error::InvalidArgument(format!(
             "rank {rank} of a tensor-parallel group of {world}"
         )));
     }
+    check_heads_split(config, world)?;
     let c = config;
-    if c.num_heads % world != 0 || c.num_kv_heads % world != 0 {
-        return Err(Error::Unsupported(format!(
-            "tensor parallel {world}: the model's {} attention heads and {} KV heads must both divide by {world}",
-            c.num_heads, c.num_kv_heads
-        )));
-    }
     let hd = c.head_dim;
     let heads = share(c.num_heads, 1, rank, world);
     let kv_heads = share(c.num_kv_heads, 1, rank, world);

@@ -235,6 +235,8 @@ fn models_that_do_not_split_are_refused_and_bad_requests_leave_the_ranks_in_step
         Err(Error::Unsupported(why)) => assert!(why.contains("divide by 4"), "{why}"),
         other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
     }
+    // A rank count from the command line is refused before anything is allocated per rank.
+    assert!(matches!(split(usize::MAX), Err(Error::Unsupported(_))));
     // Three ranks split six heads and three KV heads; a token out of the vocabulary is
     // refused by every rank alike, and the executor goes on.
     let mut exec = split(3).unwrap();

@@ -37,6 +37,9 @@ impl TensorParallelExecutor {
     /// (`options.threads`, or every core) shared out among them.
     pub fn load(ir: &ModelIr, options: &LoadOptions, isa: Isa) -> Result<TensorParallelExecutor> {
         let world = options.tensor_parallel.max(1);
+        // Before anything is allocated per rank: a rank count from the command line is
+        // bounded by the model's KV heads.
+        parallel::check_heads_split(&ir.config, world)?;
         let whole = program::build(ir)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = options.threads.filter(|&n| n > 0).unwrap_or(cores);
