@@ -220,10 +220,28 @@ pub fn embed_on(
     pooling: Pooling,
     normalize: bool,
 ) -> Result<Vec<f32>> {
-    let seq = exec.new_sequence()?;
-    let run = embed_batch_on(exec, &[seq], &[tokens], pooling, normalize);
-    exec.free_sequence(seq)?;
-    Ok(run?.pop().expect("one embedding for one text"))
+    let mut v = embed_in_new_sequences(exec, &[tokens], pooling, normalize)?;
+    Ok(v.pop().expect("one embedding for one text"))
+}
+
+/// [`embed_batch_on`] with a sequence taken for each text and every one freed after the
+/// pass, whatever happens (the scheduler's embedding turn; it needs that many free slots).
+pub fn embed_in_new_sequences(
+    exec: &mut dyn LayerExecutor,
+    inputs: &[&[u32]],
+    pooling: Pooling,
+    normalize: bool,
+) -> Result<Vec<Vec<f32>>> {
+    let mut seqs = Vec::with_capacity(inputs.len());
+    let taken = (0..inputs.len()).try_for_each(|_| {
+        seqs.push(exec.new_sequence()?);
+        Ok(())
+    });
+    let run = taken.and_then(|()| embed_batch_on(exec, &seqs, inputs, pooling, normalize));
+    let freed = seqs.iter().try_for_each(|&seq| exec.free_sequence(seq));
+    let vectors = run?;
+    freed?;
+    Ok(vectors)
 }
 
 #[cfg(test)]

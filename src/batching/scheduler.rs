@@ -642,53 +642,34 @@ impl<'e> Scheduler<'e> {
             }
             // The first input fits (above); the next ones join while they fit too.
             let slots = self.max_seqs - self.alive() - self.kept.len();
-            let spare = self
-                .exec
-                .kv_blocks()
-                .map(|kv| (kv, kv.free.saturating_sub(self.committed_blocks(&kv))));
-            let (job, done) = self.embeds.front().expect("a front");
-            let mut count = 1;
-            let (mut used, mut blocks) =
-                (tokens, spare.map_or(0, |(kv, _)| kv.blocks_for(tokens + 1)));
+            let kv = self.exec.kv_blocks();
+            let spare = kv.map(|kv| kv.free.saturating_sub(self.committed_blocks(&kv)));
+            let need = |len: usize| kv.map_or(0, |kv| kv.blocks_for(len + 1));
+            let (job, done) = self.embeds.front_mut().expect("a front");
+            let (mut count, mut used, mut blocks) = (1, tokens, need(tokens));
             for input in &job.inputs[done.len() + 1..] {
-                let need = spare.map_or(0, |(kv, _)| kv.blocks_for(input.len() + 1));
-                let blocks_left = spare.is_none_or(|(_, spare)| blocks + need <= spare);
-                if count == slots || used + input.len() > budget || !blocks_left {
+                let more = need(input.len());
+                if count == slots
+                    || used + input.len() > budget
+                    || spare.is_some_and(|spare| blocks + more > spare)
+                {
                     break;
                 }
                 count += 1;
                 used += input.len();
-                blocks += need;
+                blocks += more;
             }
-            let mut seqs = Vec::with_capacity(count);
-            let mut taken = Ok(());
-            for _ in 0..count {
-                match self.exec.new_sequence() {
-                    Ok(seq) => seqs.push(seq),
-                    Err(e) => {
-                        taken = Err(e);
-                        break;
-                    }
-                }
-            }
-            let (job, done) = self.embeds.front_mut().expect("a front");
             let inputs: Vec<&[u32]> = job.inputs[done.len()..done.len() + count]
                 .iter()
-                .map(|t| t.as_slice())
+                .map(Vec::as_slice)
                 .collect();
-            let run = taken.and_then(|()| {
-                crate::embedding::embed_batch_on(
-                    &mut *self.exec,
-                    &seqs,
-                    &inputs,
-                    job.pooling,
-                    job.normalize,
-                )
-            });
-            let freed = seqs
-                .iter()
-                .try_for_each(|&seq| self.exec.free_sequence(seq));
-            match run.and_then(|v| freed.map(|()| v)) {
+            let run = crate::embedding::embed_in_new_sequences(
+                &mut *self.exec,
+                &inputs,
+                job.pooling,
+                job.normalize,
+            );
+            match run {
                 Ok(v) => done.extend(v),
                 // Blocks taken since `fits` (cannot happen between steps): a later turn.
                 Err(Error::KvCacheFull { .. }) => return,

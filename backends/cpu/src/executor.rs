@@ -1592,37 +1592,34 @@ impl LayerExecutor for CpuExecutor {
         self.slots.reserve_all(&wants)?;
         // The items' rows one after another, cut into passes of up to MAX_BATCH rows
         // whatever sequence they belong to (each row attends within its own sequence).
-        let rows: Vec<(usize, usize, usize)> = items
+        // (item, its slot, the row's position, its index in the item's tokens)
+        let rows: Vec<(usize, usize, usize, usize)> = items
             .iter()
             .zip(&wants)
             .enumerate()
             .flat_map(|(i, (item, &(slot, end)))| {
                 let start = end - item.tokens.len();
-                (0..item.tokens.len()).map(move |j| (i, slot, start + j))
+                (0..item.tokens.len()).map(move |j| (i, slot, start + j, j))
             })
             .collect();
         let mut states = vec![0f32; MAX_BATCH * width];
         for pass in rows.chunks(MAX_BATCH) {
-            let at: Vec<(usize, usize)> = pass.iter().map(|&(_, slot, pos)| (slot, pos)).collect();
+            let at: Vec<(usize, usize)> =
+                pass.iter().map(|&(_, slot, pos, _)| (slot, pos)).collect();
             let tokens: Vec<u32> = pass
                 .iter()
-                .map(|&(i, _, pos)| items[i].tokens[pos - (wants[i].1 - items[i].tokens.len())])
+                .map(|&(i, _, _, j)| items[i].tokens[j])
                 .collect();
-            self.forward_to(
-                &at,
-                &tokens,
-                &mut states[..pass.len() * width],
-                0,
-                Head::Hidden,
-            );
-            for (r, &(i, slot, pos)) in pass.iter().enumerate() {
-                let j = pos - (wants[i].1 - items[i].tokens.len());
-                if j >= items[i].first {
-                    let o = (j - items[i].first) * width;
-                    outs[i][o..o + width].copy_from_slice(&states[r * width..(r + 1) * width]);
+            let states = &mut states[..pass.len() * width];
+            self.forward_to(&at, &tokens, states, 0, Head::Hidden);
+            for ((&(i, slot, pos, j), state), &token) in
+                pass.iter().zip(states.chunks(width)).zip(&tokens)
+            {
+                if let Some(row) = j.checked_sub(items[i].first) {
+                    outs[i][row * width..(row + 1) * width].copy_from_slice(state);
                 }
                 self.slots[slot].len = pos + 1;
-                self.slots[slot].cache.tokens.push(tokens[r]);
+                self.slots[slot].cache.tokens.push(token);
             }
         }
         Ok(())
