@@ -37,8 +37,11 @@ struct BFrag {
     float a0, a1, b;
 };
 
-// Integer values are unsigned (0..63) for every format but Q8_0 and Q6_K, which are signed.
-template <int T> static constexpr __host__ __device__ bool bmm_signed() { return T == T_Q8_0 || T == T_Q6_K; }
+// Integer values are unsigned (0..63) for every format but Q8_0, Q6_K and the I-quants'
+// levels, which are signed.
+template <int T> static constexpr __host__ __device__ bool bmm_signed() {
+    return T == T_Q8_0 || T == T_Q6_K || iq4_type(T);
+}
 
 // The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
 // memory); `d6` is Q6_K's super-block scale, which its device layout keeps apart.
@@ -151,6 +154,15 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.lo = *(const u32*)(p + 4 * t);
         f.hi = *(const u32*)(p + 16 + 4 * t);
         f.a0 = f.a1 = ld_h(w.sc + b * 2);
+        f.b = 0.0f;
+    } else if constexpr (iq4_type(T)) {
+        // The chunk's codes: value 4t.. in the low nibbles of code bytes 4t.., 16 + 4t.. in
+        // their high nibbles (the Q4_0 order), each mapped to its signed level.
+        const u8* codes = iq4_codes<T>(w, row, K, c, f.a0);
+        const u32 q = *(const u32*)(codes + 4 * t);
+        f.lo = iq4_levels(q & 0x0f0f0f0f);
+        f.hi = iq4_levels((q >> 4) & 0x0f0f0f0f);
+        f.a1 = f.a0;
         f.b = 0.0f;
     } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
         return kq_frag<T>(w.body + (row * ((size_t)K / 256) + (c >> 3)) * Tr::BODY, 0.0f, c & 7, t);
@@ -558,6 +570,8 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_Q5_1(NAME, T)
 #define BMMP_FOR_T_Q8_0(NAME, T)
 #define BMMP_FOR_T_Q4_0X4(NAME, T)
+#define BMMP_FOR_T_IQ4_NL(NAME, T)
+#define BMMP_FOR_T_IQ4_XS(NAME, T)
 
 // Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, and for the
 // K-quants bmmh_{tag}_{NT} and bmmh_swiglu_{tag}_{NT}.

@@ -52,6 +52,12 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
                 v[16 + i] = d * (hi - offset);
             }
         }
+    } else if constexpr (iq4_type(T)) {
+        int q[8];
+        float d;
+        iq4_chunk<T>(w, row, K, c, q, d);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = d * (float)(i8)(((u32)q[i >> 2] >> (8 * (i & 3))) & 255);
     } else if constexpr (T == T_Q8_0) {
         const size_t b = row * (K / 32) + c;
         int qs[8];

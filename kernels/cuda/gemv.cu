@@ -32,6 +32,8 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
 #define T_BF16 30
 // kiln's own device formats (not ggml ids): Q4_0 blocks in groups of four rows.
 #define T_Q4_0X4 102
@@ -57,6 +59,10 @@ template <> struct Traits<T_Q4_K> { static const int BLOCK = 256, BODY = 144, SC
 template <> struct Traits<T_Q5_K> { static const int BLOCK = 256, BODY = 176, SC = 0; };
 template <> struct Traits<T_Q6_K> { static const int BLOCK = 256, BODY = 208, SC = 2; };
 template <> struct Traits<T_Q4_0X4> { static const int BLOCK = 32, BODY = 16, SC = 2; };
+// IQ4_XS's body is the 128 code bytes of a super-block, its `sc` the 8 bytes before them
+// (d, the high scale bits, the low scale nibbles).
+template <> struct Traits<T_IQ4_NL> { static const int BLOCK = 32, BODY = 16, SC = 2; };
+template <> struct Traits<T_IQ4_XS> { static const int BLOCK = 256, BODY = 128, SC = 8; };
 
 // Q4_0's values, whatever the row layout.
 static constexpr __host__ __device__ bool q4_0_values(int t) { return t == T_Q4_0 || t == T_Q4_0X4; }
@@ -135,6 +141,57 @@ static __device__ __forceinline__ float fdot4s(u32 qv, const float* x) {
 static __device__ __forceinline__ u32 spread4(u32 bits) {
     return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25);
 }
+
+// The I-quants' non-linear 4-bit levels (ggml's kvalues_iq4nl), four to a word.
+#define IQ4_LEVELS_0 0xbfad9881u  // -127 -104  -83  -65
+#define IQ4_LEVELS_1 0xf6eaddcfu  //  -49  -35  -22  -10
+#define IQ4_LEVELS_2 0x26190d01u  //    1   13   25   38
+#define IQ4_LEVELS_3 0x71594535u  //   53   69   89  113
+
+// Four codes (one per byte, 0..15) to their int8 levels: two 8-entry byte_perm lookups and
+// a third that keeps, per byte, the half its code's bit 3 names.
+static __device__ __forceinline__ u32 iq4_levels(u32 codes) {
+    const u32 sel = (codes & 0xf) | ((codes >> 4) & 0xf0) | ((codes >> 8) & 0xf00) | ((codes >> 12) & 0xf000);
+    // prmt reads a selector's bit 3 as "replicate the sign": the lookups take bits 0-2 only.
+    const u32 lo = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, sel & 0x7777);
+    const u32 hi = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, sel & 0x7777);
+    return __byte_perm(lo, hi, 0x3210 | ((sel & 0x8888) >> 1));
+}
+
+// Chunk c (32 values) of an IQ4_NL or IQ4_XS row: where its 16 code bytes are (value j is
+// the low nibble of byte j, value 16 + j its high nibble, as in Q4_0) and its scale
+// (IQ4_XS: d·(ls − 32) for the sub-block's 6-bit ls, its low nibble in byte ib / 2 of
+// scales_l, its high 2 bits at 2·ib of scales_h).
+template <int T>
+static __device__ __forceinline__ const u8* iq4_codes(const W& w, size_t row, int K, int c, float& d) {
+    if constexpr (T == T_IQ4_NL) {
+        const size_t b = row * ((size_t)K / 32) + c;
+        d = ld_h(w.sc + b * 2);
+        return w.body + b * 16;
+    } else {
+        const size_t b = row * ((size_t)K / 256) + (c >> 3);
+        const int ib = c & 7;
+        const uint2 s = *(const uint2*)(w.sc + b * 8);
+        const int ls = (int)(((s.y >> (4 * ib)) & 15) | (((s.x >> (16 + 2 * ib)) & 3) << 4));
+        d = h2f(s.x & 0xffff) * (float)(ls - 32);
+        return w.body + b * 128 + 16 * ib;
+    }
+}
+
+// Chunk c's levels as signed bytes, four to a word in value order (values 0..15 in q[0..4],
+// 16..31 in q[4..8], like the activation's planes), and its scale.
+template <int T>
+static __device__ __forceinline__ void iq4_chunk(const W& w, size_t row, int K, int c, int (&q)[8], float& d) {
+    int qs[4];
+    load16(iq4_codes<T>(w, row, K, c, d), qs);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        q[i] = (int)iq4_levels(qs[i] & 0x0f0f0f0f);
+        q[4 + i] = (int)iq4_levels((qs[i] >> 4) & 0x0f0f0f0f);
+    }
+}
+
+static constexpr __host__ __device__ bool iq4_type(int t) { return t == T_IQ4_NL || t == T_IQ4_XS; }
 
 // Q4_K / Q5_K sub-block scales and mins, 6 bits each, from the block's 12 scale bytes in
 // the device layout (the Rust `kquant_scales_for_device`; w0..w2 are bytes 0-3, 4-7, 8-11):
@@ -310,6 +367,21 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             if constexpr (T == T_Q4_1 || T == T_Q5_1) return d * sum + m * x.sum;
             return d * (sum - offset * x.sum);
         }
+    } else if constexpr (iq4_type(T)) {
+        int q[8];
+        float d;
+        iq4_chunk<T>(w, row, K, c, q, d);
+        if constexpr (A != A_F32) {
+            IAcc<A> acc;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc.add(q[i], x, i);
+            return d * x.d * (float)acc.value();
+        } else {
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum += fdot4s(q[i], &x.v[4 * i]);
+            return d * sum;
+        }
     } else if constexpr (T == T_Q8_0) {
         const size_t b = row * nblk + c;
         int qs[8];
@@ -371,6 +443,10 @@ static __device__ __forceinline__ void prefetch_unit(const W& w, size_t row, int
         const u8* blk = w.body + (row * ((size_t)K / 256) + (u >> 2)) * Tr::BODY;
         prefetch_l2(blk);
         prefetch_l2(blk + Tr::BODY - 1);
+    } else if constexpr (T == T_IQ4_XS) {
+        const size_t b = row * ((size_t)K / 256) + (u >> 3);
+        prefetch_l2(w.body + b * Tr::BODY + 16 * (u & 7));
+        prefetch_l2(w.sc + b * Tr::SC);
     } else if constexpr (T == T_Q6_K) {
         const size_t b = row * ((size_t)K / 256) + (u >> 3);
         const int cc = u & 7;

@@ -66,6 +66,9 @@ pub fn random_weights_scaled(
                         put_f16(b, 2, scale * uniform(rng, 0.0, 0.002));
                     }
                     QType::Q6_K => put_f16(b, 208, scale * uniform(rng, -0.0005, 0.0005)),
+                    // Levels up to ±127; IQ4_XS's sub-block scales up to ±32 on top.
+                    QType::IQ4_NL => put_f16(b, 0, scale * uniform(rng, -0.008, 0.008)),
+                    QType::IQ4_XS => put_f16(b, 0, scale * uniform(rng, -0.0003, 0.0003)),
                     other => {
                         return Err(KernelError::Unsupported(format!("random {other} weights")))
                     }

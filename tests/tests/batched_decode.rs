@@ -449,6 +449,25 @@ fn gpu_batched_decode_llama32_1b_q4_0() {
     );
 }
 
+/// The I-quants' 4-bit mixes in the batched step: IQ4_XS on one backend, IQ4_NL on the
+/// other (the batched int8 matmuls map each code to its level).
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn gpu_batched_decode_llama32_1b_iq4() {
+    gpu_case(
+        "cuda-q4k",
+        Preset::Llama32_1b,
+        Recipe::IQ4_XS,
+        "llama3.2-1b.iq4_xs.gguf",
+    );
+    gpu_case(
+        "cuda-q4_0",
+        Preset::Llama32_1b,
+        Recipe::IQ4_NL,
+        "llama3.2-1b.iq4_nl.gguf",
+    );
+}
+
 /// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at
 /// 1,100 tokens (past the window, around its ring) beside short ones.
 #[test]
