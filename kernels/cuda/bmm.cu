@@ -35,12 +35,18 @@
 struct BFrag {
     u32 lo, hi;
     float a0, a1, b;
+    float b1;  // Q2_K: the second half's offset (its min); b is the first half's
 };
 
-// Integer values are unsigned (0..63) for every format but Q8_0, Q6_K and the I-quants'
-// levels, which are signed.
+// Formats with a scale per 16 values: the batched walk multiplies each half on its own.
+template <int T> static constexpr __host__ __device__ bool bmm_halves() {
+    return T == T_Q6_K || T == T_Q3_K || T == T_Q2_K;
+}
+
+// Integer values are unsigned (0..63) for every format but Q8_0, Q6_K, Q3_K and the
+// I-quants' levels, which are signed.
 template <int T> static constexpr __host__ __device__ bool bmm_signed() {
-    return T == T_Q8_0 || T == T_Q6_K || iq4_type(T);
+    return T == T_Q8_0 || T == T_Q6_K || T == T_Q3_K || iq4_type(T);
 }
 
 // The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
@@ -155,6 +161,23 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.hi = *(const u32*)(p + 16 + 4 * t);
         f.a0 = f.a1 = ld_h(w.sc + b * 2);
         f.b = 0.0f;
+    } else if constexpr (T == T_Q2_K || T == T_Q3_K) {
+        // The fragment's k = 4t..4t+3 and 16 + 4t.. are the chunk's code words t and 4 + t;
+        // Q3_K's codes less 4 as signed bytes (no byte borrows: each code is 0..7).
+        const size_t b = row * ((size_t)K / 256) + (c >> 3);
+        const K23Codes k = k23_codes<T>(w, b, c & 7);
+        float d, s0, s1, m0, m1;
+        k23_scales<T>(w, b, c & 7, d, s0, s1, m0, m1);
+        f.lo = k23_word<T>(k, t);
+        f.hi = k23_word<T>(k, 4 + t);
+        if constexpr (T == T_Q3_K) {
+            f.lo = __vsub4(f.lo, 0x04040404u);
+            f.hi = __vsub4(f.hi, 0x04040404u);
+        }
+        f.a0 = d * s0;
+        f.a1 = d * s1;
+        f.b = -m0;
+        f.b1 = -m1;
     } else if constexpr (iq4_type(T)) {
         // The chunk's codes: value 4t.. in the low nibbles of code bytes 4t.., 16 + 4t.. in
         // their high nibbles (the Q4_0 order), each mapped to its signed level.
@@ -201,17 +224,28 @@ template <int T>
 static __device__ __forceinline__ void bmm_tile(const BFrag& f0, const BFrag& f8, const uint4 x, const float4 s,
                                                 float (&acc)[4]) {
     // s = (dx, sx) of the two sequences (columns 2t, 2t + 1) this lane accumulates.
-    if constexpr (T == T_Q6_K) {
+    if constexpr (bmm_halves<T>()) {
         int h0[4], l0[4], h1[4], l1[4];
         mma_k16(f0.lo, f8.lo, x.x, h0);
         mma_k16(f0.lo, f8.lo, x.z, l0);
         mma_k16(f0.hi, f8.hi, x.y, h1);
         mma_k16(f0.hi, f8.hi, x.w, l1);
+        // Q2_K's mins multiply each half's activation sum: the first half's from the same
+        // mma with every weight 1, the second's as the chunk's sum less it.
+        int sh[4] = {0, 0, 0, 0}, sl[4] = {0, 0, 0, 0};
+        if constexpr (T == T_Q2_K) {
+            mma_k16(0x01010101u, 0x01010101u, x.x, sh);
+            mma_k16(0x01010101u, 0x01010101u, x.z, sl);
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const BFrag& f = i < 2 ? f0 : f8;
             const float dx = (i & 1) ? s.z : s.x;
             acc[i] += dx * (f.a0 * (float)(h0[i] * 254 + l0[i]) + f.a1 * (float)(h1[i] * 254 + l1[i]));
+            if constexpr (T == T_Q2_K) {
+                const float sx = (i & 1) ? s.w : s.y, first = dx * (float)(sh[i] * 254 + sl[i]);
+                acc[i] += f.b * first + f.b1 * (sx - first);
+            }
         }
     } else {
         int hi[4], lo[4];
@@ -570,6 +604,8 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_Q5_1(NAME, T)
 #define BMMP_FOR_T_Q8_0(NAME, T)
 #define BMMP_FOR_T_Q4_0X4(NAME, T)
+#define BMMP_FOR_T_Q2_K(NAME, T)
+#define BMMP_FOR_T_Q3_K(NAME, T)
 #define BMMP_FOR_T_IQ4_NL(NAME, T)
 #define BMMP_FOR_T_IQ4_XS(NAME, T)
 

@@ -52,6 +52,16 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
                 v[16 + i] = d * (hi - offset);
             }
         }
+    } else if constexpr (T == T_Q2_K || T == T_Q3_K) {
+        int q[8];
+        float d, s0, s1, m0, m1;
+        k23_chunk<T>(w, row * ((size_t)K / 256) + (c >> 3), c & 7, q, d, s0, s1, m0, m1);
+        const float off = T == T_Q3_K ? 4.0f : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const float code = (float)(((u32)q[i >> 2] >> (8 * (i & 3))) & 255);
+            v[i] = d * (i < 16 ? s0 : s1) * (code - off) - (i < 16 ? m0 : m1);
+        }
     } else if constexpr (iq4_type(T)) {
         int q[8];
         float d;

@@ -29,6 +29,8 @@
 #define T_Q5_0 6
 #define T_Q5_1 7
 #define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
@@ -55,6 +57,11 @@ template <> struct Traits<T_Q4_1> { static const int BLOCK = 32, BODY = 16, SC =
 template <> struct Traits<T_Q5_0> { static const int BLOCK = 32, BODY = 16, SC = 2; };
 template <> struct Traits<T_Q5_1> { static const int BLOCK = 32, BODY = 16, SC = 4; };
 template <> struct Traits<T_Q8_0> { static const int BLOCK = 32, BODY = 32, SC = 2; };
+// Q2_K and Q3_K in their device layouts (the Rust `q2k_block_for_device` /
+// `q3k_block_for_device`): the body holds each 32-value chunk's 2-bit codes (and Q3_K's third
+// bits) together; `sc` the super-block scale(s) and the sub-block scales.
+template <> struct Traits<T_Q2_K> { static const int BLOCK = 256, BODY = 64, SC = 20; };
+template <> struct Traits<T_Q3_K> { static const int BLOCK = 256, BODY = 96, SC = 14; };
 template <> struct Traits<T_Q4_K> { static const int BLOCK = 256, BODY = 144, SC = 0; };
 template <> struct Traits<T_Q5_K> { static const int BLOCK = 256, BODY = 176, SC = 0; };
 template <> struct Traits<T_Q6_K> { static const int BLOCK = 256, BODY = 208, SC = 2; };
@@ -140,6 +147,71 @@ static __device__ __forceinline__ float fdot4s(u32 qv, const float* x) {
 // Spreads 4 bits of `bits` into bit 4 of each byte.
 static __device__ __forceinline__ u32 spread4(u32 bits) {
     return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25);
+}
+
+// Q2_K and Q3_K chunks (32 values, cc = 0..8 in a super-block) in the device layout, each
+// with a scale per 16-value half. The chunk's 2-bit codes are two
+// words (values 0..15, 16..31), value 4i + b of a word at bits 8b + 2i; Q3_K's third bits
+// one word, value 4i + b (i = 0..7) at bit 8b + i, its codes 0..7 standing for −4..3.
+// - Q2_K: w = d·s·q − dmin·m per half; s and m the low and high nibbles of the half's byte.
+// - Q3_K: w = d·s·(q − 4) per half, s 6 bits less 32: the low nibbles in byte cc of the
+//   scale bytes (half 0 low, half 1 high), the high 2-bit parts in byte 8 + cc / 2 at
+//   4·(cc mod 2) (half 0, then half 1).
+struct K23Codes {
+    uint2 plane;  // the 2-bit codes
+    u32 hb;       // Q3_K's third bits
+};
+
+template <int T>
+static __device__ __forceinline__ K23Codes k23_codes(const W& w, size_t b, int cc) {
+    const u8* body = w.body + b * Traits<T>::BODY;
+    K23Codes k;
+    k.plane = *(const uint2*)(body + 8 * cc);
+    k.hb = T == T_Q3_K ? *(const u32*)(body + 64 + 4 * cc) : 0u;
+    return k;
+}
+
+// Codes 4i..4i+3 of the chunk (i = 0..7) as bytes.
+template <int T>
+static __device__ __forceinline__ u32 k23_word(const K23Codes& k, int i) {
+    u32 v = ((i < 4 ? k.plane.x : k.plane.y) >> (2 * (i & 3))) & 0x03030303;
+    if constexpr (T == T_Q3_K) v |= ((k.hb >> i) & 0x01010101) << 2;
+    return v;
+}
+
+// The chunk's scales: w = d·s0·q − m0 (first half), d·s1·q − m1 (second); Q3_K's codes are
+// then less 4 and its m0 = m1 = 0.
+template <int T>
+static __device__ __forceinline__ void k23_scales(const W& w, size_t b, int cc, float& d, float& s0, float& s1,
+                                                  float& m0, float& m1) {
+    const u8* sc = w.sc + b * Traits<T>::SC;
+    if constexpr (T == T_Q2_K) {
+        const u32 dm = *(const u32*)sc;
+        const u32 sm = *(const u16*)(sc + 4 + 2 * cc);
+        const float dmin = h2f(dm >> 16);
+        d = h2f(dm & 0xffff);
+        s0 = (float)(sm & 15);
+        s1 = (float)((sm >> 8) & 15);
+        m0 = dmin * (float)((sm >> 4) & 15);
+        m1 = dmin * (float)(sm >> 12);
+    } else {
+        d = ld_h(sc);
+        const u32 lo = sc[2 + cc], hi = (u32)sc[10 + (cc >> 1)] >> (4 * (cc & 1));
+        s0 = (float)((int)((lo & 15) | ((hi & 3) << 4)) - 32);
+        s1 = (float)((int)((lo >> 4) | (((hi >> 2) & 3) << 4)) - 32);
+        m0 = m1 = 0.0f;
+    }
+}
+
+// The whole chunk: its codes four to a word in value order (values 0..15 in q[0..4], 16..31
+// in q[4..8], like the activation's planes) and its scales.
+template <int T>
+static __device__ __forceinline__ void k23_chunk(const W& w, size_t b, int cc, int (&q)[8], float& d, float& s0,
+                                                 float& s1, float& m0, float& m1) {
+    const K23Codes k = k23_codes<T>(w, b, cc);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = (int)k23_word<T>(k, i);
+    k23_scales<T>(w, b, cc, d, s0, s1, m0, m1);
 }
 
 // The I-quants' non-linear 4-bit levels (ggml's kvalues_iq4nl), four to a word.
@@ -367,6 +439,31 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             if constexpr (T == T_Q4_1 || T == T_Q5_1) return d * sum + m * x.sum;
             return d * (sum - offset * x.sum);
         }
+    } else if constexpr (T == T_Q2_K || T == T_Q3_K) {
+        // Q3_K's codes stand for q − 4: its offset, like Q6_K's 32, comes off each half's sum.
+        const int off = T == T_Q3_K ? 4 : 0;
+        int q[8];
+        float d, s0, s1, m0, m1;
+        k23_chunk<T>(w, row * ((size_t)K / 256) + (c >> 3), c & 7, q, d, s0, s1, m0, m1);
+        if constexpr (A != A_F32) {
+            IAcc<A> lo, hi;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo.add(q[i], x, i);
+                hi.add(q[4 + i], x, 4 + i);
+            }
+            return x.d * (d * (s0 * (float)(lo.value() - off * x.qsum_lo) + s1 * (float)(hi.value() - off * x.qsum_hi)) -
+                          (m0 * (float)x.qsum_lo + m1 * (float)x.qsum_hi));
+        } else {
+            float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo += fdot4u(q[i], &x.v[4 * i]);
+                hi += fdot4u(q[4 + i], &x.v[16 + 4 * i]);
+            }
+            const float sum_hi = x.sum - x.sum_lo;
+            return d * (s0 * (lo - off * x.sum_lo) + s1 * (hi - off * sum_hi)) - (m0 * x.sum_lo + m1 * sum_hi);
+        }
     } else if constexpr (iq4_type(T)) {
         int q[8];
         float d;
@@ -443,6 +540,11 @@ static __device__ __forceinline__ void prefetch_unit(const W& w, size_t row, int
         const u8* blk = w.body + (row * ((size_t)K / 256) + (u >> 2)) * Tr::BODY;
         prefetch_l2(blk);
         prefetch_l2(blk + Tr::BODY - 1);
+    } else if constexpr (T == T_Q2_K || T == T_Q3_K) {
+        const size_t b = row * ((size_t)K / 256) + (u >> 3);
+        prefetch_l2(w.body + b * Tr::BODY + 8 * (u & 7));
+        if constexpr (T == T_Q3_K) prefetch_l2(w.body + b * Tr::BODY + 64 + 4 * (u & 7));
+        prefetch_l2(w.sc + b * Tr::SC);
     } else if constexpr (T == T_IQ4_XS) {
         const size_t b = row * ((size_t)K / 256) + (u >> 3);
         prefetch_l2(w.body + b * Tr::BODY + 16 * (u & 7));

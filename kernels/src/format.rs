@@ -267,13 +267,90 @@ fn q6k_blocks_for_device(bytes: &mut [u8]) {
     }
 }
 
+/// A 32-value chunk's 2-bit codes as the kernels read them (`k23_word` in gemv.cu): two
+/// little-endian u32 words (values 0..15, 16..31), value `4i + b` of a word at bits
+/// `8b + 2i`, so `(word >> 2i) & 0x03030303` holds values `4i..4i + 4` as bytes.
+fn two_bit_plane(codes: &[u8]) -> [u8; 8] {
+    let mut words = [0u32; 2];
+    for (v, &code) in codes.iter().enumerate() {
+        let (h, i, b) = (v / 16, (v % 16) / 4, v % 4);
+        words[h] |= u32::from(code & 3) << (8 * b + 2 * i);
+    }
+    let mut out = [0u8; 8];
+    out[..4].copy_from_slice(&words[0].to_le_bytes());
+    out[4..].copy_from_slice(&words[1].to_le_bytes());
+    out
+}
+
+/// Chunk `c`'s 2-bit codes in a Q2_K/Q3_K block's `qs` (ggml: per 128-value half, byte `l`
+/// of its 32 holds value `l` of the chunks at shifts 0, 2, 4, 6).
+fn k23_codes(qs: &[u8], c: usize) -> [u8; 32] {
+    let (half, shift) = (c / 4, 2 * (c % 4));
+    std::array::from_fn(|l| (qs[32 * half + l] >> shift) & 3)
+}
+
+/// A Q2_K block (84 bytes) in the layout the kernels read (`k23_codes`/`k23_scales`): bytes
+/// `8c..8c + 8` chunk `c`'s [`two_bit_plane`]; then `d`, `dmin` and the 16 scale bytes in
+/// ggml's order (chunk `c`'s halves at `2c`, `2c + 1`: scale low nibble, min high). The same
+/// bytes, reordered.
+pub fn q2k_block_for_device(block: &mut [u8]) {
+    let ggml: [u8; 84] = (&*block).try_into().expect("84-byte Q2_K block");
+    for c in 0..8 {
+        block[8 * c..8 * c + 8].copy_from_slice(&two_bit_plane(&k23_codes(&ggml[16..80], c)));
+    }
+    block[64..68].copy_from_slice(&ggml[80..84]);
+    block[68..84].copy_from_slice(&ggml[..16]);
+}
+
+/// A Q3_K block (110 bytes) in the layout the kernels read: bytes `8c..8c + 8` chunk `c`'s
+/// [`two_bit_plane`] of low bits; bytes `64 + 4c..64 + 4c + 4` its third bits, value `4i + b`
+/// at bit `8b + i` of the little-endian word (ggml's hmask bit `c` of byte `l`: set means the
+/// code is `low + 4`, read as `code − 4`); `d`; then the sixteen 6-bit scales repacked so a
+/// chunk's two are together: byte `c` (0..8) their low nibbles (scale `2c` low, `2c + 1`
+/// high), byte `8 + c / 2` their high 2-bit parts at `4·(c mod 2)` (`2c`, then `2c + 1`).
+pub fn q3k_block_for_device(block: &mut [u8]) {
+    let ggml: [u8; 110] = (&*block).try_into().expect("110-byte Q3_K block");
+    let (hmask, qs, scales) = (&ggml[..32], &ggml[32..96], &ggml[96..108]);
+    block.fill(0);
+    for c in 0..8 {
+        block[8 * c..8 * c + 8].copy_from_slice(&two_bit_plane(&k23_codes(qs, c)));
+        let mut third = 0u32;
+        for (v, &h) in hmask.iter().enumerate() {
+            let (i, b) = (v / 4, v % 4);
+            third |= u32::from((h >> c) & 1) << (8 * b + i);
+        }
+        block[64 + 4 * c..68 + 4 * c].copy_from_slice(&third.to_le_bytes());
+    }
+    block[96..98].copy_from_slice(&ggml[108..110]);
+    let biased = |k: usize| (kiln_core::quant::kquants::q3_k_scale(scales, k) + 32) as u8;
+    for c in 0..8 {
+        let (s0, s1) = (biased(2 * c), biased(2 * c + 1));
+        block[98 + c] = (s0 & 15) | ((s1 & 15) << 4);
+        block[106 + c / 2] |= ((s0 >> 4) | ((s1 >> 4) << 2)) << (4 * (c % 2));
+    }
+}
+
+/// Q2_K blocks in the device layout, in place.
+fn q2k_blocks_for_device(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(84) {
+        q2k_block_for_device(block);
+    }
+}
+
+/// Q3_K blocks in the device layout, in place.
+fn q3k_blocks_for_device(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(110) {
+        q3k_block_for_device(block);
+    }
+}
+
 const fn sc(offset: usize, bytes: usize) -> Option<Part> {
     Some(Part { offset, bytes })
 }
 
 /// Every format the GPU kernels read. The first entry for a type is its plain layout; the
 /// row-grouped ones a backend picks by name are statics of their own, listed here too.
-pub static FORMATS: [&WeightFormat; 16] = [
+pub static FORMATS: [&WeightFormat; 18] = [
     &weight_format!(float F32, "f32", "T_F32", body 4),
     &weight_format!(float F16, "f16", "T_F16", body 2),
     &weight_format!(float BF16, "bf16", "T_BF16", body 2),
@@ -282,6 +359,11 @@ pub static FORMATS: [&WeightFormat; 16] = [
     &weight_format!(Q5_0, "q5_0", "T_Q5_0", group 1, body 6 + 16, qh Some(2), sc sc(0, 2)),
     &weight_format!(Q5_1, "q5_1", "T_Q5_1", group 1, body 8 + 16, qh Some(4), sc sc(0, 4)),
     &weight_format!(Q8_0, "q8_0", "T_Q8_0", group 1, body 2 + 32, qh None, sc sc(0, 2)),
+    // The 2- and 3-bit K-quants: each chunk's codes together in `body`, the scales in `sc`.
+    &weight_format!(Q2_K, "q2_k", "T_Q2_K", group 1, body 0 + 64, qh None, sc sc(64, 20),
+        rows "", transcode Some(q2k_blocks_for_device)),
+    &weight_format!(Q3_K, "q3_k", "T_Q3_K", group 1, body 0 + 96, qh None, sc sc(96, 14),
+        rows "", transcode Some(q3k_blocks_for_device)),
     &weight_format!(Q4_K, "q4_k", "T_Q4_K", group 1, body 0 + 144, qh None, sc None,
         rows "", transcode Some(kquant_blocks_for_device::<144>)),
     &weight_format!(Q5_K, "q5_k", "T_Q5_K", group 1, body 0 + 176, qh None, sc None,
@@ -440,6 +522,82 @@ mod tests {
                         value.to_bits(),
                         expected[32 * c + v].to_bits(),
                         "case {case} chunk {c} value {v}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every value of a Q2_K and a Q3_K block read from the device layout the way the
+    /// kernels read it (`k23_word` and `k23_scales`, restated here) equals what core's
+    /// dequantiser makes of the file's block, for random and extreme bytes.
+    #[test]
+    fn q2k_q3k_device_blocks_decode_to_ggml_values() {
+        let mut rng = kiln_core::Rng::new(crate::testdata::fresh_seed());
+        let word = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let half = |b: &[u8], at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+        for case in 0..500 {
+            let fill = |len: usize, rng: &mut kiln_core::Rng| -> Vec<u8> {
+                (0..len)
+                    .map(|_| match case {
+                        0 => 0,
+                        1 => 0xff,
+                        _ => rng.next_u64() as u8,
+                    })
+                    .collect()
+            };
+            // Q2_K: finite d and dmin (NaN would not compare).
+            let mut q2 = fill(84, &mut rng);
+            q2[80..82].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            q2[82..84].copy_from_slice(&half::f16::from_f32(0.003).to_le_bytes());
+            let mut want = [0f32; 256];
+            kiln_core::quant::kquants::dequantize_q2_k(q2[..].try_into().unwrap(), &mut want);
+            let mut dev = q2.clone();
+            q2k_block_for_device(&mut dev);
+            let (body, sc) = (&dev[..64], &dev[64..84]);
+            for c in 0..8 {
+                let plane = [word(body, 8 * c), word(body, 8 * c + 4)];
+                let sm = u32::from(u16::from_le_bytes([sc[4 + 2 * c], sc[5 + 2 * c]]));
+                let (d, dmin) = (half(sc, 0), half(sc, 2));
+                for v in 0..32 {
+                    let (i, b) = (v / 4, v % 4);
+                    let code = ((plane[i / 4] >> (2 * (i % 4))) >> (8 * b)) & 3;
+                    let byte = (sm >> (8 * (v / 16))) & 255;
+                    let (s, m) = ((byte & 15) as f32, (byte >> 4) as f32);
+                    let value = d * s * code as f32 - dmin * m;
+                    let expected = want[32 * c + v];
+                    assert!(
+                        (value - expected).abs() <= 1e-6 * expected.abs().max(1e-3),
+                        "q2_k case {case} chunk {c} value {v}: {value} against {expected}"
+                    );
+                }
+            }
+            let mut q3 = fill(110, &mut rng);
+            q3[108..110].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            kiln_core::quant::kquants::dequantize_q3_k(q3[..].try_into().unwrap(), &mut want);
+            let mut dev = q3.clone();
+            q3k_block_for_device(&mut dev);
+            let (body, sc) = (&dev[..96], &dev[96..110]);
+            for c in 0..8 {
+                let plane = [word(body, 8 * c), word(body, 8 * c + 4)];
+                let hb = word(body, 64 + 4 * c);
+                let d = half(sc, 0);
+                let lo = u32::from(sc[2 + c]);
+                let hi = u32::from(sc[10 + c / 2]) >> (4 * (c % 2));
+                let s = [
+                    ((lo & 15) | ((hi & 3) << 4)) as i32 - 32,
+                    ((lo >> 4) | (((hi >> 2) & 3) << 4)) as i32 - 32,
+                ];
+                for v in 0..32 {
+                    let (i, b) = (v / 4, v % 4);
+                    let low = ((plane[i / 4] >> (2 * (i % 4))) >> (8 * b)) & 3;
+                    let third = ((hb >> i) >> (8 * b)) & 1;
+                    let code = (low | (third << 2)) as i32 - 4;
+                    let value = d * s[v / 16] as f32 * code as f32;
+                    assert_eq!(
+                        value.to_bits(),
+                        want[32 * c + v].to_bits(),
+                        "q3_k case {case} chunk {c} value {v}"
                     );
                 }
             }

@@ -66,6 +66,13 @@ pub fn random_weights_scaled(
                         put_f16(b, 2, scale * uniform(rng, 0.0, 0.002));
                     }
                     QType::Q6_K => put_f16(b, 208, scale * uniform(rng, -0.0005, 0.0005)),
+                    // 4-bit sub-scales and mins of 2-bit codes; 6-bit signed sub-scales of
+                    // codes −4..3.
+                    QType::Q2_K => {
+                        put_f16(b, 80, scale * uniform(rng, 0.0, 0.02));
+                        put_f16(b, 82, scale * uniform(rng, 0.0, 0.02));
+                    }
+                    QType::Q3_K => put_f16(b, 108, scale * uniform(rng, -0.008, 0.008)),
                     // Levels up to ±127; IQ4_XS's sub-block scales up to ±32 on top.
                     QType::IQ4_NL => put_f16(b, 0, scale * uniform(rng, -0.008, 0.008)),
                     QType::IQ4_XS => put_f16(b, 0, scale * uniform(rng, -0.0003, 0.0003)),
