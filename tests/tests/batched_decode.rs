@@ -449,23 +449,21 @@ fn gpu_batched_decode_llama32_1b_q4_0() {
     );
 }
 
-/// The I-quants' 4-bit mixes in the batched step: IQ4_XS on one backend, IQ4_NL on the
-/// other (the batched int8 matmuls map each code to its level).
+/// llama.cpp's low-bit mixes in the batched step, each type on one backend: IQ4_XS and Q2_K
+/// on cuda-q4k, IQ4_NL and Q3_K_M on cuda-q4_0 (the batched int8 matmuls map each IQ4 code
+/// to its level and multiply the 2- and 3-bit K-quants half a chunk at a time).
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
-fn gpu_batched_decode_llama32_1b_iq4() {
-    gpu_case(
-        "cuda-q4k",
-        Preset::Llama32_1b,
-        Recipe::IQ4_XS,
-        "llama3.2-1b.iq4_xs.gguf",
-    );
-    gpu_case(
-        "cuda-q4_0",
-        Preset::Llama32_1b,
-        Recipe::IQ4_NL,
-        "llama3.2-1b.iq4_nl.gguf",
-    );
+fn gpu_batched_decode_llama32_1b_low_bit_mixes() {
+    for (backend, recipe) in [
+        ("cuda-q4k", Recipe::IQ4_XS),
+        ("cuda-q4_0", Recipe::IQ4_NL),
+        ("cuda-q4k", Recipe::Q2_K),
+        ("cuda-q4_0", Recipe::Q3_K_M),
+    ] {
+        let file = format!("llama3.2-1b.{}.gguf", recipe.name());
+        gpu_case(backend, Preset::Llama32_1b, recipe, &file);
+    }
 }
 
 /// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at

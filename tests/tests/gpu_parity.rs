@@ -384,14 +384,15 @@ fn synth_parity_q4_0(preset: Preset, name: &str) {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// The I-quants' 4-bit mixes (llama.cpp's IQ4_XS and IQ4_NL recipes: IQ4 matrices beside the
-/// Q5_K/Q6_K ones the recipes keep) on both GPU backends against the CPU oracle: the prompt
-/// through the prefill (dequantised weights), then teacher-forced decode steps (the GEMVs).
-/// The levels are exact int8 values and the default activations 15-bit, so the bar is the
-/// Q4_0 backend's; Q8_1 activations are measured and printed.
-fn iq4_parity(preset: Preset, name: &str) {
+/// llama.cpp's low-bit mixes (IQ4_XS and IQ4_NL: IQ4 matrices beside the Q5_K/Q6_K ones the
+/// recipes keep; Q2_K and Q3_K_M: the 2- and 3-bit K-quants beside Q4_K/Q6_K) on both GPU
+/// backends against the CPU oracle: the prompt through the prefill (dequantised weights),
+/// then teacher-forced decode steps (the GEMVs). The GPU's weight values are exact (codes
+/// times f32 scales) and the default activations 15-bit, so the bar is the Q4_0 backend's;
+/// Q8_1 activations are measured and printed.
+fn low_bit_parity(preset: Preset, name: &str) {
     let dir = scratch_dir();
-    for recipe in [Recipe::IQ4_XS, Recipe::IQ4_NL] {
+    for recipe in [Recipe::IQ4_XS, Recipe::IQ4_NL, Recipe::Q2_K, Recipe::Q3_K_M] {
         let path = synth_into(&dir, name, preset, recipe, 1);
         let prompt = "The quick brown fox jumps over the lazy dog";
         for gpu in ["cuda-q4k", "cuda-q4_0"] {
@@ -408,8 +409,8 @@ fn iq4_parity(preset: Preset, name: &str) {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
-fn iq4_llama32_1b_synthetic_matches_cpu_on_both_gpu_backends() {
-    iq4_parity(Preset::Llama32_1b, "llama3.2-1b");
+fn low_bit_mixes_llama32_1b_synthetic_match_cpu_on_both_gpu_backends() {
+    low_bit_parity(Preset::Llama32_1b, "llama3.2-1b");
 }
 
 #[test]
