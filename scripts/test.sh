@@ -34,8 +34,14 @@ else
   echo "warning: clippy is not installed; the SAFETY-comment check is skipped"
 fi
 
-# A host's minimal kiln (no CLI, server or CUDA; Cargo.toml's [features]) must keep building.
+# A host's minimal kiln (no CLI, server, CUDA, constraints or fetching; Cargo.toml's
+# [features]) must keep building, refuse constrained outputs with the reason, and stay small:
+# fewer than half the 236 crates a host pulled in when it could not leave anything out.
 cargo build --release -p kiln --lib --no-default-features
+cargo test --release -p kiln --lib --no-default-features --quiet structured
+crates=$(cargo tree -p kiln --no-default-features -e normal --prefix none | sed 's/ (\*)//' | sort -u | wc -l)
+echo "a minimal host's kiln: $crates crates"
+[ "$crates" -lt 118 ] || { echo "the minimal kiln pulls in $crates crates (must stay under 118)"; exit 1; }
 
 cargo test --workspace --release "$@"
 

@@ -15,6 +15,7 @@ pub mod bench;
 pub mod conformance;
 pub mod embedding;
 pub mod engine;
+#[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod generation;
 pub mod harmony;
