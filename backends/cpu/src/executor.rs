@@ -17,7 +17,7 @@ use std::sync::Arc;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use kiln_core::{
     check_decode, check_hidden_batch, check_prefill, check_prefill_hidden, check_prefill_logits,
-    DecodeItem, Error, HiddenRequest, KvBlockUsage, KvType, LayerExecutor, LoadOptions,
+    Activation, DecodeItem, Error, HiddenRequest, KvBlockUsage, KvType, LayerExecutor, LoadOptions,
     ModelConfig, ModelIr, NormKind, Result, SeqId, SeqSlot, SequenceSlots, TensorView,
     KV_BLOCK_TOKENS,
 };
@@ -50,6 +50,9 @@ struct Model {
     /// The 8-bit activation forms the matrices with an integer kernel multiply
     /// (`LoadOptions::quantized_activations`; none in the oracle's default).
     q8_forms: Q8Forms,
+    /// The 8-bit mode's GELU: ggml's CPU backend's (input and result at f16, through its
+    /// table), so that mode keeps llama.cpp's arithmetic in Gemma's feed-forward too.
+    f16_gelu: bool,
     /// A tensor-parallel rank's group: each branch's partial output is summed over it
     /// (see `kiln_core::parallel`). `None`: the whole model is here.
     collective: Option<Arc<dyn Collective>>,
@@ -545,6 +548,7 @@ impl CpuExecutor {
             threads,
             simd,
             q8_forms,
+            f16_gelu: options.quantized_activations,
             collective,
         };
         Ok(CpuExecutor {
@@ -1296,16 +1300,25 @@ fn feed_forward(
         add_row_bias(&mut s.up[..n * ffn], &b.up);
     }
     let act = f.activation;
+    let f16_gelu = m.f16_gelu && act == Activation::Gelu;
     if f.gate.is_some() {
         if let Some(gate_bias) = biases.and_then(|b| b.gate.as_ref()) {
             add_row_bias(&mut s.gate[..n * ffn], gate_bias);
         }
         for (u, &g) in s.up[..n * ffn].iter_mut().zip(&s.gate[..n * ffn]) {
-            *u = act.gated(g, *u);
+            *u = if f16_gelu {
+                ops::gelu_as_ggml_cpu(g) * *u
+            } else {
+                act.gated(g, *u)
+            };
         }
     } else {
         for u in s.up[..n * ffn].iter_mut() {
-            *u = act.ungated(*u);
+            *u = if f16_gelu {
+                ops::gelu_as_ggml_cpu(*u)
+            } else {
+                act.ungated(*u)
+            };
         }
     }
     let input = batch(&s.up, &mut s.sums, &mut s.q8, m.q8_forms, n, ffn);

@@ -33,6 +33,20 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [
     }
 }
 
+/// GELU (tanh form) as ggml's CPU backend computes it: 0 below −10, the identity above 10,
+/// and between them the input rounded to f16 and looked up in a table of f16 results (its
+/// `ggml_vec_gelu_f32` / `ggml_vec_geglu_f32` with `GGML_GELU_FP16`, which ggml defines).
+pub fn gelu_as_ggml_cpu(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        let x16 = half::f16::from_f32(x).to_f32();
+        half::f16::from_f32(kiln_core::ir::gelu_tanh(x16)).to_f32()
+    }
+}
+
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;

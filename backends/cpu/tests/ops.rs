@@ -321,3 +321,43 @@ fn paged_runs<'a>(keys: &'a [f32], values: &'a [f32], len: usize, stride: usize)
         })
         .collect()
 }
+
+/// The 8-bit mode's GELU is ggml's CPU table: for every f16 input between −10 and 10 the
+/// f16 rounding of GELU at that input (within f16 rounding of the f32 GELU), an input
+/// between f16 values taking its rounding's entry, 0 at and below −10, the identity at and
+/// above 10.
+#[test]
+fn ggml_cpu_gelu_is_the_f16_table() {
+    use kiln_backend_cpu::ops::gelu_as_ggml_cpu;
+    use kiln_core::ir::gelu_tanh;
+    let mut seen = 0;
+    for bits in 0..=u16::MAX {
+        let x = half::f16::from_bits(bits).to_f32();
+        if !x.is_finite() || x <= -10.0 || x >= 10.0 {
+            continue;
+        }
+        seen += 1;
+        let got = gelu_as_ggml_cpu(x);
+        let table = half::f16::from_f32(gelu_tanh(x)).to_f32();
+        assert_eq!(got.to_bits(), table.to_bits(), "x = {x}");
+        assert!(
+            (got - gelu_tanh(x)).abs() <= 1e-3 * (1.0 + gelu_tanh(x).abs()),
+            "x = {x}"
+        );
+        // A value just off the f16 grid reads the entry of its rounding.
+        let near = x + x.abs() * 1e-5;
+        let rounded = half::f16::from_f32(near).to_f32();
+        assert_eq!(
+            gelu_as_ggml_cpu(near).to_bits(),
+            half::f16::from_f32(gelu_tanh(rounded)).to_f32().to_bits(),
+            "x = {near}"
+        );
+    }
+    assert!(seen > 30_000, "{seen} inputs");
+    for x in [-10.0f32, -11.5, -1e30] {
+        assert_eq!(gelu_as_ggml_cpu(x), 0.0);
+    }
+    for x in [10.0f32, 12.25, 1e30] {
+        assert_eq!(gelu_as_ggml_cpu(x), x);
+    }
+}
