@@ -1,6 +1,7 @@
 // Batched decode matmuls: Y[m] = W · x[m] for the B sequences of a decode step (B a
 // multiple of 8, up to 64), each weight read from memory once for all of them, the
-// products on int8 tensor cores (mma.sync m16n8k32; m16n8k16 for Q6_K's 16-value scales).
+// products on int8 tensor cores (mma.sync m16n8k32; m16n8k16 for the types with a scale per
+// 16 values: Q6_K, Q3_K, Q2_K).
 //
 // Compiled after gemv.cu in the same module, so the device layout (`W`, `Traits`,
 // `block_offsets`) and the K-quant scale unpacking are the GEMVs' own.
@@ -593,8 +594,8 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
     BMMP_ENTRY(NAME, T, 4)    \
     BMMP_ENTRY(NAME, T, 8)
 
-// The pipelined entries exist for the K-quants only (chosen by the type's token: `##`
-// keeps it from expanding to its number).
+// The pipelined entries exist for Q4_K, Q5_K and Q6_K only (chosen by the type's token:
+// `##` keeps it from expanding to its number).
 #define BMMP_FOR_T_Q4_K(NAME, T) BMMP_TYPE(NAME, T)
 #define BMMP_FOR_T_Q5_K(NAME, T) BMMP_TYPE(NAME, T)
 #define BMMP_FOR_T_Q6_K(NAME, T) BMMP_TYPE(NAME, T)
