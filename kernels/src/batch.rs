@@ -238,7 +238,7 @@ impl Kernels {
             .all(|rows| matches!(self.bmm_walk(w, rows, swiglu), BmmWalk::Pipelined { .. }))
     }
 
-    /// Which walk a batched matmul over `w` takes: for K-quant weights the path chosen by
+    /// Which walk a batched matmul over `w` takes: for formats with a pipelined walk the path chosen by
     /// [`Kernels::set_bmm_path`] (a pipelined one by default: cp.async stages of whole
     /// super-blocks through shared memory), else the register walk.
     fn bmm_walk(&self, w: &DeviceWeight, rows: usize, swiglu: bool) -> BmmWalk {
@@ -246,8 +246,10 @@ impl Kernels {
     }
 
     fn bmm_walk_if(&self, w: &DeviceWeight, rows: usize, swiglu: bool, path: BmmPath) -> BmmWalk {
-        let kquant = matches!(w.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K);
-        if !kquant || !w.row_len.is_multiple_of(256) || path == BmmPath::Registers {
+        if !w.format.has_pipelined_bmm()
+            || !w.row_len.is_multiple_of(256)
+            || path == BmmPath::Registers
+        {
             return BmmWalk::Registers;
         }
         let stage = bmmp_stage_bytes(w, rows, swiglu);

@@ -416,6 +416,14 @@ impl WeightFormat {
     pub fn is_grouped(&self) -> bool {
         self.row_group > 1
     }
+
+    /// Whether the batched matmul over this format has the pipelined walk (`BMMP_FOR_*` in
+    /// cuda/bmm.cu: whole super-blocks staged through shared memory and dequantised to f16
+    /// for the tensor cores, so a batched step rounds these weights' products unlike the
+    /// one-sequence GEMVs): Q4_K, Q5_K and Q6_K.
+    pub fn has_pipelined_bmm(&self) -> bool {
+        self.batched.is_some() && matches!(self.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K)
+    }
 }
 
 /// Weight types the GEMV kernels multiply with (each has a plain format).
@@ -648,6 +656,19 @@ mod tests {
                     "codes {codes:#010x}, byte {b}"
                 );
             }
+        }
+    }
+
+    /// `has_pipelined_bmm` names exactly the formats bmm.cu compiles pipelined entries for.
+    #[test]
+    fn pipelined_batched_formats_are_those_bmm_cu_compiles() {
+        let bmm = include_str!("../cuda/bmm.cu");
+        for f in FORMATS.iter().filter(|f| f.batched.is_some()) {
+            let entry = format!(
+                "#define BMMP_FOR_{}(NAME, T) BMMP_TYPE(NAME, T)",
+                f.cuda_type
+            );
+            assert_eq!(bmm.contains(&entry), f.has_pipelined_bmm(), "{}", f.tag);
         }
     }
 
