@@ -696,9 +696,11 @@ static __device__ __forceinline__ void gemv_prefetch(W w, W w2, int nrows, int K
 }
 
 // The GEMV proper, once its input is ready.
+// `row_base` is the first row of the matrix within `w` (an expert's, see ExpertSel): row r
+// of the result is row row_base + r of the weights, and of their biases.
 template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
 static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, const GemvOut out, int nrows, int K,
-                                                    int bx) {
+                                                    int bx, size_t row_base = 0) {
     const GemvTile<R, S, NW> t(bx);
     const int lane = t.lane, warp = threadIdx.x >> 5, part = t.part, row0 = t.row0;
     constexpr int RB = GemvTile<R, S, NW>::RB;
@@ -722,7 +724,7 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
             for (int r = 0; r < R; ++r) {
                 // Rows past the end clamp to the last one: the loads stay in bounds and the
                 // result is never written.
-                const size_t row = (size_t)min(row0 + r, nrows - 1);
+                const size_t row = row_base + (size_t)min(row0 + r, nrows - 1);
                 if constexpr (U == 2) {
                     acc[r] += dot_pair_k<T, A>(w, row, K, u, xc[0], xc[1]);
                     if (SWIGLU) acc2[r] += dot_pair_k<T, A>(w2, row, K, u, xc[0], xc[1]);
@@ -781,7 +783,7 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
         if (SWIGLU) {
             v = glu_act(v, out.gelu) * v2;
         } else {
-            if (out.bias) v += out.bias[row];
+            if (out.bias) v += out.bias[row_base + row];
             v *= out.scale;
             if (out.residual) v += out.residual[row];
         }
@@ -803,13 +805,46 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
     }
 }
 
+// A Mixture of Experts' GEMVs: `w` holds every expert's matrix of `nrows` rows one after
+// another (rows are addressed linearly from a matrix's start in every format, so expert e's
+// is rows e·nrows..), and grid row y (blockIdx.y) multiplies expert ids[y]'s. Slot y reads
+// its own input (`inputs_per_slot`: the down projection, after each expert's activation)
+// or the one shared input (the gate and up projections), and writes its own output. The
+// ids are written by the routing kernel just before, so they are read after the wait.
+struct ExpertSel {
+    const int* ids;  // null: an ordinary GEMV
+    int inputs_per_slot;
+};
+
 // One GEMV launch: prefetch this block's first weights, wait for the previous kernel
-// (programmatic dependent launch), compute.
+// (programmatic dependent launch), compute. An experts' launch cannot prefetch: which rows
+// it reads is known only after the wait.
 template <int T, int A, int R, int S, int NW, bool SWIGLU, bool QOUT>
-static __device__ __forceinline__ void gemv(W w, W w2, const XIn in, const GemvOut out, int nrows, int K) {
-    gemv_prefetch<T, R, S, NW, SWIGLU>(w, w2, nrows, K, blockIdx.x);
+static __device__ __forceinline__ void gemv(W w, W w2, XIn in, GemvOut out, int nrows, int K, ExpertSel sel) {
+    if (!sel.ids) {
+        gemv_prefetch<T, R, S, NW, SWIGLU>(w, w2, nrows, K, blockIdx.x);
+        grid_dependency_wait();
+        gemv_compute<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, blockIdx.x);
+        return;
+    }
     grid_dependency_wait();
-    gemv_compute<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, blockIdx.x);
+    const size_t slot = blockIdx.y;
+    if (sel.inputs_per_slot) {
+        const size_t padded = (size_t)((K + 31) & ~31);
+        if (in.x) in.x += slot * K;
+        if (in.q) in.q += slot * padded;
+        if (in.r) in.r += slot * padded;
+        if (in.ds) in.ds += slot * padded / 32;
+        if (in.norm_parts) in.norm_parts += slot * padded / 32;
+    }
+    const size_t padded_out = (size_t)((nrows + 31) & ~31);
+    out.y += slot * nrows;
+    if (out.residual) out.residual += slot * nrows;
+    if (out.q) out.q += slot * padded_out;
+    if (out.r) out.r += slot * padded_out;
+    if (out.ds) out.ds += slot * padded_out / 32;
+    if (out.norm_parts) out.norm_parts += slot * padded_out / 32;
+    gemv_compute<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, blockIdx.x, (size_t)sel.ids[slot] * nrows);
 }
 
 // Row `*token` of a weight matrix, dequantised to f32 (the token embedding lookup). Thread
@@ -876,13 +911,13 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts, int gelu, float scale
+        float *out_parts, int gelu, float scale, const int *expert_ids, int expert_inputs
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
     GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu, scale};                                    \
-    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K);
+    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, expert_inputs});
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(GEMV_PARAMS) {                           \

@@ -58,6 +58,9 @@ const fn module(name: &'static str, source: &'static str) -> KernelModule {
 
 pub const NORM: KernelModule = module("norm", include_str!("../cuda/norm.cu"));
 pub const ROPE: KernelModule = module("rope", include_str!("../cuda/rope.cu"));
+/// A Mixture of Experts' routing and the join of its experts' outputs (the expert GEMVs
+/// are the formats' own).
+pub const MOE: KernelModule = module("moe", include_str!("../cuda/moe.cu"));
 const ATTENTION_SRC: &str = include_str!("../cuda/attention.cu");
 
 /// Decode attention, one module per head size (32·E for E = 1..=8) and KV cache format: a
@@ -116,7 +119,7 @@ impl KernelModule {
 
 /// Every module, for compile checks.
 pub fn all_modules() -> Vec<KernelModule> {
-    let mut v = vec![NORM, ROPE, SAMPLE, PREFILL];
+    let mut v = vec![NORM, ROPE, MOE, SAMPLE, PREFILL];
     v.extend(ATTENTION);
     v.extend(ATTENTION_Q8);
     for f in &crate::format::FORMATS {

@@ -35,8 +35,8 @@ pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use gemm::Blas;
 pub use kv::{KvCache, KvFormat, KvLayerRows, KvPlanes, Q8Planes};
 pub use ops::{
-    AttnArgs, AttnHeads, Epilogue, GemvInput, GemvPath, GemvTiling, Kernels, PendingNorm,
-    PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs,
+    AttnArgs, AttnHeads, Epilogue, ExpertSlots, GemvInput, GemvPath, GemvTiling, Kernels,
+    PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs, MAX_EXPERTS_USED,
 };
 pub use repack::{DeviceWeight, PackedWeight};
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::batch::{BatchAttention, BmmPath};
 use crate::buffer::{DevSlice, DeviceBuffer};
-use crate::compile::{attention_module, KernelModule, NORM, ROPE, SAMPLE};
+use crate::compile::{attention_module, KernelModule, MOE, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, Function, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::format::WeightFormat;
@@ -153,6 +153,25 @@ pub struct Epilogue {
     /// scaled logits, Granite's multipliers); `None` is 1.
     pub scale: Option<f32>,
 }
+
+/// The experts a Mixture-of-Experts GEMV multiplies: its weight stacks `count` matrices of
+/// equal shape (rows `e·rows/count..` are expert `e`'s), and slot `j` of the launch
+/// multiplies matrix `ids[j]`, writing rows `j·rows/count..` of the output (and of its
+/// quantised copy, each slot's planes padded to whole 32-value blocks). The ids are read on
+/// the device, so a router's choice never returns to the host.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertSlots {
+    pub count: usize,
+    pub ids: DevSlice<i32>,
+    /// Each slot reads its own input, slot `j`'s values at `j·inputs` (padded to 32 in the
+    /// quantised planes) — the down projection after each expert's activation — rather than
+    /// one input shared by every slot (the gate and up projections).
+    pub inputs_per_slot: bool,
+}
+
+/// The most experts a token may use ([`Kernels::route_experts`]; `MOE_MAX_USED` in
+/// `cuda/moe.cu`).
+pub const MAX_EXPERTS_USED: usize = 32;
 
 /// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
 /// `warps_per_row` warps split one row group's length between them.
@@ -338,6 +357,7 @@ impl Kernels {
         let mut v = vec![
             NORM,
             ROPE,
+            MOE,
             SAMPLE,
             crate::compile::attention_module(head_dim, kv)?,
         ];
@@ -442,13 +462,15 @@ impl Kernels {
         unsafe { self.launch(f, cfg, &mut args) }
     }
 
-    /// Checks a GEMV (or SwiGLU, with `w2`) launch and returns its kernel and arguments.
+    /// Checks a GEMV (or SwiGLU, with `w2`) launch and returns its kernel and arguments;
+    /// with `experts`, one launch over the chosen experts' matrices (see [`ExpertSlots`]).
     #[allow(clippy::too_many_arguments)]
     fn gemv_launch(
         &self,
         kind: &str,
         w: &DeviceWeight,
         w2: Option<&DeviceWeight>,
+        experts: Option<&ExpertSlots>,
         input: &GemvInput,
         path: GemvPath,
         t: GemvTiling,
@@ -468,12 +490,43 @@ impl Kernels {
                 "a quantising GEMV reads quantised input (GemvPath::Q8 or Q16)".into(),
             ));
         }
+        // The rows one launch slot computes, the slots, and the inputs they read.
+        let (rows, slots, inputs) = match experts {
+            None => (w.rows, 1, 1),
+            Some(e) => {
+                if e.count == 0 || !w.rows.is_multiple_of(e.count) {
+                    return Err(invalid(format!(
+                        "{} rows do not stack {} experts' matrices",
+                        w.rows, e.count
+                    )));
+                }
+                let rows = w.rows / e.count;
+                if !rows.is_multiple_of(w.format.row_group) {
+                    return Err(invalid(format!(
+                        "an expert's {rows} rows are not whole groups of {} ({})",
+                        w.format.row_group, w.format.tag
+                    )));
+                }
+                let slots = e.ids.len();
+                if slots == 0 || slots > u16::MAX as usize {
+                    return Err(invalid(format!("{slots} expert slots")));
+                }
+                if epi.residual.is_some() || epi.quant.is_some_and(|q| q.norm_w.is_some()) {
+                    return Err(invalid(
+                        "an experts' GEMV writes each slot's own output: no residual or next norm"
+                            .into(),
+                    ));
+                }
+                (rows, slots, if e.inputs_per_slot { slots } else { 1 })
+            }
+        };
+        let padded = |n: usize| n.div_ceil(32) * 32;
         match path {
             GemvPath::Float => {
                 let x = input
                     .x
                     .ok_or_else(|| invalid("the float GEMV needs the f32 activation".into()))?;
-                x.check_len(w.row_len, "GEMV input")?;
+                x.check_len(inputs * w.row_len, "GEMV input")?;
                 if input.norm.is_some() {
                     return Err(invalid(
                         "the float GEMV reads a finished activation (no pending norm)".into(),
@@ -483,21 +536,30 @@ impl Kernels {
             GemvPath::Q8 | GemvPath::Q16 => input
                 .q8
                 .ok_or_else(|| invalid("the integer GEMV needs the quantised activation".into()))?
-                .check_len(w.row_len, "quantised GEMV input")?,
+                .check_len(inputs * padded(w.row_len), "quantised GEMV input")?,
         }
         if let Some(n) = input.norm {
-            n.parts
-                .check_len(w.row_len.div_ceil(32), "pending norm's partial sums")?;
+            n.parts.check_len(
+                inputs * w.row_len.div_ceil(32),
+                "pending norm's partial sums",
+            )?;
         }
-        y.check_len(w.rows, "GEMV output")?;
+        y.check_len(slots * rows, "GEMV output")?;
         if let Some(b) = epi.bias {
             b.check_len(w.rows, "GEMV bias")?;
         }
         if let Some(r) = epi.residual {
-            r.check_len(w.rows, "GEMV residual")?;
+            r.check_len(rows, "GEMV residual")?;
         }
         if let Some(q) = epi.quant {
-            q.check(w.rows, "quantised GEMV output")?;
+            q.check(
+                if slots > 1 {
+                    slots * padded(rows)
+                } else {
+                    rows
+                },
+                "quantised GEMV output",
+            )?;
         }
         let name = format!(
             "{kind}{}_{}_{}_{}_{}",
@@ -533,7 +595,7 @@ impl Kernels {
             .ptr(opt(epi.bias))
             .ptr(opt(epi.residual))
             .ptr(y.ptr())
-            .i32(w.rows as i32)
+            .i32(rows as i32)
             .i32(w.row_len as i32)
             .ptr(q.map_or(0, |q| opt(q.norm_w)))
             .ptr(q.map_or(0, |q| q.q.q.ptr()))
@@ -541,8 +603,12 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
             .ptr(q.map_or(0, |q| opt(q.norm_parts)))
             .i32(epi.gelu as i32)
-            .f32(epi.scale.unwrap_or(1.0));
-        Ok((module, name, t.grid(w.rows, quantising), args))
+            .f32(epi.scale.unwrap_or(1.0))
+            .ptr(experts.map_or(0, |e| e.ids.ptr()))
+            .i32(experts.is_some_and(|e| e.inputs_per_slot) as i32);
+        let mut cfg = t.grid(rows, quantising);
+        cfg.grid.1 = slots as u32;
+        Ok((module, name, cfg, args))
     }
 
     /// y = W·x, with the epilogue's bias, residual and quantised copy.
@@ -556,8 +622,30 @@ impl Kernels {
         epi: &Epilogue,
     ) -> Result<()> {
         let (module, name, cfg, args) =
-            self.gemv_launch("gemv", w, None, input, path, tiling, y, epi)?;
+            self.gemv_launch("gemv", w, None, None, input, path, tiling, y, epi)?;
         // SAFETY: every array's length was checked against the weight's shape.
+        unsafe { self.submit(&module, &name, cfg, args) }
+    }
+
+    /// y_j = W_{ids[j]}·x_j for each slot `j` of `experts` (x_j the one shared input unless
+    /// `experts.inputs_per_slot`), with the epilogue's bias (stacked per expert), scale and
+    /// quantised copy (each slot's own planes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_experts(
+        &self,
+        w: &DeviceWeight,
+        experts: &ExpertSlots,
+        input: &GemvInput,
+        path: GemvPath,
+        tiling: GemvTiling,
+        y: DevSlice<f32>,
+        epi: &Epilogue,
+    ) -> Result<()> {
+        let (module, name, cfg, args) =
+            self.gemv_launch("gemv", w, None, Some(experts), input, path, tiling, y, epi)?;
+        // SAFETY: every array's length was checked against the slots and the weight's
+        // shape; the ids index the `count` stacked matrices (written by `route_experts`,
+        // which picks among `count`).
         unsafe { self.submit(&module, &name, cfg, args) }
     }
 
@@ -617,6 +705,40 @@ impl Kernels {
         quant: Option<QuantOut>,
         gelu: bool,
     ) -> Result<()> {
+        self.swiglu_launch(gate, up, None, input, path, tiling, y, quant, gelu)
+    }
+
+    /// [`Kernels::swiglu`] for each slot of `experts` over the one shared input: y_j =
+    /// act(gate_{ids[j]}·x) ⊙ (up_{ids[j]}·x), with each slot's quantised copy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_experts(
+        &self,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        experts: &ExpertSlots,
+        input: &GemvInput,
+        path: GemvPath,
+        tiling: GemvTiling,
+        y: DevSlice<f32>,
+        quant: Option<QuantOut>,
+        gelu: bool,
+    ) -> Result<()> {
+        self.swiglu_launch(gate, up, Some(experts), input, path, tiling, y, quant, gelu)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_launch(
+        &self,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        experts: Option<&ExpertSlots>,
+        input: &GemvInput,
+        path: GemvPath,
+        tiling: GemvTiling,
+        y: DevSlice<f32>,
+        quant: Option<QuantOut>,
+        gelu: bool,
+    ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
             return Err(invalid(format!(
                 "gate ({} {}x{}) and up ({} {}x{}) differ",
@@ -628,10 +750,126 @@ impl Kernels {
             gelu,
             ..Default::default()
         };
-        let (module, name, cfg, args) =
-            self.gemv_launch("swiglu", gate, Some(up), input, path, tiling, y, &epi)?;
-        // SAFETY: as for gemv; `up` has gate's shape.
+        let (module, name, cfg, args) = self.gemv_launch(
+            "swiglu",
+            gate,
+            Some(up),
+            experts,
+            input,
+            path,
+            tiling,
+            y,
+            &epi,
+        )?;
+        // SAFETY: as for gemv (and gemv_experts); `up` has gate's shape.
         unsafe { self.submit(&module, &name, cfg, args) }
+    }
+
+    /// Routes each of `rows` tokens: row `t` of `logits` holds its `count` router logits;
+    /// `ids[t·used..]` get its `used` most probable experts in ascending order (equal
+    /// logits to the lower index) and `weights` their softmax probabilities, divided by
+    /// the chosen ones' sum when `normalize`. A NaN logit makes the token's weights NaN.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_experts(
+        &self,
+        logits: DevSlice<f32>,
+        rows: usize,
+        count: usize,
+        used: usize,
+        normalize: bool,
+        ids: DevSlice<i32>,
+        weights: DevSlice<f32>,
+    ) -> Result<()> {
+        if rows == 0
+            || used == 0
+            || used > count
+            || used > MAX_EXPERTS_USED
+            || count > i32::MAX as usize
+        {
+            return Err(invalid(format!(
+                "routing {rows} tokens to {used} of {count} experts (at most {MAX_EXPERTS_USED} a token)"
+            )));
+        }
+        logits.check_len(rows * count, "router logits")?;
+        ids.check_len(rows * used, "chosen experts")?;
+        weights.check_len(rows * used, "experts' weights")?;
+        let args = Args::new()
+            .ptr(logits.ptr())
+            .i32(count as i32)
+            .i32(used as i32)
+            .i32(normalize as i32)
+            .ptr(ids.ptr())
+            .ptr(weights.ptr());
+        let threads = count.next_multiple_of(32).min(1024) as u32;
+        // SAFETY: the logits, ids and weights were checked against rows, count and used.
+        unsafe {
+            self.submit(
+                &MOE,
+                "moe_route",
+                LaunchConfig::linear(rows as u32, threads),
+                args,
+            )
+        }
+    }
+
+    /// Joins each of `rows` tokens' experts: `out[t] = residual[t] + scale·Σ_j
+    /// weights[t·used + j]·y[t·used + j]` over rows of `n` values (`residual` may be `out`;
+    /// `None`: out = scale·Σ), and with `quant` the planes of out times its norm weight and
+    /// their per-group Σout² for the next GEMV.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine_experts(
+        &self,
+        y: DevSlice<f32>,
+        weights: DevSlice<f32>,
+        rows: usize,
+        used: usize,
+        n: usize,
+        scale: f32,
+        residual: Option<DevSlice<f32>>,
+        out: DevSlice<f32>,
+        quant: Option<&QuantOut>,
+    ) -> Result<()> {
+        if rows == 0 || used == 0 || n == 0 {
+            return Err(invalid(format!(
+                "joining {used} experts' outputs of {n} values for {rows} tokens"
+            )));
+        }
+        y.check_len(rows * used * n, "experts' outputs")?;
+        weights.check_len(rows * used, "experts' weights")?;
+        out.check_len(rows * n, "joined output")?;
+        if let Some(r) = residual {
+            r.check_len(rows * n, "residual")?;
+        }
+        if let Some(q) = quant {
+            q.q.check_len(rows * n.div_ceil(32) * 32, "quantised joined output")?;
+            if let Some(w) = q.norm_w {
+                w.check_len(n, "next norm's weight")?;
+            }
+            if let Some(p) = q.norm_parts {
+                p.check_len(rows * n.div_ceil(32), "next norm's partial sums")?;
+            }
+        }
+        const WARPS: usize = 8;
+        let args = Args::new()
+            .ptr(y.ptr())
+            .ptr(weights.ptr())
+            .i32(used as i32)
+            .f32(scale)
+            .ptr(opt(residual))
+            .ptr(out.ptr())
+            .ptr(quant.map_or(0, |q| opt(q.norm_w)))
+            .ptr(quant.map_or(0, |q| q.q.q.ptr()))
+            .ptr(quant.map_or(0, |q| q.q.lo.ptr()))
+            .ptr(quant.map_or(0, |q| q.q.ds.ptr()))
+            .ptr(quant.map_or(0, |q| opt(q.norm_parts)))
+            .i32(n as i32);
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(32).div_ceil(WARPS) as u32, rows as u32, 1),
+            block: (32 * WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: every array was checked against rows, used and n.
+        unsafe { self.submit(&MOE, "moe_combine", cfg, args) }
     }
 
     /// RoPE on Q and K of a fused QKV vector, K and V written to the cache at `*pos`: in

@@ -2257,3 +2257,288 @@ fn paged_cache_matches_a_contiguous_one() {
         );
     }
 }
+
+/// The routing kernel's choice on the host, as the CPU oracle makes it: the softmax over
+/// every logit, the `used` largest logits (equal ones to the lower index), in ascending
+/// expert order, weighted by probability (divided by the chosen ones' sum when
+/// `normalize`); NaN weights where a logit is NaN.
+fn route_reference(logits: &[f32], used: usize, normalize: bool) -> (Vec<i32>, Vec<f64>) {
+    let nan = logits.iter().any(|l| l.is_nan());
+    let max = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
+    let total: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    let key = |e: usize| {
+        if logits[e].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            logits[e]
+        }
+    };
+    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    let mut chosen = order[..used].to_vec();
+    chosen.sort();
+    let p = |e: usize| (logits[e] as f64 - max).exp() / total;
+    let norm = if normalize {
+        chosen.iter().map(|&e| p(e)).sum()
+    } else {
+        1.0
+    };
+    let weights = chosen
+        .iter()
+        .map(|&e| if nan { f64::NAN } else { p(e) / norm })
+        .collect();
+    (chosen.iter().map(|&e| e as i32).collect(), weights)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn expert_routing_matches_host_with_ties_and_nan() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("route_experts");
+    for (count, used) in [(8usize, 2usize), (60, 4), (128, 8), (160, 8), (32, 32)] {
+        let rows = 5;
+        let mut logits = random_vec(&mut rng, rows * count, 3.0);
+        // Row 1: a tie for the last place chosen (the lower index must win); row 2: every
+        // logit equal; row 3: a NaN (weights NaN, ids still distinct and in range).
+        let r1 = &mut logits[count..2 * count];
+        let mut sorted: Vec<f32> = r1.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let last = sorted[used - 1];
+        if let Some(i) = r1.iter().rposition(|&v| v < last) {
+            r1[i] = last;
+        }
+        logits[2 * count..3 * count].fill(0.5);
+        logits[3 * count + count / 2] = f32::NAN;
+        for normalize in [true, false] {
+            let ld = buf(&g.dev, &logits);
+            let ids = buf(&g.dev, &vec![-1i32; rows * used]);
+            let weights = poisoned(&g.dev, rows * used);
+            g.k.route_experts(
+                ld.slice(),
+                rows,
+                count,
+                used,
+                normalize,
+                ids.slice(),
+                weights.slice(),
+            )
+            .unwrap();
+            let (got_ids, got_w) = (ids.to_host().unwrap(), weights.to_host().unwrap());
+            for t in 0..rows {
+                let (want_ids, want_w) =
+                    route_reference(&logits[t * count..(t + 1) * count], used, normalize);
+                let ids_t = &got_ids[t * used..(t + 1) * used];
+                let what = format!("{count} experts, {used} used, row {t}, normalize {normalize}");
+                if t == 3 {
+                    let mut distinct = ids_t.to_vec();
+                    distinct.dedup();
+                    assert!(
+                        distinct.len() == used
+                            && ids_t.iter().all(|&e| (0..count as i32).contains(&e)),
+                        "{what}: ids {ids_t:?}"
+                    );
+                    assert!(
+                        got_w[t * used..(t + 1) * used].iter().all(|w| w.is_nan()),
+                        "{what}"
+                    );
+                    continue;
+                }
+                assert_eq!(ids_t, &want_ids[..], "{what}: ids");
+                for (j, (&w, &r)) in got_w[t * used..].iter().zip(&want_w).enumerate() {
+                    assert!(
+                        (w as f64 - r).abs() <= 1e-5 * r.max(1e-6),
+                        "{what}: weight {j} {w} vs {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn expert_gemvs_read_the_chosen_experts_rows() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("expert_gemvs");
+    let formats = [
+        QType::Q4_K,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::F16,
+        QType::F32,
+    ]
+    .map(|q| WeightFormat::plain(q).unwrap())
+    .into_iter()
+    .chain([&Q4_0_X4]);
+    let (count, n) = (6usize, 96usize);
+    let chosen = [4i32, 0, 5];
+    let used = chosen.len();
+    for f in formats {
+        let q = f.qtype;
+        let k = if q.block_len() == 256 { 512 } else { 576 };
+        let gate = random_weights(&mut rng, q, k, count * n).unwrap();
+        let up = random_weights(&mut rng, q, k, count * n).unwrap();
+        let gw = DeviceWeight::from_ggml_as(&g.dev, f, k, count * n, &gate).unwrap();
+        let uw = DeviceWeight::from_ggml_as(&g.dev, f, k, count * n, &up).unwrap();
+        let ids = buf(&g.dev, &chosen);
+        // One input shared by every slot (gate and up), then one input a slot (down).
+        let xs = random_vec(&mut rng, used * k, 1.0);
+        let xd = buf(&g.dev, &xs);
+        let xq = quant_buffers(&g.dev, used * k);
+        g.k.rmsnorm_q8_1(xd.slice(), used, k, None, None, None, Some(xq.act()))
+            .unwrap();
+        let path = GemvPath::Q16;
+        for (t, quantise) in [
+            (GemvTiling::new(2, 2), false),
+            (GemvTiling::new(4, 2), true),
+        ] {
+            if !fits(f, &t) {
+                continue;
+            }
+            // SwiGLU over the shared first input.
+            let shared = kiln_kernels::ExpertSlots {
+                count,
+                ids: ids.slice(),
+                inputs_per_slot: false,
+            };
+            let input = GemvInput {
+                x: Some(xd.slice()),
+                q8: Some(xq.act()),
+                norm: None,
+            };
+            let y = poisoned(&g.dev, used * n);
+            let yq = quant_buffers(&g.dev, used * n);
+            let quant = quantise.then(|| QuantOut {
+                q: yq.act(),
+                norm_w: None,
+                norm_parts: None,
+            });
+            g.k.swiglu_experts(&gw, &uw, &shared, &input, path, t, y.slice(), quant, false)
+                .unwrap();
+            let got = y.to_host().unwrap();
+            let g_ref = reference_gemv(q, k, count * n, &gate, &xs[..k]).unwrap();
+            let u_ref = reference_gemv(q, k, count * n, &up, &xs[..k]).unwrap();
+            for (j, &e) in chosen.iter().enumerate() {
+                let rows = e as usize * n..(e as usize + 1) * n;
+                let want: Vec<f64> = g_ref[rows.clone()]
+                    .iter()
+                    .zip(&u_ref[rows])
+                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                let err = rel_err(&got[j * n..(j + 1) * n], &want);
+                assert!(
+                    err < 2.5e-4,
+                    "{} slot {j} (expert {e}) {t:?}: rel err {err:e}",
+                    f.tag
+                );
+            }
+            if quantise {
+                yq.check(&got, &format!("{} experts' SwiGLU planes", f.tag));
+            }
+            // Each slot's own input through its expert's rows of `gate` (as a down matrix).
+            let own = kiln_kernels::ExpertSlots {
+                inputs_per_slot: true,
+                ..shared
+            };
+            let out = poisoned(&g.dev, used * n);
+            let input = GemvInput {
+                x: None,
+                q8: Some(xq.act()),
+                norm: None,
+            };
+            g.k.gemv_experts(
+                &gw,
+                &own,
+                &input,
+                path,
+                t,
+                out.slice(),
+                &Epilogue::default(),
+            )
+            .unwrap();
+            let got = out.to_host().unwrap();
+            for (j, &e) in chosen.iter().enumerate() {
+                let want = reference_gemv(q, k, count * n, &gate, &xs[j * k..(j + 1) * k]).unwrap();
+                let err = rel_err(
+                    &got[j * n..(j + 1) * n],
+                    &want[e as usize * n..(e as usize + 1) * n],
+                );
+                assert!(
+                    err < 1e-4,
+                    "{} down slot {j} (expert {e}): rel err {err:e}",
+                    f.tag
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn experts_join_the_stream_weighted_and_quantised() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("combine_experts");
+    let (rows, used, n) = (3usize, 4usize, 200usize);
+    let y = random_vec(&mut rng, rows * used * n, 1.0);
+    let w = random_vec(&mut rng, rows * used, 1.0);
+    let x = random_vec(&mut rng, rows * n, 1.0);
+    let norm_w = random_vec(&mut rng, n, 1.0);
+    let scale = 0.75;
+    let mut want = vec![0f32; rows * n];
+    for t in 0..rows {
+        for i in 0..n {
+            let sum: f64 = (0..used)
+                .map(|j| w[t * used + j] as f64 * y[(t * used + j) * n + i] as f64)
+                .sum();
+            want[t * n + i] = (x[t * n + i] as f64 + scale as f64 * sum) as f32;
+        }
+    }
+    let (yd, wd, xd, nd) = (
+        buf(&g.dev, &y),
+        buf(&g.dev, &w),
+        buf(&g.dev, &x),
+        buf(&g.dev, &norm_w),
+    );
+    let q = quant_buffers(&g.dev, rows * n.div_ceil(32) * 32);
+    let parts = poisoned(&g.dev, rows * n.div_ceil(32));
+    let out = QuantOut {
+        q: q.act(),
+        norm_w: Some(nd.slice()),
+        norm_parts: Some(parts.slice()),
+    };
+    g.k.combine_experts(
+        yd.slice(),
+        wd.slice(),
+        rows,
+        used,
+        n,
+        scale,
+        Some(xd.slice()),
+        xd.slice(),
+        Some(&out),
+    )
+    .unwrap();
+    let got = xd.to_host().unwrap();
+    let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    assert!(rel_err(&got, &want64) < 1e-6, "joined stream");
+    let padded = n.div_ceil(32) * 32;
+    let mut scaled = vec![0f32; rows * padded];
+    for t in 0..rows {
+        for i in 0..n {
+            scaled[t * padded + i] = got[t * n + i] * norm_w[i];
+        }
+    }
+    q.check(&scaled, "joined stream's planes");
+    let got_parts = parts.to_host().unwrap();
+    for t in 0..rows {
+        check_parts(
+            &got_parts[t * n.div_ceil(32)..(t + 1) * n.div_ceil(32)],
+            &got[t * n..(t + 1) * n],
+            &format!("row {t}'s Σx²"),
+        );
+    }
+}

@@ -749,13 +749,18 @@ fn gemma3_270m_synthetic_matches_cpu_on_cuda_q4_0() {
 /// prompt in chunks through the backend's prefill, then 32 greedy steps, every logit row
 /// against the CPU oracle's (cosine ≥ 0.99999, equal greedy tokens).
 fn fixture_parity(gpu: &str, arch: &str) {
+    fixture_parity_in(gpu, "phi3_granite", arch)
+}
+
+/// Fixture `dir/arch.gguf` (a tiny transformers model) on `gpu` against the CPU oracle: a
+/// 40-token prompt in two chunks, 32 greedy steps, then three sequences decoding together.
+fn fixture_parity_in(gpu: &str, dir: &str, arch: &str) {
     let Some((cpu_backend, cuda_backend)) = backends_for(gpu) else {
         return;
     };
-    let file = kiln_formats::gguf::GgufFile::open(kiln_tests::fixture(&format!(
-        "phi3_granite/{arch}.gguf"
-    )))
-    .unwrap();
+    let file =
+        kiln_formats::gguf::GgufFile::open(kiln_tests::fixture(&format!("{dir}/{arch}.gguf")))
+            .unwrap();
     let ir = kiln_formats::model::model_from_gguf(&file, arch).unwrap();
     let options = LoadOptions {
         max_context: 256,
@@ -841,6 +846,40 @@ fn fixture_parity(gpu: &str, arch: &str) {
 fn phi3_fixture_matches_cpu_on_both_gpu_backends() {
     fixture_parity("cuda-q4k", "phi3");
     fixture_parity("cuda-q4_0", "phi3");
+}
+
+/// Mixture of Experts: the tiny transformers Qwen3-MoE (8 experts, 3 a token, renormalised)
+/// and Mixtral (4 experts, 2 a token) — the router, the routing kernel and the expert GEMVs
+/// that read the chosen experts' rows by the ids it wrote, inside the decode graph.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn moe_fixtures_match_cpu_on_both_gpu_backends() {
+    for gpu in ["cuda-q4k", "cuda-q4_0"] {
+        fixture_parity_in(gpu, "moe", "qwen3moe");
+        fixture_parity_in(gpu, "moe", "mixtral");
+    }
+}
+
+/// A quantised Mixture of Experts of a real shape's proportions: synthetic qwen3moe-7b-a2b
+/// (64 experts of 1,024, 8 a token) in q4_k_m (Q4_K and Q6_K experts) on cuda-q4k and in
+/// q4_0 on cuda-q4_0, under the bars of those mixes.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn qwen3moe_synthetic_matches_cpu_on_both_gpu_backends() {
+    if backends().is_none() {
+        return;
+    }
+    let dir = scratch_dir();
+    let prompt = "The quick brown fox jumps over the lazy dog";
+    for (gpu, recipe, bar) in [
+        ("cuda-q4k", Recipe::Q4_K_M, Q4K_BAR),
+        ("cuda-q4_0", Recipe::Q4_0, Q4_0_BAR),
+    ] {
+        let path = synth_into(&dir, "qwen3moe-7b-a2b", Preset::Qwen3Moe7bA2b, recipe, 1);
+        compare_on(gpu, bar, &path, prompt, true, false, true);
+        std::fs::remove_file(&path).ok();
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Granite: its embedding, residual-branch, attention and logit multipliers (the branch

@@ -106,6 +106,15 @@ impl BatchState {
         if let Some(f) = formats.iter().find(|f| f.batched.is_none()) {
             return Ok(Err(format!("no batched matmul for {} weights", f.tag)));
         }
+        if exec
+            .branches
+            .iter()
+            .any(|b| matches!(b.op, DeviceOp::Experts(_)))
+        {
+            return Ok(Err(
+                "no grouped matmul over a Mixture of Experts' chosen experts".into(),
+            ));
+        }
         if let Err(why) = &exec.prefill {
             return Ok(Err(format!("no batched embedding lookup: {why}")));
         }
@@ -133,6 +142,8 @@ impl BatchState {
                         .iter()
                         .all(|w| exec.k.bmm_rounds_to_f16(w, true))
             }
+            // No batched step for experts (refused above, with the prefill).
+            DeviceOp::Experts(_) => false,
         });
         if !f16_matmuls {
             exec.k.set_batch_attention(BatchAttention::Heads);
@@ -165,6 +176,7 @@ impl BatchState {
                     DeviceOp::FeedForward(f) => part
                         .max(k.bmm_part_len(&f.gate, bucket, true))
                         .max(k.bmm_part_len(&f.down, bucket, false)),
+                    DeviceOp::Experts(_) => part,
                 };
             }
         }
@@ -392,6 +404,12 @@ impl GpuExecutor {
                     };
                     k.batched_matmul(&f.gate, Some(&f.up), &b.act, bm, b.part, y, ffn, &gated)?;
                     add_to_stream(&f.down, branch, next)?;
+                }
+                // A model with experts has no BatchState (see `BatchState::new`).
+                DeviceOp::Experts(_) => {
+                    return Err(kiln_kernels::KernelError::InvalidArgument(
+                        "a Mixture of Experts in the batched step".into(),
+                    ))
                 }
             }
         }

@@ -20,9 +20,9 @@ pub use batch::SHORT_PREFILL;
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
-    GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act,
-    QuantOut, RopeArgs, WeightFormat, Workspace,
+    AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue,
+    ExpertSlots, GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows,
+    PendingNorm, Q8Act, QuantOut, RopeArgs, WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -98,10 +98,24 @@ fn check_program(
                     return Err(format!("{name} runs feed-forwards without biases only"));
                 }
             }
-            Op::Experts(_) => {
-                return Err(format!(
-                "{name} does not run Mixture-of-Experts feed-forwards yet (the cpu backend does)"
-            ))
+            Op::Experts(e) => {
+                if e.used > kiln_kernels::MAX_EXPERTS_USED {
+                    return Err(format!(
+                        "{name} runs at most {} experts a token ({} here)",
+                        kiln_kernels::MAX_EXPERTS_USED,
+                        e.used
+                    ));
+                }
+                for f in &e.experts {
+                    if f.gate.is_none()
+                        || !matches!(f.activation, Activation::Silu | Activation::Gelu)
+                        || f.biases.is_some()
+                    {
+                        return Err(format!(
+                            "{name} runs experts that are gated feed-forwards (SwiGLU, GeGLU) without biases only"
+                        ));
+                    }
+                }
             }
         }
     }
@@ -255,9 +269,25 @@ struct DeviceFeedForward {
     gelu: bool,
 }
 
+/// A program's Mixture of Experts on the device (see [`program::Experts`]): the router, and
+/// each projection's experts stacked into one weight (expert `e`'s rows from `e` times its
+/// width), which the expert GEMVs index by the ids the routing kernel wrote.
+struct DeviceExperts {
+    router: DeviceWeight,
+    router_bias: Option<DeviceBuffer<f32>>,
+    gate: DeviceWeight,
+    up: DeviceWeight,
+    down: DeviceWeight,
+    count: usize,
+    used: usize,
+    normalize: bool,
+    gelu: bool,
+}
+
 enum DeviceOp {
     Attention(DeviceAttention),
     FeedForward(DeviceFeedForward),
+    Experts(DeviceExperts),
 }
 
 /// A program's branch on the device: `x += scale · post_norm(op(norm(x)))` (every norm an
@@ -304,6 +334,15 @@ struct Scratch {
     proj: DevSlice<f32>,
     /// The SwiGLU output, quantised for the down projection.
     hq: Q8Act,
+    /// A Mixture of Experts' router logits, the experts the routing kernel chose and their
+    /// weights, each chosen expert's gated activation (f32 and quantised, a slot each) and
+    /// its down projection (empty for dense models).
+    router: DevSlice<f32>,
+    expert_ids: DevSlice<i32>,
+    expert_weights: DevSlice<f32>,
+    expert_h: DevSlice<f32>,
+    expert_hq: Q8Act,
+    expert_out: DevSlice<f32>,
     /// For each RMSNorm of a step (two per layer, then the output norm), Σx² per 32-value
     /// group of the hidden vector, written by the kernels that write `xq`.
     norm_parts: DevSlice<f32>,
@@ -707,10 +746,31 @@ impl GpuExecutor {
                     down: upload(&f.down, &mut progress)?,
                     gelu: f.activation == Activation::Gelu,
                 }),
-                Op::Experts(_) => {
-                    return Err(Error::Unsupported(
-                        "a Mixture-of-Experts feed-forward (refused by check_model)".into(),
-                    ))
+                Op::Experts(e) => {
+                    // Each projection's experts stacked into one weight, expert order.
+                    let stack = |part: fn(&program::FeedForward<TensorView>) -> &TensorView,
+                                 progress: &mut dyn FnMut(usize)| {
+                        let parts: Vec<&TensorView> = e.experts.iter().map(part).collect();
+                        upload_stacked(&parts, progress)
+                    };
+                    let count = e.experts.len();
+                    DeviceOp::Experts(DeviceExperts {
+                        router: upload(&e.router.weight, &mut progress)?,
+                        router_bias: match &e.router.bias {
+                            Some(t) => Some(upload_vec(&vector(t, count, "router bias")?)?),
+                            None => None,
+                        },
+                        gate: stack(
+                            |f| f.gate.as_ref().expect("checked by check_model"),
+                            &mut progress,
+                        )?,
+                        up: stack(|f| &f.up, &mut progress)?,
+                        down: stack(|f| &f.down, &mut progress)?,
+                        count,
+                        used: e.used,
+                        normalize: e.normalize,
+                        gelu: e.experts[0].activation == Activation::Gelu,
+                    })
                 }
             };
             branches.push(DeviceBranch {
@@ -751,6 +811,12 @@ impl GpuExecutor {
                 ds: a.take(padded / 32),
             }
         };
+        // A Mixture of Experts' buffers, for the most experts any layer has and uses.
+        let (expert_count, expert_used) = branches.iter().fold((0, 0), |(n, u), b| match &b.op {
+            DeviceOp::Experts(e) => (n.max(e.count), u.max(e.used)),
+            _ => (n, u),
+        });
+        let expert_width = c.experts.map_or(0, |e| e.ffn_size).next_multiple_of(32);
         let (ws, s) = Workspace::carve(device, |a| Scratch {
             x: a.take(h),
             norm_parts: a.take(norms * groups),
@@ -770,6 +836,12 @@ impl GpuExecutor {
             aq: planes(a, qd),
             proj: a.take(h),
             hq: planes(a, ffn),
+            router: a.take(expert_count),
+            expert_ids: a.take(expert_used),
+            expert_weights: a.take(expert_used),
+            expert_h: a.take(expert_used * expert_width),
+            expert_hq: planes(a, expert_used * expert_width),
+            expert_out: a.take(expert_used * h),
         })
         .map_err(err)?;
         // Poison the activations: a kernel reading what nothing wrote shows up as NaN. The
@@ -777,6 +849,12 @@ impl GpuExecutor {
         ws.fill_bytes(0xff).map_err(err)?;
         s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
         let prefill = match blas {
+            // The batched prefill multiplies whole matrices by a chunk's rows; it has no
+            // grouped matmul over the experts each row chose.
+            _ if expert_count > 0 => Err(
+                "Mixture-of-Experts layers have no batched prefill on the GPU (prompts run through the decode step)"
+                    .to_string(),
+            ),
             Ok(blas) => Ok(
                 prefill::PrefillState::new(device, blas, &c, max_ctx, kv_format).map_err(err)?,
             ),
@@ -1164,6 +1242,7 @@ impl GpuExecutor {
                     }
                     self.residual_gemv(&f.down, s.hq, b, next)?;
                 }
+                DeviceOp::Experts(e) => self.queue_experts(e, &input, b, next)?,
             }
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embd);
@@ -1239,6 +1318,98 @@ impl GpuExecutor {
             k.quantize(s.x, w.rows, &out)?;
         }
         Ok(())
+    }
+
+    /// A Mixture of Experts in the decode step, on the device throughout: the router's
+    /// logits, the routing kernel's choice of experts and their weights, the chosen
+    /// experts' gated activations and down projections (GEMVs that read only those experts'
+    /// rows, by the ids), and their weighted sum joining the residual stream, quantised for
+    /// the next norm as `residual_gemv` leaves it.
+    fn queue_experts(
+        &self,
+        e: &DeviceExperts,
+        input: &GemvInput,
+        b: &DeviceBranch,
+        next: QuantOut,
+    ) -> kiln_kernels::Result<()> {
+        let (k, s) = (&self.k, &self.s);
+        let h = self.config.hidden_size;
+        let width = e.gate.rows / e.count;
+        let logits = s.router.sub(0, e.count)?;
+        let ids = s.expert_ids.sub(0, e.used)?;
+        let weights = s.expert_weights.sub(0, e.used)?;
+        let epi = Epilogue {
+            bias: e.router_bias.as_ref().map(|b| b.slice()),
+            ..Default::default()
+        };
+        k.gemv(
+            &e.router,
+            input,
+            self.path,
+            self.tiling(&e.router),
+            logits,
+            &epi,
+        )?;
+        k.route_experts(logits, 1, e.count, e.used, e.normalize, ids, weights)?;
+        let shared = ExpertSlots {
+            count: e.count,
+            ids,
+            inputs_per_slot: false,
+        };
+        let hq = QuantOut {
+            q: s.expert_hq,
+            norm_w: None,
+            norm_parts: None,
+        };
+        k.swiglu_experts(
+            &e.gate,
+            &e.up,
+            &shared,
+            input,
+            self.path,
+            self.quant_tiling_of(&e.gate),
+            s.expert_h.sub(0, e.used * width)?,
+            Some(hq),
+            e.gelu,
+        )?;
+        let own = ExpertSlots {
+            inputs_per_slot: true,
+            ..shared
+        };
+        let activations = GemvInput {
+            x: None,
+            q8: Some(s.expert_hq),
+            norm: None,
+        };
+        let out = s.expert_out.sub(0, e.used * h)?;
+        k.gemv_experts(
+            &e.down,
+            &own,
+            &activations,
+            self.path,
+            self.tiling(&e.down),
+            out,
+            &Epilogue::default(),
+        )?;
+        let scale = b.scale.unwrap_or(1.0);
+        match &b.post_norm {
+            Some(post) => {
+                k.combine_experts(out, weights, 1, e.used, h, scale, None, s.proj, None)?;
+                k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
+                k.quantize(s.x, h, &next)
+            }
+            None => k.combine_experts(
+                out,
+                weights,
+                1,
+                e.used,
+                h,
+                scale,
+                Some(s.x),
+                s.x,
+                Some(&next),
+            ),
+        }
     }
 
     /// Device time of one decode step: replays `seq`'s captured graph `replays` times

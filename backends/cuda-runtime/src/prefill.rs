@@ -413,6 +413,10 @@ impl GpuExecutor {
         match &b.op {
             DeviceOp::Attention(a) => self.prefill_attention(p, a, b, slot, n, pos0, timer),
             DeviceOp::FeedForward(f) => self.prefill_feed_forward(p, f, b, n, timer),
+            // A model with experts has no PrefillState (see `GpuExecutor::load`).
+            DeviceOp::Experts(_) => Err(Error::Unsupported(
+                "a Mixture of Experts in the batched prefill".into(),
+            )),
         }
     }
 
