@@ -807,13 +807,14 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
 
 // A Mixture of Experts' GEMVs: `w` holds every expert's matrix of `nrows` rows one after
 // another (rows are addressed linearly from a matrix's start in every format, so expert e's
-// is rows e·nrows..), and grid row y (blockIdx.y) multiplies expert ids[y]'s. Slot y reads
-// its own input (`inputs_per_slot`: the down projection, after each expert's activation)
-// or the one shared input (the gate and up projections), and writes its own output. The
-// ids are written by the routing kernel just before, so they are read after the wait.
+// is rows e·nrows..), and grid row y (blockIdx.y), a slot, multiplies expert ids[y]'s.
+// Slot y reads input y / slots_per_input (1: its own, the down projection after each
+// expert's activation; a token's expert count: that token's) or, with 0, the one input
+// every slot shares; it writes its own output. The ids are written by the routing kernel
+// just before, so they are read after the wait.
 struct ExpertSel {
     const int* ids;  // null: an ordinary GEMV
-    int inputs_per_slot;
+    int slots_per_input;
 };
 
 // One GEMV launch: prefetch this block's first weights, wait for the previous kernel
@@ -829,13 +830,14 @@ static __device__ __forceinline__ void gemv(W w, W w2, XIn in, GemvOut out, int 
     }
     grid_dependency_wait();
     const size_t slot = blockIdx.y;
-    if (sel.inputs_per_slot) {
+    if (sel.slots_per_input) {
+        const size_t input = slot / sel.slots_per_input;
         const size_t padded = (size_t)((K + 31) & ~31);
-        if (in.x) in.x += slot * K;
-        if (in.q) in.q += slot * padded;
-        if (in.r) in.r += slot * padded;
-        if (in.ds) in.ds += slot * padded / 32;
-        if (in.norm_parts) in.norm_parts += slot * padded / 32;
+        if (in.x) in.x += input * K;
+        if (in.q) in.q += input * padded;
+        if (in.r) in.r += input * padded;
+        if (in.ds) in.ds += input * padded / 32;
+        if (in.norm_parts) in.norm_parts += input * padded / 32;
     }
     const size_t padded_out = (size_t)((nrows + 31) & ~31);
     out.y += slot * nrows;
@@ -911,13 +913,13 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts, int gelu, float scale, const int *expert_ids, int expert_inputs
+        float *out_parts, int gelu, float scale, const int *expert_ids, int slots_per_input
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
     GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu, scale};                                    \
-    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, expert_inputs});
+    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, slots_per_input});
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(GEMV_PARAMS) {                           \

@@ -163,10 +163,11 @@ pub struct Epilogue {
 pub struct ExpertSlots {
     pub count: usize,
     pub ids: DevSlice<i32>,
-    /// Each slot reads its own input, slot `j`'s values at `j·inputs` (padded to 32 in the
-    /// quantised planes) — the down projection after each expert's activation — rather than
-    /// one input shared by every slot (the gate and up projections).
-    pub inputs_per_slot: bool,
+    /// Which input a slot reads: 0, the one input every slot shares (the gate and up
+    /// projections at one token); `n`, input `j / n` (inputs one after another, padded to
+    /// whole 32-value blocks in the quantised planes) — 1 for a slot's own (the down
+    /// projection after each expert's activation), a token's expert count for that token's.
+    pub slots_per_input: usize,
 }
 
 /// The most experts a token may use ([`Kernels::route_experts`]; `MOE_MAX_USED` in
@@ -517,7 +518,7 @@ impl Kernels {
                             .into(),
                     ));
                 }
-                (rows, slots, if e.inputs_per_slot { slots } else { 1 })
+                (rows, slots, slots.div_ceil(e.slots_per_input.max(1)))
             }
         };
         let padded = |n: usize| n.div_ceil(32) * 32;
@@ -605,7 +606,7 @@ impl Kernels {
             .i32(epi.gelu as i32)
             .f32(epi.scale.unwrap_or(1.0))
             .ptr(experts.map_or(0, |e| e.ids.ptr()))
-            .i32(experts.is_some_and(|e| e.inputs_per_slot) as i32);
+            .i32(experts.map_or(0, |e| e.slots_per_input) as i32);
         let mut cfg = t.grid(rows, quantising);
         cfg.grid.1 = slots as u32;
         Ok((module, name, cfg, args))
@@ -627,8 +628,8 @@ impl Kernels {
         unsafe { self.submit(&module, &name, cfg, args) }
     }
 
-    /// y_j = W_{ids[j]}·x_j for each slot `j` of `experts` (x_j the one shared input unless
-    /// `experts.inputs_per_slot`), with the epilogue's bias (stacked per expert), scale and
+    /// y_j = W_{ids[j]}·x_j for each slot `j` of `experts` (x_j the input
+    /// `experts.slots_per_input` gives it), with the epilogue's bias (stacked per expert), scale and
     /// quantised copy (each slot's own planes).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_experts(
@@ -708,8 +709,9 @@ impl Kernels {
         self.swiglu_launch(gate, up, None, input, path, tiling, y, quant, gelu)
     }
 
-    /// [`Kernels::swiglu`] for each slot of `experts` over the one shared input: y_j =
-    /// act(gate_{ids[j]}·x) ⊙ (up_{ids[j]}·x), with each slot's quantised copy.
+    /// [`Kernels::swiglu`] for each slot of `experts`: y_j = act(gate_{ids[j]}·x_j) ⊙
+    /// (up_{ids[j]}·x_j), x_j the input `experts.slots_per_input` gives it, with each slot's
+    /// quantised copy.
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu_experts(
         &self,

@@ -2375,7 +2375,9 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
     .into_iter()
     .chain([&Q4_0_X4]);
     let (count, n) = (6usize, 96usize);
-    let chosen = [4i32, 0, 5];
+    // Two tokens' pairs (slots 0-1 and 2-3 when two slots share an input): expert 4 chosen
+    // by both, 1-3 by none.
+    let chosen = [4i32, 0, 5, 4];
     let used = chosen.len();
     for f in formats {
         let q = f.qtype;
@@ -2399,49 +2401,60 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
             if !fits(f, &t) {
                 continue;
             }
-            // SwiGLU over the shared first input.
+            // SwiGLU over the one shared input, then with two slots a token (slot j reads
+            // input j / 2).
+            for slots_per_input in [0usize, 2] {
+                let slots = kiln_kernels::ExpertSlots {
+                    count,
+                    ids: ids.slice(),
+                    slots_per_input,
+                };
+                let input = GemvInput {
+                    x: Some(xd.slice()),
+                    q8: Some(xq.act()),
+                    norm: None,
+                };
+                let y = poisoned(&g.dev, used * n);
+                let yq = quant_buffers(&g.dev, used * n);
+                let quant = quantise.then(|| QuantOut {
+                    q: yq.act(),
+                    norm_w: None,
+                    norm_parts: None,
+                });
+                g.k.swiglu_experts(&gw, &uw, &slots, &input, path, t, y.slice(), quant, false)
+                    .unwrap();
+                let got = y.to_host().unwrap();
+                for (j, &e) in chosen.iter().enumerate() {
+                    let x = j.checked_div(slots_per_input).unwrap_or(0);
+                    let g_ref =
+                        reference_gemv(q, k, count * n, &gate, &xs[x * k..(x + 1) * k]).unwrap();
+                    let u_ref =
+                        reference_gemv(q, k, count * n, &up, &xs[x * k..(x + 1) * k]).unwrap();
+                    let rows = e as usize * n..(e as usize + 1) * n;
+                    let want: Vec<f64> = g_ref[rows.clone()]
+                        .iter()
+                        .zip(&u_ref[rows])
+                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                        .collect();
+                    let err = rel_err(&got[j * n..(j + 1) * n], &want);
+                    assert!(
+                        err < 2.5e-4,
+                        "{} slot {j} (expert {e}, input {x}) {t:?}: rel err {err:e}",
+                        f.tag
+                    );
+                }
+                if quantise {
+                    yq.check(&got, &format!("{} experts' SwiGLU planes", f.tag));
+                }
+            }
             let shared = kiln_kernels::ExpertSlots {
                 count,
                 ids: ids.slice(),
-                inputs_per_slot: false,
+                slots_per_input: 0,
             };
-            let input = GemvInput {
-                x: Some(xd.slice()),
-                q8: Some(xq.act()),
-                norm: None,
-            };
-            let y = poisoned(&g.dev, used * n);
-            let yq = quant_buffers(&g.dev, used * n);
-            let quant = quantise.then(|| QuantOut {
-                q: yq.act(),
-                norm_w: None,
-                norm_parts: None,
-            });
-            g.k.swiglu_experts(&gw, &uw, &shared, &input, path, t, y.slice(), quant, false)
-                .unwrap();
-            let got = y.to_host().unwrap();
-            let g_ref = reference_gemv(q, k, count * n, &gate, &xs[..k]).unwrap();
-            let u_ref = reference_gemv(q, k, count * n, &up, &xs[..k]).unwrap();
-            for (j, &e) in chosen.iter().enumerate() {
-                let rows = e as usize * n..(e as usize + 1) * n;
-                let want: Vec<f64> = g_ref[rows.clone()]
-                    .iter()
-                    .zip(&u_ref[rows])
-                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                    .collect();
-                let err = rel_err(&got[j * n..(j + 1) * n], &want);
-                assert!(
-                    err < 2.5e-4,
-                    "{} slot {j} (expert {e}) {t:?}: rel err {err:e}",
-                    f.tag
-                );
-            }
-            if quantise {
-                yq.check(&got, &format!("{} experts' SwiGLU planes", f.tag));
-            }
             // Each slot's own input through its expert's rows of `gate` (as a down matrix).
             let own = kiln_kernels::ExpertSlots {
-                inputs_per_slot: true,
+                slots_per_input: 1,
                 ..shared
             };
             let out = poisoned(&g.dev, used * n);

@@ -25,7 +25,7 @@ start)
         touch "$work/synth.done"
     ) >/dev/null 2>&1 &
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR=$work/cache
-    for t in "gpu expert" "gpu_parity moe" "gpu_parity qwen3moe" "conformance"; do
+    for t in ${TESTS_RUN:-"gpu expert" "gpu_parity moe" "gpu_parity qwen3moe" "batched_decode qwen3moe" "conformance"}; do
         set -- $t
         echo "== $t"
         timeout "${LIMIT:-200}" ".gpu/$1" --include-ignored --test-threads=1 --nocapture ${2:-} >"$out/$1-${2:-all}.log" 2>&1

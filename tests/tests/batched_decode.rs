@@ -407,6 +407,28 @@ fn cpu_batched_decode_matches_one_at_a_time() {
 }
 
 fn gpu_case(backend_name: &str, preset: Preset, recipe: Recipe, file: &str) {
+    gpu_case_sized(
+        backend_name,
+        preset,
+        recipe,
+        file,
+        &[1, 2, 3, 7, 16, 32, 64],
+        1500,
+        64,
+    )
+}
+
+/// [`check_backend`] on a synthetic `preset` in `recipe`, batches of `sizes` sequences up
+/// to `longest` tokens long, `steps` steps.
+fn gpu_case_sized(
+    backend_name: &str,
+    preset: Preset,
+    recipe: Recipe,
+    file: &str,
+    sizes: &[usize],
+    longest: usize,
+    steps: usize,
+) {
     let Some(gpu) = backend(backend_name) else {
         return;
     };
@@ -423,15 +445,28 @@ fn gpu_case(backend_name: &str, preset: Preset, recipe: Recipe, file: &str) {
     )
     .unwrap();
     let model = Model::open(&path).unwrap();
-    check_backend(
-        gpu.as_ref(),
-        &model,
-        file,
-        &[1, 2, 3, 7, 16, 32, 64],
-        1500,
-        64,
-    );
+    check_backend(gpu.as_ref(), &model, file, sizes, longest, steps);
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A Mixture of Experts batched: each row's tokens route to their own experts (a slot of
+/// the expert GEMVs per token and chosen expert), synthetic qwen3moe-7b-a2b (64 experts, 8
+/// a token) on both GPU executors.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn gpu_batched_decode_qwen3moe() {
+    for (backend, recipe) in [("cuda-q4k", Recipe::Q4_K_M), ("cuda-q4_0", Recipe::Q4_0)] {
+        let file = format!("qwen3moe-7b-a2b.{}.gguf", recipe.name());
+        gpu_case_sized(
+            backend,
+            Preset::Qwen3Moe7bA2b,
+            recipe,
+            &file,
+            &[1, 2, 7, 16, 64],
+            300,
+            16,
+        );
+    }
 }
 
 #[test]

@@ -106,15 +106,6 @@ impl BatchState {
         if let Some(f) = formats.iter().find(|f| f.batched.is_none()) {
             return Ok(Err(format!("no batched matmul for {} weights", f.tag)));
         }
-        if exec
-            .branches
-            .iter()
-            .any(|b| matches!(b.op, DeviceOp::Experts(_)))
-        {
-            return Ok(Err(
-                "no grouped matmul over a Mixture of Experts' chosen experts".into(),
-            ));
-        }
         if let Err(why) = &exec.prefill {
             return Ok(Err(format!("no batched embedding lookup: {why}")));
         }
@@ -405,11 +396,9 @@ impl GpuExecutor {
                     k.batched_matmul(&f.gate, Some(&f.up), &b.act, bm, b.part, y, ffn, &gated)?;
                     add_to_stream(&f.down, branch, next)?;
                 }
-                // A model with experts has no BatchState (see `BatchState::new`).
-                DeviceOp::Experts(_) => {
-                    return Err(kiln_kernels::KernelError::InvalidArgument(
-                        "a Mixture of Experts in the batched step".into(),
-                    ))
+                DeviceOp::Experts(e) => {
+                    self.experts_rows(e, branch, x, rows, b.proj.sub(0, rows * h)?)?;
+                    k.act_pack(x, bm, h, Some(next.slice()), Some(c.norm_eps), b.act)?;
                 }
             }
         }

@@ -14,15 +14,18 @@ use kiln_core::{
 // A child module, so the batched prefill shares the executor's private state.
 #[path = "batch.rs"]
 mod batch;
+#[path = "experts.rs"]
+mod experts;
 #[path = "prefill.rs"]
 mod prefill;
 pub use batch::SHORT_PREFILL;
+use experts::{DeviceExperts, ExpertBuffers};
 pub use prefill::{PrefillTimes, CHUNK as PREFILL_CHUNK};
 
 use kiln_kernels::{
-    AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue,
-    ExpertSlots, GemvInput, GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows,
-    PendingNorm, Q8Act, QuantOut, RopeArgs, WeightFormat, Workspace,
+    AttnArgs, AttnHeads, Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput,
+    GemvPath, GemvTiling, Graph, Kernels, KvCache, KvFormat, KvLayerRows, PendingNorm, Q8Act,
+    QuantOut, RopeArgs, WeightFormat, Workspace,
 };
 
 use crate::GpuPolicy;
@@ -269,21 +272,6 @@ struct DeviceFeedForward {
     gelu: bool,
 }
 
-/// A program's Mixture of Experts on the device (see [`program::Experts`]): the router, and
-/// each projection's experts stacked into one weight (expert `e`'s rows from `e` times its
-/// width), which the expert GEMVs index by the ids the routing kernel wrote.
-struct DeviceExperts {
-    router: DeviceWeight,
-    router_bias: Option<DeviceBuffer<f32>>,
-    gate: DeviceWeight,
-    up: DeviceWeight,
-    down: DeviceWeight,
-    count: usize,
-    used: usize,
-    normalize: bool,
-    gelu: bool,
-}
-
 enum DeviceOp {
     Attention(DeviceAttention),
     FeedForward(DeviceFeedForward),
@@ -334,15 +322,9 @@ struct Scratch {
     proj: DevSlice<f32>,
     /// The SwiGLU output, quantised for the down projection.
     hq: Q8Act,
-    /// A Mixture of Experts' router logits, the experts the routing kernel chose and their
-    /// weights, each chosen expert's gated activation (f32 and quantised, a slot each) and
-    /// its down projection (empty for dense models).
-    router: DevSlice<f32>,
-    expert_ids: DevSlice<i32>,
-    expert_weights: DevSlice<f32>,
-    expert_h: DevSlice<f32>,
-    expert_hq: Q8Act,
-    expert_out: DevSlice<f32>,
+    /// A Mixture of Experts' buffers (empty for dense models), for the decode step, the
+    /// batched step and the prefill, which never run at once.
+    moe: ExpertBuffers,
     /// For each RMSNorm of a step (two per layer, then the output norm), Σx² per 32-value
     /// group of the hidden vector, written by the kernels that write `xq`.
     norm_parts: DevSlice<f32>,
@@ -811,12 +793,9 @@ impl GpuExecutor {
                 ds: a.take(padded / 32),
             }
         };
-        // A Mixture of Experts' buffers, for the most experts any layer has and uses.
-        let (expert_count, expert_used) = branches.iter().fold((0, 0), |(n, u), b| match &b.op {
-            DeviceOp::Experts(e) => (n.max(e.count), u.max(e.used)),
-            _ => (n, u),
-        });
-        let expert_width = c.experts.map_or(0, |e| e.ffn_size).next_multiple_of(32);
+        // A Mixture of Experts' buffers, for the most experts any layer has and uses and as
+        // many rows as a prefill chunk or a batched step holds.
+        let moe_shape = experts::BufferShape::of(&branches, &c, max_ctx);
         let (ws, s) = Workspace::carve(device, |a| Scratch {
             x: a.take(h),
             norm_parts: a.take(norms * groups),
@@ -836,25 +815,15 @@ impl GpuExecutor {
             aq: planes(a, qd),
             proj: a.take(h),
             hq: planes(a, ffn),
-            router: a.take(expert_count),
-            expert_ids: a.take(expert_used),
-            expert_weights: a.take(expert_used),
-            expert_h: a.take(expert_used * expert_width),
-            expert_hq: planes(a, expert_used * expert_width),
-            expert_out: a.take(expert_used * h),
+            moe: ExpertBuffers::carve(a, &moe_shape),
         })
         .map_err(err)?;
         // Poison the activations: a kernel reading what nothing wrote shows up as NaN. The
         // attention's counters start at zero.
         ws.fill_bytes(0xff).map_err(err)?;
         s.attn_counters.fill_bytes_async(device, 0).map_err(err)?;
+        s.moe.clear_router_ids(device).map_err(err)?;
         let prefill = match blas {
-            // The batched prefill multiplies whole matrices by a chunk's rows; it has no
-            // grouped matmul over the experts each row chose.
-            _ if expert_count > 0 => Err(
-                "Mixture-of-Experts layers have no batched prefill on the GPU (prompts run through the decode step)"
-                    .to_string(),
-            ),
             Ok(blas) => Ok(
                 prefill::PrefillState::new(device, blas, &c, max_ctx, kv_format).map_err(err)?,
             ),
@@ -931,11 +900,30 @@ impl GpuExecutor {
             _workspace: ws,
         })
         .and_then(|mut exec| {
-            exec.batch = batch::BatchState::new(&exec, &formats, nsplit)?;
+            exec.batch = batch::BatchState::new(&exec, &exec.matmul_formats(), nsplit)?;
             exec.short_prefill_max = exec.short_prefill_capacity().min(SHORT_PREFILL);
             exec.warm_up()?;
             Ok(exec)
         })
+    }
+
+    /// The formats of the matrices the batched step multiplies with its matmuls: the
+    /// dense ones and the head (a Mixture of Experts' router and experts take GEMVs).
+    fn matmul_formats(&self) -> Vec<&'static WeightFormat> {
+        let mut v = vec![self.lm_head.as_ref().unwrap_or(&self.embd).format];
+        for b in &self.branches {
+            match &b.op {
+                DeviceOp::Attention(a) => {
+                    v.extend(a.qkv.iter().map(|p| p.w.format));
+                    v.push(a.o.format);
+                }
+                DeviceOp::FeedForward(f) => v.extend([f.gate.format, f.up.format, f.down.format]),
+                DeviceOp::Experts(_) => {}
+            }
+        }
+        v.sort_by_key(|f| f.tag);
+        v.dedup_by_key(|f| f.tag);
+        v
     }
 
     /// The kernels this executor's steps run now: what it chose at load, or what
@@ -1318,98 +1306,6 @@ impl GpuExecutor {
             k.quantize(s.x, w.rows, &out)?;
         }
         Ok(())
-    }
-
-    /// A Mixture of Experts in the decode step, on the device throughout: the router's
-    /// logits, the routing kernel's choice of experts and their weights, the chosen
-    /// experts' gated activations and down projections (GEMVs that read only those experts'
-    /// rows, by the ids), and their weighted sum joining the residual stream, quantised for
-    /// the next norm as `residual_gemv` leaves it.
-    fn queue_experts(
-        &self,
-        e: &DeviceExperts,
-        input: &GemvInput,
-        b: &DeviceBranch,
-        next: QuantOut,
-    ) -> kiln_kernels::Result<()> {
-        let (k, s) = (&self.k, &self.s);
-        let h = self.config.hidden_size;
-        let width = e.gate.rows / e.count;
-        let logits = s.router.sub(0, e.count)?;
-        let ids = s.expert_ids.sub(0, e.used)?;
-        let weights = s.expert_weights.sub(0, e.used)?;
-        let epi = Epilogue {
-            bias: e.router_bias.as_ref().map(|b| b.slice()),
-            ..Default::default()
-        };
-        k.gemv(
-            &e.router,
-            input,
-            self.path,
-            self.tiling(&e.router),
-            logits,
-            &epi,
-        )?;
-        k.route_experts(logits, 1, e.count, e.used, e.normalize, ids, weights)?;
-        let shared = ExpertSlots {
-            count: e.count,
-            ids,
-            inputs_per_slot: false,
-        };
-        let hq = QuantOut {
-            q: s.expert_hq,
-            norm_w: None,
-            norm_parts: None,
-        };
-        k.swiglu_experts(
-            &e.gate,
-            &e.up,
-            &shared,
-            input,
-            self.path,
-            self.quant_tiling_of(&e.gate),
-            s.expert_h.sub(0, e.used * width)?,
-            Some(hq),
-            e.gelu,
-        )?;
-        let own = ExpertSlots {
-            inputs_per_slot: true,
-            ..shared
-        };
-        let activations = GemvInput {
-            x: None,
-            q8: Some(s.expert_hq),
-            norm: None,
-        };
-        let out = s.expert_out.sub(0, e.used * h)?;
-        k.gemv_experts(
-            &e.down,
-            &own,
-            &activations,
-            self.path,
-            self.tiling(&e.down),
-            out,
-            &Epilogue::default(),
-        )?;
-        let scale = b.scale.unwrap_or(1.0);
-        match &b.post_norm {
-            Some(post) => {
-                k.combine_experts(out, weights, 1, e.used, h, scale, None, s.proj, None)?;
-                k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
-                k.quantize(s.x, h, &next)
-            }
-            None => k.combine_experts(
-                out,
-                weights,
-                1,
-                e.used,
-                h,
-                scale,
-                Some(s.x),
-                s.x,
-                Some(&next),
-            ),
-        }
     }
 
     /// Device time of one decode step: replays `seq`'s captured graph `replays` times

@@ -407,16 +407,23 @@ impl GpuExecutor {
         let h = c.hidden_size;
         let x = p.b.x.sub(0, n * h)?;
         Timer::mark(timer, Part::Other)?;
-        let xn = p.b.act.sub(0, n * h)?;
-        self.k
-            .rmsnorm_rows_f16(x, n, h, b.norm.slice(), c.norm_eps, xn)?;
+        // The GEMMs read the rows normed to f16 in `act`.
+        let normed = || {
+            let xn = p.b.act.sub(0, n * h)?;
+            self.k
+                .rmsnorm_rows_f16(x, n, h, b.norm.slice(), c.norm_eps, xn)
+        };
         match &b.op {
-            DeviceOp::Attention(a) => self.prefill_attention(p, a, b, slot, n, pos0, timer),
-            DeviceOp::FeedForward(f) => self.prefill_feed_forward(p, f, b, n, timer),
-            // A model with experts has no PrefillState (see `GpuExecutor::load`).
-            DeviceOp::Experts(_) => Err(Error::Unsupported(
-                "a Mixture of Experts in the batched prefill".into(),
-            )),
+            DeviceOp::Attention(a) => {
+                normed()?;
+                self.prefill_attention(p, a, b, slot, n, pos0, timer)
+            }
+            DeviceOp::FeedForward(f) => {
+                normed()?;
+                self.prefill_feed_forward(p, f, b, n, timer)
+            }
+            // The expert GEMVs norm and quantise each row themselves.
+            DeviceOp::Experts(e) => Ok(self.experts_rows(e, b, x, n, p.b.proj.sub(0, n * h)?)?),
         }
     }
 

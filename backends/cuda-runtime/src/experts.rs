@@ -1,0 +1,293 @@
+//! Mixture-of-Experts layers on the device, on the device throughout: the router's logits,
+//! the routing kernel's choice of experts and their weights (`route_experts`), the chosen
+//! experts' gated activations and down projections (GEMVs that read only those experts'
+//! rows, by the ids the routing kernel wrote: [`ExpertSlots`]), and their weighted sum
+//! joining the residual stream (`combine_experts`). Nothing returns to the host, so the
+//! decode step stays one graph.
+//!
+//! The decode step runs a layer for its one token; the batched step and the prefill run it
+//! for a batch's or a chunk's rows, each (token, chosen expert) pair a slot of the expert
+//! GEMVs. A slot reads its expert's rows, so a batch reads an expert once per token that
+//! chose it (from L2 where several did) rather than once per batch: what a grouped matmul
+//! over the tokens sorted by expert would save.
+
+use kiln_core::ModelConfig;
+use kiln_kernels::{
+    Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, ExpertSlots, GemvInput,
+    Kernels, Q8Act, QuantOut,
+};
+
+use super::{DeviceBranch, DeviceOp, GpuExecutor};
+
+/// A program's Mixture of Experts on the device (see [`kiln_core::program::Experts`]): the
+/// router, and each projection's experts stacked into one weight (expert `e`'s rows from
+/// `e` times its width), which the expert GEMVs index by the ids the routing kernel wrote.
+pub(super) struct DeviceExperts {
+    pub(super) router: DeviceWeight,
+    pub(super) router_bias: Option<DeviceBuffer<f32>>,
+    pub(super) gate: DeviceWeight,
+    pub(super) up: DeviceWeight,
+    pub(super) down: DeviceWeight,
+    pub(super) count: usize,
+    pub(super) used: usize,
+    pub(super) normalize: bool,
+    pub(super) gelu: bool,
+}
+
+impl DeviceExperts {
+    /// The rows of one expert's gate (and up) matrix.
+    fn width(&self) -> usize {
+        self.gate.rows / self.count
+    }
+}
+
+/// What [`ExpertBuffers`] must hold: `rows` tokens at once, `count` experts a layer at
+/// most, `used` of them a token, each of `width` rows, over a hidden vector of `hidden`.
+pub(super) struct BufferShape {
+    rows: usize,
+    count: usize,
+    used: usize,
+    width: usize,
+    hidden: usize,
+}
+
+impl BufferShape {
+    /// The buffers `branches` need: none without experts; else for the most experts any
+    /// layer has and uses, and as many rows as a prefill chunk or a batched step holds.
+    pub(super) fn of(branches: &[DeviceBranch], c: &ModelConfig, max_ctx: usize) -> BufferShape {
+        let (count, used, width) = branches.iter().fold((0, 0, 0), |(n, u, w), b| match &b.op {
+            DeviceOp::Experts(e) => (n.max(e.count), u.max(e.used), w.max(e.width())),
+            _ => (n, u, w),
+        });
+        let rows = if count == 0 {
+            0
+        } else {
+            super::prefill::CHUNK.min(max_ctx).max(Kernels::MAX_BATCH)
+        };
+        BufferShape {
+            rows,
+            count,
+            used,
+            width: width.next_multiple_of(32),
+            hidden: c.hidden_size,
+        }
+    }
+}
+
+/// A Mixture of Experts' activations for up to [`BufferShape`]'s rows.
+pub(super) struct ExpertBuffers {
+    /// Each row's normed input, quantised (the batched step's and the prefill's; the decode
+    /// step's experts read the stream's own planes, their norm pending).
+    xq: Q8Act,
+    /// Zeros: every row's slot multiplies the one router matrix.
+    router_ids: DevSlice<i32>,
+    /// The router's logits, `count` a row.
+    logits: DevSlice<f32>,
+    /// The experts each row chose and their weights, `used` a row.
+    ids: DevSlice<i32>,
+    weights: DevSlice<f32>,
+    /// Each slot's gated activation, f32 and quantised for the down projection.
+    gated: DevSlice<f32>,
+    gated_q: Q8Act,
+    /// Each slot's down projection, `hidden` values.
+    out: DevSlice<f32>,
+}
+
+impl ExpertBuffers {
+    pub(super) fn carve(a: &mut Carver, s: &BufferShape) -> ExpertBuffers {
+        let mut planes = |n: usize| {
+            let padded = n.div_ceil(32) * 32;
+            Q8Act {
+                q: a.take(padded),
+                lo: a.take(padded),
+                ds: a.take(padded / 32),
+            }
+        };
+        let xq = planes(s.rows * s.hidden.next_multiple_of(32));
+        let gated_q = planes(s.rows * s.used * s.width);
+        ExpertBuffers {
+            xq,
+            gated_q,
+            router_ids: a.take(s.rows),
+            logits: a.take(s.rows * s.count),
+            ids: a.take(s.rows * s.used),
+            weights: a.take(s.rows * s.used),
+            gated: a.take(s.rows * s.used * s.width),
+            out: a.take(s.rows * s.used * s.hidden),
+        }
+    }
+
+    /// Sets the router's slot ids to zero (after the workspace's poisoning).
+    pub(super) fn clear_router_ids(&self, device: &Device) -> kiln_kernels::Result<()> {
+        self.router_ids.fill_bytes_async(device, 0)
+    }
+}
+
+impl GpuExecutor {
+    /// The decode step's Mixture of Experts for its one token: `input` is the residual
+    /// stream's planes with this branch's norm pending, and the stream comes out quantised
+    /// into `next` as `residual_gemv` leaves it.
+    pub(super) fn queue_experts(
+        &self,
+        e: &DeviceExperts,
+        input: &GemvInput,
+        b: &DeviceBranch,
+        next: QuantOut,
+    ) -> kiln_kernels::Result<()> {
+        let s = &self.s;
+        self.experts_over(e, 1, input)?;
+        let h = self.config.hidden_size;
+        let weights = s.moe.weights.sub(0, e.used)?;
+        let out = s.moe.out.sub(0, e.used * h)?;
+        let k = &self.k;
+        match &b.post_norm {
+            Some(post) => {
+                let scale = b.scale.unwrap_or(1.0);
+                k.combine_experts(out, weights, 1, e.used, h, scale, None, s.proj, None)?;
+                k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
+                k.quantize(s.x, h, &next)
+            }
+            None => k.combine_experts(
+                out,
+                weights,
+                1,
+                e.used,
+                h,
+                b.scale.unwrap_or(1.0),
+                Some(s.x),
+                s.x,
+                Some(&next),
+            ),
+        }
+    }
+
+    /// A Mixture of Experts over `rows` rows of the residual stream `x` (the batched step's
+    /// or a prefill chunk's, f32): each row normed and quantised, routed, its experts run
+    /// and their weighted sum added to the row (through `proj`, `rows` rows, with a
+    /// sandwich norm). The caller packs `x` for what reads it next.
+    pub(super) fn experts_rows(
+        &self,
+        e: &DeviceExperts,
+        b: &DeviceBranch,
+        x: DevSlice<f32>,
+        rows: usize,
+        proj: DevSlice<f32>,
+    ) -> kiln_kernels::Result<()> {
+        let (k, c) = (&self.k, &self.config);
+        let h = c.hidden_size;
+        let xq = self.s.moe.xq;
+        k.rmsnorm_q8_1(
+            x,
+            rows,
+            h,
+            Some(b.norm.slice()),
+            Some(c.norm_eps),
+            None,
+            Some(xq),
+        )?;
+        let input = GemvInput {
+            x: None,
+            q8: Some(xq),
+            norm: None,
+        };
+        self.experts_over(e, rows, &input)?;
+        let weights = self.s.moe.weights.sub(0, rows * e.used)?;
+        let out = self.s.moe.out.sub(0, rows * e.used * h)?;
+        let scale = b.scale.unwrap_or(1.0);
+        match &b.post_norm {
+            Some(post) => {
+                k.combine_experts(out, weights, rows, e.used, h, scale, None, proj, None)?;
+                k.add_rmsnorm_rows(proj, rows, h, post.slice(), c.norm_eps, x)
+            }
+            None => k.combine_experts(out, weights, rows, e.used, h, scale, Some(x), x, None),
+        }
+    }
+
+    /// Router, routing, gated activations and down projections of `rows` tokens whose
+    /// normed inputs `input` holds (one a token), leaving each token's experts' outputs and
+    /// weights in the buffers.
+    fn experts_over(
+        &self,
+        e: &DeviceExperts,
+        rows: usize,
+        input: &GemvInput,
+    ) -> kiln_kernels::Result<()> {
+        let (k, m) = (&self.k, &self.s.moe);
+        let h = self.config.hidden_size;
+        let width = e.width();
+        let slots = rows * e.used;
+        let logits = m.logits.sub(0, rows * e.count)?;
+        let ids = m.ids.sub(0, slots)?;
+        let weights = m.weights.sub(0, slots)?;
+        let router_epi = Epilogue {
+            bias: e.router_bias.as_ref().map(|b| b.slice()),
+            ..Default::default()
+        };
+        let router_tiling = self.tiling(&e.router);
+        if rows == 1 {
+            k.gemv(
+                &e.router,
+                input,
+                self.path,
+                router_tiling,
+                logits,
+                &router_epi,
+            )?;
+        } else {
+            let each_row = ExpertSlots {
+                count: 1,
+                ids: m.router_ids.sub(0, rows)?,
+                slots_per_input: 1,
+            };
+            k.gemv_experts(
+                &e.router,
+                &each_row,
+                input,
+                self.path,
+                router_tiling,
+                logits,
+                &router_epi,
+            )?;
+        }
+        k.route_experts(logits, rows, e.count, e.used, e.normalize, ids, weights)?;
+        let per_token = ExpertSlots {
+            count: e.count,
+            ids,
+            slots_per_input: e.used,
+        };
+        let gated_q = QuantOut {
+            q: m.gated_q,
+            norm_w: None,
+            norm_parts: None,
+        };
+        k.swiglu_experts(
+            &e.gate,
+            &e.up,
+            &per_token,
+            input,
+            self.path,
+            self.quant_tiling_of(&e.gate),
+            m.gated.sub(0, slots * width)?,
+            Some(gated_q),
+            e.gelu,
+        )?;
+        let own = ExpertSlots {
+            slots_per_input: 1,
+            ..per_token
+        };
+        let gated = GemvInput {
+            x: None,
+            q8: Some(m.gated_q),
+            norm: None,
+        };
+        k.gemv_experts(
+            &e.down,
+            &own,
+            &gated,
+            self.path,
+            self.tiling(&e.down),
+            m.out.sub(0, slots * h)?,
+            &Epilogue::default(),
+        )
+    }
+}
