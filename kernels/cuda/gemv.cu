@@ -812,9 +812,13 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
 // expert's activation; a token's expert count: that token's) or, with 0, the one input
 // every slot shares; it writes its own output. The ids are written by the routing kernel
 // just before, so they are read after the wait.
+// With `order`, grid row y runs slot order[y]: a batch's slots sorted by expert, so the
+// blocks running at once share an expert and read its rows from L2 (the results do not
+// depend on the order).
 struct ExpertSel {
     const int* ids;  // null: an ordinary GEMV
     int slots_per_input;
+    const int* order;
 };
 
 // One GEMV launch: prefetch this block's first weights, wait for the previous kernel
@@ -829,7 +833,7 @@ static __device__ __forceinline__ void gemv(W w, W w2, XIn in, GemvOut out, int 
         return;
     }
     grid_dependency_wait();
-    const size_t slot = blockIdx.y;
+    const size_t slot = sel.order ? (size_t)sel.order[blockIdx.y] : blockIdx.y;
     if (sel.slots_per_input) {
         const size_t input = slot / sel.slots_per_input;
         const size_t padded = (size_t)((K + 31) & ~31);
@@ -913,13 +917,13 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts, int gelu, float scale, const int *expert_ids, int slots_per_input
+        float *out_parts, int gelu, float scale, const int *expert_ids, int slots_per_input, const int *slot_order
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
     GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu, scale};                                    \
-    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, slots_per_input});
+    gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, slots_per_input, slot_order});
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) gemv_##NAME##_##R##_##S(GEMV_PARAMS) {                           \

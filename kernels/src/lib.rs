@@ -36,7 +36,8 @@ pub use gemm::Blas;
 pub use kv::{KvCache, KvFormat, KvLayerRows, KvPlanes, Q8Planes};
 pub use ops::{
     AttnArgs, AttnHeads, Epilogue, ExpertSlots, GemvInput, GemvPath, GemvTiling, Kernels,
-    PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs, MAX_EXPERTS_USED,
+    PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs, MAX_EXPERTS,
+    MAX_EXPERTS_USED,
 };
 pub use repack::{DeviceWeight, PackedWeight};
 

@@ -168,11 +168,19 @@ pub struct ExpertSlots {
     /// whole 32-value blocks in the quantised planes) — 1 for a slot's own (the down
     /// projection after each expert's activation), a token's expert count for that token's.
     pub slots_per_input: usize,
+    /// The order the launch runs its slots in (a permutation of them, from
+    /// [`Kernels::order_experts`]: sorted by expert, so the blocks running at once share an
+    /// expert's rows in L2); `None`: slot order. The results do not depend on it.
+    pub order: Option<DevSlice<i32>>,
 }
 
 /// The most experts a token may use ([`Kernels::route_experts`]; `MOE_MAX_USED` in
 /// `cuda/moe.cu`).
 pub const MAX_EXPERTS_USED: usize = 32;
+
+/// The most experts a layer may have on the GPU ([`Kernels::order_experts`];
+/// `MOE_MAX_EXPERTS` in `cuda/moe.cu`).
+pub const MAX_EXPERTS: usize = 1024;
 
 /// How a GEMV spreads work over a block's 4 warps: each warp owns `rows_per_warp` rows, and
 /// `warps_per_row` warps split one row group's length between them.
@@ -512,6 +520,9 @@ impl Kernels {
                 if slots == 0 || slots > u16::MAX as usize {
                     return Err(invalid(format!("{slots} expert slots")));
                 }
+                if let Some(order) = e.order {
+                    order.check_len(slots, "slot order")?;
+                }
                 if epi.residual.is_some() || epi.quant.is_some_and(|q| q.norm_w.is_some()) {
                     return Err(invalid(
                         "an experts' GEMV writes each slot's own output: no residual or next norm"
@@ -606,7 +617,8 @@ impl Kernels {
             .i32(epi.gelu as i32)
             .f32(epi.scale.unwrap_or(1.0))
             .ptr(experts.map_or(0, |e| e.ids.ptr()))
-            .i32(experts.map_or(0, |e| e.slots_per_input) as i32);
+            .i32(experts.map_or(0, |e| e.slots_per_input) as i32)
+            .ptr(experts.map_or(0, |e| opt(e.order)));
         let mut cfg = t.grid(rows, quantising);
         cfg.grid.1 = slots as u32;
         Ok((module, name, cfg, args))
@@ -812,6 +824,32 @@ impl Kernels {
                 args,
             )
         }
+    }
+
+    /// Writes into `order` the slots of `ids` (each an expert id below `count`) sorted by
+    /// expert: the order an experts' GEMV over a batch runs its slots in
+    /// ([`ExpertSlots::order`]).
+    pub fn order_experts(
+        &self,
+        ids: DevSlice<i32>,
+        count: usize,
+        order: DevSlice<i32>,
+    ) -> Result<()> {
+        if count == 0 || count > MAX_EXPERTS || ids.len() > i32::MAX as usize {
+            return Err(invalid(format!(
+                "ordering {} slots over {count} experts (at most {MAX_EXPERTS})",
+                ids.len()
+            )));
+        }
+        order.check_len(ids.len(), "slot order")?;
+        let args = Args::new()
+            .ptr(ids.ptr())
+            .i32(ids.len() as i32)
+            .i32(count as i32)
+            .ptr(order.ptr());
+        // SAFETY: `order` holds a value per id; the ids were written by `route_experts`
+        // among `count` experts, which the kernel's histogram holds.
+        unsafe { self.submit(&MOE, "moe_order", LaunchConfig::linear(1, 1024), args) }
     }
 
     /// Joins each of `rows` tokens' experts: `out[t] = residual[t] + scale·Σ_j

@@ -2403,11 +2403,14 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
             }
             // SwiGLU over the one shared input, then with two slots a token (slot j reads
             // input j / 2).
+            // The second also runs its slots in another order (results independent of it).
+            let order = buf(&g.dev, &[3i32, 1, 0, 2]);
             for slots_per_input in [0usize, 2] {
                 let slots = kiln_kernels::ExpertSlots {
                     count,
                     ids: ids.slice(),
                     slots_per_input,
+                    order: (slots_per_input > 0).then(|| order.slice()),
                 };
                 let input = GemvInput {
                     x: Some(xd.slice()),
@@ -2451,6 +2454,7 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                 count,
                 ids: ids.slice(),
                 slots_per_input: 0,
+                order: None,
             };
             // Each slot's own input through its expert's rows of `gate` (as a down matrix).
             let own = kiln_kernels::ExpertSlots {
@@ -2487,6 +2491,41 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                 );
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn expert_slot_order_sorts_by_expert() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("order_experts");
+    for (slots, count) in [
+        (1usize, 8usize),
+        (16, 8),
+        (512, 128),
+        (4096, 128),
+        (3000, 1024),
+    ] {
+        let ids: Vec<i32> = (0..slots)
+            .map(|_| (rng.next_u64() % count as u64) as i32)
+            .collect();
+        let idd = buf(&g.dev, &ids);
+        let order = buf(&g.dev, &vec![-1i32; slots]);
+        g.k.order_experts(idd.slice(), count, order.slice())
+            .unwrap();
+        let got = order.to_host().unwrap();
+        let mut seen = got.clone();
+        seen.sort();
+        assert_eq!(
+            seen,
+            (0..slots as i32).collect::<Vec<_>>(),
+            "{slots} slots: a permutation"
+        );
+        assert!(
+            got.windows(2)
+                .all(|w| ids[w[0] as usize] <= ids[w[1] as usize]),
+            "{slots} slots over {count} experts: sorted by expert"
+        );
     }
 }
 

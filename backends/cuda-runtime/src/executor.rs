@@ -102,6 +102,13 @@ fn check_program(
                 }
             }
             Op::Experts(e) => {
+                if e.experts.len() > kiln_kernels::MAX_EXPERTS {
+                    return Err(format!(
+                        "{name} runs at most {} experts a layer ({} here)",
+                        kiln_kernels::MAX_EXPERTS,
+                        e.experts.len()
+                    ));
+                }
                 if e.used > kiln_kernels::MAX_EXPERTS_USED {
                     return Err(format!(
                         "{name} runs at most {} experts a token ({} here)",

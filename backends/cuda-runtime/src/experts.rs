@@ -83,8 +83,10 @@ pub(super) struct ExpertBuffers {
     router_ids: DevSlice<i32>,
     /// The router's logits, `count` a row.
     logits: DevSlice<f32>,
-    /// The experts each row chose and their weights, `used` a row.
+    /// The experts each row chose and their weights, `used` a row, and the slots (a row's
+    /// chosen experts) sorted by expert.
     ids: DevSlice<i32>,
+    order: DevSlice<i32>,
     weights: DevSlice<f32>,
     /// Each slot's gated activation, f32 and quantised for the down projection.
     gated: DevSlice<f32>,
@@ -111,6 +113,7 @@ impl ExpertBuffers {
             router_ids: a.take(s.rows),
             logits: a.take(s.rows * s.count),
             ids: a.take(s.rows * s.used),
+            order: a.take(s.rows * s.used),
             weights: a.take(s.rows * s.used),
             gated: a.take(s.rows * s.used * s.width),
             out: a.take(s.rows * s.used * s.hidden),
@@ -238,6 +241,7 @@ impl GpuExecutor {
                 count: 1,
                 ids: m.router_ids.sub(0, rows)?,
                 slots_per_input: 1,
+                order: None,
             };
             k.gemv_experts(
                 &e.router,
@@ -250,10 +254,20 @@ impl GpuExecutor {
             )?;
         }
         k.route_experts(logits, rows, e.count, e.used, e.normalize, ids, weights)?;
+        // Several tokens' slots run sorted by expert, so the blocks running at once share
+        // an expert's rows in L2.
+        let order = if rows > 1 {
+            let order = m.order.sub(0, slots)?;
+            k.order_experts(ids, e.count, order)?;
+            Some(order)
+        } else {
+            None
+        };
         let per_token = ExpertSlots {
             count: e.count,
             ids,
             slots_per_input: e.used,
+            order,
         };
         let gated_q = QuantOut {
             q: m.gated_q,
