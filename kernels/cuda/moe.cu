@@ -24,78 +24,67 @@ static __device__ __forceinline__ Pick warp_best(Pick p) {
 }
 
 #define MOE_MAX_USED 32
-
-// The block's largest value; every thread gets it. `scratch` holds 32 floats.
-static __device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < nwarps ? scratch[lane] : -INFINITY;
-    return warp_max(v);
-}
+#define MOE_MAX_EXPERTS 1024
 
 // Token t (blockIdx.x) of `count` router logits (row t of `logits`): the softmax over every
 // expert, the `used` most probable, each weighted by its probability (divided by the chosen
 // ones' sum when `normalize`). Writes ids[t·used + j] in ascending expert order, the order
 // the CPU oracle sums them in, and the weights alike. A NaN logit makes every weight NaN:
-// it reaches the output rather than being routed around. One block of up to 1024 threads
-// a token; used ≤ MOE_MAX_USED.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int count, int used, int normalize,
-                                     int* __restrict__ ids, float* __restrict__ weights) {
+// it reaches the output rather than being routed around. One warp a token, the logits in
+// its registers (expert lane + 32·i in lane `lane`'s v[i]): the `used` rounds of picking
+// the best are warp shuffles, with no block-wide barrier. count ≤ MOE_MAX_EXPERTS, used ≤
+// MOE_MAX_USED.
+extern "C" __global__ void __launch_bounds__(32) moe_route(const float* __restrict__ logits, int count, int used,
+                                                           int normalize, int* __restrict__ ids,
+                                                           float* __restrict__ weights) {
     grid_dependency_wait();
-    __shared__ float scratch[32];
-    __shared__ Pick warp_picks[32];
-    __shared__ int chosen[MOE_MAX_USED];
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nwarps = (blockDim.x + 31) >> 5;
+    constexpr int PER_LANE = MOE_MAX_EXPERTS / 32;
+    const int t = blockIdx.x, lane = threadIdx.x;
     logits += (size_t)t * count;
-    float mx = -INFINITY, nan = 0.0f;
-    for (int e = threadIdx.x; e < count; e += blockDim.x) {
-        const float v = logits[e];
-        if (isnan(v)) nan = 1.0f;
-        else mx = fmaxf(mx, v);
+    float v[PER_LANE];
+    float mx = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < count ? logits[e] : -INFINITY;
+        if (isnan(v[i])) {
+            nan = true;
+            v[i] = -INFINITY;  // never picked ahead of a number; the weights carry the NaN
+        }
+        mx = fmaxf(mx, v[i]);
     }
-    mx = block_max(mx, scratch);
-    const bool any_nan = block_sum(nan, scratch) > 0.0f;
+    mx = warp_max(mx);
+    const bool any_nan = __any_sync(0xffffffffu, nan);
     float total = 0.0f;
-    for (int e = threadIdx.x; e < count; e += blockDim.x) total += expf(logits[e] - mx);
-    total = block_sum(total, scratch);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+        if (lane + 32 * i < count) total += expf(v[i] - mx);
+    total = warp_sum(total);
+    // Round j picks the best expert not yet taken; its lane marks it taken. Lane j keeps
+    // the j-th pick.
+    u32 taken = 0;
+    int mine = count;
     for (int j = 0; j < used; ++j) {
         Pick best = {-INFINITY, count};
-        for (int e = threadIdx.x; e < count; e += blockDim.x) {
-            bool taken = false;
-            for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
-            if (taken) continue;
-            const float v = logits[e];
-            const Pick p = {isnan(v) ? -INFINITY : v, e};
-            if (better(p, best)) best = p;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const Pick p = {v[i], lane + 32 * i};
+            if (p.e < count && !(taken >> i & 1) && better(p, best)) best = p;
         }
         best = warp_best(best);
-        if (lane == 0) warp_picks[warp] = best;
-        __syncthreads();
-        if (warp == 0) {
-            Pick p = lane < nwarps ? warp_picks[lane] : Pick{-INFINITY, count};
-            p = warp_best(p);
-            if (lane == 0) chosen[j] = p.e;
-        }
-        __syncthreads();
+        if ((best.e & 31) == lane) taken |= 1u << (best.e >> 5);
+        if (lane == j) mine = best.e;
     }
-    if (threadIdx.x == 0) {
-        for (int i = 1; i < used; ++i)
-            for (int k = i; k > 0 && chosen[k - 1] > chosen[k]; --k) {
-                const int tmp = chosen[k];
-                chosen[k] = chosen[k - 1];
-                chosen[k - 1] = tmp;
-            }
-        float sum = 0.0f;
-        for (int j = 0; j < used; ++j) sum += expf(logits[chosen[j]] - mx) / total;
-        const float norm = normalize ? sum : 1.0f;
-        for (int j = 0; j < used; ++j) {
-            ids[(size_t)t * used + j] = chosen[j];
-            weights[(size_t)t * used + j] = any_nan ? __int_as_float(0x7fffffff) : expf(logits[chosen[j]] - mx) / total / norm;
-        }
+    // Ascending expert order: lane j's rank among the picks.
+    int rank = 0;
+    for (int j = 0; j < used; ++j) rank += __shfl_sync(0xffffffffu, mine, j) < mine;
+    const float p = lane < used ? expf(logits[mine] - mx) / total : 0.0f;
+    const float sum = warp_sum(p);
+    if (lane < used) {
+        ids[(size_t)t * used + rank] = mine;
+        weights[(size_t)t * used + rank] =
+            any_nan ? __int_as_float(0x7fffffff) : p / (normalize ? sum : 1.0f);
     }
 }
 
@@ -138,7 +127,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 // sort; within an expert in no particular order): the expert GEMVs of a batch run their
 // slots in this order so the blocks running at once share an expert's rows in L2. The
 // GEMVs' results do not depend on it. One block; count ≤ MOE_MAX_EXPERTS.
-#define MOE_MAX_EXPERTS 1024
 extern "C" __global__ void moe_order(const int* __restrict__ ids, int slots, int count, int* __restrict__ order) {
     grid_dependency_wait();
     __shared__ int start[MOE_MAX_EXPERTS];

@@ -794,14 +794,10 @@ impl Kernels {
         ids: DevSlice<i32>,
         weights: DevSlice<f32>,
     ) -> Result<()> {
-        if rows == 0
-            || used == 0
-            || used > count
-            || used > MAX_EXPERTS_USED
-            || count > i32::MAX as usize
+        if rows == 0 || used == 0 || used > count || used > MAX_EXPERTS_USED || count > MAX_EXPERTS
         {
             return Err(invalid(format!(
-                "routing {rows} tokens to {used} of {count} experts (at most {MAX_EXPERTS_USED} a token)"
+                "routing {rows} tokens to {used} of {count} experts (at most {MAX_EXPERTS_USED} of {MAX_EXPERTS})"
             )));
         }
         logits.check_len(rows * count, "router logits")?;
@@ -814,13 +810,13 @@ impl Kernels {
             .i32(normalize as i32)
             .ptr(ids.ptr())
             .ptr(weights.ptr());
-        let threads = count.next_multiple_of(32).min(1024) as u32;
         // SAFETY: the logits, ids and weights were checked against rows, count and used.
         unsafe {
             self.submit(
                 &MOE,
                 "moe_route",
-                LaunchConfig::linear(rows as u32, threads),
+                // One warp a token (see cuda/moe.cu).
+                LaunchConfig::linear(rows as u32, 32),
                 args,
             )
         }

@@ -2298,7 +2298,14 @@ fn route_reference(logits: &[f32], used: usize, normalize: bool) -> (Vec<i32>, V
 fn expert_routing_matches_host_with_ties_and_nan() {
     let Some(g) = gpu() else { return };
     let mut rng = seeded("route_experts");
-    for (count, used) in [(8usize, 2usize), (60, 4), (128, 8), (160, 8), (32, 32)] {
+    for (count, used) in [
+        (8usize, 2usize),
+        (60, 4),
+        (128, 8),
+        (160, 8),
+        (32, 32),
+        (1024, 8),
+    ] {
         let rows = 5;
         let mut logits = random_vec(&mut rng, rows * count, 3.0);
         // Row 1: a tie for the last place chosen (the lower index must win); row 2: every

@@ -7,8 +7,9 @@
 #                                    the expert kernel tests, the MoE parity tests and the
 #                                    conformance suite. Logs in $OUT.
 #   scripts/gpu/moe_calls.sh bench   call 2, while the machine is warm: qwen3-30b-a3b q4_k_m
-#                                    pp512 / tg128 beside llama-bench on the same file, then
-#                                    kiln_old against kiln (tg128) on the dense files.
+#                                    beside llama.cpp on the same file (pp512 / tg128, and
+#                                    batched S_TG at NPL), then kiln_old against kiln (tg128)
+#                                    on the dense files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 work=/tmp/w
@@ -42,10 +43,8 @@ bench)
     tail -2 /tmp/llamacpp-build.log
     m=$work/qwen3-30b-a3b.q4_k_m.gguf
     nvidia-smi --query-gpu=name --format=csv,noheader
-    for round in 1 2; do
-        .gpu/kiln bench -m "$m" -p 512 -n 128 -r 3 2>>"$out/bench.err" | grep -E "pp512|tg128|bytes"
-        "$bin/llama-bench" -m "$m" -p 512 -n 128 -r 3 -fa 1 2>>"$out/bench.err" | grep -E "pp512|tg128"
-    done
+    KILN=.gpu/kiln OUT=$out/vs PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
+        bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -16
     DEPTHS="0" bash scripts/gpu/ab_bench.sh tg "$out/ab" "$work/llama3.2-1b.q4_k_m.gguf" "$work/llama3-8b.q4_k_m.gguf" 2>&1 | tail -12
     ;;
 *)
