@@ -26,13 +26,34 @@ start)
         touch "$work/synth.done"
     ) >/dev/null 2>&1 &
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR=$work/cache
-    for t in ${TESTS_RUN:-"gpu expert" "gpu_parity moe" "gpu_parity qwen3moe" "batched_decode qwen3moe" "conformance"}; do
+    # binary, test filter, seconds
+    for t in ${TESTS_RUN:-"gpu expert 60" "gpu_parity moe_fixtures 60" "conformance all 90" "gpu_parity qwen3moe 130" \
+        "batched_decode qwen3moe 130" "gpu_parity llama32_1b_synthetic 60"}; do
         set -- $t
         echo "== $t"
-        timeout "${LIMIT:-200}" ".gpu/$1" --include-ignored --test-threads=1 --nocapture ${2:-} >"$out/$1-${2:-all}.log" 2>&1
+        filter=$2
+        [ "$filter" = all ] && filter=
+        timeout "$3" ".gpu/$1" --include-ignored --test-threads=1 --nocapture $filter >"$out/$1-$2.log" 2>&1
         echo "rc $?"
-        grep -hE "^test |min cosine|worst|panicked|test result" "$out/$1-${2:-all}.log" | grep -vE "\.\.\. ignored" | tail -25
+        grep -hE "^test |min cosine|worst|panicked|test result" "$out/$1-$2.log" | grep -vE "\.\.\. ignored" | tail -25
     done
+    ;;
+one)
+    # Both in one call when device time is short: the tests of `start` (TESTS_RUN), then
+    # qwen3-30b-a3b pp512 / tg128 beside llama-bench as far as DEADLINE seconds allow.
+    begin=$SECONDS
+    bash "$0" start
+    bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
+    m=$work/qwen3-30b-a3b.q4_k_m.gguf
+    while [ ! -s "$work/synth-qwen3-30b-a3b.log" ] || pgrep -f "synth $m" >/dev/null; do
+        [ $((SECONDS - begin)) -lt "${DEADLINE:-500}" ] || break
+        sleep 2
+    done
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 60 .gpu/kiln bench -m "$m" -p 512 -n 128 -r 3 2>&1 | grep -E "pp512|tg128|GB|model"
+    while [ ! -x "$bin/llama-bench" ] && [ $((SECONDS - begin)) -lt "${DEADLINE:-500}" ]; do sleep 2; done
+    [ -x "$bin/llama-bench" ] && timeout 60 "$bin/llama-bench" -m "$m" -p 512 -n 128 -r 3 -fa 1 2>&1 | grep -E "pp512|tg128"
+    tail -1 /tmp/llamacpp-build.log
     ;;
 bench)
     bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
