@@ -26,9 +26,9 @@ start)
         touch "$work/synth.done"
     ) >/dev/null 2>&1 &
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR=$work/cache
-    # binary, test filter, seconds
-    for t in ${TESTS_RUN:-"gpu expert 60" "gpu_parity moe_fixtures 60" "conformance all 90" "gpu_parity qwen3moe 130" \
-        "batched_decode qwen3moe 130" "gpu_parity llama32_1b_synthetic 60"}; do
+    # "binary filter seconds" entries separated by commas (filter "all": every test).
+    IFS=, read -r -a runs <<<"${TESTS_RUN:-gpu expert 60,gpu_parity moe_fixtures 60,conformance all 90,gpu_parity qwen3moe 130,batched_decode qwen3moe 130,gpu_parity llama32_1b_synthetic 60}"
+    for t in "${runs[@]}"; do
         set -- $t
         echo "== $t"
         filter=$2
