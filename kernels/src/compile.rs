@@ -363,3 +363,86 @@ fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()>
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, file)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parameter lists of every `__global__` function in `text`, the GEMVs' shared
+    /// `GEMV_PARAMS` expanded: (name, parameter count).
+    fn kernel_parameters(text: &str) -> Vec<(String, usize)> {
+        let gemv_params = text.find("#define GEMV_PARAMS").map(|at| {
+            text[at + "#define GEMV_PARAMS".len()..]
+                .lines()
+                .scan(true, |more, line| {
+                    let keep = *more;
+                    *more = line.trim_end().ends_with('\\');
+                    keep.then(|| line.trim_end().trim_end_matches('\\').to_string())
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        });
+        let mut out = Vec::new();
+        let mut rest = text;
+        while let Some(at) = rest.find("__global__") {
+            rest = &rest[at + "__global__".len()..];
+            let closing = |text: &str, open: usize| {
+                let mut depth = 0;
+                text[open..]
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += (c == '(') as i32 - (c == ')') as i32;
+                        depth == 0
+                    })
+                    .map(|(i, _)| open + i)
+                    .expect("a closed parenthesis")
+            };
+            let mut open = rest.find('(').expect("a kernel's parameter list");
+            // `__launch_bounds__(...)` comes before the name.
+            if rest[..open].trim_end().ends_with("__launch_bounds__") {
+                let after = closing(rest, open) + 1;
+                open = after + rest[after..].find('(').expect("a kernel's parameter list");
+            }
+            let name = rest[..open]
+                .split_whitespace()
+                .last()
+                .unwrap_or("")
+                .to_string();
+            let close = closing(rest, open);
+            let mut list = rest[open + 1..close].to_string();
+            if list.trim() == "GEMV_PARAMS" {
+                list = gemv_params.clone().expect("GEMV_PARAMS is defined");
+            }
+            let count = if list.trim().is_empty() {
+                0
+            } else {
+                list.matches(',').count() + 1
+            };
+            out.push((name, count));
+            rest = &rest[close..];
+        }
+        out
+    }
+
+    /// A kernel with more parameters than `Args` holds would panic at its first launch, on
+    /// the device only: every kernel of every module is held to the capacity here.
+    #[test]
+    fn every_kernels_parameters_fit_the_launch_arguments() {
+        let mut longest = (String::new(), 0);
+        for m in all_modules() {
+            for (name, count) in kernel_parameters(&m.source()) {
+                assert!(
+                    count <= crate::device::Args::CAPACITY,
+                    "{}: kernel {name} takes {count} parameters, Args holds {}",
+                    m.name,
+                    crate::device::Args::CAPACITY
+                );
+                if count > longest.1 {
+                    longest = (name, count);
+                }
+            }
+        }
+        // The parse found the GEMVs' list (the longest).
+        assert!(longest.1 >= 27, "longest parameter list {longest:?}");
+    }
+}

@@ -25,16 +25,24 @@ unsafe impl Sync for Function {}
 /// Every kiln kernel parameter is a device pointer, an `int` or a `float`.
 #[derive(Debug, Clone, Default)]
 pub struct Args {
-    slots: [u64; 24],
+    slots: [u64; Args::CAPACITY],
     n: usize,
 }
 
 impl Args {
+    /// The most parameters a kernel may take (the longest list, the GEMVs', has 27: a test
+    /// holds every kernel in `cuda/` to this).
+    pub const CAPACITY: usize = 32;
+
     pub fn new() -> Self {
         Self::default()
     }
     fn push_bits(mut self, bits: u64) -> Self {
-        assert!(self.n < self.slots.len(), "more than 24 kernel arguments");
+        assert!(
+            self.n < Self::CAPACITY,
+            "more than {} kernel arguments",
+            Self::CAPACITY
+        );
         self.slots[self.n] = bits;
         self.n += 1;
         self
@@ -402,7 +410,7 @@ impl Device {
         attrs: &mut [sys::CUlaunchAttribute],
         what: &str,
     ) -> Result<()> {
-        let mut params: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
+        let mut params: [*mut c_void; Args::CAPACITY] = [std::ptr::null_mut(); Args::CAPACITY];
         for (p, slot) in params.iter_mut().zip(args.slots.iter_mut()).take(args.n) {
             *p = slot as *mut u64 as *mut c_void;
         }
