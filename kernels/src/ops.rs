@@ -174,6 +174,37 @@ pub struct ExpertSlots {
     pub order: Option<DevSlice<i32>>,
 }
 
+impl ExpertSlots {
+    /// (rows a slot computes, slots, inputs read) of a launch over a weight of `rows` rows
+    /// stored in groups of `row_group`, or why the slots do not fit it.
+    fn launch_shape(&self, rows: usize, row_group: usize) -> Result<(usize, usize, usize)> {
+        if self.count == 0 || !rows.is_multiple_of(self.count) {
+            return Err(invalid(format!(
+                "{rows} rows do not stack {} experts' matrices",
+                self.count
+            )));
+        }
+        let per_expert = rows / self.count;
+        if !per_expert.is_multiple_of(row_group) {
+            return Err(invalid(format!(
+                "an expert's {per_expert} rows are not whole groups of {row_group}"
+            )));
+        }
+        let slots = self.ids.len();
+        if slots == 0 || slots > u16::MAX as usize {
+            return Err(invalid(format!("{slots} expert slots")));
+        }
+        if let Some(order) = self.order {
+            order.check_len(slots, "slot order")?;
+        }
+        let inputs = match self.slots_per_input {
+            0 => 1,
+            n => slots.div_ceil(n),
+        };
+        Ok((per_expert, slots, inputs))
+    }
+}
+
 /// The most experts a token may use ([`Kernels::route_experts`]; `MOE_MAX_USED` in
 /// `cuda/moe.cu`).
 pub const MAX_EXPERTS_USED: usize = 32;
@@ -503,33 +534,13 @@ impl Kernels {
         let (rows, slots, inputs) = match experts {
             None => (w.rows, 1, 1),
             Some(e) => {
-                if e.count == 0 || !w.rows.is_multiple_of(e.count) {
-                    return Err(invalid(format!(
-                        "{} rows do not stack {} experts' matrices",
-                        w.rows, e.count
-                    )));
-                }
-                let rows = w.rows / e.count;
-                if !rows.is_multiple_of(w.format.row_group) {
-                    return Err(invalid(format!(
-                        "an expert's {rows} rows are not whole groups of {} ({})",
-                        w.format.row_group, w.format.tag
-                    )));
-                }
-                let slots = e.ids.len();
-                if slots == 0 || slots > u16::MAX as usize {
-                    return Err(invalid(format!("{slots} expert slots")));
-                }
-                if let Some(order) = e.order {
-                    order.check_len(slots, "slot order")?;
-                }
                 if epi.residual.is_some() || epi.quant.is_some_and(|q| q.norm_w.is_some()) {
                     return Err(invalid(
                         "an experts' GEMV writes each slot's own output: no residual or next norm"
                             .into(),
                     ));
                 }
-                (rows, slots, slots.div_ceil(e.slots_per_input.max(1)))
+                e.launch_shape(w.rows, w.format.row_group)?
             }
         };
         let padded = |n: usize| n.div_ceil(32) * 32;
@@ -1938,7 +1949,49 @@ impl Kernels {
 
 #[cfg(test)]
 mod tests {
-    use super::Kernels;
+    use super::{DevSlice, ExpertSlots, Kernels};
+
+    fn slots(count: usize, slots: usize, slots_per_input: usize) -> ExpertSlots {
+        ExpertSlots {
+            count,
+            ids: DevSlice::from_raw(0x1000, slots),
+            slots_per_input,
+            order: None,
+        }
+    }
+
+    /// What an experts' launch computes and reads: a slot per id, one expert's rows each,
+    /// and the inputs its slots share.
+    #[test]
+    fn expert_launch_shapes() {
+        // Decode: 8 slots over one shared input (gate/up), then their own (down).
+        assert_eq!(
+            slots(128, 8, 0).launch_shape(128 * 768, 1).unwrap(),
+            (768, 8, 1)
+        );
+        assert_eq!(
+            slots(128, 8, 1).launch_shape(128 * 2048, 1).unwrap(),
+            (2048, 8, 8)
+        );
+        // A batch of 5 tokens, 8 experts each: a token's slots share its input.
+        assert_eq!(
+            slots(128, 40, 8).launch_shape(128 * 768, 1).unwrap(),
+            (768, 40, 5)
+        );
+        // The router over 5 rows: one "expert", a slot a row.
+        assert_eq!(slots(1, 5, 1).launch_shape(128, 1).unwrap(), (128, 5, 5));
+        // Refused: rows that do not stack the experts, an expert's rows splitting a row
+        // group, no slots, an order of the wrong length.
+        assert!(slots(3, 8, 0).launch_shape(100, 1).is_err());
+        assert!(slots(4, 8, 0).launch_shape(4 * 6, 4).is_err());
+        assert!(slots(4, 0, 0).launch_shape(64, 1).is_err());
+        assert!(slots(0, 8, 0).launch_shape(64, 1).is_err());
+        let mut ordered = slots(4, 8, 1);
+        ordered.order = Some(DevSlice::from_raw(0x2000, 7));
+        assert!(ordered.launch_shape(64, 1).is_err());
+        ordered.order = Some(DevSlice::from_raw(0x2000, 8));
+        assert_eq!(ordered.launch_shape(64, 1).unwrap(), (16, 8, 8));
+    }
 
     /// A grid as wide as the working splits of every span it serves computes what the full
     /// grid does: the same split length for each span (so the same blocks and the same
