@@ -223,6 +223,54 @@ mod tests {
     use super::*;
     use crate::format::Q4_0_X4;
 
+    /// A Mixture of Experts' projection goes up as one weight of every expert's rows
+    /// (`experts.rs`), and the expert GEMVs read expert `e` as rows `e·rows..` of it: in
+    /// every device format, expert `e`'s share of the stacked planes is byte for byte the
+    /// planes of its matrix packed alone, at `e` times their size.
+    #[test]
+    fn a_stack_of_experts_packs_as_each_expert_alone() {
+        let mut rng = kiln_core::Rng::new(11);
+        let (count, rows) = (3usize, 8usize);
+        for &format in crate::format::FORMATS.iter() {
+            // 40 chunks of 32: Q4_0_X4 tiles them 32 and 8.
+            let k = 1280;
+            let expert_bytes = format.qtype.row_bytes(k).unwrap() * rows;
+            let stacked: Vec<u8> = (0..count * expert_bytes)
+                .map(|_| rng.next_u64() as u8)
+                .collect();
+            let all = PackedWeight::pack_as(format, k, count * rows, &stacked).unwrap();
+            for e in 0..count {
+                let alone = PackedWeight::pack_as(
+                    format,
+                    k,
+                    rows,
+                    &stacked[e * expert_bytes..(e + 1) * expert_bytes],
+                )
+                .unwrap();
+                let share = |plane: &[u8], len: usize| plane[e * len..(e + 1) * len].to_vec();
+                assert_eq!(
+                    share(&all.body, alone.body.len()),
+                    alone.body,
+                    "{} expert {e}: body",
+                    format.tag
+                );
+                assert_eq!(
+                    share(&all.sc, alone.sc.len()),
+                    alone.sc,
+                    "{} expert {e}: scales",
+                    format.tag
+                );
+                let qh = alone.qh.len();
+                assert_eq!(
+                    all.qh[e * qh..(e + 1) * qh],
+                    alone.qh[..],
+                    "{} expert {e}: fifth bits",
+                    format.tag
+                );
+            }
+        }
+    }
+
     /// The row-grouped layout is a permutation of the blocks (plus zero padding rows):
     /// every block's quants and scale land exactly once, where the kernels' offset formula
     /// (`block_offsets` in gemv.cu, restated here) looks for them.
