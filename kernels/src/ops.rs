@@ -645,20 +645,17 @@ impl Kernels {
         y: DevSlice<f32>,
         epi: &Epilogue,
     ) -> Result<()> {
-        let (module, name, cfg, args) =
-            self.gemv_launch("gemv", w, None, None, input, path, tiling, y, epi)?;
-        // SAFETY: every array's length was checked against the weight's shape.
-        unsafe { self.submit(&module, &name, cfg, args) }
+        self.gemv_slots(w, None, input, path, tiling, y, epi)
     }
 
-    /// y_j = W_{ids[j]}·x_j for each slot `j` of `experts` (x_j the input
-    /// `experts.slots_per_input` gives it), with the epilogue's bias (stacked per expert), scale and
-    /// quantised copy (each slot's own planes).
+    /// [`Kernels::gemv`], or with `experts` y_j = W_{ids[j]}·x_j for each of its slots `j`
+    /// (x_j the input `experts.slots_per_input` gives it), with the epilogue's bias (stacked
+    /// per expert), scale and quantised copy (each slot's own planes).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_experts(
+    pub fn gemv_slots(
         &self,
         w: &DeviceWeight,
-        experts: &ExpertSlots,
+        experts: Option<&ExpertSlots>,
         input: &GemvInput,
         path: GemvPath,
         tiling: GemvTiling,
@@ -666,10 +663,10 @@ impl Kernels {
         epi: &Epilogue,
     ) -> Result<()> {
         let (module, name, cfg, args) =
-            self.gemv_launch("gemv", w, None, Some(experts), input, path, tiling, y, epi)?;
-        // SAFETY: every array's length was checked against the slots and the weight's
-        // shape; the ids index the `count` stacked matrices (written by `route_experts`,
-        // which picks among `count`).
+            self.gemv_launch("gemv", w, None, experts, input, path, tiling, y, epi)?;
+        // SAFETY: every array's length was checked against the weight's shape (and the
+        // slots); expert ids index the `count` stacked matrices (written by
+        // `route_experts`, which picks among `count`).
         unsafe { self.submit(&module, &name, cfg, args) }
     }
 
@@ -729,30 +726,14 @@ impl Kernels {
         quant: Option<QuantOut>,
         gelu: bool,
     ) -> Result<()> {
-        self.swiglu_launch(gate, up, None, input, path, tiling, y, quant, gelu)
+        self.swiglu_slots(gate, up, None, input, path, tiling, y, quant, gelu)
     }
 
-    /// [`Kernels::swiglu`] for each slot of `experts`: y_j = act(gate_{ids[j]}·x_j) ⊙
-    /// (up_{ids[j]}·x_j), x_j the input `experts.slots_per_input` gives it, with each slot's
-    /// quantised copy.
+    /// [`Kernels::swiglu`], or with `experts` y_j = act(gate_{ids[j]}·x_j) ⊙ (up_{ids[j]}·x_j)
+    /// for each of its slots `j` (x_j the input `experts.slots_per_input` gives it), with
+    /// each slot's quantised copy.
     #[allow(clippy::too_many_arguments)]
-    pub fn swiglu_experts(
-        &self,
-        gate: &DeviceWeight,
-        up: &DeviceWeight,
-        experts: &ExpertSlots,
-        input: &GemvInput,
-        path: GemvPath,
-        tiling: GemvTiling,
-        y: DevSlice<f32>,
-        quant: Option<QuantOut>,
-        gelu: bool,
-    ) -> Result<()> {
-        self.swiglu_launch(gate, up, Some(experts), input, path, tiling, y, quant, gelu)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn swiglu_launch(
+    pub fn swiglu_slots(
         &self,
         gate: &DeviceWeight,
         up: &DeviceWeight,
@@ -786,7 +767,7 @@ impl Kernels {
             y,
             &epi,
         )?;
-        // SAFETY: as for gemv (and gemv_experts); `up` has gate's shape.
+        // SAFETY: as for gemv_slots; `up` has gate's shape.
         unsafe { self.submit(&module, &name, cfg, args) }
     }
 

@@ -2431,8 +2431,18 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                     norm_w: None,
                     norm_parts: None,
                 });
-                g.k.swiglu_experts(&gw, &uw, &slots, &input, path, t, y.slice(), quant, false)
-                    .unwrap();
+                g.k.swiglu_slots(
+                    &gw,
+                    &uw,
+                    Some(&slots),
+                    &input,
+                    path,
+                    t,
+                    y.slice(),
+                    quant,
+                    false,
+                )
+                .unwrap();
                 let got = y.to_host().unwrap();
                 for (j, &e) in chosen.iter().enumerate() {
                     let x = j.checked_div(slots_per_input).unwrap_or(0);
@@ -2474,9 +2484,9 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                 q8: Some(xq.act()),
                 norm: None,
             };
-            g.k.gemv_experts(
+            g.k.gemv_slots(
                 &gw,
-                &own,
+                Some(&own),
                 &input,
                 path,
                 t,

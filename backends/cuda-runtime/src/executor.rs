@@ -90,17 +90,7 @@ fn check_program(
                     ));
                 }
             }
-            Op::FeedForward(f) => {
-                if f.gate.is_none() || !matches!(f.activation, Activation::Silu | Activation::Gelu)
-                {
-                    return Err(format!(
-                        "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
-                    ));
-                }
-                if f.biases.is_some() {
-                    return Err(format!("{name} runs feed-forwards without biases only"));
-                }
-            }
+            Op::FeedForward(f) => check_feed_forward(name, f)?,
             Op::Experts(e) => {
                 if e.experts.len() > kiln_kernels::MAX_EXPERTS {
                     return Err(format!(
@@ -117,14 +107,7 @@ fn check_program(
                     ));
                 }
                 for f in &e.experts {
-                    if f.gate.is_none()
-                        || !matches!(f.activation, Activation::Silu | Activation::Gelu)
-                        || f.biases.is_some()
-                    {
-                        return Err(format!(
-                            "{name} runs experts that are gated feed-forwards (SwiGLU, GeGLU) without biases only"
-                        ));
-                    }
+                    check_feed_forward(name, f)?;
                 }
             }
         }
@@ -140,6 +123,19 @@ fn check_program(
     unsupported.dedup();
     if !unsupported.is_empty() {
         return Err(format!("{name} has no GEMV for {}", unsupported.join(", ")));
+    }
+    Ok(())
+}
+
+/// Why `name` cannot run the feed-forward `f` (a dense one or an expert), if it cannot.
+fn check_feed_forward(name: &str, f: &program::FeedForward<TensorView>) -> Result<(), String> {
+    if f.gate.is_none() || !matches!(f.activation, Activation::Silu | Activation::Gelu) {
+        return Err(format!(
+            "{name} runs gated feed-forwards (SwiGLU, GeGLU) only"
+        ));
+    }
+    if f.biases.is_some() {
+        return Err(format!("{name} runs feed-forwards without biases only"));
     }
     Ok(())
 }

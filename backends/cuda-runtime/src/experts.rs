@@ -137,37 +137,13 @@ impl GpuExecutor {
         b: &DeviceBranch,
         next: QuantOut,
     ) -> kiln_kernels::Result<()> {
-        let s = &self.s;
-        self.experts_over(e, 1, input)?;
-        let h = self.config.hidden_size;
-        let weights = s.moe.weights.sub(0, e.used)?;
-        let out = s.moe.out.sub(0, e.used * h)?;
-        let k = &self.k;
-        match &b.post_norm {
-            Some(post) => {
-                let scale = b.scale.unwrap_or(1.0);
-                k.combine_experts(out, weights, 1, e.used, h, scale, None, s.proj, None)?;
-                k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
-                k.quantize(s.x, h, &next)
-            }
-            None => k.combine_experts(
-                out,
-                weights,
-                1,
-                e.used,
-                h,
-                b.scale.unwrap_or(1.0),
-                Some(s.x),
-                s.x,
-                Some(&next),
-            ),
-        }
+        self.run_experts(e, b, 1, input, self.s.x, self.s.proj, Some(&next))
     }
 
     /// A Mixture of Experts over `rows` rows of the residual stream `x` (the batched step's
-    /// or a prefill chunk's, f32): each row normed and quantised, routed, its experts run
-    /// and their weighted sum added to the row (through `proj`, `rows` rows, with a
-    /// sandwich norm). The caller packs `x` for what reads it next.
+    /// or a prefill chunk's, f32): each row normed and quantised, then as
+    /// [`GpuExecutor::run_experts`] (`proj` holds `rows` rows). The caller packs `x` for
+    /// what reads it next.
     pub(super) fn experts_rows(
         &self,
         e: &DeviceExperts,
@@ -176,13 +152,12 @@ impl GpuExecutor {
         rows: usize,
         proj: DevSlice<f32>,
     ) -> kiln_kernels::Result<()> {
-        let (k, c) = (&self.k, &self.config);
-        let h = c.hidden_size;
+        let c = &self.config;
         let xq = self.s.moe.xq;
-        k.rmsnorm_q8_1(
+        self.k.rmsnorm_q8_1(
             x,
             rows,
-            h,
+            c.hidden_size,
             Some(b.norm.slice()),
             Some(c.norm_eps),
             None,
@@ -193,16 +168,39 @@ impl GpuExecutor {
             q8: Some(xq),
             norm: None,
         };
-        self.experts_over(e, rows, &input)?;
+        self.run_experts(e, b, rows, &input, x, proj, None)
+    }
+
+    /// `rows` tokens' experts, their normed inputs in `input` (one a token): routed, run,
+    /// and their weighted sum added to the rows of the stream `x` (through `proj` with a
+    /// sandwich norm); with `next`, the stream (one row) also quantised for the next GEMV.
+    #[allow(clippy::too_many_arguments)]
+    fn run_experts(
+        &self,
+        e: &DeviceExperts,
+        b: &DeviceBranch,
+        rows: usize,
+        input: &GemvInput,
+        x: DevSlice<f32>,
+        proj: DevSlice<f32>,
+        next: Option<&QuantOut>,
+    ) -> kiln_kernels::Result<()> {
+        self.experts_over(e, rows, input)?;
+        let (k, c) = (&self.k, &self.config);
+        let h = c.hidden_size;
         let weights = self.s.moe.weights.sub(0, rows * e.used)?;
         let out = self.s.moe.out.sub(0, rows * e.used * h)?;
         let scale = b.scale.unwrap_or(1.0);
         match &b.post_norm {
             Some(post) => {
                 k.combine_experts(out, weights, rows, e.used, h, scale, None, proj, None)?;
-                k.add_rmsnorm_rows(proj, rows, h, post.slice(), c.norm_eps, x)
+                k.add_rmsnorm_rows(proj, rows, h, post.slice(), c.norm_eps, x)?;
+                match next {
+                    Some(next) => k.quantize(x, h, next),
+                    None => Ok(()),
+                }
             }
-            None => k.combine_experts(out, weights, rows, e.used, h, scale, Some(x), x, None),
+            None => k.combine_experts(out, weights, rows, e.used, h, scale, Some(x), x, next),
         }
     }
 
@@ -226,33 +224,27 @@ impl GpuExecutor {
             bias: e.router_bias.as_ref().map(|b| b.slice()),
             ..Default::default()
         };
-        let router_tiling = self.tiling(&e.router);
-        if rows == 1 {
-            k.gemv(
-                &e.router,
-                input,
-                self.path,
-                router_tiling,
-                logits,
-                &router_epi,
-            )?;
-        } else {
-            let each_row = ExpertSlots {
+        // A batch's rows each multiply the one router matrix: a slot a row. One row takes
+        // the plain GEMV, which prefetches its weights before the wait.
+        let each_row = match rows {
+            1 => None,
+            _ => Some(ExpertSlots {
                 count: 1,
                 ids: m.router_ids.sub(0, rows)?,
                 slots_per_input: 1,
                 order: None,
-            };
-            k.gemv_experts(
-                &e.router,
-                &each_row,
-                input,
-                self.path,
-                router_tiling,
-                logits,
-                &router_epi,
-            )?;
-        }
+            }),
+        };
+        let router_tiling = self.tiling(&e.router);
+        k.gemv_slots(
+            &e.router,
+            each_row.as_ref(),
+            input,
+            self.path,
+            router_tiling,
+            logits,
+            &router_epi,
+        )?;
         k.route_experts(logits, rows, e.count, e.used, e.normalize, ids, weights)?;
         // Several tokens' slots run sorted by expert, so the blocks running at once share
         // an expert's rows in L2.
@@ -274,10 +266,10 @@ impl GpuExecutor {
             norm_w: None,
             norm_parts: None,
         };
-        k.swiglu_experts(
+        k.swiglu_slots(
             &e.gate,
             &e.up,
-            &per_token,
+            Some(&per_token),
             input,
             self.path,
             self.quant_tiling_of(&e.gate),
@@ -294,9 +286,9 @@ impl GpuExecutor {
             q8: Some(m.gated_q),
             norm: None,
         };
-        k.gemv_experts(
+        k.gemv_slots(
             &e.down,
-            &own,
+            Some(&own),
             &gated,
             self.path,
             self.tiling(&e.down),
