@@ -23,7 +23,6 @@ static __device__ __forceinline__ Pick warp_best(Pick p) {
     return p;
 }
 
-#define MOE_MAX_USED 32
 #define MOE_MAX_EXPERTS 1024
 
 // Token t (blockIdx.x) of `count` router logits (row t of `logits`): the softmax over every
@@ -32,8 +31,8 @@ static __device__ __forceinline__ Pick warp_best(Pick p) {
 // the CPU oracle sums them in, and the weights alike. A NaN logit makes every weight NaN:
 // it reaches the output rather than being routed around. One warp a token, the logits in
 // its registers (expert lane + 32·i in lane `lane`'s v[i]): the `used` rounds of picking
-// the best are warp shuffles, with no block-wide barrier. count ≤ MOE_MAX_EXPERTS, used ≤
-// MOE_MAX_USED.
+// the best are warp shuffles, with no block-wide barrier. count ≤ MOE_MAX_EXPERTS, used ≤ 32
+// (lane j keeps the j-th pick).
 extern "C" __global__ void __launch_bounds__(32) moe_route(const float* __restrict__ logits, int count, int used,
                                                            int normalize, int* __restrict__ ids,
                                                            float* __restrict__ weights) {

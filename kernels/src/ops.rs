@@ -205,8 +205,8 @@ impl ExpertSlots {
     }
 }
 
-/// The most experts a token may use ([`Kernels::route_experts`]; `MOE_MAX_USED` in
-/// `cuda/moe.cu`).
+/// The most experts a token may use ([`Kernels::route_experts`]: `moe_route` keeps pick
+/// `j` in lane `j` of one warp).
 pub const MAX_EXPERTS_USED: usize = 32;
 
 /// The most experts a layer may have on the GPU ([`Kernels::order_experts`];
