@@ -267,6 +267,36 @@ struct BAct {
     const float2* __restrict__ s;  // [chunks][B] (dx, sx)
 };
 
+// The walks read a matmul's B sequences through one of these: `x(m, c, q)` is quad lane
+// q's 16 bytes of sequence m's chunk c, `s2(c, m)` its (dx, sx), and `s4(c, m)` the pairs
+// of sequences m and m + 1 (m even).
+//
+// The dense step's B sequences are the packed rows themselves.
+template <int B>
+struct DenseActs {
+    BAct a;
+    int nchunks;
+    __device__ __forceinline__ uint4 x(int m, int c, int q) const { return a.x[((size_t)m * nchunks + c) * 4 + q]; }
+    __device__ __forceinline__ float2 s2(int c, int m) const { return a.s[(size_t)c * B + m]; }
+    __device__ __forceinline__ float4 s4(int c, int m) const { return *(const float4*)&a.s[(size_t)c * B + m]; }
+};
+
+// A grouped matmul's B sequences are packed rows picked by `src` (shared memory): sequence
+// m is packed row src[m] of the `rows` packed.
+struct GatheredActs {
+    BAct a;
+    int nchunks, rows;
+    const int* src;
+    __device__ __forceinline__ uint4 x(int m, int c, int q) const {
+        return a.x[((size_t)src[m] * nchunks + c) * 4 + q];
+    }
+    __device__ __forceinline__ float2 s2(int c, int m) const { return a.s[(size_t)c * rows + src[m]]; }
+    __device__ __forceinline__ float4 s4(int c, int m) const {
+        const float2 p = s2(c, m), q = s2(c, m + 1);
+        return make_float4(p.x, p.y, q.x, q.y);
+    }
+};
+
 // Chunks whose activations a block stages in shared memory at a time (64 sequences), and
 // whose weight fragments each warp loads before using any.
 #define BMM_TILE 4
@@ -275,12 +305,10 @@ struct BAct {
 // (L2): the faster walk up to 32 sequences on the H200. (Loading BMM_TILE chunks' weight
 // fragments before using any, as the staged walk does, measured 5-15% slower here: more
 // registers, fewer warps per SM; docs/log/2026-11-to-12.md.)
-template <int T, int NT, bool SWIGLU>
-static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2, const BAct& a, size_t ra, size_t rb,
+template <int T, int NT, bool SWIGLU, class Acts>
+static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2, const Acts& a, size_t ra, size_t rb,
                                                          int g, int t, int K, int c0, int c1, float (&acc)[NT][4],
                                                          float (&acc2)[SWIGLU ? NT : 1][4]) {
-    constexpr int B = NT * 8;
-    const int nchunks = K / 32;
     for (int c = c0; c < c1; ++c) {
         const BFrag f0 = bmm_frag<T>(w, ra, K, c, t), f8 = bmm_frag<T>(w, rb, K, c, t);
         BFrag u0, u8;
@@ -290,8 +318,8 @@ static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const uint4 x = a.x[((size_t)(n * 8 + g) * nchunks + c) * 4 + t];
-            const float4 s = *(const float4*)&a.s[(size_t)c * B + n * 8 + 2 * t];
+            const uint4 x = a.x(n * 8 + g, c, t);
+            const float4 s = a.s4(c, n * 8 + 2 * t);
             bmm_tile<T>(f0, f8, x, s, acc[n]);
             if constexpr (SWIGLU) bmm_tile<T>(u0, u8, x, s, acc2[n]);
         }
@@ -302,12 +330,11 @@ static __device__ __forceinline__ void bmm_chunks_direct(const W& w, const W& w2
 // activations through shared memory: at 64 sequences each warp reading them from L2 costs
 // 14× the weights' traffic. Every warp of the block must call it (it holds barriers);
 // `active` is false for a warp past the last row, which helps stage and computes nothing.
-template <int T, int NT, bool SWIGLU>
-static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2, const BAct& a, size_t ra, size_t rb,
+template <int T, int NT, bool SWIGLU, class Acts>
+static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2, const Acts& a, size_t ra, size_t rb,
                                                          bool active, int g, int t, int K, int c0, int c1,
                                                          float (&acc)[NT][4], float (&acc2)[SWIGLU ? NT : 1][4]) {
     constexpr int B = NT * 8;
-    const int nchunks = K / 32;
     // [chunk][sequence][4 × 16 bytes] (a quad's 64 bytes contiguous, so a warp's loads hit
     // distinct banks) and the (dx, sx) pairs [chunk][sequence].
     __shared__ uint4 sx[BMM_TILE * B * 4];
@@ -330,9 +357,9 @@ static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2
         __syncthreads();  // the previous tile's readers are done
         for (int i = threadIdx.x; i < tile * B * 4; i += BMM_WARPS * 32) {
             const int q = i & 3, m = (i >> 2) % B, j = (i >> 2) / B;
-            sx[i] = a.x[((size_t)m * nchunks + c + j) * 4 + q];
+            sx[i] = a.x(m, c + j, q);
         }
-        for (int i = threadIdx.x; i < tile * B; i += BMM_WARPS * 32) ss[i] = a.s[(size_t)c * B + i];
+        for (int i = threadIdx.x; i < tile * B; i += BMM_WARPS * 32) ss[i] = a.s2(c + i / B, i % B);
         __syncthreads();
         if (!active) continue;
 #pragma unroll
@@ -388,13 +415,81 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
             acc[n][i] = 0.0f;
             acc2[SWIGLU ? n : 0][i] = 0.0f;
         }
+    const DenseActs<B> acts = {a, nchunks};
     if constexpr (NT == 8) {
-        bmm_chunks_staged<T, NT, SWIGLU>(w, w2, a, ra, rb, active, g, t, K, c0, c1, acc, acc2);
+        bmm_chunks_staged<T, NT, SWIGLU>(w, w2, acts, ra, rb, active, g, t, K, c0, c1, acc, acc2);
     } else if (active) {
-        bmm_chunks_direct<T, NT, SWIGLU>(w, w2, a, ra, rb, g, t, K, c0, c1, acc, acc2);
+        bmm_chunks_direct<T, NT, SWIGLU>(w, w2, acts, ra, rb, g, t, K, c0, c1, acc, acc2);
     }
     if (!active) return;
     bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
+}
+
+// A grouped matmul (Mixture of Experts): the weight stacks `count` experts of `width` rows
+// each (expert e's rows from e·width), and each expert multiplies the slots routed to it:
+// slots order[starts[e]] .. order[starts[e + 1] - 1] (the routing's slots sorted by expert,
+// `moe_order`), slot s reading packed row s / slots_per_input of `rows` packed rows and
+// writing y[s·ldy + r] for r < width. Block (bx, e) owns rows 128·bx.. of expert e and
+// walks that expert's slots B = 8·NT at a time over the whole row length (an expert with
+// no slot returns at once): each expert's rows are read once per B of its tokens, not
+// once a token. Epilogue: SwiGLU's act(gate)·up (GELU with `gelu`), or + bias[e·width + r].
+template <int T, int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm_grouped(W w, W w2, const BAct a, int rows, const int* __restrict__ order,
+                                                   const int* __restrict__ starts, int slots_per_input,
+                                                   float* __restrict__ y, int ldy, int width, int K,
+                                                   const float* __restrict__ bias, int gelu) {
+    constexpr int B = NT * 8;
+    __shared__ int src[B], dst[B];
+    const int e = blockIdx.y, first = starts[e], end = starts[e + 1];
+    if (first >= end) return;  // the whole block: no barrier is skipped by part of it
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * (BMM_WARPS * 16) + warp * 16;
+    const bool active = row0 < width;
+    // Rows past the expert's end read its last row (in bounds) and are not written.
+    const size_t base = (size_t)e * width;
+    const size_t ra = base + min(row0 + g, width - 1), rb = base + min(row0 + g + 8, width - 1);
+    const GatheredActs acts = {a, K / 32, rows, src};
+    for (int at = first; at < end; at += B) {
+        const int n = min(B, end - at);
+        __syncthreads();  // the previous tile's readers of src and dst are done
+        // Past the tile's last slot, sequences repeat it (in bounds) and are not written.
+        for (int i = threadIdx.x; i < B; i += blockDim.x) {
+            const int slot = order[at + min(i, n - 1)];
+            src[i] = slot / slots_per_input;
+            dst[i] = i < n ? slot : -1;
+        }
+        __syncthreads();
+        float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
+#pragma unroll
+        for (int n_ = 0; n_ < NT; ++n_)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[n_][i] = 0.0f;
+                acc2[SWIGLU ? n_ : 0][i] = 0.0f;
+            }
+        if constexpr (NT == 8) {
+            bmm_chunks_staged<T, NT, SWIGLU>(w, w2, acts, ra, rb, active, g, t, K, 0, K / 32, acc, acc2);
+        } else if (active) {
+            bmm_chunks_direct<T, NT, SWIGLU>(w, w2, acts, ra, rb, g, t, K, 0, K / 32, acc, acc2);
+        }
+        if (!active) continue;
+#pragma unroll
+        for (int n_ = 0; n_ < NT; ++n_)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = row0 + g + (i < 2 ? 0 : 8), slot = dst[n_ * 8 + 2 * t + (i & 1)];
+                if (r >= width || slot < 0) continue;
+                float v;
+                if constexpr (SWIGLU) {
+                    v = glu_act(acc[n_][i], gelu) * acc2[n_][i];
+                } else {
+                    v = acc[n_][i];
+                    if (bias) v += bias[base + r];
+                }
+                y[(size_t)slot * ldy + r] = v;
+            }
+    }
 }
 
 // The pipelined walk, for K-quant weights (bmmh_*). A block owns 128 rows as above and a
@@ -572,6 +667,25 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         bmm<T, NT, true>(w, w2, a, part, ldp, nrows, K, per_split);                                                    \
     }
 
+#define BMM_GROUPED_ENTRY(NAME, T, NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_grouped_##NAME##_##NT(                           \
+        const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, int rows, const int* order,      \
+        const int* starts, int slots_per_input, float* y, int ldy, int width, int K, const float* bias) {              \
+        grid_dependency_wait();                                                                                        \
+        W w = {body, qh, sc};                                                                                          \
+        BAct a = {x, s};                                                                                               \
+        bmm_grouped<T, NT, false>(w, w, a, rows, order, starts, slots_per_input, y, ldy, width, K, bias, 0);           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_grouped_swiglu_##NAME##_##NT(                    \
+        const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
+        const float2* s, int rows, const int* order, const int* starts, int slots_per_input, float* y, int ldy,        \
+        int width, int K, int gelu) {                                                                                  \
+        grid_dependency_wait();                                                                                        \
+        W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
+        BAct a = {x, s};                                                                                               \
+        bmm_grouped<T, NT, true>(w, w2, a, rows, order, starts, slots_per_input, y, ldy, width, K, nullptr, gelu);    \
+    }
+
 #define BMMP_ENTRY(NAME, T, NT)                                                                                        \
     extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmmh_##NAME##_##NT(                                  \
         const u8* body, const u32* qh, const u8* sc, const uint4* x, const float2* s, float* part, int ldp,           \
@@ -610,11 +724,16 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_IQ4_NL(NAME, T)
 #define BMMP_FOR_T_IQ4_XS(NAME, T)
 
-// Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, and for the
-// K-quants bmmh_{tag}_{NT} and bmmh_swiglu_{tag}_{NT}.
-#define BMM_TYPE(NAME, T)     \
-    BMM_ENTRY(NAME, T, 1)     \
-    BMM_ENTRY(NAME, T, 2)     \
-    BMM_ENTRY(NAME, T, 4)     \
-    BMM_ENTRY(NAME, T, 8)     \
+// Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, the grouped
+// bmm_grouped_{tag}_{NT} and bmm_grouped_swiglu_{tag}_{NT}, and for the K-quants
+// bmmh_{tag}_{NT} and bmmh_swiglu_{tag}_{NT}.
+#define BMM_TYPE(NAME, T)         \
+    BMM_ENTRY(NAME, T, 1)         \
+    BMM_ENTRY(NAME, T, 2)         \
+    BMM_ENTRY(NAME, T, 4)         \
+    BMM_ENTRY(NAME, T, 8)         \
+    BMM_GROUPED_ENTRY(NAME, T, 1) \
+    BMM_GROUPED_ENTRY(NAME, T, 2) \
+    BMM_GROUPED_ENTRY(NAME, T, 4) \
+    BMM_GROUPED_ENTRY(NAME, T, 8) \
     BMMP_FOR_##T(NAME, T)

@@ -124,9 +124,12 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 
 // order[] = the slots 0..slots in ascending order of their expert ids[slot] (a counting
 // sort; within an expert in no particular order): the expert GEMVs of a batch run their
-// slots in this order so the blocks running at once share an expert's rows in L2. The
-// GEMVs' results do not depend on it. One block; count ≤ MOE_MAX_EXPERTS.
-extern "C" __global__ void moe_order(const int* __restrict__ ids, int slots, int count, int* __restrict__ order) {
+// slots in this order so the blocks running at once share an expert's rows in L2, and the
+// grouped matmuls (bmm.cu) take expert e's slots from order[starts[e]] to
+// order[starts[e + 1]] (`starts`, count + 1 values, may be null). The results do not depend
+// on the order within an expert. One block; count ≤ MOE_MAX_EXPERTS.
+extern "C" __global__ void moe_order(const int* __restrict__ ids, int slots, int count, int* __restrict__ order,
+                                     int* __restrict__ starts) {
     grid_dependency_wait();
     __shared__ int start[MOE_MAX_EXPERTS];
     for (int e = threadIdx.x; e < count; e += blockDim.x) start[e] = 0;
@@ -138,8 +141,10 @@ extern "C" __global__ void moe_order(const int* __restrict__ ids, int slots, int
         for (int e = 0; e < count; ++e) {
             const int n = start[e];
             start[e] = sum;
+            if (starts) starts[e] = sum;
             sum += n;
         }
+        if (starts) starts[count] = sum;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) order[atomicAdd(&start[ids[s]], 1)] = s;

@@ -178,6 +178,72 @@ pub struct PackedActHost {
     pub h: Vec<[u32; 4]>,
 }
 
+/// The slots of a grouped matmul ([`Kernels::grouped_matmul`]): the routing's `order.len()`
+/// slots sorted by expert and where each of the `count` experts' begin (`starts`, count + 1
+/// values), both from [`Kernels::order_experts`]; slot `s` reads packed row
+/// `s / slots_per_input` (1: its own row; a token's expert count: its token's).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertGroups {
+    pub count: usize,
+    pub order: DevSlice<i32>,
+    pub starts: DevSlice<i32>,
+    pub slots_per_input: usize,
+}
+
+/// The sequences a grouped matmul's block multiplies at once: 8·NT, NT = 1, 2, 4 or 8.
+const GROUPED_TILES: [usize; 4] = [1, 2, 4, 8];
+
+impl ExpertGroups {
+    /// (an expert's rows, slots, NT) of a grouped matmul over `w` with `rows` packed input
+    /// rows, or why it does not fit. NT makes a block's tile of 8·NT slots cover an
+    /// expert's share of the slots when they spread evenly over the experts (larger shares
+    /// take several tiles).
+    fn launch_shape(&self, w: &DeviceWeight, rows: usize) -> Result<(usize, usize, usize)> {
+        let count = self.count;
+        if count == 0 || count > crate::ops::MAX_EXPERTS || !w.rows.is_multiple_of(count) {
+            return Err(invalid(format!(
+                "{} rows do not stack {count} experts' matrices (1 to {})",
+                w.rows,
+                crate::ops::MAX_EXPERTS
+            )));
+        }
+        let width = w.rows / count;
+        if !width.is_multiple_of(w.format.row_group) {
+            return Err(invalid(format!(
+                "an expert's {width} rows are not whole groups of {}",
+                w.format.row_group
+            )));
+        }
+        if !w.row_len.is_multiple_of(32) {
+            return Err(invalid(format!(
+                "rows of {} values (a multiple of 32)",
+                w.row_len
+            )));
+        }
+        let slots = self.order.len();
+        if slots == 0 || slots > i32::MAX as usize || self.slots_per_input == 0 {
+            return Err(invalid(format!(
+                "{slots} slots, {} a packed row",
+                self.slots_per_input
+            )));
+        }
+        if rows < slots.div_ceil(self.slots_per_input) {
+            return Err(invalid(format!(
+                "{slots} slots, {} a row, read {} rows: {rows} packed",
+                self.slots_per_input,
+                slots.div_ceil(self.slots_per_input)
+            )));
+        }
+        self.starts.check_len(count + 1, "expert starts")?;
+        let share = slots.div_ceil(count.min(slots));
+        let nt = GROUPED_TILES
+            .into_iter()
+            .find(|&nt| 8 * nt >= share)
+            .unwrap_or(8);
+        Ok((width, slots, nt))
+    }
+}
+
 /// Where each row of a batched step reads and writes: `pos[z]` (the position its token
 /// takes; < 0 for a padding row, which writes no cache), `len[z]` (the context attention
 /// reads; 0 for padding) and `slot[z]` (its cache slot).
@@ -512,6 +578,92 @@ impl Kernels {
                 unsafe { self.launch(f, cfg, &mut args) }
             }
         }
+    }
+
+    /// A grouped matmul (Mixture of Experts): `w` stacks `groups.count` experts' matrices
+    /// (expert `e`'s `width` rows from `e·width`), and each expert multiplies the slots
+    /// routed to it, slot `s` reading packed row `s / slots_per_input` of the `rows` in `x`
+    /// and writing `y[s·ldy ..]` (`width` values): y = W_e·x + bias (bias: `w.rows` values,
+    /// expert-major), or with `up` (the same experts' up matrices) act(W_e·x) ⊙ (U_e·x),
+    /// act SiLU or GELU. Each expert's rows are read once for up to 64 of its slots, on
+    /// the int8 tensor cores of the register walk (`bmm_grouped_*` in cuda/bmm.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_matmul(
+        &self,
+        w: &DeviceWeight,
+        up: Option<&DeviceWeight>,
+        groups: &ExpertGroups,
+        x: &PackedAct,
+        rows: usize,
+        y: DevSlice<f32>,
+        ldy: usize,
+        bias: Option<DevSlice<f32>>,
+        gelu: bool,
+    ) -> Result<()> {
+        let module = w.format.batched.as_ref().ok_or_else(|| {
+            KernelError::Unsupported(format!("no batched matmul for {} weights", w.format.tag))
+        })?;
+        let (width, slots, nt) = groups.launch_shape(w, rows)?;
+        if let Some(u) = up {
+            if u.format != w.format || u.rows != w.rows || u.row_len != w.row_len {
+                return Err(invalid(format!(
+                    "gate ({} {}x{}) and up ({} {}x{}) differ",
+                    w.format.tag, w.rows, w.row_len, u.format.tag, u.rows, u.row_len
+                )));
+            }
+            if bias.is_some() {
+                return Err(invalid("a gated grouped matmul takes no bias".into()));
+            }
+        }
+        let k = w.row_len;
+        x.check(rows, k, "grouped matmul input")?;
+        if ldy < width {
+            return Err(invalid(format!("output stride {ldy} below {width} rows")));
+        }
+        y.check_len((slots - 1) * ldy + width, "grouped matmul output")?;
+        if let Some(b) = bias {
+            b.check_len(w.rows, "grouped matmul bias")?;
+        }
+        let name = match up {
+            Some(_) => format!("bmm_grouped_swiglu_{}_{nt}", w.format.tag),
+            None => format!("bmm_grouped_{}_{nt}", w.format.tag),
+        };
+        let f = self.device().function(module, &name)?;
+        let (body, qh, sc) = w.ptrs();
+        let mut args = Args::new().ptr(body).ptr(qh).ptr(sc);
+        if let Some(u) = up {
+            let (b2, qh2, sc2) = u.ptrs();
+            args = args.ptr(b2).ptr(qh2).ptr(sc2);
+        }
+        let args = args
+            .ptr(x.x.ptr())
+            .ptr(x.s.ptr())
+            .i32(rows as i32)
+            .ptr(groups.order.ptr())
+            .ptr(groups.starts.ptr())
+            .i32(groups.slots_per_input as i32)
+            .ptr(y.ptr())
+            .i32(ldy as i32)
+            .i32(width as i32)
+            .i32(k as i32);
+        let mut args = match up {
+            Some(_) => args.i32(gelu as i32),
+            None => args.ptr(opt(bias)),
+        };
+        let cfg = LaunchConfig {
+            grid: (
+                width.div_ceil(BMM_ROWS_PER_BLOCK) as u32,
+                groups.count as u32,
+                1,
+            ),
+            block: (BMM_ROWS_PER_BLOCK as u32 / 16 * 32, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: the packed input holds `rows` rows of row_len values, and every slot's
+        // row (s / slots_per_input for s < slots) is among them; `y` holds the slots'
+        // outputs; `order` and `starts` come from `order_experts` over these slots and
+        // `count` experts (the kernel reads starts[0..=count] and order[starts..]).
+        unsafe { self.launch(f, cfg, &mut args) }
     }
 
     /// RoPE for each row of a batch (`qkv`: rows × fused QKV), rotated Q to `q_out`, K and

@@ -26,7 +26,8 @@ pub mod roofline;
 pub mod testdata;
 
 pub use batch::{
-    BatchAttention, BatchEpilogue, BatchRows, BmmPath, PackedAct, PackedActBuffers, PackedActHost,
+    BatchAttention, BatchEpilogue, BatchRows, BmmPath, ExpertGroups, PackedAct, PackedActBuffers,
+    PackedActHost,
 };
 pub use buffer::{Carver, DevSlice, DeviceBuffer, Workspace};
 pub use device::{device_count, Args, Device, Event, Function, Graph, LaunchConfig};

@@ -816,12 +816,14 @@ impl Kernels {
 
     /// Writes into `order` the slots of `ids` (each an expert id below `count`) sorted by
     /// expert: the order an experts' GEMV over a batch runs its slots in
-    /// ([`ExpertSlots::order`]).
+    /// ([`ExpertSlots::order`]); with `starts` (count + 1 values) also where each expert's
+    /// slots begin in it, as a grouped matmul reads them ([`ExpertGroups`]).
     pub fn order_experts(
         &self,
         ids: DevSlice<i32>,
         count: usize,
         order: DevSlice<i32>,
+        starts: Option<DevSlice<i32>>,
     ) -> Result<()> {
         if count == 0 || count > MAX_EXPERTS || ids.len() > i32::MAX as usize {
             return Err(invalid(format!(
@@ -830,13 +832,17 @@ impl Kernels {
             )));
         }
         order.check_len(ids.len(), "slot order")?;
+        if let Some(starts) = starts {
+            starts.check_len(count + 1, "expert starts")?;
+        }
         let args = Args::new()
             .ptr(ids.ptr())
             .i32(ids.len() as i32)
             .i32(count as i32)
-            .ptr(order.ptr());
-        // SAFETY: `order` holds a value per id; the ids were written by `route_experts`
-        // among `count` experts, which the kernel's histogram holds.
+            .ptr(order.ptr())
+            .ptr(opt(starts));
+        // SAFETY: `order` holds a value per id and `starts` count + 1; the ids were written
+        // by `route_experts` among `count` experts, which the kernel's histogram holds.
         unsafe { self.submit(&MOE, "moe_order", LaunchConfig::linear(1, 1024), args) }
     }
 

@@ -2365,6 +2365,149 @@ fn expert_routing_matches_host_with_ties_and_nan() {
     }
 }
 
+/// Grouped matmuls (Mixture of Experts) in every format with a batched matmul: each slot's
+/// product with its expert's rows against the f64 reference (plain with the expert's bias,
+/// the up matrix alone), and the gated form against SwiGLU of the two plain products. The
+/// batches take each tile size (about 1, 14, 4 and 67 slots an expert: 8 to 64 sequences a
+/// tile), an expert chosen by more slots than a tile holds (several tiles), an expert no slot
+/// chose, a token's experts sharing its input, and an expert's rows ending inside a block.
+/// Outputs are poisoned; NaN fails.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn grouped_matmul_multiplies_each_experts_slots() {
+    use kiln_kernels::{DevSlice, ExpertGroups, PackedActBuffers};
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("grouped matmul");
+    let (count, width) = (6usize, 160usize);
+    let mut failures = Vec::new();
+    for f in FORMATS.iter().filter(|f| f.batched.is_some()) {
+        let q = f.qtype;
+        let k = if q.block_len() == 256 { 512 } else { 576 };
+        let rows = count * width;
+        let gate = random_weights(&mut rng, q, k, rows).unwrap();
+        let up = random_weights(&mut rng, q, k, rows).unwrap();
+        let bias = random_vec(&mut rng, rows, 0.5);
+        let gw = DeviceWeight::from_ggml_as(&g.dev, f, k, rows, &gate).unwrap();
+        let uw = DeviceWeight::from_ggml_as(&g.dev, f, k, rows, &up).unwrap();
+        let bd = buf(&g.dev, &bias);
+        // (tokens, experts a token, whether every token chooses expert 4). Expert 1 is
+        // never chosen.
+        for (tokens, used, hot) in [
+            (3usize, 2usize, false),
+            (40, 2, false),
+            (24, 1, false),
+            (200, 2, true),
+        ] {
+            let choices = [0i32, 2, 3, 4, 5];
+            let ids: Vec<i32> = (0..tokens)
+                .flat_map(|_| {
+                    let mut mine: Vec<i32> = if hot { vec![4] } else { Vec::new() };
+                    while mine.len() < used {
+                        let e = choices[(rng.next_u64() % choices.len() as u64) as usize];
+                        if !mine.contains(&e) {
+                            mine.push(e);
+                        }
+                    }
+                    mine.sort();
+                    mine
+                })
+                .collect();
+            let slots = ids.len();
+            let idd = buf(&g.dev, &ids);
+            let order = buf(&g.dev, &vec![-1i32; slots]);
+            let starts = buf(&g.dev, &vec![-1i32; count + 1]);
+            g.k.order_experts(idd.slice(), count, order.slice(), Some(starts.slice()))
+                .unwrap();
+            let groups = ExpertGroups {
+                count,
+                order: order.slice(),
+                starts: starts.slice(),
+                slots_per_input: used,
+            };
+            let x = random_vec(&mut rng, tokens * k, 1.0);
+            let packed = PackedActBuffers::alloc(&g.dev, tokens, k).unwrap();
+            packed.fill_bytes(0xff).unwrap();
+            let xd = buf(&g.dev, &x);
+            g.k.act_pack(xd.slice(), tokens, k, None, None, packed.view())
+                .unwrap();
+            let run = |w: &DeviceWeight, up: Option<&DeviceWeight>, bias: Option<DevSlice<f32>>| {
+                let y = poisoned(&g.dev, slots * width);
+                g.k.grouped_matmul(
+                    w,
+                    up,
+                    &groups,
+                    &packed.view(),
+                    tokens,
+                    y.slice(),
+                    width,
+                    bias,
+                    false,
+                )
+                .unwrap();
+                y.to_host().unwrap()
+            };
+            let (got, got_up, got_sw) = (
+                run(&gw, None, Some(bd.slice())),
+                run(&uw, None, None),
+                run(&gw, Some(&uw), None),
+            );
+            let (mut worst, mut worst_sw) = (0f64, 0f64);
+            for t in 0..tokens {
+                let xt = &x[t * k..(t + 1) * k];
+                let want_all = reference_gemv(q, k, rows, &gate, xt).unwrap();
+                let up_all = reference_gemv(q, k, rows, &up, xt).unwrap();
+                for s in t * used..(t + 1) * used {
+                    let e = ids[s] as usize;
+                    let span = e * width..(e + 1) * width;
+                    let want: Vec<f64> = want_all[span.clone()]
+                        .iter()
+                        .zip(&bias[span.clone()])
+                        .map(|(&v, &b)| v + b as f64)
+                        .collect();
+                    let mine = |v: &[f32]| v[s * width..(s + 1) * width].to_vec();
+                    let (gate_k, up_k) = (mine(&got), mine(&got_up));
+                    let err = rel_err(&gate_k, &want);
+                    let err_up = rel_err(&up_k, &up_all[span.clone()]);
+                    // The gated form from the same integer sums (without the bias).
+                    let swiglu: Vec<f64> = (0..width)
+                        .map(|i| {
+                            let (a, b) = ((gate_k[i] - bias[e * width + i]) as f64, up_k[i] as f64);
+                            a / (1.0 + (-a).exp()) * b
+                        })
+                        .collect();
+                    let err_sw = rel_err(&mine(&got_sw), &swiglu);
+                    // As the batched matmul's register walk (15-bit activations): 2e-4;
+                    // a wrong expert, row or slot is off by far more.
+                    for (what, e_, bar) in [
+                        ("plain + bias", err, 2e-4),
+                        ("up", err_up, 2e-4),
+                        ("SwiGLU vs its plain products", err_sw, 1e-5),
+                    ] {
+                        if !(e_ < bar) {
+                            failures.push(format!(
+                                "{} {tokens}x{used} slot {s} (token {t}, expert {e}) {what}: rel err {e_:e}",
+                                f.tag
+                            ));
+                        }
+                    }
+                    worst = worst.max(err).max(err_up);
+                    worst_sw = worst_sw.max(err_sw);
+                }
+            }
+            println!(
+                "grouped matmul {:<8} {tokens:>3} tokens x {used}: worst rel err {worst:.2e}, SwiGLU {worst_sw:.1e}",
+                f.tag
+            );
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} grouped matmul slots off the reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn expert_gemvs_read_the_chosen_experts_rows() {
@@ -2528,9 +2671,20 @@ fn expert_slot_order_sorts_by_expert() {
             .collect();
         let idd = buf(&g.dev, &ids);
         let order = buf(&g.dev, &vec![-1i32; slots]);
-        g.k.order_experts(idd.slice(), count, order.slice())
+        let starts = buf(&g.dev, &vec![-1i32; count + 1]);
+        g.k.order_experts(idd.slice(), count, order.slice(), Some(starts.slice()))
             .unwrap();
         let got = order.to_host().unwrap();
+        // Expert e's slots run from starts[e] to starts[e + 1].
+        let starts = starts.to_host().unwrap();
+        let mut want = vec![0i32; count + 1];
+        for &id in &ids {
+            want[id as usize + 1] += 1;
+        }
+        for e in 0..count {
+            want[e + 1] += want[e];
+        }
+        assert_eq!(starts, want, "{slots} slots over {count} experts: starts");
         let mut seen = got.clone();
         seen.sort();
         assert_eq!(

@@ -6,15 +6,17 @@
 //! decode step stays one graph.
 //!
 //! The decode step runs a layer for its one token; the batched step and the prefill run it
-//! for a batch's or a chunk's rows, each (token, chosen expert) pair a slot of the expert
-//! GEMVs. A slot reads its expert's rows, so a batch reads an expert once per token that
-//! chose it (from L2 where several did) rather than once per batch: what a grouped matmul
-//! over the tokens sorted by expert would save.
+//! for a batch's or a chunk's rows, each (token, chosen expert) pair a slot. Few rows take
+//! the expert GEMVs, a slot each reading its expert's rows (from L2 where several slots
+//! share an expert). Enough rows that the experts are chosen several times each take the
+//! grouped matmuls instead (`grouped_matmul`, the dense batched step's int8 tensor-core
+//! walk): the slots sorted by expert, each expert's rows read once for up to 64 of its
+//! slots.
 
 use kiln_core::ModelConfig;
 use kiln_kernels::{
-    Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, ExpertSlots, GemvInput,
-    Kernels, Q8Act, QuantOut,
+    Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, ExpertGroups, ExpertSlots,
+    GemvInput, Kernels, PackedAct, Q8Act, QuantOut,
 };
 
 use super::{DeviceBranch, DeviceOp, GpuExecutor};
@@ -38,6 +40,20 @@ impl DeviceExperts {
     /// The rows of one expert's gate (and up) matrix.
     fn width(&self) -> usize {
         self.gate.rows / self.count
+    }
+
+    /// Whether `rows` tokens take the grouped matmuls rather than the expert GEMVs: when
+    /// the weights have a batched matmul and the tokens choose each expert about once or
+    /// more (`rows · used ≥ count`, and at least 8 rows, a tile's). Below that most chosen
+    /// experts have one slot, which a grouped tile multiplies with seven idle columns on
+    /// far fewer blocks than the GEMVs' row splits spread over the SMs.
+    fn grouped(&self, rows: usize) -> bool {
+        let batched = |w: &DeviceWeight| {
+            w.format.batched.is_some()
+                && w.row_len.is_multiple_of(32)
+                && (w.rows / self.count).is_multiple_of(w.format.row_group)
+        };
+        rows >= 8 && rows * self.used >= self.count && batched(&self.gate) && batched(&self.down)
     }
 }
 
@@ -93,6 +109,11 @@ pub(super) struct ExpertBuffers {
     gated_q: Q8Act,
     /// Each slot's down projection, `hidden` values.
     out: DevSlice<f32>,
+    /// The grouped matmuls': where each expert's slots begin in `order`, and the rows'
+    /// normed inputs and the slots' gated activations packed for the tensor cores.
+    starts: DevSlice<i32>,
+    packed_x: PackedAct,
+    packed_gated: PackedAct,
 }
 
 impl ExpertBuffers {
@@ -107,9 +128,22 @@ impl ExpertBuffers {
         };
         let xq = planes(s.rows * s.hidden.next_multiple_of(32));
         let gated_q = planes(s.rows * s.used * s.width);
+        let mut packed = |rows: usize, n: usize| {
+            let (x, sums) = PackedAct::lens(rows, n);
+            PackedAct {
+                x: a.take(x),
+                s: a.take(sums),
+                h: a.take(x),
+            }
+        };
+        let packed_x = packed(s.rows, s.hidden);
+        let packed_gated = packed(s.rows * s.used, s.width);
         ExpertBuffers {
             xq,
             gated_q,
+            packed_x,
+            packed_gated,
+            starts: a.take(s.count + 1),
             router_ids: a.take(s.rows),
             logits: a.take(s.rows * s.count),
             ids: a.take(s.rows * s.used),
@@ -163,6 +197,17 @@ impl GpuExecutor {
             None,
             Some(xq),
         )?;
+        if e.grouped(rows) {
+            let packed = self.s.moe.packed_x;
+            self.k.act_pack(
+                x,
+                rows,
+                c.hidden_size,
+                Some(b.norm.slice()),
+                Some(c.norm_eps),
+                packed,
+            )?;
+        }
         let input = GemvInput {
             x: None,
             q8: Some(xq),
@@ -246,11 +291,50 @@ impl GpuExecutor {
             &router_epi,
         )?;
         k.route_experts(logits, rows, e.count, e.used, e.normalize, ids, weights)?;
+        if e.grouped(rows) {
+            // experts_rows packed the rows' normed inputs.
+            let groups = ExpertGroups {
+                count: e.count,
+                order: m.order.sub(0, slots)?,
+                starts: m.starts.sub(0, e.count + 1)?,
+                slots_per_input: e.used,
+            };
+            k.order_experts(ids, e.count, groups.order, Some(groups.starts))?;
+            let gated = m.gated.sub(0, slots * width)?;
+            k.grouped_matmul(
+                &e.gate,
+                Some(&e.up),
+                &groups,
+                &m.packed_x,
+                rows,
+                gated,
+                width,
+                None,
+                e.gelu,
+            )?;
+            k.act_pack(gated, slots, width, None, None, m.packed_gated)?;
+            let own = ExpertGroups {
+                slots_per_input: 1,
+                ..groups
+            };
+            let out = m.out.sub(0, slots * h)?;
+            return k.grouped_matmul(
+                &e.down,
+                None,
+                &own,
+                &m.packed_gated,
+                slots,
+                out,
+                h,
+                None,
+                false,
+            );
+        }
         // Several tokens' slots run sorted by expert, so the blocks running at once share
         // an expert's rows in L2.
         let order = if rows > 1 {
             let order = m.order.sub(0, slots)?;
-            k.order_experts(ids, e.count, order)?;
+            k.order_experts(ids, e.count, order, None)?;
             Some(order)
         } else {
             None
