@@ -9,7 +9,8 @@
 #   scripts/gpu/moe_calls.sh bench   call 2, while the machine is warm: qwen3-30b-a3b q4_k_m
 #                                    beside llama.cpp on the same file (pp512 / tg128, and
 #                                    batched S_TG at NPL), then kiln_old against kiln (tg128)
-#                                    on the dense files.
+#                                    on the dense files, and .gpu/kiln_head (if packed)
+#                                    against kiln on the MoE file (pp512, S_TG).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 work=/tmp/w
@@ -67,6 +68,12 @@ bench)
     KILN=.gpu/kiln OUT=$out/vs PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
         bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -16
     DEPTHS="0" bash scripts/gpu/ab_bench.sh tg "$out/ab" "$work/llama3.2-1b.q4_k_m.gguf" "$work/llama3-8b.q4_k_m.gguf" 2>&1 | tail -12
+    # A second build to compare on the MoE file (e.g. the commit before a kernel change,
+    # packed as .gpu/kiln_head): pp512 and S_TG, alternating.
+    if [ -x .gpu/kiln_head ]; then
+        BINS="kiln_head kiln" bash scripts/gpu/ab_bench.sh pp "$out/ab" "$m" 2>&1 | tail -6
+        BINS="kiln_head kiln" BATCH=${NPL:-1,4,16,64} bash scripts/gpu/ab_bench.sh batch "$out/ab" "$m" 2>&1 | tail -20
+    fi
     ;;
 *)
     sed -n '2,12p' "$0"
