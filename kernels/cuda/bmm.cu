@@ -45,9 +45,9 @@ template <int T> static constexpr __host__ __device__ bool bmm_halves() {
 }
 
 // Integer values are unsigned (0..63) for every format but Q8_0, Q6_K, Q3_K and the
-// I-quants' levels, which are signed.
+// level-table types' levels (the I-quants', MXFP4's), which are signed.
 template <int T> static constexpr __host__ __device__ bool bmm_signed() {
-    return T == T_Q8_0 || T == T_Q6_K || T == T_Q3_K || iq4_type(T);
+    return T == T_Q8_0 || T == T_Q6_K || T == T_Q3_K || levels4_type(T);
 }
 
 // The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
@@ -179,13 +179,13 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.a1 = d * s1;
         f.b = -m0;
         f.b1 = -m1;
-    } else if constexpr (iq4_type(T)) {
+    } else if constexpr (levels4_type(T)) {
         // The chunk's codes: value 4t.. in the low nibbles of code bytes 4t.., 16 + 4t.. in
         // their high nibbles (the Q4_0 order), each mapped to its signed level.
-        const u8* codes = iq4_codes<T>(w, row, K, c, f.a0);
+        const u8* codes = levels4_codes<T>(w, row, K, c, f.a0);
         const u32 q = *(const u32*)(codes + 4 * t);
-        f.lo = iq4_levels(q & 0x0f0f0f0f);
-        f.hi = iq4_levels((q >> 4) & 0x0f0f0f0f);
+        f.lo = levels4<T>(q & 0x0f0f0f0f);
+        f.hi = levels4<T>((q >> 4) & 0x0f0f0f0f);
         f.a1 = f.a0;
         f.b = 0.0f;
     } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -723,6 +723,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_Q3_K(NAME, T)
 #define BMMP_FOR_T_IQ4_NL(NAME, T)
 #define BMMP_FOR_T_IQ4_XS(NAME, T)
+#define BMMP_FOR_T_MXFP4(NAME, T)
 
 // Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, the grouped
 // bmm_grouped_{tag}_{NT} and bmm_grouped_swiglu_{tag}_{NT}, and for the K-quants

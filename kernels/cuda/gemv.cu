@@ -36,6 +36,7 @@
 #define T_Q6_K 14
 #define T_IQ4_NL 20
 #define T_IQ4_XS 23
+#define T_MXFP4 39
 #define T_BF16 30
 // kiln's own device formats (not ggml ids): Q4_0 blocks in groups of four rows.
 #define T_Q4_0X4 102
@@ -70,6 +71,8 @@ template <> struct Traits<T_Q4_0X4> { static const int BLOCK = 32, BODY = 16, SC
 // (d, the high scale bits, the low scale nibbles).
 template <> struct Traits<T_IQ4_NL> { static const int BLOCK = 32, BODY = 16, SC = 2; };
 template <> struct Traits<T_IQ4_XS> { static const int BLOCK = 256, BODY = 128, SC = 8; };
+// MXFP4: Q4_0's nibbles, the E8M0 exponent byte in `sc`.
+template <> struct Traits<T_MXFP4> { static const int BLOCK = 32, BODY = 16, SC = 1; };
 
 // Q4_0's values, whatever the row layout.
 static constexpr __host__ __device__ bool q4_0_values(int t) { return t == T_Q4_0 || t == T_Q4_0X4; }
@@ -214,31 +217,49 @@ static __device__ __forceinline__ void k23_chunk(const W& w, size_t b, int cc, i
     k23_scales<T>(w, b, cc, d, s0, s1, m0, m1);
 }
 
-// The I-quants' non-linear 4-bit levels (ggml's kvalues_iq4nl), four to a word.
+// Formats whose 4-bit codes index a table of 16 signed levels: the I-quants' non-linear
+// levels (ggml's kvalues_iq4nl) and MXFP4's E2M1 values doubled (kvalues_mxfp4), four to a
+// word.
 #define IQ4_LEVELS_0 0xbfad9881u  // -127 -104  -83  -65
 #define IQ4_LEVELS_1 0xf6eaddcfu  //  -49  -35  -22  -10
 #define IQ4_LEVELS_2 0x26190d01u  //    1   13   25   38
 #define IQ4_LEVELS_3 0x71594535u  //   53   69   89  113
+#define MXFP4_LEVELS_0 0x03020100u  //   0   1   2   3
+#define MXFP4_LEVELS_1 0x0c080604u  //   4   6   8  12
+#define MXFP4_LEVELS_2 0xfdfeff00u  //   0  -1  -2  -3
+#define MXFP4_LEVELS_3 0xf4f8fafcu  //  -4  -6  -8 -12
+
+static constexpr __host__ __device__ bool levels4_type(int t) {
+    return t == T_IQ4_NL || t == T_IQ4_XS || t == T_MXFP4;
+}
 
 // Four codes (one per byte, 0..15) to their int8 levels: two 8-entry byte_perm lookups and
 // a third that keeps, per byte, the half its code's bit 3 names.
-static __device__ __forceinline__ u32 iq4_levels(u32 codes) {
+template <int T>
+static __device__ __forceinline__ u32 levels4(u32 codes) {
+    constexpr bool mx = T == T_MXFP4;
     const u32 sel = (codes & 0xf) | ((codes >> 4) & 0xf0) | ((codes >> 8) & 0xf00) | ((codes >> 12) & 0xf000);
     // prmt reads a selector's bit 3 as "replicate the sign": the lookups take bits 0-2 only.
-    const u32 lo = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, sel & 0x7777);
-    const u32 hi = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, sel & 0x7777);
+    const u32 lo = __byte_perm(mx ? MXFP4_LEVELS_0 : IQ4_LEVELS_0, mx ? MXFP4_LEVELS_1 : IQ4_LEVELS_1, sel & 0x7777);
+    const u32 hi = __byte_perm(mx ? MXFP4_LEVELS_2 : IQ4_LEVELS_2, mx ? MXFP4_LEVELS_3 : IQ4_LEVELS_3, sel & 0x7777);
     return __byte_perm(lo, hi, 0x3210 | ((sel & 0x8888) >> 1));
 }
 
-// Chunk c (32 values) of an IQ4_NL or IQ4_XS row: where its 16 code bytes are (value j is
-// the low nibble of byte j, value 16 + j its high nibble, as in Q4_0) and its scale
-// (IQ4_XS: d·(ls − 32) for the sub-block's 6-bit ls, its low nibble in byte ib / 2 of
-// scales_l, its high 2 bits at 2·ib of scales_h).
+// MXFP4's block scale: half of 2^(e − 127), exactly (ggml's GGML_E8M0_TO_FP32_HALF; e = 0
+// and 1 give subnormals).
+static __device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// Chunk c (32 values) of a level-table row: where its 16 code bytes are (value j is the
+// low nibble of byte j, value 16 + j its high nibble, as in Q4_0) and its scale (IQ4_XS:
+// d·(ls − 32) for the sub-block's 6-bit ls, its low nibble in byte ib / 2 of scales_l, its
+// high 2 bits at 2·ib of scales_h).
 template <int T>
-static __device__ __forceinline__ const u8* iq4_codes(const W& w, size_t row, int K, int c, float& d) {
-    if constexpr (T == T_IQ4_NL) {
+static __device__ __forceinline__ const u8* levels4_codes(const W& w, size_t row, int K, int c, float& d) {
+    if constexpr (T == T_IQ4_NL || T == T_MXFP4) {
         const size_t b = row * ((size_t)K / 32) + c;
-        d = ld_h(w.sc + b * 2);
+        d = T == T_MXFP4 ? e8m0_half(w.sc[b]) : ld_h(w.sc + b * 2);
         return w.body + b * 16;
     } else {
         const size_t b = row * ((size_t)K / 256) + (c >> 3);
@@ -253,17 +274,15 @@ static __device__ __forceinline__ const u8* iq4_codes(const W& w, size_t row, in
 // Chunk c's levels as signed bytes, four to a word in value order (values 0..15 in q[0..4],
 // 16..31 in q[4..8], like the activation's planes), and its scale.
 template <int T>
-static __device__ __forceinline__ void iq4_chunk(const W& w, size_t row, int K, int c, int (&q)[8], float& d) {
+static __device__ __forceinline__ void levels4_chunk(const W& w, size_t row, int K, int c, int (&q)[8], float& d) {
     int qs[4];
-    load16(iq4_codes<T>(w, row, K, c, d), qs);
+    load16(levels4_codes<T>(w, row, K, c, d), qs);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        q[i] = (int)iq4_levels(qs[i] & 0x0f0f0f0f);
-        q[4 + i] = (int)iq4_levels((qs[i] >> 4) & 0x0f0f0f0f);
+        q[i] = (int)levels4<T>(qs[i] & 0x0f0f0f0f);
+        q[4 + i] = (int)levels4<T>((qs[i] >> 4) & 0x0f0f0f0f);
     }
 }
-
-static constexpr __host__ __device__ bool iq4_type(int t) { return t == T_IQ4_NL || t == T_IQ4_XS; }
 
 // Q4_K / Q5_K sub-block scales and mins, 6 bits each, from the block's 12 scale bytes in
 // the device layout (the Rust `kquant_scales_for_device`; w0..w2 are bytes 0-3, 4-7, 8-11):
@@ -464,10 +483,10 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             const float sum_hi = x.sum - x.sum_lo;
             return d * (s0 * (lo - off * x.sum_lo) + s1 * (hi - off * sum_hi)) - (m0 * x.sum_lo + m1 * sum_hi);
         }
-    } else if constexpr (iq4_type(T)) {
+    } else if constexpr (levels4_type(T)) {
         int q[8];
         float d;
-        iq4_chunk<T>(w, row, K, c, q, d);
+        levels4_chunk<T>(w, row, K, c, q, d);
         if constexpr (A != A_F32) {
             IAcc<A> acc;
 #pragma unroll

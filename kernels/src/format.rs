@@ -350,7 +350,7 @@ const fn sc(offset: usize, bytes: usize) -> Option<Part> {
 
 /// Every format the GPU kernels read. The first entry for a type is its plain layout; the
 /// row-grouped ones a backend picks by name are statics of their own, listed here too.
-pub static FORMATS: [&WeightFormat; 18] = [
+pub static FORMATS: [&WeightFormat; 19] = [
     &weight_format!(float F32, "f32", "T_F32", body 4),
     &weight_format!(float F16, "f16", "T_F16", body 2),
     &weight_format!(float BF16, "bf16", "T_BF16", body 2),
@@ -375,6 +375,9 @@ pub static FORMATS: [&WeightFormat; 18] = [
     // them (d, the high scale bits, the low scale nibbles) in `sc`.
     &weight_format!(IQ4_NL, "iq4_nl", "T_IQ4_NL", group 1, body 2 + 16, qh None, sc sc(0, 2)),
     &weight_format!(IQ4_XS, "iq4_xs", "T_IQ4_XS", group 1, body 8 + 128, qh None, sc sc(0, 8)),
+    // MXFP4 (gpt-oss's experts): IQ4_NL's kernels with the E2M1 levels and the E8M0
+    // exponent byte as the block's scale.
+    &weight_format!(MXFP4, "mxfp4", "T_MXFP4", group 1, body 1 + 16, qh None, sc sc(0, 1)),
     &Q4_0_X4,
     // APR's 4-bit type: transcoded to Q4_0 blocks at upload, then Q4_0's kernels.
     &weight_format!(AprQ4, "apr_q4", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2),
@@ -612,49 +615,54 @@ mod tests {
         }
     }
 
-    /// The level table the CUDA kernels hold as four words (`IQ4_LEVELS_*` in gemv.cu) is
-    /// core's `KVALUES_IQ4NL`, byte for byte; and `iq4_levels`' lookup, restated here (a
-    /// byte_perm of each 8-entry half, then a per-byte pick by the code's bit 3), maps every
-    /// code to its level.
+    /// The level tables the CUDA kernels hold as four words each (`IQ4_LEVELS_*`,
+    /// `MXFP4_LEVELS_*` in gemv.cu) are core's `KVALUES_IQ4NL` and MXFP4 `KVALUES`, byte for
+    /// byte; and `levels4`' lookup, restated here (a byte_perm of each 8-entry half, then a
+    /// per-byte pick by the code's bit 3), maps every code to its level.
     #[test]
-    fn iq4_level_words_in_the_kernels_are_cores_table() {
-        let words: Vec<u32> = (0..4)
-            .map(|i| {
-                let name = format!("#define IQ4_LEVELS_{i} 0x");
-                let at = GEMV_SRC.find(&name).expect("level word") + name.len();
-                u32::from_str_radix(&GEMV_SRC[at..at + 8], 16).expect("hex word")
-            })
-            .collect();
-        let bytes: Vec<i8> = words
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .map(|b| b as i8)
-            .collect();
-        assert_eq!(bytes, kiln_core::quant::iquants::KVALUES_IQ4NL);
-        let byte_perm = |x: u32, y: u32, s: u32| -> u32 {
-            let src = (u64::from(y) << 32) | u64::from(x);
-            (0..4).fold(0, |out, n| {
-                let sel = (s >> (4 * n)) & 7;
-                out | ((((src >> (8 * sel)) & 255) as u32) << (8 * n))
-            })
-        };
-        // Every combination of four codes, one per byte.
-        for n in 0..65536u32 {
-            let codes = (0..4).fold(0, |w, b| w | (((n >> (4 * b)) & 15) << (8 * b)));
-            let sel = (codes & 0xf)
-                | ((codes >> 4) & 0xf0)
-                | ((codes >> 8) & 0xf00)
-                | ((codes >> 12) & 0xf000);
-            let lo = byte_perm(words[0], words[1], sel & 0x7777);
-            let hi = byte_perm(words[2], words[3], sel & 0x7777);
-            let out = byte_perm(lo, hi, 0x3210 | ((sel & 0x8888) >> 1));
-            for (b, level) in out.to_le_bytes().into_iter().enumerate() {
-                let code = (codes >> (8 * b)) & 15;
-                assert_eq!(
-                    level as i8,
-                    kiln_core::quant::iquants::KVALUES_IQ4NL[code as usize],
-                    "codes {codes:#010x}, byte {b}"
-                );
+    fn level_words_in_the_kernels_are_cores_tables() {
+        let tables: [(&str, &[i8; 16]); 2] = [
+            ("IQ4", &kiln_core::quant::iquants::KVALUES_IQ4NL),
+            ("MXFP4", &kiln_core::quant::mxfp4::KVALUES),
+        ];
+        for (name, table) in tables {
+            let words: Vec<u32> = (0..4)
+                .map(|i| {
+                    let define = format!("#define {name}_LEVELS_{i} 0x");
+                    let at = GEMV_SRC.find(&define).expect("level word") + define.len();
+                    u32::from_str_radix(&GEMV_SRC[at..at + 8], 16).expect("hex word")
+                })
+                .collect();
+            let bytes: Vec<i8> = words
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .map(|b| b as i8)
+                .collect();
+            assert_eq!(bytes, table, "{name}");
+            let byte_perm = |x: u32, y: u32, s: u32| -> u32 {
+                let src = (u64::from(y) << 32) | u64::from(x);
+                (0..4).fold(0, |out, n| {
+                    let sel = (s >> (4 * n)) & 7;
+                    out | ((((src >> (8 * sel)) & 255) as u32) << (8 * n))
+                })
+            };
+            // Every combination of four codes, one per byte.
+            for n in 0..65536u32 {
+                let codes = (0..4).fold(0, |w, b| w | (((n >> (4 * b)) & 15) << (8 * b)));
+                let sel = (codes & 0xf)
+                    | ((codes >> 4) & 0xf0)
+                    | ((codes >> 8) & 0xf00)
+                    | ((codes >> 12) & 0xf000);
+                let lo = byte_perm(words[0], words[1], sel & 0x7777);
+                let hi = byte_perm(words[2], words[3], sel & 0x7777);
+                let out = byte_perm(lo, hi, 0x3210 | ((sel & 0x8888) >> 1));
+                for (b, level) in out.to_le_bytes().into_iter().enumerate() {
+                    let code = (codes >> (8 * b)) & 15;
+                    assert_eq!(
+                        level as i8, table[code as usize],
+                        "{name} codes {codes:#010x}, byte {b}"
+                    );
+                }
             }
         }
     }

@@ -76,6 +76,13 @@ pub fn random_weights_scaled(
                     // Levels up to ±127; IQ4_XS's sub-block scales up to ±32 on top.
                     QType::IQ4_NL => put_f16(b, 0, scale * uniform(rng, -0.008, 0.008)),
                     QType::IQ4_XS => put_f16(b, 0, scale * uniform(rng, -0.0003, 0.0003)),
+                    // Levels up to ±12 (E2M1 doubled) times half of 2^(e − 127): e near
+                    // 124 + log2(scale) keeps the largest value near `scale`.
+                    QType::MXFP4 => {
+                        let e =
+                            (124.0 + scale.log2()).round() as i64 + (rng.next_u64() % 3) as i64 - 1;
+                        b[0] = e.clamp(0, 254) as u8;
+                    }
                     other => {
                         return Err(KernelError::Unsupported(format!("random {other} weights")))
                     }

@@ -1278,6 +1278,44 @@ fn prefill_dequantisers_match_reference() {
     }
 }
 
+/// MXFP4 rows with every E8M0 exponent (0 and 1 subnormal scales, 254 and 255 whose
+/// largest levels overflow f32) and every code: the device's gathered rows (the embedding
+/// lookup, which multiplies each value by one in f32) equal core's dequantiser bit for bit,
+/// infinities included.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn mxfp4_rows_with_every_exponent_match_core_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let mut rng = seeded("mxfp4 exponents");
+    let f = WeightFormat::plain(QType::MXFP4).expect("an MXFP4 device format");
+    let (k, n) = (64usize, 256usize);
+    // Row e: both blocks with exponent e, codes random (every code appears in most rows).
+    let mut ggml = vec![0u8; n * 2 * 17];
+    for (i, block) in ggml.chunks_exact_mut(17).enumerate() {
+        block[0] = (i / 2) as u8;
+        for b in &mut block[1..] {
+            *b = (rng.next_u64() >> 56) as u8;
+        }
+    }
+    let w = DeviceWeight::from_ggml_as(&g.dev, f, k, n, &ggml).unwrap();
+    let mut want = vec![0f32; k * n];
+    kiln_core::quant::dequantize(QType::MXFP4, &ggml, &mut want).unwrap();
+    let ids: Vec<i32> = (0..n as i32).collect();
+    let idd = buf(&g.dev, &ids);
+    let rows = poisoned(&g.dev, n * k);
+    g.k.embed_rows(&w, idd.slice(), 1.0, rows.slice()).unwrap();
+    let got = rows.to_host().unwrap();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "exponent {}, value {}: {a} vs core's {b}",
+            i / k,
+            i % k
+        );
+    }
+}
+
 /// The batched decode matmuls on every integer weight format, 8/16/32/64 rows, against
 /// the f64 reference GEMV of each row: packed input (RMSNorm + weight, as the batched step
 /// packs it), plain, bias + residual and SwiGLU epilogues.

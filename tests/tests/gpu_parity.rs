@@ -882,6 +882,35 @@ fn qwen3moe_synthetic_matches_cpu_on_both_gpu_backends() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// MXFP4 experts (llama.cpp's MXFP4_MOE mix, gpt-oss's: the stacked experts in MXFP4, the
+/// rest in Q8_0) on both GPU backends, the expert GEMVs at one token and the grouped
+/// matmuls in the batched step and prefill, under the bar (cosine 0.9999); both
+/// run the integer walks, so greedy ties are counted as for Q4_0.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn qwen3moe_mxfp4_experts_match_cpu_on_both_gpu_backends() {
+    if backends().is_none() {
+        return;
+    }
+    let bar = Bar {
+        min_cosine: 0.9999,
+        ..Q4_0_BAR
+    };
+    let dir = scratch_dir();
+    let prompt = "The quick brown fox jumps over the lazy dog";
+    let path = synth_into(
+        &dir,
+        "qwen3moe-7b-a2b",
+        Preset::Qwen3Moe7bA2b,
+        Recipe::MXFP4_MOE,
+        1,
+    );
+    for gpu in ["cuda-q4k", "cuda-q4_0"] {
+        compare_on(gpu, bar, &path, prompt, true, false, true);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Granite: its embedding, residual-branch, attention and logit multipliers (the branch
 /// and logit scales in the GEMV, batched-matmul and GEMM epilogues).
 #[test]
