@@ -432,12 +432,14 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
 // writing y[s·ldy + r] for r < width. Block (bx, e) owns rows 128·bx.. of expert e and
 // walks that expert's slots B = 8·NT at a time over the whole row length (an expert with
 // no slot returns at once): each expert's rows are read once per B of its tokens, not
-// once a token. Epilogue: SwiGLU's act(gate)·up (GELU with `gelu`), or + bias[e·width + r].
+// once a token. Epilogue: + bias[e·width + r]; gated, glu(gate + bg, up + bu) with the
+// biases (optional) an expert's gate rows' then its up rows' from bias[2·e·width].
 template <int T, int NT, bool SWIGLU>
 static __device__ __forceinline__ void bmm_grouped(W w, W w2, const BAct a, int rows, const int* __restrict__ order,
                                                    const int* __restrict__ starts, int slots_per_input,
                                                    float* __restrict__ y, int ldy, int width, int K,
-                                                   const float* __restrict__ bias, int gelu) {
+                                                   const float* __restrict__ bias, int act, float alpha,
+                                                   float limit) {
     constexpr int B = NT * 8;
     __shared__ int src[B], dst[B];
     const int e = blockIdx.y, first = starts[e], end = starts[e + 1];
@@ -482,7 +484,12 @@ static __device__ __forceinline__ void bmm_grouped(W w, W w2, const BAct a, int 
                 if (r >= width || slot < 0) continue;
                 float v;
                 if constexpr (SWIGLU) {
-                    v = glu_act(acc[n_][i], gelu) * acc2[n_][i];
+                    float g = acc[n_][i], u = acc2[n_][i];
+                    if (bias) {
+                        g += bias[2 * base + r];
+                        u += bias[2 * base + width + r];
+                    }
+                    v = glu(g, u, act, alpha, limit);
                 } else {
                     v = acc[n_][i];
                     if (bias) v += bias[base + r];
@@ -674,16 +681,18 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc};                                                                                          \
         BAct a = {x, s};                                                                                               \
-        bmm_grouped<T, NT, false>(w, w, a, rows, order, starts, slots_per_input, y, ldy, width, K, bias, 0);           \
+        bmm_grouped<T, NT, false>(w, w, a, rows, order, starts, slots_per_input, y, ldy, width, K, bias, 0, 0.0f,     \
+                                  0.0f);                                                                               \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(BMM_WARPS * 32) bmm_grouped_swiglu_##NAME##_##NT(                    \
         const u8* body, const u32* qh, const u8* sc, const u8* body2, const u32* qh2, const u8* sc2, const uint4* x,  \
         const float2* s, int rows, const int* order, const int* starts, int slots_per_input, float* y, int ldy,        \
-        int width, int K, int gelu) {                                                                                  \
+        int width, int K, const float* bias, int act, float alpha, float limit) {                                      \
         grid_dependency_wait();                                                                                        \
         W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                  \
         BAct a = {x, s};                                                                                               \
-        bmm_grouped<T, NT, true>(w, w2, a, rows, order, starts, slots_per_input, y, ldy, width, K, nullptr, gelu);    \
+        bmm_grouped<T, NT, true>(w, w2, a, rows, order, starts, slots_per_input, y, ldy, width, K, bias, act, alpha,  \
+                                 limit);                                                                               \
     }
 
 #define BMMP_ENTRY(NAME, T, NT)                                                                                        \

@@ -81,6 +81,19 @@ static __device__ __forceinline__ float glu_act(float g, int gelu) {
     return g / (1.0f + expf(-g));
 }
 
+// A gated feed-forward's value for one gate and up pair (the Rust `GatedAct`): act(g)·u
+// with act SiLU (act 0) or tanh GELU (1), or gpt-oss's clamped form (2): g at most
+// `limit`, u within ±limit, then g·σ(alpha·g)·(u + 1). The clamps let a NaN through, as
+// the CPU's do.
+static __device__ __forceinline__ float glu(float g, float u, int act, float alpha, float limit) {
+    if (act == 2) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+        return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+    }
+    return glu_act(g, act) * u;
+}
+
 static __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -654,10 +654,10 @@ static __device__ __forceinline__ void load_x(XChunk& xc, const XIn& in, int c, 
 }
 
 // What a GEMV does with its outputs: y = scale·(W·x (+ bias)) (+ residual), or in SwiGLU mode
-// y = act(gate·x) * (up·x), act SiLU or (with `gelu`) GELU. With `q` (QOUT kernels, whose blocks own whole 32-row groups)
-// it also quantises y·norm_w (norm_w optional) into the next GEMV's planes, and writes the
-// group's sum(y²) to norm_parts[group]: the next RMSNorm, left for the consumer to finish
-// (see XIn). Partial sums in fixed slots, summed in a fixed order, keep every step
+// y = glu(gate·x (+ bg), up·x (+ bu)) (SiLU, GELU or gpt-oss's clamped form). With `q` (QOUT
+// kernels, whose blocks own whole 32-row groups) it also quantises y·norm_w (norm_w
+// optional) into the next GEMV's planes, and writes the group's sum(y²) to
+// norm_parts[group]: the next RMSNorm, left for the consumer to finish (see XIn). Partial sums in fixed slots, summed in a fixed order, keep every step
 // bit-reproducible (float atomics would not be).
 struct GemvOut {
     const float* __restrict__ bias;
@@ -668,7 +668,8 @@ struct GemvOut {
     i8* __restrict__ r;
     float2* __restrict__ ds;
     float* __restrict__ norm_parts;
-    int gelu;
+    int act;             // SwiGLU mode: the gated activation (`glu` in common.cuh)
+    float alpha, limit;  // its constants (act 2)
     float scale;  // 1 but for models that scale a branch or the logits (Granite)
 };
 
@@ -800,7 +801,13 @@ static __device__ __forceinline__ void gemv_compute(W w, W w2, const XIn in, con
             v2 *= scale;
         }
         if (SWIGLU) {
-            v = glu_act(v, out.gelu) * v2;
+            // Gated biases: each matrix's gate rows' then its up rows' (an expert's at
+            // 2·row_base).
+            if (out.bias) {
+                v += out.bias[2 * row_base + row];
+                v2 += out.bias[2 * row_base + nrows + row];
+            }
+            v = glu(v, v2, out.act, out.alpha, out.limit);
         } else {
             if (out.bias) v += out.bias[row_base + row];
             v *= out.scale;
@@ -936,12 +943,13 @@ static __device__ __forceinline__ void embed(W w, const int* __restrict__ token,
     const u8 *body, const u32 *qh, const u8 *sc, const u8 *body2, const u32 *qh2, const u8 *sc2, const float *x,       \
         const i8 *xq, const i8 *xr, const float2 *xds, const float *in_parts, float eps, const float *bias,            \
         const float *residual, float *y, int nrows, int K, const float *norm_w, i8 *yq, i8 *yr, float2 *yds,           \
-        float *out_parts, int gelu, float scale, const int *expert_ids, int slots_per_input, const int *slot_order
+        float *out_parts, int act, float act_alpha, float act_limit, float scale, const int *expert_ids,                \
+        int slots_per_input, const int *slot_order
 // gemv() waits for the previous kernel itself, after prefetching its weights.
 #define GEMV_BODY(T, A, R, S, NW, SWIGLU, QOUT)                                                                        \
     W w = {body, qh, sc}, w2 = {body2, qh2, sc2};                                                                      \
     XIn in = {x, xq, xr, xds, in_parts, eps};                                                                          \
-    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, gelu, scale};                                    \
+    GemvOut out = {bias, residual, y, norm_w, yq, yr, yds, out_parts, act, act_alpha, act_limit, scale};               \
     gemv<T, A, R, S, NW, SWIGLU, QOUT>(w, w2, in, out, nrows, K, ExpertSel{expert_ids, slots_per_input, slot_order});
 
 #define GEMV_ENTRY(NAME, T, A, R, S)                                                                                   \

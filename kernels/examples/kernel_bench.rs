@@ -239,7 +239,7 @@ fn main() -> Result<()> {
                                     t,
                                     y.slice(),
                                     quantising.quant,
-                                    false,
+                                    kiln_kernels::GatedAct::Silu,
                                 )?;
                             }
                             Ok(())

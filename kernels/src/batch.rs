@@ -9,7 +9,7 @@ use crate::compile::{attention_module, NORM, ROPE, SAMPLE};
 use crate::device::{Args, Device, LaunchConfig};
 use crate::error::{KernelError, Result};
 use crate::kv::KvPlanes;
-use crate::ops::{AttnArgs, AttnHeads, Kernels, RopeArgs};
+use crate::ops::{AttnArgs, AttnHeads, GatedAct, Kernels, RopeArgs};
 use crate::repack::DeviceWeight;
 use kiln_core::QType;
 use std::sync::Arc;
@@ -584,9 +584,10 @@ impl Kernels {
     /// (expert `e`'s `width` rows from `e·width`), and each expert multiplies the slots
     /// routed to it, slot `s` reading packed row `s / slots_per_input` of the `rows` in `x`
     /// and writing `y[s·ldy ..]` (`width` values): y = W_e·x + bias (bias: `w.rows` values,
-    /// expert-major), or with `up` (the same experts' up matrices) act(W_e·x) ⊙ (U_e·x),
-    /// act SiLU or GELU. Each expert's rows are read once for up to 64 of its slots, on
-    /// the int8 tensor cores of the register walk (`bmm_grouped_*` in cuda/bmm.cu).
+    /// expert-major), or with `up` (the same experts' up matrices) act(W_e·x + bg, U_e·x +
+    /// bu) (bias: 2·`w.rows` values, each expert's gate rows' then its up rows'). Each
+    /// expert's rows are read once for up to 64 of its slots, on the int8 tensor cores of
+    /// the register walk (`bmm_grouped_*` in cuda/bmm.cu).
     #[allow(clippy::too_many_arguments)]
     pub fn grouped_matmul(
         &self,
@@ -598,7 +599,7 @@ impl Kernels {
         y: DevSlice<f32>,
         ldy: usize,
         bias: Option<DevSlice<f32>>,
-        gelu: bool,
+        act: GatedAct,
     ) -> Result<()> {
         let module = w.format.batched.as_ref().ok_or_else(|| {
             KernelError::Unsupported(format!("no batched matmul for {} weights", w.format.tag))
@@ -611,9 +612,6 @@ impl Kernels {
                     w.format.tag, w.rows, w.row_len, u.format.tag, u.rows, u.row_len
                 )));
             }
-            if bias.is_some() {
-                return Err(invalid("a gated grouped matmul takes no bias".into()));
-            }
         }
         let k = w.row_len;
         x.check(rows, k, "grouped matmul input")?;
@@ -622,7 +620,8 @@ impl Kernels {
         }
         y.check_len((slots - 1) * ldy + width, "grouped matmul output")?;
         if let Some(b) = bias {
-            b.check_len(w.rows, "grouped matmul bias")?;
+            let per_row = if up.is_some() { 2 } else { 1 };
+            b.check_len(per_row * w.rows, "grouped matmul bias")?;
         }
         let name = match up {
             Some(_) => format!("bmm_grouped_swiglu_{}_{nt}", w.format.tag),
@@ -646,10 +645,11 @@ impl Kernels {
             .i32(ldy as i32)
             .i32(width as i32)
             .i32(k as i32);
-        let mut args = match up {
-            Some(_) => args.i32(gelu as i32),
-            None => args.ptr(opt(bias)),
-        };
+        let mut args = args.ptr(opt(bias));
+        if up.is_some() {
+            let (code, alpha, limit) = act.args();
+            args = args.i32(code).f32(alpha).f32(limit);
+        }
         let cfg = LaunchConfig {
             grid: (
                 width.div_ceil(BMM_ROWS_PER_BLOCK) as u32,

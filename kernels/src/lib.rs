@@ -36,7 +36,7 @@ pub use format::{gemv_qtypes, WeightFormat, APR_Q4_X4, FORMATS, Q4_0_X4};
 pub use gemm::Blas;
 pub use kv::{KvCache, KvFormat, KvLayerRows, KvPlanes, Q8Planes};
 pub use ops::{
-    AttnArgs, AttnHeads, Epilogue, ExpertSlots, GemvInput, GemvPath, GemvTiling, Kernels,
+    AttnArgs, AttnHeads, Epilogue, ExpertSlots, GatedAct, GemvInput, GemvPath, GemvTiling, Kernels,
     PendingNorm, PrefillAttnArgs, Q8Act, QuantBuffers, QuantOut, RopeArgs, MAX_EXPERTS,
     MAX_EXPERTS_USED,
 };

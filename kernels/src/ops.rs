@@ -146,12 +146,46 @@ pub struct Epilogue {
     /// May be the output itself (x += W·a).
     pub residual: Option<DevSlice<f32>>,
     pub quant: Option<QuantOut>,
-    /// SwiGLU mode only: GELU (tanh approximation) as the gate activation instead of SiLU
-    /// (GeGLU, Gemma's feed-forward).
-    pub gelu: bool,
+    /// SwiGLU mode only: the gated activation (and `bias` then holds the gate rows' biases
+    /// followed by the up rows', per matrix).
+    pub act: GatedAct,
     /// Not in SwiGLU mode: y = scale·(W·x + bias) + residual (a scaled residual branch or
     /// scaled logits, Granite's multipliers); `None` is 1.
     pub scale: Option<f32>,
+}
+
+/// A gated feed-forward's activation on the device (`glu` in cuda/common.cuh), what
+/// core's [`kiln_core::Activation`] says for a gated one.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum GatedAct {
+    /// silu(gate)·up (SwiGLU).
+    #[default]
+    Silu,
+    /// gelu_tanh(gate)·up (GeGLU, Gemma's).
+    Gelu,
+    /// gpt-oss's: gate at most `limit`, up within ±`limit`, gate·σ(alpha·gate)·(up + 1).
+    Clamped { alpha: f32, limit: f32 },
+}
+
+impl GatedAct {
+    /// The kernels' (act, alpha, limit) arguments.
+    pub(crate) fn args(self) -> (i32, f32, f32) {
+        match self {
+            GatedAct::Silu => (0, 0.0, 0.0),
+            GatedAct::Gelu => (1, 0.0, 0.0),
+            GatedAct::Clamped { alpha, limit } => (2, alpha, limit),
+        }
+    }
+}
+
+impl From<kiln_core::Activation> for GatedAct {
+    fn from(a: kiln_core::Activation) -> GatedAct {
+        match a {
+            kiln_core::Activation::Silu => GatedAct::Silu,
+            kiln_core::Activation::Gelu => GatedAct::Gelu,
+            kiln_core::Activation::SwigluOai { alpha, limit } => GatedAct::Clamped { alpha, limit },
+        }
+    }
 }
 
 /// The experts a Mixture-of-Experts GEMV multiplies: its weight stacks `count` matrices of
@@ -569,7 +603,9 @@ impl Kernels {
         }
         y.check_len(slots * rows, "GEMV output")?;
         if let Some(b) = epi.bias {
-            b.check_len(w.rows, "GEMV bias")?;
+            // Gated: the gate rows' biases, then the up rows'.
+            let per_row = if w2.is_some() { 2 } else { 1 };
+            b.check_len(per_row * w.rows, "GEMV bias")?;
         }
         if let Some(r) = epi.residual {
             r.check_len(rows, "GEMV residual")?;
@@ -625,7 +661,9 @@ impl Kernels {
             .ptr(q.map_or(0, |q| q.q.lo.ptr()))
             .ptr(q.map_or(0, |q| q.q.ds.ptr()))
             .ptr(q.map_or(0, |q| opt(q.norm_parts)))
-            .i32(epi.gelu as i32)
+            .i32(epi.act.args().0)
+            .f32(epi.act.args().1)
+            .f32(epi.act.args().2)
             .f32(epi.scale.unwrap_or(1.0))
             .ptr(experts.map_or(0, |e| e.ids.ptr()))
             .i32(experts.map_or(0, |e| e.slots_per_input) as i32)
@@ -711,9 +749,9 @@ impl Kernels {
         }
     }
 
-    /// y = act(gate·x) ⊙ (up·x): the fused first half of a gated feed-forward, act SiLU
-    /// (SwiGLU) or, with `gelu`, tanh-approximated GELU (GeGLU), with an optional quantised
-    /// copy of y for the down projection.
+    /// y = act(gate·x, up·x): the fused first half of a gated feed-forward ([`GatedAct`]:
+    /// SwiGLU, GeGLU or gpt-oss's clamped form), with an optional quantised copy of y for
+    /// the down projection.
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
@@ -724,14 +762,15 @@ impl Kernels {
         tiling: GemvTiling,
         y: DevSlice<f32>,
         quant: Option<QuantOut>,
-        gelu: bool,
+        act: GatedAct,
     ) -> Result<()> {
-        self.swiglu_slots(gate, up, None, input, path, tiling, y, quant, gelu)
+        self.swiglu_slots(gate, up, None, input, path, tiling, y, quant, None, act)
     }
 
-    /// [`Kernels::swiglu`], or with `experts` y_j = act(gate_{ids[j]}·x_j) ⊙ (up_{ids[j]}·x_j)
+    /// [`Kernels::swiglu`], or with `experts` y_j = act(gate_{ids[j]}·x_j, up_{ids[j]}·x_j)
     /// for each of its slots `j` (x_j the input `experts.slots_per_input` gives it), with
-    /// each slot's quantised copy.
+    /// each slot's quantised copy. `bias` (2·rows values) holds each matrix's gate rows'
+    /// biases followed by its up rows', added before the activation.
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu_slots(
         &self,
@@ -743,7 +782,8 @@ impl Kernels {
         tiling: GemvTiling,
         y: DevSlice<f32>,
         quant: Option<QuantOut>,
-        gelu: bool,
+        bias: Option<DevSlice<f32>>,
+        act: GatedAct,
     ) -> Result<()> {
         if gate.qtype != up.qtype || gate.rows != up.rows || gate.row_len != up.row_len {
             return Err(invalid(format!(
@@ -753,7 +793,8 @@ impl Kernels {
         }
         let epi = Epilogue {
             quant,
-            gelu,
+            bias,
+            act,
             ..Default::default()
         };
         let (module, name, cfg, args) = self.gemv_launch(

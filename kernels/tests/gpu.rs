@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use half::f16;
 use kiln_core::{QType, Rng, Sampler, SamplingParams};
 use kiln_kernels::testdata::{fresh_seed, random_vec, random_weights, reference_gemv, rel_err};
+use kiln_kernels::GatedAct;
 use kiln_kernels::{
     AttnArgs, AttnHeads, Device, DeviceBuffer, DeviceWeight, Epilogue, GemvInput, GemvPath,
     GemvTiling, Kernels, KvCache, KvFormat, KvPlanes, PendingNorm, PrefillAttnArgs, Q8Act,
@@ -184,7 +185,7 @@ fn gemv_every_type_path_and_shape_matches_reference() {
                 bias: Some(bd.slice()),
                 residual: Some(rd.slice()),
                 quant: None,
-                gelu: false,
+                act: GatedAct::Silu,
                 scale: Some(scale),
             };
             g.k.gemv(
@@ -315,7 +316,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                         norm_w: Some(nod.slice()),
                         norm_parts: Some(parts_out.slice()),
                     }),
-                    gelu: false,
+                    act: GatedAct::Silu,
                     scale: None,
                 };
                 g.k.gemv(&w, &input, path, t, y.slice(), &epi).unwrap();
@@ -335,7 +336,7 @@ fn quantising_gemv_with_pending_norm_matches_reference() {
                 bias: Some(bd.slice()),
                 residual: Some(rd.slice()),
                 quant: None,
-                gelu: false,
+                act: GatedAct::Silu,
                 scale: None,
             };
             g.k.gemv(&w, &input, path, GemvTiling::new(4, 2), y.slice(), &plain)
@@ -424,7 +425,7 @@ fn swiglu_matches_reference() {
                     norm_w: None,
                     norm_parts: None,
                 });
-                g.k.swiglu(&gw, &uw, &input, path, t, y.slice(), quant, false)
+                g.k.swiglu(&gw, &uw, &input, path, t, y.slice(), quant, GatedAct::Silu)
                     .unwrap();
                 let got = y.to_host().unwrap();
                 if quantise {
@@ -2425,9 +2426,12 @@ fn grouped_matmul_multiplies_each_experts_slots() {
         let gate = random_weights(&mut rng, q, k, rows).unwrap();
         let up = random_weights(&mut rng, q, k, rows).unwrap();
         let bias = random_vec(&mut rng, rows, 0.5);
+        // The gated form's: each expert's gate rows' biases, then its up rows'.
+        let gate_up_bias = random_vec(&mut rng, 2 * rows, 2.0);
         let gw = DeviceWeight::from_ggml_as(&g.dev, f, k, rows, &gate).unwrap();
         let uw = DeviceWeight::from_ggml_as(&g.dev, f, k, rows, &up).unwrap();
         let bd = buf(&g.dev, &bias);
+        let gud = buf(&g.dev, &gate_up_bias);
         // (tokens, experts a token, whether every token chooses expert 4). Expert 1 is
         // never chosen.
         for (tokens, used, hot) in [
@@ -2468,7 +2472,10 @@ fn grouped_matmul_multiplies_each_experts_slots() {
             let xd = buf(&g.dev, &x);
             g.k.act_pack(xd.slice(), tokens, k, None, None, packed.view())
                 .unwrap();
-            let run = |w: &DeviceWeight, up: Option<&DeviceWeight>, bias: Option<DevSlice<f32>>| {
+            let run = |w: &DeviceWeight,
+                       up: Option<&DeviceWeight>,
+                       bias: Option<DevSlice<f32>>,
+                       act: GatedAct| {
                 let y = poisoned(&g.dev, slots * width);
                 g.k.grouped_matmul(
                     w,
@@ -2479,15 +2486,20 @@ fn grouped_matmul_multiplies_each_experts_slots() {
                     y.slice(),
                     width,
                     bias,
-                    false,
+                    act,
                 )
                 .unwrap();
                 y.to_host().unwrap()
             };
-            let (got, got_up, got_sw) = (
-                run(&gw, None, Some(bd.slice())),
-                run(&uw, None, None),
-                run(&gw, Some(&uw), None),
+            let clamped = GatedAct::Clamped {
+                alpha: 1.702,
+                limit: 7.0,
+            };
+            let (got, got_up, got_sw, got_oai) = (
+                run(&gw, None, Some(bd.slice()), GatedAct::Silu),
+                run(&uw, None, None, GatedAct::Silu),
+                run(&gw, Some(&uw), None, GatedAct::Silu),
+                run(&gw, Some(&uw), Some(gud.slice()), clamped),
             );
             let (mut worst, mut worst_sw) = (0f64, 0f64);
             for t in 0..tokens {
@@ -2514,12 +2526,24 @@ fn grouped_matmul_multiplies_each_experts_slots() {
                         })
                         .collect();
                     let err_sw = rel_err(&mine(&got_sw), &swiglu);
+                    // gpt-oss's clamped form with the gate and up biases, from the same sums.
+                    let oai: Vec<f64> = (0..width)
+                        .map(|i| {
+                            let gb = gate_up_bias[2 * e * width + i] as f64;
+                            let ub = gate_up_bias[2 * e * width + width + i] as f64;
+                            let a = ((gate_k[i] - bias[e * width + i]) as f64 + gb).min(7.0);
+                            let b = (up_k[i] as f64 + ub).clamp(-7.0, 7.0);
+                            a / (1.0 + (-1.702 * a).exp()) * (b + 1.0)
+                        })
+                        .collect();
+                    let err_oai = rel_err(&mine(&got_oai), &oai);
                     // As the batched matmul's register walk (15-bit activations): 2e-4;
                     // a wrong expert, row or slot is off by far more.
                     for (what, e_, bar) in [
                         ("plain + bias", err, 2e-4),
                         ("up", err_up, 2e-4),
                         ("SwiGLU vs its plain products", err_sw, 1e-5),
+                        ("clamped, biased vs its plain products", err_oai, 1e-5),
                     ] {
                         if !(e_ < bar) {
                             failures.push(format!(
@@ -2590,10 +2614,18 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                 continue;
             }
             // SwiGLU over the one shared input, then with two slots a token (slot j reads
-            // input j / 2).
-            // The second also runs its slots in another order (results independent of it).
+            // input j / 2). The second also runs its slots in another order (results
+            // independent of it), with gate and up biases and gpt-oss's clamped activation
+            // (the random products, tens in size, cross its limit of 7 often).
             let order = buf(&g.dev, &[3i32, 1, 0, 2]);
+            let bias = random_vec(&mut rng, 2 * count * n, 2.0);
+            let bias_d = buf(&g.dev, &bias);
+            let clamped = GatedAct::Clamped {
+                alpha: 1.702,
+                limit: 7.0,
+            };
             for slots_per_input in [0usize, 2] {
+                let oai = slots_per_input > 0;
                 let slots = kiln_kernels::ExpertSlots {
                     count,
                     ids: ids.slice(),
@@ -2621,7 +2653,8 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                     t,
                     y.slice(),
                     quant,
-                    false,
+                    oai.then(|| bias_d.slice()),
+                    if oai { clamped } else { GatedAct::Silu },
                 )
                 .unwrap();
                 let got = y.to_host().unwrap();
@@ -2631,11 +2664,17 @@ fn expert_gemvs_read_the_chosen_experts_rows() {
                         reference_gemv(q, k, count * n, &gate, &xs[x * k..(x + 1) * k]).unwrap();
                     let u_ref =
                         reference_gemv(q, k, count * n, &up, &xs[x * k..(x + 1) * k]).unwrap();
-                    let rows = e as usize * n..(e as usize + 1) * n;
-                    let want: Vec<f64> = g_ref[rows.clone()]
-                        .iter()
-                        .zip(&u_ref[rows])
-                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    let e = e as usize;
+                    let want: Vec<f64> = (0..n)
+                        .map(|i| {
+                            let (g, u) = (g_ref[e * n + i], u_ref[e * n + i]);
+                            if !oai {
+                                return g / (1.0 + (-g).exp()) * u;
+                            }
+                            let g = (g + bias[2 * e * n + i] as f64).min(7.0);
+                            let u = (u + bias[2 * e * n + n + i] as f64).clamp(-7.0, 7.0);
+                            g / (1.0 + (-1.702 * g).exp()) * (u + 1.0)
+                        })
                         .collect();
                     let err = rel_err(&got[j * n..(j + 1) * n], &want);
                     assert!(

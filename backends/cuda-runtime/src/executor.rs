@@ -107,7 +107,7 @@ fn check_program(
                     ));
                 }
                 for f in &e.experts {
-                    check_feed_forward(name, f)?;
+                    check_expert(name, f)?;
                 }
             }
         }
@@ -136,6 +136,55 @@ fn check_feed_forward(name: &str, f: &program::FeedForward<TensorView>) -> Resul
     }
     if f.biases.is_some() {
         return Err(format!("{name} runs feed-forwards without biases only"));
+    }
+    Ok(())
+}
+
+/// The experts' gate and up biases as the gated GEMVs and grouped matmuls read them: each
+/// expert's gate rows' biases (zeros where it has none), then its up rows'; `None` when no
+/// expert has biases.
+fn expert_gate_up_biases(e: &program::Experts<TensorView>) -> Result<Option<Vec<f32>>> {
+    if e.experts.iter().all(|f| f.biases.is_none()) {
+        return Ok(None);
+    }
+    let mut v = Vec::new();
+    for f in &e.experts {
+        let width = f.up.rows();
+        match &f.biases {
+            Some(b) => {
+                match &b.gate {
+                    Some(g) => v.extend(vector(g, width, "expert gate bias")?),
+                    None => v.extend(std::iter::repeat_n(0.0, width)),
+                }
+                v.extend(vector(&b.up, width, "expert up bias")?);
+            }
+            None => v.extend(std::iter::repeat_n(0.0, 2 * width)),
+        }
+    }
+    Ok(Some(v))
+}
+
+/// The experts' down-projection biases, `hidden` an expert, expert after expert; `None`
+/// when no expert has biases.
+fn expert_down_biases(e: &program::Experts<TensorView>, hidden: usize) -> Result<Option<Vec<f32>>> {
+    if e.experts.iter().all(|f| f.biases.is_none()) {
+        return Ok(None);
+    }
+    let mut v = Vec::with_capacity(e.experts.len() * hidden);
+    for f in &e.experts {
+        match &f.biases {
+            Some(b) => v.extend(vector(&b.down, hidden, "expert down bias")?),
+            None => v.extend(std::iter::repeat_n(0.0, hidden)),
+        }
+    }
+    Ok(Some(v))
+}
+
+/// Why `name` cannot run the expert `f`, if it cannot: experts are gated, and may have
+/// biases and gpt-oss's clamped activation (their GEMVs and grouped matmuls take both).
+fn check_expert(name: &str, f: &program::FeedForward<TensorView>) -> Result<(), String> {
+    if f.gate.is_none() {
+        return Err(format!("{name} runs gated experts only"));
     }
     Ok(())
 }
@@ -273,6 +322,16 @@ struct DeviceFeedForward {
     up: DeviceWeight,
     down: DeviceWeight,
     gelu: bool,
+}
+
+impl DeviceFeedForward {
+    /// The gated activation its GEMVs apply (dense feed-forwards are SwiGLU or GeGLU).
+    fn act(&self) -> kiln_kernels::GatedAct {
+        match self.gelu {
+            true => kiln_kernels::GatedAct::Gelu,
+            false => kiln_kernels::GatedAct::Silu,
+        }
+    }
 }
 
 enum DeviceOp {
@@ -751,10 +810,16 @@ impl GpuExecutor {
                         )?,
                         up: stack(|f| &f.up, &mut progress)?,
                         down: stack(|f| &f.down, &mut progress)?,
+                        gate_up_bias: expert_gate_up_biases(e)?
+                            .map(|b| upload_vec(&b))
+                            .transpose()?,
+                        down_bias: expert_down_biases(e, h)?
+                            .map(|b| upload_vec(&b))
+                            .transpose()?,
                         count,
                         used: e.used,
                         normalize: e.normalize,
-                        gelu: e.experts[0].activation == Activation::Gelu,
+                        act: e.experts[0].activation.into(),
                     })
                 }
             };
@@ -1224,11 +1289,11 @@ impl GpuExecutor {
                             t,
                             s.ffn,
                             Some(hq),
-                            f.gelu,
+                            f.act(),
                         )?;
                     } else {
                         let t = self.tiling(&f.gate);
-                        k.swiglu(&f.gate, &f.up, &input, self.path, t, s.ffn, None, f.gelu)?;
+                        k.swiglu(&f.gate, &f.up, &input, self.path, t, s.ffn, None, f.act())?;
                         k.quantize(s.ffn, c.ffn_size, &hq)?;
                     }
                     self.residual_gemv(&f.down, s.hq, b, next)?;

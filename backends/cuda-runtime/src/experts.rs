@@ -16,7 +16,7 @@
 use kiln_core::ModelConfig;
 use kiln_kernels::{
     Carver, DevSlice, Device, DeviceBuffer, DeviceWeight, Epilogue, ExpertGroups, ExpertSlots,
-    GemvInput, Kernels, PackedAct, Q8Act, QuantOut,
+    GatedAct, GemvInput, Kernels, PackedAct, Q8Act, QuantOut,
 };
 
 use super::{DeviceBranch, DeviceOp, GpuExecutor};
@@ -30,10 +30,14 @@ pub(super) struct DeviceExperts {
     pub(super) gate: DeviceWeight,
     pub(super) up: DeviceWeight,
     pub(super) down: DeviceWeight,
+    /// Each expert's gate rows' biases then its up rows' (`swiglu_slots`' and
+    /// `grouped_matmul`'s layout), and the down rows' biases expert after expert.
+    pub(super) gate_up_bias: Option<DeviceBuffer<f32>>,
+    pub(super) down_bias: Option<DeviceBuffer<f32>>,
     pub(super) count: usize,
     pub(super) used: usize,
     pub(super) normalize: bool,
-    pub(super) gelu: bool,
+    pub(super) act: GatedAct,
 }
 
 impl DeviceExperts {
@@ -309,8 +313,8 @@ impl GpuExecutor {
                 rows,
                 gated,
                 width,
-                None,
-                e.gelu,
+                e.gate_up_bias.as_ref().map(|b| b.slice()),
+                e.act,
             )?;
             k.act_pack(gated, slots, width, None, None, m.packed_gated)?;
             let own = ExpertGroups {
@@ -326,8 +330,8 @@ impl GpuExecutor {
                 slots,
                 out,
                 h,
-                None,
-                false,
+                e.down_bias.as_ref().map(|b| b.slice()),
+                GatedAct::Silu,
             );
         }
         // Several tokens' slots run sorted by expert, so the blocks running at once share
@@ -359,7 +363,8 @@ impl GpuExecutor {
             self.quant_tiling_of(&e.gate),
             m.gated.sub(0, slots * width)?,
             Some(gated_q),
-            e.gelu,
+            e.gate_up_bias.as_ref().map(|b| b.slice()),
+            e.act,
         )?;
         let own = ExpertSlots {
             slots_per_input: 1,
@@ -377,7 +382,10 @@ impl GpuExecutor {
             self.path,
             self.tiling(&e.down),
             m.out.sub(0, slots * h)?,
-            &Epilogue::default(),
+            &Epilogue {
+                bias: e.down_bias.as_ref().map(|b| b.slice()),
+                ..Default::default()
+            },
         )
     }
 }
