@@ -46,13 +46,15 @@ static __device__ __forceinline__ int attn_split_len(int span, int split, int ns
 // After a split block has written its heads' partials (part_o, part_ml at split s): counts
 // the block in `counter` (left at zero by the last), and the last of the `n` split blocks of
 // heads h0 .. h0 + nh merges every split of them into `out` (and its quantised or packed
-// forms when given). Every thread of the block calls it.
+// forms when given). With `sinks` (gpt-oss), head h's softmax also holds the logit
+// sinks[h], which attends to nothing: e^(sink − max) joins the denominator only. Every
+// thread of the block calls it.
 static __device__ __forceinline__ void attn_merge_splits(const float* __restrict__ part_o,
                                                          const float2* __restrict__ part_ml, u32* __restrict__ counter,
                                                          float* __restrict__ out, i8* __restrict__ oq,
                                                          i8* __restrict__ olo, float2* __restrict__ ods,
                                                          const ActPack& pack, int h0, int nh, int hd, int nsplit,
-                                                         int n, int row_chunks) {
+                                                         int n, int row_chunks, const float* __restrict__ sinks) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     // Publish this split, then count it; the last split of the block's heads merges them.
     __threadfence();
@@ -85,6 +87,7 @@ static __device__ __forceinline__ void attn_merge_splits(const float* __restrict
             L += ml.y * wj;
             o += __ldcg(&po[(size_t)j * hd]) * wj;
         }
+        if (sinks) L += expf(sinks[head] - Mh);
         const float v = o / L;
         const size_t i = (size_t)head * hd + d;
         out[i] = v;
@@ -104,6 +107,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
                                                          u32* __restrict__ counters, float* __restrict__ out,
                                                          i8* __restrict__ oq, i8* __restrict__ olo,
                                                          float2* __restrict__ ods, int bx, int s, int nsplit,
+                                                         const float* __restrict__ sinks,
                                                          const ActPack pack = ActPack{}) {
     const int hd = E * 32;
     const int len = *len_ptr;
@@ -231,7 +235,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         }
     }
     attn_merge_splits(part_o, part_ml, &counters[bx], out, oq, olo, ods, pack, h0, nh, hd, nsplit,
-                      min(nsplit, (len - lo + split - 1) / split), n_heads * E);
+                      min(nsplit, (len - lo + split - 1) / split), n_heads * E, sinks);
 }
 
 // One decode-attention entry point: `NAME` computes GM query heads a block over a cache of
@@ -247,10 +251,11 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                            \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr,                \
         const int* table, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,       \
-        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods) {                                    \
+        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods, const float* sinks) {                \
         grid_dependency_wait();                                                                                        \
         attn_partial_impl<E, GM, KV>(q, KK(), VV(), len_ptr, table, n_heads, n_kv, max_ctx, split, scale, window,     \
-                                     part_o, part_ml, counters, out, oq, olo, ods, blockIdx.x, blockIdx.y, gridDim.y); \
+                                     part_o, part_ml, counters, out, oq, olo, ods, blockIdx.x, blockIdx.y, gridDim.y,  \
+                                     sinks);                                                                           \
     }
 
 // Both forms of an entry point: ONE (one query head a block) and PAIRS (two heads of a GQA
@@ -275,7 +280,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
         long long slot_stride, const int* table, int table_stride, int n_heads, int n_kv, int max_ctx, int split,      \
         float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, uint4* px, float2* ps,     \
-        u16* ph, int pack_rows) {                                                                                      \
+        u16* ph, int pack_rows, const float* sinks) {                                                                  \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y;                                                     \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
@@ -294,7 +299,7 @@ static __device__ __forceinline__ void attn_partial_impl(const float* __restrict
         attn_partial_impl<E, GM, KV>(q + z * qd, k_all.at(cache), v_all.at(cache), lens + z, tab, n_heads, n_kv,       \
                                     max_ctx, split, scale, window, part_o + z * qd * nsplit,                           \
                                     part_ml + (size_t)z * n_heads * nsplit, counters + z * n_heads, out + z * qd,      \
-                                    nullptr, nullptr, nullptr, blockIdx.x, blockIdx.y, nsplit,                         \
+                                    nullptr, nullptr, nullptr, blockIdx.x, blockIdx.y, nsplit, sinks,                  \
                                     ActPack{px, ps, ph, z, pack_rows});                                                \
     }
 // The batched step's decode attention on tensor cores, a GQA group a block: block (KV head,
@@ -318,7 +323,8 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
                                                       float2* __restrict__ part_ml, u32* __restrict__ counters,
                                                       float* __restrict__ out, i8* __restrict__ oq,
                                                       i8* __restrict__ olo, float2* __restrict__ ods,
-                                                      const ActPack& pack, int kvh, int s, int nsplit) {
+                                                      const ActPack& pack, int kvh, int s, int nsplit,
+                                                      const float* __restrict__ sinks) {
     constexpr int HD = 32 * E, LD = HD + 8, KSTEPS = HD / 16, ON = HD / 8, CHUNKS = HD / 8, TILE = ATTN_GROUP_TILE;
     extern __shared__ __align__(16) u8 attn_smem[];
     const int lo = window > 0 ? max(0, len - window) : 0;
@@ -451,7 +457,7 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
         if (d == 0) part_ml[(size_t)head * nsplit + s] = make_float2(M * 0.6931471805599453f, L);
     }
     attn_merge_splits(part_o, part_ml, &counters[h0], out, oq, olo, ods, pack, h0, group, HD, nsplit,
-                      min(nsplit, (span + split - 1) / split), n_heads * E);
+                      min(nsplit, (span + split - 1) / split), n_heads * E, sinks);
 }
 
 // attn_decode_batch_group_{E}: the kernel above for head sizes 32·E up to 128 (E ≤ 4; its
@@ -464,7 +470,7 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* lens, const int* slot,  \
         long long slot_stride, const int* table, int table_stride, int n_heads, int n_kv, int max_ctx, int split,      \
         float scale, int window, float* part_o, float2* part_ml, u32* counters, float* out, uint4* px, float2* ps,     \
-        u16* ph, int pack_rows) {                                                                                      \
+        u16* ph, int pack_rows, const float* sinks) {                                                                  \
         grid_dependency_wait();                                                                                        \
         const int z = blockIdx.z, hd = 32 * E, nsplit = gridDim.y, group = n_heads / n_kv;                            \
         const size_t qd = (size_t)n_heads * hd;                                                                        \
@@ -484,15 +490,15 @@ static __device__ __forceinline__ void attn_group_mma(const float* __restrict__ 
         attn_group_mma<E>(q + z * qd, kc + cache, vc + cache, lens[z], tab, n_heads, n_kv, max_ctx, split, scale,      \
                           window, part_o + z * qd * nsplit, part_ml + (size_t)z * n_heads * nsplit,                    \
                           counters + z * n_heads, out + z * qd, nullptr, nullptr, nullptr,                             \
-                          ActPack{px, ps, ph, z, pack_rows}, blockIdx.x, blockIdx.y, nsplit);                          \
+                          ActPack{px, ps, ph, z, pack_rows}, blockIdx.x, blockIdx.y, nsplit, sinks);                   \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_group_##E(                                           \
         const float* q, const u16* kc, const u16* vc, const u16* kd, const u16* vd, const int* len_ptr,                \
         const int* table, int n_heads, int n_kv, int max_ctx, int split, float scale, int window, float* part_o,       \
-        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods) {                                    \
+        float2* part_ml, u32* counters, float* out, i8* oq, i8* olo, float2* ods, const float* sinks) {                \
         grid_dependency_wait();                                                                                        \
         attn_group_mma<E>(q, kc, vc, *len_ptr, table, n_heads, n_kv, max_ctx, split, scale, window, part_o, part_ml,   \
-                          counters, out, oq, olo, ods, ActPack{}, blockIdx.x, blockIdx.y, gridDim.y);                  \
+                          counters, out, oq, olo, ods, ActPack{}, blockIdx.x, blockIdx.y, gridDim.y, sinks);           \
     }
 #define ATTN_GROUP_ENTRY_1 ATTN_GROUP_KERNEL(1)
 #define ATTN_GROUP_ENTRY_2 ATTN_GROUP_KERNEL(2)

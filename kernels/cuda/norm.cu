@@ -148,3 +148,12 @@ extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ y, const f
     const float scale = row_rms_scale(y, n, eps, scratch);
     for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] += y[i] * scale * w[i];
 }
+
+// x[t] += scale · bias for each of the `rows` rows of n values (grid (ceil(n / 256), rows)):
+// the bias of a projection whose product came from a GEMM without an epilogue (the prefill's
+// attention output, gpt-oss's).
+extern "C" __global__ void add_bias_rows(const float* __restrict__ bias, float scale, float* __restrict__ x, int n) {
+    grid_dependency_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[(size_t)blockIdx.y * n + i] += scale * bias[i];
+}

@@ -120,13 +120,14 @@ extern "C" __global__ void kv_q8_to_f16(const i8* __restrict__ kq, const u16* __
 // Causal GQA attention of the chunk's queries over the cache: query t of head h sees
 // positions 0 ..= start + t of KV head h / (n_heads / n_kv). One block of 4 warps per
 // (head, query); warp w takes positions w, w + 4, ... with an online softmax (lane l holds
-// dimensions l, l + 32, ...), then the 4 partial results are merged. Output in f16 (the
-// O projection's GEMM input), [rows][n_heads * hd].
+// dimensions l, l + 32, ...), then the 4 partial results are merged. With `sinks`, head h's
+// softmax also holds the logit sinks[h], which attends to nothing (gpt-oss). Output in f16
+// (the O projection's GEMM input), [rows][n_heads * hd].
 template <int E>
 static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q, const u16* __restrict__ kc,
                                                     const u16* __restrict__ vc, u16* __restrict__ out, int n_heads,
                                                     int n_kv, int max_ctx, int start, float scale, int window,
-                                                    const int* __restrict__ table) {
+                                                    const int* __restrict__ table, const float* __restrict__ sinks) {
     constexpr int HD = 32 * E, NW = 4;
     const int head = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -179,6 +180,7 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
         wt[w] = expf(sm[w] - mx);
         tot += sl[w] * wt[w];
     }
+    if (sinks) tot += expf(sinks[head] - mx);
     u16* o = out + ((size_t)t * n_heads + head) * HD;
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float v = 0.0f;
@@ -191,9 +193,9 @@ static __device__ __forceinline__ void attn_prefill(const float* __restrict__ q,
 #define ATTN_PREFILL(E)                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_##E(                                                \
         const float* q, const u16* kc, const u16* vc, u16* out, int n_heads, int n_kv, int max_ctx, int start,         \
-        float scale, int window, const int* table) {                                                                   \
+        float scale, int window, const int* table, const float* sinks) {                                               \
         grid_dependency_wait();                                                                                        \
-        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window, table);                          \
+        attn_prefill<E>(q, kc, vc, out, n_heads, n_kv, max_ctx, start, scale, window, table, sinks);                   \
     }
 ATTN_PREFILL(1)
 ATTN_PREFILL(2)
@@ -218,7 +220,8 @@ template <int HD, int BKV>
 static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ q, const u16* __restrict__ kc,
                                                         const u16* __restrict__ vc, u16* __restrict__ out, int rows,
                                                         int n_heads, int n_kv, int max_ctx, int start, float scale,
-                                                        int window, const int* __restrict__ table) {
+                                                        int window, const int* __restrict__ table,
+                                                        const float* __restrict__ sinks) {
     constexpr int BQ = 64, LD = HD + 8;  // shared rows padded by 16 bytes: ldmatrix without bank conflicts
     constexpr int KSTEPS = HD / 16, SN = BKV / 8, ON = HD / 8, CHUNKS = HD / 8;
     __shared__ __align__(16) u16 ks[2][BKV * LD];
@@ -325,6 +328,8 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
         l[h] += __shfl_xor_sync(FULL_MASK, l[h], 2);
+        // A sink's logit joins the denominator (m is in base-2 units, like the scores).
+        if (sinks) l[h] += exp2f(sinks[head] * 1.4426950408889634f - m[h]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -341,9 +346,9 @@ static __device__ __forceinline__ void attn_prefill_mma(const float* __restrict_
 #define ATTN_PREFILL_MMA(HD, BKV)                                                                                      \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_##HD(                                           \
         const float* q, const u16* kc, const u16* vc, u16* out, int rows, int n_heads, int n_kv, int max_ctx,          \
-        int start, float scale, int window, const int* table) {                                                        \
+        int start, float scale, int window, const int* table, const float* sinks) {                                    \
         grid_dependency_wait();                                                                                        \
-        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window, table);          \
+        attn_prefill_mma<HD, BKV>(q, kc, vc, out, rows, n_heads, n_kv, max_ctx, start, scale, window, table, sinks);   \
     }
 ATTN_PREFILL_MMA(64, 64)
 ATTN_PREFILL_MMA(128, 32)

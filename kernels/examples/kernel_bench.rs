@@ -333,6 +333,7 @@ fn main() -> Result<()> {
         for len in [128usize, 1024, 4096, 8192] {
             let lend = DeviceBuffer::from_host(&dev, &[len as i32])?;
             let a = AttnArgs {
+                sinks: None,
                 n_heads,
                 n_kv,
                 head_dim: hd,
@@ -625,6 +626,7 @@ fn batched_attention(dev: &Arc<Device>, k: &Kernels, rng: &mut Rng) -> Result<()
             let qd = n_heads * hd;
             let q = DeviceBuffer::from_host(dev, &random_vec(rng, rows * qd, 1.0))?;
             let a = AttnArgs {
+                sinks: None,
                 n_heads,
                 n_kv,
                 head_dim: hd,

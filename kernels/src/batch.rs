@@ -792,7 +792,8 @@ impl Kernels {
             .ptr(pack.map_or(0, |p| p.x.ptr()))
             .ptr(pack.map_or(0, |p| p.s.ptr()))
             .ptr(pack.map_or(0, |p| p.h.ptr()))
-            .i32(pack_rows as i32);
+            .i32(pack_rows as i32)
+            .ptr(opt(a.sinks));
         let cfg = LaunchConfig {
             grid: (grid_x as u32, nsplit as u32, b.rows as u32),
             block: (128, 1, 1),

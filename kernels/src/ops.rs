@@ -1359,6 +1359,7 @@ impl AttnIo {
             .ptr(q.map_or(0, |q| q.q.ptr()))
             .ptr(q.map_or(0, |q| q.lo.ptr()))
             .ptr(q.map_or(0, |q| q.ds.ptr()))
+            .ptr(opt(a.sinks))
     }
 }
 
@@ -1401,6 +1402,9 @@ pub struct AttnArgs {
     /// [`Kernels::attention_splits`]) for the grid every length needs; fewer serve spans
     /// up to a bound exactly as the full grid does ([`Kernels::attention_grid_splits`]).
     pub splits: usize,
+    /// A logit per query head that joins each softmax and attends to nothing (gpt-oss's
+    /// attention sinks), `n_heads` values; `None`: no sinks.
+    pub sinks: Option<DevSlice<f32>>,
 }
 
 impl AttnArgs {
@@ -1443,6 +1447,9 @@ impl AttnArgs {
                 self.window, self.max_ctx
             )));
         }
+        if let Some(s) = self.sinks {
+            s.check_len(self.n_heads, "attention sinks")?;
+        }
         Ok(())
     }
 }
@@ -1461,6 +1468,8 @@ pub struct PrefillAttnArgs {
     pub scale: f32,
     /// Positions a query attends to, its own included (0: all); see [`AttnArgs::window`].
     pub window: usize,
+    /// See [`AttnArgs::sinks`].
+    pub sinks: Option<DevSlice<f32>>,
 }
 
 /// Checks a one-sequence view's block table, if it has one: a single row.
@@ -1819,6 +1828,9 @@ impl Kernels {
             )));
         }
         q.check_len(rows * a.n_heads * hd, "attention Q rows")?;
+        if let Some(s) = a.sinks {
+            s.check_len(a.n_heads, "attention sinks")?;
+        }
         kc.check_len(a.n_kv * a.max_ctx * hd, "K cache")?;
         vc.check_len(a.n_kv * a.max_ctx * hd, "V cache")?;
         out.check_len(rows * a.n_heads * hd, "attention output rows")?;
@@ -1838,7 +1850,8 @@ impl Kernels {
                 .i32(a.start as i32)
                 .f32(a.scale)
                 .i32(a.window as i32)
-                .ptr(opt(table));
+                .ptr(opt(table))
+                .ptr(opt(a.sinks));
             let cfg = LaunchConfig {
                 grid: (rows.div_ceil(64) as u32, a.n_heads as u32, 1),
                 block: (128, 1, 1),
@@ -1863,7 +1876,8 @@ impl Kernels {
             .i32(a.start as i32)
             .f32(a.scale)
             .i32(a.window as i32)
-            .ptr(opt(table));
+            .ptr(opt(table))
+            .ptr(opt(a.sinks));
         let cfg = LaunchConfig {
             grid: (a.n_heads as u32, rows as u32, 1),
             block: (128, 1, 1),
@@ -1939,6 +1953,37 @@ impl Kernels {
                 &mut args,
             )
         }
+    }
+
+    /// For each of `rows` rows of `n` values: x += scale · bias.
+    pub fn add_bias_rows(
+        &self,
+        x: DevSlice<f32>,
+        rows: usize,
+        n: usize,
+        bias: DevSlice<f32>,
+        scale: f32,
+    ) -> Result<()> {
+        if n == 0 || rows == 0 || n > i32::MAX as usize || rows > 65_535 {
+            return Err(invalid(format!("a bias over {rows}x{n}")));
+        }
+        bias.check_len(n, "bias")?;
+        x.check_len(rows * n, "biased rows")?;
+        let f = self
+            .device
+            .function(&crate::compile::NORM, "add_bias_rows")?;
+        let mut args = Args::new()
+            .ptr(bias.ptr())
+            .f32(scale)
+            .ptr(x.ptr())
+            .i32(n as i32);
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(256) as u32, rows as u32, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { self.device.launch(f, cfg, &mut args) }
     }
 
     /// For each of `rows` rows of `n` values: x += y · rsqrt(mean(y²) + eps) · w (a norm on

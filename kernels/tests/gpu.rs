@@ -786,7 +786,13 @@ fn attention_matches_reference_across_contexts_and_gqa() {
             let oq = quant_buffers(&g.dev, n_heads * hd);
             let counters = DeviceBuffer::<u32>::zeros(&g.dev, n_heads).unwrap();
             let scale = 1.0 / (hd as f32).sqrt();
+            // The pairs and group kernels run with attention sinks (a logit a head that
+            // joins the softmax and attends to nothing); one head a block without.
+            let sinks = random_vec(&mut rng, n_heads, 3.0);
+            let sinks_d = buf(&g.dev, &sinks);
+            let with_sinks = heads != AttnHeads::One;
             let a = AttnArgs {
+                sinks: with_sinks.then(|| sinks_d.slice()),
                 n_heads,
                 n_kv,
                 head_dim: hd,
@@ -850,9 +856,14 @@ fn attention_matches_reference_across_contexts_and_gqa() {
                         qh.iter().zip(k).map(|(&a, &b)| a as f64 * b).sum::<f64>() * scale as f64
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = with_sinks.then(|| sinks[h] as f64);
+                let m = scores
+                    .iter()
+                    .cloned()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let total: f64 = w.iter().sum();
+                let total: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
                 let reference: Vec<f64> = (0..hd)
                     .map(|d| {
                         (0..len)
@@ -892,9 +903,14 @@ fn prefill_attention_matches_reference() {
         (256, 2, 100, 70, 50, 200),
     ];
     let (mut worst_tc, mut worst_rows) = (0.0f64, 0.0f64);
-    for &(hd, ratio, start, rows, window, max_ctx) in cases {
+    for (case, &(hd, ratio, start, rows, window, max_ctx)) in cases.iter().enumerate() {
         let n_kv = 2;
         let n_heads = n_kv * ratio;
+        // Every other case with attention sinks (a logit a head that joins the softmax and
+        // attends to nothing).
+        let sinks = random_vec(&mut rng, n_heads, 3.0);
+        let sinks_d = buf(&g.dev, &sinks);
+        let with_sinks = case % 2 == 1;
         let kh: Vec<u16> = (0..n_kv * max_ctx * hd)
             .map(|_| f16::from_f32(rng.next_f32() * 2.0 - 1.0).to_bits())
             .collect();
@@ -905,6 +921,7 @@ fn prefill_attention_matches_reference() {
         let (kd, vd, qd) = (buf(&g.dev, &kh), buf(&g.dev, &vh), buf(&g.dev, &q));
         let scale = 1.0 / (hd as f32).sqrt();
         let a = PrefillAttnArgs {
+            sinks: with_sinks.then(|| sinks_d.slice()),
             n_heads,
             n_kv,
             head_dim: hd,
@@ -964,9 +981,14 @@ fn prefill_attention_matches_reference() {
                             * scale as f64
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = with_sinks.then(|| sinks[h] as f64);
+                let m = scores
+                    .iter()
+                    .cloned()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let total: f64 = w.iter().sum();
+                let total: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
                 let reference: Vec<f64> = (0..hd)
                     .map(|d| {
                         (lo..=pos)
@@ -1779,6 +1801,7 @@ fn batched_group_attention_matches_the_head_kernels() {
             slot: slotd.slice(),
         };
         let attn = AttnArgs {
+            sinks: None,
             n_heads,
             n_kv,
             head_dim: hd,
@@ -1914,6 +1937,7 @@ fn batched_matches_one_at_a_time(g: &Gpu, rng: &mut Rng, format: KvFormat, heads
     // `_inv_freq` owns the frequencies `rope` points at, to the end of the test.
     let (_inv_freq, rope) = plain_rope(g, n_heads, n_kv, hd);
     let attn = AttnArgs {
+        sinks: None,
         n_heads,
         n_kv,
         head_dim: hd,
@@ -2102,6 +2126,7 @@ fn paged_cache_matches_a_contiguous_one() {
             assert_eq!(qa.to_host().unwrap(), qb.to_host().unwrap(), "rotated Q");
             // The prefill attention over the prompt (f16 caches; a q8_0 one expands first).
             let pa = PrefillAttnArgs {
+                sinks: None,
                 n_heads,
                 n_kv,
                 head_dim: hd,
@@ -2131,6 +2156,7 @@ fn paged_cache_matches_a_contiguous_one() {
                         }
                     };
                     let a = PrefillAttnArgs {
+                        sinks: None,
                         max_ctx: cache_rows,
                         ..pa
                     };
@@ -2157,6 +2183,7 @@ fn paged_cache_matches_a_contiguous_one() {
         // A decode step per sequence, one at a time (ring) and batched (pool).
         let split = 64;
         let attn = AttnArgs {
+            sinks: None,
             n_heads,
             n_kv,
             head_dim: hd,

@@ -860,6 +860,18 @@ fn moe_fixtures_match_cpu_on_both_gpu_backends() {
     }
 }
 
+/// gpt-oss: the tiny transformers fixture (attention sinks, Q/K/V/O biases, a window of 16
+/// on every other layer crossed by the 40-token prompt, YaRN, 8 experts with biases, 4 a
+/// token, the clamped SwiGLU binding on some of their values) on both GPU backends against
+/// the CPU oracle (itself checked against transformers: tests/tests/gpt_oss.rs).
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn gpt_oss_fixture_matches_cpu_on_both_gpu_backends() {
+    for gpu in ["cuda-q4k", "cuda-q4_0"] {
+        fixture_parity_in(gpu, "gpt_oss", "gpt-oss");
+    }
+}
+
 /// A quantised Mixture of Experts of a real shape's proportions: synthetic qwen3moe-7b-a2b
 /// (64 experts of 1,024, 8 a token) in q4_k_m (Q4_K and Q6_K experts) on cuda-q4k and in
 /// q4_0 on cuda-q4_0, under the bars of those mixes.

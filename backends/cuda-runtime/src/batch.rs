@@ -310,18 +310,20 @@ impl GpuExecutor {
             slot: meta(3, rows)?,
         };
         let x = b.x.sub(0, bm * h)?;
-        let none = BatchEpilogue::default();
         // x += W·a, or x += norm(W·a) with a sandwich norm (Gemma); then x normalised with
         // `next` (the next matmul's norm) and packed for it. That pack stays a launch of its
         // own: packing in the launch that sums the splits needs the whole row's norm first,
         // and the last block of each row packing it measured slower than act_pack
         // (docs/log/2026-11-to-12.md, "Fewer launches between the batched matmuls").
         let add_to_stream = |w: &kiln_kernels::DeviceWeight,
+                             bias: Option<&kiln_kernels::DeviceBuffer<f32>>,
                              branch: &DeviceBranch,
                              next: &kiln_kernels::DeviceBuffer<f32>| {
+            let bias = bias.map(|b| b.slice());
             match &branch.post_norm {
                 None => {
                     let residual = BatchEpilogue {
+                        bias,
                         residual: Some(x),
                         scale: branch.scale,
                         ..Default::default()
@@ -330,7 +332,11 @@ impl GpuExecutor {
                 }
                 Some(post) => {
                     let y = b.proj.sub(0, bm * h)?;
-                    k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &none)?;
+                    let biased = BatchEpilogue {
+                        bias,
+                        ..Default::default()
+                    };
+                    k.batched_matmul(w, None, &b.act, bm, b.part, y, h, &biased)?;
                     k.add_rmsnorm_rows(y, bm, h, post.slice(), c.norm_eps, x)?;
                 }
             }
@@ -383,7 +389,7 @@ impl GpuExecutor {
                         out,
                         Some(b.act),
                     )?;
-                    add_to_stream(&a.o, branch, next)?;
+                    add_to_stream(&a.o, a.o_bias.as_ref(), branch, next)?;
                 }
                 DeviceOp::FeedForward(f) => {
                     let y = b.ffn.sub(0, bm * ffn)?;
@@ -394,7 +400,7 @@ impl GpuExecutor {
                         ..Default::default()
                     };
                     k.batched_matmul(&f.gate, Some(&f.up), &b.act, bm, b.part, y, ffn, &gated)?;
-                    add_to_stream(&f.down, branch, next)?;
+                    add_to_stream(&f.down, None, branch, next)?;
                 }
                 DeviceOp::Experts(e) => {
                     self.experts_rows(e, branch, x, rows, b.proj.sub(0, rows * h)?)?;

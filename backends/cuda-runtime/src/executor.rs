@@ -76,20 +76,7 @@ fn check_program(
             ));
         }
         match op {
-            Op::Attention(a) => {
-                if a.out.bias.is_some() {
-                    return Err(format!(
-                        "layer {}: attention output biases are not supported by {name}",
-                        a.layer
-                    ));
-                }
-                if a.sinks.is_some() {
-                    return Err(format!(
-                        "layer {}: attention sinks are not supported by {name} yet (the cpu backend runs them)",
-                        a.layer
-                    ));
-                }
-            }
+            Op::Attention(_) => {}
             Op::FeedForward(f) => check_feed_forward(name, f)?,
             Op::Experts(e) => {
                 if e.experts.len() > kiln_kernels::MAX_EXPERTS {
@@ -309,6 +296,9 @@ struct DeviceAttention {
     q_norm: Option<DeviceBuffer<f32>>,
     k_norm: Option<DeviceBuffer<f32>>,
     o: DeviceWeight,
+    o_bias: Option<DeviceBuffer<f32>>,
+    /// A logit a query head that joins its softmax and attends to nothing (gpt-oss).
+    sinks: Option<DeviceBuffer<f32>>,
     /// Positions a query attends to (0: all; a sliding-window layer's window).
     window: usize,
     /// A sliding-window layer rotates with the local RoPE base.
@@ -776,6 +766,16 @@ impl GpuExecutor {
                         q_norm,
                         k_norm,
                         o: upload(&a.out.weight, &mut progress)?,
+                        o_bias: match &a.out.bias {
+                            Some(t) => Some(upload_vec(&vector(t, h, "attention output bias")?)?),
+                            None => None,
+                        },
+                        sinks: match &a.sinks {
+                            Some(t) => {
+                                Some(upload_vec(&vector(t, c.num_heads, "attention sinks")?)?)
+                            }
+                            None => None,
+                        },
                         window,
                         local_rope: a.span.local_rope,
                         scale: a.scale,
@@ -1074,6 +1074,7 @@ impl GpuExecutor {
     fn attn_args(&self, a: &DeviceAttention, shape: StepShape) -> AttnArgs {
         let c = &self.config;
         AttnArgs {
+            sinks: a.sinks.as_ref().map(|s| s.slice()),
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -1271,7 +1272,7 @@ impl GpuExecutor {
                         s.attn,
                         Some(s.aq),
                     )?;
-                    self.residual_gemv(&a.o, s.aq, b, next)?;
+                    self.residual_gemv(&a.o, a.o_bias.as_ref().map(|b| b.slice()), s.aq, b, next)?;
                 }
                 DeviceOp::FeedForward(f) => {
                     let hq = QuantOut {
@@ -1296,7 +1297,7 @@ impl GpuExecutor {
                         k.swiglu(&f.gate, &f.up, &input, self.path, t, s.ffn, None, f.act())?;
                         k.quantize(s.ffn, c.ffn_size, &hq)?;
                     }
-                    self.residual_gemv(&f.down, s.hq, b, next)?;
+                    self.residual_gemv(&f.down, None, s.hq, b, next)?;
                 }
                 DeviceOp::Experts(e) => self.queue_experts(e, &input, b, next)?,
             }
@@ -1334,6 +1335,7 @@ impl GpuExecutor {
     fn residual_gemv(
         &self,
         w: &DeviceWeight,
+        bias: Option<DevSlice<f32>>,
         a: Q8Act,
         b: &DeviceBranch,
         out: QuantOut,
@@ -1352,13 +1354,17 @@ impl GpuExecutor {
                 self.path,
                 self.tiling(w),
                 s.proj,
-                &Epilogue::default(),
+                &Epilogue {
+                    bias,
+                    ..Default::default()
+                },
             )?;
             k.add_rmsnorm_rows(s.proj, 1, h, post.slice(), self.config.norm_eps, s.x)?;
             return k.quantize(s.x, h, &out);
         }
         let fused = w.bytes() <= self.fuse_limit;
         let epi = Epilogue {
+            bias,
             residual: Some(s.x),
             quant: fused.then_some(out),
             scale: b.scale,

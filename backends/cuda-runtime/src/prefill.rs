@@ -487,6 +487,7 @@ impl GpuExecutor {
         };
         let attn = p.b.act.sub(0, n * qd)?;
         let args = PrefillAttnArgs {
+            sinks: l.sinks.as_ref().map(|s| s.slice()),
             n_heads: c.num_heads,
             n_kv: c.num_kv_heads,
             head_dim: hd,
@@ -499,7 +500,8 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, branch, attn, n, qd, timer)
+        let bias = l.o_bias.as_ref().map(|b| b.slice());
+        self.residual_gemm(p, branch, attn, n, qd, bias, timer)
     }
 
     /// A gated feed-forward over the chunk's normed rows (in `act`), added to the stream.
@@ -537,7 +539,7 @@ impl GpuExecutor {
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&f.down, p.b.wbuf.sub(0, h * ffn)?)?;
         Timer::mark(timer, Part::Gemm)?;
-        self.residual_gemm(p, branch, act, n, ffn, timer)
+        self.residual_gemm(p, branch, act, n, ffn, None, timer)
     }
 
     /// x += W·a for the chunk's `n` rows as `branch` joins the stream (W the f16 weight in
@@ -551,6 +553,7 @@ impl GpuExecutor {
         a: DevSlice<u16>,
         n: usize,
         k: usize,
+        bias: Option<DevSlice<f32>>,
         timer: &mut Option<Timer>,
     ) -> Result<()> {
         let h = self.config.hidden_size;
@@ -559,11 +562,17 @@ impl GpuExecutor {
         match &branch.post_norm {
             None => {
                 let alpha = branch.scale.unwrap_or(1.0);
-                p.blas.gemm_f16_f32(w, h, a, n, k, x, h, alpha, 1.0)?
+                p.blas.gemm_f16_f32(w, h, a, n, k, x, h, alpha, 1.0)?;
+                if let Some(b) = bias {
+                    self.k.add_bias_rows(x, n, h, b, alpha)?;
+                }
             }
             Some(post) => {
                 let y = p.b.proj.sub(0, n * h)?;
                 p.blas.gemm_f16_f32(w, h, a, n, k, y, h, 1.0, 0.0)?;
+                if let Some(b) = bias {
+                    self.k.add_bias_rows(y, n, h, b, 1.0)?;
+                }
                 Timer::mark(timer, Part::Other)?;
                 self.k
                     .add_rmsnorm_rows(y, n, h, post.slice(), self.config.norm_eps, x)?;
