@@ -194,30 +194,34 @@ pub struct ExpertGroups {
 const GROUPED_TILES: [usize; 4] = [1, 2, 4, 8];
 
 impl ExpertGroups {
-    /// (an expert's rows, slots, NT) of a grouped matmul over `w` with `rows` packed input
-    /// rows, or why it does not fit. NT makes a block's tile of 8·NT slots cover an
-    /// expert's share of the slots when they spread evenly over the experts (larger shares
-    /// take several tiles).
-    fn launch_shape(&self, w: &DeviceWeight, rows: usize) -> Result<(usize, usize, usize)> {
+    /// (an expert's rows, slots, NT) of a grouped matmul over a weight of `w_rows` rows of
+    /// `row_len` values stored in groups of `row_group`, with `rows` packed input rows, or
+    /// why it does not fit. NT makes a block's tile of 8·NT slots cover an expert's share
+    /// of the slots when they spread evenly over the experts (larger shares take several
+    /// tiles).
+    fn launch_shape(
+        &self,
+        w_rows: usize,
+        row_len: usize,
+        row_group: usize,
+        rows: usize,
+    ) -> Result<(usize, usize, usize)> {
         let count = self.count;
-        if count == 0 || count > crate::ops::MAX_EXPERTS || !w.rows.is_multiple_of(count) {
+        if count == 0 || count > crate::ops::MAX_EXPERTS || !w_rows.is_multiple_of(count) {
             return Err(invalid(format!(
-                "{} rows do not stack {count} experts' matrices (1 to {})",
-                w.rows,
+                "{w_rows} rows do not stack {count} experts' matrices (1 to {})",
                 crate::ops::MAX_EXPERTS
             )));
         }
-        let width = w.rows / count;
-        if !width.is_multiple_of(w.format.row_group) {
+        let width = w_rows / count;
+        if !width.is_multiple_of(row_group) {
             return Err(invalid(format!(
-                "an expert's {width} rows are not whole groups of {}",
-                w.format.row_group
+                "an expert's {width} rows are not whole groups of {row_group}"
             )));
         }
-        if !w.row_len.is_multiple_of(32) {
+        if !row_len.is_multiple_of(32) || row_len > i32::MAX as usize {
             return Err(invalid(format!(
-                "rows of {} values (a multiple of 32)",
-                w.row_len
+                "rows of {row_len} values (a multiple of 32)"
             )));
         }
         let slots = self.order.len();
@@ -604,7 +608,8 @@ impl Kernels {
         let module = w.format.batched.as_ref().ok_or_else(|| {
             KernelError::Unsupported(format!("no batched matmul for {} weights", w.format.tag))
         })?;
-        let (width, slots, nt) = groups.launch_shape(w, rows)?;
+        let (width, slots, nt) =
+            groups.launch_shape(w.rows, w.row_len, w.format.row_group, rows)?;
         if let Some(u) = up {
             if u.format != w.format || u.rows != w.rows || u.row_len != w.row_len {
                 return Err(invalid(format!(
@@ -962,5 +967,77 @@ fn check_pool(kv: &KvPlanes, slot_stride: usize, slot_values: usize) -> Result<K
             kv.values(),
             if kv.table().is_some() { ", paged" } else { "" }
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DevSlice, ExpertGroups};
+
+    fn groups(count: usize, slots: usize, slots_per_input: usize) -> ExpertGroups {
+        ExpertGroups {
+            count,
+            order: DevSlice::from_raw(0x1000, slots),
+            starts: DevSlice::from_raw(0x2000, count + 1),
+            slots_per_input,
+        }
+    }
+
+    /// A grouped matmul's shape: an expert's rows, its slots, and the tile (8·NT slots)
+    /// that covers an expert's even share; and the launches it refuses.
+    #[test]
+    fn grouped_launch_shapes() {
+        // qwen3-30b-a3b's gate (128 experts of 768 rows): a batch of 64 tokens (4 slots an
+        // expert), a 512-token prefill chunk (32); Mixtral's 8 experts of 14,336 at 64
+        // tokens (16 an expert) and 512 (128: several tiles of 64).
+        assert_eq!(
+            groups(128, 512, 8)
+                .launch_shape(128 * 768, 2048, 1, 64)
+                .unwrap(),
+            (768, 512, 1)
+        );
+        assert_eq!(
+            groups(128, 4096, 8)
+                .launch_shape(128 * 768, 2048, 1, 512)
+                .unwrap(),
+            (768, 4096, 4)
+        );
+        assert_eq!(
+            groups(8, 128, 2)
+                .launch_shape(8 * 14336, 4096, 1, 64)
+                .unwrap(),
+            (14336, 128, 2)
+        );
+        assert_eq!(
+            groups(8, 1024, 2)
+                .launch_shape(8 * 14336, 4096, 1, 512)
+                .unwrap(),
+            (14336, 1024, 8)
+        );
+        // The down projection: each slot its own packed row.
+        assert_eq!(
+            groups(128, 512, 1)
+                .launch_shape(128 * 2048, 768, 1, 512)
+                .unwrap(),
+            (2048, 512, 1)
+        );
+        // Fewer slots than experts: a share of one.
+        assert_eq!(
+            groups(64, 10, 1).launch_shape(64 * 32, 64, 4, 10).unwrap(),
+            (32, 10, 1)
+        );
+        // Refused: rows that do not stack the experts, an expert splitting a row group, rows
+        // not whole chunks, no slots, no packed row a slot, too few packed rows, starts of
+        // the wrong length, too many experts.
+        assert!(groups(3, 8, 1).launch_shape(100, 64, 1, 8).is_err());
+        assert!(groups(4, 8, 1).launch_shape(4 * 6, 64, 4, 8).is_err());
+        assert!(groups(4, 8, 1).launch_shape(64, 48, 1, 8).is_err());
+        assert!(groups(4, 0, 1).launch_shape(64, 64, 1, 8).is_err());
+        assert!(groups(4, 8, 0).launch_shape(64, 64, 1, 8).is_err());
+        assert!(groups(4, 16, 2).launch_shape(64, 64, 1, 7).is_err());
+        let mut short = groups(4, 8, 1);
+        short.starts = DevSlice::from_raw(0x2000, 4);
+        assert!(short.launch_shape(64, 64, 1, 8).is_err());
+        assert!(groups(1025, 8, 1).launch_shape(1025 * 4, 64, 1, 8).is_err());
     }
 }

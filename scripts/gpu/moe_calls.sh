@@ -11,6 +11,13 @@
 #                                    batched S_TG at NPL), then kiln_old against kiln (tg128)
 #                                    on the dense files, and .gpu/kiln_head (if packed)
 #                                    against kiln on the MoE file (pp512, S_TG).
+#   scripts/gpu/moe_calls.sh gpt-oss  a call while warm: gpt-oss's GPU parts (MXFP4, the
+#                                    grouped matmuls' and expert GEMVs' biases and clamp,
+#                                    attention sinks; the transformers fixture end to end).
+#   scripts/gpu/moe_calls.sh gpt-oss-bench  gpt-oss-20b (synthetic, llama.cpp's MXFP4_MOE
+#                                    mix) beside llama.cpp: pp512 / tg128 and S_TG at NPL
+#                                    (after `start`, whose llama.cpp build it uses).
+#   scripts/gpu/moe_calls.sh tests   TESTS_RUN only (its default: start's tests).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 work=/tmp/w
@@ -26,9 +33,14 @@ start)
         done
         touch "$work/synth.done"
     ) >/dev/null 2>&1 &
+    bash "$0" tests
+    ;;
+tests)
+    # TESTS_RUN: "binary filter seconds" entries separated by commas (filter "all": every
+    # test). The default is the Mixture-of-Experts set.
+    [ -x .gpu/gpu ] || tar -xJf .gpu-pack/gpu.tar.xz
     export KILN_REQUIRE_GPU=1 KILN_CACHE_DIR=$work/cache
-    # "binary filter seconds" entries separated by commas (filter "all": every test).
-    IFS=, read -r -a runs <<<"${TESTS_RUN:-gpu expert 60,gpu_parity moe_fixtures 60,conformance all 90,gpu_parity qwen3moe 130,batched_decode qwen3moe 130,gpu_parity llama32_1b_synthetic 60}"
+    IFS=, read -r -a runs <<<"${TESTS_RUN:-gpu expert 90,gpu_parity moe_fixtures 60,conformance all 90,gpu_parity qwen3moe_synthetic 130,batched_decode qwen3moe 130,gpu_parity llama32_1b_synthetic 60}"
     for t in "${runs[@]}"; do
         set -- $t
         echo "== $t"
@@ -38,6 +50,23 @@ start)
         echo "rc $?"
         grep -hE "^test |min cosine|worst|panicked|test result" "$out/$1-$2.log" | grep -vE "\.\.\. ignored" | tail -25
     done
+    ;;
+gpt-oss)
+    TESTS_RUN=${TESTS_RUN:-"gpu mxfp4 30,gpu expert 90,gpu attention_matches 150,gpu prefill_attention 60,gpu_parity gpt_oss 60,gpu_parity mxfp4 150"} \
+        bash "$0" tests
+    ;;
+gpt-oss-bench)
+    [ -x .gpu/kiln ] || tar -xJf .gpu-pack/gpu.tar.xz
+    m=$work/gpt-oss-20b.mxfp4_moe.gguf
+    [ -s "$m" ] || .gpu/kiln synth "$m" --shape gpt-oss-20b --type mxfp4_moe --seed 0 2>&1 | tail -1
+    bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
+    for _ in $(seq 200); do
+        [ -x "$bin/llama-bench" ] && ! pgrep -f "cmake --build" >/dev/null && break
+        sleep 3
+    done
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    KILN=.gpu/kiln OUT=$out/vs-gpt-oss PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
+        bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -16
     ;;
 one)
     # Both in one call when device time is short: the tests of `start` (TESTS_RUN), then
@@ -76,7 +105,7 @@ bench)
     fi
     ;;
 *)
-    sed -n '2,12p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
     ;;
 esac
