@@ -41,13 +41,14 @@ struct BFrag {
 
 // Formats with a scale per 16 values: the batched walk multiplies each half on its own.
 template <int T> static constexpr __host__ __device__ bool bmm_halves() {
-    return T == T_Q6_K || T == T_Q3_K || T == T_Q2_K;
+    return T == T_Q6_K || T == T_Q3_K || T == T_Q2_K || grid_halves(T);
 }
 
 // Integer values are unsigned (0..63) for every format but Q8_0, Q6_K, Q3_K and the
-// level-table types' levels (the I-quants', MXFP4's), which are signed.
+// level-table types' levels (the I-quants', MXFP4's) and the grid types' values, which are
+// signed.
 template <int T> static constexpr __host__ __device__ bool bmm_signed() {
-    return T == T_Q8_0 || T == T_Q6_K || T == T_Q3_K || levels4_type(T);
+    return T == T_Q8_0 || T == T_Q6_K || T == T_Q3_K || levels4_type(T) || grid_type(T);
 }
 
 // The A fragment of chunk j (0..7) of the K-quant super-block at `blk` (global or shared
@@ -179,6 +180,13 @@ static __device__ __forceinline__ BFrag bmm_frag(const W& w, size_t row, int K, 
         f.a1 = d * s1;
         f.b = -m0;
         f.b1 = -m1;
+    } else if constexpr (grid_type(T)) {
+        // The chunk's signed values (k = 4t.. and 16 + 4t..) and its halves' scales.
+        int q[8];
+        grid_chunk<T>(w, row, K, c, q, f.a0, f.a1);
+        f.lo = (u32)q[t];
+        f.hi = (u32)q[4 + t];
+        f.b = f.b1 = 0.0f;
     } else if constexpr (levels4_type(T)) {
         // The chunk's codes: value 4t.. in the low nibbles of code bytes 4t.., 16 + 4t.. in
         // their high nibbles (the Q4_0 order), each mapped to its signed level.
@@ -733,6 +741,13 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
 #define BMMP_FOR_T_IQ4_NL(NAME, T)
 #define BMMP_FOR_T_IQ4_XS(NAME, T)
 #define BMMP_FOR_T_MXFP4(NAME, T)
+#define BMMP_FOR_T_IQ2_XXS(NAME, T)
+#define BMMP_FOR_T_IQ2_XS(NAME, T)
+#define BMMP_FOR_T_IQ2_S(NAME, T)
+#define BMMP_FOR_T_IQ3_XXS(NAME, T)
+#define BMMP_FOR_T_IQ3_S(NAME, T)
+#define BMMP_FOR_T_IQ1_S(NAME, T)
+#define BMMP_FOR_T_IQ1_M(NAME, T)
 
 // Entry points bmm_{tag}_{NT} and bmm_swiglu_{tag}_{NT} for B = 8·NT sequences, the grouped
 // bmm_grouped_{tag}_{NT} and bmm_grouped_swiglu_{tag}_{NT}, and for the K-quants

@@ -62,6 +62,12 @@ static __device__ __forceinline__ void dequant_chunk(const W& w, size_t row, int
             const float code = (float)(((u32)q[i >> 2] >> (8 * (i & 3))) & 255);
             v[i] = d * (i < 16 ? s0 : s1) * (code - off) - (i < 16 ? m0 : m1);
         }
+    } else if constexpr (grid_type(T)) {
+        int q[8];
+        float s0, s1;
+        grid_chunk<T>(w, row, K, c, q, s0, s1);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = (i < 16 ? s0 : s1) * (float)(i8)(((u32)q[i >> 2] >> (8 * (i & 3))) & 255);
     } else if constexpr (levels4_type(T)) {
         int q[8];
         float d;

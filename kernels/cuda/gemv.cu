@@ -37,6 +37,13 @@
 #define T_IQ4_NL 20
 #define T_IQ4_XS 23
 #define T_MXFP4 39
+#define T_IQ2_XXS 16
+#define T_IQ2_XS 17
+#define T_IQ3_XXS 18
+#define T_IQ1_S 19
+#define T_IQ3_S 21
+#define T_IQ2_S 22
+#define T_IQ1_M 29
 #define T_BF16 30
 // kiln's own device formats (not ggml ids): Q4_0 blocks in groups of four rows.
 #define T_Q4_0X4 102
@@ -73,6 +80,15 @@ template <> struct Traits<T_IQ4_NL> { static const int BLOCK = 32, BODY = 16, SC
 template <> struct Traits<T_IQ4_XS> { static const int BLOCK = 256, BODY = 128, SC = 8; };
 // MXFP4: Q4_0's nibbles, the E8M0 exponent byte in `sc`.
 template <> struct Traits<T_MXFP4> { static const int BLOCK = 32, BODY = 16, SC = 1; };
+// The grid I-quants (see grid_chunk): the block's f16 d in `sc` (IQ2_XS, IQ2_S and IQ3_S
+// moved to the block's end at upload, with the other fields `sc` holds), the rest in `body`.
+template <> struct Traits<T_IQ2_XXS> { static const int BLOCK = 256, BODY = 64, SC = 2; };
+template <> struct Traits<T_IQ2_XS> { static const int BLOCK = 256, BODY = 64, SC = 10; };
+template <> struct Traits<T_IQ2_S> { static const int BLOCK = 256, BODY = 64, SC = 18; };
+template <> struct Traits<T_IQ3_XXS> { static const int BLOCK = 256, BODY = 96, SC = 2; };
+template <> struct Traits<T_IQ3_S> { static const int BLOCK = 256, BODY = 64, SC = 46; };
+template <> struct Traits<T_IQ1_S> { static const int BLOCK = 256, BODY = 48, SC = 2; };
+template <> struct Traits<T_IQ1_M> { static const int BLOCK = 256, BODY = 48, SC = 8; };
 
 // Q4_0's values, whatever the row layout.
 static constexpr __host__ __device__ bool q4_0_values(int t) { return t == T_Q4_0 || t == T_Q4_0X4; }
@@ -284,6 +300,137 @@ static __device__ __forceinline__ void levels4_chunk(const W& w, size_t row, int
     }
 }
 
+// The grid I-quants: a 256-value super-block's values come in groups of 8 (4 for the IQ3
+// types) read from a lattice by index (iq_grids.cuh, defined in these types' modules only),
+// signed, and scaled per 32 values (per 16: IQ2_XS, IQ2_S, IQ1_M). Layouts as core's
+// quant::iquants_grid describes them, with `body` and `sc` as Traits says.
+static constexpr __host__ __device__ bool grid_type(int t) {
+    return t == T_IQ2_XXS || t == T_IQ2_XS || t == T_IQ2_S || t == T_IQ3_XXS || t == T_IQ3_S || t == T_IQ1_S ||
+           t == T_IQ1_M;
+}
+// Grid types with a scale per 16 values (the rest: per 32).
+static constexpr __host__ __device__ bool grid_halves(int t) { return t == T_IQ2_XS || t == T_IQ2_S || t == T_IQ1_M; }
+
+extern __device__ const unsigned long long iq2xxs_grid[256];
+extern __device__ const unsigned long long iq2xs_grid[512];
+extern __device__ const unsigned long long iq2s_grid[1024];
+extern __device__ const unsigned int iq3xxs_grid[256];
+extern __device__ const unsigned int iq3s_grid[512];
+extern __device__ const unsigned long long iq1s_grid[2048];
+
+// Four magnitudes (bytes of w) with the signs of `bits` (bit j negates byte j).
+static __device__ __forceinline__ u32 signed4(u32 w, u32 bits) {
+    const u32 m = (((bits & 15) * 0x00204081u) & 0x01010101u) * 0xffu;
+    return __vsub4(w ^ m, m);
+}
+
+// ggml's ksigns_iq2xs: a 7-bit index's eight signs, the eighth making the count even.
+static __device__ __forceinline__ u32 ksigns(u32 i) { return i | ((__popc(i) & 1) << 7); }
+
+// A group of 8 grid values with 8 signs into two words of q.
+static __device__ __forceinline__ void grid_group8(unsigned long long row, u32 signs, int* q) {
+    q[0] = (int)signed4((u32)row, signs);
+    q[1] = (int)signed4((u32)(row >> 32), signs >> 4);
+}
+
+// IQ1's values g + delta (g in −1, 0, 1, delta ±1/8) as the integers 8g ± 1 (its scale
+// then carries the 1/8): four values of a grid row's word.
+static __device__ __forceinline__ int iq1_word(u32 w, bool minus) {
+    return (int)__vadd4((w << 3) & 0xf8f8f8f8u, minus ? 0xffffffffu : 0x01010101u);
+}
+
+// Chunk c (32 values) of a grid-type row as signed bytes, four to a word in value order
+// (values 0..15 in q[0..4], 16..31 in q[4..8]), and the scales of its halves (s0 = s1 for
+// the types with a scale per 32 values).
+template <int T>
+static __device__ __forceinline__ void grid_chunk(const W& w, size_t row, int K, int c, int (&q)[8], float& s0,
+                                                  float& s1) {
+    typedef Traits<T> Tr;
+    const size_t b = row * ((size_t)K / 256) + (c >> 3);
+    const int ib = c & 7;
+    const u8* body = w.body + b * Tr::BODY;
+    const u8* sc = w.sc + b * Tr::SC;
+    if constexpr (T == T_IQ2_XXS) {
+        // Sub-block ib: four grid indices, then four 7-bit sign indices under a 4-bit scale.
+        const uint2 v = *(const uint2*)(body + 8 * ib);
+        s0 = s1 = ld_h(sc) * (0.5f + (float)(v.y >> 28)) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l)
+            grid_group8(iq2xxs_grid[(v.x >> (8 * l)) & 255], ksigns((v.y >> (7 * l)) & 127), q + 2 * l);
+    } else if constexpr (T == T_IQ2_XS || T == T_IQ2_S) {
+        // sc: IQ2_XS's 8 scale bytes then d; IQ2_S's 8 index-top bytes, 8 scale bytes, d.
+        constexpr int scales_at = T == T_IQ2_XS ? 0 : 8, d_at = T == T_IQ2_XS ? 8 : 16;
+        const u32 ls = sc[scales_at + ib];
+        const float d = ld_h(sc + d_at);
+        s0 = d * (0.5f + (float)(ls & 15)) * 0.25f;
+        s1 = d * (0.5f + (float)(ls >> 4)) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int i = 4 * ib + l;
+            if constexpr (T == T_IQ2_XS) {
+                const u32 v = *(const u16*)(body + 2 * i);
+                grid_group8(iq2xs_grid[v & 511], ksigns(v >> 9), q + 2 * l);
+            } else {
+                const u32 top = (sc[ib] >> (2 * l)) & 3;
+                grid_group8(iq2s_grid[body[i] | (top << 8)], body[32 + i], q + 2 * l);
+            }
+        }
+    } else if constexpr (T == T_IQ3_XXS) {
+        // 64 index bytes (a grid row of 4 each), then a word a sub-block as IQ2_XXS's second.
+        const u32 aux = *(const u32*)(body + 64 + 4 * ib);
+        s0 = s1 = ld_h(sc) * (0.5f + (float)(aux >> 28)) * 0.5f;
+        const uint2 idx = *(const uint2*)(body + 8 * ib);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 signs = ksigns((aux >> (7 * (j >> 1))) & 127) >> (4 * (j & 1));
+            q[j] = (int)signed4(iq3xxs_grid[((j < 4 ? idx.x : idx.y) >> (8 * (j & 3))) & 255], signs);
+        }
+    } else if constexpr (T == T_IQ3_S) {
+        // sc: 8 index-top bytes (a bit a group of 4), 32 sign bytes, 4 scale bytes, d.
+        const u32 ls = (sc[40 + (ib >> 1)] >> (4 * (ib & 1))) & 15;
+        s0 = s1 = ld_h(sc + 44) * (float)(1 + 2 * ls);
+        const u32 tops = sc[ib];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 idx = body[8 * ib + j] | (((tops >> j) & 1) << 8);
+            q[j] = (int)signed4(iq3s_grid[idx], sc[8 + 4 * ib + (j >> 1)] >> (4 * (j & 1)));
+        }
+    } else if constexpr (T == T_IQ1_S) {
+        // 32 low index bytes, then a u16 a sub-block: four 3-bit index tops, a 3-bit scale,
+        // the delta's sign in bit 15.
+        const u32 qh = *(const u16*)(body + 32 + 2 * ib);
+        s0 = s1 = ld_h(sc) * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f;
+        const bool minus = qh & 0x8000;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned long long r = iq1s_grid[body[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)];
+            q[2 * l] = iq1_word((u32)r, minus);
+            q[2 * l + 1] = iq1_word((u32)(r >> 32), minus);
+        }
+    } else {  // IQ1_M
+        // 32 low index bytes, 16 bytes of nibbles (3-bit index top, the delta's sign in bit
+        // 3), then sc: four u16 of 3-bit scales (one per 16 values) whose top nibbles make d.
+        const uint2 sw = *(const uint2*)sc;
+        const u32 s01 = sw.x, s23 = sw.y;
+        const u32 dbits = ((s01 >> 12) & 0xf) | ((s01 >> 24) & 0xf0) | ((s23 >> 4) & 0xf00) | ((s23 >> 16) & 0xf000);
+        const float d = h2f((u16)dbits);
+        // Scale k (0..16) is bits 3·(k % 4) of u16 k / 4.
+        const u32 sk = ib < 4 ? s01 : s23;
+        const int k0 = 2 * ib;
+        const u32 half = (k0 / 4) & 1 ? sk >> 16 : sk & 0xffff;
+        s0 = d * (float)(2 * ((half >> (3 * (k0 % 4))) & 7) + 1) * 0.125f;
+        s1 = d * (float)(2 * ((half >> (3 * (k0 % 4 + 1))) & 7) + 1) * 0.125f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int i = 4 * ib + l;
+            const u32 nib = (body[32 + (i >> 1)] >> (4 * (i & 1))) & 15;
+            const unsigned long long r = iq1s_grid[body[i] | ((nib & 7) << 8)];
+            q[2 * l] = iq1_word((u32)r, nib & 8);
+            q[2 * l + 1] = iq1_word((u32)(r >> 32), nib & 8);
+        }
+    }
+}
+
 // Q4_K / Q5_K sub-block scales and mins, 6 bits each, from the block's 12 scale bytes in
 // the device layout (the Rust `kquant_scales_for_device`; w0..w2 are bytes 0-3, 4-7, 8-11):
 // byte j (0..8) holds sub-block j's low 4 bits (scale, then min above it), byte 8 + p the
@@ -483,6 +630,27 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
             const float sum_hi = x.sum - x.sum_lo;
             return d * (s0 * (lo - off * x.sum_lo) + s1 * (hi - off * sum_hi)) - (m0 * x.sum_lo + m1 * sum_hi);
         }
+    } else if constexpr (grid_type(T)) {
+        int q[8];
+        float s0, s1;
+        grid_chunk<T>(w, row, K, c, q, s0, s1);
+        if constexpr (A != A_F32) {
+            IAcc<A> lo, hi;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo.add(q[i], x, i);
+                hi.add(q[4 + i], x, 4 + i);
+            }
+            return x.d * (s0 * (float)lo.value() + s1 * (float)hi.value());
+        } else {
+            float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo += fdot4s(q[i], &x.v[4 * i]);
+                hi += fdot4s(q[4 + i], &x.v[16 + 4 * i]);
+            }
+            return s0 * lo + s1 * hi;
+        }
     } else if constexpr (levels4_type(T)) {
         int q[8];
         float d;
@@ -567,6 +735,10 @@ static __device__ __forceinline__ void prefetch_unit(const W& w, size_t row, int
     } else if constexpr (T == T_IQ4_XS) {
         const size_t b = row * ((size_t)K / 256) + (u >> 3);
         prefetch_l2(w.body + b * Tr::BODY + 16 * (u & 7));
+        prefetch_l2(w.sc + b * Tr::SC);
+    } else if constexpr (grid_type(T)) {
+        const size_t b = row * ((size_t)K / 256) + (u >> 3);
+        prefetch_l2(w.body + b * Tr::BODY);
         prefetch_l2(w.sc + b * Tr::SC);
     } else if constexpr (T == T_Q6_K) {
         const size_t b = row * ((size_t)K / 256) + (u >> 3);

@@ -99,6 +99,14 @@ pub const SAMPLE: KernelModule = module("sample", include_str!("../cuda/sample.c
 
 pub(crate) const GEMV_SRC: &str = include_str!("../cuda/gemv.cu");
 
+/// gemv.cu with the grid I-quants' lattices defined after it (`cuda/iq_grids.cuh`, which
+/// gemv.cu declares `extern`): the source of those types' modules only.
+pub(crate) const GEMV_GRID_SRC: &str = concat!(
+    include_str!("../cuda/gemv.cu"),
+    "\n",
+    include_str!("../cuda/iq_grids.cuh")
+);
+
 pub const PREFILL: KernelModule = module("prefill", include_str!("../cuda/prefill.cu"));
 
 impl KernelModule {

@@ -35,7 +35,7 @@
 
 use kiln_core::QType;
 
-use crate::compile::{KernelModule, GEMV_SRC};
+use crate::compile::{KernelModule, GEMV_GRID_SRC, GEMV_SRC};
 use crate::GemvPath;
 
 /// Where one part of a ggml block lies (`offset` into the block, `bytes` long).
@@ -112,10 +112,10 @@ pub struct WeightFormat {
 
 /// One GEMV module: `gemv.cu` and one `GEMV_{kind}{rows}(tag_path, T, A)` line.
 macro_rules! gemv_module {
-    ($prefix:literal, $kind:literal, $r4:literal, $tag:literal, $path:literal, $cuda:literal, $a:literal) => {
+    ($src:expr, $prefix:literal, $kind:literal, $r4:literal, $tag:literal, $path:literal, $cuda:literal, $a:literal) => {
         KernelModule::with_suffix(
             concat!($prefix, $tag, "_", $path),
-            GEMV_SRC,
+            $src,
             concat!("GEMV_", $kind, $r4, "(", $tag, "_", $path, ", ", $cuda, ", ", $a, ")"),
         )
     };
@@ -127,6 +127,18 @@ macro_rules! weight_format {
         weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
             rows "", transcode None)
     };
+    ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
+     body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, rows $r4:literal,
+     transcode $tc:expr) => {
+        weight_format!($q, $tag, $cuda, group $group, body $bo + $bb, qh $qh, sc $sc,
+            rows $r4, transcode $tc, source GEMV_SRC)
+    };
+    // The grid I-quants: their modules define the lattices.
+    (grid $q:ident, $tag:literal, $cuda:literal, body $bo:literal + $bb:literal, sc $sc:expr,
+     transcode $tc:expr) => {
+        weight_format!($q, $tag, $cuda, group 1, body $bo + $bb, qh None, sc $sc,
+            rows "", transcode $tc, source GEMV_GRID_SRC)
+    };
     // Float weights: no batched (integer) matmul.
     (float $q:ident, $tag:literal, $cuda:literal, body $bb:literal) => {
         WeightFormat {
@@ -136,7 +148,7 @@ macro_rules! weight_format {
     };
     ($q:ident, $tag:literal, $cuda:literal, group $group:literal,
      body $bo:literal + $bb:literal, qh $qh:expr, sc $sc:expr, rows $r4:literal,
-     transcode $tc:expr) => {
+     transcode $tc:expr, source $src:expr) => {
         WeightFormat {
             qtype: QType::$q,
             tag: $tag,
@@ -147,23 +159,23 @@ macro_rules! weight_format {
             sc: $sc,
             embed: KernelModule::with_suffix(
                 concat!("embed_", $tag),
-                GEMV_SRC,
+                $src,
                 concat!("EMBED_ENTRY(", $tag, ", ", $cuda, ")"),
             ),
             gemv: GemvModules {
-                float: gemv_module!("gemv_", "PLAIN", $r4, $tag, "f", $cuda, "A_F32"),
+                float: gemv_module!($src, "gemv_", "PLAIN", $r4, $tag, "f", $cuda, "A_F32"),
                 q8: [
-                    gemv_module!("gemv_", "PLAIN", $r4, $tag, "q", $cuda, "A_Q8"),
-                    gemv_module!("gemvq_", "QUANTISING", $r4, $tag, "q", $cuda, "A_Q8"),
+                    gemv_module!($src, "gemv_", "PLAIN", $r4, $tag, "q", $cuda, "A_Q8"),
+                    gemv_module!($src, "gemvq_", "QUANTISING", $r4, $tag, "q", $cuda, "A_Q8"),
                 ],
                 q16: [
-                    gemv_module!("gemv_", "PLAIN", $r4, $tag, "w", $cuda, "A_Q16"),
-                    gemv_module!("gemvq_", "QUANTISING", $r4, $tag, "w", $cuda, "A_Q16"),
+                    gemv_module!($src, "gemv_", "PLAIN", $r4, $tag, "w", $cuda, "A_Q16"),
+                    gemv_module!($src, "gemvq_", "QUANTISING", $r4, $tag, "w", $cuda, "A_Q16"),
                 ],
             },
             dequant: KernelModule::with_suffix(
                 concat!("dequant_", $tag),
-                GEMV_SRC,
+                $src,
                 concat!(
                     include_str!("../cuda/dequant.cu"),
                     "\nDEQUANT_TYPE(",
@@ -175,7 +187,7 @@ macro_rules! weight_format {
             ),
             batched: Some(KernelModule::with_suffix(
                 concat!("bmm_", $tag),
-                GEMV_SRC,
+                $src,
                 concat!(include_str!("../cuda/bmm.cu"), "\nBMM_TYPE(", $tag, ", ", $cuda, ")"),
             )),
             transcode: $tc,
@@ -344,13 +356,21 @@ fn q3k_blocks_for_device(bytes: &mut [u8]) {
     }
 }
 
+/// Blocks of `N` bytes whose leading f16 `d` moves to the block's end (IQ2_XS, IQ2_S,
+/// IQ3_S: then the fields after `d` start the block, and `body` is a 16-byte multiple).
+fn d_to_block_end<const N: usize>(bytes: &mut [u8]) {
+    for block in bytes.chunks_exact_mut(N) {
+        block.rotate_left(2);
+    }
+}
+
 const fn sc(offset: usize, bytes: usize) -> Option<Part> {
     Some(Part { offset, bytes })
 }
 
 /// Every format the GPU kernels read. The first entry for a type is its plain layout; the
 /// row-grouped ones a backend picks by name are statics of their own, listed here too.
-pub static FORMATS: [&WeightFormat; 19] = [
+pub static FORMATS: [&WeightFormat; 26] = [
     &weight_format!(float F32, "f32", "T_F32", body 4),
     &weight_format!(float F16, "f16", "T_F16", body 2),
     &weight_format!(float BF16, "bf16", "T_BF16", body 2),
@@ -378,6 +398,19 @@ pub static FORMATS: [&WeightFormat; 19] = [
     // MXFP4 (gpt-oss's experts): IQ4_NL's kernels with the E2M1 levels and the E8M0
     // exponent byte as the block's scale.
     &weight_format!(MXFP4, "mxfp4", "T_MXFP4", group 1, body 1 + 16, qh None, sc sc(0, 1)),
+    // The grid I-quants (gemv.cu's grid_chunk): the block's fields as ggml lays them out,
+    // d in `sc`; IQ2_XS, IQ2_S and IQ3_S have their d moved to the block's end at upload,
+    // so that the 16-byte multiple `body` holds and the other fields sit in `sc` after it.
+    &weight_format!(grid IQ2_XXS, "iq2_xxs", "T_IQ2_XXS", body 2 + 64, sc sc(0, 2), transcode None),
+    &weight_format!(grid IQ2_XS, "iq2_xs", "T_IQ2_XS", body 0 + 64, sc sc(64, 10),
+        transcode Some(d_to_block_end::<74>)),
+    &weight_format!(grid IQ2_S, "iq2_s", "T_IQ2_S", body 0 + 64, sc sc(64, 18),
+        transcode Some(d_to_block_end::<82>)),
+    &weight_format!(grid IQ3_XXS, "iq3_xxs", "T_IQ3_XXS", body 2 + 96, sc sc(0, 2), transcode None),
+    &weight_format!(grid IQ3_S, "iq3_s", "T_IQ3_S", body 0 + 64, sc sc(64, 46),
+        transcode Some(d_to_block_end::<110>)),
+    &weight_format!(grid IQ1_S, "iq1_s", "T_IQ1_S", body 2 + 48, sc sc(0, 2), transcode None),
+    &weight_format!(grid IQ1_M, "iq1_m", "T_IQ1_M", body 0 + 48, sc sc(48, 8), transcode None),
     &Q4_0_X4,
     // APR's 4-bit type: transcoded to Q4_0 blocks at upload, then Q4_0's kernels.
     &weight_format!(AprQ4, "apr_q4", "T_Q4_0", group 1, body 2 + 16, qh None, sc sc(0, 2),
@@ -662,6 +695,212 @@ mod tests {
                         level as i8, table[code as usize],
                         "{name} codes {codes:#010x}, byte {b}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The lattices the grid types' modules define (`cuda/iq_grids.cuh`) are core's, row
+    /// for row, and ggml's ksigns table is what gemv.cu's `ksigns` computes (the index's
+    /// seven signs, the eighth making the count even).
+    #[test]
+    fn device_grids_are_cores_tables() {
+        use kiln_core::quant::iquant_grids as g;
+        let header = include_str!("../cuda/iq_grids.cuh");
+        let table = |name: &str| -> Vec<u64> {
+            let at = header.find(&format!(" {name}[")).expect("table") + name.len();
+            let body = &header[at..];
+            let body = &body[body.find('{').expect("{") + 1..body.find("};").expect("};")];
+            body.split(',')
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).expect("hex"))
+                .collect()
+        };
+        let wide = |t: &[u32]| t.iter().map(|&v| v as u64).collect::<Vec<_>>();
+        assert_eq!(table("iq2xxs_grid"), g::IQ2XXS_GRID);
+        assert_eq!(table("iq2xs_grid"), g::IQ2XS_GRID);
+        assert_eq!(table("iq2s_grid"), g::IQ2S_GRID);
+        assert_eq!(table("iq3xxs_grid"), wide(&g::IQ3XXS_GRID));
+        assert_eq!(table("iq3s_grid"), wide(&g::IQ3S_GRID));
+        assert_eq!(table("iq1s_grid"), g::IQ1S_GRID);
+        for (i, &k) in g::KSIGNS.iter().enumerate() {
+            let i = i as u32;
+            assert_eq!(u32::from(k), i | ((i.count_ones() & 1) << 7), "ksigns[{i}]");
+        }
+    }
+
+    /// gemv.cu's `grid_chunk`, restated: chunk `ib` of a grid-type block read from its
+    /// device planes (`body`, `sc` of one block) as the kernel reads them — 32 signed values
+    /// and the scales of its halves.
+    fn grid_chunk(q: QType, body: &[u8], sc: &[u8], ib: usize) -> ([i32; 32], f32, f32) {
+        use kiln_core::quant::iquant_grids as g;
+        let h = |b: &[u8], at: usize| {
+            half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+        };
+        let u16_at = |b: &[u8], at: usize| u32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+        let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let ksigns = |i: u32| i | ((i.count_ones() & 1) << 7);
+        let mut v = [0i32; 32];
+        // Eight grid bytes (as unsigned magnitudes, or IQ1's signed −1/0/1) at 8l.. with signs.
+        let mut group8 = |l: usize, row: u64, signs: u32, v: &mut [i32; 32]| {
+            for j in 0..8 {
+                let m = ((row >> (8 * j)) & 255) as i32;
+                v[8 * l + j] = if (signs >> j) & 1 == 1 { -m } else { m };
+            }
+        };
+        let (s0, s1);
+        match q {
+            QType::IQ2_XXS => {
+                let (idx, aux) = (u32_at(body, 8 * ib), u32_at(body, 8 * ib + 4));
+                s0 = h(sc, 0) * (0.5 + (aux >> 28) as f32) * 0.25;
+                s1 = s0;
+                for l in 0..4 {
+                    let row = g::IQ2XXS_GRID[((idx >> (8 * l)) & 255) as usize];
+                    group8(l, row, ksigns((aux >> (7 * l)) & 127), &mut v);
+                }
+            }
+            QType::IQ2_XS | QType::IQ2_S => {
+                let (scales_at, d_at) = if q == QType::IQ2_XS { (0, 8) } else { (8, 16) };
+                let ls = u32::from(sc[scales_at + ib]);
+                let d = h(sc, d_at);
+                s0 = d * (0.5 + (ls & 15) as f32) * 0.25;
+                s1 = d * (0.5 + (ls >> 4) as f32) * 0.25;
+                for l in 0..4 {
+                    let i = 4 * ib + l;
+                    if q == QType::IQ2_XS {
+                        let w = u16_at(body, 2 * i);
+                        group8(l, g::IQ2XS_GRID[(w & 511) as usize], ksigns(w >> 9), &mut v);
+                    } else {
+                        let top = (u32::from(sc[ib]) >> (2 * l)) & 3;
+                        let row = g::IQ2S_GRID[(u32::from(body[i]) | (top << 8)) as usize];
+                        group8(l, row, u32::from(body[32 + i]), &mut v);
+                    }
+                }
+            }
+            QType::IQ3_XXS => {
+                let aux = u32_at(body, 64 + 4 * ib);
+                s0 = h(sc, 0) * (0.5 + (aux >> 28) as f32) * 0.5;
+                s1 = s0;
+                for j in 0..8 {
+                    let row = u64::from(g::IQ3XXS_GRID[body[8 * ib + j] as usize]);
+                    let signs = ksigns((aux >> (7 * (j / 2))) & 127) >> (4 * (j % 2));
+                    for k in 0..4 {
+                        let m = ((row >> (8 * k)) & 255) as i32;
+                        v[4 * j + k] = if (signs >> k) & 1 == 1 { -m } else { m };
+                    }
+                }
+            }
+            QType::IQ3_S => {
+                let ls = (u32::from(sc[40 + ib / 2]) >> (4 * (ib % 2))) & 15;
+                s0 = h(sc, 44) * (1 + 2 * ls) as f32;
+                s1 = s0;
+                for j in 0..8 {
+                    let idx = u32::from(body[8 * ib + j]) | (((u32::from(sc[ib]) >> j) & 1) << 8);
+                    let row = u64::from(g::IQ3S_GRID[idx as usize]);
+                    let signs = u32::from(sc[8 + 4 * ib + j / 2]) >> (4 * (j % 2));
+                    for k in 0..4 {
+                        let m = ((row >> (8 * k)) & 255) as i32;
+                        v[4 * j + k] = if (signs >> k) & 1 == 1 { -m } else { m };
+                    }
+                }
+            }
+            QType::IQ1_S | QType::IQ1_M => {
+                let iq1 = |row: u64, minus: bool, l: usize, v: &mut [i32; 32]| {
+                    for j in 0..8 {
+                        let gv = ((row >> (8 * j)) & 255) as u8 as i8 as i32;
+                        v[8 * l + j] = 8 * gv + if minus { -1 } else { 1 };
+                    }
+                };
+                if q == QType::IQ1_S {
+                    let qh = u16_at(body, 32 + 2 * ib);
+                    s0 = h(sc, 0) * (2 * ((qh >> 12) & 7) + 1) as f32 * 0.125;
+                    s1 = s0;
+                    for l in 0..4 {
+                        let idx = u32::from(body[4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8);
+                        iq1(g::IQ1S_GRID[idx as usize], qh & 0x8000 != 0, l, &mut v);
+                    }
+                } else {
+                    let (s01, s23) = (u32_at(sc, 0), u32_at(sc, 4));
+                    let dbits = ((s01 >> 12) & 0xf)
+                        | ((s01 >> 24) & 0xf0)
+                        | ((s23 >> 4) & 0xf00)
+                        | ((s23 >> 16) & 0xf000);
+                    let d = half::f16::from_bits(dbits as u16).to_f32();
+                    let sk = if ib < 4 { s01 } else { s23 };
+                    let k0 = 2 * ib;
+                    let half = if (k0 / 4) & 1 == 1 {
+                        sk >> 16
+                    } else {
+                        sk & 0xffff
+                    };
+                    s0 = d * (2 * ((half >> (3 * (k0 % 4))) & 7) + 1) as f32 * 0.125;
+                    s1 = d * (2 * ((half >> (3 * (k0 % 4 + 1))) & 7) + 1) as f32 * 0.125;
+                    for l in 0..4 {
+                        let i = 4 * ib + l;
+                        let nib = (u32::from(body[32 + i / 2]) >> (4 * (i % 2))) & 15;
+                        let idx = u32::from(body[i]) | ((nib & 7) << 8);
+                        iq1(g::IQ1S_GRID[idx as usize], nib & 8 != 0, l, &mut v);
+                    }
+                }
+            }
+            other => panic!("{other} is not a grid type"),
+        }
+        (v, s0, s1)
+    }
+
+    /// Every value of random grid-type blocks, read from the device planes as `grid_chunk`
+    /// reads them (the blocks transcoded and split as the upload does), is core's
+    /// dequantised value bit for bit, and each fits the signed bytes the kernels hold.
+    #[test]
+    fn grid_chunks_from_the_device_layout_are_cores_values() {
+        let mut rng = kiln_core::Rng::new(11);
+        for f in FORMATS.iter().filter(|f| {
+            matches!(
+                f.qtype,
+                QType::IQ2_XXS
+                    | QType::IQ2_XS
+                    | QType::IQ2_S
+                    | QType::IQ3_XXS
+                    | QType::IQ3_S
+                    | QType::IQ1_S
+                    | QType::IQ1_M
+            )
+        }) {
+            let q = f.qtype;
+            let blocks = 64;
+            let mut ggml: Vec<u8> = (0..blocks * q.block_bytes())
+                .map(|_| (rng.next_u64() >> 56) as u8)
+                .collect();
+            // Finite scales: d (IQ1_M's assembled from nibbles) a modest f16.
+            for b in ggml.chunks_exact_mut(q.block_bytes()) {
+                if q == QType::IQ1_M {
+                    for k in 0..4 {
+                        b[48 + 2 * k + 1] &= 0x3F;
+                    }
+                } else {
+                    b[1] &= 0x3F;
+                }
+            }
+            let packed = crate::repack::PackedWeight::pack_as(f, 256, blocks, &ggml).unwrap();
+            let mut want = vec![0f32; 256 * blocks];
+            kiln_core::quant::dequantize(q, &ggml, &mut want).unwrap();
+            let (bb, sb) = (f.body.bytes, f.sc.map_or(0, |s| s.bytes));
+            for blk in 0..blocks {
+                let (body, sc) = (&packed.body[blk * bb..][..bb], &packed.sc[blk * sb..][..sb]);
+                for ib in 0..8 {
+                    let (v, s0, s1) = grid_chunk(q, body, sc, ib);
+                    for (j, &x) in v.iter().enumerate() {
+                        assert!((-128..=127).contains(&x), "{} value {x}", f.tag);
+                        let got = if j < 16 { s0 } else { s1 } * x as f32;
+                        let w = want[256 * blk + 32 * ib + j];
+                        assert_eq!(
+                            got.to_bits(),
+                            w.to_bits(),
+                            "{} block {blk} chunk {ib} value {j}: {got} vs {w}",
+                            f.tag
+                        );
+                    }
                 }
             }
         }

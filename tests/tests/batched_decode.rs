@@ -508,6 +508,26 @@ fn gpu_batched_decode_llama32_1b_low_bit_mixes() {
     }
 }
 
+/// The grid I-quant mixes in the batched step (their batched int8 matmuls read each chunk's
+/// grid values as signed bytes; IQ2_XS, IQ2_S and IQ1_M a scale per 16 values, half a chunk
+/// at a time), alternating backends.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn gpu_batched_decode_llama32_1b_grid_iquants() {
+    for (backend, recipe) in [
+        ("cuda-q4k", Recipe::IQ2_XXS),
+        ("cuda-q4_0", Recipe::IQ2_XS),
+        ("cuda-q4k", Recipe::IQ2_S),
+        ("cuda-q4_0", Recipe::IQ3_XXS),
+        ("cuda-q4k", Recipe::IQ3_S),
+        ("cuda-q4_0", Recipe::IQ1_S),
+        ("cuda-q4k", Recipe::IQ1_M),
+    ] {
+        let file = format!("llama3.2-1b.{}.gguf", recipe.name());
+        gpu_case(backend, Preset::Llama32_1b, recipe, &file);
+    }
+}
+
 /// Gemma 3 (post-norms, GeGLU, sliding-window rings) in the batched step: a sequence at
 /// 1,100 tokens (past the window, around its ring) beside short ones.
 #[test]

@@ -435,6 +435,33 @@ fn kquant_low_bit_mixes_llama32_1b_synthetic_match_cpu_on_both_gpu_backends() {
     );
 }
 
+/// llama.cpp's grid I-quant mixes (IQ2_XXS … IQ1_M matrices beside the K-quants each mix
+/// keeps): a grid value is an exact signed byte times its sub-block's scale, so the kernels
+/// sum them exactly; the mixes' Q2_K/Q3_K matrices bring the K-quants' cancellation, so
+/// near-ties are counted with the q4_k_m gap, under the cosine of 0.9999.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn grid_iquant_mixes_llama32_1b_synthetic_match_cpu_on_both_gpu_backends() {
+    low_bit_parity(
+        Preset::Llama32_1b,
+        "llama3.2-1b",
+        &[
+            Recipe::IQ2_XXS,
+            Recipe::IQ2_XS,
+            Recipe::IQ2_S,
+            Recipe::IQ2_M,
+            Recipe::IQ3_XXS,
+            Recipe::IQ3_S,
+            Recipe::IQ1_S,
+            Recipe::IQ1_M,
+        ],
+        Bar {
+            min_cosine: 0.9999,
+            ..Q4K_BAR
+        },
+    );
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn q4_0_llama32_1b_synthetic_matches_cpu() {
