@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use kiln_core::QType;
+use rayon::prelude::*;
 
 use crate::buffer::{DevSlice, DeviceBuffer};
 use crate::device::Device;
@@ -77,26 +78,48 @@ impl PackedWeight {
         let bb = qtype.block_bytes();
         let nblocks = ggml.len() / bb;
         let (body, sc) = (format.body, format.sc);
-        packed.body.reserve(nblocks * body.bytes);
-        packed.sc.reserve(nblocks * sc.map_or(0, |s| s.bytes));
-        // A format that rewrites the file's blocks does so one block at a time, on a copy.
-        let mut rewritten = vec![0u8; bb];
-        for blk in ggml.chunks_exact(bb) {
-            let blk = transcoded(format, blk, &mut rewritten);
-            packed
-                .body
-                .extend_from_slice(&blk[body.offset..body.offset + body.bytes]);
-            if let Some(q) = format.qh {
-                packed.qh.push(u32::from_le_bytes(
-                    blk[q..q + 4].try_into().expect("4 bytes"),
-                ));
-            }
-            if let Some(s) = sc {
-                packed
-                    .sc
-                    .extend_from_slice(&blk[s.offset..s.offset + s.bytes]);
-            }
+        let sc_bytes = sc.map_or(0, |s| s.bytes);
+        packed.body = vec![0u8; nblocks * body.bytes];
+        packed.sc = vec![0u8; nblocks * sc_bytes];
+        packed.qh = vec![0u32; if format.qh.is_some() { nblocks } else { 0 }];
+        // Runs of blocks split the planes into disjoint parts, packed in parallel (a model's
+        // upload repacks gigabytes; each block is independent of the others).
+        const RUN: usize = 1 << 12;
+        let mut runs = Vec::with_capacity(nblocks.div_ceil(RUN));
+        let (mut src, mut b_out, mut s_out, mut q_out) = (
+            ggml,
+            packed.body.as_mut_slice(),
+            packed.sc.as_mut_slice(),
+            packed.qh.as_mut_slice(),
+        );
+        while !src.is_empty() {
+            let n = (src.len() / bb).min(RUN);
+            let (s_run, s_rest) = src.split_at(n * bb);
+            let (b_run, b_rest) = std::mem::take(&mut b_out).split_at_mut(n * body.bytes);
+            let (c_run, c_rest) = std::mem::take(&mut s_out).split_at_mut(n * sc_bytes);
+            let q_len = if format.qh.is_some() { n } else { 0 };
+            let (h_run, h_rest) = std::mem::take(&mut q_out).split_at_mut(q_len);
+            runs.push((s_run, b_run, c_run, h_run));
+            (src, b_out, s_out, q_out) = (s_rest, b_rest, c_rest, h_rest);
         }
+        runs.into_par_iter()
+            .for_each(|(src, body_out, sc_out, qh_out)| {
+                // A format that rewrites the file's blocks does so one block at a time, on a
+                // copy.
+                let mut rewritten = vec![0u8; bb];
+                for (i, blk) in src.chunks_exact(bb).enumerate() {
+                    let blk = transcoded(format, blk, &mut rewritten);
+                    body_out[i * body.bytes..(i + 1) * body.bytes]
+                        .copy_from_slice(&blk[body.offset..body.offset + body.bytes]);
+                    if let Some(q) = format.qh {
+                        qh_out[i] = u32::from_le_bytes(blk[q..q + 4].try_into().expect("4 bytes"));
+                    }
+                    if let Some(s) = sc {
+                        sc_out[i * s.bytes..(i + 1) * s.bytes]
+                            .copy_from_slice(&blk[s.offset..s.offset + s.bytes]);
+                    }
+                }
+            });
         Ok(packed)
     }
 
@@ -222,6 +245,32 @@ impl DeviceWeight {
 mod tests {
     use super::*;
     use crate::format::Q4_0_X4;
+
+    /// A weight of many runs of blocks (packed in parallel, a run each) is byte for byte
+    /// its rows packed one at a time, in formats with a fifth-bit word, a transcode, and
+    /// scales of their own; the last run part-full.
+    #[test]
+    fn a_weight_of_many_runs_packs_as_its_rows_alone() {
+        let mut rng = kiln_core::Rng::new(5);
+        for tag in ["q5_0", "q4_k", "q6_k", "iq3_s", "mxfp4"] {
+            let f = crate::format::WeightFormat::by_tag(tag).expect("format");
+            let q = f.qtype;
+            // 10,300 blocks: two full runs of 4,096 and part of a third.
+            let (row_len, rows) = (q.block_len() * 515, 20);
+            let ggml = crate::testdata::random_weights(&mut rng, q, row_len, rows).unwrap();
+            let all = PackedWeight::pack_as(f, row_len, rows, &ggml).unwrap();
+            let rb = q.row_bytes(row_len).unwrap();
+            let (mut body, mut qh, mut sc) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..rows {
+                let one =
+                    PackedWeight::pack_as(f, row_len, 1, &ggml[r * rb..(r + 1) * rb]).unwrap();
+                body.extend(one.body);
+                qh.extend(one.qh);
+                sc.extend(one.sc);
+            }
+            assert!(all.body == body && all.qh == qh && all.sc == sc, "{tag}");
+        }
+    }
 
     /// A Mixture of Experts' projection goes up as one weight of every expert's rows
     /// (`experts.rs`), and the expert GEMVs read expert `e` as rows `e·rows..` of it: in
