@@ -743,7 +743,7 @@ mod tests {
         let ksigns = |i: u32| i | ((i.count_ones() & 1) << 7);
         let mut v = [0i32; 32];
         // Eight grid bytes (as unsigned magnitudes, or IQ1's signed −1/0/1) at 8l.. with signs.
-        let mut group8 = |l: usize, row: u64, signs: u32, v: &mut [i32; 32]| {
+        let group8 = |l: usize, row: u64, signs: u32, v: &mut [i32; 32]| {
             for j in 0..8 {
                 let m = ((row >> (8 * j)) & 255) as i32;
                 v[8 * l + j] = if (signs >> j) & 1 == 1 { -m } else { m };
