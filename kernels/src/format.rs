@@ -906,6 +906,39 @@ mod tests {
         }
     }
 
+    /// Each format's parts are what gemv.cu's `Traits` for its type says a block holds: the
+    /// values a block, the body's bytes and the scale entry's (the kernels index the planes
+    /// by these).
+    #[test]
+    fn cuda_traits_match_the_formats_parts() {
+        for f in &FORMATS {
+            let decl = format!(
+                "struct Traits<{}> {{ static const int BLOCK = ",
+                f.cuda_type
+            );
+            let at = GEMV_SRC
+                .find(&decl)
+                .unwrap_or_else(|| panic!("Traits of {}", f.cuda_type))
+                + decl.len();
+            let line = &GEMV_SRC[at..at + GEMV_SRC[at..].find(';').expect(";")];
+            let nums: Vec<usize> = line
+                .split(',')
+                .map(|p| {
+                    p.rsplit('=')
+                        .next()
+                        .unwrap()
+                        .trim()
+                        .parse()
+                        .expect("a number")
+                })
+                .collect();
+            let (block, body, sc) = (nums[0], nums[1], nums[2]);
+            assert_eq!(block, f.qtype.block_len(), "{} BLOCK", f.tag);
+            assert_eq!(body, f.body.bytes, "{} BODY", f.tag);
+            assert_eq!(sc, f.sc.map_or(0, |s| s.bytes), "{} SC", f.tag);
+        }
+    }
+
     /// `has_pipelined_bmm` names exactly the formats bmm.cu compiles pipelined entries for.
     #[test]
     fn pipelined_batched_formats_are_those_bmm_cu_compiles() {
