@@ -333,6 +333,44 @@ fn long_prompts_match_cpu_llama32_1b() {
     long_prompts_match_cpu(Preset::Llama32_1b, "llama3.2-1b");
 }
 
+/// The real SmolLM2 requantised to IQ4_XS (`kiln quantize --type iq4_xs`) on both GPU
+/// backends against the CPU oracle (its greedy text beside the Q4_1 file's on the CPU:
+/// reference_smollm2.rs), under the Q4_0 bar the IQ4 levels met on the synthetic files.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn real_smollm2_iq4_xs_matches_cpu_on_both_gpu_backends() {
+    if backends().is_none() {
+        return;
+    }
+    let Some(source) =
+        kiln_tests::smollm2_or_skip("real_smollm2_iq4_xs_matches_cpu_on_both_gpu_backends")
+    else {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "the GPU suite needs the real model (KILN_TEST_MODEL)"
+        );
+        return;
+    };
+    let dir = scratch_dir();
+    let path = dir.join("SmolLM2-135M-Instruct.iq4_xs.gguf");
+    quantize_file(
+        &source,
+        &path,
+        QuantizeOptions {
+            recipe: Recipe::IQ4_XS,
+            measure_error: false,
+        },
+        &no_progress,
+    )
+    .unwrap();
+    for gpu in ["cuda-q4k", "cuda-q4_0"] {
+        for prompt in ["The capital of France is", "def fibonacci(n):"] {
+            compare_on(gpu, Q4_0_BAR, &path, prompt, true, false, true);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn real_smollm2_q4_k_m_matches_cpu() {
