@@ -17,6 +17,9 @@
 #   scripts/gpu/moe_calls.sh gpt-oss-bench  gpt-oss-20b (synthetic, llama.cpp's MXFP4_MOE
 #                                    mix) beside llama.cpp: pp512 / tg128 and S_TG at NPL
 #                                    (after `start`, whose llama.cpp build it uses).
+#   scripts/gpu/moe_calls.sh quant-bench  llama3-8b in each of TYPES (default iq4_xs iq3_s
+#                                    iq2_xxs q3_k_m q2_k) beside llama.cpp: pp512 / tg128 and
+#                                    S_TG at B = 16 (#45's table; a call holds about three).
 #   scripts/gpu/moe_calls.sh tests   TESTS_RUN only (its default: start's tests).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -68,6 +71,23 @@ gpt-oss-bench)
     KILN=.gpu/kiln OUT=$out/vs-gpt-oss PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
         bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -16
     ;;
+quant-bench)
+    [ -x .gpu/kiln ] || tar -xJf .gpu-pack/gpu.tar.xz
+    bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
+    for _ in $(seq 200); do
+        [ -x "$bin/llama-bench" ] && ! pgrep -f "cmake --build" >/dev/null && break
+        sleep 3
+    done
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for t in ${TYPES:-iq4_xs iq3_s iq2_xxs q3_k_m q2_k}; do
+        m=$work/llama3-8b.$t.gguf
+        [ -s "$m" ] || .gpu/kiln synth "$m" --shape llama3-8b --type "$t" --seed 0 2>&1 | tail -1
+        echo "== llama3-8b $t"
+        KILN=.gpu/kiln OUT=$out/vs-$t PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=16 \
+            bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -8
+        rm -f "$m"
+    done
+    ;;
 one)
     # Both in one call when device time is short: the tests of `start` (TESTS_RUN), then
     # qwen3-30b-a3b pp512 / tg128 beside llama-bench as far as DEADLINE seconds allow.
@@ -105,7 +125,7 @@ bench)
     fi
     ;;
 *)
-    sed -n '2,21p' "$0"
+    sed -n '2,24p' "$0"
     exit 2
     ;;
 esac
