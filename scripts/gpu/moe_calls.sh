@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Mixture-of-Experts on the GPU in two device calls (after scripts/gpu/device_calls.sh pack):
+# Mixture of Experts, gpt-oss and the low-bit types on the GPU, a device call each (after
+# scripts/gpu/device_calls.sh pack):
 #
 #   scripts/gpu/moe_calls.sh start   call 1: unpacks .gpu/, starts llama.cpp's build and
 #                                    `kiln synth` of qwen3-30b-a3b q4_k_m (and the 1B / 8B
@@ -125,7 +126,7 @@ bench)
     fi
     ;;
 *)
-    sed -n '2,24p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
     ;;
 esac
