@@ -1009,7 +1009,9 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
         // Saturating: a depth past any context is then refused by name, not wrapped.
         args.model.ctx_size = depth.saturating_add(args.n_prompt.max(args.n_gen.saturating_add(1)));
     }
+    let loading = std::time::Instant::now();
     let mut engine = load_engine(&args.model)?;
+    let load_s = loading.elapsed().as_secs_f64();
     let backend = match args.model.quantized_activations {
         true => format!("{} (8-bit activations)", engine.backend_name()),
         false => engine.backend_name().to_string(),
@@ -1063,7 +1065,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "parameters": params,
                 "bytes_per_decode_step": bytes, "memory_roofline_gbs": roofline, "results": results,
-                "first_token": first_token, "context": ctx,
+                "first_token": first_token, "context": ctx, "load_s": load_s,
             });
             println!("{}", with_fields(value, kv.json()));
         }
@@ -1099,6 +1101,7 @@ fn cmd_bench(mut args: BenchArgs) -> Result<()> {
                 bytes as f64 / 1e6
             );
             println!("context {ctx} tokens; {}", kv.describe());
+            println!("{}", load_line(load_s));
             if let Some(rf) = roofline {
                 println!("measured memory roofline (copy): {rf:.0} GB/s");
             }
@@ -1223,7 +1226,9 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
         return Err(Error::InvalidArgument("--batch sizes start at 1".into()));
     }
     let most = *args.batch.iter().max().expect("non-empty");
+    let loading = std::time::Instant::now();
     let mut engine = load_engine_for(&args.model, most, false)?;
+    let load_s = loading.elapsed().as_secs_f64();
     let backend = engine.backend_name().to_string();
     let name = engine
         .model
@@ -1248,7 +1253,7 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
         BenchFormat::Json => {
             let value = serde_json::json!({
                 "model": name, "backend": backend, "context": ctx, "sequences": exec.max_sequences(),
-                "results": runs,
+                "results": runs, "load_s": load_s,
             });
             println!("{}", with_fields(value, kv.json()));
         }
@@ -1267,9 +1272,17 @@ fn cmd_bench_batched(args: BenchArgs) -> Result<()> {
                 );
             }
             println!("\n{}", kv.describe());
+            println!("{}", load_line(load_s));
         }
     }
     Ok(())
+}
+
+/// What `kiln bench` says of the load it timed: the file opened and checked, the weights
+/// read (and on a GPU repacked and uploaded), the executor's buffers made; a GPU's kernels
+/// compiled, or read from the on-disk cache.
+fn load_line(seconds: f64) -> String {
+    format!("model loaded in {seconds:.2} s (file opened, weights read and placed, kernels compiled or read from the cache)")
 }
 
 /// `kiln embed`: each text's final hidden states pooled into one vector, a JSON line each.

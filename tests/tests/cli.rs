@@ -279,7 +279,7 @@ fn warmup_loads_and_says_ready() {
 }
 
 /// `kiln bench` reports the KV cache the executor says it keeps (its type and bytes a
-/// token), not a guess from the backend's name.
+/// token), not a guess from the backend's name, and how long the model took to load.
 #[test]
 fn bench_reports_the_executors_kv_cache() {
     let Some(model) = smollm2_or_skip("bench_reports_the_executors_kv_cache") else {
@@ -319,6 +319,9 @@ fn bench_reports_the_executors_kv_cache() {
         assert_eq!(v["kv_block_bytes"], per_token * 32, "{v}");
         assert_eq!(v["kv_blocks_total"], 2, "{v}");
         assert_eq!(v["kv_blocks_in_use"], 1, "{v}");
+        // The load it timed (#48's yardstick on the GPUs): a positive, plausible time.
+        let load = v["load_s"].as_f64().expect("load_s");
+        assert!(load > 0.0 && load < 600.0, "{v}");
     }
 }
 
