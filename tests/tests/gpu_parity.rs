@@ -1036,6 +1036,107 @@ fn decode_both(
     cosine(lc, lg)
 }
 
+/// Several sequences' hidden states in shared prefill passes (`prefill_hidden_batch`: the
+/// rows packed into chunks of up to 512 whatever sequence they belong to, one sequence
+/// running on from one chunk into the next, one already holding tokens), on both GPU
+/// backends against the CPU oracle's: every row at cosine ≥ 0.9999, the output poisoned
+/// first; then every sequence decodes one more token as the CPU's does.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
+fn hidden_state_batches_match_cpu_on_both_gpu_backends() {
+    if backends().is_none() {
+        return;
+    }
+    let dir = scratch_dir();
+    let seed = kiln_core::testdata::fresh_seed();
+    println!("hidden-state batches: prompt seed {seed}");
+    for (gpu_name, recipe) in [("cuda-q4k", Recipe::Q4_K_M), ("cuda-q4_0", Recipe::Q4_0)] {
+        let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked above");
+        let path = synth_into(&dir, "qwen2.5-0.5b", Preset::Qwen25_0_5b, recipe, 3);
+        let model = Model::open(&path).unwrap();
+        let c = &model.ir.config;
+        let (vocab, width) = (c.vocab_size as u64, c.hidden_size);
+        let mut rng = kiln_core::Rng::new(seed);
+        let options = LoadOptions {
+            max_context: 1024,
+            max_sequences: 8,
+            ..Default::default()
+        };
+        let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
+        let mut gpu = cuda_backend.load(&model.ir, &options).unwrap();
+        // (tokens, first row given); the third sequence already holds 20 tokens.
+        let shapes = [
+            (3usize, 0usize),
+            (40, 5),
+            (300, 0),
+            (700, 650),
+            (1, 0),
+            (64, 63),
+        ];
+        let texts: Vec<Vec<u32>> = shapes
+            .iter()
+            .map(|&(n, _)| (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect())
+            .collect();
+        let held: Vec<u32> = (0..20).map(|_| (rng.next_u64() % vocab) as u32).collect();
+        let mut seqs = Vec::new();
+        for (i, _) in shapes.iter().enumerate() {
+            let (sc, sg) = (cpu.new_sequence().unwrap(), gpu.new_sequence().unwrap());
+            if i == 2 {
+                let mut l = vec![0f32; vocab as usize];
+                cpu.prefill(sc, &held, &mut l).unwrap();
+                gpu.prefill(sg, &held, &mut l).unwrap();
+            }
+            seqs.push((sc, sg));
+        }
+        let items = |gpu_side: bool| -> Vec<kiln_core::HiddenRequest<'_>> {
+            shapes
+                .iter()
+                .zip(&texts)
+                .zip(&seqs)
+                .map(
+                    |((&(_, first), tokens), &(sc, sg))| kiln_core::HiddenRequest {
+                        seq: if gpu_side { sg } else { sc },
+                        tokens,
+                        first,
+                    },
+                )
+                .collect()
+        };
+        let rows: usize = shapes.iter().map(|&(n, first)| n - first).sum();
+        let (mut hc, mut hg) = (vec![0f32; rows * width], vec![f32::NAN; rows * width]);
+        cpu.prefill_hidden_batch(&items(false), &mut hc).unwrap();
+        gpu.prefill_hidden_batch(&items(true), &mut hg).unwrap();
+        let worst = hc
+            .chunks(width)
+            .zip(hg.chunks(width))
+            .map(|(a, b)| cosine(a, b))
+            .fold(1.0f64, f64::min);
+        println!(
+            "{gpu_name}: hidden-state batch, {rows} rows of {} sequences: min cosine {worst:.7}",
+            shapes.len()
+        );
+        assert!(
+            worst >= 0.9999,
+            "{gpu_name}: hidden-state batch cosine {worst}"
+        );
+        // Each sequence goes on: one more token, its logits as the CPU's.
+        for (i, &(sc, sg)) in seqs.iter().enumerate() {
+            let (mut lc, mut lg) = (vec![0f32; vocab as usize], vec![f32::NAN; vocab as usize]);
+            let t = texts[i][0];
+            cpu.decode(&[DecodeItem { seq: sc, token: t }], &mut lc)
+                .unwrap();
+            gpu.decode(&[DecodeItem { seq: sg, token: t }], &mut lg)
+                .unwrap();
+            let cos = cosine(&lc, &lg);
+            assert!(
+                cos >= 0.9999,
+                "{gpu_name}: sequence {i} after the batch: cosine {cos}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Hidden states (what embeddings pool) from both GPU backends' batched prefill against the
 /// CPU oracle: a random 700-token prompt (two chunks) on a synthetic qwen2.5-0.5b, the rows
 /// from 100 on, each at cosine ≥ 0.9999 and the output poisoned first; then the pooled,

@@ -1498,29 +1498,34 @@ impl GpuExecutor {
     ) -> Result<()> {
         let start = self.slots[slot].len;
         self.reserve(slot, start + tokens.len())?;
-        let dev = match &self.scoring {
-            Some((b, _)) => *b,
-            None => {
-                let chunk = match &self.prefill {
-                    Ok(p) => p.chunk_len(),
-                    Err(why) => return Err(Error::Unsupported(format!("batched prefill: {why}"))),
-                };
-                let vocab = self.config.vocab_size;
-                let hidden = self.config.hidden_size;
-                let (ws, b) = Workspace::carve(&self.device, |a| prefill::ScoringBuffers {
-                    logits: a.take(chunk * vocab),
-                    hidden: a.take(chunk * hidden),
-                    targets: a.take(chunk),
-                    nll: a.take(chunk),
-                    top: a.take(chunk),
-                })
-                .map_err(err)?;
-                self.scoring.insert((b, ws)).0
-            }
-        };
+        let dev = self.scoring_buffers()?;
         let scored = prefill::ScoredRows { first, out, dev };
         self.prefill_batched(slot, tokens, false, Some(scored))?;
         Ok(())
+    }
+
+    /// The device buffers of a scoring prefill (logits, hidden states, scores of a chunk's
+    /// rows), made by the first call that needs them and kept.
+    fn scoring_buffers(&mut self) -> Result<prefill::ScoringBuffers> {
+        if let Some((b, _)) = &self.scoring {
+            return Ok(*b);
+        }
+        let chunk = match &self.prefill {
+            Ok(p) => p.chunk_len(),
+            Err(why) => return Err(Error::Unsupported(format!("batched prefill: {why}"))),
+        };
+        let vocab = self.config.vocab_size;
+        let hidden = self.config.hidden_size;
+        let (ws, b) = Workspace::carve(&self.device, |a| prefill::ScoringBuffers {
+            logits: a.take(chunk * vocab),
+            hidden: a.take(chunk * hidden),
+            targets: a.take(chunk),
+            nll: a.take(chunk),
+            top: a.take(chunk),
+        })
+        .map_err(err)?;
+        let (b, _) = self.scoring.insert((b, ws));
+        Ok(*b)
     }
 
     fn check_prefill(&self, seq: SeqId, tokens: &[u32], logits: &[f32]) -> Result<usize> {
@@ -1692,6 +1697,49 @@ impl LayerExecutor for GpuExecutor {
             )));
         }
         self.prefill_scored(slot, tokens, first, prefill::ScoredOut::Hidden(hidden))
+    }
+
+    /// The items' rows packed into shared prefill passes whatever sequence they belong to
+    /// ([`GpuExecutor::prefill_hidden_rows`]): many short texts cost what one text of their
+    /// total length does. Every item is checked and every sequence's blocks taken before
+    /// any row runs, so a refused batch changes nothing.
+    fn prefill_hidden_batch(
+        &mut self,
+        items: &[kiln_core::HiddenRequest<'_>],
+        hidden: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let shares = kiln_core::check_hidden_batch(items, hidden.len(), c.hidden_size)?;
+        let mut wants = Vec::with_capacity(items.len());
+        for (item, share) in items.iter().zip(&shares) {
+            let slot = self.slot_of(item.seq)?;
+            let start = self.slots[slot].len;
+            kiln_core::check_prefill_hidden(
+                item.tokens,
+                item.first,
+                &hidden[..*share],
+                c.hidden_size,
+                c.vocab_size,
+                start,
+                self.max_ctx,
+            )?;
+            wants.push((slot, start + item.tokens.len()));
+        }
+        if let Err(why) = &self.prefill {
+            return Err(Error::Unsupported(format!(
+                "hidden states need the batched prefill: {why}"
+            )));
+        }
+        let dev = self.scoring_buffers()?;
+        for slot in self.slots.reserve_all(&wants)? {
+            self.write_table(slot)?;
+        }
+        let runs: Vec<(usize, &[u32], usize)> = items
+            .iter()
+            .zip(&wants)
+            .map(|(item, &(slot, _))| (slot, item.tokens, item.first))
+            .collect();
+        self.prefill_hidden_rows(&runs, hidden, dev)
     }
 
     fn decode(&mut self, batch: &[DecodeItem], logits: &mut [f32]) -> Result<()> {

@@ -49,6 +49,17 @@ struct PrefillBuffers {
     v_f16: DevSlice<u16>,
 }
 
+/// One sequence's rows in a prefill chunk: rows `first..first + n` of the chunk are its
+/// tokens from position `pos0` on, in cache slot `slot`. A chunk holds one sequence's rows
+/// (a prompt), or several sequences' (a batch of hidden-state requests sharing the passes).
+#[derive(Clone, Copy, Debug)]
+struct ChunkRows {
+    slot: usize,
+    first: usize,
+    n: usize,
+    pos0: usize,
+}
+
 /// The prefill's cuBLAS handle and workspace.
 pub(super) struct PrefillState {
     blas: Blas,
@@ -251,8 +262,14 @@ impl GpuExecutor {
             Timer::mark(&mut timer, Part::Other)?;
             let x = p.b.x.sub(0, n * h)?;
             k.embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
+            let rows = [ChunkRows {
+                slot,
+                first: 0,
+                n,
+                pos0,
+            }];
             for b in &self.branches {
-                self.prefill_branch(p, b, slot, n, pos0, &mut timer)?;
+                self.prefill_branch(p, b, &rows, n, &mut timer)?;
             }
             if let Some(s) = scored.as_mut() {
                 // The chunk's rows from the first scored token on, if it has any.
@@ -348,6 +365,100 @@ impl GpuExecutor {
         Ok(times)
     }
 
+    /// Several sequences' final hidden states (after the output norm) in shared passes:
+    /// `items` are (slot, tokens, first) with every slot's blocks already reserved up to
+    /// its new length, their rows packed into chunks of up to [`CHUNK`] rows whatever
+    /// sequence they belong to (a sequence longer than what a chunk has left continues in
+    /// the next), each sequence's rows attending within its own cache. Item `i`'s rows from
+    /// `first` on go to `hidden` after the items before it's; every sequence ends appended.
+    pub(super) fn prefill_hidden_rows(
+        &mut self,
+        items: &[(usize, &[u32], usize)],
+        hidden: &mut [f32],
+        dev: ScoringBuffers,
+    ) -> Result<()> {
+        let p = self
+            .prefill
+            .as_ref()
+            .map_err(|why| Error::Unsupported(format!("batched prefill: {why}")))?;
+        let c = &self.config;
+        let k = &self.k;
+        let h = c.hidden_size;
+        let starts: Vec<usize> = items
+            .iter()
+            .map(|&(slot, _, _)| self.slots[slot].len)
+            .collect();
+        // Where each item's rows go in `hidden`.
+        let mut out_at = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for &(_, tokens, first) in items {
+            out_at.push(at);
+            at += (tokens.len() - first) * h;
+        }
+        let mut host = vec![0f32; p.chunk * h];
+        // The next item and how many of its tokens earlier chunks took.
+        let (mut item, mut done) = (0, 0);
+        while item < items.len() {
+            // The chunk's runs of rows and the item each belongs to.
+            let (mut rows, mut owners) = (Vec::new(), Vec::new());
+            let mut ids: Vec<i32> = Vec::with_capacity(p.chunk);
+            while item < items.len() && ids.len() < p.chunk {
+                let (slot, tokens, _) = items[item];
+                let n = (tokens.len() - done).min(p.chunk - ids.len());
+                owners.push(item);
+                rows.push(ChunkRows {
+                    slot,
+                    first: ids.len(),
+                    n,
+                    pos0: starts[item] + done,
+                });
+                ids.extend(tokens[done..done + n].iter().map(|&t| t as i32));
+                done += n;
+                if done == tokens.len() {
+                    (item, done) = (item + 1, 0);
+                }
+            }
+            let n = ids.len();
+            let ids_dev = p.b.ids.sub(0, n)?;
+            ids_dev.copy_from_host(&self.device, &ids)?;
+            let x = p.b.x.sub(0, n * h)?;
+            k.embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
+            for b in &self.branches {
+                self.prefill_branch(p, b, &rows, n, &mut None)?;
+            }
+            let y = dev.hidden.sub(0, n * h)?;
+            k.rmsnorm_q8_1(
+                x,
+                n,
+                h,
+                Some(self.out_norm.slice()),
+                Some(c.norm_eps),
+                Some(y),
+                None,
+            )?;
+            y.copy_to_host(&self.device, &mut host[..n * h])?;
+            // Each sequence's rows from its `first` on to its place in `hidden`.
+            for (r, &i) in rows.iter().zip(&owners) {
+                let first = items[i].2;
+                // Token index in the item of the run's first row.
+                let t0 = r.pos0 - starts[i];
+                for j in 0..r.n {
+                    let t = t0 + j;
+                    if t >= first {
+                        let dst = out_at[i] + (t - first) * h;
+                        hidden[dst..dst + h]
+                            .copy_from_slice(&host[(r.first + j) * h..(r.first + j + 1) * h]);
+                    }
+                }
+            }
+        }
+        for (&(slot, tokens, _), &start) in items.iter().zip(&starts) {
+            self.slots[slot].len = start + tokens.len();
+            self.slots[slot].record(start, tokens);
+        }
+        Ok(())
+    }
+
     /// The logits of the chunk's rows `r0..r0 + rows` (after its last layer) into `out`,
     /// `[rows][vocab]`: final norm to f16, then the LM head a slice of the vocabulary at a
     /// time, each slice dequantised into the weight buffer and multiplied by cuBLAS into
@@ -394,13 +505,13 @@ impl GpuExecutor {
     /// One branch over the `n` tokens of a chunk at positions `pos0..pos0 + n`: the rows
     /// normed to f16, its operation, and its output added to the stream.
     #[allow(clippy::too_many_arguments)]
+    /// One branch over the chunk's `n` rows (`rows`: whose they are).
     fn prefill_branch(
         &self,
         p: &PrefillState,
         b: &DeviceBranch,
-        slot: usize,
+        rows: &[ChunkRows],
         n: usize,
-        pos0: usize,
         timer: &mut Option<Timer>,
     ) -> Result<()> {
         let c = &self.config;
@@ -416,7 +527,7 @@ impl GpuExecutor {
         match &b.op {
             DeviceOp::Attention(a) => {
                 normed()?;
-                self.prefill_attention(p, a, b, slot, n, pos0, timer)
+                self.prefill_attention(p, a, b, rows, n, timer)
             }
             DeviceOp::FeedForward(f) => {
                 normed()?;
@@ -427,17 +538,16 @@ impl GpuExecutor {
         }
     }
 
-    /// An attention over the chunk's normed rows (in `act`): QKV, RoPE and the rows into the
-    /// cache, causal attention, and O added to the stream.
-    #[allow(clippy::too_many_arguments)]
+    /// An attention over the chunk's normed rows (in `act`): QKV, then for each sequence's
+    /// rows RoPE and the rows into its cache and causal attention over its cache, and O
+    /// added to the stream.
     fn prefill_attention(
         &self,
         p: &PrefillState,
         l: &DeviceAttention,
         branch: &DeviceBranch,
-        slot: usize,
+        rows: &[ChunkRows],
         n: usize,
-        pos0: usize,
         timer: &mut Option<Timer>,
     ) -> Result<()> {
         let c = &self.config;
@@ -464,39 +574,43 @@ impl GpuExecutor {
             0.0,
         )?;
         Timer::mark(timer, Part::Other)?;
-        let kv = self.kv.layer(li, slot)?;
         let rope = self.rope_args(l);
-        let q = p.b.q.sub(0, n * qd)?;
         let bias = l.qkv_bias.as_ref().map(|b| b.slice());
         // Rows a KV head has in the cache (a ring's, or the paged pool's), and positions a
         // sequence reaches in this layer.
-        let rows = self.kv.rows(li);
+        let cache_rows = self.kv.rows(li);
         let span = self.layer_context(li);
-        k.rope_kv_rows(&rope, qkv, bias, n, pos0, q, kv, rows, l.window)?;
-        // The attention reads f16: a q8_0 cache's rows so far are expanded first (the same
-        // values the decode step reads, rounded to f16) into contiguous rows, position p in
-        // row p (a ring's rows in their ring order).
-        let (kc, vc, table, cache_rows) = match kv.as_f16() {
-            Some((kc, vc)) => (kc, vc, kv.table().map(|(t, _)| t), rows),
-            None => {
-                let (kf, vf) = (p.b.k_f16.sub(0, kvd * span)?, p.b.v_f16.sub(0, kvd * span)?);
-                let seen = (pos0 + n).min(span);
-                k.kv_q8_to_f16(kv, c.num_kv_heads, hd, span, seen, kf, vf)?;
-                (kf, vf, None, span)
-            }
-        };
         let attn = p.b.act.sub(0, n * qd)?;
-        let args = PrefillAttnArgs {
-            sinks: l.sinks.as_ref().map(|s| s.slice()),
-            n_heads: c.num_heads,
-            n_kv: c.num_kv_heads,
-            head_dim: hd,
-            max_ctx: cache_rows,
-            start: pos0,
-            scale: l.scale,
-            window: l.window,
-        };
-        k.attention_prefill(&args, n, q, kc, vc, table, attn)?;
+        for r in rows {
+            let kv = self.kv.layer(li, r.slot)?;
+            let qkv = qkv.sub(r.first * width, r.n * width)?;
+            let q = p.b.q.sub(r.first * qd, r.n * qd)?;
+            k.rope_kv_rows(&rope, qkv, bias, r.n, r.pos0, q, kv, cache_rows, l.window)?;
+            // The attention reads f16: a q8_0 cache's rows so far are expanded first (the
+            // same values the decode step reads, rounded to f16) into contiguous rows,
+            // position p in row p (a ring's rows in their ring order).
+            let (kc, vc, table, rows_a_head) = match kv.as_f16() {
+                Some((kc, vc)) => (kc, vc, kv.table().map(|(t, _)| t), cache_rows),
+                None => {
+                    let (kf, vf) = (p.b.k_f16.sub(0, kvd * span)?, p.b.v_f16.sub(0, kvd * span)?);
+                    let seen = (r.pos0 + r.n).min(span);
+                    k.kv_q8_to_f16(kv, c.num_kv_heads, hd, span, seen, kf, vf)?;
+                    (kf, vf, None, span)
+                }
+            };
+            let args = PrefillAttnArgs {
+                sinks: l.sinks.as_ref().map(|s| s.slice()),
+                n_heads: c.num_heads,
+                n_kv: c.num_kv_heads,
+                head_dim: hd,
+                max_ctx: rows_a_head,
+                start: r.pos0,
+                scale: l.scale,
+                window: l.window,
+            };
+            let out = attn.sub(r.first * qd, r.n * qd)?;
+            k.attention_prefill(&args, r.n, q, kc, vc, table, out)?;
+        }
         Timer::mark(timer, Part::Dequant)?;
         k.dequant_f16(&l.o, p.b.wbuf.sub(0, h * qd)?)?;
         Timer::mark(timer, Part::Gemm)?;
@@ -546,6 +660,7 @@ impl GpuExecutor {
     /// the weight buffer, `k` values per row, one row per hidden unit): straight into the
     /// residual stream with β = 1 (and α the branch's scale), or, with a sandwich norm,
     /// into a scratch buffer that is normed and then added.
+    #[allow(clippy::too_many_arguments)]
     fn residual_gemm(
         &self,
         p: &PrefillState,
