@@ -21,6 +21,9 @@
 #   scripts/gpu/moe_calls.sh quant-bench  llama3-8b in each of TYPES (default iq4_xs iq3_s
 #                                    iq2_xxs q3_k_m q2_k) beside llama.cpp: pp512 / tg128 and
 #                                    S_TG at B = 16 (#45's table; a call holds about three).
+#   scripts/gpu/moe_calls.sh low-bit  a call while warm: the grid I-quants' kernels, their
+#                                    mixes against the CPU (one and batched), the shared
+#                                    hidden-state passes.
 #   scripts/gpu/moe_calls.sh tests   TESTS_RUN only (its default: start's tests).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,6 +57,10 @@ tests)
         echo "rc $?"
         grep -hE "^test |min cosine|worst|panicked|test result" "$out/$1-$2.log" | grep -vE "\.\.\. ignored" | tail -25
     done
+    ;;
+low-bit)
+    TESTS_RUN=${TESTS_RUN:-"gpu grouped 120,gpu_parity grid_iquant 200,batched_decode grid 200,gpu_parity hidden_state 90"} \
+        bash "$0" tests
     ;;
 gpt-oss)
     TESTS_RUN=${TESTS_RUN:-"gpu mxfp4 30,gpu expert 90,gpu attention_matches 150,gpu prefill_attention 60,gpu_parity gpt_oss 60,gpu_parity mxfp4 150"} \
@@ -126,7 +133,7 @@ bench)
     fi
     ;;
 *)
-    sed -n '2,25p' "$0"
+    sed -n '2,28p' "$0"
     exit 2
     ;;
 esac

@@ -656,8 +656,8 @@ impl GpuExecutor {
         self.residual_gemm(p, branch, act, n, ffn, None, timer)
     }
 
-    /// x += W·a for the chunk's `n` rows as `branch` joins the stream (W the f16 weight in
-    /// the weight buffer, `k` values per row, one row per hidden unit): straight into the
+    /// x += W·a (+ bias) for the chunk's `n` rows as `branch` joins the stream (W the f16
+    /// weight in the weight buffer, `k` values per row, one row per hidden unit): straight into the
     /// residual stream with β = 1 (and α the branch's scale), or, with a sandwich norm,
     /// into a scratch buffer that is normed and then added.
     #[allow(clippy::too_many_arguments)]
