@@ -296,6 +296,7 @@ struct DeviceAttention {
     q_norm: Option<DeviceBuffer<f32>>,
     k_norm: Option<DeviceBuffer<f32>>,
     o: DeviceWeight,
+    /// The output projection's bias (gpt-oss), added as O joins the residual stream.
     o_bias: Option<DeviceBuffer<f32>>,
     /// A logit a query head that joins its softmax and attends to nothing (gpt-oss).
     sinks: Option<DeviceBuffer<f32>>,
