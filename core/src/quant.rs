@@ -311,6 +311,59 @@ pub(crate) static RECORDS: [TypeRecord; 26] = [
     ),
 ];
 
+/// The byte offsets of a block's f16 scales for the types whose every value is linear in
+/// them together (the 2- and 3-bit K-quants' d and dmin, the grid I-quants' d; IQ1_M's d is
+/// spread over four scale words and handled by [`set_block_scales`] apart).
+fn block_scale_offsets(qtype: QType) -> Result<&'static [usize]> {
+    Ok(match qtype {
+        QType::Q2_K => &[80, 82],
+        QType::Q3_K => &[108],
+        QType::IQ2_XXS
+        | QType::IQ2_XS
+        | QType::IQ2_S
+        | QType::IQ3_XXS
+        | QType::IQ3_S
+        | QType::IQ1_S => &[0],
+        QType::IQ1_M => &[],
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "setting the scales of {qtype} blocks"
+            )))
+        }
+    })
+}
+
+/// Sets every f16 scale of one `qtype` block to `d` (the types of [`scale_block_to_rms`]).
+pub fn set_block_scales(qtype: QType, block: &mut [u8], d: half::f16) -> Result<()> {
+    let bits = d.to_bits();
+    if qtype == QType::IQ1_M {
+        // Bits 4k..4k+4 of the f16 are the top nibble of the scale word k at 48 + 2k.
+        for k in 0..4 {
+            let at = 48 + 2 * k + 1;
+            let nibble = ((bits >> (4 * k)) & 0xF) as u8;
+            block[at] = (block[at] & 0x0F) | (nibble << 4);
+        }
+        return Ok(());
+    }
+    for &at in block_scale_offsets(qtype)? {
+        block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Sets the f16 scales of one block of random quant, index, sign and sub-scale bits so its
+/// values' root mean square is `rms` (found by dequantising it at scale 1): valid blocks of
+/// the types kiln reads but cannot quantise to (the 2- and 3-bit K-quants, the grid
+/// I-quants), for synthetic files and test weights.
+pub fn scale_block_to_rms(qtype: QType, block: &mut [u8], rms: f32) -> Result<()> {
+    let mut values = vec![0.0f32; qtype.block_len()];
+    set_block_scales(qtype, block, half::f16::ONE)?;
+    dequantize(qtype, block, &mut values)?;
+    let at_one = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
+    let d = if at_one > 0.0 { rms / at_one } else { rms };
+    set_block_scales(qtype, block, half::f16::from_f32(d))
+}
+
 /// Dequantises `src` (whole blocks of `qtype`) into `dst` (one f32 per value).
 ///
 /// `dst.len()` must be a whole number of blocks and `src` exactly that many blocks' bytes;

@@ -842,64 +842,18 @@ fn row_seed(seed: u64, tensor: usize, row: usize) -> u64 {
     b ^ (row as u64).wrapping_mul(0xd1b5_4a32_d192_ed03)
 }
 
-/// The byte offsets of a block's f16 scales, for the types [`random_blocks`] writes: each
-/// value of the block is linear in them together.
-fn scale_offsets(qtype: QType) -> Result<&'static [usize]> {
-    Ok(match qtype {
-        // d and dmin.
-        QType::Q2_K => &[80, 82],
-        QType::Q3_K => &[108],
-        QType::IQ2_XXS
-        | QType::IQ2_XS
-        | QType::IQ2_S
-        | QType::IQ3_XXS
-        | QType::IQ3_S
-        | QType::IQ1_S => &[0],
-        // IQ1_M spreads its f16 over the top nibbles of four words (handled apart).
-        QType::IQ1_M => &[],
-        _ => {
-            return Err(Error::Unsupported(format!(
-                "kiln synth cannot write random {qtype} blocks"
-            )))
-        }
-    })
-}
-
-/// Sets every f16 scale of `block` (of `qtype`) to `d`.
-fn set_scale(qtype: QType, block: &mut [u8], d: half::f16) -> Result<()> {
-    let bits = d.to_bits();
-    if qtype == QType::IQ1_M {
-        // Bits 4k..4k+4 of the f16 are the top nibble of the scale word k at 48 + 2k.
-        for k in 0..4 {
-            let at = 48 + 2 * k + 1;
-            let nibble = ((bits >> (4 * k)) & 0xF) as u8;
-            block[at] = (block[at] & 0x0F) | (nibble << 4);
-        }
-        return Ok(());
-    }
-    for &at in scale_offsets(qtype)? {
-        block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
-    }
-    Ok(())
-}
-
 /// A row of `qtype` as random valid blocks: random quant, grid-index, sign and sub-scale
 /// bits, each block's f16 scales set so that its values' root mean square is `std` (found
 /// by dequantising the block at scale 1). For the types kiln reads but cannot quantise to
 /// (the 2- and 3-bit K-quants, the grid I-quants): the speed of a file of them does not
 /// depend on how well its weights were chosen.
 fn random_blocks(qtype: QType, rng: &mut Xoshiro256pp, std: f32, out: &mut [u8]) -> Result<()> {
-    let mut values = vec![0.0f32; qtype.block_len()];
     for block in out.chunks_exact_mut(qtype.block_bytes()) {
         for chunk in block.chunks_mut(8) {
             let r = rng.next_u64().to_le_bytes();
             chunk.copy_from_slice(&r[..chunk.len()]);
         }
-        set_scale(qtype, block, half::f16::ONE)?;
-        quant::dequantize(qtype, block, &mut values)?;
-        let rms = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
-        let d = if rms > 0.0 { std / rms } else { std };
-        set_scale(qtype, block, half::f16::from_f32(d))?;
+        quant::scale_block_to_rms(qtype, block, std)?;
     }
     Ok(())
 }

@@ -13,20 +13,6 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
 }
 
-/// Sets a grid I-quant block's f16 `d`: its first two bytes, or IQ1_M's, whose bits are the
-/// top nibbles of its four scale words (bytes 48..56).
-fn set_grid_d(qtype: QType, b: &mut [u8], d: f32) {
-    let bits = f16::from_f32(d).to_bits();
-    if qtype == QType::IQ1_M {
-        for k in 0..4 {
-            let at = 48 + 2 * k + 1;
-            b[at] = (b[at] & 0x0F) | ((((bits >> (4 * k)) & 0xF) as u8) << 4);
-        }
-    } else {
-        b[..2].copy_from_slice(&bits.to_le_bytes());
-    }
-}
-
 /// `rows` rows of `row_len` values of `qtype`, ggml-encoded: random quants, and scales
 /// chosen so dequantised values stay within about ±1.
 pub fn random_weights(rng: &mut Rng, qtype: QType, row_len: usize, rows: usize) -> Result<Vec<u8>> {
@@ -97,9 +83,9 @@ pub fn random_weights_scaled(
                             (124.0 + scale.log2()).round() as i64 + (rng.next_u64() % 3) as i64 - 1;
                         b[0] = e.clamp(0, 254) as u8;
                     }
-                    // The grid I-quants: random indices, signs and sub-scales; d such that
-                    // the block's root mean square is about `scale` / 2 (found by
-                    // dequantising it at d = 1, as `kiln synth` does).
+                    // The grid I-quants: random indices, signs and sub-scales, d such that
+                    // the block's root mean square is about `scale` / 2 (as `kiln synth`
+                    // makes them).
                     QType::IQ2_XXS
                     | QType::IQ2_XS
                     | QType::IQ2_S
@@ -107,13 +93,9 @@ pub fn random_weights_scaled(
                     | QType::IQ3_S
                     | QType::IQ1_S
                     | QType::IQ1_M => {
-                        let mut v = vec![0f32; qtype.block_len()];
-                        set_grid_d(qtype, b, 1.0);
-                        kiln_core::quant::dequantize(qtype, b, &mut v)
+                        let rms = 0.5 * scale * uniform(rng, 0.8, 1.2);
+                        kiln_core::quant::scale_block_to_rms(qtype, b, rms)
                             .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-                        let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
-                        let d = 0.5 * scale * uniform(rng, 0.8, 1.2) / rms.max(1e-3);
-                        set_grid_d(qtype, b, d);
                     }
                     other => {
                         return Err(KernelError::Unsupported(format!("random {other} weights")))
