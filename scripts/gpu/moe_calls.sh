@@ -29,6 +29,14 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 work=/tmp/w
 out=${OUT:-device-logs}
+# llama.cpp's build, started by `start`, done (or 10 minutes gone).
+wait_for_llamacpp() {
+    local bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
+    for _ in $(seq 200); do
+        [ -x "$bin/llama-bench" ] && ! pgrep -f "cmake --build" >/dev/null && return
+        sleep 3
+    done
+}
 mkdir -p "$work" "$out"
 case "${1:-}" in
 start)
@@ -70,22 +78,14 @@ gpt-oss-bench)
     [ -x .gpu/kiln ] || tar -xJf .gpu-pack/gpu.tar.xz
     m=$work/gpt-oss-20b.mxfp4_moe.gguf
     [ -s "$m" ] || .gpu/kiln synth "$m" --shape gpt-oss-20b --type mxfp4_moe --seed 0 2>&1 | tail -1
-    bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
-    for _ in $(seq 200); do
-        [ -x "$bin/llama-bench" ] && ! pgrep -f "cmake --build" >/dev/null && break
-        sleep 3
-    done
+    wait_for_llamacpp
     nvidia-smi --query-gpu=name --format=csv,noheader
     KILN=.gpu/kiln OUT=$out/vs-gpt-oss PP=512 TG=128 REPS=3 LLAMA_BENCH_ARGS="-fa 1" BATCHED=1 NPL=${NPL:-1,4,16,64} \
         bash scripts/bench/bench_vs_llamacpp.sh run "$m" 2>&1 | tail -16
     ;;
 quant-bench)
     [ -x .gpu/kiln ] || tar -xJf .gpu-pack/gpu.tar.xz
-    bin=${LLAMACPP_DIR:-/tmp/llamacpp}/build/bin
-    for _ in $(seq 200); do
-        [ -x "$bin/llama-bench" ] && ! pgrep -f "cmake --build" >/dev/null && break
-        sleep 3
-    done
+    wait_for_llamacpp
     nvidia-smi --query-gpu=name --format=csv,noheader
     for t in ${TYPES:-iq4_xs iq3_s iq2_xxs q3_k_m q2_k}; do
         m=$work/llama3-8b.$t.gguf

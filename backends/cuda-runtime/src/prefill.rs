@@ -257,20 +257,13 @@ impl GpuExecutor {
             let n = chunk.len();
             let pos0 = start + ci * p.chunk;
             let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
-            let ids_dev = p.b.ids.sub(0, n)?;
-            ids_dev.copy_from_host(&self.device, &ids)?;
-            Timer::mark(&mut timer, Part::Other)?;
-            let x = p.b.x.sub(0, n * h)?;
-            k.embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
             let rows = [ChunkRows {
                 slot,
                 first: 0,
                 n,
                 pos0,
             }];
-            for b in &self.branches {
-                self.prefill_branch(p, b, &rows, n, &mut timer)?;
-            }
+            self.prefill_chunk(p, &ids, &rows, &mut timer)?;
             if let Some(s) = scored.as_mut() {
                 // The chunk's rows from the first scored token on, if it has any.
                 let g0 = ci * p.chunk;
@@ -419,13 +412,8 @@ impl GpuExecutor {
                 }
             }
             let n = ids.len();
-            let ids_dev = p.b.ids.sub(0, n)?;
-            ids_dev.copy_from_host(&self.device, &ids)?;
+            self.prefill_chunk(p, &ids, &rows, &mut None)?;
             let x = p.b.x.sub(0, n * h)?;
-            k.embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
-            for b in &self.branches {
-                self.prefill_branch(p, b, &rows, n, &mut None)?;
-            }
             let y = dev.hidden.sub(0, n * h)?;
             k.rmsnorm_q8_1(
                 x,
@@ -505,6 +493,28 @@ impl GpuExecutor {
     /// One branch over the `n` tokens of a chunk at positions `pos0..pos0 + n`: the rows
     /// normed to f16, its operation, and its output added to the stream.
     #[allow(clippy::too_many_arguments)]
+    /// A chunk of token ids through every layer: embedded into the residual stream (`x`),
+    /// then each branch (`rows`: whose they are).
+    fn prefill_chunk(
+        &self,
+        p: &PrefillState,
+        ids: &[i32],
+        rows: &[ChunkRows],
+        timer: &mut Option<Timer>,
+    ) -> Result<()> {
+        let n = ids.len();
+        let ids_dev = p.b.ids.sub(0, n)?;
+        ids_dev.copy_from_host(&self.device, ids)?;
+        Timer::mark(timer, Part::Other)?;
+        let x = p.b.x.sub(0, n * self.config.hidden_size)?;
+        self.k
+            .embed_rows(&self.embd, ids_dev, self.embedding_scale, x)?;
+        for b in &self.branches {
+            self.prefill_branch(p, b, rows, n, timer)?;
+        }
+        Ok(())
+    }
+
     /// One branch over the chunk's `n` rows (`rows`: whose they are).
     fn prefill_branch(
         &self,
