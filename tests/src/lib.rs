@@ -140,6 +140,42 @@ pub fn cpu_executor(
         .expect("the CPU backend loads the model")
 }
 
+/// The CPU oracle as its concrete executor, for `options`, tracing what its Mixture-of-
+/// Experts routers choose (when the model has experts): a GPU step that falls under a
+/// parity bar where the oracle's routing was a near-tie ([`routing_near_tie`]) may have
+/// chosen another expert by rounding alone.
+pub fn cpu_oracle(
+    model: &kiln_core::ModelIr,
+    options: &kiln_core::LoadOptions,
+) -> kiln_backend_cpu::CpuExecutor {
+    let mut exec = kiln_backend_cpu::CpuBackend
+        .load_executor(model, options)
+        .expect("the CPU backend loads the model");
+    exec.trace_routing(model.config.experts.is_some());
+    exec
+}
+
+/// A router margin (the chosen experts' last logit less the next one, over the range of the
+/// row's logits) under which another executor's rounding may choose another expert: an
+/// estimate, about ten times what the GPU executors' 15-bit activations would move a router
+/// logit by, that the device runs check (each step under a bar prints its margin).
+pub const ROUTING_TIE: f32 = 2e-3;
+
+/// The cosine a step at a routing near-tie must still reach: one of a token's experts
+/// swapped in one layer moves its logits that far, not more.
+pub const ROUTING_FLOOR: f64 = 0.999;
+
+/// The narrowest router margin of the oracle's last forward pass (over its rows and its
+/// Mixture-of-Experts layers) when it is under [`ROUTING_TIE`]; `None` for a clear choice,
+/// a dense model or an oracle not tracing.
+pub fn routing_near_tie(oracle: &kiln_backend_cpu::CpuExecutor) -> Option<f32> {
+    let trace = oracle.routing()?;
+    let margin = (0..trace.rows())
+        .map(|r| trace.min_margin(r))
+        .fold(1.0f32, f32::min);
+    (margin < ROUTING_TIE).then_some(margin)
+}
+
 /// A tiny random Llama (64 hidden, 2 layers, one KV head of `head_dim` values, Q8_0
 /// weights) built in memory: for tests of what an executor makes of a shape (the GPU
 /// executors' attention takes heads of a multiple of 32 values).

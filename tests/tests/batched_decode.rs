@@ -9,7 +9,12 @@
 //! batched K-quant matmuls — and on the real SmolLM2 the one-sequence path is the one that
 //! strays: row 3 of M=16, cosine 0.9999877 between them, 0.9999992 batched-to-oracle,
 //! 0.9999910 one-sequence-to-oracle, on an H100 and an H200 alike). A wrong row, position
-//! or sequence is far from the oracle too, and still fails. Two executors of the same model run side by side: one decodes each
+//! or sequence is far from the oracle too, and still fails. A Mixture-of-Experts row may
+//! also pass where the oracle's router was at a near-tie for its token (the chosen experts'
+//! last logit within `kiln_tests::ROUTING_TIE` of the next, as a share of the logits'
+//! range) and the two stay within `kiln_tests::ROUTING_FLOOR`: the batched path's 8-bit
+//! matmul inputs can then pick another expert than the one-sequence path does, which moves
+//! the row by that expert's share. Two executors of the same model run side by side: one decodes each
 //! sequence alone, the other the whole batch; both are fed the unbatched run's greedy
 //! tokens (teacher forcing), so every step's logits are compared. Seeded sampling through
 //! `decode_sample` (with logit biases on most rows) must draw on the device the tokens the
@@ -154,7 +159,7 @@ fn greedy_batched_vs_alone(
     let mut batch_logits = vec![f32::NAN; m * vocab];
     // Each row's tokens so far (prompt, then the tokens fed), for the oracle's replays.
     let mut history: Vec<Vec<u32>> = prompts.clone();
-    let mut oracle: Option<Box<dyn LayerExecutor>> = None;
+    let mut oracle: Option<kiln_backend_cpu::CpuExecutor> = None;
     for step in 0..steps {
         let tokens: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
         for (h, &t) in history.iter_mut().zip(&tokens) {
@@ -186,20 +191,29 @@ fn greedy_batched_vs_alone(
             let cos = cosine(&ref_logits[i], got);
             report.min_cosine = report.min_cosine.min(cos);
             if cos < MIN_COSINE {
-                let cpu =
-                    oracle.get_or_insert_with(|| kiln_tests::cpu_executor(ir, alone.max_context()));
+                let cpu = oracle.get_or_insert_with(|| {
+                    let options = LoadOptions {
+                        max_context: alone.max_context(),
+                        ..LoadOptions::default()
+                    };
+                    kiln_tests::cpu_oracle(ir, &options)
+                });
                 let seq = cpu.new_sequence().unwrap();
                 let mut want = vec![f32::NAN; vocab];
                 cpu.prefill(seq, &history[i], &mut want).unwrap();
                 cpu.free_sequence(seq).unwrap();
+                // The replay's last pass ends with this step's token: its routing.
+                let near_tie = kiln_tests::routing_near_tie(cpu);
                 let (to_batched, to_alone) = (cosine(&want, got), cosine(&want, &ref_logits[i]));
                 println!(
                     "M={m} step {step} row {i} (prompt {}): batched vs one-sequence cosine {cos:.7}; \
-                     to the CPU oracle: batched {to_batched:.7}, one-sequence {to_alone:.7}",
-                    lens[i]
+                     to the CPU oracle: batched {to_batched:.7}, one-sequence {to_alone:.7}{}",
+                    lens[i],
+                    near_tie.map_or(String::new(), |m| format!("; routing near-tie (margin {m:.1e})"))
                 );
+                let routing_tie = near_tie.is_some() && cos >= kiln_tests::ROUTING_FLOOR;
                 assert!(
-                    to_batched >= MIN_COSINE && to_batched >= to_alone,
+                    (to_batched >= MIN_COSINE && to_batched >= to_alone) || routing_tie,
                     "M={m} step {step} row {i} (prompt {}): cosine {cos} to the one-sequence step, \
                      and the batched row is not the closer to the CPU oracle ({to_batched} against {to_alone})",
                     lens[i]

@@ -98,6 +98,9 @@ struct Outcome {
     min_cosine: f64,
     token_mismatches: usize,
     allowed_mismatches: usize,
+    /// Steps under the cosine bar where the oracle's routing was a near-tie
+    /// (`kiln_tests::routing_near_tie`), each still at `kiln_tests::ROUTING_FLOOR` or above.
+    routing_ties: usize,
 }
 
 /// Runs the prompt and `STEPS` teacher-forced decode steps on both backends and measures
@@ -171,7 +174,7 @@ fn compare_tokens_on(
     prompt: &[u32],
     check: Check,
 ) -> Outcome {
-    let (cpu_backend, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
+    let (_, cuda_backend) = backends_for(gpu_name).expect("checked by the caller");
     let Check {
         bar,
         steps,
@@ -183,7 +186,7 @@ fn compare_tokens_on(
         max_context: (prompt.len() + steps + 1).max(512),
         ..Default::default()
     };
-    let mut cpu = cpu_backend.load(&model.ir, &options).unwrap();
+    let mut cpu = kiln_tests::cpu_oracle(&model.ir, &options);
     let gpu_options = LoadOptions {
         quantized_activations: quantized,
         ..options
@@ -199,6 +202,7 @@ fn compare_tokens_on(
         min_cosine: 1.0,
         token_mismatches: 0,
         allowed_mismatches: 0,
+        routing_ties: 0,
     };
     for step in 0..=steps {
         assert!(
@@ -207,20 +211,34 @@ fn compare_tokens_on(
         );
         let cos = cosine(&lc, &lg);
         outcome.min_cosine = outcome.min_cosine.min(cos);
+        // Under the bar at a routing near-tie: the GPU may have chosen another expert.
+        let near_tie = kiln_tests::routing_near_tie(&cpu);
+        if cos < bar.min_cosine {
+            if let Some(margin) = near_tie {
+                println!(
+                    "{name} on {gpu_name}: step {step}: cosine {cos:.7} at a routing near-tie (margin {margin:.1e})"
+                );
+            }
+        }
+        let routing_tie = near_tie.is_some() && cos >= kiln_tests::ROUTING_FLOOR;
+        if cos < bar.min_cosine && routing_tie {
+            outcome.routing_ties += 1;
+        }
         assert!(
-            !strict || cos >= bar.min_cosine,
-            "{name} on {gpu_name}: step {step}: cosine {cos} < {}",
-            bar.min_cosine
+            !strict || cos >= bar.min_cosine || routing_tie,
+            "{name} on {gpu_name}: step {step}: cosine {cos} < {} (routing margin {})",
+            bar.min_cosine,
+            near_tie.map_or("clear".to_string(), |m| format!("{m:.1e}"))
         );
         let (tc, tg) = (argmax(&lc), argmax(&lg));
         if tc != tg {
             outcome.token_mismatches += 1;
             let gap = top2_gap(&lc);
-            if gap < bar.tie_gap {
+            if gap < bar.tie_gap || routing_tie {
                 outcome.allowed_mismatches += 1;
             }
             assert!(
-                !(strict && check_tokens) || gap < bar.tie_gap,
+                !(strict && check_tokens) || gap < bar.tie_gap || routing_tie,
                 "{name} on {gpu_name}: step {step}: GPU picks {tg}, CPU {tc} with top-1/top-2 gap {gap} ≥ {}",
                 bar.tie_gap
             );
@@ -228,15 +246,19 @@ fn compare_tokens_on(
         if step == steps {
             break;
         }
-        decode_both(&mut *cpu, &mut *gpu, (sc, sg), tc, &mut lc, &mut lg);
+        decode_both(&mut cpu, &mut *gpu, (sc, sg), tc, &mut lc, &mut lg);
     }
     println!(
-        "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {steps} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties)",
+        "{name:<36} {gpu_name:<10} {:<22} prompt {:>2} tokens, {steps} steps: min cosine {:.6}, greedy mismatches {} ({} at near-ties){}",
         if quantized { "Q8_1 activations" } else { "15-bit activations" },
         prompt.len(),
         outcome.min_cosine,
         outcome.token_mismatches,
-        outcome.allowed_mismatches
+        outcome.allowed_mismatches,
+        match outcome.routing_ties {
+            0 => String::new(),
+            n => format!(", {n} steps under the bar at routing near-ties"),
+        }
     );
     outcome
 }

@@ -6,7 +6,7 @@
 //! grouped by expert), each chunk's last logits compared (cosine ≥ 0.9999), then 32 greedy
 //! steps (one token: its own experts) must give transformers' tokens.
 
-use kiln_core::{Architecture, ExpertConfig};
+use kiln_core::{Architecture, DecodeItem, ExpertConfig, LayerExecutor, LoadOptions};
 use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use kiln_formats::model::model_from_gguf;
 use kiln_tests::transformers_reference::Fixtures;
@@ -292,4 +292,83 @@ fn mxfp4_moe_recipe_types_the_experts_and_runs() {
         assert!(worst > 0.9, "{worst}");
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The CPU oracle's routing trace: every Mixture-of-Experts layer's chosen experts for every
+/// row of the last pass, and how narrowly they were chosen. The oracle and its 8-bit
+/// activation path (rounding like a GPU's) choose alike wherever the margin is wide: a
+/// choice that differs comes with a narrow margin, which is what the GPU parity tests
+/// accept a step under their bar for.
+#[test]
+fn the_routing_trace_shows_choices_differ_only_at_narrow_margins() {
+    let f = Fixtures::open("moe");
+    let ir = f.model("qwen3moe");
+    let prompt = f.prompt().to_vec();
+    let used = ir.config.experts.unwrap().used;
+    let moe_layers = ir
+        .weights
+        .layers
+        .iter()
+        .filter(|l| l.experts.is_some())
+        .count();
+    let options = |quantized_activations| LoadOptions {
+        max_context: 256,
+        quantized_activations,
+        ..LoadOptions::default()
+    };
+    let (mut oracle, mut rounded) = (
+        kiln_tests::cpu_oracle(&ir, &options(false)),
+        kiln_tests::cpu_oracle(&ir, &options(true)),
+    );
+    let mut logits = vec![f32::NAN; ir.config.vocab_size];
+    let (a, b) = (
+        oracle.new_sequence().unwrap(),
+        rounded.new_sequence().unwrap(),
+    );
+    oracle.prefill(a, &prompt, &mut logits).unwrap();
+    rounded.prefill(b, &prompt, &mut logits).unwrap();
+    let (mut compared, mut differing, mut narrowest_agreed) = (0, 0, 1.0f32);
+    for step in 0..8 {
+        let (want, got) = (oracle.routing().unwrap(), rounded.routing().unwrap());
+        let rows = if step == 0 { prompt.len() } else { 1 };
+        assert_eq!((want.rows(), want.layers()), (rows, moe_layers));
+        assert_eq!((got.rows(), got.layers()), (rows, moe_layers));
+        for layer in 0..moe_layers {
+            for row in 0..rows {
+                let chosen = want.chosen(layer, row);
+                assert_eq!(chosen.len(), used);
+                assert!(chosen.windows(2).all(|w| w[0] < w[1]) && chosen[used - 1] < 8);
+                let margin = want.margin(layer, row);
+                assert!((0.0..=1.0).contains(&margin), "{margin}");
+                assert!(want.min_margin(row) <= margin);
+                compared += 1;
+                if chosen != got.chosen(layer, row) {
+                    differing += 1;
+                    assert!(
+                        margin < 0.02,
+                        "layer {layer} row {row}: the rounded path chose {:?} against {chosen:?} at margin {margin}",
+                        got.chosen(layer, row)
+                    );
+                } else {
+                    narrowest_agreed = narrowest_agreed.min(margin);
+                }
+            }
+        }
+        let token = kiln_core::argmax(&logits);
+        oracle
+            .decode(&[DecodeItem { seq: a, token }], &mut logits)
+            .unwrap();
+        rounded
+            .decode(
+                &[DecodeItem { seq: b, token }],
+                &mut vec![0.0; logits.len()],
+            )
+            .unwrap();
+    }
+    println!(
+        "{compared} routings compared, {differing} differing; narrowest margin chosen alike {narrowest_agreed:.1e}"
+    );
+    // Off, a pass records nothing.
+    oracle.trace_routing(false);
+    assert!(oracle.routing().is_none());
 }

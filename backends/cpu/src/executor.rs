@@ -399,6 +399,8 @@ struct Scratch {
     router: Vec<f32>,
     routes: Vec<Route>,
     expert_order: Vec<usize>,
+    /// What the routers chose in the last forward pass, when asked for.
+    routing: Option<RoutingTrace>,
     moe_x: Vec<f32>,
     moe_out: Vec<f32>,
     cos: Vec<f32>,
@@ -529,6 +531,7 @@ impl CpuExecutor {
             router: vec![0.0; b * expert_count],
             routes: Vec::with_capacity(b * c.experts.map_or(0, |e| e.used)),
             expert_order: Vec::with_capacity(expert_count),
+            routing: None,
             moe_x: vec![0.0; if expert_count > 0 { b * widest } else { 0 }],
             moe_out: vec![0.0; if expert_count > 0 { b * h } else { 0 }],
             cos: vec![0.0; b * half.max(1)],
@@ -563,6 +566,18 @@ impl CpuExecutor {
     /// Worker threads of this executor's pool.
     pub fn threads(&self) -> usize {
         self.model.threads
+    }
+
+    /// Records what the Mixture-of-Experts routers choose in each forward pass from now on
+    /// (`true`), or stops (`false`, the default: a pass then records nothing).
+    pub fn trace_routing(&mut self, on: bool) {
+        self.scratch.routing = on.then(RoutingTrace::default);
+    }
+
+    /// The routers' choices in the last forward pass (a prompt's last chunk, a decode
+    /// step's rows), while [`CpuExecutor::trace_routing`] is on.
+    pub fn routing(&self) -> Option<&RoutingTrace> {
+        self.scratch.routing.as_ref()
     }
 
     fn slot_of(&self, seq: SeqId) -> Result<usize> {
@@ -926,6 +941,9 @@ fn forward(
     let n = rows.len();
     let h = c.hidden_size;
     let half = c.rope.rotary_dims / 2;
+    if let Some(trace) = &mut s.routing {
+        trace.start(n);
+    }
 
     for (t, &tok) in tokens.iter().enumerate() {
         let x = &mut s.x[t * h..(t + 1) * h];
@@ -1336,6 +1354,89 @@ fn feed_forward(
     }
 }
 
+/// What each Mixture-of-Experts layer's router chose for each row of a forward pass, and
+/// how narrowly: two executors whose numbers differ by rounding choose different experts
+/// where a row's `used`-th and next logits lie that close, and the row's output then moves
+/// by a whole expert's share — the parity tests read this to tell such a step from an error.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoutingTrace {
+    rows: usize,
+    /// Per MoE layer and row, in order: the chosen experts, ascending.
+    chosen: Vec<Vec<u32>>,
+    /// Per MoE layer and row: the `used`-th largest logit less the next, over the range of
+    /// the row's logits (0 for a tie; 1 when every expert is used).
+    margins: Vec<f32>,
+}
+
+impl RoutingTrace {
+    fn start(&mut self, rows: usize) {
+        self.rows = rows;
+        self.chosen.clear();
+        self.margins.clear();
+    }
+
+    /// One row's router logits and their order (largest first), `used` of them chosen.
+    fn record(&mut self, logits: &[f32], order: &[usize], used: usize) {
+        let mut chosen: Vec<u32> = order[..used].iter().map(|&e| e as u32).collect();
+        chosen.sort_unstable();
+        self.chosen.push(chosen);
+        self.margins.push(routing_margin(logits, order, used));
+    }
+
+    /// Rows of the pass.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Mixture-of-Experts layers the pass ran.
+    pub fn layers(&self) -> usize {
+        self.margins.len().checked_div(self.rows).unwrap_or(0)
+    }
+
+    /// The experts layer `layer` chose for row `row`, ascending.
+    pub fn chosen(&self, layer: usize, row: usize) -> &[u32] {
+        &self.chosen[layer * self.rows + row]
+    }
+
+    /// Layer `layer`'s margin for row `row` (see [`RoutingTrace`]).
+    pub fn margin(&self, layer: usize, row: usize) -> f32 {
+        self.margins[layer * self.rows + row]
+    }
+
+    /// The narrowest margin of row `row` over every layer (1 with no MoE layer): how close
+    /// the row came to choosing another expert.
+    pub fn min_margin(&self, row: usize) -> f32 {
+        self.margins
+            .iter()
+            .skip(row)
+            .step_by(self.rows.max(1))
+            .fold(1.0, |a, &b| a.min(b))
+    }
+}
+
+/// The gap between the `used`-th largest logit and the next as a share of the logits'
+/// range: 0 for a tie at the boundary, 1 when nothing is left out (or all are equal and
+/// every one is used). NaN logits give 0 (no choice is safe).
+fn routing_margin(logits: &[f32], order: &[usize], used: usize) -> f32 {
+    if used == 0 || used >= logits.len() {
+        return 1.0;
+    }
+    if logits.iter().any(|l| l.is_nan()) {
+        return 0.0;
+    }
+    let (lo, hi) = logits
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &l| {
+            (lo.min(l), hi.max(l))
+        });
+    let (gap, range) = (logits[order[used - 1]] - logits[order[used]], hi - lo);
+    if range > 0.0 && range.is_finite() {
+        gap / range
+    } else {
+        0.0
+    }
+}
+
 /// One row's use of one expert: the expert's output for that row joins the row's sum
 /// multiplied by `weight`.
 #[derive(Debug, Clone, Copy)]
@@ -1412,6 +1513,9 @@ fn experts(m: &Model, e: &Experts<QMatrix, Vec<f32>>, s: &mut Scratch, n: usize,
             &mut s.expert_order,
             &mut routes,
         );
+        if let Some(trace) = &mut s.routing {
+            trace.record(logits, &s.expert_order, e.used);
+        }
     }
     routes.sort_by_key(|r| (r.expert, r.row));
 
@@ -1673,5 +1777,63 @@ impl LayerExecutor for CpuExecutor {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn margin_of(logits: &[f32], used: usize) -> f32 {
+        let (mut order, mut routes) = (Vec::new(), Vec::new());
+        route(logits, used, true, 0, &mut order, &mut routes);
+        routing_margin(logits, &order, used)
+    }
+
+    #[test]
+    fn routing_margin_is_the_boundary_gap_over_the_logits_range() {
+        // Order 0, 2 | 1, 3: the second chosen (2.0) less the first left out (1.0), over 3.
+        assert_eq!(margin_of(&[3.0, 1.0, 2.0, 0.0], 2), 1.0 / 3.0);
+        assert_eq!(margin_of(&[3.0, 1.0, 2.0, 0.0], 1), 1.0 / 3.0);
+        assert_eq!(
+            margin_of(&[0.5, 2.0, 2.0, -1.0], 1),
+            0.0,
+            "a tie at the boundary"
+        );
+        assert_eq!(
+            margin_of(&[0.5, 2.0, 2.0, -1.0], 4),
+            1.0,
+            "every expert used"
+        );
+        assert_eq!(margin_of(&[1.0, 1.0, 1.0], 1), 0.0, "all equal");
+        assert_eq!(margin_of(&[1.0, f32::NAN, 0.0], 1), 0.0, "a NaN logit");
+        let wide = margin_of(&[1e30, -1e30, f32::INFINITY], 1);
+        assert_eq!(wide, 0.0, "an infinite range");
+    }
+
+    #[test]
+    fn a_trace_keeps_each_layers_choices_and_each_rows_narrowest_margin() {
+        let mut trace = RoutingTrace::default();
+        trace.start(2);
+        let mut order = Vec::new();
+        for logits in [
+            [0.0, 4.0, 1.0, 3.0],
+            [2.0, 0.0, 1.0, 1.5],
+            [0.0, 1.0, 0.9, 0.5],
+            [4.0, 0.0, 0.0, 0.0],
+        ] {
+            route(&logits, 2, true, 0, &mut order, &mut Vec::new());
+            trace.record(&logits, &order, 2);
+        }
+        assert_eq!((trace.rows(), trace.layers()), (2, 2));
+        assert_eq!(trace.chosen(0, 0), &[1, 3]);
+        assert_eq!(trace.chosen(0, 1), &[0, 3]);
+        assert_eq!(trace.chosen(1, 0), &[1, 2]);
+        assert_eq!(trace.chosen(1, 1), &[0, 1]);
+        // Row 0: 2/4 in layer 0, 0.4/1 in layer 1; row 1: 0.5/2, then a tie at 0.
+        assert!((trace.min_margin(0) - 0.4).abs() < 1e-6);
+        assert_eq!(trace.min_margin(1), 0.0);
+        trace.start(1);
+        assert_eq!((trace.layers(), trace.min_margin(0)), (0, 1.0));
     }
 }

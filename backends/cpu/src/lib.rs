@@ -25,7 +25,7 @@ mod matmul;
 pub mod ops;
 mod tensor_parallel;
 
-pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize};
+pub use executor::{kv_cache_size, CpuExecutor, KvCacheSize, RoutingTrace};
 pub use kernels::Isa;
 pub use matmul::MAX_BATCH;
 pub use tensor_parallel::TensorParallelExecutor;
