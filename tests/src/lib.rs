@@ -141,9 +141,7 @@ pub fn cpu_executor(
 }
 
 /// The CPU oracle as its concrete executor, for `options`, tracing what its Mixture-of-
-/// Experts routers choose (when the model has experts): a GPU step that falls under a
-/// parity bar where the oracle's routing was a near-tie ([`routing_near_tie`]) may have
-/// chosen another expert by rounding alone.
+/// Experts routers choose (when the model has experts): see [`RoutingSlack`].
 pub fn cpu_oracle(
     model: &kiln_core::ModelIr,
     options: &kiln_core::LoadOptions,
@@ -155,25 +153,49 @@ pub fn cpu_oracle(
     exec
 }
 
-/// A router margin (the chosen experts' last logit less the next one, over the range of the
-/// row's logits) under which another executor's rounding may choose another expert: an
-/// estimate, about ten times what the GPU executors' 15-bit activations would move a router
-/// logit by, that the device runs check (each step under a bar prints its margin).
-pub const ROUTING_TIE: f32 = 2e-3;
+/// How far a Mixture-of-Experts step may fall under a parity bar because the executors
+/// chose different experts. A router picks each token's experts by its largest logits;
+/// where the last chosen and the first left out lie within another executor's rounding
+/// of each other (the margin: their difference over the range of the row's logits), that
+/// executor may swap one expert, and the token's logits then move by about 4e-4 in
+/// cosine a swapped layer (the oracle beside its 8-bit path on a random 64-expert model:
+/// `moe::routing_swaps_on_a_random_moe_beside_the_step_cosines`, whose steps without a
+/// swap all sat at that path's own 0.99972–0.99974). So a step gets `SWAP_COST` of slack
+/// for each layer whose margin for its token was under the tie width of the path's
+/// rounding.
+pub struct RoutingSlack {
+    /// Layers at a near-tie for the compared row.
+    pub near_ties: usize,
+    /// The row's narrowest margin.
+    pub margin: f32,
+}
 
-/// The cosine a step at a routing near-tie must still reach: one of a token's experts
-/// swapped in one layer moves its logits that far, not more.
-pub const ROUTING_FLOOR: f64 = 0.999;
+impl RoutingSlack {
+    /// A margin under which 15-bit activations (the GPU GEMVs') may swap an expert: an
+    /// estimate (logits at cosine 0.999999 differ by 1.4e-3 of their norm, a router's by
+    /// ~3e-4 of its range) that the device runs check, each slack step printing its margin.
+    pub const TIE_15_BIT: f32 = 2e-3;
+    /// The same for 8-bit activations (the batched matmuls', the CPU's 8-bit path): the
+    /// CPU's swapped at margins up to 2.3e-2.
+    pub const TIE_8_BIT: f32 = 3e-2;
+    /// Cosine slack a near-tie layer.
+    pub const SWAP_COST: f64 = 1e-3;
 
-/// The narrowest router margin of the oracle's last forward pass (over its rows and its
-/// Mixture-of-Experts layers) when it is under [`ROUTING_TIE`]; `None` for a clear choice,
-/// a dense model or an oracle not tracing.
-pub fn routing_near_tie(oracle: &kiln_backend_cpu::CpuExecutor) -> Option<f32> {
-    let trace = oracle.routing()?;
-    let margin = (0..trace.rows())
-        .map(|r| trace.min_margin(r))
-        .fold(1.0f32, f32::min);
-    (margin < ROUTING_TIE).then_some(margin)
+    /// The oracle's last pass, for its last row (the one whose logits are compared), at
+    /// the tie width `tie`; `None` for a dense model or an oracle not tracing.
+    pub fn of(oracle: &kiln_backend_cpu::CpuExecutor, tie: f32) -> Option<RoutingSlack> {
+        let trace = oracle.routing()?;
+        let row = trace.rows().checked_sub(1)?;
+        (trace.layers() > 0).then(|| RoutingSlack {
+            near_ties: trace.near_ties(row, tie),
+            margin: trace.min_margin(row),
+        })
+    }
+
+    /// The cosine slack.
+    pub fn slack(&self) -> f64 {
+        self.near_ties as f64 * Self::SWAP_COST
+    }
 }
 
 /// A tiny random Llama (64 hidden, 2 layers, one KV head of `head_dim` values, Q8_0

@@ -10,11 +10,9 @@
 //! strays: row 3 of M=16, cosine 0.9999877 between them, 0.9999992 batched-to-oracle,
 //! 0.9999910 one-sequence-to-oracle, on an H100 and an H200 alike). A wrong row, position
 //! or sequence is far from the oracle too, and still fails. A Mixture-of-Experts row may
-//! also pass where the oracle's router was at a near-tie for its token (the chosen experts'
-//! last logit within `kiln_tests::ROUTING_TIE` of the next, as a share of the logits'
-//! range) and the two stay within `kiln_tests::ROUTING_FLOOR`: the batched path's 8-bit
-//! matmul inputs can then pick another expert than the one-sequence path does, which moves
-//! the row by that expert's share. Two executors of the same model run side by side: one decodes each
+//! also fall under the bar by its routing slack (`kiln_tests::RoutingSlack`: 1e-3 for each
+//! layer whose router was at a near-tie for the token in the oracle): the batched path's
+//! 8-bit matmul inputs can pick other experts there than the one-sequence path does. Two executors of the same model run side by side: one decodes each
 //! sequence alone, the other the whole batch; both are fed the unbatched run's greedy
 //! tokens (teacher forcing), so every step's logits are compared. Seeded sampling through
 //! `decode_sample` (with logit biases on most rows) must draw on the device the tokens the
@@ -202,18 +200,23 @@ fn greedy_batched_vs_alone(
                 let mut want = vec![f32::NAN; vocab];
                 cpu.prefill(seq, &history[i], &mut want).unwrap();
                 cpu.free_sequence(seq).unwrap();
-                // The replay's last pass ends with this step's token: its routing.
-                let near_tie = kiln_tests::routing_near_tie(cpu);
+                // The replay's last pass ends with this step's token: its routing, at the
+                // batched matmuls' 8-bit rounding.
+                let routing =
+                    kiln_tests::RoutingSlack::of(cpu, kiln_tests::RoutingSlack::TIE_8_BIT);
+                let slack = routing.as_ref().map_or(0.0, |r| r.slack());
                 let (to_batched, to_alone) = (cosine(&want, got), cosine(&want, &ref_logits[i]));
                 println!(
                     "M={m} step {step} row {i} (prompt {}): batched vs one-sequence cosine {cos:.7}; \
                      to the CPU oracle: batched {to_batched:.7}, one-sequence {to_alone:.7}{}",
                     lens[i],
-                    near_tie.map_or(String::new(), |m| format!("; routing near-tie (margin {m:.1e})"))
+                    routing.as_ref().map_or(String::new(), |r| format!(
+                        "; {} near-tie layers (narrowest margin {:.1e})",
+                        r.near_ties, r.margin
+                    ))
                 );
-                let routing_tie = near_tie.is_some() && cos >= kiln_tests::ROUTING_FLOOR;
                 assert!(
-                    (to_batched >= MIN_COSINE && to_batched >= to_alone) || routing_tie,
+                    (to_batched >= MIN_COSINE && to_batched >= to_alone) || cos >= MIN_COSINE - slack,
                     "M={m} step {step} row {i} (prompt {}): cosine {cos} to the one-sequence step, \
                      and the batched row is not the closer to the CPU oracle ({to_batched} against {to_alone})",
                     lens[i]

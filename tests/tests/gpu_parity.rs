@@ -98,8 +98,8 @@ struct Outcome {
     min_cosine: f64,
     token_mismatches: usize,
     allowed_mismatches: usize,
-    /// Steps under the cosine bar where the oracle's routing was a near-tie
-    /// (`kiln_tests::routing_near_tie`), each still at `kiln_tests::ROUTING_FLOOR` or above.
+    /// Steps under the cosine bar by no more than their routing slack
+    /// (`kiln_tests::RoutingSlack`).
     routing_ties: usize,
 }
 
@@ -211,24 +211,27 @@ fn compare_tokens_on(
         );
         let cos = cosine(&lc, &lg);
         outcome.min_cosine = outcome.min_cosine.min(cos);
-        // Under the bar at a routing near-tie: the GPU may have chosen another expert.
-        let near_tie = kiln_tests::routing_near_tie(&cpu);
-        if cos < bar.min_cosine {
-            if let Some(margin) = near_tie {
-                println!(
-                    "{name} on {gpu_name}: step {step}: cosine {cos:.7} at a routing near-tie (margin {margin:.1e})"
-                );
-            }
+        // A Mixture of Experts' token at routing near-ties: the GPU may have swapped experts.
+        let tie = match quantized {
+            true => kiln_tests::RoutingSlack::TIE_8_BIT,
+            false => kiln_tests::RoutingSlack::TIE_15_BIT,
+        };
+        let routing = kiln_tests::RoutingSlack::of(&cpu, tie);
+        let slack = routing.as_ref().map_or(0.0, |r| r.slack());
+        let routing_tie = cos < bar.min_cosine && cos >= bar.min_cosine - slack;
+        if let Some(r) = routing.as_ref().filter(|_| cos < bar.min_cosine) {
+            println!(
+                "{name} on {gpu_name}: step {step}: cosine {cos:.7}, {} near-tie layers (narrowest margin {:.1e})",
+                r.near_ties, r.margin
+            );
         }
-        let routing_tie = near_tie.is_some() && cos >= kiln_tests::ROUTING_FLOOR;
-        if cos < bar.min_cosine && routing_tie {
+        if routing_tie {
             outcome.routing_ties += 1;
         }
         assert!(
             !strict || cos >= bar.min_cosine || routing_tie,
-            "{name} on {gpu_name}: step {step}: cosine {cos} < {} (routing margin {})",
-            bar.min_cosine,
-            near_tie.map_or("clear".to_string(), |m| format!("{m:.1e}"))
+            "{name} on {gpu_name}: step {step}: cosine {cos} < {} (routing slack {slack})",
+            bar.min_cosine
         );
         let (tc, tg) = (argmax(&lc), argmax(&lg));
         if tc != tg {

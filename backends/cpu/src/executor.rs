@@ -1403,6 +1403,14 @@ impl RoutingTrace {
         self.margins[layer * self.rows + row]
     }
 
+    /// Layers whose margin for row `row` is under `tie`: where another executor's rounding
+    /// could choose another expert for it.
+    pub fn near_ties(&self, row: usize, tie: f32) -> usize {
+        (0..self.layers())
+            .filter(|&l| self.margin(l, row) < tie)
+            .count()
+    }
+
     /// The narrowest margin of row `row` over every layer (1 with no MoE layer): how close
     /// the row came to choosing another expert.
     pub fn min_margin(&self, row: usize) -> f32 {
@@ -1833,6 +1841,15 @@ mod tests {
         // Row 0: 2/4 in layer 0, 0.4/1 in layer 1; row 1: 0.5/2, then a tie at 0.
         assert!((trace.min_margin(0) - 0.4).abs() < 1e-6);
         assert_eq!(trace.min_margin(1), 0.0);
+        assert_eq!(
+            (
+                trace.near_ties(0, 0.45),
+                trace.near_ties(0, 0.5),
+                trace.near_ties(0, 0.6)
+            ),
+            (1, 1, 2)
+        );
+        assert_eq!((trace.near_ties(1, 1e-9), trace.near_ties(1, 0.3)), (1, 2));
         trace.start(1);
         assert_eq!((trace.layers(), trace.min_margin(0)), (0, 1.0));
     }
