@@ -36,7 +36,7 @@ pub struct SynthArgs {
     pub output: PathBuf,
     /// Model shape: smollm2-135m, llama3.2-1b, llama3-8b, llama3.1-8b, qwen2.5-0.5b,
     /// qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b, qwen3-8b, gemma3-270m, qwen3-30b-a3b,
-    /// mixtral-8x7b, qwen3moe-7b-a2b, gpt-oss-20b, gpt-oss-120b.
+    /// mixtral-8x7b, qwen3moe-7b-a2b, qwen3moe-small, gpt-oss-20b, gpt-oss-120b.
     #[arg(short, long)]
     pub shape: String,
     /// Recipe, as for `kiln quantize` (q4_k_m, q4_0, f16, ...).

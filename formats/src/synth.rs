@@ -42,6 +42,7 @@ pub enum Preset {
     Qwen3_30bA3b,
     Mixtral8x7b,
     Qwen3Moe7bA2b,
+    Qwen3MoeSmall,
     GptOss20b,
     GptOss120b,
 }
@@ -96,7 +97,7 @@ pub struct SynthExperts {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 15] = [
+    pub const ALL: [Preset; 16] = [
         Preset::SmolLm2_135m,
         Preset::Llama32_1b,
         Preset::Llama3_8b,
@@ -110,6 +111,7 @@ impl Preset {
         Preset::Qwen3_30bA3b,
         Preset::Mixtral8x7b,
         Preset::Qwen3Moe7bA2b,
+        Preset::Qwen3MoeSmall,
         Preset::GptOss20b,
         Preset::GptOss120b,
     ];
@@ -129,6 +131,7 @@ impl Preset {
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::Mixtral8x7b => "mixtral-8x7b",
             Preset::Qwen3Moe7bA2b => "qwen3moe-7b-a2b",
+            Preset::Qwen3MoeSmall => "qwen3moe-small",
             Preset::GptOss20b => "gpt-oss-20b",
             Preset::GptOss120b => "gpt-oss-120b",
         }
@@ -322,6 +325,17 @@ impl Preset {
                     ffn_size: 1024,
                 }),
                 ..qwen3(2048, 16, 16, 4, 6144, false)
+            },
+            // Not a released model: Qwen3-MoE's routing (64 experts, 8 a token) in 8 layers of
+            // hidden 1,024, ~0.6 GB in q4_k_m: the GPU parity tests' MoE, made in seconds.
+            Preset::Qwen3MoeSmall => SynthShape {
+                arch: Architecture::Qwen3Moe,
+                experts: Some(SynthExperts {
+                    count: 64,
+                    used: 8,
+                    ffn_size: 512,
+                }),
+                ..qwen3(1024, 8, 8, 2, 3072, false)
             },
             // openai/gpt-oss-20b: 24 layers, 32 experts of 2,880 (4 a token).
             Preset::GptOss20b => gpt_oss(24, 32),

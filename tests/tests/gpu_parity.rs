@@ -962,9 +962,9 @@ fn gpt_oss_fixture_matches_cpu_on_both_gpu_backends() {
     }
 }
 
-/// A quantised Mixture of Experts of a real shape's proportions: synthetic qwen3moe-7b-a2b
-/// (64 experts of 1,024, 8 a token) in q4_k_m (Q4_K and Q6_K experts) on cuda-q4k and in
-/// q4_0 on cuda-q4_0, under the bars of those mixes.
+/// A quantised Mixture of Experts with Qwen3-MoE's routing: synthetic qwen3moe-small (64
+/// experts of 512, 8 a token, 8 layers) in q4_k_m (Q4_K and Q6_K experts) on cuda-q4k and
+/// in q4_0 on cuda-q4_0, under the bars of those mixes.
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu/gpu_suite.sh on the device"]
 fn qwen3moe_synthetic_matches_cpu_on_both_gpu_backends() {
@@ -977,7 +977,7 @@ fn qwen3moe_synthetic_matches_cpu_on_both_gpu_backends() {
         ("cuda-q4k", Recipe::Q4_K_M, Q4K_BAR),
         ("cuda-q4_0", Recipe::Q4_0, Q4_0_BAR),
     ] {
-        let path = synth_into(&dir, "qwen3moe-7b-a2b", Preset::Qwen3Moe7bA2b, recipe, 1);
+        let path = synth_into(&dir, "qwen3moe-small", Preset::Qwen3MoeSmall, recipe, 1);
         compare_on(gpu, bar, &path, prompt, true, false, true);
         std::fs::remove_file(&path).ok();
     }
@@ -1002,8 +1002,8 @@ fn qwen3moe_mxfp4_experts_match_cpu_on_both_gpu_backends() {
     let prompt = "The quick brown fox jumps over the lazy dog";
     let path = synth_into(
         &dir,
-        "qwen3moe-7b-a2b",
-        Preset::Qwen3Moe7bA2b,
+        "qwen3moe-small",
+        Preset::Qwen3MoeSmall,
         Recipe::MXFP4_MOE,
         1,
     );

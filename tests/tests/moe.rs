@@ -9,6 +9,8 @@
 use kiln_core::{Architecture, DecodeItem, ExpertConfig, LayerExecutor, LoadOptions};
 use kiln_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use kiln_formats::model::model_from_gguf;
+use kiln_formats::quantize::{no_progress, Recipe};
+use kiln_formats::synth::{synth_file, Preset, SynthOptions};
 use kiln_tests::transformers_reference::Fixtures;
 
 #[test]
@@ -373,20 +375,32 @@ fn the_routing_trace_shows_choices_differ_only_at_narrow_margins() {
     assert!(oracle.routing().is_none());
 }
 
-/// On a random 64-expert model (`kiln synth --shape qwen3moe-7b-a2b --type q4_k_m`, 4.4 GB,
-/// its path in KILN_QWEN3MOE_FILE), the oracle beside its 8-bit activation path, teacher
-/// forced: every expert the two choose differently lies under `RoutingSlack::TIE_8_BIT`,
-/// and each step's cosine is within its routing slack of what the path reaches where no
-/// expert differs (0.9997 on this model; 0.9995 held). What the slack rule of the GPU parity
-/// tests rests on.
+/// On a random 64-expert model (`kiln synth --shape qwen3moe-small`, made here: ~50 s on two
+/// cores; or the file KILN_QWEN3MOE_FILE names, e.g. qwen3moe-7b-a2b), the oracle beside its
+/// 8-bit activation path, teacher forced: every expert the two choose differently lies
+/// under `RoutingSlack::TIE_8_BIT`, a step where they chose alike keeps the path's own
+/// agreement (≥ 0.9995; 0.99984–0.99987 on qwen3moe-small, 0.9997 on the 7B), and a step
+/// with a swap stays within its routing slack of that. What the slack rule of the GPU
+/// parity tests rests on; a fault in the 8-bit expert kernels would show as a drop with no
+/// swap.
 #[test]
-#[ignore = "reads a 4.4 GB synthetic model named by KILN_QWEN3MOE_FILE"]
 fn routing_swaps_on_a_random_moe_explain_the_step_cosines() {
-    let Some(path) = std::env::var_os("KILN_QWEN3MOE_FILE") else {
-        kiln_tests::skip("routing_swaps", "KILN_QWEN3MOE_FILE is not set");
-        return;
+    let made = std::env::temp_dir().join(format!("kiln-moe-routing-{}", std::process::id()));
+    let path = match std::env::var_os("KILN_QWEN3MOE_FILE") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => {
+            std::fs::create_dir_all(&made).unwrap();
+            let path = made.join("qwen3moe-small.q4_k_m.gguf");
+            let options = SynthOptions {
+                preset: Preset::Qwen3MoeSmall,
+                recipe: Recipe::Q4_K_M,
+                seed: 0,
+            };
+            synth_file(&path, options, &no_progress).unwrap();
+            path
+        }
     };
-    let model = kiln::Model::open(std::path::Path::new(&path)).unwrap();
+    let model = kiln::Model::open(&path).unwrap();
     let ir = &model.ir;
     let prompt = model
         .tokenizer
@@ -428,10 +442,13 @@ fn routing_swaps_on_a_random_moe_explain_the_step_cosines() {
             swapped.iter().all(|&(_, m)| m < tie),
             "step {step}: a swap at a wide margin"
         );
-        assert!(
-            cos >= 0.9995 - slack.slack(),
-            "step {step}: {cos} beyond its routing slack"
-        );
+        match swapped.is_empty() {
+            true => assert!(cos >= 0.9995, "step {step}: {cos} with the same experts"),
+            false => assert!(
+                cos >= 0.9995 - slack.slack(),
+                "step {step}: {cos} beyond its routing slack"
+            ),
+        }
         let token = kiln_core::argmax(&want);
         oracle
             .decode(&[DecodeItem { seq: a, token }], &mut want)
@@ -440,4 +457,5 @@ fn routing_swaps_on_a_random_moe_explain_the_step_cosines() {
             .decode(&[DecodeItem { seq: b, token }], &mut got)
             .unwrap();
     }
+    std::fs::remove_dir_all(&made).ok();
 }
