@@ -296,6 +296,22 @@ fn mxfp4_moe_recipe_types_the_experts_and_runs() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The CPU oracle and its 8-bit activation path for `ir` (256 positions), both tracing
+/// their routing.
+fn oracle_and_8_bit_path(
+    ir: &kiln_core::ModelIr,
+) -> (kiln_backend_cpu::CpuExecutor, kiln_backend_cpu::CpuExecutor) {
+    let options = |quantized_activations| LoadOptions {
+        max_context: 256,
+        quantized_activations,
+        ..LoadOptions::default()
+    };
+    (
+        kiln_tests::cpu_oracle(ir, &options(false)),
+        kiln_tests::cpu_oracle(ir, &options(true)),
+    )
+}
+
 /// The CPU oracle's routing trace: every Mixture-of-Experts layer's chosen experts for every
 /// row of the last pass, and how narrowly they were chosen. The oracle and its 8-bit
 /// activation path (rounding like a GPU's) choose alike wherever the margin is wide: a
@@ -313,15 +329,7 @@ fn the_routing_trace_shows_choices_differ_only_at_narrow_margins() {
         .iter()
         .filter(|l| l.experts.is_some())
         .count();
-    let options = |quantized_activations| LoadOptions {
-        max_context: 256,
-        quantized_activations,
-        ..LoadOptions::default()
-    };
-    let (mut oracle, mut rounded) = (
-        kiln_tests::cpu_oracle(&ir, &options(false)),
-        kiln_tests::cpu_oracle(&ir, &options(true)),
-    );
+    let (mut oracle, mut rounded) = oracle_and_8_bit_path(&ir);
     let mut logits = vec![f32::NAN; ir.config.vocab_size];
     let (a, b) = (
         oracle.new_sequence().unwrap(),
@@ -406,15 +414,7 @@ fn routing_swaps_on_a_random_moe_explain_the_step_cosines() {
         .tokenizer
         .encode("The quick brown fox jumps over the lazy dog", true, false)
         .unwrap();
-    let options = |quantized_activations| LoadOptions {
-        max_context: 256,
-        quantized_activations,
-        ..LoadOptions::default()
-    };
-    let (mut oracle, mut rounded) = (
-        kiln_tests::cpu_oracle(ir, &options(false)),
-        kiln_tests::cpu_oracle(ir, &options(true)),
-    );
+    let (mut oracle, mut rounded) = oracle_and_8_bit_path(ir);
     let vocab = ir.config.vocab_size;
     let (mut want, mut got) = (vec![f32::NAN; vocab], vec![f32::NAN; vocab]);
     let (a, b) = (
