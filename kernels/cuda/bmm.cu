@@ -385,6 +385,32 @@ static __device__ __forceinline__ void bmm_chunks_staged(const W& w, const W& w2
     }
 }
 
+template <int NT, bool SWIGLU>
+static __device__ __forceinline__ void bmm_zero(float (&acc)[NT][4], float (&acc2)[SWIGLU ? NT : 1][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[n][i] = 0.0f;
+            acc2[SWIGLU ? n : 0][i] = 0.0f;
+        }
+}
+
+// A warp's sums over chunks c0..c1 of rows ra and rb (and SwiGLU's second weight), from
+// zero: 64 sequences (NT 8) take the staged walk, which every warp of the block must call
+// (it holds barriers; `active` false for a warp past the last row), fewer the direct one.
+template <int T, int NT, bool SWIGLU, class Acts>
+static __device__ __forceinline__ void bmm_walk(const W& w, const W& w2, const Acts& a, size_t ra, size_t rb,
+                                                bool active, int g, int t, int K, int c0, int c1,
+                                                float (&acc)[NT][4], float (&acc2)[SWIGLU ? NT : 1][4]) {
+    bmm_zero<NT, SWIGLU>(acc, acc2);
+    if constexpr (NT == 8) {
+        bmm_chunks_staged<T, NT, SWIGLU>(w, w2, a, ra, rb, active, g, t, K, c0, c1, acc, acc2);
+    } else if (active) {
+        bmm_chunks_direct<T, NT, SWIGLU>(w, w2, a, ra, rb, g, t, K, c0, c1, acc, acc2);
+    }
+}
+
 // Writes a warp's sums (rows row0 + g and row0 + g + 8, the sequences of its lane) to its
 // split's partial sums `out` ([m][row], stride ldp; SwiGLU's up products nrows further on).
 template <int NT, bool SWIGLU>
@@ -416,19 +442,7 @@ static __device__ __forceinline__ void bmm(W w, W w2, const BAct a, float* __res
     const int nchunks = K / 32;
     const int c0 = blockIdx.y * per_split, c1 = min(nchunks, c0 + per_split);
     float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[n][i] = 0.0f;
-            acc2[SWIGLU ? n : 0][i] = 0.0f;
-        }
-    const DenseActs<B> acts = {a, nchunks};
-    if constexpr (NT == 8) {
-        bmm_chunks_staged<T, NT, SWIGLU>(w, w2, acts, ra, rb, active, g, t, K, c0, c1, acc, acc2);
-    } else if (active) {
-        bmm_chunks_direct<T, NT, SWIGLU>(w, w2, acts, ra, rb, g, t, K, c0, c1, acc, acc2);
-    }
+    bmm_walk<T, NT, SWIGLU>(w, w2, DenseActs<B>{a, nchunks}, ra, rb, active, g, t, K, c0, c1, acc, acc2);
     if (!active) return;
     bmm_store<NT, SWIGLU>(part + (size_t)blockIdx.y * NT * 8 * ldp, ldp, nrows, row0, g, t, acc, acc2);
 }
@@ -471,18 +485,7 @@ static __device__ __forceinline__ void bmm_grouped(W w, W w2, const BAct a, int 
         }
         __syncthreads();
         float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
-#pragma unroll
-        for (int n_ = 0; n_ < NT; ++n_)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                acc[n_][i] = 0.0f;
-                acc2[SWIGLU ? n_ : 0][i] = 0.0f;
-            }
-        if constexpr (NT == 8) {
-            bmm_chunks_staged<T, NT, SWIGLU>(w, w2, acts, ra, rb, active, g, t, K, 0, K / 32, acc, acc2);
-        } else if (active) {
-            bmm_chunks_direct<T, NT, SWIGLU>(w, w2, acts, ra, rb, g, t, K, 0, K / 32, acc, acc2);
-        }
+        bmm_walk<T, NT, SWIGLU>(w, w2, acts, ra, rb, active, g, t, K, 0, K / 32, acc, acc2);
         if (!active) continue;
 #pragma unroll
         for (int n_ = 0; n_ < NT; ++n_)
@@ -591,13 +594,7 @@ static __device__ __forceinline__ void bmmp(W w, W w2, const BAct a, float* __re
     }
 
     float acc[NT][4], acc2[SWIGLU ? NT : 1][4];
-#pragma unroll
-    for (int n_ = 0; n_ < NT; ++n_)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[n_][i] = 0.0f;
-            acc2[SWIGLU ? n_ : 0][i] = 0.0f;
-        }
+    bmm_zero<NT, SWIGLU>(acc, acc2);
     const int r0 = warp * 16 + g, r8 = r0 + 8;
     for (int s = 0; s < n; ++s) {
         // Stage s has landed once at most stages - 2 later groups are in flight.

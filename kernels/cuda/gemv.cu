@@ -522,6 +522,32 @@ static __device__ __forceinline__ void q6k_chunk(const u8* blk, int cc, int (&q)
     s1 = (float)(i8)(scales >> 8);
 }
 
+// A chunk's two halves (values 0..15 and 16..31, the words q[0..3] and q[4..7]) dotted
+// with the activation apart, for the types with a scale (or an offset) per half: integer
+// sums on the 8-bit paths, float sums on A_F32 (SIGNED: the words hold signed bytes).
+template <int A>
+static __device__ __forceinline__ void halves_int(const int (&q)[8], const XChunk& x, int& lo, int& hi) {
+    IAcc<A> a, b;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        a.add(q[i], x, i);
+        b.add(q[4 + i], x, 4 + i);
+    }
+    lo = a.value();
+    hi = b.value();
+}
+
+template <bool SIGNED>
+static __device__ __forceinline__ void halves_float(const int (&q)[8], const XChunk& x, float& lo, float& hi) {
+    lo = 0.0f;
+    hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo += SIGNED ? fdot4s(q[i], &x.v[4 * i]) : fdot4u(q[i], &x.v[4 * i]);
+        hi += SIGNED ? fdot4s(q[4 + i], &x.v[16 + 4 * i]) : fdot4u(q[4 + i], &x.v[16 + 4 * i]);
+    }
+}
+
 // Dot product of chunk `c` of row `row` (row length K) with the activation chunk (every
 // type but Q4_K/Q5_K, which go through dot_pair_k).
 template <int T, int A>
@@ -612,21 +638,13 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
         float d, s0, s1, m0, m1;
         k23_chunk<T>(w, row * ((size_t)K / 256) + (c >> 3), c & 7, q, d, s0, s1, m0, m1);
         if constexpr (A != A_F32) {
-            IAcc<A> lo, hi;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo.add(q[i], x, i);
-                hi.add(q[4 + i], x, 4 + i);
-            }
-            return x.d * (d * (s0 * (float)(lo.value() - off * x.qsum_lo) + s1 * (float)(hi.value() - off * x.qsum_hi)) -
+            int lo, hi;
+            halves_int<A>(q, x, lo, hi);
+            return x.d * (d * (s0 * (float)(lo - off * x.qsum_lo) + s1 * (float)(hi - off * x.qsum_hi)) -
                           (m0 * (float)x.qsum_lo + m1 * (float)x.qsum_hi));
         } else {
-            float lo = 0.0f, hi = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo += fdot4u(q[i], &x.v[4 * i]);
-                hi += fdot4u(q[4 + i], &x.v[16 + 4 * i]);
-            }
+            float lo, hi;
+            halves_float<false>(q, x, lo, hi);
             const float sum_hi = x.sum - x.sum_lo;
             return d * (s0 * (lo - off * x.sum_lo) + s1 * (hi - off * sum_hi)) - (m0 * x.sum_lo + m1 * sum_hi);
         }
@@ -635,20 +653,12 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
         float s0, s1;
         grid_chunk<T>(w, row, K, c, q, s0, s1);
         if constexpr (A != A_F32) {
-            IAcc<A> lo, hi;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo.add(q[i], x, i);
-                hi.add(q[4 + i], x, 4 + i);
-            }
-            return x.d * (s0 * (float)lo.value() + s1 * (float)hi.value());
+            int lo, hi;
+            halves_int<A>(q, x, lo, hi);
+            return x.d * (s0 * (float)lo + s1 * (float)hi);
         } else {
-            float lo = 0.0f, hi = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo += fdot4s(q[i], &x.v[4 * i]);
-                hi += fdot4s(q[4 + i], &x.v[16 + 4 * i]);
-            }
+            float lo, hi;
+            halves_float<true>(q, x, lo, hi);
             return s0 * lo + s1 * hi;
         }
     } else if constexpr (levels4_type(T)) {
@@ -691,20 +701,12 @@ static __device__ __forceinline__ float dot_chunk(const W& w, size_t row, int K,
         q6k_chunk(blk, cc, q, s0, s1);
         const float d = ld_h(w.sc + b * 2);
         if constexpr (A != A_F32) {
-            IAcc<A> lo, hi;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo.add(q[i], x, i);
-                hi.add(q[4 + i], x, 4 + i);
-            }
-            return d * x.d * (s0 * (float)(lo.value() - 32 * x.qsum_lo) + s1 * (float)(hi.value() - 32 * x.qsum_hi));
+            int lo, hi;
+            halves_int<A>(q, x, lo, hi);
+            return d * x.d * (s0 * (float)(lo - 32 * x.qsum_lo) + s1 * (float)(hi - 32 * x.qsum_hi));
         } else {
-            float lo = 0.0f, hi = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo += fdot4u(q[i], &x.v[4 * i]);
-                hi += fdot4u(q[4 + i], &x.v[16 + 4 * i]);
-            }
+            float lo, hi;
+            halves_float<false>(q, x, lo, hi);
             return d * (s0 * (lo - 32.0f * x.sum_lo) + s1 * (hi - 32.0f * (x.sum - x.sum_lo)));
         }
     }
