@@ -141,10 +141,9 @@ pub fn all_modules() -> Vec<KernelModule> {
 
 /// Options for every compile. No fast-math: the kernels must track the CPU reference.
 /// NVRTC options: `sm_XY` (a cubin) or, with `ptx`, the virtual `compute_XY` (PTX text).
-fn options(arch: (i32, i32), ptx: bool) -> Vec<String> {
-    let kind = if ptx { "compute" } else { "sm" };
+fn options(arch: (i32, i32)) -> Vec<String> {
     vec![
-        format!("--gpu-architecture={kind}_{}{}", arch.0, arch.1),
+        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
         "--std=c++17".into(),
         "-lineinfo".into(),
         // Not every module uses every helper of common.cuh.
@@ -166,19 +165,30 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 
 /// Compiles `module` for `arch` without touching the cache.
 pub fn compile_uncached(module: &KernelModule, arch: (i32, i32)) -> Result<Vec<u8>> {
-    nvrtc(module, arch, false)
+    nvrtc(module, arch, Output::Cubin).map(|c| c.cubin)
 }
 
-/// `module`'s PTX for `arch` (what tests inspect; kiln loads cubins).
-pub fn compile_ptx(module: &KernelModule, arch: (i32, i32)) -> Result<String> {
-    let ptx = nvrtc(module, arch, true)?;
-    Ok(String::from_utf8_lossy(&ptx)
-        .trim_end_matches('\0')
-        .to_string())
+/// `module` compiled for `arch`: its cubin and the PTX the compilation made on the way
+/// (what tests inspect; kiln loads cubins).
+pub fn compile_cubin_and_ptx(module: &KernelModule, arch: (i32, i32)) -> Result<Compiled> {
+    nvrtc(module, arch, Output::Both)
 }
 
-/// One NVRTC compilation: the cubin, or with `ptx` the PTX text.
-fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> {
+/// What a compilation gave: the PTX is empty when not asked for.
+#[derive(Debug, Clone, Default)]
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub ptx: String,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Output {
+    Cubin,
+    Both,
+}
+
+/// One NVRTC compilation, with what `output` asks of it.
+fn nvrtc(module: &KernelModule, arch: (i32, i32), output: Output) -> Result<Compiled> {
     use cudarc::nvrtc::{result as nv, sys};
     libs::nvrtc_status().map_err(KernelError::NoNvrtc)?;
     let arch_name = format!("sm_{}{}", arch.0, arch.1);
@@ -196,7 +206,7 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
     // The program is destroyed on every path out of this block.
     let out = (|| {
         // SAFETY: `prog` is live until destroyed below.
-        let compiled = unsafe { nv::compile_program(prog, &options(arch, ptx)) };
+        let compiled = unsafe { nv::compile_program(prog, &options(arch)) };
         // SAFETY: `prog` is live until destroyed below.
         let log = unsafe { nv::get_program_log(prog) }
             .map(|l| c_chars_to_string(&l))
@@ -204,29 +214,33 @@ fn nvrtc(module: &KernelModule, arch: (i32, i32), ptx: bool) -> Result<Vec<u8>> 
         if let Err(e) = compiled {
             return Err(fail(format!("{e:?}"), log));
         }
-        let mut size = 0usize;
-        // SAFETY: compiled successfully; size and buffer come from NVRTC.
-        let sized = if ptx {
+        let mut result = Compiled::default();
+        if output == Output::Both {
+            let mut size = 0usize;
             // SAFETY: `prog` compiled; NVRTC writes the size.
             unsafe { sys::nvrtcGetPTXSize(prog, &mut size) }
-        } else {
-            // SAFETY: `prog` compiled; NVRTC writes the size.
-            unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
-        };
-        sized
+                .result()
+                .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+            let mut ptx = vec![0u8; size];
+            // SAFETY: `ptx` holds the `size` bytes NVRTC reported for this program.
+            unsafe { sys::nvrtcGetPTX(prog, ptx.as_mut_ptr() as *mut c_char) }
+                .result()
+                .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+            result.ptx = String::from_utf8_lossy(&ptx)
+                .trim_end_matches('\0')
+                .to_string();
+        }
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled; NVRTC writes the size.
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
             .result()
             .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
-        let mut out = vec![0u8; size];
-        let got = if ptx {
-            // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
-            unsafe { sys::nvrtcGetPTX(prog, out.as_mut_ptr() as *mut c_char) }
-        } else {
-            // SAFETY: `out` holds the `size` bytes NVRTC reported for this program.
-            unsafe { sys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char) }
-        };
-        got.result()
+        result.cubin = vec![0u8; size];
+        // SAFETY: `result.cubin` holds the `size` bytes NVRTC reported for this program.
+        unsafe { sys::nvrtcGetCUBIN(prog, result.cubin.as_mut_ptr() as *mut c_char) }
+            .result()
             .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
-        Ok(out)
+        Ok(result)
     })();
     // SAFETY: created above, destroyed once.
     let _ = unsafe { nv::destroy_program(prog) };
@@ -344,7 +358,7 @@ fn cache_file(
     let nvrtc = nvrtc_version()?;
     let mut h = Sha256::new();
     h.update(module.source().as_bytes());
-    h.update(options(arch, false).join(" ").as_bytes());
+    h.update(options(arch).join(" ").as_bytes());
     h.update(format!("nvrtc {}.{} driver {driver_version}", nvrtc.0, nvrtc.1).as_bytes());
     let digest = h.finalize();
     let key: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
