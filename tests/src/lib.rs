@@ -157,12 +157,11 @@ pub fn cpu_oracle(
 /// chose different experts. A router picks each token's experts by its largest logits;
 /// where the last chosen and the first left out lie within another executor's rounding
 /// of each other (the margin: their difference over the range of the row's logits), that
-/// executor may swap one expert, and the token's logits then move by about 4e-4 in
-/// cosine a swapped layer (the oracle beside its 8-bit path on a random 64-expert model:
-/// `moe::routing_swaps_on_a_random_moe_beside_the_step_cosines`, whose steps without a
-/// swap all sat at that path's own 0.99972–0.99974). So a step gets `SWAP_COST` of slack
-/// for each layer whose margin for its token was under the tie width of the path's
-/// rounding.
+/// executor may swap one expert, and the token's logits then move by up to ~1e-3 in
+/// cosine a swapped layer (`moe::routing_swaps_on_a_random_moe_explain_the_step_cosines`
+/// holds this on the CPU; its measurements are in docs/log/2026-11-to-12.md). So a step
+/// gets `SWAP_COST` of slack for each layer whose margin for its token was under the tie
+/// width of the path's rounding.
 pub struct RoutingSlack {
     /// Layers at a near-tie for the compared row.
     pub near_ties: usize,
@@ -175,9 +174,9 @@ impl RoutingSlack {
     /// estimate (logits at cosine 0.999999 differ by 1.4e-3 of their norm, a router's by
     /// ~3e-4 of its range) that the device runs check, each slack step printing its margin.
     pub const TIE_15_BIT: f32 = 2e-3;
-    /// The same for 8-bit activations (the batched matmuls', the CPU's 8-bit path): the
-    /// CPU's swapped at margins up to 2.7e-2 (docs/log/2026-11-to-12.md); twice that for
-    /// hosts whose kernels round otherwise.
+    /// The same for 8-bit activations (the batched matmuls', the CPU's 8-bit path): about
+    /// twice the widest margin the CPU's 8-bit path swapped at (the log), for hosts whose
+    /// kernels round otherwise.
     pub const TIE_8_BIT: f32 = 5e-2;
     /// Cosine slack a near-tie layer.
     pub const SWAP_COST: f64 = 1e-3;
